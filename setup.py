@@ -1,0 +1,17 @@
+"""Package mapping: the folders cluster/, replica/, kernels/ become ditserve.cluster, ditserve.replica,
+ditserve.kernels (generic top-level names would clash with other distributions, e.g. PyPI's `kernels`)."""
+
+from setuptools import find_packages, setup
+
+ROOTS = ("cluster", "replica", "kernels")
+packages = []
+for root in ROOTS:
+    packages.append(f"ditserve.{root}")
+    packages += [f"ditserve.{root}.{sub}" for sub in find_packages(root)]
+
+setup(
+    packages=packages,
+    package_dir={f"ditserve.{root}": root for root in ROOTS},
+    package_data={"": ["*.json", "*.txt", "*.md", "*.safetensors", "*.proto", "*.yaml"]},
+    include_package_data=True,
+)
