@@ -1,0 +1,33 @@
+"""Where a kernel runs: Triton on CUDA tensors or under TRITON_INTERPRET=1, else the torch reference."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Triton runs on CUDA tensors, or anywhere when the interpreter is on (CPU tests)."""
+    if t.is_cuda:
+        return True
+    if not triton_interpret():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def block_rank(max_rank: int) -> int:
+    """Rank tile: power of two, ≥ 16 because tl.dot needs K, N ≥ 16 on the GPU."""
+    return max(16, next_pow2(max_rank))

@@ -1,0 +1,124 @@
+"""Launcher and torch custom op for the segmented LoRA expand (see kernel.py)."""
+
+from __future__ import annotations
+
+import torch
+from ditserve.kernels._dispatch import block_rank, use_triton
+from ditserve.kernels.lora_expand.reference import lora_expand_ref
+
+MAX_SLICES = 4
+
+
+def expand_config(block_r: int) -> dict[str, int]:
+    """Tile sizes by rank tile. The kernel streams y once; a 64×128 tile keeps enough programs in flight
+    to saturate HBM while the B tile ([BLOCK_R, BLOCK_N]) stays small."""
+    if block_r <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
+
+
+def column_blocks(out_slice_sizes: list[int], block_n: int) -> tuple[list[int], list[int], int]:
+    """Slice boundaries (col1..col3) and first column block of slices 1..3, padded for absent slices,
+    and the total number of column blocks."""
+    cols, blks = [], []
+    col = blk = 0
+    for n in out_slice_sizes:
+        cols.append(col)
+        blks.append(blk)
+        col += n
+        blk += -(-n // block_n)
+    cols, blks = cols[1:], blks[1:]
+    cols += [col] * (3 - len(cols))
+    blks += [blk] * (3 - len(blks))
+    return cols, blks, blk
+
+
+def _check(y, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank, sizes, bias):
+    assert y.dim() == 2 and s.dim() == 3 and b_stacked.dim() == 3, (y.shape, s.shape, b_stacked.shape)
+    assert 1 <= len(sizes) <= MAX_SLICES and len(sizes) == s.shape[0], (sizes, s.shape)
+    assert all(n > 0 for n in sizes), sizes
+    assert y.shape[1] == sum(sizes) == b_stacked.shape[1], (y.shape, sizes, b_stacked.shape)
+    assert s.shape[1] == y.shape[0] and s.dtype == torch.float32, (s.shape, s.dtype)
+    assert s.shape[2] <= b_stacked.shape[2] and s.shape[2] <= 128, (s.shape, b_stacked.shape)
+    assert b_stacked.dtype == y.dtype, (b_stacked.dtype, y.dtype)
+    for t in (token_seg, seg_start, seg_len, seg_slot, slot_rank):
+        assert t.dtype == torch.int32 and t.device == y.device, (t.dtype, t.device)
+    assert seg_scale.dtype == torch.float32 and seg_scale.shape == seg_start.shape
+    assert token_seg.shape[0] == y.shape[0], (token_seg.shape, y.shape)
+    assert seg_start.shape == seg_len.shape == seg_slot.shape
+    assert slot_rank.shape[0] == b_stacked.shape[0], (slot_rank.shape, b_stacked.shape)
+    if bias is not None:
+        assert bias.shape == (y.shape[1],) and bias.is_contiguous(), bias.shape
+
+
+def launch_lora_expand(
+    y: torch.Tensor,  # [num_tokens, sum(out_slice_sizes)] fp16/bf16/fp32, updated in place
+    s: torch.Tensor,  # [num_slices, num_tokens, rank_dim] fp32 (from lora_shrink)
+    b_stacked: torch.Tensor,  # [max_loras, sum(out_slice_sizes), max_rank], y's dtype
+    token_seg: torch.Tensor,  # [num_tokens] int32
+    seg_start: torch.Tensor,  # [num_segments] int32
+    seg_len: torch.Tensor,  # [num_segments] int32
+    seg_slot: torch.Tensor,  # [num_segments] int32, -1 = no LoRA
+    seg_scale: torch.Tensor,  # [num_segments] fp32, alpha/rank × strength
+    slot_rank: torch.Tensor,  # [max_loras] int32
+    out_slice_sizes: list[int],  # 1..4 output slices, slice j pairs with s[j]
+    accumulate: bool = True,  # False: y = delta + bias, every element written
+    bias: torch.Tensor | None = None,  # [sum(out_slice_sizes)], y's dtype
+    config: dict[str, int] | None = None,  # tile override (benchmarks)
+) -> None:
+    from ditserve.kernels.lora_expand.kernel import _lora_expand_kernel
+
+    _check(
+        y, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank, out_slice_sizes, bias
+    )
+    num_tokens, rank_dim = y.shape[0], s.shape[2]
+    if num_tokens == 0:
+        return
+    if rank_dim == 0:
+        if not accumulate:
+            y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
+        return
+    block_r = block_rank(rank_dim)
+    cfg = config or expand_config(block_r)
+    cols, blks, num_col_blocks = column_blocks(out_slice_sizes, cfg["BLOCK_N"])
+    grid = (num_col_blocks, -(-num_tokens // cfg["BLOCK_M"]))
+    _lora_expand_kernel[grid](
+        y, s, b_stacked, bias if bias is not None else y,
+        token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
+        num_tokens, rank_dim, *cols, y.shape[1], *blks,
+        y.stride(0), y.stride(1), s.stride(0), s.stride(1), s.stride(2),
+        b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2),
+        BLOCK_R=block_r, ACCUMULATE=accumulate, HAS_BIAS=bias is not None,
+        PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
+        **cfg,
+    )  # fmt: skip
+
+
+@torch.library.custom_op("ditserve::lora_expand", mutates_args=("y",))
+def lora_expand_op(
+    y: torch.Tensor,
+    s: torch.Tensor,
+    b_stacked: torch.Tensor,
+    token_seg: torch.Tensor,
+    seg_start: torch.Tensor,
+    seg_len: torch.Tensor,
+    seg_slot: torch.Tensor,
+    seg_scale: torch.Tensor,
+    slot_rank: torch.Tensor,
+    out_slice_sizes: list[int],
+    accumulate: bool = True,
+    bias: torch.Tensor | None = None,
+) -> None:
+    """Segmented expand into y (in place); Triton on CUDA (or TRITON_INTERPRET=1), else the reference."""
+    args = (y, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank, out_slice_sizes)
+    if use_triton(y):
+        launch_lora_expand(*args, accumulate=accumulate, bias=bias)
+    else:
+        lora_expand_ref(y, s, b_stacked, seg_start, seg_len, seg_slot, seg_scale, slot_rank, out_slice_sizes,
+                        accumulate=accumulate, bias=bias)  # fmt: skip
+
+
+@lora_expand_op.register_fake
+def _(y, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank, out_slice_sizes,
+      accumulate=True, bias=None):  # fmt: skip
+    return None

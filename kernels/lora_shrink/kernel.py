@@ -1,0 +1,99 @@
+"""Segmented LoRA shrink: s[j, t, :rank] = x[t] · A[j, slot(t), :rank]ᵀ for up to 4 slices j at once.
+
+One program owns BLOCK_M consecutive tokens and loops over the segments that touch them (usually one),
+so the grid is cdiv(num_tokens, BLOCK_M) whatever the mix of request lengths. Rows of other segments are
+masked to zero on load, which moves no bytes, so every segment's contribution lands in one accumulator
+per slice and the tile is stored once. x is read once for all slices (the x tile stays in registers while
+each slice's A tile is multiplied into its own accumulator).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr,  # [num_tokens, hidden]
+    a_ptr,  # [num_slices, max_loras, max_rank, hidden]
+    s_ptr,  # [num_slices, num_tokens, rank_dim] fp32
+    token_seg_ptr,  # [num_tokens] int32
+    seg_start_ptr,  # [num_segments] int32
+    seg_len_ptr,  # [num_segments] int32
+    seg_slot_ptr,  # [num_segments] int32
+    slot_rank_ptr,  # [max_loras] int32
+    num_tokens,
+    hidden,
+    rank_dim,
+    stride_xt,
+    stride_xh,
+    stride_as,
+    stride_al,
+    stride_ar,
+    stride_ah,
+    stride_ss,
+    stride_st,
+    stride_sr,
+    NUM_SLICES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_R)
+    seg_lo = tl.load(token_seg_ptr + m0)
+    seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
+
+    acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for seg in range(seg_lo, seg_hi + 1):
+        slot = tl.load(seg_slot_ptr + seg)
+        rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
+        rank = tl.where(slot >= 0, rank, 0)
+        start = tl.load(seg_start_ptr + seg)
+        end = start + tl.load(seg_len_ptr + seg)
+        row_mask = (offs_m >= start) & (offs_m < end)
+        r_mask = offs_r < rank
+        # rank 0 / no LoRA: zero trips, nothing is loaded
+        k_iters = tl.where(rank > 0, tl.cdiv(hidden, BLOCK_K), 0)
+        x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xt + offs_k[None, :] * stride_xh
+        # A tile is [BLOCK_K, BLOCK_R]: the transpose of A[slot]'s [rank, hidden] rows
+        a_ptrs = (
+            a_ptr
+            + tl.maximum(slot, 0).to(tl.int64) * stride_al
+            + offs_r[None, :] * stride_ar
+            + offs_k[:, None] * stride_ah
+        )
+        for ki in range(k_iters):
+            k_mask = offs_k + ki * BLOCK_K < hidden
+            x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            a_mask = k_mask[:, None] & r_mask[None, :]
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            acc0 = tl.dot(x, a, acc0, input_precision=PRECISION)
+            if NUM_SLICES > 1:
+                a = tl.load(a_ptrs + stride_as, mask=a_mask, other=0.0)
+                acc1 = tl.dot(x, a, acc1, input_precision=PRECISION)
+            if NUM_SLICES > 2:
+                a = tl.load(a_ptrs + 2 * stride_as, mask=a_mask, other=0.0)
+                acc2 = tl.dot(x, a, acc2, input_precision=PRECISION)
+            if NUM_SLICES > 3:
+                a = tl.load(a_ptrs + 3 * stride_as, mask=a_mask, other=0.0)
+                acc3 = tl.dot(x, a, acc3, input_precision=PRECISION)
+            x_ptrs += BLOCK_K * stride_xh
+            a_ptrs += BLOCK_K * stride_ah
+
+    # every row of the tile is written: zeros where no LoRA applies or r >= rank
+    s_ptrs = s_ptr + offs_m.to(tl.int64)[:, None] * stride_st + offs_r[None, :] * stride_sr
+    s_mask = (offs_m < num_tokens)[:, None] & (offs_r < rank_dim)[None, :]
+    tl.store(s_ptrs, acc0, mask=s_mask)
+    if NUM_SLICES > 1:
+        tl.store(s_ptrs + stride_ss, acc1, mask=s_mask)
+    if NUM_SLICES > 2:
+        tl.store(s_ptrs + 2 * stride_ss, acc2, mask=s_mask)
+    if NUM_SLICES > 3:
+        tl.store(s_ptrs + 3 * stride_ss, acc3, mask=s_mask)

@@ -1,0 +1,95 @@
+"""Launcher and torch custom op for the segmented LoRA shrink (see kernel.py)."""
+
+from __future__ import annotations
+
+import torch
+from ditserve.kernels._dispatch import block_rank, use_triton
+from ditserve.kernels.lora_shrink.reference import lora_shrink_ref
+
+MAX_SLICES = 4
+
+
+def shrink_config(num_slices: int, block_r: int) -> dict[str, int]:
+    """Tile sizes by (slices, rank tile). The fp32 accumulators (num_slices × BLOCK_M × BLOCK_R) are
+    held to ≤ 32K elements (128 KB of registers over 8 warps); a larger BLOCK_M cuts the L2 re-reads
+    of A, which every M tile streams again."""
+    width = num_slices * block_r
+    if width <= 64:
+        return dict(BLOCK_M=128, BLOCK_K=64, num_warps=4, num_stages=4)
+    if width <= 256:
+        return dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+def _check(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, slot_rank, rank_dim):
+    assert x.dim() == 2 and a_stacked.dim() == 4, (x.shape, a_stacked.shape)
+    assert x.dtype == a_stacked.dtype, (x.dtype, a_stacked.dtype)
+    assert x.shape[1] == a_stacked.shape[3], f"hidden {x.shape[1]} != A hidden {a_stacked.shape[3]}"
+    assert 1 <= a_stacked.shape[0] <= MAX_SLICES, f"{a_stacked.shape[0]} slices; split into groups of 4"
+    assert 0 <= rank_dim <= a_stacked.shape[2] and rank_dim <= 128, (rank_dim, a_stacked.shape)
+    assert a_stacked.stride(3) == 1 and x.stride(1) == 1, "hidden dim must be contiguous"
+    for t in (token_seg, seg_start, seg_len, seg_slot, slot_rank):
+        assert t.dtype == torch.int32 and t.device == x.device, (t.dtype, t.device)
+    assert token_seg.shape[0] == x.shape[0], (token_seg.shape, x.shape)
+    assert seg_start.shape == seg_len.shape == seg_slot.shape
+    assert slot_rank.shape[0] == a_stacked.shape[1], (slot_rank.shape, a_stacked.shape)
+
+
+def launch_lora_shrink(
+    x: torch.Tensor,  # [num_tokens, hidden] fp16/bf16/fp32, hidden contiguous
+    a_stacked: torch.Tensor,  # [num_slices ≤ 4, max_loras, max_rank, hidden], same dtype as x
+    token_seg: torch.Tensor,  # [num_tokens] int32
+    seg_start: torch.Tensor,  # [num_segments] int32
+    seg_len: torch.Tensor,  # [num_segments] int32
+    seg_slot: torch.Tensor,  # [num_segments] int32, -1 = no LoRA
+    slot_rank: torch.Tensor,  # [max_loras] int32
+    rank_dim: int,  # columns of the output = largest rank in the batch
+    config: dict[str, int] | None = None,  # tile override (benchmarks)
+) -> torch.Tensor:  # [num_slices, num_tokens, rank_dim] fp32
+    from ditserve.kernels.lora_shrink.kernel import _lora_shrink_kernel
+
+    _check(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, slot_rank, rank_dim)
+    num_slices, num_tokens = a_stacked.shape[0], x.shape[0]
+    s = torch.empty(num_slices, num_tokens, rank_dim, dtype=torch.float32, device=x.device)
+    if num_tokens == 0 or rank_dim == 0:
+        return s.zero_()
+    block_r = block_rank(rank_dim)
+    cfg = config or shrink_config(num_slices, block_r)
+    grid = (triton_cdiv(num_tokens, cfg["BLOCK_M"]),)
+    _lora_shrink_kernel[grid](
+        x, a_stacked, s, token_seg, seg_start, seg_len, seg_slot, slot_rank,
+        num_tokens, x.shape[1], rank_dim,
+        x.stride(0), x.stride(1),
+        a_stacked.stride(0), a_stacked.stride(1), a_stacked.stride(2), a_stacked.stride(3),
+        s.stride(0), s.stride(1), s.stride(2),
+        NUM_SLICES=num_slices, BLOCK_R=block_r,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        **cfg,
+    )  # fmt: skip
+    return s
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@torch.library.custom_op("ditserve::lora_shrink", mutates_args=())
+def lora_shrink_op(
+    x: torch.Tensor,
+    a_stacked: torch.Tensor,
+    token_seg: torch.Tensor,
+    seg_start: torch.Tensor,
+    seg_len: torch.Tensor,
+    seg_slot: torch.Tensor,
+    slot_rank: torch.Tensor,
+    rank_dim: int,
+) -> torch.Tensor:
+    """Segmented shrink; Triton on CUDA (or TRITON_INTERPRET=1), else the torch reference."""
+    if use_triton(x):
+        return launch_lora_shrink(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, slot_rank, rank_dim)
+    return lora_shrink_ref(x, a_stacked, seg_start, seg_len, seg_slot, slot_rank, rank_dim)
+
+
+@lora_shrink_op.register_fake
+def _(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, slot_rank, rank_dim):
+    return x.new_empty((a_stacked.shape[0], x.shape[0], rank_dim), dtype=torch.float32)
