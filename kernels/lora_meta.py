@@ -45,7 +45,7 @@ class LoRABatchMeta:
     Tensors (all on one device, int32 unless noted):
       seg_start [num_segments]      first token of each segment
       seg_len   [num_segments]      tokens in each segment (0 allowed)
-      seg_slot  [num_segments]      adapter slot, -1 = no LoRA (also set where the slot's rank is 0)
+      seg_slot  [num_segments]      adapter slot, -1 = no LoRA (also where the rank is 0 or len is 0)
       seg_scale [num_segments] fp32 alpha / rank × strength of that request
       token_seg [num_tokens]        segment of each token (never an empty segment)
       slot_rank [max_loras]         rank of each slot (0 = empty slot)
@@ -111,8 +111,8 @@ class LoRABatchMeta:
                 raise ValueError(f"request {i}: num_tokens={n} < 0")
             if slot >= num_loras or slot < -1:
                 raise ValueError(f"request {i}: slot {slot} not in [-1, {num_loras})")
-            # a slot of rank 0 is the same as no LoRA: the kernels then need one test, not two
-            active = slot >= 0 and slot_ranks[slot] > 0
+            # a slot of rank 0 (or an empty request) is the same as no LoRA: the kernels test one thing
+            active = slot >= 0 and slot_ranks[slot] > 0 and n > 0
             starts.append(pos)
             lens.append(n)
             slots.append(slot if active else -1)

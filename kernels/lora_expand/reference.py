@@ -32,5 +32,5 @@ def lora_expand_ref(
         rows = slice(start, start + n)
         for j in range(len(out_slice_sizes)):
             cols = slice(offsets[j], offsets[j + 1])
-            delta = scale * s[j, rows, :r] @ b_stacked[slot, cols, :r].float().T
-            y[rows, cols] = (y[rows, cols].float() + delta).to(y.dtype)
+            delta = scale * s[j, rows, :r] @ b_stacked[slot, cols, :r].to(s.dtype).T
+            y[rows, cols] = (y[rows, cols].to(s.dtype) + delta).to(y.dtype)

@@ -1,0 +1,76 @@
+"""Chunked SGMV LoRA expand: y[t, cols_j] += scale(t) · s[j, t, :rank] · B[slot, cols_j, :rank]ᵀ.
+
+Grid: (column blocks over all output slices, chunks). A chunk holds one slot, so the program loads its
+B tile once and reuses it for every BLOCK_M sub-block of the chunk; y and s rows are gathered and
+scattered by token id. Chunks without LoRA return at once.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _lora_expand_sgmv_kernel(
+    y_ptr,  # [num_tokens, n_total]
+    s_ptr,  # [num_slices, num_tokens, rank_dim] fp32
+    b_ptr,  # [max_loras, n_total, max_rank]
+    sorted_ids_ptr,  # [num_tokens] int32
+    token_scale_ptr,  # [num_tokens] fp32
+    chunk_slot_ptr,  # [num_chunks] int32
+    chunk_start_ptr,  # [num_chunks] int32
+    chunk_len_ptr,  # [num_chunks] int32
+    slot_rank_ptr,  # [max_loras] int32
+    col1,  # first column of slice 1 (= n_total when absent), likewise col2, col3
+    col2,
+    col3,
+    n_total,
+    blk1,  # first column block of slice 1 (= number of blocks when absent), likewise blk2, blk3
+    blk2,
+    blk3,
+    stride_yt,
+    stride_yn,
+    stride_ss,
+    stride_st,
+    stride_sr,
+    stride_bl,
+    stride_bn,
+    stride_br,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    chunk = tl.program_id(1)
+    slot = tl.load(chunk_slot_ptr + chunk)
+    rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
+    rank = tl.where(slot >= 0, rank, 0)
+    if rank == 0:
+        return
+    start = tl.load(chunk_start_ptr + chunk)
+    length = tl.load(chunk_len_ptr + chunk)
+
+    j = (pid_n >= blk1).to(tl.int32) + (pid_n >= blk2).to(tl.int32) + (pid_n >= blk3).to(tl.int32)
+    col_lo = tl.where(j == 0, 0, tl.where(j == 1, col1, tl.where(j == 2, col2, col3)))
+    col_hi = tl.where(j == 0, col1, tl.where(j == 1, col2, tl.where(j == 2, col3, n_total)))
+    blk_lo = tl.where(j == 0, 0, tl.where(j == 1, blk1, tl.where(j == 2, blk2, blk3)))
+    offs_n = col_lo + (pid_n - blk_lo) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < col_hi
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br
+    b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+
+    for m0 in range(0, length, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        row_mask = offs_m < length
+        tok = tl.load(sorted_ids_ptr + start + offs_m, mask=row_mask, other=0)
+        scale = tl.load(token_scale_ptr + tok, mask=row_mask, other=0.0)
+        tok = tok.to(tl.int64)
+        s_ptrs = s_ptr + j * stride_ss + tok[:, None] * stride_st + offs_r[None, :] * stride_sr
+        s = tl.load(s_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+        acc = tl.dot((s * scale[:, None]).to(b.dtype), b, input_precision=PRECISION)
+        y_ptrs = y_ptr + tok[:, None] * stride_yt + offs_n[None, :] * stride_yn
+        y_mask = row_mask[:, None] & n_mask[None, :]
+        acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)

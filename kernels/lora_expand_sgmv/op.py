@@ -1,0 +1,94 @@
+"""Launcher and torch custom op for the chunked SGMV LoRA expand (see kernel.py)."""
+
+from __future__ import annotations
+
+import torch
+from ditserve.kernels._dispatch import block_rank, use_triton
+from ditserve.kernels.lora_expand.op import MAX_SLICES, column_blocks, expand_config
+from ditserve.kernels.lora_expand_sgmv.reference import lora_expand_sgmv_ref
+
+
+def expand_sgmv_config(block_r: int, chunk_size: int) -> dict[str, int]:
+    """The segmented expand's tiles, BLOCK_M capped at the chunk size."""
+    cfg = dict(expand_config(block_r))
+    cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], chunk_size))
+    return cfg
+
+
+def launch_lora_expand_sgmv(
+    y: torch.Tensor,  # [num_tokens, sum(out_slice_sizes)] fp16/bf16/fp32, updated in place
+    s: torch.Tensor,  # [num_slices, num_tokens, rank_dim] fp32
+    b_stacked: torch.Tensor,  # [max_loras, sum(out_slice_sizes), max_rank], y's dtype
+    sorted_token_ids: torch.Tensor,  # [num_tokens] int32
+    token_scale: torch.Tensor,  # [num_tokens] fp32, alpha/rank × strength of each token's request
+    chunk_slot: torch.Tensor,  # [num_chunks] int32, -1 = no LoRA
+    chunk_start: torch.Tensor,  # [num_chunks] int32, into sorted_token_ids
+    chunk_len: torch.Tensor,  # [num_chunks] int32, 1..chunk_size
+    slot_rank: torch.Tensor,  # [max_loras] int32
+    out_slice_sizes: list[int],  # 1..4 output slices, slice j pairs with s[j]
+    chunk_size: int,  # longest chunk
+    config: dict[str, int] | None = None,  # tile override (benchmarks)
+) -> None:
+    from ditserve.kernels.lora_expand_sgmv.kernel import _lora_expand_sgmv_kernel
+
+    assert y.dim() == 2 and s.dim() == 3 and b_stacked.dim() == 3, (y.shape, s.shape, b_stacked.shape)
+    assert 1 <= len(out_slice_sizes) <= MAX_SLICES and len(out_slice_sizes) == s.shape[0]
+    assert all(n > 0 for n in out_slice_sizes), out_slice_sizes
+    assert y.shape[1] == sum(out_slice_sizes) == b_stacked.shape[1], (
+        y.shape,
+        out_slice_sizes,
+        b_stacked.shape,
+    )
+    assert (
+        s.shape[1] == y.shape[0] and s.dtype == torch.float32 and s.shape[2] <= min(b_stacked.shape[2], 128)
+    )
+    assert b_stacked.dtype == y.dtype, (b_stacked.dtype, y.dtype)
+    for t in (sorted_token_ids, chunk_slot, chunk_start, chunk_len, slot_rank):
+        assert t.dtype == torch.int32 and t.device == y.device, (t.dtype, t.device)
+    assert token_scale.dtype == torch.float32 and token_scale.shape[0] == y.shape[0]
+    assert (
+        sorted_token_ids.shape[0] == y.shape[0] and chunk_slot.shape == chunk_start.shape == chunk_len.shape
+    )
+    assert slot_rank.shape[0] == b_stacked.shape[0] and chunk_size >= 1
+    num_chunks, rank_dim = chunk_slot.shape[0], s.shape[2]
+    if y.shape[0] == 0 or rank_dim == 0 or num_chunks == 0:
+        return
+    block_r = block_rank(rank_dim)
+    cfg = config or expand_sgmv_config(block_r, chunk_size)
+    cols, blks, num_col_blocks = column_blocks(out_slice_sizes, cfg["BLOCK_N"])
+    _lora_expand_sgmv_kernel[(num_col_blocks, num_chunks)](
+        y, s, b_stacked, sorted_token_ids, token_scale, chunk_slot, chunk_start, chunk_len, slot_rank,
+        *cols, y.shape[1], *blks,
+        y.stride(0), y.stride(1), s.stride(0), s.stride(1), s.stride(2),
+        b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2),
+        BLOCK_R=block_r, PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
+        **cfg,
+    )  # fmt: skip
+
+
+@torch.library.custom_op("ditserve::lora_expand_sgmv", mutates_args=("y",))
+def lora_expand_sgmv_op(
+    y: torch.Tensor,
+    s: torch.Tensor,
+    b_stacked: torch.Tensor,
+    sorted_token_ids: torch.Tensor,
+    token_scale: torch.Tensor,
+    chunk_slot: torch.Tensor,
+    chunk_start: torch.Tensor,
+    chunk_len: torch.Tensor,
+    slot_rank: torch.Tensor,
+    out_slice_sizes: list[int],
+    chunk_size: int,
+) -> None:
+    """Chunked SGMV expand into y (in place); Triton on CUDA (or TRITON_INTERPRET=1), else the reference."""
+    args = (y, s, b_stacked, sorted_token_ids, token_scale, chunk_slot, chunk_start, chunk_len, slot_rank)
+    if use_triton(y):
+        launch_lora_expand_sgmv(*args, out_slice_sizes, chunk_size)
+    else:
+        lora_expand_sgmv_ref(*args, out_slice_sizes)
+
+
+@lora_expand_sgmv_op.register_fake
+def _(y, s, b_stacked, sorted_token_ids, token_scale, chunk_slot, chunk_start, chunk_len, slot_rank,
+      out_slice_sizes, chunk_size):  # fmt: skip
+    return None

@@ -1,0 +1,91 @@
+"""Chunked SGMV LoRA shrink: tokens grouped by adapter through a permutation, one program per chunk.
+
+A chunk is ≤ chunk_size tokens of one slot (LoRABatchMeta.sorted_token_ids[chunk_start : +chunk_len]).
+The program walks its chunk in BLOCK_M sub-blocks, gathering x rows by token id and scattering s rows
+back, so requests that share an adapter share chunks and a skewed mix still yields evenly sized work.
+Chunks of no-LoRA tokens (slot -1) only write zeros.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _lora_shrink_sgmv_kernel(
+    x_ptr,  # [num_tokens, hidden]
+    a_ptr,  # [num_slices, max_loras, max_rank, hidden]
+    s_ptr,  # [num_slices, num_tokens, rank_dim] fp32
+    sorted_ids_ptr,  # [num_tokens] int32
+    chunk_slot_ptr,  # [num_chunks] int32
+    chunk_start_ptr,  # [num_chunks] int32
+    chunk_len_ptr,  # [num_chunks] int32
+    slot_rank_ptr,  # [max_loras] int32
+    hidden,
+    rank_dim,
+    stride_xt,
+    stride_xh,
+    stride_as,
+    stride_al,
+    stride_ar,
+    stride_ah,
+    stride_ss,
+    stride_st,
+    stride_sr,
+    NUM_SLICES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    slot = tl.load(chunk_slot_ptr + chunk)
+    start = tl.load(chunk_start_ptr + chunk)
+    length = tl.load(chunk_len_ptr + chunk)
+    rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
+    rank = tl.where(slot >= 0, rank, 0)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    k_iters = tl.where(rank > 0, tl.cdiv(hidden, BLOCK_K), 0)
+    a_base = (
+        a_ptr
+        + tl.maximum(slot, 0).to(tl.int64) * stride_al
+        + offs_r[None, :] * stride_ar
+        + offs_k[:, None] * stride_ah
+    )
+    for m0 in range(0, length, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        row_mask = offs_m < length
+        tok = tl.load(sorted_ids_ptr + start + offs_m, mask=row_mask, other=0).to(tl.int64)
+        acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
+        a_ptrs = a_base
+        for ki in range(k_iters):
+            k_mask = offs_k + ki * BLOCK_K < hidden
+            x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            a_mask = k_mask[:, None] & r_mask[None, :]
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            acc0 = tl.dot(x, a, acc0, input_precision=PRECISION)
+            if NUM_SLICES > 1:
+                a = tl.load(a_ptrs + stride_as, mask=a_mask, other=0.0)
+                acc1 = tl.dot(x, a, acc1, input_precision=PRECISION)
+            if NUM_SLICES > 2:
+                a = tl.load(a_ptrs + 2 * stride_as, mask=a_mask, other=0.0)
+                acc2 = tl.dot(x, a, acc2, input_precision=PRECISION)
+            if NUM_SLICES > 3:
+                a = tl.load(a_ptrs + 3 * stride_as, mask=a_mask, other=0.0)
+                acc3 = tl.dot(x, a, acc3, input_precision=PRECISION)
+            x_ptrs += BLOCK_K * stride_xh
+            a_ptrs += BLOCK_K * stride_ah
+        s_ptrs = s_ptr + tok[:, None] * stride_st + offs_r[None, :] * stride_sr
+        s_mask = row_mask[:, None] & (offs_r < rank_dim)[None, :]
+        tl.store(s_ptrs, acc0, mask=s_mask)
+        if NUM_SLICES > 1:
+            tl.store(s_ptrs + stride_ss, acc1, mask=s_mask)
+        if NUM_SLICES > 2:
+            tl.store(s_ptrs + 2 * stride_ss, acc2, mask=s_mask)
+        if NUM_SLICES > 3:
+            tl.store(s_ptrs + 3 * stride_ss, acc3, mask=s_mask)

@@ -1,0 +1,92 @@
+"""Launcher and torch custom op for the chunked SGMV LoRA shrink (see kernel.py)."""
+
+from __future__ import annotations
+
+import torch
+from ditserve.kernels._dispatch import block_rank, use_triton
+from ditserve.kernels.lora_shrink.op import MAX_SLICES, shrink_config
+from ditserve.kernels.lora_shrink_sgmv.reference import lora_shrink_sgmv_ref
+
+
+def shrink_sgmv_config(num_slices: int, block_r: int, chunk_size: int) -> dict[str, int]:
+    """The segmented shrink's tiles, BLOCK_M capped at the chunk size (a chunk is walked in sub-blocks)."""
+    cfg = dict(shrink_config(num_slices, block_r))
+    cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], chunk_size))
+    return cfg
+
+
+def launch_lora_shrink_sgmv(
+    x: torch.Tensor,  # [num_tokens, hidden] fp16/bf16/fp32, hidden contiguous
+    a_stacked: torch.Tensor,  # [num_slices ≤ 4, max_loras, max_rank, hidden], same dtype as x
+    sorted_token_ids: torch.Tensor,  # [num_tokens] int32, a permutation of range(num_tokens)
+    chunk_slot: torch.Tensor,  # [num_chunks] int32, -1 = no LoRA
+    chunk_start: torch.Tensor,  # [num_chunks] int32, into sorted_token_ids
+    chunk_len: torch.Tensor,  # [num_chunks] int32, 1..chunk_size
+    slot_rank: torch.Tensor,  # [max_loras] int32
+    rank_dim: int,  # columns of the output = largest rank in the batch
+    chunk_size: int,  # longest chunk
+    config: dict[str, int] | None = None,  # tile override (benchmarks)
+) -> torch.Tensor:  # [num_slices, num_tokens, rank_dim] fp32
+    from ditserve.kernels.lora_shrink_sgmv.kernel import _lora_shrink_sgmv_kernel
+
+    assert x.dim() == 2 and a_stacked.dim() == 4 and x.dtype == a_stacked.dtype, (x.shape, a_stacked.shape)
+    assert x.shape[1] == a_stacked.shape[3] and x.stride(1) == 1 and a_stacked.stride(3) == 1
+    assert 1 <= a_stacked.shape[0] <= MAX_SLICES, a_stacked.shape
+    assert 0 <= rank_dim <= min(a_stacked.shape[2], 128), (rank_dim, a_stacked.shape)
+    for t in (sorted_token_ids, chunk_slot, chunk_start, chunk_len, slot_rank):
+        assert t.dtype == torch.int32 and t.device == x.device, (t.dtype, t.device)
+    assert sorted_token_ids.shape[0] == x.shape[0], (sorted_token_ids.shape, x.shape)
+    assert chunk_slot.shape == chunk_start.shape == chunk_len.shape and chunk_size >= 1
+    assert slot_rank.shape[0] == a_stacked.shape[1]
+    num_slices, num_tokens, num_chunks = a_stacked.shape[0], x.shape[0], chunk_slot.shape[0]
+    s = torch.empty(num_slices, num_tokens, rank_dim, dtype=torch.float32, device=x.device)
+    if num_tokens == 0 or rank_dim == 0 or num_chunks == 0:
+        return s.zero_()
+    block_r = block_rank(rank_dim)
+    cfg = config or shrink_sgmv_config(num_slices, block_r, chunk_size)
+    _lora_shrink_sgmv_kernel[(num_chunks,)](
+        x, a_stacked, s, sorted_token_ids, chunk_slot, chunk_start, chunk_len, slot_rank,
+        x.shape[1], rank_dim,
+        x.stride(0), x.stride(1),
+        a_stacked.stride(0), a_stacked.stride(1), a_stacked.stride(2), a_stacked.stride(3),
+        s.stride(0), s.stride(1), s.stride(2),
+        NUM_SLICES=num_slices, BLOCK_R=block_r,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        **cfg,
+    )  # fmt: skip
+    return s
+
+
+@torch.library.custom_op("ditserve::lora_shrink_sgmv", mutates_args=())
+def lora_shrink_sgmv_op(
+    x: torch.Tensor,
+    a_stacked: torch.Tensor,
+    sorted_token_ids: torch.Tensor,
+    chunk_slot: torch.Tensor,
+    chunk_start: torch.Tensor,
+    chunk_len: torch.Tensor,
+    slot_rank: torch.Tensor,
+    rank_dim: int,
+    chunk_size: int,
+) -> torch.Tensor:
+    """Chunked SGMV shrink; Triton on CUDA (or TRITON_INTERPRET=1), else the torch reference."""
+    if use_triton(x):
+        return launch_lora_shrink_sgmv(
+            x,
+            a_stacked,
+            sorted_token_ids,
+            chunk_slot,
+            chunk_start,
+            chunk_len,
+            slot_rank,
+            rank_dim,
+            chunk_size,
+        )
+    return lora_shrink_sgmv_ref(
+        x, a_stacked, sorted_token_ids, chunk_slot, chunk_start, chunk_len, slot_rank, rank_dim
+    )
+
+
+@lora_shrink_sgmv_op.register_fake
+def _(x, a_stacked, sorted_token_ids, chunk_slot, chunk_start, chunk_len, slot_rank, rank_dim, chunk_size):
+    return x.new_empty((a_stacked.shape[0], x.shape[0], rank_dim), dtype=torch.float32)

@@ -1,0 +1,88 @@
+"""Random multi-LoRA batches for the kernel tests: segment layouts, slot ranks, weights."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from ditserve.kernels.lora_meta import LoRABatchMeta
+from hypothesis import strategies as st
+
+MAX_LORAS = 4
+MAX_RANK = 32
+
+
+@dataclasses.dataclass
+class Case:
+    meta: LoRABatchMeta
+    x: torch.Tensor  # [num_tokens, hidden]
+    a: torch.Tensor  # [num_slices, MAX_LORAS, MAX_RANK, hidden]
+    b: torch.Tensor  # [MAX_LORAS, sum(sizes), MAX_RANK]
+    y: torch.Tensor  # [num_tokens, sum(sizes)]
+    sizes: list[int]
+
+
+# token counts: empty and 1-token segments are common, a few longer than a 16..128 tile
+token_counts = st.one_of(st.sampled_from([0, 1, 1, 2, 17]), st.integers(0, 150))
+
+
+@st.composite
+def layouts(draw, max_requests: int = 6):
+    """(requests, slot_ranks, scales): rank 0 slots, mixed ranks, slot -1, repeated slots."""
+    ranks = draw(st.lists(st.sampled_from([0, 1, 4, 8, 13, 16, 32]), min_size=MAX_LORAS, max_size=MAX_LORAS))
+    requests = draw(
+        st.lists(st.tuples(token_counts, st.integers(-1, MAX_LORAS - 1)), min_size=1, max_size=max_requests)
+    )
+    scales = draw(
+        st.lists(st.sampled_from([0.5, 1.0, 2.0, -0.75]), min_size=len(requests), max_size=len(requests))
+    )
+    return requests, ranks, scales
+
+
+def make_case(
+    layout,
+    num_slices: int,
+    sizes: list[int],
+    hidden: int,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    seed: int = 0,
+    chunk_size: int | None = None,
+    max_rank: int = MAX_RANK,
+) -> Case:
+    requests, ranks, scales = layout
+    meta = LoRABatchMeta.build(requests, ranks, scales, device=device, chunk_size=chunk_size)
+    g = torch.Generator().manual_seed(seed)
+    t = meta.num_tokens
+
+    def rnd(*shape, std=1.0):
+        return (torch.randn(*shape, generator=g) * std).to(device=device, dtype=dtype)
+
+    x = rnd(t, hidden)
+    a = rnd(num_slices, MAX_LORAS, max_rank, hidden, std=hidden**-0.5)
+    b = rnd(MAX_LORAS, sum(sizes), max_rank, std=max_rank**-0.5)
+    y = rnd(t, sum(sizes))
+    return Case(meta, x, a, b, y, sizes)
+
+
+def dense_oracle(case: Case) -> torch.Tensor:
+    """Token by token, in fp64: y + scale · (x · Aᵀ) · Bᵀ for the token's slot."""
+    m = case.meta
+    ranks = m.slot_rank.tolist()
+    seg_of = m.token_seg.tolist()
+    slots, scales = m.seg_slot.tolist(), m.seg_scale.tolist()
+    out = case.y.double().clone()
+    offsets = [0]
+    for n in case.sizes:
+        offsets.append(offsets[-1] + n)
+    for t in range(m.num_tokens):
+        slot = slots[seg_of[t]]
+        if slot < 0 or ranks[slot] == 0:
+            continue
+        r = ranks[slot]
+        for j in range(len(case.sizes)):
+            low = case.x[t].double() @ case.a[j, slot, :r].double().T
+            out[t, offsets[j] : offsets[j + 1]] += scales[seg_of[t]] * (
+                case.b[slot, offsets[j] : offsets[j + 1], :r].double() @ low
+            )
+    return out

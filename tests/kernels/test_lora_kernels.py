@@ -1,0 +1,257 @@
+"""LoRA shrink/expand kernels (segmented and chunked SGMV) against their torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ditserve.kernels import LoRABatchMeta, apply_lora, choose_chunk_size, lora_linear, lora_shrink
+from ditserve.kernels.lora_expand.op import launch_lora_expand
+from ditserve.kernels.lora_expand.reference import lora_expand_ref
+from ditserve.kernels.lora_expand_sgmv.op import launch_lora_expand_sgmv
+from ditserve.kernels.lora_expand_sgmv.reference import lora_expand_sgmv_ref
+from ditserve.kernels.lora_shrink.op import launch_lora_shrink
+from ditserve.kernels.lora_shrink.reference import lora_shrink_ref
+from ditserve.kernels.lora_shrink_sgmv.op import launch_lora_shrink_sgmv
+from ditserve.kernels.lora_shrink_sgmv.reference import lora_shrink_sgmv_ref
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.kernels.lora_cases import dense_oracle, layouts, make_case
+
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-2, rtol=2e-2)}
+dtypes = st.sampled_from([torch.float32, torch.float16])
+hiddens = st.sampled_from([32, 48, 96])
+# small tiles make segments straddle tile edges; None = the launcher's own config
+shrink_cfgs = st.sampled_from([None, dict(BLOCK_M=16, BLOCK_K=16, num_warps=4, num_stages=1)])
+expand_cfgs = st.sampled_from([None, dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)])
+
+
+@st.composite
+def out_slices(draw):
+    """1..4 output slices of unequal, odd sizes (a column block never straddles two)."""
+    return draw(st.lists(st.sampled_from([8, 16, 24, 40, 17, 70]), min_size=1, max_size=4))
+
+
+def shrink_args(c):
+    m = c.meta
+    return c.x, c.a, m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank
+
+
+# --- metadata ---------------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(layouts(max_requests=10), st.sampled_from([None, 16, 32]))
+def test_meta_build_is_consistent(layout, chunk_size):
+    requests, ranks, scales = layout
+    m = LoRABatchMeta.build(requests, ranks, scales, chunk_size=chunk_size)
+    assert m.num_tokens == sum(n for n, _ in requests) == m.token_seg.shape[0]
+    assert sorted(m.sorted_token_ids.tolist()) == list(range(m.num_tokens))
+    active = [s if s >= 0 and ranks[s] > 0 and n > 0 else -1 for n, s in requests]
+    assert m.seg_slot.tolist() == active
+    assert m.max_rank == max((ranks[s] for s in active if s >= 0), default=0)
+    seg_of = m.token_seg.tolist()
+    ids = m.sorted_token_ids.tolist()
+    covered = []
+    for slot, start, n in zip(
+        m.chunk_slot.tolist(), m.chunk_start.tolist(), m.chunk_len.tolist(), strict=True
+    ):
+        assert 1 <= n <= m.chunk_size
+        toks = ids[start : start + n]
+        assert all(active[seg_of[t]] == slot for t in toks), "a chunk mixes slots"
+        covered += toks
+    assert sorted(covered) == list(range(m.num_tokens))
+    assert m.token_scale.tolist() == [float(scales[seg_of[t]]) for t in range(m.num_tokens)]
+
+
+def test_meta_build_rejects_bad_input():
+    with pytest.raises(ValueError, match="slot 4"):
+        LoRABatchMeta.build([(3, 4)], [8, 8, 8, 8])
+    with pytest.raises(ValueError, match="num_tokens=-1"):
+        LoRABatchMeta.build([(-1, 0)], [8])
+    with pytest.raises(ValueError, match="rank 256"):
+        LoRABatchMeta.build([(3, 0)], [256])
+    with pytest.raises(ValueError, match="scales"):
+        LoRABatchMeta.build([(3, 0)], [8], scales=[1.0, 2.0])
+
+
+def test_chunk_size_policy():
+    # few tokens: smallest chunks so every SM gets work; many: the largest chunk that still fills them
+    assert choose_chunk_size([100], num_sms=132) == 16
+    assert choose_chunk_size([4608] * 4, num_sms=132) == 64
+    assert choose_chunk_size([4608, 1024, 4608, 256], num_sms=132) == 32
+    assert choose_chunk_size([200_000], num_sms=132) == 256
+    assert choose_chunk_size([], num_sms=132) == 16
+
+
+# --- references against a token-by-token oracle ----------------------------------------------------
+
+
+@SETTINGS
+@given(layouts(), out_slices())
+def test_references_match_dense_oracle(layout, sizes):
+    c = make_case(layout, len(sizes), sizes, hidden=32, dtype=torch.float64)
+    m = c.meta
+    y = c.y.clone()
+    s = lora_shrink_ref(c.x, c.a, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
+    lora_expand_ref(y, s.double(), c.b, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank, sizes)
+    torch.testing.assert_close(y, dense_oracle(c), atol=1e-5, rtol=1e-5)
+    y = c.y.clone()
+    ids = (m.sorted_token_ids, m.chunk_slot, m.chunk_start, m.chunk_len)
+    s = lora_shrink_sgmv_ref(c.x, c.a, *ids, m.slot_rank, m.max_rank)
+    lora_expand_sgmv_ref(
+        y, s.double(), c.b, m.sorted_token_ids, m.token_scale.double(), *ids[1:], m.slot_rank, sizes
+    )
+    torch.testing.assert_close(y, dense_oracle(c), atol=1e-5, rtol=1e-5)
+
+
+# --- Triton kernels (interpreter on CPU) against the references ------------------------------------
+
+
+@SETTINGS
+@given(layouts(), st.integers(1, 4), hiddens, dtypes, shrink_cfgs)
+def test_shrink_matches_reference(layout, num_slices, hidden, dtype, cfg):
+    c = make_case(layout, num_slices, [16] * num_slices, hidden, dtype)
+    got = launch_lora_shrink(*shrink_args(c), config=cfg)
+    m = c.meta
+    want = lora_shrink_ref(c.x, c.a, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
+    assert got.shape == want.shape == (num_slices, m.num_tokens, m.max_rank)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@SETTINGS
+@given(layouts(), out_slices(), hiddens, dtypes, expand_cfgs, st.sampled_from(["add", "write", "write+bias"]))
+def test_expand_matches_reference(layout, sizes, hidden, dtype, cfg, mode):
+    c = make_case(layout, len(sizes), sizes, hidden, dtype)
+    m = c.meta
+    s = lora_shrink_ref(c.x, c.a, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
+    accumulate = mode == "add"
+    bias = torch.randn(sum(sizes)).to(dtype) if mode == "write+bias" else None
+    got, want = c.y.clone(), c.y.clone()
+    seg = (m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
+    launch_lora_expand(got, s, c.b, m.token_seg, *seg, sizes, accumulate=accumulate, bias=bias, config=cfg)
+    lora_expand_ref(want, s, c.b, *seg, sizes, accumulate=accumulate, bias=bias)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    if accumulate:
+        # rows without LoRA are bit-for-bit untouched
+        no_lora = [m.seg_slot[t].item() < 0 for t in m.token_seg.tolist()]
+        torch.testing.assert_close(got[no_lora], c.y[no_lora], atol=0, rtol=0)
+
+
+@SETTINGS
+@given(layouts(), st.integers(1, 4), hiddens, dtypes, st.sampled_from([16, 32, 64]), shrink_cfgs)
+def test_shrink_sgmv_matches_reference(layout, num_slices, hidden, dtype, chunk_size, cfg):
+    c = make_case(layout, num_slices, [16] * num_slices, hidden, dtype, chunk_size=chunk_size)
+    m = c.meta
+    ids = (m.sorted_token_ids, m.chunk_slot, m.chunk_start, m.chunk_len, m.slot_rank, m.max_rank)
+    got = launch_lora_shrink_sgmv(c.x, c.a, *ids, m.chunk_size, config=cfg)
+    want = lora_shrink_sgmv_ref(c.x, c.a, *ids)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@SETTINGS
+@given(layouts(), out_slices(), dtypes, st.sampled_from([16, 32, 64]), expand_cfgs)
+def test_expand_sgmv_matches_reference(layout, sizes, dtype, chunk_size, cfg):
+    c = make_case(layout, len(sizes), sizes, 32, dtype, chunk_size=chunk_size)
+    m = c.meta
+    s = lora_shrink_ref(c.x, c.a, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
+    args = (m.sorted_token_ids, m.token_scale, m.chunk_slot, m.chunk_start, m.chunk_len, m.slot_rank)
+    got, want = c.y.clone(), c.y.clone()
+    launch_lora_expand_sgmv(got, s, c.b, *args, sizes, m.chunk_size, config=cfg)
+    lora_expand_sgmv_ref(want, s, c.b, *args, sizes)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+# --- public API ------------------------------------------------------------------------------------
+
+SKEWED = (
+    [(150, 0), (1, 1), (0, 2), (40, 0), (7, -1), (33, 3)],
+    [16, 8, 0, 32],
+    [1.0, 0.5, 2.0, 1.0, 1.0, -1.0],
+)
+
+
+@pytest.mark.parametrize("method", ["sgemm", "sgmv"])
+@pytest.mark.parametrize("sizes", [[24], [24, 40, 17], [16, 16, 16, 48], [8, 16, 24, 8, 40]])
+def test_apply_lora_matches_oracle(method, sizes):
+    """Shrink + expand through the public API, including 5 slices (split into launches of ≤ 4)."""
+    c = make_case(SKEWED, len(sizes), sizes, hidden=48, dtype=torch.float32)
+    y = c.y.clone()
+    apply_lora(y, c.x, c.a, c.b, c.meta, sizes, method=method)
+    torch.testing.assert_close(y.double(), dense_oracle(c), atol=1e-4, rtol=1e-4)
+
+
+def test_lora_linear_matches_oracle():
+    sizes = [24, 40, 16]
+    c = make_case(SKEWED, 3, sizes, hidden=48, dtype=torch.float32)
+    w = torch.randn(sum(sizes), 48) / 7
+    bias = torch.randn(sum(sizes))
+    got = lora_linear(c.x, w, bias, c.a, c.b, c.meta, sizes)
+    c.y = torch.nn.functional.linear(c.x, w, bias)
+    torch.testing.assert_close(got.double(), dense_oracle(c), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["sgemm", "sgmv"])
+def test_no_lora_leaves_output_untouched(method):
+    c = make_case(([(20, -1), (5, 1), (0, 0)], [8, 0, 0, 0], None), 2, [16, 16], 32, torch.float32)
+    assert not c.meta.has_lora
+    y = c.y.clone()
+    apply_lora(y, c.x, c.a, c.b, c.meta, [16, 16], method=method)
+    assert torch.equal(y, c.y)
+    assert lora_shrink(c.x, c.a, c.meta, method).shape == (2, 25, 0)
+
+
+def test_torch_compile_traces_custom_ops():
+    """fullgraph: dynamo sees the ops as opaque custom ops with fake impls (no graph break)."""
+    sizes = [16, 24]
+    c = make_case(SKEWED, 2, sizes, hidden=32, dtype=torch.float32)
+
+    def layer(x, y, meta):
+        y = y.clone()
+        apply_lora(y, x, c.a, c.b, meta, sizes)
+        apply_lora(y, x, c.a, c.b, meta, sizes, method="sgmv")
+        return y
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    want = c.y.clone()
+    apply_lora(want, c.x, c.a, c.b, c.meta, sizes)
+    apply_lora(want, c.x, c.a, c.b, c.meta, sizes, method="sgmv")
+    torch.testing.assert_close(compiled(c.x, c.y, c.meta), want)
+
+
+def test_custom_op_contracts():
+    """torch.library's own checks: schema, fake impl agrees with the real one, mutation declared."""
+    c = make_case(SKEWED, 2, [16, 24], hidden=32, dtype=torch.float32)
+    m = c.meta
+    s = torch.ops.ditserve.lora_shrink(*shrink_args(c))
+    torch.library.opcheck(torch.ops.ditserve.lora_shrink.default, shrink_args(c))
+    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
+    torch.library.opcheck(torch.ops.ditserve.lora_expand.default, (c.y.clone(), s, c.b, *seg, [16, 24]))
+    ids = (
+        m.sorted_token_ids,
+        m.chunk_slot,
+        m.chunk_start,
+        m.chunk_len,
+        m.slot_rank,
+        m.max_rank,
+        m.chunk_size,
+    )
+    torch.library.opcheck(torch.ops.ditserve.lora_shrink_sgmv.default, (c.x, c.a, *ids))
+    args = (m.sorted_token_ids, m.token_scale, m.chunk_slot, m.chunk_start, m.chunk_len, m.slot_rank)
+    torch.library.opcheck(
+        torch.ops.ditserve.lora_expand_sgmv.default, (c.y.clone(), s, c.b, *args, [16, 24], m.chunk_size)
+    )
+
+
+def test_cpu_fallback_without_interpreter(monkeypatch):
+    """Without CUDA and without TRITON_INTERPRET the ops run the torch reference."""
+    from ditserve.kernels._dispatch import use_triton
+
+    sizes = [16, 24]
+    c = make_case(SKEWED, 2, sizes, hidden=32, dtype=torch.float32)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not use_triton(c.x)
+    y = c.y.clone()
+    apply_lora(y, c.x, c.a, c.b, c.meta, sizes)
+    torch.testing.assert_close(y.double(), dense_oracle(c), atol=1e-4, rtol=1e-4)
