@@ -110,7 +110,12 @@ def build_demo_flux():
 
 def build_demo_wan():
     """A WanPipeline: 2 blocks, 8 heads × 12, tiny Wan VAE (4× temporal, 8× spatial), tiny UMT5."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
 
     torch.manual_seed(DEMO_SEED)
     transformer = WanTransformer3DModel(

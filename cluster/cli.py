@@ -1,0 +1,192 @@
+"""``ditserve`` command line: serve, generate, train-demo, deploy."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from .config import AppArgs, EngineArgs, add_model_arguments, model_kwargs
+
+
+def _fail(message: str) -> int:
+    print(f"ditserve: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _validation_message(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        flag = f"--{loc.replace('_', '-')}: " if loc else ""
+        lines.append(f"{flag}{err['msg'].removeprefix('Value error, ')}")
+    return "; ".join(lines)
+
+
+# -- generate -------------------------------------------------------------------------------------------
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="Generate one image or video locally (no Ray).")
+    p.add_argument("prompt", help="What to draw.")
+    p.add_argument("-o", "--output", default="out.png", help="Output file: .png (image) or .mp4 (video).")
+    p.add_argument("--width", type=int, default=None, help="Width in pixels (default 64 on demo models, else 1024).")
+    p.add_argument("--height", type=int, default=None, help="Height in pixels.")
+    p.add_argument("--num-inference-steps", type=int, default=20)
+    p.add_argument("--guidance-scale", type=float, default=None, help="Distilled guidance (Flux) / CFG (Wan).")
+    p.add_argument("--true-cfg-scale", type=float, default=None, help="Flux true CFG (with --negative-prompt).")
+    p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n", type=int, default=1, help="Number of outputs (files get a suffix).")
+    p.add_argument("--num-frames", type=int, default=9, help="Video frames (video models).")
+    p.add_argument("--fps", type=int, default=16, help="Video frame rate.")
+    p.add_argument("--lora", action="append", default=[], help="Adapter NAME=PATH[:SCALE] (repeatable).")
+    add_model_arguments(p, EngineArgs)
+
+
+def _output_paths(output: str, n: int) -> list[Path]:
+    path = Path(output)
+    if n == 1:
+        return [path]
+    return [path.with_name(f"{path.stem}-{i}{path.suffix}") for i in range(n)]
+
+
+def run_generate(ns: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from ditserve.replica.engine import Engine
+    from ditserve.replica.request import GenerationParams
+
+    try:
+        config = EngineArgs(**model_kwargs(ns, EngineArgs)).engine_config()
+        engine = Engine(config)
+    except ValidationError as exc:
+        return _fail(_validation_message(exc))
+    except ValueError as exc:
+        return _fail(str(exc))
+    video = engine.spec.kind == "video"
+    suffix = Path(ns.output).suffix.lower()
+    if suffix != (".mp4" if video else ".png"):
+        return _fail(f"-o {ns.output}: {engine.spec.name} makes {'videos (.mp4)' if video else 'images (.png)'}")
+    small = engine.spec.name.startswith("demo-")
+    size = 64 if small else 1024
+    try:
+        params = GenerationParams(
+            prompt=ns.prompt,
+            negative_prompt=ns.negative_prompt,
+            width=ns.width or size,
+            height=ns.height or size,
+            num_frames=ns.num_frames if video else 1,
+            num_inference_steps=ns.num_inference_steps,
+            guidance_scale=ns.guidance_scale,
+            true_cfg_scale=ns.true_cfg_scale if ns.true_cfg_scale is not None else (
+                4.0 if ns.negative_prompt is not None and not video else 1.0
+            ),
+            seed=ns.seed,
+            n=ns.n,
+            fps=ns.fps,
+        )
+        engine.check(params)
+    except ValidationError as exc:
+        return _fail(_validation_message(exc))
+    except ValueError as exc:
+        return _fail(str(exc))
+    if ns.lora:
+        return _fail("--lora: adapters are not supported by this build yet")
+    engine.start()
+    try:
+        with tqdm(total=params.num_inference_steps, desc="denoising", unit="step") as bar:
+            future = engine.submit(params, on_progress=lambda done, total: bar.update(done - bar.n))
+            result = future.result()
+    except ValueError as exc:
+        return _fail(str(exc))
+    finally:
+        engine.shutdown()
+    for path, data in zip(_output_paths(ns.output, params.n), result.outputs, strict=True):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        print(f"wrote {path} ({result.width}x{result.height}, seed {result.seed})")
+    return 0
+
+
+# -- serve ----------------------------------------------------------------------------------------------
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="Start (or join) a Ray cluster and serve the HTTP/gRPC API.")
+    add_model_arguments(p, AppArgs)
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    try:
+        args = AppArgs(**model_kwargs(ns, AppArgs))
+        from .app import APP_NAME, build_app
+
+        app = build_app(args.model_dump(mode="json"))
+    except ValidationError as exc:
+        return _fail(_validation_message(exc))
+    except ValueError as exc:
+        return _fail(str(exc))
+
+    import ray
+    from ray import serve
+
+    ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        print(f"ditserve: serving {args.model} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
+        stop.wait()
+    finally:
+        print("ditserve: shutting down", flush=True)
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0
+
+
+# -- train-demo -----------------------------------------------------------------------------------------
+def _add_train_demo(sub) -> None:
+    p = sub.add_parser("train-demo", help="Train the demo-scenes model (minutes on one GPU).")
+    try:
+        from ditserve.replica.models.train_demo import add_arguments
+    except ImportError:
+        return
+    add_arguments(p)
+
+
+def run_train_demo(ns: argparse.Namespace) -> int:
+    from ditserve.replica.models.train_demo import run
+
+    print(f"wrote {run(ns)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ditserve", description="Serve diffusion transformers on Ray.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="Debug logging.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_serve(sub)
+    _add_train_demo(sub)
+    return parser
+
+
+COMMANDS = {"generate": run_generate, "serve": run_serve, "train-demo": run_train_demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.WARNING)
+    return COMMANDS[ns.command](ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

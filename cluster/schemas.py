@@ -1,0 +1,110 @@
+"""HTTP request and response bodies (OpenAI shapes plus ditserve's extensions), and the one error shape."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ditserve.replica.request import GenerationParams, LoRARef
+
+SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+
+
+class APIError(Exception):
+    """An error a client caused or must know about; the ingress maps ``status`` to HTTP / gRPC codes."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    """"WxH" → (width, height); raises APIError naming ``size``."""
+    match = SIZE_RE.match(size)
+    if not match:
+        raise APIError(400, f"size must look like 'WIDTHxHEIGHT' (e.g. '512x512'), got {size!r}", param="size")
+    return int(match.group(1)), int(match.group(2))
+
+
+class ImageGenerationRequest(BaseModel):
+    """``POST /v1/images/generations``: OpenAI's fields plus negative_prompt, steps, guidance, seed, lora."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1, description="What to draw.")
+    model: str | None = Field(default=None, description="Model name (GET /v1/models); default: the served one.")
+    n: int = Field(default=1, ge=1, description="Number of images.")
+    size: str = Field(default="512x512", description="WIDTHxHEIGHT, each a multiple of 16.")
+    response_format: Literal["b64_json", "url"] = Field(default="b64_json", description="Only b64_json is served.")
+    negative_prompt: str | None = Field(default=None, description="What not to draw (true CFG with Flux).")
+    num_inference_steps: int = Field(default=20, ge=1, description="Denoising steps.")
+    guidance_scale: float | None = Field(default=None, ge=0, le=100, description="Guidance (model default).")
+    true_cfg_scale: float | None = Field(default=None, ge=0, le=100, description="True-CFG scale (Flux).")
+    seed: int | None = Field(default=None, ge=0, lt=2**63, description="Random seed (random when absent).")
+    lora: LoRARef | list[LoRARef] | None = Field(default=None, description="Adapter(s) for this request.")
+    stream: bool = Field(default=False, description="Server-sent progress events before the image.")
+    # Accepted for OpenAI compatibility, ignored.
+    user: str | None = None
+    quality: str | None = None
+    style: str | None = None
+    output_format: Literal["png"] | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("prompt must not be empty")
+        return v
+
+    def to_params(self, default_true_cfg: float) -> GenerationParams:
+        width, height = parse_size(self.size)
+        loras = () if self.lora is None else tuple(self.lora if isinstance(self.lora, list) else [self.lora])
+        kwargs: dict[str, Any] = {}
+        if self.seed is not None:
+            kwargs["seed"] = self.seed
+        true_cfg = self.true_cfg_scale
+        if true_cfg is None:
+            true_cfg = default_true_cfg if self.negative_prompt is not None else 1.0
+        return GenerationParams(
+            prompt=self.prompt,
+            negative_prompt=self.negative_prompt,
+            width=width,
+            height=height,
+            num_inference_steps=self.num_inference_steps,
+            guidance_scale=self.guidance_scale,
+            true_cfg_scale=true_cfg,
+            n=self.n,
+            lora=loras,
+            **kwargs,
+        )
+
+
+class ImageData(BaseModel):
+    b64_json: str
+    revised_prompt: str | None = None
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+    seed: int | None = Field(default=None, description="Seed used (ditserve extension).")
+    size: str | None = None
+    output_format: str = "png"
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "ditserve"
+    kind: Literal["image", "video"]

@@ -1,0 +1,98 @@
+"""Engine configuration: one pydantic tree, validated once at the edge (CLI, Serve builder, YAML)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class ParallelFlags(BaseModel):
+    """Layout flags of one engine replica, with SGLang Diffusion's meaning of ``--num-gpus``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_gpus: int | None = Field(
+        default=None,
+        ge=1,
+        description="GPUs (CPU: rank processes) of the whole deployment; each replica gets num_gpus / dp_size. "
+        "Unset: dp_size × the product of the degrees.",
+    )
+    dp_size: int = Field(default=1, ge=1, description="Number of engine replicas.")
+    cfg_parallel_size: int = Field(default=1, ge=1, le=2, description="CFG branches on separate ranks (1 or 2).")
+    tp_size: int = Field(default=1, ge=1, description="Tensor-parallel degree.")
+    ulysses_degree: int = Field(default=1, ge=1, description="Ulysses (all-to-all) sequence-parallel degree.")
+    ring_degree: int = Field(default=1, ge=1, description="Ring-attention sequence-parallel degree.")
+    kv_gather_degree: int = Field(default=1, ge=1, description="K/V all-gather sequence-parallel degree.")
+    sp_degree: int | None = Field(
+        default=None,
+        ge=1,
+        description="Sequence-parallel degree when no other sp flag is given: 2 → K/V-gather 2, larger → Ulysses.",
+    )
+
+    def dims(self):
+        """The validated per-replica :class:`ParallelDims` (raises ValueError naming the flags)."""
+        from .parallel import ParallelDims
+
+        return ParallelDims.from_flags(
+            num_gpus=self.num_gpus,
+            dp_size=self.dp_size,
+            cfg=self.cfg_parallel_size,
+            tp=self.tp_size,
+            ulysses=self.ulysses_degree,
+            ring=self.ring_degree,
+            kv_gather=self.kv_gather_degree,
+            sp_degree=self.sp_degree,
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.dims().world_size
+
+
+class Limits(BaseModel):
+    """Request limits a deployment enforces (over them → 400/413 naming the limit)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_width: int = Field(default=2048, ge=16, description="Largest image/video width in pixels.")
+    max_height: int = Field(default=2048, ge=16, description="Largest image/video height in pixels.")
+    max_frames: int = Field(default=129, ge=1, description="Most video frames per request.")
+    max_steps: int = Field(default=100, ge=1, description="Most denoising steps per request.")
+    max_n: int = Field(default=4, ge=1, description="Most images per request (n).")
+    max_prompt_chars: int = Field(default=4000, ge=1, description="Longest prompt, in characters.")
+
+
+class EngineConfig(BaseModel):
+    """Everything one engine replica needs; the same object drives ``generate`` and ``serve``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(default="demo-scenes", description="Embedded model name or a local diffusers folder.")
+    device: Literal["cpu", "cuda"] = Field(default_factory=_default_device, description="Device of the ranks.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="Weights and activations dtype (bfloat16 on GPUs for speed)."
+    )
+    parallel: ParallelFlags = Field(default_factory=ParallelFlags, description="Per-replica layout.")
+    limits: Limits = Field(default_factory=Limits, description="Request limits.")
+    max_sequence_length: int = Field(
+        default=512, ge=1, description="Text tokens per prompt (capped by the tokenizer's own maximum)."
+    )
+    max_batch_size: int = Field(default=8, ge=1, description="Most requests in one running batch.")
+    max_queue: int = Field(default=64, ge=1, description="Most queued requests before 429.")
+    compile: bool = Field(default=False, description="torch.compile the transformer blocks.")
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.device == "cpu" and self.dtype == "float16":
+            raise ValueError("--dtype float16 is not supported on CPU; use float32 or bfloat16")
+        return self
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)

@@ -1,0 +1,231 @@
+"""The engine of one replica: a scheduler loop driving SPMD rank workers one denoising step at a time.
+
+``Engine`` runs in the driver process (the Serve replica, or ``ditserve generate``). It never imports Ray:
+the rank launcher is injected (local processes, or Ray actors from ``ditserve.cluster``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from queue import Empty, SimpleQueue
+from typing import Any
+
+from .config import EngineConfig
+from .launcher import RankLauncher, default_launcher
+from .media import encode_mp4, encode_png
+from .models.registry import ModelSpec, resolve_model
+from .request import GenerationParams, GenerationResult
+from .scheduler import Job, StepScheduler
+
+logger = logging.getLogger(__name__)
+
+
+def validate_layout(config: EngineConfig, spec: ModelSpec) -> int:
+    """Check the parallel layout against the model before any process starts; returns the world size."""
+    dims = config.parallel.dims()
+    dims.validate(num_heads=spec.num_attention_heads, attention_supports_lse=True)
+    return dims.world_size
+
+
+class Engine:
+    """Owns a replica's ranks and its step loop.
+
+    >>> engine = Engine(EngineConfig(model="demo-flux")); engine.start()
+    >>> result = engine.generate(GenerationParams(prompt="a red fox", width=64, height=64))
+    """
+
+    def __init__(self, config: EngineConfig, launcher: RankLauncher | None = None):
+        self.config = config
+        self.spec = resolve_model(config.model)
+        self.world_size = validate_layout(config, self.spec)
+        self.launcher = launcher or default_launcher(self.world_size)
+        self.scheduler = StepScheduler(config.max_batch_size, config.max_queue)
+        self._controls: SimpleQueue[tuple[Callable[[], Any], Future]] = SimpleQueue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.steps_run = 0
+        self.last_batch_size = 0
+
+    # -- lifecycle --------------------------------------------------------------------------------------
+    def start(self) -> Engine:
+        self.launcher.start(self.config)
+        self._thread = threading.Thread(target=self._loop, name="ditserve-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        with self.scheduler.cond:
+            self.scheduler.cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        for job in list(self.scheduler.pending) + [j for js in self.scheduler.running.values() for j in js]:
+            if not job.future.done():
+                job.future.set_exception(RuntimeError("engine shut down"))
+        self.launcher.shutdown()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def check(self, params: GenerationParams) -> None:
+        """Model-dependent checks, done before queueing so bad input never reaches the ranks."""
+        limits, spec = self.config.limits, self.spec
+        multiple = spec.size_multiple
+        if params.width % multiple or params.height % multiple:
+            raise ValueError(
+                f"size: width and height must be multiples of {multiple} for {spec.name}, "
+                f"got {params.width}x{params.height}"
+            )
+        if spec.kind == "video" and (params.num_frames - 1) % spec.frame_multiple:
+            raise ValueError(
+                f"num_frames: must be {spec.frame_multiple}·k + 1 for {spec.name}, got {params.num_frames}"
+            )
+        if params.width > limits.max_width or params.height > limits.max_height:
+            raise ValueError(
+                f"size: {params.width}x{params.height} is above the maximum "
+                f"{limits.max_width}x{limits.max_height}"
+            )
+        if params.num_inference_steps > limits.max_steps:
+            raise ValueError(f"num_inference_steps: {params.num_inference_steps} is above the maximum {limits.max_steps}")
+        if params.n > limits.max_n:
+            raise ValueError(f"n: {params.n} is above the maximum {limits.max_n}")
+        if self.spec.kind == "video" and params.num_frames > limits.max_frames:
+            raise ValueError(f"num_frames: {params.num_frames} is above the maximum {limits.max_frames}")
+
+    def submit(
+        self, params: GenerationParams, on_progress: Callable[[int, int], None] | None = None
+    ) -> Future:
+        """Queue a request; the future resolves to a :class:`GenerationResult`. Cancel it to free the slot."""
+        if not self.running:
+            raise RuntimeError("engine is not running")
+        self.check(params)
+        bucket = (params.height, params.width, params.num_frames if self.spec.kind == "video" else 1)
+        job = Job(req_id=uuid.uuid4().hex, params=params, bucket=bucket, on_progress=on_progress)
+        self.scheduler.submit(job)
+        return job.future
+
+    def generate(self, params: GenerationParams, timeout: float | None = None) -> GenerationResult:
+        return self.submit(params).result(timeout=timeout)
+
+    def run_control(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` in the loop thread between two steps (control ops wait for the step, not the queue)."""
+        fut: Future = Future()
+        self._controls.put((fn, fut))
+        with self.scheduler.cond:
+            self.scheduler.cond.notify_all()
+        return fut
+
+    def call_ranks(self, method: str, *args: Any) -> Any:
+        return self.launcher.call(method, *args)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "queue_depth": self.scheduler.queue_depth,
+            "running": self.scheduler.num_running,
+            "last_batch_size": self.last_batch_size,
+            "steps_run": self.steps_run,
+        }
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def _run_controls(self) -> None:
+        while True:
+            try:
+                fn, fut = self._controls.get_nowait()
+            except Empty:
+                return
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._run_controls()
+                for job in self.scheduler.reap_cancelled():
+                    self.launcher.call("drop", job.req_id)
+                picked = self.scheduler.next_batch()
+                if picked is None:
+                    self.scheduler.wait_for_work(timeout=0.1)
+                    continue
+                self._step(*picked)
+            except Exception:
+                logger.exception("engine loop error")
+                time.sleep(0.05)
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        self.scheduler.finish(job)
+        if not job.future.done():
+            job.future.set_exception(exc)
+
+    def _step(self, admit: list[Job], running: list[Job]) -> None:
+        for job in admit:
+            try:
+                self.launcher.call("add", job.req_id, job.params)
+            except Exception as exc:
+                self._fail(job, exc)
+                continue
+            self.scheduler.start_running(job)
+            running.append(job)
+        if not running:
+            return
+        t0 = time.perf_counter()
+        try:
+            progress = self.launcher.call("step", [j.req_id for j in running])
+        except Exception as exc:
+            for job in running:
+                self._fail(job, exc)
+                self._drop_quietly(job)
+            return
+        self.steps_run += 1
+        self.last_batch_size = len(running)
+        step_s = time.perf_counter() - t0
+        for job in running:
+            job.steps_done = progress[job.req_id]
+            total = job.params.num_inference_steps
+            if job.on_progress is not None:
+                try:
+                    job.on_progress(job.steps_done, total)
+                except Exception:
+                    logger.exception("progress callback failed")
+            if job.steps_done >= total:
+                self._complete(job, step_s)
+
+    def _drop_quietly(self, job: Job) -> None:
+        try:
+            self.launcher.call("drop", job.req_id)
+        except Exception:
+            logger.exception("drop failed")
+
+    def _complete(self, job: Job, step_s: float) -> None:
+        self.scheduler.finish(job)
+        try:
+            pixels = self.launcher.call("finish", job.req_id)
+            p = job.params
+            if self.spec.kind == "video":
+                outputs, media = [encode_mp4(v, fps=p.fps) for v in pixels], "video/mp4"
+            else:
+                outputs, media = [encode_png(img) for img in pixels], "image/png"
+            result = GenerationResult(
+                outputs=outputs,
+                media_type=media,
+                seed=p.seed,
+                width=p.width,
+                height=p.height,
+                num_frames=p.num_frames if self.spec.kind == "video" else 1,
+                timings={"last_step_s": step_s},
+            )
+        except Exception as exc:
+            if not job.future.done():
+                job.future.set_exception(exc)
+            return
+        if not job.future.done():
+            job.future.set_result(result)

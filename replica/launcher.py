@@ -1,0 +1,153 @@
+"""Rank launchers: how an engine replica's ranks are started and commanded.
+
+A launcher starts ``world_size`` :class:`RankWorker` s and sends each command to all of them (SPMD),
+returning rank 0's answer. Implementations: in-process (one rank), local processes (``ditserve generate``
+and tests), and Ray actors in the replica's placement group (``ditserve.cluster.ranks``, which is the only
+place that knows Ray).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import threading
+import traceback
+from abc import ABC, abstractmethod
+from typing import Any
+
+from .config import EngineConfig
+
+
+class RankError(RuntimeError):
+    """A rank failed a command; carries the remote traceback text."""
+
+
+class RankLauncher(ABC):
+    world_size: int
+
+    @abstractmethod
+    def start(self, config: EngineConfig) -> None: ...
+
+    @abstractmethod
+    def call(self, method: str, *args: Any) -> Any:
+        """Run ``worker.method(*args)`` on every rank; return rank 0's result (raise if any rank failed)."""
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+
+class InProcessLauncher(RankLauncher):
+    """One rank, in the caller's process: no process group, no pickling."""
+
+    world_size = 1
+
+    def start(self, config: EngineConfig) -> None:
+        from .worker import RankWorker
+
+        self.worker = RankWorker(config)
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.worker, method)(*args)
+
+    def shutdown(self) -> None:
+        if getattr(self, "worker", None) is not None:
+            self.worker.shutdown()
+            self.worker = None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(conn, config: EngineConfig, rank: int, world_size: int, init_method: str) -> None:
+    """Entry of a local rank process: build the worker, then serve commands until told to stop."""
+    import torch
+
+    torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+    try:
+        from .worker import RankWorker
+
+        worker = RankWorker(config, rank=rank, world_size=world_size, init_method=init_method)
+        conn.send(("ok", None))
+    except BaseException as exc:  # report start failures instead of hanging the driver
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        return
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:
+            break
+        if method == "__exit__":
+            worker.shutdown()
+            conn.send(("ok", None))
+            break
+        try:
+            result = getattr(worker, method)(*args)
+            conn.send(("ok", result if rank == 0 else None))
+        except BaseException as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+class LocalProcessLauncher(RankLauncher):
+    """``world_size`` local processes (spawned), gloo on CPU, NCCL on GPUs, rendezvous on localhost."""
+
+    def __init__(self, world_size: int, start_timeout_s: float = 300.0):
+        self.world_size = world_size
+        self.start_timeout_s = start_timeout_s
+        self._lock = threading.Lock()
+        self._procs: list[mp.Process] = []
+        self._conns = []
+
+    def start(self, config: EngineConfig) -> None:
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_rank_main, args=(child, config, rank, self.world_size, init_method), daemon=True
+            )
+            proc.start()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self._gather("start", timeout=self.start_timeout_s)
+
+    def _gather(self, what: str, timeout: float | None = None) -> Any:
+        results, errors = [], []
+        for rank, conn in enumerate(self._conns):
+            if timeout is not None and not conn.poll(timeout):
+                errors.append(f"rank {rank}: no answer to {what} within {timeout:.0f}s")
+                continue
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                errors.append(f"rank {rank}: process exited during {what}")
+                continue
+            (results if status == "ok" else errors).append(value if status == "ok" else f"rank {rank}: {value}")
+        if errors:
+            raise RankError("\n".join(errors))
+        return results[0]
+
+    def call(self, method: str, *args: Any) -> Any:
+        with self._lock:
+            for conn in self._conns:
+                conn.send((method, args))
+            return self._gather(method)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            for conn in self._conns:
+                try:
+                    conn.send(("__exit__", ()))
+                except (BrokenPipeError, OSError):
+                    pass
+            for proc in self._procs:
+                proc.join(timeout=10)
+                if proc.is_alive():
+                    proc.kill()
+            self._procs, self._conns = [], []
+
+
+def default_launcher(world_size: int) -> RankLauncher:
+    return InProcessLauncher() if world_size == 1 else LocalProcessLauncher(world_size)

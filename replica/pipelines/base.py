@@ -1,0 +1,141 @@
+"""Step-level denoising on top of a diffusers pipeline's parts.
+
+diffusers' ``pipe(...)`` runs one request from start to end. Serving needs one *step* at a time over a
+batch whose members started at different times, with their own timesteps, guidance, seeds and adapters.
+So a runner splits the pipeline into ``prepare`` (text encoding, latents, a private scheduler),
+``step`` (one transformer forward for the whole batch, then each request's own scheduler step) and
+``decode`` (VAE). The arithmetic follows the diffusers pipeline, so a request alone gives the image
+``pipe(...)`` gives.
+
+CFG: a request with guidance contributes a "cond" and an "uncond" row group. Without CFG parallelism
+both groups run in one forward; with ``cfg`` = 2 rank 0 runs every cond row and rank 1 every uncond row
+(padded to the same rows), and the predictions are all-gathered once per step.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..request import GenerationParams
+
+
+@dataclass
+class RequestState:
+    """Everything a running request keeps between steps (identical on every rank)."""
+
+    req_id: str
+    params: GenerationParams
+    latents: torch.Tensor
+    scheduler: Any
+    timesteps: torch.Tensor
+    cond: dict[str, torch.Tensor]  # per-row model inputs, batch dim first
+    uncond: dict[str, torch.Tensor] | None
+    cfg_scale: float
+    bucket: tuple
+    step_index: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.timesteps)
+
+    @property
+    def done(self) -> bool:
+        return self.step_index >= self.num_steps
+
+    @property
+    def rows(self) -> int:
+        return self.latents.shape[0]
+
+
+def to_uint8(images: np.ndarray) -> np.ndarray:
+    """[0, 1] floats → uint8, rounding as diffusers' ``numpy_to_pil`` does."""
+    return (images * 255).round().clip(0, 255).astype("uint8")
+
+
+class PipelineRunner(ABC):
+    """One model family's prepare / step / decode. Subclasses fill in the model-specific parts."""
+
+    # Inputs shared by every row of a bucket (not concatenated): e.g. Flux's txt_ids / img_ids.
+    shared_inputs: tuple[str, ...] = ()
+
+    def __init__(self, pipe, *, device: torch.device, dtype: torch.dtype, max_sequence_length: int, mesh=None):
+        self.pipe = pipe
+        self.device = device
+        self.dtype = dtype
+        self.max_sequence_length = max_sequence_length
+        self.mesh = mesh
+        # Set by the LoRA manager: called with the row → request layout before each forward.
+        self.before_forward: Callable[[list[tuple[RequestState, int]]], None] | None = None
+
+    @property
+    def cfg_size(self) -> int:
+        return 1 if self.mesh is None else self.mesh.cfg_size
+
+    @property
+    def cfg_rank(self) -> int:
+        return 0 if self.mesh is None else self.mesh.cfg_rank
+
+    @abstractmethod
+    def prepare(self, req_id: str, params: GenerationParams) -> RequestState: ...
+
+    @abstractmethod
+    def model_forward(self, latents: torch.Tensor, timesteps: torch.Tensor, inputs: dict[str, torch.Tensor],
+                      shared: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One transformer call on concatenated rows; returns the noise prediction, same shape as latents."""
+
+    @abstractmethod
+    def decode(self, state: RequestState) -> np.ndarray:
+        """uint8 images [n, H, W, 3] or videos [n, F, H, W, 3]."""
+
+    def timestep_rows(self, state: RequestState) -> torch.Tensor:
+        t = state.timesteps[state.step_index]
+        return t.expand(state.rows).to(state.latents.dtype)
+
+    # -- one step for a batch of requests that share a bucket -------------------------------------------
+    def _run_rows(self, states: list[RequestState], branch: str) -> torch.Tensor:
+        """Concatenate one branch's rows of every request and run the model once."""
+        rows = [(s, getattr(s, branch) if getattr(s, branch) is not None else s.cond) for s in states]
+        latents = torch.cat([s.latents for s, _ in rows])
+        timesteps = torch.cat([self.timestep_rows(s) for s, _ in rows])
+        inputs = {k: torch.cat([c[k] for _, c in rows]) for k in rows[0][1]}
+        if self.before_forward is not None:
+            self.before_forward([(s, s.rows) for s, _ in rows])
+        return self.model_forward(latents, timesteps, inputs, states[0].extra["shared"])
+
+    @torch.no_grad()
+    def step(self, states: list[RequestState]) -> None:
+        """Advance every request of ``states`` (one bucket) by one denoising step."""
+        assert states and all(s.bucket == states[0].bucket and not s.done for s in states)
+        guided = [s for s in states if s.uncond is not None]
+        if self.cfg_size == 2:
+            # Branch per cfg rank; rank 1 runs uncond rows where a request has them, cond rows otherwise
+            # (same shapes on both ranks for the all-gather; those extra rows are discarded).
+            from ..parallel import cfg_all_gather
+
+            local = self._run_rows(states, "cond" if self.cfg_rank == 0 else "uncond")
+            both = cfg_all_gather(local.contiguous(), self.mesh)
+            cond_pred, uncond_pred = both[0], both[1]
+        else:
+            cond_pred = self._run_rows(states, "cond")
+            uncond_pred = self._run_rows(guided, "uncond") if guided else None
+        offset, uoffset = 0, 0
+        for s in states:
+            pred = cond_pred[offset : offset + s.rows]
+            if s.uncond is not None:
+                if self.cfg_size == 2:
+                    neg = uncond_pred[offset : offset + s.rows]
+                else:
+                    neg = uncond_pred[uoffset : uoffset + s.rows]
+                    uoffset += s.rows
+                pred = neg + s.cfg_scale * (pred - neg)
+            offset += s.rows
+            t = s.timesteps[s.step_index]
+            s.latents = s.scheduler.step(pred, t, s.latents, return_dict=False)[0]
+            s.step_index += 1

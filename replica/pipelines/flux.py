@@ -1,0 +1,106 @@
+"""Flux: text-to-image with packed 2×2 latents, distilled guidance and optional true CFG."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+from ..request import GenerationParams
+from .base import PipelineRunner, RequestState, to_uint8
+
+
+class FluxRunner(PipelineRunner):
+    default_guidance = 3.5
+
+    @property
+    def multiple(self) -> int:
+        """Width/height must be multiples of this (VAE factor × the 2×2 packing)."""
+        return self.pipe.vae_scale_factor * 2
+
+    def _encode(self, prompt: str, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        max_len = min(self.max_sequence_length, self.pipe.tokenizer_2.model_max_length)
+        embeds, pooled, text_ids = self.pipe.encode_prompt(
+            prompt=prompt, prompt_2=None, device=self.device, num_images_per_prompt=n, max_sequence_length=max_len
+        )
+        return embeds.to(self.dtype), pooled.to(self.dtype), text_ids
+
+    @torch.no_grad()
+    def prepare(self, req_id: str, params: GenerationParams) -> RequestState:
+        pipe, n = self.pipe, params.n
+        if params.width % self.multiple or params.height % self.multiple:
+            raise ValueError(f"size must be a multiple of {self.multiple}, got {params.width}x{params.height}")
+        embeds, pooled, text_ids = self._encode(params.prompt, n)
+        true_cfg = params.true_cfg_scale > 1 and params.negative_prompt is not None
+        uncond = None
+        guidance_value = params.guidance_scale if params.guidance_scale is not None else self.default_guidance
+        guidance = None
+        if pipe.transformer.config.guidance_embeds:
+            guidance = torch.full((n,), guidance_value, device=self.device, dtype=torch.float32)
+        cond = {"encoder_hidden_states": embeds, "pooled_projections": pooled}
+        if guidance is not None:
+            cond["guidance"] = guidance
+        if true_cfg:
+            neg_embeds, neg_pooled, _ = self._encode(params.negative_prompt, n)
+            uncond = {"encoder_hidden_states": neg_embeds, "pooled_projections": neg_pooled}
+            if guidance is not None:
+                uncond["guidance"] = guidance
+        # Latents from a CPU generator: the same seed gives the same noise on every device and rank.
+        generator = torch.Generator("cpu").manual_seed(params.seed)
+        latents, image_ids = pipe.prepare_latents(
+            n,
+            pipe.transformer.config.in_channels // 4,
+            params.height,
+            params.width,
+            self.dtype,
+            self.device,
+            generator,
+        )
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
+        steps = params.num_inference_steps
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        if getattr(scheduler.config, "use_flow_sigmas", False):
+            sigmas = None
+        mu = calculate_shift(
+            latents.shape[1],
+            scheduler.config.get("base_image_seq_len", 256),
+            scheduler.config.get("max_image_seq_len", 4096),
+            scheduler.config.get("base_shift", 0.5),
+            scheduler.config.get("max_shift", 1.15),
+        )
+        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        bucket = ("flux", params.height, params.width, 1)
+        return RequestState(
+            req_id=req_id,
+            params=params,
+            latents=latents,
+            scheduler=scheduler,
+            timesteps=timesteps,
+            cond=cond,
+            uncond=uncond,
+            cfg_scale=params.true_cfg_scale,
+            bucket=bucket,
+            extra={"shared": {"txt_ids": text_ids, "img_ids": image_ids}},
+        )
+
+    def model_forward(self, latents, timesteps, inputs, shared):
+        return self.pipe.transformer(
+            hidden_states=latents,
+            timestep=timesteps / 1000,
+            guidance=inputs.get("guidance"),
+            pooled_projections=inputs["pooled_projections"],
+            encoder_hidden_states=inputs["encoder_hidden_states"],
+            txt_ids=shared["txt_ids"],
+            img_ids=shared["img_ids"],
+            return_dict=False,
+        )[0]
+
+    @torch.no_grad()
+    def decode(self, state: RequestState) -> np.ndarray:
+        pipe, p = self.pipe, state.params
+        latents = pipe._unpack_latents(state.latents, p.height, p.width, pipe.vae_scale_factor)
+        latents = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
+        image = pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)[0]
+        return to_uint8(pipe.image_processor.postprocess(image, output_type="np"))

@@ -1,0 +1,89 @@
+"""Wan: text-to-video with classifier-free guidance (an uncond branch whenever guidance > 1)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from ..request import GenerationParams
+from .base import PipelineRunner, RequestState, to_uint8
+
+
+class WanRunner(PipelineRunner):
+    default_guidance = 5.0
+
+    @property
+    def multiple(self) -> int:
+        return self.pipe.vae_scale_factor_spatial * 2
+
+    @property
+    def frame_multiple(self) -> int:
+        return self.pipe.vae_scale_factor_temporal
+
+    @torch.no_grad()
+    def prepare(self, req_id: str, params: GenerationParams) -> RequestState:
+        pipe, n = self.pipe, params.n
+        if params.width % self.multiple or params.height % self.multiple:
+            raise ValueError(f"size must be a multiple of {self.multiple}, got {params.width}x{params.height}")
+        if (params.num_frames - 1) % self.frame_multiple:
+            raise ValueError(f"num_frames must be {self.frame_multiple}·k + 1, got {params.num_frames}")
+        guidance = params.guidance_scale if params.guidance_scale is not None else self.default_guidance
+        do_cfg = guidance > 1.0
+        max_len = min(self.max_sequence_length, pipe.tokenizer.model_max_length)
+        embeds, neg_embeds = pipe.encode_prompt(
+            prompt=params.prompt,
+            negative_prompt=params.negative_prompt,
+            do_classifier_free_guidance=do_cfg,
+            num_videos_per_prompt=n,
+            max_sequence_length=max_len,
+            device=self.device,
+        )
+        cond = {"encoder_hidden_states": embeds.to(self.dtype)}
+        uncond = {"encoder_hidden_states": neg_embeds.to(self.dtype)} if do_cfg else None
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
+        scheduler.set_timesteps(params.num_inference_steps, device=self.device)
+        scheduler.set_begin_index(0)
+        generator = torch.Generator("cpu").manual_seed(params.seed)
+        latents = pipe.prepare_latents(
+            n,
+            pipe.transformer.config.in_channels,
+            params.height,
+            params.width,
+            params.num_frames,
+            torch.float32,
+            self.device,
+            generator,
+        )
+        return RequestState(
+            req_id=req_id,
+            params=params,
+            latents=latents,
+            scheduler=scheduler,
+            timesteps=scheduler.timesteps,
+            cond=cond,
+            uncond=uncond,
+            cfg_scale=guidance,
+            bucket=("wan", params.height, params.width, params.num_frames),
+            extra={"shared": {}},
+        )
+
+    def timestep_rows(self, state: RequestState) -> torch.Tensor:
+        return state.timesteps[state.step_index].expand(state.rows)
+
+    def model_forward(self, latents, timesteps, inputs, shared):
+        return self.pipe.transformer(
+            hidden_states=latents.to(self.dtype),
+            timestep=timesteps,
+            encoder_hidden_states=inputs["encoder_hidden_states"],
+            return_dict=False,
+        )[0]
+
+    @torch.no_grad()
+    def decode(self, state: RequestState) -> np.ndarray:
+        vae = self.pipe.vae
+        latents = state.latents.to(vae.dtype)
+        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
+        video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
+        return to_uint8(self.pipe.video_processor.postprocess_video(video, output_type="np"))

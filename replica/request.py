@@ -1,0 +1,50 @@
+"""What the engine is asked to do, and what it answers. Validated at the ingress; the engine re-checks
+only what depends on the model (shape multiples, limits)."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class LoRARef(BaseModel):
+    """One adapter applied to a request: a loaded adapter's name and its strength."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, description="Name of a loaded LoRA adapter.")
+    scale: float = Field(default=1.0, ge=-10.0, le=10.0, description="Strength multiplier.")
+
+
+class GenerationParams(BaseModel):
+    """One generation request as the engine sees it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt: str = Field(min_length=1)
+    negative_prompt: str | None = None
+    width: int = Field(default=64, ge=16)
+    height: int = Field(default=64, ge=16)
+    num_frames: int = Field(default=1, ge=1, description="Video frames (video models only).")
+    num_inference_steps: int = Field(default=20, ge=1)
+    guidance_scale: float | None = Field(default=None, description="Distilled guidance (Flux) or CFG scale (Wan).")
+    true_cfg_scale: float = Field(default=1.0, ge=0.0, description="Flux true CFG with a negative prompt when > 1.")
+    seed: int = Field(default_factory=lambda: secrets.randbits(31), ge=0, lt=2**63)
+    n: int = Field(default=1, ge=1, description="Outputs per request.")
+    lora: tuple[LoRARef, ...] = ()
+    fps: int = Field(default=16, ge=1, le=120)
+
+
+@dataclass
+class GenerationResult:
+    """Encoded outputs: PNG bytes per image, or one MP4 per video."""
+
+    outputs: list[bytes]
+    media_type: str  # "image/png" or "video/mp4"
+    seed: int
+    width: int
+    height: int
+    num_frames: int = 1
+    timings: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,119 @@
+"""One rank of an engine replica: loads the pipeline, shards it, and executes step commands (SPMD).
+
+Every rank receives the same commands in the same order and holds the same request states; ranks differ
+only in which shard of the model and of the sequence they compute. Rank 0's answers go back to the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import EngineConfig
+from .models.registry import ModelSpec, resolve_model
+from .pipelines.base import PipelineRunner, RequestState
+from .request import GenerationParams
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=int(os.environ.get("DITSERVE_COLLECTIVE_TIMEOUT_S", "300")))
+
+
+def load_pipeline(spec: ModelSpec, dtype: torch.dtype, device: torch.device):
+    """``from_pretrained`` on the local folder: the same path for demo and real weights."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    cls = getattr(diffusers, spec.pipeline_class)
+    pipe = cls.from_pretrained(spec.path, dtype=dtype)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(device)
+
+
+def build_runner(spec: ModelSpec, pipe, config: EngineConfig, device: torch.device, mesh) -> PipelineRunner:
+    if spec.family == "flux":
+        from .pipelines.flux import FluxRunner as runner_cls
+    else:
+        from .pipelines.wan import WanRunner as runner_cls
+    return runner_cls(
+        pipe, device=device, dtype=config.torch_dtype, max_sequence_length=config.max_sequence_length, mesh=mesh
+    )
+
+
+class RankWorker:
+    """The per-rank engine. ``rank``/``world_size``/``init_method`` describe the replica's process group."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int = 0,
+        world_size: int = 1,
+        init_method: str | None = None,
+        device_index: int | None = None,
+    ):
+        self.config = config
+        self.rank = rank
+        self.spec = resolve_model(config.model)
+        if config.device == "cuda":
+            index = device_index if device_index is not None else rank % max(torch.cuda.device_count(), 1)
+            self.device = torch.device("cuda", index)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.mesh = None
+        dims = config.parallel.dims()
+        if world_size > 1:
+            import torch.distributed as dist
+
+            assert dims.world_size == world_size, (dims, world_size)
+            backend = "nccl" if config.device == "cuda" else "gloo"
+            dist.init_process_group(
+                backend, init_method=init_method, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
+            )
+            self.mesh = dims.build_mesh(device_type=self.device.type)
+        self.pipe = load_pipeline(self.spec, config.torch_dtype, self.device)
+        if self.mesh is not None:
+            from .parallel import parallelize_flux, parallelize_wan
+
+            parallelize = parallelize_flux if self.spec.family == "flux" else parallelize_wan
+            parallelize(self.pipe.transformer, mesh=self.mesh)
+        self.runner = build_runner(self.spec, self.pipe, config, self.device, self.mesh)
+        self.states: dict[str, RequestState] = {}
+
+    # -- commands (same on every rank) --------------------------------------------------------------------
+    def ping(self) -> dict[str, Any]:
+        return {"rank": self.rank, "device": str(self.device), "model": self.spec.name}
+
+    def add(self, req_id: str, params: GenerationParams) -> None:
+        self.states[req_id] = self.runner.prepare(req_id, params)
+
+    def step(self, req_ids: list[str]) -> dict[str, int]:
+        """One denoising step for ``req_ids`` (one bucket); returns each request's completed step count."""
+        states = [self.states[r] for r in req_ids]
+        self.runner.step(states)
+        return {s.req_id: s.step_index for s in states}
+
+    def finish(self, req_id: str) -> np.ndarray | None:
+        """Decode and forget a finished request; only rank 0 returns the pixels."""
+        state = self.states.pop(req_id)
+        pixels = self.runner.decode(state)
+        return pixels if self.rank == 0 else None
+
+    def drop(self, req_id: str) -> None:
+        self.states.pop(req_id, None)
+
+    def shutdown(self) -> None:
+        self.states.clear()
+        if self.mesh is not None:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
