@@ -1,0 +1,195 @@
+"""Parallel degrees of one engine replica, validated once at the edge.
+
+`ParallelDims` is the whole layout of one replica as data: CFG × TP × Ulysses × (ring | K/V-gather).
+Data parallelism is not in here: a "dp" replica is a whole engine, started by the cluster layer.
+Every rule raises a `ValueError` that names the command-line flag(s) and says how to fix it, because the
+person who reads it typed those flags.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from .mesh import ParallelMesh
+
+# Flag names as the CLI spells them; error messages use these so users can act on them.
+FLAG_NAMES: dict[str, str] = {
+    "cfg": "--cfg-parallel-size",
+    "tp": "--tp-size",
+    "ulysses": "--ulysses-degree",
+    "ring": "--ring-degree",
+    "kv_gather": "--kv-gather-degree",
+    "sp_degree": "--sp-degree",
+    "num_gpus": "--num-gpus",
+    "dp_size": "--dp-size",
+}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class ParallelDims(BaseModel):
+    """Degrees of the parallel axes inside one replica; `world_size` ranks in all.
+
+    Rank order, innermost first: tp, then ulysses, then ring or kv_gather, then cfg. TP innermost keeps
+    its per-block all-reduce on the fastest links; Ulysses' all-to-all is next; the ring only talks to
+    neighbours and overlaps with compute, so it can be strided; CFG talks once per step.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cfg: int = Field(
+        1, ge=1, le=2, description="CFG-parallel size: branch i (cond/uncond) runs on cfg rank i."
+    )
+    tp: int = Field(1, ge=1, description="Tensor-parallel size: heads and MLP columns split across ranks.")
+    ulysses: int = Field(1, ge=1, description="Ulysses degree: all-to-all swaps sequence and head shards.")
+    ring: int = Field(1, ge=1, description="Ring-attention degree: K/V blocks passed around a P2P ring.")
+    kv_gather: int = Field(1, ge=1, description="K/V-gather degree: K/V all-gathered once, local queries.")
+
+    @model_validator(mode="after")
+    def _one_slot_for_ring_or_gather(self) -> ParallelDims:
+        if self.ring > 1 and self.kv_gather > 1:
+            raise ValueError(
+                f"--ring-degree {self.ring} and --kv-gather-degree {self.kv_gather} are alternatives for the "
+                "same sequence-parallel slot; set one of them to 1 (e.g. --ring-degree "
+                f"{self.ring * self.kv_gather} --kv-gather-degree 1)."
+            )
+        return self
+
+    # ---- derived values -------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """Ranks of one replica: the product of every degree."""
+        return self.cfg * self.tp * self.ulysses * self.ring * self.kv_gather
+
+    @property
+    def sp_degree(self) -> int:
+        """How many shards the image/video sequence is cut into."""
+        return self.ulysses * self.ring * self.kv_gather
+
+    @property
+    def slot_degree(self) -> int:
+        """Degree of the ring-or-gather slot (one of the two is 1)."""
+        return self.ring * self.kv_gather
+
+    def describe(self) -> str:
+        """A short human string, e.g. ``cfg2×tp1×ulysses2×ring2`` (degree-1 axes after cfg are dropped)."""
+        parts = [f"cfg{self.cfg}"]
+        for name in ("tp", "ulysses", "ring", "kv_gather"):
+            if getattr(self, name) > 1:
+                parts.append(f"{name}{getattr(self, name)}")
+        return "×".join(parts)
+
+    # ---- model-dependent rules ----------------------------------------------------------------------
+    def validate(self, *, num_heads: int, attention_supports_lse: bool = True) -> None:
+        """Check the layout against a model and an attention backend; raise `ValueError` if it cannot run.
+
+        Why each rule: TP gives each rank `heads / tp` whole heads; Ulysses then gives each of its ranks
+        whole heads of those; the ring merges partial softmaxes, which needs each block's log-sum-exp.
+        """
+        if num_heads % self.tp != 0:
+            ok = ", ".join(str(d) for d in _divisors(num_heads) if d * self.cfg <= 64)
+            raise ValueError(
+                f"--tp-size {self.tp} does not divide the model's {num_heads} attention heads; "
+                f"choose a --tp-size that divides {num_heads} ({ok})."
+            )
+        heads_per_tp = num_heads // self.tp
+        if heads_per_tp % self.ulysses != 0:
+            ok = ", ".join(str(d) for d in _divisors(heads_per_tp))
+            raise ValueError(
+                f"{num_heads} heads / --tp-size {self.tp} = {heads_per_tp} heads per TP rank, which "
+                f"--ulysses-degree {self.ulysses} does not divide; use a --ulysses-degree that divides "
+                f"{heads_per_tp} ({ok}), a smaller --tp-size, or move the rest of the degree to "
+                "--ring-degree / --kv-gather-degree."
+            )
+        if self.ring > 1 and not attention_supports_lse:
+            raise ValueError(
+                f"--ring-degree {self.ring} needs an attention backend that returns the softmax "
+                "log-sum-exp to merge partial results, and the selected backend does not; use "
+                f"--kv-gather-degree {self.ring} --ring-degree 1 instead, or pick a backend with LSE "
+                "(torch math on CPU, cuDNN / flash SDPA on GPU)."
+            )
+
+    # ---- construction from CLI flags ------------------------------------------------------------
+    @classmethod
+    def from_flags(
+        cls,
+        *,
+        num_gpus: int | None = None,
+        dp_size: int = 1,
+        cfg: int = 1,
+        tp: int = 1,
+        ulysses: int = 1,
+        ring: int = 1,
+        kv_gather: int = 1,
+        sp_degree: int | None = None,
+    ) -> ParallelDims:
+        """Build the per-replica layout from serving flags (SGLang Diffusion semantics).
+
+        `num_gpus` counts every GPU of the deployment, so each of the `dp_size` replicas gets
+        `num_gpus / dp_size`; that must equal cfg × tp × ulysses × ring × kv_gather. Without `num_gpus`
+        the deployment simply uses dp_size × that product. `sp_degree` alone picks the sequence-parallel
+        kind: 2 → kv_gather 2 (one all-gather, cheapest at small degree), larger → Ulysses.
+        """
+        for name, value in (
+            ("dp_size", dp_size),
+            ("cfg", cfg),
+            ("tp", tp),
+            ("ulysses", ulysses),
+            ("ring", ring),
+            ("kv_gather", kv_gather),
+        ):
+            if value < 1:
+                raise ValueError(f"{FLAG_NAMES[name]} must be >= 1, got {value}; pass a positive integer.")
+        if cfg > 2:
+            raise ValueError(
+                f"--cfg-parallel-size {cfg} is not supported: classifier-free guidance has two branches; "
+                "use --cfg-parallel-size 1 or 2."
+            )
+        if sp_degree is not None:
+            if sp_degree < 1:
+                raise ValueError(f"--sp-degree must be >= 1, got {sp_degree}; pass a positive integer.")
+            if (ulysses, ring, kv_gather) != (1, 1, 1):
+                raise ValueError(
+                    f"--sp-degree {sp_degree} cannot be combined with --ulysses-degree / --ring-degree / "
+                    "--kv-gather-degree; pass either --sp-degree alone or the explicit degrees."
+                )
+            if sp_degree == 2:
+                kv_gather = 2
+            elif sp_degree > 2:
+                ulysses = sp_degree
+        dims = cls(cfg=cfg, tp=tp, ulysses=ulysses, ring=ring, kv_gather=kv_gather)
+        if num_gpus is not None:
+            if num_gpus < 1:
+                raise ValueError(f"--num-gpus must be >= 1, got {num_gpus}; pass a positive integer.")
+            if num_gpus % dp_size != 0:
+                raise ValueError(
+                    f"--num-gpus {num_gpus} is not divisible by --dp-size {dp_size}; every replica needs the "
+                    f"same number of GPUs, so pass a --num-gpus that is a multiple of {dp_size} "
+                    f"(e.g. {dp_size * dims.world_size})."
+                )
+            per_replica = num_gpus // dp_size
+            if per_replica != dims.world_size:
+                raise ValueError(
+                    f"--num-gpus {num_gpus} / --dp-size {dp_size} = {per_replica} GPUs per replica, but "
+                    f"--cfg-parallel-size {dims.cfg} × --tp-size {dims.tp} × --ulysses-degree {dims.ulysses} "
+                    f"× --ring-degree {dims.ring} × --kv-gather-degree {dims.kv_gather} = {dims.world_size}; "
+                    f"pass --num-gpus {dp_size * dims.world_size}, or raise the degrees (e.g. "
+                    "--ulysses-degree / --sp-degree) so their product is "
+                    f"{per_replica}."
+                )
+        return dims
+
+    # ---- runtime ------------------------------------------------------------------------------------
+    def build_mesh(
+        self, device_type: str = "cpu", *, timeout: timedelta = timedelta(minutes=5)
+    ) -> ParallelMesh:
+        """Build the named DeviceMesh for this layout (call after `init_process_group`, on every rank)."""
+        from .mesh import ParallelMesh
+
+        return ParallelMesh.build(self, device_type=device_type, timeout=timeout)

@@ -1,0 +1,180 @@
+"""`parallelize_wan`: Ulysses / ring / K/V-gather / TP on a diffusers WanTransformer3DModel, in place.
+
+Order of steps:
+
+1. validate the layout against the model's heads;
+2. TP: column-parallel q/k/v (+ I2V add_k/add_v) and ffn-in, row-parallel to_out and ffn-out
+   (`WAN_TP_PLAN`); Wan normalises q and k over *all* heads, so those RMSNorms become ShardedRMSNorm
+   (one small all-reduce of squared sums for q and k together);
+3. swap every WanAttention processor for `WanParallelAttnProcessor`: self-attention over the sharded
+   video sequence, cross-attention to the (replicated) text stays local with no communication;
+4. hooks that split the sequence where it first exists: the model's pre-forward hook plans the layout
+   (and splits a per-token Wan 2.2 timestep), the `rope` output and `blocks.0`'s hidden_states are
+   padded + split; the final `proj_out` output is all-gathered and unpadded before the unpatchify.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from .attention import attention
+from .hooks import ForwardState, bind_forward_args, claim
+from .mesh import ParallelMesh
+from .sequence import SequenceLayout, gather_sequence, shard_sequence
+from .sp_attention import sequence_parallel_attention
+from .tp import ColumnParallelLinear, ShardedRMSNorm, apply_tp_plan, sharded_rms_norm_many
+
+WAN_TP_PLAN: dict[str, str] = {
+    "blocks.*.attn1.to_[qkv]": "column",
+    "blocks.*.attn1.to_out.0": "row",
+    "blocks.*.attn2.to_[qkv]": "column",
+    "blocks.*.attn2.add_[kv]_proj": "column",
+    "blocks.*.attn2.to_out.0": "row",
+    "blocks.*.ffn.net.0.proj": "column",
+    "blocks.*.ffn.net.2": "row",
+}
+
+# Wan's I2V processor treats everything before the last 512 context tokens as image context.
+_WAN_TEXT_CONTEXT = 512
+
+
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved (even, odd) channel pairs; cos/sin are (1, S, 1, D) with repeated pairs."""
+    even, odd = x.unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[..., 0::2], sin[..., 1::2]
+    return torch.stack([even * c - odd * s, even * s + odd * c], dim=-1).flatten(-2).type_as(x)
+
+
+def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """(B, S, H, D) attention with every key local (cross-attention to replicated context)."""
+    out, _ = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), need_lse=False)
+    return out.transpose(1, 2)
+
+
+class WanParallelAttnProcessor:
+    """Wan self-attention over the sharded sequence; cross-attention local. Heads read as `-1` for TP."""
+
+    def __init__(self, mesh: ParallelMesh, state: ForwardState) -> None:
+        self.mesh = mesh
+        self.state = state
+
+    @staticmethod
+    def _norm_pair(
+        norm_q: nn.Module, norm_k: nn.Module, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(norm_q, ShardedRMSNorm) and isinstance(norm_k, ShardedRMSNorm):
+            q, k = sharded_rms_norm_many([norm_q, norm_k], [q, k])
+            return q, k
+        return norm_q(q), norm_k(k)
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        if attention_mask is not None:
+            raise NotImplementedError("WanParallelAttnProcessor does not take an attention_mask")
+        image_context = None
+        if attn.add_k_proj is not None and encoder_hidden_states is not None:
+            num_image = encoder_hidden_states.shape[1] - _WAN_TEXT_CONTEXT
+            image_context = encoder_hidden_states[:, :num_image]
+            encoder_hidden_states = encoder_hidden_states[:, num_image:]
+        head_dim = attn.inner_dim // attn.heads
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+
+        q, k = self._norm_pair(attn.norm_q, attn.norm_k, attn.to_q(hidden_states), attn.to_k(context))
+        v = attn.to_v(context)
+        q, k, v = (t.unflatten(2, (-1, head_dim)) for t in (q, k, v))
+        if rotary_emb is not None:
+            q = _rotate_pairs(q, *rotary_emb)
+            k = _rotate_pairs(k, *rotary_emb)
+
+        if encoder_hidden_states is None:  # self-attention over the sharded video sequence
+            out, _ = sequence_parallel_attention(q, k, v, mesh=self.mesh, layout=self.state.require_layout())
+        else:  # cross-attention: the context is replicated, nothing to communicate
+            out = _local_attention(q, k, v)
+        out = out.flatten(2).type_as(q)
+
+        if image_context is not None:  # Wan 2.1 I2V: a second, local cross-attention to image tokens
+            k_img = attn.norm_added_k(attn.add_k_proj(image_context)).unflatten(2, (-1, head_dim))
+            v_img = attn.add_v_proj(image_context).unflatten(2, (-1, head_dim))
+            out = out + _local_attention(q, k_img, v_img).flatten(2).type_as(q)
+
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def _shard_norms(transformer: nn.Module) -> None:
+    """Replace Wan's across-heads q/k RMSNorms by TP-aware ones cut like the q/k projections."""
+    for block in transformer.blocks:
+        for attn in (block.attn1, block.attn2):
+            to_q, to_k = attn.to_q, attn.to_k
+            assert isinstance(to_q, ColumnParallelLinear) and isinstance(to_k, ColumnParallelLinear)
+            attn.norm_q = ShardedRMSNorm(attn.norm_q, group=to_q.tp_group, ranges=to_q.tp_slices)
+            attn.norm_k = ShardedRMSNorm(attn.norm_k, group=to_k.tp_group, ranges=to_k.tp_slices)
+            if attn.add_k_proj is not None:
+                add_k = attn.add_k_proj
+                assert isinstance(add_k, ColumnParallelLinear)
+                attn.norm_added_k = ShardedRMSNorm(
+                    attn.norm_added_k, group=add_k.tp_group, ranges=add_k.tp_slices
+                )
+
+
+def parallelize_wan(transformer: nn.Module, *, mesh: ParallelMesh) -> nn.Module:
+    """Shard a WanTransformer3DModel over `mesh` in place; every rank then calls it with full inputs."""
+    config = transformer.config
+    mesh.dims.validate(num_heads=config.num_attention_heads, attention_supports_lse=True)
+    for name, module in transformer.named_modules():
+        if getattr(module, "fused_projections", False):
+            raise ValueError(f"{name} has fused projections; parallelize before fuse_qkv_projections()")
+    handle = claim(transformer, mesh, "wan")
+    state = handle.state
+
+    tp_group = mesh.get_group("tp")
+    if tp_group is not None:
+        handle.tp_modules = apply_tp_plan(transformer, WAN_TP_PLAN, group=tp_group)
+        _shard_norms(transformer)
+
+    processor = WanParallelAttnProcessor(mesh, state)
+    for block in transformer.blocks:
+        block.attn1.set_processor(processor)
+        block.attn2.set_processor(processor)
+
+    patch = tuple(config.patch_size)
+
+    def plan(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        bound = bind_forward_args(module.forward, args, kwargs)
+        _, _, frames, height, width = bound["hidden_states"].shape
+        num_tokens = math.prod(n // p for n, p in zip((frames, height, width), patch, strict=True))
+        layout = SequenceLayout.plan(num_tokens, mesh)
+        state.layout = layout
+        timestep = bound["timestep"]
+        if timestep.ndim == 2:  # Wan 2.2 TI2V: one timestep per token, sharded like the tokens
+            bound["timestep"] = shard_sequence(timestep, layout, dim=1)
+        return (), bound
+
+    def split_rope(module: nn.Module, args: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+        layout = state.require_layout()
+        return tuple(shard_sequence(t, layout, dim=1) for t in output)
+
+    def split_hidden(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        layout = state.require_layout()
+        if args:
+            return (shard_sequence(args[0], layout, dim=1), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": shard_sequence(kwargs["hidden_states"], layout, dim=1)}
+
+    def gather_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return gather_sequence(output, state.require_layout(), mesh, dim=1)
+
+    handle.hooks += [
+        transformer.register_forward_pre_hook(plan, with_kwargs=True),
+        transformer.rope.register_forward_hook(split_rope),
+        transformer.blocks[0].register_forward_pre_hook(split_hidden, with_kwargs=True),
+        transformer.proj_out.register_forward_hook(gather_output),
+    ]
+    return transformer

@@ -1,0 +1,132 @@
+"""Parity cases: a tiny Flux / Wan model, sharded by a layout, must give the single-rank output.
+
+Runs inside ranks started by `run_distributed`. Every rank builds the same model and inputs from fixed
+seeds, computes the unsharded reference itself (tiny models, cheap), then runs each layout and returns
+the max abs error per (model, layout, input shape) to the parent test.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from diffusers import FluxTransformer2DModel, WanTransformer3DModel
+from ditserve.replica.parallel import ParallelDims, cfg_all_gather, parallelize_flux, parallelize_wan
+
+NUM_HEADS = 8
+BATCH = 2  # two requests with different timesteps in one forward
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str  # "flux" | "wan"
+    dims: ParallelDims
+    shape: tuple[int, ...]  # flux: (h, w) latent tokens; wan: (frames, height, width) latent pixels
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}-{self.dims.describe()}-{'x'.join(map(str, self.shape))}"
+
+
+def build_flux() -> FluxTransformer2DModel:
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=NUM_HEADS,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        guidance_embeds=True,
+        axes_dims_rope=[4, 6, 6],
+    ).eval()
+
+
+def build_wan() -> WanTransformer3DModel:
+    torch.manual_seed(0)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=NUM_HEADS,
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    ).eval()
+
+
+def flux_inputs(shape: tuple[int, ...], branch: int) -> dict[str, Any]:
+    h, w = shape
+    g = torch.Generator().manual_seed(100 + 7 * branch + h * 13 + w)
+    num_text = 7
+    ids = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1).reshape(-1, 2)
+    img_ids = torch.cat([torch.zeros(h * w, 1), ids.float()], dim=1)
+    return {
+        "hidden_states": torch.randn(BATCH, h * w, 16, generator=g),
+        "encoder_hidden_states": torch.randn(BATCH, num_text, 32, generator=g),
+        "pooled_projections": torch.randn(BATCH, 32, generator=g),
+        "timestep": torch.tensor([0.9, 0.3]),
+        "guidance": torch.tensor([3.5, 3.5]),
+        "img_ids": img_ids,
+        "txt_ids": torch.zeros(num_text, 3),
+        "return_dict": False,
+    }
+
+
+def wan_inputs(shape: tuple[int, ...], branch: int) -> dict[str, Any]:
+    f, h, w = shape
+    g = torch.Generator().manual_seed(200 + 7 * branch + f * 31 + h * 13 + w)
+    return {
+        "hidden_states": torch.randn(BATCH, 4, f, h, w, generator=g),
+        "timestep": torch.tensor([900, 300]),
+        "encoder_hidden_states": torch.randn(BATCH, 9, 16, generator=g),
+        "return_dict": False,
+    }
+
+
+BUILDERS = {
+    "flux": (build_flux, flux_inputs, parallelize_flux),
+    "wan": (build_wan, wan_inputs, parallelize_wan),
+}
+
+
+def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[tuple[str, float, float, float]]:
+    """Run every case (all with dims.world_size == world_size).
+
+    Returns (name, max abs error, max abs reference value, seconds) per case; the reference magnitude
+    shows the comparison is not between two zero tensors.
+    """
+    models: dict[str, torch.nn.Module] = {}
+    refs: dict[tuple[str, tuple[int, ...], int], torch.Tensor] = {}
+    results = []
+    for case in cases:
+        assert case.dims.world_size == world_size, case
+        start = time.perf_counter()
+        build, make_inputs, parallelize = BUILDERS[case.model]
+        if case.model not in models:
+            models[case.model] = build()
+        with torch.no_grad():
+            for branch in range(case.dims.cfg):
+                key = (case.model, case.shape, branch)
+                if key not in refs:
+                    refs[key] = models[case.model](**make_inputs(case.shape, branch))[0]
+            mesh = case.dims.build_mesh("cpu", timeout=timedelta(seconds=60))
+            model = parallelize(copy.deepcopy(models[case.model]), mesh=mesh)
+            local = model(**make_inputs(case.shape, mesh.cfg_rank))[0]
+            stacked = cfg_all_gather(local, mesh)
+            expected = torch.stack([refs[(case.model, case.shape, b)] for b in range(case.dims.cfg)])
+        assert stacked.shape == expected.shape, (case.name, stacked.shape, expected.shape)
+        error = (stacked - expected).abs().max().item()
+        results.append((case.name, error, expected.abs().max().item(), time.perf_counter() - start))
+    return results
