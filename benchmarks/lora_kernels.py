@@ -1,0 +1,197 @@
+"""Multi-LoRA kernel benchmark (GPU): shrink / expand (segmented and SGMV) against the HBM floor, the torch
+per-segment loop and the base projection GEMM, on hidden 3072.
+
+    python benchmarks/lora_kernels.py --out DIR [--sweep]
+
+Prints markdown tables and writes them to DIR/lora_kernels.md (+ DIR/lora_kernels.json).
+"% HBM" = (bytes that must move / copy bandwidth measured in the same run) / measured time.
+"% roof" uses max(HBM time, FLOPs / measured bf16 matmul rate): at high rank × slices the shrink's
+tensor-core work, not its bytes, sets the floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+from ditserve.kernels import apply_lora, lora_expand, lora_linear, lora_shrink
+from ditserve.kernels._bench import LoRAProblem, copy_bandwidth, make_problem, matmul_flops
+from ditserve.kernels.lora_expand.op import launch_lora_expand
+from ditserve.kernels.lora_expand.reference import lora_expand_ref
+from ditserve.kernels.lora_shrink.op import launch_lora_shrink
+from ditserve.kernels.lora_shrink.reference import lora_shrink_ref
+
+BATCHES = {
+    "1x4608": [(4608, 0)],
+    "4x4608": [(4608, i) for i in range(4)],
+    "skew 4608/1024/4608/256": [(4608, 0), (1024, 1), (4608, 2), (256, 3)],
+    "8x256": [(256, i) for i in range(8)],
+}
+SLICES = {3: [3072] * 3, 4: [3072] * 3 + [12288]}
+RANKS = (16, 32, 64, 128)
+SHRINK_SWEEP = [(16, 128, 4, 4), (32, 64, 4, 4), (32, 128, 4, 3), (64, 64, 4, 4), (64, 64, 8, 3), (64, 128, 8, 3),
+                (128, 64, 8, 3), (128, 32, 8, 4)]  # fmt: skip
+EXPAND_SWEEP = [
+    (32, 128, 4, 2),
+    (64, 64, 4, 2),
+    (64, 128, 4, 2),
+    (64, 256, 8, 2),
+    (128, 128, 8, 2),
+    (128, 256, 8, 2),
+]
+
+
+def bench_ms(fn, rep: int = 100) -> float:
+    return triton.testing.do_bench(fn, warmup=max(10, rep // 4), rep=rep, return_mode="median")
+
+
+def commit() -> str:
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def measure(p: LoRAProblem) -> dict[str, float]:
+    """Median ms of every provider on one problem."""
+    m, sizes = p.meta, p.sizes
+    s = lora_shrink(p.x, p.a, m)
+    seg = (m.seg_start, m.seg_len, m.seg_slot)
+
+    def loop():
+        s_ref = lora_shrink_ref(p.x, p.a, *seg, m.slot_rank, m.max_rank)
+        lora_expand_ref(p.y, s_ref, p.b, *seg, m.seg_scale, m.slot_rank, sizes)
+
+    return dict(
+        shrink=bench_ms(lambda: lora_shrink(p.x, p.a, m)),
+        shrink_sgmv=bench_ms(lambda: lora_shrink(p.x, p.a, m, "sgmv")),
+        expand=bench_ms(lambda: lora_expand(p.y, s, p.b, m, sizes)),
+        expand_sgmv=bench_ms(lambda: lora_expand(p.y, s, p.b, m, sizes, "sgmv")),
+        loop=bench_ms(loop, rep=50),
+        base=bench_ms(lambda: F.linear(p.x, p.w)),
+        apply=bench_ms(lambda: apply_lora(p.y, p.x, p.a, p.b, m, sizes)),
+        apply_sgmv=bench_ms(lambda: apply_lora(p.y, p.x, p.a, p.b, m, sizes, "sgmv")),
+        fused=bench_ms(lambda: lora_linear(p.x, p.w, None, p.a, p.b, m, sizes)),
+    )
+
+
+def shrink_sweep(p: LoRAProblem) -> list[str]:
+    m = p.meta
+    args = (p.x, p.a, m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
+    cells = []
+    for bm, bk, w, st in SHRINK_SWEEP:
+        cfg = dict(BLOCK_M=bm, BLOCK_K=bk, num_warps=w, num_stages=st)
+        try:
+            us = 1e3 * bench_ms(lambda cfg=cfg: launch_lora_shrink(*args, config=cfg), rep=30)
+            cells.append(f"{bm}/{bk},{w},{st}: {us:.1f}")
+        except Exception as e:  # out of shared memory / registers
+            cells.append(f"{bm}/{bk},{w},{st}: fail ({type(e).__name__})")
+    return cells
+
+
+def expand_sweep(p: LoRAProblem) -> list[str]:
+    m = p.meta
+    s = lora_shrink(p.x, p.a, m)
+    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
+    cells = []
+    for bm, bn, w, st in EXPAND_SWEEP:
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+        try:
+            fn = lambda cfg=cfg: launch_lora_expand(p.y, s, p.b, *seg, p.sizes, config=cfg)  # noqa: E731
+            cells.append(f"{bm}/{bn},{w},{st}: {1e3 * bench_ms(fn, rep=30):.1f}")
+        except Exception as e:
+            cells.append(f"{bm}/{bn},{w},{st}: fail ({type(e).__name__})")
+    return cells
+
+
+def sweep(lines: list[str], out: str) -> None:
+    """Tile sweep of the segmented kernels on the 4x4608 and 1x4608 batches."""
+    lines += ["", "### Tile sweep (µs, median; BLOCK_M/K or N, warps, stages)", ""]
+    for batch in ("4x4608", "1x4608"):
+        for nsl, sizes in SLICES.items():
+            for rank in (16, 64, 128):
+                if batch == "1x4608" and nsl == 4:
+                    continue
+                p = make_problem(BATCHES[batch], rank, sizes)
+                lines.append(f"- shrink {batch} slices={nsl} rank={rank}: " + "; ".join(shrink_sweep(p)))
+                print(lines[-1], flush=True)
+                save(out, lines)
+                if batch == "4x4608":
+                    lines.append(f"- expand {batch} slices={nsl} rank={rank}: " + "; ".join(expand_sweep(p)))
+                    print(lines[-1], flush=True)
+
+
+def save(out: str, lines: list[str]) -> None:
+    with open(os.path.join(out, "lora_kernels.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def cell(ms: float, nbytes: int, flops: int, bw: float, mm: float) -> str:
+    t = ms * 1e-3
+    hbm = nbytes / bw
+    roof = max(hbm, flops / mm)
+    return f"{ms * 1e3:.1f} µs · {nbytes / t / 1e9:.0f} GB/s · {100 * hbm / t:.0f}% HBM · {100 * roof / t:.0f}% roof"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    props = torch.cuda.get_device_properties(0)
+    bw, mm = copy_bandwidth(), matmul_flops()
+    head = [
+        f"machine: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
+        f"triton {triton.__version__}, commit {commit()}, {time.strftime('%Y-%m-%d')}",
+        f"copy bandwidth (torch clone, read+write): {bw / 1e9:.0f} GB/s; bf16 matmul 8192³: {mm / 1e12:.0f} TFLOP/s",
+        "bf16, hidden 3072, per-slot rank = rank, scale 0.5, adapters = one per request (slots 0..n-1)",
+    ]
+    lines = list(head)
+    lines += [
+        "",
+        "| batch | slices | rank | shrink | shrink SGMV | expand | expand SGMV | torch loop (shrink+expand) | "
+        "base GEMM | LoRA overhead: shrink+expand / SGMV / fused lora_linear |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    records = []
+    for batch, reqs in BATCHES.items():
+        for nsl, sizes in SLICES.items():
+            for rank in RANKS:
+                p = make_problem(reqs, rank, sizes)
+                m = p.meta
+                t = measure(p)
+                sb, eb = p.shrink_bytes(), p.expand_bytes()
+                sf, ef = p.shrink_flops(), p.expand_flops()
+                over = [100 * t["apply"] / t["base"], 100 * t["apply_sgmv"] / t["base"],
+                        100 * (t["fused"] - t["base"]) / t["base"]]  # fmt: skip
+                row = (
+                    f"| {batch} ({m.num_tokens} tok) | {nsl} | {rank} | {cell(t['shrink'], sb, sf, bw, mm)} | "
+                    f"{cell(t['shrink_sgmv'], sb, sf, bw, mm)} | {cell(t['expand'], eb, ef, bw, mm)} | "
+                    f"{cell(t['expand_sgmv'], eb, ef, bw, mm)} | {t['loop'] * 1e3:.0f} µs | {t['base'] * 1e3:.0f} µs | "
+                    f"{over[0]:.1f}% / {over[1]:.1f}% / {over[2]:.1f}% |"
+                )
+                lines.append(row)
+                print(row, flush=True)
+                save(args.out, lines)
+                records.append(dict(batch=batch, num_tokens=m.num_tokens, slices=nsl, rank=rank, ms=t,
+                                    shrink_bytes=sb, expand_bytes=eb, shrink_flops=sf, expand_flops=ef))  # fmt: skip
+                del p
+                torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "lora_kernels.json"), "w") as f:
+        json.dump(dict(head=head, copy_bw=bw, matmul_flops=mm, records=records), f, indent=1)
+    if args.sweep:
+        sweep(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()
