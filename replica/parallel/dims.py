@@ -16,6 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 if TYPE_CHECKING:
     from .mesh import ParallelMesh
 
+# Mesh axes, outermost first; rank = (((cfg·R + ring)·G + kv_gather)·U + ulysses)·T + tp.
+AXES: tuple[str, ...] = ("cfg", "ring", "kv_gather", "ulysses", "tp")
+# The sequence is split over these, in this order (shard index = slot rank · U + ulysses rank).
+SP_AXES: tuple[str, ...] = ("ring", "kv_gather", "ulysses")
+
 # Flag names as the CLI spells them; error messages use these so users can act on them.
 FLAG_NAMES: dict[str, str] = {
     "cfg": "--cfg-parallel-size",
@@ -84,6 +89,24 @@ class ParallelDims(BaseModel):
             if getattr(self, name) > 1:
                 parts.append(f"{name}{getattr(self, name)}")
         return "×".join(parts)
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group of `axis` ("sp" = ring·kv_gather·ulysses) as lists of global ranks, sorted.
+
+        Pure layout math, the same the DeviceMesh builds; used by docs, logs and the unit tests.
+        """
+        import torch
+
+        full = torch.arange(self.world_size).reshape([getattr(self, a) for a in AXES])
+        keep = SP_AXES if axis == "sp" else (axis,)
+        if any(a not in AXES for a in keep):
+            raise KeyError(f"unknown mesh axis {axis!r}; axes are {AXES + ('sp',)}")
+        inner = [AXES.index(a) for a in keep]
+        outer = [i for i in range(len(AXES)) if i not in inner]
+        size = 1
+        for i in inner:
+            size *= int(full.shape[i])
+        return sorted(full.permute(*outer, *inner).reshape(-1, size).tolist())
 
     # ---- model-dependent rules ----------------------------------------------------------------------
     def validate(self, *, num_heads: int, attention_supports_lse: bool = True) -> None:

@@ -22,14 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .dims import ParallelDims
-
-AXES: tuple[str, ...] = ("cfg", "ring", "kv_gather", "ulysses", "tp")
-SP_AXES: tuple[str, ...] = ("ring", "kv_gather", "ulysses")
+from .dims import AXES, SP_AXES, ParallelDims
 
 
 def _backend_override(timeout: timedelta) -> tuple[str, object] | None:
@@ -162,12 +158,5 @@ class ParallelMesh:
         return self.size("sp")
 
     def groups_of(self, name: str) -> list[list[int]]:
-        """Every group of axis `name` as sorted lists of global ranks (for docs, logs and tests)."""
-        full = torch.arange(self.dims.world_size).reshape([getattr(self.dims, a) for a in AXES])
-        keep = SP_AXES if name == "sp" else (name,)
-        inner = [AXES.index(a) for a in keep]
-        outer = [i for i in range(len(AXES)) if i not in inner]
-        size = 1
-        for i in inner:
-            size *= full.shape[i]
-        return sorted(full.permute(*outer, *inner).reshape(-1, size).tolist())
+        """Every group of axis `name` as sorted lists of global ranks (see `ParallelDims.groups`)."""
+        return self.dims.groups(name)

@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 from diffusers import FluxTransformer2DModel, WanTransformer3DModel
-from ditserve.replica.parallel import ParallelDims, cfg_all_gather, parallelize_flux, parallelize_wan
+
+from ditserve.replica.parallel import (
+    ParallelDims,
+    ParallelMesh,
+    cfg_all_gather,
+    parallelize_flux,
+    parallelize_wan,
+)
+from ditserve.replica.parallel.dims import AXES
 
 NUM_HEADS = 8
 BATCH = 2  # two requests with different timesteps in one forward
@@ -101,6 +109,19 @@ BUILDERS = {
 }
 
 
+def check_mesh(mesh: ParallelMesh, rank: int) -> None:
+    """The DeviceMesh's groups are the ones ParallelDims documents, and degree-1 axes have none."""
+    for axis in (*AXES, "sp"):
+        sub = mesh.get_optional_mesh(axis)
+        if mesh.dims.groups(axis)[0].__len__() == 1:
+            assert sub is None, (axis, mesh.dims)
+            continue
+        assert sub is not None, (axis, mesh.dims)
+        ranks = sub.mesh.flatten().tolist()
+        assert rank in ranks and sorted(ranks) in mesh.dims.groups(axis), (axis, ranks, mesh.dims)
+        assert mesh.local_rank(axis) == ranks.index(rank), (axis, ranks)
+
+
 def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[tuple[str, float, float, float]]:
     """Run every case (all with dims.world_size == world_size).
 
@@ -122,6 +143,7 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[tuple[str, 
                 if key not in refs:
                     refs[key] = models[case.model](**make_inputs(case.shape, branch))[0]
             mesh = case.dims.build_mesh("cpu", timeout=timedelta(seconds=60))
+            check_mesh(mesh, rank)
             model = parallelize(copy.deepcopy(models[case.model]), mesh=mesh)
             local = model(**make_inputs(case.shape, mesh.cfg_rank))[0]
             stacked = cfg_all_gather(local, mesh)
