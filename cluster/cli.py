@@ -34,11 +34,17 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="Generate one image or video locally (no Ray).")
     p.add_argument("prompt", help="What to draw.")
     p.add_argument("-o", "--output", default="out.png", help="Output file: .png (image) or .mp4 (video).")
-    p.add_argument("--width", type=int, default=None, help="Width in pixels (default 64 on demo models, else 1024).")
+    p.add_argument(
+        "--width", type=int, default=None, help="Width in pixels (default 64 on demo models, else 1024)."
+    )
     p.add_argument("--height", type=int, default=None, help="Height in pixels.")
     p.add_argument("--num-inference-steps", type=int, default=20)
-    p.add_argument("--guidance-scale", type=float, default=None, help="Distilled guidance (Flux) / CFG (Wan).")
-    p.add_argument("--true-cfg-scale", type=float, default=None, help="Flux true CFG (with --negative-prompt).")
+    p.add_argument(
+        "--guidance-scale", type=float, default=None, help="Distilled guidance (Flux) / CFG (Wan)."
+    )
+    p.add_argument(
+        "--true-cfg-scale", type=float, default=None, help="Flux true CFG (with --negative-prompt)."
+    )
     p.add_argument("--negative-prompt", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n", type=int, default=1, help="Number of outputs (files get a suffix).")
@@ -71,7 +77,9 @@ def run_generate(ns: argparse.Namespace) -> int:
     video = engine.spec.kind == "video"
     suffix = Path(ns.output).suffix.lower()
     if suffix != (".mp4" if video else ".png"):
-        return _fail(f"-o {ns.output}: {engine.spec.name} makes {'videos (.mp4)' if video else 'images (.png)'}")
+        return _fail(
+            f"-o {ns.output}: {engine.spec.name} makes {'videos (.mp4)' if video else 'images (.png)'}"
+        )
     small = engine.spec.name.startswith("demo-")
     size = 64 if small else 1024
     try:
@@ -83,9 +91,9 @@ def run_generate(ns: argparse.Namespace) -> int:
             num_frames=ns.num_frames if video else 1,
             num_inference_steps=ns.num_inference_steps,
             guidance_scale=ns.guidance_scale,
-            true_cfg_scale=ns.true_cfg_scale if ns.true_cfg_scale is not None else (
-                4.0 if ns.negative_prompt is not None and not video else 1.0
-            ),
+            true_cfg_scale=ns.true_cfg_scale
+            if ns.true_cfg_scale is not None
+            else (4.0 if ns.negative_prompt is not None and not video else 1.0),
             seed=ns.seed,
             n=ns.n,
             fps=ns.fps,
@@ -140,7 +148,9 @@ def run_serve(ns: argparse.Namespace) -> int:
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-        print(f"ditserve: serving {args.model} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
+        print(
+            f"ditserve: serving {args.model} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True
+        )
         stop.wait()
     finally:
         print("ditserve: shutting down", flush=True)

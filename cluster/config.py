@@ -121,7 +121,9 @@ def _base_type(annotation):
     return annotation
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, model: type[BaseModel], skip: tuple[str, ...] = ()) -> None:
+def add_model_arguments(
+    parser: argparse.ArgumentParser, model: type[BaseModel], skip: tuple[str, ...] = ()
+) -> None:
     """One ``--flag`` per field; defaults stay with pydantic (argparse default is SUPPRESS)."""
     for name, field in model.model_fields.items():
         if name in skip:

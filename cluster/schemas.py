@@ -15,8 +15,15 @@ SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 class APIError(Exception):
     """An error a client caused or must know about; the ingress maps ``status`` to HTTP / gRPC codes."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -25,14 +32,18 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+        return {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
+        }
 
 
 def parse_size(size: str) -> tuple[int, int]:
-    """"WxH" → (width, height); raises APIError naming ``size``."""
+    """ "WxH" → (width, height); raises APIError naming ``size``."""
     match = SIZE_RE.match(size)
     if not match:
-        raise APIError(400, f"size must look like 'WIDTHxHEIGHT' (e.g. '512x512'), got {size!r}", param="size")
+        raise APIError(
+            400, f"size must look like 'WIDTHxHEIGHT' (e.g. '512x512'), got {size!r}", param="size"
+        )
     return int(match.group(1)), int(match.group(2))
 
 
@@ -42,10 +53,16 @@ class ImageGenerationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prompt: str = Field(min_length=1, description="What to draw.")
-    model: str | None = Field(default=None, description="Model name (GET /v1/models); default: the served one.")
+    model: str | None = Field(
+        default=None, description="Model name (GET /v1/models); default: the served one."
+    )
     n: int = Field(default=1, ge=1, description="Number of images.")
-    size: str = Field(default="512x512", description="WIDTHxHEIGHT, each a multiple of 16.")
-    response_format: Literal["b64_json", "url"] = Field(default="b64_json", description="Only b64_json is served.")
+    size: str | None = Field(
+        default=None, description="WIDTHxHEIGHT, each a multiple of 16 (default: the model's native size)."
+    )
+    response_format: Literal["b64_json", "url"] = Field(
+        default="b64_json", description="Only b64_json is served."
+    )
     negative_prompt: str | None = Field(default=None, description="What not to draw (true CFG with Flux).")
     num_inference_steps: int = Field(default=20, ge=1, description="Denoising steps.")
     guidance_scale: float | None = Field(default=None, ge=0, le=100, description="Guidance (model default).")
@@ -66,8 +83,7 @@ class ImageGenerationRequest(BaseModel):
             raise ValueError("prompt must not be empty")
         return v
 
-    def to_params(self, default_true_cfg: float) -> GenerationParams:
-        width, height = parse_size(self.size)
+    def to_params(self, width: int, height: int, default_true_cfg: float) -> GenerationParams:
         loras = () if self.lora is None else tuple(self.lora if isinstance(self.lora, list) else [self.lora])
         kwargs: dict[str, Any] = {}
         if self.seed is not None:

@@ -24,7 +24,9 @@ class ParallelFlags(BaseModel):
         "Unset: dp_size × the product of the degrees.",
     )
     dp_size: int = Field(default=1, ge=1, description="Number of engine replicas.")
-    cfg_parallel_size: int = Field(default=1, ge=1, le=2, description="CFG branches on separate ranks (1 or 2).")
+    cfg_parallel_size: int = Field(
+        default=1, ge=1, le=2, description="CFG branches on separate ranks (1 or 2)."
+    )
     tp_size: int = Field(default=1, ge=1, description="Tensor-parallel degree.")
     ulysses_degree: int = Field(default=1, ge=1, description="Ulysses (all-to-all) sequence-parallel degree.")
     ring_degree: int = Field(default=1, ge=1, description="Ring-attention sequence-parallel degree.")
@@ -74,7 +76,9 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(default="demo-scenes", description="Embedded model name or a local diffusers folder.")
-    device: Literal["cpu", "cuda"] = Field(default_factory=_default_device, description="Device of the ranks.")
+    device: Literal["cpu", "cuda"] = Field(
+        default_factory=_default_device, description="Device of the ranks."
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         default="float32", description="Weights and activations dtype (bfloat16 on GPUs for speed)."
     )

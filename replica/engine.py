@@ -94,7 +94,9 @@ class Engine:
                 f"{limits.max_width}x{limits.max_height}"
             )
         if params.num_inference_steps > limits.max_steps:
-            raise ValueError(f"num_inference_steps: {params.num_inference_steps} is above the maximum {limits.max_steps}")
+            raise ValueError(
+                f"num_inference_steps: {params.num_inference_steps} is above the maximum {limits.max_steps}"
+            )
         if params.n > limits.max_n:
             raise ValueError(f"n: {params.n} is above the maximum {limits.max_n}")
         if self.spec.kind == "video" and params.num_frames > limits.max_frames:

@@ -124,7 +124,9 @@ class LocalProcessLauncher(RankLauncher):
             except EOFError:
                 errors.append(f"rank {rank}: process exited during {what}")
                 continue
-            (results if status == "ok" else errors).append(value if status == "ok" else f"rank {rank}: {value}")
+            (results if status == "ok" else errors).append(
+                value if status == "ok" else f"rank {rank}: {value}"
+            )
         if errors:
             raise RankError("\n".join(errors))
         return results[0]

@@ -30,7 +30,9 @@ def encode_mp4(frames: np.ndarray, fps: int = 16) -> bytes:
         for frame in frames:
             if width % 2 or height % 2:
                 frame = np.pad(frame, ((0, height % 2), (0, width % 2), (0, 0)), mode="edge")
-            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")):
+            for packet in stream.encode(
+                av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
+            ):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)

@@ -29,8 +29,12 @@ class GenerationParams(BaseModel):
     height: int = Field(default=64, ge=16)
     num_frames: int = Field(default=1, ge=1, description="Video frames (video models only).")
     num_inference_steps: int = Field(default=20, ge=1)
-    guidance_scale: float | None = Field(default=None, description="Distilled guidance (Flux) or CFG scale (Wan).")
-    true_cfg_scale: float = Field(default=1.0, ge=0.0, description="Flux true CFG with a negative prompt when > 1.")
+    guidance_scale: float | None = Field(
+        default=None, description="Distilled guidance (Flux) or CFG scale (Wan)."
+    )
+    true_cfg_scale: float = Field(
+        default=1.0, ge=0.0, description="Flux true CFG with a negative prompt when > 1."
+    )
     seed: int = Field(default_factory=lambda: secrets.randbits(31), ge=0, lt=2**63)
     n: int = Field(default=1, ge=1, description="Outputs per request.")
     lora: tuple[LoRARef, ...] = ()

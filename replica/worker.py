@@ -44,7 +44,11 @@ def build_runner(spec: ModelSpec, pipe, config: EngineConfig, device: torch.devi
     else:
         from .pipelines.wan import WanRunner as runner_cls
     return runner_cls(
-        pipe, device=device, dtype=config.torch_dtype, max_sequence_length=config.max_sequence_length, mesh=mesh
+        pipe,
+        device=device,
+        dtype=config.torch_dtype,
+        max_sequence_length=config.max_sequence_length,
+        mesh=mesh,
     )
 
 

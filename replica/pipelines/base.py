@@ -65,7 +65,9 @@ class PipelineRunner(ABC):
     # Inputs shared by every row of a bucket (not concatenated): e.g. Flux's txt_ids / img_ids.
     shared_inputs: tuple[str, ...] = ()
 
-    def __init__(self, pipe, *, device: torch.device, dtype: torch.dtype, max_sequence_length: int, mesh=None):
+    def __init__(
+        self, pipe, *, device: torch.device, dtype: torch.dtype, max_sequence_length: int, mesh=None
+    ):
         self.pipe = pipe
         self.device = device
         self.dtype = dtype
@@ -86,8 +88,13 @@ class PipelineRunner(ABC):
     def prepare(self, req_id: str, params: GenerationParams) -> RequestState: ...
 
     @abstractmethod
-    def model_forward(self, latents: torch.Tensor, timesteps: torch.Tensor, inputs: dict[str, torch.Tensor],
-                      shared: dict[str, torch.Tensor]) -> torch.Tensor:
+    def model_forward(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        inputs: dict[str, torch.Tensor],
+        shared: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
         """One transformer call on concatenated rows; returns the noise prediction, same shape as latents."""
 
     @abstractmethod

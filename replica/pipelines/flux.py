@@ -22,7 +22,11 @@ class FluxRunner(PipelineRunner):
     def _encode(self, prompt: str, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         max_len = min(self.max_sequence_length, self.pipe.tokenizer_2.model_max_length)
         embeds, pooled, text_ids = self.pipe.encode_prompt(
-            prompt=prompt, prompt_2=None, device=self.device, num_images_per_prompt=n, max_sequence_length=max_len
+            prompt=prompt,
+            prompt_2=None,
+            device=self.device,
+            num_images_per_prompt=n,
+            max_sequence_length=max_len,
         )
         return embeds.to(self.dtype), pooled.to(self.dtype), text_ids
 
@@ -30,7 +34,9 @@ class FluxRunner(PipelineRunner):
     def prepare(self, req_id: str, params: GenerationParams) -> RequestState:
         pipe, n = self.pipe, params.n
         if params.width % self.multiple or params.height % self.multiple:
-            raise ValueError(f"size must be a multiple of {self.multiple}, got {params.width}x{params.height}")
+            raise ValueError(
+                f"size must be a multiple of {self.multiple}, got {params.width}x{params.height}"
+            )
         embeds, pooled, text_ids = self._encode(params.prompt, n)
         true_cfg = params.true_cfg_scale > 1 and params.negative_prompt is not None
         uncond = None

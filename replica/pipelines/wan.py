@@ -25,7 +25,9 @@ class WanRunner(PipelineRunner):
     def prepare(self, req_id: str, params: GenerationParams) -> RequestState:
         pipe, n = self.pipe, params.n
         if params.width % self.multiple or params.height % self.multiple:
-            raise ValueError(f"size must be a multiple of {self.multiple}, got {params.width}x{params.height}")
+            raise ValueError(
+                f"size must be a multiple of {self.multiple}, got {params.width}x{params.height}"
+            )
         if (params.num_frames - 1) % self.frame_multiple:
             raise ValueError(f"num_frames must be {self.frame_multiple}·k + 1, got {params.num_frames}")
         guidance = params.guidance_scale if params.guidance_scale is not None else self.default_guidance

@@ -1,0 +1,85 @@
+"""`ditserve generate`: files a user can open, the same pixels for the same seed, clear errors."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from ditserve.replica.media import decode_mp4
+
+
+def generate(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "ditserve.cluster.cli", "generate", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def test_image_png_with_requested_size_and_seed(tmp_path):
+    out = tmp_path / "fox.png"
+    common = [
+        "a red fox",
+        "--model",
+        "demo-flux",
+        "--width",
+        "96",
+        "--height",
+        "64",
+        "--num-inference-steps",
+        "3",
+    ]
+    done = generate(*common, "--seed", "7", "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "100%" in done.stderr  # the progress bar ran to the end
+    with Image.open(out) as img:
+        assert img.format == "PNG" and img.size == (96, 64)
+        first = np.array(img)
+    again = tmp_path / "again.png"
+    assert generate(*common, "--seed", "7", "-o", str(again)).returncode == 0
+    assert np.array_equal(first, np.array(Image.open(again)))
+    other = tmp_path / "other.png"
+    assert generate(*common, "--seed", "8", "-o", str(other)).returncode == 0
+    assert not np.array_equal(first, np.array(Image.open(other)))
+
+
+def test_video_mp4_frames_and_size(tmp_path):
+    out = tmp_path / "clip.mp4"
+    done = generate(
+        "a red fox",
+        "--model",
+        "demo-wan",
+        "--num-frames",
+        "9",
+        "--num-inference-steps",
+        "2",
+        "--width",
+        "64",
+        "--height",
+        "48",
+        "-o",
+        str(out),
+    )
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes()[4:8] == b"ftyp"
+    frames = decode_mp4(out.read_bytes())
+    assert frames.shape == (9, 48, 64, 3)
+    import av
+
+    with av.open(str(out)) as container:
+        assert container.streams.video[0].codec_context.name == "h264"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/no/such/model"], "no such folder"),
+        (["--model", "demo-flux", "--width", "72"], "multiples of 16"),
+        (["--model", "demo-flux", "-o", "x.mp4"], "makes images"),
+        (["--model", "demo-wan", "--num-frames", "8", "-o", "x.mp4"], "num_frames"),
+        (["--model", "demo-flux", "--ulysses-degree", "16"], "--ulysses-degree"),
+    ],
+)
+def test_bad_arguments_exit_non_zero_with_a_message(tmp_path, args, message):
+    done = generate("a fox", "-o", str(tmp_path / "x.png"), *args)
+    assert done.returncode != 0
+    assert message in done.stderr

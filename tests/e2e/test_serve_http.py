@@ -1,0 +1,131 @@
+"""`ditserve serve` as a user runs it: the official openai client, httpx, bad input, Ctrl-C."""
+
+import base64
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+from openai import BadRequestError, OpenAI
+
+from tests.helpers import ServeProcess, png_pixels
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = ServeProcess("--model", "demo-flux", "--max-n", "2", "--max-width", "256", "--max-height", "256")
+    children = psutil.Process(proc.proc.pid).children(recursive=True)
+    yield proc
+    assert proc.stop() == 0, proc.output()
+    # Ctrl-C leaves no Ray processes behind.
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [p.info if hasattr(p, "info") else p for p in alive]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def valid(client, seed=1):
+    return client.images.generate(
+        model="demo-flux",
+        prompt="a red fox",
+        size="64x64",
+        response_format="b64_json",
+        extra_body={"seed": seed, "num_inference_steps": 3},
+    )
+
+
+def test_openai_client_gets_a_64x64_png(client):
+    result = valid(client)
+    data = base64.b64decode(result.data[0].b64_json)
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png_pixels(data).shape == (64, 64, 3)
+
+
+def test_same_seed_same_image_through_serve_and_generate(client, tmp_path):
+    served = png_pixels(base64.b64decode(valid(client, seed=5).data[0].b64_json))
+    assert np.array_equal(served, png_pixels(base64.b64decode(valid(client, seed=5).data[0].b64_json)))
+    out = tmp_path / "g.png"
+    cmd = [
+        sys.executable,
+        "-m",
+        "ditserve.cluster.cli",
+        "generate",
+        "a red fox",
+        "--model",
+        "demo-flux",
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--num-inference-steps",
+        "3",
+        "--seed",
+        "5",
+        "-o",
+        str(out),
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    assert np.array_equal(served, png_pixels(out.read_bytes()))
+
+
+def test_models_health_and_replica_header(server):
+    models = httpx.get(f"{server.base_url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["demo-flux"]
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    r = httpx.post(
+        f"{server.base_url}/v1/images/generations",
+        json={"prompt": "a fox", "size": "64x64", "num_inference_steps": 2},
+        timeout=120,
+    )
+    assert r.status_code == 200 and r.headers["x-ditserve-replica"]
+
+
+BAD_BODIES = [
+    ({"prompt": "a fox", "size": "64"}, "size"),
+    ({"prompt": "a fox", "size": "64x65"}, "size"),
+    ({"prompt": "a fox", "size": "1024x1024"}, "size"),
+    ({"prompt": "a fox", "size": "64x64", "n": 0}, "n"),
+    ({"prompt": "a fox", "size": "64x64", "n": 3}, "n"),
+    ({"prompt": "", "size": "64x64"}, "prompt"),
+    ({"prompt": "   ", "size": "64x64"}, "prompt"),
+    ({"size": "64x64"}, "prompt"),
+    ({"prompt": "a fox", "model": "dall-e-3"}, "model"),
+    ({"prompt": 42, "size": "64x64"}, "prompt"),
+    ({"prompt": "a fox", "n": "two"}, "n"),
+    ({"prompt": "a fox", "num_inference_steps": 1000}, "num_inference_steps"),
+    ({"prompt": "a fox", "response_format": "url"}, "response_format"),
+    ({"prompt": "a fox", "colour": "red"}, "colour"),
+]
+
+
+@pytest.mark.parametrize("body, param", BAD_BODIES)
+def test_bad_input_names_the_field_and_server_keeps_serving(server, client, body, param):
+    r = httpx.post(f"{server.base_url}/v1/images/generations", json=body, timeout=60)
+    assert r.status_code in (400, 422), r.text
+    error = r.json()["error"]
+    assert error["param"] == param and param in error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert valid(client).data  # a valid request right after still succeeds
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b""])
+def test_body_that_is_not_a_json_object(server, client, content):
+    r = httpx.post(
+        f"{server.base_url}/v1/images/generations",
+        content=content,
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["message"]
+    assert valid(client).data
+
+
+def test_openai_client_raises_bad_request_with_message(client):
+    with pytest.raises(BadRequestError, match="multiples of 16"):
+        client.images.generate(model="demo-flux", prompt="a fox", size="100x100")

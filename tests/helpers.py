@@ -1,0 +1,71 @@
+"""Small helpers shared by tests: image comparison and a real `ditserve serve` process."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    """PSNR in dB of two uint8 arrays (inf when equal)."""
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def png_pixels(data: bytes) -> np.ndarray:
+    return np.array(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """``ditserve serve`` in a subprocess on free ports; ``stop()`` sends Ctrl-C (SIGINT)."""
+
+    def __init__(self, *args: str, timeout_s: float = 180.0):
+        self.port = free_port()
+        self.log_path = Path(os.environ["DITSERVE_HOME"]) / f"serve-{self.port}.log"
+        cmd = [sys.executable, "-m", "ditserve.cluster.cli", "serve", "--port", str(self.port), *args]
+        if "--grpc-port" not in args:
+            cmd += ["--grpc-port", str(free_port())]
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ditserve serve exited early:\n{self.output()}")
+            if "ditserve: serving" in self.output():
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"ditserve serve did not start in {timeout_s}s:\n{self.output()}")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
