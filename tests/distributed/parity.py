@@ -56,9 +56,10 @@ def build_flux() -> FluxTransformer2DModel:
     ).eval()
 
 
-def build_wan() -> WanTransformer3DModel:
+def build_wan(**extra: Any) -> WanTransformer3DModel:
     torch.manual_seed(0)
     return WanTransformer3DModel(
+        **extra,
         patch_size=(1, 2, 2),
         num_attention_heads=NUM_HEADS,
         attention_head_dim=12,
@@ -72,6 +73,11 @@ def build_wan() -> WanTransformer3DModel:
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
     ).eval()
+
+
+def build_wan_i2v() -> WanTransformer3DModel:
+    """Wan 2.1 I2V layout: image-embedding context and added K/V projections in cross-attention."""
+    return build_wan(image_dim=8, added_kv_proj_dim=96)
 
 
 def flux_inputs(shape: tuple[int, ...], branch: int) -> dict[str, Any]:
@@ -103,9 +109,29 @@ def wan_inputs(shape: tuple[int, ...], branch: int) -> dict[str, Any]:
     }
 
 
+def wan_per_token_timestep_inputs(shape: tuple[int, ...], branch: int) -> dict[str, Any]:
+    """Wan 2.2 TI2V: one timestep per latent token, (B, tokens)."""
+    inputs = wan_inputs(shape, branch)
+    f, h, w = shape
+    g = torch.Generator().manual_seed(300 + branch)
+    inputs["timestep"] = torch.randint(0, 1000, (BATCH, f * (h // 2) * (w // 2)), generator=g)
+    return inputs
+
+
+def wan_i2v_inputs(shape: tuple[int, ...], branch: int) -> dict[str, Any]:
+    """Wan's I2V processor splits context at `len - 512`, so the text context is 512 tokens long."""
+    inputs = wan_inputs(shape, branch)
+    g = torch.Generator().manual_seed(400 + branch)
+    inputs["encoder_hidden_states"] = torch.randn(BATCH, 512, 16, generator=g)
+    inputs["encoder_hidden_states_image"] = torch.randn(BATCH, 5, 8, generator=g)
+    return inputs
+
+
 BUILDERS = {
     "flux": (build_flux, flux_inputs, parallelize_flux),
     "wan": (build_wan, wan_inputs, parallelize_wan),
+    "wan_tt": (build_wan, wan_per_token_timestep_inputs, parallelize_wan),
+    "wan_i2v": (build_wan_i2v, wan_i2v_inputs, parallelize_wan),
 }
 
 
@@ -128,23 +154,24 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[tuple[str, 
     Returns (name, max abs error, max abs reference value, seconds) per case; the reference magnitude
     shows the comparison is not between two zero tensors.
     """
-    models: dict[str, torch.nn.Module] = {}
+    models: dict[Any, torch.nn.Module] = {}
     refs: dict[tuple[str, tuple[int, ...], int], torch.Tensor] = {}
     results = []
     for case in cases:
         assert case.dims.world_size == world_size, case
         start = time.perf_counter()
         build, make_inputs, parallelize = BUILDERS[case.model]
-        if case.model not in models:
-            models[case.model] = build()
+        if build not in models:
+            models[build] = build()
+        base = models[build]
         with torch.no_grad():
             for branch in range(case.dims.cfg):
                 key = (case.model, case.shape, branch)
                 if key not in refs:
-                    refs[key] = models[case.model](**make_inputs(case.shape, branch))[0]
+                    refs[key] = base(**make_inputs(case.shape, branch))[0]
             mesh = case.dims.build_mesh("cpu", timeout=timedelta(seconds=60))
             check_mesh(mesh, rank)
-            model = parallelize(copy.deepcopy(models[case.model]), mesh=mesh)
+            model = parallelize(copy.deepcopy(base), mesh=mesh)
             local = model(**make_inputs(case.shape, mesh.cfg_rank))[0]
             stacked = cfg_all_gather(local, mesh)
             expected = torch.stack([refs[(case.model, case.shape, b)] for b in range(case.dims.cfg)])

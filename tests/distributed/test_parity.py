@@ -21,7 +21,13 @@ TOLERANCE = 1e-4
 # flux: (h, w) latent tokens; wan: (frames, height, width) latent pixels with a (1, 2, 2) patch.
 # 16 and 12 tokens split evenly at most degrees; 15, 27 and 3 tokens need padding, 3 tokens over 4
 # ring blocks leaves a block of padding only.
-SHAPES = {"flux": [(4, 4), (3, 5), (1, 3)], "wan": [(2, 4, 6), (3, 6, 6)]}
+# wan_tt: per-token timesteps (Wan 2.2 TI2V); wan_i2v: image context + added K/V (Wan 2.1 I2V).
+SHAPES = {
+    "flux": [(4, 4), (3, 5), (1, 3)],
+    "wan": [(2, 4, 6), (3, 6, 6)],
+    "wan_tt": [(3, 6, 6)],
+    "wan_i2v": [(3, 6, 6)],
+}
 
 
 def _ci_layouts() -> dict[int, list[ParallelDims]]:
