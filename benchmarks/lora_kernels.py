@@ -20,8 +20,12 @@ import time
 import torch
 import torch.nn.functional as F
 import triton.testing
-from ditserve.kernels import apply_lora, lora_expand, lora_linear, lora_shrink
+
+import ditserve.kernels.lora_expand.op as expand_op
+import ditserve.kernels.lora_shrink.op as shrink_op
 from ditserve.kernels._bench import LoRAProblem, copy_bandwidth, make_problem, matmul_flops
+from ditserve.kernels._dispatch import block_rank
+from ditserve.kernels.lora import apply_lora, lora_expand, lora_linear, lora_shrink
 from ditserve.kernels.lora_expand.op import launch_lora_expand
 from ditserve.kernels.lora_expand.reference import lora_expand_ref
 from ditserve.kernels.lora_shrink.op import launch_lora_shrink
@@ -83,50 +87,67 @@ def measure(p: LoRAProblem) -> dict[str, float]:
     )
 
 
-def shrink_sweep(p: LoRAProblem) -> list[str]:
-    m = p.meta
-    args = (p.x, p.a, m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
-    cells = []
-    for bm, bk, w, st in SHRINK_SWEEP:
-        cfg = dict(BLOCK_M=bm, BLOCK_K=bk, num_warps=w, num_stages=st)
+def sweep_one(fn, configs, keys) -> tuple[list[str], dict[str, int] | None]:
+    """Time fn(config) for each tile config; returns cells and the fastest config."""
+    cells, best, best_ms = [], None, float("inf")
+    for c in configs:
+        cfg = dict(zip(keys, c, strict=True))
+        label = "/".join(str(v) for v in c)
         try:
-            us = 1e3 * bench_ms(lambda cfg=cfg: launch_lora_shrink(*args, config=cfg), rep=30)
-            cells.append(f"{bm}/{bk},{w},{st}: {us:.1f}")
+            ms = bench_ms(lambda cfg=cfg: fn(cfg), rep=30)
         except Exception as e:  # out of shared memory / registers
-            cells.append(f"{bm}/{bk},{w},{st}: fail ({type(e).__name__})")
-    return cells
-
-
-def expand_sweep(p: LoRAProblem) -> list[str]:
-    m = p.meta
-    s = lora_shrink(p.x, p.a, m)
-    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
-    cells = []
-    for bm, bn, w, st in EXPAND_SWEEP:
-        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
-        try:
-            fn = lambda cfg=cfg: launch_lora_expand(p.y, s, p.b, *seg, p.sizes, config=cfg)  # noqa: E731
-            cells.append(f"{bm}/{bn},{w},{st}: {1e3 * bench_ms(fn, rep=30):.1f}")
-        except Exception as e:
-            cells.append(f"{bm}/{bn},{w},{st}: fail ({type(e).__name__})")
-    return cells
+            cells.append(f"{label}: fail ({type(e).__name__})")
+            continue
+        cells.append(f"{label}: {ms * 1e3:.1f}")
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    return cells, best
 
 
 def sweep(lines: list[str], out: str) -> None:
-    """Tile sweep of the segmented kernels on the 4x4608 and 1x4608 batches."""
-    lines += ["", "### Tile sweep (µs, median; BLOCK_M/K or N, warps, stages)", ""]
-    for batch in ("4x4608", "1x4608"):
-        for nsl, sizes in SLICES.items():
-            for rank in (16, 64, 128):
-                if batch == "1x4608" and nsl == 4:
-                    continue
+    """Tile sweep of the segmented kernels; the winners become the launchers' configs for the main table.
+
+    Shrink: per (slices, rank tile), the config with the least summed time over 4x4608 and 1x4608.
+    Expand: per rank tile, on 4x4608 with QKV outputs."""
+    lines += ["", "### Tile sweep (µs, median of do_bench; shrink BLOCK_M/BLOCK_K/warps/stages, "
+              "expand BLOCK_M/BLOCK_N/warps/stages)", ""]  # fmt: skip
+    shrink_keys = ("BLOCK_M", "BLOCK_K", "num_warps", "num_stages")
+    for nsl, sizes in SLICES.items():
+        for rank in RANKS:
+            totals: dict[str, float] = {}
+            cells_all = []
+            for batch in ("4x4608", "1x4608"):
                 p = make_problem(BATCHES[batch], rank, sizes)
-                lines.append(f"- shrink {batch} slices={nsl} rank={rank}: " + "; ".join(shrink_sweep(p)))
+                m = p.meta
+                args = (p.x, p.a, m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
+                cells, _ = sweep_one(lambda cfg, args=args: launch_lora_shrink(*args, config=cfg), SHRINK_SWEEP,
+                                     shrink_keys)  # fmt: skip
+                for c in cells:
+                    label, _, val = c.partition(": ")
+                    if not val.startswith("fail"):
+                        totals[label] = totals.get(label, 0.0) + float(val)
+                cells_all.append(f"{batch}: " + "; ".join(cells))
+            if totals:
+                label = min(totals, key=totals.get)
+                cfg = dict(zip(shrink_keys, (int(v) for v in label.split("/")), strict=True))
+                shrink_op.TUNED[nsl, block_rank(rank)] = cfg
+                lines.append(f"- shrink slices={nsl} rank={rank}: chosen {label} — " + " | ".join(cells_all))
                 print(lines[-1], flush=True)
-                save(out, lines)
-                if batch == "4x4608":
-                    lines.append(f"- expand {batch} slices={nsl} rank={rank}: " + "; ".join(expand_sweep(p)))
-                    print(lines[-1], flush=True)
+            if nsl == 3:
+                p = make_problem(BATCHES["4x4608"], rank, sizes)
+                m = p.meta
+                s = lora_shrink(p.x, p.a, m)
+                seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
+                cells, best = sweep_one(
+                    lambda cfg, p=p, s=s, seg=seg: launch_lora_expand(p.y, s, p.b, *seg, p.sizes, config=cfg),
+                    EXPAND_SWEEP, ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
+                )  # fmt: skip
+                if best is not None:
+                    expand_op.TUNED[block_rank(rank)] = best
+                lines.append(f"- expand 4x4608 QKV rank={rank}: chosen {best} — " + "; ".join(cells))
+                print(lines[-1], flush=True)
+            save(out, lines)
+            torch.cuda.empty_cache()
 
 
 def save(out: str, lines: list[str]) -> None:
@@ -155,6 +176,9 @@ def main() -> None:
         f"copy bandwidth (torch clone, read+write): {bw / 1e9:.0f} GB/s; bf16 matmul 8192³: {mm / 1e12:.0f} TFLOP/s",
         "bf16, hidden 3072, per-slot rank = rank, scale 0.5, adapters = one per request (slots 0..n-1)",
     ]
+    sweep_lines: list[str] = []
+    if args.sweep:
+        sweep(sweep_lines, args.out)
     lines = list(head)
     lines += [
         "",
@@ -187,10 +211,11 @@ def main() -> None:
                                     shrink_bytes=sb, expand_bytes=eb, shrink_flops=sf, expand_flops=ef))  # fmt: skip
                 del p
                 torch.cuda.empty_cache()
+    lines += sweep_lines
+    save(args.out, lines)
     with open(os.path.join(args.out, "lora_kernels.json"), "w") as f:
-        json.dump(dict(head=head, copy_bw=bw, matmul_flops=mm, records=records), f, indent=1)
-    if args.sweep:
-        sweep(lines, args.out)
+        json.dump(dict(head=head, copy_bw=bw, matmul_flops=mm, records=records, shrink_tuned=str(shrink_op.TUNED),
+                       expand_tuned=str(expand_op.TUNED)), f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

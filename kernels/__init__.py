@@ -1,12 +1,4 @@
-"""Triton kernels, one folder per op (kernel.py, op.py, reference.py, bench.py); see lora.py for multi-LoRA."""
+"""Triton kernels, one folder per op (kernel.py, op.py, reference.py, bench.py).
 
-from ditserve.kernels.lora import (
-    LoRABatchMeta,
-    apply_lora,
-    choose_chunk_size,
-    lora_expand,
-    lora_linear,
-    lora_shrink,
-)
-
-__all__ = ["LoRABatchMeta", "apply_lora", "choose_chunk_size", "lora_expand", "lora_linear", "lora_shrink"]
+The multi-LoRA entry points live in `ditserve.kernels.lora` (not re-exported here: `lora_shrink` and
+`lora_expand` are also the names of the op folders)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
 from ditserve.kernels.lora_meta import LoRABatchMeta
 
 

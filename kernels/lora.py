@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+
 from ditserve.kernels.lora_expand.op import lora_expand_op
 from ditserve.kernels.lora_expand_sgmv.op import lora_expand_sgmv_op
 from ditserve.kernels.lora_meta import LoRABatchMeta, choose_chunk_size

@@ -6,6 +6,7 @@ python -m ditserve.kernels.lora_expand.bench   (GPU)
 import torch
 import triton
 import triton.testing
+
 from ditserve.kernels._bench import make_problem
 from ditserve.kernels.lora_expand.op import launch_lora_expand
 from ditserve.kernels.lora_expand.reference import lora_expand_ref

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import torch
+
 from ditserve.kernels._dispatch import block_rank, use_triton
 from ditserve.kernels.lora_expand.reference import lora_expand_ref
 
 MAX_SLICES = 4
+# BLOCK_R -> tiles measured best on an H200 (benchmarks/lora_kernels.py --sweep fills it)
+TUNED: dict[int, dict[str, int]] = {}
 
 
 def expand_config(block_r: int) -> dict[str, int]:
     """Tile sizes by rank tile. The kernel streams y once; a 64×128 tile keeps enough programs in flight
     to saturate HBM while the B tile ([BLOCK_R, BLOCK_N]) stays small."""
+    if block_r in TUNED:
+        return TUNED[block_r]
     if block_r <= 64:
         return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2)
     return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)

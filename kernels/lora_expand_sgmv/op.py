@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from ditserve.kernels._dispatch import block_rank, use_triton
 from ditserve.kernels.lora_expand.op import MAX_SLICES, column_blocks, expand_config
 from ditserve.kernels.lora_expand_sgmv.reference import lora_expand_sgmv_ref

@@ -6,6 +6,7 @@ python -m ditserve.kernels.lora_shrink.bench   (GPU)
 import torch
 import triton
 import triton.testing
+
 from ditserve.kernels._bench import make_problem
 from ditserve.kernels.lora_shrink.op import launch_lora_shrink
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref

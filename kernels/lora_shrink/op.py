@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import torch
+
 from ditserve.kernels._dispatch import block_rank, use_triton
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref
 
 MAX_SLICES = 4
+# (num_slices, BLOCK_R) -> tiles measured best on an H200 (benchmarks/lora_kernels.py --sweep fills it)
+TUNED: dict[tuple[int, int], dict[str, int]] = {}
 
 
 def shrink_config(num_slices: int, block_r: int) -> dict[str, int]:
     """Tile sizes by (slices, rank tile). The fp32 accumulators (num_slices × BLOCK_M × BLOCK_R) are
     held to ≤ 32K elements (128 KB of registers over 8 warps); a larger BLOCK_M cuts the L2 re-reads
     of A, which every M tile streams again."""
+    if (num_slices, block_r) in TUNED:
+        return TUNED[num_slices, block_r]
     width = num_slices * block_r
     if width <= 64:
         return dict(BLOCK_M=128, BLOCK_K=64, num_warps=4, num_stages=4)

@@ -6,6 +6,7 @@ python -m ditserve.kernels.lora_shrink_sgmv.bench   (GPU)
 import torch
 import triton
 import triton.testing
+
 from ditserve.kernels._bench import make_problem
 from ditserve.kernels.lora_shrink_sgmv.op import launch_lora_shrink_sgmv
 from ditserve.kernels.lora_shrink_sgmv.reference import lora_shrink_sgmv_ref

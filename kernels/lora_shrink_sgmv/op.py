@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from ditserve.kernels._dispatch import block_rank, use_triton
 from ditserve.kernels.lora_shrink.op import MAX_SLICES, shrink_config
 from ditserve.kernels.lora_shrink_sgmv.reference import lora_shrink_sgmv_ref

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from ditserve.kernels.lora_meta import LoRABatchMeta
 from hypothesis import strategies as st
+
+from ditserve.kernels.lora_meta import LoRABatchMeta
 
 MAX_LORAS = 4
 MAX_RANK = 32

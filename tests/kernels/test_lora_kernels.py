@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ditserve.kernels import LoRABatchMeta, apply_lora, choose_chunk_size, lora_linear, lora_shrink
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ditserve.kernels.lora import LoRABatchMeta, apply_lora, choose_chunk_size, lora_linear, lora_shrink
 from ditserve.kernels.lora_expand.op import launch_lora_expand
 from ditserve.kernels.lora_expand.reference import lora_expand_ref
 from ditserve.kernels.lora_expand_sgmv.op import launch_lora_expand_sgmv
@@ -13,9 +16,6 @@ from ditserve.kernels.lora_shrink.op import launch_lora_shrink
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref
 from ditserve.kernels.lora_shrink_sgmv.op import launch_lora_shrink_sgmv
 from ditserve.kernels.lora_shrink_sgmv.reference import lora_shrink_sgmv_ref
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from tests.kernels.lora_cases import dense_oracle, layouts, make_case
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ditserve.kernels import LoRABatchMeta, apply_lora, lora_linear, lora_shrink
+
+from ditserve.kernels.lora import LoRABatchMeta, apply_lora, lora_linear, lora_shrink
 from ditserve.kernels.lora_expand.reference import lora_expand_ref
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref
 
