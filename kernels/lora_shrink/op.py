@@ -8,21 +8,28 @@ from ditserve.kernels._dispatch import block_rank, use_triton
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref
 
 MAX_SLICES = 4
-# (num_slices, BLOCK_R) -> tiles measured best on an H200 (benchmarks/lora_kernels.py --sweep fills it)
-TUNED: dict[tuple[int, int], dict[str, int]] = {}
+# (num_slices, BLOCK_R) -> tiles measured best on an H200 (hidden 3072, 4608 and 4x4608 tokens; sweep in
+# benchmarks/lora_kernels.py --sweep, which overrides this table while it runs)
+TUNED: dict[tuple[int, int], dict[str, int]] = {
+    (3, 16): dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4),
+    (3, 32): dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4),
+    (3, 64): dict(BLOCK_M=64, BLOCK_K=64, num_warps=8, num_stages=3),
+    (3, 128): dict(BLOCK_M=64, BLOCK_K=64, num_warps=8, num_stages=3),
+    (4, 16): dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4),
+    (4, 32): dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4),
+    (4, 64): dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    (4, 128): dict(BLOCK_M=64, BLOCK_K=64, num_warps=8, num_stages=3),
+}
 
 
 def shrink_config(num_slices: int, block_r: int) -> dict[str, int]:
-    """Tile sizes by (slices, rank tile). The fp32 accumulators (num_slices × BLOCK_M × BLOCK_R) are
-    held to ≤ 32K elements (128 KB of registers over 8 warps); a larger BLOCK_M cuts the L2 re-reads
-    of A, which every M tile streams again."""
+    """Tile sizes by (slices, rank tile): the measured table, else 64-row tiles with 8 warps once the
+    fp32 accumulators (num_slices × BLOCK_M × BLOCK_R) pass 8K elements. Larger tiles ran out of
+    shared memory at rank 128 or were slower in the sweep."""
     if (num_slices, block_r) in TUNED:
         return TUNED[num_slices, block_r]
-    width = num_slices * block_r
-    if width <= 64:
-        return dict(BLOCK_M=128, BLOCK_K=64, num_warps=4, num_stages=4)
-    if width <= 256:
-        return dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    if num_slices * block_r <= 128:
+        return dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4)
     return dict(BLOCK_M=64, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
