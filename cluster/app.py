@@ -16,34 +16,95 @@ from ditserve.replica.models.registry import resolve_model
 from .config import AppArgs
 from .engine_deployment import EngineReplica
 from .frontend import Frontend
+from .router import ROUTER_PATH
 
 APP_NAME = "ditserve"
 
 
-def engine_deployment_options(args: AppArgs) -> dict[str, Any]:
-    """Serve options of the engine deployment: dp_size replicas, resources for one replica's ranks."""
+def rank_bundles(args: AppArgs) -> list[dict[str, float]]:
+    """One placement-group bundle per rank of one replica; the replica actor shares bundle 0."""
     config = args.engine_config()
     world = config.parallel.world_size
     if config.device == "cuda":
-        actor = {"num_cpus": 1, "num_gpus": world}
+        return [{"GPU": 1, "CPU": 1}] + [{"GPU": 1}] * (world - 1)
+    return [{"CPU": args.replica_num_cpus}] * world
+
+
+def cluster_fit(args: AppArgs, nodes: list[dict[str, float]] | None) -> tuple[str, str | None]:
+    """(placement strategy, error): STRICT_PACK when one node can hold a replica's bundles, else PACK;
+    an error message when the whole cluster cannot hold ``dp_size`` replicas (a clear failure at start
+    instead of replicas that wait forever for resources). ``nodes``: each alive node's total resources."""
+    bundles = rank_bundles(args)
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for key, value in bundle.items():
+            need[key] = need.get(key, 0.0) + value
+    if nodes is None:
+        return "PACK", None
+    fits_node = any(all(node.get(k, 0.0) >= v for k, v in need.items()) for node in nodes)
+    total = {k: sum(node.get(k, 0.0) for node in nodes) for k in need}
+    for key, value in need.items():
+        wanted = value * args.dp_size
+        if total[key] + 1e-9 < wanted:
+            unit = "GPUs" if key == "GPU" else f"{key}"
+            return "PACK", (
+                f"--dp-size {args.dp_size} × {len(bundles)} ranks need {wanted:g} {unit}, "
+                f"but the Ray cluster has {total[key]:g}; lower --num-gpus/--dp-size"
+                + (" or --replica-num-cpus" if key == "CPU" else "")
+                + " or add nodes"
+            )
+    return ("STRICT_PACK" if fits_node else "PACK"), None
+
+
+def _alive_nodes() -> list[dict[str, float]] | None:
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    return [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+
+
+def engine_deployment_options(args: AppArgs, strategy: str = "PACK") -> dict[str, Any]:
+    """Serve options of the engine deployment: dp_size replicas, one placement group per replica."""
+    from ray.serve.config import RequestRouterConfig
+
+    config = args.engine_config()
+    world = config.parallel.world_size
+    if config.device == "cuda":
+        actor = {"num_cpus": 1, "num_gpus": 1 if world == 1 else 0}
     else:
-        actor = {"num_cpus": args.replica_num_cpus * world}
+        # World 1: the rank runs in the replica process, which takes the whole bundle.
+        actor = {"num_cpus": args.replica_num_cpus if world == 1 else args.replica_num_cpus / 2}
     return {
         "num_replicas": args.dp_size,
         "ray_actor_options": actor,
-        "max_ongoing_requests": args.max_queue + args.max_batch_size,
-        "health_check_period_s": 5,
+        "placement_group_bundles": rank_bundles(args),
+        "placement_group_strategy": strategy,
+        "request_router_config": RequestRouterConfig(request_router_class=ROUTER_PATH),
+        "max_ongoing_requests": args.max_queue + args.max_batch_size + args.max_sessions_per_replica,
+        "health_check_period_s": 2,
+        "health_check_timeout_s": 60,
         "graceful_shutdown_timeout_s": 20,
     }
 
 
-def build_app(args: dict[str, Any]) -> Application:
-    """Validate ``args`` (raises ValueError naming the flag) and bind the deployments."""
+def build_app(args: dict[str, Any], engine_cls: type | None = None) -> Application:
+    """Validate ``args`` (raises ValueError naming the flag) and bind the deployments.
+
+    ``engine_cls`` replaces the engine (benchmarks of the serving path use a trivial one)."""
     app_args = AppArgs(**args)
     config = app_args.engine_config()
     validate_layout(config, resolve_model(config.model))
+    strategy, error = cluster_fit(app_args, _alive_nodes())
+    if error is not None:
+        raise ValueError(error)
     plain = app_args.model_dump(mode="json")
-    engine = serve_deployment(EngineReplica).options(**engine_deployment_options(app_args)).bind(plain)
+    extra = {} if engine_cls is None else {"engine_cls": engine_cls}
+    engine = (
+        serve_deployment(EngineReplica)
+        .options(**engine_deployment_options(app_args, strategy))
+        .bind(plain, **extra)
+    )
     return Frontend.bind(engine, plain)
 
 

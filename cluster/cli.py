@@ -132,7 +132,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         args = AppArgs(**model_kwargs(ns, AppArgs))
         from .app import APP_NAME, build_app
 
-        app = build_app(args.model_dump(mode="json"))
+        build_app(args.model_dump(mode="json"))  # validate the layout before starting anything
     except ValidationError as exc:
         return _fail(_validation_message(exc))
     except ValueError as exc:
@@ -141,7 +141,15 @@ def run_serve(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from .control_state import delete_state_actor
+
     ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
+    try:
+        # Now that the cluster is known: placement strategy, and a clear error when it is too small.
+        app = build_app(args.model_dump(mode="json"))
+    except ValueError as exc:
+        ray.shutdown()
+        return _fail(str(exc))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -156,6 +164,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         print("ditserve: shutting down", flush=True)
         try:
             serve.shutdown()
+            delete_state_actor(APP_NAME)
         finally:
             ray.shutdown()
     return 0

@@ -101,6 +101,12 @@ class AppArgs(EngineArgs):
     api_key_for_generation: bool = Field(default=False, description="Require the API key for generation too.")
     max_body_bytes: int = Field(default=1 << 20, ge=1024, description="Largest request body in bytes.")
     replica_num_cpus: float = Field(default=0.1, gt=0, description="CPUs reserved per rank bundle on CPU.")
+    max_sessions_per_replica: int = Field(
+        default=16, ge=1, description="Open realtime sessions per replica before 429."
+    )
+    session_idle_timeout_s: float = Field(
+        default=300.0, gt=0, description="A session unused this long is closed and its state freed."
+    )
     lora_path: tuple[str, ...] = Field(default=(), description="Adapters to load at start, NAME=PATH.")
     lora_root: tuple[str, ...] = Field(default=(), description="Folders LoRA files may be loaded from.")
     max_loras: int = Field(default=8, ge=1, description="Adapter slots per replica.")

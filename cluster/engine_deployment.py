@@ -1,11 +1,26 @@
-"""The engine replica as a Ray Serve deployment: one :class:`Engine` per Serve replica."""
+"""The engine replica as a Ray Serve deployment: one :class:`Engine` per Serve replica.
+
+Besides generation, a replica holds its realtime sessions (their last latents) and applies control
+operations. Control state converges to the desired state kept by the app's state actor
+(``control_state``): at start, in the constructor, before Serve routes anything here; after every
+control op; and in the health check, which catches up a replica that missed a broadcast.
+
+Errors cross the handle as data (``error_dict``); the frontend owns the mapping to HTTP/gRPC codes.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import ray
 from ray import serve
 
 from ditserve.replica.engine import Engine
@@ -13,8 +28,12 @@ from ditserve.replica.request import GenerationParams
 from ditserve.replica.scheduler import QueueFullError
 
 from .config import AppArgs
+from .control_state import get_or_create_state_actor, initial_state, parse_lora_paths
+from .ranks import build_launcher, node_info
 
 logger = logging.getLogger("ditserve")
+
+DEFAULT_APP_NAME = "ditserve"
 
 
 def error_dict(status: int, message: str, param: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -27,20 +46,138 @@ def _param_of(message: str) -> str | None:
     return head if head.isidentifier() else None
 
 
-class EngineReplica:
-    """Serve replica wrapping one engine (its ranks are started in the constructor)."""
+class ReplicaUnavailable(RuntimeError):
+    """Memory released or shut down: generation answers 503 until resumed."""
 
-    def __init__(self, args: dict[str, Any]):
+
+def _status_of(exc: BaseException) -> int:
+    if isinstance(exc, ValueError):
+        return 400
+    if isinstance(exc, NotImplementedError):
+        return 501
+    if isinstance(exc, ReplicaUnavailable):
+        return 503
+    return 500
+
+
+@dataclass(eq=False)
+class Session:
+    session_id: str
+    width: int
+    height: int
+    latents: np.ndarray | None = None
+    steps: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class EngineReplica:
+    """Serve replica wrapping one engine; its ranks start in the constructor (inside the placement group).
+
+    ``engine_cls`` is injectable (Ray LLM's ``engine_cls`` pattern) so benchmarks can drive the real
+    router and frontend with a small engine; it is built as ``engine_cls(config, launcher=...)``.
+    """
+
+    def __init__(self, args: dict[str, Any], engine_cls: type = Engine):
         self.args = AppArgs(**args)
         self.config = self.args.engine_config()
         try:
-            self.replica_id = serve.get_replica_context().replica_id.unique_id
-        except Exception:  # constructed outside Serve (tests, tools)
-            self.replica_id = "local"
-        self.engine = Engine(self.config).start()
-        logger.info("replica %s ready: %s", self.replica_id, self.engine.spec)
+            ctx = serve.get_replica_context()
+            self.replica_id, self.app_name = ctx.replica_id.unique_id, ctx.app_name
+        except Exception:  # constructed outside Serve (tools)
+            self.replica_id, self.app_name = "local", DEFAULT_APP_NAME
+        self.launcher = build_launcher(self.config, self.args.replica_num_cpus)
+        self.engine = engine_cls(self.config, launcher=self.launcher).start()
+        self.node = node_info()
+        self.sessions: dict[str, Session] = {}
+        self.shut_down = False
+        self.released = False
+        self.applied = initial_state()
+        self._staged_tag: str | None = None
+        # Catch up with the desired control state before Serve marks this replica ready.
+        self.state_actor = get_or_create_state_actor(
+            self.app_name, initial_state(parse_lora_paths(self.args.lora_path))
+        )
+        desired = ray.get(self.state_actor.get.remote())
+        if desired["version"] > self.applied["version"]:
+            self.engine.run_control(lambda: self._apply(desired)).result()
+        logger.info("replica %s ready at control version %d", self.replica_id, self.applied["version"])
 
-    async def generate(self, params: GenerationParams) -> dict[str, Any]:
+    # -- identity -----------------------------------------------------------------------------------------
+    def record_replica_metadata(self) -> dict[str, Any]:
+        """Published once through Serve (routers see it as ``RunningReplica.replica_metadata``)."""
+        dims = self.config.parallel.dims()
+        return {
+            "replica_id": self.replica_id,
+            **self.node,
+            "ranks": getattr(self.launcher, "ranks", []),
+            "layout": {
+                "world_size": dims.world_size,
+                "cfg": self.config.parallel.cfg_parallel_size,
+                "tp": self.config.parallel.tp_size,
+                "ulysses": self.config.parallel.ulysses_degree,
+                "ring": self.config.parallel.ring_degree,
+                "kv_gather": self.config.parallel.kv_gather_degree,
+            },
+            "device": self.config.device,
+        }
+
+    def health(self) -> str:
+        if self.shut_down:
+            return "shutdown"
+        if not self.engine.running:
+            return "engine_stopped"
+        return "released" if self.released else "ok"
+
+    async def describe(self) -> dict[str, Any]:
+        self._expire_sessions()
+        return {
+            **self.record_replica_metadata(),
+            "health": self.health(),
+            "control_version": self.applied["version"],
+            "control_state": self.applied,
+            "sessions": len(self.sessions),
+            "stats": self.engine.stats(),
+        }
+
+    async def info(self) -> dict[str, Any]:
+        spec = self.engine.spec
+        return {
+            "replica_id": self.replica_id,
+            "model": spec.name,
+            "kind": spec.kind,
+            "family": spec.family,
+            "world_size": self.engine.world_size,
+            "stats": self.engine.stats(),
+        }
+
+    async def check_health(self) -> None:
+        if self.shut_down:
+            return  # stopped on purpose: Serve must not restart it
+        if not self.engine.running:
+            raise RuntimeError("engine loop is not running")
+        self._expire_sessions()
+        try:
+            desired = await self.state_actor.get.remote()
+        except Exception:  # the app is being deleted: nothing to converge to
+            return
+        if desired["version"] > self.applied["version"]:
+            await self._converge(desired)
+
+    # -- generation ---------------------------------------------------------------------------------------
+    def _unavailable(self) -> dict[str, Any] | None:
+        if self.shut_down:
+            return error_dict(503, "replica is shut down", replica=self.replica_id)
+        if self.released:
+            return error_dict(
+                503, "replica memory is released; POST /v1/admin/memory/resume first", replica=self.replica_id
+            )
+        return None
+
+    async def _run(self, params: GenerationParams) -> dict[str, Any]:
+        unavailable = self._unavailable()
+        if unavailable is not None:
+            return unavailable
         try:
             future = self.engine.submit(params)
         except ValueError as exc:
@@ -54,24 +191,181 @@ class EngineReplica:
             raise
         except ValueError as exc:
             return error_dict(400, str(exc), _param_of(str(exc)), replica=self.replica_id)
+        except ReplicaUnavailable as exc:
+            return error_dict(503, str(exc), replica=self.replica_id)
         return {"replica": self.replica_id, "result": result}
 
-    async def info(self) -> dict[str, Any]:
-        spec = self.engine.spec
-        return {
-            "replica_id": self.replica_id,
-            "model": spec.name,
-            "kind": spec.kind,
-            "family": spec.family,
-            "world_size": self.engine.world_size,
-            "stats": self.engine.stats(),
-        }
+    async def generate(self, params: GenerationParams) -> dict[str, Any]:
+        return await self._run(params)
 
-    def check_health(self) -> None:
-        if not self.engine.running:
-            raise RuntimeError("engine loop is not running")
+    # -- realtime sessions --------------------------------------------------------------------------------
+    def _expire_sessions(self) -> None:
+        deadline = time.monotonic() - self.args.session_idle_timeout_s
+        for sid in [s.session_id for s in self.sessions.values() if s.last_used < deadline]:
+            if not self.sessions[sid].lock.locked():
+                del self.sessions[sid]
+
+    def _session_missing(self, session_id: str) -> dict[str, Any]:
+        return error_dict(
+            404, f"session {session_id!r} does not exist (closed or expired)", replica=self.replica_id
+        )
+
+    async def open_session(self, width: int, height: int) -> dict[str, Any]:
+        unavailable = self._unavailable()
+        if unavailable is not None:
+            return unavailable
+        self._expire_sessions()
+        if len(self.sessions) >= self.args.max_sessions_per_replica:
+            return error_dict(
+                429,
+                f"this replica holds {len(self.sessions)} sessions, its maximum; close one or retry later",
+                retry_after=5,
+                replica=self.replica_id,
+            )
+        session = Session(f"{self.replica_id}.{secrets.token_hex(8)}", width=width, height=height)
+        self.sessions[session.session_id] = session
+        return {"replica": self.replica_id, "session_id": session.session_id}
+
+    async def session_generate(
+        self, session_id: str, params: GenerationParams, strength: float
+    ) -> dict[str, Any]:
+        """One step of a session: refine its last image with ``params.prompt`` (the first step: txt2img)."""
+        self._expire_sessions()
+        session = self.sessions.get(session_id)
+        if session is None:
+            return self._session_missing(session_id)
+        async with session.lock:  # steps of one session run in order, each from the previous latents
+            session.last_used = time.monotonic()
+            update = {"width": session.width, "height": session.height, "return_latents": True, "n": 1}
+            if session.latents is not None:
+                update |= {"init_latents": session.latents, "strength": strength}
+            answer = await self._run(params.model_copy(update=update))
+            if "result" in answer:
+                result = answer["result"]
+                session.latents, result.latents = result.latents, None
+                session.steps += 1
+                answer["step"] = session.steps
+            session.last_used = time.monotonic()
+            return answer | {"session_id": session_id}
+
+    async def close_session(self, session_id: str) -> dict[str, Any]:
+        if self.sessions.pop(session_id, None) is None:
+            return self._session_missing(session_id)
+        return {"replica": self.replica_id, "session_id": session_id, "closed": True}
+
+    # -- control ------------------------------------------------------------------------------------------
+    async def control(self, op: dict[str, Any]) -> dict[str, Any]:
+        """Broadcast target: run one control op; always answers with this replica's id."""
+        answer = {"replica": self.replica_id, "op": op["op"]}
+        try:
+            result = await self._dispatch(op)
+        except Exception as exc:
+            logger.exception("control op %s failed", op["op"])
+            return answer | {
+                "ok": False,
+                "status": _status_of(exc),
+                "error": f"{type(exc).__name__}: {exc}",
+                "version": self.applied["version"],
+            }
+        return answer | {"ok": True, "result": result, "version": self.applied["version"]}
+
+    async def _dispatch(self, op: dict[str, Any]) -> Any:
+        kind = op["op"]
+        if kind == "converge":
+            return await self._converge(op["state"])
+        if kind == "shutdown":
+            self.shut_down = True
+            self.sessions.clear()
+            await asyncio.to_thread(self.engine.shutdown)
+            return "shut down"
+        if self.shut_down:
+            raise ReplicaUnavailable("replica is shut down")
+        if kind == "stage_weights":
+            return await self._on_loop(lambda: self._stage_weights(op["path"], op["tag"]))
+        if kind == "discard_weights":
+            return await self._on_loop(self._discard_weights)
+        if kind == "lora_load":  # prepare phase of a LoRA load: load it here now, record it after
+            return await self._on_loop(lambda: self._lora_load(op["name"], op["source"], op["scale"]))
+        if kind == "lora_unload":
+            return await self._on_loop(lambda: self._lora_unload(op["name"]))
+        if kind == "lora_list":
+            return await self._on_loop(lambda: self._lora_engine("lora_list")())
+        raise ValueError(f"op: unknown control op {kind!r}")
+
+    async def _on_loop(self, fn) -> Any:
+        """Run ``fn`` in the engine loop between two steps (waits for the current step, not the queue)."""
+        return await asyncio.wrap_future(self.engine.run_control(fn))
+
+    async def _converge(self, desired: dict[str, Any]) -> dict[str, Any]:
+        await self._on_loop(lambda: self._apply(desired))
+        return {"version": self.applied["version"]}
+
+    def _apply(self, desired: dict[str, Any]) -> None:
+        """Move this replica to ``desired`` (loop thread). Older or equal versions are no-ops."""
+        if desired["version"] <= self.applied["version"]:
+            return
+        applied = self.applied
+        weights = desired["weights"]
+        if weights["version"] != applied["weights"]["version"] and weights["path"] is not None:
+            if self._staged_tag != weights["tag"]:
+                self._stage_weights(weights["path"], weights["tag"])
+            self.engine.call_ranks("commit_weights", weights["tag"])
+            self._staged_tag = None
+            applied["weights"] = copy.deepcopy(weights)
+        for name in [n for n in applied["loras"] if n not in desired["loras"]]:
+            self._lora_unload(name)
+        for name, spec in desired["loras"].items():
+            if applied["loras"].get(name) != spec:
+                self._lora_load(name, spec["source"], spec["scale"])
+        if desired["memory"] != applied["memory"]:
+            if desired["memory"] == "released":
+                self.released = True
+                self.engine.abort_all(ReplicaUnavailable("replica memory was released"), drop=True)
+                self.engine.call_ranks("release_memory")
+            else:
+                self.engine.call_ranks("resume_memory")
+                self.released = False
+            applied["memory"] = desired["memory"]
+        applied["version"] = desired["version"]
+
+    def _stage_weights(self, path: str, tag: str) -> dict[str, Any]:
+        """Load new weights on every rank next to the current ones; any rank failing discards all."""
+        try:
+            self.engine.call_ranks("stage_weights", path, tag)
+        except Exception as exc:
+            self._discard_weights()
+            message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"path: could not load weights from {path}: {message}") from exc
+        self._staged_tag = tag
+        return {"staged": tag}
+
+    def _discard_weights(self) -> None:
+        self._staged_tag = None
+        self.engine.call_ranks("discard_weights")
+
+    # LoRA: the adapter engine attaches ``lora_load(name, source, scale)``, ``lora_unload(name)`` and
+    # ``lora_list()`` to Engine; until then these ops answer 501.
+    def _lora_engine(self, method: str):
+        fn = getattr(self.engine, method, None)
+        if fn is None:
+            raise NotImplementedError(f"LoRA adapters are not available in this build (Engine.{method})")
+        return fn
+
+    def _lora_load(self, name: str, source: str, scale: float) -> Any:
+        result = self._lora_engine("lora_load")(name, source, scale)
+        self.applied["loras"][name] = {"source": source, "scale": scale}
+        return result
+
+    def _lora_unload(self, name: str) -> Any:
+        result = self._lora_engine("lora_unload")(name)
+        self.applied["loras"].pop(name, None)
+        return result
 
     def __del__(self):
         engine = getattr(self, "engine", None)
-        if engine is not None:
+        if engine is not None and not getattr(self, "shut_down", False):
             engine.shutdown()
+
+
+def new_tag() -> str:
+    return uuid.uuid4().hex[:12]

@@ -2,78 +2,41 @@
 
 Stateless: it holds a handle to the engine deployment and nothing else, so it can be scaled or restarted.
 Status codes are chosen here and only here.
+
+How the routes are organised (add new groups the same way):
+
+- This module builds the one FastAPI app, its exception handlers, and the :class:`Frontend` deployment
+  with the helpers every route shares: auth (``check_auth``), engine calls with error mapping
+  (``call_engine``), control broadcasts (``broadcast``), and the core routes (health, models, images).
+- Each further route group is a module with an ``APIRouter`` named ``router`` (``api_sessions``,
+  ``api_admin``), included below. Its handlers are plain functions that reach the Frontend instance
+  through ``Depends(http_base.frontend)`` (the instance registers itself at start), so they use
+  the same handle, settings and helpers as the class-based routes.
 """
 
 import base64
 import time
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import Request
 from fastapi.responses import JSONResponse
 from ray import serve
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.exceptions import DeploymentUnavailableError
 
 from ditserve.replica.models.registry import resolve_model
 
+from . import api_admin, api_sessions
 from .config import AppArgs
-from .schemas import APIError, ImageData, ImageGenerationRequest, ImagesResponse, ModelCard, parse_size
-
-REPLICA_HEADER = "x-ditserve-replica"
-
-
-def _loc_to_param(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
-    return ".".join(parts) or None
-
-
-def build_fastapi() -> FastAPI:
-    app = FastAPI(
-        title="ditserve",
-        description="Diffusion transformer serving: OpenAI-compatible images and videos.",
-        version="0.1.0",
-    )
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        param = _loc_to_param(tuple(first.get("loc", ())))
-        if first.get("type") == "json_invalid":
-            message, param = "request body is not valid JSON", None
-        elif first.get("type") == "missing" and param is None:
-            message = "request body is missing"
-        else:
-            message = f"{param or 'body'}: {first.get('msg')}"
-        err = APIError(400, message, param=param)
-        return JSONResponse(err.body(), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(
-            APIError(exc.status_code, str(exc.detail), type=kind).body(), status_code=exc.status_code
-        )
-
-    return app
-
+from .control_state import get_or_create_state_actor, initial_state, parse_lora_paths
+from .http_base import ERROR_TYPES, REPLICA_HEADER, build_fastapi, check_size, register_frontend
+from .router import SessionGoneError
+from .schemas import APIError, ImageData, ImageGenerationRequest, ImagesResponse, ModelCard
 
 fastapi_app = build_fastapi()
-
-
-def _check_size(size: str, max_width: int, max_height: int, multiple: int = 16) -> tuple[int, int]:
-    width, height = parse_size(size)
-    if width % multiple or height % multiple or width == 0 or height == 0:
-        raise APIError(
-            400, f"size: {size} must have a width and height that are multiples of {multiple}", param="size"
-        )
-    if width > max_width or height > max_height:
-        raise APIError(400, f"size: {size} is above the maximum {max_width}x{max_height}", param="size")
-    return width, height
+# Route groups live in their own modules; include them before @serve.ingress freezes the app.
+fastapi_app.include_router(api_sessions.router)
+fastapi_app.include_router(api_admin.router)
 
 
 @serve.deployment(name="Frontend", ray_actor_options={"num_cpus": 0.1})
@@ -88,15 +51,20 @@ class Frontend:
         self.created = int(time.time())
         # Demo models are trained and tested at 64×64; real checkpoints at 1024².
         self.default_size = "64x64" if spec.name.startswith("demo-") else "1024x1024"
+        try:
+            self.app_name = serve.get_replica_context().app_name
+        except Exception:
+            self.app_name = "ditserve"
+        register_frontend(self)  # route modules reach this instance through http_base.frontend()
 
     # -- helpers ----------------------------------------------------------------------------------------
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(
                 400, f"model {model!r} is not served here; available: [{self.model_name!r}]", param="model"
             )
 
-    def _check_auth(self, request: Request, admin: bool) -> None:
+    def check_auth(self, request: Request, admin: bool) -> None:
         key = self.args.api_key
         if key is None or not (admin or self.args.api_key_for_generation):
             return
@@ -106,19 +74,78 @@ class Frontend:
                 401, "missing or wrong API key (Authorization: Bearer <key>)", type="authentication_error"
             )
 
-    async def _check_body_size(self, request: Request) -> None:
+    async def check_body_size(self, request: Request) -> None:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.args.max_body_bytes:
             raise APIError(413, f"request body is {length} bytes; the limit is {self.args.max_body_bytes}")
 
     @staticmethod
-    def _raise_engine_error(answer: dict[str, Any]) -> None:
+    def raise_engine_error(answer: dict[str, Any]) -> None:
         err = answer["error"]
         headers = {REPLICA_HEADER: str(err.get("replica", ""))}
-        if err["status"] == 429:
-            headers["Retry-After"] = str(max(1, int(err.get("retry_after", 1))))
-        kind = "rate_limit_error" if err["status"] == 429 else "invalid_request_error"
+        if err["status"] in (429, 503) and err.get("retry_after") is not None:
+            headers["Retry-After"] = str(max(1, int(err["retry_after"])))
+        kind = ERROR_TYPES.get(err["status"], "invalid_request_error")
         raise APIError(err["status"], err["message"], type=kind, param=err.get("param"), headers=headers)
+
+    async def call_engine(self, response) -> dict[str, Any]:
+        """Await one engine call (a DeploymentResponse) and map failures to the HTTP errors users see."""
+        try:
+            answer = await response
+        except SessionGoneError as exc:
+            raise APIError(410, str(exc), type=ERROR_TYPES[410]) from None
+        except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
+            raise APIError(
+                503,
+                f"the replica serving this request failed ({type(exc).__name__}); retry the request",
+                type=ERROR_TYPES[503],
+                headers={"Retry-After": "1"},
+            ) from None
+        except DeploymentUnavailableError:
+            raise APIError(503, "no engine replica is available", type=ERROR_TYPES[503]) from None
+        if "error" in answer:
+            self.raise_engine_error(answer)
+        return answer
+
+    async def broadcast(self, op: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
+        """Send ``op`` to every running replica; every replica answers with its id.
+
+        Serve's broadcast skips replicas that are not running (e.g. restarting): they are counted in
+        ``missing`` and catch up from the state actor before they take traffic."""
+        try:
+            results = await self.engine.broadcast("control", op).results_async(
+                timeout_s=timeout_s, return_exceptions=True
+            )
+        except DeploymentUnavailableError:
+            results = []
+        answers = []
+        for result in results:
+            if isinstance(result, Exception):
+                result = {"replica": None, "op": op["op"], "ok": False, "status": 503, "error": str(result)}
+            answers.append(result)
+        answers.sort(key=lambda a: str(a.get("replica")))
+        return {
+            "op": op["op"],
+            "replicas": answers,
+            "answered": len(answers),
+            "missing": max(0, self.args.dp_size - len(answers)),
+            "ok": all(a["ok"] for a in answers),
+        }
+
+    @staticmethod
+    def raise_broadcast_error(report: dict[str, Any]) -> None:
+        failed = [a for a in report["replicas"] if not a["ok"]]
+        first = failed[0]
+        status = first.get("status", 500)
+        raise APIError(
+            status,
+            f"{report['op']} failed on {len(failed)} of {report['answered']} replicas; "
+            f"replica {first['replica']}: {first['error']}",
+            type=ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+        )
+
+    def state_actor(self):
+        return get_or_create_state_actor(self.app_name, initial_state(parse_lora_paths(self.args.lora_path)))
 
     # -- routes -----------------------------------------------------------------------------------------
     @fastapi_app.get("/health")
@@ -132,9 +159,9 @@ class Frontend:
 
     @fastapi_app.post("/v1/images/generations", response_model=ImagesResponse)
     async def images_generations(self, body: ImageGenerationRequest, request: Request) -> JSONResponse:
-        self._check_auth(request, admin=False)
-        await self._check_body_size(request)
-        self._check_model(body.model)
+        self.check_auth(request, admin=False)
+        await self.check_body_size(request)
+        self.check_model(body.model)
         if self.model_kind != "image":
             raise APIError(400, f"model {self.model_name!r} makes videos; use POST /v1/videos", param="model")
         if body.response_format != "b64_json":
@@ -156,11 +183,9 @@ class Frontend:
                 f"num_inference_steps: {body.num_inference_steps} is above the maximum {limits.max_steps}",
                 param="num_inference_steps",
             )
-        width, height = _check_size(body.size or self.default_size, limits.max_width, limits.max_height)
+        width, height = check_size(body.size or self.default_size, limits.max_width, limits.max_height)
         params = body.to_params(width, height, default_true_cfg=4.0)
-        answer = await self.engine.generate.remote(params)
-        if "error" in answer:
-            self._raise_engine_error(answer)
+        answer = await self.call_engine(self.engine.generate.remote(params))
         result = answer["result"]
         response = ImagesResponse(
             created=int(time.time()),

@@ -65,10 +65,23 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
-        for job in list(self.scheduler.pending) + [j for js in self.scheduler.running.values() for j in js]:
-            if not job.future.done():
-                job.future.set_exception(RuntimeError("engine shut down"))
+        self.abort_all(RuntimeError("engine shut down"))
         self.launcher.shutdown()
+
+    def abort_all(self, exc: BaseException, drop: bool = False) -> None:
+        """Fail every queued and running request with ``exc``. Call from the loop thread (``run_control``)
+        or after the loop stopped; ``drop`` also frees the running requests' rank state."""
+        with self.scheduler.cond:
+            pending = list(self.scheduler.pending)
+            self.scheduler.pending.clear()
+            running = [j for js in self.scheduler.running.values() for j in js]
+        for job in running:
+            self._fail(job, exc)
+            if drop:
+                self._drop_quietly(job)
+        for job in pending:
+            if not job.future.done():
+                job.future.set_exception(exc)
 
     @property
     def running(self) -> bool:
@@ -99,6 +112,8 @@ class Engine:
             )
         if params.n > limits.max_n:
             raise ValueError(f"n: {params.n} is above the maximum {limits.max_n}")
+        if params.init_latents is not None and self.spec.family != "flux":
+            raise ValueError(f"init_latents: image-to-image is not supported for {spec.name}")
         if self.spec.kind == "video" and params.num_frames > limits.max_frames:
             raise ValueError(f"num_frames: {params.num_frames} is above the maximum {limits.max_frames}")
 
@@ -210,8 +225,10 @@ class Engine:
     def _complete(self, job: Job, step_s: float) -> None:
         self.scheduler.finish(job)
         try:
-            pixels = self.launcher.call("finish", job.req_id)
             p = job.params
+            # ``latents`` before ``finish``: finish forgets the request's state.
+            latents = self.launcher.call("latents", job.req_id) if p.return_latents else None
+            pixels = self.launcher.call("finish", job.req_id)
             if self.spec.kind == "video":
                 outputs, media = [encode_mp4(v, fps=p.fps) for v in pixels], "video/mp4"
             else:
@@ -224,6 +241,7 @@ class Engine:
                 height=p.height,
                 num_frames=p.num_frames if self.spec.kind == "video" else 1,
                 timings={"last_step_s": step_s},
+                latents=latents,
             )
         except Exception as exc:
             if not job.future.done():

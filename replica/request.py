@@ -6,6 +6,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -21,7 +22,7 @@ class LoRARef(BaseModel):
 class GenerationParams(BaseModel):
     """One generation request as the engine sees it."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
     prompt: str = Field(min_length=1)
     negative_prompt: str | None = None
@@ -39,6 +40,14 @@ class GenerationParams(BaseModel):
     n: int = Field(default=1, ge=1, description="Outputs per request.")
     lora: tuple[LoRARef, ...] = ()
     fps: int = Field(default=16, ge=1, le=120)
+    # img2img / realtime sessions: start from these (packed) latents noised to ``strength``.
+    init_latents: np.ndarray | None = Field(
+        default=None, description="Latents to refine (as returned in GenerationResult.latents)."
+    )
+    strength: float = Field(
+        default=1.0, gt=0.0, le=1.0, description="With init_latents: 1 = start from noise, small = keep."
+    )
+    return_latents: bool = Field(default=False, description="Also return the final latents.")
 
 
 @dataclass
@@ -52,3 +61,4 @@ class GenerationResult:
     height: int
     num_frames: int = 1
     timings: dict[str, float] = field(default_factory=dict)
+    latents: np.ndarray | None = None  # final latents when params.return_latents

@@ -76,7 +76,19 @@ class FluxRunner(PipelineRunner):
             scheduler.config.get("max_shift", 1.15),
         )
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
-        scheduler.set_begin_index(0)
+        start = 0
+        if params.init_latents is not None:
+            # img2img (diffusers' FluxImg2ImgPipeline): skip the first (1 - strength) of the schedule and
+            # noise the given latents to the first remaining timestep.
+            init = torch.from_numpy(params.init_latents).to(self.device, self.dtype)
+            if init.shape != latents.shape:
+                raise ValueError(f"init_latents: shape {tuple(init.shape)} != {tuple(latents.shape)}")
+            start = int(max(steps - min(steps * params.strength, steps), 0))
+            start = min(start, steps - 1)  # at least one step runs
+            scheduler.set_begin_index(start)
+            latents = scheduler.scale_noise(init, timesteps[start : start + 1].repeat(n), latents)
+        else:
+            scheduler.set_begin_index(0)
         bucket = ("flux", params.height, params.width, 1)
         return RequestState(
             req_id=req_id,
@@ -88,6 +100,7 @@ class FluxRunner(PipelineRunner):
             uncond=uncond,
             cfg_scale=params.true_cfg_scale,
             bucket=bucket,
+            step_index=start,
             extra={"shared": {"txt_ids": text_ids, "img_ids": image_ids}},
         )
 

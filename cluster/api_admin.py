@@ -1,0 +1,139 @@
+"""Cluster and admin routes (an ``APIRouter`` included by ``frontend``): replicas, weights, memory,
+shutdown, LoRA adapters.
+
+Every control op follows one pattern: (1) where the op can fail on a replica (loading weights or an
+adapter), a *prepare* broadcast does the failing part everywhere and is undone everywhere if any replica
+fails; (2) the desired state in the state actor is updated (new version); (3) a *converge* broadcast
+moves every running replica to it. Replicas that were not running at the time converge from the state
+actor before they take traffic. Responses list each replica's answer and how many expected replicas did
+not answer (``missing``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from .engine_deployment import new_tag
+from .http_base import REPLICA_HEADER, frontend
+from .schemas import APIError
+
+router = APIRouter(tags=["admin"])
+
+
+class WeightsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(
+        min_length=1, description="Local diffusers folder (pipeline or transformer) on every host."
+    )
+
+
+class LoRALoadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128, description="Name requests use to pick the adapter.")
+    path: str = Field(min_length=1, description="Adapter file or folder (under --lora-root).")
+    scale: float = Field(default=1.0, ge=-10.0, le=10.0, description="Default strength.")
+
+
+def _respond(report: dict[str, Any], **extra: Any) -> JSONResponse:
+    ids = ",".join(str(a["replica"]) for a in report["replicas"])
+    return JSONResponse({**extra, **report}, headers={REPLICA_HEADER: ids})
+
+
+async def _converge(fe: Any, desired: dict[str, Any]) -> JSONResponse:
+    report = await fe.broadcast({"op": "converge", "state": desired})
+    if not report["ok"]:
+        fe.raise_broadcast_error(report)
+    return _respond(report, version=desired["version"], state=desired)
+
+
+@router.get("/v1/replicas")
+async def replicas(fe: Any = Depends(frontend)) -> JSONResponse:
+    """Each running replica: id, node, GPUs, ranks, layout, health, control-state version."""
+    try:
+        described = await fe.engine.broadcast("describe").results_async(timeout_s=30, return_exceptions=True)
+    except Exception:
+        described = []
+    data = sorted((d for d in described if isinstance(d, dict)), key=lambda d: d["replica_id"])
+    desired = await fe.state_actor().get.remote()
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "expected": fe.args.dp_size,
+            "desired_version": desired["version"],
+        },
+        headers={REPLICA_HEADER: ",".join(d["replica_id"] for d in data)},
+    )
+
+
+@router.post("/v1/admin/weights")
+async def update_weights(body: WeightsRequest, request: Request, fe: Any = Depends(frontend)):
+    """Load new transformer weights on every replica: all replicas (and all their ranks) or none."""
+    fe.check_auth(request, admin=True)
+    tag = new_tag()
+    staged = await fe.broadcast({"op": "stage_weights", "path": body.path, "tag": tag})
+    if not staged["ok"]:
+        await fe.broadcast({"op": "discard_weights"})
+        fe.raise_broadcast_error(staged)
+    desired = await fe.state_actor().set_weights.remote(body.path, tag)
+    return await _converge(fe, desired)
+
+
+@router.post("/v1/admin/memory/{action}")
+async def memory(action: str, request: Request, fe: Any = Depends(frontend)):
+    """``release``: weights to host memory, generation answers 503; ``resume``: back to serving."""
+    fe.check_auth(request, admin=True)
+    if action not in ("release", "resume"):
+        raise APIError(
+            404, f"unknown memory action {action!r}; use release or resume", type="not_found_error"
+        )
+    desired = await fe.state_actor().set_memory.remote("released" if action == "release" else "resident")
+    return await _converge(fe, desired)
+
+
+@router.post("/v1/admin/shutdown")
+async def shutdown(request: Request, fe: Any = Depends(frontend)):
+    """Free every replica's engine; they stop accepting work (removing replicas is Serve's job)."""
+    fe.check_auth(request, admin=True)
+    report = await fe.broadcast({"op": "shutdown"})
+    if not report["ok"]:
+        fe.raise_broadcast_error(report)
+    return _respond(report)
+
+
+@router.post("/v1/loras")
+async def load_lora(body: LoRALoadRequest, request: Request, fe: Any = Depends(frontend)):
+    fe.check_auth(request, admin=True)
+    prepared = await fe.broadcast(
+        {"op": "lora_load", "name": body.name, "source": body.path, "scale": body.scale}
+    )
+    if not prepared["ok"]:
+        if any(a["ok"] for a in prepared["replicas"]):
+            await fe.broadcast({"op": "lora_unload", "name": body.name})
+        fe.raise_broadcast_error(prepared)
+    desired = await fe.state_actor().set_lora.remote(body.name, body.path, body.scale)
+    return await _converge(fe, desired)
+
+
+@router.get("/v1/loras")
+async def list_loras(request: Request, fe: Any = Depends(frontend)):
+    fe.check_auth(request, admin=True)
+    desired = await fe.state_actor().get.remote()
+    data = [{"name": n, "path": s["source"], "scale": s["scale"]} for n, s in desired["loras"].items()]
+    return {"object": "list", "data": data, "version": desired["version"]}
+
+
+@router.delete("/v1/loras/{name}")
+async def unload_lora(name: str, request: Request, fe: Any = Depends(frontend)):
+    fe.check_auth(request, admin=True)
+    desired = await fe.state_actor().get.remote()
+    if name not in desired["loras"]:
+        raise APIError(404, f"no LoRA adapter named {name!r} is loaded", type="not_found_error", param="name")
+    desired = await fe.state_actor().remove_lora.remote(name)
+    return await _converge(fe, desired)

@@ -1,0 +1,116 @@
+"""Realtime image sessions: ``/v1/sessions`` (an ``APIRouter`` included by ``frontend``).
+
+A session lives on one replica, which keeps its last latents: each ``generate`` refines the previous
+image with a new prompt (``strength`` says how far it may move). The session id names its owner replica
+and travels as Serve's ``session_id``; the router sends it there and nowhere else (410 when it is gone).
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ditserve.replica.request import GenerationParams
+
+from .http_base import REPLICA_HEADER, check_size, frontend
+from .router import session_owner
+from .schemas import APIError
+
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+
+
+class SessionOpenRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    size: str | None = Field(default=None, description="WIDTHxHEIGHT of every image of the session.")
+    model: str | None = Field(default=None, description="Model name (default: the served one).")
+
+
+class SessionGenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1, description="What to draw (this step).")
+    strength: float = Field(
+        default=0.6, gt=0.0, le=1.0, description="How far this step may move from the previous image."
+    )
+    num_inference_steps: int = Field(default=4, ge=1, description="Steps of a full (strength 1) schedule.")
+    guidance_scale: float | None = Field(default=None, ge=0, le=100)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("prompt must not be empty")
+        return v
+
+
+def _pinned(fe: Any, session_id: str):
+    try:
+        session_owner(session_id)
+    except ValueError as exc:
+        raise APIError(404, str(exc), type="not_found_error", param="session_id") from None
+    return fe.engine.options(session_id=session_id)
+
+
+@router.post("")
+async def open_session(body: SessionOpenRequest, request: Request, fe: Any = Depends(frontend)):
+    fe.check_auth(request, admin=False)
+    fe.check_model(body.model)
+    if fe.model_kind != "image":
+        raise APIError(400, f"model {fe.model_name!r} makes videos; sessions are for images", param="model")
+    width, height = check_size(body.size or fe.default_size, fe.args.max_width, fe.args.max_height)
+    answer = await fe.call_engine(fe.engine.open_session.remote(width, height))
+    return JSONResponse(
+        {"id": answer["session_id"], "object": "session", "size": f"{width}x{height}"},
+        headers={REPLICA_HEADER: answer["replica"]},
+    )
+
+
+@router.post("/{session_id}/generate")
+async def session_generate(
+    session_id: str, body: SessionGenerateRequest, request: Request, fe: Any = Depends(frontend)
+):
+    fe.check_auth(request, admin=False)
+    if body.num_inference_steps > fe.args.max_steps:
+        raise APIError(
+            400,
+            f"num_inference_steps: {body.num_inference_steps} is above the maximum {fe.args.max_steps}",
+            param="num_inference_steps",
+        )
+    if len(body.prompt) > fe.args.max_prompt_chars:
+        raise APIError(400, f"prompt: longer than {fe.args.max_prompt_chars} characters", param="prompt")
+    kwargs: dict[str, Any] = {} if body.seed is None else {"seed": body.seed}
+    params = GenerationParams(
+        prompt=body.prompt,
+        num_inference_steps=body.num_inference_steps,
+        guidance_scale=body.guidance_scale,
+        **kwargs,
+    )
+    call = _pinned(fe, session_id).session_generate.remote(session_id, params, body.strength)
+    answer = await fe.call_engine(call)
+    result = answer["result"]
+    return JSONResponse(
+        {
+            "id": session_id,
+            "created": int(time.time()),
+            "step": answer["step"],
+            "seed": result.seed,
+            "data": [{"b64_json": base64.b64encode(png).decode()} for png in result.outputs],
+        },
+        headers={REPLICA_HEADER: answer["replica"]},
+    )
+
+
+@router.delete("/{session_id}")
+async def close_session(session_id: str, request: Request, fe: Any = Depends(frontend)):
+    fe.check_auth(request, admin=False)
+    answer = await fe.call_engine(_pinned(fe, session_id).close_session.remote(session_id))
+    return JSONResponse(
+        {"id": session_id, "object": "session", "deleted": True}, headers={REPLICA_HEADER: answer["replica"]}
+    )

@@ -1,0 +1,111 @@
+"""The desired control state of all engine replicas, kept in one named, detached Ray actor.
+
+Control operations (weights, LoRA, memory) change the desired state here first and then ask every replica
+to converge to it; a replica converges at start (in its constructor, before Serve sends it traffic) and
+whenever it sees a newer version. So a replica that Serve restarts after a crash comes back with the same
+weights, adapters and memory state as its peers.
+
+State shape (plain JSON, versioned; every change increments ``version``)::
+
+    {"version": 3,
+     "weights": {"version": 1, "path": "/ckpt/flux-v2", "tag": "3f2a"},  # version 0: the served model
+     "memory": "resident",                                      # or "released"
+     "loras": {"ink": {"source": "/loras/ink.safetensors", "scale": 0.8}}}
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import ray
+
+NAMESPACE = "ditserve"
+
+
+def initial_state(loras: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {
+        "version": 0,
+        "weights": {"version": 0, "path": None, "tag": None},
+        "memory": "resident",
+        "loras": dict(loras or {}),
+    }
+
+
+class ControlState:
+    """Ray actor body: the versioned desired state. Pure Python, one method per change."""
+
+    def __init__(self, state: dict[str, Any]):
+        self.state = copy.deepcopy(state)
+
+    def get(self) -> dict[str, Any]:
+        return self.state
+
+    def _bump(self) -> dict[str, Any]:
+        self.state["version"] += 1
+        return self.state
+
+    def set_weights(self, path: str, tag: str) -> dict[str, Any]:
+        """``tag`` names what the replicas staged for this update (they commit it instead of reloading)."""
+        version = self.state["weights"]["version"] + 1
+        self.state["weights"] = {"version": version, "path": path, "tag": tag}
+        return self._bump()
+
+    def set_memory(self, memory: str) -> dict[str, Any]:
+        assert memory in ("resident", "released"), memory
+        self.state["memory"] = memory
+        return self._bump()
+
+    def set_lora(self, name: str, source: str, scale: float) -> dict[str, Any]:
+        self.state["loras"][name] = {"source": source, "scale": scale}
+        return self._bump()
+
+    def remove_lora(self, name: str) -> dict[str, Any]:
+        self.state["loras"].pop(name, None)
+        return self._bump()
+
+
+def parse_lora_paths(items: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """``NAME=PATH[:SCALE]`` flags → the state's ``loras`` mapping."""
+    loras = {}
+    for item in items:
+        name, sep, rest = item.partition("=")
+        if not sep or not name or not rest:
+            raise ValueError(f"lora_path: {item!r} is not NAME=PATH[:SCALE]")
+        path, scale = rest, 1.0
+        head, colon, tail = rest.rpartition(":")
+        if colon and head:
+            try:
+                path, scale = head, float(tail)
+            except ValueError:
+                pass
+        loras[name] = {"source": path, "scale": scale}
+    return loras
+
+
+def state_actor_name(app_name: str) -> str:
+    return f"{app_name}-control-state"
+
+
+def get_or_create_state_actor(app_name: str, initial: dict[str, Any]):
+    """The app's state actor; the first caller creates it (detached: it outlives any replica)."""
+    return (
+        ray.remote(ControlState)
+        .options(
+            name=state_actor_name(app_name),
+            namespace=NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_restarts=0,
+        )
+        .remote(initial)
+    )
+
+
+def delete_state_actor(app_name: str) -> None:
+    """Forget the desired state (``ditserve serve`` does this when it stops the app)."""
+    try:
+        ray.kill(ray.get_actor(state_actor_name(app_name), namespace=NAMESPACE))
+    except ValueError:
+        pass

@@ -1,0 +1,91 @@
+"""Shared parts of the HTTP ingress: the FastAPI app factory with the one error shape, the replica
+header, size checks, and the ``frontend`` dependency that route modules use to reach the Frontend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .schemas import APIError, parse_size
+
+REPLICA_HEADER = "x-ditserve-replica"
+
+ERROR_TYPES = {
+    401: "authentication_error",
+    404: "not_found_error",
+    410: "session_gone_error",
+    429: "rate_limit_error",
+    501: "not_implemented_error",
+    503: "service_unavailable_error",
+}
+
+
+_instance: list[Any] = []
+
+
+def register_frontend(instance: Any) -> None:
+    """Called by the Frontend constructor (one Frontend per replica process)."""
+    _instance[:] = [instance]
+
+
+def frontend() -> Any:
+    """FastAPI dependency for route modules: this process's Frontend instance.
+
+    (Serve freezes a copy of the FastAPI app at decoration time, so ``app.state`` set later would not be
+    seen by the served copy; a module-level holder is.)"""
+    return _instance[0]
+
+
+def _loc_to_param(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    return ".".join(parts) or None
+
+
+def build_fastapi() -> FastAPI:
+    app = FastAPI(
+        title="ditserve",
+        description="Diffusion transformer serving: OpenAI-compatible images and videos.",
+        version="0.1.0",
+    )
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        param = _loc_to_param(tuple(first.get("loc", ())))
+        if first.get("type") == "json_invalid":
+            message, param = "request body is not valid JSON", None
+        elif first.get("type") == "missing" and param is None:
+            message = "request body is missing"
+        else:
+            message = f"{param or 'body'}: {first.get('msg')}"
+        err = APIError(400, message, param=param)
+        return JSONResponse(err.body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            APIError(exc.status_code, str(exc.detail), type=kind).body(), status_code=exc.status_code
+        )
+
+    return app
+
+
+def check_size(size: str, max_width: int, max_height: int, multiple: int = 16) -> tuple[int, int]:
+    width, height = parse_size(size)
+    if width % multiple or height % multiple or width == 0 or height == 0:
+        raise APIError(
+            400, f"size: {size} must have a width and height that are multiples of {multiple}", param="size"
+        )
+    if width > max_width or height > max_height:
+        raise APIError(400, f"size: {size} is above the maximum {max_width}x{max_height}", param="size")
+    return width, height

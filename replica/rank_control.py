@@ -1,0 +1,93 @@
+"""Rank-side control commands for served replicas: weights update, memory release/resume, final latents.
+
+``ServingRankWorker`` adds these commands to :class:`RankWorker` (the SPMD worker) without changing it; the
+launchers used by ``ditserve serve`` build this class. Like every rank command, each runs on all ranks in
+the same order, between two denoising steps.
+
+Weights update is two-phase so that a replica's ranks switch together or not at all: ``stage_weights``
+loads and shards the new transformer next to the current one (any rank may fail; then ``discard_weights``
+on all), ``commit_weights`` only swaps a reference, which cannot fail.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from .worker import RankWorker
+
+
+def _transformer_folder(path: str) -> str:
+    """A diffusers pipeline folder (``<path>/transformer``) or a transformer folder itself."""
+    sub = os.path.join(path, "transformer")
+    if os.path.isfile(os.path.join(sub, "config.json")):
+        return sub
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    raise ValueError(f"path: {path} is not a diffusers pipeline or transformer folder (no config.json)")
+
+
+def _public(config: Any) -> dict[str, Any]:
+    return {k: v for k, v in dict(config).items() if not k.startswith("_")}
+
+
+class ServingRankWorker(RankWorker):
+    """A :class:`RankWorker` with the control commands a served replica needs."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._staged: tuple[str, torch.nn.Module] | None = None
+        self.released = False
+
+    # -- results ------------------------------------------------------------------------------------------
+    def latents(self, req_id: str) -> np.ndarray | None:
+        """The request's current (packed) latents, float32 on host; rank 0 only (others return None)."""
+        if self.rank != 0:
+            return None
+        return self.states[req_id].latents.detach().float().cpu().numpy()
+
+    # -- weights ------------------------------------------------------------------------------------------
+    def stage_weights(self, path: str, tag: str) -> dict[str, Any]:
+        """Load ``path``'s transformer, shard it like the current one, keep it aside under ``tag``."""
+        import diffusers
+
+        folder = _transformer_folder(path)
+        current = self.pipe.transformer
+        cls = getattr(diffusers, type(current).__name__)
+        model = cls.from_pretrained(folder, dtype=self.config.torch_dtype)
+        if _public(model.config) != _public(current.config):
+            raise ValueError(f"path: {path} has a different transformer config than the served model")
+        model = model.to(self.device).eval()
+        if self.mesh is not None:
+            from .parallel import parallelize_flux, parallelize_wan
+
+            parallelize = parallelize_flux if self.spec.family == "flux" else parallelize_wan
+            parallelize(model, mesh=self.mesh)
+        self._staged = (tag, model)
+        return {"rank": self.rank, "tag": tag}
+
+    def commit_weights(self, tag: str) -> None:
+        assert self._staged is not None and self._staged[0] == tag, (self._staged, tag)
+        self.pipe.transformer = self._staged[1]
+        self._staged = None
+        if self.released:  # committed while released: the new weights live on the host too
+            self.pipe.transformer.to("cpu")
+
+    def discard_weights(self) -> None:
+        self._staged = None
+
+    # -- memory -------------------------------------------------------------------------------------------
+    def release_memory(self) -> None:
+        """Weights to host memory; on CPU they are already there and only the state changes."""
+        if self.device.type == "cuda":
+            self.pipe.to("cpu")
+            torch.cuda.empty_cache()
+        self.released = True
+
+    def resume_memory(self) -> None:
+        if self.device.type == "cuda":
+            self.pipe.to(self.device)
+        self.released = False
