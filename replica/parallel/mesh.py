@@ -107,6 +107,19 @@ class ParallelMesh:
         mesh = self.get_optional_mesh(name)
         return 0 if mesh is None else mesh.get_local_rank()
 
+    def destroy(self) -> None:
+        """Destroy this mesh's subgroups (not the default group); the mesh is unusable afterwards.
+
+        Each gloo group keeps worker threads; a process that builds many meshes (tests, a weights swap
+        that changes layout) should destroy the ones it no longer needs.
+        """
+        groups = [self.device_mesh.get_group(n) for n in self.device_mesh.mesh_dim_names or ()]
+        if self.sp_mesh is not None and self.sp_mesh.mesh_dim_names == ("sp",):
+            groups.append(self.sp_mesh.get_group())
+        for group in groups:
+            if group is not dist.group.WORLD and group != dist.distributed_c10d._get_default_group():
+                dist.destroy_process_group(group)
+
     # Named shortcuts, read by the engine and the wrappers.
     @property
     def cfg_rank(self) -> int:

@@ -17,8 +17,10 @@ import torch
 from diffusers import FluxTransformer2DModel, WanTransformer3DModel
 
 from ditserve.replica.parallel import (
+    ColumnParallelLinear,
     ParallelDims,
     ParallelMesh,
+    RowParallelLinear,
     cfg_all_gather,
     parallelize_flux,
     parallelize_wan,
@@ -148,6 +150,28 @@ def check_mesh(mesh: ParallelMesh, rank: int) -> None:
         assert mesh.local_rank(axis) == ranks.index(rank), (axis, ranks)
 
 
+def check_tp_records(original: torch.nn.Module, sharded: torch.nn.Module, mesh: ParallelMesh) -> int:
+    """Each TP linear's record (mode, rank, size, slices) says exactly which part of the weight it holds.
+
+    This is the contract a LoRA-aware linear relies on to slice B (column) or A (row) the same way.
+    """
+    checked = 0
+    for name, module in sharded.named_modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        full = original.get_submodule(name).weight
+        dim = 0 if module.tp_mode == "column" else 1
+        assert (module.tp_rank, module.tp_size) == (mesh.tp_rank, mesh.tp_size), name
+        expected = torch.cat([full.narrow(dim, a, b - a) for a, b in module.tp_slices], dim=dim)
+        assert torch.equal(module.weight, expected), name
+        checked += 1
+    assert checked > 0 or mesh.tp_size == 1
+    if mesh.tp_size > 1 and hasattr(sharded, "single_transformer_blocks"):
+        proj_out = sharded.single_transformer_blocks[0].proj_out
+        assert proj_out.tp_mode == "row" and len(proj_out.tp_slices) == 2  # cat(attention, mlp)
+    return checked
+
+
 def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[tuple[str, float, float, float]]:
     """Run every case (all with dims.world_size == world_size).
 
@@ -172,9 +196,11 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[tuple[str, 
             mesh = case.dims.build_mesh("cpu", timeout=timedelta(seconds=60))
             check_mesh(mesh, rank)
             model = parallelize(copy.deepcopy(base), mesh=mesh)
+            check_tp_records(base, model, mesh)
             local = model(**make_inputs(case.shape, mesh.cfg_rank))[0]
             stacked = cfg_all_gather(local, mesh)
             expected = torch.stack([refs[(case.model, case.shape, b)] for b in range(case.dims.cfg)])
+        mesh.destroy()  # gloo groups keep threads; hundreds of layouts would pile them up
         assert stacked.shape == expected.shape, (case.name, stacked.shape, expected.shape)
         error = (stacked - expected).abs().max().item()
         results.append((case.name, error, expected.abs().max().item(), time.perf_counter() - start))
