@@ -13,6 +13,8 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from .config import AppArgs, EngineArgs, add_model_arguments, model_kwargs
+from .deploy import add_deploy_parser as _add_deploy
+from .deploy import run_deploy
 
 
 def _fail(message: str) -> int:
@@ -194,10 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_serve(sub)
     _add_train_demo(sub)
+    _add_deploy(sub)
     return parser
 
 
-COMMANDS = {"generate": run_generate, "serve": run_serve, "train-demo": run_train_demo}
+COMMANDS = {"generate": run_generate, "serve": run_serve, "train-demo": run_train_demo, "deploy": run_deploy}
 
 
 def main(argv: list[str] | None = None) -> int:
