@@ -50,6 +50,10 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.steps_run = 0
         self.last_batch_size = 0
+        self.last_step_s = 0.0
+        self.step_seconds_total = 0.0
+        # Called as fn(batch_size, step_s) in the loop thread after every step (metrics).
+        self.step_listeners: list[Callable[[int, float], None]] = []
 
     # -- lifecycle --------------------------------------------------------------------------------------
     def start(self) -> Engine:
@@ -149,6 +153,8 @@ class Engine:
             "running": self.scheduler.num_running,
             "last_batch_size": self.last_batch_size,
             "steps_run": self.steps_run,
+            "last_step_s": self.last_step_s,
+            "step_seconds_total": self.step_seconds_total,
         }
 
     # -- the loop ---------------------------------------------------------------------------------------
@@ -205,6 +211,13 @@ class Engine:
         self.steps_run += 1
         self.last_batch_size = len(running)
         step_s = time.perf_counter() - t0
+        self.last_step_s = step_s
+        self.step_seconds_total += step_s
+        for listener in self.step_listeners:
+            try:
+                listener(len(running), step_s)
+            except Exception:
+                logger.exception("step listener failed")
         for job in running:
             job.steps_done = progress[job.req_id]
             total = job.params.num_inference_steps
