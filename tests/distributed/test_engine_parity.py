@@ -53,10 +53,10 @@ def wan_reference():
 @pytest.mark.parametrize(
     "flags",
     [
-        {"ulysses_degree": 2},
         {"ring_degree": 2, "ulysses_degree": 2},
         {"cfg_parallel_size": 2, "kv_gather_degree": 2},
-        {"tp_size": 2, "ring_degree": 2},
+        pytest.param({"ulysses_degree": 2}, marks=pytest.mark.slow),
+        pytest.param({"tp_size": 2, "ring_degree": 2}, marks=pytest.mark.slow),
     ],
     ids=lambda f: "-".join(f"{k.split('_')[0]}{v}" for k, v in f.items()),
 )
@@ -66,7 +66,10 @@ def test_flux_layouts_match_one_rank(flux_reference, flags):
         assert psnr(ours, ref) >= 40
 
 
-@pytest.mark.parametrize("flags", [{"cfg_parallel_size": 2, "ulysses_degree": 2}, {"tp_size": 2}])
+@pytest.mark.parametrize(
+    "flags",
+    [{"cfg_parallel_size": 2, "ulysses_degree": 2}, pytest.param({"tp_size": 2}, marks=pytest.mark.slow)],
+)
 def test_wan_layouts_match_one_rank(wan_reference, flags):
     for ours, ref in zip(run("demo-wan", flags, WAN), wan_reference, strict=True):
         assert ours.shape == ref.shape
