@@ -88,10 +88,15 @@ def engine_deployment_options(args: AppArgs, strategy: str = "PACK") -> dict[str
     }
 
 
-def build_app(args: dict[str, Any], engine_cls: type | None = None) -> Application:
+def build_app(args: dict[str, Any]) -> Application:
     """Validate ``args`` (raises ValueError naming the flag) and bind the deployments.
 
-    ``engine_cls`` replaces the engine (benchmarks of the serving path use a trivial one)."""
+    Serve requires a builder of exactly one parameter; ``build_app_with_engine`` injects an engine."""
+    return build_app_with_engine(args, None)
+
+
+def build_app_with_engine(args: dict[str, Any], engine_cls: type | None) -> Application:
+    """``build_app`` with another engine class (benchmarks of the serving path use a trivial one)."""
     app_args = AppArgs(**args)
     config = app_args.engine_config()
     validate_layout(config, resolve_model(config.model))
