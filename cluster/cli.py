@@ -56,6 +56,21 @@ def _add_generate(sub) -> None:
     add_model_arguments(p, EngineArgs)
 
 
+def _parse_lora(spec: str) -> tuple[str, str, float]:
+    """NAME=PATH[:SCALE] → (name, path, scale)."""
+    name, sep, rest = spec.partition("=")
+    if not sep or not name or not rest:
+        raise ValueError(f"--lora {spec!r}: expected NAME=PATH[:SCALE]")
+    path, scale = rest, 1.0
+    head, colon, tail = rest.rpartition(":")
+    if colon and head:
+        try:
+            path, scale = head, float(tail)
+        except ValueError:
+            path, scale = rest, 1.0
+    return name, path, scale
+
+
 def _output_paths(output: str, n: int) -> list[Path]:
     path = Path(output)
     if n == 1:
@@ -67,7 +82,7 @@ def run_generate(ns: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from ditserve.replica.engine import Engine
-    from ditserve.replica.request import GenerationParams
+    from ditserve.replica.request import GenerationParams, LoRARef
 
     try:
         config = EngineArgs(**model_kwargs(ns, EngineArgs)).engine_config()
@@ -105,10 +120,17 @@ def run_generate(ns: argparse.Namespace) -> int:
         return _fail(_validation_message(exc))
     except ValueError as exc:
         return _fail(str(exc))
-    if ns.lora:
-        return _fail("--lora: adapters are not supported by this build yet")
+    try:
+        adapters = [_parse_lora(spec) for spec in ns.lora]
+    except ValueError as exc:
+        return _fail(str(exc))
     engine.start()
     try:
+        for name, path, _ in adapters:
+            engine.load_lora(name, path)
+        if adapters:
+            refs = tuple(LoRARef(name=name, scale=scale) for name, _, scale in adapters)
+            params = params.model_copy(update={"lora": refs})
         with tqdm(total=params.num_inference_steps, desc="denoising", unit="step") as bar:
             future = engine.submit(params, on_progress=lambda done, total: bar.update(done - bar.n))
             result = future.result()

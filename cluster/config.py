@@ -49,6 +49,9 @@ class EngineArgs(BaseModel):
     max_n: int = Field(default=4, ge=1, description="Most images per request.")
     max_prompt_chars: int = Field(default=4000, ge=1, description="Longest prompt in characters.")
     compile: bool = Field(default=False, description="torch.compile the transformer blocks.")
+    lora_root: tuple[str, ...] = Field(default=(), description="Folders LoRA files may be loaded from.")
+    max_loras: int = Field(default=8, ge=1, description="Adapter slots per replica.")
+    max_lora_rank: int = Field(default=128, ge=1, le=128, description="Largest adapter rank.")
 
     def parallel_flags(self) -> ParallelFlags:
         return ParallelFlags(
@@ -81,6 +84,9 @@ class EngineArgs(BaseModel):
             max_batch_size=self.max_batch_size,
             max_queue=self.max_queue,
             compile=self.compile,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            lora_roots=self.lora_root,
             **kwargs,
         )
         dtype = self.dtype or ("bfloat16" if config.device == "cuda" else "float32")
@@ -108,9 +114,6 @@ class AppArgs(EngineArgs):
         default=300.0, gt=0, description="A session unused this long is closed and its state freed."
     )
     lora_path: tuple[str, ...] = Field(default=(), description="Adapters to load at start, NAME=PATH.")
-    lora_root: tuple[str, ...] = Field(default=(), description="Folders LoRA files may be loaded from.")
-    max_loras: int = Field(default=8, ge=1, description="Adapter slots per replica.")
-    max_lora_rank: int = Field(default=128, ge=1, description="Largest adapter rank.")
 
     @model_validator(mode="after")
     def _check_layout(self) -> AppArgs:

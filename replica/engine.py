@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 from queue import Empty, SimpleQueue
 from typing import Any
 
@@ -49,6 +50,7 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.steps_run = 0
+        self.loras: dict[str, dict[str, Any]] = {}  # loaded adapters (the same on every rank)
         self.last_batch_size = 0
         self.last_step_s = 0.0
         self.step_seconds_total = 0.0
@@ -114,6 +116,9 @@ class Engine:
             raise ValueError(
                 f"num_inference_steps: {params.num_inference_steps} is above the maximum {limits.max_steps}"
             )
+        for ref in params.lora:
+            if ref.name not in self.loras:
+                raise ValueError(f"lora: adapter {ref.name!r} is not loaded; loaded: {sorted(self.loras)}")
         if params.n > limits.max_n:
             raise ValueError(f"n: {params.n} is above the maximum {limits.max_n}")
         if params.init_latents is not None and self.spec.family != "flux":
@@ -143,6 +148,30 @@ class Engine:
         with self.scheduler.cond:
             self.scheduler.cond.notify_all()
         return fut
+
+    # -- adapters (control ops: run between steps, on every rank) ------------------------------------------
+    def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Load (or replace) adapter ``name`` from a local safetensors file; all ranks or an error."""
+        from .lora.loader import check_allowed
+
+        if not name or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise ValueError(f"name: {name!r} must be letters, digits, '-', '_' or '.'")
+        resolved = str(check_allowed(Path(path), self.config.lora_roots))
+        info = self.run_control(lambda: self.launcher.call("lora_load", name, resolved)).result()
+        self.loras[name] = info
+        return info
+
+    def unload_lora(self, name: str) -> None:
+        if name not in self.loras:
+            raise KeyError(name)
+        busy = [j for j in self._jobs() if any(ref.name == name for ref in j.params.lora)]
+        if busy:
+            raise ValueError(f"lora: adapter {name!r} is used by {len(busy)} queued or running requests")
+        self.run_control(lambda: self.launcher.call("lora_unload", name)).result()
+        self.loras.pop(name, None)
+
+    def _jobs(self) -> list[Job]:
+        return list(self.scheduler.pending) + [j for jobs in self.scheduler.running.values() for j in jobs]
 
     def call_ranks(self, method: str, *args: Any) -> Any:
         return self.launcher.call(method, *args)

@@ -90,6 +90,12 @@ class RankWorker:
             parallelize = parallelize_flux if self.spec.family == "flux" else parallelize_wan
             parallelize(self.pipe.transformer, mesh=self.mesh)
         self.runner = build_runner(self.spec, self.pipe, config, self.device, self.mesh)
+        from .lora.manager import LoRAManager
+
+        self.lora = LoRAManager(
+            self.pipe.transformer, self.spec.pipeline_class, max_loras=config.max_loras, max_rank=config.max_lora_rank
+        )
+        self.runner.before_forward = lambda groups: self.lora.set_batch([(rows, s.params.lora) for s, rows in groups])
         self.states: dict[str, RequestState] = {}
 
     # -- commands (same on every rank) --------------------------------------------------------------------
@@ -113,6 +119,12 @@ class RankWorker:
 
     def drop(self, req_id: str) -> None:
         self.states.pop(req_id, None)
+
+    def lora_load(self, name: str, path: str) -> dict[str, Any]:
+        return self.lora.load(name, path)
+
+    def lora_unload(self, name: str) -> None:
+        self.lora.unload(name)
 
     def shutdown(self) -> None:
         self.states.clear()

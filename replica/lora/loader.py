@@ -1,0 +1,122 @@
+"""Reading LoRA files as people publish them, normalised through diffusers' own converters.
+
+diffusers' ``<Pipeline>.lora_state_dict`` turns kohya (``lora_down/lora_up/alpha``), XLabs, PEFT and the
+common Wan formats into one PEFT-style layout (``transformer.<module>.lora_A/B.weight``) with alphas or
+PEFT metadata beside it. We read that and fold each module's ``alpha / rank`` into B, so at run time a
+request's strength is the only scale left.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DORA_MARKERS = ("lora_magnitude_vector", "dora_scale")
+
+
+@dataclass
+class LoRAModule:
+    a: torch.Tensor  # [rank, in_features]
+    b: torch.Tensor  # [out_features, rank], alpha/rank folded in
+    bias: torch.Tensor | None  # [out_features] (lora_B bias), alpha/rank folded in
+
+
+@dataclass
+class LoRAFile:
+    modules: dict[str, LoRAModule]  # transformer module name → weights
+    rank: int
+    ignored: int  # tensors for other components (text encoders) that are not applied
+
+
+def check_allowed(path: Path, roots: tuple[str, ...]) -> Path:
+    """Resolve ``path``; with roots configured, it must lie under one of them (no ``..`` escapes)."""
+    resolved = path.expanduser().resolve()
+    if roots and not any(resolved.is_relative_to(Path(r).expanduser().resolve()) for r in roots):
+        raise ValueError(f"path: {path} is outside the allowed LoRA roots {list(roots)} (--lora-root)")
+    return resolved
+
+
+def _safetensors_file(path: Path) -> Path:
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors"))
+        if len(files) != 1:
+            raise ValueError(f"path: {path} must hold exactly one .safetensors file, found {len(files)}")
+        path = files[0]
+    if not path.is_file():
+        raise ValueError(f"path: {path} does not exist")
+    with open(path, "rb") as f:
+        head = f.read(8)
+        size = int.from_bytes(head, "little") if len(head) == 8 else -1
+        header = f.read(size) if 0 < size < 100_000_000 else b""
+    try:
+        keys = json.loads(header)
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError(f"path: {path} is not a safetensors file") from None
+    if any(marker in k for k in keys for marker in DORA_MARKERS):
+        raise ValueError(f"path: {path} is a DoRA adapter; DoRA is not supported (plain LoRA only)")
+    return path
+
+
+def _alpha_for(module: str, rank: int, alphas: dict, metadata: dict) -> float:
+    key = f"transformer.{module}.alpha"
+    for candidate in (key, f"{module}.alpha"):
+        if candidate in alphas:
+            return float(alphas[candidate])
+    pattern = metadata.get("alpha_pattern") or {}
+    for pat, value in pattern.items():
+        if module == pat or module.endswith("." + pat) or fnmatch.fnmatch(module, pat):
+            return float(value)
+    if metadata.get("lora_alpha") is not None:
+        return float(metadata["lora_alpha"])
+    return float(rank)  # diffusers' default: lora_alpha = r, scale 1
+
+
+def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
+    """Load and normalise one adapter for a pipeline family (``FluxPipeline``, ``WanPipeline``)."""
+    import diffusers
+
+    file = _safetensors_file(path)
+    loader = getattr(diffusers, pipeline_class)
+    kwargs = {"return_lora_metadata": True}
+    if pipeline_class == "FluxPipeline":
+        kwargs["return_alphas"] = True
+    try:
+        out = loader.lora_state_dict(str(file), **kwargs)
+    except Exception as exc:  # diffusers raises many types for unknown layouts
+        raise ValueError(
+            f"path: {file} is not a LoRA layout diffusers can read for {pipeline_class}: {exc}"
+        ) from exc
+    if pipeline_class == "FluxPipeline":
+        state, alphas, metadata = out
+    else:
+        state, metadata = out
+        alphas = None
+    alphas = alphas or {}
+    metadata = {k.removeprefix("transformer."): v for k, v in (metadata or {}).items()}
+    if any(marker in k for k in state for marker in DORA_MARKERS):
+        raise ValueError(f"path: {file} is a DoRA adapter; DoRA is not supported (plain LoRA only)")
+    modules: dict[str, LoRAModule] = {}
+    ignored = 0
+    for key, a in state.items():
+        if ".lora_A." not in key:
+            continue
+        if not key.startswith("transformer."):
+            ignored += 1
+            continue
+        name = key.removeprefix("transformer.").split(".lora_A.")[0]
+        b = state.get(key.replace(".lora_A.", ".lora_B."))
+        if b is None:
+            raise ValueError(f"path: {file}: {name} has lora_A but no lora_B")
+        rank = a.shape[0]
+        scale = _alpha_for(name, rank, alphas, metadata) / rank
+        bias = state.get(f"transformer.{name}.lora_B.bias")
+        modules[name] = LoRAModule(
+            a=a.float(), b=b.float() * scale, bias=None if bias is None else bias.float() * scale
+        )
+    if not modules:
+        raise ValueError(f"path: {file} has no LoRA weights for the transformer")
+    return LoRAFile(modules=modules, rank=max(m.a.shape[0] for m in modules.values()), ignored=ignored)

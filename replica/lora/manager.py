@@ -1,0 +1,236 @@
+"""Adapter slots on the device and LoRA-aware linears: a different adapter per request in one forward.
+
+Each targeted linear gets slot buffers ``a [1, max_loras, max_rank, in_local]`` and
+``b [max_loras, out_local, max_rank]`` (the layout of ``ditserve.kernels.lora``). Before every transformer
+call the runner tells the manager which rows belong to which request; each request's adapters become
+segments of the segmented kernels. A request with several adapters (a style and a character) is handled
+as several "positions": position p applies every request's p-th adapter in one kernel pass.
+
+Tensor parallelism: a column-parallel linear keeps all of A and its rows of B; a row-parallel linear keeps
+its columns of A and all of B and adds the delta in ``forward_partial``, before the all-reduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ditserve.kernels.lora import LoRABatchMeta, apply_lora
+
+from .loader import LoRAFile, LoRAModule
+
+
+def _take(t: torch.Tensor, ranges, dim: int) -> torch.Tensor:
+    return torch.cat([t.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
+
+
+class LoRALayer:
+    """Slot buffers of one linear, and the hook that adds the batch's LoRA deltas to its output."""
+
+    def __init__(self, name: str, module: nn.Module, manager: LoRAManager):
+        self.name = name
+        self.module = module
+        self.manager = manager
+        self.mode = getattr(module, "tp_mode", None)  # None | "column" | "row"
+        weight = module.weight
+        self.in_features, self.out_features = module.in_features, module.out_features
+        self.full_in = getattr(module, "full_in_features", self.in_features)
+        self.full_out = getattr(module, "full_out_features", self.out_features)
+        m = manager
+        self.a = torch.zeros(
+            1, m.max_loras, m.max_rank, self.in_features, device=weight.device, dtype=weight.dtype
+        )
+        self.b = torch.zeros(
+            m.max_loras, self.out_features, m.max_rank, device=weight.device, dtype=weight.dtype
+        )
+        self.bias = torch.zeros(m.max_loras, self.out_features, device=weight.device, dtype=torch.float32)
+        self.has_bias = [False] * m.max_loras
+        self.used: set[int] = set()  # slots with weights here: layers no active adapter targets are skipped
+        if self.mode == "row":
+            base_partial = module.forward_partial
+
+            def forward_partial(x: torch.Tensor) -> torch.Tensor:
+                return self.add_delta(x, base_partial(x))
+
+            module.forward_partial = forward_partial  # delta joins the partial sum before the all-reduce
+            self._handle = None
+        else:
+            self._handle = module.register_forward_hook(lambda mod, args, out: self.add_delta(args[0], out))
+
+    def check(self, w: LoRAModule) -> None:
+        rank = w.a.shape[0]
+        if tuple(w.a.shape) != (rank, self.full_in) or tuple(w.b.shape) != (self.full_out, rank):
+            raise ValueError(
+                f"shapes of {self.name} do not match the model: A {tuple(w.a.shape)}, B {tuple(w.b.shape)}, "
+                f"expected A [r, {self.full_in}] and B [{self.full_out}, r]"
+            )
+
+    def write(self, slot: int, w: LoRAModule | None) -> None:
+        self.a[:, slot].zero_()
+        self.b[slot].zero_()
+        self.bias[slot].zero_()
+        self.has_bias[slot] = False
+        self.used.discard(slot)
+        if w is None:
+            return
+        self.used.add(slot)
+        a, b, bias = w.a, w.b, w.bias
+        ranges = getattr(self.module, "tp_slices", None)
+        if self.mode == "column":
+            b = _take(b, ranges, 0)
+            bias = None if bias is None else _take(bias, ranges, 0)
+        elif self.mode == "row":
+            a = _take(a, ranges, 1)
+            if bias is not None and getattr(self.module, "tp_rank", 0) != 0:
+                bias = None  # the bias is reduced once: only rank 0 adds it
+        rank = a.shape[0]
+        self.a[0, slot, :rank] = a.to(self.a)
+        self.b[slot, :, :rank] = b.to(self.b)
+        if bias is not None:
+            self.bias[slot] = bias
+            self.has_bias[slot] = True
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        batch = self.manager.batch
+        if batch is None or not (batch.slots & self.used):
+            return y
+        y2 = y.reshape(-1, self.out_features)
+        x2 = x.reshape(-1, self.in_features)
+        tokens_per_row = x2.shape[0] // batch.total_rows
+        for position in range(len(batch.positions)):
+            meta, segments = batch.meta(position, tokens_per_row)
+            if meta is None:
+                continue
+            apply_lora(y2, x2.to(self.a.dtype), self.a, self.b, meta, [self.out_features])
+            for start, length, slot, scale in segments:
+                if self.has_bias[slot]:
+                    y2[start : start + length] += (scale * self.bias[slot]).to(y2.dtype)
+        return y2.view_as(y)
+
+
+@dataclass
+class BatchLayout:
+    """Which adapter (slot, scale) applies to which rows, for one transformer call."""
+
+    groups: list[tuple[int, list[tuple[int, float]]]]  # (rows, [(slot, scale) per position])
+    slot_ranks: list[int]
+    device: torch.device
+    _cache: dict = field(default_factory=dict)
+
+    @property
+    def slots(self) -> set[int]:
+        return {slot for _, adapters in self.groups for slot, _ in adapters}
+
+    @property
+    def total_rows(self) -> int:
+        return sum(rows for rows, _ in self.groups)
+
+    @property
+    def positions(self) -> range:
+        return range(max((len(a) for _, a in self.groups), default=0))
+
+    def meta(self, position: int, tokens_per_row: int):
+        key = (position, tokens_per_row)
+        if key not in self._cache:
+            requests, scales, segments, start = [], [], [], 0
+            for rows, adapters in self.groups:
+                slot, scale = adapters[position] if position < len(adapters) else (-1, 0.0)
+                length = rows * tokens_per_row
+                requests.append((length, slot))
+                scales.append(scale)
+                if slot >= 0:
+                    segments.append((start, length, slot, scale))
+                start += length
+            if not segments:
+                self._cache[key] = (None, [])
+            else:
+                meta = LoRABatchMeta.build(requests, self.slot_ranks, scales, device=self.device)
+                self._cache[key] = (meta, segments)
+        return self._cache[key]
+
+
+class LoRAManager:
+    """Slots, names and the per-call batch layout of one rank's transformer."""
+
+    def __init__(self, transformer: nn.Module, pipeline_class: str, *, max_loras: int, max_rank: int):
+        self.transformer = transformer
+        self.pipeline_class = pipeline_class
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.device = next(transformer.parameters()).device
+        self.layers: dict[str, LoRALayer] = {}
+        self.slots: dict[str, int] = {}  # adapter name → slot
+        self.ranks = [0] * max_loras
+        self.info: dict[str, dict[str, Any]] = {}
+        self.batch: BatchLayout | None = None
+
+    def _layer(self, name: str) -> LoRALayer:
+        if name not in self.layers:
+            module = self.transformer.get_submodule(name)
+            if not hasattr(module, "weight") or not hasattr(module, "in_features"):
+                raise ValueError(f"{name} is not a linear layer of the model")
+            self.layers[name] = LoRALayer(name, module, self)
+        return self.layers[name]
+
+    def load(self, name: str, path: str) -> dict[str, Any]:
+        from .loader import read_lora_file
+
+        lora: LoRAFile = read_lora_file(Path(path), self.pipeline_class)
+        if lora.rank > self.max_rank:
+            raise ValueError(
+                f"rank: adapter {name!r} has rank {lora.rank}, above --max-lora-rank {self.max_rank}"
+            )
+        replacing = name in self.slots
+        if not replacing and len(self.slots) >= self.max_loras:
+            raise ValueError(
+                f"lora: all {self.max_loras} adapter slots are in use ({sorted(self.slots)}); unload one first"
+            )
+        missing = [m for m in lora.modules if not self._has_module(m)]
+        if missing:
+            raise ValueError(
+                f"shapes: adapter {name!r} targets modules the model does not have: {missing[:5]}"
+            )
+        layers = {m: self._layer(m) for m in lora.modules}
+        for module_name, weights in lora.modules.items():
+            layers[module_name].check(weights)  # every check before any write: all or nothing
+        slot = (
+            self.slots[name]
+            if replacing
+            else next(i for i in range(self.max_loras) if i not in self.slots.values())
+        )
+        for layer in self.layers.values():
+            layer.write(slot, lora.modules.get(layer.name))
+        self.slots[name] = slot
+        self.ranks[slot] = lora.rank
+        self.info[name] = {"name": name, "path": str(path), "rank": lora.rank, "modules": len(lora.modules)}
+        return self.info[name]
+
+    def _has_module(self, name: str) -> bool:
+        try:
+            self.transformer.get_submodule(name)
+            return True
+        except AttributeError:
+            return False
+
+    def unload(self, name: str) -> None:
+        if name not in self.slots:
+            raise KeyError(name)
+        slot = self.slots.pop(name)
+        for layer in self.layers.values():
+            layer.write(slot, None)
+        self.ranks[slot] = 0
+        self.info.pop(name, None)
+
+    def set_batch(self, groups: list[tuple[int, tuple]]) -> None:
+        """``groups``: (rows, request's LoRARefs) in row order of the next transformer call."""
+        layout = []
+        for rows, refs in groups:
+            layout.append((rows, [(self.slots[r.name], float(r.scale)) for r in refs]))
+        if not any(adapters for _, adapters in layout):
+            self.batch = None
+            return
+        self.batch = BatchLayout(layout, list(self.ranks), self.device)
