@@ -301,6 +301,7 @@ def main() -> None:
     t_start = time.perf_counter()
     device = torch.device(args.device)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
     dtype = getattr(torch, args.dtype)
     sizes = [int(s) for s in (args.sizes or ("64,32" if args.tiny else "1024,512")).split(",")]
