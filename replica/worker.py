@@ -89,6 +89,9 @@ class RankWorker:
 
             parallelize = parallelize_flux if self.spec.family == "flux" else parallelize_wan
             parallelize(self.pipe.transformer, mesh=self.mesh)
+        if config.compile:
+            # Regional compilation: one compiled block graph reused by every block (compiles in seconds).
+            self.pipe.transformer.compile_repeated_blocks(fullgraph=True)
         self.runner = build_runner(self.spec, self.pipe, config, self.device, self.mesh)
         from .lora.manager import LoRAManager
 
