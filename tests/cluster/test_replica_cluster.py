@@ -1,0 +1,271 @@
+"""The replica cluster as users see it: `ditserve serve --address` on a local Ray cluster of 3 simulated
+hosts (one custom resource per host), real HTTP, the real demo engine.
+
+One Ray cluster for the module; one `ditserve serve` per test class (classes run one after the other,
+since both deploy the app "ditserve"). Tests within a class share the server and run in file order: the
+replica-kill test comes last in its class.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures as cf
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import httpx
+import numpy as np
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from tests.helpers import ServeProcess, png_pixels, psnr
+
+NUM_HOSTS = 3
+API_KEY = "test-key"
+ADMIN = {"Authorization": f"Bearer {API_KEY}"}
+SMALL = {"size": "64x64", "num_inference_steps": 2}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"host0": 1}})
+    for i in range(1, NUM_HOSTS):
+        cluster.add_node(num_cpus=1, resources={f"host{i}": 1})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def host_of(node_id: str) -> str:
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return next(k for k in node["Resources"] if k.startswith("host"))
+    raise KeyError(node_id)
+
+
+def generate(base_url: str, seed: int = 1, **extra) -> httpx.Response:
+    body = {"prompt": "a red fox", "seed": seed, **SMALL, **extra}
+    return httpx.post(f"{base_url}/v1/images/generations", json=body, timeout=120)
+
+
+def image_of(response: httpx.Response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    return png_pixels(base64.b64decode(response.json()["data"][0]["b64_json"]))
+
+
+def replicas(base_url: str) -> list[dict]:
+    r = httpx.get(f"{base_url}/v1/replicas", timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["data"]
+
+
+def test_more_cpus_than_the_cluster_has_fails_at_start(ray_cluster):
+    cmd = [sys.executable, "-m", "ditserve.cluster.cli", "serve", "--model", "demo-flux"]
+    cmd += ["--address", ray_cluster.address, "--dp-size", "8", "--replica-num-cpus", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "need 8 CPU" in done.stderr and "has 3" in done.stderr, done.stderr
+
+
+@pytest.fixture(scope="class")
+def weights_dir(tmp_path_factory):
+    """A second checkpoint of demo-flux: the same transformer with perturbed weights."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    from ditserve.replica.models.registry import resolve_model
+
+    model = FluxTransformer2DModel.from_pretrained(f"{resolve_model('demo-flux').path}/transformer")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    out = tmp_path_factory.mktemp("weights")
+    model.save_pretrained(out / "transformer")
+    return str(out)
+
+
+class TestThreeReplicas:
+    @pytest.fixture(scope="class")
+    def server(self, ray_cluster):
+        proc = ServeProcess(
+            "--model", "demo-flux", "--dp-size", "3", "--address", ray_cluster.address,
+            "--api-key", API_KEY, "--max-sessions-per-replica", "2", "--session-idle-timeout-s", "6",
+            timeout_s=300,
+        )  # fmt: skip
+        yield proc
+        assert proc.stop() == 0, proc.output()
+
+    def test_replicas_sit_on_distinct_hosts(self, server):
+        listed = replicas(server.base_url)
+        assert len(listed) == 3
+        assert len({host_of(r["node_id"]) for r in listed}) == NUM_HOSTS
+        for r in listed:
+            assert r["health"] == "ok" and r["layout"]["world_size"] == 1 and r["node_ip"]
+            assert r["control_version"] == 0
+
+    def test_round_robin_balances_30_requests(self, server):
+        served = Counter(generate(server.base_url, seed=i).headers["x-ditserve-replica"] for i in range(30))
+        assert len(served) == 3 and all(9 <= n <= 11 for n in served.values()), served
+
+    def test_session_steps_stay_on_the_owner_and_refine(self, server):
+        url = f"{server.base_url}/v1/sessions"
+        opened = httpx.post(url, json={"size": "64x64"}, timeout=60)
+        assert opened.status_code == 200, opened.text
+        sid, owner = opened.json()["id"], opened.headers["x-ditserve-replica"]
+        assert sid.startswith(owner + ".")
+        images = []
+        for step, prompt in enumerate(["a fox", "a red fox", "a red fox, snow", "fox at night", "owl"], 1):
+            body = {"prompt": prompt, "strength": 0.5, "num_inference_steps": 4, "seed": 7}
+            r = httpx.post(f"{url}/{sid}/generate", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-ditserve-replica"] == owner and r.json()["step"] == step
+            images.append(image_of(r))
+        # A step refines the previous image: it stays closer to it than a fresh image of the prompt.
+        fresh = image_of(generate(server.base_url, seed=7, prompt="owl", num_inference_steps=4))
+        assert psnr(images[-1], images[-2]) > psnr(fresh, images[-2])
+        assert httpx.delete(f"{url}/{sid}", timeout=30).status_code == 200
+        gone = httpx.post(f"{url}/{sid}/generate", json={"prompt": "x"}, timeout=30)
+        assert gone.status_code == 404 and "closed or expired" in gone.json()["error"]["message"]
+
+    def test_session_cap_answers_429_and_idle_sessions_expire(self, server):
+        url = f"{server.base_url}/v1/sessions"
+        answers = [httpx.post(url, json={}, timeout=60) for _ in range(7)]
+        assert [a.status_code for a in answers].count(200) == 6
+        assert answers[-1].status_code == 429 and "maximum" in answers[-1].json()["error"]["message"]
+        time.sleep(6.5)  # past --session-idle-timeout-s
+        reopened = httpx.post(url, json={}, timeout=60)
+        assert reopened.status_code == 200
+        expired = answers[0].json()["id"]
+        r = httpx.post(f"{url}/{expired}/generate", json={"prompt": "x"}, timeout=30)
+        assert r.status_code == 404
+        httpx.delete(f"{url}/{reopened.json()['id']}", timeout=30)
+
+    def test_admin_ops_need_the_api_key(self, server):
+        for path in ["/v1/admin/weights", "/v1/admin/memory/release", "/v1/admin/shutdown"]:
+            r = httpx.post(f"{server.base_url}{path}", json={"path": "/x"}, timeout=30)
+            assert r.status_code == 401, (path, r.text)
+        assert httpx.get(f"{server.base_url}/v1/loras", timeout=30).status_code == 401
+
+    def test_memory_release_refuses_generation_until_resumed(self, server):
+        before = image_of(generate(server.base_url, seed=3))
+        r = httpx.post(f"{server.base_url}/v1/admin/memory/release", headers=ADMIN, timeout=120)
+        assert r.status_code == 200 and r.json()["answered"] == 3, r.text
+        assert {x["health"] for x in replicas(server.base_url)} == {"released"}
+        refused = generate(server.base_url, seed=3)
+        assert refused.status_code == 503 and "released" in refused.json()["error"]["message"]
+        r = httpx.post(f"{server.base_url}/v1/admin/memory/resume", headers=ADMIN, timeout=120)
+        assert r.status_code == 200, r.text
+        assert np.array_equal(image_of(generate(server.base_url, seed=3)), before)
+
+    def test_weights_update_is_all_or_nothing(self, server, weights_dir):
+        before = image_of(generate(server.base_url, seed=4))
+        bad = httpx.post(
+            f"{server.base_url}/v1/admin/weights", json={"path": "/no/such/dir"}, headers=ADMIN, timeout=120
+        )
+        assert bad.status_code == 400 and "/no/such/dir" in bad.json()["error"]["message"]
+        assert all(r["control_state"]["weights"]["version"] == 0 for r in replicas(server.base_url))
+        assert np.array_equal(image_of(generate(server.base_url, seed=4)), before)
+        r = httpx.post(
+            f"{server.base_url}/v1/admin/weights", json={"path": weights_dir}, headers=ADMIN, timeout=300
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["answered"] == 3 and r.json()["missing"] == 0
+        listed = replicas(server.base_url)
+        assert {x["control_state"]["weights"]["path"] for x in listed} == {weights_dir}
+        # Every replica now draws with the new weights (3 requests: one per replica).
+        after = [image_of(generate(server.base_url, seed=4)) for _ in range(3)]
+        assert all(np.array_equal(a, after[0]) for a in after) and not np.array_equal(after[0], before)
+
+    def test_killed_replica_restarts_with_the_state_and_its_sessions_answer_410(self, server):
+        base = server.base_url
+        listed = replicas(base)
+        desired = listed[0]["control_version"]
+        url = f"{base}/v1/sessions"
+        sessions = [httpx.post(url, json={}, timeout=60) for _ in range(3)]
+        owners = {s.headers["x-ditserve-replica"]: s.json()["id"] for s in sessions}
+        victim = listed[0]["replica_id"]
+        assert set(owners) == {r["replica_id"] for r in listed}
+
+        # Long requests in flight on every replica, then kill one replica's actor.
+        pool = cf.ThreadPoolExecutor(6)
+        inflight = [pool.submit(generate, base, i, num_inference_steps=100) for i in range(6)]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # kill while the victim is running a request
+            stats = next(r["stats"] for r in replicas(base) if r["replica_id"] == victim)
+            if stats["running"]:
+                break
+            time.sleep(0.2)
+        name = next(
+            a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(f"#{victim}")
+        )
+        t0 = time.monotonic()
+        ray.kill(ray.get_actor(name["name"], namespace=name["namespace"]), no_restart=True)
+        results = [f.result(timeout=120) for f in inflight]
+        statuses = Counter(r.status_code for r in results)
+        # Requests on the victim fail fast with 503 (or finished before the kill); none elsewhere fail.
+        assert set(statuses) <= {200, 503} and statuses[503] <= 2, statuses
+        for r in results:
+            if r.status_code == 503:
+                assert "replica serving this request failed" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 60
+
+        gone = httpx.post(f"{url}/{owners[victim]}/generate", json={"prompt": "x"}, timeout=60)
+        assert gone.status_code == 410, gone.text
+        assert "lost" in gone.json()["error"]["message"]
+        for owner, sid in owners.items():
+            if owner != victim:
+                ok = httpx.post(f"{url}/{sid}/generate", json={"prompt": "x", **SMALL}, timeout=60)
+                assert ok.status_code == 200 and ok.headers["x-ditserve-replica"] == owner
+
+        # Serve starts a replacement; it reports the converged state before serving anything.
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            now = replicas(base)
+            fresh = [r for r in now if r["replica_id"] not in owners]
+            if len(now) == 3 and fresh:
+                break
+            time.sleep(1)
+        assert len(fresh) == 1, now
+        assert fresh[0]["control_version"] == desired and fresh[0]["stats"]["steps_run"] == 0
+        assert fresh[0]["control_state"] == listed[0]["control_state"]  # e.g. the weights loaded above
+        served = Counter(generate(base, seed=i).headers["x-ditserve-replica"] for i in range(6))
+        assert served[fresh[0]["replica_id"]] == 2, served
+
+
+class TestShardedReplicas:
+    @pytest.fixture(scope="class")
+    def server(self, ray_cluster):
+        proc = ServeProcess(
+            "--model", "demo-flux", "--dp-size", "2", "--num-gpus", "4", "--ulysses-degree", "2",
+            "--address", ray_cluster.address, timeout_s=300,
+        )  # fmt: skip
+        yield proc
+        assert proc.stop() == 0, proc.output()
+
+    def test_two_replicas_of_two_ranks_match_one_rank(self, server):
+        from ditserve.replica.config import EngineConfig
+        from ditserve.replica.engine import Engine
+        from ditserve.replica.request import GenerationParams
+
+        listed = replicas(server.base_url)
+        assert len(listed) == 2
+        for r in listed:
+            assert r["layout"]["world_size"] == 2 and r["layout"]["ulysses"] == 2
+            assert len(r["ranks"]) == 2 and {x["node_id"] for x in r["ranks"]} == {r["node_id"]}
+        engine = Engine(EngineConfig(model="demo-flux", device="cpu")).start()
+        try:
+            params = GenerationParams(prompt="a red fox", width=64, height=64, num_inference_steps=2, seed=9)
+            reference = png_pixels(engine.generate(params, timeout=120).outputs[0])
+        finally:
+            engine.shutdown()
+        served = Counter()
+        for _ in range(4):
+            r = generate(server.base_url, seed=9)
+            served[r.headers["x-ditserve-replica"]] += 1
+            assert psnr(image_of(r), reference) >= 40
+        assert len(served) == 2
