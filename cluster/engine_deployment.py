@@ -29,6 +29,7 @@ from ditserve.replica.scheduler import QueueFullError
 
 from .config import AppArgs
 from .control_state import get_or_create_state_actor, initial_state, parse_lora_paths
+from .metrics import ReplicaMetrics
 from .ranks import build_launcher, node_info
 
 logger = logging.getLogger("ditserve")
@@ -101,6 +102,9 @@ class EngineReplica:
         desired = ray.get(self.state_actor.get.remote())
         if desired["version"] > self.applied["version"]:
             self.engine.run_control(lambda: self._apply(desired)).result()
+        self.metrics = ReplicaMetrics(self.replica_id, self.engine.spec.name, self.args.max_loras)
+        getattr(self.engine, "step_listeners", []).append(self.metrics.observe_step)
+        self.metrics.start(self.engine, self)
         logger.info("replica %s ready at control version %d", self.replica_id, self.applied["version"])
 
     # -- identity -----------------------------------------------------------------------------------------
@@ -196,7 +200,11 @@ class EngineReplica:
         return {"replica": self.replica_id, "result": result}
 
     async def generate(self, params: GenerationParams) -> dict[str, Any]:
-        return await self._run(params)
+        t0 = time.perf_counter()
+        answer = await self._run(params)
+        status = "ok" if "result" in answer else str(answer["error"]["status"])
+        self.metrics.observe_request(time.perf_counter() - t0, status)
+        return answer
 
     # -- realtime sessions --------------------------------------------------------------------------------
     def _expire_sessions(self) -> None:
@@ -362,6 +370,8 @@ class EngineReplica:
         return result
 
     def __del__(self):
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.stop()
         engine = getattr(self, "engine", None)
         if engine is not None and not getattr(self, "shut_down", False):
             engine.shutdown()

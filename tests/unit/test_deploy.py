@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 import shlex
 import subprocess
@@ -64,6 +65,13 @@ def check_serve_config(text: str) -> dict:
     assert app.import_path == IMPORT_PATH
     AppArgs(**app.args)  # the builder accepts exactly these arguments
     return config
+
+
+def test_the_import_path_is_a_serve_builder():
+    """Serve calls builders with one dict; a second parameter makes serve run / KubeRay refuse the app."""
+    from ditserve.cluster.app import build_app
+
+    assert list(inspect.signature(build_app).parameters) == ["args"]
 
 
 def test_crd_is_checked_in_and_small():
