@@ -33,6 +33,21 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 logger = logging.getLogger("ditserve")
 
+# The Prometheus names (Ray prefixes "ray_"; histograms export _bucket/_count/_sum series).
+EXPORTED = (
+    "ray_ditserve_queue_depth",
+    "ray_ditserve_running_batch_size",
+    "ray_ditserve_step_latency_seconds",
+    "ray_ditserve_steps_total",
+    "ray_ditserve_request_latency_seconds",
+    "ray_ditserve_requests_total",
+    "ray_ditserve_active_sessions",
+    "ray_ditserve_lora_slots_in_use",
+    "ray_ditserve_lora_slots",
+    "ray_ditserve_control_state_version",
+    "ray_ditserve_device_memory_bytes",
+)
+HISTOGRAMS = ("ray_ditserve_step_latency_seconds", "ray_ditserve_request_latency_seconds")
 # Seconds; a step of a small image is milliseconds, a video step on 8 GPUs can take many seconds.
 STEP_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 REQUEST_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600]

@@ -22,23 +22,12 @@ import ray
 import yaml
 from ray.serve import status as serve_status
 
+from ditserve.cluster.metrics import EXPORTED, HISTOGRAMS
 from tests.helpers import free_port, png_pixels
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_DEMO = ROOT / "deploy" / "cpu-demo" / "serve-config.yaml"
-METRICS = [
-    "ray_ditserve_queue_depth",
-    "ray_ditserve_running_batch_size",
-    "ray_ditserve_step_latency_seconds_count",
-    "ray_ditserve_steps_total",
-    "ray_ditserve_request_latency_seconds_count",
-    "ray_ditserve_requests_total",
-    "ray_ditserve_active_sessions",
-    "ray_ditserve_lora_slots_in_use",
-    "ray_ditserve_lora_slots",
-    "ray_ditserve_control_state_version",
-    "ray_ditserve_device_memory_bytes",
-]
+METRICS = [name + "_count" if name in HISTOGRAMS else name for name in EXPORTED]
 
 
 @pytest.fixture(scope="module")
