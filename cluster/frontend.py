@@ -29,8 +29,8 @@ from ditserve.replica.models.registry import resolve_model
 from . import api_admin, api_sessions
 from .config import AppArgs
 from .control_state import get_or_create_state_actor, initial_state, parse_lora_paths
+from .errors import SessionGoneError
 from .http_base import ERROR_TYPES, REPLICA_HEADER, build_fastapi, check_size, register_frontend
-from .router import SessionGoneError
 from .schemas import APIError, ImageData, ImageGenerationRequest, ImagesResponse, ModelCard
 
 fastapi_app = build_fastapi()

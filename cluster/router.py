@@ -8,6 +8,9 @@ travels as Serve's ``session_id`` (``handle.options(session_id=...)``), so the o
 no session map in the router, nothing to keep in sync between frontends. When the owner is not among the
 running replicas, the request fails with :class:`SessionGoneError` (410 at the ingress) instead of being
 remapped to a replica that never saw the session.
+
+Serve pickles this module by value into every handle's router: keep it small, import by absolute names,
+and define no classes here that other modules catch (see ``errors``).
 """
 
 from __future__ import annotations
@@ -17,17 +20,9 @@ from collections.abc import Sequence
 from ray.serve.experimental.round_robin_router import RoundRobinRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
+from ditserve.cluster.errors import SessionGoneError  # absolute: this module is pickled by value
+
 ROUTER_PATH = "ditserve.cluster.router:SessionRouter"
-
-
-class SessionGoneError(RuntimeError):
-    """The replica that held a session is gone, and the session's state with it."""
-
-    def __init__(self, session_id: str):
-        super().__init__(
-            f"session {session_id!r} was lost: the replica that held its state is gone; open a new session"
-        )
-        self.session_id = session_id
 
 
 def session_owner(session_id: str) -> str:
