@@ -12,6 +12,10 @@ for root in ROOTS:
 setup(
     packages=packages,
     package_dir={f"ditserve.{root}": root for root in ROOTS},
-    package_data={"": ["*.json", "*.txt", "*.md", "*.safetensors", "*.proto", "*.yaml"]},
+    package_data={
+        "": ["*.json", "*.txt", "*.md", "*.safetensors", "*.proto", "*.yaml"],
+        # the trained demo model's folders are data, not packages
+        "ditserve.replica.models": ["demo_scenes/*", "demo_scenes/*/*"],
+    },
     include_package_data=True,
 )

@@ -41,10 +41,13 @@ class InProcessLauncher(RankLauncher):
 
     world_size = 1
 
+    def __init__(self, pipe=None):
+        self.pipe = pipe  # an in-memory pipeline (benchmarks); None loads the model folder
+
     def start(self, config: EngineConfig) -> None:
         from .worker import RankWorker
 
-        self.worker = RankWorker(config)
+        self.worker = RankWorker(config, pipe=self.pipe)
 
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.worker, method)(*args)

@@ -62,6 +62,7 @@ class RankWorker:
         world_size: int = 1,
         init_method: str | None = None,
         device_index: int | None = None,
+        pipe=None,
     ):
         self.config = config
         self.rank = rank
@@ -83,7 +84,8 @@ class RankWorker:
                 backend, init_method=init_method, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
             )
             self.mesh = dims.build_mesh(device_type=self.device.type)
-        self.pipe = load_pipeline(self.spec, config.torch_dtype, self.device)
+        # ``pipe`` is injected by benchmarks that build weights in memory; serving always loads the folder.
+        self.pipe = pipe if pipe is not None else load_pipeline(self.spec, config.torch_dtype, self.device)
         if self.mesh is not None:
             from .parallel import parallelize_flux, parallelize_wan
 
