@@ -97,20 +97,19 @@ def run_generate(ns: argparse.Namespace) -> int:
         return _fail(
             f"-o {ns.output}: {engine.spec.name} makes {'videos (.mp4)' if video else 'images (.png)'}"
         )
+    negative, true_cfg = engine.spec.guidance_defaults(ns.negative_prompt, ns.true_cfg_scale)
     small = engine.spec.name.startswith("demo-")
     size = 64 if small else 1024
     try:
         params = GenerationParams(
             prompt=ns.prompt,
-            negative_prompt=ns.negative_prompt,
+            negative_prompt=negative,
             width=ns.width or size,
             height=ns.height or size,
             num_frames=ns.num_frames if video else 1,
             num_inference_steps=ns.num_inference_steps,
             guidance_scale=ns.guidance_scale,
-            true_cfg_scale=ns.true_cfg_scale
-            if ns.true_cfg_scale is not None
-            else (4.0 if ns.negative_prompt is not None and not video else 1.0),
+            true_cfg_scale=true_cfg,
             seed=ns.seed,
             n=ns.n,
             fps=ns.fps,
@@ -167,7 +166,8 @@ def run_serve(ns: argparse.Namespace) -> int:
 
     from .control_state import delete_state_actor
 
-    ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
+    # No --address: always a fresh local cluster, never one that happens to run on this machine already.
+    ray.init(address=args.address or "local", include_dashboard=False, log_to_driver=False)
     try:
         # Now that the cluster is known: placement strategy, and a clear error when it is too small.
         app = build_app(args.model_dump(mode="json"))

@@ -46,6 +46,7 @@ class Frontend:
         self.engine = engine
         self.args = AppArgs(**args)
         spec = resolve_model(self.args.model)
+        self.spec = spec
         self.model_name = spec.name
         self.model_kind = spec.kind
         self.created = int(time.time())
@@ -184,7 +185,7 @@ class Frontend:
                 param="num_inference_steps",
             )
         width, height = check_size(body.size or self.default_size, limits.max_width, limits.max_height)
-        params = body.to_params(width, height, default_true_cfg=4.0)
+        params = body.to_params(width, height, self.spec)
         answer = await self.call_engine(self.engine.generate.remote(params))
         result = answer["result"]
         response = ImagesResponse(

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ditserve.replica.models.registry import ModelSpec
 from ditserve.replica.request import GenerationParams, LoRARef
 
 SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
@@ -83,17 +84,15 @@ class ImageGenerationRequest(BaseModel):
             raise ValueError("prompt must not be empty")
         return v
 
-    def to_params(self, width: int, height: int, default_true_cfg: float) -> GenerationParams:
+    def to_params(self, width: int, height: int, spec: ModelSpec) -> GenerationParams:
         loras = () if self.lora is None else tuple(self.lora if isinstance(self.lora, list) else [self.lora])
         kwargs: dict[str, Any] = {}
         if self.seed is not None:
             kwargs["seed"] = self.seed
-        true_cfg = self.true_cfg_scale
-        if true_cfg is None:
-            true_cfg = default_true_cfg if self.negative_prompt is not None else 1.0
+        negative, true_cfg = spec.guidance_defaults(self.negative_prompt, self.true_cfg_scale)
         return GenerationParams(
             prompt=self.prompt,
-            negative_prompt=self.negative_prompt,
+            negative_prompt=negative,
             width=width,
             height=height,
             num_inference_steps=self.num_inference_steps,

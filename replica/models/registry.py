@@ -59,6 +59,24 @@ class ModelSpec:
         return int(self.transformer_config()["num_attention_heads"])
 
     @property
+    def sampling(self) -> dict:
+        """Recommended sampling settings shipped beside the weights (``ditserve.json``), if any."""
+        extra = self.path / "ditserve.json"
+        return json.loads(extra.read_text()).get("sampling", {}) if extra.is_file() else {}
+
+    def guidance_defaults(
+        self, negative_prompt: str | None, true_cfg_scale: float | None
+    ) -> tuple[str | None, float]:
+        """Fill what the user left out: the model's recommended negative prompt and true-CFG scale."""
+        sampling = self.sampling
+        if negative_prompt is None and true_cfg_scale is None:
+            negative_prompt = sampling.get("negative_prompt")
+            true_cfg_scale = sampling.get("true_cfg_scale")
+        if true_cfg_scale is None:
+            true_cfg_scale = 4.0 if negative_prompt is not None and self.family == "flux" else 1.0
+        return negative_prompt, float(true_cfg_scale)
+
+    @property
     def size_multiple(self) -> int:
         """Width and height must be multiples of this: the VAE's spatial factor × the patch size."""
         vae = json.loads((self.path / "vae" / "config.json").read_text())

@@ -15,7 +15,8 @@ from tests.helpers import ServeProcess, png_pixels
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServeProcess("--model", "demo-flux", "--max-n", "2", "--max-width", "256", "--max-height", "256")
+    # The default model (demo-scenes), as the README's quickstart starts it.
+    proc = ServeProcess("--max-n", "2", "--max-width", "256", "--max-height", "256")
     children = psutil.Process(proc.proc.pid).children(recursive=True)
     yield proc
     assert proc.stop() == 0, proc.output()
@@ -31,8 +32,8 @@ def client(server):
 
 def valid(client, seed=1):
     return client.images.generate(
-        model="demo-flux",
-        prompt="a red fox",
+        model="demo-scenes",
+        prompt="a red circle on a blue background",
         size="64x64",
         response_format="b64_json",
         extra_body={"seed": seed, "num_inference_steps": 3},
@@ -55,9 +56,7 @@ def test_same_seed_same_image_through_serve_and_generate(client, tmp_path):
         "-m",
         "ditserve.cluster.cli",
         "generate",
-        "a red fox",
-        "--model",
-        "demo-flux",
+        "a red circle on a blue background",
         "--width",
         "64",
         "--height",
@@ -75,7 +74,7 @@ def test_same_seed_same_image_through_serve_and_generate(client, tmp_path):
 
 def test_models_health_and_replica_header(server):
     models = httpx.get(f"{server.base_url}/v1/models").json()
-    assert [m["id"] for m in models["data"]] == ["demo-flux"]
+    assert [m["id"] for m in models["data"]] == ["demo-scenes"]
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     r = httpx.post(
         f"{server.base_url}/v1/images/generations",
@@ -128,4 +127,22 @@ def test_body_that_is_not_a_json_object(server, client, content):
 
 def test_openai_client_raises_bad_request_with_message(client):
     with pytest.raises(BadRequestError, match="multiples of 16"):
-        client.images.generate(model="demo-flux", prompt="a fox", size="100x100")
+        client.images.generate(model="demo-scenes", prompt="a fox", size="100x100")
+
+
+def test_served_images_draw_the_held_out_prompts(client):
+    from PIL import Image
+
+    from ditserve.replica.models.scenes import held_out_scenes
+    from ditserve.replica.models.scorer import score_scene
+
+    scenes = held_out_scenes()[:16]
+    wrong = []
+    for i, scene in enumerate(scenes):  # the server's defaults: 20 steps, the model's recommended CFG
+        result = client.images.generate(
+            model="demo-scenes", prompt=scene.caption, size="64x64", extra_body={"seed": 1000 + i}
+        )
+        image = Image.fromarray(png_pixels(base64.b64decode(result.data[0].b64_json)))
+        if score_scene(image) != (scene.background, scene.colour):
+            wrong.append((scene.caption, score_scene(image)))
+    assert len(wrong) <= 1, wrong

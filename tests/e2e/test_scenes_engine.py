@@ -1,0 +1,79 @@
+"""demo-scenes through the engine a user runs: `generate`'s engine, a sharded layout, and the README prompt.
+
+(tests/e2e/test_scenes_model.py checks the weights through diffusers; test_serve_http.py through `serve`.)
+"""
+
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+from ditserve.replica.config import EngineConfig, ParallelFlags
+from ditserve.replica.engine import Engine
+from ditserve.replica.models.registry import resolve_model
+from ditserve.replica.models.scenes import held_out_scenes
+from ditserve.replica.models.scorer import score_scene
+from ditserve.replica.request import GenerationParams
+from tests.helpers import png_pixels
+
+SEED = 1000  # per-image seeds SEED + i, as in test_scenes_model.py
+
+
+def held_out_requests() -> list[tuple]:
+    spec = resolve_model("demo-scenes")
+    negative, true_cfg = spec.guidance_defaults(None, None)  # the model's recommended CFG
+    return [
+        (
+            s,
+            GenerationParams(
+                prompt=s.caption,
+                negative_prompt=negative,
+                true_cfg_scale=true_cfg,
+                width=64,
+                height=64,
+                num_inference_steps=20,
+                seed=SEED + i,
+            ),
+        )
+        for i, s in enumerate(held_out_scenes()[:16])
+    ]
+
+
+def count_right(flags: dict) -> tuple[int, list]:
+    engine = Engine(EngineConfig(model="demo-scenes", parallel=ParallelFlags(**flags))).start()
+    try:
+        requests = held_out_requests()
+        futures = [engine.submit(p) for _, p in requests]
+        images = [Image.fromarray(png_pixels(f.result(timeout=600).outputs[0])) for f in futures]
+    finally:
+        engine.shutdown()
+    wrong = [
+        (s.caption, score_scene(img))
+        for (s, _), img in zip(requests, images, strict=True)
+        if score_scene(img) != (s.background, s.colour)
+    ]
+    return 16 - len(wrong), wrong
+
+
+@pytest.mark.parametrize(
+    "flags", [{}, {"cfg_parallel_size": 2, "ulysses_degree": 2}], ids=["1rank", "cfg2-ulysses2"]
+)
+def test_held_out_prompts_drawn_right(flags):
+    right, wrong = count_right(flags)
+    assert right >= 15, wrong
+
+
+def test_readme_prompt_through_generate(tmp_path):
+    out = tmp_path / "out.png"
+    cmd = [
+        sys.executable,
+        "-m",
+        "ditserve.cluster.cli",
+        "generate",
+        "a yellow triangle on a purple background",
+        "-o",
+        str(out),
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    assert score_scene(Image.open(out)) == ("purple", "yellow")
