@@ -98,6 +98,9 @@ def get_or_create_state_actor(app_name: str, initial: dict[str, Any]):
             get_if_exists=True,
             num_cpus=0,
             max_restarts=0,
+            # Replicas create it from inside their placement group, which captures child actors by
+            # default: without this the state would die with the first replica that Serve replaces.
+            scheduling_strategy="DEFAULT",
         )
         .remote(initial)
     )

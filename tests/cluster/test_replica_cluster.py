@@ -12,6 +12,7 @@ import base64
 import concurrent.futures as cf
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 
@@ -31,9 +32,12 @@ SMALL = {"size": "64x64", "num_inference_steps": 2}
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"host0": 1}})
+    # A private temp dir: processes that look for a local cluster (ray.init("auto")) do not join this one.
+    temp_dir = tempfile.mkdtemp(prefix="rdt", dir="/tmp")
+    head = {"num_cpus": 1, "resources": {"host0": 1}, "temp_dir": temp_dir}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     for i in range(1, NUM_HOSTS):
-        cluster.add_node(num_cpus=1, resources={f"host{i}": 1})
+        cluster.add_node(num_cpus=1, resources={f"host{i}": 1}, temp_dir=temp_dir)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
     yield cluster
