@@ -98,9 +98,14 @@ class RankWorker:
         from .lora.manager import LoRAManager
 
         self.lora = LoRAManager(
-            self.pipe.transformer, self.spec.pipeline_class, max_loras=config.max_loras, max_rank=config.max_lora_rank
+            self.pipe.transformer,
+            self.spec.pipeline_class,
+            max_loras=config.max_loras,
+            max_rank=config.max_lora_rank,
         )
-        self.runner.before_forward = lambda groups: self.lora.set_batch([(rows, s.params.lora) for s, rows in groups])
+        self.runner.before_forward = lambda groups: self.lora.set_batch(
+            [(rows, s.params.lora) for s, rows in groups]
+        )
         self.states: dict[str, RequestState] = {}
 
     # -- commands (same on every rank) --------------------------------------------------------------------
