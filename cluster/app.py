@@ -81,7 +81,10 @@ def engine_deployment_options(args: AppArgs, strategy: str = "PACK") -> dict[str
         "placement_group_bundles": rank_bundles(args),
         "placement_group_strategy": strategy,
         "request_router_config": RequestRouterConfig(request_router_class=ROUTER_PATH),
-        "max_ongoing_requests": args.max_queue + args.max_batch_size + args.max_sessions_per_replica,
+        # Headroom above what the engine admits, so a full engine queue answers 429 (Retry-After) at once
+        # instead of requests waiting unseen in Serve's router; control and info calls use the rest.
+        "max_ongoing_requests": 2 * (args.max_queue + args.max_batch_size + args.max_sessions_per_replica)
+        + 16,
         "health_check_period_s": 2,
         "health_check_timeout_s": 60,
         "graceful_shutdown_timeout_s": 20,

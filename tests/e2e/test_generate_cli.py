@@ -83,3 +83,10 @@ def test_bad_arguments_exit_non_zero_with_a_message(tmp_path, args, message):
     done = generate("a fox", "-o", str(tmp_path / "x.png"), *args)
     assert done.returncode != 0
     assert message in done.stderr
+
+
+def test_serve_refuses_an_illegal_layout_before_starting():
+    cmd = [sys.executable, "-m", "ditserve.cluster.cli", "serve", "--model", "demo-flux", "--tp-size", "3"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "--tp-size" in done.stderr and "Started a local Ray" not in done.stderr + done.stdout
