@@ -178,10 +178,24 @@ def run_serve(ns: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
+        from ray.serve.config import gRPCOptions
+
+        from .deploy import GRPC_SERVICER_FUNCTIONS
+
+        grpc_options = None
+        if args.grpc_port:  # the gRPC API (grpc_service) on Serve's gRPC proxy; --grpc-port 0: off
+            grpc_options = gRPCOptions(port=args.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS)
+        serve.start(
+            proxy_location="HeadOnly",
+            http_options={"host": args.host, "port": args.port},
+            grpc_options=grpc_options,
+        )
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         print(
-            f"ditserve: serving {args.model} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True
+            f"ditserve: serving {args.model} at http://{args.host}:{args.port}/v1"
+            + (f", gRPC {args.host}:{args.grpc_port}" if args.grpc_port else "")
+            + " (Ctrl-C stops)",
+            flush=True,
         )
         stop.wait()
     finally:

@@ -114,6 +114,15 @@ class AppArgs(EngineArgs):
         default=300.0, gt=0, description="A session unused this long is closed and its state freed."
     )
     lora_path: tuple[str, ...] = Field(default=(), description="Adapters to load at start, NAME=PATH.")
+    session_max_lifetime_s: float = Field(
+        default=3600.0, gt=0, description="A realtime session (and its WebSocket) is closed after this long."
+    )
+    video_ttl_s: float = Field(
+        default=3600.0, gt=0, description="A finished video job and its MP4 are kept this long, then expire."
+    )
+    max_video_jobs_per_replica: int = Field(
+        default=64, ge=1, description="Video jobs (running or kept) per replica before 429."
+    )
 
     @model_validator(mode="after")
     def _check_layout(self) -> AppArgs:

@@ -31,9 +31,10 @@ HTTP_PORT = 8000
 GRPC_PORT = 9000
 METRICS_PORT = 8080
 MODELS_MOUNT = "/models"
-# The gRPC servicers Serve's gRPC proxy registers; empty until the gRPC API lands (an empty list leaves
-# the gRPC proxy off, so the port stays closed but the config is already shaped for it).
-GRPC_SERVICER_FUNCTIONS: list[str] = []
+# The gRPC servicers Serve's gRPC proxy registers (the API of cluster/grpc_service.py).
+GRPC_SERVICER_FUNCTIONS: list[str] = [
+    "ditserve.cluster.grpc_gen.ditserve_pb2_grpc.add_DitServeServicer_to_server"
+]
 # AppArgs fields that are process- or Serve-level, not builder arguments (or secrets: never in a manifest).
 NOT_BUILDER_ARGS = ("host", "port", "grpc_port", "address", "api_key")
 # Attention heads by model kind, for models that exist only inside the image (layout checks need them).

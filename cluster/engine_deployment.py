@@ -31,6 +31,7 @@ from .config import AppArgs
 from .control_state import get_or_create_state_actor, initial_state, parse_lora_paths
 from .metrics import ReplicaMetrics
 from .ranks import build_launcher, node_info
+from .replica_streams import ReplicaStreams
 
 logger = logging.getLogger("ditserve")
 
@@ -69,10 +70,11 @@ class Session:
     latents: np.ndarray | None = None
     steps: int = 0
     last_used: float = field(default_factory=time.monotonic)
+    created: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
-class EngineReplica:
+class EngineReplica(ReplicaStreams):
     """Serve replica wrapping one engine; its ranks start in the constructor (inside the placement group).
 
     ``engine_cls`` is injectable (Ray LLM's ``engine_cls`` pattern) so benchmarks can drive the real
@@ -208,8 +210,11 @@ class EngineReplica:
 
     # -- realtime sessions --------------------------------------------------------------------------------
     def _expire_sessions(self) -> None:
-        deadline = time.monotonic() - self.args.session_idle_timeout_s
-        for sid in [s.session_id for s in self.sessions.values() if s.last_used < deadline]:
+        now = time.monotonic()
+        deadline, born = now - self.args.session_idle_timeout_s, now - self.args.session_max_lifetime_s
+        for sid in [
+            s.session_id for s in self.sessions.values() if s.last_used < deadline or s.created < born
+        ]:
             if not self.sessions[sid].lock.locked():
                 del self.sessions[sid]
 

@@ -19,17 +19,19 @@ import time
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError
 
 from ditserve.replica.models.registry import resolve_model
+from ditserve.replica.request import GenerationParams
 
-from . import api_admin, api_sessions
+from . import api_admin, api_sessions, api_stream, api_videos
 from .config import AppArgs
 from .control_state import get_or_create_state_actor, initial_state, parse_lora_paths
 from .errors import SessionGoneError
+from .grpc_service import GrpcMethods
 from .http_base import ERROR_TYPES, REPLICA_HEADER, build_fastapi, check_size, register_frontend
 from .schemas import APIError, ImageData, ImageGenerationRequest, ImagesResponse, ModelCard
 
@@ -37,11 +39,15 @@ fastapi_app = build_fastapi()
 # Route groups live in their own modules; include them before @serve.ingress freezes the app.
 fastapi_app.include_router(api_sessions.router)
 fastapi_app.include_router(api_admin.router)
+fastapi_app.include_router(api_videos.router)
+fastapi_app.include_router(api_stream.router)
+# Over --max-body-bytes → 413 before the body is read or parsed.
+fastapi_app.add_middleware(api_stream.BodyLimitMiddleware)
 
 
 @serve.deployment(name="Frontend", ray_actor_options={"num_cpus": 0.1})
 @serve.ingress(fastapi_app)
-class Frontend:
+class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
     def __init__(self, engine, args: dict[str, Any]):
         self.engine = engine
         self.args = AppArgs(**args)
@@ -158,17 +164,13 @@ class Frontend:
         card = ModelCard(id=self.model_name, created=self.created, kind=self.model_kind)
         return {"object": "list", "data": [card.model_dump()]}
 
-    @fastapi_app.post("/v1/images/generations", response_model=ImagesResponse)
-    async def images_generations(self, body: ImageGenerationRequest, request: Request) -> JSONResponse:
-        self.check_auth(request, admin=False)
-        await self.check_body_size(request)
+    def image_params(self, body: ImageGenerationRequest) -> tuple[GenerationParams, int, int]:
+        """Checks shared by HTTP and gRPC (limits, model kind) → engine parameters, width, height."""
         self.check_model(body.model)
         if self.model_kind != "image":
             raise APIError(400, f"model {self.model_name!r} makes videos; use POST /v1/videos", param="model")
         if body.response_format != "b64_json":
             raise APIError(400, "response_format: only 'b64_json' is supported", param="response_format")
-        if body.stream:
-            raise APIError(400, "stream: streaming is not supported by this endpoint yet", param="stream")
         limits = self.args
         if body.n > limits.max_n:
             raise APIError(400, f"n: {body.n} is above the maximum {limits.max_n}", param="n")
@@ -185,7 +187,16 @@ class Frontend:
                 param="num_inference_steps",
             )
         width, height = check_size(body.size or self.default_size, limits.max_width, limits.max_height)
-        params = body.to_params(width, height, self.spec)
+        return body.to_params(width, height, self.spec), width, height
+
+    @fastapi_app.post("/v1/images/generations", response_model=ImagesResponse)
+    async def images_generations(self, body: ImageGenerationRequest, request: Request) -> Response:
+        """With ``stream: true``: server-sent events, one per denoising step, then the images (api_stream)."""
+        self.check_auth(request, admin=False)
+        await self.check_body_size(request)
+        params, width, height = self.image_params(body)
+        if body.stream:
+            return await api_stream.image_events(self, params)
         answer = await self.call_engine(self.engine.generate.remote(params))
         result = answer["result"]
         response = ImagesResponse(

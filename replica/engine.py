@@ -127,14 +127,29 @@ class Engine:
             raise ValueError(f"num_frames: {params.num_frames} is above the maximum {limits.max_frames}")
 
     def submit(
-        self, params: GenerationParams, on_progress: Callable[[int, int], None] | None = None
+        self,
+        params: GenerationParams,
+        on_progress: Callable[[int, int], None] | None = None,
+        on_preview: Callable[[int, int, Any], None] | None = None,
     ) -> Future:
-        """Queue a request; the future resolves to a :class:`GenerationResult`. Cancel it to free the slot."""
+        """Queue a request; the future resolves to a :class:`GenerationResult`. Cancel it to free the slot.
+
+        ``on_progress(done, total)`` runs in the loop thread after every step; ``on_preview(done, total,
+        latents)`` too, before the last step, with the current latents (a served rank's ``latents``)."""
         if not self.running:
             raise RuntimeError("engine is not running")
         self.check(params)
         bucket = (params.height, params.width, params.num_frames if self.spec.kind == "video" else 1)
         job = Job(req_id=uuid.uuid4().hex, params=params, bucket=bucket, on_progress=on_progress)
+        if on_preview is not None:
+
+            def progress_and_preview(done: int, total: int) -> None:
+                if on_progress is not None:
+                    on_progress(done, total)
+                if done < total:  # between steps: the ranks are idle, reading latents is safe
+                    on_preview(done, total, self.launcher.call("latents", job.req_id))
+
+            job.on_progress = progress_and_preview
         self.scheduler.submit(job)
         return job.future
 

@@ -1,0 +1,310 @@
+"""Streaming over HTTP: server-sent events for ``POST /v1/images/generations`` with ``stream: true``,
+the realtime-session WebSocket ``/v1/sessions/{id}/stream``, and the request-body limit (413).
+
+Progress comes from the replica: the engine's per-step callback feeds ``EngineReplica.generate_stream``
+(an async generator), which Serve streams to this frontend (``handle.options(stream=True)``).
+
+SSE events (``text/event-stream``), then ``data: [DONE]``::
+
+    event: image_generation.progress   data: {"type", "step", "total"}
+    event: image_generation.completed  data: {"type", "b64_json", "index", "created_at", "size", "seed", ...}
+    event: error                       data: {"error": {"message", "type", "param", "code"}}
+
+WebSocket protocol. The client sends JSON steps ``{"prompt", "strength"?, "num_inference_steps"?,
+"guidance_scale"?, "seed"?, "preview"?}``; the server answers ``{"type": "progress", "step", "total",
+"preview_b64"?}`` per denoising step (``preview``: a 1/8-size picture of the latents), then ``{"type":
+"image", "step", "b64_json", "seed"}``. A step sent while one runs supersedes it: the running one is
+cancelled (``{"type": "superseded"}``) and the newest runs. A bad step answers ``{"type": "error"}`` and
+the socket stays open. The server closes with a reason: 4401 bad API key, 4404 unknown or expired
+session, 4410 its replica is gone, 4408 idle longer than ``session_idle_timeout_s``, 4409 session older
+than ``session_max_lifetime_s``. Admission control is at ``POST /v1/sessions`` (429 past
+``max_sessions_per_replica``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, WebSocket, WebSocketDisconnect
+from fastapi.responses import StreamingResponse
+from pydantic import Field, ValidationError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.exceptions import DeploymentUnavailableError
+
+from ditserve.replica.request import GenerationParams
+
+from .api_sessions import SessionGenerateRequest
+from .errors import SessionGoneError
+from .http_base import ERROR_TYPES, REPLICA_HEADER, frontend
+from .router import session_owner
+from .schemas import APIError
+
+router = APIRouter(tags=["streaming"])
+
+
+# -- request-body limit ----------------------------------------------------------------------------------
+class BodyLimitMiddleware:
+    """ASGI middleware: a body over ``max_body_bytes`` answers 413 naming the limit, before any handler
+    reads or parses it (by Content-Length, or by counting a chunked body)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        try:
+            limit = frontend().args.max_body_bytes
+        except IndexError:  # no Frontend in this process (the app used alone)
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > limit:
+                return await _too_large(send, f"request body is {int(length)} bytes", limit)
+            return await self.app(scope, receive, send)
+        if scope.get("method") in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        # No length: read the (chunked) body up to the limit, then replay it to the app.
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            size += len(message.get("body", b""))
+            if size > limit:
+                return await _too_large(send, f"request body is over {size} bytes", limit)
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        return await self.app(scope, replay, send)
+
+
+async def _too_large(send, what: str, limit: int) -> None:
+    err = APIError(413, f"{what}; the limit is max_body_bytes={limit}", param="max_body_bytes")
+    body = json.dumps(err.body()).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+# -- engine streams ----------------------------------------------------------------------------------------
+async def engine_events(fe: Any, stream) -> AsyncIterator[dict[str, Any]]:
+    """Iterate a Serve streaming response; failures become the same APIErrors as ``call_engine``."""
+    try:
+        async for event in stream:
+            if "error" in event:
+                fe.raise_engine_error(event)
+            yield event
+    except SessionGoneError as exc:
+        raise APIError(410, str(exc), type=ERROR_TYPES[410]) from None
+    except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
+        raise APIError(
+            503,
+            f"the replica serving this request failed ({type(exc).__name__}); retry",
+            type=ERROR_TYPES[503],
+        ) from None
+    except DeploymentUnavailableError:
+        raise APIError(503, "no engine replica is available", type=ERROR_TYPES[503]) from None
+    finally:
+        stream.cancel()  # no-op when finished; stops the replica's generator when the client left
+
+
+def _sse(event: str, data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data)
+    return f"event: {event}\ndata: {payload}\n\n"
+
+
+async def image_events(fe: Any, params: GenerationParams) -> StreamingResponse:
+    """``stream: true`` images: the first event is awaited here, so errors known before the first step
+    (bad adapter, full queue, no replica) get their status code instead of a 200 stream."""
+    events = engine_events(fe, fe.engine.options(stream=True).generate_stream.remote(params))
+    first = await anext(events)
+
+    async def body() -> AsyncIterator[str]:
+        event: dict[str, Any] | None = first
+        try:
+            while event is not None:
+                if event["type"] == "progress":
+                    data = {
+                        "type": "image_generation.progress",
+                        "step": event["step"],
+                        "total": event["total"],
+                    }
+                    yield _sse("image_generation.progress", data)
+                else:
+                    result = event["result"]
+                    for index, png in enumerate(result.outputs):
+                        data = {
+                            "type": "image_generation.completed",
+                            "index": index,
+                            "b64_json": base64.b64encode(png).decode(),
+                            "created_at": int(time.time()),
+                            "size": f"{result.width}x{result.height}",
+                            "seed": result.seed,
+                            "output_format": "png",
+                            "background": "opaque",
+                            "quality": "auto",
+                        }
+                        yield _sse("image_generation.completed", data)
+                event = await anext(events, None)
+        except APIError as exc:
+            yield _sse("error", exc.body())
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(
+        body(),
+        media_type="text/event-stream",
+        headers={REPLICA_HEADER: str(first.get("replica", "")), "Cache-Control": "no-cache"},
+    )
+
+
+# -- realtime sessions over WebSocket ------------------------------------------------------------------------
+class StreamStep(SessionGenerateRequest):
+    """One message of the session WebSocket: a session step plus whether to send previews."""
+
+    preview: bool = Field(default=False, description="Send a low-res latent preview with every step.")
+
+
+def step_params(fe: Any, step: SessionGenerateRequest) -> GenerationParams:
+    """Limits shared by the session routes (HTTP, WebSocket, gRPC) → engine parameters."""
+    if step.num_inference_steps > fe.args.max_steps:
+        raise APIError(
+            400,
+            f"num_inference_steps: {step.num_inference_steps} is above the maximum {fe.args.max_steps}",
+            param="num_inference_steps",
+        )
+    if len(step.prompt) > fe.args.max_prompt_chars:
+        raise APIError(400, f"prompt: longer than {fe.args.max_prompt_chars} characters", param="prompt")
+    kwargs: dict[str, Any] = {} if step.seed is None else {"seed": step.seed}
+    return GenerationParams(
+        prompt=step.prompt,
+        num_inference_steps=step.num_inference_steps,
+        guidance_scale=step.guidance_scale,
+        **kwargs,
+    )
+
+
+def _validation_error(exc: ValidationError) -> APIError:
+    first = exc.errors()[0]
+    param = ".".join(str(p) for p in first.get("loc", ())) or None
+    return APIError(400, f"{param or 'message'}: {first.get('msg')}", param=param)
+
+
+def _close_code(status: int) -> int:
+    return 4000 + status if 400 <= status < 1000 else 4500
+
+
+@router.websocket("/v1/sessions/{session_id}/stream")
+async def session_socket(websocket: WebSocket, session_id: str, fe: Any = Depends(frontend)):
+    await websocket.accept()
+
+    async def close(code: int, reason: str) -> None:
+        await websocket.close(code=code, reason=reason[:120])  # control frames carry ≤ 123 bytes
+
+    try:
+        fe.check_auth(websocket, admin=False)
+        session_owner(session_id)
+    except APIError as exc:
+        return await close(_close_code(exc.status), exc.message)
+    except ValueError as exc:
+        return await close(4404, str(exc))
+    pinned = fe.engine.options(session_id=session_id)
+    try:
+        info = await fe.call_engine(pinned.session_touch.remote(session_id))
+    except APIError as exc:
+        return await close(_close_code(exc.status), exc.message)
+    expires = time.monotonic() + fe.args.session_max_lifetime_s - info["age_s"]
+
+    inbox: asyncio.Queue[str | None] = asyncio.Queue()
+
+    async def read() -> None:
+        try:
+            while True:
+                await inbox.put(await websocket.receive_text())
+        except (WebSocketDisconnect, RuntimeError):
+            await inbox.put(None)
+
+    reader = asyncio.create_task(read())
+    try:
+        while True:
+            left = expires - time.monotonic()
+            idle = fe.args.session_idle_timeout_s
+            try:
+                text = await asyncio.wait_for(inbox.get(), timeout=max(0.0, min(idle, left)))
+            except asyncio.TimeoutError:
+                if left <= idle:
+                    return await close(
+                        4409,
+                        f"session lifetime over (session_max_lifetime_s={fe.args.session_max_lifetime_s:g})",
+                    )
+                return await close(4408, f"idle for {idle:g}s (session_idle_timeout_s)")
+            if text is None:
+                return  # the client closed
+            while not inbox.empty():  # only the newest prompt matters
+                newer = inbox.get_nowait()
+                if newer is None:
+                    return
+                text = newer
+            try:
+                step = StreamStep.model_validate_json(text)
+                params = step_params(fe, step)
+            except ValidationError as exc:
+                err = (
+                    APIError(400, "message is not valid JSON")
+                    if exc.errors()[0].get("type") == "json_invalid"
+                    else _validation_error(exc)
+                )
+                await websocket.send_json({"type": "error", **err.body()})
+                continue
+            except APIError as exc:
+                await websocket.send_json({"type": "error", **exc.body()})
+                continue
+            stream = pinned.options(stream=True).session_stream.remote(
+                session_id, params, step.strength, step.preview
+            )
+            try:
+                async for event in engine_events(fe, stream):
+                    if not inbox.empty():  # a newer step (or the client left): drop this one
+                        stream.cancel()
+                        if inbox._queue[-1] is not None:  # type: ignore[attr-defined]
+                            await websocket.send_json({"type": "superseded"})
+                        break
+                    await websocket.send_json(_ws_event(event))
+            except APIError as exc:
+                if exc.status in (404, 410):
+                    return await close(_close_code(exc.status), exc.message)
+                await websocket.send_json({"type": "error", **exc.body()})
+    except (WebSocketDisconnect, RuntimeError):
+        return  # the client went away mid-send
+    finally:
+        reader.cancel()
+
+
+def _ws_event(event: dict[str, Any]) -> dict[str, Any]:
+    if event["type"] == "progress":
+        out = {"type": "progress", "step": event["step"], "total": event["total"]}
+        if event.get("preview"):
+            out["preview_b64"] = base64.b64encode(event["preview"]).decode()
+        return out
+    result = event["result"]
+    return {
+        "type": "image",
+        "step": event["step"],
+        "seed": result.seed,
+        "size": f"{result.width}x{result.height}",
+        "b64_json": base64.b64encode(result.outputs[0]).decode(),
+        "replica": event["replica"],
+    }

@@ -1,0 +1,212 @@
+"""Videos as asynchronous jobs, in the shape of OpenAI's videos API (an ``APIRouter`` included by
+``frontend``): ``POST /v1/videos`` → a job, ``GET /v1/videos/{id}``, ``GET /v1/videos/{id}/content``
+(H.264 MP4), ``DELETE /v1/videos/{id}``.
+
+The job lives on the replica that runs it (``replica_streams``); its id ``<replica_id>.<random>`` is
+routed like a session id, so any frontend, including a restarted one, reaches it. ``POST`` takes JSON or
+``multipart/form-data`` (what OpenAI's client sends); form values are validated by the same model.
+"""
+
+from __future__ import annotations
+
+import email.parser
+import email.policy
+import json
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ditserve.replica.request import GenerationParams
+
+from .http_base import REPLICA_HEADER, check_size, frontend
+from .router import session_owner
+from .schemas import APIError
+
+router = APIRouter(prefix="/v1/videos", tags=["videos"])
+
+
+class VideoCreateRequest(BaseModel):
+    """``POST /v1/videos``: OpenAI's fields (prompt, model, size, seconds) plus frames, fps, steps, seed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1, description="What to film.")
+    model: str | None = Field(default=None, description="Model name (default: the served one).")
+    size: str | None = Field(default=None, description="WIDTHxHEIGHT (default: the model's native size).")
+    seconds: float | None = Field(
+        default=None,
+        gt=0,
+        le=600,
+        description="Duration; frames = seconds·fps, rounded to what the model takes.",
+    )
+    num_frames: int | None = Field(default=None, ge=1, description="Frames (overrides seconds).")
+    fps: int = Field(default=16, ge=1, le=120, description="Frame rate of the MP4.")
+    num_inference_steps: int = Field(default=20, ge=1, description="Denoising steps.")
+    guidance_scale: float | None = Field(default=None, ge=0, le=100, description="CFG scale (model default).")
+    negative_prompt: str | None = Field(default=None, description="What not to film.")
+    seed: int | None = Field(default=None, ge=0, lt=2**63, description="Random seed (random when absent).")
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("prompt must not be empty")
+        return v
+
+
+def video_params(fe: Any, body: VideoCreateRequest) -> GenerationParams:
+    """Checks shared by HTTP and gRPC → engine parameters."""
+    fe.check_model(body.model)
+    if fe.model_kind != "video":
+        raise APIError(
+            400,
+            f"model: {fe.model_name!r} makes images; videos need a video model (e.g. --model demo-wan)",
+            param="model",
+        )
+    limits = fe.args
+    if len(body.prompt) > limits.max_prompt_chars:
+        raise APIError(
+            400,
+            f"prompt: {len(body.prompt)} characters is above the maximum {limits.max_prompt_chars}",
+            param="prompt",
+        )
+    if body.num_inference_steps > limits.max_steps:
+        raise APIError(
+            400,
+            f"num_inference_steps: {body.num_inference_steps} is above the maximum {limits.max_steps}",
+            param="num_inference_steps",
+        )
+    multiple = fe.spec.frame_multiple
+    frames = body.num_frames
+    if frames is None:
+        wanted = round((body.seconds if body.seconds is not None else 1.0) * body.fps)
+        frames = multiple * max(1, round((wanted - 1) / multiple)) + 1
+    elif (frames - 1) % multiple:
+        raise APIError(
+            400, f"num_frames: must be {multiple}·k + 1 for {fe.model_name}, got {frames}", param="num_frames"
+        )
+    if frames > limits.max_frames:
+        param = "num_frames" if body.num_frames is not None else "seconds"
+        raise APIError(400, f"{param}: {frames} frames is above the maximum {limits.max_frames}", param=param)
+    width, height = check_size(body.size or fe.default_size, limits.max_width, limits.max_height)
+    kwargs: dict[str, Any] = {} if body.seed is None else {"seed": body.seed}
+    return GenerationParams(
+        prompt=body.prompt,
+        negative_prompt=body.negative_prompt,
+        width=width,
+        height=height,
+        num_frames=frames,
+        fps=body.fps,
+        num_inference_steps=body.num_inference_steps,
+        guidance_scale=body.guidance_scale,
+        **kwargs,
+    )
+
+
+def _form_fields(content_type: str, raw: bytes) -> dict[str, str]:
+    """multipart/form-data → {name: value} with the standard library's MIME parser (text fields only)."""
+    head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode()
+    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + raw)
+    if not message.is_multipart():
+        raise APIError(400, "request body is not valid multipart/form-data")
+    fields = {}
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if not name:
+            continue
+        if part.get_filename():
+            raise APIError(400, f"{name}: file uploads (input_reference) are not supported", param=name)
+        fields[name] = part.get_content() if part.get_content_maintype() == "text" else part.get_payload()
+    return fields
+
+
+async def _read_create(request: Request) -> VideoCreateRequest:
+    content_type = request.headers.get("content-type", "")
+    raw = await request.body()
+    try:
+        if content_type.startswith("multipart/form-data"):
+            data: Any = _form_fields(content_type, raw)
+        else:
+            try:
+                data = json.loads(raw)
+            except ValueError:
+                raise APIError(400, "request body is not valid JSON") from None
+            if not isinstance(data, dict):
+                raise APIError(400, "request body must be a JSON object")
+        return VideoCreateRequest.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        raise APIError(400, f"{param or 'body'}: {first.get('msg')}", param=param) from None
+
+
+def pinned(fe: Any, video_id: str):
+    try:
+        session_owner(video_id)
+    except ValueError:
+        raise APIError(
+            404,
+            f"video {video_id!r} does not exist (ids look like <replica>.<token>)",
+            type="not_found_error",
+            param="video_id",
+        ) from None
+    return fe.engine.options(session_id=video_id)
+
+
+async def call_job(fe: Any, video_id: str, call) -> dict[str, Any]:
+    try:
+        return await fe.call_engine(call)
+    except APIError as exc:
+        if exc.status == 410:  # the owner replica is gone, and the job with it
+            raise APIError(
+                404,
+                f"video {video_id!r} was lost: the replica that ran it is gone; create it again",
+                type="not_found_error",
+                param="video_id",
+            ) from None
+        raise
+
+
+@router.post(
+    "",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": VideoCreateRequest.model_json_schema()},
+                "multipart/form-data": {"schema": VideoCreateRequest.model_json_schema()},
+            },
+        }
+    },
+)
+async def create_video(request: Request, fe: Any = Depends(frontend)):
+    fe.check_auth(request, admin=False)
+    body = await _read_create(request)
+    params = video_params(fe, body)
+    answer = await fe.call_engine(fe.engine.create_video.remote(params, fe.model_name, body.prompt))
+    return JSONResponse(answer["video"], headers={REPLICA_HEADER: answer["replica"]})
+
+
+@router.get("/{video_id}")
+async def get_video(video_id: str, request: Request, fe: Any = Depends(frontend)):
+    fe.check_auth(request, admin=False)
+    answer = await call_job(fe, video_id, pinned(fe, video_id).get_video.remote(video_id))
+    return JSONResponse(answer["video"], headers={REPLICA_HEADER: answer["replica"]})
+
+
+@router.get("/{video_id}/content", response_class=Response, responses={200: {"content": {"video/mp4": {}}}})
+async def video_content(video_id: str, request: Request, variant: str = "video", fe: Any = Depends(frontend)):
+    fe.check_auth(request, admin=False)
+    if variant != "video":
+        raise APIError(400, f"variant: only 'video' is served, got {variant!r}", param="variant")
+    answer = await call_job(fe, video_id, pinned(fe, video_id).video_content.remote(video_id))
+    return Response(answer["mp4"], media_type="video/mp4", headers={REPLICA_HEADER: answer["replica"]})
+
+
+@router.delete("/{video_id}")
+async def delete_video(video_id: str, request: Request, fe: Any = Depends(frontend)):
+    fe.check_auth(request, admin=False)
+    answer = await call_job(fe, video_id, pinned(fe, video_id).delete_video.remote(video_id))
+    return JSONResponse(answer["video"], headers={REPLICA_HEADER: answer["replica"]})

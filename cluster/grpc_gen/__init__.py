@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of ``proto/ditserve/v1/ditserve.proto`` (``build.py`` regenerates them)."""

@@ -1,0 +1,71 @@
+"""Regenerate (or check) the committed gRPC stubs from ``proto/ditserve/v1/ditserve.proto``.
+
+    python -m ditserve.cluster.grpc_gen.build           # rewrite ditserve_pb2*.py
+    python -m ditserve.cluster.grpc_gen.build --check   # exit 1 when they are out of date
+
+protoc names imports after the proto's package path (``from ditserve.v1 import ditserve_pb2``), which
+would clash with our own ``ditserve`` package; the import is rewritten to a relative one, and the
+messages' module name (used by pickle) to the real one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PROTO_ROOT = HERE.parent.parent / "proto"
+PROTO = "ditserve/v1/ditserve.proto"
+OUTPUTS = ("ditserve_pb2.py", "ditserve_pb2.pyi", "ditserve_pb2_grpc.py")
+
+
+def generate() -> dict[str, str]:
+    """Run protoc (grpcio-tools) into a temporary folder; returns {file name: text}."""
+    from grpc_tools import protoc
+
+    with tempfile.TemporaryDirectory() as out:
+        code = protoc.main(
+            [
+                "grpc_tools.protoc",
+                f"-I{PROTO_ROOT}",
+                f"--python_out={out}",
+                f"--pyi_out={out}",
+                f"--grpc_python_out={out}",
+                str(PROTO_ROOT / PROTO),
+            ]
+        )
+        if code != 0:
+            raise RuntimeError(f"protoc failed with exit code {code}")
+        texts = {name: (Path(out) / "ditserve" / "v1" / name).read_text() for name in OUTPUTS}
+    texts["ditserve_pb2_grpc.py"] = texts["ditserve_pb2_grpc.py"].replace(
+        "from ditserve.v1 import ditserve_pb2", "from . import ditserve_pb2"
+    )
+    # Message classes record their module for pickling (Serve pickles requests to the replica).
+    texts["ditserve_pb2.py"] = texts["ditserve_pb2.py"].replace("'ditserve.v1.ditserve_pb2'", "__name__")
+    return texts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="Fail when the committed stubs differ.")
+    ns = parser.parse_args(argv)
+    stale = []
+    for name, text in generate().items():
+        path = HERE / name
+        if ns.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(name)
+        else:
+            path.write_text(text)
+    if stale:
+        print(
+            f"out of date: {', '.join(stale)}; run python -m ditserve.cluster.grpc_gen.build", file=sys.stderr
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

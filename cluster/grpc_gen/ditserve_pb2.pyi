@@ -1,0 +1,255 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoRARef(_message.Message):
+    __slots__ = ("name", "scale")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    scale: float
+    def __init__(self, name: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "model", "n", "size", "negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale", "seed", "lora")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    TRUE_CFG_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    model: str
+    n: int
+    size: str
+    negative_prompt: str
+    num_inference_steps: int
+    guidance_scale: float
+    true_cfg_scale: float
+    seed: int
+    lora: _containers.RepeatedCompositeFieldContainer[LoRARef]
+    def __init__(self, prompt: _Optional[str] = ..., model: _Optional[str] = ..., n: _Optional[int] = ..., size: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., lora: _Optional[_Iterable[_Union[LoRARef, _Mapping]]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("created", "images", "seed", "size", "replica")
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    created: int
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    seed: int
+    size: str
+    replica: str
+    def __init__(self, created: _Optional[int] = ..., images: _Optional[_Iterable[bytes]] = ..., seed: _Optional[int] = ..., size: _Optional[str] = ..., replica: _Optional[str] = ...) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("step", "total", "preview")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREVIEW_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    total: int
+    preview: bytes
+    def __init__(self, step: _Optional[int] = ..., total: _Optional[int] = ..., preview: _Optional[bytes] = ...) -> None: ...
+
+class GenerateEvent(_message.Message):
+    __slots__ = ("progress", "result")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    progress: Progress
+    result: GenerateResponse
+    def __init__(self, progress: _Optional[_Union[Progress, _Mapping]] = ..., result: _Optional[_Union[GenerateResponse, _Mapping]] = ...) -> None: ...
+
+class CreateVideoRequest(_message.Message):
+    __slots__ = ("prompt", "model", "size", "seconds", "num_frames", "fps", "num_inference_steps", "guidance_scale", "negative_prompt", "seed")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    model: str
+    size: str
+    seconds: str
+    num_frames: int
+    fps: int
+    num_inference_steps: int
+    guidance_scale: float
+    negative_prompt: str
+    seed: int
+    def __init__(self, prompt: _Optional[str] = ..., model: _Optional[str] = ..., size: _Optional[str] = ..., seconds: _Optional[str] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., negative_prompt: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class VideoRef(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class VideoJob(_message.Message):
+    __slots__ = ("id", "object", "status", "progress", "created_at", "completed_at", "expires_at", "model", "size", "seconds", "num_frames", "prompt", "error", "deleted")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_AT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    object: str
+    status: str
+    progress: int
+    created_at: int
+    completed_at: int
+    expires_at: int
+    model: str
+    size: str
+    seconds: str
+    num_frames: int
+    prompt: str
+    error: str
+    deleted: bool
+    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., status: _Optional[str] = ..., progress: _Optional[int] = ..., created_at: _Optional[int] = ..., completed_at: _Optional[int] = ..., expires_at: _Optional[int] = ..., model: _Optional[str] = ..., size: _Optional[str] = ..., seconds: _Optional[str] = ..., num_frames: _Optional[int] = ..., prompt: _Optional[str] = ..., error: _Optional[str] = ..., deleted: _Optional[bool] = ...) -> None: ...
+
+class VideoContent(_message.Message):
+    __slots__ = ("id", "mp4", "media_type")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MP4_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    mp4: bytes
+    media_type: str
+    def __init__(self, id: _Optional[str] = ..., mp4: _Optional[bytes] = ..., media_type: _Optional[str] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("size", "model")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    size: str
+    model: str
+    def __init__(self, size: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class Session(_message.Message):
+    __slots__ = ("id", "size", "closed")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    size: str
+    closed: bool
+    def __init__(self, id: _Optional[str] = ..., size: _Optional[str] = ..., closed: _Optional[bool] = ...) -> None: ...
+
+class SessionRef(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class SessionGenerateRequest(_message.Message):
+    __slots__ = ("session_id", "prompt", "strength", "num_inference_steps", "guidance_scale", "seed", "preview")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    STRENGTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    PREVIEW_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt: str
+    strength: float
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    preview: bool
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., strength: _Optional[float] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., preview: _Optional[bool] = ...) -> None: ...
+
+class ModelCard(_message.Message):
+    __slots__ = ("id", "kind", "created")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    kind: str
+    created: int
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., created: _Optional[int] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: _containers.RepeatedCompositeFieldContainer[ModelCard]
+    def __init__(self, data: _Optional[_Iterable[_Union[ModelCard, _Mapping]]] = ...) -> None: ...
+
+class LoadLoRARequest(_message.Message):
+    __slots__ = ("name", "path", "scale")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    scale: float
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
+
+class UnloadLoRARequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class LoRAInfo(_message.Message):
+    __slots__ = ("name", "path", "scale")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    scale: float
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
+
+class ListLoRAsResponse(_message.Message):
+    __slots__ = ("data", "version")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    data: _containers.RepeatedCompositeFieldContainer[LoRAInfo]
+    version: int
+    def __init__(self, data: _Optional[_Iterable[_Union[LoRAInfo, _Mapping]]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class AdminReply(_message.Message):
+    __slots__ = ("version", "replicas", "missing")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    replicas: _containers.RepeatedScalarFieldContainer[str]
+    missing: int
+    def __init__(self, version: _Optional[int] = ..., replicas: _Optional[_Iterable[str]] = ..., missing: _Optional[int] = ...) -> None: ...

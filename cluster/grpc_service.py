@@ -1,0 +1,310 @@
+"""gRPC API (``proto/ditserve/v1/ditserve.proto``, service ``ditserve.v1.DitServe``) on the Frontend.
+
+How Serve 2.60 dispatches gRPC: its gRPC proxy (``serve.start(grpc_options=gRPCOptions(port=...,
+grpc_servicer_functions=["ditserve.cluster.grpc_gen.ditserve_pb2_grpc.add_DitServeServicer_to_server"]))``)
+registers the service's method table, picks the application (metadata ``application``, or the only one),
+and calls the method **named like the RPC** on that application's ingress deployment, with the decoded
+request message and, when the method has a ``grpc_context`` parameter, a ``RayServegRPCContext``. The
+replica looks the name up with ``getattr`` on the ingress object, so a FastAPI ingress can carry the RPC
+methods next to its routes: ``Frontend`` mixes in :class:`GrpcMethods`. One deployment serves both
+protocols with the same engine handle, limits and checks: requests are turned into the HTTP API's pydantic
+models, so a bad field fails with the same message (INVALID_ARGUMENT naming it). Server reflection is on
+(Serve's proxy enables it for the registered services), so ``grpcurl`` needs no ``-proto``.
+
+Status codes: 400 → INVALID_ARGUMENT, 401 → UNAUTHENTICATED, 404/410 → NOT_FOUND, 409 →
+FAILED_PRECONDITION, 413/429 → RESOURCE_EXHAUSTED, 501 → UNIMPLEMENTED, 503 → UNAVAILABLE. The API key
+travels as metadata ``authorization: Bearer <key>``. Messages larger than ``max_body_bytes`` are refused
+(RESOURCE_EXHAUSTED). A message that is not valid protobuf is refused by gRPC itself before it reaches
+this code (INTERNAL, "Exception deserializing request").
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from pydantic import BaseModel, ValidationError
+
+from .grpc_gen import ditserve_pb2 as pb
+from .schemas import APIError, ImageGenerationRequest
+
+CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    409: grpc.StatusCode.FAILED_PRECONDITION,
+    410: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    501: grpc.StatusCode.UNIMPLEMENTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+class _Metadata:
+    """The bit of a Starlette request the shared HTTP helpers read (``headers``), from gRPC metadata."""
+
+    def __init__(self, context: Any):
+        pairs = context.invocation_metadata() if context is not None else []
+        self.headers = {k.lower(): v for k, v in pairs if isinstance(v, str)}
+
+
+def _to_api_error(exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        return APIError(400, f"{param or 'request'}: {first.get('msg')}", param=param)
+    return APIError(500, f"{type(exc).__name__}: {exc}")
+
+
+def _fail(context: Any, exc: Exception) -> None:
+    err = _to_api_error(exc)
+    context.set_code(CODES.get(err.status, grpc.StatusCode.INTERNAL))
+    context.set_details(err.message)
+
+
+def unary(fn):
+    @functools.wraps(fn)
+    async def wrapper(self, request, grpc_context=None):
+        try:
+            self.check_message_size(request)
+            return await fn(self, request, grpc_context)
+        except (APIError, ValidationError) as exc:
+            _fail(grpc_context, exc)
+            raise RuntimeError(grpc_context.details()) from None  # Serve keeps the code we set
+
+    return wrapper
+
+
+def streaming(fn):
+    @functools.wraps(fn)
+    async def wrapper(self, request, grpc_context=None):
+        try:
+            self.check_message_size(request)
+            async for message in fn(self, request, grpc_context):
+                yield message
+        except (APIError, ValidationError) as exc:
+            _fail(grpc_context, exc)
+            raise RuntimeError(grpc_context.details()) from None
+
+    return wrapper
+
+
+def fields(message: Any, **rename: str) -> dict[str, Any]:
+    """The fields a client set (proto3 ``optional`` presence), named as in the HTTP API."""
+    data = MessageToDict(message, preserving_proto_field_name=True)
+    return {rename.get(k, k): v for k, v in data.items()}
+
+
+def _json(response) -> dict[str, Any]:
+    return json.loads(response.body)
+
+
+def _admin_reply(data: dict[str, Any]) -> pb.AdminReply:
+    return pb.AdminReply(
+        version=int(data.get("version", 0)),
+        replicas=[str(a["replica"]) for a in data.get("replicas", [])],
+        missing=int(data.get("missing", 0)),
+    )
+
+
+def _result_message(result: Any, replica: str) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        created=int(time.time()),
+        images=list(result.outputs),
+        seed=result.seed,
+        size=f"{result.width}x{result.height}",
+        replica=replica,
+    )
+
+
+def _video_job(data: dict[str, Any]) -> pb.VideoJob:
+    error = data.get("error") or {}
+    return pb.VideoJob(
+        id=data["id"],
+        object=data.get("object", "video"),
+        status=data.get("status", ""),
+        progress=int(data.get("progress", 0)),
+        created_at=int(data.get("created_at") or 0),
+        completed_at=int(data.get("completed_at") or 0),
+        expires_at=int(data.get("expires_at") or 0),
+        model=data.get("model", ""),
+        size=data.get("size", ""),
+        seconds=str(data.get("seconds", "")),
+        num_frames=int(data.get("num_frames", 0)),
+        prompt=data.get("prompt") or "",
+        error=error.get("message", "") if isinstance(error, dict) else str(error),
+        deleted=bool(data.get("deleted", False)),
+    )
+
+
+def _validate(model: type[BaseModel], data: dict[str, Any]) -> Any:
+    return model.model_validate(data)
+
+
+class GrpcMethods:
+    """The RPCs of ``ditserve.v1.DitServe``, mixed into the Frontend ingress (``self`` is the Frontend)."""
+
+    def check_message_size(self, request: Any) -> None:
+        size = request.ByteSize()
+        if size > self.args.max_body_bytes:
+            raise APIError(
+                413,
+                f"message is {size} bytes; the limit is max_body_bytes={self.args.max_body_bytes}",
+                param="max_body_bytes",
+            )
+
+    # -- images ------------------------------------------------------------------------------------------
+    @unary
+    async def Generate(self, request, grpc_context=None):
+        self.check_auth(_Metadata(grpc_context), admin=False)
+        params, _, _ = self.image_params(_validate(ImageGenerationRequest, fields(request)))
+        answer = await self.call_engine(self.engine.generate.remote(params))
+        return _result_message(answer["result"], answer["replica"])
+
+    @streaming
+    async def GenerateStream(self, request, grpc_context=None):
+        from .api_stream import engine_events
+
+        self.check_auth(_Metadata(grpc_context), admin=False)
+        params, _, _ = self.image_params(_validate(ImageGenerationRequest, fields(request)))
+        async for event in engine_events(
+            self, self.engine.options(stream=True).generate_stream.remote(params)
+        ):
+            yield _event_message(event)
+
+    # -- videos ------------------------------------------------------------------------------------------
+    @unary
+    async def CreateVideo(self, request, grpc_context=None):
+        from .api_videos import VideoCreateRequest, video_params
+
+        self.check_auth(_Metadata(grpc_context), admin=False)
+        body = _validate(VideoCreateRequest, fields(request))
+        params = video_params(self, body)
+        answer = await self.call_engine(self.engine.create_video.remote(params, self.model_name, body.prompt))
+        return _video_job(answer["video"])
+
+    async def _video_call(self, request, grpc_context, method: str) -> dict[str, Any]:
+        from .api_videos import call_job, pinned
+
+        self.check_auth(_Metadata(grpc_context), admin=False)
+        if not request.id:
+            raise APIError(400, "id: the video id is required", param="id")
+        handle = pinned(self, request.id)
+        return await call_job(self, request.id, getattr(handle, method).remote(request.id))
+
+    @unary
+    async def GetVideo(self, request, grpc_context=None):
+        return _video_job((await self._video_call(request, grpc_context, "get_video"))["video"])
+
+    @unary
+    async def DeleteVideo(self, request, grpc_context=None):
+        return _video_job((await self._video_call(request, grpc_context, "delete_video"))["video"])
+
+    @unary
+    async def GetVideoContent(self, request, grpc_context=None):
+        answer = await self._video_call(request, grpc_context, "video_content")
+        return pb.VideoContent(id=request.id, mp4=answer["mp4"], media_type="video/mp4")
+
+    # -- sessions ----------------------------------------------------------------------------------------
+    @unary
+    async def OpenSession(self, request, grpc_context=None):
+        from .api_sessions import SessionOpenRequest, open_session
+
+        body = _validate(SessionOpenRequest, fields(request))
+        data = _json(await open_session(body, _Metadata(grpc_context), self))
+        return pb.Session(id=data["id"], size=data["size"])
+
+    @streaming
+    async def SessionGenerateStream(self, request, grpc_context=None):
+        from .api_sessions import _pinned
+        from .api_stream import StreamStep, engine_events, step_params
+
+        self.check_auth(_Metadata(grpc_context), admin=False)
+        data = fields(request)
+        session_id = data.pop("session_id", "")
+        if not session_id:
+            raise APIError(400, "session_id: the session id is required", param="session_id")
+        step = _validate(StreamStep, data)
+        params = step_params(self, step)
+        handle = _pinned(self, session_id).options(stream=True)
+        stream = handle.session_stream.remote(session_id, params, step.strength, step.preview)
+        async for event in engine_events(self, stream):
+            yield _event_message(event)
+
+    @unary
+    async def CloseSession(self, request, grpc_context=None):
+        from .api_sessions import close_session
+
+        if not request.id:
+            raise APIError(400, "id: the session id is required", param="id")
+        await close_session(request.id, _Metadata(grpc_context), self)
+        return pb.Session(id=request.id, closed=True)
+
+    # -- models and admin --------------------------------------------------------------------------------
+    @unary
+    async def ListModels(self, request, grpc_context=None):
+        return pb.ListModelsResponse(
+            data=[pb.ModelCard(id=self.model_name, kind=self.model_kind, created=self.created)]
+        )
+
+    @unary
+    async def LoadLoRA(self, request, grpc_context=None):
+        from .api_admin import LoRALoadRequest, load_lora
+
+        self.check_auth(_Metadata(grpc_context), admin=True)
+        body = _validate(LoRALoadRequest, fields(request))
+        return _admin_reply(_json(await load_lora(body, _Metadata(grpc_context), self)))
+
+    @unary
+    async def ListLoRAs(self, request, grpc_context=None):
+        from .api_admin import list_loras
+
+        data = await list_loras(_Metadata(grpc_context), self)
+        return pb.ListLoRAsResponse(
+            data=[pb.LoRAInfo(name=d["name"], path=d["path"], scale=d["scale"]) for d in data["data"]],
+            version=int(data["version"]),
+        )
+
+    @unary
+    async def UnloadLoRA(self, request, grpc_context=None):
+        from .api_admin import unload_lora
+
+        self.check_auth(_Metadata(grpc_context), admin=True)
+        if not request.name:
+            raise APIError(400, "name: the adapter name is required", param="name")
+        return _admin_reply(_json(await unload_lora(request.name, _Metadata(grpc_context), self)))
+
+    @unary
+    async def UpdateWeights(self, request, grpc_context=None):
+        from .api_admin import WeightsRequest, update_weights
+
+        self.check_auth(_Metadata(grpc_context), admin=True)
+        body = _validate(WeightsRequest, fields(request))
+        return _admin_reply(_json(await update_weights(body, _Metadata(grpc_context), self)))
+
+    @unary
+    async def ReleaseMemory(self, request, grpc_context=None):
+        from .api_admin import memory
+
+        return _admin_reply(_json(await memory("release", _Metadata(grpc_context), self)))
+
+    @unary
+    async def ResumeMemory(self, request, grpc_context=None):
+        from .api_admin import memory
+
+        return _admin_reply(_json(await memory("resume", _Metadata(grpc_context), self)))
+
+
+def _event_message(event: dict[str, Any]) -> pb.GenerateEvent:
+    if event["type"] == "progress":
+        return pb.GenerateEvent(
+            progress=pb.Progress(step=event["step"], total=event["total"], preview=event.get("preview", b""))
+        )
+    return pb.GenerateEvent(result=_result_message(event["result"], event["replica"]))

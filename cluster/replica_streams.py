@@ -1,0 +1,288 @@
+"""Streaming and job methods of the engine replica (mixed into ``EngineReplica``).
+
+- ``generate_stream``: an async generator Serve streams back (``handle.options(stream=True)``): one event
+  per denoising step from the engine's progress callback, then the result. The frontend turns the events
+  into server-sent events (HTTP), WebSocket messages (sessions) or a gRPC server stream.
+- Video jobs: a job lives on the replica that runs it; its id is ``<replica_id>.<random>`` and travels
+  as Serve's ``session_id``, so the session router sends every later call here (any frontend can serve
+  it, so jobs survive a frontend restart). Finished jobs are kept ``video_ttl_s``, then forgotten.
+- ``session_stream``: one realtime-session step as a stream, optionally with low-res latent previews.
+
+Events and errors cross the handle as plain dicts, like the rest of the replica's answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import secrets
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from ditserve.replica.request import GenerationParams, GenerationResult
+from ditserve.replica.scheduler import QueueFullError
+
+
+def _error(status: int, message: str, param: str | None = None, **extra: Any) -> dict[str, Any]:
+    return {"error": {"status": status, "message": message, "param": param, **extra}}
+
+
+def _param_of(message: str) -> str | None:
+    head = message.split(":", 1)[0].strip()
+    return head if head.isidentifier() else None
+
+
+def latent_preview(latents: np.ndarray, width: int, height: int) -> bytes:
+    """A cheap preview of packed Flux latents [n, seq, C·4]: unpack the 2×2 patches of the first item and
+    show three latent channels, min-max scaled (1/8 of the image size; no VAE decode)."""
+    x = np.asarray(latents[0] if latents.ndim == 3 else latents, dtype=np.float32)
+    h, w = height // 16, width // 16
+    if x.ndim == 2 and h * w == x.shape[0] and x.shape[1] % 4 == 0:
+        c = x.shape[1] // 4
+        grid = x.reshape(h, w, c, 2, 2).transpose(0, 3, 1, 4, 2).reshape(2 * h, 2 * w, c)
+    else:  # unknown layout: a grey strip per token keeps the event shape
+        grid = x.reshape(x.shape[0], -1)[:, :1].reshape(1, -1, 1)
+    rgb = grid[..., :3] if grid.shape[-1] >= 3 else np.repeat(grid[..., :1], 3, axis=-1)
+    lo, hi = float(rgb.min()), float(rgb.max())
+    pixels = ((rgb - lo) / (hi - lo + 1e-6) * 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@dataclass(eq=False)
+class VideoJob:
+    id: str
+    prompt: str
+    model: str
+    size: str
+    num_frames: int
+    fps: int
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    status: str = "queued"
+    progress: int = 0
+    completed_at: int | None = None
+    finished: float | None = None  # monotonic time of completion or failure
+    error: dict[str, Any] | None = None
+    mp4: bytes | None = None
+    future: Future | None = None
+
+    def public(self, ttl_s: float) -> dict[str, Any]:
+        """The job in OpenAI's ``video`` shape (plus ``num_frames`` and ``fps``)."""
+        return {
+            "id": self.id,
+            "object": "video",
+            "status": self.status,
+            "progress": self.progress,
+            "created_at": self.created_at,
+            "completed_at": self.completed_at,
+            "expires_at": None if self.completed_at is None else self.completed_at + int(ttl_s),
+            "model": self.model,
+            "size": self.size,
+            "seconds": f"{self.num_frames / self.fps:g}",
+            "num_frames": self.num_frames,
+            "fps": self.fps,
+            "prompt": self.prompt,
+            "error": self.error,
+        }
+
+
+class ReplicaStreams:
+    """Mixin of ``EngineReplica``: uses its ``engine``, ``args``, ``replica_id``, ``sessions`` and
+    ``_unavailable``/``_expire_sessions``."""
+
+    # -- streamed generation -----------------------------------------------------------------------------
+    def _submit_error(self, exc: Exception) -> dict[str, Any]:
+        if isinstance(exc, QueueFullError):
+            return _error(429, str(exc), retry_after=exc.retry_after_s, replica=self.replica_id)
+        return _error(400, str(exc), _param_of(str(exc)), replica=self.replica_id)
+
+    async def generate_stream(self, params: GenerationParams, preview: bool = False) -> AsyncIterator[dict]:
+        """Events: ``{"type": "progress", "step", "total"[, "preview"]}`` per step, then ``{"type":
+        "result", "result", "replica"}``, or a single ``{"error": ...}``."""
+        unavailable = self._unavailable()
+        if unavailable is not None:
+            yield unavailable
+            return
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+        def post(event: dict[str, Any]) -> None:  # engine loop thread → this event loop
+            loop.call_soon_threadsafe(events.put_nowait, event | {"replica": self.replica_id})
+
+        def on_progress(done: int, total: int) -> None:
+            if not preview or done >= total:
+                post({"type": "progress", "step": done, "total": total})
+
+        def on_preview(done: int, total: int, latents: Any) -> None:
+            png = latent_preview(latents, params.width, params.height) if latents is not None else b""
+            post({"type": "progress", "step": done, "total": total, "preview": png})
+
+        try:
+            future = self.engine.submit(
+                params, on_progress=on_progress, on_preview=on_preview if preview else None
+            )
+        except (ValueError, QueueFullError) as exc:
+            yield self._submit_error(exc)
+            return
+        finished = asyncio.ensure_future(asyncio.wrap_future(future))
+        try:
+            while not finished.done():
+                getter = asyncio.ensure_future(events.get())
+                await asyncio.wait({getter, finished}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                else:
+                    getter.cancel()
+            # Progress callbacks were posted before the future resolved: deliver them first.
+            while not events.empty():
+                yield events.get_nowait()
+            try:
+                result: GenerationResult = finished.result()
+            except ValueError as exc:
+                yield _error(400, str(exc), _param_of(str(exc)), replica=self.replica_id)
+                return
+            except Exception as exc:
+                yield _error(503, f"generation failed: {exc}", replica=self.replica_id)
+                return
+            yield {"type": "result", "result": result, "replica": self.replica_id}
+        finally:
+            if not future.done():
+                future.cancel()  # the client went away: the engine frees the slot at the next step
+
+    async def session_stream(
+        self, session_id: str, params: GenerationParams, strength: float, preview: bool = False
+    ) -> AsyncIterator[dict]:
+        """One realtime-session step as a stream (see ``session_generate``); the result's latents become
+        the session's next starting point."""
+        self._expire_sessions()
+        session = self.sessions.get(session_id)
+        if session is None:
+            yield _error(404, f"session {session_id!r} does not exist (closed or expired)", "session_id")
+            return
+        async with session.lock:
+            session.last_used = time.monotonic()
+            update = {"width": session.width, "height": session.height, "return_latents": True, "n": 1}
+            if session.latents is not None:
+                update |= {"init_latents": session.latents, "strength": strength}
+            async for event in self.generate_stream(params.model_copy(update=update), preview=preview):
+                if event.get("type") == "result":
+                    result = event["result"]
+                    session.latents, result.latents = result.latents, None
+                    session.steps += 1
+                    event = event | {"step": session.steps, "session_id": session_id}
+                session.last_used = time.monotonic()
+                yield event
+
+    async def session_touch(self, session_id: str) -> dict[str, Any]:
+        """Does the session exist here, and how old is it (a WebSocket's lifetime deadline)."""
+        self._expire_sessions()
+        session = self.sessions.get(session_id)
+        if session is None:
+            return _error(404, f"session {session_id!r} does not exist (closed or expired)", "session_id")
+        session.last_used = time.monotonic()
+        return {"replica": self.replica_id, "age_s": time.monotonic() - session.created}
+
+    # -- video jobs -----------------------------------------------------------------------------------------
+    @property
+    def _videos(self) -> dict[str, VideoJob]:
+        if not hasattr(self, "_video_jobs"):
+            self._video_jobs: dict[str, VideoJob] = {}
+        return self._video_jobs
+
+    def _expire_videos(self) -> None:
+        deadline = time.monotonic() - self.args.video_ttl_s
+        for job in [j for j in self._videos.values() if j.finished is not None and j.finished < deadline]:
+            del self._videos[job.id]
+
+    def _video(self, video_id: str) -> VideoJob | dict[str, Any]:
+        self._expire_videos()
+        job = self._videos.get(video_id)
+        if job is None:
+            return _error(
+                404, f"video {video_id!r} does not exist (deleted, expired or never created)", "video_id"
+            )
+        return job
+
+    async def create_video(self, params: GenerationParams, model: str, prompt: str) -> dict[str, Any]:
+        unavailable = self._unavailable()
+        if unavailable is not None:
+            return unavailable
+        self._expire_videos()
+        if len(self._videos) >= self.args.max_video_jobs_per_replica:
+            return _error(
+                429,
+                f"this replica holds {len(self._videos)} video jobs, its maximum; "
+                "delete finished ones or retry later",
+                retry_after=5,
+                replica=self.replica_id,
+            )
+        job = VideoJob(
+            id=f"{self.replica_id}.{secrets.token_hex(8)}",
+            prompt=prompt,
+            model=model,
+            size=f"{params.width}x{params.height}",
+            num_frames=params.num_frames,
+            fps=params.fps,
+        )
+
+        def on_progress(done: int, total: int) -> None:  # engine loop thread: plain attribute writes
+            job.status = "in_progress"
+            job.progress = min(99, int(100 * done / total))
+
+        def on_done(future: Future) -> None:
+            job.finished = time.monotonic()
+            job.completed_at = int(time.time())
+            if future.cancelled():
+                job.status, job.error = "failed", {"code": "cancelled", "message": "the job was deleted"}
+                return
+            exc = future.exception()
+            if exc is not None:
+                job.status, job.error = "failed", {"code": "generation_failed", "message": str(exc)}
+                return
+            job.mp4 = future.result().outputs[0]
+            job.status, job.progress = "completed", 100
+
+        try:
+            job.future = self.engine.submit(params, on_progress=on_progress)
+        except (ValueError, QueueFullError) as exc:
+            return self._submit_error(exc)
+        job.future.add_done_callback(on_done)
+        self._videos[job.id] = job
+        return {"replica": self.replica_id, "video": job.public(self.args.video_ttl_s)}
+
+    async def get_video(self, video_id: str) -> dict[str, Any]:
+        job = self._video(video_id)
+        if isinstance(job, dict):
+            return job | {"replica": self.replica_id}
+        return {"replica": self.replica_id, "video": job.public(self.args.video_ttl_s)}
+
+    async def video_content(self, video_id: str) -> dict[str, Any]:
+        job = self._video(video_id)
+        if isinstance(job, dict):
+            return job
+        if job.status != "completed":
+            return _error(
+                409,
+                f"video {video_id!r} is {job.status}; its content exists once it is completed",
+                "video_id",
+            )
+        return {"replica": self.replica_id, "mp4": job.mp4}
+
+    async def delete_video(self, video_id: str) -> dict[str, Any]:
+        job = self._video(video_id)
+        if isinstance(job, dict):
+            return job
+        if job.future is not None and not job.future.done():
+            job.future.cancel()  # a running job stops at the next step
+        del self._videos[video_id]
+        return {
+            "replica": self.replica_id,
+            "video": {"id": video_id, "object": "video.deleted", "deleted": True},
+        }
