@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -45,6 +46,7 @@ from .router import session_owner
 from .schemas import APIError
 
 router = APIRouter(tags=["streaming"])
+logger = logging.getLogger("ditserve")
 
 
 # -- request-body limit ----------------------------------------------------------------------------------
@@ -118,8 +120,24 @@ async def engine_events(fe: Any, stream) -> AsyncIterator[dict[str, Any]]:
         ) from None
     except DeploymentUnavailableError:
         raise APIError(503, "no engine replica is available", type=ERROR_TYPES[503]) from None
+    except APIError:
+        raise
+    except Exception as exc:
+        # The router's SessionGoneError may arrive wrapped (RayTaskError): look inside.
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, SessionGoneError):
+            cause = getattr(cause, "cause", None) or cause.__cause__
+        if cause is not None:
+            raise APIError(410, str(cause), type=ERROR_TYPES[410]) from None
+        logger.exception("engine stream failed")
+        raise APIError(
+            500, f"internal error ({type(exc).__name__}); see the server log", type="server_error"
+        ) from None
     finally:
-        stream.cancel()  # no-op when finished; stops the replica's generator when the client left
+        try:
+            stream.cancel()  # no-op when finished; stops the replica's generator when the client left
+        except Exception:  # a stream that failed to route re-raises its error here: already mapped
+            pass
 
 
 def _sse(event: str, data: dict[str, Any] | str) -> str:

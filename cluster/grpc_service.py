@@ -14,14 +14,15 @@ models, so a bad field fails with the same message (INVALID_ARGUMENT naming it).
 Status codes: 400 → INVALID_ARGUMENT, 401 → UNAUTHENTICATED, 404/410 → NOT_FOUND, 409 →
 FAILED_PRECONDITION, 413/429 → RESOURCE_EXHAUSTED, 501 → UNIMPLEMENTED, 503 → UNAVAILABLE. The API key
 travels as metadata ``authorization: Bearer <key>``. Messages larger than ``max_body_bytes`` are refused
-(RESOURCE_EXHAUSTED). A message that is not valid protobuf is refused by gRPC itself before it reaches
-this code (INTERNAL, "Exception deserializing request").
+(RESOURCE_EXHAUSTED). A message that is not valid protobuf is refused by Serve's proxy before it
+reaches this code (UNKNOWN, "Error parsing message with type 'ditserve.v1.…': Wire format was corrupt").
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import time
 from typing import Any
 
@@ -31,6 +32,8 @@ from pydantic import BaseModel, ValidationError
 
 from .grpc_gen import ditserve_pb2 as pb
 from .schemas import APIError, ImageGenerationRequest
+
+logger = logging.getLogger("ditserve")
 
 CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -60,7 +63,8 @@ def _to_api_error(exc: Exception) -> APIError:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first.get("loc", ())) or None
         return APIError(400, f"{param or 'request'}: {first.get('msg')}", param=param)
-    return APIError(500, f"{type(exc).__name__}: {exc}")
+    logger.error("gRPC call failed", exc_info=exc)
+    return APIError(500, f"internal error ({type(exc).__name__}); see the server log")
 
 
 def _fail(context: Any, exc: Exception) -> None:
@@ -75,7 +79,7 @@ def unary(fn):
         try:
             self.check_message_size(request)
             return await fn(self, request, grpc_context)
-        except (APIError, ValidationError) as exc:
+        except Exception as exc:  # every failure gets a code and a message, never a stack trace
             _fail(grpc_context, exc)
             raise RuntimeError(grpc_context.details()) from None  # Serve keeps the code we set
 
@@ -89,7 +93,7 @@ def streaming(fn):
             self.check_message_size(request)
             async for message in fn(self, request, grpc_context):
                 yield message
-        except (APIError, ValidationError) as exc:
+        except Exception as exc:  # every failure gets a code and a message, never a stack trace
             _fail(grpc_context, exc)
             raise RuntimeError(grpc_context.details()) from None
 

@@ -41,7 +41,9 @@ def frontend() -> Any:
 
 
 def _loc_to_param(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    parts = [str(p) for p in loc]
+    if parts and parts[0] in ("body", "query", "path", "header"):  # the location, not a field named "path"
+        parts = parts[1:]
     return ".".join(parts) or None
 
 

@@ -1,0 +1,373 @@
+"""The full image API as a user runs it against one real ``ditserve serve --model demo-flux``: the openai
+client (plain and streamed), SSE over httpx, the realtime WebSocket, gRPC through the committed stubs,
+admin auth, and a bad-input matrix over HTTP and gRPC where every case names its problem and a valid
+request right after it succeeds."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import grpc
+import httpx
+import pytest
+import websockets
+from openai import OpenAI
+
+from ditserve.cluster.grpc_gen import ditserve_pb2 as pb
+from ditserve.cluster.grpc_gen import ditserve_pb2_grpc as pb_grpc
+from tests.helpers import ServeProcess, free_port, png_pixels
+
+KEY = "test-admin-key"
+LIMIT = 64 * 1024  # --max-body-bytes
+
+
+@pytest.fixture(scope="module")
+def server():
+    grpc_port = free_port()
+    proc = ServeProcess(
+        "--model", "demo-flux", "--grpc-port", str(grpc_port), "--api-key", KEY,
+        "--max-n", "2", "--max-width", "128", "--max-height", "128", "--max-steps", "20",
+        "--max-prompt-chars", "500", "--max-body-bytes", str(LIMIT), "--max-sessions-per-replica", "3",
+        "--session-idle-timeout-s", "3",
+    )  # fmt: skip
+    proc.grpc_port = grpc_port
+    yield proc
+    assert proc.stop() == 0, proc.output()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        grpc.channel_ready_future(channel).result(timeout=30)
+        yield pb_grpc.DitServeStub(channel)
+
+
+def http_valid(server) -> None:
+    r = httpx.post(
+        f"{server.base_url}/v1/images/generations",
+        json={"prompt": "a red fox", "size": "64x64", "num_inference_steps": 1, "seed": 1},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    assert png_pixels(base64.b64decode(r.json()["data"][0]["b64_json"])).shape == (64, 64, 3)
+
+
+def grpc_valid(stub) -> None:
+    reply = stub.Generate(
+        pb.GenerateRequest(prompt="a red fox", size="64x64", num_inference_steps=1), timeout=120
+    )
+    assert png_pixels(reply.images[0]).shape == (64, 64, 3)
+
+
+# -- what works -----------------------------------------------------------------------------------------
+def test_openai_client_image(client):
+    result = client.images.generate(
+        model="demo-flux", prompt="a red fox", size="64x64", extra_body={"num_inference_steps": 2, "seed": 4}
+    )
+    assert png_pixels(base64.b64decode(result.data[0].b64_json)).shape == (64, 64, 3)
+
+
+def test_openai_client_streams_progress_then_the_image(client):
+    events = list(
+        client.images.generate(
+            model="demo-flux", prompt="a red fox", size="64x64", stream=True,
+            extra_body={"num_inference_steps": 3, "seed": 4, "n": 2},
+        )
+    )  # fmt: skip
+    kinds = [e.type for e in events]
+    assert kinds == ["image_generation.progress"] * 3 + ["image_generation.completed"] * 2
+    assert [e.step for e in events[:3]] == [1, 2, 3]
+    png = base64.b64decode(events[-1].b64_json)
+    assert png_pixels(png).shape == (64, 64, 3)
+
+
+def test_sse_over_httpx_is_event_stream_with_done(server):
+    body = {"prompt": "a red fox", "size": "64x64", "num_inference_steps": 2, "seed": 9, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/images/generations", json=body, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-ditserve-replica"]
+        lines = [line for line in r.iter_lines() if line]
+    names = [line.split(": ", 1)[1] for line in lines if line.startswith("event:")]
+    assert names == ["image_generation.progress"] * 2 + ["image_generation.completed"]
+    assert lines[-1] == "data: [DONE]"
+    # The streamed image is the plain request's image (same seed).
+    final = json.loads(lines[-2].split(": ", 1)[1])
+    plain = httpx.post(
+        f"{server.base_url}/v1/images/generations", json={**body, "stream": False}, timeout=120
+    ).json()
+    assert final["b64_json"] == plain["data"][0]["b64_json"]
+
+
+def test_grpc_generate_and_stream(stub):
+    reply = stub.Generate(pb.GenerateRequest(prompt="a red fox", size="64x64", num_inference_steps=2, seed=4))
+    assert reply.seed == 4 and reply.size == "64x64" and reply.replica
+    events = list(
+        stub.GenerateStream(
+            pb.GenerateRequest(prompt="a red fox", size="64x64", num_inference_steps=2, seed=4)
+        )
+    )
+    assert [e.WhichOneof("event") for e in events] == ["progress", "progress", "result"]
+    assert [(e.progress.step, e.progress.total) for e in events[:2]] == [(1, 2), (2, 2)]
+    assert events[-1].result.images[0] == reply.images[0]  # same seed, same PNG
+    assert [m.id for m in stub.ListModels(pb.Empty()).data] == ["demo-flux"]
+
+
+def test_grpc_reflection_lists_the_service(server):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        answer = next(stub.ServerReflectionInfo(iter([request]), timeout=30))
+    names = [s.name for s in answer.list_services_response.service]
+    assert "ditserve.v1.DitServe" in names
+
+
+def test_grpc_admin_with_key(stub):
+    meta = [("authorization", f"Bearer {KEY}")]
+    assert stub.ListLoRAs(pb.Empty(), metadata=meta).data == []
+    released = stub.ReleaseMemory(pb.Empty(), metadata=meta)
+    assert released.replicas and released.missing == 0
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(pb.GenerateRequest(prompt="a fox", size="64x64", num_inference_steps=1))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "resume" in info.value.details()
+    stub.ResumeMemory(pb.Empty(), metadata=meta)
+    grpc_valid(stub)
+
+
+def test_grpc_session_stream(stub):
+    session = stub.OpenSession(pb.OpenSessionRequest(size="64x64"))
+    try:
+        for _ in range(2):
+            request = pb.SessionGenerateRequest(
+                session_id=session.id, prompt="a red fox", num_inference_steps=2, preview=True
+            )
+            events = list(stub.SessionGenerateStream(request))
+            assert events[0].progress.preview[:4] == b"\x89PNG"
+            assert png_pixels(events[-1].result.images[0]).shape == (64, 64, 3)
+    finally:
+        assert stub.CloseSession(pb.SessionRef(id=session.id)).closed
+
+
+async def _ws_steps(server, session_id: str) -> list[dict]:
+    url = f"ws://127.0.0.1:{server.port}/v1/sessions/{session_id}/stream"
+    seen = []
+    async with websockets.connect(url) as ws:
+        for prompt in ("a red fox", "a blue fox"):
+            await ws.send(
+                json.dumps({"prompt": prompt, "num_inference_steps": 3, "preview": True, "seed": 2})
+            )
+            while True:
+                message = json.loads(await ws.recv())
+                seen.append(message)
+                if message["type"] == "image":
+                    break
+        # A newer step while one runs supersedes it; the newest one completes.
+        await ws.send(json.dumps({"prompt": "a green fox", "num_inference_steps": 4}))
+        await ws.send(json.dumps({"prompt": "a yellow fox", "num_inference_steps": 1}))
+        while True:
+            message = json.loads(await ws.recv())
+            seen.append(message)
+            if message["type"] == "image":
+                break
+        # Idle past --session-idle-timeout-s: the server closes with the reason.
+        with pytest.raises(websockets.ConnectionClosed) as info:
+            await asyncio.wait_for(ws.recv(), timeout=30)
+        seen.append({"type": "closed", "code": info.value.rcvd.code, "reason": info.value.rcvd.reason})
+    return seen
+
+
+def test_websocket_session_previews_steps_and_idle_close(server):
+    session = httpx.post(f"{server.base_url}/v1/sessions", json={"size": "64x64"}).json()
+    seen = asyncio.run(_ws_steps(server, session["id"]))
+    images = [m for m in seen if m["type"] == "image"]
+    assert [m["step"] for m in images] == [1, 2, 3]  # each step refines the previous latents
+    previews = [m for m in seen if m["type"] == "progress" and "preview_b64" in m]
+    assert previews and png_pixels(base64.b64decode(previews[0]["preview_b64"])).shape == (8, 8, 3)
+    assert seen[-1]["code"] == 4408 and "idle" in seen[-1]["reason"]
+
+
+def test_session_admission_refuses_past_the_limit(server):
+    opened = []
+    try:
+        for _ in range(6):
+            r = httpx.post(f"{server.base_url}/v1/sessions", json={"size": "64x64"})
+            if r.status_code != 200:
+                break
+            opened.append(r.json()["id"])
+        assert r.status_code == 429 and "maximum" in r.json()["error"]["message"]
+        assert r.headers["retry-after"]
+    finally:
+        for sid in opened:
+            httpx.delete(f"{server.base_url}/v1/sessions/{sid}")
+    assert httpx.post(f"{server.base_url}/v1/sessions", json={"size": "64x64"}).status_code == 200
+
+
+def test_openapi_lists_the_routes(server):
+    spec = httpx.get(f"{server.base_url}/openapi.json").json()
+    paths = spec["paths"]
+    for path in ("/v1/images/generations", "/v1/videos", "/v1/videos/{video_id}", "/v1/videos/{video_id}/content",
+                 "/v1/sessions", "/v1/loras", "/v1/admin/weights"):  # fmt: skip
+        assert path in paths, sorted(paths)
+    assert "multipart/form-data" in paths["/v1/videos"]["post"]["requestBody"]["content"]
+
+
+# -- the bad-input matrix ---------------------------------------------------------------------------------
+def _post(server, path, body=None, content=None, headers=None):
+    kwargs = {"json": body} if content is None else {"content": content}
+    return httpx.post(f"{server.base_url}{path}", headers=headers or {}, timeout=120, **kwargs)
+
+
+def _chunked(size: int):
+    def gen():
+        for _ in range(size // 8192 + 1):
+            yield b"x" * 8192
+
+    return gen()
+
+
+GEN = "/v1/images/generations"
+ADMIN = {"authorization": f"Bearer {KEY}"}
+HTTP_CASES = {
+    "missing prompt": (lambda s: _post(s, GEN, {"size": "64x64"}), 400, "prompt"),
+    "prompt not a string": (lambda s: _post(s, GEN, {"prompt": 7}), 400, "prompt"),
+    "blank prompt": (lambda s: _post(s, GEN, {"prompt": "  "}), 400, "prompt"),
+    "prompt too long": (lambda s: _post(s, GEN, {"prompt": "a" * 501}), 400, "prompt"),
+    "n zero": (lambda s: _post(s, GEN, {"prompt": "a fox", "n": 0}), 400, "n"),
+    "n above max": (lambda s: _post(s, GEN, {"prompt": "a fox", "n": 3}), 400, "n"),
+    "n not a number": (lambda s: _post(s, GEN, {"prompt": "a fox", "n": "two"}), 400, "n"),
+    "size malformed": (lambda s: _post(s, GEN, {"prompt": "a fox", "size": "big"}), 400, "size"),
+    "size not a multiple": (lambda s: _post(s, GEN, {"prompt": "a fox", "size": "65x64"}), 400, "size"),
+    "size above max": (lambda s: _post(s, GEN, {"prompt": "a fox", "size": "4096x64"}), 400, "size"),
+    "steps zero": (lambda s: _post(s, GEN, {"prompt": "a fox", "num_inference_steps": 0}), 400, "num_inference_steps"),
+    "steps above max": (lambda s: _post(s, GEN, {"prompt": "a fox", "num_inference_steps": 50}), 400, "num_inference_steps"),
+    "guidance negative": (lambda s: _post(s, GEN, {"prompt": "a fox", "guidance_scale": -1}), 400, "guidance_scale"),
+    "seed negative": (lambda s: _post(s, GEN, {"prompt": "a fox", "seed": -5}), 400, "seed"),
+    "unknown field": (lambda s: _post(s, GEN, {"prompt": "a fox", "colour": "red"}), 400, "colour"),
+    "unknown model": (lambda s: _post(s, GEN, {"prompt": "a fox", "model": "dall-e-3"}), 400, "model"),
+    "unknown adapter": (lambda s: _post(s, GEN, {"prompt": "a fox", "size": "64x64", "num_inference_steps": 1, "lora": {"name": "nope"}}), 400, "lora"),
+    "unknown adapter, streamed": (lambda s: _post(s, GEN, {"prompt": "a fox", "size": "64x64", "stream": True, "lora": {"name": "nope"}}), 400, "lora"),
+    "url response format": (lambda s: _post(s, GEN, {"prompt": "a fox", "response_format": "url"}), 400, "response_format"),
+    "malformed JSON": (lambda s: _post(s, GEN, content=b'{"prompt": ', headers={"content-type": "application/json"}), 400, "JSON"),
+    "JSON array body": (lambda s: _post(s, GEN, content=b"[1]", headers={"content-type": "application/json"}), 400, "body"),
+    "oversize body": (lambda s: _post(s, GEN, {"prompt": "a" * (LIMIT + 10)}), 413, "max_body_bytes"),
+    "oversize chunked body": (lambda s: _post(s, GEN, content=_chunked(LIMIT + 10), headers={"content-type": "application/json"}), 413, "max_body_bytes"),
+    "video on an image model": (lambda s: _post(s, "/v1/videos", {"prompt": "a fox"}), 400, "model"),
+    "unknown video id": (lambda s: httpx.get(f"{s.base_url}/v1/videos/nope"), 404, "nope"),
+    "unknown video on a real replica": (lambda s: httpx.get(f"{s.base_url}/v1/videos/{_replica(s)}.ffff"), 404, "does not exist"),
+    "unknown session": (lambda s: _post(s, "/v1/sessions/nope/generate", {"prompt": "a fox"}), 404, "session"),
+    "expired session": (lambda s: _post(s, f"/v1/sessions/{_replica(s)}.0000/generate", {"prompt": "a fox"}), 404, "does not exist"),
+    "admin without key": (lambda s: _post(s, "/v1/loras", {"name": "a", "path": "/x"}), 401, "API key"),
+    "admin with a wrong key": (lambda s: httpx.get(f"{s.base_url}/v1/loras", headers={"authorization": "Bearer wrong"}), 401, "API key"),
+    "admin unknown adapter": (lambda s: httpx.delete(f"{s.base_url}/v1/loras/nope", headers=ADMIN), 404, "nope"),
+    "admin weights without a path": (lambda s: _post(s, "/v1/admin/weights", {"path": ""}, headers=ADMIN), 400, "path"),
+    "admin unknown memory action": (lambda s: _post(s, "/v1/admin/memory/nap", {}, headers=ADMIN), 404, "nap"),
+    "unknown route": (lambda s: httpx.get(f"{s.base_url}/v1/nothing"), 404, "Not Found"),
+}  # fmt: skip
+
+
+def _replica(server) -> str:
+    return httpx.get(f"{server.base_url}/v1/replicas").json()["data"][0]["replica_id"]
+
+
+@pytest.mark.parametrize("case", list(HTTP_CASES))
+def test_http_bad_input(server, case):
+    call, status, needle = HTTP_CASES[case]
+    r = call(server)
+    assert r.status_code == status, (case, r.status_code, r.text)
+    error = r.json()["error"]
+    assert needle in error["message"] or needle == error.get("param"), (case, error)
+    assert "Traceback" not in r.text
+    http_valid(server)
+
+
+def _raw_call(server, method: str, payload: bytes):
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        call = channel.unary_unary(f"/ditserve.v1.DitServe/{method}")
+        return call(payload, timeout=60)
+
+
+R = pb.GenerateRequest
+WRONG = [("authorization", "Bearer wrong")]
+GRPC_CASES = {
+    "missing prompt": (lambda st, s: st.Generate(R(size="64x64")), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    "size malformed": (lambda st, s: st.Generate(R(prompt="a fox", size="big")), grpc.StatusCode.INVALID_ARGUMENT, "size"),
+    "n above max": (lambda st, s: st.Generate(R(prompt="a fox", n=5)), grpc.StatusCode.INVALID_ARGUMENT, "n"),
+    "seed negative": (lambda st, s: st.Generate(R(prompt="a fox", seed=-1)), grpc.StatusCode.INVALID_ARGUMENT, "seed"),
+    "steps above max, streamed": (lambda st, s: list(st.GenerateStream(R(prompt="a fox", num_inference_steps=50))), grpc.StatusCode.INVALID_ARGUMENT, "num_inference_steps"),
+    "unknown model": (lambda st, s: st.Generate(R(prompt="a fox", model="sora")), grpc.StatusCode.INVALID_ARGUMENT, "model"),
+    "unknown adapter": (lambda st, s: st.Generate(R(prompt="a fox", size="64x64", lora=[pb.LoRARef(name="nope")])), grpc.StatusCode.INVALID_ARGUMENT, "lora"),
+    "oversize message": (lambda st, s: st.Generate(R(prompt="a" * (LIMIT + 10))), grpc.StatusCode.RESOURCE_EXHAUSTED, "max_body_bytes"),
+    "video on an image model": (lambda st, s: st.CreateVideo(pb.CreateVideoRequest(prompt="a fox")), grpc.StatusCode.INVALID_ARGUMENT, "model"),
+    "unknown video": (lambda st, s: st.GetVideo(pb.VideoRef(id="nope")), grpc.StatusCode.NOT_FOUND, "nope"),
+    "unknown session": (lambda st, s: list(st.SessionGenerateStream(pb.SessionGenerateRequest(session_id="x.y", prompt="a"))), grpc.StatusCode.NOT_FOUND, "session"),
+    "close unknown session": (lambda st, s: st.CloseSession(pb.SessionRef(id=f"{_replica(s)}.00")), grpc.StatusCode.NOT_FOUND, "does not exist"),
+    "admin without key": (lambda st, s: st.ListLoRAs(pb.Empty()), grpc.StatusCode.UNAUTHENTICATED, "API key"),
+    "admin with a wrong key": (lambda st, s: st.LoadLoRA(pb.LoadLoRARequest(name="a", path="/x"), metadata=WRONG), grpc.StatusCode.UNAUTHENTICATED, "API key"),
+    "admin unknown adapter": (lambda st, s: st.UnloadLoRA(pb.UnloadLoRARequest(name="nope"), metadata=ADMIN.items()), grpc.StatusCode.NOT_FOUND, "nope"),
+    "malformed protobuf": (lambda st, s: _raw_call(s, "Generate", b"\xff\xff\xff\xff"), grpc.StatusCode.UNKNOWN, "GenerateRequest"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(GRPC_CASES))
+def test_grpc_bad_input(server, stub, case):
+    call, code, needle = GRPC_CASES[case]
+    with pytest.raises(grpc.RpcError) as info:
+        call(stub, server)
+    assert info.value.code() == code, (case, info.value.code(), info.value.details())
+    assert needle.lower() in (info.value.details() or "").lower(), (case, info.value.details())
+    assert "Traceback" not in (info.value.details() or "")
+    grpc_valid(stub)
+
+
+async def _close_mid_step(server, session_id: str) -> None:
+    url = f"ws://127.0.0.1:{server.port}/v1/sessions/{session_id}/stream"
+    async with websockets.connect(url) as ws:
+        await ws.send(json.dumps({"prompt": "a red fox", "num_inference_steps": 4}))
+        assert json.loads(await ws.recv())["type"] == "progress"
+    # closed mid-step: the server cancels the step; the session stays usable
+
+
+async def _unknown_session(server, session_id: str) -> tuple[int, str]:
+    async with websockets.connect(f"ws://127.0.0.1:{server.port}/v1/sessions/{session_id}/stream") as ws:
+        with pytest.raises(websockets.ConnectionClosed) as info:
+            await ws.recv()
+    return info.value.rcvd.code, info.value.rcvd.reason
+
+
+async def _bad_step(server, session_id: str) -> list[dict]:
+    async with websockets.connect(f"ws://127.0.0.1:{server.port}/v1/sessions/{session_id}/stream") as ws:
+        answers = []
+        for message in (
+            "not json",
+            json.dumps({"prompt": "a fox", "strength": 3}),
+            json.dumps({"prompt": "a fox", "num_inference_steps": 1}),
+        ):
+            await ws.send(message)
+            while True:
+                answer = json.loads(await ws.recv())
+                if answer["type"] in ("error", "image"):
+                    answers.append(answer)
+                    break
+        return answers
+
+
+def test_websocket_bad_input(server):
+    sid = httpx.post(f"{server.base_url}/v1/sessions", json={"size": "64x64"}).json()["id"]
+    asyncio.run(_close_mid_step(server, sid))
+    http_valid(server)
+    answers = asyncio.run(_bad_step(server, sid))  # bad messages answer errors; the socket stays open
+    assert "not valid JSON" in answers[0]["error"]["message"]
+    assert answers[1]["error"]["param"] == "strength"
+    assert answers[2]["type"] == "image"
+    code, reason = asyncio.run(_unknown_session(server, f"{_replica(server)}.0000"))
+    assert code == 4404 and "does not exist" in reason
+    httpx.delete(f"{server.base_url}/v1/sessions/{sid}")
+    http_valid(server)
