@@ -25,7 +25,8 @@ NAMESPACE = "ditserve"
 
 def initial_state(loras: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     return {
-        "version": 0,
+        # Adapters given at start (--lora-path) are a change replicas must apply: version 1, not 0.
+        "version": 1 if loras else 0,
         "weights": {"version": 0, "path": None, "tag": None},
         "memory": "resident",
         "loras": dict(loras or {}),

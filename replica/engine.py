@@ -164,26 +164,37 @@ class Engine:
             self.scheduler.cond.notify_all()
         return fut
 
-    # -- adapters (control ops: run between steps, on every rank) ------------------------------------------
-    def load_lora(self, name: str, path: str) -> dict[str, Any]:
-        """Load (or replace) adapter ``name`` from a local safetensors file; all ranks or an error."""
+    # -- adapters ------------------------------------------------------------------------------------------
+    # lora_load / lora_unload / lora_list run in the loop thread (inside ``run_control``, between steps);
+    # load_lora / unload_lora are the thread-safe wrappers for callers outside it (CLI, tests).
+    def lora_load(self, name: str, source: str, scale: float = 1.0) -> dict[str, Any]:
+        """Load (or replace) adapter ``name`` from a local safetensors file on every rank."""
         from .lora.loader import check_allowed
 
         if not name or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
             raise ValueError(f"name: {name!r} must be letters, digits, '-', '_' or '.'")
-        resolved = str(check_allowed(Path(path), self.config.lora_roots))
-        info = self.run_control(lambda: self.launcher.call("lora_load", name, resolved)).result()
+        resolved = str(check_allowed(Path(source), self.config.lora_roots))
+        info = self.launcher.call("lora_load", name, resolved, float(scale))
         self.loras[name] = info
         return info
 
-    def unload_lora(self, name: str) -> None:
+    def lora_unload(self, name: str) -> None:
         if name not in self.loras:
-            raise KeyError(name)
+            raise ValueError(f"name: adapter {name!r} is not loaded; loaded: {sorted(self.loras)}")
         busy = [j for j in self._jobs() if any(ref.name == name for ref in j.params.lora)]
         if busy:
             raise ValueError(f"lora: adapter {name!r} is used by {len(busy)} queued or running requests")
-        self.run_control(lambda: self.launcher.call("lora_unload", name)).result()
+        self.launcher.call("lora_unload", name)
         self.loras.pop(name, None)
+
+    def lora_list(self) -> list[dict[str, Any]]:
+        return [dict(info) for info in self.loras.values()]
+
+    def load_lora(self, name: str, source: str, scale: float = 1.0) -> dict[str, Any]:
+        return self.run_control(lambda: self.lora_load(name, source, scale)).result()
+
+    def unload_lora(self, name: str) -> None:
+        self.run_control(lambda: self.lora_unload(name)).result()
 
     def _jobs(self) -> list[Job]:
         return list(self.scheduler.pending) + [j for jobs in self.scheduler.running.values() for j in jobs]

@@ -73,6 +73,7 @@ class ServingRankWorker(RankWorker):
         assert self._staged is not None and self._staged[0] == tag, (self._staged, tag)
         self.pipe.transformer = self._staged[1]
         self._staged = None
+        self.reattach_lora()
         if self.released:  # committed while released: the new weights live on the host too
             self.pipe.transformer.to("cpu")
 

@@ -95,14 +95,7 @@ class RankWorker:
             # Regional compilation: one compiled block graph reused by every block (compiles in seconds).
             self.pipe.transformer.compile_repeated_blocks(fullgraph=True)
         self.runner = build_runner(self.spec, self.pipe, config, self.device, self.mesh)
-        from .lora.manager import LoRAManager
-
-        self.lora = LoRAManager(
-            self.pipe.transformer,
-            self.spec.pipeline_class,
-            max_loras=config.max_loras,
-            max_rank=config.max_lora_rank,
-        )
+        self.lora = self._build_lora()
         self.runner.before_forward = lambda groups: self.lora.set_batch(
             [(rows, s.params.lora) for s, rows in groups]
         )
@@ -130,8 +123,26 @@ class RankWorker:
     def drop(self, req_id: str) -> None:
         self.states.pop(req_id, None)
 
-    def lora_load(self, name: str, path: str) -> dict[str, Any]:
-        return self.lora.load(name, path)
+    def _build_lora(self):
+        from .lora.manager import LoRAManager
+
+        config = self.config
+        return LoRAManager(
+            self.pipe.transformer,
+            self.spec.pipeline_class,
+            max_loras=config.max_loras,
+            max_rank=config.max_lora_rank,
+        )
+
+    def reattach_lora(self) -> None:
+        """After the transformer was replaced (weights update): the same adapters on the new modules."""
+        previous = self.lora
+        self.lora = self._build_lora()
+        for name, info in previous.info.items():
+            self.lora.load(name, info["path"], info["scale"])
+
+    def lora_load(self, name: str, path: str, scale: float = 1.0) -> dict[str, Any]:
+        return self.lora.load(name, path, scale)
 
     def lora_unload(self, name: str) -> None:
         self.lora.unload(name)

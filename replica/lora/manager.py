@@ -176,7 +176,8 @@ class LoRAManager:
             self.layers[name] = LoRALayer(name, module, self)
         return self.layers[name]
 
-    def load(self, name: str, path: str) -> dict[str, Any]:
+    def load(self, name: str, path: str, scale: float = 1.0) -> dict[str, Any]:
+        """Load ``path`` into a slot as ``name``; ``scale`` multiplies every request's own strength."""
         from .loader import read_lora_file
 
         lora: LoRAFile = read_lora_file(Path(path), self.pipeline_class)
@@ -206,7 +207,13 @@ class LoRAManager:
             layer.write(slot, lora.modules.get(layer.name))
         self.slots[name] = slot
         self.ranks[slot] = lora.rank
-        self.info[name] = {"name": name, "path": str(path), "rank": lora.rank, "modules": len(lora.modules)}
+        self.info[name] = {
+            "name": name,
+            "path": str(path),
+            "scale": float(scale),
+            "rank": lora.rank,
+            "modules": len(lora.modules),
+        }
         return self.info[name]
 
     def _has_module(self, name: str) -> bool:
@@ -229,7 +236,7 @@ class LoRAManager:
         """``groups``: (rows, request's LoRARefs) in row order of the next transformer call."""
         layout = []
         for rows, refs in groups:
-            layout.append((rows, [(self.slots[r.name], float(r.scale)) for r in refs]))
+            layout.append((rows, [(self.slots[r.name], r.scale * self.info[r.name]["scale"]) for r in refs]))
         if not any(adapters for _, adapters in layout):
             self.batch = None
             return

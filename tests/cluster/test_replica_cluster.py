@@ -172,6 +172,30 @@ class TestThreeReplicas:
         after = [image_of(generate(server.base_url, seed=4)) for _ in range(3)]
         assert all(np.array_equal(a, after[0]) for a in after) and not np.array_equal(after[0], before)
 
+    def test_lora_load_reaches_every_replica(self, server, tmp_path_factory):
+        from tests.unit.test_lora_engine import weights, write_kohya
+
+        path = write_kohya(tmp_path_factory.mktemp("lora") / "style.safetensors", weights(1))
+        before = image_of(generate(server.base_url, seed=6))
+        r = httpx.post(
+            f"{server.base_url}/v1/loras",
+            json={"name": "style", "path": str(path)},
+            headers=ADMIN,
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["answered"] == 3 and r.json()["missing"] == 0
+        listed = replicas(server.base_url)
+        assert all("style" in x["control_state"]["loras"] for x in listed)
+        # one request per replica, each with the adapter: the same new picture everywhere
+        styled = [generate(server.base_url, seed=6, lora={"name": "style"}) for _ in range(3)]
+        assert {s.headers["x-ditserve-replica"] for s in styled} == {x["replica_id"] for x in listed}
+        pictures = [image_of(s) for s in styled]
+        assert all(np.array_equal(p, pictures[0]) for p in pictures)
+        assert psnr(pictures[0], before) < 35
+        unknown = generate(server.base_url, seed=6, lora={"name": "nope"})
+        assert unknown.status_code == 400 and "'nope'" in unknown.json()["error"]["message"]
+
     def test_killed_replica_restarts_with_the_state_and_its_sessions_answer_410(self, server):
         base = server.base_url
         listed = replicas(base)
@@ -225,7 +249,10 @@ class TestThreeReplicas:
         assert len(fresh) == 1, now
         assert fresh[0]["control_version"] == desired and fresh[0]["stats"]["steps_run"] == 0
         assert fresh[0]["control_state"] == listed[0]["control_state"]  # e.g. the weights loaded above
-        served = Counter(generate(base, seed=i).headers["x-ditserve-replica"] for i in range(6))
+        # the replacement serves the adapter loaded before the kill (it converged before taking traffic)
+        answers = [generate(base, seed=i, lora={"name": "style"}) for i in range(6)]
+        assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+        served = Counter(a.headers["x-ditserve-replica"] for a in answers)
         assert served[fresh[0]["replica_id"]] == 2, served
 
 
