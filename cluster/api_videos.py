@@ -39,7 +39,7 @@ class VideoCreateRequest(BaseModel):
         default=None,
         gt=0,
         le=600,
-        description="Duration; frames = seconds·fps, rounded to what the model takes.",
+        description="Duration (default 1, capped by max_frames); frames = seconds·fps, rounded to what the model takes.",
     )
     num_frames: int | None = Field(default=None, ge=1, description="Frames (overrides seconds).")
     fps: int = Field(default=16, ge=1, le=120, description="Frame rate of the MP4.")
@@ -83,6 +83,8 @@ def video_params(fe: Any, body: VideoCreateRequest) -> GenerationParams:
     if frames is None:
         wanted = round((body.seconds if body.seconds is not None else 1.0) * body.fps)
         frames = multiple * max(1, round((wanted - 1) / multiple)) + 1
+        if body.seconds is None:  # the default (1 s) shrinks to what the server allows
+            frames = min(frames, multiple * ((limits.max_frames - 1) // multiple) + 1)
     elif (frames - 1) % multiple:
         raise APIError(
             400, f"num_frames: must be {multiple}·k + 1 for {fe.model_name}, got {frames}", param="num_frames"

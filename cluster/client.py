@@ -1,0 +1,120 @@
+"""A small Python client of ditserve's gRPC API (``ditserve.v1.DitServe``), plus an SSE helper for HTTP.
+
+    >>> from ditserve.cluster.client import Client
+    >>> with Client("localhost:9000", api_key=None) as c:
+    ...     png = c.generate("a red fox", size="64x64", num_inference_steps=4)[0]
+    ...     for step, total, image in c.generate_stream("a red fox", size="64x64"):
+    ...         print(step, total)               # image is None until the last event
+    ...     job = c.create_video("waves", num_frames=9)
+    ...     mp4 = c.wait_video(job.id)           # polls GetVideo, then GetVideoContent
+
+Errors are ``grpc.RpcError`` with the server's code (INVALID_ARGUMENT, NOT_FOUND, ...) and a message
+naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from .grpc_gen import ditserve_pb2 as pb
+from .grpc_gen import ditserve_pb2_grpc as pb_grpc
+
+
+class Client:
+    def __init__(self, target: str = "localhost:9000", api_key: str | None = None, timeout_s: float = 600.0):
+        self.channel = grpc.insecure_channel(target)
+        self.stub = pb_grpc.DitServeStub(self.channel)
+        self.metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
+        self.timeout_s = timeout_s
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _call(self, method: str, request: Any) -> Any:
+        return getattr(self.stub, method)(request, metadata=self.metadata, timeout=self.timeout_s)
+
+    # -- images ------------------------------------------------------------------------------------------
+    def generate(self, prompt: str, **fields: Any) -> list[bytes]:
+        """PNG bytes per image; ``fields`` are GenerateRequest's (size, n, seed, num_inference_steps...)."""
+        return list(self._call("Generate", _image_request(prompt, fields)).images)
+
+    def generate_stream(self, prompt: str, **fields: Any) -> Iterator[tuple[int, int, bytes | None]]:
+        """(step, total, None) per denoising step, then (total, total, first PNG)."""
+        total = 0
+        for event in self._call("GenerateStream", _image_request(prompt, fields)):
+            if event.HasField("progress"):
+                total = event.progress.total
+                yield event.progress.step, total, None
+            else:
+                yield total, total, event.result.images[0]
+
+    # -- videos ------------------------------------------------------------------------------------------
+    def create_video(self, prompt: str, **fields: Any) -> pb.VideoJob:
+        return self._call("CreateVideo", pb.CreateVideoRequest(prompt=prompt, **fields))
+
+    def get_video(self, video_id: str) -> pb.VideoJob:
+        return self._call("GetVideo", pb.VideoRef(id=video_id))
+
+    def delete_video(self, video_id: str) -> pb.VideoJob:
+        return self._call("DeleteVideo", pb.VideoRef(id=video_id))
+
+    def video_content(self, video_id: str) -> bytes:
+        return self._call("GetVideoContent", pb.VideoRef(id=video_id)).mp4
+
+    def wait_video(self, video_id: str, poll_s: float = 0.5, timeout_s: float = 600.0) -> bytes:
+        """Poll until the job completes; its MP4 bytes (RuntimeError when it failed)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            job = self.get_video(video_id)
+            if job.status == "completed":
+                return self.video_content(video_id)
+            if job.status == "failed":
+                raise RuntimeError(f"video {video_id} failed: {job.error}")
+            time.sleep(poll_s)
+        raise TimeoutError(f"video {video_id} did not complete in {timeout_s}s")
+
+    # -- sessions and admin -------------------------------------------------------------------------------
+    def open_session(self, size: str | None = None) -> str:
+        return self._call("OpenSession", pb.OpenSessionRequest(**({"size": size} if size else {}))).id
+
+    def session_step(self, session_id: str, prompt: str, **fields: Any) -> Iterator[pb.GenerateEvent]:
+        request = pb.SessionGenerateRequest(session_id=session_id, prompt=prompt, **fields)
+        yield from self._call("SessionGenerateStream", request)
+
+    def close_session(self, session_id: str) -> None:
+        self._call("CloseSession", pb.SessionRef(id=session_id))
+
+    def list_loras(self) -> pb.ListLoRAsResponse:
+        return self._call("ListLoRAs", pb.Empty())
+
+
+def _image_request(prompt: str, fields: dict[str, Any]) -> pb.GenerateRequest:
+    loras = fields.pop("lora", [])
+    refs = [pb.LoRARef(**(r if isinstance(r, dict) else {"name": r})) for r in loras]
+    return pb.GenerateRequest(prompt=prompt, lora=refs, **fields)
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(event name, data) from the lines of a ``text/event-stream`` body (e.g. httpx's ``iter_lines``);
+    stops at ``data: [DONE]``."""
+    name = "message"
+    for line in lines:
+        if line.startswith("event:"):
+            name = line.split(":", 1)[1].strip()
+        elif line.startswith("data:"):
+            data = line.split(":", 1)[1].strip()
+            if data == "[DONE]":
+                return
+            yield name, json.loads(data)
+            name = "message"

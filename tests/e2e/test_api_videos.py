@@ -1,0 +1,149 @@
+"""Videos as async jobs against a real ``ditserve serve --model demo-wan`` that requires the API key for
+generation too: the openai client's videos resource (multipart create, retrieve, download, delete), httpx,
+the gRPC client, limits, expiry."""
+
+from __future__ import annotations
+
+import time
+
+import av
+import grpc
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from ditserve.cluster.client import Client
+from ditserve.replica.media import decode_mp4
+from tests.helpers import ServeProcess, free_port
+
+KEY = "video-key"
+TTL_S = 6
+
+
+@pytest.fixture(scope="module")
+def server():
+    grpc_port = free_port()
+    proc = ServeProcess(
+        "--model", "demo-wan", "--grpc-port", str(grpc_port), "--api-key", KEY, "--api-key-for-generation",
+        "--max-frames", "9", "--max-steps", "20", "--max-width", "64", "--max-height", "64",
+        "--video-ttl-s", str(TTL_S),
+    )  # fmt: skip
+    proc.grpc_port = grpc_port
+    yield proc
+    assert proc.stop() == 0, proc.output()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+def wait(client, video_id: str, timeout_s: float = 120):
+    deadline = time.monotonic() + timeout_s
+    seen = []
+    while time.monotonic() < deadline:
+        job = client.videos.retrieve(video_id)
+        seen.append((job.status, job.progress))
+        if job.status in ("completed", "failed"):
+            return job, seen
+        time.sleep(0.1)
+    raise TimeoutError(seen)
+
+
+def test_openai_client_video_job(client):
+    job = client.videos.create(
+        prompt="waves on a beach", model="demo-wan", size="64x64",
+        extra_body={"num_frames": 5, "num_inference_steps": 2, "seed": 3, "fps": 8},
+    )  # fmt: skip
+    assert job.object == "video" and job.status in ("queued", "in_progress") and job.model == "demo-wan"
+    assert job.size == "64x64" and job.seconds == "0.625"
+    done, seen = wait(client, job.id)
+    assert done.status == "completed" and done.progress == 100 and done.completed_at >= done.created_at
+    assert all(0 <= p <= 100 for _, p in seen)
+    data = client.videos.download_content(job.id).read()
+    with av.open(__import__("io").BytesIO(data)) as container:
+        assert container.streams.video[0].codec_context.name == "h264"
+    frames = decode_mp4(data)
+    assert frames.shape == (5, 64, 64, 3) and frames.std() > 0
+    deleted = client.videos.delete(job.id)
+    assert deleted.deleted and deleted.id == job.id
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.videos.retrieve(job.id)
+
+
+def test_seconds_become_frames_and_json_works(server):
+    r = httpx.post(
+        f"{server.base_url}/v1/videos",
+        json={"prompt": "a fox", "seconds": "0.5", "fps": 8, "num_inference_steps": 1},
+        headers=AUTH,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["num_frames"] == 5 and r.headers["x-ditserve-replica"] in r.json()["id"]
+
+
+def test_content_before_completion_then_expiry(server, client):
+    job = client.videos.create(prompt="a slow one", extra_body={"num_frames": 9, "num_inference_steps": 8})
+    r = httpx.get(f"{server.base_url}/v1/videos/{job.id}/content", headers=AUTH)
+    assert r.status_code == 409 and "completed" in r.json()["error"]["message"]
+    done, _ = wait(client, job.id)
+    assert done.expires_at == done.completed_at + TTL_S
+    time.sleep(TTL_S + 1)
+    r = httpx.get(f"{server.base_url}/v1/videos/{job.id}", headers=AUTH)
+    assert r.status_code == 404 and "expired" in r.json()["error"]["message"]
+
+
+def test_grpc_video_job(server):
+    with Client(f"127.0.0.1:{server.grpc_port}", api_key=KEY) as c:
+        job = c.create_video("waves", num_frames=5, num_inference_steps=2, size="64x64")
+        assert job.status in ("queued", "in_progress") and job.num_frames == 5
+        frames = decode_mp4(c.wait_video(job.id, poll_s=0.1))
+        assert frames.shape == (5, 64, 64, 3)
+        assert c.delete_video(job.id).deleted
+        with pytest.raises(grpc.RpcError) as info:
+            c.get_video(job.id)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    with Client(f"127.0.0.1:{server.grpc_port}") as c, pytest.raises(grpc.RpcError) as info:
+        c.create_video("waves")
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+BAD = {
+    "no key": ({"prompt": "a"}, {}, 401, "API key"),
+    "frames not 4k+1": ({"prompt": "a", "num_frames": 6}, AUTH, 400, "num_frames"),
+    "frames above max": ({"prompt": "a", "num_frames": 13}, AUTH, 400, "num_frames"),
+    "seconds above max": ({"prompt": "a", "seconds": 30}, AUTH, 400, "seconds"),
+    "seconds not a number": ({"prompt": "a", "seconds": "long"}, AUTH, 400, "seconds"),
+    "size above max": ({"prompt": "a", "size": "128x128"}, AUTH, 400, "size"),
+    "unknown model": ({"prompt": "a", "model": "sora-2"}, AUTH, 400, "model"),
+    "missing prompt": ({"seconds": 1}, AUTH, 400, "prompt"),
+    "file upload": (None, AUTH, 400, "input_reference"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_video_bad_input(server, case):
+    body, headers, status, needle = BAD[case]
+    if body is None:  # multipart with a file: not supported, said so
+        files = {"input_reference": ("ref.png", b"\x89PNG", "image/png")}
+        r = httpx.post(f"{server.base_url}/v1/videos", data={"prompt": "a"}, files=files, headers=headers)
+    else:
+        r = httpx.post(f"{server.base_url}/v1/videos", json=body, headers=headers)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+    ok = httpx.post(
+        f"{server.base_url}/v1/videos",
+        json={"prompt": "a", "num_frames": 1, "num_inference_steps": 1},
+        headers=AUTH,
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def test_images_on_a_video_model_and_auth_for_generation(server, client):
+    with pytest.raises(openai.BadRequestError, match="POST /v1/videos"):
+        client.images.generate(model="demo-wan", prompt="a fox")
+    r = httpx.post(f"{server.base_url}/v1/images/generations", json={"prompt": "a fox"})
+    assert r.status_code == 401
