@@ -371,3 +371,108 @@ def test_websocket_bad_input(server):
     assert code == 4404 and "does not exist" in reason
     httpx.delete(f"{server.base_url}/v1/sessions/{sid}")
     http_valid(server)
+
+
+# -- property-based run over /openapi.json ----------------------------------------------------------------
+def _strategy(schema: dict, spec: dict, name: str = ""):
+    """A bounded hypothesis strategy for one JSON schema of the spec: mostly well-typed values (small
+    numbers keep valid generations cheap), with the schema's own bounds crossed on purpose."""
+    from hypothesis import strategies as st
+
+    if "$ref" in schema:
+        target = spec
+        for part in schema["$ref"].lstrip("#/").split("/"):
+            target = target[part]
+        return _strategy(target, spec, name)
+    for key in ("anyOf", "oneOf"):
+        if key in schema:
+            return st.one_of([_strategy(s, spec, name) for s in schema[key]])
+    if "allOf" in schema:
+        return _strategy(schema["allOf"][0], spec, name)
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    if "const" in schema:
+        return st.just(schema["const"])
+    kind = schema.get("type")
+    if kind == "string":
+        if name == "size":
+            return st.sampled_from(["64x64", "16x32", "128x128", "65x64", "0x0", "9999x9999", "x", ""])
+        return st.text(max_size=12)
+    if kind == "integer":
+        return st.integers(-3, 24)
+    if kind == "number":
+        return st.floats(-5, 120, allow_nan=False)
+    if kind == "boolean":
+        return st.booleans()
+    if kind == "null":
+        return st.none()
+    if kind == "array":
+        return st.lists(_strategy(schema.get("items", {}), spec, name), max_size=2)
+    if kind == "object" or "properties" in schema:
+        props = schema.get("properties", {})
+        required = [k for k in schema.get("required", []) if k in props]
+        optional = {k: _strategy(v, spec, k) for k, v in props.items() if k not in required}
+        return st.fixed_dictionaries({k: _strategy(props[k], spec, k) for k in required}, optional=optional)
+    return st.none()
+
+
+def _operations(spec: dict) -> list[tuple[str, str, dict]]:
+    ops = []
+    for path, methods in spec["paths"].items():
+        for method, op in methods.items():
+            content = op.get("requestBody", {}).get("content", {})
+            schema = content.get("application/json", {}).get("schema")
+            ops.append((method.upper(), path, schema or {}))
+    return ops
+
+
+def test_openapi_property_run_finds_no_5xx(server):
+    """Bodies built from each operation's schema (plus broken ones and random path values), sent to the
+    real server: every answer is < 500, JSON errors included."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    spec = httpx.get(f"{server.base_url}/openapi.json").json()
+    ops = _operations(spec)
+    json_values = st.recursive(
+        st.none() | st.booleans() | st.integers(-3, 24) | st.text(max_size=8),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+        max_leaves=6,
+    )
+    path_values = st.sampled_from(["x", "a.b", "..", "%20", "nope", "release", "resume"]) | st.text(
+        st.characters(whitelist_categories=("L", "N"), whitelist_characters="-_."), min_size=1, max_size=10
+    )
+
+    @st.composite
+    def requests(draw):
+        method, path, schema = draw(st.sampled_from(ops))
+        for part in [p for p in path.split("/") if p.startswith("{")]:
+            path = path.replace(part, draw(path_values))
+        body = None
+        if method in ("POST", "PUT", "PATCH"):
+            body = draw(_strategy(schema, spec) if schema and draw(st.integers(0, 3)) else json_values)
+        return method, path, body
+
+    statuses: list[int] = []
+
+    @settings(
+        max_examples=120,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(requests())
+    def check(request):
+        method, path, body = request
+        if path == "/v1/admin/shutdown":
+            return  # without the key it is 401 anyway; never stop the shared server by accident
+        r = httpx.request(method, f"{server.base_url}{path}", json=body, timeout=120)
+        statuses.append(r.status_code)
+        assert r.status_code < 500, (method, path, body, r.status_code, r.text)
+        if r.status_code >= 400 and r.headers.get("content-type", "").startswith("application/json"):
+            assert r.json()["error"]["message"]
+
+    check()
+    assert any(s == 200 for s in statuses) and any(400 <= s < 500 for s in statuses), sorted(set(statuses))
+    http_valid(server)

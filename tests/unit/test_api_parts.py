@@ -1,0 +1,55 @@
+"""Pieces of the API that need no server: committed gRPC stubs, the multipart parser, SSE parsing,
+latent previews, the proto ↔ pydantic field mapping."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from ditserve.cluster.api_videos import VideoCreateRequest, _form_fields
+from ditserve.cluster.client import sse_events
+from ditserve.cluster.grpc_gen import build
+from ditserve.cluster.grpc_gen import ditserve_pb2 as pb
+from ditserve.cluster.grpc_service import fields
+from ditserve.cluster.replica_streams import latent_preview
+from ditserve.cluster.schemas import APIError, ImageGenerationRequest
+
+
+def test_committed_grpc_stubs_match_the_proto():
+    assert build.main(["--check"]) == 0, "run python -m ditserve.cluster.grpc_gen.build"
+
+
+def test_proto_fields_validate_like_http():
+    body = ImageGenerationRequest.model_validate(fields(pb.GenerateRequest(prompt="a fox", seed=5, n=2)))
+    assert (body.seed, body.n, body.num_inference_steps) == (5, 2, 20)  # unset → the HTTP default
+    with pytest.raises(ValueError, match="seed"):
+        ImageGenerationRequest.model_validate(fields(pb.GenerateRequest(prompt="a fox", seed=-1)))
+
+
+def test_multipart_form_fields_as_openai_sends_them():
+    boundary = "b0undary"
+    raw = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="prompt"\r\n\r\nwaves, at dusk\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="num_frames"\r\n\r\n5\r\n--{boundary}--\r\n'
+    ).encode()
+    data = _form_fields(f"multipart/form-data; boundary={boundary}", raw)
+    assert data == {"prompt": "waves, at dusk", "num_frames": "5"}
+    assert VideoCreateRequest.model_validate(data).num_frames == 5
+    with pytest.raises(APIError, match="multipart"):
+        _form_fields("multipart/form-data; boundary=zz", b"garbage")
+
+
+def test_sse_events_stop_at_done():
+    lines = ["event: a", 'data: {"x": 1}', "", 'data: {"y": 2}', "", "data: [DONE]", "data: {}"]
+    assert list(sse_events(iter(lines))) == [("a", {"x": 1}), ("message", {"y": 2})]
+
+
+def test_latent_preview_unpacks_flux_patches():
+    latents = np.random.default_rng(0).standard_normal((1, 16, 64)).astype(np.float32)  # 64×64 image
+    image = np.array(Image.open(io.BytesIO(latent_preview(latents, 64, 64))))
+    assert image.shape == (8, 8, 3) and image.min() == 0 and image.max() >= 254
+    odd = latent_preview(np.zeros((1, 7, 5), np.float32), 64, 64)  # unknown layout still gives a PNG
+    assert odd[:4] == b"\x89PNG"
