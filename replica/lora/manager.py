@@ -180,7 +180,12 @@ class LoRAManager:
         """Load ``path`` into a slot as ``name``; ``scale`` multiplies every request's own strength."""
         from .loader import read_lora_file
 
-        lora: LoRAFile = read_lora_file(Path(path), self.pipeline_class)
+        return self.load_weights(
+            name, read_lora_file(Path(path), self.pipeline_class), scale, source=str(path)
+        )
+
+    def load_weights(self, name: str, lora: LoRAFile, scale: float = 1.0, source: str = "") -> dict[str, Any]:
+        """Put already-read adapter weights into a slot (all checks first: all layers or none)."""
         if lora.rank > self.max_rank:
             raise ValueError(
                 f"rank: adapter {name!r} has rank {lora.rank}, above --max-lora-rank {self.max_rank}"
@@ -209,7 +214,7 @@ class LoRAManager:
         self.ranks[slot] = lora.rank
         self.info[name] = {
             "name": name,
-            "path": str(path),
+            "path": source,
             "scale": float(scale),
             "rank": lora.rank,
             "modules": len(lora.modules),
