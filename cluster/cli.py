@@ -56,21 +56,6 @@ def _add_generate(sub) -> None:
     add_model_arguments(p, EngineArgs)
 
 
-def _parse_lora(spec: str) -> tuple[str, str, float]:
-    """NAME=PATH[:SCALE] → (name, path, scale)."""
-    name, sep, rest = spec.partition("=")
-    if not sep or not name or not rest:
-        raise ValueError(f"--lora {spec!r}: expected NAME=PATH[:SCALE]")
-    path, scale = rest, 1.0
-    head, colon, tail = rest.rpartition(":")
-    if colon and head:
-        try:
-            path, scale = head, float(tail)
-        except ValueError:
-            path, scale = rest, 1.0
-    return name, path, scale
-
-
 def _output_paths(output: str, n: int) -> list[Path]:
     path = Path(output)
     if n == 1:
@@ -82,6 +67,7 @@ def run_generate(ns: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from ditserve.replica.engine import Engine
+    from ditserve.replica.lora.loader import parse_lora_spec
     from ditserve.replica.request import GenerationParams, LoRARef
 
     try:
@@ -120,7 +106,7 @@ def run_generate(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc))
     try:
-        adapters = [_parse_lora(spec) for spec in ns.lora]
+        adapters = [parse_lora_spec(spec) for spec in ns.lora]
     except ValueError as exc:
         return _fail(str(exc))
     engine.start()

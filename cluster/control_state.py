@@ -20,6 +20,8 @@ from typing import Any
 
 import ray
 
+from ditserve.replica.lora.loader import parse_lora_spec
+
 NAMESPACE = "ditserve"
 
 
@@ -70,16 +72,7 @@ def parse_lora_paths(items: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """``NAME=PATH[:SCALE]`` flags → the state's ``loras`` mapping."""
     loras = {}
     for item in items:
-        name, sep, rest = item.partition("=")
-        if not sep or not name or not rest:
-            raise ValueError(f"lora_path: {item!r} is not NAME=PATH[:SCALE]")
-        path, scale = rest, 1.0
-        head, colon, tail = rest.rpartition(":")
-        if colon and head:
-            try:
-                path, scale = head, float(tail)
-            except ValueError:
-                pass
+        name, path, scale = parse_lora_spec(item, flag="lora_path:")
         loras[name] = {"source": path, "scale": scale}
     return loras
 

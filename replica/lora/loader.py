@@ -32,6 +32,20 @@ class LoRAFile:
     ignored: int  # tensors for other components (text encoders) that are not applied
 
 
+def parse_lora_spec(spec: str, flag: str = "--lora") -> tuple[str, str, float]:
+    """``NAME=PATH[:SCALE]`` (the CLI's adapter syntax) → (name, path, scale)."""
+    name, sep, rest = spec.partition("=")
+    if not sep or not name or not rest:
+        raise ValueError(f"{flag} {spec!r}: expected NAME=PATH[:SCALE]")
+    head, colon, tail = rest.rpartition(":")
+    if colon and head:
+        try:
+            return name, head, float(tail)
+        except ValueError:
+            pass  # a ':' inside the path, no scale
+    return name, rest, 1.0
+
+
 def check_allowed(path: Path, roots: tuple[str, ...]) -> Path:
     """Resolve ``path``; with roots configured, it must lie under one of them (no ``..`` escapes)."""
     resolved = path.expanduser().resolve()
