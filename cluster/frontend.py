@@ -180,6 +180,10 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
                 f"prompt: {len(body.prompt)} characters is above the maximum {limits.max_prompt_chars}",
                 param="prompt",
             )
+        if "num_inference_steps" not in body.model_fields_set:  # the default never exceeds the limit
+            body = body.model_copy(
+                update={"num_inference_steps": min(body.num_inference_steps, limits.max_steps)}
+            )
         if body.num_inference_steps > limits.max_steps:
             raise APIError(
                 400,
