@@ -6,9 +6,14 @@ import os
 
 import torch
 
+# Triton reads TRITON_INTERPRET when a kernel is *decorated* (our kernel modules are imported together with
+# this one), so the choice is fixed at import: setting the variable later must not send CPU tensors to
+# kernels that were built for the GPU ("Cannot call @triton.jit'd outside of the scope of a kernel").
+_INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 
 def triton_interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRET_AT_IMPORT
 
 
 def use_triton(t: torch.Tensor) -> bool:
