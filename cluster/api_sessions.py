@@ -13,13 +13,13 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from ditserve.replica.request import GenerationParams
 
 from .http_base import REPLICA_HEADER, check_size, frontend
 from .router import session_owner
-from .schemas import APIError
+from .schemas import APIError, Prompt
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
@@ -34,20 +34,13 @@ class SessionOpenRequest(BaseModel):
 class SessionGenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str = Field(min_length=1, description="What to draw (this step).")
+    prompt: Prompt = Field(description="What to draw (this step).")
     strength: float = Field(
         default=0.6, gt=0.0, le=1.0, description="How far this step may move from the previous image."
     )
     num_inference_steps: int = Field(default=4, ge=1, description="Steps of a full (strength 1) schedule.")
     guidance_scale: float | None = Field(default=None, ge=0, le=100)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-
-    @field_validator("prompt")
-    @classmethod
-    def _non_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("prompt must not be empty")
-        return v
 
 
 def _pinned(fe: Any, session_id: str):

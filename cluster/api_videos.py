@@ -16,13 +16,13 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ditserve.replica.request import GenerationParams
 
 from .http_base import REPLICA_HEADER, check_size, frontend
 from .router import session_owner
-from .schemas import APIError
+from .schemas import APIError, Prompt
 
 router = APIRouter(prefix="/v1/videos", tags=["videos"])
 
@@ -32,7 +32,7 @@ class VideoCreateRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str = Field(min_length=1, description="What to film.")
+    prompt: Prompt = Field(description="What to film.")
     model: str | None = Field(default=None, description="Model name (default: the served one).")
     size: str | None = Field(default=None, description="WIDTHxHEIGHT (default: the model's native size).")
     seconds: float | None = Field(
@@ -48,13 +48,6 @@ class VideoCreateRequest(BaseModel):
     negative_prompt: str | None = Field(default=None, description="What not to film.")
     seed: int | None = Field(default=None, ge=0, lt=2**63, description="Random seed (random when absent).")
 
-    @field_validator("prompt")
-    @classmethod
-    def _non_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("prompt must not be empty")
-        return v
-
 
 def video_params(fe: Any, body: VideoCreateRequest) -> GenerationParams:
     """Checks shared by HTTP and gRPC → engine parameters."""
@@ -66,18 +59,7 @@ def video_params(fe: Any, body: VideoCreateRequest) -> GenerationParams:
             param="model",
         )
     limits = fe.args
-    if len(body.prompt) > limits.max_prompt_chars:
-        raise APIError(
-            400,
-            f"prompt: {len(body.prompt)} characters is above the maximum {limits.max_prompt_chars}",
-            param="prompt",
-        )
-    if body.num_inference_steps > limits.max_steps:
-        raise APIError(
-            400,
-            f"num_inference_steps: {body.num_inference_steps} is above the maximum {limits.max_steps}",
-            param="num_inference_steps",
-        )
+    body = fe.check_prompt_and_steps(body)
     multiple = fe.spec.frame_multiple
     frames = body.num_frames
     if frames is None:

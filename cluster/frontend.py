@@ -164,6 +164,28 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         card = ModelCard(id=self.model_name, created=self.created, kind=self.model_kind)
         return {"object": "list", "data": [card.model_dump()]}
 
+    def check_prompt_and_steps(self, body: Any) -> Any:
+        """Limits every generation body shares (images, videos): prompt length and steps. A body that leaves
+        the steps out gets the default capped by ``--max-steps``."""
+        limits = self.args
+        if len(body.prompt) > limits.max_prompt_chars:
+            raise APIError(
+                400,
+                f"prompt: {len(body.prompt)} characters is above the maximum {limits.max_prompt_chars}",
+                param="prompt",
+            )
+        if "num_inference_steps" not in body.model_fields_set:
+            body = body.model_copy(
+                update={"num_inference_steps": min(body.num_inference_steps, limits.max_steps)}
+            )
+        if body.num_inference_steps > limits.max_steps:
+            raise APIError(
+                400,
+                f"num_inference_steps: {body.num_inference_steps} is above the maximum {limits.max_steps}",
+                param="num_inference_steps",
+            )
+        return body
+
     def image_params(self, body: ImageGenerationRequest) -> tuple[GenerationParams, int, int]:
         """Checks shared by HTTP and gRPC (limits, model kind) → engine parameters, width, height."""
         self.check_model(body.model)
@@ -174,22 +196,7 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         limits = self.args
         if body.n > limits.max_n:
             raise APIError(400, f"n: {body.n} is above the maximum {limits.max_n}", param="n")
-        if len(body.prompt) > limits.max_prompt_chars:
-            raise APIError(
-                400,
-                f"prompt: {len(body.prompt)} characters is above the maximum {limits.max_prompt_chars}",
-                param="prompt",
-            )
-        if "num_inference_steps" not in body.model_fields_set:  # the default never exceeds the limit
-            body = body.model_copy(
-                update={"num_inference_steps": min(body.num_inference_steps, limits.max_steps)}
-            )
-        if body.num_inference_steps > limits.max_steps:
-            raise APIError(
-                400,
-                f"num_inference_steps: {body.num_inference_steps} is above the maximum {limits.max_steps}",
-                param="num_inference_steps",
-            )
+        body = self.check_prompt_and_steps(body)
         width, height = check_size(body.size or self.default_size, limits.max_width, limits.max_height)
         return body.to_params(width, height, self.spec), width, height
 

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from ditserve.replica.models.registry import ModelSpec
 from ditserve.replica.request import GenerationParams, LoRARef
+
+
+def _non_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("prompt must not be empty")
+    return value
+
+
+# A prompt in every request body (images, videos, sessions): at least one non-blank character.
+Prompt = Annotated[str, StringConstraints(min_length=1), AfterValidator(_non_blank)]
 
 SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 
@@ -53,7 +63,7 @@ class ImageGenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str = Field(min_length=1, description="What to draw.")
+    prompt: Prompt = Field(description="What to draw.")
     model: str | None = Field(
         default=None, description="Model name (GET /v1/models); default: the served one."
     )
@@ -76,13 +86,6 @@ class ImageGenerationRequest(BaseModel):
     quality: str | None = None
     style: str | None = None
     output_format: Literal["png"] | None = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _non_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("prompt must not be empty")
-        return v
 
     def to_params(self, width: int, height: int, spec: ModelSpec) -> GenerationParams:
         loras = () if self.lora is None else tuple(self.lora if isinstance(self.lora, list) else [self.lora])
