@@ -106,11 +106,17 @@ def test_every_replica_metric_is_exported(served, metrics_port):
         assert httpx.post(f"{served}/v1/images/generations", json=body, timeout=120).status_code == 200
     session = httpx.post(f"{served}/v1/sessions", json={"size": "64x64"}, timeout=60)
     assert session.status_code == 200, session.text
-    deadline, samples = time.monotonic() + 45, {}
+    deadline, samples = time.monotonic() + 90, {}
     while time.monotonic() < deadline:  # Ray exports metrics every few seconds
         text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
         samples = _samples(text)
-        if all(name in samples for name in METRICS) and sum(samples["ray_ditserve_active_sessions"]) >= 1:
+        # each replica flushes on its own schedule: wait until every replica's counts have arrived
+        if (
+            all(name in samples for name in METRICS)
+            and sum(samples["ray_ditserve_active_sessions"]) >= 1
+            and sum(samples["ray_ditserve_requests_total"]) >= 4
+            and sum(samples["ray_ditserve_step_latency_seconds_count"]) >= 8
+        ):
             break
         time.sleep(2)
     missing = [name for name in METRICS if name not in samples]
