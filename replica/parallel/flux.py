@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from diffusers.models.embeddings import apply_rotary_emb
 
-from .hooks import ForwardState, bind_forward_args, claim
+from .hooks import ForwardState, begin_parallelize, bind_forward_args
 from .mesh import ParallelMesh
 from .sequence import SequenceLayout, gather_sequence, shard_sequence
 from .sp_attention import sequence_parallel_attention
@@ -117,12 +117,7 @@ def _flux_tp_plan(transformer: nn.Module) -> dict[str, Any]:
 
 def parallelize_flux(transformer: nn.Module, *, mesh: ParallelMesh) -> nn.Module:
     """Shard a FluxTransformer2DModel over `mesh` in place; every rank then calls it with full inputs."""
-    config = transformer.config
-    mesh.dims.validate(num_heads=config.num_attention_heads, attention_supports_lse=True)
-    for name, module in transformer.named_modules():
-        if getattr(module, "fused_projections", False):
-            raise ValueError(f"{name} has fused projections; parallelize before fuse_qkv_projections()")
-    handle = claim(transformer, mesh, "flux")
+    handle = begin_parallelize(transformer, mesh, "flux")
     state = handle.state
 
     tp_group = mesh.get_group("tp")

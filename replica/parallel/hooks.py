@@ -51,6 +51,16 @@ def claim(model: nn.Module, mesh: ParallelMesh, family: str) -> ParallelHandle:
     return handle
 
 
+def begin_parallelize(model: nn.Module, mesh: ParallelMesh, family: str) -> ParallelHandle:
+    """What every ``parallelize_<family>`` starts with: check the layout against the model, refuse fused
+    projections (they must be sharded unfused), then claim the model."""
+    mesh.dims.validate(num_heads=model.config.num_attention_heads, attention_supports_lse=True)
+    for name, module in model.named_modules():
+        if getattr(module, "fused_projections", False):
+            raise ValueError(f"{name} has fused projections; parallelize before fuse_qkv_projections()")
+    return claim(model, mesh, family)
+
+
 def bind_forward_args(fn: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
     """Turn a forward call's positional + keyword arguments into one dict of keyword arguments."""
     return dict(inspect.signature(fn).bind(*args, **kwargs).arguments)

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from .attention import attention
-from .hooks import ForwardState, bind_forward_args, claim
+from .hooks import ForwardState, begin_parallelize, bind_forward_args
 from .mesh import ParallelMesh
 from .sequence import SequenceLayout, gather_sequence, shard_sequence
 from .sp_attention import sequence_parallel_attention
@@ -127,12 +127,7 @@ def _shard_norms(transformer: nn.Module) -> None:
 
 def parallelize_wan(transformer: nn.Module, *, mesh: ParallelMesh) -> nn.Module:
     """Shard a WanTransformer3DModel over `mesh` in place; every rank then calls it with full inputs."""
-    config = transformer.config
-    mesh.dims.validate(num_heads=config.num_attention_heads, attention_supports_lse=True)
-    for name, module in transformer.named_modules():
-        if getattr(module, "fused_projections", False):
-            raise ValueError(f"{name} has fused projections; parallelize before fuse_qkv_projections()")
-    handle = claim(transformer, mesh, "wan")
+    handle = begin_parallelize(transformer, mesh, "wan")
     state = handle.state
 
     tp_group = mesh.get_group("tp")
@@ -145,7 +140,7 @@ def parallelize_wan(transformer: nn.Module, *, mesh: ParallelMesh) -> nn.Module:
         block.attn1.set_processor(processor)
         block.attn2.set_processor(processor)
 
-    patch = tuple(config.patch_size)
+    patch = tuple(transformer.config.patch_size)
 
     def plan(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         bound = bind_forward_args(module.forward, args, kwargs)
