@@ -14,11 +14,6 @@ from .base import PipelineRunner, RequestState, to_uint8
 class FluxRunner(PipelineRunner):
     default_guidance = 3.5
 
-    @property
-    def multiple(self) -> int:
-        """Width/height must be multiples of this (VAE factor × the 2×2 packing)."""
-        return self.pipe.vae_scale_factor * 2
-
     def _encode(self, prompt: str, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         max_len = min(self.max_sequence_length, self.pipe.tokenizer_2.model_max_length)
         embeds, pooled, text_ids = self.pipe.encode_prompt(
@@ -33,10 +28,6 @@ class FluxRunner(PipelineRunner):
     @torch.no_grad()
     def prepare(self, req_id: str, params: GenerationParams) -> RequestState:
         pipe, n = self.pipe, params.n
-        if params.width % self.multiple or params.height % self.multiple:
-            raise ValueError(
-                f"size must be a multiple of {self.multiple}, got {params.width}x{params.height}"
-            )
         embeds, pooled, text_ids = self._encode(params.prompt, n)
         true_cfg = params.true_cfg_scale > 1 and params.negative_prompt is not None
         uncond = None

@@ -13,23 +13,9 @@ from .base import PipelineRunner, RequestState, to_uint8
 class WanRunner(PipelineRunner):
     default_guidance = 5.0
 
-    @property
-    def multiple(self) -> int:
-        return self.pipe.vae_scale_factor_spatial * 2
-
-    @property
-    def frame_multiple(self) -> int:
-        return self.pipe.vae_scale_factor_temporal
-
     @torch.no_grad()
     def prepare(self, req_id: str, params: GenerationParams) -> RequestState:
         pipe, n = self.pipe, params.n
-        if params.width % self.multiple or params.height % self.multiple:
-            raise ValueError(
-                f"size must be a multiple of {self.multiple}, got {params.width}x{params.height}"
-            )
-        if (params.num_frames - 1) % self.frame_multiple:
-            raise ValueError(f"num_frames must be {self.frame_multiple}·k + 1, got {params.num_frames}")
         guidance = params.guidance_scale if params.guidance_scale is not None else self.default_guidance
         do_cfg = guidance > 1.0
         max_len = min(self.max_sequence_length, pipe.tokenizer.model_max_length)
