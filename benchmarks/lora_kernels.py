@@ -2,8 +2,12 @@
 per-segment loop and the base projection GEMM, on hidden 3072.
 
     python benchmarks/lora_kernels.py --out DIR [--sweep]
+    python benchmarks/lora_kernels.py --out DIR --qkv-only [--sweep-gemm] [--sweep-ws]
 
-Prints markdown tables and writes them to DIR/lora_kernels.md (+ DIR/lora_kernels.json).
+Prints markdown tables and writes them to DIR/lora_kernels.md (+ DIR/lora_kernels.json); --qkv-only writes
+DIR/lora_qkv.md (+ .json): only the QKV target shapes, the fused GEMM+LoRA (shrink + lora_gemm) against
+cuBLAS F.linear, and with --sweep-gemm every candidate tile config of lora_gemm (kernels/lora_gemm/op.py
+SWEEP; --sweep-ws adds the warp-specialised ones).
 "% HBM" = (bytes that must move / copy bandwidth measured in the same run) / measured time.
 "% roof" uses max(HBM time, FLOPs / measured bf16 matmul rate): at high rank × slices the shrink's
 tensor-core work, not its bytes, sets the floor.
@@ -22,12 +26,15 @@ import torch.nn.functional as F
 import triton.testing
 
 import ditserve.kernels.lora_expand.op as expand_op
+import ditserve.kernels.lora_gemm.op as gemm_op
 import ditserve.kernels.lora_shrink.op as shrink_op
 from ditserve.kernels._bench import LoRAProblem, copy_bandwidth, make_problem, matmul_flops
 from ditserve.kernels._dispatch import block_rank
-from ditserve.kernels.lora import apply_lora, lora_expand, lora_linear, lora_shrink
+from ditserve.kernels.lora import _lora_linear_addmm, apply_lora, lora_expand, lora_linear, lora_shrink
 from ditserve.kernels.lora_expand.op import launch_lora_expand
 from ditserve.kernels.lora_expand.reference import lora_expand_ref
+from ditserve.kernels.lora_gemm.op import launch_lora_gemm
+from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 from ditserve.kernels.lora_shrink.op import launch_lora_shrink
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref
 
@@ -105,6 +112,7 @@ def measure(p: LoRAProblem) -> dict[str, float]:
         base=graph_ms(lambda: F.linear(p.x, p.w)),
         apply=graph_ms(lambda: apply_lora(p.y, p.x, p.a, p.b, m, sizes)),
         apply_sgmv=graph_ms(lambda: apply_lora(p.y, p.x, p.a, p.b, m, sizes, "sgmv")),
+        addmm=graph_ms(lambda: _lora_linear_addmm(p.x, p.w, None, p.a, p.b, m, sizes)),
         fused=graph_ms(lambda: lora_linear(p.x, p.w, None, p.a, p.b, m, sizes)),
         apply_eager=bench_ms(lambda: apply_lora(p.y, p.x, p.a, p.b, m, sizes)),
         base_eager=bench_ms(lambda: F.linear(p.x, p.w)),
@@ -186,13 +194,149 @@ def cell(ms: float, nbytes: int, flops: int, bw: float, mm: float) -> str:
     return f"{ms * 1e3:.1f} µs · {nbytes / t / 1e9:.0f} GB/s · {100 * hbm / t:.0f}% HBM · {100 * roof / t:.0f}% roof"
 
 
+QKV_BATCHES = ("4x4608", "1x4608")
+QKV_RANKS = (64, 16, 0)  # 0: no LoRA, our GEMM alone against cuBLAS; the targets first (compiles)
+TARGETS = {16: 4.0, 64: 8.0}  # % overhead over the base GEMM at 4x4608, QKV
+
+
+def quick_graph_ms(fn, calls: int = 8, replays: int = 3) -> float:
+    """Like graph_ms with fewer calls (the sweep times ~150 kernels): one graph of `calls` × (L2 flush,
+    fn), replayed `replays` times, the fastest replay per call minus the flush."""
+    if not _FLUSH:
+        graph_ms(lambda: None)
+    buf = _FLUSH["buf"]
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        for _ in range(calls):
+            buf.zero_()
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return max(min(times) - _FLUSH["ms"], 1e-4)
+
+
+def qkv_only(args, head: list[str]) -> None:
+    """The target shapes only: F.linear (cuBLAS) vs shrink + lora_gemm, each lora_gemm config checked
+    against the torch reference; the fastest correct config per shape is reported (and, with --sweep-gemm,
+    the fastest over all LoRA shapes is printed as the suggested TUNED["large"] entry)."""
+    t0 = time.time()
+    configs: dict[str, dict[str, int] | None] = {"default": None}
+    if args.sweep_gemm:
+        configs.update(gemm_op.SWEEP)
+    if args.sweep_ws:
+        configs.update(gemm_op.SWEEP_WS)
+    lines = list(head) + [
+        f"lora_gemm default configs: {gemm_op.TUNED}",
+        "times: CUDA-graph replay, L2 flushed before each call; gemm/cuBLAS = lora_gemm time / F.linear time; "
+        "overhead = (shrink + lora_gemm - cuBLAS) / cuBLAS (rank 0: lora_gemm without LoRA vs cuBLAS)",
+        "",
+    ]
+    summary = ["", "| batch | slices | rank | cuBLAS | shrink | best lora_gemm config | lora_gemm | gemm/cuBLAS "
+               "| overhead | target |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    totals: dict[str, float] = {}
+    records = []
+    print("\n".join(lines), flush=True)
+    for batch in QKV_BATCHES:
+        for nsl, sizes in SLICES.items():
+            for rank in QKV_RANKS:
+                p = make_problem(BATCHES[batch], max(rank, 16), sizes)
+                m = p.meta
+                seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
+                if rank:
+                    s = lora_shrink(p.x, p.a, m)
+                    shrink = quick_graph_ms(lambda p=p, m=m: lora_shrink(p.x, p.a, m))
+                else:
+                    s, shrink = p.x.new_empty((nsl, m.num_tokens, 0), dtype=torch.float32), 0.0
+                want = lora_gemm_ref(p.x, p.w, None, s, p.b, *seg[1:], p.sizes)
+                base = quick_graph_ms(lambda p=p: F.linear(p.x, p.w))
+                cells, best, best_ms = [], None, float("inf")
+                for name, cfg in configs.items():
+                    if time.time() - t0 > args.budget_s:
+                        cells.append(f"{name}: skipped (time budget)")
+                        continue
+
+                    def fn(p=p, s=s, seg=seg, cfg=cfg):
+                        return launch_lora_gemm(p.x, p.w, None, s, p.b, *seg, p.sizes, config=cfg)
+
+                    try:
+                        ok = torch.allclose(fn().float(), want.float(), atol=5e-2, rtol=3e-2)
+                        ms = quick_graph_ms(fn)
+                    except Exception as e:  # out of shared memory / registers, lowering not supported
+                        cells.append(
+                            f"{name}: fail ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
+                        )
+                        continue
+                    cells.append(
+                        f"{name}: {ms * 1e3:.0f} µs ({ms / base:.3f}x cuBLAS){'' if ok else ' WRONG'}"
+                    )
+                    if ok:
+                        if name != "default" and rank:
+                            totals[name] = totals.get(name, 0.0) + ms / base
+                        if ms < best_ms:
+                            best, best_ms = name, ms
+                label = f"{batch} slices={nsl} rank={rank}"
+                line = f"- {label}: cuBLAS {base * 1e3:.0f} µs, shrink {shrink * 1e3:.1f} µs — " + "; ".join(
+                    cells
+                )
+                lines.append(line)
+                print(line, flush=True)
+                over = 100 * (shrink + best_ms - base) / base if best else float("nan")
+                target = (
+                    f"≤ {TARGETS[rank]:.0f}%" if batch == "4x4608" and nsl == 3 and rank in TARGETS else ""
+                )
+                summary.append(
+                    f"| {batch} | {nsl} | {rank} | {base * 1e3:.0f} µs | {shrink * 1e3:.1f} µs | {best} | "
+                    f"{best_ms * 1e3:.0f} µs | {best_ms / base:.3f} | {over:.1f}% | {target} |"
+                )
+                records.append(dict(batch=batch, slices=nsl, rank=rank, base_ms=base, shrink_ms=shrink,
+                                    best=best, best_ms=best_ms, cells=cells))  # fmt: skip
+                with open(os.path.join(args.out, "lora_qkv.md"), "w") as f:
+                    f.write("\n".join(lines + summary) + "\n")
+                del p, s, want
+                torch.cuda.empty_cache()
+    if totals:
+        pick = min(totals, key=totals.get)
+        summary.append(f"\nfastest config over the LoRA shapes (mean gemm/cuBLAS {totals[pick] / 8:.3f}): "
+                       f"{pick} = {configs[pick]}")  # fmt: skip
+    summary.append(f"\nwall time {time.time() - t0:.0f} s")
+    print("\n".join(summary), flush=True)
+    with open(os.path.join(args.out, "lora_qkv.md"), "w") as f:
+        f.write("\n".join(lines + summary) + "\n")
+    with open(os.path.join(args.out, "lora_qkv.json"), "w") as f:
+        json.dump(dict(head=head, records=records, tuned=str(gemm_op.TUNED)), f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument(
+        "--qkv-only", action="store_true", help="only the QKV target shapes, fused GEMM vs cuBLAS"
+    )
+    ap.add_argument("--sweep-gemm", action="store_true", help="with --qkv-only: every lora_gemm SWEEP config")
+    ap.add_argument("--sweep-ws", action="store_true", help="with --sweep-gemm: warp-specialised configs too")
+    ap.add_argument("--budget-s", type=float, default=115.0, help="--qkv-only: skip configs after this")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
+    if args.qkv_only:
+        qkv_only(args, [f"machine: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
+                        f"triton {triton.__version__}, commit {commit()}, {time.strftime('%Y-%m-%d')}",
+                        "bf16, hidden 3072, 4 adapters one per request (1 for 1x4608), scale 0.5"])  # fmt: skip
+        return
     bw, mm = copy_bandwidth(), matmul_flops()
     head = [
         f"machine: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
@@ -209,8 +353,9 @@ def main() -> None:
     lines += [
         "",
         "| batch | slices | rank | shrink | shrink SGMV | expand | expand SGMV | torch loop (shrink+expand) | "
-        "base GEMM | LoRA overhead: shrink+expand / SGMV / fused lora_linear | eager: shrink+expand vs base |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "base GEMM | LoRA overhead: shrink+expand / SGMV / expand-writes+addmm | "
+        "fused GEMM+LoRA: (shrink + lora_gemm - base)/base | eager: shrink+expand vs base |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
     records = []
@@ -223,12 +368,12 @@ def main() -> None:
                 sb, eb = p.shrink_bytes(), p.expand_bytes()
                 sf, ef = p.shrink_flops(), p.expand_flops()
                 over = [100 * t["apply"] / t["base"], 100 * t["apply_sgmv"] / t["base"],
-                        100 * (t["fused"] - t["base"]) / t["base"]]  # fmt: skip
+                        100 * (t["addmm"] - t["base"]) / t["base"], 100 * (t["fused"] - t["base"]) / t["base"]]  # fmt: skip
                 row = (
                     f"| {batch} ({m.num_tokens} tok) | {nsl} | {rank} | {cell(t['shrink'], sb, sf, bw, mm)} | "
                     f"{cell(t['shrink_sgmv'], sb, sf, bw, mm)} | {cell(t['expand'], eb, ef, bw, mm)} | "
                     f"{cell(t['expand_sgmv'], eb, ef, bw, mm)} | {t['loop'] * 1e3:.0f} µs | {t['base'] * 1e3:.0f} µs | "
-                    f"{over[0]:.1f}% / {over[1]:.1f}% / {over[2]:.1f}% | "
+                    f"{over[0]:.1f}% / {over[1]:.1f}% / {over[2]:.1f}% | {over[3]:.1f}% | "
                     f"{t['apply_eager'] * 1e3:.0f} / {t['base_eager'] * 1e3:.0f} µs |"
                 )
                 lines.append(row)

@@ -19,11 +19,14 @@ Example (a fused QKV projection, two requests with adapters in slots 0 and 3, on
     s = lora_shrink(x, a_stacked, meta)            # [3, 9216, meta.max_rank] fp32
     lora_expand(y, s, b_stacked, meta, [3072, 3072, 3072])   # y += scale · s · Bᵀ, in place
     # or, same result, one call: apply_lora(y, x, a_stacked, b_stacked, meta, [3072] * 3)
-    # or, bias and base GEMM included: y = lora_linear(x, w_qkv, bias, a_stacked, b_stacked, meta, sizes)
+    # or, bias and base GEMM included, the expand inside the GEMM's epilogue (one write of y):
+    y = lora_linear(x, w_qkv, bias, a_stacked, b_stacked, meta, [3072] * 3)
 
 `method="sgmv"` uses the chunked kernels instead (tokens grouped by slot through meta.sorted_token_ids):
 the better choice when many requests share few adapters in non-contiguous ranges. Build `meta` once per
-step (and per CFG branch layout) and reuse it in every layer. All ops are torch custom ops
+step (and per CFG branch layout) and reuse it in every layer. `lora_linear` runs the shrink, then one
+Triton GEMM (`lora_gemm`) that adds scale · s · Bᵀ to each output tile before it is stored, so no pass reads
+and rewrites y after the GEMM. All ops are torch custom ops
 (`torch.ops.ditserve.*`), so `torch.compile(fullgraph=True)` traces through them. On CPU tensors the
 torch reference runs unless TRITON_INTERPRET=1.
 """
@@ -34,8 +37,10 @@ from typing import Literal
 
 import torch
 
+from ditserve.kernels._dispatch import use_triton
 from ditserve.kernels.lora_expand.op import lora_expand_op
 from ditserve.kernels.lora_expand_sgmv.op import lora_expand_sgmv_op
+from ditserve.kernels.lora_gemm.op import lora_gemm_op
 from ditserve.kernels.lora_meta import LoRABatchMeta, choose_chunk_size
 from ditserve.kernels.lora_shrink.op import lora_shrink_op
 from ditserve.kernels.lora_shrink_sgmv.op import lora_shrink_sgmv_op
@@ -141,14 +146,35 @@ def lora_linear(
 ) -> torch.Tensor:  # [num_tokens, sum(out_slice_sizes)]
     """x · Wᵀ + bias + LoRA(x), with the LoRA term fused into the base GEMM's epilogue.
 
-    The expand writes delta + bias into a fresh buffer (one write of y instead of a read and a write after
-    the GEMM), and the GEMM accumulates onto it (`addmm_`, beta = 1: the BLAS epilogue reads it while
-    the tensor cores are busy). Falls back to a plain linear when no request has LoRA.
+    Where Triton runs (CUDA, or the interpreter) and there are ≤ 4 slices: the shrink, then `lora_gemm`,
+    whose tiles add scale · s · Bᵀ to the accumulator before the single store of y. Elsewhere the expand
+    writes delta + bias into a fresh buffer and cuBLAS accumulates onto it (`_lora_linear_addmm`). A batch
+    without LoRA is a plain linear.
     """
     if not meta.has_lora or len(out_slice_sizes) > _GROUP or x.shape[0] == 0:
         y = torch.nn.functional.linear(x, weight, bias)
         apply_lora(y, x, a_stacked, b_stacked, meta, out_slice_sizes)
         return y
+    if not use_triton(x):
+        return _lora_linear_addmm(x, weight, bias, a_stacked, b_stacked, meta, out_slice_sizes)
+    s = lora_shrink(x, a_stacked, meta)
+    return lora_gemm_op(
+        x, weight, bias, s, b_stacked, meta.token_seg, meta.seg_start, meta.seg_len, meta.seg_slot,
+        meta.seg_scale, meta.slot_rank, list(out_slice_sizes),
+    )  # fmt: skip
+
+
+def _lora_linear_addmm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    a_stacked: torch.Tensor,
+    b_stacked: torch.Tensor,
+    meta: LoRABatchMeta,
+    out_slice_sizes: list[int],
+) -> torch.Tensor:
+    """The unfused path: the expand writes delta + bias into a fresh buffer (one write of y instead of a
+    read and a write after the GEMM), and the GEMM accumulates onto it (`addmm_`, beta = 1)."""
     s = lora_shrink(x, a_stacked, meta)
     y = x.new_empty((x.shape[0], weight.shape[0]))
     lora_expand_op(

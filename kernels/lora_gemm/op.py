@@ -1,0 +1,188 @@
+"""Launcher and torch custom op for the base GEMM with the LoRA expand in its epilogue (see kernel.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ditserve.kernels._dispatch import block_rank, use_triton
+from ditserve.kernels.lora_expand.op import column_blocks
+from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
+
+MAX_SLICES = 4
+# Tile configs by problem size (`gemm_config`). Keys of a config: BLOCK_M/N/K, GROUP_M (row blocks per
+# column block in the tile order), num_warps, num_stages, PERSISTENT (one program per SM looping over
+# tiles), TMA (x and W through TensorDescriptors), FLATTEN (tile and K loops flattened into one pipelined
+# loop), WS (warp-specialised loop). benchmarks/lora_kernels.py --qkv-only --sweep-gemm overrides this table.
+TUNED: dict[str, dict[str, int]] = {
+    # ≥ 2 waves of 128×256 tiles (Flux QKV at 4608+ tokens): the Hopper GEMM shape, 8 warps over 2 warpgroups
+    "large": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3,
+                  PERSISTENT=1, TMA=0, FLATTEN=0, WS=0),
+    # fewer tiles: smaller ones so every SM gets work
+    "small": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4,
+                  PERSISTENT=0, TMA=0, FLATTEN=0, WS=0),
+}  # fmt: skip
+DEFAULTS = dict(GROUP_M=8, PERSISTENT=0, TMA=0, FLATTEN=0, WS=0)
+
+
+def _cfg(bm, bn, bk, warps, stages, persistent=1, tma=0, flatten=0, ws=0, group_m=8) -> dict[str, int]:
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages,
+                PERSISTENT=persistent, TMA=tma, FLATTEN=flatten, WS=ws)  # fmt: skip
+
+
+# Candidates of the GPU sweep (benchmarks/lora_kernels.py --sweep-gemm; the GPU tests run each once).
+# Shared memory per stage is (BLOCK_M + BLOCK_N) × BLOCK_K × 2 bytes: 48 KB at 128×256×64, so 4 stages
+# plus the epilogue's s and B tiles may not fit in 227 KB: the sweep reports such configs as failed.
+SWEEP: dict[str, dict[str, int]] = {
+    "ptr persist 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3),
+    "ptr persist flat 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, flatten=1),
+    "ptr persist 128x128x64 w4 s4": _cfg(128, 128, 64, 4, 4),
+    "tma 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, persistent=0, tma=1),
+    "tma persist 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, tma=1),
+    "tma persist flat 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, tma=1, flatten=1),
+    "tma persist 128x256x64 w8 s4": _cfg(128, 256, 64, 8, 4, tma=1),
+    "tma persist flat 128x128x64 w4 s4": _cfg(128, 128, 64, 4, 4, tma=1, flatten=1),
+}
+# warp-specialised loops (tl.range(..., warp_specialize=True)): Triton documents them for Blackwell; tried
+# on Hopper only on request (--sweep-ws), since a failing lowering may take the whole process down
+SWEEP_WS: dict[str, dict[str, int]] = {
+    "tma persist ws 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, tma=1, ws=1),
+    "tma persist flat ws 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, tma=1, flatten=1, ws=1),
+}
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_programs_limit(device: torch.device) -> int:
+    """Programs a persistent launch keeps resident: one per SM (4 in the interpreter, so tests loop)."""
+    return _num_sms(device.index or 0) if device.type == "cuda" else 4
+
+
+def size_class(num_tokens: int, n_total: int, num_sms: int = 132) -> str:
+    tiles = -(-num_tokens // 128) * -(-n_total // 256)
+    return "large" if tiles >= 2 * num_sms else "small"
+
+
+def gemm_config(num_tokens: int, n_total: int) -> dict[str, int]:
+    return {**DEFAULTS, **TUNED[size_class(num_tokens, n_total)]}
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and row strides, and a unit inner stride."""
+    return all(
+        t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+        for t in tensors
+    )
+
+
+def _check(
+    x, weight, bias, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank, sizes
+):
+    assert x.dim() == 2 and weight.dim() == 2 and s.dim() == 3 and b_stacked.dim() == 3
+    assert x.dtype == weight.dtype == b_stacked.dtype, (x.dtype, weight.dtype, b_stacked.dtype)
+    assert x.shape[1] == weight.shape[1], f"hidden {x.shape[1]} != weight hidden {weight.shape[1]}"
+    assert 1 <= len(sizes) <= MAX_SLICES and all(n > 0 for n in sizes), sizes
+    assert weight.shape[0] == sum(sizes) == b_stacked.shape[1], (weight.shape, sizes, b_stacked.shape)
+    assert s.shape[0] == len(sizes) and s.shape[1] == x.shape[0], (s.shape, x.shape, sizes)
+    assert s.dtype in (torch.float32, x.dtype), s.dtype
+    assert s.shape[2] <= b_stacked.shape[2] and s.shape[2] <= 128, (s.shape, b_stacked.shape)
+    for t in (token_seg, seg_start, seg_len, seg_slot, slot_rank):
+        assert t.dtype == torch.int32 and t.device == x.device, (t.dtype, t.device)
+    assert seg_scale.dtype == torch.float32 and seg_scale.shape == seg_start.shape
+    assert token_seg.shape[0] == x.shape[0], (token_seg.shape, x.shape)
+    assert seg_start.shape == seg_len.shape == seg_slot.shape
+    assert slot_rank.shape[0] == b_stacked.shape[0], (slot_rank.shape, b_stacked.shape)
+    if bias is not None:
+        assert bias.shape == (weight.shape[0],) and bias.is_contiguous() and bias.dtype == x.dtype, bias.shape
+
+
+def launch_lora_gemm(
+    x: torch.Tensor,  # [num_tokens, hidden] fp16/bf16/fp32
+    weight: torch.Tensor,  # [sum(out_slice_sizes), hidden], x's dtype (the fused base weight)
+    bias: torch.Tensor | None,  # [sum(out_slice_sizes)], x's dtype
+    s: torch.Tensor,  # [num_slices, num_tokens, rank_dim] fp32 or x's dtype (lora_shrink); rank_dim 0 = no LoRA
+    b_stacked: torch.Tensor,  # [max_loras, sum(out_slice_sizes), max_rank], x's dtype
+    token_seg: torch.Tensor,  # [num_tokens] int32
+    seg_start: torch.Tensor,  # [num_segments] int32
+    seg_len: torch.Tensor,  # [num_segments] int32
+    seg_slot: torch.Tensor,  # [num_segments] int32, -1 = no LoRA
+    seg_scale: torch.Tensor,  # [num_segments] fp32, alpha/rank × strength
+    slot_rank: torch.Tensor,  # [max_loras] int32
+    out_slice_sizes: list[int],  # 1..4 output slices, slice j pairs with s[j]
+    config: dict[str, int] | None = None,  # tile override (benchmarks, tests); missing keys from DEFAULTS
+) -> torch.Tensor:  # [num_tokens, sum(out_slice_sizes)], x's dtype
+    from ditserve.kernels.lora_gemm.kernel import _lora_gemm_kernel
+
+    args = (x, weight, bias, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank)
+    _check(*args, out_slice_sizes)
+    num_tokens, hidden = x.shape
+    n_total = weight.shape[0]
+    y = x.new_empty((num_tokens, n_total))
+    if num_tokens == 0:
+        return y
+    if hidden == 0:
+        return y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
+    cfg = {**DEFAULTS, **(config or gemm_config(num_tokens, n_total))}
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
+    num_tiles = -(-num_tokens // bm) * num_col_blocks
+    grid = min(num_tiles, num_programs_limit(x.device)) if cfg["PERSISTENT"] else num_tiles
+    use_tma = bool(cfg["TMA"]) and tma_ok(x, weight)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_arg = TensorDescriptor.from_tensor(x, [bm, bk])
+        w_arg = TensorDescriptor.from_tensor(weight, [bn, bk])
+    else:
+        x_arg, w_arg = x, weight
+    # widest power of two (≤ 16) dividing every slice boundary: lets y and bias use vector accesses
+    col_align = 16
+    while col_align > 1 and any(c % col_align for c in cols):
+        col_align //= 2
+    rank_dim = s.shape[2]
+    _lora_gemm_kernel[(grid,)](
+        x_arg, w_arg, y, bias if bias is not None else y, s, b_stacked,
+        token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
+        num_tokens, hidden, rank_dim, *cols, n_total, *blks, num_col_blocks, grid,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
+        s.stride(0), s.stride(1), s.stride(2), b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=block_rank(rank_dim), GROUP_M=cfg["GROUP_M"],
+        USE_TMA=use_tma, FLATTEN=bool(cfg["FLATTEN"]), WARP_SPECIALIZE=bool(cfg["WS"]),
+        EVEN_K=hidden % bk == 0, COL_ALIGN=col_align, HAS_LORA=rank_dim > 0, HAS_BIAS=bias is not None,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return y
+
+
+@torch.library.custom_op("ditserve::lora_gemm", mutates_args=())
+def lora_gemm_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    s: torch.Tensor,
+    b_stacked: torch.Tensor,
+    token_seg: torch.Tensor,
+    seg_start: torch.Tensor,
+    seg_len: torch.Tensor,
+    seg_slot: torch.Tensor,
+    seg_scale: torch.Tensor,
+    slot_rank: torch.Tensor,
+    out_slice_sizes: list[int],
+) -> torch.Tensor:
+    """x · Wᵀ + bias + segmented LoRA expand of s; Triton on CUDA (or TRITON_INTERPRET=1), else the reference."""
+    args = (x, weight, bias, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank)
+    if use_triton(x):
+        return launch_lora_gemm(*args, out_slice_sizes)
+    return lora_gemm_ref(x, weight, bias, s, b_stacked, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
+                         out_slice_sizes)  # fmt: skip
+
+
+@lora_gemm_op.register_fake
+def _(x, weight, bias, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
+      out_slice_sizes):  # fmt: skip
+    return x.new_empty((x.shape[0], weight.shape[0]))

@@ -1,0 +1,220 @@
+"""The GEMM with the LoRA expand in its epilogue (lora_gemm) against its torch reference and the oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ditserve.kernels.lora import LoRABatchMeta, lora_linear
+from ditserve.kernels.lora_gemm.op import SWEEP, launch_lora_gemm
+from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
+from ditserve.kernels.lora_shrink.reference import lora_shrink_ref
+from tests.kernels.lora_cases import MAX_LORAS, dense_oracle, make_case, token_counts
+
+SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=3e-2, rtol=2e-2)}
+MAX_RANK = 128
+
+
+def _cfg(bm, bn, bk, **kw):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=1, **kw)
+
+
+# 16-row tiles make segments straddle tiles; persistent programs loop over several tiles (4 programs in
+# the interpreter); TMA descriptors zero-fill rows past the end; K = 48 or 40 is not a multiple of 32
+gemm_cfgs = st.sampled_from(
+    [
+        None,
+        _cfg(16, 16, 16),
+        _cfg(16, 32, 32, PERSISTENT=1, GROUP_M=2),
+        _cfg(32, 16, 16, PERSISTENT=1, TMA=1, FLATTEN=1),
+        _cfg(16, 64, 32, PERSISTENT=1, TMA=1, GROUP_M=1),
+    ]
+)
+
+
+@st.composite
+def layouts(draw, max_requests: int = 6):
+    """(requests, slot_ranks, scales): zero-length and 1-token requests, rank 0, slot -1, ranks up to 128."""
+    ranks = draw(
+        st.lists(st.sampled_from([0, 1, 8, 16, 33, 64, 128]), min_size=MAX_LORAS, max_size=MAX_LORAS)
+    )
+    requests = draw(
+        st.lists(st.tuples(token_counts, st.integers(-1, MAX_LORAS - 1)), min_size=1, max_size=max_requests)
+    )
+    scales = draw(
+        st.lists(st.sampled_from([0.5, 1.0, -0.75]), min_size=len(requests), max_size=len(requests))
+    )
+    return requests, ranks, scales
+
+
+# 1..4 output slices of unequal sizes, some not a multiple of any tile
+out_slices = st.lists(st.sampled_from([8, 16, 40, 17, 70]), min_size=1, max_size=4)
+
+
+def gemm_inputs(c, dtype, with_bias: bool, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    hidden = c.x.shape[1]
+    w = (torch.randn(sum(c.sizes), hidden, generator=g) * hidden**-0.5).to(dtype)
+    bias = torch.randn(sum(c.sizes), generator=g).to(dtype) if with_bias else None
+    return w, bias
+
+
+def seg_args(m):
+    return m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank
+
+
+def ref(c, w, bias, s):
+    m = c.meta
+    return lora_gemm_ref(c.x, w, bias, s, c.b, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank,
+                         c.sizes)  # fmt: skip
+
+
+@SETTINGS
+@given(layouts(), out_slices, st.sampled_from([32, 40, 48]), st.sampled_from([torch.float32, torch.float16]),
+       st.booleans(), gemm_cfgs)  # fmt: skip
+def test_gemm_matches_reference(layout, sizes, hidden, dtype, with_bias, cfg):
+    c = make_case(layout, len(sizes), sizes, hidden, dtype, max_rank=MAX_RANK)
+    m = c.meta
+    w, bias = gemm_inputs(c, dtype, with_bias)
+    s = lora_shrink_ref(c.x, c.a, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
+    got = launch_lora_gemm(c.x, w, bias, s, c.b, *seg_args(m), sizes, config=cfg)
+    assert got.shape == (m.num_tokens, sum(sizes)) and got.dtype == dtype
+    torch.testing.assert_close(got, ref(c, w, bias, s), **TOL[dtype])
+
+
+def test_reference_matches_dense_oracle():
+    layout = (
+        [(150, 0), (1, 1), (0, 2), (40, 0), (7, -1), (33, 3)],
+        [16, 8, 0, 128],
+        [1.0, 0.5, 2.0, 1, 1, -1],
+    )
+    sizes = [24, 40, 17]
+    c = make_case(layout, 3, sizes, hidden=48, dtype=torch.float64, max_rank=MAX_RANK)
+    m = c.meta
+    w, bias = gemm_inputs(c, torch.float64, with_bias=True)
+    s = lora_shrink_ref(c.x, c.a, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
+    c.y = torch.nn.functional.linear(c.x, w, bias)
+    # s comes from the shrink reference in fp32
+    torch.testing.assert_close(ref(c, w, bias, s), dense_oracle(c), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("s_dtype", [torch.float32, torch.float16])
+def test_tiles_straddling_segments_and_no_lora(s_dtype):
+    """16-row tiles over 1-token, empty, rank-0 and no-LoRA segments; s may come in the weight dtype."""
+    layout = (
+        [(1, 0), (0, 1), (17, 2), (5, -1), (1, 3), (30, 1), (9, 0)],
+        [16, 64, 0, 128],
+        [1, 2, 1, 1, -1, 0.5, 1],
+    )
+    sizes = [16, 40, 17, 8]
+    c = make_case(layout, 4, sizes, 32, torch.float16, max_rank=MAX_RANK)
+    m = c.meta
+    w, bias = gemm_inputs(c, torch.float16, with_bias=True)
+    s = lora_shrink_ref(c.x, c.a, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank).to(s_dtype)
+    want = ref(c, w, bias, s)
+    for cfg in (_cfg(16, 16, 16), _cfg(16, 32, 16, PERSISTENT=1, TMA=1)):
+        got = launch_lora_gemm(c.x, w, bias, s, c.b, *seg_args(m), sizes, config=cfg)
+        torch.testing.assert_close(got, want, **TOL[torch.float16])
+    # rows without LoRA are the plain linear
+    base = launch_lora_gemm(c.x, w, bias, s[:, :, :0], c.b, *seg_args(m), sizes, config=_cfg(16, 16, 16))
+    no_lora = [m.seg_slot[t].item() < 0 for t in m.token_seg.tolist()]
+    torch.testing.assert_close(got[no_lora], base[no_lora], atol=0, rtol=0)
+    torch.testing.assert_close(base, torch.nn.functional.linear(c.x.float(), w.float(), bias.float()).half(),
+                               **TOL[torch.float16])  # fmt: skip
+
+
+def test_lora_linear_uses_fused_gemm(monkeypatch):
+    """lora_linear goes through lora_gemm where Triton runs and equals the unfused path."""
+    import ditserve.kernels.lora as lora
+
+    layout = (
+        [(150, 0), (1, 1), (0, 2), (40, 0), (7, -1), (33, 3)],
+        [16, 8, 0, 32],
+        [1.0, 0.5, 2.0, 1, 1, -1],
+    )
+    sizes = [24, 40, 16]
+    c = make_case(layout, 3, sizes, hidden=48, dtype=torch.float32)
+    w, bias = gemm_inputs(c, torch.float32, with_bias=True)
+    calls = []
+    monkeypatch.setattr(lora, "lora_gemm_op", lambda *a: calls.append(1) or torch.ops.ditserve.lora_gemm(*a))
+    got = lora_linear(c.x, w, bias, c.a, c.b, c.meta, sizes)
+    assert calls == [1]
+    want = lora._lora_linear_addmm(c.x, w, bias, c.a, c.b, c.meta, sizes)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_custom_op_contract_and_compile():
+    layout = ([(20, 0), (1, 1), (9, -1), (13, 3)], [16, 8, 0, 32], None)
+    sizes = [16, 24]
+    c = make_case(layout, 2, sizes, hidden=32, dtype=torch.float32)
+    m = c.meta
+    w, bias = gemm_inputs(c, torch.float32, with_bias=True)
+    s = lora_shrink_ref(c.x, c.a, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
+    args = (c.x, w, bias, s, c.b, *seg_args(m), sizes)
+    torch.library.opcheck(torch.ops.ditserve.lora_gemm.default, args)
+    torch.library.opcheck(torch.ops.ditserve.lora_gemm.default, (c.x, w, None, *args[3:]))
+
+    def layer(x, meta):
+        return lora_linear(x, w, bias, c.a, c.b, meta, sizes).relu()
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(c.x, m), layer(c.x, m))
+
+
+# --- GPU, bf16, Flux sizes ---------------------------------------------------------------------------
+
+HIDDEN = 3072
+GPU_REQUESTS = [(1000, 0), (1, 1), (0, 2), (517, 3), (300, -1), (2000, 1), (129, 0)]
+GPU_RANKS = [16, 64, 128, 32, 0]
+GPU_SIZES = {3: [3072] * 3, 4: [3072, 3072, 3072, 12288]}
+
+
+def gpu_problem(num_slices: int):
+    meta = LoRABatchMeta.build(GPU_REQUESTS, GPU_RANKS, [0.5, 1.0, 2.0, 0.25, 1.0, 1.0, -1.0], device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sizes = GPU_SIZES[num_slices]
+
+    def rnd(*shape, std=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * std).to(torch.bfloat16)
+
+    x = rnd(meta.num_tokens, HIDDEN)
+    a = rnd(num_slices, len(GPU_RANKS), 128, HIDDEN, std=HIDDEN**-0.5)
+    b = rnd(len(GPU_RANKS), sum(sizes), 128, std=128**-0.5)
+    w = rnd(sum(sizes), HIDDEN, std=HIDDEN**-0.5)
+    bias = rnd(sum(sizes))
+    return meta, x, a, b, w, bias, sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [None, *SWEEP])
+@pytest.mark.parametrize("num_slices", [3, 4])
+def test_bf16_gpu_every_config(num_slices, name):
+    meta, x, a, b, w, bias, sizes = gpu_problem(num_slices)
+    m = meta
+    s = lora_shrink_ref(x, a, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
+    want = lora_gemm_ref(
+        x, w, bias, s, b, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank, sizes
+    )
+    cfg = SWEEP[name] if name else None
+    got = launch_lora_gemm(x, w, bias, s, b, *seg_args(m), sizes, config=cfg)
+    # bf16 output rounded once; s · scale rounded to bf16 before the epilogue's dot
+    torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=3e-2)
+    base = launch_lora_gemm(x, w, None, s[:, :, :0], b, *seg_args(m), sizes, config=cfg)
+    torch.testing.assert_close(base.float(), torch.nn.functional.linear(x, w).float(), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_bf16_gpu_lora_linear_and_inductor():
+    meta, x, a, b, w, bias, sizes = gpu_problem(3)
+    m = meta
+    s = lora_shrink_ref(x, a, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
+    want = lora_gemm_ref(
+        x, w, bias, s, b, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank, sizes
+    )
+    got = lora_linear(x, w, bias, a, b, meta, sizes)
+    torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=3e-2)
+    compiled = torch.compile(lambda x, meta: lora_linear(x, w, bias, a, b, meta, sizes), fullgraph=True)
+    torch.testing.assert_close(compiled(x, meta).float(), want.float(), atol=5e-2, rtol=3e-2)
