@@ -1,30 +1,64 @@
-"""LoRA in the engine: a batch of requests with different adapters against the same batch without LoRA.
+"""LoRA in the engine: a batch of requests with different adapters against the same batch without LoRA,
+and the same requests through stock diffusers + PEFT (one after another: it cannot mix adapters in a batch).
 
-    GIT_COMMIT=$(git rev-parse --short HEAD) python benchmarks/lora_engine.py --out DIR
+    GIT_COMMIT=$(git rev-parse --short HEAD) python benchmarks/lora_engine.py --budget-s 400 --out DIR
     python benchmarks/lora_engine.py --tiny --device cpu --size 64 --out /tmp/le      # CPU smoke run
 
-FLUX.1-dev-sized transformer (random bf16 weights, built in memory as in engine_vs_diffusers.py) in the
-real Engine loop. ``--requests`` requests of one size share every step; with LoRA each has its own adapter
-(rank ``--rank`` on every linear of the transformer blocks: attention q/k/v/out for both streams, the
-feed-forwards, single-block proj_mlp/proj_out), random weights put straight into the slots. Time per
-step = the engine's step time (every rank command of the step), median over the timed steps.
+FLUX.1-dev-sized transformer (random bf16 weights, built in memory as in engine_vs_diffusers.py). For each
+rank of ``--rank`` (default 16 and 64) every request gets its own adapter: rank r on every linear of the
+transformer blocks (attention q/k/v/out for both streams, the feed-forwards, single-block
+proj_mlp/proj_out), random weights generated once per rank and given to both implementations.
+
+Rows, in this order (the stock-diffusers rows run first, on the clean model):
+- diffusers FluxPipeline, one request, no LoRA: transformer step ms (ForwardTimer: CUDA events around
+  each transformer forward), median over its steps; "4-request equivalent" = 4 × that step.
+- diffusers + PEFT, per rank: the 4 adapters loaded with ``pipe.load_lora_weights(state_dict,
+  adapter_name=...)`` (diffusers-format state dict built in memory, alpha = rank, so scale 1 as in the
+  engine), then each request after ``pipe.set_adapters(its adapter)``, one after another. Step ms = median
+  over all 4 requests' steps; "4-request equivalent" = sum over the 4 requests of their median step
+  (what one step of the batch costs when the requests run one after another); wall s = the 4 requests'
+  total time (text encode, steps and VAE decode included). ``pipe.unload_lora_weights()`` afterwards
+  (checked: no PEFT layer left) and the memory is released before the next rows.
+- ditserve Engine, per rank: ``--requests`` requests of one size share every step; batch step = the
+  engine's step time (every rank command of the step), median over the timed steps, without LoRA and
+  with one adapter per request (``max_lora_rank`` = rank). After each engine the LoRA hooks are removed.
+
+PSNR: each request's image from the engine batch with LoRA against the same request through diffusers +
+PEFT with the same adapter (uint8; 4 requests, minimum reported).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.util
+import io
 import json
 import os
 import statistics
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
+# Loading a second adapter into one model is what these rows do on purpose.
+warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
 sys.path.insert(0, str(Path(__file__).parent))
 from batching import config_folder  # noqa: E402
-from engine_vs_diffusers import build_pipe, commit, device_name, flux_configs  # noqa: E402
+from engine_vs_diffusers import (  # noqa: E402
+    ForwardTimer,
+    build_pipe,
+    commit,
+    device_name,
+    flux_configs,
+    fmt_psnr,
+    psnr,
+    sync,
+)
 
 from ditserve.replica.config import EngineConfig  # noqa: E402
 from ditserve.replica.engine import Engine  # noqa: E402
@@ -48,6 +82,7 @@ TARGETS = (
     "proj_mlp",
     "proj_out",
 )
+GUIDANCE = 3.5  # FluxRunner's default distilled guidance, passed to diffusers explicitly
 
 
 def random_adapter(transformer, rank: int, seed: int) -> LoRAFile:
@@ -61,8 +96,45 @@ def random_adapter(transformer, rank: int, seed: int) -> LoRAFile:
     return LoRAFile(modules=modules, rank=rank, ignored=0)
 
 
-def timed_steps(engine: Engine, params: list[GenerationParams]) -> list[float]:
-    """Per-step times of one batch run (all requests submitted together)."""
+def diffusers_state_dict(lora: LoRAFile, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The adapter in diffusers/PEFT layout (``transformer.<module>.lora_A/B.weight``), no alpha: scale 1."""
+    out = {}
+    for name, m in lora.modules.items():
+        out[f"transformer.{name}.lora_A.weight"] = m.a.to(device, dtype)
+        out[f"transformer.{name}.lora_B.weight"] = m.b.to(device, dtype)
+    return out
+
+
+def peft_layers(module: torch.nn.Module) -> int:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return sum(isinstance(m, BaseTunerLayer) for m in module.modules())
+
+
+def detach_lora(manager) -> None:
+    """Take an engine's LoRA hooks off the transformer's linears (the engine is shut down; the pipe stays)."""
+    manager.batch = None
+    for layer in manager.layers.values():
+        handle = getattr(layer, "_handle", None)
+        if handle is not None:
+            handle.remove()
+    manager.layers.clear()
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def decode_png(data: bytes) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+def timed_steps(engine: Engine, params: list[GenerationParams]) -> tuple[list[float], list[np.ndarray]]:
+    """Per-step times of one batch run (all requests submitted together), and each request's image."""
     times: list[float] = []
     last = [engine.step_seconds_total]
 
@@ -72,9 +144,7 @@ def timed_steps(engine: Engine, params: list[GenerationParams]) -> list[float]:
             last[0] = engine.step_seconds_total
 
     futures = [engine.submit(p, on_progress=on_progress if i == 0 else None) for i, p in enumerate(params)]
-    for f in futures:
-        f.result()
-    return times
+    return times, [decode_png(f.result().outputs[0]) for f in futures]
 
 
 def main() -> None:
@@ -86,30 +156,141 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--requests", type=int, default=4)
-    parser.add_argument("--rank", type=int, default=64)
+    parser.add_argument("--rank", default="16,64", help="comma list of LoRA ranks")
+    parser.add_argument("--no-peft", action="store_true", help="skip the diffusers + PEFT rows")
+    parser.add_argument("--budget-s", type=float, default=1e9, help="skip rows that would start after this")
     parser.add_argument("--out", default="bench-out")
     args = parser.parse_args()
+    t_start = time.perf_counter()
+    ranks = [int(r) for r in str(args.rank).split(",")]
     device = torch.device(args.device if args.device != "cuda" else "cuda:0")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dtype = torch.float32 if args.tiny else torch.bfloat16
+    max_len = flux_configs(args.tiny)["max_sequence_length"]
     pipe = build_pipe(tiny=args.tiny, device=device, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
-    config = EngineConfig(
-        model=config_folder(pipe),
-        device=args.device,
-        dtype=str(dtype).removeprefix("torch."),
-        max_batch_size=args.requests,
-        max_loras=args.requests,
-        max_lora_rank=args.rank,
-        max_sequence_length=flux_configs(args.tiny)["max_sequence_length"],
-    )
-    engine = Engine(config, launcher=InProcessLauncher(pipe)).start()
-    t0 = time.perf_counter()
-    manager = engine.launcher.worker.lora
-    for i in range(args.requests):
-        info = manager.load_weights(f"a{i}", random_adapter(pipe.transformer, args.rank, i), source="memory")
-        engine.loras[f"a{i}"] = info
-    load_s = time.perf_counter() - t0
+    sha, dev = commit(), device_name(device)
+    n = args.requests
+    adapters: dict[int, list[LoRAFile]] = {}
 
+    def adapters_for(rank: int) -> list[LoRAFile]:
+        """Made once per rank and kept (host memory: rank 64 ≈ 1 GB per FLUX-size adapter in fp32)."""
+        if rank not in adapters:
+            adapters[rank] = [random_adapter(pipe.transformer, rank, i) for i in range(n)]
+        return adapters[rank]
+
+    rows: list[dict] = []
+    skipped: list[str] = []
+    images: dict[tuple[str, int, int], np.ndarray] = {}  # (impl, rank, request) → image
+
+    dirty: list[str] = []  # set when PEFT layers could not be removed: later rows would be wrong
+
+    def over_budget(label: str) -> bool:
+        if dirty:
+            skipped.append(f"{label}: {dirty[0]}")
+            print(f"skip {label}: {dirty[0]}", flush=True)
+            return True
+        if time.perf_counter() - t_start > args.budget_s:
+            skipped.append(f"{label}: time budget")
+            print(f"skip {label}: over --budget-s", flush=True)
+            return True
+        return False
+
+    def failed(label: str, exc: BaseException) -> None:
+        traceback.print_exc()
+        skipped.append(f"{label}: {type(exc).__name__}: {str(exc)[:300]}")
+        print(f"skip {label}: {type(exc).__name__}: {exc}", flush=True)
+
+    # ---- stock diffusers (+ PEFT), one request at a time, on the clean model ----------------------------
+    def diffusers_request(i: int) -> np.ndarray:
+        from ditserve.replica.pipelines.base import to_uint8
+
+        out = pipe(
+            prompt=f"request {i}",
+            height=args.size,
+            width=args.size,
+            num_inference_steps=args.steps,
+            guidance_scale=GUIDANCE,
+            generator=torch.Generator("cpu").manual_seed(i),
+            max_sequence_length=max_len,
+            output_type="np",
+        )
+        return to_uint8(out.images)[0]
+
+    have_peft = importlib.util.find_spec("peft") is not None
+    if args.no_peft:
+        skipped.append("diffusers rows: --no-peft")
+    elif not have_peft:
+        skipped.append("diffusers + PEFT rows: peft is not installed (pip install peft)")
+        print("skip diffusers + PEFT rows: peft is not installed", flush=True)
+    if not args.no_peft:
+        timer = ForwardTimer(pipe.transformer, device)
+        try:
+            label = "diffusers, no LoRA"
+            if not over_budget(label):
+                try:
+                    with torch.no_grad():
+                        diffusers_request(0)  # warm-up
+                        timer.take()
+                        t0 = time.perf_counter()
+                        diffusers_request(0)
+                        sync()
+                        wall = time.perf_counter() - t0
+                        step = statistics.median(timer.take())
+                    rows.append(dict(impl="diffusers", size=args.size, requests=1, rank=0, adapters=0,
+                                     step_ms=step, batch_equiv_ms=n * step, wall_s=wall, device=dev,
+                                     commit=sha))  # fmt: skip
+                    print(f"{label}: step {step:.1f} ms, request {wall:.2f} s", flush=True)
+                except Exception as exc:
+                    timer.take()
+                    failed(label, exc)
+            for rank in ranks if have_peft else []:
+                label = f"diffusers + PEFT, rank {rank}"
+                if over_budget(label):
+                    continue
+                names = [f"peft{i}" for i in range(n)]
+                try:
+                    t0 = time.perf_counter()
+                    for name, lora in zip(names, adapters_for(rank), strict=True):
+                        pipe.load_lora_weights(diffusers_state_dict(lora, device, dtype), adapter_name=name)
+                    sync()
+                    load_s = time.perf_counter() - t0
+                    with torch.no_grad():
+                        pipe.set_adapters(names[0])
+                        diffusers_request(0)  # warm-up with an adapter
+                        timer.take()
+                        per_request, wall = [], 0.0
+                        for i, name in enumerate(names):
+                            pipe.set_adapters(name)
+                            t0 = time.perf_counter()
+                            images[("peft", rank, i)] = diffusers_request(i)
+                            sync()
+                            wall += time.perf_counter() - t0
+                            per_request.append(timer.take())
+                    step = statistics.median([t for ts in per_request for t in ts])
+                    equiv = sum(statistics.median(ts) for ts in per_request)
+                    rows.append(dict(impl="diffusers + PEFT", size=args.size, requests=n, rank=rank,
+                                     adapters=n, step_ms=step, batch_equiv_ms=equiv, wall_s=wall,
+                                     load_s=load_s, device=dev, commit=sha))  # fmt: skip
+                    print(f"{label}: step {step:.1f} ms, {n} requests {wall:.2f} s, "
+                          f"batch-step equivalent {equiv:.1f} ms, load {load_s:.1f} s", flush=True)  # fmt: skip
+                except Exception as exc:
+                    timer.take()
+                    failed(label, exc)
+                finally:
+                    try:
+                        pipe.unload_lora_weights()
+                    except Exception as exc:
+                        failed(f"{label}: unload", exc)
+                    left = peft_layers(pipe.transformer)
+                    if left:
+                        dirty.append(f"{left} PEFT layers left in the transformer after unload_lora_weights")
+                    free(device)
+        finally:
+            timer.remove()
+
+    # ---- ditserve engine: the whole batch in every step --------------------------------------------------
     def batch(with_lora: bool) -> list[GenerationParams]:
         return [
             GenerationParams(
@@ -120,44 +301,123 @@ def main() -> None:
                 num_inference_steps=args.steps,
                 lora=(LoRARef(name=f"a{i}"),) if with_lora else (),
             )
-            for i in range(args.requests)
+            for i in range(n)
         ]
 
-    rows = []
-    try:
-        for with_lora in (False, True):  # warm-up both paths, then time
-            timed_steps(engine, batch(with_lora))
-        results = {}
-        for with_lora in (False, True, False, True):
-            results.setdefault(with_lora, []).extend(timed_steps(engine, batch(with_lora))[1:])
-    finally:
-        engine.shutdown()
-    base, lora = statistics.median(results[False]), statistics.median(results[True])
-    row = {
-        "size": args.size,
-        "requests": args.requests,
-        "rank": args.rank,
-        "adapters": args.requests,
-        "linears": len(manager.layers),
-        "step_ms_no_lora": base * 1e3,
-        "step_ms_lora": lora * 1e3,
-        "ratio": lora / base,
-        "load_s": load_s,
-        "device": device_name(device),
-        "commit": commit(),
-    }
-    rows.append(row)
-    print(
-        "| size | requests × adapters | rank | LoRA linears | step ms, no LoRA | step ms, 4 LoRAs | ratio | device |"
+    for rank in ranks:
+        label = f"ditserve engine, rank {rank}"
+        if over_budget(label):
+            continue
+        engine = manager = None
+        try:
+            config = EngineConfig(
+                model=config_folder(pipe),
+                device=args.device,
+                dtype=str(dtype).removeprefix("torch."),
+                max_batch_size=n,
+                max_loras=n,
+                max_lora_rank=rank,
+                max_sequence_length=max_len,
+            )
+            engine = Engine(config, launcher=InProcessLauncher(pipe)).start()
+            manager = engine.launcher.worker.lora
+            t0 = time.perf_counter()
+            for i, lora in enumerate(adapters_for(rank)):
+                engine.loras[f"a{i}"] = manager.load_weights(f"a{i}", lora, source="memory")
+            load_s = time.perf_counter() - t0
+            for with_lora in (False, True):  # warm-up both paths, then time
+                timed_steps(engine, batch(with_lora))
+            results: dict[bool, list[float]] = {}
+            for with_lora in (False, True, False, True):
+                times, outs = timed_steps(engine, batch(with_lora))
+                results.setdefault(with_lora, []).extend(times[1:])
+                if with_lora:
+                    for i, image in enumerate(outs):
+                        images[("engine", rank, i)] = image
+        except Exception as exc:
+            failed(label, exc)
+            continue
+        finally:
+            if engine is not None:
+                engine.shutdown()
+            if manager is not None:
+                detach_lora(manager)
+            del engine, manager
+            free(device)
+        base, lora = statistics.median(results[False]), statistics.median(results[True])
+        psnrs = [
+            psnr(images[("engine", rank, i)], images[("peft", rank, i)])
+            for i in range(n)
+            if ("peft", rank, i) in images and ("engine", rank, i) in images
+        ]
+        rows.append(
+            {
+                "impl": "ditserve engine",
+                "size": args.size,
+                "requests": n,
+                "rank": rank,
+                "adapters": n,
+                "linears": len(adapters_for(rank)[0].modules),
+                "step_ms_no_lora": base * 1e3,
+                "step_ms_lora": lora * 1e3,
+                "ratio": lora / base,
+                "load_s": load_s,
+                "psnr_vs_peft_min": min(psnrs) if psnrs else None,
+                "device": dev,
+                "commit": sha,
+            }
+        )
+        print(f"{label}: batch step {base * 1e3:.1f} ms no LoRA, {lora * 1e3:.1f} ms with {n} LoRAs "
+              f"({lora / base:.3f}×)", flush=True)  # fmt: skip
+
+    # ---- table ----------------------------------------------------------------------------------------
+    engine_rows = {r["rank"]: r for r in rows if r["impl"] == "ditserve engine"}
+    engine_base = (
+        statistics.median([r["step_ms_no_lora"] for r in engine_rows.values()]) if engine_rows else None
     )
-    print("|---|---|---|---|---|---|---|---|")
-    print(
-        f"| {args.size}² | {args.requests} × {args.requests} | {args.rank} | {row['linears']} | {base * 1e3:.1f} | "
-        f"{lora * 1e3:.1f} | {lora / base:.3f} | {row['device']} ({row['commit']}) |",
-        flush=True,
-    )
+    lines = [
+        f"| size | implementation | rank | requests × adapters | transformer step ms | batch-step ms ({n} requests; "
+        "diffusers: equivalent, one after another) | vs ditserve batch without LoRA | vs ditserve batch "
+        "with the same LoRAs | PSNR engine vs PEFT dB (min) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def ratio(x: float, ref: float | None) -> str:
+        return f"{x / ref:.3f}×" if ref else "—"
+
+    for r in rows:
+        size = f"{r['size']}²"
+        if r["impl"] == "ditserve engine":
+            lines.append(f"| {size} | ditserve engine, no LoRA | — | {n} × 0 | — | {r['step_ms_no_lora']:.1f} | "
+                         "1.000× | — | — |")  # fmt: skip
+            lines.append(
+                f"| {size} | ditserve engine, {n} LoRAs | {r['rank']} | {n} × {n} | — | {r['step_ms_lora']:.1f} | "
+                f"{r['ratio']:.3f}× | 1.000× | {fmt_psnr(r['psnr_vs_peft_min'])} |"
+            )
+        else:
+            same = engine_rows.get(r["rank"])
+            lora_ref = same["step_ms_lora"] if same else None
+            lines.append(
+                f"| {size} | {r['impl']}{', one request' if r['requests'] == 1 else ''} | {r['rank'] or '—'} | "
+                f"{r['requests']} × {r['adapters']} | {r['step_ms']:.1f} | {r['batch_equiv_ms']:.1f} | "
+                f"{ratio(r['batch_equiv_ms'], engine_base)} | "
+                f"{ratio(r['batch_equiv_ms'], lora_ref) if r['adapters'] else '—'} | — |"
+            )
+    notes = [
+        "",
+        f"{dev}, commit {sha}, {args.steps} steps per request, {'float32 tiny' if args.tiny else 'bf16'} model; "
+        f"whole run {time.perf_counter() - t_start:.0f}s.",
+        "'vs ditserve batch without LoRA': an engine row against the same engine's no-LoRA batch step; a "
+        "diffusers row against the median no-LoRA batch step of the engines. Diffusers batch-step = sum of "
+        "the requests' median transformer step (no-LoRA row: requests × its one request's step).",
+    ]
+    if skipped:
+        notes.append("Skipped: " + "; ".join(skipped))
+    print("\n" + "\n".join(lines + notes), flush=True)
     os.makedirs(args.out, exist_ok=True)
-    Path(args.out, "lora_engine.json").write_text(json.dumps(rows, indent=1))
+    out_rows = rows + [{"impl": "skipped", "reason": s} for s in skipped]
+    Path(args.out, "lora_engine.json").write_text(json.dumps(out_rows, indent=1))
+    Path(args.out, "lora_engine.md").write_text("\n".join(lines + notes) + "\n")
 
 
 if __name__ == "__main__":

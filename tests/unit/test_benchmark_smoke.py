@@ -1,0 +1,66 @@
+"""The tiny CPU modes of the Wan and LoRA benchmarks run end to end and agree with stock diffusers."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_benchmark(script: str, *args: str) -> None:
+    # The benchmark's own CPU path (the LoRA kernels' torch fallback), not the Triton interpreter.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--tiny", "--device", "cpu", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_wan_vs_diffusers_tiny(tmp_path):
+    run_benchmark("wan_vs_diffusers.py", "--no-compile", "--repeats", "1", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "wan_vs_diffusers.json").read_text())
+    assert result["meta"]["skipped"] == []
+    rows = {(r["scheduler"], r["impl"]): r for r in result["rows"]}
+    assert set(rows) == {
+        ("unipc", "diffusers eager"),
+        ("unipc", "ditserve eager"),
+        ("euler", "diffusers eager"),
+        ("euler", "ditserve eager"),
+    }
+    assert rows[("unipc", "ditserve eager")]["forwards"] == 2 * 2  # 2 steps × cond/uncond
+    # Same scheduler on both sides: the runner makes diffusers' video.
+    assert rows[("euler", "ditserve eager")]["psnr_eager"] >= 35
+    assert (tmp_path / "wan_vs_diffusers.md").is_file()
+
+
+def test_lora_engine_tiny_with_peft(tmp_path):
+    pytest.importorskip("peft")
+    run_benchmark(
+        "lora_engine.py",
+        "--size",
+        "32",
+        "--steps",
+        "2",
+        "--requests",
+        "2",
+        "--rank",
+        "4",
+        "--out",
+        str(tmp_path),
+    )
+    rows = json.loads((tmp_path / "lora_engine.json").read_text())
+    assert not [r for r in rows if r["impl"] == "skipped"], rows
+    by_impl = {r["impl"]: r for r in rows}
+    assert set(by_impl) == {"diffusers", "diffusers + PEFT", "ditserve engine"}
+    assert by_impl["diffusers + PEFT"]["requests"] == 2
+    # The engine's batched adapters give each request the image diffusers + PEFT gives it alone.
+    assert by_impl["ditserve engine"]["psnr_vs_peft_min"] >= 35
