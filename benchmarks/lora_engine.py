@@ -112,12 +112,10 @@ def peft_layers(module: torch.nn.Module) -> int:
 
 
 def detach_lora(manager) -> None:
-    """Take an engine's LoRA hooks off the transformer's linears (the engine is shut down; the pipe stays)."""
+    """Give the transformer's linears their own forward back (the engine is shut down; the pipe stays)."""
     manager.batch = None
     for layer in manager.layers.values():
-        handle = getattr(layer, "_handle", None)
-        if handle is not None:
-            handle.remove()
+        layer.detach()
     manager.layers.clear()
 
 
@@ -325,13 +323,17 @@ def main() -> None:
             for i, lora in enumerate(adapters_for(rank)):
                 engine.loras[f"a{i}"] = manager.load_weights(f"a{i}", lora, source="memory")
             load_s = time.perf_counter() - t0
-            for with_lora in (False, True):  # warm-up both paths, then time
-                timed_steps(engine, batch(with_lora))
-            results: dict[bool, list[float]] = {}
-            for with_lora in (False, True, False, True):
-                times, outs = timed_steps(engine, batch(with_lora))
-                results.setdefault(with_lora, []).extend(times[1:])
-                if with_lora:
+            # modes: no LoRA; LoRA inside the GEMM (fused_lora, the default); base GEMM + in-place expand
+            modes = ("none", "fused", "inplace")
+            for mode in modes:  # warm-up every path, then time them interleaved
+                manager.fused = mode != "inplace"
+                timed_steps(engine, batch(mode != "none"))
+            results: dict[str, list[float]] = {}
+            for mode in modes + modes:
+                manager.fused = mode != "inplace"
+                times, outs = timed_steps(engine, batch(mode != "none"))
+                results.setdefault(mode, []).extend(times[1:])
+                if mode == "fused":
                     for i, image in enumerate(outs):
                         images[("engine", rank, i)] = image
         except Exception as exc:
@@ -344,7 +346,8 @@ def main() -> None:
                 detach_lora(manager)
             del engine, manager
             free(device)
-        base, lora = statistics.median(results[False]), statistics.median(results[True])
+        base, lora = statistics.median(results["none"]), statistics.median(results["fused"])
+        inplace = statistics.median(results["inplace"])
         psnrs = [
             psnr(images[("engine", rank, i)], images[("peft", rank, i)])
             for i in range(n)
@@ -361,6 +364,8 @@ def main() -> None:
                 "step_ms_no_lora": base * 1e3,
                 "step_ms_lora": lora * 1e3,
                 "ratio": lora / base,
+                "step_ms_lora_inplace": inplace * 1e3,
+                "ratio_inplace": inplace / base,
                 "load_s": load_s,
                 "psnr_vs_peft_min": min(psnrs) if psnrs else None,
                 "device": dev,
@@ -368,7 +373,7 @@ def main() -> None:
             }
         )
         print(f"{label}: batch step {base * 1e3:.1f} ms no LoRA, {lora * 1e3:.1f} ms with {n} LoRAs "
-              f"({lora / base:.3f}×)", flush=True)  # fmt: skip
+              f"({lora / base:.3f}×), {inplace * 1e3:.1f} ms unfused ({inplace / base:.3f}×)", flush=True)  # fmt: skip
 
     # ---- table ----------------------------------------------------------------------------------------
     engine_rows = {r["rank"]: r for r in rows if r["impl"] == "ditserve engine"}
@@ -393,6 +398,11 @@ def main() -> None:
             lines.append(
                 f"| {size} | ditserve engine, {n} LoRAs | {r['rank']} | {n} × {n} | — | {r['step_ms_lora']:.1f} | "
                 f"{r['ratio']:.3f}× | 1.000× | {fmt_psnr(r['psnr_vs_peft_min'])} |"
+            )
+            lines.append(
+                f"| {size} | ditserve engine, {n} LoRAs, unfused (--no-fused-lora) | {r['rank']} | {n} × {n} | — | "
+                f"{r['step_ms_lora_inplace']:.1f} | {r['ratio_inplace']:.3f}× | "
+                f"{r['step_ms_lora_inplace'] / r['step_ms_lora']:.3f}× | — |"
             )
         else:
             same = engine_rows.get(r["rank"])

@@ -49,6 +49,10 @@ class EngineArgs(BaseModel):
     max_n: int = Field(default=4, ge=1, description="Most images per request.")
     max_prompt_chars: int = Field(default=4000, ge=1, description="Longest prompt in characters.")
     compile: bool = Field(default=False, description="torch.compile the transformer blocks.")
+    fused_lora: bool = Field(
+        default=True,
+        description="LoRA expand inside the base GEMM (Triton, GPU); off: base GEMM, then an in-place expand.",
+    )
     lora_root: tuple[str, ...] = Field(default=(), description="Folders LoRA files may be loaded from.")
     max_loras: int = Field(default=8, ge=1, description="Adapter slots per replica.")
     max_lora_rank: int = Field(default=128, ge=1, le=128, description="Largest adapter rank.")
@@ -84,6 +88,7 @@ class EngineArgs(BaseModel):
             max_batch_size=self.max_batch_size,
             max_queue=self.max_queue,
             compile=self.compile,
+            fused_lora=self.fused_lora,
             max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,
             lora_roots=self.lora_root,

@@ -90,6 +90,10 @@ class EngineConfig(BaseModel):
     max_batch_size: int = Field(default=8, ge=1, description="Most requests in one running batch.")
     max_queue: int = Field(default=64, ge=1, description="Most queued requests before 429.")
     compile: bool = Field(default=False, description="torch.compile the transformer blocks.")
+    fused_lora: bool = Field(
+        default=True,
+        description="LoRA expand inside the base GEMM (Triton, GPU); off: base GEMM, then an in-place expand.",
+    )
     max_loras: int = Field(default=8, ge=1, description="Adapter slots per replica.")
     max_lora_rank: int = Field(default=128, ge=1, le=128, description="Largest adapter rank.")
     lora_roots: tuple[str, ...] = Field(

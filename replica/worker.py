@@ -132,6 +132,7 @@ class RankWorker:
             self.spec.pipeline_class,
             max_loras=config.max_loras,
             max_rank=config.max_lora_rank,
+            fused=config.fused_lora,
         )
 
     def reattach_lora(self) -> None:

@@ -8,6 +8,10 @@ as several "positions": position p applies every request's p-th adapter in one k
 
 Tensor parallelism: a column-parallel linear keeps all of A and its rows of B; a row-parallel linear keeps
 its columns of A and all of B and adds the delta in ``forward_partial``, before the all-reduce.
+
+Fused path (``fused=True``, where Triton runs): a plain or column-parallel linear whose batch has one
+adapter position computes ``lora_linear`` — the shrink, then one GEMM whose tiles add the expand before y
+is stored — instead of the base GEMM followed by an in-place expand (which reads and writes y once more).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ditserve.kernels.lora import LoRABatchMeta, apply_lora
+from ditserve.kernels._dispatch import use_triton
+from ditserve.kernels.lora import LoRABatchMeta, apply_lora, lora_linear
 
 from .loader import LoRAFile, LoRAModule
 
@@ -29,7 +34,7 @@ def _take(t: torch.Tensor, ranges, dim: int) -> torch.Tensor:
 
 
 class LoRALayer:
-    """Slot buffers of one linear, and the hook that adds the batch's LoRA deltas to its output."""
+    """Slot buffers of one linear, and the forward that adds the batch's LoRA deltas to its output."""
 
     def __init__(self, name: str, module: nn.Module, manager: LoRAManager):
         self.name = name
@@ -57,9 +62,35 @@ class LoRALayer:
                 return self.add_delta(x, base_partial(x))
 
             module.forward_partial = forward_partial  # delta joins the partial sum before the all-reduce
-            self._handle = None
         else:
-            self._handle = module.register_forward_hook(lambda mod, args, out: self.add_delta(args[0], out))
+            self._base_forward = module.forward
+            module.forward = self.forward
+
+    def detach(self) -> None:
+        """Give the module back its own forward (LoRA no longer applied)."""
+        for attr in ("forward", "forward_partial"):
+            self.module.__dict__.pop(attr, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The linear plus the batch's LoRA deltas: inside the GEMM where possible, else added after it."""
+        batch = self.manager.batch
+        if batch is None or not (batch.slots & self.used):
+            return self._base_forward(x)
+        if (
+            self.manager.fused
+            and len(batch.positions) == 1
+            and use_triton(x)
+            and x.dtype == self.a.dtype
+            and x.numel() > 0
+        ):
+            x2 = x.reshape(-1, self.in_features)
+            meta, segments = batch.meta(0, x2.shape[0] // batch.total_rows)
+            if meta is not None and not any(self.has_bias[slot] for _, _, slot, _ in segments):
+                y = lora_linear(
+                    x2, self.module.weight, self.module.bias, self.a, self.b, meta, [self.out_features]
+                )
+                return y.view(*x.shape[:-1], self.out_features)
+        return self.add_delta(x, self._base_forward(x))
 
     def check(self, w: LoRAModule) -> None:
         rank = w.a.shape[0]
@@ -156,8 +187,17 @@ class BatchLayout:
 class LoRAManager:
     """Slots, names and the per-call batch layout of one rank's transformer."""
 
-    def __init__(self, transformer: nn.Module, pipeline_class: str, *, max_loras: int, max_rank: int):
+    def __init__(
+        self,
+        transformer: nn.Module,
+        pipeline_class: str,
+        *,
+        max_loras: int,
+        max_rank: int,
+        fused: bool = True,
+    ):
         self.transformer = transformer
+        self.fused = fused
         self.pipeline_class = pipeline_class
         self.max_loras = max_loras
         self.max_rank = max_rank

@@ -153,3 +153,25 @@ def test_refusals_name_the_problem_and_leave_others_working(engine, files):
     assert np.array_equal(image(engine, LoRARef(name="keep")), want)  # unaffected by all of the above
     for name in ("keep", "s2", "s3"):
         engine.unload_lora(name)
+
+
+def test_lora_inside_the_gemm_draws_what_the_unfused_path_draws(engine, files, monkeypatch):
+    import ditserve.kernels.lora as lora_api
+
+    calls = []
+    real = lora_api.lora_gemm_op
+    monkeypatch.setattr(lora_api, "lora_gemm_op", lambda *a, **k: calls.append(1) or real(*a, **k))
+    manager = engine.launcher.worker.lora
+    engine.load_lora("a", str(files["a_kohya"]))
+    try:
+        manager.fused = False
+        unfused = image(engine, LoRARef(name="a"))
+        assert not calls
+        manager.fused = True
+        fused = image(engine, LoRARef(name="a"))
+        assert calls  # the LoRA went through the fused GEMM (Triton interpreter here, GPU in serving)
+    finally:
+        manager.fused = True
+        engine.unload_lora("a")
+    assert psnr(fused, unfused) >= 40
+    assert psnr(fused, image(engine)) < 30
