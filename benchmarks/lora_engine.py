@@ -113,7 +113,7 @@ def peft_layers(module: torch.nn.Module) -> int:
 
 def detach_lora(manager) -> None:
     """Give the transformer's linears their own forward back (the engine is shut down; the pipe stays)."""
-    manager.batch = None
+    manager.batch, manager.active = None, False
     for layer in manager.layers.values():
         layer.detach()
     manager.layers.clear()
@@ -156,6 +156,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--rank", default="16,64", help="comma list of LoRA ranks")
     parser.add_argument("--no-peft", action="store_true", help="skip the diffusers + PEFT rows")
+    parser.add_argument(
+        "--compile", action="store_true", help="engine with --compile (regional torch.compile)"
+    )
     parser.add_argument("--budget-s", type=float, default=1e9, help="skip rows that would start after this")
     parser.add_argument("--out", default="bench-out")
     args = parser.parse_args()
@@ -316,6 +319,7 @@ def main() -> None:
                 max_loras=n,
                 max_lora_rank=rank,
                 max_sequence_length=max_len,
+                compile=args.compile,
             )
             engine = Engine(config, launcher=InProcessLauncher(pipe)).start()
             manager = engine.launcher.worker.lora
@@ -415,7 +419,8 @@ def main() -> None:
             )
     notes = [
         "",
-        f"{dev}, commit {sha}, {args.steps} steps per request, {'float32 tiny' if args.tiny else 'bf16'} model; "
+        f"{dev}, commit {sha}, {args.steps} steps per request, {'float32 tiny' if args.tiny else 'bf16'} model, "
+        f"engine {'with --compile' if args.compile else 'eager'}; "
         f"whole run {time.perf_counter() - t_start:.0f}s.",
         "'vs ditserve batch without LoRA': an engine row against the same engine's no-LoRA batch step; a "
         "diffusers row against the median no-LoRA batch step of the engines. Diffusers batch-step = sum of "

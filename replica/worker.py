@@ -93,7 +93,8 @@ class RankWorker:
             parallelize(self.pipe.transformer, mesh=self.mesh)
         if config.compile:
             # Regional compilation: one compiled block graph reused by every block (compiles in seconds).
-            self.pipe.transformer.compile_repeated_blocks(fullgraph=True)
+            # Not fullgraph: a step with LoRA calls the (untraced) LoRA path at each adapted linear.
+            self.pipe.transformer.compile_repeated_blocks(fullgraph=False)
         self.runner = build_runner(self.spec, self.pipe, config, self.device, self.mesh)
         self.lora = self._build_lora()
         self.runner.before_forward = lambda groups: self.lora.set_batch(

@@ -59,7 +59,8 @@ class LoRALayer:
             base_partial = module.forward_partial
 
             def forward_partial(x: torch.Tensor) -> torch.Tensor:
-                return self.add_delta(x, base_partial(x))
+                y = base_partial(x)
+                return self._add_delta(x, y) if self.manager.active else y
 
             module.forward_partial = forward_partial  # delta joins the partial sum before the all-reduce
         else:
@@ -72,7 +73,17 @@ class LoRALayer:
             self.module.__dict__.pop(attr, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The linear plus the batch's LoRA deltas: inside the GEMM where possible, else added after it."""
+        # Under torch.compile the plain bool is a guard: one graph for steps without LoRA (the linear as
+        # compiled), and for steps with LoRA a graph that calls the eager LoRA path below at this linear.
+        if not self.manager.active:
+            return self._base_forward(x)
+        return self._forward_lora(x)
+
+    @torch.compiler.disable
+    def _forward_lora(self, x: torch.Tensor) -> torch.Tensor:
+        """The linear plus the batch's LoRA deltas: inside the GEMM where possible, else added after it.
+
+        Never traced: the batch layout is per-step Python state, and the kernels are opaque anyway."""
         batch = self.manager.batch
         if batch is None or not (batch.slots & self.used):
             return self._base_forward(x)
@@ -90,7 +101,7 @@ class LoRALayer:
                     x2, self.module.weight, self.module.bias, self.a, self.b, meta, [self.out_features]
                 )
                 return y.view(*x.shape[:-1], self.out_features)
-        return self.add_delta(x, self._base_forward(x))
+        return self._add_delta(x, self._base_forward(x))
 
     def check(self, w: LoRAModule) -> None:
         rank = w.a.shape[0]
@@ -125,7 +136,8 @@ class LoRALayer:
             self.bias[slot] = bias
             self.has_bias[slot] = True
 
-    def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    @torch.compiler.disable
+    def _add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         batch = self.manager.batch
         if batch is None or not (batch.slots & self.used):
             return y
@@ -207,6 +219,7 @@ class LoRAManager:
         self.ranks = [0] * max_loras
         self.info: dict[str, dict[str, Any]] = {}
         self.batch: BatchLayout | None = None
+        self.active = False  # self.batch is not None, as a plain bool (a torch.compile guard)
 
     def _layer(self, name: str) -> LoRALayer:
         if name not in self.layers:
@@ -284,5 +297,7 @@ class LoRAManager:
             layout.append((rows, [(self.slots[r.name], r.scale * self.info[r.name]["scale"]) for r in refs]))
         if not any(adapters for _, adapters in layout):
             self.batch = None
+            self.active = False
             return
         self.batch = BatchLayout(layout, list(self.ranks), self.device)
+        self.active = True
