@@ -17,8 +17,9 @@ result files.
 
 Rows, in this order: diffusers WanPipeline eager; ditserve WanRunner prepare/step/decode on the same pipe
 (eager, the engine's default); a scheduler check with both pipelines on FlowMatchEulerDiscreteScheduler
-(shift = flow_shift), because WanRunner builds its own FlowMatchEulerDiscreteScheduler from the pipe's
-scheduler config (1 timed video each, no extra warm-up: the shapes are warm); then
+(shift = flow_shift): WanRunner steps every request with its own instance of the pipe's scheduler class and
+config, so it must match diffusers with either scheduler (1 timed video each, no extra warm-up: the shapes
+are warm); then
 ``pipe.transformer.compile_repeated_blocks(fullgraph=True)``, diffusers compiled and our runner on the
 compiled transformer (what the engine's ``compile`` flag does). Guidance 5.0 with a negative prompt: two transformer forwards per step (cond and
 uncond), as WanPipeline does. Forward = CUDA events around every transformer forward (hooks on the model),
@@ -180,8 +181,7 @@ def make_runner(pipe, *, device: torch.device, dtype: torch.dtype, max_sequence_
 
 
 def euler_scheduler(pipe):
-    """FlowMatchEulerDiscreteScheduler with the pipe's flow shift: the one WanRunner steps with when the
-    pipe's own scheduler is already a FlowMatchEuler one."""
+    """FlowMatchEulerDiscreteScheduler with the pipe's flow shift: a second scheduler class for both sides."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     return FlowMatchEulerDiscreteScheduler(shift=pipe.scheduler.config.get("flow_shift", 3.0))
@@ -415,9 +415,9 @@ def main() -> None:
         f"{args.warmup} video(s), {args.repeats} timed videos per row (scheduler-check rows: 0 and 1); "
         "ratios = diffusers-eager (UniPC) / this row (>1 = faster). PSNR columns compare against the "
         "diffusers row with the same scheduler.",
-        "The FlowMatchEuler rows check the runner's arithmetic: WanRunner always steps with a "
-        "FlowMatchEulerDiscreteScheduler built from the pipe's scheduler config, so with Wan's UniPC config "
-        "its schedule is not diffusers' one and the UniPC rows' PSNR shows that difference.",
+        "The FlowMatchEuler rows check that the runner follows the pipe's scheduler: WanRunner steps every "
+        "request with its own instance of the pipe's scheduler class and config (UniPC, then FlowMatchEuler), "
+        "set up as WanPipeline sets it, so both schedulers' rows should match diffusers.",
         "'ditserve on compiled' = WanRunner on the transformer after compile_repeated_blocks(fullgraph=True), "
         f"which is what the engine's compile flag does. Pipeline build {build_s:.1f}s, whole run "
         f"{time.perf_counter() - t_start:.0f}s.",

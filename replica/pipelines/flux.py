@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
 from ..request import GenerationParams
@@ -54,7 +53,9 @@ class FluxRunner(PipelineRunner):
             self.device,
             generator,
         )
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
+        # The pipeline's own scheduler class and config, one instance per request (a multistep scheduler
+        # keeps per-request history); timesteps as FluxPipeline sets them.
+        scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
         steps = params.num_inference_steps
         sigmas = np.linspace(1.0, 1 / steps, steps)
         if getattr(scheduler.config, "use_flow_sigmas", False):
@@ -74,8 +75,13 @@ class FluxRunner(PipelineRunner):
             init = torch.from_numpy(params.init_latents).to(self.device, self.dtype)
             if init.shape != latents.shape:
                 raise ValueError(f"init_latents: shape {tuple(init.shape)} != {tuple(latents.shape)}")
+            if not hasattr(scheduler, "scale_noise"):
+                raise ValueError(
+                    f"init_latents: image-to-image needs a flow-matching scheduler, not {type(scheduler).__name__}"
+                )
             start = int(max(steps - min(steps * params.strength, steps), 0))
-            start = min(start, steps - 1)  # at least one step runs
+            # At least one step runs; × order as diffusers' get_timesteps (1 for Euler).
+            start = min(start, steps - 1) * scheduler.order
             scheduler.set_begin_index(start)
             latents = scheduler.scale_noise(init, timesteps[start : start + 1].repeat(n), latents)
         else:
