@@ -42,7 +42,7 @@ from ditserve.kernels.lora_expand.op import lora_expand_op
 from ditserve.kernels.lora_expand_sgmv.op import lora_expand_sgmv_op
 from ditserve.kernels.lora_gemm.op import lora_gemm_op
 from ditserve.kernels.lora_meta import LoRABatchMeta, choose_chunk_size
-from ditserve.kernels.lora_shrink.op import lora_shrink_op
+from ditserve.kernels.lora_shrink.op import lora_shrink_op, lora_shrink_scaled_op
 from ditserve.kernels.lora_shrink_sgmv.op import lora_shrink_sgmv_op
 
 __all__ = [
@@ -64,14 +64,26 @@ def lora_shrink(
     a_stacked: torch.Tensor,  # [num_slices, max_loras, max_rank, hidden], x's dtype
     meta: LoRABatchMeta,
     method: Method = "sgemm",
-) -> torch.Tensor:  # [num_slices, num_tokens, meta.max_rank] fp32
-    """s[j, t, :r] = x[t] · A[j, slot(t), :r]ᵀ; zero for tokens without LoRA and columns ≥ the slot's rank."""
+    scaled: bool = False,
+) -> torch.Tensor:  # [num_slices, num_tokens, meta.max_rank] fp32 (scaled: see below)
+    """s[j, t, :r] = x[t] · A[j, slot(t), :r]ᵀ; zero for tokens without LoRA and columns ≥ the slot's rank.
+
+    scaled=True: scale(t) · s[j, t] in x's dtype, columns rounded up to 16 (zeros): what `lora_gemm_op`
+    reads with s_scaled=True, without another pass over s."""
     if a_stacked.shape[0] > _GROUP:
         parts = [
-            lora_shrink(x, a_stacked[g : g + _GROUP], meta, method)
+            lora_shrink(x, a_stacked[g : g + _GROUP], meta, method, scaled)
             for g in range(0, a_stacked.shape[0], _GROUP)
         ]
         return torch.cat(parts)
+    if scaled and method == "sgemm":
+        return lora_shrink_scaled_op(
+            x, a_stacked, meta.token_seg, meta.seg_start, meta.seg_len, meta.seg_slot, meta.seg_scale,
+            meta.slot_rank, meta.max_rank,
+        )  # fmt: skip
+    if scaled:
+        s = lora_shrink(x, a_stacked, meta, method) * meta.token_scale[None, :, None]
+        return torch.nn.functional.pad(s, (0, -meta.max_rank % 16)).to(x.dtype)
     if method == "sgmv":
         return lora_shrink_sgmv_op(
             x, a_stacked, meta.sorted_token_ids, meta.chunk_slot, meta.chunk_start, meta.chunk_len,
@@ -146,8 +158,9 @@ def lora_linear(
 ) -> torch.Tensor:  # [num_tokens, sum(out_slice_sizes)]
     """x · Wᵀ + bias + LoRA(x), with the LoRA term fused into the base GEMM's epilogue.
 
-    Where Triton runs (CUDA, or the interpreter) and there are ≤ 4 slices: the shrink, then `lora_gemm`,
-    whose tiles add scale · s · Bᵀ to the accumulator before the single store of y. Elsewhere the expand
+    Where Triton runs (CUDA, or the interpreter) and there are ≤ 4 slices: the shrink (scale · s in x's
+    dtype), then `lora_gemm`, whose K loop runs scale · s · Bᵀ as extra iterations on the same accumulator
+    before the single store of y (tile config: `lora_gemm.op.gemm_config`, TMA on CUDA). Elsewhere the expand
     writes delta + bias into a fresh buffer and cuBLAS accumulates onto it (`_lora_linear_addmm`). A batch
     without LoRA is a plain linear.
     """
@@ -157,10 +170,10 @@ def lora_linear(
         return y
     if not use_triton(x):
         return _lora_linear_addmm(x, weight, bias, a_stacked, b_stacked, meta, out_slice_sizes)
-    s = lora_shrink(x, a_stacked, meta)
+    s = lora_shrink(x, a_stacked, meta, scaled=True)
     return lora_gemm_op(
         x, weight, bias, s, b_stacked, meta.token_seg, meta.seg_start, meta.seg_len, meta.seg_slot,
-        meta.seg_scale, meta.slot_rank, list(out_slice_sizes),
+        meta.seg_scale, meta.slot_rank, list(out_slice_sizes), True,
     )  # fmt: skip
 
 

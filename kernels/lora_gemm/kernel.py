@@ -1,16 +1,26 @@
-"""Base GEMM with the segmented LoRA expand in its epilogue:
+"""Base GEMM with the segmented LoRA expand fused in:
 
     y[t, n] = Σ_k x[t, k] · W[n, k] (+ bias[n]) + scale(t) · Σ_r s[j(n), t, r] · B[slot(t), n, r]
 
 One program per SM (persistent) walks output tiles in grouped order: GROUP_M row blocks share each column
 block, so the W columns a group needs stay in L2 while its x rows stream through. Column blocks are cut
-per output slice (as in lora_expand), so a tile knows its slice j and never mixes two. After the K loop,
-the LoRA term is one more tl.dot per segment touching the tile (usually one: a 4608-token request covers
-36 whole 128-row tiles) with K = BLOCK_R, on the same fp32 accumulator; s · scale is cast to W's dtype
-first so it runs on the tensor cores like the main loop. y is written once: no read-modify-write pass.
+per output slice (as in lora_expand), so a tile knows its slice j and never mixes two.
 
-The K loop reads x and W through pointers (runs in the interpreter and everywhere) or through TMA tensor
-descriptors (USE_TMA: host-built `TensorDescriptor`s, out-of-range rows come back as zeros).
+Where the LoRA term is added (LORA_IN_LOOP, needs s pre-scaled in W's dtype, as `lora_shrink(...,
+scaled=True)` writes it): the K loop runs k_tiles + r_tiles iterations, the last r_tiles of which take the
+A operand from s[j] (rows m0.., columns (ki - k_tiles)·BLOCK_K..) and the B operand from B[slot] instead of
+x and W. The LoRA tiles are then loaded by the same pipeline as the base GEMM's (no exposed latency per
+tile) and the LoRA FLOPs ride the same tensor-core loop. r_tiles is the same for every tile, so the tile
+and K loops still flatten into one loop (FLATTEN); a tile that lies in one segment without LoRA reads
+nothing there (TMA coordinates past the end come back as zeros; pointer loads are masked off). Tiles whose
+rows straddle segments (a few per batch: one per request boundary) add their LoRA term after the loop
+(`_lora_epilogue`: per segment, rows of other segments masked). Columns of s past a slot's rank must be
+zero (the shrink writes them so) and B finite there (slot buffers are zero past the rank).
+
+Otherwise (s in fp32, not scaled) every tile adds the LoRA term after the K loop in `_lora_epilogue`.
+
+The K loop reads x and W (and s, B) through pointers (runs in the interpreter and everywhere) or through
+TMA tensor descriptors (USE_TMA: host-built `TensorDescriptor`s, out-of-range rows come back as zeros).
 """
 
 import triton
@@ -29,9 +39,10 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _lora_segment(
+def _lora_epilogue(
     acc,
-    seg,
+    seg_lo,
+    seg_hi,
     j,
     offs_m,
     offs_n,
@@ -50,29 +61,39 @@ def _lora_segment(
     stride_bl,
     stride_bn,
     stride_br,
-    BLOCK_R: tl.constexpr,
+    R_CHUNK: tl.constexpr,
+    S_SCALED: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """acc += scale · s[j, rows of seg, :rank] · B[slot, offs_n, :rank]ᵀ; rows of other segments load as 0."""
-    slot = tl.load(seg_slot_ptr + seg)
-    rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
-    rank = tl.minimum(tl.where(slot >= 0, rank, 0), rank_dim)
-    if rank > 0:
+    """acc += scale · s[j, rows of seg, :rank] · B[slot, offs_n, :rank]ᵀ for every segment seg_lo..seg_hi;
+    rows of other segments load as 0. R_CHUNK rank columns per dot keep the s and B tiles small (few
+    registers next to the accumulator)."""
+    offs_c = tl.arange(0, R_CHUNK)
+    for seg in range(seg_lo, seg_hi + 1):
+        slot = tl.load(seg_slot_ptr + seg)
+        rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
+        rank = tl.minimum(tl.where(slot >= 0, rank, 0), rank_dim)
         start = tl.load(seg_start_ptr + seg)
         end = start + tl.load(seg_len_ptr + seg)
         scale = tl.load(seg_scale_ptr + seg)
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < rank
         row_mask = (offs_m >= start) & (offs_m < end)
-        s_ptrs = (
-            s_ptr + j * stride_ss + offs_m.to(tl.int64)[:, None] * stride_st + offs_r[None, :] * stride_sr
-        )
-        s = tl.load(s_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-        b_ptrs = (
-            b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br
-        )
-        b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot((s.to(tl.float32) * scale).to(b.dtype), b, acc, input_precision=PRECISION)
+        s_rows = s_ptr + j * stride_ss + offs_m.to(tl.int64)[:, None] * stride_st
+        b_cols = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn
+        # rank 0 / no LoRA: zero trips, nothing is loaded
+        for r0 in range(0, rank, R_CHUNK):
+            offs_r = r0 + offs_c
+            r_mask = offs_r < rank
+            s = tl.load(
+                s_rows + offs_r[None, :] * stride_sr, mask=row_mask[:, None] & r_mask[None, :], other=0.0
+            )
+            b = tl.load(
+                b_cols + offs_r[:, None] * stride_br, mask=r_mask[:, None] & n_mask[None, :], other=0.0
+            )
+            if S_SCALED:
+                a = s.to(b.dtype)
+            else:
+                a = (s.to(tl.float32) * scale).to(b.dtype)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
 
 
@@ -82,9 +103,11 @@ def _lora_segment(
 def _lora_gemm_kernel(
     x,  # [num_tokens, hidden]: a pointer, or a TensorDescriptor with block [BLOCK_M, BLOCK_K] (USE_TMA)
     w,  # [n_total, hidden]: a pointer, or a TensorDescriptor with block [BLOCK_N, BLOCK_K] (USE_TMA)
+    s_desc,  # USE_TMA and LORA_IN_LOOP: s viewed as [num_slices·num_tokens, s_cols], block [BLOCK_M, BLOCK_K]
+    b_desc,  # USE_TMA and LORA_IN_LOOP: B viewed as [max_loras·n_total, lora_k], block [BLOCK_N, BLOCK_K]
     y_ptr,  # [num_tokens, n_total], written once
     bias_ptr,  # [n_total] (read only when HAS_BIAS)
-    s_ptr,  # [num_slices, num_tokens, rank_dim] fp32 or W's dtype (read only when HAS_LORA)
+    s_ptr,  # [num_slices, num_tokens, s_cols] fp32 or W's dtype (read only when HAS_LORA)
     b_ptr,  # [max_loras, n_total, max_rank]
     token_seg_ptr,  # [num_tokens] int32
     seg_start_ptr,  # [num_segments] int32
@@ -94,7 +117,8 @@ def _lora_gemm_kernel(
     slot_rank_ptr,  # [max_loras] int32
     num_tokens,
     hidden,
-    rank_dim,
+    rank_dim,  # rank columns the epilogue reads (≤ s_cols)
+    lora_k,  # rank columns the LoRA iterations of the K loop read: min(s_cols, max_rank)
     col1,  # first column of slice 1 (= n_total when absent), likewise col2, col3
     col2,
     col3,
@@ -104,6 +128,8 @@ def _lora_gemm_kernel(
     blk3,
     num_col_blocks,
     num_programs,  # grid size: number of SMs (persistent) or number of tiles
+    s_rows_total,  # rows of s_desc (num_slices · num_tokens): a row coordinate past every row
+    b_rows_total,  # rows of b_desc (max_loras · n_total)
     stride_xt,
     stride_xh,
     stride_wn,
@@ -119,14 +145,16 @@ def _lora_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    R_CHUNK: tl.constexpr,  # rank columns per dot in the epilogue
     GROUP_M: tl.constexpr,
     USE_TMA: tl.constexpr,
     FLATTEN: tl.constexpr,  # flatten the tile and K loops into one pipelined loop (epilogue overlaps loads)
     WARP_SPECIALIZE: tl.constexpr,
-    EVEN_K: tl.constexpr,  # hidden % BLOCK_K == 0: no K masks
+    EVEN_K: tl.constexpr,  # hidden % BLOCK_K == 0: no K masks (pointer path without LORA_IN_LOOP)
     COL_ALIGN: tl.constexpr,  # every slice boundary is a multiple of this (vectorised y/bias access)
     HAS_LORA: tl.constexpr,
+    LORA_IN_LOOP: tl.constexpr,  # LoRA iterations in the K loop (s pre-scaled in W's dtype)
+    S_SCALED: tl.constexpr,  # s already holds scale · x · Aᵀ
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -134,6 +162,9 @@ def _lora_gemm_kernel(
     num_pid_m = tl.cdiv(num_tokens, BLOCK_M)
     num_tiles = num_pid_m * num_col_blocks
     k_tiles = tl.cdiv(hidden, BLOCK_K)
+    n_iters = k_tiles
+    if LORA_IN_LOOP:
+        n_iters += tl.cdiv(lora_k, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
     for tile_id in tl.range(pid, num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_col_blocks, GROUP_M)
@@ -149,40 +180,97 @@ def _lora_gemm_kernel(
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < col_hi
+        # clamp out-of-range rows/columns to a valid one instead of masking (masked out at the store)
+        rows = tl.where(offs_m < num_tokens, offs_m, 0).to(tl.int64)
+        cols = tl.where(n_mask, offs_n, 0).to(tl.int64)
+
+        seg_lo = 0
+        seg_hi = 0
+        if HAS_LORA:
+            # the segments touching this tile's rows: one on the common path (no row straddles)
+            seg_lo = tl.load(token_seg_ptr + m0)
+            seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
+        # LoRA iterations of the K loop: only for a tile inside one segment with an adapter
+        slot = 0
+        lora_here = False
+        if LORA_IN_LOOP:
+            slot = tl.load(seg_slot_ptr + seg_lo)
+            lora_here = (seg_lo == seg_hi) & (slot >= 0)
+            slot = tl.maximum(slot, 0)
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if USE_TMA:
-            for ki in range(k_tiles):
-                a = x.load([m0, ki * BLOCK_K])
-                wt = w.load([n0, ki * BLOCK_K])
+            # LoRA iterations of other tiles point past the last row: TMA fills zeros, moves no bytes
+            if LORA_IN_LOOP:
+                s_row = tl.where(lora_here, j * num_tokens + m0, s_rows_total)
+                b_row = tl.where(lora_here, slot * n_total + n0, b_rows_total)
+            for ki in range(n_iters):
+                if LORA_IN_LOOP:
+                    if ki < k_tiles:
+                        a_desc = x
+                        w_desc = w
+                        a_row = m0
+                        w_row = n0
+                        kk = ki * BLOCK_K
+                    else:
+                        a_desc = s_desc
+                        w_desc = b_desc
+                        a_row = s_row
+                        w_row = b_row
+                        kk = (ki - k_tiles) * BLOCK_K
+                    a = a_desc.load([a_row, kk])
+                    wt = w_desc.load([w_row, kk])
+                else:
+                    a = x.load([m0, ki * BLOCK_K])
+                    wt = w.load([n0, ki * BLOCK_K])
                 acc = tl.dot(a, wt.T, acc, input_precision=PRECISION)
         else:
-            # clamp out-of-range rows/columns to a valid one instead of masking (masked out at the store)
-            rows = tl.where(offs_m < num_tokens, offs_m, 0)
-            cols = tl.where(n_mask, offs_n, 0)
-            x_ptrs = x + rows.to(tl.int64)[:, None] * stride_xt + offs_k[None, :] * stride_xh
-            w_ptrs = w + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wh
-            for ki in range(k_tiles):
-                if EVEN_K:
-                    a = tl.load(x_ptrs)
+            x_off = rows[:, None] * stride_xt
+            w_off = cols[None, :] * stride_wn
+            if LORA_IN_LOOP:
+                s_base = s_ptr + j * stride_ss
+                b_base = b_ptr + slot.to(tl.int64) * stride_bl
+                s_off = rows[:, None] * stride_st
+                b_off = cols[None, :] * stride_bn
+                lora_lim = tl.where(lora_here, lora_k, 0)
+            for ki in range(n_iters):
+                if LORA_IN_LOOP:
+                    in_k = ki < k_tiles
+                    kk = tl.where(in_k, ki, ki - k_tiles) * BLOCK_K
+                    a_step = tl.where(in_k, stride_xh, stride_sr)
+                    w_step = tl.where(in_k, stride_wh, stride_br)
+                    a_ptrs = tl.where(in_k, x + x_off, s_base + s_off) + (kk + offs_k)[None, :] * a_step
+                    w_ptrs = tl.where(in_k, w + w_off, b_base + b_off) + (kk + offs_k)[:, None] * w_step
+                    k_lim = tl.where(in_k, hidden, lora_lim)
+                else:
+                    kk = ki * BLOCK_K
+                    a_ptrs = x + x_off + (kk + offs_k)[None, :] * stride_xh
+                    w_ptrs = w + w_off + (kk + offs_k)[:, None] * stride_wh
+                    k_lim = hidden
+                if EVEN_K and not LORA_IN_LOOP:
+                    a = tl.load(a_ptrs)
                     wt = tl.load(w_ptrs)
                 else:
-                    k_left = hidden - ki * BLOCK_K
-                    a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-                    wt = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+                    a = tl.load(a_ptrs, mask=(kk + offs_k)[None, :] < k_lim, other=0.0)
+                    wt = tl.load(w_ptrs, mask=(kk + offs_k)[:, None] < k_lim, other=0.0)
                 acc = tl.dot(a, wt, acc, input_precision=PRECISION)
-                x_ptrs += BLOCK_K * stride_xh
-                w_ptrs += BLOCK_K * stride_wh
 
         if HAS_LORA:
-            # the segments touching this tile's rows: one trip on the common path (no row straddles)
-            seg_lo = tl.load(token_seg_ptr + m0)
-            seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
-            for seg in range(seg_lo, seg_hi + 1):
-                acc = _lora_segment(
-                    acc, seg, j, offs_m, offs_n, n_mask, s_ptr, b_ptr,
+            if LORA_IN_LOOP:
+                # rare: the tile's rows straddle segments; their LoRA terms one by one after the loop
+                if seg_lo != seg_hi:
+                    acc = _lora_epilogue(
+                        acc, seg_lo, seg_hi, j, offs_m, offs_n, n_mask, s_ptr, b_ptr,
+                        seg_start_ptr, seg_len_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, rank_dim,
+                        stride_ss, stride_st, stride_sr, stride_bl, stride_bn, stride_br,
+                        R_CHUNK, S_SCALED, PRECISION,
+                    )  # fmt: skip
+            else:
+                acc = _lora_epilogue(
+                    acc, seg_lo, seg_hi, j, offs_m, offs_n, n_mask, s_ptr, b_ptr,
                     seg_start_ptr, seg_len_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, rank_dim,
-                    stride_ss, stride_st, stride_sr, stride_bl, stride_bn, stride_br, BLOCK_R, PRECISION,
+                    stride_ss, stride_st, stride_sr, stride_bl, stride_bn, stride_br,
+                    R_CHUNK, S_SCALED, PRECISION,
                 )  # fmt: skip
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]

@@ -6,43 +6,46 @@ import functools
 
 import torch
 
-from ditserve.kernels._dispatch import block_rank, use_triton
+from ditserve.kernels._dispatch import use_triton
 from ditserve.kernels.lora_expand.op import column_blocks
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 
 MAX_SLICES = 4
 # Tile configs by problem size (`gemm_config`). Keys of a config: BLOCK_M/N/K, GROUP_M (row blocks per
 # column block in the tile order), num_warps, num_stages, PERSISTENT (one program per SM looping over
-# tiles), TMA (x and W through TensorDescriptors), FLATTEN (tile and K loops flattened into one pipelined
-# loop), WS (warp-specialised loop). benchmarks/lora_kernels.py --qkv-only --sweep-gemm overrides this table.
+# tiles), TMA (x, W, s and B through TensorDescriptors), FLATTEN (tile and K loops flattened into one
+# pipelined loop), WS (warp-specialised loop), LORA_LOOP (with a pre-scaled s: the LoRA term as extra
+# iterations of the K loop; 0 = after the loop), R_CHUNK (rank columns per dot after the loop).
+# benchmarks/lora_kernels.py --qkv-only --sweep-gemm overrides this table.
 TUNED: dict[str, dict[str, int]] = {
-    # ≥ 2 waves of 128×256 tiles (Flux QKV at 4608+ tokens): the Hopper GEMM shape, 8 warps over 2 warpgroups
+    # ≥ 2 waves of 128×256 tiles (Flux QKV at 4608+ tokens): the Hopper GEMM shape, 8 warps over 2
+    # warpgroups; H200 sweep (QKV 3×3072, hidden 3072, 4×4608 tokens): 1.037× cuBLAS without LoRA
     "large": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3,
-                  PERSISTENT=1, TMA=0, FLATTEN=0, WS=0),
+                  PERSISTENT=1, TMA=1, FLATTEN=1, WS=0, LORA_LOOP=1),
     # fewer tiles: smaller ones so every SM gets work
     "small": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4,
-                  PERSISTENT=0, TMA=0, FLATTEN=0, WS=0),
+                  PERSISTENT=0, TMA=1, FLATTEN=0, WS=0, LORA_LOOP=1),
 }  # fmt: skip
-DEFAULTS = dict(GROUP_M=8, PERSISTENT=0, TMA=0, FLATTEN=0, WS=0)
+DEFAULTS = dict(GROUP_M=8, PERSISTENT=0, TMA=0, FLATTEN=0, WS=0, LORA_LOOP=1, R_CHUNK=16)
 
 
-def _cfg(bm, bn, bk, warps, stages, persistent=1, tma=0, flatten=0, ws=0, group_m=8) -> dict[str, int]:
+def _cfg(bm, bn, bk, warps, stages, persistent=1, tma=0, flatten=0, ws=0, group_m=8, lora_loop=1):
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages,
-                PERSISTENT=persistent, TMA=tma, FLATTEN=flatten, WS=ws)  # fmt: skip
+                PERSISTENT=persistent, TMA=tma, FLATTEN=flatten, WS=ws, LORA_LOOP=lora_loop)  # fmt: skip
 
 
 # Candidates of the GPU sweep (benchmarks/lora_kernels.py --sweep-gemm; the GPU tests run each once).
 # Shared memory per stage is (BLOCK_M + BLOCK_N) × BLOCK_K × 2 bytes: 48 KB at 128×256×64, so 4 stages
-# plus the epilogue's s and B tiles may not fit in 227 KB: the sweep reports such configs as failed.
+# of a flattened loop (which keeps one more buffer for the epilogue) do not fit in 227 KB.
 SWEEP: dict[str, dict[str, int]] = {
-    "ptr persist 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3),
-    "ptr persist flat 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, flatten=1),
-    "ptr persist 128x128x64 w4 s4": _cfg(128, 128, 64, 4, 4),
-    "tma 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, persistent=0, tma=1),
-    "tma persist 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, tma=1),
     "tma persist flat 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, tma=1, flatten=1),
+    "tma persist flat 128x256x64 w8 s3 g16": _cfg(128, 256, 64, 8, 3, tma=1, flatten=1, group_m=16),
+    "tma persist 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, tma=1),
     "tma persist 128x256x64 w8 s4": _cfg(128, 256, 64, 8, 4, tma=1),
-    "tma persist flat 128x128x64 w4 s4": _cfg(128, 128, 64, 4, 4, tma=1, flatten=1),
+    "tma 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, persistent=0, tma=1),
+    "ptr persist flat 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, flatten=1),
+    # the LoRA term after the K loop instead (the first H200 sweep's kernel, with smaller epilogue tiles)
+    "tma persist flat 128x256x64 w8 s3 epi": _cfg(128, 256, 64, 8, 3, tma=1, flatten=1, lora_loop=0),
 }
 # warp-specialised loops (tl.range(..., warp_specialize=True)): Triton documents them for Blackwell; tried
 # on Hopper only on request (--sweep-ws), since a failing lowering may take the whole process down
@@ -80,7 +83,19 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
 
 
 def _check(
-    x, weight, bias, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank, sizes
+    x,
+    weight,
+    bias,
+    s,
+    b_stacked,
+    token_seg,
+    seg_start,
+    seg_len,
+    seg_slot,
+    seg_scale,
+    slot_rank,
+    sizes,
+    s_scaled,
 ):
     assert x.dim() == 2 and weight.dim() == 2 and s.dim() == 3 and b_stacked.dim() == 3
     assert x.dtype == weight.dtype == b_stacked.dtype, (x.dtype, weight.dtype, b_stacked.dtype)
@@ -89,7 +104,9 @@ def _check(
     assert weight.shape[0] == sum(sizes) == b_stacked.shape[1], (weight.shape, sizes, b_stacked.shape)
     assert s.shape[0] == len(sizes) and s.shape[1] == x.shape[0], (s.shape, x.shape, sizes)
     assert s.dtype in (torch.float32, x.dtype), s.dtype
-    assert s.shape[2] <= b_stacked.shape[2] and s.shape[2] <= 128, (s.shape, b_stacked.shape)
+    assert not s_scaled or s.dtype == x.dtype, "a pre-scaled s comes in x's dtype"
+    # a scaled s may have zero columns past max_rank (padded to 16)
+    assert s.shape[2] <= 128 and (s_scaled or s.shape[2] <= b_stacked.shape[2]), (s.shape, b_stacked.shape)
     for t in (token_seg, seg_start, seg_len, seg_slot, slot_rank):
         assert t.dtype == torch.int32 and t.device == x.device, (t.dtype, t.device)
     assert seg_scale.dtype == torch.float32 and seg_scale.shape == seg_start.shape
@@ -98,6 +115,27 @@ def _check(
     assert slot_rank.shape[0] == b_stacked.shape[0], (slot_rank.shape, b_stacked.shape)
     if bias is not None:
         assert bias.shape == (weight.shape[0],) and bias.is_contiguous() and bias.dtype == x.dtype, bias.shape
+
+
+def _lora_descriptors(s, b_stacked, bm, bn, bk, lora_k):
+    """TMA descriptors of s viewed as [num_slices · num_tokens, s_cols] and of B viewed as
+    [max_loras · n_total, lora_k], or None where the layouts do not allow it."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    ns, t, rc = s.shape
+    es = s.element_size()
+    s_ok = s.stride(2) == 1 and s.stride(0) == t * s.stride(1) and s.stride(1) * es % 16 == 0
+    b_ok = (
+        b_stacked.stride(2) == 1
+        and b_stacked.stride(0) == b_stacked.shape[1] * b_stacked.stride(1)
+        and b_stacked.stride(1) * es % 16 == 0
+    )
+    if not (s_ok and b_ok and s.data_ptr() % 16 == 0 and b_stacked.data_ptr() % 16 == 0):
+        return None
+    s_desc = TensorDescriptor(s, [ns * t, rc], [s.stride(1), 1], [bm, bk])
+    rows_b = b_stacked.shape[0] * b_stacked.shape[1]
+    b_desc = TensorDescriptor(b_stacked, [rows_b, lora_k], [b_stacked.stride(1), 1], [bn, bk])
+    return s_desc, b_desc
 
 
 def launch_lora_gemm(
@@ -114,45 +152,57 @@ def launch_lora_gemm(
     slot_rank: torch.Tensor,  # [max_loras] int32
     out_slice_sizes: list[int],  # 1..4 output slices, slice j pairs with s[j]
     config: dict[str, int] | None = None,  # tile override (benchmarks, tests); missing keys from DEFAULTS
+    s_scaled: bool = False,  # s already holds scale(t) · x · Aᵀ in x's dtype (lora_shrink(..., scaled=True))
 ) -> torch.Tensor:  # [num_tokens, sum(out_slice_sizes)], x's dtype
     from ditserve.kernels.lora_gemm.kernel import _lora_gemm_kernel
 
     args = (x, weight, bias, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank)
-    _check(*args, out_slice_sizes)
+    _check(*args, out_slice_sizes, s_scaled)
     num_tokens, hidden = x.shape
     n_total = weight.shape[0]
     y = x.new_empty((num_tokens, n_total))
     if num_tokens == 0:
         return y
-    if hidden == 0:
+    if hidden == 0:  # x · Aᵀ is 0 as well
         return y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
     cfg = {**DEFAULTS, **(config or gemm_config(num_tokens, n_total))}
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
     num_tiles = -(-num_tokens // bm) * num_col_blocks
     grid = min(num_tiles, num_programs_limit(x.device)) if cfg["PERSISTENT"] else num_tiles
-    use_tma = bool(cfg["TMA"]) and tma_ok(x, weight)
+    rank_dim = min(s.shape[2], b_stacked.shape[2])  # columns past the largest slot rank are never needed
+    has_lora = rank_dim > 0
+    lora_in_loop = has_lora and s_scaled and bool(cfg["LORA_LOOP"])
+    use_tma = bool(cfg["TMA"]) and hidden > 0 and tma_ok(x, weight)
+    s_desc = b_desc = s  # placeholders where the kernel reads no descriptor
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
+        if lora_in_loop:
+            descs = _lora_descriptors(s, b_stacked, bm, bn, bk, rank_dim)
+            use_tma = descs is not None
+            if use_tma:
+                s_desc, b_desc = descs
+    if use_tma:
         x_arg = TensorDescriptor.from_tensor(x, [bm, bk])
         w_arg = TensorDescriptor.from_tensor(weight, [bn, bk])
     else:
-        x_arg, w_arg = x, weight
+        x_arg, w_arg, s_desc, b_desc = x, weight, s, s
     # widest power of two (≤ 16) dividing every slice boundary: lets y and bias use vector accesses
     col_align = 16
     while col_align > 1 and any(c % col_align for c in cols):
         col_align //= 2
-    rank_dim = s.shape[2]
     _lora_gemm_kernel[(grid,)](
-        x_arg, w_arg, y, bias if bias is not None else y, s, b_stacked,
+        x_arg, w_arg, s_desc, b_desc, y, bias if bias is not None else y, s, b_stacked,
         token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
-        num_tokens, hidden, rank_dim, *cols, n_total, *blks, num_col_blocks, grid,
+        num_tokens, hidden, rank_dim, rank_dim, *cols, n_total, *blks, num_col_blocks, grid,
+        s.shape[0] * num_tokens, b_stacked.shape[0] * n_total,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
         s.stride(0), s.stride(1), s.stride(2), b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=block_rank(rank_dim), GROUP_M=cfg["GROUP_M"],
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, R_CHUNK=cfg["R_CHUNK"], GROUP_M=cfg["GROUP_M"],
         USE_TMA=use_tma, FLATTEN=bool(cfg["FLATTEN"]), WARP_SPECIALIZE=bool(cfg["WS"]),
-        EVEN_K=hidden % bk == 0, COL_ALIGN=col_align, HAS_LORA=rank_dim > 0, HAS_BIAS=bias is not None,
+        EVEN_K=hidden % bk == 0, COL_ALIGN=col_align, HAS_LORA=has_lora, LORA_IN_LOOP=lora_in_loop,
+        S_SCALED=s_scaled, HAS_BIAS=bias is not None,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
@@ -173,16 +223,18 @@ def lora_gemm_op(
     seg_scale: torch.Tensor,
     slot_rank: torch.Tensor,
     out_slice_sizes: list[int],
+    s_scaled: bool = False,
 ) -> torch.Tensor:
-    """x · Wᵀ + bias + segmented LoRA expand of s; Triton on CUDA (or TRITON_INTERPRET=1), else the reference."""
+    """x · Wᵀ + bias + segmented LoRA expand of s (s_scaled: s already holds scale · x · Aᵀ in x's dtype);
+    Triton on CUDA (or TRITON_INTERPRET=1), else the reference."""
     args = (x, weight, bias, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank)
     if use_triton(x):
-        return launch_lora_gemm(*args, out_slice_sizes)
+        return launch_lora_gemm(*args, out_slice_sizes, s_scaled=s_scaled)
     return lora_gemm_ref(x, weight, bias, s, b_stacked, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
-                         out_slice_sizes)  # fmt: skip
+                         out_slice_sizes, s_scaled=s_scaled)  # fmt: skip
 
 
 @lora_gemm_op.register_fake
 def _(x, weight, bias, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
-      out_slice_sizes):  # fmt: skip
+      out_slice_sizes, s_scaled=False):  # fmt: skip
     return x.new_empty((x.shape[0], weight.shape[0]))

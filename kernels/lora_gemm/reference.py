@@ -16,6 +16,7 @@ def lora_gemm_ref(
     seg_scale: torch.Tensor,  # [num_segments] fp32
     slot_rank: torch.Tensor,  # [max_loras] int32
     out_slice_sizes: list[int],
+    s_scaled: bool = False,  # s already holds scale · x · Aᵀ (seg_scale not applied again)
 ) -> torch.Tensor:  # [num_tokens, sum(out_slice_sizes)], x's dtype
     # reads num_tokens*hidden + n_total*hidden + num_slices*num_tokens*rank_dim + (active slots)*n_total*rank
     # elements, writes num_tokens*n_total once
@@ -31,7 +32,9 @@ def lora_gemm_ref(
     for start, n, slot, scale in segs:
         if slot < 0 or n == 0 or ranks[slot] == 0 or s.shape[2] == 0:
             continue
-        r = min(ranks[slot], s.shape[2])
+        r = min(ranks[slot], s.shape[2], b_stacked.shape[2])
+        if s_scaled:
+            scale = 1.0
         rows = slice(start, start + n)
         for j in range(len(out_slice_sizes)):
             cols = slice(offsets[j], offsets[j + 1])

@@ -15,11 +15,12 @@ import triton.language as tl
 def _lora_shrink_kernel(
     x_ptr,  # [num_tokens, hidden]
     a_ptr,  # [num_slices, max_loras, max_rank, hidden]
-    s_ptr,  # [num_slices, num_tokens, rank_dim] fp32
+    s_ptr,  # [num_slices, num_tokens, rank_dim] fp32, or x's dtype when SCALED
     token_seg_ptr,  # [num_tokens] int32
     seg_start_ptr,  # [num_segments] int32
     seg_len_ptr,  # [num_segments] int32
     seg_slot_ptr,  # [num_segments] int32
+    seg_scale_ptr,  # [num_segments] fp32 (read only when SCALED)
     slot_rank_ptr,  # [max_loras] int32
     num_tokens,
     hidden,
@@ -37,6 +38,7 @@ def _lora_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    SCALED: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -87,13 +89,24 @@ def _lora_shrink_kernel(
             x_ptrs += BLOCK_K * stride_xh
             a_ptrs += BLOCK_K * stride_ah
 
+    if SCALED:
+        row_seg = tl.load(token_seg_ptr + tl.minimum(offs_m, num_tokens - 1))
+        row_scale = tl.load(seg_scale_ptr + row_seg)[:, None]
+        acc0 *= row_scale
+        if NUM_SLICES > 1:
+            acc1 *= row_scale
+        if NUM_SLICES > 2:
+            acc2 *= row_scale
+        if NUM_SLICES > 3:
+            acc3 *= row_scale
     # every row of the tile is written: zeros where no LoRA applies or r >= rank
     s_ptrs = s_ptr + offs_m.to(tl.int64)[:, None] * stride_st + offs_r[None, :] * stride_sr
     s_mask = (offs_m < num_tokens)[:, None] & (offs_r < rank_dim)[None, :]
-    tl.store(s_ptrs, acc0, mask=s_mask)
+    out_ty = s_ptr.dtype.element_ty
+    tl.store(s_ptrs, acc0.to(out_ty), mask=s_mask)
     if NUM_SLICES > 1:
-        tl.store(s_ptrs + stride_ss, acc1, mask=s_mask)
+        tl.store(s_ptrs + stride_ss, acc1.to(out_ty), mask=s_mask)
     if NUM_SLICES > 2:
-        tl.store(s_ptrs + 2 * stride_ss, acc2, mask=s_mask)
+        tl.store(s_ptrs + 2 * stride_ss, acc2.to(out_ty), mask=s_mask)
     if NUM_SLICES > 3:
-        tl.store(s_ptrs + 3 * stride_ss, acc3, mask=s_mask)
+        tl.store(s_ptrs + 3 * stride_ss, acc3.to(out_ty), mask=s_mask)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ditserve.kernels._dispatch import block_rank, use_triton
-from ditserve.kernels.lora_shrink.reference import lora_shrink_ref
+from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref
 
 MAX_SLICES = 4
 # (num_slices, BLOCK_R) -> tiles measured best on an H200 (hidden 3072, 4608 and 4x4608 tokens; sweep in
@@ -47,6 +47,12 @@ def _check(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, slot_rank, ran
     assert slot_rank.shape[0] == a_stacked.shape[1], (slot_rank.shape, a_stacked.shape)
 
 
+def scaled_cols(rank_dim: int) -> int:
+    """Columns of a scaled s: rank_dim rounded up to 16 (TMA rows are 16-byte aligned; the fused GEMM
+    reads whole 16-column groups), the extra columns zero."""
+    return -(-rank_dim // 16) * 16
+
+
 def launch_lora_shrink(
     x: torch.Tensor,  # [num_tokens, hidden] fp16/bf16/fp32, hidden contiguous
     a_stacked: torch.Tensor,  # [num_slices ≤ 4, max_loras, max_rank, hidden], same dtype as x
@@ -57,24 +63,30 @@ def launch_lora_shrink(
     slot_rank: torch.Tensor,  # [max_loras] int32
     rank_dim: int,  # columns of the output = largest rank in the batch
     config: dict[str, int] | None = None,  # tile override (benchmarks)
-) -> torch.Tensor:  # [num_slices, num_tokens, rank_dim] fp32
+    seg_scale: torch.Tensor | None = None,  # [num_segments] fp32: write scale(t) · s in x's dtype instead
+) -> torch.Tensor:  # [num_slices, num_tokens, rank_dim] fp32, or [.., scaled_cols(rank_dim)] x's dtype
     from ditserve.kernels.lora_shrink.kernel import _lora_shrink_kernel
 
     _check(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, slot_rank, rank_dim)
     num_slices, num_tokens = a_stacked.shape[0], x.shape[0]
-    s = torch.empty(num_slices, num_tokens, rank_dim, dtype=torch.float32, device=x.device)
+    scaled = seg_scale is not None
+    if scaled:
+        assert seg_scale.dtype == torch.float32 and seg_scale.shape == seg_start.shape, seg_scale.shape
+        s = torch.empty(num_slices, num_tokens, scaled_cols(rank_dim), dtype=x.dtype, device=x.device)
+    else:
+        s = torch.empty(num_slices, num_tokens, rank_dim, dtype=torch.float32, device=x.device)
     if num_tokens == 0 or rank_dim == 0:
         return s.zero_()
-    block_r = block_rank(rank_dim)
+    block_r = block_rank(s.shape[2])
     cfg = config or shrink_config(num_slices, block_r)
     grid = (triton_cdiv(num_tokens, cfg["BLOCK_M"]),)
     _lora_shrink_kernel[grid](
-        x, a_stacked, s, token_seg, seg_start, seg_len, seg_slot, slot_rank,
-        num_tokens, x.shape[1], rank_dim,
+        x, a_stacked, s, token_seg, seg_start, seg_len, seg_slot, seg_scale if scaled else s, slot_rank,
+        num_tokens, x.shape[1], s.shape[2],
         x.stride(0), x.stride(1),
         a_stacked.stride(0), a_stacked.stride(1), a_stacked.stride(2), a_stacked.stride(3),
         s.stride(0), s.stride(1), s.stride(2),
-        NUM_SLICES=num_slices, BLOCK_R=block_r,
+        NUM_SLICES=num_slices, BLOCK_R=block_r, SCALED=scaled,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         **cfg,
     )  # fmt: skip
@@ -105,3 +117,30 @@ def lora_shrink_op(
 @lora_shrink_op.register_fake
 def _(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, slot_rank, rank_dim):
     return x.new_empty((a_stacked.shape[0], x.shape[0], rank_dim), dtype=torch.float32)
+
+
+@torch.library.custom_op("ditserve::lora_shrink_scaled", mutates_args=())
+def lora_shrink_scaled_op(
+    x: torch.Tensor,
+    a_stacked: torch.Tensor,
+    token_seg: torch.Tensor,
+    seg_start: torch.Tensor,
+    seg_len: torch.Tensor,
+    seg_slot: torch.Tensor,
+    seg_scale: torch.Tensor,
+    slot_rank: torch.Tensor,
+    rank_dim: int,
+) -> torch.Tensor:
+    """scale(t) · x · Aᵀ in x's dtype, [num_slices, num_tokens, scaled_cols(rank_dim)] (what the fused GEMM
+    reads); Triton on CUDA (or TRITON_INTERPRET=1), else the torch reference."""
+    if use_triton(x):
+        return launch_lora_shrink(
+            x, a_stacked, token_seg, seg_start, seg_len, seg_slot, slot_rank, rank_dim, seg_scale=seg_scale
+        )
+    return lora_shrink_scaled_ref(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
+                                  rank_dim)  # fmt: skip
+
+
+@lora_shrink_scaled_op.register_fake
+def _(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank, rank_dim):
+    return x.new_empty((a_stacked.shape[0], x.shape[0], scaled_cols(rank_dim)))

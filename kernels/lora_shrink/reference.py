@@ -25,3 +25,20 @@ def lora_shrink_ref(
         for j in range(num_slices):
             s[j, start : start + n, :r] = xs @ a_stacked[j, slot, :r].float().T
     return s
+
+
+def lora_shrink_scaled_ref(
+    x: torch.Tensor,
+    a_stacked: torch.Tensor,
+    token_seg: torch.Tensor,  # [num_tokens] int32
+    seg_start: torch.Tensor,
+    seg_len: torch.Tensor,
+    seg_slot: torch.Tensor,
+    seg_scale: torch.Tensor,  # [num_segments] fp32
+    slot_rank: torch.Tensor,
+    rank_dim: int,
+) -> torch.Tensor:  # [num_slices, num_tokens, rank_dim rounded up to 16] in x's dtype
+    """scale(t) · s in x's dtype, zero columns up to a multiple of 16 (the fused GEMM's input)."""
+    s = lora_shrink_ref(x, a_stacked, seg_start, seg_len, seg_slot, slot_rank, rank_dim)
+    s = s * seg_scale[token_seg.long()][None, :, None] if x.shape[0] else s
+    return torch.nn.functional.pad(s, (0, -rank_dim % 16)).to(x.dtype)
