@@ -5,9 +5,10 @@ per-segment loop and the base projection GEMM, on hidden 3072.
     python benchmarks/lora_kernels.py --out DIR --qkv-only [--sweep-gemm] [--sweep-ws]
 
 Prints markdown tables and writes them to DIR/lora_kernels.md (+ DIR/lora_kernels.json); --qkv-only writes
-DIR/lora_qkv.md (+ .json): only the QKV target shapes, the fused GEMM+LoRA (shrink + lora_gemm) against
-cuBLAS F.linear, and with --sweep-gemm every candidate tile config of lora_gemm (kernels/lora_gemm/op.py
-SWEEP; --sweep-ws adds the warp-specialised ones).
+DIR/lora_qkv.md (+ .json): only the QKV target shapes, the fused GEMM+LoRA (scaled bf16 shrink + lora_gemm
+with the LoRA iterations in its K loop) against cuBLAS F.linear, every config checked against the torch
+reference, and with --sweep-gemm every candidate tile config of lora_gemm (kernels/lora_gemm/op.py SWEEP;
+--sweep-ws adds the warp-specialised ones) and of the scaled shrink (lora_shrink/op.py SCALED_SWEEP).
 "% HBM" = (bytes that must move / copy bandwidth measured in the same run) / measured time.
 "% roof" uses max(HBM time, FLOPs / measured bf16 matmul rate): at high rank × slices the shrink's
 tensor-core work, not its bytes, sets the floor.
@@ -36,7 +37,7 @@ from ditserve.kernels.lora_expand.reference import lora_expand_ref
 from ditserve.kernels.lora_gemm.op import launch_lora_gemm
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 from ditserve.kernels.lora_shrink.op import launch_lora_shrink
-from ditserve.kernels.lora_shrink.reference import lora_shrink_ref
+from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref
 
 BATCHES = {
     "1x4608": [(4608, 0)],
@@ -228,25 +229,52 @@ def quick_graph_ms(fn, calls: int = 8, replays: int = 3) -> float:
     return max(min(times) - _FLUSH["ms"], 1e-4)
 
 
+def _fail(name: str, e: Exception) -> str:
+    return f"{name}: fail ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
+
+
+def _time_checked(name, fn, want, atol, rtol, t0, budget_s):
+    """(cell, ms or None, ok): fn's output checked against want (WRONG if not close), then timed."""
+    if time.time() - t0 > budget_s:
+        return f"{name}: skipped (time budget)", None, False
+    try:
+        got = fn()
+        ok = bool(torch.allclose(got.float(), want.float(), atol=atol, rtol=rtol))
+        ms = quick_graph_ms(fn)
+    except Exception as e:  # out of shared memory / registers, lowering not supported
+        return _fail(name, e), None, False
+    return f"{name}: {ms * 1e3:.1f} µs{'' if ok else ' WRONG'}", ms, ok
+
+
 def qkv_only(args, head: list[str]) -> None:
-    """The target shapes only: F.linear (cuBLAS) vs shrink + lora_gemm, each lora_gemm config checked
-    against the torch reference; the fastest correct config per shape is reported (and, with --sweep-gemm,
-    the fastest over all LoRA shapes is printed as the suggested TUNED["large"] entry)."""
+    """The target shapes only: F.linear (cuBLAS) vs the scaled shrink (bf16 scale · s) + lora_gemm (LoRA
+    iterations in the K loop), every config checked against the torch reference (WRONG when not close);
+    the fastest correct shrink and GEMM config per shape make the overhead column. With --sweep-gemm every
+    SWEEP config of lora_gemm and SCALED_SWEEP of the shrink; the fastest GEMM config over the LoRA
+    shapes is printed as the suggested TUNED["large"] entry."""
     t0 = time.time()
     configs: dict[str, dict[str, int] | None] = {"default": None}
     if args.sweep_gemm:
         configs.update(gemm_op.SWEEP)
     if args.sweep_ws:
         configs.update(gemm_op.SWEEP_WS)
+    shrink_cfgs: dict[str, dict[str, int] | None] = {"default": None}
+    if args.sweep_gemm:
+        shrink_cfgs.update(shrink_op.SCALED_SWEEP)
     lines = list(head) + [
         f"lora_gemm default configs: {gemm_op.TUNED}",
-        "times: CUDA-graph replay, L2 flushed before each call; gemm/cuBLAS = lora_gemm time / F.linear time; "
-        "overhead = (shrink + lora_gemm - cuBLAS) / cuBLAS (rank 0: lora_gemm without LoRA vs cuBLAS)",
+        f"shrink default configs: {shrink_op.TUNED}; shrink sweep names: BLOCK_M/BLOCK_K/warps/stages",
+        "times: CUDA-graph replay, L2 flushed before each call; shrink = lora_shrink(scaled=True) (bf16 "
+        "scale · s); gemm/cuBLAS = lora_gemm time / F.linear time; overhead = (best shrink + best lora_gemm "
+        "- cuBLAS) / cuBLAS (rank 0: lora_gemm without LoRA vs cuBLAS); 'fp32-s epilogue' = the unscaled "
+        "fp32 s with the LoRA term after the K loop (default tiles)",
         "",
     ]
-    summary = ["", "| batch | slices | rank | cuBLAS | shrink | best lora_gemm config | lora_gemm | gemm/cuBLAS "
-               "| overhead | target |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    summary = ["", "| batch | slices | rank | cuBLAS | best shrink | shrink config | best lora_gemm config | "
+               "lora_gemm | gemm/cuBLAS | overhead | target |",
+               "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     totals: dict[str, float] = {}
+    shrink_totals: dict[tuple[int, str], float] = {}
     records = []
     print("\n".join(lines), flush=True)
     for batch in QKV_BATCHES:
@@ -255,42 +283,61 @@ def qkv_only(args, head: list[str]) -> None:
                 p = make_problem(BATCHES[batch], max(rank, 16), sizes)
                 m = p.meta
                 seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
-                if rank:
-                    s = lora_shrink(p.x, p.a, m)
-                    shrink = quick_graph_ms(lambda p=p, m=m: lora_shrink(p.x, p.a, m))
-                else:
-                    s, shrink = p.x.new_empty((nsl, m.num_tokens, 0), dtype=torch.float32), 0.0
-                want = lora_gemm_ref(p.x, p.w, None, s, p.b, *seg[1:], p.sizes)
                 base = quick_graph_ms(lambda p=p: F.linear(p.x, p.w))
+                shrink_cells, shrink, shrink_best = [], 0.0, ""
+                if rank:
+                    s_want = lora_shrink_scaled_ref(p.x, p.a, *seg[:4], m.seg_scale, m.slot_rank, m.max_rank)
+                    shrink = float("inf")
+                    for name, cfg in shrink_cfgs.items():
+
+                        def sfn(p=p, seg=seg, cfg=cfg, m=m):
+                            return launch_lora_shrink(p.x, p.a, *seg[:4], m.slot_rank, m.max_rank, config=cfg,
+                                                      seg_scale=m.seg_scale)  # fmt: skip
+
+                        cell, ms, ok = _time_checked(name, sfn, s_want, 2e-2, 2e-2, t0, args.budget_s)
+                        shrink_cells.append(cell)
+                        if ok and ms < shrink:
+                            shrink, shrink_best = ms, name
+                        if ok and name != "default":
+                            key = (nsl, name)
+                            shrink_totals[key] = shrink_totals.get(key, 0.0) + ms
+                    s = s_want  # the GEMM's input: the reference's bf16 scale · s
+                    if shrink == float("inf"):
+                        shrink = float("nan")
+                else:
+                    s = p.x.new_empty((nsl, m.num_tokens, 0))
+                want = lora_gemm_ref(p.x, p.w, None, s, p.b, *seg[1:], p.sizes, s_scaled=True)
                 cells, best, best_ms = [], None, float("inf")
                 for name, cfg in configs.items():
-                    if time.time() - t0 > args.budget_s:
-                        cells.append(f"{name}: skipped (time budget)")
-                        continue
 
                     def fn(p=p, s=s, seg=seg, cfg=cfg):
-                        return launch_lora_gemm(p.x, p.w, None, s, p.b, *seg, p.sizes, config=cfg)
-
-                    try:
-                        ok = torch.allclose(fn().float(), want.float(), atol=5e-2, rtol=3e-2)
-                        ms = quick_graph_ms(fn)
-                    except Exception as e:  # out of shared memory / registers, lowering not supported
-                        cells.append(
-                            f"{name}: fail ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
+                        return launch_lora_gemm(
+                            p.x, p.w, None, s, p.b, *seg, p.sizes, config=cfg, s_scaled=True
                         )
-                        continue
-                    cells.append(
-                        f"{name}: {ms * 1e3:.0f} µs ({ms / base:.3f}x cuBLAS){'' if ok else ' WRONG'}"
-                    )
+
+                    cell, ms, ok = _time_checked(name, fn, want, 5e-2, 3e-2, t0, args.budget_s)
+                    if ms is not None:
+                        cell += f" ({ms / base:.3f}x cuBLAS)"
+                    cells.append(cell)
                     if ok:
                         if name != "default" and rank:
                             totals[name] = totals.get(name, 0.0) + ms / base
                         if ms < best_ms:
                             best, best_ms = name, ms
+                if rank:
+                    s32 = lora_shrink_ref(p.x, p.a, *seg[1:4], m.slot_rank, m.max_rank)
+
+                    def old(p=p, s32=s32, seg=seg):
+                        return launch_lora_gemm(p.x, p.w, None, s32, p.b, *seg, p.sizes)
+
+                    cell, ms, ok = _time_checked("fp32-s epilogue", old, want, 5e-2, 3e-2, t0, args.budget_s)
+                    cells.append(cell + (f" ({ms / base:.3f}x cuBLAS)" if ms is not None else ""))
+                    del s32
                 label = f"{batch} slices={nsl} rank={rank}"
-                line = f"- {label}: cuBLAS {base * 1e3:.0f} µs, shrink {shrink * 1e3:.1f} µs — " + "; ".join(
-                    cells
-                )
+                line = f"- {label}: cuBLAS {base * 1e3:.0f} µs"
+                if rank:
+                    line += " — shrink: " + "; ".join(shrink_cells)
+                line += " — lora_gemm: " + "; ".join(cells)
                 lines.append(line)
                 print(line, flush=True)
                 over = 100 * (shrink + best_ms - base) / base if best else float("nan")
@@ -298,19 +345,26 @@ def qkv_only(args, head: list[str]) -> None:
                     f"≤ {TARGETS[rank]:.0f}%" if batch == "4x4608" and nsl == 3 and rank in TARGETS else ""
                 )
                 summary.append(
-                    f"| {batch} | {nsl} | {rank} | {base * 1e3:.0f} µs | {shrink * 1e3:.1f} µs | {best} | "
-                    f"{best_ms * 1e3:.0f} µs | {best_ms / base:.3f} | {over:.1f}% | {target} |"
+                    f"| {batch} | {nsl} | {rank} | {base * 1e3:.0f} µs | {shrink * 1e3:.1f} µs | {shrink_best} | "
+                    f"{best} | {best_ms * 1e3:.0f} µs | {best_ms / base:.3f} | {over:.1f}% | {target} |"
                 )
                 records.append(dict(batch=batch, slices=nsl, rank=rank, base_ms=base, shrink_ms=shrink,
-                                    best=best, best_ms=best_ms, cells=cells))  # fmt: skip
+                                    shrink_best=shrink_best, shrink_cells=shrink_cells, best=best,
+                                    best_ms=best_ms, cells=cells))  # fmt: skip
                 with open(os.path.join(args.out, "lora_qkv.md"), "w") as f:
                     f.write("\n".join(lines + summary) + "\n")
                 del p, s, want
                 torch.cuda.empty_cache()
     if totals:
         pick = min(totals, key=totals.get)
-        summary.append(f"\nfastest config over the LoRA shapes (mean gemm/cuBLAS {totals[pick] / 8:.3f}): "
-                       f"{pick} = {configs[pick]}")  # fmt: skip
+        n = sum(1 for r in records if r["rank"])
+        summary.append(f"\nfastest lora_gemm config over the LoRA shapes (mean gemm/cuBLAS "
+                       f"{totals[pick] / max(n, 1):.3f}): {pick} = {configs[pick]}")  # fmt: skip
+    for nsl in SLICES:
+        cands = {name: t for (k, name), t in shrink_totals.items() if k == nsl}
+        if cands:
+            pick = min(cands, key=cands.get)
+            summary.append(f"fastest shrink config, {nsl} slices (summed over batches and ranks): {pick}")
     summary.append(f"\nwall time {time.time() - t0:.0f} s")
     print("\n".join(summary), flush=True)
     with open(os.path.join(args.out, "lora_qkv.md"), "w") as f:

@@ -42,7 +42,6 @@ SWEEP: dict[str, dict[str, int]] = {
     "tma persist flat 128x256x64 w8 s3 g16": _cfg(128, 256, 64, 8, 3, tma=1, flatten=1, group_m=16),
     "tma persist 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, tma=1),
     "tma persist 128x256x64 w8 s4": _cfg(128, 256, 64, 8, 4, tma=1),
-    "tma 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, persistent=0, tma=1),
     "ptr persist flat 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, flatten=1),
     # the LoRA term after the K loop instead (the first H200 sweep's kernel, with smaller epilogue tiles)
     "tma persist flat 128x256x64 w8 s3 epi": _cfg(128, 256, 64, 8, 3, tma=1, flatten=1, lora_loop=0),

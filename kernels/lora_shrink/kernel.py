@@ -39,9 +39,16 @@ def _lora_shrink_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     SCALED: tl.constexpr,
+    SPLIT: tl.constexpr,  # > 1: SPLIT programs per row block, one slice each (NUM_SLICES = 1); more programs
+    # for small batches, x read SPLIT times (from L2: the programs of one row block run side by side)
     PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
+    if SPLIT > 1:
+        j = pid_m % SPLIT
+        pid_m = pid_m // SPLIT
+        a_ptr += j * stride_as
+        s_ptr += j * stride_ss
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)

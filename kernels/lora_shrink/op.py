@@ -21,6 +21,15 @@ TUNED: dict[tuple[int, int], dict[str, int]] = {
     (4, 128): dict(BLOCK_M=64, BLOCK_K=64, num_warps=8, num_stages=3),
 }
 
+# Candidates for the scaled (x's dtype) output the fused GEMM reads, swept by benchmarks/lora_kernels.py
+# --qkv-only --sweep-gemm (the GPU tests run each once). SPLIT=1: one program per (row block, slice).
+SCALED_SWEEP: dict[str, dict[str, int]] = {
+    "64/64/4/4": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4),
+    "128/64/8/3": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    "64/64/4/4 split": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT=1),
+    "128/64/8/3 split": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, SPLIT=1),
+}
+
 
 def shrink_config(num_slices: int, block_r: int) -> dict[str, int]:
     """Tile sizes by (slices, rank tile): the measured table, else 64-row tiles with 8 warps once the
@@ -62,7 +71,7 @@ def launch_lora_shrink(
     seg_slot: torch.Tensor,  # [num_segments] int32, -1 = no LoRA
     slot_rank: torch.Tensor,  # [max_loras] int32
     rank_dim: int,  # columns of the output = largest rank in the batch
-    config: dict[str, int] | None = None,  # tile override (benchmarks)
+    config: dict[str, int] | None = None,  # tile override (benchmarks); SPLIT=1: one program per slice
     seg_scale: torch.Tensor | None = None,  # [num_segments] fp32: write scale(t) · s in x's dtype instead
 ) -> torch.Tensor:  # [num_slices, num_tokens, rank_dim] fp32, or [.., scaled_cols(rank_dim)] x's dtype
     from ditserve.kernels.lora_shrink.kernel import _lora_shrink_kernel
@@ -78,15 +87,16 @@ def launch_lora_shrink(
     if num_tokens == 0 or rank_dim == 0:
         return s.zero_()
     block_r = block_rank(s.shape[2])
-    cfg = config or shrink_config(num_slices, block_r)
-    grid = (triton_cdiv(num_tokens, cfg["BLOCK_M"]),)
+    cfg = dict(config or shrink_config(num_slices, block_r))
+    split = num_slices if cfg.pop("SPLIT", 0) else 1
+    grid = (triton_cdiv(num_tokens, cfg["BLOCK_M"]) * split,)
     _lora_shrink_kernel[grid](
         x, a_stacked, s, token_seg, seg_start, seg_len, seg_slot, seg_scale if scaled else s, slot_rank,
         num_tokens, x.shape[1], s.shape[2],
         x.stride(0), x.stride(1),
         a_stacked.stride(0), a_stacked.stride(1), a_stacked.stride(2), a_stacked.stride(3),
         s.stride(0), s.stride(1), s.stride(2),
-        NUM_SLICES=num_slices, BLOCK_R=block_r, SCALED=scaled,
+        NUM_SLICES=num_slices // split, BLOCK_R=block_r, SCALED=scaled, SPLIT=split,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         **cfg,
     )  # fmt: skip
