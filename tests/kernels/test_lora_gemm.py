@@ -8,9 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ditserve.kernels.lora import LoRABatchMeta, lora_linear
-from ditserve.kernels.lora_gemm.op import SWEEP, launch_lora_gemm
+from ditserve.kernels.lora_gemm.op import SWEEP, TUNED, launch_lora_gemm
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
-from ditserve.kernels.lora_shrink.reference import lora_shrink_ref
+from ditserve.kernels.lora_shrink.op import SCALED_SWEEP, launch_lora_shrink
+from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref
 from tests.kernels.lora_cases import MAX_LORAS, dense_oracle, make_case, token_counts
 
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -66,10 +67,32 @@ def seg_args(m):
     return m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank
 
 
-def ref(c, w, bias, s):
+def ref(c, w, bias, s, s_scaled=False):
     m = c.meta
     return lora_gemm_ref(c.x, w, bias, s, c.b, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank,
-                         c.sizes)  # fmt: skip
+                         c.sizes, s_scaled=s_scaled)  # fmt: skip
+
+
+def scaled_s(c):
+    """scale · s in x's dtype, columns padded to 16 (what lora_shrink(..., scaled=True) returns)."""
+    m = c.meta
+    return lora_shrink_scaled_ref(c.x, c.a, m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale,
+                                  m.slot_rank, m.max_rank)  # fmt: skip
+
+
+# the LoRA iterations inside the K loop (TMA and pointers, flattened or not) and after it (LORA_LOOP=0);
+# BLOCK_K 16 or 32 against ranks up to 128 padded to 16: one to eight LoRA iterations, a partial last one
+loop_cfgs = st.sampled_from(
+    [
+        None,
+        _cfg(16, 16, 16),
+        _cfg(16, 32, 32, PERSISTENT=1, GROUP_M=2, FLATTEN=1),
+        _cfg(32, 16, 16, PERSISTENT=1, TMA=1, FLATTEN=1),
+        _cfg(16, 64, 32, PERSISTENT=1, TMA=1, GROUP_M=1),
+        _cfg(16, 16, 32, TMA=1),
+        _cfg(16, 32, 16, PERSISTENT=1, TMA=1, FLATTEN=1, LORA_LOOP=0),
+    ]
+)
 
 
 @SETTINGS
@@ -83,6 +106,75 @@ def test_gemm_matches_reference(layout, sizes, hidden, dtype, with_bias, cfg):
     got = launch_lora_gemm(c.x, w, bias, s, c.b, *seg_args(m), sizes, config=cfg)
     assert got.shape == (m.num_tokens, sum(sizes)) and got.dtype == dtype
     torch.testing.assert_close(got, ref(c, w, bias, s), **TOL[dtype])
+
+
+@SETTINGS
+@given(layouts(), out_slices, st.sampled_from([32, 48]), st.sampled_from([torch.float32, torch.float16]),
+       st.booleans(), loop_cfgs)  # fmt: skip
+def test_gemm_scaled_s_matches_reference(layout, sizes, hidden, dtype, with_bias, cfg):
+    """s pre-scaled in x's dtype (the fused path of lora_linear): LoRA iterations in the K loop for tiles in
+    one segment, after the loop for tiles straddling segments; rank 0, slot -1, mixed ranks, 1-4 slices."""
+    c = make_case(layout, len(sizes), sizes, hidden, dtype, max_rank=MAX_RANK)
+    m = c.meta
+    w, bias = gemm_inputs(c, dtype, with_bias)
+    s = scaled_s(c)
+    assert s.dtype == dtype and s.shape[2] % 16 == 0
+    got = launch_lora_gemm(c.x, w, bias, s, c.b, *seg_args(m), sizes, config=cfg, s_scaled=True)
+    torch.testing.assert_close(got, ref(c, w, bias, s, s_scaled=True), **TOL[dtype])
+    # same result as the unscaled fp32 s, up to the rounding of scale · s to x's dtype
+    s32 = lora_shrink_ref(c.x, c.a, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
+    torch.testing.assert_close(got, ref(c, w, bias, s32), **TOL[dtype])
+
+
+@SETTINGS
+@given(layouts(), st.integers(1, 4), st.sampled_from([32, 40]), st.sampled_from([torch.float32, torch.float16]),
+       st.sampled_from([None, *SCALED_SWEEP]))  # fmt: skip
+def test_shrink_scaled_matches_reference(layout, num_slices, hidden, dtype, name):
+    """lora_shrink's scaled output: scale · s in x's dtype, zero past the slot's rank and on rows without
+    LoRA, columns padded to 16; every swept config (SPLIT included), tiles straddling segments."""
+    c = make_case(layout, num_slices, [16] * num_slices, hidden, dtype, max_rank=MAX_RANK)
+    m = c.meta
+    cfg = None if name is None else {**SCALED_SWEEP[name], "BLOCK_M": 16, "BLOCK_K": 16, "num_stages": 1}
+    args = (c.x, c.a, m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
+    got = launch_lora_shrink(*args, config=cfg, seg_scale=m.seg_scale)
+    want = scaled_s(c)
+    assert got.shape == want.shape and got.dtype == dtype
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    # the fp32 output of the same kernel is unchanged
+    s32 = launch_lora_shrink(*args, config=cfg)
+    assert s32.dtype == torch.float32 and s32.shape[2] == m.max_rank
+    torch.testing.assert_close(
+        s32, lora_shrink_ref(c.x, c.a, *args[3:6], m.slot_rank, m.max_rank), **TOL[dtype]
+    )
+
+
+def test_scaled_s_rank0_and_no_lora_tiles():
+    """A batch whose only adapters have rank 0 or no slot: the scaled s is all zeros, the GEMM is the plain
+    linear on every config; a batch of only no-LoRA rows next to LoRA rows in one 16-row tile."""
+    layout = ([(20, -1), (13, 2), (0, 0), (40, 1)], [16, 0, 0, 0], [1.0, 1.0, 1.0, 1.0])
+    sizes = [16, 24]
+    c = make_case(layout, 2, sizes, 32, torch.float32, max_rank=MAX_RANK)
+    m = c.meta
+    assert not m.has_lora
+    w, bias = gemm_inputs(c, torch.float32, with_bias=True)
+    s = launch_lora_shrink(c.x, c.a, m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, 16,
+                           seg_scale=m.seg_scale)  # fmt: skip
+    assert s.shape == (2, m.num_tokens, 16) and not s.any()
+    plain = torch.nn.functional.linear(c.x, w, bias)
+    for cfg in (_cfg(16, 16, 16), _cfg(16, 16, 16, PERSISTENT=1, TMA=1, FLATTEN=1)):
+        got = launch_lora_gemm(c.x, w, bias, s, c.b, *seg_args(m), sizes, config=cfg, s_scaled=True)
+        torch.testing.assert_close(got, plain, **TOL[torch.float32])
+    # one 16-row tile: 3 rows of slot 0, 13 without LoRA (straddling: added after the K loop)
+    layout = ([(3, 0), (13, -1), (16, 0)], [16, 0, 0, 0], [2.0, 1.0, -1.0])
+    c = make_case(layout, 2, sizes, 32, torch.float32, max_rank=MAX_RANK)
+    s = scaled_s(c)
+    cfg = _cfg(16, 16, 16, PERSISTENT=1, TMA=1, FLATTEN=1)
+    got = launch_lora_gemm(c.x, w, bias, s, c.b, *seg_args(c.meta), sizes, config=cfg, s_scaled=True)
+    torch.testing.assert_close(got, ref(c, w, bias, s, s_scaled=True), **TOL[torch.float32])
+    base = launch_lora_gemm(
+        c.x, w, bias, s[:, :, :0], c.b, *seg_args(c.meta), sizes, config=cfg, s_scaled=True
+    )
+    torch.testing.assert_close(got[3:16], base[3:16], atol=0, rtol=0)
 
 
 def test_reference_matches_dense_oracle():
@@ -139,9 +231,14 @@ def test_lora_linear_uses_fused_gemm(monkeypatch):
     c = make_case(layout, 3, sizes, hidden=48, dtype=torch.float32)
     w, bias = gemm_inputs(c, torch.float32, with_bias=True)
     calls = []
-    monkeypatch.setattr(lora, "lora_gemm_op", lambda *a: calls.append(1) or torch.ops.ditserve.lora_gemm(*a))
+
+    def spy(*a):
+        calls.append((a[3].dtype, a[-1]))
+        return torch.ops.ditserve.lora_gemm(*a)
+
+    monkeypatch.setattr(lora, "lora_gemm_op", spy)
     got = lora_linear(c.x, w, bias, c.a, c.b, c.meta, sizes)
-    assert calls == [1]
+    assert calls == [(torch.float32, True)]  # s pre-scaled in x's dtype
     want = lora._lora_linear_addmm(c.x, w, bias, c.a, c.b, c.meta, sizes)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
@@ -194,16 +291,39 @@ def gpu_problem(num_slices: int):
 def test_bf16_gpu_every_config(num_slices, name):
     meta, x, a, b, w, bias, sizes = gpu_problem(num_slices)
     m = meta
-    s = lora_shrink_ref(x, a, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
-    want = lora_gemm_ref(
-        x, w, bias, s, b, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank, sizes
-    )
+    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot)
+    s32 = lora_shrink_ref(x, a, *seg[1:], m.slot_rank, m.max_rank)
+    s = lora_shrink_scaled_ref(x, a, *seg, m.seg_scale, m.slot_rank, m.max_rank)
+    want = lora_gemm_ref(x, w, bias, s, b, *seg[1:], m.seg_scale, m.slot_rank, sizes, s_scaled=True)
     cfg = SWEEP[name] if name else None
-    got = launch_lora_gemm(x, w, bias, s, b, *seg_args(m), sizes, config=cfg)
-    # bf16 output rounded once; s · scale rounded to bf16 before the epilogue's dot
+    # the fused path: scale · s in bf16, LoRA iterations in the K loop (after it for straddling tiles)
+    got = launch_lora_gemm(x, w, bias, s, b, *seg_args(m), sizes, config=cfg, s_scaled=True)
     torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=3e-2)
-    base = launch_lora_gemm(x, w, None, s[:, :, :0], b, *seg_args(m), sizes, config=cfg)
+    # fp32 s, the LoRA term after the K loop: s · scale rounded to bf16 before the dot
+    got = launch_lora_gemm(x, w, bias, s32, b, *seg_args(m), sizes, config=cfg)
+    torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=3e-2)
+    base = launch_lora_gemm(x, w, None, s[:, :, :0], b, *seg_args(m), sizes, config=cfg, s_scaled=True)
     torch.testing.assert_close(base.float(), torch.nn.functional.linear(x, w).float(), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [None, *SCALED_SWEEP])
+@pytest.mark.parametrize("num_slices", [3, 4])
+def test_bf16_gpu_shrink_scaled_every_config(num_slices, name):
+    meta, x, a, *_ = gpu_problem(num_slices)
+    m = meta
+    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot)
+    want = lora_shrink_scaled_ref(x, a, *seg, m.seg_scale, m.slot_rank, m.max_rank)
+    cfg = SCALED_SWEEP[name] if name else None
+    got = launch_lora_shrink(x, a, *seg, m.slot_rank, m.max_rank, config=cfg, seg_scale=m.seg_scale)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_tuned_large_is_tma_in_loop():
+    """lora_linear's large-problem config: TMA, persistent, flattened, LoRA in the K loop."""
+    cfg = TUNED["large"]
+    assert cfg["TMA"] and cfg["PERSISTENT"] and cfg["FLATTEN"] and cfg["LORA_LOOP"]
 
 
 @pytest.mark.gpu
