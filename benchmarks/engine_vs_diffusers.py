@@ -10,10 +10,9 @@ pooled 768): text encoding is NOT what is measured (it is inside "image s" but c
 Nothing is downloaded or written to disk except the result files.
 
 Configurations, in this order, per size: (a) diffusers FluxPipeline eager; (c) ditserve FluxRunner
-prepare/step/decode on the same pipe object, eager (the engine's ``compile`` flag is not wired into the
-runner yet, so the engine path is eager); then ``pipe.transformer.compile_repeated_blocks(fullgraph=True)``
-and (b) diffusers compiled, and (d) our runner on that compiled transformer (not an engine path today: it
-shows what wiring the flag would give). Transformer step time = CUDA events around every transformer
+prepare/step/decode on the same pipe object, eager; then ``pipe.transformer.compile_repeated_blocks(
+fullgraph=True)`` and (b) diffusers compiled, and (d) our runner on that compiled transformer (the engine's
+``--compile`` compiles the same blocks, without fullgraph so that LoRA steps can call the adapter path). Transformer step time = CUDA events around every transformer
 forward (hooks on the model), median over the timed images' steps; image time = wall time of one whole
 image (text encode + 28 steps + VAE decode), median over the timed images. Warm-up images are excluded;
 for compiled rows the first image's extra time over the steady image is reported as compile time.
@@ -401,8 +400,8 @@ def main() -> None:
         "text encoding is not measured (it is inside 'image s' but negligible).",
         f"diffusers {diffusers.__version__}, torch {torch.__version__}; warm-up {args.warmup} image(s), "
         f"{args.repeats} timed images per row; step ratio = diffusers-eager step / this row's step (>1 = faster).",
-        f"'ditserve on compiled' = FluxRunner on the transformer after compile_repeated_blocks (the engine's "
-        f"compile flag is not wired yet). Pipeline build {build_s:.1f}s, whole run "
+        f"'ditserve on compiled' = FluxRunner on the transformer after compile_repeated_blocks (what the "
+        f"engine's --compile does). Pipeline build {build_s:.1f}s, whole run "
         f"{time.perf_counter() - t_start:.0f}s.",
     ]
     if skipped:

@@ -419,7 +419,7 @@ def main() -> None:
         "request with its own instance of the pipe's scheduler class and config (UniPC, then FlowMatchEuler), "
         "set up as WanPipeline sets it, so both schedulers' rows should match diffusers.",
         "'ditserve on compiled' = WanRunner on the transformer after compile_repeated_blocks(fullgraph=True), "
-        f"which is what the engine's compile flag does. Pipeline build {build_s:.1f}s, whole run "
+        f"what the engine's --compile does. Pipeline build {build_s:.1f}s, whole run "
         f"{time.perf_counter() - t_start:.0f}s.",
     ]
     if skipped:
