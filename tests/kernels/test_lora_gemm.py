@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ditserve.kernels.lora import LoRABatchMeta, lora_linear
-from ditserve.kernels.lora_gemm.op import SWEEP, TUNED, launch_lora_gemm
+from ditserve.kernels.lora_gemm.op import SWEEP, launch_lora_gemm
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 from ditserve.kernels.lora_shrink.op import SCALED_SWEEP, launch_lora_shrink
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref
@@ -318,12 +318,6 @@ def test_bf16_gpu_shrink_scaled_every_config(num_slices, name):
     got = launch_lora_shrink(x, a, *seg, m.slot_rank, m.max_rank, config=cfg, seg_scale=m.seg_scale)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
-
-
-def test_tuned_large_is_tma_in_loop():
-    """lora_linear's large-problem config: TMA, persistent, flattened, LoRA in the K loop."""
-    cfg = TUNED["large"]
-    assert cfg["TMA"] and cfg["PERSISTENT"] and cfg["FLATTEN"] and cfg["LORA_LOOP"]
 
 
 @pytest.mark.gpu
