@@ -101,6 +101,7 @@ async def memory(action: str, request: Request, fe: Any = Depends(frontend)):
 async def shutdown(request: Request, fe: Any = Depends(frontend)):
     """Free every replica's engine; they stop accepting work (removing replicas is Serve's job)."""
     fe.check_auth(request, admin=True)
+    await fe.state_actor().set_shutdown.remote()  # replacements started later stay shut down
     report = await fe.broadcast({"op": "shutdown"})
     if not report["ok"]:
         fe.raise_broadcast_error(report)

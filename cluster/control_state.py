@@ -10,7 +10,8 @@ State shape (plain JSON, versioned; every change increments ``version``)::
     {"version": 3,
      "weights": {"version": 1, "path": "/ckpt/flux-v2", "tag": "3f2a"},  # version 0: the served model
      "memory": "resident",                                      # or "released"
-     "loras": {"ink": {"source": "/loras/ink.safetensors", "scale": 0.8}}}
+     "loras": {"ink": {"source": "/loras/ink.safetensors", "scale": 0.8}},
+     "shutdown": false}                                         # true after POST /v1/admin/shutdown
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def initial_state(loras: dict[str, dict[str, Any]] | None = None) -> dict[str, A
         "weights": {"version": 0, "path": None, "tag": None},
         "memory": "resident",
         "loras": dict(loras or {}),
+        "shutdown": False,
     }
 
 
@@ -57,6 +59,11 @@ class ControlState:
     def set_memory(self, memory: str) -> dict[str, Any]:
         assert memory in ("resident", "released"), memory
         self.state["memory"] = memory
+        return self._bump()
+
+    def set_shutdown(self) -> dict[str, Any]:
+        """Shut down for good: a replica Serve starts later comes up shut down too."""
+        self.state["shutdown"] = True
         return self._bump()
 
     def set_lora(self, name: str, source: str, scale: float) -> dict[str, Any]:

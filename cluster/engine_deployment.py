@@ -102,7 +102,9 @@ class EngineReplica(ReplicaStreams):
             self.app_name, initial_state(parse_lora_paths(self.args.lora_path))
         )
         desired = ray.get(self.state_actor.get.remote())
-        if desired["version"] > self.applied["version"]:
+        if desired.get("shutdown"):
+            self._shut_down()  # the app was shut down before this replica started: stay so
+        elif desired["version"] > self.applied["version"]:
             self.engine.run_control(lambda: self._apply(desired)).result()
         self.metrics = ReplicaMetrics(self.replica_id, self.engine.spec.name, self.args.max_loras)
         getattr(self.engine, "step_listeners", []).append(self.metrics.observe_step)
@@ -167,7 +169,9 @@ class EngineReplica(ReplicaStreams):
             desired = await self.state_actor.get.remote()
         except Exception:  # the app is being deleted: nothing to converge to
             return
-        if desired["version"] > self.applied["version"]:
+        if desired.get("shutdown"):
+            await asyncio.to_thread(self._shut_down)  # missed the broadcast (e.g. starting at the time)
+        elif desired["version"] > self.applied["version"]:
             await self._converge(desired)
 
     # -- generation ---------------------------------------------------------------------------------------
@@ -287,9 +291,7 @@ class EngineReplica(ReplicaStreams):
         if kind == "converge":
             return await self._converge(op["state"])
         if kind == "shutdown":
-            self.shut_down = True
-            self.sessions.clear()
-            await asyncio.to_thread(self.engine.shutdown)
+            await asyncio.to_thread(self._shut_down)
             return "shut down"
         if self.shut_down:
             raise ReplicaUnavailable("replica is shut down")
@@ -304,6 +306,12 @@ class EngineReplica(ReplicaStreams):
         if kind == "lora_list":
             return await self._on_loop(lambda: self._lora_engine("lora_list")())
         raise ValueError(f"op: unknown control op {kind!r}")
+
+    def _shut_down(self) -> None:
+        self.shut_down = True
+        self.applied["shutdown"] = True
+        self.sessions.clear()
+        self.engine.shutdown()
 
     async def _on_loop(self, fn) -> Any:
         """Run ``fn`` in the engine loop between two steps (waits for the current step, not the queue)."""

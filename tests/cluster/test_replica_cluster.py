@@ -302,3 +302,29 @@ class TestShardedReplicas:
         r = httpx.post(f"{url}/{expired}/generate", json={"prompt": "x"}, timeout=30)
         assert r.status_code == 404
         httpx.delete(f"{url}/{reopened.json()['id']}", timeout=30)
+
+    def test_shutdown_stops_every_replica_and_a_replacement_stays_shut_down(self, server):
+        base = server.base_url
+        done = httpx.post(f"{base}/v1/admin/shutdown", timeout=120)
+        assert done.status_code == 200, done.text
+        listed = replicas(base)
+        assert {r["health"] for r in listed} == {"shutdown"}
+        refused = generate(base, seed=3)
+        assert refused.status_code == 503 and "shut down" in refused.json()["error"]["message"]
+
+        # Serve replaces a replica that dies; the replacement reads the desired state and stays shut down.
+        victim = listed[0]["replica_id"]
+        named = ray.util.list_named_actors(all_namespaces=True)
+        name = next(a for a in named if a["name"].endswith(f"#{victim}"))
+        ray.kill(ray.get_actor(name["name"], namespace=name["namespace"]), no_restart=True)
+        deadline = time.monotonic() + 180
+        fresh = []
+        while time.monotonic() < deadline and not fresh:
+            time.sleep(1)
+            now = replicas(base)
+            fresh = [r for r in now if r["replica_id"] not in {x["replica_id"] for x in listed}]
+        assert fresh, now
+        assert fresh[0]["health"] == "shutdown" and fresh[0]["control_state"]["shutdown"] is True
+        for seed in range(4):  # round-robin reaches the replacement too
+            r = generate(base, seed=seed)
+            assert r.status_code == 503 and "shut down" in r.json()["error"]["message"], r.text
