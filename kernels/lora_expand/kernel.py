@@ -12,6 +12,19 @@ import triton.language as tl
 
 
 @triton.jit
+def slice_columns(pid_n, col1, col2, col3, n_total, blk1, blk2, blk3, BLOCK_N: tl.constexpr):
+    """Column block pid_n → (its output slice j, its first column, the end of slice j).
+
+    Every slice is cut into its own column blocks (`op.column_blocks`), so a block never mixes slices;
+    col1..col3 / blk1..blk3 are the first column / first block of slices 1..3 (the end when absent)."""
+    j = (pid_n >= blk1).to(tl.int32) + (pid_n >= blk2).to(tl.int32) + (pid_n >= blk3).to(tl.int32)
+    col_lo = tl.where(j == 0, 0, tl.where(j == 1, col1, tl.where(j == 2, col2, col3)))
+    col_hi = tl.where(j == 0, col1, tl.where(j == 1, col2, tl.where(j == 2, col3, n_total)))
+    blk_lo = tl.where(j == 0, 0, tl.where(j == 1, blk1, tl.where(j == 2, blk2, blk3)))
+    return j, col_lo + (pid_n - blk_lo) * BLOCK_N, col_hi
+
+
+@triton.jit
 def _lora_expand_kernel(
     y_ptr,  # [num_tokens, n_total]
     s_ptr,  # [num_slices, num_tokens, rank_dim] fp32
@@ -49,11 +62,8 @@ def _lora_expand_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    j = (pid_n >= blk1).to(tl.int32) + (pid_n >= blk2).to(tl.int32) + (pid_n >= blk3).to(tl.int32)
-    col_lo = tl.where(j == 0, 0, tl.where(j == 1, col1, tl.where(j == 2, col2, col3)))
-    col_hi = tl.where(j == 0, col1, tl.where(j == 1, col2, tl.where(j == 2, col3, n_total)))
-    blk_lo = tl.where(j == 0, 0, tl.where(j == 1, blk1, tl.where(j == 2, blk2, blk3)))
-    offs_n = col_lo + (pid_n - blk_lo) * BLOCK_N + tl.arange(0, BLOCK_N)
+    j, n0, col_hi = slice_columns(pid_n, col1, col2, col3, n_total, blk1, blk2, blk3, BLOCK_N)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < col_hi
 
     m0 = pid_m * BLOCK_M

@@ -8,6 +8,8 @@ scattered by token id. Chunks without LoRA return at once.
 import triton
 import triton.language as tl
 
+from ditserve.kernels.lora_expand.kernel import slice_columns
+
 
 @triton.jit
 def _lora_expand_sgmv_kernel(
@@ -50,11 +52,8 @@ def _lora_expand_sgmv_kernel(
     start = tl.load(chunk_start_ptr + chunk)
     length = tl.load(chunk_len_ptr + chunk)
 
-    j = (pid_n >= blk1).to(tl.int32) + (pid_n >= blk2).to(tl.int32) + (pid_n >= blk3).to(tl.int32)
-    col_lo = tl.where(j == 0, 0, tl.where(j == 1, col1, tl.where(j == 2, col2, col3)))
-    col_hi = tl.where(j == 0, col1, tl.where(j == 1, col2, tl.where(j == 2, col3, n_total)))
-    blk_lo = tl.where(j == 0, 0, tl.where(j == 1, blk1, tl.where(j == 2, blk2, blk3)))
-    offs_n = col_lo + (pid_n - blk_lo) * BLOCK_N + tl.arange(0, BLOCK_N)
+    j, n0, col_hi = slice_columns(pid_n, col1, col2, col3, n_total, blk1, blk2, blk3, BLOCK_N)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < col_hi
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank

@@ -26,6 +26,8 @@ TMA tensor descriptors (USE_TMA: host-built `TensorDescriptor`s, out-of-range ro
 import triton
 import triton.language as tl
 
+from ditserve.kernels.lora_expand.kernel import slice_columns
+
 
 @triton.jit
 def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
@@ -169,12 +171,8 @@ def _lora_gemm_kernel(
     for tile_id in tl.range(pid, num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_col_blocks, GROUP_M)
         # output slice j of this column block and its column range
-        j = (pid_n >= blk1).to(tl.int32) + (pid_n >= blk2).to(tl.int32) + (pid_n >= blk3).to(tl.int32)
-        col_lo = tl.where(j == 0, 0, tl.where(j == 1, col1, tl.where(j == 2, col2, col3)))
-        col_hi = tl.where(j == 0, col1, tl.where(j == 1, col2, tl.where(j == 2, col3, n_total)))
-        blk_lo = tl.where(j == 0, 0, tl.where(j == 1, blk1, tl.where(j == 2, blk2, blk3)))
+        j, n0, col_hi = slice_columns(pid_n, col1, col2, col3, n_total, blk1, blk2, blk3, BLOCK_N)
         m0 = pid_m * BLOCK_M
-        n0 = col_lo + (pid_n - blk_lo) * BLOCK_N
         if COL_ALIGN > 1:
             n0 = tl.multiple_of(n0, COL_ALIGN)
         offs_m = m0 + tl.arange(0, BLOCK_M)
