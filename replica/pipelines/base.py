@@ -54,6 +54,12 @@ class RequestState:
         return self.latents.shape[0]
 
 
+def request_scheduler(pipe):
+    """A fresh instance of the pipeline's own scheduler class and config, for one request: multistep
+    schedulers (Wan2.1's UniPC) keep per-request history, so requests never share one."""
+    return type(pipe.scheduler).from_config(pipe.scheduler.config)
+
+
 def to_uint8(images: np.ndarray) -> np.ndarray:
     """[0, 1] floats → uint8, rounding as diffusers' ``numpy_to_pil`` does."""
     return (images * 255).round().clip(0, 255).astype("uint8")

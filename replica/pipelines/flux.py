@@ -7,7 +7,7 @@ import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
 from ..request import GenerationParams
-from .base import PipelineRunner, RequestState, to_uint8
+from .base import PipelineRunner, RequestState, request_scheduler, to_uint8
 
 
 class FluxRunner(PipelineRunner):
@@ -53,9 +53,7 @@ class FluxRunner(PipelineRunner):
             self.device,
             generator,
         )
-        # The pipeline's own scheduler class and config, one instance per request (a multistep scheduler
-        # keeps per-request history); timesteps as FluxPipeline sets them.
-        scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+        scheduler = request_scheduler(pipe)  # timesteps below as FluxPipeline sets them
         steps = params.num_inference_steps
         sigmas = np.linspace(1.0, 1 / steps, steps)
         if getattr(scheduler.config, "use_flow_sigmas", False):

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from ..request import GenerationParams
-from .base import PipelineRunner, RequestState, to_uint8
+from .base import PipelineRunner, RequestState, request_scheduler, to_uint8
 
 
 class WanRunner(PipelineRunner):
@@ -28,9 +28,7 @@ class WanRunner(PipelineRunner):
         )
         cond = {"encoder_hidden_states": embeds.to(self.dtype)}
         uncond = {"encoder_hidden_states": neg_embeds.to(self.dtype)} if do_cfg else None
-        # The pipeline's own scheduler class and config (Wan2.1 ships UniPC with its flow shift), set up as
-        # WanPipeline does. One instance per request: multistep schedulers keep per-request history.
-        scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+        scheduler = request_scheduler(pipe)  # Wan2.1's UniPC with its flow shift, set up as WanPipeline does
         scheduler.set_timesteps(params.num_inference_steps, device=self.device)
         scheduler.set_begin_index(0)
         generator = torch.Generator("cpu").manual_seed(params.seed)
