@@ -295,9 +295,6 @@ class LoRAManager:
         layout = []
         for rows, refs in groups:
             layout.append((rows, [(self.slots[r.name], r.scale * self.info[r.name]["scale"]) for r in refs]))
-        if not any(adapters for _, adapters in layout):
-            self.batch = None
-            self.active = False
-            return
-        self.batch = BatchLayout(layout, list(self.ranks), self.device)
-        self.active = True
+        has_lora = any(adapters for _, adapters in layout)
+        self.batch = BatchLayout(layout, list(self.ranks), self.device) if has_lora else None
+        self.active = has_lora
