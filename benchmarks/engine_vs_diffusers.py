@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -221,6 +222,38 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+class Skips:
+    """Rows a benchmark did not measure: over its time budget, or failed (the other rows still run)."""
+
+    def __init__(self, budget_s: float, t_start: float):
+        self.t_start = t_start  # the budget counts from here (the benchmark's start)
+        self.budget_s = budget_s
+        self.reasons: list[str] = []
+
+    def add(self, label: str, reason: str) -> None:
+        self.reasons.append(f"{label}: {reason}")
+        print(f"skip {label}: {reason}", flush=True)
+
+    def over_budget(self, label: str) -> bool:
+        if time.perf_counter() - self.t_start > self.budget_s:
+            self.add(label, "time budget")
+            return True
+        return False
+
+    def failed(self, label: str, exc: BaseException) -> None:
+        traceback.print_exc()
+        self.add(label, f"{type(exc).__name__}: {str(exc)[:300]}")
+
+
+def write_report(out_dir: str, stem: str, text: str, meta: dict, rows: list[dict]) -> None:
+    """Print the table, and write it to OUT/stem.md and the measurements to OUT/stem.json."""
+    print("\n" + text)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.md").write_text(text + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
+
+
 # ---- the two ways to make one image -----------------------------------------------------------------
 def diffusers_image(pipe, size: int, steps: int, max_len: int) -> np.ndarray:
     from ditserve.replica.pipelines.base import to_uint8
@@ -317,21 +350,16 @@ def main() -> None:
     timer = ForwardTimer(pipe.transformer, device)
 
     results: dict[tuple[int, str], dict] = {}
-    skipped: list[str] = []
+    skips = Skips(args.budget_s, t_start)
 
     def run(size: int, impl: str, make_image, warmup: int) -> None:
-        if time.perf_counter() - t_start > args.budget_s:
-            skipped.append(f"{impl} {size}²: time budget")
-            print(f"skip {impl} {size}: over --budget-s")
+        if skips.over_budget(f"{impl} {size}²"):
             return
         try:
             r = measure(make_image, timer, device, warmup, args.repeats)
         except Exception as exc:  # e.g. a compile failure: keep the other rows
-            import traceback
-
-            traceback.print_exc()
             timer.take()
-            skipped.append(f"{impl} {size}²: {type(exc).__name__}: {str(exc)[:300]}")
+            skips.failed(f"{impl} {size}²", exc)
             return
         results[(size, impl)] = r
         print(
@@ -404,22 +432,15 @@ def main() -> None:
         f"engine's --compile does). Pipeline build {build_s:.1f}s, whole run "
         f"{time.perf_counter() - t_start:.0f}s.",
     ]
-    if skipped:
-        notes.append("Skipped: " + "; ".join(skipped))
-    text = "\n".join(lines + notes)
-    print("\n" + text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "engine_vs_diffusers.md").write_text(text + "\n")
+    if skips.reasons:
+        notes.append("Skipped: " + "; ".join(skips.reasons))
     rows = [
         {"size": s, "impl": i, **{k: v for k, v in r.items() if k != "image"}}
         for (s, i), r in results.items()
     ]
-    meta = dict(commit=sha, device=dev, dtype=args.dtype, steps=args.steps, tiny=args.tiny, skipped=skipped,
-                argv=sys.argv, build_s=build_s)  # fmt: skip
-    (out / "engine_vs_diffusers.json").write_text(
-        json.dumps(dict(meta=meta, rows=rows), indent=1, default=str)
-    )
+    meta = dict(commit=sha, device=dev, dtype=args.dtype, steps=args.steps, tiny=args.tiny,
+                skipped=skips.reasons, argv=sys.argv, build_s=build_s)  # fmt: skip
+    write_report(args.out, "engine_vs_diffusers", "\n".join(lines + notes), meta, rows)
     timer.remove()
 
 

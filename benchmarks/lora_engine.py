@@ -38,7 +38,6 @@ import os
 import statistics
 import sys
 import time
-import traceback
 import warnings
 from pathlib import Path
 
@@ -51,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from batching import config_folder  # noqa: E402
 from engine_vs_diffusers import (  # noqa: E402
     ForwardTimer,
+    Skips,
     build_pipe,
     commit,
     device_name,
@@ -182,26 +182,18 @@ def main() -> None:
         return adapters[rank]
 
     rows: list[dict] = []
-    skipped: list[str] = []
+    skips = Skips(args.budget_s, t_start)
     images: dict[tuple[str, int, int], np.ndarray] = {}  # (impl, rank, request) → image
 
     dirty: list[str] = []  # set when PEFT layers could not be removed: later rows would be wrong
 
     def over_budget(label: str) -> bool:
         if dirty:
-            skipped.append(f"{label}: {dirty[0]}")
-            print(f"skip {label}: {dirty[0]}", flush=True)
+            skips.add(label, dirty[0])
             return True
-        if time.perf_counter() - t_start > args.budget_s:
-            skipped.append(f"{label}: time budget")
-            print(f"skip {label}: over --budget-s", flush=True)
-            return True
-        return False
+        return skips.over_budget(label)
 
-    def failed(label: str, exc: BaseException) -> None:
-        traceback.print_exc()
-        skipped.append(f"{label}: {type(exc).__name__}: {str(exc)[:300]}")
-        print(f"skip {label}: {type(exc).__name__}: {exc}", flush=True)
+    failed = skips.failed
 
     # ---- stock diffusers (+ PEFT), one request at a time, on the clean model ----------------------------
     def diffusers_request(i: int) -> np.ndarray:
@@ -221,10 +213,9 @@ def main() -> None:
 
     have_peft = importlib.util.find_spec("peft") is not None
     if args.no_peft:
-        skipped.append("diffusers rows: --no-peft")
+        skips.reasons.append("diffusers rows: --no-peft")
     elif not have_peft:
-        skipped.append("diffusers + PEFT rows: peft is not installed (pip install peft)")
-        print("skip diffusers + PEFT rows: peft is not installed", flush=True)
+        skips.add("diffusers + PEFT rows", "peft is not installed (pip install peft)")
     if not args.no_peft:
         timer = ForwardTimer(pipe.transformer, device)
         try:
@@ -426,11 +417,11 @@ def main() -> None:
         "diffusers row against the median no-LoRA batch step of the engines. Diffusers batch-step = sum of "
         "the requests' median transformer step (no-LoRA row: requests × its one request's step).",
     ]
-    if skipped:
-        notes.append("Skipped: " + "; ".join(skipped))
+    if skips.reasons:
+        notes.append("Skipped: " + "; ".join(skips.reasons))
     print("\n" + "\n".join(lines + notes), flush=True)
     os.makedirs(args.out, exist_ok=True)
-    out_rows = rows + [{"impl": "skipped", "reason": s} for s in skipped]
+    out_rows = rows + [{"impl": "skipped", "reason": s} for s in skips.reasons]
     Path(args.out, "lora_engine.json").write_text(json.dumps(out_rows, indent=1))
     Path(args.out, "lora_engine.md").write_text("\n".join(lines + notes) + "\n")
 

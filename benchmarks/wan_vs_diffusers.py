@@ -33,12 +33,10 @@ PSNR on the uint8 frames. Prints a markdown table and writes DIR/wan_vs_diffuser
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -51,12 +49,14 @@ from engine_vs_diffusers import (  # noqa: E402
     SEED,
     WEIGHT_SEED,
     ForwardTimer,
+    Skips,
     commit,
     device_name,
     fmt_psnr,
     measure,
     psnr,
     sync,
+    write_report,
 )
 
 GUIDANCE = 5.0
@@ -302,22 +302,19 @@ def main() -> None:
     decode = DecodeTimer(pipe.vae)
 
     results: dict[tuple[str, str], dict] = {}  # (scheduler, impl) → measurements
-    skipped: list[str] = []
+    skips = Skips(args.budget_s, t_start)
 
     def run(sched: str, impl: str, make_video, warmup: int, repeats: int) -> None:
         label = f"{impl} ({sched})"
-        if time.perf_counter() - t_start > args.budget_s:
-            skipped.append(f"{label}: time budget")
-            print(f"skip {label}: over --budget-s", flush=True)
+        if skips.over_budget(label):
             return
         decode.take()
         try:
             r = measure(make_video, timer, device, warmup, repeats)
         except Exception as exc:  # e.g. a compile failure or OOM: keep the other rows
-            traceback.print_exc()
             timer.take()
             decode.take()
-            skipped.append(f"{label}: {type(exc).__name__}: {str(exc)[:300]}")
+            skips.failed(label, exc)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             return
@@ -356,8 +353,7 @@ def main() -> None:
             try:
                 pipe.transformer.compile_repeated_blocks(fullgraph=True)
             except Exception as exc:
-                traceback.print_exc()
-                skipped.append(f"compile_repeated_blocks: {type(exc).__name__}: {str(exc)[:300]}")
+                skips.failed("compile_repeated_blocks", exc)
             else:
                 run("unipc", "diffusers compiled", diffusers_fn, max(args.warmup, 1), args.repeats)
                 run("unipc", "ditserve on compiled", runner_fn, args.warmup, args.repeats)
@@ -422,13 +418,8 @@ def main() -> None:
         f"what the engine's --compile does. Pipeline build {build_s:.1f}s, whole run "
         f"{time.perf_counter() - t_start:.0f}s.",
     ]
-    if skipped:
-        notes.append("Skipped: " + "; ".join(skipped))
-    text = "\n".join(lines + notes)
-    print("\n" + text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "wan_vs_diffusers.md").write_text(text + "\n")
+    if skips.reasons:
+        notes.append("Skipped: " + "; ".join(skips.reasons))
     rows = [
         {"scheduler": s, "impl": i, **{k: v for k, v in r.items() if k != "video"}}
         for (s, i), r in results.items()
@@ -436,10 +427,10 @@ def main() -> None:
     meta = dict(
         commit=sha, device=dev, dtype=args.dtype, vae_dtype=str(vae_dtype).removeprefix("torch."),
         width=args.width, height=args.height, frames=args.frames, steps=args.steps, guidance=args.guidance,
-        tiny=args.tiny, skipped=skipped, argv=sys.argv, build_s=build_s, transformer_params=n_params,
+        tiny=args.tiny, skipped=skips.reasons, argv=sys.argv, build_s=build_s, transformer_params=n_params,
         diffusers=diffusers.__version__, torch=torch.__version__,
     )  # fmt: skip
-    (out / "wan_vs_diffusers.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
+    write_report(args.out, "wan_vs_diffusers", "\n".join(lines + notes), meta, rows)
     timer.remove()
     decode.remove()
 
