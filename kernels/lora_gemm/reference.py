@@ -1,7 +1,9 @@
-"""Plain torch GEMM + segmented LoRA: the base linear in fp32, then a loop over segments and output slices.
+"""Plain torch GEMM + segmented LoRA: the base linear in fp32, then the expand reference on it.
 Also the CPU fallback."""
 
 import torch
+
+from ditserve.kernels.lora_expand.reference import lora_expand_ref
 
 
 def lora_gemm_ref(
@@ -24,19 +26,8 @@ def lora_gemm_ref(
     y = x.to(acc) @ weight.to(acc).T
     if bias is not None:
         y += bias.to(acc)
-    ranks = slot_rank.tolist()
-    offsets = [0]
-    for n in out_slice_sizes:
-        offsets.append(offsets[-1] + n)
-    segs = zip(seg_start.tolist(), seg_len.tolist(), seg_slot.tolist(), seg_scale.tolist(), strict=True)
-    for start, n, slot, scale in segs:
-        if slot < 0 or n == 0 or ranks[slot] == 0 or s.shape[2] == 0:
-            continue
-        r = min(ranks[slot], s.shape[2], b_stacked.shape[2])
-        if s_scaled:
-            scale = 1.0
-        rows = slice(start, start + n)
-        for j in range(len(out_slice_sizes)):
-            cols = slice(offsets[j], offsets[j + 1])
-            y[rows, cols] += scale * s[j, rows, :r].to(acc) @ b_stacked[slot, cols, :r].to(acc).T
+    if s.shape[2] > 0:
+        scale = torch.ones_like(seg_scale) if s_scaled else seg_scale
+        ranks = slot_rank.clamp(max=min(s.shape[2], b_stacked.shape[2]))
+        lora_expand_ref(y, s.to(acc), b_stacked, seg_start, seg_len, seg_slot, scale, ranks, out_slice_sizes)
     return y.to(x.dtype)
