@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -136,6 +137,18 @@ def _add_serve(sub) -> None:
     add_model_arguments(p, AppArgs)
 
 
+def _port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound now, or None. The proxies bind later, inside Ray, where a
+    taken port surfaces as a long Ray traceback; checking first gives the user one line naming the flag."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family) as s:
+            s.bind((host, port))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     try:
         args = AppArgs(**model_kwargs(ns, AppArgs))
@@ -146,6 +159,13 @@ def run_serve(ns: argparse.Namespace) -> int:
         return _fail(_validation_message(exc))
     except ValueError as exc:
         return _fail(str(exc))
+
+    ports = [("--port", args.host, args.port)]
+    if args.grpc_port:  # Serve's gRPC proxy listens on every interface
+        ports.append(("--grpc-port", "::" if socket.has_ipv6 else "0.0.0.0", args.grpc_port))
+    for flag, host, port in ports:
+        if (why := _port_in_use(host, port)) is not None:
+            return _fail(f"{flag} {port}: cannot listen on {host}:{port} ({why}); choose another port")
 
     import ray
     from ray import serve

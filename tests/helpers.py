@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,25 +27,53 @@ def png_pixels(data: bytes) -> np.ndarray:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on every interface, picked below the kernel's ephemeral range.
+
+    Ports handed out by ``bind(0)`` come from the ephemeral range, where Ray's own processes and every
+    outgoing connection also take theirs; a port picked there can be gone by the time the server binds
+    it. 20000-32767 sits above Ray's worker ports (10002-19999) and below the ephemeral range.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        try:
+            for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+                if family == socket.AF_INET6 and not socket.has_ipv6:
+                    continue
+                with socket.socket(family) as s:
+                    s.bind((host, port))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port found in 20000-32767")
 
 
 class ServeProcess:
     """``ditserve serve`` in a subprocess on free ports; ``stop()`` sends Ctrl-C (SIGINT)."""
 
-    def __init__(self, *args: str, timeout_s: float = 180.0):
+    def __init__(self, *args: str, timeout_s: float = 180.0, attempts: int = 3):
+        # A port found free can still be taken before the server binds it; then start again on new ones.
+        for attempt in range(attempts):
+            try:
+                self._start(args, timeout_s)
+                return
+            except RuntimeError as e:
+                taken = any(m in str(e).lower() for m in ("choose another port", "failed to bind", "in use"))
+                if attempt + 1 == attempts or not taken:
+                    raise
+
+    def _start(self, args: tuple[str, ...], timeout_s: float) -> None:
         self.port = free_port()
+        self.grpc_port = free_port()
         self.log_path = Path(os.environ["DITSERVE_HOME"]) / f"serve-{self.port}.log"
-        cmd = [sys.executable, "-m", "ditserve.cluster.cli", "serve", "--port", str(self.port), *args]
-        if "--grpc-port" not in args:
-            cmd += ["--grpc-port", str(free_port())]
+        cmd = [sys.executable, "-m", "ditserve.cluster.cli", "serve", "--port", str(self.port)]
+        cmd += ["--grpc-port", str(self.grpc_port), *args]
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.log.close()
                 raise RuntimeError(f"ditserve serve exited early:\n{self.output()}")
             if "ditserve: serving" in self.output():
                 return

@@ -17,7 +17,7 @@ from openai import OpenAI
 
 from ditserve.cluster.grpc_gen import ditserve_pb2 as pb
 from ditserve.cluster.grpc_gen import ditserve_pb2_grpc as pb_grpc
-from tests.helpers import ServeProcess, free_port, png_pixels
+from tests.helpers import ServeProcess, png_pixels
 
 KEY = "test-admin-key"
 LIMIT = 64 * 1024  # --max-body-bytes
@@ -25,14 +25,12 @@ LIMIT = 64 * 1024  # --max-body-bytes
 
 @pytest.fixture(scope="module")
 def server():
-    grpc_port = free_port()
     proc = ServeProcess(
-        "--model", "demo-flux", "--grpc-port", str(grpc_port), "--api-key", KEY,
+        "--model", "demo-flux", "--api-key", KEY,
         "--max-n", "2", "--max-width", "128", "--max-height", "128", "--max-steps", "20",
         "--max-prompt-chars", "500", "--max-body-bytes", str(LIMIT), "--max-sessions-per-replica", "3",
         "--session-idle-timeout-s", "3",
     )  # fmt: skip
-    proc.grpc_port = grpc_port
     yield proc
     assert proc.stop() == 0, proc.output()
 

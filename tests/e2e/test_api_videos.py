@@ -15,7 +15,7 @@ from openai import OpenAI
 
 from ditserve.cluster.client import Client
 from ditserve.replica.media import decode_mp4
-from tests.helpers import ServeProcess, free_port
+from tests.helpers import ServeProcess
 
 KEY = "video-key"
 TTL_S = 6
@@ -23,13 +23,11 @@ TTL_S = 6
 
 @pytest.fixture(scope="module")
 def server():
-    grpc_port = free_port()
     proc = ServeProcess(
-        "--model", "demo-wan", "--grpc-port", str(grpc_port), "--api-key", KEY, "--api-key-for-generation",
+        "--model", "demo-wan", "--api-key", KEY, "--api-key-for-generation",
         "--max-frames", "9", "--max-steps", "20", "--max-width", "64", "--max-height", "64",
         "--video-ttl-s", str(TTL_S),
     )  # fmt: skip
-    proc.grpc_port = grpc_port
     yield proc
     assert proc.stop() == 0, proc.output()
 

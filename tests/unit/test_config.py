@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import socket
 
 import pytest
 from pydantic import ValidationError
@@ -74,3 +75,14 @@ def test_resolve_model_errors_say_what_was_found(tmp_path):
 def test_engine_args_dtype_default_follows_device():
     assert EngineArgs(device="cpu").engine_config().dtype == "float32"
     assert EngineArgs(device="cuda").engine_config().dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("flag", ["--port", "--grpc-port"])
+def test_cli_serve_refuses_a_taken_port_naming_the_flag(capsys, flag):
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", "demo-flux", flag, str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {port}" in err and "choose another port" in err
