@@ -3,6 +3,7 @@ per-segment loop and the base projection GEMM, on hidden 3072.
 
     python benchmarks/lora_kernels.py --out DIR [--sweep]
     python benchmarks/lora_kernels.py --out DIR --qkv-only [--sweep-gemm] [--sweep-ws]
+        [--batches 4x4608] [--slices 3] [--ranks 64,16,0] [--gemm-configs "w8 s3,after"]
 
 Prints markdown tables and writes them to DIR/lora_kernels.md (+ DIR/lora_kernels.json); --qkv-only writes
 DIR/lora_qkv.md (+ .json): only the QKV target shapes, the fused GEMM+LoRA (scaled bf16 shrink + lora_gemm
@@ -258,6 +259,9 @@ def qkv_only(args, head: list[str]) -> None:
         configs.update(gemm_op.SWEEP)
     if args.sweep_ws:
         configs.update(gemm_op.SWEEP_WS)
+    if args.gemm_configs:  # keep the configs whose name contains one of the given parts
+        parts = args.gemm_configs.split(",")
+        configs = {k: v for k, v in configs.items() if k == "default" or any(q in k for q in parts)}
     shrink_cfgs: dict[str, dict[str, int] | None] = {"default": None}
     if args.sweep_gemm:
         shrink_cfgs.update(shrink_op.SCALED_SWEEP)
@@ -277,9 +281,10 @@ def qkv_only(args, head: list[str]) -> None:
     shrink_totals: dict[tuple[int, str], float] = {}
     records = []
     print("\n".join(lines), flush=True)
-    for batch in QKV_BATCHES:
-        for nsl, sizes in SLICES.items():
-            for rank in QKV_RANKS:
+    for batch in args.batches.split(","):
+        for nsl in map(int, args.slices.split(",")):
+            sizes = SLICES[nsl]
+            for rank in map(int, args.ranks.split(",")):
                 p = make_problem(BATCHES[batch], max(rank, 16), sizes)
                 m = p.meta
                 seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
@@ -383,6 +388,11 @@ def main() -> None:
     ap.add_argument("--sweep-gemm", action="store_true", help="with --qkv-only: every lora_gemm SWEEP config")
     ap.add_argument("--sweep-ws", action="store_true", help="with --sweep-gemm: warp-specialised configs too")
     ap.add_argument("--budget-s", type=float, default=115.0, help="--qkv-only: skip configs after this")
+    ap.add_argument("--batches", default=",".join(QKV_BATCHES), help="--qkv-only: batches to run")
+    ap.add_argument("--slices", default=",".join(map(str, SLICES)), help="--qkv-only: slice counts to run")
+    ap.add_argument("--ranks", default=",".join(map(str, QKV_RANKS)), help="--qkv-only: ranks to run")
+    ap.add_argument("--gemm-configs", default="", help="--qkv-only --sweep-gemm: only SWEEP names containing "
+                    "one of these comma-separated parts")  # fmt: skip
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     props = torch.cuda.get_device_properties(0)

@@ -17,6 +17,12 @@ rows straddle segments (a few per batch: one per request boundary) add their LoR
 (`_lora_epilogue`: per segment, rows of other segments masked). Columns of s past a slot's rank must be
 zero (the shrink writes them so) and B finite there (slot buffers are zero past the rank).
 
+LORA_AFTER (also a pre-scaled s): the K loop reads only x and W, exactly as without LoRA, and a second
+short loop of cdiv(lora_k, LORA_BK) iterations reads s[j] and B[slot] for tiles inside one segment with an
+adapter. The main loop keeps its operands fixed (choosing between two descriptors inside the loop may cost
+the pipelining of every iteration), and the LoRA loop is LORA_BK (≥ 16) wide, not BLOCK_K: a rank-16 adapter
+costs one 16-wide dot per tile, not a 64-wide one. Its loads are not overlapped with the main loop's.
+
 Otherwise (s in fp32, not scaled) every tile adds the LoRA term after the K loop in `_lora_epilogue`.
 
 The K loop reads x and W (and s, B) through pointers (runs in the interpreter and everywhere) or through
@@ -156,6 +162,8 @@ def _lora_gemm_kernel(
     COL_ALIGN: tl.constexpr,  # every slice boundary is a multiple of this (vectorised y/bias access)
     HAS_LORA: tl.constexpr,
     LORA_IN_LOOP: tl.constexpr,  # LoRA iterations in the K loop (s pre-scaled in W's dtype)
+    LORA_AFTER: tl.constexpr,  # LoRA iterations in a loop of their own after the K loop (s pre-scaled)
+    LORA_BK: tl.constexpr,  # rank columns per LoRA iteration with LORA_AFTER
     S_SCALED: tl.constexpr,  # s already holds scale · x · Aᵀ
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -191,7 +199,7 @@ def _lora_gemm_kernel(
         # LoRA iterations of the K loop: only for a tile inside one segment with an adapter
         slot = 0
         lora_here = False
-        if LORA_IN_LOOP:
+        if LORA_IN_LOOP or LORA_AFTER:
             slot = tl.load(seg_slot_ptr + seg_lo)
             lora_here = (seg_lo == seg_hi) & (slot >= 0)
             slot = tl.maximum(slot, 0)
@@ -222,6 +230,12 @@ def _lora_gemm_kernel(
                     a = x.load([m0, ki * BLOCK_K])
                     wt = w.load([n0, ki * BLOCK_K])
                 acc = tl.dot(a, wt.T, acc, input_precision=PRECISION)
+            if LORA_AFTER:
+                if lora_here:
+                    for ri in tl.range(0, tl.cdiv(lora_k, LORA_BK), num_stages=1):
+                        a = s_desc.load([j * num_tokens + m0, ri * LORA_BK])
+                        wt = b_desc.load([slot * n_total + n0, ri * LORA_BK])
+                        acc = tl.dot(a, wt.T, acc, input_precision=PRECISION)
         else:
             x_off = rows[:, None] * stride_xt
             w_off = cols[None, :] * stride_wn
@@ -252,9 +266,24 @@ def _lora_gemm_kernel(
                     a = tl.load(a_ptrs, mask=(kk + offs_k)[None, :] < k_lim, other=0.0)
                     wt = tl.load(w_ptrs, mask=(kk + offs_k)[:, None] < k_lim, other=0.0)
                 acc = tl.dot(a, wt, acc, input_precision=PRECISION)
+            if LORA_AFTER:
+                if lora_here:
+                    offs_lr = tl.arange(0, LORA_BK)
+                    s_ptrs = s_ptr + j * stride_ss + rows[:, None] * stride_st + offs_lr[None, :] * stride_sr
+                    b_ptrs = (
+                        b_ptr
+                        + slot.to(tl.int64) * stride_bl
+                        + cols[None, :] * stride_bn
+                        + offs_lr[:, None] * stride_br
+                    )
+                    for r0 in tl.range(0, lora_k, LORA_BK, num_stages=1):
+                        r_in = (r0 + offs_lr) < lora_k
+                        a = tl.load(s_ptrs + r0 * stride_sr, mask=r_in[None, :], other=0.0)
+                        wt = tl.load(b_ptrs + r0 * stride_br, mask=r_in[:, None], other=0.0)
+                        acc = tl.dot(a, wt, acc, input_precision=PRECISION)
 
         if HAS_LORA:
-            if LORA_IN_LOOP:
+            if LORA_IN_LOOP or LORA_AFTER:
                 # rare: the tile's rows straddle segments; their LoRA terms one by one after the loop
                 if seg_lo != seg_hi:
                     acc = _lora_epilogue(

@@ -14,8 +14,9 @@ MAX_SLICES = 4
 # Tile configs by problem size (`gemm_config`). Keys of a config: BLOCK_M/N/K, GROUP_M (row blocks per
 # column block in the tile order), num_warps, num_stages, PERSISTENT (one program per SM looping over
 # tiles), TMA (x, W, s and B through TensorDescriptors), FLATTEN (tile and K loops flattened into one
-# pipelined loop), WS (warp-specialised loop), LORA_LOOP (with a pre-scaled s: the LoRA term as extra
-# iterations of the K loop; 0 = after the loop), R_CHUNK (rank columns per dot after the loop).
+# pipelined loop), WS (warp-specialised loop), LORA_LOOP (with a pre-scaled s: 1 = the LoRA term as extra
+# iterations of the K loop; 2 = a loop of its own after the K loop, LORA_BK rank columns per iteration;
+# 0 = after the loop in the epilogue, R_CHUNK rank columns per dot).
 # benchmarks/lora_kernels.py --qkv-only --sweep-gemm overrides this table.
 TUNED: dict[str, dict[str, int]] = {
     # ≥ 2 waves of 128×256 tiles (Flux QKV at 4608+ tokens): the Hopper GEMM shape, 8 warps over 2
@@ -29,6 +30,15 @@ TUNED: dict[str, dict[str, int]] = {
                   PERSISTENT=0, TMA=1, FLATTEN=0, WS=0, LORA_LOOP=1),
 }  # fmt: skip
 DEFAULTS = dict(GROUP_M=8, PERSISTENT=0, TMA=0, FLATTEN=0, WS=0, LORA_LOOP=1, R_CHUNK=16)
+MAX_LORA_BK = 64  # LORA_LOOP=2: widest LoRA iteration (rank 128 takes two)
+
+
+def lora_block_k(rank_dim: int) -> int:
+    """Rank columns per iteration of the separate LoRA loop: the rank rounded up to a power of two, 16..64."""
+    bk = 16
+    while bk < min(rank_dim, MAX_LORA_BK):
+        bk *= 2
+    return bk
 
 
 def _cfg(bm, bn, bk, warps, stages, persistent=1, tma=0, flatten=0, ws=0, group_m=8, lora_loop=1):
@@ -44,6 +54,10 @@ SWEEP: dict[str, dict[str, int]] = {
     "tma persist flat 128x256x64 w8 s3 g16": _cfg(128, 256, 64, 8, 3, tma=1, flatten=1, group_m=16),
     "tma persist 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, tma=1),
     "tma persist 128x256x64 w8 s4": _cfg(128, 256, 64, 8, 4, tma=1),
+    # the K loop as without LoRA, then a LoRA loop of its own (rank-wide iterations)
+    "tma persist 128x256x64 w8 s3 after": _cfg(128, 256, 64, 8, 3, tma=1, lora_loop=2),
+    "tma persist 128x256x64 w8 s4 after": _cfg(128, 256, 64, 8, 4, tma=1, lora_loop=2),
+    "tma persist flat 128x256x64 w8 s3 after": _cfg(128, 256, 64, 8, 3, tma=1, flatten=1, lora_loop=2),
     "ptr persist flat 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, flatten=1),
     # the LoRA term after the K loop instead (the first H200 sweep's kernel, with smaller epilogue tiles)
     "tma persist flat 128x256x64 w8 s3 epi": _cfg(128, 256, 64, 8, 3, tma=1, flatten=1, lora_loop=0),
@@ -118,7 +132,7 @@ def _check(
         assert bias.shape == (weight.shape[0],) and bias.is_contiguous() and bias.dtype == x.dtype, bias.shape
 
 
-def _lora_descriptors(s, b_stacked, bm, bn, bk, lora_k):
+def _lora_descriptors(s, b_stacked, bm, bn, bk, lora_k):  # bk: rank columns per LoRA iteration
     """TMA descriptors of s viewed as [num_slices · num_tokens, s_cols] and of B viewed as
     [max_loras · n_total, lora_k], or None where the layouts do not allow it."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -173,14 +187,16 @@ def launch_lora_gemm(
     grid = min(num_tiles, num_programs_limit(x.device)) if cfg["PERSISTENT"] else num_tiles
     rank_dim = min(s.shape[2], b_stacked.shape[2])  # columns past the largest slot rank are never needed
     has_lora = rank_dim > 0
-    lora_in_loop = has_lora and s_scaled and bool(cfg["LORA_LOOP"])
+    lora_in_loop = has_lora and s_scaled and cfg["LORA_LOOP"] == 1
+    lora_after = has_lora and s_scaled and cfg["LORA_LOOP"] == 2
+    lora_bk = lora_block_k(rank_dim) if lora_after else bk
     use_tma = bool(cfg["TMA"]) and hidden > 0 and tma_ok(x, weight)
     s_desc = b_desc = s  # placeholders where the kernel reads no descriptor
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        if lora_in_loop:
-            descs = _lora_descriptors(s, b_stacked, bm, bn, bk, rank_dim)
+        if lora_in_loop or lora_after:
+            descs = _lora_descriptors(s, b_stacked, bm, bn, lora_bk, rank_dim)
             use_tma = descs is not None
             if use_tma:
                 s_desc, b_desc = descs
@@ -203,7 +219,7 @@ def launch_lora_gemm(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, R_CHUNK=cfg["R_CHUNK"], GROUP_M=cfg["GROUP_M"],
         USE_TMA=use_tma, FLATTEN=bool(cfg["FLATTEN"]), WARP_SPECIALIZE=bool(cfg["WS"]),
         EVEN_K=hidden % bk == 0, COL_ALIGN=col_align, HAS_LORA=has_lora, LORA_IN_LOOP=lora_in_loop,
-        S_SCALED=s_scaled, HAS_BIAS=bias is not None,
+        LORA_AFTER=lora_after, LORA_BK=lora_bk, S_SCALED=s_scaled, HAS_BIAS=bias is not None,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip

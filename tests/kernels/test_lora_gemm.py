@@ -80,7 +80,8 @@ def scaled_s(c):
                                   m.slot_rank, m.max_rank)  # fmt: skip
 
 
-# the LoRA iterations inside the K loop (TMA and pointers, flattened or not) and after it (LORA_LOOP=0);
+# the LoRA iterations inside the K loop (TMA and pointers, flattened or not), in a loop of their own after
+# it (LORA_LOOP=2: 16..64 rank columns per iteration) and in the epilogue (LORA_LOOP=0);
 # BLOCK_K 16 or 32 against ranks up to 128 padded to 16: one to eight LoRA iterations, a partial last one
 loop_cfgs = st.sampled_from(
     [
@@ -91,6 +92,9 @@ loop_cfgs = st.sampled_from(
         _cfg(16, 64, 32, PERSISTENT=1, TMA=1, GROUP_M=1),
         _cfg(16, 16, 32, TMA=1),
         _cfg(16, 32, 16, PERSISTENT=1, TMA=1, FLATTEN=1, LORA_LOOP=0),
+        _cfg(16, 16, 16, LORA_LOOP=2),
+        _cfg(16, 32, 32, PERSISTENT=1, TMA=1, LORA_LOOP=2),
+        _cfg(32, 16, 16, PERSISTENT=1, TMA=1, FLATTEN=1, LORA_LOOP=2),
     ]
 )
 
@@ -175,6 +179,26 @@ def test_scaled_s_rank0_and_no_lora_tiles():
         c.x, w, bias, s[:, :, :0], c.b, *seg_args(c.meta), sizes, config=cfg, s_scaled=True
     )
     torch.testing.assert_close(got[3:16], base[3:16], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("tma", [0, 1])
+@pytest.mark.parametrize("lora_loop", [0, 1, 2])
+def test_scaled_s_every_lora_placement(lora_loop, tma):
+    """Each place the LoRA term can go (epilogue, K loop, its own loop) over straddling tiles, 1-token and
+    empty segments, rank 0, slot -1 and ranks 16/64/128 (the own loop: 16, 64 and 2 × 64 columns)."""
+    layout = (
+        [(1, 0), (0, 1), (17, 2), (5, -1), (1, 3), (30, 1), (40, 0), (9, 2)],
+        [16, 64, 0, 128],
+        [1, 2, 1, 1, -1, 0.5, 1, -2],
+    )
+    sizes = [16, 40, 17, 8]
+    c = make_case(layout, 4, sizes, 32, torch.float16, max_rank=MAX_RANK)
+    w, bias = gemm_inputs(c, torch.float16, with_bias=True)
+    s = scaled_s(c)
+    for persistent, flatten in ((0, 0), (1, 0), (1, 1)):
+        cfg = _cfg(16, 32, 16, PERSISTENT=persistent, TMA=tma, FLATTEN=flatten, LORA_LOOP=lora_loop)
+        got = launch_lora_gemm(c.x, w, bias, s, c.b, *seg_args(c.meta), sizes, config=cfg, s_scaled=True)
+        torch.testing.assert_close(got, ref(c, w, bias, s, s_scaled=True), **TOL[torch.float16])
 
 
 def test_reference_matches_dense_oracle():
