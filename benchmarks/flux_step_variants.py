@@ -6,7 +6,9 @@
 One FLUX.1-dev-sized transformer (random bf16 weights, built as in engine_vs_diffusers.py), fixed inputs,
 batch 1. Each variant is applied to the same model object in order and timed over ``--iters`` forwards
 after warm-up (CUDA events around the whole batch of forwards; compile time = first call − steady call).
-Variants are cumulative where the name says so. Also prints the attention kernels on the FLUX-1024 shape
+Variants are cumulative where the name says so (`+epilogues`: ditserve's --fused-epilogues blocks, patched
+into the same model, so run it right after `compiled` to compare the two:
+`--variants eager,compiled,compiled+epilogues`). Also prints the attention kernels on the FLUX-1024 shape
 and, per size, a kernel-time breakdown (torch.profiler) of the baseline and the last variant.
 """
 
@@ -193,6 +195,10 @@ def main() -> None:
             tr.fuse_qkv_projections()
         if "cdt" in variant:
             torch._inductor.config.coordinate_descent_tuning = True
+        if "epilogues" in variant:  # GELU in the up-projection GEMM, proj_out without the concat
+            from ditserve.replica.models.flux_fused import fuse_flux_epilogues
+
+            fuse_flux_epilogues(tr)
         if variant == "max-autotune":
             tr.compile_repeated_blocks(fullgraph=True, mode="max-autotune-no-cudagraphs")
         else:

@@ -49,6 +49,11 @@ class EngineArgs(BaseModel):
     max_n: int = Field(default=4, ge=1, description="Most images per request.")
     max_prompt_chars: int = Field(default=4000, ge=1, description="Longest prompt in characters.")
     compile: bool = Field(default=False, description="torch.compile the transformer blocks.")
+    fused_epilogues: bool = Field(
+        default=False,
+        description="FLUX: tanh GELU in the MLP up-projection's GEMM (cuBLASLt epilogue) and the single blocks' "
+        "proj_out without the concat (GPU).",
+    )
     fused_lora: bool = Field(
         default=True,
         description="LoRA expand inside the base GEMM (Triton, GPU); off: base GEMM, then an in-place expand.",
@@ -88,6 +93,7 @@ class EngineArgs(BaseModel):
             max_batch_size=self.max_batch_size,
             max_queue=self.max_queue,
             compile=self.compile,
+            fused_epilogues=self.fused_epilogues,
             fused_lora=self.fused_lora,
             max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,

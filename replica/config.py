@@ -90,6 +90,11 @@ class EngineConfig(BaseModel):
     max_batch_size: int = Field(default=8, ge=1, description="Most requests in one running batch.")
     max_queue: int = Field(default=64, ge=1, description="Most queued requests before 429.")
     compile: bool = Field(default=False, description="torch.compile the transformer blocks.")
+    fused_epilogues: bool = Field(
+        default=False,
+        description="FLUX: tanh GELU in the MLP up-projection's GEMM (cuBLASLt epilogue) and the single blocks' "
+        "proj_out without the concat (GPU).",
+    )
     fused_lora: bool = Field(
         default=True,
         description="LoRA expand inside the base GEMM (Triton, GPU); off: base GEMM, then an in-place expand.",

@@ -91,6 +91,12 @@ class RankWorker:
 
             parallelize = parallelize_flux if self.spec.family == "flux" else parallelize_wan
             parallelize(self.pipe.transformer, mesh=self.mesh)
+        if config.fused_epilogues and self.spec.family == "flux":
+            from .models.flux_fused import fuse_flux_epilogues
+
+            fuse_flux_epilogues(
+                self.pipe.transformer
+            )  # before compiling: the blocks trace the patched forwards
         if config.compile:
             # Regional compilation: one compiled block graph reused by every block (compiles in seconds).
             # Not fullgraph: a step with LoRA calls the (untraced) LoRA path at each adapted linear.
