@@ -205,7 +205,7 @@ def main() -> None:
         if "epilogues" in variant:  # GELU in the up-projection GEMM, proj_out without the concat
             from ditserve.replica.models.flux_fused import fuse_flux_epilogues
 
-            fuse_flux_epilogues(tr)
+            lines.append(f"{variant}: fused epilogues in {fuse_flux_epilogues(tr)} modules")
         if variant == "max-autotune":
             tr.compile_repeated_blocks(fullgraph=True, mode="max-autotune-no-cudagraphs")
         else:

@@ -1,4 +1,4 @@
-"""The tiny CPU modes of the Wan and LoRA benchmarks run end to end and agree with stock diffusers."""
+"""The tiny CPU modes of the Wan, LoRA and FLUX-step benchmarks run end to end and agree with stock diffusers."""
 
 import json
 import os
@@ -65,3 +65,15 @@ def test_lora_engine_tiny_with_peft(tmp_path):
     assert by_impl["diffusers + PEFT"]["requests"] == 2
     # The engine's batched adapters give each request the image diffusers + PEFT gives it alone.
     assert by_impl["ditserve engine"]["psnr_vs_peft_min"] >= 35
+
+
+def test_flux_step_variants_tiny_with_fused_epilogues(tmp_path):
+    """The variant that measures --fused-epilogues applies to the model and keeps its output."""
+    run_benchmark("flux_step_variants.py", "--variants", "eager,compiled+epilogues", "--iters", "1",
+                  "--out", str(tmp_path))  # fmt: skip
+    ms = json.loads((tmp_path / "flux_step_variants.json").read_text())
+    assert set(ms) == {"eager", "compiled+epilogues"} and all(ms[v].get("64", 0) > 0 for v in ms), ms
+    text = (tmp_path / "flux_step_variants.txt").read_text()
+    assert int(text.split("fused epilogues in ")[1].split()[0]) > 0, text
+    rel = float(text.split("compiled+epilogues")[1].split("max|Δ| vs eager")[1].split()[0])
+    assert rel < 2e-2, text
