@@ -75,6 +75,8 @@ def test_flux_step_variants_tiny_with_fused_epilogues(tmp_path):
     assert set(ms) == {"eager", "compiled+epilogues"} and all(ms[v].get("64", 0) > 0 for v in ms), ms
     text = (tmp_path / "flux_step_variants.txt").read_text()
     assert int(text.split("fused epilogues in ")[1].split()[0]) > 0, text
-    row = next(line for line in text.splitlines() if line.startswith("compiled+epilogues") and "ms/step" in line)
+    row = next(
+        line for line in text.splitlines() if line.startswith("compiled+epilogues") and "ms/step" in line
+    )
     rel = float(row.split("max|Δ| vs eager")[1].split()[0])
     assert rel < 2e-2, text
