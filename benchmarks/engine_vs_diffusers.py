@@ -12,7 +12,9 @@ Nothing is downloaded or written to disk except the result files.
 Configurations, in this order, per size: (a) diffusers FluxPipeline eager; (c) ditserve FluxRunner
 prepare/step/decode on the same pipe object, eager; then ``pipe.transformer.compile_repeated_blocks(
 fullgraph=True)`` and (b) diffusers compiled, and (d) our runner on that compiled transformer (the engine's
-``--compile`` compiles the same blocks, without fullgraph so that LoRA steps can call the adapter path). Transformer step time = CUDA events around every transformer
+``--compile`` compiles the same blocks, without fullgraph so that LoRA steps can call the adapter path).
+Then ``--extras`` (default epilogues,fp8): the engine's --fused-epilogues and --quantization fp8, applied
+cumulatively in place to the same transformer (recompiled), our runner only. Transformer step time = CUDA events around every transformer
 forward (hooks on the model), median over the timed images' steps; image time = wall time of one whole
 image (text encode + 28 steps + VAE decode), median over the timed images. Warm-up images are excluded;
 for compiled rows the first image's extra time over the steady image is reported as compile time.
@@ -326,6 +328,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument(
+        "--extras",
+        default="epilogues,fp8",
+        help="engine switches applied after the stock rows, cumulatively, in place on the same transformer: "
+        "epilogues (--fused-epilogues), fp8 (--quantization fp8); empty: none",
+    )
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip configs that start after this many s")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -350,6 +358,7 @@ def main() -> None:
     timer = ForwardTimer(pipe.transformer, device)
 
     results: dict[tuple[int, str], dict] = {}
+    extra_impls: list[str] = []
     skips = Skips(args.budget_s, t_start)
 
     def run(size: int, impl: str, make_image, warmup: int) -> None:
@@ -391,6 +400,29 @@ def main() -> None:
                     args.warmup,
                 )
 
+        # The engine's own switches, on top of what the rows above measured (they change the model in place,
+        # so they come last; each is cumulative with the previous one).
+        applied = []
+        for extra in filter(None, args.extras.split(",")):
+            if extra == "epilogues":
+                from ditserve.replica.models.flux_fused import fuse_flux_epilogues
+
+                fuse_flux_epilogues(pipe.transformer)
+            elif extra == "fp8":
+                from ditserve.replica.models.fp8 import quantize_fp8
+
+                quantize_fp8(pipe.transformer)
+            else:
+                raise SystemExit(f"--extras: unknown {extra!r} (epilogues, fp8)")
+            applied.append(extra)
+            impl = f"ditserve {'eager' if args.no_compile else 'compiled'} + {' + '.join(applied)}"
+            extra_impls.append(impl)
+            if not args.no_compile:
+                torch._dynamo.reset()
+                pipe.transformer.compile_repeated_blocks(fullgraph=True)
+            for size in sizes:
+                run(size, impl, lambda s=size: runner_image(runner, s, args.steps), max(args.warmup, 1))
+
     # ---- table ----------------------------------------------------------------------------------------
     sha = commit()
     dev = device_name(device)
@@ -404,7 +436,13 @@ def main() -> None:
     for size in sizes:
         base = results.get((size, "diffusers eager"))
         comp = results.get((size, "diffusers compiled"))
-        for impl in ("diffusers eager", "ditserve eager", "diffusers compiled", "ditserve on compiled"):
+        for impl in (
+            "diffusers eager",
+            "ditserve eager",
+            "diffusers compiled",
+            "ditserve on compiled",
+            *extra_impls,
+        ):
             r = results.get((size, impl))
             if r is None:
                 continue
@@ -429,7 +467,8 @@ def main() -> None:
         f"diffusers {diffusers.__version__}, torch {torch.__version__}; warm-up {args.warmup} image(s), "
         f"{args.repeats} timed images per row; step ratio = diffusers-eager step / this row's step (>1 = faster).",
         f"'ditserve on compiled' = FluxRunner on the transformer after compile_repeated_blocks (what the "
-        f"engine's --compile does). Pipeline build {build_s:.1f}s, whole run "
+        f"engine's --compile does); '+ epilogues' = --fused-epilogues, '+ fp8' = --quantization fp8, applied "
+        f"in place to the same transformer after the rows above. Pipeline build {build_s:.1f}s, whole run "
         f"{time.perf_counter() - t_start:.0f}s.",
     ]
     if skips.reasons:

@@ -6,10 +6,11 @@
 One FLUX.1-dev-sized transformer (random bf16 weights, built as in engine_vs_diffusers.py), fixed inputs,
 batch 1. Each variant is applied to the same model object in order and timed over ``--iters`` forwards
 after warm-up (CUDA events around the whole batch of forwards; compile time = first call − steady call).
-Variants are cumulative where the name says so (`+epilogues`: ditserve's --fused-epilogues blocks, patched
-into the same model, so run it right after `compiled` to compare the two:
-`--variants eager,compiled,compiled+epilogues`). Also prints the attention kernels on the FLUX-1024 shape
-and, per size, a kernel-time breakdown (torch.profiler) of the baseline and the last variant.
+Variants are cumulative where the name says so. `epilogues` (ditserve's --fused-epilogues) and `fp8`
+(--quantization fp8) change the model in place, so run them after the stock ones:
+`--variants eager,compiled,compiled+epilogues,compiled+epilogues+fp8`. Also prints the attention kernels on
+the FLUX-1024 shape and, per size, a kernel-time breakdown (torch.profiler) of the baseline and the last
+variant.
 """
 
 from __future__ import annotations
@@ -206,6 +207,10 @@ def main() -> None:
             from ditserve.replica.models.flux_fused import fuse_flux_epilogues
 
             lines.append(f"{variant}: fused epilogues in {fuse_flux_epilogues(tr)} modules")
+        if "fp8" in variant:  # --quantization fp8: the block linears as FP8 GEMMs (row-wise scales)
+            from ditserve.replica.models.fp8 import quantize_fp8
+
+            lines.append(f"{variant}: {quantize_fp8(tr)} linears as FP8 GEMMs")
         if variant == "max-autotune":
             tr.compile_repeated_blocks(fullgraph=True, mode="max-autotune-no-cudagraphs")
         else:
@@ -267,7 +272,10 @@ def main() -> None:
                 )
                 lines.append(line)
                 print(line, flush=True)
-                if variant in ("compiled", "compiled+cudnn+fused+cdt") and device.type == "cuda":
+                if (
+                    variant in ("compiled", "compiled+cudnn+fused+cdt", "compiled+epilogues")
+                    and device.type == "cuda"
+                ):
                     b = breakdown(fn, device)
                     lines += [f"breakdown {variant} {size}²:"] + b
                     print("\n".join(b), flush=True)

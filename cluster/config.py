@@ -49,6 +49,11 @@ class EngineArgs(BaseModel):
     max_n: int = Field(default=4, ge=1, description="Most images per request.")
     max_prompt_chars: int = Field(default=4000, ge=1, description="Longest prompt in characters.")
     compile: bool = Field(default=False, description="torch.compile the transformer blocks.")
+    quantization: Literal["none", "fp8"] = Field(
+        default="none",
+        description="fp8: the transformer blocks' linears as FP8 GEMMs with row-wise scales (GPUs of compute "
+        "capability 8.9+, bfloat16; images change a little: BENCHMARKS.md).",
+    )
     fused_epilogues: bool = Field(
         default=False,
         description="FLUX: tanh GELU in the MLP up-projection's GEMM (cuBLASLt epilogue) and the single blocks' "
@@ -94,6 +99,7 @@ class EngineArgs(BaseModel):
             max_queue=self.max_queue,
             compile=self.compile,
             fused_epilogues=self.fused_epilogues,
+            quantization=self.quantization,
             fused_lora=self.fused_lora,
             max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,

@@ -90,6 +90,11 @@ class EngineConfig(BaseModel):
     max_batch_size: int = Field(default=8, ge=1, description="Most requests in one running batch.")
     max_queue: int = Field(default=64, ge=1, description="Most queued requests before 429.")
     compile: bool = Field(default=False, description="torch.compile the transformer blocks.")
+    quantization: Literal["none", "fp8"] = Field(
+        default="none",
+        description="fp8: the transformer blocks' linears as FP8 GEMMs with row-wise scales (GPUs of compute "
+        "capability 8.9+, bfloat16; images change a little: BENCHMARKS.md).",
+    )
     fused_epilogues: bool = Field(
         default=False,
         description="FLUX: tanh GELU in the MLP up-projection's GEMM (cuBLASLt epilogue) and the single blocks' "
@@ -109,6 +114,8 @@ class EngineConfig(BaseModel):
     def _check(self) -> EngineConfig:
         if self.device == "cpu" and self.dtype == "float16":
             raise ValueError("--dtype float16 is not supported on CPU; use float32 or bfloat16")
+        if self.quantization == "fp8" and self.device == "cuda" and self.dtype != "bfloat16":
+            raise ValueError("--quantization fp8 writes bfloat16 GEMM outputs on GPUs; use --dtype bfloat16")
         return self
 
     @property

@@ -5,8 +5,9 @@ launchers used by ``ditserve serve`` build this class. Like every rank command, 
 the same order, between two denoising steps.
 
 Weights update is two-phase so that a replica's ranks switch together or not at all: ``stage_weights``
-loads and shards the new transformer next to the current one (any rank may fail; then ``discard_weights``
-on all), ``commit_weights`` only swaps a reference, which cannot fail.
+loads the new transformer next to the current one and prepares it the same way (sharded, quantized,
+fused, compiled; any rank may fail; then ``discard_weights`` on all), ``commit_weights`` only swaps a
+reference, which cannot fail.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class ServingRankWorker(RankWorker):
 
     # -- weights ------------------------------------------------------------------------------------------
     def stage_weights(self, path: str, tag: str) -> dict[str, Any]:
-        """Load ``path``'s transformer, shard it like the current one, keep it aside under ``tag``."""
+        """Load ``path``'s transformer, prepare it like the current one, keep it aside under ``tag``."""
         import diffusers
 
         folder = _transformer_folder(path)
@@ -61,11 +62,7 @@ class ServingRankWorker(RankWorker):
         if _public(model.config) != _public(current.config):
             raise ValueError(f"path: {path} has a different transformer config than the served model")
         model = model.to(self.device).eval()
-        if self.mesh is not None:
-            from .parallel import parallelize_flux, parallelize_wan
-
-            parallelize = parallelize_flux if self.spec.family == "flux" else parallelize_wan
-            parallelize(model, mesh=self.mesh)
+        self.prepare_transformer(model)  # sharded, quantized, fused and compiled like the current one
         self._staged = (tag, model)
         return {"rank": self.rank, "tag": tag}
 

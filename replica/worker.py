@@ -86,27 +86,36 @@ class RankWorker:
             self.mesh = dims.build_mesh(device_type=self.device.type)
         # ``pipe`` is injected by benchmarks that build weights in memory; serving always loads the folder.
         self.pipe = pipe if pipe is not None else load_pipeline(self.spec, config.torch_dtype, self.device)
-        if self.mesh is not None:
-            from .parallel import parallelize_flux, parallelize_wan
-
-            parallelize = parallelize_flux if self.spec.family == "flux" else parallelize_wan
-            parallelize(self.pipe.transformer, mesh=self.mesh)
-        if config.fused_epilogues and self.spec.family == "flux":
-            from .models.flux_fused import fuse_flux_epilogues
-
-            fuse_flux_epilogues(
-                self.pipe.transformer
-            )  # before compiling: the blocks trace the patched forwards
-        if config.compile:
-            # Regional compilation: one compiled block graph reused by every block (compiles in seconds).
-            # Not fullgraph: a step with LoRA calls the (untraced) LoRA path at each adapted linear.
-            self.pipe.transformer.compile_repeated_blocks(fullgraph=False)
+        self.prepare_transformer(self.pipe.transformer)
         self.runner = build_runner(self.spec, self.pipe, config, self.device, self.mesh)
         self.lora = self._build_lora()
         self.runner.before_forward = lambda groups: self.lora.set_batch(
             [(rows, s.params.lora) for s, rows in groups]
         )
         self.states: dict[str, RequestState] = {}
+
+    def prepare_transformer(self, model: torch.nn.Module) -> None:
+        """Everything the config does to a freshly loaded transformer, in order (at start and for every
+        weights update): shard it, FP8 GEMMs, fused FLUX epilogues, compile."""
+        config = self.config
+        if self.mesh is not None:
+            from .parallel import parallelize_flux, parallelize_wan
+
+            parallelize = parallelize_flux if self.spec.family == "flux" else parallelize_wan
+            parallelize(model, mesh=self.mesh)
+        if config.quantization == "fp8":
+            from .models.fp8 import check_fp8_device, quantize_fp8
+
+            check_fp8_device(self.device, config.torch_dtype)
+            quantize_fp8(model)
+        if config.fused_epilogues and self.spec.family == "flux":
+            from .models.flux_fused import fuse_flux_epilogues
+
+            fuse_flux_epilogues(model)  # before compiling: the blocks trace the patched forwards
+        if config.compile:
+            # Regional compilation: one compiled block graph reused by every block (compiles in seconds).
+            # Not fullgraph: a step with LoRA calls the (untraced) LoRA path at each adapted linear.
+            model.compile_repeated_blocks(fullgraph=False)
 
     # -- commands (same on every rank) --------------------------------------------------------------------
     def ping(self) -> dict[str, Any]:

@@ -42,16 +42,13 @@ class LoRALayer:
         self.manager = manager
         self.mode = getattr(module, "tp_mode", None)  # None | "column" | "row"
         weight = module.weight
+        dtype = getattr(module, "compute_dtype", weight.dtype)  # an FP8 linear keeps its adapters in bf16
         self.in_features, self.out_features = module.in_features, module.out_features
         self.full_in = getattr(module, "full_in_features", self.in_features)
         self.full_out = getattr(module, "full_out_features", self.out_features)
         m = manager
-        self.a = torch.zeros(
-            1, m.max_loras, m.max_rank, self.in_features, device=weight.device, dtype=weight.dtype
-        )
-        self.b = torch.zeros(
-            m.max_loras, self.out_features, m.max_rank, device=weight.device, dtype=weight.dtype
-        )
+        self.a = torch.zeros(1, m.max_loras, m.max_rank, self.in_features, device=weight.device, dtype=dtype)
+        self.b = torch.zeros(m.max_loras, self.out_features, m.max_rank, device=weight.device, dtype=dtype)
         self.bias = torch.zeros(m.max_loras, self.out_features, device=weight.device, dtype=torch.float32)
         self.has_bias = [False] * m.max_loras
         self.used: set[int] = set()  # slots with weights here: layers no active adapter targets are skipped
@@ -91,7 +88,7 @@ class LoRALayer:
             self.manager.fused
             and len(batch.positions) == 1
             and use_triton(x)
-            and x.dtype == self.a.dtype
+            and x.dtype == self.a.dtype == self.module.weight.dtype  # not FP8 linears: delta after the GEMM
             and x.numel() > 0
         ):
             x2 = x.reshape(-1, self.in_features)

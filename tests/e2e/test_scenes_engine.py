@@ -1,4 +1,5 @@
-"""demo-scenes through the engine a user runs: `generate`'s engine, a sharded layout, and the README prompt.
+"""demo-scenes through the engine a user runs: `generate`'s engine, a sharded layout, FP8 GEMMs, and the README
+prompt.
 
 (tests/e2e/test_scenes_model.py checks the weights through diffusers; test_serve_http.py through `serve`.)
 """
@@ -40,8 +41,8 @@ def held_out_requests() -> list[tuple]:
     ]
 
 
-def count_right(flags: dict) -> tuple[int, list]:
-    engine = Engine(EngineConfig(model="demo-scenes", parallel=ParallelFlags(**flags))).start()
+def count_right(flags: dict, **config) -> tuple[int, list]:
+    engine = Engine(EngineConfig(model="demo-scenes", parallel=ParallelFlags(**flags), **config)).start()
     try:
         requests = held_out_requests()
         futures = [engine.submit(p) for _, p in requests]
@@ -61,6 +62,12 @@ def count_right(flags: dict) -> tuple[int, list]:
 )
 def test_held_out_prompts_drawn_right(flags):
     right, wrong = count_right(flags)
+    assert right >= 15, wrong
+
+
+def test_held_out_prompts_drawn_right_with_fp8_gemms():
+    """--quantization fp8: every block linear an FP8 GEMM, and the model still draws what it is asked."""
+    right, wrong = count_right({}, quantization="fp8")
     assert right >= 15, wrong
 
 

@@ -80,3 +80,16 @@ def test_flux_step_variants_tiny_with_fused_epilogues(tmp_path):
     )
     rel = float(row.split("max|Δ| vs eager")[1].split()[0])
     assert rel < 2e-2, text
+
+
+def test_engine_vs_diffusers_tiny_with_the_engine_switches(tmp_path):
+    run_benchmark("engine_vs_diffusers.py", "--sizes", "32", "--steps", "2", "--repeats", "1", "--no-compile",
+                  "--extras", "epilogues,fp8", "--out", str(tmp_path))  # fmt: skip
+    result = json.loads((tmp_path / "engine_vs_diffusers.json").read_text())
+    assert result["meta"]["skipped"] == []
+    rows = {r["impl"]: r for r in result["rows"]}
+    assert set(rows) == {"diffusers eager", "ditserve eager", "ditserve eager + epilogues",
+                         "ditserve eager + epilogues + fp8"}  # fmt: skip
+    assert rows["ditserve eager"]["psnr_eager"] == float("inf")  # the runner draws diffusers' image
+    assert rows["ditserve eager + epilogues"]["psnr_eager"] >= 40
+    assert 25 <= rows["ditserve eager + epilogues + fp8"]["psnr_eager"] < float("inf")
