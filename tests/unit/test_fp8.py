@@ -91,7 +91,8 @@ def test_fp8_engine_draws_close_to_full_precision_with_and_without_lora(lora_fil
 def test_weights_update_prepares_the_new_transformer_the_same_way():
     from ditserve.replica.models.flux_fused import _single_block_forward
 
-    worker = ServingRankWorker(EngineConfig(model="demo-flux", quantization="fp8", fused_epilogues=True))
+    config = EngineConfig(model="demo-flux", quantization="fp8", fused_epilogues=True, compile=True)
+    worker = ServingRankWorker(config)
     old = worker.pipe.transformer
     worker.stage_weights(str(ensure_demo_model("demo-flux")), "v2")
     worker.commit_weights("v2")
@@ -99,6 +100,8 @@ def test_weights_update_prepares_the_new_transformer_the_same_way():
     assert new is not old
     assert _counts(new)[0] == _counts(old)[0] > 0
     assert all(b.forward.__func__ is _single_block_forward for b in new.single_transformer_blocks)
+    blocks = [*new.transformer_blocks, *new.single_transformer_blocks]
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)  # --compile kept
 
 
 def test_fp8_on_gpu_needs_bfloat16():
