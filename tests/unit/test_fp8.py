@@ -107,3 +107,16 @@ def test_weights_update_prepares_the_new_transformer_the_same_way():
 def test_fp8_on_gpu_needs_bfloat16():
     with pytest.raises(ValidationError, match="--quantization fp8"):
         EngineConfig(model="demo-flux", device="cuda", dtype="float16", quantization="fp8")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True])
+def test_bf16_gpu_float8_linear(compile):
+    torch.manual_seed(0)
+    lin = nn.Linear(3072, 9216, device="cuda", dtype=torch.bfloat16)
+    f8 = Float8Linear(lin)
+    x = torch.randn(2, 4608, 3072, device="cuda", dtype=torch.bfloat16)
+    fn = torch.compile(f8, fullgraph=True) if compile else f8
+    with torch.no_grad():
+        want, got = lin(x).float(), fn(x).float()
+    assert (got - want).norm() / want.norm() < 0.06
