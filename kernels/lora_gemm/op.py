@@ -54,9 +54,9 @@ SWEEP: dict[str, dict[str, int]] = {
     "tma persist flat 128x256x64 w8 s3 g16": _cfg(128, 256, 64, 8, 3, tma=1, flatten=1, group_m=16),
     "tma persist 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, tma=1),
     "tma persist 128x256x64 w8 s4": _cfg(128, 256, 64, 8, 4, tma=1),
-    # the K loop as without LoRA, then a LoRA loop of its own (rank-wide iterations)
+    # the K loop as without LoRA, then a LoRA loop of its own (rank-wide iterations); 3 stages only: its
+    # s and B tiles (48 KB at rank 64) come on top of the K loop's buffers
     "tma persist 128x256x64 w8 s3 after": _cfg(128, 256, 64, 8, 3, tma=1, lora_loop=2),
-    "tma persist 128x256x64 w8 s4 after": _cfg(128, 256, 64, 8, 4, tma=1, lora_loop=2),
     "tma persist flat 128x256x64 w8 s3 after": _cfg(128, 256, 64, 8, 3, tma=1, flatten=1, lora_loop=2),
     "ptr persist flat 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, flatten=1),
     # the LoRA term after the K loop instead (the first H200 sweep's kernel, with smaller epilogue tiles)
