@@ -1,4 +1,4 @@
-"""Rank-side control commands for served replicas: weights update, memory release/resume, final latents.
+"""Rank-side control commands for served replicas: weights update, memory release/resume.
 
 ``ServingRankWorker`` adds these commands to :class:`RankWorker` (the SPMD worker) without changing it; the
 launchers used by ``ditserve serve`` build this class. Like every rank command, each runs on all ranks in
@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import numpy as np
 import torch
 
 from .worker import RankWorker
@@ -42,13 +41,6 @@ class ServingRankWorker(RankWorker):
         super().__init__(*args, **kwargs)
         self._staged: tuple[str, torch.nn.Module] | None = None
         self.released = False
-
-    # -- results ------------------------------------------------------------------------------------------
-    def latents(self, req_id: str) -> np.ndarray | None:
-        """The request's current (packed) latents, float32 on host; rank 0 only (others return None)."""
-        if self.rank != 0:
-            return None
-        return self.states[req_id].latents.detach().float().cpu().numpy()
 
     # -- weights ------------------------------------------------------------------------------------------
     def stage_weights(self, path: str, tag: str) -> dict[str, Any]:

@@ -136,6 +136,12 @@ class RankWorker:
         pixels = self.runner.decode(state)
         return pixels if self.rank == 0 else None
 
+    def latents(self, req_id: str) -> np.ndarray | None:
+        """The request's current (packed) latents, float32 on host; rank 0 only (others return None)."""
+        if self.rank != 0:
+            return None
+        return self.states[req_id].latents.detach().float().cpu().numpy()
+
     def drop(self, req_id: str) -> None:
         self.states.pop(req_id, None)
 

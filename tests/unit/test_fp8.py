@@ -120,3 +120,18 @@ def test_bf16_gpu_float8_linear(compile):
     with torch.no_grad():
         want, got = lin(x).float(), fn(x).float()
     assert (got - want).norm() / want.norm() < 0.06
+
+
+def test_fp8_wan_video_latents_close_to_full_precision():
+    def latents(**config):
+        engine = Engine(EngineConfig(model="demo-wan", **config)).start()
+        try:
+            p = GenerationParams(prompt="waves", width=64, height=64, num_frames=5, num_inference_steps=3, seed=1,
+                                 return_latents=True)  # fmt: skip
+            return engine.generate(p, timeout=120).latents
+        finally:
+            engine.shutdown()
+
+    full, f8 = latents(), latents(quantization="fp8")
+    rel = np.linalg.norm(f8 - full) / np.linalg.norm(full)
+    assert 0 < rel < 0.05, rel
