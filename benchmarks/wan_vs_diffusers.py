@@ -21,7 +21,8 @@ Rows, in this order: diffusers WanPipeline eager; ditserve WanRunner prepare/ste
 config, so it must match diffusers with either scheduler (1 timed video each, no extra warm-up: the shapes
 are warm); then
 ``pipe.transformer.compile_repeated_blocks(fullgraph=True)``, diffusers compiled and our runner on the
-compiled transformer (what the engine's ``compile`` flag does). Guidance 5.0 with a negative prompt: two transformer forwards per step (cond and
+compiled transformer (what the engine's ``compile`` flag does); last, our runner with the block linears as
+FP8 GEMMs (``--quantization fp8``, recompiled; ``--no-fp8`` skips it). Guidance 5.0 with a negative prompt: two transformer forwards per step (cond and
 uncond), as WanPipeline does. Forward = CUDA events around every transformer forward (hooks on the model),
 median over the timed videos' forwards; video = wall time of one whole video (text encode + steps + VAE
 decode), median over the timed videos; VAE decode = wall time of ``vae.decode`` (synchronised), median.
@@ -231,6 +232,9 @@ def diffusers_video(pipe, args, max_len: int) -> np.ndarray:
     return to_uint8(np.asarray(out.frames))[0]
 
 
+FP8_IMPL = {False: "ditserve compiled + fp8", True: "ditserve eager + fp8"}  # by --no-compile
+
+
 def runner_video(runner, args) -> np.ndarray:
     from ditserve.replica.request import GenerationParams
 
@@ -265,6 +269,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-euler-check", action="store_true", help="skip the FlowMatchEuler scheduler rows")
+    ap.add_argument(
+        "--no-fp8", action="store_true", help="skip the last row: our runner with --quantization fp8"
+    )
     ap.add_argument(
         "--budget-s", type=float, default=1e9, help="skip rows that would start after this many s"
     )
@@ -357,6 +364,14 @@ def main() -> None:
             else:
                 run("unipc", "diffusers compiled", diffusers_fn, max(args.warmup, 1), args.repeats)
                 run("unipc", "ditserve on compiled", runner_fn, args.warmup, args.repeats)
+        if not args.no_fp8:  # last: it converts the shared transformer in place
+            from ditserve.replica.models.fp8 import quantize_fp8
+
+            quantize_fp8(pipe.transformer)
+            if not args.no_compile:
+                torch._dynamo.reset()
+                pipe.transformer.compile_repeated_blocks(fullgraph=True)
+            run("unipc", FP8_IMPL[args.no_compile], runner_fn, max(args.warmup, 1), args.repeats)
 
     # ---- table ----------------------------------------------------------------------------------------
     sha = commit()
@@ -375,6 +390,7 @@ def main() -> None:
         ("euler", "ditserve eager"),
         ("unipc", "diffusers compiled"),
         ("unipc", "ditserve on compiled"),
+        ("unipc", FP8_IMPL[args.no_compile]),
     ]
     sched_name = {
         "unipc": f"UniPC flow_shift {unipc.config.flow_shift}",
@@ -415,7 +431,8 @@ def main() -> None:
         "request with its own instance of the pipe's scheduler class and config (UniPC, then FlowMatchEuler), "
         "set up as WanPipeline sets it, so both schedulers' rows should match diffusers.",
         "'ditserve on compiled' = WanRunner on the transformer after compile_repeated_blocks(fullgraph=True), "
-        f"what the engine's --compile does. Pipeline build {build_s:.1f}s, whole run "
+        f"what the engine's --compile does; '+ fp8' = --quantization fp8 (block linears as FP8 GEMMs), applied "
+        f"in place after the rows above. Pipeline build {build_s:.1f}s, whole run "
         f"{time.perf_counter() - t_start:.0f}s.",
     ]
     if skips.reasons:

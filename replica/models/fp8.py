@@ -83,6 +83,8 @@ def quantize_fp8(transformer: nn.Module) -> int:
                 continue
             if child.in_features % 16 or child.out_features % 16:  # FP8 GEMM shape rule
                 continue
+            if child.weight.is_cuda and child.weight.dtype != torch.bfloat16:  # kept in fp32 by the model
+                continue
             parent_name, _, attr = name.rpartition(".")
             parent = block.get_submodule(parent_name) if parent_name else block
             setattr(parent, attr, Float8Linear(child))

@@ -35,11 +35,13 @@ def test_wan_vs_diffusers_tiny(tmp_path):
         ("unipc", "ditserve eager"),
         ("euler", "diffusers eager"),
         ("euler", "ditserve eager"),
+        ("unipc", "ditserve eager + fp8"),
     }
     assert rows[("unipc", "ditserve eager")]["forwards"] == 2 * 2  # 2 steps × cond/uncond
     # Same scheduler on both sides: the runner makes diffusers' video, with Wan2.1's UniPC and with Euler.
     assert rows[("unipc", "ditserve eager")]["psnr_eager"] >= 40
     assert rows[("euler", "ditserve eager")]["psnr_eager"] >= 35
+    assert 25 <= rows[("unipc", "ditserve eager + fp8")]["psnr_eager"] < float("inf")  # FP8: close, not equal
     assert (tmp_path / "wan_vs_diffusers.md").is_file()
 
 
