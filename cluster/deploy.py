@@ -115,15 +115,16 @@ class Plan(BaseModel):
 
 def _num_heads(app: AppArgs, deploy: DeployArgs) -> int:
     """Heads of the model: from its files when it is here (embedded or a local folder), else by kind."""
-    from ditserve.replica.models.registry import DEMO_BUILDERS, resolve_model
+    from ditserve.replica.models.registry import embedded_model_names, resolve_model
 
     if deploy.num_attention_heads is not None:
         return deploy.num_attention_heads
-    local = app.model in DEMO_BUILDERS or Path(app.model).expanduser().exists()
+    embedded = embedded_model_names()
+    local = app.model in embedded or Path(app.model).expanduser().exists()
     if deploy.model_kind == "auto":
         if not local:
             raise ValueError(
-                f"--model {app.model!r} is neither an embedded model ({sorted(DEMO_BUILDERS)}) nor a folder "
+                f"--model {app.model!r} is neither an embedded model ({embedded}) nor a folder "
                 f"here; for a folder inside the image pass --model-kind {{{', '.join(KIND_HEADS)}}}"
             )
         spec = resolve_model(app.model)

@@ -242,3 +242,10 @@ def test_serve_config_to_a_file(tmp_path, capsys):
     assert main(["deploy", "serve-config", "--model", "demo-flux", "-o", str(out)]) == 0
     assert capsys.readouterr().out == ""
     check_serve_config(out.read_text())
+
+
+def test_the_default_model_deploys_without_naming_it():
+    """demo-scenes (the default --model, committed weights) is embedded: no --model-kind needed."""
+    config = yaml.safe_load(render(["serve-config", "--device", "cpu"]))
+    assert config["applications"][0]["args"] == {"device": "cpu"}
+    check_rayservice(render(["kuberay", "--model", "demo-scenes", "--device", "cpu"]))
