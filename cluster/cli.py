@@ -160,8 +160,9 @@ def run_serve(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc))
 
-    ports = [("--port", args.host, args.port)]
-    if args.grpc_port:  # Serve's gRPC proxy listens on every interface
+    # A fresh local cluster starts its own proxies here; one joined with --address may already run them.
+    ports = [] if args.address else [("--port", args.host, args.port)]
+    if args.grpc_port and not args.address:  # Serve's gRPC proxy listens on every interface
         ports.append(("--grpc-port", "::" if socket.has_ipv6 else "0.0.0.0", args.grpc_port))
     for flag, host, port in ports:
         if (why := _port_in_use(host, port)) is not None:
