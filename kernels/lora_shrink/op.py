@@ -32,6 +32,9 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     # (4x4608 tokens in 64-row tiles are 288 programs on 132 SMs: some SMs run 3, most 2)
     "64/128/4/3": dict(BLOCK_M=64, BLOCK_K=128, num_warps=4, num_stages=3),
     "32/64/4/4": dict(BLOCK_M=32, BLOCK_K=64, num_warps=4, num_stages=4),
+    # one request of 4608 tokens is 72 row blocks of 64 for 132 SMs: 32-row tiles, one slice per program
+    "32/64/4/4 split": dict(BLOCK_M=32, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT=1),
+    "32/128/4/3 split": dict(BLOCK_M=32, BLOCK_K=128, num_warps=4, num_stages=3, SPLIT=1),
     "32/128/4/4": dict(BLOCK_M=32, BLOCK_K=128, num_warps=4, num_stages=4),
     "128/128/8/3 split": dict(BLOCK_M=128, BLOCK_K=128, num_warps=8, num_stages=3, SPLIT=1),
 }
