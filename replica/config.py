@@ -93,7 +93,7 @@ class EngineConfig(BaseModel):
     quantization: Literal["none", "fp8"] = Field(
         default="none",
         description="fp8: the transformer blocks' linears as FP8 GEMMs with row-wise scales (GPUs of compute "
-        "capability 8.9+, bfloat16; images change a little: BENCHMARKS.md).",
+        "capability 8.9+, bfloat16; images change a little).",
     )
     fused_epilogues: bool = Field(
         default=False,
