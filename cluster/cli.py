@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -138,14 +139,16 @@ def _add_serve(sub) -> None:
 
 
 def _port_in_use(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be bound now, or None. The proxies bind later, inside Ray, where a
-    taken port surfaces as a long Ray traceback; checking first gives the user one line naming the flag."""
+    """Why ``host:port`` is taken or forbidden now, or None. The proxies bind later, inside Ray, where a
+    taken port surfaces as a long Ray traceback; checking first gives the user one line naming the flag.
+    Other failures (no IPv6 here, a host name that does not resolve) are left to the proxies."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         with socket.socket(family) as s:
             s.bind((host, port))
     except OSError as exc:
-        return exc.strerror or str(exc)
+        if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+            return exc.strerror or str(exc)
     return None
 
 
@@ -163,7 +166,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     # A fresh local cluster starts its own proxies here; one joined with --address may already run them.
     ports = [] if args.address else [("--port", args.host, args.port)]
     if args.grpc_port and not args.address:  # Serve's gRPC proxy listens on every interface
-        ports.append(("--grpc-port", "::" if socket.has_ipv6 else "0.0.0.0", args.grpc_port))
+        ports.append(("--grpc-port", "0.0.0.0", args.grpc_port))
     for flag, host, port in ports:
         if (why := _port_in_use(host, port)) is not None:
             return _fail(f"{flag} {port}: cannot listen on {host}:{port} ({why}); choose another port")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import random
@@ -26,6 +27,16 @@ def png_pixels(data: bytes) -> np.ndarray:
     return np.array(Image.open(io.BytesIO(data)).convert("RGB"))
 
 
+def _bindable(family: int, host: str, port: int) -> bool:
+    """False only when the port is taken (or forbidden) there; a machine without IPv6 does not count."""
+    try:
+        with socket.socket(family) as s:
+            s.bind((host, port))
+    except OSError as exc:
+        return exc.errno not in (errno.EADDRINUSE, errno.EACCES)
+    return True
+
+
 def free_port() -> int:
     """A port free on every interface, picked below the kernel's ephemeral range.
 
@@ -36,15 +47,11 @@ def free_port() -> int:
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(20000, 32768)
-        try:
-            for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
-                if family == socket.AF_INET6 and not socket.has_ipv6:
-                    continue
-                with socket.socket(family) as s:
-                    s.bind((host, port))
-        except OSError:
-            continue
-        return port
+        if all(
+            _bindable(family, host, port)
+            for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::"))
+        ):
+            return port
     raise RuntimeError("no free port found in 20000-32767")
 
 
