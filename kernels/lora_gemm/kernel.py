@@ -17,7 +17,7 @@ rows straddle segments (a few per batch: one per request boundary) add their LoR
 (`_lora_epilogue`: per segment, rows of other segments masked). Columns of s past a slot's rank must be
 zero (the shrink writes them so) and B finite there (slot buffers are zero past the rank).
 
-LORA_AFTER (also a pre-scaled s): the K loop reads only x and W, exactly as without LoRA, and a second
+LORA_AFTER (TMA, a pre-scaled s): the K loop reads only x and W, exactly as without LoRA, and a second
 short loop of cdiv(lora_k, LORA_BK) iterations reads s[j] and B[slot] for tiles inside one segment with an
 adapter. The main loop keeps its operands fixed (choosing between two descriptors inside the loop may cost
 the pipelining of every iteration), and the LoRA loop is LORA_BK (≥ 16) wide, not BLOCK_K: a rank-16 adapter
@@ -162,7 +162,7 @@ def _lora_gemm_kernel(
     COL_ALIGN: tl.constexpr,  # every slice boundary is a multiple of this (vectorised y/bias access)
     HAS_LORA: tl.constexpr,
     LORA_IN_LOOP: tl.constexpr,  # LoRA iterations in the K loop (s pre-scaled in W's dtype)
-    LORA_AFTER: tl.constexpr,  # LoRA iterations in a loop of their own after the K loop (s pre-scaled)
+    LORA_AFTER: tl.constexpr,  # USE_TMA: LoRA iterations in a loop of their own after the K loop (s pre-scaled)
     LORA_BK: tl.constexpr,  # rank columns per LoRA iteration with LORA_AFTER
     S_SCALED: tl.constexpr,  # s already holds scale · x · Aᵀ
     HAS_BIAS: tl.constexpr,
@@ -266,21 +266,6 @@ def _lora_gemm_kernel(
                     a = tl.load(a_ptrs, mask=(kk + offs_k)[None, :] < k_lim, other=0.0)
                     wt = tl.load(w_ptrs, mask=(kk + offs_k)[:, None] < k_lim, other=0.0)
                 acc = tl.dot(a, wt, acc, input_precision=PRECISION)
-            if LORA_AFTER:
-                if lora_here:
-                    offs_lr = tl.arange(0, LORA_BK)
-                    s_ptrs = s_ptr + j * stride_ss + rows[:, None] * stride_st + offs_lr[None, :] * stride_sr
-                    b_ptrs = (
-                        b_ptr
-                        + slot.to(tl.int64) * stride_bl
-                        + cols[None, :] * stride_bn
-                        + offs_lr[:, None] * stride_br
-                    )
-                    for r0 in tl.range(0, lora_k, LORA_BK, num_stages=1):
-                        r_in = (r0 + offs_lr) < lora_k
-                        a = tl.load(s_ptrs + r0 * stride_sr, mask=r_in[None, :], other=0.0)
-                        wt = tl.load(b_ptrs + r0 * stride_br, mask=r_in[:, None], other=0.0)
-                        acc = tl.dot(a, wt, acc, input_precision=PRECISION)
 
         if HAS_LORA:
             if LORA_IN_LOOP or LORA_AFTER:

@@ -15,8 +15,9 @@ MAX_SLICES = 4
 # column block in the tile order), num_warps, num_stages, PERSISTENT (one program per SM looping over
 # tiles), TMA (x, W, s and B through TensorDescriptors), FLATTEN (tile and K loops flattened into one
 # pipelined loop), WS (warp-specialised loop), LORA_LOOP (with a pre-scaled s: 1 = the LoRA term as extra
-# iterations of the K loop; 2 = a loop of its own after the K loop, LORA_BK rank columns per iteration;
-# 0 = after the loop in the epilogue, R_CHUNK rank columns per dot).
+# iterations of the K loop; 2 = a loop of its own after the K loop, LORA_BK rank columns per iteration
+# (TMA only; through pointers it runs as 0); 0 = after the loop in the epilogue, R_CHUNK rank columns per
+# dot).
 # benchmarks/lora_kernels.py --qkv-only --sweep-gemm overrides this table.
 TUNED: dict[str, dict[str, int]] = {
     # ≥ 2 waves of 128×256 tiles (Flux QKV at 4608+ tokens): the Hopper GEMM shape, 8 warps over 2
@@ -188,7 +189,8 @@ def launch_lora_gemm(
     rank_dim = min(s.shape[2], b_stacked.shape[2])  # columns past the largest slot rank are never needed
     has_lora = rank_dim > 0
     lora_in_loop = has_lora and s_scaled and cfg["LORA_LOOP"] == 1
-    lora_after = has_lora and s_scaled and cfg["LORA_LOOP"] == 2
+    # LORA_LOOP=2 is a TMA loop; through pointers the epilogue does the same work (LORA_LOOP=0)
+    lora_after = has_lora and s_scaled and cfg["LORA_LOOP"] == 2 and bool(cfg["TMA"])
     lora_bk = lora_block_k(rank_dim) if lora_after else bk
     use_tma = bool(cfg["TMA"]) and hidden > 0 and tma_ok(x, weight)
     s_desc = b_desc = s  # placeholders where the kernel reads no descriptor
@@ -205,6 +207,7 @@ def launch_lora_gemm(
         w_arg = TensorDescriptor.from_tensor(weight, [bn, bk])
     else:
         x_arg, w_arg, s_desc, b_desc = x, weight, s, s
+        lora_after = False  # no descriptors: the epilogue adds the LoRA term
     # widest power of two (≤ 16) dividing every slice boundary: lets y and bias use vector accesses
     col_align = 16
     while col_align > 1 and any(c % col_align for c in cols):
