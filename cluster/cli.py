@@ -138,7 +138,7 @@ def _add_serve(sub) -> None:
     add_model_arguments(p, AppArgs)
 
 
-def _port_in_use(host: str, port: int) -> str | None:
+def port_in_use(host: str, port: int) -> str | None:
     """Why ``host:port`` is taken or forbidden now, or None. The proxies bind later, inside Ray, where a
     taken port surfaces as a long Ray traceback; checking first gives the user one line naming the flag.
     Other failures (no IPv6 here, a host name that does not resolve) are left to the proxies."""
@@ -168,7 +168,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     if args.grpc_port and not args.address:  # Serve's gRPC proxy listens on every interface
         ports.append(("--grpc-port", "0.0.0.0", args.grpc_port))
     for flag, host, port in ports:
-        if (why := _port_in_use(host, port)) is not None:
+        if (why := port_in_use(host, port)) is not None:
             return _fail(f"{flag} {port}: cannot listen on {host}:{port} ({why}); choose another port")
 
     import ray

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import errno
 import io
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from ditserve.cluster.cli import port_in_use
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -27,16 +27,6 @@ def png_pixels(data: bytes) -> np.ndarray:
     return np.array(Image.open(io.BytesIO(data)).convert("RGB"))
 
 
-def _bindable(family: int, host: str, port: int) -> bool:
-    """False only when the port is taken (or forbidden) there; a machine without IPv6 does not count."""
-    try:
-        with socket.socket(family) as s:
-            s.bind((host, port))
-    except OSError as exc:
-        return exc.errno not in (errno.EADDRINUSE, errno.EACCES)
-    return True
-
-
 def free_port() -> int:
     """A port free on every interface, picked below the kernel's ephemeral range.
 
@@ -47,10 +37,7 @@ def free_port() -> int:
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(20000, 32768)
-        if all(
-            _bindable(family, host, port)
-            for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::"))
-        ):
+        if all(port_in_use(host, port) is None for host in ("0.0.0.0", "::")):
             return port
     raise RuntimeError("no free port found in 20000-32767")
 
