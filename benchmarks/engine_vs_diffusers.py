@@ -402,19 +402,16 @@ def main() -> None:
 
         # The engine's own switches, on top of what the rows above measured (they change the model in place,
         # so they come last; each is cumulative with the previous one).
-        applied = []
+        from ditserve.replica.worker import apply_speed_switches
+
+        switches = {"epilogues": dict(fused_epilogues=True), "fp8": dict(quantization="fp8")}
+        applied, flags = [], {}
         for extra in filter(None, args.extras.split(",")):
-            if extra == "epilogues":
-                from ditserve.replica.models.flux_fused import fuse_flux_epilogues
-
-                fuse_flux_epilogues(pipe.transformer)
-            elif extra == "fp8":
-                from ditserve.replica.models.fp8 import quantize_fp8
-
-                quantize_fp8(pipe.transformer)
-            else:
-                raise SystemExit(f"--extras: unknown {extra!r} (epilogues, fp8)")
+            if extra not in switches:
+                raise SystemExit(f"--extras: unknown {extra!r} ({', '.join(switches)})")
             applied.append(extra)
+            flags.update(switches[extra])
+            apply_speed_switches(pipe.transformer, family="flux", device=device, dtype=dtype, **flags)
             impl = f"ditserve {'eager' if args.no_compile else 'compiled'} + {' + '.join(applied)}"
             extra_impls.append(impl)
             if not args.no_compile:

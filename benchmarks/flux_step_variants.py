@@ -203,14 +203,19 @@ def main() -> None:
             tr.fuse_qkv_projections()
         if "cdt" in variant:
             torch._inductor.config.coordinate_descent_tuning = True
-        if "epilogues" in variant:  # GELU in the up-projection GEMM, proj_out without the concat
-            from ditserve.replica.models.flux_fused import fuse_flux_epilogues
+        if "epilogues" in variant or "fp8" in variant:  # the engine's --fused-epilogues / --quantization fp8
+            from ditserve.replica.worker import apply_speed_switches
 
-            lines.append(f"{variant}: fused epilogues in {fuse_flux_epilogues(tr)} modules")
-        if "fp8" in variant:  # --quantization fp8: the block linears as FP8 GEMMs (row-wise scales)
-            from ditserve.replica.models.fp8 import quantize_fp8
-
-            lines.append(f"{variant}: {quantize_fp8(tr)} linears as FP8 GEMMs")
+            changed = apply_speed_switches(
+                tr,
+                family="flux",
+                device=device,
+                dtype=dtype,
+                quantization="fp8" if "fp8" in variant else "none",
+                fused_epilogues="epilogues" in variant,
+            )
+            lines.append(f"{variant}: fused epilogues in {changed['fused_epilogues']} modules")
+            lines.append(f"{variant}: {changed['fp8_linears']} linears as FP8 GEMMs")
         if variant == "max-autotune":
             tr.compile_repeated_blocks(fullgraph=True, mode="max-autotune-no-cudagraphs")
         else:

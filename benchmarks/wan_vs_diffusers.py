@@ -365,9 +365,11 @@ def main() -> None:
                 run("unipc", "diffusers compiled", diffusers_fn, max(args.warmup, 1), args.repeats)
                 run("unipc", "ditserve on compiled", runner_fn, args.warmup, args.repeats)
         if not args.no_fp8:  # last: it converts the shared transformer in place
-            from ditserve.replica.models.fp8 import quantize_fp8
+            from ditserve.replica.worker import apply_speed_switches
 
-            quantize_fp8(pipe.transformer)
+            apply_speed_switches(
+                pipe.transformer, family="wan", device=device, dtype=dtype, quantization="fp8"
+            )
             if not args.no_compile:
                 torch._dynamo.reset()
                 pipe.transformer.compile_repeated_blocks(fullgraph=True)

@@ -52,6 +52,31 @@ def build_runner(spec: ModelSpec, pipe, config: EngineConfig, device: torch.devi
     )
 
 
+def apply_speed_switches(
+    model: torch.nn.Module,
+    *,
+    family: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: str = "none",
+    fused_epilogues: bool = False,
+) -> dict[str, int]:
+    """``--quantization fp8`` and ``--fused-epilogues`` on a loaded (and sharded) transformer, before it is
+    compiled (the compiled blocks trace what this leaves). The benchmarks call it too, so that they time
+    what the engine runs. Returns how many modules each switch changed; applying it again is harmless."""
+    changed = {"fp8_linears": 0, "fused_epilogues": 0}
+    if quantization == "fp8":
+        from .models.fp8 import check_fp8_device, quantize_fp8
+
+        check_fp8_device(device, dtype)
+        changed["fp8_linears"] = quantize_fp8(model)
+    if fused_epilogues and family == "flux":
+        from .models.flux_fused import fuse_flux_epilogues
+
+        changed["fused_epilogues"] = fuse_flux_epilogues(model)
+    return changed
+
+
 class RankWorker:
     """The per-rank engine. ``rank``/``world_size``/``init_method`` describe the replica's process group."""
 
@@ -103,15 +128,14 @@ class RankWorker:
 
             parallelize = parallelize_flux if self.spec.family == "flux" else parallelize_wan
             parallelize(model, mesh=self.mesh)
-        if config.quantization == "fp8":
-            from .models.fp8 import check_fp8_device, quantize_fp8
-
-            check_fp8_device(self.device, config.torch_dtype)
-            quantize_fp8(model)
-        if config.fused_epilogues and self.spec.family == "flux":
-            from .models.flux_fused import fuse_flux_epilogues
-
-            fuse_flux_epilogues(model)  # before compiling: the blocks trace the patched forwards
+        apply_speed_switches(
+            model,
+            family=self.spec.family,
+            device=self.device,
+            dtype=config.torch_dtype,
+            quantization=config.quantization,
+            fused_epilogues=config.fused_epilogues,
+        )
         if config.compile:
             # Regional compilation: one compiled block graph reused by every block (compiles in seconds).
             # Not fullgraph: a step with LoRA calls the (untraced) LoRA path at each adapted linear.
