@@ -13,9 +13,11 @@ Configurations, in this order, per size: (a) diffusers FluxPipeline eager; (c) d
 prepare/step/decode on the same pipe object, eager; then ``pipe.transformer.compile_repeated_blocks(
 fullgraph=True)`` and (b) diffusers compiled, and (d) our runner on that compiled transformer (the engine's
 ``--compile`` compiles the same blocks, without fullgraph so that LoRA steps can call the adapter path).
-Then ``--extras`` (default epilogues,fp8): the engine's --fused-epilogues and --quantization fp8, applied
-cumulatively in place to the same transformer (recompiled), our runner only. Transformer step time = CUDA events around every transformer
-forward (hooks on the model), median over the timed images' steps; image time = wall time of one whole
+Then ``--extras`` (default epilogues,fp8,graphs): the engine's --fused-epilogues and --quantization fp8,
+applied cumulatively in place to the same transformer (recompiled), then --cuda-graphs (the runner replays
+each forward as a CUDA graph); our runner only. Transformer step time = CUDA events around every
+transformer forward (hooks on the model; around the runner's forward call for graph replays), median over
+the timed images' steps; image time = wall time of one whole
 image (text encode + 28 steps + VAE decode), median over the timed images. Warm-up images are excluded;
 for compiled rows the first image's extra time over the steady image is reported as compile time.
 Prints a markdown table and writes DIR/engine_vs_diffusers.md and .json.
@@ -155,6 +157,7 @@ class ForwardTimer:
         self.cuda = device.type == "cuda"
         self.pending: list = []
         self._start = None
+        self.suspended = 0
         self.handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
 
     def _mark(self):
@@ -164,11 +167,33 @@ class ForwardTimer:
             return ev
         return time.perf_counter()
 
+    def _skip(self) -> bool:
+        # inside time_calls (timed there) or while a CUDA graph is being captured (no events then)
+        return self.suspended > 0 or (self.cuda and torch.cuda.is_current_stream_capturing())
+
     def _pre(self, module, args):
-        self._start = self._mark()
+        if not self._skip():
+            self._start = self._mark()
 
     def _post(self, module, args, output):
-        self.pending.append((self._start, self._mark()))
+        if not self._skip():
+            self.pending.append((self._start, self._mark()))
+
+    def time_calls(self, fn):
+        """``fn`` timed as one forward per call (CUDA-graph replays run no module hooks); forwards inside it
+        are not timed again."""
+
+        def timed(*args, **kwargs):
+            start = self._mark()
+            self.suspended += 1
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                self.suspended -= 1
+            self.pending.append((start, self._mark()))
+            return out
+
+        return timed
 
     def take(self) -> list[float]:
         """ms of each forward since the last take."""
@@ -330,9 +355,9 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument(
         "--extras",
-        default="epilogues,fp8",
+        default="epilogues,fp8,graphs",
         help="engine switches applied after the stock rows, cumulatively, in place on the same transformer: "
-        "epilogues (--fused-epilogues), fp8 (--quantization fp8); empty: none",
+        "epilogues (--fused-epilogues), fp8 (--quantization fp8), graphs (--cuda-graphs); empty: none",
     )
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip configs that start after this many s")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -404,19 +429,29 @@ def main() -> None:
         # so they come last; each is cumulative with the previous one).
         from ditserve.replica.worker import apply_speed_switches
 
-        switches = {"epilogues": dict(fused_epilogues=True), "fp8": dict(quantization="fp8")}
+        switches = {"epilogues": dict(fused_epilogues=True), "fp8": dict(quantization="fp8"), "graphs": {}}
         applied, flags = [], {}
         for extra in filter(None, args.extras.split(",")):
             if extra not in switches:
                 raise SystemExit(f"--extras: unknown {extra!r} ({', '.join(switches)})")
             applied.append(extra)
-            flags.update(switches[extra])
-            apply_speed_switches(pipe.transformer, family="flux", device=device, dtype=dtype, **flags)
             impl = f"ditserve {'eager' if args.no_compile else 'compiled'} + {' + '.join(applied)}"
             extra_impls.append(impl)
-            if not args.no_compile:
-                torch._dynamo.reset()
-                pipe.transformer.compile_repeated_blocks(fullgraph=True)
+            runner.model_changed()
+            if extra == "graphs":  # the engine's --cuda-graphs: the runner replays its forwards
+                if device.type != "cuda":
+                    print("graphs: CUDA only, skipped")
+                    continue
+                from ditserve.replica.pipelines.graphs import StepGraphs
+
+                runner.graphs = StepGraphs(runner.model_forward, device)
+                runner._run_rows = timer.time_calls(runner._run_rows)
+            else:
+                flags.update(switches[extra])
+                apply_speed_switches(pipe.transformer, family="flux", device=device, dtype=dtype, **flags)
+                if not args.no_compile:
+                    torch._dynamo.reset()
+                    pipe.transformer.compile_repeated_blocks(fullgraph=True)
             for size in sizes:
                 run(size, impl, lambda s=size: runner_image(runner, s, args.steps), max(args.warmup, 1))
 
@@ -464,7 +499,8 @@ def main() -> None:
         f"diffusers {diffusers.__version__}, torch {torch.__version__}; warm-up {args.warmup} image(s), "
         f"{args.repeats} timed images per row; step ratio = diffusers-eager step / this row's step (>1 = faster).",
         f"'ditserve on compiled' = FluxRunner on the transformer after compile_repeated_blocks (what the "
-        f"engine's --compile does); '+ epilogues' = --fused-epilogues, '+ fp8' = --quantization fp8, applied "
+        f"engine's --compile does); '+ epilogues' = --fused-epilogues, '+ fp8' = --quantization fp8, "
+        f"'+ graphs' = --cuda-graphs, applied "
         f"in place to the same transformer after the rows above. Pipeline build {build_s:.1f}s, whole run "
         f"{time.perf_counter() - t_start:.0f}s.",
     ]

@@ -279,8 +279,8 @@ def main() -> None:
                 print(line, flush=True)
                 if (
                     variant in ("compiled", "compiled+cudnn+fused+cdt", "compiled+epilogues")
-                    and device.type == "cuda"
-                ):
+                    or "fp8" in variant
+                ) and device.type == "cuda":
                     b = breakdown(fn, device)
                     lines += [f"breakdown {variant} {size}²:"] + b
                     print("\n".join(b), flush=True)

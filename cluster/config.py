@@ -59,6 +59,11 @@ class EngineArgs(BaseModel):
         description="FLUX: tanh GELU in the MLP up-projection's GEMM (cuBLASLt epilogue) and the single blocks' "
         "proj_out without the concat (GPU).",
     )
+    cuda_graphs: bool = Field(
+        default=False,
+        description="Replay each transformer forward of a batch without adapters as a CUDA graph, one per input "
+        "shape (GPU, one GPU per replica; saves the host's launch time where kernels are short).",
+    )
     fused_lora: bool = Field(
         default=True,
         description="LoRA expand inside the base GEMM (Triton, GPU); off: base GEMM, then an in-place expand.",
@@ -99,6 +104,7 @@ class EngineArgs(BaseModel):
             max_queue=self.max_queue,
             compile=self.compile,
             fused_epilogues=self.fused_epilogues,
+            cuda_graphs=self.cuda_graphs,
             quantization=self.quantization,
             fused_lora=self.fused_lora,
             max_loras=self.max_loras,

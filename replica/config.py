@@ -100,6 +100,11 @@ class EngineConfig(BaseModel):
         description="FLUX: tanh GELU in the MLP up-projection's GEMM (cuBLASLt epilogue) and the single blocks' "
         "proj_out without the concat (GPU).",
     )
+    cuda_graphs: bool = Field(
+        default=False,
+        description="Replay each transformer forward of a batch without adapters as a CUDA graph, one per input "
+        "shape (GPU, one GPU per replica; saves the host's launch time where kernels are short).",
+    )
     fused_lora: bool = Field(
         default=True,
         description="LoRA expand inside the base GEMM (Triton, GPU); off: base GEMM, then an in-place expand.",
@@ -116,6 +121,12 @@ class EngineConfig(BaseModel):
             raise ValueError("--dtype float16 is not supported on CPU; use float32 or bfloat16")
         if self.quantization == "fp8" and self.device == "cuda" and self.dtype != "bfloat16":
             raise ValueError("--quantization fp8 writes bfloat16 GEMM outputs on GPUs; use --dtype bfloat16")
+        if self.cuda_graphs and self.device != "cuda":
+            raise ValueError("--cuda-graphs needs --device cuda")
+        if self.cuda_graphs and self.parallel.dims().world_size > 1:
+            raise ValueError(
+                "--cuda-graphs runs replicas of one GPU (no --tp-size / sequence / CFG parallelism)"
+            )
         return self
 
     @property

@@ -72,6 +72,7 @@ class ServingRankWorker(RankWorker):
     # -- memory -------------------------------------------------------------------------------------------
     def release_memory(self) -> None:
         """Weights to host memory; on CPU they are already there and only the state changes."""
+        self.runner.model_changed()  # captured graphs hold device memory and the weights' old addresses
         if self.device.type == "cuda":
             self.pipe.to("cpu")
             torch.cuda.empty_cache()
@@ -80,4 +81,5 @@ class ServingRankWorker(RankWorker):
     def resume_memory(self) -> None:
         if self.device.type == "cuda":
             self.pipe.to(self.device)
+        self.runner.model_changed()
         self.released = False

@@ -49,6 +49,7 @@ def build_runner(spec: ModelSpec, pipe, config: EngineConfig, device: torch.devi
         dtype=config.torch_dtype,
         max_sequence_length=config.max_sequence_length,
         mesh=mesh,
+        cuda_graphs=config.cuda_graphs,
     )
 
 
@@ -184,14 +185,17 @@ class RankWorker:
     def reattach_lora(self) -> None:
         """After the transformer was replaced (weights update): the same adapters on the new modules."""
         previous = self.lora
+        self.runner.model_changed()
         self.lora = self._build_lora()
         for name, info in previous.info.items():
             self.lora.load(name, info["path"], info["scale"])
 
     def lora_load(self, name: str, path: str, scale: float = 1.0) -> dict[str, Any]:
+        self.runner.model_changed()
         return self.lora.load(name, path, scale)
 
     def lora_unload(self, name: str) -> None:
+        self.runner.model_changed()
         self.lora.unload(name)
 
     def shutdown(self) -> None:

@@ -72,13 +72,26 @@ class PipelineRunner(ABC):
     shared_inputs: tuple[str, ...] = ()
 
     def __init__(
-        self, pipe, *, device: torch.device, dtype: torch.dtype, max_sequence_length: int, mesh=None
+        self,
+        pipe,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_sequence_length: int,
+        mesh=None,
+        cuda_graphs: bool = False,
     ):
         self.pipe = pipe
         self.device = device
         self.dtype = dtype
         self.max_sequence_length = max_sequence_length
         self.mesh = mesh
+        # --cuda-graphs: forwards of batches without adapters replay a captured graph per input signature.
+        self.graphs = None
+        if cuda_graphs:
+            from .graphs import StepGraphs
+
+            self.graphs = StepGraphs(self.model_forward, device)
         # Set by the LoRA manager: called with the row → request layout before each forward.
         self.before_forward: Callable[[list[tuple[RequestState, int]]], None] | None = None
 
@@ -120,7 +133,15 @@ class PipelineRunner(ABC):
         inputs = {k: torch.cat([c[k] for _, c in rows]) for k in rows[0][1]}
         if self.before_forward is not None:
             self.before_forward([(s, s.rows) for s, _ in rows])
-        return self.model_forward(latents, timesteps, inputs, states[0].extra["shared"])
+        shared = states[0].extra["shared"]
+        if self.graphs is not None and not any(s.params.lora for s, _ in rows):
+            return self.graphs(latents, timesteps, inputs, shared)
+        return self.model_forward(latents, timesteps, inputs, shared)
+
+    def model_changed(self) -> None:
+        """The transformer's modules or weights moved or changed: captured graphs point at the old ones."""
+        if self.graphs is not None:
+            self.graphs.clear()
 
     @torch.no_grad()
     def step(self, states: list[RequestState]) -> None:

@@ -338,8 +338,15 @@ def test_bf16_gpu_shrink_scaled_every_config(num_slices, name):
     m = meta
     seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot)
     want = lora_shrink_scaled_ref(x, a, *seg, m.seg_scale, m.slot_rank, m.max_rank)
+    from triton.runtime.errors import OutOfResources
+
     cfg = SCALED_SWEEP[name] if name else None
-    got = launch_lora_shrink(x, a, *seg, m.slot_rank, m.max_rank, config=cfg, seg_scale=m.seg_scale)
+    try:
+        got = launch_lora_shrink(x, a, *seg, m.slot_rank, m.max_rank, config=cfg, seg_scale=m.seg_scale)
+    except OutOfResources:
+        if name is None:  # the default tiles must fit every shape
+            raise
+        pytest.skip(f"sweep candidate {name} does not fit shared memory at {num_slices} slices, rank 128")
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
