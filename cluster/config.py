@@ -54,15 +54,16 @@ class EngineArgs(BaseModel):
         description="fp8: the transformer blocks' linears as FP8 GEMMs with row-wise scales (GPUs of compute "
         "capability 8.9+, bfloat16; images change a little).",
     )
-    fused_epilogues: bool = Field(
-        default=False,
+    fused_epilogues: bool | None = Field(
+        default=None,
         description="FLUX: tanh GELU in the MLP up-projection's GEMM (cuBLASLt epilogue) and the single blocks' "
-        "proj_out without the concat (GPU).",
+        "proj_out without the concat. Default: on with --device cuda.",
     )
-    cuda_graphs: bool = Field(
-        default=False,
+    cuda_graphs: bool | None = Field(
+        default=None,
         description="Replay each transformer forward of a batch without adapters as a CUDA graph, one per input "
-        "shape (GPU, one GPU per replica; saves the host's launch time where kernels are short).",
+        "shape (saves the host's launch time where kernels are short). Default: on with --device cuda and one "
+        "GPU per replica (no tensor, sequence or CFG parallelism).",
     )
     fused_lora: bool = Field(
         default=True,

@@ -95,15 +95,16 @@ class EngineConfig(BaseModel):
         description="fp8: the transformer blocks' linears as FP8 GEMMs with row-wise scales (GPUs of compute "
         "capability 8.9+, bfloat16; images change a little).",
     )
-    fused_epilogues: bool = Field(
-        default=False,
+    fused_epilogues: bool | None = Field(
+        default=None,
         description="FLUX: tanh GELU in the MLP up-projection's GEMM (cuBLASLt epilogue) and the single blocks' "
-        "proj_out without the concat (GPU).",
+        "proj_out without the concat. Default: on with --device cuda.",
     )
-    cuda_graphs: bool = Field(
-        default=False,
+    cuda_graphs: bool | None = Field(
+        default=None,
         description="Replay each transformer forward of a batch without adapters as a CUDA graph, one per input "
-        "shape (GPU, one GPU per replica; saves the host's launch time where kernels are short).",
+        "shape (saves the host's launch time where kernels are short). Default: on with --device cuda and one "
+        "GPU per replica (no tensor, sequence or CFG parallelism).",
     )
     fused_lora: bool = Field(
         default=True,
@@ -121,13 +122,23 @@ class EngineConfig(BaseModel):
             raise ValueError("--dtype float16 is not supported on CPU; use float32 or bfloat16")
         if self.quantization == "fp8" and self.device == "cuda" and self.dtype != "bfloat16":
             raise ValueError("--quantization fp8 writes bfloat16 GEMM outputs on GPUs; use --dtype bfloat16")
-        if self.cuda_graphs and self.device != "cuda":
+        if self.cuda_graphs and self.device != "cuda":  # asked for explicitly
             raise ValueError("--cuda-graphs needs --device cuda")
         if self.cuda_graphs and self.parallel.dims().world_size > 1:
             raise ValueError(
                 "--cuda-graphs runs replicas of one GPU (no --tp-size / sequence / CFG parallelism)"
             )
         return self
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        if self.cuda_graphs is not None:
+            return self.cuda_graphs
+        return self.device == "cuda" and self.parallel.dims().world_size == 1
+
+    @property
+    def use_fused_epilogues(self) -> bool:
+        return self.fused_epilogues if self.fused_epilogues is not None else self.device == "cuda"
 
     @property
     def torch_dtype(self) -> torch.dtype:

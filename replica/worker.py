@@ -49,7 +49,7 @@ def build_runner(spec: ModelSpec, pipe, config: EngineConfig, device: torch.devi
         dtype=config.torch_dtype,
         max_sequence_length=config.max_sequence_length,
         mesh=mesh,
-        cuda_graphs=config.cuda_graphs,
+        cuda_graphs=config.use_cuda_graphs,
     )
 
 
@@ -135,7 +135,7 @@ class RankWorker:
             device=self.device,
             dtype=config.torch_dtype,
             quantization=config.quantization,
-            fused_epilogues=config.fused_epilogues,
+            fused_epilogues=config.use_fused_epilogues,
         )
         if config.compile:
             # Regional compilation: one compiled block graph reused by every block (compiles in seconds).

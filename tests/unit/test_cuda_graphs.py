@@ -20,16 +20,22 @@ def test_cuda_graphs_need_one_cuda_device(capsys):
         EngineConfig(
             model="demo-flux", device="cuda", cuda_graphs=True, parallel=ParallelFlags(ulysses_degree=2)
         )
-    assert EngineConfig(model="demo-flux", device="cuda", cuda_graphs=True).cuda_graphs
+    # unset: on for a one-GPU CUDA replica only (flags off or on override it)
+    assert EngineConfig(model="demo-flux", device="cuda").use_cuda_graphs
+    assert not EngineConfig(model="demo-flux", device="cuda", cuda_graphs=False).use_cuda_graphs
+    assert not EngineConfig(model="demo-flux", device="cpu").use_cuda_graphs
+    assert not EngineConfig(
+        model="demo-flux", device="cuda", parallel=ParallelFlags(tp_size=2)
+    ).use_cuda_graphs
     if not torch.cuda.is_available():  # the CLI refuses it on this machine with one line naming the flag
         code = main(["generate", "a fox", "--model", "demo-flux", "--cuda-graphs", "--device", "cpu"])
         assert code != 0 and "--cuda-graphs needs --device cuda" in capsys.readouterr().err
 
 
-def _worker(**flags):
+def _worker(model="demo-flux", **flags):
     from ditserve.replica.rank_control import ServingRankWorker
 
-    config = EngineConfig(model="demo-flux", device="cuda", dtype="bfloat16", **flags)
+    config = EngineConfig(model=model, device="cuda", dtype="bfloat16", **flags)
     return ServingRankWorker(config)
 
 
@@ -46,7 +52,7 @@ def _images(worker, params: list[GenerationParams]) -> list[np.ndarray]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("compile", [False, True])
 def test_graphs_draw_the_plain_engine_image(compile):
-    plain, graphed = _worker(compile=compile), _worker(compile=compile, cuda_graphs=True)
+    plain, graphed = _worker(compile=compile, cuda_graphs=False), _worker(compile=compile, cuda_graphs=True)
     guided = GenerationParams(**REQ, negative_prompt="blurry", true_cfg_scale=4.0)
     want = _images(plain, [guided])[0]
     got = _images(graphed, [guided])[0]
@@ -54,7 +60,9 @@ def test_graphs_draw_the_plain_engine_image(compile):
     # cond and uncond rows share one graph: 3 steps × 2 forwards = 1 capture call + 5 replays
     assert (graphs.captures, graphs.replays) == (1, 5)
     assert psnr(got, want) >= 40
-    other = _images(graphed, [GenerationParams(**{**REQ, "seed": 4}, negative_prompt="blurry", true_cfg_scale=4)])
+    other = _images(
+        graphed, [GenerationParams(**{**REQ, "seed": 4}, negative_prompt="blurry", true_cfg_scale=4)]
+    )
     assert psnr(other[0], got) < 30 and graphs.captures == 1  # a replay follows its new inputs
     # a second size is a second graph
     _images(graphed, [GenerationParams(**{**REQ, "width": 128})])
@@ -66,7 +74,7 @@ def test_adapter_batches_bypass_graphs_and_release_resume_recaptures(tmp_path):
     from tests.unit.test_lora_engine import weights, write_kohya
 
     path = write_kohya(tmp_path / "a.safetensors", weights(1))
-    plain, graphed = _worker(), _worker(cuda_graphs=True)
+    plain, graphed = _worker(cuda_graphs=False), _worker(cuda_graphs=True)
     batch = [GenerationParams(**REQ, lora=(LoRARef(name="a"),)), GenerationParams(**REQ)]
     for w in (plain, graphed):
         w.lora_load("a", str(path))
@@ -84,3 +92,14 @@ def test_adapter_batches_bypass_graphs_and_release_resume_recaptures(tmp_path):
     assert not graphed.runner.graphs.graphs
     again = _images(graphed, [GenerationParams(**REQ)])[0]
     assert psnr(again, want[1]) >= 40
+
+
+@pytest.mark.gpu
+def test_wan_video_with_graphs_by_default():
+    """Unset, the flag is on for one GPU: a Wan video (CFG: cond and uncond forwards) comes out the same."""
+    plain, default = _worker("demo-wan", cuda_graphs=False), _worker("demo-wan")
+    p = GenerationParams(prompt="waves on a beach", negative_prompt="blurry", num_frames=5, width=64, height=64,
+                         num_inference_steps=3, guidance_scale=5.0, seed=11)  # fmt: skip
+    want, got = _images(plain, [p])[0], _images(default, [p])[0]
+    assert default.runner.graphs is not None and default.runner.graphs.replays > 0
+    assert got.shape == want.shape and psnr(got, want) >= 40
