@@ -15,7 +15,9 @@ fullgraph=True)`` and (b) diffusers compiled, and (d) our runner on that compile
 ``--compile`` compiles the same blocks, without fullgraph so that LoRA steps can call the adapter path).
 Then ``--extras`` (default epilogues,fp8,graphs): the engine's --fused-epilogues and --quantization fp8,
 applied cumulatively in place to the same transformer (recompiled), then --cuda-graphs (the runner replays
-each forward as a CUDA graph); our runner only. Transformer step time = CUDA events around every
+each forward as a CUDA graph); our runner only. Last, ``engine``: the whole in-process Engine (scheduler
+loop, request queue, PNG encoding, its own ``--compile``: regional without fullgraph) with those flags, as
+``ditserve serve`` runs them (image = wall time of ``Engine.generate``). Transformer step time = CUDA events around every
 transformer forward (hooks on the model; around the runner's forward call for graph replays), median over
 the timed images' steps; image time = wall time of one whole
 image (text encode + 28 steps + VAE decode), median over the timed images. Warm-up images are excluded;
@@ -310,6 +312,50 @@ def runner_image(runner, size: int, steps: int) -> np.ndarray:
     return runner.decode(state)[0]
 
 
+def engine_flags(switches: list[str], no_compile: bool) -> list[str]:
+    names = {"epilogues": "--fused-epilogues", "fp8": "--quantization fp8", "graphs": "--cuda-graphs"}
+    return ([] if no_compile else ["--compile"]) + [names[s] for s in switches]
+
+
+def start_engine(
+    pipe, *, device: torch.device, dtype: torch.dtype, max_len: int, switches: list[str], compile: bool
+):
+    """The real in-process Engine (scheduler loop, its own ``--compile``: regional, not fullgraph) on ``pipe``,
+    with the engine flags that ``switches`` name; the others as the engine defaults them."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from batching import config_folder
+
+    from ditserve.replica.config import EngineConfig
+    from ditserve.replica.engine import Engine
+    from ditserve.replica.launcher import InProcessLauncher
+
+    config = EngineConfig(
+        model=config_folder(pipe),
+        device=device.type,
+        dtype=str(dtype).removeprefix("torch."),
+        max_sequence_length=max_len,
+        compile=compile,
+        quantization="fp8" if "fp8" in switches else "none",
+        fused_epilogues="epilogues" in switches,
+        cuda_graphs="graphs" in switches and device.type == "cuda",
+    )
+    return Engine(config, launcher=InProcessLauncher(pipe)).start()
+
+
+def engine_image(engine, size: int, steps: int) -> np.ndarray:
+    import io
+
+    from PIL import Image
+
+    from ditserve.replica.request import GenerationParams
+
+    params = GenerationParams(
+        prompt=PROMPT, width=size, height=size, num_inference_steps=steps, guidance_scale=3.5, seed=SEED
+    )
+    png = engine.generate(params, timeout=600).outputs[0]
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
 def measure(make_image, timer: ForwardTimer, device: torch.device, warmup: int, repeats: int) -> dict:
     """Warm-up images (kept apart), then ``repeats`` timed images."""
     first_s = None
@@ -353,11 +399,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager rows (ratios then show —)")
     ap.add_argument(
         "--extras",
-        default="epilogues,fp8,graphs",
+        default="epilogues,fp8,graphs,engine",
         help="engine switches applied after the stock rows, cumulatively, in place on the same transformer: "
-        "epilogues (--fused-epilogues), fp8 (--quantization fp8), graphs (--cuda-graphs); empty: none",
+        "epilogues (--fused-epilogues), fp8 (--quantization fp8), graphs (--cuda-graphs); engine: the whole "
+        "in-process Engine with the switches so far; empty: none",
     )
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip configs that start after this many s")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -403,7 +451,7 @@ def main() -> None:
         )
 
     with torch.no_grad():
-        for size in sizes:
+        for size in sizes if not args.no_eager else ():
             run(
                 size,
                 "diffusers eager",
@@ -429,11 +477,34 @@ def main() -> None:
         # so they come last; each is cumulative with the previous one).
         from ditserve.replica.worker import apply_speed_switches
 
-        switches = {"epilogues": dict(fused_epilogues=True), "fp8": dict(quantization="fp8"), "graphs": {}}
+        switches = {
+            "epilogues": dict(fused_epilogues=True), "fp8": dict(quantization="fp8"), "graphs": {}, "engine": {}
+        }  # fmt: skip
         applied, flags = [], {}
         for extra in filter(None, args.extras.split(",")):
             if extra not in switches:
                 raise SystemExit(f"--extras: unknown {extra!r} ({', '.join(switches)})")
+            if extra == "engine":  # the whole Engine with the flags so far, as `ditserve serve` runs them
+                impl = f"ditserve Engine, {' '.join(engine_flags(applied, args.no_compile)) or 'defaults'}"
+                extra_impls.append(impl)
+                if skips.over_budget(impl):
+                    continue
+                torch._dynamo.reset()
+                engine = start_engine(pipe, device=device, dtype=dtype, max_len=max_len, switches=applied,
+                                      compile=not args.no_compile)  # fmt: skip
+                worker_runner = engine.launcher.worker.runner
+                worker_runner._run_rows = timer.time_calls(worker_runner._run_rows)
+                try:
+                    for size in sizes:
+                        run(
+                            size,
+                            impl,
+                            lambda s=size, e=engine: engine_image(e, s, args.steps),
+                            max(args.warmup, 1),
+                        )
+                finally:
+                    engine.shutdown()
+                continue
             applied.append(extra)
             impl = f"ditserve {'eager' if args.no_compile else 'compiled'} + {' + '.join(applied)}"
             extra_impls.append(impl)
@@ -501,7 +572,8 @@ def main() -> None:
         f"'ditserve on compiled' = FluxRunner on the transformer after compile_repeated_blocks (what the "
         f"engine's --compile does); '+ epilogues' = --fused-epilogues, '+ fp8' = --quantization fp8, "
         f"'+ graphs' = --cuda-graphs, applied "
-        f"in place to the same transformer after the rows above. Pipeline build {build_s:.1f}s, whole run "
+        f"in place to the same transformer after the rows above; 'ditserve Engine, FLAGS' = the whole in-process "
+        f"Engine with those flags (its own regional compile), step = its forward calls. Pipeline build {build_s:.1f}s, whole run "
         f"{time.perf_counter() - t_start:.0f}s.",
     ]
     if skips.reasons:

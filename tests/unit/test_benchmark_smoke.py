@@ -86,12 +86,16 @@ def test_flux_step_variants_tiny_with_fused_epilogues(tmp_path):
 
 def test_engine_vs_diffusers_tiny_with_the_engine_switches(tmp_path):
     run_benchmark("engine_vs_diffusers.py", "--sizes", "32", "--steps", "2", "--repeats", "1", "--no-compile",
-                  "--extras", "epilogues,fp8", "--out", str(tmp_path))  # fmt: skip
+                  "--extras", "epilogues,fp8,engine", "--out", str(tmp_path))  # fmt: skip
     result = json.loads((tmp_path / "engine_vs_diffusers.json").read_text())
     assert result["meta"]["skipped"] == []
     rows = {r["impl"]: r for r in result["rows"]}
+    engine = "ditserve Engine, --fused-epilogues --quantization fp8"
     assert set(rows) == {"diffusers eager", "ditserve eager", "ditserve eager + epilogues",
-                         "ditserve eager + epilogues + fp8"}  # fmt: skip
+                         "ditserve eager + epilogues + fp8", engine}  # fmt: skip
+    # the whole Engine with the same flags draws the runner's image, its forwards timed
+    assert rows[engine]["psnr_eager"] == rows["ditserve eager + epilogues + fp8"]["psnr_eager"]
+    assert rows[engine]["forwards"] == 2 and rows[engine]["step_ms"] > 0
     assert rows["ditserve eager"]["psnr_eager"] == float("inf")  # the runner draws diffusers' image
     assert rows["ditserve eager + epilogues"]["psnr_eager"] >= 40
     assert 25 <= rows["ditserve eager + epilogues + fp8"]["psnr_eager"] < float("inf")
