@@ -48,23 +48,24 @@ def config_folder(pipe) -> str:
     return str(root)
 
 
+def start_engine(pipe, **config) -> Engine:
+    """The in-process Engine on an in-memory pipeline; ``config``: EngineConfig fields (dtype: the pipe's)."""
+    config.setdefault("dtype", str(pipe.dtype).removeprefix("torch."))
+    engine_config = EngineConfig(model=config_folder(pipe), **config)
+    return Engine(engine_config, launcher=InProcessLauncher(pipe)).start()
+
+
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
 def run_mode(
-    pipe, folder: str, device: str, size: int, steps: int, arrivals: list[float], batch: int, max_len: int
+    pipe, device: str, size: int, steps: int, arrivals: list[float], batch: int, max_len: int
 ) -> dict:
-    config = EngineConfig(
-        model=folder,
-        device=device,
-        dtype=str(pipe.dtype).removeprefix("torch."),
-        max_batch_size=batch,
-        max_queue=len(arrivals) + 1,
-        max_sequence_length=max_len,
+    engine = start_engine(
+        pipe, device=device, max_batch_size=batch, max_queue=len(arrivals) + 1, max_sequence_length=max_len
     )
-    engine = Engine(config, launcher=InProcessLauncher(pipe)).start()
     try:
         warm = GenerationParams(prompt="warm up", width=size, height=size, num_inference_steps=2, seed=0)
         engine.generate(warm)
@@ -120,7 +121,6 @@ def main() -> None:
     pipe = build_pipe(tiny=args.tiny, device=device, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     max_len = flux_configs(args.tiny)["max_sequence_length"]
-    folder = config_folder(pipe)
     rows = []
     header = (
         "| size | clients | steps | mode | img/s | p50 s | p95 s | forwards | "
@@ -132,17 +132,15 @@ def main() -> None:
             print(f"skipping {size}²: time budget spent", flush=True)
             continue
         # Arrival window: a few one-at-a-time images long, measured by one image first.
-        probe = run_mode(pipe, folder, args.device, size, args.steps, [0.0], 1, max_len)
+        probe = run_mode(pipe, args.device, size, args.steps, [0.0], 1, max_len)
         rng = random.Random(size)
         window = args.window * probe["wall"]
         arrivals = sorted(rng.uniform(0, window) for _ in range(args.clients))
         results = {
-            "continuous": run_mode(
-                pipe, folder, args.device, size, args.steps, arrivals, args.clients, max_len
-            ),
-            "one-at-a-time": run_mode(pipe, folder, args.device, size, args.steps, arrivals, 1, max_len),
+            "continuous": run_mode(pipe, args.device, size, args.steps, arrivals, args.clients, max_len),
+            "one-at-a-time": run_mode(pipe, args.device, size, args.steps, arrivals, 1, max_len),
             "static": run_mode(
-                pipe, folder, args.device, size, args.steps, [0.0] * args.clients, args.clients, max_len
+                pipe, args.device, size, args.steps, [0.0] * args.clients, args.clients, max_len
             ),
         }
         thr_ratio = results["continuous"]["throughput"] / results["static"]["throughput"]

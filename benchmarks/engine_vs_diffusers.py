@@ -317,29 +317,13 @@ def engine_flags(switches: list[str], no_compile: bool) -> list[str]:
     return ([] if no_compile else ["--compile"]) + [names[s] for s in switches]
 
 
-def start_engine(
-    pipe, *, device: torch.device, dtype: torch.dtype, max_len: int, switches: list[str], compile: bool
-):
-    """The real in-process Engine (scheduler loop, its own ``--compile``: regional, not fullgraph) on ``pipe``,
-    with the engine flags that ``switches`` name; the others as the engine defaults them."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from batching import config_folder
-
-    from ditserve.replica.config import EngineConfig
-    from ditserve.replica.engine import Engine
-    from ditserve.replica.launcher import InProcessLauncher
-
-    config = EngineConfig(
-        model=config_folder(pipe),
-        device=device.type,
-        dtype=str(dtype).removeprefix("torch."),
-        max_sequence_length=max_len,
-        compile=compile,
+def engine_switch_flags(switches: list[str], device: torch.device) -> dict:
+    """EngineConfig fields for the switches named (the others off, whatever the engine defaults)."""
+    return dict(
         quantization="fp8" if "fp8" in switches else "none",
         fused_epilogues="epilogues" in switches,
         cuda_graphs="graphs" in switches and device.type == "cuda",
     )
-    return Engine(config, launcher=InProcessLauncher(pipe)).start()
 
 
 def engine_image(engine, size: int, steps: int) -> np.ndarray:
@@ -490,8 +474,10 @@ def main() -> None:
                 if skips.over_budget(impl):
                     continue
                 torch._dynamo.reset()
-                engine = start_engine(pipe, device=device, dtype=dtype, max_len=max_len, switches=applied,
-                                      compile=not args.no_compile)  # fmt: skip
+                from batching import start_engine  # this folder is on sys.path when a benchmark runs
+
+                engine = start_engine(pipe, device=device.type, max_sequence_length=max_len,
+                                      compile=not args.no_compile, **engine_switch_flags(applied, device))  # fmt: skip
                 worker_runner = engine.launcher.worker.runner
                 worker_runner._run_rows = timer.time_calls(worker_runner._run_rows)
                 try:

@@ -47,7 +47,7 @@ import torch
 # Loading a second adapter into one model is what these rows do on purpose.
 warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
 sys.path.insert(0, str(Path(__file__).parent))
-from batching import config_folder  # noqa: E402
+from batching import start_engine  # noqa: E402
 from engine_vs_diffusers import (  # noqa: E402
     ForwardTimer,
     Skips,
@@ -60,9 +60,7 @@ from engine_vs_diffusers import (  # noqa: E402
     sync,
 )
 
-from ditserve.replica.config import EngineConfig  # noqa: E402
 from ditserve.replica.engine import Engine  # noqa: E402
-from ditserve.replica.launcher import InProcessLauncher  # noqa: E402
 from ditserve.replica.lora.loader import LoRAFile, LoRAModule  # noqa: E402
 from ditserve.replica.request import GenerationParams, LoRARef  # noqa: E402
 
@@ -302,17 +300,15 @@ def main() -> None:
             continue
         engine = manager = None
         try:
-            config = EngineConfig(
-                model=config_folder(pipe),
+            engine = start_engine(
+                pipe,
                 device=args.device,
-                dtype=str(dtype).removeprefix("torch."),
                 max_batch_size=n,
                 max_loras=n,
                 max_lora_rank=rank,
                 max_sequence_length=max_len,
                 compile=args.compile,
             )
-            engine = Engine(config, launcher=InProcessLauncher(pipe)).start()
             manager = engine.launcher.worker.lora
             t0 = time.perf_counter()
             for i, lora in enumerate(adapters_for(rank)):

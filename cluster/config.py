@@ -7,14 +7,28 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import types
 import typing
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.fields import FieldInfo
 
 from ditserve.replica.config import EngineConfig, Limits, ParallelFlags
+
+# Flags that mean exactly what the EngineConfig field of the same name means: declared once, there.
+SHARED_ENGINE_FIELDS = (
+    "max_batch_size", "compile", "quantization", "fused_epilogues", "cuda_graphs", "fused_lora", "max_loras",
+    "max_lora_rank",
+)  # fmt: skip
+
+
+def _engine_field(name: str) -> FieldInfo:
+    """EngineConfig's field ``name`` (default, bounds, help), for the flat argument models."""
+    assert name in SHARED_ENGINE_FIELDS, name
+    return copy.copy(EngineConfig.model_fields[name])
 
 
 class EngineArgs(BaseModel):
@@ -40,7 +54,7 @@ class EngineArgs(BaseModel):
         default=None, ge=1, description="Sequence-parallel degree alone: 2 → K/V-gather, larger → Ulysses."
     )
     max_sequence_length: int = Field(default=512, ge=1, description="Text tokens per prompt.")
-    max_batch_size: int = Field(default=8, ge=1, description="Most requests in one running batch.")
+    max_batch_size: int = _engine_field("max_batch_size")
     max_queue: int = Field(default=64, ge=1, description="Most queued requests per replica before 429.")
     max_width: int = Field(default=2048, ge=16, description="Largest width in pixels.")
     max_height: int = Field(default=2048, ge=16, description="Largest height in pixels.")
@@ -48,30 +62,14 @@ class EngineArgs(BaseModel):
     max_steps: int = Field(default=100, ge=1, description="Most denoising steps per request.")
     max_n: int = Field(default=4, ge=1, description="Most images per request.")
     max_prompt_chars: int = Field(default=4000, ge=1, description="Longest prompt in characters.")
-    compile: bool = Field(default=False, description="torch.compile the transformer blocks.")
-    quantization: Literal["none", "fp8"] = Field(
-        default="none",
-        description="fp8: the transformer blocks' linears as FP8 GEMMs with row-wise scales (GPUs of compute "
-        "capability 8.9+, bfloat16; images change a little).",
-    )
-    fused_epilogues: bool | None = Field(
-        default=None,
-        description="FLUX: tanh GELU in the MLP up-projection's GEMM (cuBLASLt epilogue) and the single blocks' "
-        "proj_out without the concat. Default: on with --device cuda.",
-    )
-    cuda_graphs: bool | None = Field(
-        default=None,
-        description="Replay each transformer forward of a batch without adapters as a CUDA graph, one per input "
-        "shape (saves the host's launch time where kernels are short). Default: on with --device cuda and one "
-        "GPU per replica (no tensor, sequence or CFG parallelism).",
-    )
-    fused_lora: bool = Field(
-        default=True,
-        description="LoRA expand inside the base GEMM (Triton, GPU); off: base GEMM, then an in-place expand.",
-    )
+    compile: bool = _engine_field("compile")
+    quantization: Literal["none", "fp8"] = _engine_field("quantization")
+    fused_epilogues: bool | None = _engine_field("fused_epilogues")
+    cuda_graphs: bool | None = _engine_field("cuda_graphs")
+    fused_lora: bool = _engine_field("fused_lora")
     lora_root: tuple[str, ...] = Field(default=(), description="Folders LoRA files may be loaded from.")
-    max_loras: int = Field(default=8, ge=1, description="Adapter slots per replica.")
-    max_lora_rank: int = Field(default=128, ge=1, le=128, description="Largest adapter rank.")
+    max_loras: int = _engine_field("max_loras")
+    max_lora_rank: int = _engine_field("max_lora_rank")
 
     def parallel_flags(self) -> ParallelFlags:
         return ParallelFlags(
@@ -101,15 +99,8 @@ class EngineArgs(BaseModel):
                 max_prompt_chars=self.max_prompt_chars,
             ),
             max_sequence_length=self.max_sequence_length,
-            max_batch_size=self.max_batch_size,
             max_queue=self.max_queue,
-            compile=self.compile,
-            fused_epilogues=self.fused_epilogues,
-            cuda_graphs=self.cuda_graphs,
-            quantization=self.quantization,
-            fused_lora=self.fused_lora,
-            max_loras=self.max_loras,
-            max_lora_rank=self.max_lora_rank,
+            **{name: getattr(self, name) for name in SHARED_ENGINE_FIELDS},
             lora_roots=self.lora_root,
             **kwargs,
         )

@@ -81,5 +81,4 @@ class ServingRankWorker(RankWorker):
     def resume_memory(self) -> None:
         if self.device.type == "cuda":
             self.pipe.to(self.device)
-        self.runner.model_changed()
         self.released = False

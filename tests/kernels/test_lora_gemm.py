@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from triton.runtime.errors import OutOfResources
 
 from ditserve.kernels.lora import LoRABatchMeta, lora_linear
 from ditserve.kernels.lora_gemm.op import SWEEP, launch_lora_gemm
@@ -338,8 +339,6 @@ def test_bf16_gpu_shrink_scaled_every_config(num_slices, name):
     m = meta
     seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot)
     want = lora_shrink_scaled_ref(x, a, *seg, m.seg_scale, m.slot_rank, m.max_rank)
-    from triton.runtime.errors import OutOfResources
-
     cfg = SCALED_SWEEP[name] if name else None
     try:
         got = launch_lora_shrink(x, a, *seg, m.slot_rank, m.max_rank, config=cfg, seg_scale=m.seg_scale)
