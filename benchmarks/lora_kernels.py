@@ -29,6 +29,7 @@ import triton.testing
 
 import ditserve.kernels.lora_expand.op as expand_op
 import ditserve.kernels.lora_gemm.op as gemm_op
+import ditserve.kernels.lora_linear.op as linear_op
 import ditserve.kernels.lora_shrink.op as shrink_op
 from ditserve.kernels._bench import LoRAProblem, copy_bandwidth, make_problem, matmul_flops
 from ditserve.kernels._dispatch import block_rank
@@ -37,6 +38,8 @@ from ditserve.kernels.lora_expand.op import launch_lora_expand
 from ditserve.kernels.lora_expand.reference import lora_expand_ref
 from ditserve.kernels.lora_gemm.op import launch_lora_gemm
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
+from ditserve.kernels.lora_linear.op import launch_lora_linear
+from ditserve.kernels.lora_linear.reference import lora_linear_ref
 from ditserve.kernels.lora_shrink.op import launch_lora_shrink
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref
 
@@ -257,7 +260,7 @@ def qkv_only(args, head: list[str]) -> None:
     configs: dict[str, dict[str, int] | None] = {"default": None}
     if args.sweep_gemm:
         configs.update(gemm_op.SWEEP)
-    if args.sweep_ws:
+    if args.sweep_ws and args.sweep_gemm:
         configs.update(gemm_op.SWEEP_WS)
     if args.gemm_configs:  # keep the configs whose name contains one of the given parts
         parts = args.gemm_configs.split(",")
@@ -275,8 +278,13 @@ def qkv_only(args, head: list[str]) -> None:
         "",
     ]
     summary = ["", "| batch | slices | rank | cuBLAS | best shrink | shrink config | best lora_gemm config | "
-               "lora_gemm | gemm/cuBLAS | overhead | target |",
-               "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+               "lora_gemm | gemm/cuBLAS | overhead | one-kernel lora_linear (config) | its overhead | target |",
+               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    fused_cfgs: dict[str, dict[str, int] | None] = {"fused default": None}
+    if args.sweep_gemm or args.sweep_fused:
+        fused_cfgs.update(linear_op.SWEEP)
+    if args.sweep_ws:
+        fused_cfgs.update(linear_op.SWEEP_WS)
     totals: dict[str, float] = {}
     shrink_totals: dict[tuple[int, str], float] = {}
     records = []
@@ -338,11 +346,29 @@ def qkv_only(args, head: list[str]) -> None:
                     cell, ms, ok = _time_checked("fp32-s epilogue", old, want, 5e-2, 3e-2, t0, args.budget_s)
                     cells.append(cell + (f" ({ms / base:.3f}x cuBLAS)" if ms is not None else ""))
                     del s32
+                fused_cells, fused_best, fused_ms = [], "", float("nan")
+                if rank:
+                    want_lin = lora_linear_ref(p.x, p.w, None, p.a, p.b, *seg[1:], m.max_rank, p.sizes)
+                    fbest = float("inf")
+                    for name, cfg in fused_cfgs.items():
+
+                        def ffn(p=p, seg=seg, cfg=cfg, m=m):
+                            return launch_lora_linear(p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes,
+                                                      config=cfg)  # fmt: skip
+
+                        cell, ms, ok = _time_checked(name, ffn, want_lin, 5e-2, 3e-2, t0, args.budget_s)
+                        fused_cells.append(cell + (f" ({ms / base:.3f}x cuBLAS)" if ms is not None else ""))
+                        if ok and ms < fbest:
+                            fbest, fused_best = ms, name
+                    fused_ms = fbest if fused_best else float("nan")
+                    del want_lin
                 label = f"{batch} slices={nsl} rank={rank}"
                 line = f"- {label}: cuBLAS {base * 1e3:.0f} µs"
                 if rank:
                     line += " — shrink: " + "; ".join(shrink_cells)
                 line += " — lora_gemm: " + "; ".join(cells)
+                if fused_cells:
+                    line += " — one-kernel lora_linear: " + "; ".join(fused_cells)
                 lines.append(line)
                 print(line, flush=True)
                 over = 100 * (shrink + best_ms - base) / base if best else float("nan")
@@ -351,11 +377,13 @@ def qkv_only(args, head: list[str]) -> None:
                 )
                 summary.append(
                     f"| {batch} | {nsl} | {rank} | {base * 1e3:.0f} µs | {shrink * 1e3:.1f} µs | {shrink_best} | "
-                    f"{best} | {best_ms * 1e3:.0f} µs | {best_ms / base:.3f} | {over:.1f}% | {target} |"
+                    f"{best} | {best_ms * 1e3:.0f} µs | {best_ms / base:.3f} | {over:.1f}% | "
+                    f"{fused_ms * 1e3:.0f} µs ({fused_best}) | {100 * (fused_ms - base) / base:.1f}% | {target} |"
                 )
                 records.append(dict(batch=batch, slices=nsl, rank=rank, base_ms=base, shrink_ms=shrink,
                                     shrink_best=shrink_best, shrink_cells=shrink_cells, best=best,
-                                    best_ms=best_ms, cells=cells))  # fmt: skip
+                                    best_ms=best_ms, cells=cells, fused_best=fused_best, fused_ms=fused_ms,
+                                    fused_cells=fused_cells))  # fmt: skip
                 with open(os.path.join(args.out, "lora_qkv.md"), "w") as f:
                     f.write("\n".join(lines + summary) + "\n")
                 del p, s, want
@@ -387,6 +415,8 @@ def main() -> None:
     )
     ap.add_argument("--sweep-gemm", action="store_true", help="with --qkv-only: every lora_gemm SWEEP config")
     ap.add_argument("--sweep-ws", action="store_true", help="with --sweep-gemm: warp-specialised configs too")
+    ap.add_argument("--sweep-fused", action="store_true", help="with --qkv-only: every one-kernel lora_linear "
+                    "SWEEP config (lora_linear/op.py), without the lora_gemm and shrink sweeps")  # fmt: skip
     ap.add_argument("--budget-s", type=float, default=115.0, help="--qkv-only: skip configs after this")
     ap.add_argument("--batches", default=",".join(QKV_BATCHES), help="--qkv-only: batches to run")
     ap.add_argument("--slices", default=",".join(map(str, SLICES)), help="--qkv-only: slice counts to run")
