@@ -38,12 +38,15 @@ from ditserve.kernels.lora_gemm.kernel import _lora_epilogue, _tile_coords
 def _load_x(x, offs_m, m0, kk, num_tokens, hidden, stride_xt, stride_xh, offs_k,
             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
     if USE_TMA:
-        return x.load([m0, kk])
-    rows = tl.where(offs_m < num_tokens, offs_m, 0).to(tl.int64)
-    ptrs = x + rows[:, None] * stride_xt + (kk + offs_k)[None, :] * stride_xh
-    if EVEN_K:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=(kk + offs_k)[None, :] < hidden, other=0.0)
+        xt = x.load([m0, kk])
+    else:
+        rows = tl.where(offs_m < num_tokens, offs_m, 0).to(tl.int64)
+        ptrs = x + rows[:, None] * stride_xt + (kk + offs_k)[None, :] * stride_xh
+        if EVEN_K:
+            xt = tl.load(ptrs)
+        else:
+            xt = tl.load(ptrs, mask=(kk + offs_k)[None, :] < hidden, other=0.0)
+    return xt
 
 
 @triton.jit
