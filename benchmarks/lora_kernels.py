@@ -285,6 +285,11 @@ def qkv_only(args, head: list[str]) -> None:
         fused_cfgs.update(linear_op.SWEEP)
     if args.sweep_ws:
         fused_cfgs.update(linear_op.SWEEP_WS)
+    if args.fused_configs:
+        parts = args.fused_configs.split(",")
+        fused_cfgs = {
+            k: v for k, v in fused_cfgs.items() if k == "fused default" or any(q in k for q in parts)
+        }
     totals: dict[str, float] = {}
     shrink_totals: dict[tuple[int, str], float] = {}
     records = []
@@ -417,6 +422,8 @@ def main() -> None:
     ap.add_argument("--sweep-ws", action="store_true", help="with --sweep-gemm: warp-specialised configs too")
     ap.add_argument("--sweep-fused", action="store_true", help="with --qkv-only: every one-kernel lora_linear "
                     "SWEEP config (lora_linear/op.py), without the lora_gemm and shrink sweeps")  # fmt: skip
+    ap.add_argument("--fused-configs", default="", help="--sweep-fused: only lora_linear SWEEP names "
+                    "containing one of these comma-separated parts")  # fmt: skip
     ap.add_argument("--budget-s", type=float, default=115.0, help="--qkv-only: skip configs after this")
     ap.add_argument("--batches", default=",".join(QKV_BATCHES), help="--qkv-only: batches to run")
     ap.add_argument("--slices", default=",".join(map(str, SLICES)), help="--qkv-only: slice counts to run")

@@ -115,10 +115,20 @@ def _wait_flag(ptr):
         pass
 
 
+@triton.jit
+def _fence_proxy_async(dummy):
+    """Generic-proxy writes seen through an acquire become visible to this thread's TMA (async-proxy) reads."""
+    return tl.inline_asm_elementwise(
+        "fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [dummy], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
 @triton.jit(do_not_specialize=["blk1", "blk2", "blk3", "num_col_blocks", "num_programs"])
 def _lora_linear_kernel(
     x,  # [num_tokens, hidden]: a pointer, or a TensorDescriptor with block [BLOCK_M, BLOCK_K] (USE_TMA)
     w,  # [n_total, hidden]: a pointer, or a TensorDescriptor with block [BLOCK_N, BLOCK_K] (USE_TMA)
+    s_desc,  # LORA_IN_LOOP: s viewed as [num_slices·num_tokens, BLOCK_R], block [BLOCK_M, BLOCK_K]
+    b_desc,  # LORA_IN_LOOP: B viewed as [max_loras·n_total, lora_k], block [BLOCK_N, BLOCK_K]
     y_ptr,  # [num_tokens, n_total], written once
     bias_ptr,  # [n_total] (read only when HAS_BIAS)
     a_ptr,  # [num_slices, max_loras, a_rank_dim, hidden]
@@ -144,6 +154,9 @@ def _lora_linear_kernel(
     blk3,
     num_col_blocks,
     num_programs,
+    lora_k,  # LORA_IN_LOOP: rank columns the LoRA iterations read (min(BLOCK_R, b_rank_dim))
+    s_rows_total,  # rows of s_desc: a row coordinate past every row (TMA reads zeros, moves no bytes)
+    b_rows_total,  # rows of b_desc
     stride_xt,
     stride_xh,
     stride_wn,
@@ -170,6 +183,7 @@ def _lora_linear_kernel(
     GROUP_M: tl.constexpr,
     PHASES: tl.constexpr,  # 1 shrink, 2 GEMM, 3 both (flags)
     PREFETCH: tl.constexpr,  # load s and B at tile start once every shrink is known done
+    LORA_IN_LOOP: tl.constexpr,  # USE_TMA: the LoRA term as the K loop's last iterations (s, B via TMA)
     USE_TMA: tl.constexpr,
     FLATTEN: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
@@ -239,7 +253,7 @@ def _lora_linear_kernel(
             b_mask = n_mask[:, None] & (offs_r < tl.where(lora_here, b_rank_dim, 0))[None, :]
             in_rows = (offs_m < num_tokens)[:, None]
             s_mask = in_rows & (offs_r < tl.where(lora_here, BLOCK_R, 0))[None, :]
-            if PREFETCH:
+            if PREFETCH and not LORA_IN_LOOP:
                 bt = tl.load(b_ptrs, mask=b_mask, other=0.0)
                 st = tl.load(
                     s_ptrs,
@@ -249,7 +263,34 @@ def _lora_linear_kernel(
                 )
 
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if USE_TMA:
+            if LORA_IN_LOOP:
+                if PHASES == 3:
+                    if all_done == 0:
+                        # early tiles: wait for this row block's shrink before the loop issues its s loads
+                        all_done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu") == num_pid_m
+                        if all_done == 0:
+                            _wait_flag(sync_ptr + pid_m)
+                        _fence_proxy_async(pid)
+                # LoRA iterations of other tiles point past the last row: zeros, no bytes moved
+                s_row = tl.where(lora_here, j * num_tokens + m0, s_rows_total)
+                b_row = tl.where(lora_here, slot * n_total + n0, b_rows_total)
+                for ki in range(k_tiles + tl.cdiv(lora_k, BLOCK_K)):
+                    if ki < k_tiles:
+                        a_desc = x
+                        w_desc = w
+                        a_row = m0
+                        w_row = n0
+                        kk = ki * BLOCK_K
+                    else:
+                        a_desc = s_desc
+                        w_desc = b_desc
+                        a_row = s_row
+                        w_row = b_row
+                        kk = (ki - k_tiles) * BLOCK_K
+                    a = a_desc.load([a_row, kk])
+                    wt = w_desc.load([w_row, kk])
+                    acc = tl.dot(a, wt.T, acc, input_precision=PRECISION)
+            elif USE_TMA:
                 for ki in range(k_tiles):
                     a = x.load([m0, ki * BLOCK_K])
                     wt = w.load([n0, ki * BLOCK_K])
@@ -267,18 +308,18 @@ def _lora_linear_kernel(
                         wt = tl.load(w_ptrs + kk * stride_wh, mask=(kk + offs_k)[:, None] < hidden, other=0.0)
                     acc = tl.dot(a, wt, acc, input_precision=PRECISION)
 
-            if PHASES == 3:
+            if PHASES == 3 and not LORA_IN_LOOP:
                 if all_done == 0:
                     # early tiles: the shrink may still run; once every row block is done, stop checking
                     all_done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu") == num_pid_m
                     if all_done == 0:
                         _wait_flag(sync_ptr + pid_m)
-                    if PREFETCH:
+                    if PREFETCH and not LORA_IN_LOOP:
                         st = tl.load(s_ptrs, mask=s_mask, other=0.0, cache_modifier=".cg")
-            if not PREFETCH:
+            if not PREFETCH and not LORA_IN_LOOP:
                 bt = tl.load(b_ptrs, mask=b_mask, other=0.0)
                 st = tl.load(s_ptrs, mask=s_mask, other=0.0, cache_modifier=".cg")
-            if lora_here:
+            if lora_here and not LORA_IN_LOOP:
                 acc = tl.dot(st, bt.T, acc, input_precision=PRECISION)
             elif seg_lo != seg_hi:
                 # rare: rows of several segments; each row's s is its own segment's

@@ -6,7 +6,7 @@ import torch
 
 from ditserve.kernels._dispatch import block_rank, next_pow2, triton_interpret, use_triton
 from ditserve.kernels.lora_expand.op import column_blocks
-from ditserve.kernels.lora_gemm.op import num_programs_limit, tma_ok
+from ditserve.kernels.lora_gemm.op import _lora_descriptors, num_programs_limit, tma_ok
 from ditserve.kernels.lora_linear.reference import lora_linear_ref
 
 MAX_SLICES = 4
@@ -25,16 +25,20 @@ DEFAULT: dict[str, int] = dict(
     WS=0,
     PREFETCH=1,
     SPLIT=0,
+    LORA_LOOP=1,
 )
 
 
-def _cfg(flatten=0, ws=0, prefetch=1, split=0, stages=3, group_m=8):
+def _cfg(flatten=0, ws=0, prefetch=1, split=0, stages=3, group_m=8, lora_loop=0):
     return {**DEFAULT, "FLATTEN": flatten, "WS": ws, "PREFETCH": prefetch, "SPLIT": split,
-            "num_stages": stages, "GROUP_M": group_m}  # fmt: skip
+            "num_stages": stages, "GROUP_M": group_m, "LORA_LOOP": lora_loop}  # fmt: skip
 
 
 # SPLIT=1: two launches (shrink, then GEMM) instead of one with flags: what the interpreter runs
 SWEEP: dict[str, dict[str, int]] = {
+    "fused in-loop": _cfg(lora_loop=1),
+    "fused in-loop s4": _cfg(lora_loop=1, stages=4),
+    "split in-loop": _cfg(lora_loop=1, split=1),
     "fused flat": _cfg(flatten=1),
     "fused flat no-prefetch": _cfg(flatten=1, prefetch=0),
     "fused": _cfg(),
@@ -115,11 +119,19 @@ def launch_lora_linear(
     s = x.new_empty((num_slices, num_tokens, block_r))
     sync = torch.zeros(num_row_blocks + 1, dtype=torch.int32, device=x.device)
     use_tma = bool(cfg["TMA"]) and tma_ok(x, weight)
+    lora_k = min(block_r, b_stacked.shape[2])
+    s_desc = b_desc = s  # placeholders where the kernel reads no descriptor
+    lora_in_loop = False
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         x_arg = TensorDescriptor.from_tensor(x, [bm, bk])
         w_arg = TensorDescriptor.from_tensor(weight, [bn, bk])
+        if cfg["LORA_LOOP"]:
+            descs = _lora_descriptors(s, b_stacked, bm, bn, bk, lora_k)
+            if descs is not None:
+                s_desc, b_desc = descs
+                lora_in_loop = True
     else:
         x_arg, w_arg = x, weight
     col_align = 16
@@ -129,14 +141,14 @@ def launch_lora_linear(
     phases = [1, 2] if cfg["SPLIT"] or triton_interpret() or not x.is_cuda else [3]
     for ph in phases:
         _lora_linear_kernel[(grid,)](
-            x_arg, w_arg, y, bias if bias is not None else y, a_stacked, b_stacked, s, sync,
+            x_arg, w_arg, s_desc, b_desc, y, bias if bias is not None else y, a_stacked, b_stacked, s, sync,
             token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
             num_tokens, hidden, a_stacked.shape[2], b_stacked.shape[2], *cols, n_total, *blks, num_col_blocks,
-            grid, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
+            grid, lora_k, num_slices * num_tokens, b_stacked.shape[0] * n_total, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
             *a_stacked.stride(), *b_stacked.stride(), *s.stride(),
             NUM_SLICES=num_slices, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=block_r, SHRINK_N=shrink_n,
             SHRINK_CHUNKS=-(-num_slices * block_r // shrink_n), GROUP_M=cfg["GROUP_M"], PHASES=ph,
-            PREFETCH=bool(cfg["PREFETCH"]), USE_TMA=use_tma, FLATTEN=bool(cfg["FLATTEN"]),
+            PREFETCH=bool(cfg["PREFETCH"]), LORA_IN_LOOP=lora_in_loop, USE_TMA=use_tma, FLATTEN=bool(cfg["FLATTEN"]),
             WARP_SPECIALIZE=bool(cfg["WS"]), EVEN_K=hidden % bk == 0, COL_ALIGN=col_align,
             HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
