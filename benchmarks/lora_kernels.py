@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import time
 
@@ -233,6 +234,21 @@ def quick_graph_ms(fn, calls: int = 8, replays: int = 3) -> float:
     return max(min(times) - _FLUSH["ms"], 1e-4)
 
 
+def interleaved(fns: dict[str, object], rounds: int) -> dict[str, tuple[float, float]]:
+    """{name: (median ms, median ratio to the first fn)}: every fn timed once per round, the rounds
+    interleaved so clock and thermal drift hit every row alike; ratios are taken within a round."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    ratios: dict[str, list[float]] = {k: [] for k in fns}
+    first = next(iter(fns))
+    for _ in range(rounds):
+        row = {k: quick_graph_ms(fn) for k, fn in fns.items()}
+        for k, ms in row.items():
+            times[k].append(ms)
+            ratios[k].append(ms / row[first])
+    med = statistics.median
+    return {k: (med(times[k]), med(ratios[k])) for k in fns}
+
+
 def _fail(name: str, e: Exception) -> str:
     return f"{name}: fail ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
 
@@ -290,6 +306,11 @@ def qkv_only(args, head: list[str]) -> None:
         fused_cfgs = {
             k: v for k, v in fused_cfgs.items() if k == "fused default" or any(q in k for q in parts)
         }
+    inter = ["", f"Interleaved ({args.rounds} rounds; medians; overhead = median of per-round ratios - 1): "
+             "cuBLAS F.linear, `lora_linear` as the engine calls it (scaled shrink + lora_gemm), the "
+             "one-kernel lora_linear (default config)", "",
+             "| batch | slices | rank | cuBLAS | lora_linear | overhead | one kernel | overhead | target |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     totals: dict[str, float] = {}
     shrink_totals: dict[tuple[int, str], float] = {}
     records = []
@@ -391,6 +412,23 @@ def qkv_only(args, head: list[str]) -> None:
                                     fused_cells=fused_cells))  # fmt: skip
                 with open(os.path.join(args.out, "lora_qkv.md"), "w") as f:
                     f.write("\n".join(lines + summary) + "\n")
+                if rank and args.rounds:
+                    res = interleaved(
+                        {
+                            "cuBLAS": lambda p=p: F.linear(p.x, p.w),
+                            "lora_linear": lambda p=p, m=m: lora_linear(p.x, p.w, None, p.a, p.b, m, p.sizes),
+                            "one kernel": lambda p=p, seg=seg, m=m: launch_lora_linear(
+                                p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes
+                            ),
+                        },
+                        args.rounds,
+                    )
+                    inter.append(
+                        f"| {batch} | {nsl} | {rank} | {res['cuBLAS'][0] * 1e3:.0f} µs | "
+                        f"{res['lora_linear'][0] * 1e3:.0f} µs | {100 * (res['lora_linear'][1] - 1):.1f}% | "
+                        f"{res['one kernel'][0] * 1e3:.0f} µs | {100 * (res['one kernel'][1] - 1):.1f}% | {target} |"
+                    )
+                    records[-1]["interleaved"] = res
                 del p, s, want
                 torch.cuda.empty_cache()
     if totals:
@@ -403,6 +441,8 @@ def qkv_only(args, head: list[str]) -> None:
         if cands:
             pick = min(cands, key=cands.get)
             summary.append(f"fastest shrink config, {nsl} slices (summed over batches and ranks): {pick}")
+    if args.rounds:
+        summary += inter
     summary.append(f"\nwall time {time.time() - t0:.0f} s")
     print("\n".join(summary), flush=True)
     with open(os.path.join(args.out, "lora_qkv.md"), "w") as f:
@@ -422,6 +462,8 @@ def main() -> None:
     ap.add_argument("--sweep-ws", action="store_true", help="with --sweep-gemm: warp-specialised configs too")
     ap.add_argument("--sweep-fused", action="store_true", help="with --qkv-only: every one-kernel lora_linear "
                     "SWEEP config (lora_linear/op.py), without the lora_gemm and shrink sweeps")  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=5, help="--qkv-only: interleaved rounds of cuBLAS, "
+                    "lora_linear and the one-kernel lora_linear per LoRA shape (0: none)")  # fmt: skip
     ap.add_argument("--fused-configs", default="", help="--sweep-fused: only lora_linear SWEEP names "
                     "containing one of these comma-separated parts")  # fmt: skip
     ap.add_argument("--budget-s", type=float, default=115.0, help="--qkv-only: skip configs after this")

@@ -34,17 +34,15 @@ def _cfg(flatten=0, ws=0, prefetch=1, split=0, stages=3, group_m=8, lora_loop=0)
             "num_stages": stages, "GROUP_M": group_m, "LORA_LOOP": lora_loop}  # fmt: skip
 
 
-# SPLIT=1: two launches (shrink, then GEMM) instead of one with flags: what the interpreter runs
+# H200 sweep (4x4608 tokens, QKV, ranks 16 and 64; BENCHMARKS.md): the LoRA iterations in the K loop
+# (default) beat the LoRA dot after it (its s and B loads are not pipelined); flattened tile loops were
+# 1.3-3.9x cuBLAS and are not candidates. SPLIT=1: two launches (shrink, then GEMM) instead of one with
+# flags: what the interpreter runs.
 SWEEP: dict[str, dict[str, int]] = {
-    "fused in-loop": _cfg(lora_loop=1),
     "fused in-loop s4": _cfg(lora_loop=1, stages=4),
     "split in-loop": _cfg(lora_loop=1, split=1),
-    "fused flat": _cfg(flatten=1),
-    "fused flat no-prefetch": _cfg(flatten=1, prefetch=0),
-    "fused": _cfg(),
-    "fused no-prefetch": _cfg(prefetch=0),
-    "fused flat g16": _cfg(flatten=1, group_m=16),
-    "split flat": _cfg(flatten=1, split=1),
+    "fused epilogue": _cfg(),
+    "fused epilogue no-prefetch": _cfg(prefetch=0),
 }
 # warp-specialised tile loop: tried only on request (a failing lowering may take the process down)
 SWEEP_WS: dict[str, dict[str, int]] = {"fused ws": _cfg(ws=1), "fused ws no-prefetch": _cfg(ws=1, prefetch=0)}
