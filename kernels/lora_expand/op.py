@@ -39,6 +39,14 @@ def column_blocks(out_slice_sizes: list[int], block_n: int) -> tuple[list[int], 
     return cols, blks, blk
 
 
+def column_align(cols: list[int]) -> int:
+    """The widest power of two (≤ 16) dividing every slice boundary: lets y and bias use vector accesses."""
+    align = 16
+    while align > 1 and any(c % align for c in cols):
+        align //= 2
+    return align
+
+
 def _check(y, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank, sizes, bias):
     assert y.dim() == 2 and s.dim() == 3 and b_stacked.dim() == 3, (y.shape, s.shape, b_stacked.shape)
     assert 1 <= len(sizes) <= MAX_SLICES and len(sizes) == s.shape[0], (sizes, s.shape)

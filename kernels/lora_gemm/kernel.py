@@ -47,6 +47,32 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _tma_k_tiles(ki, k_tiles, x, w, s_desc, b_desc, m0, n0, s_row, b_row, BLOCK_K: tl.constexpr,
+                 LORA_IN_LOOP: tl.constexpr):  # fmt: skip
+    """The two operand tiles of iteration ki of a TMA K loop: x and W for the first k_tiles iterations, then
+    (LORA_IN_LOOP) s[j] rows s_row.. and B[slot] rows b_row.. for the LoRA iterations."""
+    if LORA_IN_LOOP:
+        if ki < k_tiles:
+            a_desc = x
+            w_desc = w
+            a_row = m0
+            w_row = n0
+            kk = ki * BLOCK_K
+        else:
+            a_desc = s_desc
+            w_desc = b_desc
+            a_row = s_row
+            w_row = b_row
+            kk = (ki - k_tiles) * BLOCK_K
+        a = a_desc.load([a_row, kk])
+        wt = w_desc.load([w_row, kk])
+    else:
+        a = x.load([m0, ki * BLOCK_K])
+        wt = w.load([n0, ki * BLOCK_K])
+    return a, wt
+
+
+@triton.jit
 def _lora_epilogue(
     acc,
     seg_lo,
@@ -207,28 +233,12 @@ def _lora_gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if USE_TMA:
             # LoRA iterations of other tiles point past the last row: TMA fills zeros, moves no bytes
-            if LORA_IN_LOOP:
-                s_row = tl.where(lora_here, j * num_tokens + m0, s_rows_total)
-                b_row = tl.where(lora_here, slot * n_total + n0, b_rows_total)
+            s_row = tl.where(lora_here, j * num_tokens + m0, s_rows_total)
+            b_row = tl.where(lora_here, slot * n_total + n0, b_rows_total)
             for ki in range(n_iters):
-                if LORA_IN_LOOP:
-                    if ki < k_tiles:
-                        a_desc = x
-                        w_desc = w
-                        a_row = m0
-                        w_row = n0
-                        kk = ki * BLOCK_K
-                    else:
-                        a_desc = s_desc
-                        w_desc = b_desc
-                        a_row = s_row
-                        w_row = b_row
-                        kk = (ki - k_tiles) * BLOCK_K
-                    a = a_desc.load([a_row, kk])
-                    wt = w_desc.load([w_row, kk])
-                else:
-                    a = x.load([m0, ki * BLOCK_K])
-                    wt = w.load([n0, ki * BLOCK_K])
+                a, wt = _tma_k_tiles(
+                    ki, k_tiles, x, w, s_desc, b_desc, m0, n0, s_row, b_row, BLOCK_K, LORA_IN_LOOP
+                )
                 acc = tl.dot(a, wt.T, acc, input_precision=PRECISION)
             if LORA_AFTER:
                 if lora_here:

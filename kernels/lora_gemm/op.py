@@ -7,7 +7,7 @@ import functools
 import torch
 
 from ditserve.kernels._dispatch import use_triton
-from ditserve.kernels.lora_expand.op import column_blocks
+from ditserve.kernels.lora_expand.op import column_align, column_blocks
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 
 MAX_SLICES = 4
@@ -208,10 +208,7 @@ def launch_lora_gemm(
     else:
         x_arg, w_arg, s_desc, b_desc = x, weight, s, s
         lora_after = False  # no descriptors: the epilogue adds the LoRA term
-    # widest power of two (≤ 16) dividing every slice boundary: lets y and bias use vector accesses
-    col_align = 16
-    while col_align > 1 and any(c % col_align for c in cols):
-        col_align //= 2
+    col_align = column_align(cols)
     _lora_gemm_kernel[(grid,)](
         x_arg, w_arg, s_desc, b_desc, y, bias if bias is not None else y, s, b_stacked,
         token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,

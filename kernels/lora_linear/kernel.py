@@ -2,22 +2,22 @@
 
     y[t, n] = x[t] · W[n] (+ bias[n]) + scale(t) · (x[t] · A[j(n), slot(t)]ᵀ) · B[slot(t), n]ᵀ
 
-`lora_gemm` needs s = scale · x · Aᵀ before it starts, so a separate shrink kernel reads x from HBM once
-more and, being bound by that read, costs 3-5 % of the GEMM on the Flux QKV shapes. Here the shrink runs
-inside the GEMM's launch, on the programs that would otherwise idle in the last round of tiles:
+`lora_linear` (the engine's path) runs the shrink as its own kernel, which reads x from HBM once more, and
+then `lora_gemm`. Here the shrink runs inside the GEMM's launch, on the programs that would otherwise idle
+in the last round of tiles:
 
 - Phase 1 (shrink): a persistent grid of P programs over T output tiles gives T mod P programs one tile
   more than the others. The other programs first compute s for whole row blocks of x (every slice at
   once: the A tile of a slot holds the slices side by side, [BLOCK_K, NUM_SLICES·BLOCK_R]), store it
-  scaled in x's dtype, and raise the row block's flag (release). Their x reads come from HBM while the
-  busy programs' GEMM tiles are bound by the tensor cores, so the shrink's bytes ride along; its MMA work
-  is ≤ NUM_SLICES·BLOCK_R / n_total of the GEMM's.
-- Phase 2 (GEMM): the usual persistent grouped tile walk (`lora_gemm`'s order and slice-aware column
-  blocks). After a tile's K loop the LoRA term of the tile's slice j is one more dot,
-  s[j, rows, :BLOCK_R] · B[slot, cols, :BLOCK_R]ᵀ, rank-wide (a rank-16 adapter costs a 16-deep dot, not a
-  BLOCK_K-deep one). Until a program has seen every shrink done (a counter, acquire), it waits for its row
-  block's flag after the K loop and then loads s; from then on (all tiles after the first one or two) s
-  and B are loaded when the tile starts, so their latency hides behind the K loop.
+  scaled in x's dtype, and raise the row block's flag (release).
+- Phase 2 (GEMM): `lora_gemm`'s persistent grouped tile walk and K loop, with the LoRA iterations at the
+  end of the loop (TMA reads of s[j] and B[slot], LORA_IN_LOOP), or without TMA a rank-wide LoRA dot after
+  the loop. Until a program has seen every shrink done (a counter, acquire), each tile waits for its row
+  block's flag before its K loop and fences the async proxy (the flag's writer stored s through the
+  generic proxy; TMA reads through the async one).
+
+Measured on an H200 (BENCHMARKS.md), this was not faster than the shrink kernel + `lora_gemm`: the shrink
+phase is not hidden. The engine does not use it; it stays as a measured, tested candidate.
 
 Row blocks whose rows straddle segments (one per request boundary) store each row's own segment's s; their
 tiles add the LoRA term segment by segment after the loop (`lora_gemm`'s `_lora_epilogue`).
@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ditserve.kernels.lora_expand.kernel import slice_columns
-from ditserve.kernels.lora_gemm.kernel import _lora_epilogue, _tile_coords
+from ditserve.kernels.lora_gemm.kernel import _lora_epilogue, _tile_coords, _tma_k_tiles
 
 
 @triton.jit
@@ -182,7 +182,6 @@ def _lora_linear_kernel(
     SHRINK_CHUNKS: tl.constexpr,  # shrink tiles per row block: cdiv(NUM_SLICES·BLOCK_R, SHRINK_N)
     GROUP_M: tl.constexpr,
     PHASES: tl.constexpr,  # 1 shrink, 2 GEMM, 3 both (flags)
-    PREFETCH: tl.constexpr,  # load s and B at tile start once every shrink is known done
     LORA_IN_LOOP: tl.constexpr,  # USE_TMA: the LoRA term as the K loop's last iterations (s, B via TMA)
     USE_TMA: tl.constexpr,
     FLATTEN: tl.constexpr,
@@ -216,13 +215,12 @@ def _lora_linear_kernel(
 
     if PHASES & 2:
         k_tiles = tl.cdiv(hidden, BLOCK_K)
+        n_iters = k_tiles
+        if LORA_IN_LOOP:
+            n_iters += tl.cdiv(lora_k, BLOCK_K)
         offs_k = tl.arange(0, BLOCK_K)
         offs_r = tl.arange(0, BLOCK_R)
-        # every s row is known written: from the start with PHASES=2, else once the done count is full
-        if PHASES == 2:
-            all_done = pid >= 0
-        else:
-            all_done = pid < 0
+        all_done = pid < 0  # PHASES=3: every row block is known shrunk (then no tile checks again)
         for tile_id in tl.range(
             pid, num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE
         ):
@@ -242,58 +240,23 @@ def _lora_linear_kernel(
             slot = tl.load(seg_slot_ptr + seg_lo)
             lora_here = (seg_lo == seg_hi) & (slot >= 0)
             slot = tl.maximum(slot, 0)
-            s_ptrs = s_ptr + j * stride_ss + rows[:, None] * stride_st + offs_r[None, :] * stride_sr
-            b_ptrs = (
-                b_ptr
-                + slot.to(tl.int64) * stride_bl
-                + cols[:, None] * stride_bn
-                + offs_r[None, :] * stride_br
-            )
-            # masks built from per-element comparisons (a scalar & a block is not a block mask everywhere)
-            b_mask = n_mask[:, None] & (offs_r < tl.where(lora_here, b_rank_dim, 0))[None, :]
-            in_rows = (offs_m < num_tokens)[:, None]
-            s_mask = in_rows & (offs_r < tl.where(lora_here, BLOCK_R, 0))[None, :]
-            if PREFETCH and not LORA_IN_LOOP:
-                bt = tl.load(b_ptrs, mask=b_mask, other=0.0)
-                st = tl.load(
-                    s_ptrs,
-                    mask=in_rows & (offs_r < tl.where(lora_here & all_done, BLOCK_R, 0))[None, :],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
+            if PHASES == 3:
+                if all_done == 0:
+                    # early tiles: wait for this row block's shrink before the K loop (it may read s)
+                    all_done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu") == num_pid_m
+                    if all_done == 0:
+                        _wait_flag(sync_ptr + pid_m)
+                    if LORA_IN_LOOP:
+                        _fence_proxy_async(pid)
 
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if LORA_IN_LOOP:
-                if PHASES == 3:
-                    if all_done == 0:
-                        # early tiles: wait for this row block's shrink before the loop issues its s loads
-                        all_done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu") == num_pid_m
-                        if all_done == 0:
-                            _wait_flag(sync_ptr + pid_m)
-                        _fence_proxy_async(pid)
+            if USE_TMA:
                 # LoRA iterations of other tiles point past the last row: zeros, no bytes moved
                 s_row = tl.where(lora_here, j * num_tokens + m0, s_rows_total)
                 b_row = tl.where(lora_here, slot * n_total + n0, b_rows_total)
-                for ki in range(k_tiles + tl.cdiv(lora_k, BLOCK_K)):
-                    if ki < k_tiles:
-                        a_desc = x
-                        w_desc = w
-                        a_row = m0
-                        w_row = n0
-                        kk = ki * BLOCK_K
-                    else:
-                        a_desc = s_desc
-                        w_desc = b_desc
-                        a_row = s_row
-                        w_row = b_row
-                        kk = (ki - k_tiles) * BLOCK_K
-                    a = a_desc.load([a_row, kk])
-                    wt = w_desc.load([w_row, kk])
-                    acc = tl.dot(a, wt.T, acc, input_precision=PRECISION)
-            elif USE_TMA:
-                for ki in range(k_tiles):
-                    a = x.load([m0, ki * BLOCK_K])
-                    wt = w.load([n0, ki * BLOCK_K])
+                for ki in range(n_iters):
+                    a, wt = _tma_k_tiles(ki, k_tiles, x, w, s_desc, b_desc, m0, n0, s_row, b_row, BLOCK_K,
+                                         LORA_IN_LOOP)  # fmt: skip
                     acc = tl.dot(a, wt.T, acc, input_precision=PRECISION)
             else:
                 x_ptrs = x + rows[:, None] * stride_xt + offs_k[None, :] * stride_xh
@@ -308,18 +271,13 @@ def _lora_linear_kernel(
                         wt = tl.load(w_ptrs + kk * stride_wh, mask=(kk + offs_k)[:, None] < hidden, other=0.0)
                     acc = tl.dot(a, wt, acc, input_precision=PRECISION)
 
-            if PHASES == 3 and not LORA_IN_LOOP:
-                if all_done == 0:
-                    # early tiles: the shrink may still run; once every row block is done, stop checking
-                    all_done = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu") == num_pid_m
-                    if all_done == 0:
-                        _wait_flag(sync_ptr + pid_m)
-                    if PREFETCH and not LORA_IN_LOOP:
-                        st = tl.load(s_ptrs, mask=s_mask, other=0.0, cache_modifier=".cg")
-            if not PREFETCH and not LORA_IN_LOOP:
-                bt = tl.load(b_ptrs, mask=b_mask, other=0.0)
-                st = tl.load(s_ptrs, mask=s_mask, other=0.0, cache_modifier=".cg")
             if lora_here and not LORA_IN_LOOP:
+                # the rank-wide LoRA dot after the loop (s and B through pointers: no TMA here)
+                s_ptrs = s_ptr + j * stride_ss + rows[:, None] * stride_st + offs_r[None, :] * stride_sr
+                b_ptrs = b_ptr + slot.to(tl.int64) * stride_bl + cols[:, None] * stride_bn
+                b_ptrs += offs_r[None, :] * stride_br
+                st = tl.load(s_ptrs, mask=(offs_m < num_tokens)[:, None], other=0.0)
+                bt = tl.load(b_ptrs, mask=n_mask[:, None] & (offs_r < b_rank_dim)[None, :], other=0.0)
                 acc = tl.dot(st, bt.T, acc, input_precision=PRECISION)
             elif seg_lo != seg_hi:
                 # rare: rows of several segments; each row's s is its own segment's

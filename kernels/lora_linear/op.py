@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 
 from ditserve.kernels._dispatch import block_rank, next_pow2, triton_interpret, use_triton
-from ditserve.kernels.lora_expand.op import column_blocks
+from ditserve.kernels.lora_expand.op import column_align, column_blocks
 from ditserve.kernels.lora_gemm.op import _lora_descriptors, num_programs_limit, tma_ok
 from ditserve.kernels.lora_linear.reference import lora_linear_ref
 
 MAX_SLICES = 4
 MAX_SHRINK_N = 256  # widest shrink tile (NUM_SLICES · BLOCK_R columns beyond that take several passes over x)
 # Tiles: the Hopper GEMM shape (128×256×64, 8 warps); the sweep in benchmarks/lora_kernels.py
-# (--qkv-only --sweep-gemm) tries the others below.
+# (--qkv-only --sweep-fused) tries the others below.
 DEFAULT: dict[str, int] = dict(
     BLOCK_M=128,
     BLOCK_N=256,
@@ -23,14 +23,13 @@ DEFAULT: dict[str, int] = dict(
     TMA=1,
     FLATTEN=0,
     WS=0,
-    PREFETCH=1,
     SPLIT=0,
     LORA_LOOP=1,
 )
 
 
-def _cfg(flatten=0, ws=0, prefetch=1, split=0, stages=3, group_m=8, lora_loop=0):
-    return {**DEFAULT, "FLATTEN": flatten, "WS": ws, "PREFETCH": prefetch, "SPLIT": split,
+def _cfg(flatten=0, ws=0, split=0, stages=3, group_m=8, lora_loop=1):
+    return {**DEFAULT, "FLATTEN": flatten, "WS": ws, "SPLIT": split,
             "num_stages": stages, "GROUP_M": group_m, "LORA_LOOP": lora_loop}  # fmt: skip
 
 
@@ -39,13 +38,12 @@ def _cfg(flatten=0, ws=0, prefetch=1, split=0, stages=3, group_m=8, lora_loop=0)
 # 1.3-3.9x cuBLAS and are not candidates. SPLIT=1: two launches (shrink, then GEMM) instead of one with
 # flags: what the interpreter runs.
 SWEEP: dict[str, dict[str, int]] = {
-    "fused in-loop s4": _cfg(lora_loop=1, stages=4),
-    "split in-loop": _cfg(lora_loop=1, split=1),
-    "fused epilogue": _cfg(),
-    "fused epilogue no-prefetch": _cfg(prefetch=0),
+    "fused in-loop s4": _cfg(stages=4),
+    "split in-loop": _cfg(split=1),
+    "fused epilogue": _cfg(lora_loop=0),
 }
 # warp-specialised tile loop: tried only on request (a failing lowering may take the process down)
-SWEEP_WS: dict[str, dict[str, int]] = {"fused ws": _cfg(ws=1), "fused ws no-prefetch": _cfg(ws=1, prefetch=0)}
+SWEEP_WS: dict[str, dict[str, int]] = {"fused ws": _cfg(ws=1), "fused ws epilogue": _cfg(ws=1, lora_loop=0)}
 
 
 def _check(x, weight, bias, a_stacked, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale,
@@ -106,7 +104,7 @@ def launch_lora_linear(
     if num_tokens == 0:
         return y
     cfg = {**DEFAULT, **(config or {})}
-    # a flattened tile loop gave wrong results on an H200 (SPLIT, prefetched s) and was 1.3-3.9x slower
+    # a flattened tile loop gave wrong results on an H200 (SPLIT) and was 1.3-3.9x slower
     assert not (cfg["FLATTEN"] and x.is_cuda), "FLATTEN is for the interpreter only in lora_linear"
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     num_slices = len(out_slice_sizes)
@@ -134,9 +132,7 @@ def launch_lora_linear(
                 lora_in_loop = True
     else:
         x_arg, w_arg = x, weight
-    col_align = 16
-    while col_align > 1 and any(c % col_align for c in cols):
-        col_align //= 2
+    col_align = column_align(cols)
     # one launch with flags on a GPU; shrink then GEMM where programs run one after another
     phases = [1, 2] if cfg["SPLIT"] or triton_interpret() or not x.is_cuda else [3]
     for ph in phases:
@@ -148,7 +144,7 @@ def launch_lora_linear(
             *a_stacked.stride(), *b_stacked.stride(), *s.stride(),
             NUM_SLICES=num_slices, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=block_r, SHRINK_N=shrink_n,
             SHRINK_CHUNKS=-(-num_slices * block_r // shrink_n), GROUP_M=cfg["GROUP_M"], PHASES=ph,
-            PREFETCH=bool(cfg["PREFETCH"]), LORA_IN_LOOP=lora_in_loop, USE_TMA=use_tma, FLATTEN=bool(cfg["FLATTEN"]),
+            LORA_IN_LOOP=lora_in_loop, USE_TMA=use_tma, FLATTEN=bool(cfg["FLATTEN"]),
             WARP_SPECIALIZE=bool(cfg["WS"]), EVEN_K=hidden % bk == 0, COL_ALIGN=col_align,
             HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

@@ -87,3 +87,28 @@ def dense_oracle(case: Case) -> torch.Tensor:
                 case.b[slot, offsets[j] : offsets[j + 1], :r].double() @ low
             )
     return out
+
+
+# --- GPU, bf16, Flux sizes: straddling tiles, 0/1-token requests, no-LoRA rows, ranks up to 128 ----------
+
+HIDDEN = 3072
+GPU_REQUESTS = [(1000, 0), (1, 1), (0, 2), (517, 3), (300, -1), (2000, 1), (129, 0)]
+GPU_RANKS = [16, 64, 128, 32, 0]
+GPU_SIZES = {3: [3072] * 3, 4: [3072, 3072, 3072, 12288]}
+
+
+def gpu_problem(num_slices: int):
+    """(meta, x, a, b, w, bias, sizes) on the GPU in bf16, hidden 3072, 3 or 4 Flux output slices."""
+    meta = LoRABatchMeta.build(GPU_REQUESTS, GPU_RANKS, [0.5, 1.0, 2.0, 0.25, 1.0, 1.0, -1.0], device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sizes = GPU_SIZES[num_slices]
+
+    def rnd(*shape, std=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * std).to(torch.bfloat16)
+
+    x = rnd(meta.num_tokens, HIDDEN)
+    a = rnd(num_slices, len(GPU_RANKS), 128, HIDDEN, std=HIDDEN**-0.5)
+    b = rnd(len(GPU_RANKS), sum(sizes), 128, std=128**-0.5)
+    w = rnd(sum(sizes), HIDDEN, std=HIDDEN**-0.5)
+    bias = rnd(sum(sizes))
+    return meta, x, a, b, w, bias, sizes

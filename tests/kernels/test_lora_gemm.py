@@ -8,12 +8,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from triton.runtime.errors import OutOfResources
 
-from ditserve.kernels.lora import LoRABatchMeta, lora_linear
+from ditserve.kernels.lora import lora_linear
 from ditserve.kernels.lora_gemm.op import SWEEP, launch_lora_gemm
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 from ditserve.kernels.lora_shrink.op import SCALED_SWEEP, launch_lora_shrink
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref
-from tests.kernels.lora_cases import MAX_LORAS, dense_oracle, make_case, token_counts
+from tests.kernels.lora_cases import MAX_LORAS, dense_oracle, gpu_problem, make_case, token_counts
 
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=3e-2, rtol=2e-2)}
@@ -287,27 +287,6 @@ def test_custom_op_contract_and_compile():
 
 
 # --- GPU, bf16, Flux sizes ---------------------------------------------------------------------------
-
-HIDDEN = 3072
-GPU_REQUESTS = [(1000, 0), (1, 1), (0, 2), (517, 3), (300, -1), (2000, 1), (129, 0)]
-GPU_RANKS = [16, 64, 128, 32, 0]
-GPU_SIZES = {3: [3072] * 3, 4: [3072, 3072, 3072, 12288]}
-
-
-def gpu_problem(num_slices: int):
-    meta = LoRABatchMeta.build(GPU_REQUESTS, GPU_RANKS, [0.5, 1.0, 2.0, 0.25, 1.0, 1.0, -1.0], device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    sizes = GPU_SIZES[num_slices]
-
-    def rnd(*shape, std=1.0):
-        return (torch.randn(*shape, generator=g, device="cuda") * std).to(torch.bfloat16)
-
-    x = rnd(meta.num_tokens, HIDDEN)
-    a = rnd(num_slices, len(GPU_RANKS), 128, HIDDEN, std=HIDDEN**-0.5)
-    b = rnd(len(GPU_RANKS), sum(sizes), 128, std=128**-0.5)
-    w = rnd(sum(sizes), HIDDEN, std=HIDDEN**-0.5)
-    bias = rnd(sum(sizes))
-    return meta, x, a, b, w, bias, sizes
 
 
 @pytest.mark.gpu

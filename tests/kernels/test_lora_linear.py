@@ -7,10 +7,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ditserve.kernels.lora import LoRABatchMeta
 from ditserve.kernels.lora_linear.op import SWEEP, launch_lora_linear, lora_linear_op
 from ditserve.kernels.lora_linear.reference import lora_linear_ref
-from tests.kernels.lora_cases import layouts, make_case
+from tests.kernels.lora_cases import gpu_problem, layouts, make_case
 
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=3e-2, rtol=2e-2)}
@@ -26,9 +25,9 @@ configs = st.sampled_from(
     [
         None,
         _cfg(16, 16, 16, TMA=0),
-        _cfg(16, 32, 32, TMA=0, GROUP_M=2, PREFETCH=0),
+        _cfg(16, 32, 32, TMA=0, GROUP_M=2),
         _cfg(32, 16, 16, TMA=1, FLATTEN=1),
-        _cfg(16, 64, 32, TMA=1, GROUP_M=1, PREFETCH=0),
+        _cfg(16, 64, 32, TMA=1, GROUP_M=1, LORA_LOOP=0),
     ]
 )
 out_slices = st.lists(st.sampled_from([8, 16, 40, 17, 70]), min_size=1, max_size=4)
@@ -95,10 +94,6 @@ def test_custom_op_contract():
 
 # --- GPU, bf16, Flux sizes ---------------------------------------------------------------------------
 
-HIDDEN = 3072
-GPU_REQUESTS = [(1000, 0), (1, 1), (0, 2), (517, 3), (300, -1), (2000, 1), (129, 0)]
-GPU_RANKS = [16, 64, 128, 32, 0]
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", [None, *SWEEP])
@@ -106,18 +101,7 @@ GPU_RANKS = [16, 64, 128, 32, 0]
 def test_bf16_gpu_every_config(num_slices, name):
     """Straddling row blocks, a slot of rank 128 (shrink in two passes of 256 columns at 4 slices), a
     request without LoRA, 1- and 0-token requests: every swept config matches the reference."""
-    sizes = [3072] * 3 + ([12288] if num_slices == 4 else [])
-    meta = LoRABatchMeta.build(GPU_REQUESTS, GPU_RANKS, [0.5, 1.0, 2.0, 0.25, 1.0, 1.0, -1.0], device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def rnd(*shape, std=1.0):
-        return (torch.randn(*shape, generator=g, device="cuda") * std).to(torch.bfloat16)
-
-    x = rnd(meta.num_tokens, HIDDEN)
-    a = rnd(num_slices, len(GPU_RANKS), 128, HIDDEN, std=HIDDEN**-0.5)
-    b = rnd(len(GPU_RANKS), sum(sizes), 128, std=128**-0.5)
-    w = rnd(sum(sizes), HIDDEN, std=HIDDEN**-0.5)
-    bias = rnd(sum(sizes))
+    meta, x, a, b, w, bias, sizes = gpu_problem(num_slices)
     m = meta
     seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
     want = lora_linear_ref(x, w, bias, a, b, *seg[1:], m.max_rank, sizes)
