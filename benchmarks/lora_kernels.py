@@ -234,14 +234,22 @@ def quick_graph_ms(fn, calls: int = 8, replays: int = 3) -> float:
     return max(min(times) - _FLUSH["ms"], 1e-4)
 
 
-def interleaved(fns: dict[str, object], rounds: int) -> dict[str, tuple[float, float]]:
+def interleaved(fns: dict[str, object], rounds: int, gap_s: float = 0.0) -> dict[str, tuple[float, float]]:
     """{name: (median ms, median ratio to the first fn)}: every fn timed once per round, the rounds
-    interleaved so clock and thermal drift hit every row alike; ratios are taken within a round."""
+    interleaved so clock and thermal drift hit every row alike; ratios are taken within a round. gap_s of
+    idle GPU before each timing lets the clocks recover from the previous one."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     ratios: dict[str, list[float]] = {k: [] for k in fns}
     first = next(iter(fns))
+
+    def timed(fn):
+        if gap_s:
+            torch.cuda.synchronize()
+            time.sleep(gap_s)
+        return quick_graph_ms(fn)
+
     for _ in range(rounds):
-        row = {k: quick_graph_ms(fn) for k, fn in fns.items()}
+        row = {k: timed(fn) for k, fn in fns.items()}
         for k, ms in row.items():
             times[k].append(ms)
             ratios[k].append(ms / row[first])
@@ -306,11 +314,13 @@ def qkv_only(args, head: list[str]) -> None:
         fused_cfgs = {
             k: v for k, v in fused_cfgs.items() if k == "fused default" or any(q in k for q in parts)
         }
-    inter = ["", f"Interleaved ({args.rounds} rounds; medians; overhead = median of per-round ratios - 1): "
-             "cuBLAS F.linear, `lora_linear` as the engine calls it (scaled shrink + lora_gemm), the "
-             "one-kernel lora_linear (default config)", "",
-             "| batch | slices | rank | cuBLAS | lora_linear | overhead | one kernel | overhead | target |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    inter = ["", f"Interleaved ({args.rounds} rounds, {args.gap_s:g} s idle before each timing; medians; "
+             "+% = median of the per-round ratios to cuBLAS - 1): cuBLAS F.linear, `lora_linear` as the engine "
+             "calls it (scaled shrink + lora_gemm), its parts alone (the scaled shrink; lora_gemm on a given s, "
+             "default config and the sweep's fastest), the one-kernel lora_linear (with --sweep-fused)", "",
+             "| batch | slices | rank | cuBLAS | lora_linear | vs cuBLAS | shrink | lora_gemm | vs cuBLAS | "
+             "fastest swept config | its time | vs cuBLAS | one kernel | vs cuBLAS | target |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     totals: dict[str, float] = {}
     shrink_totals: dict[tuple[int, str], float] = {}
     records = []
@@ -413,20 +423,36 @@ def qkv_only(args, head: list[str]) -> None:
                 with open(os.path.join(args.out, "lora_qkv.md"), "w") as f:
                     f.write("\n".join(lines + summary) + "\n")
                 if rank and args.rounds:
-                    res = interleaved(
-                        {
-                            "cuBLAS": lambda p=p: F.linear(p.x, p.w),
-                            "lora_linear": lambda p=p, m=m: lora_linear(p.x, p.w, None, p.a, p.b, m, p.sizes),
-                            "one kernel": lambda p=p, seg=seg, m=m: launch_lora_linear(
-                                p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes
-                            ),
-                        },
-                        args.rounds,
-                    )
+                    fns = {
+                        "cuBLAS": lambda p=p: F.linear(p.x, p.w),
+                        "lora_linear": lambda p=p, m=m: lora_linear(p.x, p.w, None, p.a, p.b, m, p.sizes),
+                        # its two parts, each on its own: the shrink, and lora_gemm on a given s
+                        "shrink": lambda p=p, seg=seg, m=m: launch_lora_shrink(
+                            p.x, p.a, *seg[:4], m.slot_rank, m.max_rank, seg_scale=m.seg_scale
+                        ),
+                        "lora_gemm": lambda p=p, s=s, seg=seg: launch_lora_gemm(
+                            p.x, p.w, None, s, p.b, *seg, p.sizes, s_scaled=True
+                        ),
+                    }
+                    if best not in (None, "default"):
+                        fns["best lora_gemm"] = lambda p=p, s=s, seg=seg, cfg=configs[best]: launch_lora_gemm(
+                            p.x, p.w, None, s, p.b, *seg, p.sizes, config=cfg, s_scaled=True
+                        )
+                    if args.sweep_fused:
+                        fns["one kernel"] = lambda p=p, seg=seg, m=m: launch_lora_linear(
+                            p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes
+                        )
+                    res = interleaved(fns, args.rounds, args.gap_s)
+
+                    def col(name, res=res):
+                        if name not in res:
+                            return "— | —"
+                        return f"{res[name][0] * 1e3:.0f} µs | {100 * (res[name][1] - 1):+.1f}%"
+
                     inter.append(
-                        f"| {batch} | {nsl} | {rank} | {res['cuBLAS'][0] * 1e3:.0f} µs | "
-                        f"{res['lora_linear'][0] * 1e3:.0f} µs | {100 * (res['lora_linear'][1] - 1):.1f}% | "
-                        f"{res['one kernel'][0] * 1e3:.0f} µs | {100 * (res['one kernel'][1] - 1):.1f}% | {target} |"
+                        f"| {batch} | {nsl} | {rank} | {res['cuBLAS'][0] * 1e3:.0f} µs | {col('lora_linear')} | "
+                        f"{res['shrink'][0] * 1e3:.1f} µs | {col('lora_gemm')} | {best} | {col('best lora_gemm')} | "
+                        f"{col('one kernel')} | {target} |"
                     )
                     records[-1]["interleaved"] = res
                 del p, s, want
@@ -464,6 +490,8 @@ def main() -> None:
                     "SWEEP config (lora_linear/op.py), without the lora_gemm and shrink sweeps")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=5, help="--qkv-only: interleaved rounds of cuBLAS, "
                     "lora_linear and the one-kernel lora_linear per LoRA shape (0: none)")  # fmt: skip
+    ap.add_argument("--gap-s", type=float, default=0.0, help="--rounds: seconds of idle GPU before each "
+                    "interleaved timing")  # fmt: skip
     ap.add_argument("--fused-configs", default="", help="--sweep-fused: only lora_linear SWEEP names "
                     "containing one of these comma-separated parts")  # fmt: skip
     ap.add_argument("--budget-s", type=float, default=115.0, help="--qkv-only: skip configs after this")

@@ -140,6 +140,7 @@ def _lora_gemm_kernel(
     s_desc,  # USE_TMA and LORA_IN_LOOP: s viewed as [num_slices·num_tokens, s_cols], block [BLOCK_M, BLOCK_K]
     b_desc,  # USE_TMA and LORA_IN_LOOP: B viewed as [max_loras·n_total, lora_k], block [BLOCK_N, BLOCK_K]
     y_ptr,  # [num_tokens, n_total], written once
+    y_desc,  # TMA_STORE: y as a TensorDescriptor with block [BLOCK_M, BLOCK_N // EPI_SUBTILE]
     bias_ptr,  # [n_total] (read only when HAS_BIAS)
     s_ptr,  # [num_slices, num_tokens, s_cols] fp32 or W's dtype (read only when HAS_LORA)
     b_ptr,  # [max_loras, n_total, max_rank]
@@ -192,6 +193,8 @@ def _lora_gemm_kernel(
     LORA_BK: tl.constexpr,  # rank columns per LoRA iteration with LORA_AFTER
     S_SCALED: tl.constexpr,  # s already holds scale · x · Aᵀ
     HAS_BIAS: tl.constexpr,
+    TMA_STORE: tl.constexpr,  # y through a TMA store (every slice a multiple of BLOCK_N wide)
+    EPI_SUBTILE: tl.constexpr,  # TMA_STORE in this many column pieces (less shared memory for the store)
     PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -296,7 +299,15 @@ def _lora_gemm_kernel(
                 )  # fmt: skip
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :] * stride_yn
-        tl.store(
-            y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < num_tokens)[:, None] & n_mask[None, :]
-        )
+        out = acc.to(y_ptr.dtype.element_ty)
+        if TMA_STORE:
+            # rows past num_tokens are clipped by the descriptor; the tile never crosses a slice
+            if EPI_SUBTILE == 2:
+                lo, hi = tl.split(tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+                y_desc.store([m0, n0], lo)
+                y_desc.store([m0, n0 + BLOCK_N // 2], hi)
+            else:
+                y_desc.store([m0, n0], out)
+        else:
+            y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :] * stride_yn
+            tl.store(y_ptrs, out, mask=(offs_m < num_tokens)[:, None] & n_mask[None, :])

@@ -17,7 +17,8 @@ MAX_SLICES = 4
 # pipelined loop), WS (warp-specialised loop), LORA_LOOP (with a pre-scaled s: 1 = the LoRA term as extra
 # iterations of the K loop; 2 = a loop of its own after the K loop, LORA_BK rank columns per iteration
 # (TMA only; through pointers it runs as 0); 0 = after the loop in the epilogue, R_CHUNK rank columns per
-# dot).
+# dot), TMA_STORE (with TMA and slices that are whole multiples of BLOCK_N: y through a TMA store in 1 or 2
+# column pieces; 0 = a masked pointer store).
 # benchmarks/lora_kernels.py --qkv-only --sweep-gemm overrides this table.
 TUNED: dict[str, dict[str, int]] = {
     # ≥ 2 waves of 128×256 tiles (Flux QKV at 4608+ tokens): the Hopper GEMM shape, 8 warps over 2
@@ -30,7 +31,7 @@ TUNED: dict[str, dict[str, int]] = {
     "small": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4,
                   PERSISTENT=0, TMA=1, FLATTEN=0, WS=0, LORA_LOOP=1),
 }  # fmt: skip
-DEFAULTS = dict(GROUP_M=8, PERSISTENT=0, TMA=0, FLATTEN=0, WS=0, LORA_LOOP=1, R_CHUNK=16)
+DEFAULTS = dict(GROUP_M=8, PERSISTENT=0, TMA=0, FLATTEN=0, WS=0, LORA_LOOP=1, R_CHUNK=16, TMA_STORE=0)
 MAX_LORA_BK = 64  # LORA_LOOP=2: widest LoRA iteration (rank 128 takes two)
 
 
@@ -42,9 +43,10 @@ def lora_block_k(rank_dim: int) -> int:
     return bk
 
 
-def _cfg(bm, bn, bk, warps, stages, persistent=1, tma=0, flatten=0, ws=0, group_m=8, lora_loop=1):
+def _cfg(bm, bn, bk, warps, stages, persistent=1, tma=0, flatten=0, ws=0, group_m=8, lora_loop=1, store=0):
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages,
-                PERSISTENT=persistent, TMA=tma, FLATTEN=flatten, WS=ws, LORA_LOOP=lora_loop)  # fmt: skip
+                PERSISTENT=persistent, TMA=tma, FLATTEN=flatten, WS=ws, LORA_LOOP=lora_loop,
+                TMA_STORE=store)  # fmt: skip
 
 
 # Candidates of the GPU sweep (benchmarks/lora_kernels.py --sweep-gemm; the GPU tests run each once).
@@ -62,6 +64,13 @@ SWEEP: dict[str, dict[str, int]] = {
     "ptr persist flat 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, flatten=1),
     # the LoRA term after the K loop instead (the first H200 sweep's kernel, with smaller epilogue tiles)
     "tma persist flat 128x256x64 w8 s3 epi": _cfg(128, 256, 64, 8, 3, tma=1, flatten=1, lora_loop=0),
+    # y through a TMA store (TMA_STORE=1: one [128, 256] piece, 64 KB of shared memory; 2: two [128, 128]
+    # pieces, 32 KB, room for a 4th stage): the store leaves the registers sooner and the next tile's
+    # loads start earlier
+    "tma persist 128x256x64 w8 s3 tstore": _cfg(128, 256, 64, 8, 3, tma=1, store=1),
+    "tma persist 128x256x64 w8 s3 tstore2": _cfg(128, 256, 64, 8, 3, tma=1, store=2),
+    "tma persist 128x256x64 w8 s4 tstore2": _cfg(128, 256, 64, 8, 4, tma=1, store=2),
+    "tma persist flat 128x256x64 w8 s3 tstore2": _cfg(128, 256, 64, 8, 3, tma=1, flatten=1, store=2),
 }
 # warp-specialised loops (tl.range(..., warp_specialize=True)): Triton documents them for Blackwell; tried
 # on Hopper only on request (--sweep-ws), since a failing lowering may take the whole process down
@@ -209,8 +218,14 @@ def launch_lora_gemm(
         x_arg, w_arg, s_desc, b_desc = x, weight, s, s
         lora_after = False  # no descriptors: the epilogue adds the LoRA term
     col_align = column_align(cols)
+    # a TMA store needs whole tiles per slice (no column masks) and a descriptor-friendly y
+    subtile = cfg["TMA_STORE"]
+    tma_store = bool(use_tma and subtile and all(n % bn == 0 for n in out_slice_sizes) and tma_ok(y))
+    y_desc = y
+    if tma_store:
+        y_desc = TensorDescriptor.from_tensor(y, [bm, bn // subtile])
     _lora_gemm_kernel[(grid,)](
-        x_arg, w_arg, s_desc, b_desc, y, bias if bias is not None else y, s, b_stacked,
+        x_arg, w_arg, s_desc, b_desc, y, y_desc, bias if bias is not None else y, s, b_stacked,
         token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
         num_tokens, hidden, rank_dim, rank_dim, *cols, n_total, *blks, num_col_blocks, grid,
         s.shape[0] * num_tokens, b_stacked.shape[0] * n_total,
@@ -220,7 +235,7 @@ def launch_lora_gemm(
         USE_TMA=use_tma, FLATTEN=bool(cfg["FLATTEN"]), WARP_SPECIALIZE=bool(cfg["WS"]),
         EVEN_K=hidden % bk == 0, COL_ALIGN=col_align, HAS_LORA=has_lora, LORA_IN_LOOP=lora_in_loop,
         LORA_AFTER=lora_after, LORA_BK=lora_bk, S_SCALED=s_scaled, HAS_BIAS=bias is not None,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        TMA_STORE=tma_store, EPI_SUBTILE=subtile if tma_store else 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return y

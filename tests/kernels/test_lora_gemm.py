@@ -202,6 +202,23 @@ def test_scaled_s_every_lora_placement(lora_loop, tma):
         torch.testing.assert_close(got, ref(c, w, bias, s, s_scaled=True), **TOL[torch.float16])
 
 
+@pytest.mark.parametrize("subtile", [1, 2])
+def test_tma_store_whole_tile_slices(subtile):
+    """y through a TMA store: slices that are whole multiples of BLOCK_N, a row count that is not a
+    multiple of BLOCK_M (the descriptor clips the last tile), bias, LoRA in the K loop and straddling tiles;
+    a slice that is not whole falls back to the masked store with the same result."""
+    layout = ([(1, 0), (17, 2), (5, -1), (30, 1), (9, 3)], [16, 64, 0, 128], [1, 2, 1, 0.5, -1])
+    for sizes in ([32, 64, 32], [32, 64, 17]):
+        c = make_case(layout, 3, sizes, 32, torch.float16, max_rank=MAX_RANK)
+        w, bias = gemm_inputs(c, torch.float16, with_bias=True)
+        s = scaled_s(c)
+        want = ref(c, w, bias, s, s_scaled=True)
+        for flatten in (0, 1):
+            cfg = _cfg(16, 32, 16, PERSISTENT=1, TMA=1, FLATTEN=flatten, TMA_STORE=subtile)
+            got = launch_lora_gemm(c.x, w, bias, s, c.b, *seg_args(c.meta), sizes, config=cfg, s_scaled=True)
+            torch.testing.assert_close(got, want, **TOL[torch.float16])
+
+
 def test_reference_matches_dense_oracle():
     layout = (
         [(150, 0), (1, 1), (0, 2), (40, 0), (7, -1), (33, 3)],
