@@ -281,7 +281,7 @@ def _lora_gemm_kernel(
                 acc = tl.dot(a, wt, acc, input_precision=PRECISION)
 
         if HAS_LORA:
-            if LORA_IN_LOOP or LORA_AFTER:
+            if LORA_AFTER:
                 # rare: the tile's rows straddle segments; their LoRA terms one by one after the loop
                 if seg_lo != seg_hi:
                     acc = _lora_epilogue(
@@ -290,7 +290,7 @@ def _lora_gemm_kernel(
                         stride_ss, stride_st, stride_sr, stride_bl, stride_bn, stride_br,
                         R_CHUNK, S_SCALED, PRECISION,
                     )  # fmt: skip
-            else:
+            elif not LORA_IN_LOOP:
                 acc = _lora_epilogue(
                     acc, seg_lo, seg_hi, j, offs_m, offs_n, n_mask, s_ptr, b_ptr,
                     seg_start_ptr, seg_len_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, rank_dim,
@@ -299,15 +299,65 @@ def _lora_gemm_kernel(
                 )  # fmt: skip
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        # with LORA_IN_LOOP a tile whose rows straddle segments is not stored here: the pass below does it
+        straddle = False
+        if LORA_IN_LOOP:
+            straddle = seg_lo != seg_hi
         out = acc.to(y_ptr.dtype.element_ty)
         if TMA_STORE:
-            # rows past num_tokens are clipped by the descriptor; the tile never crosses a slice
+            # rows past num_tokens are clipped by the descriptor (a straddling tile's row num_tokens: all of
+            # it); the tile never crosses a slice
+            row = tl.where(straddle, num_tokens, m0)
             if EPI_SUBTILE == 2:
                 lo, hi = tl.split(tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-                y_desc.store([m0, n0], lo)
-                y_desc.store([m0, n0 + BLOCK_N // 2], hi)
+                y_desc.store([row, n0], lo)
+                y_desc.store([row, n0 + BLOCK_N // 2], hi)
             else:
-                y_desc.store([m0, n0], out)
+                y_desc.store([row, n0], out)
         else:
             y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :] * stride_yn
-            tl.store(y_ptrs, out, mask=(offs_m < num_tokens)[:, None] & n_mask[None, :])
+            row_hi = num_tokens
+            if LORA_IN_LOOP:
+                row_hi = tl.where(straddle, 0, num_tokens)
+            tl.store(y_ptrs, out, mask=(offs_m < row_hi)[:, None] & n_mask[None, :])
+
+    if LORA_IN_LOOP:
+        # rare (none when every request's length is a multiple of BLOCK_M): tiles whose rows straddle
+        # segments, computed again here with their LoRA terms one segment at a time. Outside the tile loop,
+        # whose body then holds a single inner loop and can be flattened and pipelined across tiles.
+        for tile_id in tl.range(pid, num_tiles, num_programs):
+            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_col_blocks, GROUP_M)
+            m0 = pid_m * BLOCK_M
+            seg_lo = tl.load(token_seg_ptr + m0)
+            seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
+            if seg_lo != seg_hi:
+                j, n0, col_hi = slice_columns(pid_n, col1, col2, col3, n_total, blk1, blk2, blk3, BLOCK_N)
+                offs_m = m0 + tl.arange(0, BLOCK_M)
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                n_mask = offs_n < col_hi
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                if USE_TMA:
+                    for ki in range(k_tiles):
+                        a, wt = _tma_k_tiles(ki, k_tiles, x, w, s_desc, b_desc, m0, n0, 0, 0, BLOCK_K, False)
+                        acc = tl.dot(a, wt.T, acc, input_precision=PRECISION)
+                else:
+                    rows = tl.where(offs_m < num_tokens, offs_m, 0).to(tl.int64)
+                    cols = tl.where(n_mask, offs_n, 0).to(tl.int64)
+                    for ki in range(k_tiles):
+                        kk = ki * BLOCK_K + offs_k
+                        a = tl.load(x + rows[:, None] * stride_xt + kk[None, :] * stride_xh,
+                                    mask=kk[None, :] < hidden, other=0.0)  # fmt: skip
+                        wt = tl.load(w + cols[None, :] * stride_wn + kk[:, None] * stride_wh,
+                                     mask=kk[:, None] < hidden, other=0.0)  # fmt: skip
+                        acc = tl.dot(a, wt, acc, input_precision=PRECISION)
+                acc = _lora_epilogue(
+                    acc, seg_lo, seg_hi, j, offs_m, offs_n, n_mask, s_ptr, b_ptr,
+                    seg_start_ptr, seg_len_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, rank_dim,
+                    stride_ss, stride_st, stride_sr, stride_bl, stride_bn, stride_br,
+                    R_CHUNK, S_SCALED, PRECISION,
+                )  # fmt: skip
+                if HAS_BIAS:
+                    acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+                y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :] * stride_yn
+                y_mask = (offs_m < num_tokens)[:, None] & n_mask[None, :]
+                tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)

@@ -71,6 +71,11 @@ SWEEP: dict[str, dict[str, int]] = {
     "tma persist 128x256x64 w8 s3 tstore2": _cfg(128, 256, 64, 8, 3, tma=1, store=2),
     "tma persist 128x256x64 w8 s4 tstore2": _cfg(128, 256, 64, 8, 4, tma=1, store=2),
     "tma persist flat 128x256x64 w8 s3 tstore2": _cfg(128, 256, 64, 8, 3, tma=1, flatten=1, store=2),
+    "tma persist flat 128x256x64 w8 s3 tstore": _cfg(128, 256, 64, 8, 3, tma=1, flatten=1, store=1),
+    "tma persist flat 128x256x64 w8 s4 tstore2": _cfg(128, 256, 64, 8, 4, tma=1, flatten=1, store=2),
+    "tma persist flat 128x256x64 w8 s3 tstore g16": _cfg(
+        128, 256, 64, 8, 3, tma=1, flatten=1, store=1, group_m=16
+    ),
 }
 # warp-specialised loops (tl.range(..., warp_specialize=True)): Triton documents them for Blackwell; tried
 # on Hopper only on request (--sweep-ws), since a failing lowering may take the whole process down
