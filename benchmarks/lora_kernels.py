@@ -257,6 +257,23 @@ def interleaved(fns: dict[str, object], rounds: int, gap_s: float = 0.0) -> dict
     return {k: (med(times[k]), med(ratios[k])) for k in fns}
 
 
+def one_desc_layout(x, w, s, b):
+    """(x_ext, w_ext, (x, w, s, b) as views of them): x_ext = [x; s[0]; s[1]; ...] with s in the first
+    s_cols columns of rows of x's width; w_ext = [W | B[0] | B[1] | ...] (launch_lora_gemm's one_desc)."""
+    t, k = x.shape
+    ns, _, c = s.shape
+    n, lo = w.shape[0], b.shape[0]
+    x_ext = x.new_zeros((t + ns * t, k))
+    x_ext[:t] = x
+    sv = x_ext[t:].view(ns, t, k)[:, :, :c]
+    sv.copy_(s)
+    w_ext = w.new_zeros((n, k + lo * c))
+    w_ext[:, :k] = w
+    bv = w_ext[:, k:].view(n, lo, c).permute(1, 0, 2)
+    bv[:, :, : min(c, b.shape[2])].copy_(b[:, :, :c])
+    return x_ext, w_ext, (x_ext[:t], w_ext[:, :k], sv, bv)
+
+
 def _fail(name: str, e: Exception) -> str:
     return f"{name}: fail ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
 
@@ -319,8 +336,9 @@ def qkv_only(args, head: list[str]) -> None:
              "calls it (scaled shrink + lora_gemm), its parts alone (the scaled shrink; lora_gemm on a given s, "
              "default config and the sweep's fastest), the one-kernel lora_linear (with --sweep-fused)", "",
              "| batch | slices | rank | cuBLAS | lora_linear | vs cuBLAS | shrink | lora_gemm | vs cuBLAS | "
-             "fastest swept config | its time | vs cuBLAS | one kernel | vs cuBLAS | target |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "fastest swept config | its time | vs cuBLAS | one kernel | vs cuBLAS | one-desc config | its time | "
+             "vs cuBLAS | target |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     totals: dict[str, float] = {}
     shrink_totals: dict[tuple[int, str], float] = {}
     records = []
@@ -373,6 +391,25 @@ def qkv_only(args, head: list[str]) -> None:
                             totals[name] = totals.get(name, 0.0) + ms / base
                         if ms < best_ms:
                             best, best_ms = name, ms
+                one_best, one_ms, one_fn = "", float("inf"), None
+                if rank and args.one_desc:
+                    # s in rows of x's descriptor, B in columns of W's (copies made here, outside the timing)
+                    x_ext, w_ext, views = one_desc_layout(p.x, p.w, s, p.b)
+                    for name, cfg in configs.items():
+                        c = {**gemm_op.DEFAULTS, **(cfg or gemm_op.gemm_config(m.num_tokens, p.w.shape[0]))}
+                        if not (c["TMA"] and c["LORA_LOOP"] == 1):
+                            continue
+
+                        def ofn(v=views, seg=seg, cfg=cfg, ext=(x_ext, w_ext), p=p):
+                            return launch_lora_gemm(v[0], v[1], None, v[2], v[3], *seg, p.sizes, config=cfg,
+                                                    s_scaled=True, one_desc=ext)  # fmt: skip
+
+                        cell, ms, ok = _time_checked(
+                            "one-desc " + name, ofn, want, 5e-2, 3e-2, t0, args.budget_s
+                        )
+                        cells.append(cell + (f" ({ms / base:.3f}x cuBLAS)" if ms is not None else ""))
+                        if ok and ms < one_ms:
+                            one_best, one_ms, one_fn = name, ms, ofn
                 if rank:
                     s32 = lora_shrink_ref(p.x, p.a, *seg[1:4], m.slot_rank, m.max_rank)
 
@@ -438,6 +475,8 @@ def qkv_only(args, head: list[str]) -> None:
                         fns["best lora_gemm"] = lambda p=p, s=s, seg=seg, cfg=configs[best]: launch_lora_gemm(
                             p.x, p.w, None, s, p.b, *seg, p.sizes, config=cfg, s_scaled=True
                         )
+                    if one_fn is not None:
+                        fns["one-desc lora_gemm"] = one_fn
                     if args.sweep_fused:
                         fns["one kernel"] = lambda p=p, seg=seg, m=m: launch_lora_linear(
                             p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes
@@ -452,7 +491,7 @@ def qkv_only(args, head: list[str]) -> None:
                     inter.append(
                         f"| {batch} | {nsl} | {rank} | {res['cuBLAS'][0] * 1e3:.0f} µs | {col('lora_linear')} | "
                         f"{res['shrink'][0] * 1e3:.1f} µs | {col('lora_gemm')} | {best} | {col('best lora_gemm')} | "
-                        f"{col('one kernel')} | {target} |"
+                        f"{col('one kernel')} | {one_best or '—'} | {col('one-desc lora_gemm')} | {target} |"
                     )
                     records[-1]["interleaved"] = res
                 del p, s, want
@@ -490,6 +529,8 @@ def main() -> None:
                     "SWEEP config (lora_linear/op.py), without the lora_gemm and shrink sweeps")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=5, help="--qkv-only: interleaved rounds of cuBLAS, "
                     "lora_linear and the one-kernel lora_linear per LoRA shape (0: none)")  # fmt: skip
+    ap.add_argument("--one-desc", action="store_true", help="--qkv-only: lora_gemm also with s inside x's "
+                    "TMA descriptor and B inside W's (copies outside the timing)")  # fmt: skip
     ap.add_argument("--gap-s", type=float, default=0.0, help="--rounds: seconds of idle GPU before each "
                     "interleaved timing")  # fmt: skip
     ap.add_argument("--fused-configs", default="", help="--sweep-fused: only lora_linear SWEEP names "
