@@ -37,7 +37,7 @@ from ditserve.kernels._dispatch import block_rank
 from ditserve.kernels.lora import _lora_linear_addmm, apply_lora, lora_expand, lora_linear, lora_shrink
 from ditserve.kernels.lora_expand.op import launch_lora_expand
 from ditserve.kernels.lora_expand.reference import lora_expand_ref
-from ditserve.kernels.lora_gemm.op import launch_lora_gemm
+from ditserve.kernels.lora_gemm.op import launch_lora_gemm, one_desc_layout
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 from ditserve.kernels.lora_linear.op import launch_lora_linear
 from ditserve.kernels.lora_linear.reference import lora_linear_ref
@@ -257,23 +257,6 @@ def interleaved(fns: dict[str, object], rounds: int, gap_s: float = 0.0) -> dict
     return {k: (med(times[k]), med(ratios[k])) for k in fns}
 
 
-def one_desc_layout(x, w, s, b):
-    """(x_ext, w_ext, (x, w, s, b) as views of them): x_ext = [x; s[0]; s[1]; ...] with s in the first
-    s_cols columns of rows of x's width; w_ext = [W | B[0] | B[1] | ...] (launch_lora_gemm's one_desc)."""
-    t, k = x.shape
-    ns, _, c = s.shape
-    n, lo = w.shape[0], b.shape[0]
-    x_ext = x.new_zeros((t + ns * t, k))
-    x_ext[:t] = x
-    sv = x_ext[t:].view(ns, t, k)[:, :, :c]
-    sv.copy_(s)
-    w_ext = w.new_zeros((n, k + lo * c))
-    w_ext[:, :k] = w
-    bv = w_ext[:, k:].view(n, lo, c).permute(1, 0, 2)
-    bv[:, :, : min(c, b.shape[2])].copy_(b[:, :, :c])
-    return x_ext, w_ext, (x_ext[:t], w_ext[:, :k], sv, bv)
-
-
 def _fail(name: str, e: Exception) -> str:
     return f"{name}: fail ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
 
@@ -377,9 +360,9 @@ def qkv_only(args, head: list[str]) -> None:
                 cells, best, best_ms = [], None, float("inf")
                 for name, cfg in configs.items():
 
-                    def fn(p=p, s=s, seg=seg, cfg=cfg):
+                    def fn(p=p, s=s, seg=seg, cfg=cfg, al=m.seg_align):
                         return launch_lora_gemm(
-                            p.x, p.w, None, s, p.b, *seg, p.sizes, config=cfg, s_scaled=True
+                            p.x, p.w, None, s, p.b, *seg, p.sizes, config=cfg, s_scaled=True, seg_align=al
                         )
 
                     cell, ms, ok = _time_checked(name, fn, want, 5e-2, 3e-2, t0, args.budget_s)
@@ -400,9 +383,9 @@ def qkv_only(args, head: list[str]) -> None:
                         if not (c["TMA"] and c["LORA_LOOP"] == 1):
                             continue
 
-                        def ofn(v=views, seg=seg, cfg=cfg, ext=(x_ext, w_ext), p=p):
+                        def ofn(v=views, seg=seg, cfg=cfg, ext=(x_ext, w_ext), p=p, al=m.seg_align):
                             return launch_lora_gemm(v[0], v[1], None, v[2], v[3], *seg, p.sizes, config=cfg,
-                                                    s_scaled=True, one_desc=ext)  # fmt: skip
+                                                    s_scaled=True, one_desc=ext, seg_align=al)  # fmt: skip
 
                         cell, ms, ok = _time_checked(
                             "one-desc " + name, ofn, want, 5e-2, 3e-2, t0, args.budget_s
@@ -467,14 +450,15 @@ def qkv_only(args, head: list[str]) -> None:
                         "shrink": lambda p=p, seg=seg, m=m: launch_lora_shrink(
                             p.x, p.a, *seg[:4], m.slot_rank, m.max_rank, seg_scale=m.seg_scale
                         ),
-                        "lora_gemm": lambda p=p, s=s, seg=seg: launch_lora_gemm(
-                            p.x, p.w, None, s, p.b, *seg, p.sizes, s_scaled=True
+                        "lora_gemm": lambda p=p, s=s, seg=seg, al=m.seg_align: launch_lora_gemm(
+                            p.x, p.w, None, s, p.b, *seg, p.sizes, s_scaled=True, seg_align=al
                         ),
                     }
                     if best not in (None, "default"):
-                        fns["best lora_gemm"] = lambda p=p, s=s, seg=seg, cfg=configs[best]: launch_lora_gemm(
-                            p.x, p.w, None, s, p.b, *seg, p.sizes, config=cfg, s_scaled=True
-                        )
+                        fns["best lora_gemm"] = lambda p=p, s=s, seg=seg, cfg=configs[best], al=m.seg_align: (
+                            launch_lora_gemm(p.x, p.w, None, s, p.b, *seg, p.sizes, config=cfg, s_scaled=True,
+                                             seg_align=al)
+                        )  # fmt: skip
                     if one_fn is not None:
                         fns["one-desc lora_gemm"] = one_fn
                     if args.sweep_fused:

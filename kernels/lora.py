@@ -173,7 +173,7 @@ def lora_linear(
     s = lora_shrink(x, a_stacked, meta, scaled=True)
     return lora_gemm_op(
         x, weight, bias, s, b_stacked, meta.token_seg, meta.seg_start, meta.seg_len, meta.seg_slot,
-        meta.seg_scale, meta.slot_rank, list(out_slice_sizes), True,
+        meta.seg_scale, meta.slot_rank, list(out_slice_sizes), True, meta.seg_align,
     )  # fmt: skip
 
 

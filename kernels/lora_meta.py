@@ -55,7 +55,8 @@ class LoRABatchMeta:
       chunk_start [num_chunks]      first position of the chunk in sorted_token_ids
       chunk_len   [num_chunks]      tokens in the chunk (1..chunk_size)
     Host ints: num_tokens, max_rank (largest rank in use; 0 = no LoRA in the batch: kernels skip),
-    chunk_size, num_chunks.
+    chunk_size, num_chunks, seg_align (the largest power of two, up to 2**30, dividing the first token of
+    every non-empty segment: a row block of that many tokens or fewer never holds two segments).
     """
 
     seg_start: torch.Tensor
@@ -73,6 +74,7 @@ class LoRABatchMeta:
     max_rank: int
     chunk_size: int
     num_chunks: int
+    seg_align: int = 1
 
     @property
     def num_segments(self) -> int:
@@ -119,6 +121,10 @@ class LoRABatchMeta:
             token_seg += [i] * n
             pos += n
         num_tokens = pos
+        seg_align = 1 << 30
+        for start, n in zip(starts, lens, strict=True):
+            while n and start % seg_align:
+                seg_align //= 2
         max_rank = max((slot_ranks[s] for s in slots if s >= 0), default=0)
         if max_rank > 128:
             raise ValueError(f"rank {max_rank} > 128 is not supported by the LoRA kernels")
@@ -167,4 +173,5 @@ class LoRABatchMeta:
             max_rank=max_rank,
             chunk_size=chunk_size,
             num_chunks=len(chunk_slot),
+            seg_align=seg_align,
         )

@@ -201,6 +201,8 @@ def _lora_gemm_kernel(
     HAS_LORA: tl.constexpr,
     LORA_IN_LOOP: tl.constexpr,  # LoRA iterations in the K loop (s pre-scaled in W's dtype)
     ONE_DESC: tl.constexpr,  # LORA_IN_LOOP with s inside x's descriptor and B inside W's (see _tma_k_tiles)
+    STRADDLE: tl.constexpr,  # some row block may hold two segments (False: every segment starts at a
+    # multiple of BLOCK_M, the pass over straddling tiles is left out)
     LORA_AFTER: tl.constexpr,  # USE_TMA: LoRA iterations in a loop of their own after the K loop (s pre-scaled)
     LORA_BK: tl.constexpr,  # rank columns per LoRA iteration with LORA_AFTER
     S_SCALED: tl.constexpr,  # s already holds scale · x · Aᵀ
@@ -236,7 +238,10 @@ def _lora_gemm_kernel(
         if HAS_LORA:
             # the segments touching this tile's rows: one on the common path (no row straddles)
             seg_lo = tl.load(token_seg_ptr + m0)
-            seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
+            if LORA_IN_LOOP and not STRADDLE:
+                seg_hi = seg_lo  # no row block holds two segments
+            else:
+                seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
         # LoRA iterations of the K loop: only for a tile inside one segment with an adapter
         slot = 0
         lora_here = False
@@ -320,7 +325,7 @@ def _lora_gemm_kernel(
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         # with LORA_IN_LOOP a tile whose rows straddle segments is not stored here: the pass below does it
         straddle = False
-        if LORA_IN_LOOP:
+        if LORA_IN_LOOP and STRADDLE:
             straddle = seg_lo != seg_hi
         out = acc.to(y_ptr.dtype.element_ty)
         if TMA_STORE:
@@ -336,11 +341,11 @@ def _lora_gemm_kernel(
         else:
             y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :] * stride_yn
             row_hi = num_tokens
-            if LORA_IN_LOOP:
+            if LORA_IN_LOOP and STRADDLE:
                 row_hi = tl.where(straddle, 0, num_tokens)
             tl.store(y_ptrs, out, mask=(offs_m < row_hi)[:, None] & n_mask[None, :])
 
-    if LORA_IN_LOOP:
+    if LORA_IN_LOOP and STRADDLE:
         # rare (none when every request's length is a multiple of BLOCK_M): tiles whose rows straddle
         # segments, computed again here with their LoRA terms one segment at a time. Outside the tile loop,
         # whose body then holds a single inner loop and can be flattened and pipelined across tiles.

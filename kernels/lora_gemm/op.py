@@ -168,6 +168,25 @@ def _lora_descriptors(s, b_stacked, bm, bn, bk, lora_k):  # bk: rank columns per
     return s_desc, b_desc
 
 
+def one_desc_layout(x, w, s, b):
+    """(x_ext, w_ext, (x, w, s, b) as views of them): x_ext = [x; s[0]; s[1]; ...] with s in the first
+    s_cols columns of rows of x's width; w_ext = [W | B[0] | B[1] | ...] (launch_lora_gemm's one_desc)."""
+    t, k = x.shape
+    ns, _, c = s.shape
+    assert c <= k, f"s has {c} columns, more than the {k} of x's rows that hold them"
+    n, lo = w.shape[0], b.shape[0]
+    x_ext = x.new_zeros((t + ns * t, k))
+    x_ext[:t] = x
+    sv = x_ext[t:].view(ns, t, k)[:, :, :c]
+    sv.copy_(s)
+    w_ext = w.new_zeros((n, k + lo * c))
+    w_ext[:, :k] = w
+    bv = w_ext[:, k:].view(n, lo, c).permute(1, 0, 2)
+    r = min(c, b.shape[2])
+    bv[:, :, :r].copy_(b[:, :, :r])
+    return x_ext, w_ext, (x_ext[:t], w_ext[:, :k], sv, bv)
+
+
 def launch_lora_gemm(
     x: torch.Tensor,  # [num_tokens, hidden] fp16/bf16/fp32
     weight: torch.Tensor,  # [sum(out_slice_sizes), hidden], x's dtype (the fused base weight)
@@ -184,6 +203,7 @@ def launch_lora_gemm(
     config: dict[str, int] | None = None,  # tile override (benchmarks, tests); missing keys from DEFAULTS
     s_scaled: bool = False,  # s already holds scale(t) · x · Aᵀ in x's dtype (lora_shrink(..., scaled=True))
     one_desc: tuple | None = None,  # (x_ext, w_ext): s and B live inside x's and W's descriptors (below)
+    seg_align: int = 1,  # every non-empty segment starts at a multiple of this (LoRABatchMeta.seg_align)
 ) -> torch.Tensor:  # [num_tokens, sum(out_slice_sizes)], x's dtype
     """one_desc=(x_ext, w_ext) (TMA, LoRA in the K loop): x = x_ext[:T] and s[j] = x_ext[T + j·T : T + (j+1)·T,
     :s_cols]; weight = w_ext[:, :hidden] and B[slot] = w_ext[:, hidden + slot·s_cols : ... + s_cols]; x, weight,
@@ -253,6 +273,7 @@ def launch_lora_gemm(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, R_CHUNK=cfg["R_CHUNK"], GROUP_M=cfg["GROUP_M"],
         USE_TMA=use_tma, FLATTEN=bool(cfg["FLATTEN"]), WARP_SPECIALIZE=bool(cfg["WS"]),
         EVEN_K=hidden % bk == 0, COL_ALIGN=col_align, HAS_LORA=has_lora, LORA_IN_LOOP=lora_in_loop, ONE_DESC=one,
+        STRADDLE=seg_align % bm != 0,
         LORA_AFTER=lora_after, LORA_BK=lora_bk, S_SCALED=s_scaled, HAS_BIAS=bias is not None,
         TMA_STORE=tma_store, EPI_SUBTILE=subtile if tma_store else 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -275,17 +296,19 @@ def lora_gemm_op(
     slot_rank: torch.Tensor,
     out_slice_sizes: list[int],
     s_scaled: bool = False,
+    seg_align: int = 1,
 ) -> torch.Tensor:
     """x · Wᵀ + bias + segmented LoRA expand of s (s_scaled: s already holds scale · x · Aᵀ in x's dtype);
-    Triton on CUDA (or TRITON_INTERPRET=1), else the reference."""
+    Triton on CUDA (or TRITON_INTERPRET=1), else the reference. seg_align: LoRABatchMeta.seg_align (1 if
+    unknown), lets the kernel skip its pass over tiles that straddle segments."""
     args = (x, weight, bias, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank)
     if use_triton(x):
-        return launch_lora_gemm(*args, out_slice_sizes, s_scaled=s_scaled)
+        return launch_lora_gemm(*args, out_slice_sizes, s_scaled=s_scaled, seg_align=seg_align)
     return lora_gemm_ref(x, weight, bias, s, b_stacked, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
                          out_slice_sizes, s_scaled=s_scaled)  # fmt: skip
 
 
 @lora_gemm_op.register_fake
 def _(x, weight, bias, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
-      out_slice_sizes, s_scaled=False):  # fmt: skip
+      out_slice_sizes, s_scaled=False, seg_align=1):  # fmt: skip
     return x.new_empty((x.shape[0], weight.shape[0]))
