@@ -219,6 +219,12 @@ def _lora_gemm_kernel(
     if LORA_IN_LOOP:
         n_iters += tl.cdiv(lora_k, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
+    # LoRA in the K loop and no straddling row blocks: the slots of this program's next META_CHUNK tiles are
+    # gathered in one go every META_CHUNK tiles, so a tile's start waits on no global load of its own
+    PREFETCH_META: tl.constexpr = LORA_IN_LOOP and not STRADDLE
+    META_CHUNK: tl.constexpr = 32
+    offs_meta = tl.arange(0, META_CHUNK)
+    slot_vec = tl.zeros((META_CHUNK,), dtype=tl.int32)
     for tile_id in tl.range(pid, num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_col_blocks, GROUP_M)
         # output slice j of this column block and its column range
@@ -235,17 +241,24 @@ def _lora_gemm_kernel(
 
         seg_lo = 0
         seg_hi = 0
-        if HAS_LORA:
+        if HAS_LORA and not PREFETCH_META:
             # the segments touching this tile's rows: one on the common path (no row straddles)
             seg_lo = tl.load(token_seg_ptr + m0)
-            if LORA_IN_LOOP and not STRADDLE:
-                seg_hi = seg_lo  # no row block holds two segments
-            else:
-                seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
+            seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
         # LoRA iterations of the K loop: only for a tile inside one segment with an adapter
         slot = 0
         lora_here = False
-        if LORA_IN_LOOP or LORA_AFTER:
+        if PREFETCH_META:
+            i = (tile_id - pid) // num_programs
+            if i % META_CHUNK == 0:
+                ids = tile_id + offs_meta * num_programs
+                pm, _ = _tile_coords(ids, num_pid_m, num_col_blocks, GROUP_M)
+                segs = tl.load(token_seg_ptr + pm * BLOCK_M, mask=ids < num_tiles, other=0)
+                slot_vec = tl.load(seg_slot_ptr + segs, mask=ids < num_tiles, other=-1)
+            slot = tl.sum(tl.where(offs_meta == i % META_CHUNK, slot_vec, 0))
+            lora_here = slot >= 0
+            slot = tl.maximum(slot, 0)
+        elif LORA_IN_LOOP or LORA_AFTER:
             slot = tl.load(seg_slot_ptr + seg_lo)
             lora_here = (seg_lo == seg_hi) & (slot >= 0)
             slot = tl.maximum(slot, 0)

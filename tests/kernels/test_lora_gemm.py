@@ -251,6 +251,20 @@ def test_aligned_segments_and_one_desc(flatten):
     torch.testing.assert_close(got, want, **TOL[torch.float16])
 
 
+def test_aligned_segments_many_tiles_per_program():
+    """Aligned segments with more tiles per program than the kernel gathers slots for at once (40 tiles on
+    each of the interpreter's 4 programs): the gathered slots are refreshed, every tile gets its own."""
+    layout = ([(64, 2), (32, -1), (96, 0), (16, 3), (112, 1)], [16, 8, 16, 8], [1, 1, 2, -0.5, 0.5])
+    sizes = [64, 32, 32]
+    c = make_case(layout, 3, sizes, 32, torch.float16, max_rank=MAX_RANK)
+    w, bias = gemm_inputs(c, torch.float16, with_bias=False)
+    s = scaled_s(c)
+    cfg = _cfg(16, 16, 16, PERSISTENT=1, TMA=1, FLATTEN=1)
+    got = launch_lora_gemm(c.x, w, bias, s, c.b, *seg_args(c.meta), sizes, config=cfg, s_scaled=True,
+                           seg_align=c.meta.seg_align)  # fmt: skip
+    torch.testing.assert_close(got, ref(c, w, bias, s, s_scaled=True), **TOL[torch.float16])
+
+
 def test_reference_matches_dense_oracle():
     layout = (
         [(150, 0), (1, 1), (0, 2), (40, 0), (7, -1), (33, 3)],
