@@ -318,10 +318,11 @@ def qkv_only(args, head: list[str]) -> None:
              "+% = median of the per-round ratios to cuBLAS - 1): cuBLAS F.linear, `lora_linear` as the engine "
              "calls it (scaled shrink + lora_gemm), its parts alone (the scaled shrink; lora_gemm on a given s, "
              "default config and the sweep's fastest), the one-kernel lora_linear (with --sweep-fused)", "",
-             "| batch | slices | rank | cuBLAS | lora_linear | vs cuBLAS | shrink | lora_gemm | vs cuBLAS | "
+             "| batch | slices | rank | cuBLAS | lora_linear | vs cuBLAS | shrink | fastest swept shrink | its time "
+             "| vs cuBLAS | lora_gemm | vs cuBLAS | "
              "fastest swept config | its time | vs cuBLAS | one kernel | vs cuBLAS | one-desc config | its time | "
              "vs cuBLAS | target |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     totals: dict[str, float] = {}
     shrink_totals: dict[tuple[int, str], float] = {}
     records = []
@@ -459,6 +460,11 @@ def qkv_only(args, head: list[str]) -> None:
                             launch_lora_gemm(p.x, p.w, None, s, p.b, *seg, p.sizes, config=cfg, s_scaled=True,
                                              seg_align=al)
                         )  # fmt: skip
+                    if shrink_best not in ("", "default"):
+                        fns["best shrink"] = lambda p=p, seg=seg, m=m, cfg=shrink_cfgs[shrink_best]: (
+                            launch_lora_shrink(p.x, p.a, *seg[:4], m.slot_rank, m.max_rank, config=cfg,
+                                               seg_scale=m.seg_scale)
+                        )  # fmt: skip
                     if one_fn is not None:
                         fns["one-desc lora_gemm"] = one_fn
                     if args.sweep_fused:
@@ -474,7 +480,7 @@ def qkv_only(args, head: list[str]) -> None:
 
                     inter.append(
                         f"| {batch} | {nsl} | {rank} | {res['cuBLAS'][0] * 1e3:.0f} µs | {col('lora_linear')} | "
-                        f"{res['shrink'][0] * 1e3:.1f} µs | {col('lora_gemm')} | {best} | {col('best lora_gemm')} | "
+                        f"{res['shrink'][0] * 1e3:.1f} µs | {shrink_best} | {col('best shrink')} | {col('lora_gemm')} | {best} | {col('best lora_gemm')} | "
                         f"{col('one kernel')} | {one_best or '—'} | {col('one-desc lora_gemm')} | {target} |"
                     )
                     records[-1]["interleaved"] = res
