@@ -37,10 +37,6 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "32/128/4/3 split": dict(BLOCK_M=32, BLOCK_K=128, num_warps=4, num_stages=3, SPLIT=1),
     "32/128/4/4": dict(BLOCK_M=32, BLOCK_K=128, num_warps=4, num_stages=4),
     "128/128/8/3 split": dict(BLOCK_M=128, BLOCK_K=128, num_warps=8, num_stages=3, SPLIT=1),
-    # two stages, so every program of 4x4608 tokens is resident in one wave (128-row split: 432 programs at
-    # 4 per SM; 64-row split: 864 programs at 7 per SM) instead of a short second wave
-    "128/64/4/2 split": dict(BLOCK_M=128, BLOCK_K=64, num_warps=4, num_stages=2, SPLIT=1),
-    "64/64/4/2 split": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=2, SPLIT=1),
 }
 
 # The scaled path where the H200 sweep (4x4608 and 1x4608 tokens) found a better tile than TUNED for both
