@@ -37,7 +37,7 @@ from ditserve.kernels._dispatch import block_rank
 from ditserve.kernels.lora import _lora_linear_addmm, apply_lora, lora_expand, lora_linear, lora_shrink
 from ditserve.kernels.lora_expand.op import launch_lora_expand
 from ditserve.kernels.lora_expand.reference import lora_expand_ref
-from ditserve.kernels.lora_gemm.op import launch_lora_gemm, one_desc_layout
+from ditserve.kernels.lora_gemm.op import launch_lora_gemm
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 from ditserve.kernels.lora_linear.op import launch_lora_linear
 from ditserve.kernels.lora_linear.reference import lora_linear_ref
@@ -320,9 +320,8 @@ def qkv_only(args, head: list[str]) -> None:
              "default config and the sweep's fastest), the one-kernel lora_linear (with --sweep-fused)", "",
              "| batch | slices | rank | cuBLAS | lora_linear | vs cuBLAS | shrink | fastest swept shrink | its time "
              "| vs cuBLAS | lora_gemm | vs cuBLAS | "
-             "fastest swept config | its time | vs cuBLAS | one kernel | vs cuBLAS | one-desc config | its time | "
-             "vs cuBLAS | target |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "fastest swept config | its time | vs cuBLAS | one kernel | vs cuBLAS | target |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     totals: dict[str, float] = {}
     shrink_totals: dict[tuple[int, str], float] = {}
     records = []
@@ -375,25 +374,6 @@ def qkv_only(args, head: list[str]) -> None:
                             totals[name] = totals.get(name, 0.0) + ms / base
                         if ms < best_ms:
                             best, best_ms = name, ms
-                one_best, one_ms, one_fn = "", float("inf"), None
-                if rank and args.one_desc:
-                    # s in rows of x's descriptor, B in columns of W's (copies made here, outside the timing)
-                    x_ext, w_ext, views = one_desc_layout(p.x, p.w, s, p.b)
-                    for name, cfg in configs.items():
-                        c = {**gemm_op.DEFAULTS, **(cfg or gemm_op.gemm_config(m.num_tokens, p.w.shape[0]))}
-                        if not (c["TMA"] and c["LORA_LOOP"] == 1):
-                            continue
-
-                        def ofn(v=views, seg=seg, cfg=cfg, ext=(x_ext, w_ext), p=p, al=m.seg_align):
-                            return launch_lora_gemm(v[0], v[1], None, v[2], v[3], *seg, p.sizes, config=cfg,
-                                                    s_scaled=True, one_desc=ext, seg_align=al)  # fmt: skip
-
-                        cell, ms, ok = _time_checked(
-                            "one-desc " + name, ofn, want, 5e-2, 3e-2, t0, args.budget_s
-                        )
-                        cells.append(cell + (f" ({ms / base:.3f}x cuBLAS)" if ms is not None else ""))
-                        if ok and ms < one_ms:
-                            one_best, one_ms, one_fn = name, ms, ofn
                 if rank:
                     s32 = lora_shrink_ref(p.x, p.a, *seg[1:4], m.slot_rank, m.max_rank)
 
@@ -465,8 +445,6 @@ def qkv_only(args, head: list[str]) -> None:
                             launch_lora_shrink(p.x, p.a, *seg[:4], m.slot_rank, m.max_rank, config=cfg,
                                                seg_scale=m.seg_scale)
                         )  # fmt: skip
-                    if one_fn is not None:
-                        fns["one-desc lora_gemm"] = one_fn
                     if args.sweep_fused:
                         fns["one kernel"] = lambda p=p, seg=seg, m=m: launch_lora_linear(
                             p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes
@@ -481,7 +459,7 @@ def qkv_only(args, head: list[str]) -> None:
                     inter.append(
                         f"| {batch} | {nsl} | {rank} | {res['cuBLAS'][0] * 1e3:.0f} µs | {col('lora_linear')} | "
                         f"{res['shrink'][0] * 1e3:.1f} µs | {shrink_best} | {col('best shrink')} | {col('lora_gemm')} | {best} | {col('best lora_gemm')} | "
-                        f"{col('one kernel')} | {one_best or '—'} | {col('one-desc lora_gemm')} | {target} |"
+                        f"{col('one kernel')} | {target} |"
                     )
                     records[-1]["interleaved"] = res
                 del p, s, want
@@ -519,8 +497,6 @@ def main() -> None:
                     "SWEEP config (lora_linear/op.py), without the lora_gemm and shrink sweeps")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=5, help="--qkv-only: interleaved rounds of cuBLAS, "
                     "lora_linear and the one-kernel lora_linear per LoRA shape (0: none)")  # fmt: skip
-    ap.add_argument("--one-desc", action="store_true", help="--qkv-only: lora_gemm also with s inside x's "
-                    "TMA descriptor and B inside W's (copies outside the timing)")  # fmt: skip
     ap.add_argument("--gap-s", type=float, default=0.0, help="--rounds: seconds of idle GPU before each "
                     "interleaved timing")  # fmt: skip
     ap.add_argument("--fused-configs", default="", help="--sweep-fused: only lora_linear SWEEP names "

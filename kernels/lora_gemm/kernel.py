@@ -48,17 +48,10 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _tma_k_tiles(ki, k_tiles, x, w, s_desc, b_desc, m0, n0, s_row, b_row, BLOCK_K: tl.constexpr,
-                 LORA_IN_LOOP: tl.constexpr, ONE_DESC: tl.constexpr = False, b_col=0):  # fmt: skip
+                 LORA_IN_LOOP: tl.constexpr):  # fmt: skip
     """The two operand tiles of iteration ki of a TMA K loop: x and W for the first k_tiles iterations, then
-    (LORA_IN_LOOP) s[j] rows s_row.. and B[slot] rows b_row.. for the LoRA iterations. ONE_DESC: s lives
-    in rows of x's descriptor (from s_row) and B in columns of W's (from b_col): the LoRA iterations only
-    change coordinates, never the descriptor."""
-    if ONE_DESC:
-        in_k = ki < k_tiles
-        kk = tl.where(in_k, ki, ki - k_tiles) * BLOCK_K
-        a = x.load([tl.where(in_k, m0, s_row), kk])
-        wt = w.load([n0, tl.where(in_k, kk, b_col + kk)])
-    elif LORA_IN_LOOP:
+    (LORA_IN_LOOP) s[j] rows s_row.. and B[slot] rows b_row.. for the LoRA iterations."""
+    if LORA_IN_LOOP:
         if ki < k_tiles:
             a_desc = x
             w_desc = w
@@ -172,10 +165,6 @@ def _lora_gemm_kernel(
     num_programs,  # grid size: number of SMs (persistent) or number of tiles
     s_rows_total,  # rows of s_desc (num_slices · num_tokens): a row coordinate past every row
     b_rows_total,  # rows of b_desc (max_loras · n_total)
-    s_row0,  # ONE_DESC: x's descriptor row of s[0, 0] (s[j, t] at row s_row0 + j · num_tokens + t);
-    # s_rows_total is then the descriptor's row count, b_rows_total its column count
-    b_col0,  # ONE_DESC: W's descriptor column of B[0] (B[slot] from column b_col0 + slot · b_slot_cols)
-    b_slot_cols,
     stride_xt,
     stride_xh,
     stride_wn,
@@ -200,7 +189,6 @@ def _lora_gemm_kernel(
     COL_ALIGN: tl.constexpr,  # every slice boundary is a multiple of this (vectorised y/bias access)
     HAS_LORA: tl.constexpr,
     LORA_IN_LOOP: tl.constexpr,  # LoRA iterations in the K loop (s pre-scaled in W's dtype)
-    ONE_DESC: tl.constexpr,  # LORA_IN_LOOP with s inside x's descriptor and B inside W's (see _tma_k_tiles)
     STRADDLE: tl.constexpr,  # some row block may hold two segments (False: every segment starts at a
     # multiple of BLOCK_M, the pass over straddling tiles is left out)
     LORA_AFTER: tl.constexpr,  # USE_TMA: LoRA iterations in a loop of their own after the K loop (s pre-scaled)
@@ -266,19 +254,12 @@ def _lora_gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if USE_TMA:
             # LoRA iterations of other tiles point past the last row: TMA fills zeros, moves no bytes
-            b_col = 0
-            if ONE_DESC:
-                s_row = tl.where(lora_here, s_row0 + j * num_tokens + m0, s_rows_total)
-                b_row = n0
-                b_col = tl.where(lora_here, b_col0 + slot * b_slot_cols, b_rows_total)
-            else:
-                s_row = tl.where(lora_here, j * num_tokens + m0, s_rows_total)
-                b_row = tl.where(lora_here, slot * n_total + n0, b_rows_total)
+            s_row = tl.where(lora_here, j * num_tokens + m0, s_rows_total)
+            b_row = tl.where(lora_here, slot * n_total + n0, b_rows_total)
             for ki in range(n_iters):
                 a, wt = _tma_k_tiles(
-                    ki, k_tiles, x, w, s_desc, b_desc, m0, n0, s_row, b_row, BLOCK_K, LORA_IN_LOOP, ONE_DESC,
-                    b_col,
-                )  # fmt: skip
+                    ki, k_tiles, x, w, s_desc, b_desc, m0, n0, s_row, b_row, BLOCK_K, LORA_IN_LOOP
+                )
                 acc = tl.dot(a, wt.T, acc, input_precision=PRECISION)
             if LORA_AFTER:
                 if lora_here:

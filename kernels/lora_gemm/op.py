@@ -169,25 +169,6 @@ def _lora_descriptors(s, b_stacked, bm, bn, bk, lora_k):  # bk: rank columns per
     return s_desc, b_desc
 
 
-def one_desc_layout(x, w, s, b):
-    """(x_ext, w_ext, (x, w, s, b) as views of them): x_ext = [x; s[0]; s[1]; ...] with s in the first
-    s_cols columns of rows of x's width; w_ext = [W | B[0] | B[1] | ...] (launch_lora_gemm's one_desc)."""
-    t, k = x.shape
-    ns, _, c = s.shape
-    assert c <= k, f"s has {c} columns, more than the {k} of x's rows that hold them"
-    n, lo = w.shape[0], b.shape[0]
-    x_ext = x.new_zeros((t + ns * t, k))
-    x_ext[:t] = x
-    sv = x_ext[t:].view(ns, t, k)[:, :, :c]
-    sv.copy_(s)
-    w_ext = w.new_zeros((n, k + lo * c))
-    w_ext[:, :k] = w
-    bv = w_ext[:, k:].view(n, lo, c).permute(1, 0, 2)
-    r = min(c, b.shape[2])
-    bv[:, :, :r].copy_(b[:, :, :r])
-    return x_ext, w_ext, (x_ext[:t], w_ext[:, :k], sv, bv)
-
-
 def launch_lora_gemm(
     x: torch.Tensor,  # [num_tokens, hidden] fp16/bf16/fp32
     weight: torch.Tensor,  # [sum(out_slice_sizes), hidden], x's dtype (the fused base weight)
@@ -203,12 +184,8 @@ def launch_lora_gemm(
     out_slice_sizes: list[int],  # 1..4 output slices, slice j pairs with s[j]
     config: dict[str, int] | None = None,  # tile override (benchmarks, tests); missing keys from DEFAULTS
     s_scaled: bool = False,  # s already holds scale(t) · x · Aᵀ in x's dtype (lora_shrink(..., scaled=True))
-    one_desc: tuple | None = None,  # (x_ext, w_ext): s and B live inside x's and W's descriptors (below)
     seg_align: int = 1,  # every non-empty segment starts at a multiple of this (LoRABatchMeta.seg_align)
 ) -> torch.Tensor:  # [num_tokens, sum(out_slice_sizes)], x's dtype
-    """one_desc=(x_ext, w_ext) (TMA, LoRA in the K loop): x = x_ext[:T] and s[j] = x_ext[T + j·T : T + (j+1)·T,
-    :s_cols]; weight = w_ext[:, :hidden] and B[slot] = w_ext[:, hidden + slot·s_cols : ... + s_cols]; x, weight,
-    s and b_stacked must be those views. The LoRA iterations then read through the base GEMM's descriptors."""
     from ditserve.kernels.lora_gemm.kernel import _lora_gemm_kernel
 
     args = (x, weight, bias, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank)
@@ -236,22 +213,12 @@ def launch_lora_gemm(
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        if (lora_in_loop or lora_after) and not (one_desc and lora_in_loop):
+        if lora_in_loop or lora_after:
             descs = _lora_descriptors(s, b_stacked, bm, bn, lora_bk, rank_dim)
             use_tma = descs is not None
             if use_tma:
                 s_desc, b_desc = descs
-    s_rows_total, b_rows_total, s_row0, b_col0 = s.shape[0] * num_tokens, b_stacked.shape[0] * n_total, 0, 0
-    one = bool(one_desc) and use_tma and lora_in_loop
-    if one:
-        x_ext, w_ext = one_desc
-        assert x.data_ptr() == x_ext.data_ptr() and weight.data_ptr() == w_ext.data_ptr()
-        assert s.data_ptr() == x_ext[num_tokens].data_ptr() and s.stride(0) == num_tokens * s.stride(1)
-        assert b_stacked.data_ptr() == w_ext[0, hidden].data_ptr() and b_stacked.stride(0) == s.shape[2]
-        x_arg = TensorDescriptor.from_tensor(x_ext, [bm, bk])
-        w_arg = TensorDescriptor.from_tensor(w_ext, [bn, bk])
-        s_rows_total, b_rows_total, s_row0, b_col0 = x_ext.shape[0], w_ext.shape[1], num_tokens, hidden
-    elif use_tma:
+    if use_tma:
         x_arg = TensorDescriptor.from_tensor(x, [bm, bk])
         w_arg = TensorDescriptor.from_tensor(weight, [bn, bk])
     else:
@@ -268,12 +235,12 @@ def launch_lora_gemm(
         x_arg, w_arg, s_desc, b_desc, y, y_desc, bias if bias is not None else y, s, b_stacked,
         token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
         num_tokens, hidden, rank_dim, rank_dim, *cols, n_total, *blks, num_col_blocks, grid,
-        s_rows_total, b_rows_total, s_row0, b_col0, s.shape[2],
+        s.shape[0] * num_tokens, b_stacked.shape[0] * n_total,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
         s.stride(0), s.stride(1), s.stride(2), b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, R_CHUNK=cfg["R_CHUNK"], GROUP_M=cfg["GROUP_M"],
         USE_TMA=use_tma, FLATTEN=bool(cfg["FLATTEN"]), WARP_SPECIALIZE=bool(cfg["WS"]),
-        EVEN_K=hidden % bk == 0, COL_ALIGN=col_align, HAS_LORA=has_lora, LORA_IN_LOOP=lora_in_loop, ONE_DESC=one,
+        EVEN_K=hidden % bk == 0, COL_ALIGN=col_align, HAS_LORA=has_lora, LORA_IN_LOOP=lora_in_loop,
         STRADDLE=seg_align % bm != 0,
         LORA_AFTER=lora_after, LORA_BK=lora_bk, S_SCALED=s_scaled, HAS_BIAS=bias is not None,
         TMA_STORE=tma_store, EPI_SUBTILE=subtile if tma_store else 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

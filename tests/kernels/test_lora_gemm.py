@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from triton.runtime.errors import OutOfResources
 
 from ditserve.kernels.lora import lora_linear
-from ditserve.kernels.lora_gemm.op import SWEEP, launch_lora_gemm, one_desc_layout
+from ditserve.kernels.lora_gemm.op import SWEEP, launch_lora_gemm
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 from ditserve.kernels.lora_meta import LoRABatchMeta
 from ditserve.kernels.lora_shrink.op import SCALED_SWEEP, launch_lora_shrink
@@ -230,25 +230,22 @@ def test_seg_align():
 
 
 @pytest.mark.parametrize("flatten", [0, 1])
-def test_aligned_segments_and_one_desc(flatten):
-    """Segments starting at multiples of BLOCK_M (seg_align: no pass over straddling tiles), with the LoRA
-    iterations reading s and B through separate descriptors and through x's and W's (one_desc_layout)."""
+def test_aligned_segments(flatten):
+    """Segments starting at multiples of BLOCK_M (seg_align: no pass over straddling tiles, slots gathered
+    ahead), empty and no-LoRA segments, TMA store; the same result as without the alignment hint."""
     layout = ([(16, 0), (32, -1), (0, 1), (16, 3), (48, 1)], [16, 64, 0, 8], [1, 1, 2, -0.5, 0.5])
     sizes = [32, 64, 32]
-    c = make_case(layout, 3, sizes, 64, torch.float16, max_rank=MAX_RANK)
+    c = make_case(layout, 3, sizes, 48, torch.float16, max_rank=MAX_RANK)
     m = c.meta
     assert m.seg_align == 16
     w, bias = gemm_inputs(c, torch.float16, with_bias=True)
     s = scaled_s(c)
     want = ref(c, w, bias, s, s_scaled=True)
     cfg = _cfg(16, 32, 16, PERSISTENT=1, TMA=1, FLATTEN=flatten, TMA_STORE=1)
-    got = launch_lora_gemm(c.x, w, bias, s, c.b, *seg_args(m), sizes, config=cfg, s_scaled=True,
-                           seg_align=m.seg_align)  # fmt: skip
-    torch.testing.assert_close(got, want, **TOL[torch.float16])
-    x_ext, w_ext, (x, w1, s1, b1) = one_desc_layout(c.x, w, s, c.b)
-    got = launch_lora_gemm(x, w1, bias, s1, b1, *seg_args(m), sizes, config=cfg, s_scaled=True,
-                           one_desc=(x_ext, w_ext), seg_align=m.seg_align)  # fmt: skip
-    torch.testing.assert_close(got, want, **TOL[torch.float16])
+    for align in (m.seg_align, 1):
+        got = launch_lora_gemm(c.x, w, bias, s, c.b, *seg_args(m), sizes, config=cfg, s_scaled=True,
+                               seg_align=align)  # fmt: skip
+        torch.testing.assert_close(got, want, **TOL[torch.float16])
 
 
 def test_aligned_segments_many_tiles_per_program():
