@@ -11,11 +11,18 @@ scaled=True)` writes it): the K loop runs k_tiles + r_tiles iterations, the last
 A operand from s[j] (rows m0.., columns (ki - k_tiles)·BLOCK_K..) and the B operand from B[slot] instead of
 x and W. The LoRA tiles are then loaded by the same pipeline as the base GEMM's (no exposed latency per
 tile) and the LoRA FLOPs ride the same tensor-core loop. r_tiles is the same for every tile, so the tile
-and K loops still flatten into one loop (FLATTEN); a tile that lies in one segment without LoRA reads
-nothing there (TMA coordinates past the end come back as zeros; pointer loads are masked off). Tiles whose
-rows straddle segments (a few per batch: one per request boundary) add their LoRA term after the loop
-(`_lora_epilogue`: per segment, rows of other segments masked). Columns of s past a slot's rank must be
-zero (the shrink writes them so) and B finite there (slot buffers are zero past the rank).
+and K loops still flatten into one loop (FLATTEN: the next tile's loads overlap this tile's epilogue); a
+tile that lies in one segment without LoRA reads nothing there (TMA coordinates past the end come back as
+zeros; pointer loads are masked off). Tiles whose rows straddle segments (at most one row block per
+request boundary, none when every segment starts at a multiple of BLOCK_M: STRADDLE=False) are not
+stored by the tile loop: a pass after it computes them again and adds their LoRA terms segment by segment
+(`_lora_epilogue`, rows of other segments masked). Keeping that work, with its own loops, out of the tile
+loop is what lets Triton flatten it. Columns of s past a slot's rank must be zero (the shrink writes them
+so) and B finite there (slot buffers are zero past the rank). Without straddling tiles the slots of a
+program's next 32 tiles are gathered in one load, so no tile start waits on metadata loads of its own.
+
+TMA_STORE: y leaves through a TMA store (in one or two column pieces), which needs slices that are whole
+multiples of BLOCK_N; rows past num_tokens are clipped by the descriptor.
 
 LORA_AFTER (TMA, a pre-scaled s): the K loop reads only x and W, exactly as without LoRA, and a second
 short loop of cdiv(lora_k, LORA_BK) iterations reads s[j] and B[slot] for tiles inside one segment with an
