@@ -14,10 +14,11 @@ tile) and the LoRA FLOPs ride the same tensor-core loop. r_tiles is the same for
 and K loops still flatten into one loop (FLATTEN: the next tile's loads overlap this tile's epilogue); a
 tile that lies in one segment without LoRA reads nothing there (TMA coordinates past the end come back as
 zeros; pointer loads are masked off). Tiles whose rows straddle segments (at most one row block per
-request boundary, none when every segment starts at a multiple of BLOCK_M: STRADDLE=False) are not
-stored by the tile loop: a pass after it computes them again and adds their LoRA terms segment by segment
-(`_lora_epilogue`, rows of other segments masked). Keeping that work, with its own loops, out of the tile
-loop is what lets Triton flatten it. Columns of s past a slot's rank must be zero (the shrink writes them
+request boundary, none when every segment starts at a multiple of BLOCK_M: STRADDLE=False) add their LoRA
+terms after the K loop, segment by segment (`_lora_epilogue`, rows of other segments masked). In a
+flattened loop that work, with its own loops, would keep Triton from flattening: there the tile loop does
+not store such tiles and a pass after it computes them again with their LoRA terms (the launcher's default
+config does not flatten a batch that has them, so nothing is computed twice). Columns of s past a slot's rank must be zero (the shrink writes them
 so) and B finite there (slot buffers are zero past the rank). Without straddling tiles the slots of a
 program's next 32 tiles are gathered in one load, so no tile start waits on metadata loads of its own.
 
@@ -217,6 +218,9 @@ def _lora_gemm_kernel(
     # LoRA in the K loop and no straddling row blocks: the slots of this program's next META_CHUNK tiles are
     # gathered in one go every META_CHUNK tiles, so a tile's start waits on no global load of its own
     PREFETCH_META: tl.constexpr = LORA_IN_LOOP and not STRADDLE
+    # flattened loop with LoRA in it: tiles straddling segments wait for the pass after the tile loop (their
+    # per-segment loops would keep Triton from flattening); otherwise they add their LoRA terms inline
+    DEFER_STRADDLE: tl.constexpr = LORA_IN_LOOP and STRADDLE and FLATTEN
     META_CHUNK: tl.constexpr = 32
     offs_meta = tl.arange(0, META_CHUNK)
     slot_vec = tl.zeros((META_CHUNK,), dtype=tl.int32)
@@ -306,7 +310,7 @@ def _lora_gemm_kernel(
                 acc = tl.dot(a, wt, acc, input_precision=PRECISION)
 
         if HAS_LORA:
-            if LORA_AFTER:
+            if LORA_AFTER or (LORA_IN_LOOP and STRADDLE and not FLATTEN):
                 # rare: the tile's rows straddle segments; their LoRA terms one by one after the loop
                 if seg_lo != seg_hi:
                     acc = _lora_epilogue(
@@ -324,9 +328,9 @@ def _lora_gemm_kernel(
                 )  # fmt: skip
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        # with LORA_IN_LOOP a tile whose rows straddle segments is not stored here: the pass below does it
+        # DEFER_STRADDLE: a tile whose rows straddle segments is not stored here, the pass below does it
         straddle = False
-        if LORA_IN_LOOP and STRADDLE:
+        if DEFER_STRADDLE:
             straddle = seg_lo != seg_hi
         out = acc.to(y_ptr.dtype.element_ty)
         if TMA_STORE:
@@ -342,11 +346,11 @@ def _lora_gemm_kernel(
         else:
             y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :] * stride_yn
             row_hi = num_tokens
-            if LORA_IN_LOOP and STRADDLE:
+            if DEFER_STRADDLE:
                 row_hi = tl.where(straddle, 0, num_tokens)
             tl.store(y_ptrs, out, mask=(offs_m < row_hi)[:, None] & n_mask[None, :])
 
-    if LORA_IN_LOOP and STRADDLE:
+    if DEFER_STRADDLE:
         # rare (none when every request's length is a multiple of BLOCK_M): tiles whose rows straddle
         # segments, computed again here with their LoRA terms one segment at a time. Outside the tile loop,
         # whose body then holds a single inner loop and can be flattened and pipelined across tiles.

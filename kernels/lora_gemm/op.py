@@ -105,6 +105,20 @@ def gemm_config(num_tokens: int, n_total: int) -> dict[str, int]:
     return {**DEFAULTS, **TUNED[size_class(num_tokens, n_total)]}
 
 
+def resolve_config(
+    config: dict[str, int] | None, num_tokens: int, n_total: int, lora_in_loop: bool, seg_align: int
+) -> dict[str, int]:
+    """The launch config: `config` over DEFAULTS, or the tuned one for the size. The tuned config does not
+    flatten a batch with LoRA iterations whose row blocks may hold two segments: a flattened loop would
+    compute those tiles twice (see the kernel), the plain persistent loop adds their LoRA terms inline."""
+    if config:
+        return {**DEFAULTS, **config}
+    cfg = gemm_config(num_tokens, n_total)
+    if lora_in_loop and cfg["FLATTEN"] and cfg["LORA_LOOP"] == 1 and seg_align % cfg["BLOCK_M"]:
+        cfg = {**cfg, "FLATTEN": 0}
+    return cfg
+
+
 def tma_ok(*tensors: torch.Tensor) -> bool:
     """TMA needs 16-byte aligned bases and row strides, and a unit inner stride."""
     return all(
@@ -197,7 +211,7 @@ def launch_lora_gemm(
         return y
     if hidden == 0:  # x · Aᵀ is 0 as well
         return y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
-    cfg = {**DEFAULTS, **(config or gemm_config(num_tokens, n_total))}
+    cfg = resolve_config(config, num_tokens, n_total, s.shape[2] > 0 and s_scaled, seg_align)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
     num_tiles = -(-num_tokens // bm) * num_col_blocks

@@ -97,9 +97,13 @@ GPU_RANKS = [16, 64, 128, 32, 0]
 GPU_SIZES = {3: [3072] * 3, 4: [3072, 3072, 3072, 12288]}
 
 
-def gpu_problem(num_slices: int):
+GPU_SCALES = [0.5, 1.0, 2.0, 0.25, 1.0, 1.0, -1.0]
+
+
+def gpu_problem(num_slices: int, requests=GPU_REQUESTS):
     """(meta, x, a, b, w, bias, sizes) on the GPU in bf16, hidden 3072, 3 or 4 Flux output slices."""
-    meta = LoRABatchMeta.build(GPU_REQUESTS, GPU_RANKS, [0.5, 1.0, 2.0, 0.25, 1.0, 1.0, -1.0], device="cuda")
+    scales = [GPU_SCALES[i % len(GPU_SCALES)] for i in range(len(requests))]
+    meta = LoRABatchMeta.build(requests, GPU_RANKS, scales, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     sizes = GPU_SIZES[num_slices]
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from triton.runtime.errors import OutOfResources
 
 from ditserve.kernels.lora import lora_linear
-from ditserve.kernels.lora_gemm.op import SWEEP, launch_lora_gemm
+from ditserve.kernels.lora_gemm.op import SWEEP, TUNED, launch_lora_gemm, resolve_config
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 from ditserve.kernels.lora_meta import LoRABatchMeta
 from ditserve.kernels.lora_shrink.op import SCALED_SWEEP, launch_lora_shrink
@@ -262,6 +262,19 @@ def test_aligned_segments_many_tiles_per_program():
     torch.testing.assert_close(got, ref(c, w, bias, s, s_scaled=True), **TOL[torch.float16])
 
 
+def test_default_config_flattens_only_aligned_lora_batches():
+    """The tuned large config flattens its tile loop unless LoRA iterations meet row blocks that may hold
+    two segments; an explicit config is taken as given."""
+    assert TUNED["large"]["FLATTEN"] == 1
+    big = (18432, 9216)
+    assert resolve_config(None, *big, lora_in_loop=True, seg_align=512)["FLATTEN"] == 1
+    assert resolve_config(None, *big, lora_in_loop=True, seg_align=64)["FLATTEN"] == 0
+    assert resolve_config(None, *big, lora_in_loop=False, seg_align=1)["FLATTEN"] == 1
+    assert (
+        resolve_config({"FLATTEN": 1, "BLOCK_M": 128}, *big, lora_in_loop=True, seg_align=1)["FLATTEN"] == 1
+    )
+
+
 def test_reference_matches_dense_oracle():
     layout = (
         [(150, 0), (1, 1), (0, 2), (40, 0), (7, -1), (33, 3)],
@@ -368,6 +381,24 @@ def test_bf16_gpu_every_config(num_slices, name):
     torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=3e-2)
     base = launch_lora_gemm(x, w, None, s[:, :, :0], b, *seg_args(m), sizes, config=cfg, s_scaled=True)
     torch.testing.assert_close(base.float(), torch.nn.functional.linear(x, w).float(), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_slices", [3, 4])
+def test_bf16_gpu_aligned_batch_default_config(num_slices):
+    """Requests whose lengths are multiples of 128 (Flux: 4096 image + 512 text tokens): the default config
+    with seg_align, i.e. the flattened loop without the straddling-tile pass, and lora_linear end to end."""
+    requests = [(1024, 0), (512, -1), (0, 2), (2048, 1), (128, 3), (384, 0)]
+    meta, x, a, b, w, bias, sizes = gpu_problem(num_slices, requests)
+    m = meta
+    assert m.seg_align % 128 == 0
+    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot)
+    s = lora_shrink_scaled_ref(x, a, *seg, m.seg_scale, m.slot_rank, m.max_rank)
+    want = lora_gemm_ref(x, w, bias, s, b, *seg[1:], m.seg_scale, m.slot_rank, sizes, s_scaled=True)
+    got = launch_lora_gemm(x, w, bias, s, b, *seg_args(m), sizes, s_scaled=True, seg_align=m.seg_align)
+    torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=3e-2)
+    got = lora_linear(x, w, bias, a, b, m, sizes)
+    torch.testing.assert_close(got.float(), want.float(), atol=6e-2, rtol=3e-2)
 
 
 @pytest.mark.gpu
