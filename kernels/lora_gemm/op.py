@@ -26,6 +26,7 @@ TUNED: dict[str, dict[str, int]] = {
     # through a TMA store, 16 row blocks per column block. H200, hidden 3072, 4×4608 tokens, QKV, 4
     # adapters, interleaved against cuBLAS: +4.7 to +4.9 % at rank 16, +4.6 % at rank 64, +1.0 % without
     # LoRA (the non-flattened loop with a pointer store: +7 to +9 % with LoRA, +3 to +5 % without).
+    # Batches whose row blocks may hold two segments run unflattened (resolve_config).
     "large": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=3,
                   PERSISTENT=1, TMA=1, FLATTEN=1, WS=0, LORA_LOOP=1, TMA_STORE=1),
     # fewer tiles: smaller ones so every SM gets work
