@@ -257,6 +257,24 @@ def interleaved(fns: dict[str, object], rounds: int, gap_s: float = 0.0) -> dict
     return {k: (med(times[k]), med(ratios[k])) for k in fns}
 
 
+def _shrink_call(p: LoRAProblem, cfg: dict[str, int] | None = None):
+    """The scaled shrink (bf16 scale · s, what lora_gemm reads) of problem p with tile config cfg."""
+    m = p.meta
+    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot)
+    return lambda: launch_lora_shrink(
+        p.x, p.a, *seg, m.slot_rank, m.max_rank, config=cfg, seg_scale=m.seg_scale
+    )
+
+
+def _gemm_call(p: LoRAProblem, s: torch.Tensor, cfg: dict[str, int] | None = None):
+    """lora_gemm of problem p on the scaled s with tile config cfg, told the batch's segment alignment."""
+    m = p.meta
+    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
+    return lambda: launch_lora_gemm(
+        p.x, p.w, None, s, p.b, *seg, p.sizes, config=cfg, s_scaled=True, seg_align=m.seg_align
+    )
+
+
 def _fail(name: str, e: Exception) -> str:
     return f"{name}: fail ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
 
@@ -339,12 +357,9 @@ def qkv_only(args, head: list[str]) -> None:
                     s_want = lora_shrink_scaled_ref(p.x, p.a, *seg[:4], m.seg_scale, m.slot_rank, m.max_rank)
                     shrink = float("inf")
                     for name, cfg in shrink_cfgs.items():
-
-                        def sfn(p=p, seg=seg, cfg=cfg, m=m):
-                            return launch_lora_shrink(p.x, p.a, *seg[:4], m.slot_rank, m.max_rank, config=cfg,
-                                                      seg_scale=m.seg_scale)  # fmt: skip
-
-                        cell, ms, ok = _time_checked(name, sfn, s_want, 2e-2, 2e-2, t0, args.budget_s)
+                        cell, ms, ok = _time_checked(
+                            name, _shrink_call(p, cfg), s_want, 2e-2, 2e-2, t0, args.budget_s
+                        )
                         shrink_cells.append(cell)
                         if ok and ms < shrink:
                             shrink, shrink_best = ms, name
@@ -359,13 +374,9 @@ def qkv_only(args, head: list[str]) -> None:
                 want = lora_gemm_ref(p.x, p.w, None, s, p.b, *seg[1:], p.sizes, s_scaled=True)
                 cells, best, best_ms = [], None, float("inf")
                 for name, cfg in configs.items():
-
-                    def fn(p=p, s=s, seg=seg, cfg=cfg, al=m.seg_align):
-                        return launch_lora_gemm(
-                            p.x, p.w, None, s, p.b, *seg, p.sizes, config=cfg, s_scaled=True, seg_align=al
-                        )
-
-                    cell, ms, ok = _time_checked(name, fn, want, 5e-2, 3e-2, t0, args.budget_s)
+                    cell, ms, ok = _time_checked(
+                        name, _gemm_call(p, s, cfg), want, 5e-2, 3e-2, t0, args.budget_s
+                    )
                     if ms is not None:
                         cell += f" ({ms / base:.3f}x cuBLAS)"
                     cells.append(cell)
@@ -428,23 +439,13 @@ def qkv_only(args, head: list[str]) -> None:
                         "cuBLAS": lambda p=p: F.linear(p.x, p.w),
                         "lora_linear": lambda p=p, m=m: lora_linear(p.x, p.w, None, p.a, p.b, m, p.sizes),
                         # its two parts, each on its own: the shrink, and lora_gemm on a given s
-                        "shrink": lambda p=p, seg=seg, m=m: launch_lora_shrink(
-                            p.x, p.a, *seg[:4], m.slot_rank, m.max_rank, seg_scale=m.seg_scale
-                        ),
-                        "lora_gemm": lambda p=p, s=s, seg=seg, al=m.seg_align: launch_lora_gemm(
-                            p.x, p.w, None, s, p.b, *seg, p.sizes, s_scaled=True, seg_align=al
-                        ),
+                        "shrink": _shrink_call(p),
+                        "lora_gemm": _gemm_call(p, s),
                     }
                     if best not in (None, "default"):
-                        fns["best lora_gemm"] = lambda p=p, s=s, seg=seg, cfg=configs[best], al=m.seg_align: (
-                            launch_lora_gemm(p.x, p.w, None, s, p.b, *seg, p.sizes, config=cfg, s_scaled=True,
-                                             seg_align=al)
-                        )  # fmt: skip
+                        fns["best lora_gemm"] = _gemm_call(p, s, configs[best])
                     if shrink_best not in ("", "default"):
-                        fns["best shrink"] = lambda p=p, seg=seg, m=m, cfg=shrink_cfgs[shrink_best]: (
-                            launch_lora_shrink(p.x, p.a, *seg[:4], m.slot_rank, m.max_rank, config=cfg,
-                                               seg_scale=m.seg_scale)
-                        )  # fmt: skip
+                        fns["best shrink"] = _shrink_call(p, shrink_cfgs[shrink_best])
                     if args.sweep_fused:
                         fns["one kernel"] = lambda p=p, seg=seg, m=m: launch_lora_linear(
                             p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes

@@ -14,13 +14,11 @@ tile) and the LoRA FLOPs ride the same tensor-core loop. r_tiles is the same for
 and K loops still flatten into one loop (FLATTEN: the next tile's loads overlap this tile's epilogue); a
 tile that lies in one segment without LoRA reads nothing there (TMA coordinates past the end come back as
 zeros; pointer loads are masked off). Tiles whose rows straddle segments (at most one row block per
-request boundary, none when every segment starts at a multiple of BLOCK_M: STRADDLE=False) add their LoRA
-terms after the K loop, segment by segment (`_lora_epilogue`, rows of other segments masked). In a
-flattened loop that work, with its own loops, would keep Triton from flattening: there the tile loop does
-not store such tiles and a pass after it computes them again with their LoRA terms (the launcher's default
-config does not flatten a batch that has them, so nothing is computed twice). Columns of s past a slot's rank must be zero (the shrink writes them
-so) and B finite there (slot buffers are zero past the rank). Without straddling tiles the slots of a
-program's next 32 tiles are gathered in one load, so no tile start waits on metadata loads of its own.
+request boundary) add their LoRA terms after the K loop, segment by segment (`_lora_epilogue`, rows of
+other segments masked). That epilogue has loops of its own, which keep Triton from flattening the tile
+loop; with STRADDLE=False (every segment starts at a multiple of BLOCK_M, `LoRABatchMeta.seg_align`) it is
+compiled out, and the launcher's tuned config flattens only such batches. Columns of s past a slot's rank
+must be zero (the shrink writes them so) and B finite there (slot buffers are zero past the rank).
 
 TMA_STORE: y leaves through a TMA store (in one or two column pieces), which needs slices that are whole
 multiples of BLOCK_N; rows past num_tokens are clipped by the descriptor.
@@ -52,6 +50,26 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
     local = tile_id - group * num_in_group
     return first_m + local % group_size, local // group_size
+
+
+@triton.jit
+def _tile_geometry(tile_id, num_pid_m, num_col_blocks, num_tokens, col1, col2, col3, n_total, blk1, blk2, blk3,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                   COL_ALIGN: tl.constexpr):  # fmt: skip
+    """Output tile tile_id: its row block pid_m, slice j, first row m0 and column n0, row and column offsets,
+    the column mask (the tile never leaves slice j), and rows/columns clamped to valid ones instead of
+    masked (masked out at the store)."""
+    pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_col_blocks, GROUP_M)
+    j, n0, col_hi = slice_columns(pid_n, col1, col2, col3, n_total, blk1, blk2, blk3, BLOCK_N)
+    m0 = pid_m * BLOCK_M
+    if COL_ALIGN > 1:
+        n0 = tl.multiple_of(n0, COL_ALIGN)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < col_hi
+    rows = tl.where(offs_m < num_tokens, offs_m, 0).to(tl.int64)
+    cols = tl.where(n_mask, offs_n, 0).to(tl.int64)
+    return pid_m, j, m0, n0, offs_m, offs_n, n_mask, rows, cols
 
 
 @triton.jit
@@ -215,49 +233,29 @@ def _lora_gemm_kernel(
     if LORA_IN_LOOP:
         n_iters += tl.cdiv(lora_k, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
-    # LoRA in the K loop and no straddling row blocks: the slots of this program's next META_CHUNK tiles are
-    # gathered in one go every META_CHUNK tiles, so a tile's start waits on no global load of its own
-    PREFETCH_META: tl.constexpr = LORA_IN_LOOP and not STRADDLE
-    # flattened loop with LoRA in it: tiles straddling segments wait for the pass after the tile loop (their
-    # per-segment loops would keep Triton from flattening); otherwise they add their LoRA terms inline
-    DEFER_STRADDLE: tl.constexpr = LORA_IN_LOOP and STRADDLE and FLATTEN
-    META_CHUNK: tl.constexpr = 32
-    offs_meta = tl.arange(0, META_CHUNK)
-    slot_vec = tl.zeros((META_CHUNK,), dtype=tl.int32)
+    # the per-segment LoRA epilogue after the K loop: for every tile (s unscaled), or only for tiles whose rows
+    # straddle segments (LoRA iterations in or after the K loop, rows that may hold two segments)
+    EPILOGUE_ALL: tl.constexpr = HAS_LORA and not LORA_IN_LOOP and not LORA_AFTER
+    EPILOGUE_STRADDLE: tl.constexpr = LORA_AFTER or (LORA_IN_LOOP and STRADDLE)
     for tile_id in tl.range(pid, num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_col_blocks, GROUP_M)
-        # output slice j of this column block and its column range
-        j, n0, col_hi = slice_columns(pid_n, col1, col2, col3, n_total, blk1, blk2, blk3, BLOCK_N)
-        m0 = pid_m * BLOCK_M
-        if COL_ALIGN > 1:
-            n0 = tl.multiple_of(n0, COL_ALIGN)
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < col_hi
-        # clamp out-of-range rows/columns to a valid one instead of masking (masked out at the store)
-        rows = tl.where(offs_m < num_tokens, offs_m, 0).to(tl.int64)
-        cols = tl.where(n_mask, offs_n, 0).to(tl.int64)
+        _, j, m0, n0, offs_m, offs_n, n_mask, rows, cols = _tile_geometry(
+            tile_id, num_pid_m, num_col_blocks, num_tokens, col1, col2, col3, n_total, blk1, blk2, blk3,
+            BLOCK_M, BLOCK_N, GROUP_M, COL_ALIGN,
+        )  # fmt: skip
 
         seg_lo = 0
         seg_hi = 0
-        if HAS_LORA and not PREFETCH_META:
+        if HAS_LORA:
             # the segments touching this tile's rows: one on the common path (no row straddles)
             seg_lo = tl.load(token_seg_ptr + m0)
-            seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
+            if LORA_IN_LOOP and not STRADDLE:
+                seg_hi = seg_lo  # no row block holds two segments
+            else:
+                seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
         # LoRA iterations of the K loop: only for a tile inside one segment with an adapter
         slot = 0
         lora_here = False
-        if PREFETCH_META:
-            i = (tile_id - pid) // num_programs
-            if i % META_CHUNK == 0:
-                ids = tile_id + offs_meta * num_programs
-                pm, _ = _tile_coords(ids, num_pid_m, num_col_blocks, GROUP_M)
-                segs = tl.load(token_seg_ptr + pm * BLOCK_M, mask=ids < num_tiles, other=0)
-                slot_vec = tl.load(seg_slot_ptr + segs, mask=ids < num_tiles, other=-1)
-            slot = tl.sum(tl.where(offs_meta == i % META_CHUNK, slot_vec, 0))
-            lora_here = slot >= 0
-            slot = tl.maximum(slot, 0)
-        elif LORA_IN_LOOP or LORA_AFTER:
+        if LORA_IN_LOOP or LORA_AFTER:
             slot = tl.load(seg_slot_ptr + seg_lo)
             lora_here = (seg_lo == seg_hi) & (slot >= 0)
             slot = tl.maximum(slot, 0)
@@ -309,17 +307,9 @@ def _lora_gemm_kernel(
                     wt = tl.load(w_ptrs, mask=(kk + offs_k)[:, None] < k_lim, other=0.0)
                 acc = tl.dot(a, wt, acc, input_precision=PRECISION)
 
-        if HAS_LORA:
-            if LORA_AFTER or (LORA_IN_LOOP and STRADDLE and not FLATTEN):
-                # rare: the tile's rows straddle segments; their LoRA terms one by one after the loop
-                if seg_lo != seg_hi:
-                    acc = _lora_epilogue(
-                        acc, seg_lo, seg_hi, j, offs_m, offs_n, n_mask, s_ptr, b_ptr,
-                        seg_start_ptr, seg_len_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, rank_dim,
-                        stride_ss, stride_st, stride_sr, stride_bl, stride_bn, stride_br,
-                        R_CHUNK, S_SCALED, PRECISION,
-                    )  # fmt: skip
-            elif not LORA_IN_LOOP:
+        if EPILOGUE_ALL or EPILOGUE_STRADDLE:
+            # EPILOGUE_STRADDLE: rare, the tile's rows straddle segments; their LoRA terms one by one here
+            if EPILOGUE_ALL or seg_lo != seg_hi:
                 acc = _lora_epilogue(
                     acc, seg_lo, seg_hi, j, offs_m, offs_n, n_mask, s_ptr, b_ptr,
                     seg_start_ptr, seg_len_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, rank_dim,
@@ -328,65 +318,15 @@ def _lora_gemm_kernel(
                 )  # fmt: skip
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        # DEFER_STRADDLE: a tile whose rows straddle segments is not stored here, the pass below does it
-        straddle = False
-        if DEFER_STRADDLE:
-            straddle = seg_lo != seg_hi
         out = acc.to(y_ptr.dtype.element_ty)
         if TMA_STORE:
-            # rows past num_tokens are clipped by the descriptor (a straddling tile's row num_tokens: all of
-            # it); the tile never crosses a slice
-            row = tl.where(straddle, num_tokens, m0)
+            # rows past num_tokens are clipped by the descriptor; the tile never crosses a slice
             if EPI_SUBTILE == 2:
                 lo, hi = tl.split(tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-                y_desc.store([row, n0], lo)
-                y_desc.store([row, n0 + BLOCK_N // 2], hi)
+                y_desc.store([m0, n0], lo)
+                y_desc.store([m0, n0 + BLOCK_N // 2], hi)
             else:
-                y_desc.store([row, n0], out)
+                y_desc.store([m0, n0], out)
         else:
             y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :] * stride_yn
-            row_hi = num_tokens
-            if DEFER_STRADDLE:
-                row_hi = tl.where(straddle, 0, num_tokens)
-            tl.store(y_ptrs, out, mask=(offs_m < row_hi)[:, None] & n_mask[None, :])
-
-    if DEFER_STRADDLE:
-        # rare (none when every request's length is a multiple of BLOCK_M): tiles whose rows straddle
-        # segments, computed again here with their LoRA terms one segment at a time. Outside the tile loop,
-        # whose body then holds a single inner loop and can be flattened and pipelined across tiles.
-        for tile_id in tl.range(pid, num_tiles, num_programs):
-            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_col_blocks, GROUP_M)
-            m0 = pid_m * BLOCK_M
-            seg_lo = tl.load(token_seg_ptr + m0)
-            seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
-            if seg_lo != seg_hi:
-                j, n0, col_hi = slice_columns(pid_n, col1, col2, col3, n_total, blk1, blk2, blk3, BLOCK_N)
-                offs_m = m0 + tl.arange(0, BLOCK_M)
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                n_mask = offs_n < col_hi
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                if USE_TMA:
-                    for ki in range(k_tiles):
-                        a, wt = _tma_k_tiles(ki, k_tiles, x, w, s_desc, b_desc, m0, n0, 0, 0, BLOCK_K, False)
-                        acc = tl.dot(a, wt.T, acc, input_precision=PRECISION)
-                else:
-                    rows = tl.where(offs_m < num_tokens, offs_m, 0).to(tl.int64)
-                    cols = tl.where(n_mask, offs_n, 0).to(tl.int64)
-                    for ki in range(k_tiles):
-                        kk = ki * BLOCK_K + offs_k
-                        a = tl.load(x + rows[:, None] * stride_xt + kk[None, :] * stride_xh,
-                                    mask=kk[None, :] < hidden, other=0.0)  # fmt: skip
-                        wt = tl.load(w + cols[None, :] * stride_wn + kk[:, None] * stride_wh,
-                                     mask=kk[:, None] < hidden, other=0.0)  # fmt: skip
-                        acc = tl.dot(a, wt, acc, input_precision=PRECISION)
-                acc = _lora_epilogue(
-                    acc, seg_lo, seg_hi, j, offs_m, offs_n, n_mask, s_ptr, b_ptr,
-                    seg_start_ptr, seg_len_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, rank_dim,
-                    stride_ss, stride_st, stride_sr, stride_bl, stride_bn, stride_br,
-                    R_CHUNK, S_SCALED, PRECISION,
-                )  # fmt: skip
-                if HAS_BIAS:
-                    acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-                y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :] * stride_yn
-                y_mask = (offs_m < num_tokens)[:, None] & n_mask[None, :]
-                tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.store(y_ptrs, out, mask=(offs_m < num_tokens)[:, None] & n_mask[None, :])

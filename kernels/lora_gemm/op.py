@@ -110,8 +110,9 @@ def resolve_config(
     config: dict[str, int] | None, num_tokens: int, n_total: int, lora_in_loop: bool, seg_align: int
 ) -> dict[str, int]:
     """The launch config: `config` over DEFAULTS, or the tuned one for the size. The tuned config does not
-    flatten a batch with LoRA iterations whose row blocks may hold two segments: a flattened loop would
-    compute those tiles twice (see the kernel), the plain persistent loop adds their LoRA terms inline."""
+    flatten a batch with LoRA iterations whose row blocks may hold two segments: the per-segment epilogue
+    those tiles need keeps Triton from flattening the loop (1.3-1.4× cuBLAS in the H200 sweep), and the
+    plain persistent loop carries it at no such cost."""
     if config:
         return {**DEFAULTS, **config}
     cfg = gemm_config(num_tokens, n_total)

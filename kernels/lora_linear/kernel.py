@@ -30,8 +30,7 @@ waiting for a later one's flag would never return).
 import triton
 import triton.language as tl
 
-from ditserve.kernels.lora_expand.kernel import slice_columns
-from ditserve.kernels.lora_gemm.kernel import _lora_epilogue, _tile_coords, _tma_k_tiles
+from ditserve.kernels.lora_gemm.kernel import _lora_epilogue, _tile_geometry, _tma_k_tiles
 
 
 @triton.jit
@@ -224,16 +223,10 @@ def _lora_linear_kernel(
         for tile_id in tl.range(
             pid, num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE
         ):
-            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_col_blocks, GROUP_M)
-            j, n0, col_hi = slice_columns(pid_n, col1, col2, col3, n_total, blk1, blk2, blk3, BLOCK_N)
-            m0 = pid_m * BLOCK_M
-            if COL_ALIGN > 1:
-                n0 = tl.multiple_of(n0, COL_ALIGN)
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < col_hi
-            rows = tl.where(offs_m < num_tokens, offs_m, 0).to(tl.int64)
-            cols = tl.where(n_mask, offs_n, 0).to(tl.int64)
+            pid_m, j, m0, n0, offs_m, offs_n, n_mask, rows, cols = _tile_geometry(
+                tile_id, num_pid_m, num_col_blocks, num_tokens, col1, col2, col3, n_total, blk1, blk2, blk3,
+                BLOCK_M, BLOCK_N, GROUP_M, COL_ALIGN,
+            )  # fmt: skip
 
             seg_lo = tl.load(token_seg_ptr + m0)
             seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)

@@ -231,8 +231,8 @@ def test_seg_align():
 
 @pytest.mark.parametrize("flatten", [0, 1])
 def test_aligned_segments(flatten):
-    """Segments starting at multiples of BLOCK_M (seg_align: no pass over straddling tiles, slots gathered
-    ahead), empty and no-LoRA segments, TMA store; the same result as without the alignment hint."""
+    """Segments starting at multiples of BLOCK_M (seg_align: the straddling-tile epilogue compiled out),
+    empty and no-LoRA segments, TMA store; the same result as without the alignment hint."""
     layout = ([(16, 0), (32, -1), (0, 1), (16, 3), (48, 1)], [16, 64, 0, 8], [1, 1, 2, -0.5, 0.5])
     sizes = [32, 64, 32]
     c = make_case(layout, 3, sizes, 48, torch.float16, max_rank=MAX_RANK)
@@ -249,8 +249,8 @@ def test_aligned_segments(flatten):
 
 
 def test_aligned_segments_many_tiles_per_program():
-    """Aligned segments with more tiles per program than the kernel gathers slots for at once (40 tiles on
-    each of the interpreter's 4 programs): the gathered slots are refreshed, every tile gets its own."""
+    """Aligned segments over many tiles per program (40 on each of the interpreter's 4 programs), flattened:
+    every tile gets its own request's adapter."""
     layout = ([(64, 2), (32, -1), (96, 0), (16, 3), (112, 1)], [16, 8, 16, 8], [1, 1, 2, -0.5, 0.5])
     sizes = [64, 32, 32]
     c = make_case(layout, 3, sizes, 32, torch.float16, max_rank=MAX_RANK)
