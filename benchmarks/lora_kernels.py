@@ -340,6 +340,13 @@ def qkv_only(args, head: list[str]) -> None:
              "| vs cuBLAS | lora_gemm | vs cuBLAS | "
              "fastest swept config | its time | vs cuBLAS | one kernel | vs cuBLAS | target |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    extra = [
+        "",
+        "lora_gemm configs in the same interleaved rounds (--inter-configs):",
+        "",
+        "| batch | slices | rank | config | time | vs cuBLAS |",
+        "|---|---|---|---|---|---|",
+    ]
     totals: dict[str, float] = {}
     shrink_totals: dict[tuple[int, str], float] = {}
     records = []
@@ -444,6 +451,8 @@ def qkv_only(args, head: list[str]) -> None:
                     }
                     if best not in (None, "default"):
                         fns["best lora_gemm"] = _gemm_call(p, s, configs[best])
+                    for name in filter(None, args.inter_configs.split(",")):
+                        fns[f"gemm {name}"] = _gemm_call(p, s, gemm_op.SWEEP[name])
                     if shrink_best not in ("", "default"):
                         fns["best shrink"] = _shrink_call(p, shrink_cfgs[shrink_best])
                     if args.sweep_fused:
@@ -463,6 +472,8 @@ def qkv_only(args, head: list[str]) -> None:
                         f"{col('one kernel')} | {target} |"
                     )
                     records[-1]["interleaved"] = res
+                    for name in filter(None, args.inter_configs.split(",")):
+                        extra.append(f"| {batch} | {nsl} | {rank} | {name} | {col('gemm ' + name)} |")
                 del p, s, want
                 torch.cuda.empty_cache()
     if totals:
@@ -477,6 +488,8 @@ def qkv_only(args, head: list[str]) -> None:
             summary.append(f"fastest shrink config, {nsl} slices (summed over batches and ranks): {pick}")
     if args.rounds:
         summary += inter
+        if args.inter_configs:
+            summary += extra
     summary.append(f"\nwall time {time.time() - t0:.0f} s")
     print("\n".join(summary), flush=True)
     with open(os.path.join(args.out, "lora_qkv.md"), "w") as f:
@@ -506,6 +519,12 @@ def main() -> None:
     ap.add_argument("--batches", default=",".join(QKV_BATCHES), help="--qkv-only: batches to run")
     ap.add_argument("--slices", default=",".join(map(str, SLICES)), help="--qkv-only: slice counts to run")
     ap.add_argument("--ranks", default=",".join(map(str, QKV_RANKS)), help="--qkv-only: ranks to run")
+    ap.add_argument(
+        "--inter-configs",
+        default="",
+        help="--qkv-only: lora_gemm SWEEP names (comma-separated, "
+        "exact) also timed in the interleaved rounds",
+    )
     ap.add_argument("--gemm-configs", default="", help="--qkv-only --sweep-gemm: only SWEEP names containing "
                     "one of these comma-separated parts")  # fmt: skip
     args = ap.parse_args()

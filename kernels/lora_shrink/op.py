@@ -37,6 +37,12 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "32/128/4/3 split": dict(BLOCK_M=32, BLOCK_K=128, num_warps=4, num_stages=3, SPLIT=1),
     "32/128/4/4": dict(BLOCK_M=32, BLOCK_K=128, num_warps=4, num_stages=4),
     "128/128/8/3 split": dict(BLOCK_M=128, BLOCK_K=128, num_warps=8, num_stages=3, SPLIT=1),
+    # 4x4608 tokens, one slice per program: 432 programs of 128 rows; 3 stages (72 KB at rank 64) keep 3 per
+    # SM (396 resident), 2 stages keep all 432 resident
+    "128/64/8/2 split": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=2, SPLIT=1),
+    "128/64/4/2 split": dict(BLOCK_M=128, BLOCK_K=64, num_warps=4, num_stages=2, SPLIT=1),
+    "64/64/4/3 split": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=3, SPLIT=1),
+    "64/64/4/6": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=6),
 }
 
 # The scaled path where the H200 sweep (4x4608 and 1x4608 tokens) found a better tile than TUNED for both
