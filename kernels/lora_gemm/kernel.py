@@ -73,14 +73,6 @@ def _tile_geometry(tile_id, num_pid_m, num_col_blocks, num_tokens, col1, col2, c
 
 
 @triton.jit
-def _row_block_seg(tile_id, num_tiles, num_pid_m, num_col_blocks, token_seg_ptr, BLOCK_M: tl.constexpr,
-                   GROUP_M: tl.constexpr):  # fmt: skip
-    """Segment of the first row of tile tile_id's row block (0 past the last tile)."""
-    pid_m, _ = _tile_coords(tile_id, num_pid_m, num_col_blocks, GROUP_M)
-    return tl.load(token_seg_ptr + pid_m * BLOCK_M, mask=tile_id < num_tiles, other=0)
-
-
-@triton.jit
 def _tma_k_tiles(ki, k_tiles, x, w, s_desc, b_desc, m0, n0, s_row, b_row, BLOCK_K: tl.constexpr,
                  LORA_IN_LOOP: tl.constexpr):  # fmt: skip
     """The two operand tiles of iteration ki of a TMA K loop: x and W for the first k_tiles iterations, then
@@ -227,10 +219,6 @@ def _lora_gemm_kernel(
     # multiple of BLOCK_M, the pass over straddling tiles is left out)
     LORA_AFTER: tl.constexpr,  # USE_TMA: LoRA iterations in a loop of their own after the K loop (s pre-scaled)
     LORA_BK: tl.constexpr,  # rank columns per LoRA iteration with LORA_AFTER
-    LORA_REG: tl.constexpr,  # s pre-scaled, LoRA term as one dot after the K loop, its s and B tiles loaded
-    # into registers when the tile starts (their latency hidden by the K loop)
-    LORA_R: tl.constexpr,  # LORA_REG: rank columns of that dot (≥ lora_k, ≥ 16)
-    SEG_AHEAD: tl.constexpr,  # no row block holds two segments: the slot of the tile two ahead is loaded now
     S_SCALED: tl.constexpr,  # s already holds scale · x · Aᵀ
     HAS_BIAS: tl.constexpr,
     TMA_STORE: tl.constexpr,  # y through a TMA store (every slice a multiple of BLOCK_N wide)
@@ -247,17 +235,8 @@ def _lora_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     # the per-segment LoRA epilogue after the K loop: for every tile (s unscaled), or only for tiles whose rows
     # straddle segments (LoRA iterations in or after the K loop, rows that may hold two segments)
-    EPILOGUE_ALL: tl.constexpr = HAS_LORA and not LORA_IN_LOOP and not LORA_AFTER and not LORA_REG
-    EPILOGUE_STRADDLE: tl.constexpr = LORA_AFTER or ((LORA_IN_LOOP or LORA_REG) and STRADDLE)
-    # SEG_AHEAD: the tile's slot comes from a load issued one tile earlier, whose address (the row block's
-    # segment) was loaded a tile before that: no dependent global load waits at the start of a tile
-    LOOKAHEAD: tl.constexpr = SEG_AHEAD and not STRADDLE and (LORA_IN_LOOP or LORA_REG)
-    if LOOKAHEAD:
-        seg_next = _row_block_seg(pid, num_tiles, num_pid_m, num_col_blocks, token_seg_ptr, BLOCK_M, GROUP_M)
-        slot_next = tl.load(seg_slot_ptr + seg_next)
-        seg_next = _row_block_seg(
-            pid + num_programs, num_tiles, num_pid_m, num_col_blocks, token_seg_ptr, BLOCK_M, GROUP_M
-        )
+    EPILOGUE_ALL: tl.constexpr = HAS_LORA and not LORA_IN_LOOP and not LORA_AFTER
+    EPILOGUE_STRADDLE: tl.constexpr = LORA_AFTER or (LORA_IN_LOOP and STRADDLE)
     for tile_id in tl.range(pid, num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         _, j, m0, n0, offs_m, offs_n, n_mask, rows, cols = _tile_geometry(
             tile_id, num_pid_m, num_col_blocks, num_tokens, col1, col2, col3, n_total, blk1, blk2, blk3,
@@ -266,47 +245,20 @@ def _lora_gemm_kernel(
 
         seg_lo = 0
         seg_hi = 0
+        if HAS_LORA:
+            # the segments touching this tile's rows: one on the common path (no row straddles)
+            seg_lo = tl.load(token_seg_ptr + m0)
+            if LORA_IN_LOOP and not STRADDLE:
+                seg_hi = seg_lo  # no row block holds two segments
+            else:
+                seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
         # LoRA iterations of the K loop: only for a tile inside one segment with an adapter
         slot = 0
         lora_here = False
-        if LOOKAHEAD:
-            slot = slot_next
-            slot_next = tl.load(seg_slot_ptr + seg_next)
-            seg_next = _row_block_seg(
-                tile_id + 2 * num_programs,
-                num_tiles,
-                num_pid_m,
-                num_col_blocks,
-                token_seg_ptr,
-                BLOCK_M,
-                GROUP_M,
-            )
-            lora_here = slot >= 0
+        if LORA_IN_LOOP or LORA_AFTER:
+            slot = tl.load(seg_slot_ptr + seg_lo)
+            lora_here = (seg_lo == seg_hi) & (slot >= 0)
             slot = tl.maximum(slot, 0)
-        else:
-            if HAS_LORA:
-                # the segments touching this tile's rows: one on the common path (no row straddles)
-                seg_lo = tl.load(token_seg_ptr + m0)
-                if (LORA_IN_LOOP or LORA_REG) and not STRADDLE:
-                    seg_hi = seg_lo  # no row block holds two segments
-                else:
-                    seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
-            if LORA_IN_LOOP or LORA_AFTER or LORA_REG:
-                slot = tl.load(seg_slot_ptr + seg_lo)
-                lora_here = (seg_lo == seg_hi) & (slot >= 0)
-                slot = tl.maximum(slot, 0)
-        if LORA_REG:
-            # the s[j] and B[slot] tiles of the dot after the K loop (nothing moves for other tiles)
-            offs_r = tl.arange(0, LORA_R)
-            r_lim = tl.where(lora_here, lora_k, 0)
-            s_lo = tl.load(
-                s_ptr + j * stride_ss + rows[:, None] * stride_st + offs_r[None, :] * stride_sr,
-                mask=offs_r[None, :] < r_lim, other=0.0,
-            )  # fmt: skip
-            b_lo = tl.load(
-                b_ptr + slot.to(tl.int64) * stride_bl + cols[None, :] * stride_bn + offs_r[:, None] * stride_br,
-                mask=offs_r[:, None] < r_lim, other=0.0,
-            )  # fmt: skip
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if USE_TMA:
@@ -355,8 +307,6 @@ def _lora_gemm_kernel(
                     wt = tl.load(w_ptrs, mask=(kk + offs_k)[:, None] < k_lim, other=0.0)
                 acc = tl.dot(a, wt, acc, input_precision=PRECISION)
 
-        if LORA_REG:
-            acc = tl.dot(s_lo, b_lo, acc, input_precision=PRECISION)
         if EPILOGUE_ALL or EPILOGUE_STRADDLE:
             # EPILOGUE_STRADDLE: rare, the tile's rows straddle segments; their LoRA terms one by one here
             if EPILOGUE_ALL or seg_lo != seg_hi:

@@ -33,11 +33,8 @@ TUNED: dict[str, dict[str, int]] = {
     "small": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4,
                   PERSISTENT=0, TMA=1, FLATTEN=0, WS=0, LORA_LOOP=1),
 }  # fmt: skip
-DEFAULTS = dict(
-    GROUP_M=8, PERSISTENT=0, TMA=0, FLATTEN=0, WS=0, LORA_LOOP=1, R_CHUNK=16, TMA_STORE=0, SEG_AHEAD=0
-)
+DEFAULTS = dict(GROUP_M=8, PERSISTENT=0, TMA=0, FLATTEN=0, WS=0, LORA_LOOP=1, R_CHUNK=16, TMA_STORE=0)
 MAX_LORA_BK = 64  # LORA_LOOP=2: widest LoRA iteration (rank 128 takes two)
-MAX_LORA_REG = 16  # LORA_LOOP=3: widest rank the dot after the K loop takes from registers (else LORA_LOOP=1)
 
 
 def lora_block_k(rank_dim: int) -> int:
@@ -48,11 +45,10 @@ def lora_block_k(rank_dim: int) -> int:
     return bk
 
 
-def _cfg(bm, bn, bk, warps, stages, persistent=1, tma=0, flatten=0, ws=0, group_m=8, lora_loop=1, store=0,
-         ahead=0):  # fmt: skip
+def _cfg(bm, bn, bk, warps, stages, persistent=1, tma=0, flatten=0, ws=0, group_m=8, lora_loop=1, store=0):
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages,
                 PERSISTENT=persistent, TMA=tma, FLATTEN=flatten, WS=ws, LORA_LOOP=lora_loop,
-                TMA_STORE=store, SEG_AHEAD=ahead)  # fmt: skip
+                TMA_STORE=store)  # fmt: skip
 
 
 # Candidates of the GPU sweep (benchmarks/lora_kernels.py --sweep-gemm; the GPU tests run each once).
@@ -82,20 +78,16 @@ SWEEP: dict[str, dict[str, int]] = {
     "tma persist flat 128x256x64 w8 s3 tstore g16": _cfg(
         128, 256, 64, 8, 3, tma=1, flatten=1, store=1, group_m=16
     ),
-    # the tile's slot looked up two tiles ahead (no dependent global loads where a tile starts)
-    "tma persist flat 128x256x64 w8 s3 tstore g16 ahead": _cfg(
-        128, 256, 64, 8, 3, tma=1, flatten=1, store=1, group_m=16, ahead=1
+    # 32-wide K steps: the LoRA iteration of a rank-16 adapter is 1 of 97 steps instead of 1 of 49, and the
+    # stages are half as large (24 KB), so more of them fit
+    "tma persist flat 128x256x32 w8 s4 tstore g16": _cfg(
+        128, 256, 32, 8, 4, tma=1, flatten=1, store=1, group_m=16
     ),
-    "tma persist flat 128x256x64 w8 s3 tstore2 g16 ahead": _cfg(
-        128, 256, 64, 8, 3, tma=1, flatten=1, store=2, group_m=16, ahead=1
+    "tma persist flat 128x256x32 w8 s6 tstore g16": _cfg(
+        128, 256, 32, 8, 6, tma=1, flatten=1, store=1, group_m=16
     ),
-    # rank ≤ 16: one 16-wide dot after the K loop from registers instead of a 64-wide LoRA iteration (its
-    # tiles are multi-buffered by the pipeliner: 36 KB, so the store goes in two pieces)
-    "tma persist flat 128x256x64 w8 s3 tstore2 g16 reg": _cfg(
-        128, 256, 64, 8, 3, tma=1, flatten=1, store=2, group_m=16, lora_loop=3
-    ),
-    "tma persist flat 128x256x64 w8 s3 tstore2 g16 reg ahead": _cfg(
-        128, 256, 64, 8, 3, tma=1, flatten=1, store=2, group_m=16, lora_loop=3, ahead=1
+    "tma persist flat 128x256x32 w8 s8 tstore2 g16": _cfg(
+        128, 256, 32, 8, 8, tma=1, flatten=1, store=2, group_m=16
     ),
 }
 # warp-specialised loops (tl.range(..., warp_specialize=True)): Triton documents them for Blackwell; tried
@@ -135,7 +127,7 @@ def resolve_config(
     if config:
         return {**DEFAULTS, **config}
     cfg = gemm_config(num_tokens, n_total)
-    if lora_in_loop and cfg["FLATTEN"] and cfg["LORA_LOOP"] in (1, 3) and seg_align % cfg["BLOCK_M"]:
+    if lora_in_loop and cfg["FLATTEN"] and cfg["LORA_LOOP"] == 1 and seg_align % cfg["BLOCK_M"]:
         cfg = {**cfg, "FLATTEN": 0}
     return cfg
 
@@ -239,9 +231,7 @@ def launch_lora_gemm(
     grid = min(num_tiles, num_programs_limit(x.device)) if cfg["PERSISTENT"] else num_tiles
     rank_dim = min(s.shape[2], b_stacked.shape[2])  # columns past the largest slot rank are never needed
     has_lora = rank_dim > 0
-    # LORA_LOOP=3: one dot after the K loop from tiles loaded as the tile starts (ranks ≤ MAX_LORA_REG)
-    lora_reg = has_lora and s_scaled and cfg["LORA_LOOP"] == 3 and rank_dim <= MAX_LORA_REG
-    lora_in_loop = has_lora and s_scaled and (cfg["LORA_LOOP"] == 1 or cfg["LORA_LOOP"] == 3 and not lora_reg)
+    lora_in_loop = has_lora and s_scaled and cfg["LORA_LOOP"] == 1
     # LORA_LOOP=2 is a TMA loop; through pointers the epilogue does the same work (LORA_LOOP=0)
     lora_after = has_lora and s_scaled and cfg["LORA_LOOP"] == 2 and bool(cfg["TMA"])
     lora_bk = lora_block_k(rank_dim) if lora_after else bk
@@ -279,8 +269,7 @@ def launch_lora_gemm(
         USE_TMA=use_tma, FLATTEN=bool(cfg["FLATTEN"]), WARP_SPECIALIZE=bool(cfg["WS"]),
         EVEN_K=hidden % bk == 0, COL_ALIGN=col_align, HAS_LORA=has_lora, LORA_IN_LOOP=lora_in_loop,
         STRADDLE=seg_align % bm != 0,
-        LORA_AFTER=lora_after, LORA_BK=lora_bk, LORA_REG=lora_reg, LORA_R=max(16, lora_block_k(rank_dim)),
-        SEG_AHEAD=bool(cfg["SEG_AHEAD"]), S_SCALED=s_scaled, HAS_BIAS=bias is not None,
+        LORA_AFTER=lora_after, LORA_BK=lora_bk, S_SCALED=s_scaled, HAS_BIAS=bias is not None,
         TMA_STORE=tma_store, EPI_SUBTILE=subtile if tma_store else 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip

@@ -43,6 +43,10 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "128/64/4/2 split": dict(BLOCK_M=128, BLOCK_K=64, num_warps=4, num_stages=2, SPLIT=1),
     "64/64/4/3 split": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=3, SPLIT=1),
     "64/64/4/6": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=6),
+    # every slice in one program (x read once) with 2 stages: 64 KB at 3 slices rank 64, 3 programs per SM,
+    # all 288 row blocks of 64 resident at once
+    "64/64/4/2": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=2),
+    "64/64/8/2": dict(BLOCK_M=64, BLOCK_K=64, num_warps=8, num_stages=2),
 }
 
 # The scaled path where the H200 sweep (4x4608 and 1x4608 tokens) found a better tile than TUNED for both

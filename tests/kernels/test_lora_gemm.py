@@ -203,29 +203,6 @@ def test_scaled_s_every_lora_placement(lora_loop, tma):
         torch.testing.assert_close(got, ref(c, w, bias, s, s_scaled=True), **TOL[torch.float16])
 
 
-@pytest.mark.parametrize("seg_ahead", [0, 1])
-@pytest.mark.parametrize("tma", [0, 1])
-def test_lora_dot_from_registers(tma, seg_ahead):
-    """LORA_LOOP=3: ranks ≤ 32 as one dot after the K loop from s and B tiles loaded when the tile starts,
-    over straddling tiles (their terms added segment by segment), aligned rows (seg_align, with the slot
-    looked up two tiles ahead), empty segments, rank 0 and slot -1; a batch with rank 64 takes the K-loop
-    iterations instead. Flattened or not, the same result as the reference."""
-    straddling = ([(1, 0), (0, 1), (17, 2), (5, -1), (30, 1), (9, 3)], [16, 4, 0, 8], [1, 2, 1, 1, -0.5, 2])
-    aligned = ([(16, 0), (32, -1), (0, 1), (16, 3), (48, 1), (16, 2)], [16, 4, 0, 8], [1, 1, 2, -0.5, 0.5, 3])
-    wide = (aligned[0], [16, 64, 0, 8], aligned[2])
-    sizes = [32, 64, 32]
-    for layout in (straddling, aligned, wide):
-        c = make_case(layout, 3, sizes, 48, torch.float16, max_rank=MAX_RANK)
-        w, bias = gemm_inputs(c, torch.float16, with_bias=True)
-        s = scaled_s(c)
-        want = ref(c, w, bias, s, s_scaled=True)
-        for flatten in (0, 1):
-            cfg = _cfg(16, 32, 16, PERSISTENT=1, TMA=tma, FLATTEN=flatten, LORA_LOOP=3, SEG_AHEAD=seg_ahead)
-            got = launch_lora_gemm(c.x, w, bias, s, c.b, *seg_args(c.meta), sizes, config=cfg, s_scaled=True,
-                                   seg_align=c.meta.seg_align)  # fmt: skip
-            torch.testing.assert_close(got, want, **TOL[torch.float16])
-
-
 @pytest.mark.parametrize("subtile", [1, 2])
 def test_tma_store_whole_tile_slices(subtile):
     """y through a TMA store: slices that are whole multiples of BLOCK_N, a row count that is not a
@@ -271,17 +248,15 @@ def test_aligned_segments(flatten):
         torch.testing.assert_close(got, want, **TOL[torch.float16])
 
 
-@pytest.mark.parametrize("seg_ahead", [0, 1])
-def test_aligned_segments_many_tiles_per_program(seg_ahead):
-    """Aligned segments over many tiles per program (40 on each of the interpreter's 4 programs), flattened,
-    with the slot looked up where the tile starts or two tiles ahead: every tile gets its own request's
-    adapter."""
+def test_aligned_segments_many_tiles_per_program():
+    """Aligned segments over many tiles per program (40 on each of the interpreter's 4 programs), flattened:
+    every tile gets its own request's adapter."""
     layout = ([(64, 2), (32, -1), (96, 0), (16, 3), (112, 1)], [16, 8, 16, 8], [1, 1, 2, -0.5, 0.5])
     sizes = [64, 32, 32]
     c = make_case(layout, 3, sizes, 32, torch.float16, max_rank=MAX_RANK)
     w, bias = gemm_inputs(c, torch.float16, with_bias=False)
     s = scaled_s(c)
-    cfg = _cfg(16, 16, 16, PERSISTENT=1, TMA=1, FLATTEN=1, SEG_AHEAD=seg_ahead)
+    cfg = _cfg(16, 16, 16, PERSISTENT=1, TMA=1, FLATTEN=1)
     got = launch_lora_gemm(c.x, w, bias, s, c.b, *seg_args(c.meta), sizes, config=cfg, s_scaled=True,
                            seg_align=c.meta.seg_align)  # fmt: skip
     torch.testing.assert_close(got, ref(c, w, bias, s, s_scaled=True), **TOL[torch.float16])
