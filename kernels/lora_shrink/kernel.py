@@ -12,6 +12,34 @@ import triton.language as tl
 
 
 @triton.jit
+def _scale_and_store(acc0, acc1, acc2, acc3, offs_m, offs_r, s_ptr, token_seg_ptr, seg_scale_ptr, num_tokens,
+                     rank_dim, stride_ss, stride_st, stride_sr, NUM_SLICES: tl.constexpr,
+                     SCALED: tl.constexpr):  # fmt: skip
+    """Each slice's accumulator (× its row's segment scale when SCALED) into s; every row of the tile is
+    written: zeros where no LoRA applies or r >= rank."""
+    if SCALED:
+        row_seg = tl.load(token_seg_ptr + tl.minimum(offs_m, num_tokens - 1))
+        row_scale = tl.load(seg_scale_ptr + row_seg)[:, None]
+        acc0 *= row_scale
+        if NUM_SLICES > 1:
+            acc1 *= row_scale
+        if NUM_SLICES > 2:
+            acc2 *= row_scale
+        if NUM_SLICES > 3:
+            acc3 *= row_scale
+    s_ptrs = s_ptr + offs_m.to(tl.int64)[:, None] * stride_st + offs_r[None, :] * stride_sr
+    s_mask = (offs_m < num_tokens)[:, None] & (offs_r < rank_dim)[None, :]
+    out_ty = s_ptr.dtype.element_ty
+    tl.store(s_ptrs, acc0.to(out_ty), mask=s_mask)
+    if NUM_SLICES > 1:
+        tl.store(s_ptrs + stride_ss, acc1.to(out_ty), mask=s_mask)
+    if NUM_SLICES > 2:
+        tl.store(s_ptrs + 2 * stride_ss, acc2.to(out_ty), mask=s_mask)
+    if NUM_SLICES > 3:
+        tl.store(s_ptrs + 3 * stride_ss, acc3.to(out_ty), mask=s_mask)
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr,  # [num_tokens, hidden]
     a_ptr,  # [num_slices, max_loras, max_rank, hidden]
@@ -96,24 +124,90 @@ def _lora_shrink_kernel(
             x_ptrs += BLOCK_K * stride_xh
             a_ptrs += BLOCK_K * stride_ah
 
-    if SCALED:
-        row_seg = tl.load(token_seg_ptr + tl.minimum(offs_m, num_tokens - 1))
-        row_scale = tl.load(seg_scale_ptr + row_seg)[:, None]
-        acc0 *= row_scale
+    _scale_and_store(acc0, acc1, acc2, acc3, offs_m, offs_r, s_ptr, token_seg_ptr, seg_scale_ptr, num_tokens,
+                     rank_dim, stride_ss, stride_st, stride_sr, NUM_SLICES, SCALED)  # fmt: skip
+
+
+@triton.jit
+def _lora_shrink_tma_kernel(
+    x_desc,  # [num_tokens, hidden] TensorDescriptor, block [BLOCK_M, BLOCK_K]
+    a_desc,  # A [num_slices, max_loras, max_rank, hidden] viewed as [num_slices·max_loras·max_rank, hidden],
+    # block [BLOCK_R, BLOCK_K]
+    s_ptr,  # [num_slices, num_tokens, rank_dim] fp32, or x's dtype when SCALED
+    token_seg_ptr,  # [num_tokens] int32
+    seg_start_ptr,  # [num_segments] int32
+    seg_len_ptr,  # [num_segments] int32
+    seg_slot_ptr,  # [num_segments] int32
+    seg_scale_ptr,  # [num_segments] fp32 (read only when SCALED)
+    slot_rank_ptr,  # [max_loras] int32
+    num_tokens,
+    hidden,
+    rank_dim,
+    max_loras,
+    max_rank,
+    stride_ss,
+    stride_st,
+    stride_sr,
+    NUM_SLICES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SCALED: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The shrink with x and A read through TMA descriptors (no address arithmetic or masks per element):
+    rows past num_tokens and columns past hidden come back as zeros. Instead of masking x rows of other
+    segments, each segment touching the row block runs the K loop on the whole tile and keeps only its own
+    rows (a tile straddling two segments reads x twice; most tiles lie in one). A rows past the slot's rank
+    (the next slot's, where BLOCK_R > max_rank) land in columns that are zeroed before the store."""
+    pid_m = tl.program_id(0)
+    j0 = 0
+    if SPLIT > 1:
+        j0 = pid_m % SPLIT
+        pid_m = pid_m // SPLIT
+        s_ptr += j0 * stride_ss
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    seg_lo = tl.load(token_seg_ptr + m0)
+    seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
+    slice_rows = max_loras * max_rank
+
+    acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for seg in range(seg_lo, seg_hi + 1):
+        slot = tl.load(seg_slot_ptr + seg)
+        rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
+        rank = tl.where(slot >= 0, rank, 0)
+        start = tl.load(seg_start_ptr + seg)
+        end = start + tl.load(seg_len_ptr + seg)
+        a_row = (j0 * max_loras + tl.maximum(slot, 0)) * max_rank
+        p0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        p1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        p2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        p3 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        # rank 0 / no LoRA: zero trips, nothing is loaded
+        for ki in range(tl.where(rank > 0, tl.cdiv(hidden, BLOCK_K), 0)):
+            k0 = ki * BLOCK_K
+            x = x_desc.load([m0, k0])
+            p0 = tl.dot(x, a_desc.load([a_row, k0]).T, p0, input_precision=PRECISION)
+            if NUM_SLICES > 1:
+                p1 = tl.dot(x, a_desc.load([a_row + slice_rows, k0]).T, p1, input_precision=PRECISION)
+            if NUM_SLICES > 2:
+                p2 = tl.dot(x, a_desc.load([a_row + 2 * slice_rows, k0]).T, p2, input_precision=PRECISION)
+            if NUM_SLICES > 3:
+                p3 = tl.dot(x, a_desc.load([a_row + 3 * slice_rows, k0]).T, p3, input_precision=PRECISION)
+        keep = ((offs_m >= start) & (offs_m < end))[:, None] & (offs_r < rank)[None, :]
+        acc0 = tl.where(keep, p0, acc0)
         if NUM_SLICES > 1:
-            acc1 *= row_scale
+            acc1 = tl.where(keep, p1, acc1)
         if NUM_SLICES > 2:
-            acc2 *= row_scale
+            acc2 = tl.where(keep, p2, acc2)
         if NUM_SLICES > 3:
-            acc3 *= row_scale
-    # every row of the tile is written: zeros where no LoRA applies or r >= rank
-    s_ptrs = s_ptr + offs_m.to(tl.int64)[:, None] * stride_st + offs_r[None, :] * stride_sr
-    s_mask = (offs_m < num_tokens)[:, None] & (offs_r < rank_dim)[None, :]
-    out_ty = s_ptr.dtype.element_ty
-    tl.store(s_ptrs, acc0.to(out_ty), mask=s_mask)
-    if NUM_SLICES > 1:
-        tl.store(s_ptrs + stride_ss, acc1.to(out_ty), mask=s_mask)
-    if NUM_SLICES > 2:
-        tl.store(s_ptrs + 2 * stride_ss, acc2.to(out_ty), mask=s_mask)
-    if NUM_SLICES > 3:
-        tl.store(s_ptrs + 3 * stride_ss, acc3.to(out_ty), mask=s_mask)
+            acc3 = tl.where(keep, p3, acc3)
+
+    _scale_and_store(acc0, acc1, acc2, acc3, offs_m, offs_r, s_ptr, token_seg_ptr, seg_scale_ptr, num_tokens,
+                     rank_dim, stride_ss, stride_st, stride_sr, NUM_SLICES, SCALED)  # fmt: skip

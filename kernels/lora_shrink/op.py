@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ditserve.kernels._dispatch import block_rank, use_triton
+from ditserve.kernels.lora_gemm.op import tma_ok
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref
 
 MAX_SLICES = 4
@@ -45,8 +46,14 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "64/64/4/6": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=6),
     # every slice in one program (x read once) with 2 stages: 64 KB at 3 slices rank 64, 3 programs per SM,
     # all 288 row blocks of 64 resident at once
-    "64/64/4/2": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=2),
-    "64/64/8/2": dict(BLOCK_M=64, BLOCK_K=64, num_warps=8, num_stages=2),
+    # x and A through TMA descriptors (TMA=1): no per-element address arithmetic or masks in the K loop
+    "tma 64/64/4/4": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1),
+    "tma 64/64/4/6": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=6, TMA=1),
+    "tma 128/64/8/4": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1),
+    "tma 64/128/4/3": dict(BLOCK_M=64, BLOCK_K=128, num_warps=4, num_stages=3, TMA=1),
+    "tma 128/64/8/3 split": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, SPLIT=1, TMA=1),
+    "tma 128/64/8/4 split": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, SPLIT=1, TMA=1),
+    "tma 64/64/4/4 split": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT=1, TMA=1),
 }
 
 # The scaled path where the H200 sweep (4x4608 and 1x4608 tokens) found a better tile than TUNED for both
@@ -97,7 +104,8 @@ def launch_lora_shrink(
     seg_slot: torch.Tensor,  # [num_segments] int32, -1 = no LoRA
     slot_rank: torch.Tensor,  # [max_loras] int32
     rank_dim: int,  # columns of the output = largest rank in the batch
-    config: dict[str, int] | None = None,  # tile override (benchmarks); SPLIT=1: one program per slice
+    config: dict[str, int] | None = None,  # tile override (benchmarks); SPLIT=1: one program per slice,
+    # TMA=1: x and A through TMA descriptors (where their layouts allow)
     seg_scale: torch.Tensor | None = None,  # [num_segments] fp32: write scale(t) · s in x's dtype instead
 ) -> torch.Tensor:  # [num_slices, num_tokens, rank_dim] fp32, or [.., scaled_cols(rank_dim)] x's dtype
     from ditserve.kernels.lora_shrink.kernel import _lora_shrink_kernel
@@ -117,15 +125,29 @@ def launch_lora_shrink(
     cfg = dict(config or tuned or shrink_config(num_slices, block_r))
     split = num_slices if cfg.pop("SPLIT", 0) else 1
     grid = (triton_cdiv(num_tokens, cfg["BLOCK_M"]) * split,)
+    common = dict(NUM_SLICES=num_slices // split, BLOCK_R=block_r, SCALED=scaled, SPLIT=split,
+                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32")  # fmt: skip
+    if cfg.pop("TMA", 0) and a_stacked.is_contiguous() and tma_ok(x, a_stacked.view(-1, x.shape[1])):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        from ditserve.kernels.lora_shrink.kernel import _lora_shrink_tma_kernel
+
+        _, max_loras, max_rank, hidden = a_stacked.shape
+        _lora_shrink_tma_kernel[grid](
+            TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_K"]]),
+            TensorDescriptor.from_tensor(a_stacked.view(-1, hidden), [block_r, cfg["BLOCK_K"]]),
+            s, token_seg, seg_start, seg_len, seg_slot, seg_scale if scaled else s, slot_rank,
+            num_tokens, hidden, s.shape[2], max_loras, max_rank, s.stride(0), s.stride(1), s.stride(2),
+            **common, **cfg,
+        )  # fmt: skip
+        return s
     _lora_shrink_kernel[grid](
         x, a_stacked, s, token_seg, seg_start, seg_len, seg_slot, seg_scale if scaled else s, slot_rank,
         num_tokens, x.shape[1], s.shape[2],
         x.stride(0), x.stride(1),
         a_stacked.stride(0), a_stacked.stride(1), a_stacked.stride(2), a_stacked.stride(3),
         s.stride(0), s.stride(1), s.stride(2),
-        NUM_SLICES=num_slices // split, BLOCK_R=block_r, SCALED=scaled, SPLIT=split,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        **cfg,
+        **common, **cfg,
     )  # fmt: skip
     return s
 

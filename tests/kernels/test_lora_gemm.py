@@ -154,6 +154,30 @@ def test_shrink_scaled_matches_reference(layout, num_slices, hidden, dtype, name
     )
 
 
+@pytest.mark.parametrize("split", [0, 1])
+@pytest.mark.parametrize("max_rank", [8, 128])
+def test_shrink_tma(max_rank, split):
+    """The shrink reading x and A through TMA descriptors: tiles straddling two and three segments (each
+    keeps only its rows), 1-token and empty segments, rank 0 and slot -1, a last tile past the final row,
+    hidden not a multiple of BLOCK_K; max_rank 8 under a 16-wide rank tile reads the next slot's A rows,
+    which must not reach s. Scaled (x's dtype) and fp32 outputs equal the references."""
+    ranks = [8, 0, 4, 8] if max_rank == 8 else [16, 0, 128, 64]
+    layout = (
+        [(1, 0), (0, 1), (9, 2), (5, -1), (3, 3), (30, 1), (7, 0), (4, 2)],
+        ranks,
+        [1, 2, -1, 1, 0.5, 1, 2, 3],
+    )
+    for num_slices in (1, 3, 4):
+        c = make_case(layout, num_slices, [16] * num_slices, 40, torch.float16, max_rank=max_rank)
+        m = c.meta
+        cfg = dict(BLOCK_M=16, BLOCK_K=16, num_warps=4, num_stages=1, TMA=1, SPLIT=split)
+        args = (c.x, c.a, m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
+        got = launch_lora_shrink(*args, config=cfg, seg_scale=m.seg_scale)
+        torch.testing.assert_close(got, scaled_s(c), **TOL[torch.float16])
+        want = lora_shrink_ref(c.x, c.a, *args[3:6], m.slot_rank, m.max_rank)
+        torch.testing.assert_close(launch_lora_shrink(*args, config=cfg), want, **TOL[torch.float16])
+
+
 def test_scaled_s_rank0_and_no_lora_tiles():
     """A batch whose only adapters have rank 0 or no slot: the scaled s is all zeros, the GEMM is the plain
     linear on every config; a batch of only no-LoRA rows next to LoRA rows in one 16-row tile."""
