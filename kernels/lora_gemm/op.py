@@ -78,17 +78,6 @@ SWEEP: dict[str, dict[str, int]] = {
     "tma persist flat 128x256x64 w8 s3 tstore g16": _cfg(
         128, 256, 64, 8, 3, tma=1, flatten=1, store=1, group_m=16
     ),
-    # 32-wide K steps: the LoRA iteration of a rank-16 adapter is 1 of 97 steps instead of 1 of 49, and the
-    # stages are half as large (24 KB), so more of them fit
-    "tma persist flat 128x256x32 w8 s4 tstore g16": _cfg(
-        128, 256, 32, 8, 4, tma=1, flatten=1, store=1, group_m=16
-    ),
-    "tma persist flat 128x256x32 w8 s6 tstore g16": _cfg(
-        128, 256, 32, 8, 6, tma=1, flatten=1, store=1, group_m=16
-    ),
-    "tma persist flat 128x256x32 w8 s8 tstore2 g16": _cfg(
-        128, 256, 32, 8, 8, tma=1, flatten=1, store=2, group_m=16
-    ),
 }
 # warp-specialised loops (tl.range(..., warp_specialize=True)): Triton documents them for Blackwell; tried
 # on Hopper only on request (--sweep-ws), since a failing lowering may take the whole process down
