@@ -56,11 +56,12 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "tma 64/64/4/4 split": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT=1, TMA=1),
 }
 
-# The scaled path where the H200 sweep (4x4608 and 1x4608 tokens) found a better tile than TUNED for both
-# batches: 3 slices rank 64: 68.8 / 31.9 µs (TUNED 76.0 / 39.4); 4 slices rank 64: 84.7 / 30.6 µs (99.4 / 51.6).
+# The scaled path where the H200 sweeps (4x4608 and 1x4608 tokens, hidden 3072) found a better tile than
+# TUNED for both batches. Rank 64: the TMA kernel with one slice per program and 4 stages: 3 slices 55.3 /
+# 23.7 µs (pointer kernel, best tile: 69.1 / 23.6; TUNED 76.0 / 39.4), 4 slices 72.1 / 24.5 µs (83.7 / 28.4).
 SCALED_TUNED: dict[tuple[int, int], dict[str, int]] = {
-    (3, 64): SCALED_SWEEP["128/64/8/3 split"],
-    (4, 64): SCALED_SWEEP["64/64/4/4 split"],
+    (3, 64): SCALED_SWEEP["tma 128/64/8/4 split"],
+    (4, 64): SCALED_SWEEP["tma 128/64/8/4 split"],
 }
 
 
