@@ -54,6 +54,10 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "tma 128/64/8/3 split": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, SPLIT=1, TMA=1),
     "tma 128/64/8/4 split": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, SPLIT=1, TMA=1),
     "tma 64/64/4/4 split": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT=1, TMA=1),
+    # the same 96 KB of stages (2 programs per SM) cut finer or coarser along K, and 4 warps
+    "tma 128/32/8/8 split": dict(BLOCK_M=128, BLOCK_K=32, num_warps=8, num_stages=8, SPLIT=1, TMA=1),
+    "tma 128/128/8/2 split": dict(BLOCK_M=128, BLOCK_K=128, num_warps=8, num_stages=2, SPLIT=1, TMA=1),
+    "tma 128/64/4/4 split": dict(BLOCK_M=128, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT=1, TMA=1),
 }
 
 # The scaled path where the H200 sweeps (4x4608 and 1x4608 tokens, hidden 3072) found a better tile than

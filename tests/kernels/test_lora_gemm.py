@@ -412,7 +412,13 @@ def test_bf16_gpu_every_config(num_slices, name):
     want = lora_gemm_ref(x, w, bias, s, b, *seg[1:], m.seg_scale, m.slot_rank, sizes, s_scaled=True)
     cfg = SWEEP[name] if name else None
     # the fused path: scale · s in bf16, LoRA iterations in the K loop (after it for straddling tiles)
-    got = launch_lora_gemm(x, w, bias, s, b, *seg_args(m), sizes, config=cfg, s_scaled=True)
+    try:
+        got = launch_lora_gemm(x, w, bias, s, b, *seg_args(m), sizes, config=cfg, s_scaled=True)
+    except OutOfResources:
+        if name is None:  # the default tiles must fit every batch
+            raise
+        # e.g. 4 flattened stages: they fit for aligned batches, not with the straddling-tile epilogue
+        pytest.skip(f"sweep candidate {name} does not fit shared memory for a batch with straddling tiles")
     torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=3e-2)
     # fp32 s, the LoRA term after the K loop: s · scale rounded to bf16 before the dot
     got = launch_lora_gemm(x, w, bias, s32, b, *seg_args(m), sizes, config=cfg)
