@@ -5,6 +5,9 @@ so the grid is cdiv(num_tokens, BLOCK_M) whatever the mix of request lengths. Ro
 masked to zero on load, which moves no bytes, so every segment's contribution lands in one accumulator
 per slice and the tile is stored once. x is read once for all slices (the x tile stays in registers while
 each slice's A tile is multiplied into its own accumulator).
+
+`_lora_shrink_tma_kernel` does the same with x and A read through TMA descriptors (the default for the
+scaled output at rank 64, where it measured faster on an H200); the two share the scale-and-store epilogue.
 """
 
 import triton
