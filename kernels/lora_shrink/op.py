@@ -22,6 +22,9 @@ TUNED: dict[tuple[int, int], dict[str, int]] = {
     (4, 128): dict(BLOCK_M=64, BLOCK_K=64, num_warps=8, num_stages=3),
 }
 
+# the TMA kernel, one program per 128-row block and slice, 4 stages (SEGMENTED_TUNED below)
+_TMA_SPLIT = dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, SPLIT=1, TMA=1)
+
 # Candidates for the scaled (x's dtype) output the fused GEMM reads, swept by benchmarks/lora_kernels.py
 # --qkv-only --sweep-gemm (the GPU tests run each once). SPLIT=1: one program per (row block, slice).
 SCALED_SWEEP: dict[str, dict[str, int]] = {
@@ -47,16 +50,19 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "tma 128/64/8/4": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1),
     "tma 64/128/4/3": dict(BLOCK_M=64, BLOCK_K=128, num_warps=4, num_stages=3, TMA=1),
     "tma 128/64/8/3 split": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, SPLIT=1, TMA=1),
-    "tma 128/64/8/4 split": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, SPLIT=1, TMA=1),
+    "tma 128/64/8/4 split": _TMA_SPLIT,
     "tma 64/64/4/4 split": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT=1, TMA=1),
 }
 
-# The scaled path where the H200 sweeps (4x4608 and 1x4608 tokens, hidden 3072) found a better tile than
-# TUNED for both batches. Rank 64: the TMA kernel with one slice per program and 4 stages: 3 slices 55.3 /
-# 23.7 µs (pointer kernel, best tile: 69.1 / 23.6; TUNED 76.0 / 39.4), 4 slices 72.1 / 24.5 µs (83.7 / 28.4).
-SCALED_TUNED: dict[tuple[int, int], dict[str, int]] = {
-    (3, 64): SCALED_SWEEP["tma 128/64/8/4 split"],
-    (4, 64): SCALED_SWEEP["tma 128/64/8/4 split"],
+# The segmented kernel (fp32 and scaled outputs) where H200 sweeps found the TMA kernel faster than TUNED
+# (which the chunked SGMV shrink reads too, so it keeps pointer tiles): ranks 64 and 128 with 3 and 4 slices,
+# one program per 128-row block and slice, 4 stages (96 KB: two per SM). 4x4608 tokens, hidden 3072, bf16 s:
+# 3 slices rank 64 55.1 µs (TUNED 77.7 fp32 / pointer best 69.1), rank 128 90.5 (131.4); 4 slices rank 64
+# 72.2 (103.5 fp32 / pointer best 83.7), rank 128 109.6 (162.4); fp32 s within 2-4 µs of bf16 at rank 128,
+# 56.6 / 78.0 µs at rank 64; one request of 4608 tokens and a skewed mix gain likewise (BENCHMARKS.md).
+# Rank 32 stays on TUNED (the TMA kernel was 2 µs faster at 3 slices and 6 µs slower at 4).
+SEGMENTED_TUNED: dict[tuple[int, int], dict[str, int]] = {
+    (n, r): _TMA_SPLIT for n in (3, 4) for r in (64, 128)
 }
 
 
@@ -117,8 +123,7 @@ def launch_lora_shrink(
     if num_tokens == 0 or rank_dim == 0:
         return s.zero_()
     block_r = block_rank(s.shape[2])
-    tuned = SCALED_TUNED.get((num_slices, block_r)) if scaled else None
-    cfg = dict(config or tuned or shrink_config(num_slices, block_r))
+    cfg = dict(config or SEGMENTED_TUNED.get((num_slices, block_r)) or shrink_config(num_slices, block_r))
     split = num_slices if cfg.pop("SPLIT", 0) else 1
     grid = (triton_cdiv(num_tokens, cfg["BLOCK_M"]) * split,)
     common = dict(NUM_SLICES=num_slices // split, BLOCK_R=block_r, SCALED=scaled, SPLIT=split,

@@ -12,7 +12,7 @@ from ditserve.kernels.lora import lora_linear
 from ditserve.kernels.lora_gemm.op import SWEEP, TUNED, launch_lora_gemm, resolve_config
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 from ditserve.kernels.lora_meta import LoRABatchMeta
-from ditserve.kernels.lora_shrink.op import SCALED_SWEEP, SCALED_TUNED, launch_lora_shrink
+from ditserve.kernels.lora_shrink.op import SCALED_SWEEP, SEGMENTED_TUNED, launch_lora_shrink
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref
 from tests.kernels.lora_cases import MAX_LORAS, dense_oracle, gpu_problem, make_case, token_counts
 
@@ -178,18 +178,23 @@ def test_shrink_tma(max_rank, split):
         torch.testing.assert_close(launch_lora_shrink(*args, config=cfg), want, **TOL[torch.float16])
 
 
+@pytest.mark.parametrize("rank", [64, 128])
 @pytest.mark.parametrize("num_slices", [3, 4])
-def test_shrink_default_rank64_is_tma(num_slices):
-    """The scaled shrink's default at rank 64 (3 or 4 slices) is the TMA kernel, one slice per program; over
-    straddling segments and rows past the last 128-row tile it equals the reference."""
-    assert SCALED_TUNED[num_slices, 64]["TMA"] == 1 and SCALED_TUNED[num_slices, 64]["SPLIT"] == 1
-    layout = ([(100, 0), (0, 1), (37, 2), (5, -1), (60, 3)], [64, 16, 0, 48], [1, 2, 1, 1, -0.5])
-    c = make_case(layout, num_slices, [16] * num_slices, 48, torch.float16, max_rank=64)
+def test_shrink_default_is_tma_at_rank_64_and_128(num_slices, rank):
+    """The segmented shrink's default at ranks 64 and 128 (3 or 4 slices) is the TMA kernel, one slice per
+    program, for the fp32 and the scaled output; over straddling segments, a smaller rank next to the
+    largest and rows past the last 128-row tile both equal the references."""
+    cfg = SEGMENTED_TUNED[num_slices, rank]
+    assert cfg["TMA"] == 1 and cfg["SPLIT"] == 1
+    layout = ([(100, 0), (0, 1), (37, 2), (5, -1), (60, 3)], [rank, 16, 0, 48], [1, 2, 1, 1, -0.5])
+    c = make_case(layout, num_slices, [16] * num_slices, 48, torch.float16, max_rank=rank)
     m = c.meta
     args = (c.x, c.a, m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
     torch.testing.assert_close(
         launch_lora_shrink(*args, seg_scale=m.seg_scale), scaled_s(c), **TOL[torch.float16]
     )
+    want = lora_shrink_ref(c.x, c.a, *args[3:6], m.slot_rank, m.max_rank)
+    torch.testing.assert_close(launch_lora_shrink(*args), want, **TOL[torch.float16])
 
 
 def test_scaled_s_rank0_and_no_lora_tiles():
