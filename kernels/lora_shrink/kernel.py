@@ -15,6 +15,16 @@ import triton.language as tl
 
 
 @triton.jit
+def _segment(seg, seg_slot_ptr, slot_rank_ptr, seg_start_ptr, seg_len_ptr):
+    """Segment seg's adapter slot (-1: none), its rank (0 without a slot) and its rows [start, end)."""
+    slot = tl.load(seg_slot_ptr + seg)
+    rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
+    rank = tl.where(slot >= 0, rank, 0)
+    start = tl.load(seg_start_ptr + seg)
+    return slot, rank, start, start + tl.load(seg_len_ptr + seg)
+
+
+@triton.jit
 def _scale_and_store(acc0, acc1, acc2, acc3, offs_m, offs_r, s_ptr, token_seg_ptr, seg_scale_ptr, num_tokens,
                      rank_dim, stride_ss, stride_st, stride_sr, NUM_SLICES: tl.constexpr,
                      SCALED: tl.constexpr):  # fmt: skip
@@ -92,11 +102,7 @@ def _lora_shrink_kernel(
     acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for seg in range(seg_lo, seg_hi + 1):
-        slot = tl.load(seg_slot_ptr + seg)
-        rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
-        rank = tl.where(slot >= 0, rank, 0)
-        start = tl.load(seg_start_ptr + seg)
-        end = start + tl.load(seg_len_ptr + seg)
+        slot, rank, start, end = _segment(seg, seg_slot_ptr, slot_rank_ptr, seg_start_ptr, seg_len_ptr)
         row_mask = (offs_m >= start) & (offs_m < end)
         r_mask = offs_r < rank
         # rank 0 / no LoRA: zero trips, nothing is loaded
@@ -182,11 +188,7 @@ def _lora_shrink_tma_kernel(
     acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for seg in range(seg_lo, seg_hi + 1):
-        slot = tl.load(seg_slot_ptr + seg)
-        rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
-        rank = tl.where(slot >= 0, rank, 0)
-        start = tl.load(seg_start_ptr + seg)
-        end = start + tl.load(seg_len_ptr + seg)
+        slot, rank, start, end = _segment(seg, seg_slot_ptr, slot_rank_ptr, seg_start_ptr, seg_len_ptr)
         a_row = (j0 * max_loras + tl.maximum(slot, 0)) * max_rank
         p0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         p1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)

@@ -128,15 +128,16 @@ def launch_lora_shrink(
     grid = (triton_cdiv(num_tokens, cfg["BLOCK_M"]) * split,)
     common = dict(NUM_SLICES=num_slices // split, BLOCK_R=block_r, SCALED=scaled, SPLIT=split,
                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32")  # fmt: skip
-    if cfg.pop("TMA", 0) and a_stacked.is_contiguous() and tma_ok(x, a_stacked.view(-1, x.shape[1])):
+    _, max_loras, max_rank, hidden = a_stacked.shape
+    a_rows = a_stacked.view(-1, hidden) if a_stacked.is_contiguous() else None  # [slices·loras·rank, hidden]
+    if cfg.pop("TMA", 0) and a_rows is not None and tma_ok(x, a_rows):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         from ditserve.kernels.lora_shrink.kernel import _lora_shrink_tma_kernel
 
-        _, max_loras, max_rank, hidden = a_stacked.shape
         _lora_shrink_tma_kernel[grid](
             TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_K"]]),
-            TensorDescriptor.from_tensor(a_stacked.view(-1, hidden), [block_r, cfg["BLOCK_K"]]),
+            TensorDescriptor.from_tensor(a_rows, [block_r, cfg["BLOCK_K"]]),
             s, token_seg, seg_start, seg_len, seg_slot, seg_scale if scaled else s, slot_rank,
             num_tokens, hidden, s.shape[2], max_loras, max_rank, s.stride(0), s.stride(1), s.stride(2),
             **common, **cfg,
