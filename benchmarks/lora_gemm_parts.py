@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lora_kernels as lk  # noqa: E402
 
+import ditserve.kernels.lora_shrink.op as shrink_op  # noqa: E402
 from ditserve.kernels.lora import lora_linear  # noqa: E402
 from ditserve.kernels.lora_gemm.op import launch_lora_gemm  # noqa: E402
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref  # noqa: E402
@@ -38,8 +39,6 @@ from ditserve.kernels.lora_shrink.reference import lora_shrink_scaled_ref  # noq
 
 BATCH = [(4608, i) for i in range(4)]
 SIZES = [3072] * 3
-COLUMNS = ["cuBLAS", "lora_linear", "shrink", "lora_gemm, adapters", "lora_gemm, slots -1", "lora_gemm, no LoRA",
-           "cuBLAS, hidden 3136", "lora_gemm, no LoRA, hidden 3136"]  # fmt: skip
 
 
 def _gemm(p, s):
@@ -50,7 +49,26 @@ def _gemm(p, s):
     )
 
 
-def variants(rank: int, check: bool = True) -> tuple[dict[str, object], list[str]]:
+def with_shrink(name: str, fn):
+    """fn() with the segmented shrink's default set to SCALED_SWEEP[name] for the call (the launch
+    reads SEGMENTED_TUNED when it runs, also while a CUDA graph is captured)."""
+
+    def call():
+        saved = dict(shrink_op.SEGMENTED_TUNED)
+        cfg = shrink_op.SCALED_SWEEP[name]
+        shrink_op.SEGMENTED_TUNED.update({(n, r): cfg for n in (1, 2, 3, 4) for r in (16, 32, 64, 128)})
+        try:
+            return fn()
+        finally:
+            shrink_op.SEGMENTED_TUNED.clear()
+            shrink_op.SEGMENTED_TUNED.update(saved)
+
+    return call
+
+
+def variants(
+    rank: int, check: bool = True, shrinks: tuple[str, ...] = ()
+) -> tuple[dict[str, object], list[str]]:
     """The timed callables of one rank, each output checked first (check); returns (fns, failures)."""
     p = lk.make_problem(BATCH, rank, SIZES)
     m = p.meta
@@ -73,6 +91,11 @@ def variants(rank: int, check: bool = True) -> tuple[dict[str, object], list[str
         "cuBLAS, hidden 3136": lambda: F.linear(x49, w49),
         "lora_gemm, no LoRA, hidden 3136": _gemm(p49, s0),
     }
+    for name in shrinks:
+        fns[f"shrink {name}"] = lk._shrink_call(p, shrink_op.SCALED_SWEEP[name])
+        fns[f"lora_linear, shrink {name}"] = with_shrink(
+            name, lambda: lora_linear(p.x, p.w, None, p.a, p.b, m, p.sizes)
+        )
     wants = {
         "lora_gemm, adapters": lora_gemm_ref(
             p.x,
@@ -93,6 +116,8 @@ def variants(rank: int, check: bool = True) -> tuple[dict[str, object], list[str
     }
     wants["lora_gemm, slots -1"] = wants["lora_gemm, no LoRA"]
     wants["lora_linear"] = wants["lora_gemm, adapters"]
+    for name in shrinks:
+        wants[f"lora_linear, shrink {name}"] = wants["lora_gemm, adapters"]
     bad = []
     for name, want in wants.items() if check else ():
         got = fns[name]()
@@ -129,6 +154,8 @@ def main() -> None:
     ap.add_argument("--gap-s", type=float, default=0.3)
     ap.add_argument("--modes", default="write,read")
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--shrink-configs", default="", help="SCALED_SWEEP names: each timed alone and as the "
+                    "default shrink of lora_linear")  # fmt: skip
     args = ap.parse_args()
     if args.ncu:
         ncu_run()
@@ -144,20 +171,21 @@ def main() -> None:
         f"4x4608 tokens, QKV 3x3072, hidden 3072; {args.rounds} interleaved rounds, {args.gap_s:g} s idle before "
         "each timing; medians; vs cuBLAS = median of per-round ratios to cuBLAS (hidden 3072) - 1",
         "",
-        "| rank | L2 flush | " + " | ".join(COLUMNS) + " |",
-        "|---|---|" + "---|" * 8,
+        "| rank | L2 flush | row | time | vs cuBLAS |",
+        "|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
+    shrinks = tuple(n for n in args.shrink_configs.split(",") if n)
     for rank in map(int, args.ranks.split(",")):
-        fns, bad = variants(rank)
+        fns, bad = variants(rank, shrinks=shrinks)
         if bad:
             lines.append(f"rank {rank}: WRONG output: {bad}")
         for mode in args.modes.split(","):
             lk.FLUSH_MODE = mode
             res = lk.interleaved(fns, args.rounds, args.gap_s)
-            cells = [f"{ms * 1e3:.1f} µs ({100 * (r - 1):+.1f} %)" for ms, r in res.values()]
-            lines.append(f"| {rank} | {mode} | " + " | ".join(cells) + " |")
-            print(lines[-1], flush=True)
+            for name, (ms, r) in res.items():
+                lines.append(f"| {rank} | {mode} | {name} | {ms * 1e3:.1f} µs | {100 * (r - 1):+.1f} % |")
+            print("\n".join(lines[-len(res) :]), flush=True)
             with open(os.path.join(args.out, "lora_gemm_parts.md"), "w") as f:
                 f.write("\n".join(lines) + "\n")
         del fns

@@ -138,6 +138,78 @@ def _lora_shrink_kernel(
 
 
 @triton.jit
+def _tma_dots(x, a_desc, a_row, slice_rows, k0, acc0, acc1, acc2, acc3, rank, MASK_A: tl.constexpr,
+              NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """acc_j += x · A[j]ᵀ for the K tile at k0 of every slice j; MASK_A: A rows past rank read as zero."""
+    keep = (tl.arange(0, BLOCK_R) < rank)[:, None]
+    a = a_desc.load([a_row, k0])
+    if MASK_A:
+        a = tl.where(keep, a, 0.0)
+    acc0 = tl.dot(x, a.T, acc0, input_precision=PRECISION)
+    if NUM_SLICES > 1:
+        a = a_desc.load([a_row + slice_rows, k0])
+        if MASK_A:
+            a = tl.where(keep, a, 0.0)
+        acc1 = tl.dot(x, a.T, acc1, input_precision=PRECISION)
+    if NUM_SLICES > 2:
+        a = a_desc.load([a_row + 2 * slice_rows, k0])
+        if MASK_A:
+            a = tl.where(keep, a, 0.0)
+        acc2 = tl.dot(x, a.T, acc2, input_precision=PRECISION)
+    if NUM_SLICES > 3:
+        a = a_desc.load([a_row + 3 * slice_rows, k0])
+        if MASK_A:
+            a = tl.where(keep, a, 0.0)
+        acc3 = tl.dot(x, a.T, acc3, input_precision=PRECISION)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _tma_partial(x_desc, a_desc, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, num_tokens,
+                 m0, j0, k_lo, k_hi, max_loras, max_rank, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """x[m0 : m0 + BLOCK_M] · A[j0 + j, slot(row)]ᵀ over the K tiles [k_lo, k_hi), one fp32 accumulator per
+    slice j; zero past a row's rank. A row block inside one segment (the common case) runs the plain K loop;
+    one that straddles segments runs it once per segment with the x rows of other segments and the A rows
+    past the segment's rank zeroed in registers (A rows past a rank belong to the next slot)."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    seg_lo = tl.load(token_seg_ptr + m0)
+    seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
+    slice_rows = max_loras * max_rank
+    acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    if seg_lo == seg_hi:
+        slot, rank, _, _ = _segment(seg_lo, seg_slot_ptr, slot_rank_ptr, seg_start_ptr, seg_len_ptr)
+        a_row = (j0 * max_loras + tl.maximum(slot, 0)) * max_rank
+        # rank 0 / no LoRA: zero trips, nothing is loaded
+        for ki in range(k_lo, tl.where(rank > 0, k_hi, k_lo)):
+            acc0, acc1, acc2, acc3 = _tma_dots(
+                x_desc.load([m0, ki * BLOCK_K]), a_desc, a_row, slice_rows, ki * BLOCK_K, acc0, acc1, acc2, acc3,
+                rank, False, NUM_SLICES, BLOCK_R, PRECISION,
+            )  # fmt: skip
+        keep = (offs_r < rank)[None, :]
+        acc0 = tl.where(keep, acc0, 0.0)
+        acc1 = tl.where(keep, acc1, 0.0)
+        acc2 = tl.where(keep, acc2, 0.0)
+        acc3 = tl.where(keep, acc3, 0.0)
+    else:
+        for seg in range(seg_lo, seg_hi + 1):
+            slot, rank, start, end = _segment(seg, seg_slot_ptr, slot_rank_ptr, seg_start_ptr, seg_len_ptr)
+            a_row = (j0 * max_loras + tl.maximum(slot, 0)) * max_rank
+            rows = ((offs_m >= start) & (offs_m < end))[:, None]
+            for ki in range(k_lo, tl.where(rank > 0, k_hi, k_lo)):
+                x = tl.where(rows, x_desc.load([m0, ki * BLOCK_K]), 0.0)
+                acc0, acc1, acc2, acc3 = _tma_dots(
+                    x, a_desc, a_row, slice_rows, ki * BLOCK_K, acc0, acc1, acc2, acc3, rank, True, NUM_SLICES,
+                    BLOCK_R, PRECISION,
+                )  # fmt: skip
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _lora_shrink_tma_kernel(
     x_desc,  # [num_tokens, hidden] TensorDescriptor, block [BLOCK_M, BLOCK_K]
     a_desc,  # A [num_slices, max_loras, max_rank, hidden] viewed as [num_slices·max_loras·max_rank, hidden],
@@ -166,10 +238,9 @@ def _lora_shrink_tma_kernel(
     PRECISION: tl.constexpr,
 ):
     """The shrink with x and A read through TMA descriptors (no address arithmetic or masks per element):
-    rows past num_tokens and columns past hidden come back as zeros. Instead of masking x rows of other
-    segments, each segment touching the row block runs the K loop on the whole tile and keeps only its own
-    rows (a tile straddling two segments reads x twice; most tiles lie in one). A rows past the slot's rank
-    (the next slot's, where BLOCK_R > max_rank) land in columns that are zeroed before the store."""
+    rows past num_tokens and columns past hidden come back as zeros; one program per row block (and slice,
+    SPLIT). A rows past the slot's rank (the next slot's, where BLOCK_R > max_rank) land in columns that
+    are zeroed before the store."""
     pid_m = tl.program_id(0)
     j0 = 0
     if SPLIT > 1:
@@ -177,42 +248,101 @@ def _lora_shrink_tma_kernel(
         pid_m = pid_m // SPLIT
         s_ptr += j0 * stride_ss
     m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    acc0, acc1, acc2, acc3 = _tma_partial(
+        x_desc, a_desc, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, num_tokens,
+        m0, j0, 0, tl.cdiv(hidden, BLOCK_K), max_loras, max_rank, NUM_SLICES, BLOCK_M, BLOCK_K, BLOCK_R,
+        PRECISION,
+    )  # fmt: skip
+    _scale_and_store(acc0, acc1, acc2, acc3, m0 + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_R), s_ptr,
+                     token_seg_ptr, seg_scale_ptr, num_tokens, rank_dim, stride_ss, stride_st, stride_sr,
+                     NUM_SLICES, SCALED)  # fmt: skip
+
+
+@triton.jit
+def _lora_shrink_streamk_kernel(
+    x_desc,  # as in _lora_shrink_tma_kernel
+    a_desc,
+    s_ptr,
+    token_seg_ptr,
+    seg_start_ptr,
+    seg_len_ptr,
+    seg_slot_ptr,
+    seg_scale_ptr,
+    slot_rank_ptr,
+    ws_ptr,  # [num_programs, NUM_SLICES, BLOCK_M, BLOCK_R] fp32: one partial tile per boundary between programs
+    sync_ptr,  # [2 · num_programs] int32, zero when first allocated, never reset: per boundary, the pieces
+    # that arrived (+2 a launch) and the partial tiles left in ws (+1 a launch)
+    num_tokens,
+    hidden,
+    rank_dim,
+    max_loras,
+    max_rank,
+    stride_ss,
+    stride_st,
+    stride_sr,
+    num_programs,  # ≤ the number of row blocks, so a row block is split between at most two programs
+    NUM_SLICES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SCALED: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Stream-K over the row blocks: the K iterations of all row blocks (every slice in one program, x read
+    once) are cut into num_programs equal contiguous ranges, so every program does the same work however
+    the row blocks divide among the SMs (144 row blocks of 128 tokens on 132 SMs would otherwise leave most
+    SMs idle for half the time). A row block cut between programs p and p + 1 is finished by whichever of
+    the two gets there second: the first leaves its fp32 partial tile in ws and counts it in sync; the
+    second (which waits only for a program already past its arrival, so it cannot deadlock) adds it to its
+    own and stores. The counters grow by fixed amounts each launch, so they never need zeroing (one buffer
+    per device: launches on one device must not run concurrently on two streams)."""
+    pid = tl.program_id(0)
+    k_tiles = tl.cdiv(hidden, BLOCK_K)
+    total = tl.cdiv(num_tokens, BLOCK_M) * k_tiles
+    it = (pid * total) // num_programs
+    it_end = ((pid + 1) * total) // num_programs
     offs_r = tl.arange(0, BLOCK_R)
-    seg_lo = tl.load(token_seg_ptr + m0)
-    seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
-    slice_rows = max_loras * max_rank
-
-    acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for seg in range(seg_lo, seg_hi + 1):
-        slot, rank, start, end = _segment(seg, seg_slot_ptr, slot_rank_ptr, seg_start_ptr, seg_len_ptr)
-        a_row = (j0 * max_loras + tl.maximum(slot, 0)) * max_rank
-        p0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        p1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        p2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        p3 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        # rank 0 / no LoRA: zero trips, nothing is loaded
-        for ki in range(tl.where(rank > 0, tl.cdiv(hidden, BLOCK_K), 0)):
-            k0 = ki * BLOCK_K
-            x = x_desc.load([m0, k0])
-            p0 = tl.dot(x, a_desc.load([a_row, k0]).T, p0, input_precision=PRECISION)
-            if NUM_SLICES > 1:
-                p1 = tl.dot(x, a_desc.load([a_row + slice_rows, k0]).T, p1, input_precision=PRECISION)
-            if NUM_SLICES > 2:
-                p2 = tl.dot(x, a_desc.load([a_row + 2 * slice_rows, k0]).T, p2, input_precision=PRECISION)
-            if NUM_SLICES > 3:
-                p3 = tl.dot(x, a_desc.load([a_row + 3 * slice_rows, k0]).T, p3, input_precision=PRECISION)
-        keep = ((offs_m >= start) & (offs_m < end))[:, None] & (offs_r < rank)[None, :]
-        acc0 = tl.where(keep, p0, acc0)
-        if NUM_SLICES > 1:
-            acc1 = tl.where(keep, p1, acc1)
-        if NUM_SLICES > 2:
-            acc2 = tl.where(keep, p2, acc2)
-        if NUM_SLICES > 3:
-            acc3 = tl.where(keep, p3, acc3)
-
-    _scale_and_store(acc0, acc1, acc2, acc3, offs_m, offs_r, s_ptr, token_seg_ptr, seg_scale_ptr, num_tokens,
-                     rank_dim, stride_ss, stride_st, stride_sr, NUM_SLICES, SCALED)  # fmt: skip
+    tile: tl.constexpr = BLOCK_M * BLOCK_R
+    ws_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_R + offs_r[None, :]
+    while it < it_end:
+        u = it // k_tiles
+        k_lo = it - u * k_tiles
+        k_hi = tl.minimum(k_tiles, k_lo + it_end - it)
+        m0 = u * BLOCK_M
+        acc0, acc1, acc2, acc3 = _tma_partial(
+            x_desc, a_desc, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, num_tokens,
+            m0, 0, k_lo, k_hi, max_loras, max_rank, NUM_SLICES, BLOCK_M, BLOCK_K, BLOCK_R, PRECISION,
+        )  # fmt: skip
+        finish = True
+        if (k_lo > 0) | (k_hi < k_tiles):
+            # the head piece ends this program's range (boundary pid), the tail starts it (boundary pid - 1)
+            b = tl.where(k_lo == 0, pid, pid - 1)
+            ws = ws_ptr + b * (NUM_SLICES * tile) + ws_offs
+            arrived = tl.atomic_add(sync_ptr + 2 * b, 1, sem="acq_rel")
+            if arrived % 2 == 0:  # first of the two: leave the partial tile
+                tl.store(ws, acc0)
+                if NUM_SLICES > 1:
+                    tl.store(ws + tile, acc1)
+                if NUM_SLICES > 2:
+                    tl.store(ws + 2 * tile, acc2)
+                if NUM_SLICES > 3:
+                    tl.store(ws + 3 * tile, acc3)
+                tl.debug_barrier()
+                tl.atomic_add(sync_ptr + 2 * b + 1, 1, sem="release")
+                finish = False
+            else:  # second: wait for the first one's tile (it has arrived, so it is running), add it
+                left = tl.atomic_add(sync_ptr + 2 * b + 1, 0, sem="acquire")
+                while left <= arrived // 2:
+                    left = tl.atomic_add(sync_ptr + 2 * b + 1, 0, sem="acquire")
+                acc0 += tl.load(ws, cache_modifier=".cg")
+                if NUM_SLICES > 1:
+                    acc1 += tl.load(ws + tile, cache_modifier=".cg")
+                if NUM_SLICES > 2:
+                    acc2 += tl.load(ws + 2 * tile, cache_modifier=".cg")
+                if NUM_SLICES > 3:
+                    acc3 += tl.load(ws + 3 * tile, cache_modifier=".cg")
+        if finish:
+            _scale_and_store(acc0, acc1, acc2, acc3, m0 + tl.arange(0, BLOCK_M), offs_r, s_ptr, token_seg_ptr,
+                             seg_scale_ptr, num_tokens, rank_dim, stride_ss, stride_st, stride_sr, NUM_SLICES,
+                             SCALED)  # fmt: skip
+        it = u * k_tiles + k_hi

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ditserve.kernels._dispatch import block_rank, use_triton
-from ditserve.kernels.lora_gemm.op import tma_ok
+from ditserve.kernels.lora_gemm.op import num_programs_limit, tma_ok
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref
 
 MAX_SLICES = 4
@@ -52,6 +52,15 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "tma 128/64/8/3 split": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, SPLIT=1, TMA=1),
     "tma 128/64/8/4 split": _TMA_SPLIT,
     "tma 64/64/4/4 split": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT=1, TMA=1),
+    # stream-K (STREAMK=n programs per SM, each an equal share of all row blocks' K steps, every slice in
+    # one program so x is read once)
+    "sk 128/64/8/4": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=1),
+    "sk 128/64/8/3": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, TMA=1, STREAMK=1),
+    "sk 128/64/8/3 x2": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, TMA=1, STREAMK=2),
+    "sk 128/64/8/4 x2": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=2),
+    "sk 64/64/4/4 x2": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=2),
+    "sk 64/64/4/4 x3": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=3),
+    "sk 128/128/8/2": dict(BLOCK_M=128, BLOCK_K=128, num_warps=8, num_stages=2, TMA=1, STREAMK=1),
 }
 
 # The segmented kernel (fp32 and scaled outputs) where H200 sweeps found the TMA kernel faster than TUNED
@@ -107,7 +116,8 @@ def launch_lora_shrink(
     slot_rank: torch.Tensor,  # [max_loras] int32
     rank_dim: int,  # columns of the output = largest rank in the batch
     config: dict[str, int] | None = None,  # tile override (benchmarks); SPLIT=1: one program per slice,
-    # TMA=1: x and A through TMA descriptors (where their layouts allow)
+    # TMA=1: x and A through TMA descriptors (where their layouts allow), and with STREAMK=n the stream-K
+    # kernel on n programs per SM
     seg_scale: torch.Tensor | None = None,  # [num_segments] fp32: write scale(t) · s in x's dtype instead
 ) -> torch.Tensor:  # [num_slices, num_tokens, rank_dim] fp32, or [.., scaled_cols(rank_dim)] x's dtype
     from ditserve.kernels.lora_shrink.kernel import _lora_shrink_kernel
@@ -125,23 +135,34 @@ def launch_lora_shrink(
     block_r = block_rank(s.shape[2])
     cfg = dict(config or SEGMENTED_TUNED.get((num_slices, block_r)) or shrink_config(num_slices, block_r))
     split = num_slices if cfg.pop("SPLIT", 0) else 1
+    streamk = cfg.pop("STREAMK", 0)
     grid = (triton_cdiv(num_tokens, cfg["BLOCK_M"]) * split,)
-    common = dict(NUM_SLICES=num_slices // split, BLOCK_R=block_r, SCALED=scaled, SPLIT=split,
+    common = dict(NUM_SLICES=num_slices // split, BLOCK_R=block_r, SCALED=scaled,
                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32")  # fmt: skip
     _, max_loras, max_rank, hidden = a_stacked.shape
     a_rows = a_stacked.view(-1, hidden) if a_stacked.is_contiguous() else None  # [slices·loras·rank, hidden]
     if cfg.pop("TMA", 0) and a_rows is not None and tma_ok(x, a_rows):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        from ditserve.kernels.lora_shrink.kernel import _lora_shrink_tma_kernel
+        from ditserve.kernels.lora_shrink.kernel import _lora_shrink_streamk_kernel, _lora_shrink_tma_kernel
 
-        _lora_shrink_tma_kernel[grid](
+        descs = (
             TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_K"]]),
             TensorDescriptor.from_tensor(a_rows, [block_r, cfg["BLOCK_K"]]),
-            s, token_seg, seg_start, seg_len, seg_slot, seg_scale if scaled else s, slot_rank,
-            num_tokens, hidden, s.shape[2], max_loras, max_rank, s.stride(0), s.stride(1), s.stride(2),
-            **common, **cfg,
-        )  # fmt: skip
+        )
+        seg = (token_seg, seg_start, seg_len, seg_slot, seg_scale if scaled else s, slot_rank)
+        sizes = (num_tokens, hidden, s.shape[2], max_loras, max_rank, s.stride(0), s.stride(1), s.stride(2))
+        if streamk and split == 1:
+            # at most one program per row block, so a row block is cut between two programs at most
+            programs = min(grid[0], streamk * num_programs_limit(x.device))
+            ws = torch.empty(
+                programs, num_slices, cfg["BLOCK_M"], block_r, dtype=torch.float32, device=x.device
+            )
+            _lora_shrink_streamk_kernel[(programs,)](
+                *descs, s, *seg, ws, _sync_counters(x.device, 2 * programs), *sizes, programs, **common, **cfg
+            )
+        else:
+            _lora_shrink_tma_kernel[grid](*descs, s, *seg, *sizes, SPLIT=split, **common, **cfg)
         return s
     _lora_shrink_kernel[grid](
         x, a_stacked, s, token_seg, seg_start, seg_len, seg_slot, seg_scale if scaled else s, slot_rank,
@@ -149,13 +170,25 @@ def launch_lora_shrink(
         x.stride(0), x.stride(1),
         a_stacked.stride(0), a_stacked.stride(1), a_stacked.stride(2), a_stacked.stride(3),
         s.stride(0), s.stride(1), s.stride(2),
-        **common, **cfg,
+        SPLIT=split, **common, **cfg,
     )  # fmt: skip
     return s
 
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# the stream-K shrink's counters, one buffer per device (see _lora_shrink_streamk_kernel): zero when made,
+# kept consistent by every launch, so never reset
+_SYNC: dict[torch.device, torch.Tensor] = {}
+
+
+def _sync_counters(device: torch.device, n: int) -> torch.Tensor:
+    buf = _SYNC.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _SYNC[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
 
 
 @torch.library.custom_op("ditserve::lora_shrink", mutates_args=())
