@@ -346,3 +346,116 @@ def _lora_shrink_streamk_kernel(
                              seg_scale_ptr, num_tokens, rank_dim, stride_ss, stride_st, stride_sr, NUM_SLICES,
                              SCALED)  # fmt: skip
         it = u * k_tiles + k_hi
+
+
+@triton.jit
+def _wide_partial(x_desc, a_desc, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr,
+                  num_tokens, m0, k_lo, k_hi, max_rank, SL: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """x[m0 : m0 + BLOCK_M] · [A[0, slot]; A[1, slot]; ...]ᵀ over the K tiles [k_lo, k_hi) as one dot: the A
+    tiles of all slices come in one [SL, BLOCK_R, BLOCK_K] load (slices past the last read as zeros), so x
+    is read from shared memory once per K step and the tensor cores see one wide N. Column c of the
+    result is slice c // BLOCK_R, rank c % BLOCK_R; zero past a row's rank (straddling row blocks as in
+    _tma_partial, with x rows of other segments zeroed in registers)."""
+    N: tl.constexpr = SL * BLOCK_R
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    r_of_c = tl.arange(0, N) % BLOCK_R
+    seg_lo = tl.load(token_seg_ptr + m0)
+    seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
+    acc = tl.zeros((BLOCK_M, N), dtype=tl.float32)
+    if seg_lo == seg_hi:
+        slot, rank, _, _ = _segment(seg_lo, seg_slot_ptr, slot_rank_ptr, seg_start_ptr, seg_len_ptr)
+        a_row = tl.maximum(slot, 0) * max_rank
+        # rank 0 / no LoRA: zero trips, nothing is loaded
+        for ki in range(k_lo, tl.where(rank > 0, k_hi, k_lo)):
+            a = tl.reshape(a_desc.load([0, a_row, ki * BLOCK_K]), (N, BLOCK_K))
+            acc = tl.dot(x_desc.load([m0, ki * BLOCK_K]), a.T, acc, input_precision=PRECISION)
+        acc = tl.where((r_of_c < rank)[None, :], acc, 0.0)
+    else:
+        for seg in range(seg_lo, seg_hi + 1):
+            slot, rank, start, end = _segment(seg, seg_slot_ptr, slot_rank_ptr, seg_start_ptr, seg_len_ptr)
+            a_row = tl.maximum(slot, 0) * max_rank
+            rows = ((offs_m >= start) & (offs_m < end))[:, None]
+            for ki in range(k_lo, tl.where(rank > 0, k_hi, k_lo)):
+                a = tl.reshape(a_desc.load([0, a_row, ki * BLOCK_K]), (N, BLOCK_K))
+                a = tl.where((r_of_c < rank)[:, None], a, 0.0)
+                x = tl.where(rows, x_desc.load([m0, ki * BLOCK_K]), 0.0)
+                acc = tl.dot(x, a.T, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _lora_shrink_wide_kernel(
+    x_desc,  # [num_tokens, hidden] TensorDescriptor, block [BLOCK_M, BLOCK_K]
+    a_desc,  # A [num_slices, max_loras·max_rank, hidden] TensorDescriptor, block [SL, BLOCK_R, BLOCK_K]
+    s_ptr,  # [num_slices, num_tokens, rank_dim] fp32, or x's dtype when SCALED
+    token_seg_ptr,
+    seg_start_ptr,
+    seg_len_ptr,
+    seg_slot_ptr,
+    seg_scale_ptr,
+    slot_rank_ptr,
+    ws_ptr,  # [num_programs, BLOCK_M, SL · BLOCK_R] fp32, as in _lora_shrink_streamk_kernel
+    sync_ptr,  # [2 · num_programs] int32, as in _lora_shrink_streamk_kernel
+    num_tokens,
+    hidden,
+    rank_dim,
+    max_rank,
+    stride_ss,
+    stride_st,
+    stride_sr,
+    num_programs,
+    NUM_SLICES: tl.constexpr,
+    SL: tl.constexpr,  # NUM_SLICES rounded up to a power of two
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SCALED: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Stream-K as _lora_shrink_streamk_kernel, every slice in one wide dot (_wide_partial)."""
+    N: tl.constexpr = SL * BLOCK_R
+    pid = tl.program_id(0)
+    k_tiles = tl.cdiv(hidden, BLOCK_K)
+    total = tl.cdiv(num_tokens, BLOCK_M) * k_tiles
+    it = (pid * total) // num_programs
+    it_end = ((pid + 1) * total) // num_programs
+    offs_c = tl.arange(0, N)
+    ws_offs = tl.arange(0, BLOCK_M)[:, None] * N + offs_c[None, :]
+    while it < it_end:
+        u = it // k_tiles
+        k_lo = it - u * k_tiles
+        k_hi = tl.minimum(k_tiles, k_lo + it_end - it)
+        m0 = u * BLOCK_M
+        acc = _wide_partial(
+            x_desc, a_desc, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, num_tokens,
+            m0, k_lo, k_hi, max_rank, SL, BLOCK_M, BLOCK_K, BLOCK_R, PRECISION,
+        )  # fmt: skip
+        finish = True
+        if (k_lo > 0) | (k_hi < k_tiles):
+            b = tl.where(k_lo == 0, pid, pid - 1)
+            ws = ws_ptr + b * (BLOCK_M * N) + ws_offs
+            arrived = tl.atomic_add(sync_ptr + 2 * b, 1, sem="acq_rel")
+            if arrived % 2 == 0:
+                tl.store(ws, acc)
+                tl.debug_barrier()
+                tl.atomic_add(sync_ptr + 2 * b + 1, 1, sem="release")
+                finish = False
+            else:
+                left = tl.atomic_add(sync_ptr + 2 * b + 1, 0, sem="acquire")
+                while left <= arrived // 2:
+                    left = tl.atomic_add(sync_ptr + 2 * b + 1, 0, sem="acquire")
+                acc += tl.load(ws, cache_modifier=".cg")
+        if finish:
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            if SCALED:
+                row_seg = tl.load(token_seg_ptr + tl.minimum(offs_m, num_tokens - 1))
+                acc *= tl.load(seg_scale_ptr + row_seg)[:, None]
+            j = offs_c // BLOCK_R
+            r = offs_c % BLOCK_R
+            s_ptrs = (
+                s_ptr + offs_m.to(tl.int64)[:, None] * stride_st + (j * stride_ss + r * stride_sr)[None, :]
+            )
+            mask = (offs_m < num_tokens)[:, None] & ((j < NUM_SLICES) & (r < rank_dim))[None, :]
+            tl.store(s_ptrs, acc.to(s_ptr.dtype.element_ty), mask=mask)
+        it = u * k_tiles + k_hi

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ditserve.kernels._dispatch import block_rank, use_triton
+from ditserve.kernels._dispatch import block_rank, next_pow2, use_triton
 from ditserve.kernels.lora_gemm.op import num_programs_limit, tma_ok
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref
 
@@ -61,6 +61,12 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "sk 64/64/4/4 x2": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=2),
     "sk 64/64/4/4 x3": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=3),
     "sk 128/128/8/2": dict(BLOCK_M=128, BLOCK_K=128, num_warps=8, num_stages=2, TMA=1, STREAMK=1),
+    # the same with every slice's A tile in one load and one wide dot per K step (WIDE=1)
+    "wide 128/64/8/4": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=1, WIDE=1),
+    "wide 128/64/8/3": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, TMA=1, STREAMK=1, WIDE=1),
+    "wide 128/64/8/3 x2": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, TMA=1, STREAMK=2, WIDE=1),
+    "wide 128/64/8/4 x2": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=2, WIDE=1),
+    "wide 64/64/4/4 x2": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=2, WIDE=1),
 }
 
 # The segmented kernel (fp32 and scaled outputs) where H200 sweeps found the TMA kernel faster than TUNED
@@ -136,6 +142,7 @@ def launch_lora_shrink(
     cfg = dict(config or SEGMENTED_TUNED.get((num_slices, block_r)) or shrink_config(num_slices, block_r))
     split = num_slices if cfg.pop("SPLIT", 0) else 1
     streamk = cfg.pop("STREAMK", 0)
+    wide = cfg.pop("WIDE", 0)
     grid = (triton_cdiv(num_tokens, cfg["BLOCK_M"]) * split,)
     common = dict(NUM_SLICES=num_slices // split, BLOCK_R=block_r, SCALED=scaled,
                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32")  # fmt: skip
@@ -144,7 +151,11 @@ def launch_lora_shrink(
     if cfg.pop("TMA", 0) and a_rows is not None and tma_ok(x, a_rows):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        from ditserve.kernels.lora_shrink.kernel import _lora_shrink_streamk_kernel, _lora_shrink_tma_kernel
+        from ditserve.kernels.lora_shrink.kernel import (
+            _lora_shrink_streamk_kernel,
+            _lora_shrink_tma_kernel,
+            _lora_shrink_wide_kernel,
+        )
 
         descs = (
             TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_K"]]),
@@ -152,7 +163,19 @@ def launch_lora_shrink(
         )
         seg = (token_seg, seg_start, seg_len, seg_slot, seg_scale if scaled else s, slot_rank)
         sizes = (num_tokens, hidden, s.shape[2], max_loras, max_rank, s.stride(0), s.stride(1), s.stride(2))
-        if streamk and split == 1:
+        if streamk and split == 1 and wide:
+            # all slices' A tiles in one [SL, BLOCK_R, BLOCK_K] load, one dot per K step
+            sl = next_pow2(num_slices)
+            programs = min(grid[0], streamk * num_programs_limit(x.device))
+            n_cols = sl * block_r
+            ws = torch.empty(programs, cfg["BLOCK_M"], n_cols, dtype=torch.float32, device=x.device)
+            a3 = a_stacked.view(num_slices, max_loras * max_rank, hidden)
+            _lora_shrink_wide_kernel[(programs,)](
+                descs[0], TensorDescriptor.from_tensor(a3, [sl, block_r, cfg["BLOCK_K"]]), s, *seg, ws,
+                _sync_counters(x.device, 2 * programs), num_tokens, hidden, s.shape[2], max_rank,
+                s.stride(0), s.stride(1), s.stride(2), programs, SL=sl, **common, **cfg,
+            )  # fmt: skip
+        elif streamk and split == 1:
             # at most one program per row block, so a row block is cut between two programs at most
             programs = min(grid[0], streamk * num_programs_limit(x.device))
             ws = torch.empty(
