@@ -280,25 +280,26 @@ def _lora_shrink_streamk_kernel(
     stride_ss,
     stride_st,
     stride_sr,
-    num_programs,  # ≤ the number of row blocks, so a row block is split between at most two programs
+    num_programs,  # ≤ the number of units, so a unit is split between at most two programs
     NUM_SLICES: tl.constexpr,
+    SPLIT: tl.constexpr,  # > 1: a unit is one slice of a row block (NUM_SLICES = 1), else a whole row block
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     SCALED: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Stream-K over the row blocks: the K iterations of all row blocks (every slice in one program, x read
-    once) are cut into num_programs equal contiguous ranges, so every program does the same work however
+    """Stream-K over the units (row blocks, or with SPLIT one slice of a row block each): the K iterations of
+    all units are cut into num_programs equal contiguous ranges, so every program does the same work however
     the row blocks divide among the SMs (144 row blocks of 128 tokens on 132 SMs would otherwise leave most
-    SMs idle for half the time). A row block cut between programs p and p + 1 is finished by whichever of
+    SMs idle for half the time). A unit cut between programs p and p + 1 is finished by whichever of
     the two gets there second: the first leaves its fp32 partial tile in ws and counts it in sync; the
     second (which waits only for a program already past its arrival, so it cannot deadlock) adds it to its
     own and stores. The counters grow by fixed amounts each launch, so they never need zeroing (one buffer
     per device: launches on one device must not run concurrently on two streams)."""
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(hidden, BLOCK_K)
-    total = tl.cdiv(num_tokens, BLOCK_M) * k_tiles
+    total = tl.cdiv(num_tokens, BLOCK_M) * SPLIT * k_tiles
     it = (pid * total) // num_programs
     it_end = ((pid + 1) * total) // num_programs
     offs_r = tl.arange(0, BLOCK_R)
@@ -308,10 +309,11 @@ def _lora_shrink_streamk_kernel(
         u = it // k_tiles
         k_lo = it - u * k_tiles
         k_hi = tl.minimum(k_tiles, k_lo + it_end - it)
-        m0 = u * BLOCK_M
+        m0 = (u // SPLIT) * BLOCK_M
+        j0 = u % SPLIT
         acc0, acc1, acc2, acc3 = _tma_partial(
             x_desc, a_desc, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, num_tokens,
-            m0, 0, k_lo, k_hi, max_loras, max_rank, NUM_SLICES, BLOCK_M, BLOCK_K, BLOCK_R, PRECISION,
+            m0, j0, k_lo, k_hi, max_loras, max_rank, NUM_SLICES, BLOCK_M, BLOCK_K, BLOCK_R, PRECISION,
         )  # fmt: skip
         finish = True
         if (k_lo > 0) | (k_hi < k_tiles):
@@ -342,7 +344,8 @@ def _lora_shrink_streamk_kernel(
                 if NUM_SLICES > 3:
                     acc3 += tl.load(ws + 3 * tile, cache_modifier=".cg")
         if finish:
-            _scale_and_store(acc0, acc1, acc2, acc3, m0 + tl.arange(0, BLOCK_M), offs_r, s_ptr, token_seg_ptr,
+            _scale_and_store(acc0, acc1, acc2, acc3, m0 + tl.arange(0, BLOCK_M), offs_r, s_ptr + j0 * stride_ss,
+                             token_seg_ptr,
                              seg_scale_ptr, num_tokens, rank_dim, stride_ss, stride_st, stride_sr, NUM_SLICES,
                              SCALED)  # fmt: skip
         it = u * k_tiles + k_hi

@@ -60,6 +60,15 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "sk 128/64/8/4 x2": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=2),
     "sk 64/64/4/4 x2": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=2),
     "sk 64/64/4/4 x3": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=3),
+    "sk split 128/64/8/4 x2": dict(
+        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=2, SPLIT=1
+    ),
+    "sk split 128/64/8/3 x2": dict(
+        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, TMA=1, STREAMK=2, SPLIT=1
+    ),
+    "sk split 64/64/4/4 x3": dict(
+        BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=3, SPLIT=1
+    ),
     "sk 128/128/8/2": dict(BLOCK_M=128, BLOCK_K=128, num_warps=8, num_stages=2, TMA=1, STREAMK=1),
     # the same with every slice's A tile in one load and one wide dot per K step (WIDE=1)
     "wide 128/64/8/4": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=1, WIDE=1),
@@ -175,15 +184,16 @@ def launch_lora_shrink(
                 _sync_counters(x.device, 2 * programs), num_tokens, hidden, s.shape[2], max_rank,
                 s.stride(0), s.stride(1), s.stride(2), programs, SL=sl, **common, **cfg,
             )  # fmt: skip
-        elif streamk and split == 1:
-            # at most one program per row block, so a row block is cut between two programs at most
+        elif streamk:
+            # at most one program per unit (a row block, or with SPLIT one slice of it), so a unit is cut
+            # between two programs at most
             programs = min(grid[0], streamk * num_programs_limit(x.device))
-            ws = torch.empty(
-                programs, num_slices, cfg["BLOCK_M"], block_r, dtype=torch.float32, device=x.device
-            )
+            ws = torch.empty(programs, num_slices // split, cfg["BLOCK_M"], block_r, dtype=torch.float32,
+                             device=x.device)  # fmt: skip
             _lora_shrink_streamk_kernel[(programs,)](
-                *descs, s, *seg, ws, _sync_counters(x.device, 2 * programs), *sizes, programs, **common, **cfg
-            )
+                *descs, s, *seg, ws, _sync_counters(x.device, 2 * programs), *sizes, programs, SPLIT=split,
+                **common, **cfg,
+            )  # fmt: skip
         else:
             _lora_shrink_tma_kernel[grid](*descs, s, *seg, *sizes, SPLIT=split, **common, **cfg)
         return s
