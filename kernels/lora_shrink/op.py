@@ -53,28 +53,36 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "tma 128/64/8/4 split": _TMA_SPLIT,
     "tma 64/64/4/4 split": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT=1, TMA=1),
     # stream-K (STREAMK=n programs per SM, each an equal share of all row blocks' K steps, every slice in
-    # one program so x is read once)
+    # one program so x is read once, or one slice per unit with SPLIT); maxnreg keeps n programs resident
     "sk 128/64/8/4": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=1),
     "sk 128/64/8/3": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, TMA=1, STREAMK=1),
-    "sk 128/64/8/3 x2": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, TMA=1, STREAMK=2),
-    "sk 128/64/8/4 x2": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=2),
+    "sk 128/64/8/3 x2": dict(
+        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, TMA=1, STREAMK=2, maxnreg=128
+    ),
+    "sk 128/64/8/4 x2": dict(
+        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=2, maxnreg=128
+    ),
     "sk 64/64/4/4 x2": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=2),
     "sk 64/64/4/4 x3": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=3),
     "sk split 128/64/8/4 x2": dict(
-        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=2, SPLIT=1
+        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=2, SPLIT=1, maxnreg=128
     ),
     "sk split 128/64/8/3 x2": dict(
-        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, TMA=1, STREAMK=2, SPLIT=1
+        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, TMA=1, STREAMK=2, SPLIT=1, maxnreg=128
     ),
     "sk split 64/64/4/4 x3": dict(
-        BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=3, SPLIT=1
+        BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=3, SPLIT=1, maxnreg=168
     ),
     "sk 128/128/8/2": dict(BLOCK_M=128, BLOCK_K=128, num_warps=8, num_stages=2, TMA=1, STREAMK=1),
     # the same with every slice's A tile in one load and one wide dot per K step (WIDE=1)
     "wide 128/64/8/4": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=1, WIDE=1),
     "wide 128/64/8/3": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, TMA=1, STREAMK=1, WIDE=1),
-    "wide 128/64/8/3 x2": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, TMA=1, STREAMK=2, WIDE=1),
-    "wide 128/64/8/4 x2": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=2, WIDE=1),
+    "wide 128/64/8/3 x2": dict(
+        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, TMA=1, STREAMK=2, WIDE=1, maxnreg=128
+    ),
+    "wide 128/64/8/4 x2": dict(
+        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=2, WIDE=1, maxnreg=128
+    ),
     "wide 64/64/4/4 x2": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=2, WIDE=1),
 }
 
