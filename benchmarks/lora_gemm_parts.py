@@ -56,7 +56,7 @@ def with_shrink(name: str, fn):
     def call():
         saved = dict(shrink_op.SEGMENTED_TUNED)
         cfg = shrink_op.SCALED_SWEEP[name]
-        shrink_op.SEGMENTED_TUNED.update({(n, r): cfg for n in (1, 2, 3, 4) for r in (16, 32, 64, 128)})
+        shrink_op.SEGMENTED_TUNED.update({(n, r): (cfg,) for n in (1, 2, 3, 4) for r in (16, 32, 64, 128)})
         try:
             return fn()
         finally:

@@ -167,20 +167,19 @@ def sweep(lines: list[str], out: str) -> None:
         for rank in RANKS:
             totals: dict[str, float] = {}
             cells_all = []
-            # the TMA kernel where it is the default (SEGMENTED_TUNED) competes with the pointer tiles
+            # the segmented default where it is not a TUNED tile (SEGMENTED_TUNED: TMA and stream-K kernels)
+            # competes with the pointer tiles
             key = (nsl, block_rank(rank))
-            tma_cfg = shrink_op.SEGMENTED_TUNED.get(key)
             for batch in ("4x4608", "1x4608"):
                 p = make_problem(BATCHES[batch], rank, sizes)
                 m = p.meta
                 args = (p.x, p.a, m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
                 cells, _ = sweep_one(lambda cfg, args=args: launch_lora_shrink(*args, config=cfg), SHRINK_SWEEP,
                                      shrink_keys)  # fmt: skip
-                if tma_cfg:
-                    ms = bench_ms(
-                        lambda args=args, cfg=tma_cfg: launch_lora_shrink(*args, config=cfg), rep=30
-                    )
-                    cells.append(f"tma: {ms * 1e3:.1f}")
+                if key in shrink_op.SEGMENTED_TUNED:
+                    cfg = shrink_op.segmented_config(*key, m.num_tokens, p.x.device)
+                    ms = bench_ms(lambda args=args, cfg=cfg: launch_lora_shrink(*args, config=cfg), rep=30)
+                    cells.append(f"tuned: {ms * 1e3:.1f}")
                 for c in cells:
                     label, _, val = c.partition(": ")
                     if not val.startswith("fail"):
@@ -188,7 +187,7 @@ def sweep(lines: list[str], out: str) -> None:
                 cells_all.append(f"{batch}: " + "; ".join(cells))
             if totals:
                 label = min(totals, key=totals.get)
-                if label != "tma":
+                if label != "tuned":
                     cfg = dict(zip(shrink_keys, (int(v) for v in label.split("/")), strict=True))
                     shrink_op.TUNED[key] = cfg
                     shrink_op.SEGMENTED_TUNED.pop(key, None)

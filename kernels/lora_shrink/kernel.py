@@ -289,9 +289,9 @@ def _lora_shrink_streamk_kernel(
     SCALED: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Stream-K over the units (row blocks, or with SPLIT one slice of a row block each): the K iterations of
-    all units are cut into num_programs equal contiguous ranges, so every program does the same work however
-    the row blocks divide among the SMs (144 row blocks of 128 tokens on 132 SMs would otherwise leave most
+    """Stream-K over units, each a row block (every slice in one program, x read once) or with SPLIT one
+    slice of a row block: the K iterations of all units are cut into num_programs equal contiguous ranges,
+    so every program does the same work however the row blocks divide among the SMs (144 row blocks of 128 tokens on 132 SMs would otherwise leave most
     SMs idle for half the time). A unit cut between programs p and p + 1 is finished by whichever of
     the two gets there second: the first leaves its fp32 partial tile in ws and counts it in sync; the
     second (which waits only for a program already past its arrival, so it cannot deadlock) adds it to its

@@ -25,6 +25,11 @@ TUNED: dict[tuple[int, int], dict[str, int]] = {
 # the TMA kernel, one program per 128-row block and slice, 4 stages (SEGMENTED_TUNED below)
 _TMA_SPLIT = dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, SPLIT=1, TMA=1)
 
+# stream-K tiles that won somewhere (SEGMENTED_TUNED below)
+_SK_64 = dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=2)
+_WIDE_64 = dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=2, WIDE=1)
+_WIDE_128 = dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=1, WIDE=1)
+
 # Candidates for the scaled (x's dtype) output the fused GEMM reads, swept by benchmarks/lora_kernels.py
 # --qkv-only --sweep-gemm (the GPU tests run each once). SPLIT=1: one program per (row block, slice).
 SCALED_SWEEP: dict[str, dict[str, int]] = {
@@ -53,49 +58,56 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "tma 128/64/8/4 split": _TMA_SPLIT,
     "tma 64/64/4/4 split": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT=1, TMA=1),
     # stream-K (STREAMK=n programs per SM, each an equal share of all row blocks' K steps, every slice in
-    # one program so x is read once, or one slice per unit with SPLIT); maxnreg keeps n programs resident
+    # one program so x is read once); WIDE=1: every slice's A tile in one load and one wide dot per K step
     "sk 128/64/8/4": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=1),
-    "sk 128/64/8/3": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, TMA=1, STREAMK=1),
-    "sk 128/64/8/3 x2": dict(
-        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, TMA=1, STREAMK=2, maxnreg=128
+    "sk 64/64/4/4 x2": _SK_64,
+    "wide 128/64/8/4": _WIDE_128,
+    "wide 64/64/4/4 x2": _WIDE_64,
+    # stream-K over units of one slice (SPLIT=1): the split TMA kernel's 128-row units, balanced
+    "sk split 128/64/8/4": dict(
+        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=1, SPLIT=1
     ),
-    "sk 128/64/8/4 x2": dict(
-        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=2, maxnreg=128
-    ),
-    "sk 64/64/4/4 x2": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=2),
-    "sk 64/64/4/4 x3": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=3),
-    "sk split 128/64/8/4 x2": dict(
-        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=2, SPLIT=1, maxnreg=128
-    ),
-    "sk split 128/64/8/3 x2": dict(
-        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, TMA=1, STREAMK=2, SPLIT=1, maxnreg=128
+    "sk split 64/64/4/4 x2": dict(
+        BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=2, SPLIT=1
     ),
     "sk split 64/64/4/4 x3": dict(
         BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=3, SPLIT=1, maxnreg=168
     ),
-    "sk 128/128/8/2": dict(BLOCK_M=128, BLOCK_K=128, num_warps=8, num_stages=2, TMA=1, STREAMK=1),
-    # the same with every slice's A tile in one load and one wide dot per K step (WIDE=1)
-    "wide 128/64/8/4": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=1, WIDE=1),
-    "wide 128/64/8/3": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, TMA=1, STREAMK=1, WIDE=1),
-    "wide 128/64/8/3 x2": dict(
-        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, TMA=1, STREAMK=2, WIDE=1, maxnreg=128
-    ),
-    "wide 128/64/8/4 x2": dict(
-        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=2, WIDE=1, maxnreg=128
-    ),
-    "wide 64/64/4/4 x2": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=2, WIDE=1),
 }
 
-# The segmented kernel (fp32 and scaled outputs) where H200 sweeps found the TMA kernel faster than TUNED
-# (which the chunked SGMV shrink reads too, so it keeps pointer tiles): ranks 64 and 128 with 3 and 4 slices,
-# one program per 128-row block and slice, 4 stages (96 KB: two per SM). 4x4608 tokens, hidden 3072, bf16 s:
-# 3 slices rank 64 55.1 µs (TUNED 77.7 fp32 / pointer best 69.1), rank 128 90.5 (131.4); 4 slices rank 64
-# 72.2 (103.5 fp32 / pointer best 83.7), rank 128 109.6 (162.4); fp32 s within 2-4 µs of bf16 at rank 128,
-# 56.6 / 78.0 µs at rank 64; one request of 4608 tokens and a skewed mix gain likewise (BENCHMARKS.md).
-# Rank 32 stays on TUNED (the TMA kernel was 2 µs faster at 3 slices and 6 µs slower at 4).
-SEGMENTED_TUNED: dict[tuple[int, int], dict[str, int]] = {
-    (n, r): _TMA_SPLIT for n in (3, 4) for r in (64, 128)
+# The segmented kernel's defaults (fp32 and scaled outputs) where H200 sweeps (hidden 3072; 4x4608 tokens,
+# a skewed mix 4608/1024/4608/256 and one request of 4608; BENCHMARKS.md) found something faster than TUNED
+# (which the chunked SGMV shrink reads too, so it keeps pointer tiles). Each entry lists configs in order of
+# preference; a stream-K one (STREAMK=n) is taken only when the batch has n row blocks per SM, so every
+# program gets at least one (`segmented_config`), else the next. bf16 scaled s, 4x4608 / skew / 1x4608, µs:
+# - 3 slices, rank 32: stream-K, 64-row units, two programs per SM: 47.8 / 32.9 / 24.4 (TUNED 56.3 / 33.2 /
+#   24.5).
+# - 4 slices, rank 32: the same, every slice in one wide dot: 49.7 / 32.2 / 23.3 (TUNED 61.5 / 35.4 / 25.2).
+# - 4 slices, rank 64: wide stream-K on 128-row units: 64.1-64.5 / 39.7 (split TMA 72.7-73.7 / 47.1); fp32
+#   60.4-60.9 (80.7-81.7); for fewer than 132 row blocks of 128 the split TMA kernel (1x4608: 25.1 µs, the
+#   wide one 35.4).
+# - 3 slices at ranks 64 and 128, 4 slices at rank 128: the TMA kernel, one program per 128-row block and
+#   slice, 4 stages (96 KB: two per SM): 3 slices rank 64 55.0 µs, rank 128 89.6; no stream-K or wide
+#   variant measured faster (rank 64: 65.8-110 µs).
+# Rank 16 stays on TUNED (41 µs at 4x4608, 3 slices; nothing measured faster there).
+SEGMENTED_TUNED: dict[tuple[int, int], tuple[dict[str, int], ...]] = {
+    (3, 32): (_SK_64, TUNED[3, 32]),
+    (4, 32): (_WIDE_64, TUNED[4, 32]),
+    (3, 64): (_TMA_SPLIT,),
+    (4, 64): (_WIDE_128, _TMA_SPLIT),
+    (3, 128): (_TMA_SPLIT,),
+    (4, 128): (_TMA_SPLIT,),
 }
+
+
+def segmented_config(num_slices: int, block_r: int, num_tokens: int, device: torch.device) -> dict[str, int]:
+    """The segmented shrink's tiles for this batch: the first SEGMENTED_TUNED entry whose stream-K programs
+    (if any) all get a row block, else TUNED / shrink_config."""
+    for cfg in SEGMENTED_TUNED.get((num_slices, block_r), ()):
+        rows_needed = cfg.get("STREAMK", 0) * num_programs_limit(device) * cfg["BLOCK_M"]
+        if num_tokens >= rows_needed:
+            return cfg
+    return shrink_config(num_slices, block_r)
 
 
 def shrink_config(num_slices: int, block_r: int) -> dict[str, int]:
@@ -140,7 +152,7 @@ def launch_lora_shrink(
     rank_dim: int,  # columns of the output = largest rank in the batch
     config: dict[str, int] | None = None,  # tile override (benchmarks); SPLIT=1: one program per slice,
     # TMA=1: x and A through TMA descriptors (where their layouts allow), and with STREAMK=n the stream-K
-    # kernel on n programs per SM
+    # kernel on n programs per SM (WIDE=1: its one-dot form, not with SPLIT)
     seg_scale: torch.Tensor | None = None,  # [num_segments] fp32: write scale(t) · s in x's dtype instead
 ) -> torch.Tensor:  # [num_slices, num_tokens, rank_dim] fp32, or [.., scaled_cols(rank_dim)] x's dtype
     from ditserve.kernels.lora_shrink.kernel import _lora_shrink_kernel
@@ -156,7 +168,7 @@ def launch_lora_shrink(
     if num_tokens == 0 or rank_dim == 0:
         return s.zero_()
     block_r = block_rank(s.shape[2])
-    cfg = dict(config or SEGMENTED_TUNED.get((num_slices, block_r)) or shrink_config(num_slices, block_r))
+    cfg = dict(config or segmented_config(num_slices, block_r, num_tokens, x.device))
     split = num_slices if cfg.pop("SPLIT", 0) else 1
     streamk = cfg.pop("STREAMK", 0)
     wide = cfg.pop("WIDE", 0)
@@ -193,7 +205,7 @@ def launch_lora_shrink(
                 s.stride(0), s.stride(1), s.stride(2), programs, SL=sl, **common, **cfg,
             )  # fmt: skip
         elif streamk:
-            # at most one program per unit (a row block, or with SPLIT one slice of it), so a unit is cut
+            # at most one program per unit (a row block, or with SPLIT one slice of one), so a unit is cut
             # between two programs at most
             programs = min(grid[0], streamk * num_programs_limit(x.device))
             ws = torch.empty(programs, num_slices // split, cfg["BLOCK_M"], block_r, dtype=torch.float32,

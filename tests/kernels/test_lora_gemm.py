@@ -8,11 +8,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from triton.runtime.errors import OutOfResources
 
+from ditserve.kernels._dispatch import block_rank
 from ditserve.kernels.lora import lora_linear
 from ditserve.kernels.lora_gemm.op import SWEEP, TUNED, launch_lora_gemm, resolve_config
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 from ditserve.kernels.lora_meta import LoRABatchMeta
-from ditserve.kernels.lora_shrink.op import SCALED_SWEEP, SEGMENTED_TUNED, launch_lora_shrink
+from ditserve.kernels.lora_shrink.op import SCALED_SWEEP, launch_lora_shrink, segmented_config
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref
 from tests.kernels.lora_cases import MAX_LORAS, dense_oracle, gpu_problem, make_case, token_counts
 
@@ -205,23 +206,36 @@ def test_shrink_streamk(max_rank):
                 torch.testing.assert_close(launch_lora_shrink(*args, config=cfg), want, **TOL[torch.float16])
 
 
-@pytest.mark.parametrize("rank", [64, 128])
+@pytest.mark.parametrize("rank", [32, 64, 128])
 @pytest.mark.parametrize("num_slices", [3, 4])
-def test_shrink_default_is_tma_at_rank_64_and_128(num_slices, rank):
-    """The segmented shrink's default at ranks 64 and 128 (3 or 4 slices) is the TMA kernel, one slice per
-    program, for the fp32 and the scaled output; over straddling segments, a smaller rank next to the
-    largest and rows past the last 128-row tile both equal the references."""
-    cfg = SEGMENTED_TUNED[num_slices, rank]
-    assert cfg["TMA"] == 1 and cfg["SPLIT"] == 1
-    layout = ([(100, 0), (0, 1), (37, 2), (5, -1), (60, 3)], [rank, 16, 0, 48], [1, 2, 1, 1, -0.5])
-    c = make_case(layout, num_slices, [16] * num_slices, 48, torch.float16, max_rank=rank)
-    m = c.meta
-    args = (c.x, c.a, m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
-    torch.testing.assert_close(
-        launch_lora_shrink(*args, seg_scale=m.seg_scale), scaled_s(c), **TOL[torch.float16]
+def test_shrink_segmented_defaults(num_slices, rank):
+    """The segmented shrink's defaults above rank 16: the split TMA kernel at ranks 64 (3 slices) and 128;
+    stream-K at rank 32 and (wide) at rank 64 with 4 slices, but only for batches with a row block for
+    every program (4 programs in the interpreter), smaller ones fall back. A large and a small batch, each
+    with straddling segments, a smaller rank next to the largest and rows past the last tile, equal the
+    references in both outputs."""
+    block_r = block_rank(rank)
+    dev = torch.device("cpu")
+    small, large = (
+        segmented_config(num_slices, block_r, 200, dev),
+        segmented_config(num_slices, block_r, 600, dev),
     )
-    want = lora_shrink_ref(c.x, c.a, *args[3:6], m.slot_rank, m.max_rank)
-    torch.testing.assert_close(launch_lora_shrink(*args), want, **TOL[torch.float16])
+    if (num_slices, rank) in ((3, 32), (4, 32), (4, 64)):
+        assert large["STREAMK"] and large.get("WIDE", 0) == (num_slices == 4)
+        assert not small.get("STREAMK")
+    else:
+        assert large == small and large["TMA"] == 1 and large["SPLIT"] == 1
+    for first in (100, 500):  # tokens of the first request: 202 and 602 in all
+        layout = ([(first, 0), (0, 1), (37, 2), (5, -1), (60, 3)], [rank, 16, 0, 48 if rank > 48 else 8],
+                  [1, 2, 1, 1, -0.5])  # fmt: skip
+        c = make_case(layout, num_slices, [16] * num_slices, 48, torch.float16, max_rank=rank)
+        m = c.meta
+        args = (c.x, c.a, m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
+        torch.testing.assert_close(
+            launch_lora_shrink(*args, seg_scale=m.seg_scale), scaled_s(c), **TOL[torch.float16]
+        )
+        want = lora_shrink_ref(c.x, c.a, *args[3:6], m.slot_rank, m.max_rank)
+        torch.testing.assert_close(launch_lora_shrink(*args), want, **TOL[torch.float16])
 
 
 def test_scaled_s_rank0_and_no_lora_tiles():
