@@ -259,6 +259,17 @@ def _lora_shrink_tma_kernel(
 
 
 @triton.jit
+def _add_tile(ws, acc, ATOMIC: tl.constexpr):
+    """ws += acc (fp32 atomics, ATOMIC) or acc + ws read from L2 (not through L1, which other SMs' atomics
+    do not reach)."""
+    if ATOMIC:
+        tl.atomic_add(ws, acc, sem="relaxed")
+        return acc
+    else:
+        return acc + tl.load(ws, cache_modifier=".cg")
+
+
+@triton.jit
 def _lora_shrink_streamk_kernel(
     x_desc,  # as in _lora_shrink_tma_kernel
     a_desc,
@@ -269,9 +280,8 @@ def _lora_shrink_streamk_kernel(
     seg_slot_ptr,
     seg_scale_ptr,
     slot_rank_ptr,
-    ws_ptr,  # [num_programs, NUM_SLICES, BLOCK_M, BLOCK_R] fp32: one partial tile per boundary between programs
-    sync_ptr,  # [2 · num_programs] int32, zero when first allocated, never reset: per boundary, the pieces
-    # that arrived (+2 a launch) and the partial tiles left in ws (+1 a launch)
+    ws_ptr,  # [≥ num_programs, NUM_SLICES, BLOCK_M, BLOCK_R] fp32, zero between launches: tail unit sums
+    cnt_ptr,  # [≥ num_programs] int32, zero between launches: K steps summed into each tail unit so far
     num_tokens,
     hidden,
     rank_dim,
@@ -280,7 +290,7 @@ def _lora_shrink_streamk_kernel(
     stride_ss,
     stride_st,
     stride_sr,
-    num_programs,  # ≤ the number of units, so a unit is split between at most two programs
+    num_programs,
     NUM_SLICES: tl.constexpr,
     SPLIT: tl.constexpr,  # > 1: a unit is one slice of a row block (NUM_SLICES = 1), else a whole row block
     BLOCK_M: tl.constexpr,
@@ -289,22 +299,34 @@ def _lora_shrink_streamk_kernel(
     SCALED: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Stream-K over units, each a row block (every slice in one program, x read once) or with SPLIT one
-    slice of a row block: the K iterations of all units are cut into num_programs equal contiguous ranges,
-    so every program does the same work however the row blocks divide among the SMs (144 row blocks of 128 tokens on 132 SMs would otherwise leave most
-    SMs idle for half the time). A unit cut between programs p and p + 1 is finished by whichever of
-    the two gets there second: the first leaves its fp32 partial tile in ws and counts it in sync; the
-    second (which waits only for a program already past its arrival, so it cannot deadlock) adds it to its
-    own and stores. The counters grow by fixed amounts each launch, so they never need zeroing (one buffer
-    per device: launches on one device must not run concurrently on two streams)."""
+    """Data-parallel waves, then stream-K over the rest. A unit is a row block (every slice in one program, x
+    read once) or with SPLIT one slice of one, in row-block-major order. The first (units // num_programs)
+    · num_programs units go round-robin, one whole unit per program at a time (the programs running together
+    hold neighbouring units, so the slices of a row block share x through L2); the K steps of the remaining
+    units are cut into num_programs equal contiguous ranges, so the last wave does not leave SMs idle (432
+    units of one slice on 264 programs would otherwise end in a wave of 168). A tail unit cut between
+    programs is summed in ws with fp32 atomics; the program whose K steps complete the unit's count (cnt)
+    reads the sum, stores s, and zeroes ws and cnt for the next launch, so nothing waits for anything."""
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(hidden, BLOCK_K)
-    total = tl.cdiv(num_tokens, BLOCK_M) * SPLIT * k_tiles
-    it = (pid * total) // num_programs
-    it_end = ((pid + 1) * total) // num_programs
+    units = tl.cdiv(num_tokens, BLOCK_M) * SPLIT
+    dp_units = (units // num_programs) * num_programs
+    tail_its = (units - dp_units) * k_tiles
     offs_r = tl.arange(0, BLOCK_R)
     tile: tl.constexpr = BLOCK_M * BLOCK_R
     ws_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_R + offs_r[None, :]
+    it = dp_units * k_tiles + (pid * tail_its) // num_programs
+    it_end = dp_units * k_tiles + ((pid + 1) * tail_its) // num_programs
+    for u in range(pid, dp_units, num_programs):
+        m0 = (u // SPLIT) * BLOCK_M
+        j0 = u % SPLIT
+        acc0, acc1, acc2, acc3 = _tma_partial(
+            x_desc, a_desc, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, num_tokens,
+            m0, j0, 0, k_tiles, max_loras, max_rank, NUM_SLICES, BLOCK_M, BLOCK_K, BLOCK_R, PRECISION,
+        )  # fmt: skip
+        _scale_and_store(acc0, acc1, acc2, acc3, m0 + tl.arange(0, BLOCK_M), offs_r, s_ptr + j0 * stride_ss,
+                         token_seg_ptr, seg_scale_ptr, num_tokens, rank_dim, stride_ss, stride_st, stride_sr,
+                         NUM_SLICES, SCALED)  # fmt: skip
     while it < it_end:
         u = it // k_tiles
         k_lo = it - u * k_tiles
@@ -317,37 +339,36 @@ def _lora_shrink_streamk_kernel(
         )  # fmt: skip
         finish = True
         if (k_lo > 0) | (k_hi < k_tiles):
-            # the head piece ends this program's range (boundary pid), the tail starts it (boundary pid - 1)
-            b = tl.where(k_lo == 0, pid, pid - 1)
-            ws = ws_ptr + b * (NUM_SLICES * tile) + ws_offs
-            arrived = tl.atomic_add(sync_ptr + 2 * b, 1, sem="acq_rel")
-            if arrived % 2 == 0:  # first of the two: leave the partial tile
-                tl.store(ws, acc0)
+            t = u - dp_units
+            ws = ws_ptr + t * (NUM_SLICES * tile) + ws_offs
+            acc0 = _add_tile(ws, acc0, True)
+            if NUM_SLICES > 1:
+                acc1 = _add_tile(ws + tile, acc1, True)
+            if NUM_SLICES > 2:
+                acc2 = _add_tile(ws + 2 * tile, acc2, True)
+            if NUM_SLICES > 3:
+                acc3 = _add_tile(ws + 3 * tile, acc3, True)
+            tl.debug_barrier()
+            done = tl.atomic_add(cnt_ptr + t, k_hi - k_lo, sem="acq_rel") + (k_hi - k_lo)
+            finish = done == k_tiles
+            if finish:  # the last piece: read the sum, leave zeros for the next launch
+                zero = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                acc0 = _add_tile(ws, zero, False)
+                tl.store(ws, zero)
                 if NUM_SLICES > 1:
-                    tl.store(ws + tile, acc1)
+                    acc1 = _add_tile(ws + tile, zero, False)
+                    tl.store(ws + tile, zero)
                 if NUM_SLICES > 2:
-                    tl.store(ws + 2 * tile, acc2)
+                    acc2 = _add_tile(ws + 2 * tile, zero, False)
+                    tl.store(ws + 2 * tile, zero)
                 if NUM_SLICES > 3:
-                    tl.store(ws + 3 * tile, acc3)
-                tl.debug_barrier()
-                tl.atomic_add(sync_ptr + 2 * b + 1, 1, sem="release")
-                finish = False
-            else:  # second: wait for the first one's tile (it has arrived, so it is running), add it
-                left = tl.atomic_add(sync_ptr + 2 * b + 1, 0, sem="acquire")
-                while left <= arrived // 2:
-                    left = tl.atomic_add(sync_ptr + 2 * b + 1, 0, sem="acquire")
-                acc0 += tl.load(ws, cache_modifier=".cg")
-                if NUM_SLICES > 1:
-                    acc1 += tl.load(ws + tile, cache_modifier=".cg")
-                if NUM_SLICES > 2:
-                    acc2 += tl.load(ws + 2 * tile, cache_modifier=".cg")
-                if NUM_SLICES > 3:
-                    acc3 += tl.load(ws + 3 * tile, cache_modifier=".cg")
+                    acc3 = _add_tile(ws + 3 * tile, zero, False)
+                    tl.store(ws + 3 * tile, zero)
+                tl.atomic_xchg(cnt_ptr + t, 0)
         if finish:
             _scale_and_store(acc0, acc1, acc2, acc3, m0 + tl.arange(0, BLOCK_M), offs_r, s_ptr + j0 * stride_ss,
-                             token_seg_ptr,
-                             seg_scale_ptr, num_tokens, rank_dim, stride_ss, stride_st, stride_sr, NUM_SLICES,
-                             SCALED)  # fmt: skip
+                             token_seg_ptr, seg_scale_ptr, num_tokens, rank_dim, stride_ss, stride_st, stride_sr,
+                             NUM_SLICES, SCALED)  # fmt: skip
         it = u * k_tiles + k_hi
 
 

@@ -63,15 +63,18 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "sk 64/64/4/4 x2": _SK_64,
     "wide 128/64/8/4": _WIDE_128,
     "wide 64/64/4/4 x2": _WIDE_64,
-    # stream-K over units of one slice (SPLIT=1): the split TMA kernel's 128-row units, balanced
-    "sk split 128/64/8/4": dict(
-        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=1, SPLIT=1
+    # stream-K over units of one slice (SPLIT=1): the split TMA kernel's units, its last wave balanced
+    "sk split 128/64/8/4 x2": dict(
+        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=2, SPLIT=1, maxnreg=128
     ),
     "sk split 64/64/4/4 x2": dict(
         BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=2, SPLIT=1
     ),
     "sk split 64/64/4/4 x3": dict(
         BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=3, SPLIT=1, maxnreg=168
+    ),
+    "sk 128/64/8/4 x2": dict(
+        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=2, maxnreg=128
     ),
 }
 
@@ -205,15 +208,13 @@ def launch_lora_shrink(
                 s.stride(0), s.stride(1), s.stride(2), programs, SL=sl, **common, **cfg,
             )  # fmt: skip
         elif streamk:
-            # at most one program per unit (a row block, or with SPLIT one slice of one), so a unit is cut
-            # between two programs at most
             programs = min(grid[0], streamk * num_programs_limit(x.device))
-            ws = torch.empty(programs, num_slices // split, cfg["BLOCK_M"], block_r, dtype=torch.float32,
-                             device=x.device)  # fmt: skip
+            ws, cnt = _tail_buffers(
+                x.device, programs * num_slices // split * cfg["BLOCK_M"] * block_r, programs
+            )
             _lora_shrink_streamk_kernel[(programs,)](
-                *descs, s, *seg, ws, _sync_counters(x.device, 2 * programs), *sizes, programs, SPLIT=split,
-                **common, **cfg,
-            )  # fmt: skip
+                *descs, s, *seg, ws, cnt, *sizes, programs, SPLIT=split, **common, **cfg
+            )
         else:
             _lora_shrink_tma_kernel[grid](*descs, s, *seg, *sizes, SPLIT=split, **common, **cfg)
         return s
@@ -232,9 +233,11 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# the stream-K shrink's counters, one buffer per device (see _lora_shrink_streamk_kernel): zero when made,
-# kept consistent by every launch, so never reset
+# the stream-K shrinks' scratch, one set per device (launches on one device must not run concurrently on two
+# streams). _SYNC: the wide kernel's per-boundary counters, which every launch leaves consistent (never
+# reset); _TAIL: the narrow kernel's tail sums and step counts, which every launch leaves at zero.
 _SYNC: dict[torch.device, torch.Tensor] = {}
+_TAIL: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _sync_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -242,6 +245,16 @@ def _sync_counters(device: torch.device, n: int) -> torch.Tensor:
     if buf is None or buf.numel() < n:
         buf = _SYNC[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return buf
+
+
+def _tail_buffers(device: torch.device, n_ws: int, n_cnt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ws, cnt = _TAIL.get(device, (None, None))
+    if ws is None or ws.numel() < n_ws or cnt.numel() < n_cnt:
+        n_ws = max(n_ws, ws.numel() if ws is not None else 0)
+        ws = torch.zeros(n_ws, dtype=torch.float32, device=device)
+        cnt = torch.zeros(max(n_cnt, 4096), dtype=torch.int32, device=device)
+        _TAIL[device] = (ws, cnt)
+    return ws, cnt
 
 
 @torch.library.custom_op("ditserve::lora_shrink", mutates_args=())
