@@ -6,8 +6,10 @@ masked to zero on load, which moves no bytes, so every segment's contribution la
 per slice and the tile is stored once. x is read once for all slices (the x tile stays in registers while
 each slice's A tile is multiplied into its own accumulator).
 
-`_lora_shrink_tma_kernel` does the same with x and A read through TMA descriptors (the default for the
-scaled output at rank 64, where it measured faster on an H200); the two share the scale-and-store epilogue.
+`_lora_shrink_tma_kernel` does the same with x and A read through TMA descriptors (one program per row block,
+or per row block and slice); `_lora_shrink_streamk_kernel` and `_lora_shrink_wide_kernel` share the row
+blocks' K steps evenly between a fixed number of programs (stream-K), the wide one with every slice's A tile
+in one load and one dot. Which one a batch gets is op.py's `segmented_config`, from H200 measurements.
 """
 
 import triton
@@ -292,24 +294,21 @@ def _lora_shrink_streamk_kernel(
     stride_sr,
     num_programs,
     NUM_SLICES: tl.constexpr,
-    SPLIT: tl.constexpr,  # > 1: a unit is one slice of a row block (NUM_SLICES = 1), else a whole row block
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     SCALED: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Data-parallel waves, then stream-K over the rest. A unit is a row block (every slice in one program, x
-    read once) or with SPLIT one slice of one, in row-block-major order. The first (units // num_programs)
-    · num_programs units go round-robin, one whole unit per program at a time (the programs running together
-    hold neighbouring units, so the slices of a row block share x through L2); the K steps of the remaining
-    units are cut into num_programs equal contiguous ranges, so the last wave does not leave SMs idle (432
-    units of one slice on 264 programs would otherwise end in a wave of 168). A tail unit cut between
-    programs is summed in ws with fp32 atomics; the program whose K steps complete the unit's count (cnt)
+    """Data-parallel waves, then stream-K over the rest. A unit is a row block, every slice in one program (x
+    read once). The first (units // num_programs) · num_programs units go round-robin, one whole unit per
+    program at a time; the K steps of the remaining units are cut into num_programs equal contiguous
+    ranges, so the last wave does not leave SMs idle (144 row blocks of 128 tokens on 132 programs would
+    otherwise end in a wave of 12). A tail unit cut between programs is summed in ws with fp32 atomics; the program whose K steps complete the unit's count (cnt)
     reads the sum, stores s, and zeroes ws and cnt for the next launch, so nothing waits for anything."""
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(hidden, BLOCK_K)
-    units = tl.cdiv(num_tokens, BLOCK_M) * SPLIT
+    units = tl.cdiv(num_tokens, BLOCK_M)
     dp_units = (units // num_programs) * num_programs
     tail_its = (units - dp_units) * k_tiles
     offs_r = tl.arange(0, BLOCK_R)
@@ -318,24 +317,22 @@ def _lora_shrink_streamk_kernel(
     it = dp_units * k_tiles + (pid * tail_its) // num_programs
     it_end = dp_units * k_tiles + ((pid + 1) * tail_its) // num_programs
     for u in range(pid, dp_units, num_programs):
-        m0 = (u // SPLIT) * BLOCK_M
-        j0 = u % SPLIT
+        m0 = u * BLOCK_M
         acc0, acc1, acc2, acc3 = _tma_partial(
             x_desc, a_desc, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, num_tokens,
-            m0, j0, 0, k_tiles, max_loras, max_rank, NUM_SLICES, BLOCK_M, BLOCK_K, BLOCK_R, PRECISION,
+            m0, 0, 0, k_tiles, max_loras, max_rank, NUM_SLICES, BLOCK_M, BLOCK_K, BLOCK_R, PRECISION,
         )  # fmt: skip
-        _scale_and_store(acc0, acc1, acc2, acc3, m0 + tl.arange(0, BLOCK_M), offs_r, s_ptr + j0 * stride_ss,
+        _scale_and_store(acc0, acc1, acc2, acc3, m0 + tl.arange(0, BLOCK_M), offs_r, s_ptr,
                          token_seg_ptr, seg_scale_ptr, num_tokens, rank_dim, stride_ss, stride_st, stride_sr,
                          NUM_SLICES, SCALED)  # fmt: skip
     while it < it_end:
         u = it // k_tiles
         k_lo = it - u * k_tiles
         k_hi = tl.minimum(k_tiles, k_lo + it_end - it)
-        m0 = (u // SPLIT) * BLOCK_M
-        j0 = u % SPLIT
+        m0 = u * BLOCK_M
         acc0, acc1, acc2, acc3 = _tma_partial(
             x_desc, a_desc, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, num_tokens,
-            m0, j0, k_lo, k_hi, max_loras, max_rank, NUM_SLICES, BLOCK_M, BLOCK_K, BLOCK_R, PRECISION,
+            m0, 0, k_lo, k_hi, max_loras, max_rank, NUM_SLICES, BLOCK_M, BLOCK_K, BLOCK_R, PRECISION,
         )  # fmt: skip
         finish = True
         if (k_lo > 0) | (k_hi < k_tiles):
@@ -366,7 +363,7 @@ def _lora_shrink_streamk_kernel(
                     tl.store(ws + 3 * tile, zero)
                 tl.atomic_xchg(cnt_ptr + t, 0)
         if finish:
-            _scale_and_store(acc0, acc1, acc2, acc3, m0 + tl.arange(0, BLOCK_M), offs_r, s_ptr + j0 * stride_ss,
+            _scale_and_store(acc0, acc1, acc2, acc3, m0 + tl.arange(0, BLOCK_M), offs_r, s_ptr,
                              token_seg_ptr, seg_scale_ptr, num_tokens, rank_dim, stride_ss, stride_st, stride_sr,
                              NUM_SLICES, SCALED)  # fmt: skip
         it = u * k_tiles + k_hi
@@ -419,8 +416,9 @@ def _lora_shrink_wide_kernel(
     seg_slot_ptr,
     seg_scale_ptr,
     slot_rank_ptr,
-    ws_ptr,  # [num_programs, BLOCK_M, SL · BLOCK_R] fp32, as in _lora_shrink_streamk_kernel
-    sync_ptr,  # [2 · num_programs] int32, as in _lora_shrink_streamk_kernel
+    ws_ptr,  # [num_programs, BLOCK_M, SL · BLOCK_R] fp32: one partial tile per boundary between programs
+    sync_ptr,  # [≥ 2 · num_programs] int32, zero when first allocated: per boundary, pieces arrived (+2 a
+    # launch) and partial tiles left in ws (+1 a launch)
     num_tokens,
     hidden,
     rank_dim,
@@ -437,7 +435,12 @@ def _lora_shrink_wide_kernel(
     SCALED: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Stream-K as _lora_shrink_streamk_kernel, every slice in one wide dot (_wide_partial)."""
+    """Stream-K over row blocks, every slice in one wide dot (_wide_partial): the K steps of all row blocks
+    are cut into num_programs equal contiguous ranges. A row block cut between programs p and p + 1 is
+    finished by whichever of the two gets there second: the first leaves its fp32 partial tile in ws and
+    counts it in sync; the second (which waits only for a program already past its arrival, so it cannot
+    deadlock) adds it to its own and stores. The counters grow by fixed amounts each launch (two arrivals,
+    one tile), so they never need zeroing."""
     N: tl.constexpr = SL * BLOCK_R
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(hidden, BLOCK_K)

@@ -57,25 +57,12 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "tma 128/64/8/3 split": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, SPLIT=1, TMA=1),
     "tma 128/64/8/4 split": _TMA_SPLIT,
     "tma 64/64/4/4 split": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT=1, TMA=1),
-    # stream-K (STREAMK=n programs per SM, each an equal share of all row blocks' K steps, every slice in
-    # one program so x is read once); WIDE=1: every slice's A tile in one load and one wide dot per K step
-    "sk 128/64/8/4": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=1),
+    # stream-K (STREAMK=n programs per SM: whole row blocks round-robin, then the last partial wave's K steps
+    # shared out evenly; every slice in one program, x read once); WIDE=1: every slice's A tile in one load
+    # and one wide dot per K step
     "sk 64/64/4/4 x2": _SK_64,
     "wide 128/64/8/4": _WIDE_128,
     "wide 64/64/4/4 x2": _WIDE_64,
-    # stream-K over units of one slice (SPLIT=1): the split TMA kernel's units, its last wave balanced
-    "sk split 128/64/8/4 x2": dict(
-        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=2, SPLIT=1, maxnreg=128
-    ),
-    "sk split 64/64/4/4 x2": dict(
-        BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=2, SPLIT=1
-    ),
-    "sk split 64/64/4/4 x3": dict(
-        BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=3, SPLIT=1, maxnreg=168
-    ),
-    "sk 128/64/8/4 x2": dict(
-        BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=2, maxnreg=128
-    ),
 }
 
 # The segmented kernel's defaults (fp32 and scaled outputs) where H200 sweeps (hidden 3072; 4x4608 tokens,
@@ -154,8 +141,8 @@ def launch_lora_shrink(
     slot_rank: torch.Tensor,  # [max_loras] int32
     rank_dim: int,  # columns of the output = largest rank in the batch
     config: dict[str, int] | None = None,  # tile override (benchmarks); SPLIT=1: one program per slice,
-    # TMA=1: x and A through TMA descriptors (where their layouts allow), and with STREAMK=n the stream-K
-    # kernel on n programs per SM (WIDE=1: its one-dot form, not with SPLIT)
+    # TMA=1: x and A through TMA descriptors (where their layouts allow), and with STREAMK=n (not SPLIT)
+    # the stream-K kernel on n programs per SM (WIDE=1: its one-dot form)
     seg_scale: torch.Tensor | None = None,  # [num_segments] fp32: write scale(t) · s in x's dtype instead
 ) -> torch.Tensor:  # [num_slices, num_tokens, rank_dim] fp32, or [.., scaled_cols(rank_dim)] x's dtype
     from ditserve.kernels.lora_shrink.kernel import _lora_shrink_kernel
@@ -207,13 +194,11 @@ def launch_lora_shrink(
                 _sync_counters(x.device, 2 * programs), num_tokens, hidden, s.shape[2], max_rank,
                 s.stride(0), s.stride(1), s.stride(2), programs, SL=sl, **common, **cfg,
             )  # fmt: skip
-        elif streamk:
+        elif streamk and split == 1:
             programs = min(grid[0], streamk * num_programs_limit(x.device))
-            ws, cnt = _tail_buffers(
-                x.device, programs * num_slices // split * cfg["BLOCK_M"] * block_r, programs
-            )
+            ws, cnt = _tail_buffers(x.device, programs * num_slices * cfg["BLOCK_M"] * block_r, programs)
             _lora_shrink_streamk_kernel[(programs,)](
-                *descs, s, *seg, ws, cnt, *sizes, programs, SPLIT=split, **common, **cfg
+                *descs, s, *seg, ws, cnt, *sizes, programs, **common, **cfg
             )
         else:
             _lora_shrink_tma_kernel[grid](*descs, s, *seg, *sizes, SPLIT=split, **common, **cfg)

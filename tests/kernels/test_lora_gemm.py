@@ -181,11 +181,12 @@ def test_shrink_tma(max_rank, split):
 
 @pytest.mark.parametrize("max_rank", [8, 64])
 def test_shrink_streamk(max_rank):
-    """The stream-K shrinks (STREAMK: the K iterations of all row blocks cut evenly between the programs; 4
-    programs in the interpreter; WIDE: all slices in one dot; SPLIT: a unit per slice): row blocks cut between two programs, whose partial tiles meet in the
-    workspace, next to whole ones; tiles straddling segments, 1-token and empty segments, rank 0, slot -1;
-    1, 3 and 4 slices; both outputs equal the references, and again on a second launch (the counters are
-    not reset between launches)."""
+    """The stream-K shrinks (STREAMK; 4 programs in the interpreter): whole row blocks first, then a row
+    block whose K steps are shared by all four programs (summed with atomics in the scratch buffer, which
+    must be left zeroed); the wide one (WIDE: all slices in one dot) with row blocks cut between two
+    programs, whose partial tiles meet in the workspace. Tiles straddling segments, 1-token and empty
+    segments, rank 0, slot -1; 1, 3 and 4 slices; both outputs equal the references, and again on a second
+    launch (the scratch is not reset between launches)."""
     ranks = [8, 0, 4, 8] if max_rank == 8 else [16, 0, 64, 48]
     layout = ([(1, 0), (0, 1), (9, 2), (5, -1), (3, 3), (30, 1), (7, 0), (4, 2), (20, 3)], ranks,
               [1, 2, -1, 1, 0.5, 1, 2, 3, 1])  # fmt: skip
@@ -195,11 +196,8 @@ def test_shrink_streamk(max_rank):
         m = c.meta
         args = (c.x, c.a, m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
         want = lora_shrink_ref(c.x, c.a, *args[3:6], m.slot_rank, m.max_rank)
-        # one dot per slice, all slices' A in one load and one wide dot, or units of one slice each (SPLIT)
-        for wide, split in ((0, 0), (1, 0), (0, 1)):
-            cfg = dict(
-                BLOCK_M=16, BLOCK_K=16, num_warps=4, num_stages=1, TMA=1, STREAMK=1, WIDE=wide, SPLIT=split
-            )
+        for wide in (0, 1):  # one dot per slice, or all slices' A in one load and one wide dot
+            cfg = dict(BLOCK_M=16, BLOCK_K=16, num_warps=4, num_stages=1, TMA=1, STREAMK=1, WIDE=wide)
             for _ in range(2):
                 got = launch_lora_shrink(*args, config=cfg, seg_scale=m.seg_scale)
                 torch.testing.assert_close(got, scaled_s(c), **TOL[torch.float16])
