@@ -155,6 +155,7 @@ def lora_linear(
     b_stacked: torch.Tensor,  # [max_loras, sum(out_slice_sizes), max_rank]
     meta: LoRABatchMeta,
     out_slice_sizes: list[int],
+    s: torch.Tensor | None = None,  # lora_shrink(x, a_stacked, meta, scaled=True) when already computed
 ) -> torch.Tensor:  # [num_tokens, sum(out_slice_sizes)]
     """x · Wᵀ + bias + LoRA(x), with the LoRA term fused into the base GEMM's epilogue.
 
@@ -162,7 +163,8 @@ def lora_linear(
     dtype), then `lora_gemm`, whose K loop runs scale · s · Bᵀ as extra iterations on the same accumulator
     before the single store of y (tile config: `lora_gemm.op.gemm_config`, TMA on CUDA). Elsewhere the expand
     writes delta + bias into a fresh buffer and cuBLAS accumulates onto it (`_lora_linear_addmm`). A batch
-    without LoRA is a plain linear.
+    without LoRA is a plain linear. `s` (Triton path only) skips the shrink: linears that read the same x
+    (q, k, v) can share one multi-slice shrink, reading x once.
     """
     if not meta.has_lora or len(out_slice_sizes) > _GROUP or x.shape[0] == 0:
         y = torch.nn.functional.linear(x, weight, bias)
@@ -170,7 +172,8 @@ def lora_linear(
         return y
     if not use_triton(x):
         return _lora_linear_addmm(x, weight, bias, a_stacked, b_stacked, meta, out_slice_sizes)
-    s = lora_shrink(x, a_stacked, meta, scaled=True)
+    if s is None:
+        s = lora_shrink(x, a_stacked, meta, scaled=True)
     return lora_gemm_op(
         x, weight, bias, s, b_stacked, meta.token_seg, meta.seg_start, meta.seg_len, meta.seg_slot,
         meta.seg_scale, meta.slot_rank, list(out_slice_sizes), True, meta.seg_align,

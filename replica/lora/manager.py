@@ -12,6 +12,13 @@ its columns of A and all of B and adds the delta in ``forward_partial``, before 
 Fused path (``fused=True``, where Triton runs): a plain or column-parallel linear whose batch has one
 adapter position computes ``lora_linear`` — the shrink, then one GEMM whose tiles add the expand before y
 is stored — instead of the base GEMM followed by an in-place expand (which reads and writes y once more).
+
+Shared shrinks (``share_shrink=True``): linears called one after another on the same input tensor (a
+block's q, k, v projections; Flux single blocks' proj_mlp, q, k, v) are learned as a group from the calls
+of one forward. From then on their A buffers are slices of one ``[group, max_loras, max_rank, in]``
+buffer, and the first of the group runs one multi-slice shrink for all of them (x read once instead of
+once per linear); the others take their slice of s if they are called with that same, unmodified tensor,
+and otherwise shrink on their own.
 """
 
 from __future__ import annotations
@@ -24,13 +31,21 @@ import torch
 import torch.nn as nn
 
 from ditserve.kernels._dispatch import use_triton
-from ditserve.kernels.lora import LoRABatchMeta, apply_lora, lora_linear
+from ditserve.kernels.lora import LoRABatchMeta, apply_lora, lora_linear, lora_shrink
 
 from .loader import LoRAFile, LoRAModule
 
 
 def _take(t: torch.Tensor, ranges, dim: int) -> torch.Tensor:
     return torch.cat([t.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
+
+
+def _version(t: torch.Tensor) -> int:
+    """t's in-place modification counter (-1 for inference-mode tensors, which keep none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
 
 
 class LoRALayer:
@@ -94,8 +109,9 @@ class LoRALayer:
             x2 = x.reshape(-1, self.in_features)
             meta, segments = batch.meta(0, x2.shape[0] // batch.total_rows)
             if meta is not None and not any(self.has_bias[slot] for _, _, slot, _ in segments):
+                s = self.manager.shared_shrink(self, x, x2, meta)
                 y = lora_linear(
-                    x2, self.module.weight, self.module.bias, self.a, self.b, meta, [self.out_features]
+                    x2, self.module.weight, self.module.bias, self.a, self.b, meta, [self.out_features], s=s
                 )
                 return y.view(*x.shape[:-1], self.out_features)
         return self._add_delta(x, self._base_forward(x))
@@ -217,6 +233,11 @@ class LoRAManager:
         self.info: dict[str, dict[str, Any]] = {}
         self.batch: BatchLayout | None = None
         self.active = False  # self.batch is not None, as a plain bool (a torch.compile guard)
+        self.share_shrink = True
+        self.groups: dict[str, tuple[LoRALayer, ...]] = {}  # first layer's name → the layers of its group
+        self._grouped: set[str] = set()
+        self._run: tuple[torch.Tensor | None, int, list[LoRALayer]] = (None, 0, [])  # calls on one x
+        self._shared: tuple[torch.Tensor | None, int, Any, dict[str, torch.Tensor]] = (None, 0, None, {})
 
     def _layer(self, name: str) -> LoRALayer:
         if name not in self.layers:
@@ -287,6 +308,51 @@ class LoRAManager:
         self.ranks[slot] = 0
         self.info.pop(name, None)
 
+    def shared_shrink(
+        self, layer: LoRALayer, x: torch.Tensor, x2: torch.Tensor, meta: LoRABatchMeta
+    ) -> torch.Tensor | None:
+        """The scaled s of ``layer`` for its input x (x2: x as [tokens, in], what ``lora_linear`` shrinks) if
+        its group's shrink has it, running that shrink when ``layer`` leads a group; None: the layer shrinks
+        on its own. The input is recognised by identity (the tensor object the module was called with)."""
+        if not self.share_shrink:
+            return None
+        self._note_call(layer, x)
+        sx, version, smeta, parts = self._shared
+        if sx is x and version == _version(x) and smeta is meta and layer.name in parts:
+            return parts.pop(layer.name)
+        group = self.groups.get(layer.name)
+        if group is None:
+            return None
+        s_all = lora_shrink(x2, group[0].a_group, meta, scaled=True)  # [len(group), tokens, cols]
+        self._shared = (x, _version(x), meta, {g.name: s_all[i : i + 1] for i, g in enumerate(group) if i})
+        return s_all[:1]
+
+    def _note_call(self, layer: LoRALayer, x: torch.Tensor) -> None:
+        """Learn groups: linears called in a row on the same tensor, not yet in a group, with A buffers of
+        one shape and dtype (≤ 4: the shrink's slice limit)."""
+        rx, version, run = self._run
+        if rx is x and version == _version(x):
+            run.append(layer)
+            return
+        self._close_run()
+        self._run = (x, _version(x), [layer])
+
+    def _close_run(self) -> None:
+        run = [layer for layer in self._run[2] if layer.name not in self._grouped]
+        self._run = (None, 0, [])
+        if len(run) < 2:
+            return
+        run = run[:4]
+        first = run[0].a
+        if any(layer.a.shape != first.shape or layer.a.dtype != first.dtype for layer in run):
+            return
+        a_group = torch.cat([layer.a for layer in run])  # [len(run), max_loras, max_rank, in]
+        for i, layer in enumerate(run):
+            layer.a = a_group[i : i + 1]  # writes to the layer's slots now land in the group buffer
+            layer.a_group = a_group
+            self._grouped.add(layer.name)
+        self.groups[run[0].name] = tuple(run)
+
     def set_batch(self, groups: list[tuple[int, tuple]]) -> None:
         """``groups``: (rows, request's LoRARefs) in row order of the next transformer call."""
         layout = []
@@ -295,3 +361,5 @@ class LoRAManager:
         has_lora = any(adapters for _, adapters in layout)
         self.batch = BatchLayout(layout, list(self.ranks), self.device) if has_lora else None
         self.active = has_lora
+        self._close_run()  # the previous call's last run of linears on one input
+        self._shared = (None, 0, None, {})

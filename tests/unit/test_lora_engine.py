@@ -200,3 +200,72 @@ def test_compiled_engine_serves_lora_and_plain_requests_like_eager(engine, files
     finally:
         engine.unload_lora("a")
         compiled.shutdown()
+
+
+SIBLINGS = {  # module → (in, out): linears that read the same tensor in a demo-flux forward
+    **{f"transformer_blocks.0.attn.{n}": (128, 128) for n in ("to_q", "to_k", "to_v")},
+    **{f"transformer_blocks.0.attn.{n}": (128, 128) for n in ("add_q_proj", "add_k_proj", "add_v_proj")},
+    "single_transformer_blocks.0.proj_mlp": (128, 512),
+    **{f"single_transformer_blocks.0.attn.{n}": (128, 128) for n in ("to_q", "to_k", "to_v")},
+}
+
+
+def test_linears_on_one_input_share_one_shrink(engine, files, monkeypatch):
+    """q, k, v of each stream (and a single block's proj_mlp, which reads the same normed tensor) are learned
+    as groups from one forward; from then on each group runs one multi-slice shrink (x read once) and the
+    image is the one each linear's own shrink gives, and the one diffusers gives for the same file."""
+    import ditserve.kernels.lora_shrink.op as shrink_op
+
+    g = torch.Generator().manual_seed(5)
+    w = {
+        m: (torch.randn(RANK, i, generator=g), torch.randn(o, RANK, generator=g))
+        for m, (i, o) in SIBLINGS.items()
+    }
+    path = write_peft(files["root"] / "qkv.safetensors", w)
+    w2 = {
+        m: (torch.randn(RANK, i, generator=g), torch.randn(o, RANK, generator=g))
+        for m, (i, o) in SIBLINGS.items()
+    }
+    path2 = write_peft(files["root"] / "qkv2.safetensors", w2)
+    slices = []
+    real = shrink_op.launch_lora_shrink
+    monkeypatch.setattr(
+        shrink_op,
+        "launch_lora_shrink",
+        lambda x, a, *r, **k: slices.append(a.shape[0]) or real(x, a, *r, **k),
+    )
+    manager = engine.launcher.worker.lora
+    engine.load_lora("qkv", str(path))
+    try:
+        manager.share_shrink = False
+        alone = image(engine, LoRARef(name="qkv"))
+        assert slices and set(slices) == {1}  # one shrink per linear
+        manager.share_shrink = True
+        image(engine, LoRARef(name="qkv"))  # learns the groups
+        groups = {name: tuple(layer.name for layer in group) for name, group in manager.groups.items()}
+        block, single = "transformer_blocks.0.attn.", "single_transformer_blocks.0."
+        assert groups == {
+            block + "to_q": tuple(block + n for n in ("to_q", "to_k", "to_v")),
+            block + "add_q_proj": tuple(block + n for n in ("add_q_proj", "add_k_proj", "add_v_proj")),
+            single + "proj_mlp": (
+                single + "proj_mlp",
+                *(single + "attn." + n for n in ("to_q", "to_k", "to_v")),
+            ),
+        }
+        slices.clear()
+        shared = image(engine, LoRARef(name="qkv"))
+        assert sorted(set(slices)) == [3, 4]  # one shrink per group, none per linear
+        # an adapter loaded after the groups were formed is written into the groups' A buffers
+        engine.unload_lora("qkv")
+        engine.load_lora("qkv2", str(path2))
+        later = image(engine, LoRARef(name="qkv2"))
+    finally:
+        manager.share_shrink = True
+        for name in ("qkv", "qkv2"):
+            if name in manager.slots:
+                engine.unload_lora(name)
+    assert psnr(shared, alone) >= 40
+    assert psnr(shared, diffusers_image(path)) >= 40
+    assert psnr(later, diffusers_image(path2)) >= 40
+    assert psnr(shared, image(engine)) < 30  # the adapter visibly changes the picture
+    assert psnr(later, shared) < 30
