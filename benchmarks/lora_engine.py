@@ -314,14 +314,15 @@ def main() -> None:
             for i, lora in enumerate(adapters_for(rank)):
                 engine.loras[f"a{i}"] = manager.load_weights(f"a{i}", lora, source="memory")
             load_s = time.perf_counter() - t0
-            # modes: no LoRA; LoRA inside the GEMM (fused_lora, the default); base GEMM + in-place expand
-            modes = ("none", "fused", "inplace")
+            # modes: no LoRA; LoRA inside the GEMM (fused_lora, the default); the same with one shrink per
+            # linear instead of one per group of linears on the same input; base GEMM + in-place expand
+            modes = ("none", "fused", "unshared", "inplace")
             for mode in modes:  # warm-up every path, then time them interleaved
-                manager.fused = mode != "inplace"
+                manager.fused, manager.share_shrink = mode != "inplace", mode != "unshared"
                 timed_steps(engine, batch(mode != "none"))
             results: dict[str, list[float]] = {}
             for mode in modes + modes:
-                manager.fused = mode != "inplace"
+                manager.fused, manager.share_shrink = mode != "inplace", mode != "unshared"
                 times, outs = timed_steps(engine, batch(mode != "none"))
                 results.setdefault(mode, []).extend(times[1:])
                 if mode == "fused":
@@ -339,6 +340,7 @@ def main() -> None:
             free(device)
         base, lora = statistics.median(results["none"]), statistics.median(results["fused"])
         inplace = statistics.median(results["inplace"])
+        unshared = statistics.median(results["unshared"])
         psnrs = [
             psnr(images[("engine", rank, i)], images[("peft", rank, i)])
             for i in range(n)
@@ -357,6 +359,8 @@ def main() -> None:
                 "ratio": lora / base,
                 "step_ms_lora_inplace": inplace * 1e3,
                 "ratio_inplace": inplace / base,
+                "step_ms_lora_unshared": unshared * 1e3,
+                "ratio_unshared": unshared / base,
                 "load_s": load_s,
                 "psnr_vs_peft_min": min(psnrs) if psnrs else None,
                 "device": dev,
@@ -364,7 +368,8 @@ def main() -> None:
             }
         )
         print(f"{label}: batch step {base * 1e3:.1f} ms no LoRA, {lora * 1e3:.1f} ms with {n} LoRAs "
-              f"({lora / base:.3f}×), {inplace * 1e3:.1f} ms unfused ({inplace / base:.3f}×)", flush=True)  # fmt: skip
+              f"({lora / base:.3f}×), {unshared * 1e3:.1f} ms with a shrink per linear ({unshared / base:.3f}×), "
+              f"{inplace * 1e3:.1f} ms unfused ({inplace / base:.3f}×)", flush=True)  # fmt: skip
 
     # ---- table ----------------------------------------------------------------------------------------
     engine_rows = {r["rank"]: r for r in rows if r["impl"] == "ditserve engine"}
@@ -389,6 +394,11 @@ def main() -> None:
             lines.append(
                 f"| {size} | ditserve engine, {n} LoRAs | {r['rank']} | {n} × {n} | — | {r['step_ms_lora']:.1f} | "
                 f"{r['ratio']:.3f}× | 1.000× | {fmt_psnr(r['psnr_vs_peft_min'])} |"
+            )
+            lines.append(
+                f"| {size} | ditserve engine, {n} LoRAs, a shrink per linear | {r['rank']} | {n} × {n} | — | "
+                f"{r['step_ms_lora_unshared']:.1f} | {r['ratio_unshared']:.3f}× | "
+                f"{r['step_ms_lora_unshared'] / r['step_ms_lora']:.3f}× | — |"
             )
             lines.append(
                 f"| {size} | ditserve engine, {n} LoRAs, unfused (--no-fused-lora) | {r['rank']} | {n} × {n} | — | "
