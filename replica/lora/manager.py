@@ -23,6 +23,7 @@ and otherwise shrink on their own.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,11 @@ from .loader import LoRAFile, LoRAModule
 
 def _take(t: torch.Tensor, ranges, dim: int) -> torch.Tensor:
     return torch.cat([t.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
+
+
+def _dead() -> None:
+    """A weak reference to nothing."""
+    return None
 
 
 def _version(t: torch.Tensor) -> int:
@@ -236,8 +242,9 @@ class LoRAManager:
         self.share_shrink = True
         self.groups: dict[str, tuple[LoRALayer, ...]] = {}  # first layer's name → the layers of its group
         self._grouped: set[str] = set()
-        self._run: tuple[torch.Tensor | None, int, list[LoRALayer]] = (None, 0, [])  # calls on one x
-        self._shared: tuple[torch.Tensor | None, int, Any, dict[str, torch.Tensor]] = (None, 0, None, {})
+        # the input tensors are held weakly: nothing here keeps an activation alive
+        self._run: tuple[Any, int, list[LoRALayer]] = (_dead, 0, [])  # linears called in a row on one input
+        self._shared: tuple[Any, int, Any, dict[str, torch.Tensor]] = (_dead, 0, None, {})  # a group's s
 
     def _layer(self, name: str) -> LoRALayer:
         if name not in self.layers:
@@ -318,28 +325,29 @@ class LoRAManager:
             return None
         self._note_call(layer, x)
         sx, version, smeta, parts = self._shared
-        if sx is x and version == _version(x) and smeta is meta and layer.name in parts:
+        if sx() is x and version == _version(x) and smeta is meta and layer.name in parts:
             return parts.pop(layer.name)
         group = self.groups.get(layer.name)
         if group is None:
             return None
         s_all = lora_shrink(x2, group[0].a_group, meta, scaled=True)  # [len(group), tokens, cols]
-        self._shared = (x, _version(x), meta, {g.name: s_all[i : i + 1] for i, g in enumerate(group) if i})
+        parts = {g.name: s_all[i : i + 1] for i, g in enumerate(group) if i}
+        self._shared = (weakref.ref(x), _version(x), meta, parts)
         return s_all[:1]
 
     def _note_call(self, layer: LoRALayer, x: torch.Tensor) -> None:
         """Learn groups: linears called in a row on the same tensor, not yet in a group, with A buffers of
         one shape and dtype (≤ 4: the shrink's slice limit)."""
         rx, version, run = self._run
-        if rx is x and version == _version(x):
+        if rx() is x and version == _version(x):
             run.append(layer)
             return
         self._close_run()
-        self._run = (x, _version(x), [layer])
+        self._run = (weakref.ref(x), _version(x), [layer])
 
     def _close_run(self) -> None:
         run = [layer for layer in self._run[2] if layer.name not in self._grouped]
-        self._run = (None, 0, [])
+        self._run = (_dead, 0, [])
         if len(run) < 2:
             return
         run = run[:4]
@@ -362,4 +370,4 @@ class LoRAManager:
         self.batch = BatchLayout(layout, list(self.ranks), self.device) if has_lora else None
         self.active = has_lora
         self._close_run()  # the previous call's last run of linears on one input
-        self._shared = (None, 0, None, {})
+        self._shared = (_dead, 0, None, {})
