@@ -346,7 +346,12 @@ class LoRAManager:
         self._run = (weakref.ref(x), _version(x), [layer])
 
     def _close_run(self) -> None:
-        run = [layer for layer in self._run[2] if layer.name not in self._grouped]
+        run: list[LoRALayer] = []
+        for layer in self._run[2]:
+            if layer in run:  # a linear called twice on one input: the group ends before it
+                break
+            if layer.name not in self._grouped:
+                run.append(layer)
         self._run = (_dead, 0, [])
         if len(run) < 2:
             return
