@@ -328,8 +328,8 @@ class LoRAManager:
         if sx() is x and version == _version(x) and smeta is meta and layer.name in parts:
             return parts.pop(layer.name)
         group = self.groups.get(layer.name)
-        if group is None:
-            return None
+        if group is None or not any(self.batch.slots & member.used for member in group[1:]):
+            return None  # no group, or no other linear of it has an adapter of this batch
         s_all = lora_shrink(x2, group[0].a_group, meta, scaled=True)  # [len(group), tokens, cols]
         parts = {g.name: s_all[i : i + 1] for i, g in enumerate(group) if i}
         self._shared = (weakref.ref(x), _version(x), meta, parts)

@@ -259,9 +259,16 @@ def test_linears_on_one_input_share_one_shrink(engine, files, monkeypatch):
         engine.unload_lora("qkv")
         engine.load_lora("qkv2", str(path2))
         later = image(engine, LoRARef(name="qkv2"))
+        # an adapter on the first linear of a group only: that linear shrinks alone
+        engine.unload_lora("qkv2")
+        path3 = write_peft(files["root"] / "q.safetensors", {block + "to_q": w[block + "to_q"]})
+        engine.load_lora("q", str(path3))
+        slices.clear()
+        only_q = image(engine, LoRARef(name="q"))
+        assert slices and set(slices) == {1}
     finally:
         manager.share_shrink = True
-        for name in ("qkv", "qkv2"):
+        for name in ("qkv", "qkv2", "q"):
             if name in manager.slots:
                 engine.unload_lora(name)
     assert psnr(shared, alone) >= 40
@@ -269,3 +276,4 @@ def test_linears_on_one_input_share_one_shrink(engine, files, monkeypatch):
     assert psnr(later, diffusers_image(path2)) >= 40
     assert psnr(shared, image(engine)) < 30  # the adapter visibly changes the picture
     assert psnr(later, shared) < 30
+    assert psnr(only_q, diffusers_image(path3)) >= 40
