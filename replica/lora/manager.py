@@ -17,8 +17,9 @@ Shared shrinks (``share_shrink=True``): linears called one after another on the 
 block's q, k, v projections; Flux single blocks' proj_mlp, q, k, v) are learned as a group from the calls
 of one forward. From then on their A buffers are slices of one ``[group, max_loras, max_rank, in]``
 buffer, and the first of the group runs one multi-slice shrink for all of them (x read once instead of
-once per linear); the others take their slice of s if they are called with that same, unmodified tensor,
-and otherwise shrink on their own.
+once per linear; in the fused path and in the unfused one, which FP8 linears and requests with several
+adapters take, once per adapter position); the others take their slice of s if they are called with that
+same, unmodified tensor, and otherwise shrink on their own.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from ditserve.kernels._dispatch import use_triton
-from ditserve.kernels.lora import LoRABatchMeta, apply_lora, lora_linear, lora_shrink
+from ditserve.kernels.lora import LoRABatchMeta, apply_lora, lora_expand, lora_linear, lora_shrink
 
 from .loader import LoRAFile, LoRAModule
 
@@ -105,6 +106,7 @@ class LoRALayer:
         batch = self.manager.batch
         if batch is None or not (batch.slots & self.used):
             return self._base_forward(x)
+        self.manager.note_input(self, x)
         if (
             self.manager.fused
             and len(batch.positions) == 1
@@ -115,7 +117,7 @@ class LoRALayer:
             x2 = x.reshape(-1, self.in_features)
             meta, segments = batch.meta(0, x2.shape[0] // batch.total_rows)
             if meta is not None and not any(self.has_bias[slot] for _, _, slot, _ in segments):
-                s = self.manager.shared_shrink(self, x, x2, meta)
+                s = self.manager.shared_shrink(self, x, x2, meta, scaled=True)
                 y = lora_linear(
                     x2, self.module.weight, self.module.bias, self.a, self.b, meta, [self.out_features], s=s
                 )
@@ -167,7 +169,12 @@ class LoRALayer:
             meta, segments = batch.meta(position, tokens_per_row)
             if meta is None:
                 continue
-            apply_lora(y2, x2.to(self.a.dtype), self.a, self.b, meta, [self.out_features])
+            x2a = x2.to(self.a.dtype)
+            s = None if self.mode == "row" else self.manager.shared_shrink(self, x, x2a, meta, scaled=False)
+            if s is None:
+                apply_lora(y2, x2a, self.a, self.b, meta, [self.out_features])
+            else:
+                lora_expand(y2, s, self.b, meta, [self.out_features])
             for start, length, slot, scale in segments:
                 if self.has_bias[slot]:
                     y2[start : start + length] += (scale * self.bias[slot]).to(y2.dtype)
@@ -244,7 +251,8 @@ class LoRAManager:
         self._grouped: set[str] = set()
         # the input tensors are held weakly: nothing here keeps an activation alive
         self._run: tuple[Any, int, list[LoRALayer]] = (_dead, 0, [])  # linears called in a row on one input
-        self._shared: tuple[Any, int, Any, dict[str, torch.Tensor]] = (_dead, 0, None, {})  # a group's s
+        # a group's s slices for the other linears: {(id(meta), scaled): {layer name: s}} for one input
+        self._shared: tuple[Any, int, dict] = (_dead, 0, {})
 
     def _layer(self, name: str) -> LoRALayer:
         if name not in self.layers:
@@ -316,28 +324,33 @@ class LoRAManager:
         self.info.pop(name, None)
 
     def shared_shrink(
-        self, layer: LoRALayer, x: torch.Tensor, x2: torch.Tensor, meta: LoRABatchMeta
+        self, layer: LoRALayer, x: torch.Tensor, x2: torch.Tensor, meta: LoRABatchMeta, scaled: bool
     ) -> torch.Tensor | None:
-        """The scaled s of ``layer`` for its input x (x2: x as [tokens, in], what ``lora_linear`` shrinks) if
-        its group's shrink has it, running that shrink when ``layer`` leads a group; None: the layer shrinks
-        on its own. The input is recognised by identity (the tensor object the module was called with)."""
+        """``lora_shrink(x2, layer.a, meta, scaled=scaled)`` (x2: the layer's input x as [tokens, in]) if its
+        group's shrink has it, running that shrink when ``layer`` leads a group; None: the layer shrinks on
+        its own. The input is recognised by identity (the tensor object the module was called with), the
+        batch position by its meta."""
         if not self.share_shrink:
             return None
-        self._note_call(layer, x)
-        sx, version, smeta, parts = self._shared
-        if sx() is x and version == _version(x) and smeta is meta and layer.name in parts:
+        sx, version, cache = self._shared
+        if sx() is not x or version != _version(x):
+            cache = {}
+        parts = cache.get((id(meta), scaled))
+        if parts is not None and layer.name in parts:
             return parts.pop(layer.name)
         group = self.groups.get(layer.name)
         if group is None or not any(self.batch.slots & member.used for member in group[1:]):
             return None  # no group, or no other linear of it has an adapter of this batch
-        s_all = lora_shrink(x2, group[0].a_group, meta, scaled=True)  # [len(group), tokens, cols]
-        parts = {g.name: s_all[i : i + 1] for i, g in enumerate(group) if i}
-        self._shared = (weakref.ref(x), _version(x), meta, parts)
+        s_all = lora_shrink(x2, group[0].a_group, meta, scaled=scaled)  # [len(group), tokens, cols]
+        cache[(id(meta), scaled)] = {g.name: s_all[i : i + 1] for i, g in enumerate(group) if i}
+        self._shared = (weakref.ref(x), _version(x), cache)
         return s_all[:1]
 
-    def _note_call(self, layer: LoRALayer, x: torch.Tensor) -> None:
+    def note_input(self, layer: LoRALayer, x: torch.Tensor) -> None:
         """Learn groups: linears called in a row on the same tensor, not yet in a group, with A buffers of
         one shape and dtype (≤ 4: the shrink's slice limit)."""
+        if not self.share_shrink:
+            return
         rx, version, run = self._run
         if rx() is x and version == _version(x):
             run.append(layer)
@@ -375,4 +388,4 @@ class LoRAManager:
         self.batch = BatchLayout(layout, list(self.ranks), self.device) if has_lora else None
         self.active = has_lora
         self._close_run()  # the previous call's last run of linears on one input
-        self._shared = (_dead, 0, None, {})
+        self._shared = (_dead, 0, {})

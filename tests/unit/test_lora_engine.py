@@ -212,8 +212,9 @@ SIBLINGS = {  # module → (in, out): linears that read the same tensor in a dem
 
 def test_linears_on_one_input_share_one_shrink(engine, files, monkeypatch):
     """q, k, v of each stream (and a single block's proj_mlp, which reads the same normed tensor) are learned
-    as groups from one forward; from then on each group runs one multi-slice shrink (x read once) and the
-    image is the one each linear's own shrink gives, and the one diffusers gives for the same file."""
+    as groups from one forward; from then on each group runs one multi-slice shrink (x read once), in the
+    fused and the unfused path and per adapter position, and the image is the one each linear's own shrink
+    gives, and the one diffusers gives for the same file."""
     import ditserve.kernels.lora_shrink.op as shrink_op
 
     g = torch.Generator().manual_seed(5)
@@ -255,9 +256,22 @@ def test_linears_on_one_input_share_one_shrink(engine, files, monkeypatch):
         slices.clear()
         shared = image(engine, LoRARef(name="qkv"))
         assert sorted(set(slices)) == [3, 4]  # one shrink per group, none per linear
-        # an adapter loaded after the groups were formed is written into the groups' A buffers
-        engine.unload_lora("qkv")
+        manager.fused = False  # the base GEMM, then the expand in place: the same groups
+        slices.clear()
+        unfused = image(engine, LoRARef(name="qkv"))
+        assert sorted(set(slices)) == [3, 4]
+        manager.fused = True
+        # an adapter loaded after the groups were formed is written into the groups' A buffers; a request
+        # with two adapters (two positions, each its own group shrinks) equals the unshared path
         engine.load_lora("qkv2", str(path2))
+        both = (LoRARef(name="qkv"), LoRARef(name="qkv2"))
+        slices.clear()
+        both_shared = image(engine, *both)
+        assert sorted(set(slices)) == [3, 4]
+        manager.share_shrink = False
+        both_alone = image(engine, *both)
+        manager.share_shrink = True
+        engine.unload_lora("qkv")
         later = image(engine, LoRARef(name="qkv2"))
         # an adapter on the first linear of a group only: that linear shrinks alone
         engine.unload_lora("qkv2")
@@ -267,11 +281,12 @@ def test_linears_on_one_input_share_one_shrink(engine, files, monkeypatch):
         only_q = image(engine, LoRARef(name="q"))
         assert slices and set(slices) == {1}
     finally:
-        manager.share_shrink = True
+        manager.share_shrink = manager.fused = True
         for name in ("qkv", "qkv2", "q"):
             if name in manager.slots:
                 engine.unload_lora(name)
-    assert psnr(shared, alone) >= 40
+    assert psnr(shared, alone) >= 40 and psnr(unfused, alone) >= 40
+    assert psnr(both_shared, both_alone) >= 40 and psnr(both_shared, shared) < 30
     assert psnr(shared, diffusers_image(path)) >= 40
     assert psnr(later, diffusers_image(path2)) >= 40
     assert psnr(shared, image(engine)) < 30  # the adapter visibly changes the picture
