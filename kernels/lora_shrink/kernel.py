@@ -261,14 +261,18 @@ def _lora_shrink_tma_kernel(
 
 
 @triton.jit
-def _add_tile(ws, acc, ATOMIC: tl.constexpr):
-    """ws += acc (fp32 atomics, ATOMIC) or acc + ws read from L2 (not through L1, which other SMs' atomics
-    do not reach)."""
-    if ATOMIC:
-        tl.atomic_add(ws, acc, sem="relaxed")
-        return acc
-    else:
-        return acc + tl.load(ws, cache_modifier=".cg")
+def _tail_add(ws, acc):
+    """ws += acc with fp32 atomics (a piece of a tail unit)."""
+    tl.atomic_add(ws, acc, sem="relaxed")
+
+
+@triton.jit
+def _tail_take(ws):
+    """The summed tile, read from L2 (not through L1, which other SMs' atomics do not reach); ws is left
+    zeroed for the next launch."""
+    tile = tl.load(ws, cache_modifier=".cg")
+    tl.store(ws, tl.zeros_like(tile))
+    return tile
 
 
 @triton.jit
@@ -338,29 +342,24 @@ def _lora_shrink_streamk_kernel(
         if (k_lo > 0) | (k_hi < k_tiles):
             t = u - dp_units
             ws = ws_ptr + t * (NUM_SLICES * tile) + ws_offs
-            acc0 = _add_tile(ws, acc0, True)
+            _tail_add(ws, acc0)
             if NUM_SLICES > 1:
-                acc1 = _add_tile(ws + tile, acc1, True)
+                _tail_add(ws + tile, acc1)
             if NUM_SLICES > 2:
-                acc2 = _add_tile(ws + 2 * tile, acc2, True)
+                _tail_add(ws + 2 * tile, acc2)
             if NUM_SLICES > 3:
-                acc3 = _add_tile(ws + 3 * tile, acc3, True)
+                _tail_add(ws + 3 * tile, acc3)
             tl.debug_barrier()
             done = tl.atomic_add(cnt_ptr + t, k_hi - k_lo, sem="acq_rel") + (k_hi - k_lo)
             finish = done == k_tiles
-            if finish:  # the last piece: read the sum, leave zeros for the next launch
-                zero = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                acc0 = _add_tile(ws, zero, False)
-                tl.store(ws, zero)
+            if finish:  # the last piece: take the sum, leave zeros for the next launch
+                acc0 = _tail_take(ws)
                 if NUM_SLICES > 1:
-                    acc1 = _add_tile(ws + tile, zero, False)
-                    tl.store(ws + tile, zero)
+                    acc1 = _tail_take(ws + tile)
                 if NUM_SLICES > 2:
-                    acc2 = _add_tile(ws + 2 * tile, zero, False)
-                    tl.store(ws + 2 * tile, zero)
+                    acc2 = _tail_take(ws + 2 * tile)
                 if NUM_SLICES > 3:
-                    acc3 = _add_tile(ws + 3 * tile, zero, False)
-                    tl.store(ws + 3 * tile, zero)
+                    acc3 = _tail_take(ws + 3 * tile)
                 tl.atomic_xchg(cnt_ptr + t, 0)
         if finish:
             _scale_and_store(acc0, acc1, acc2, acc3, m0 + tl.arange(0, BLOCK_M), offs_r, s_ptr,

@@ -182,10 +182,11 @@ def launch_lora_shrink(
         )
         seg = (token_seg, seg_start, seg_len, seg_slot, seg_scale if scaled else s, slot_rank)
         sizes = (num_tokens, hidden, s.shape[2], max_loras, max_rank, s.stride(0), s.stride(1), s.stride(2))
+        # stream-K: at most one program per row block
+        programs = min(grid[0], streamk * num_programs_limit(x.device))
         if streamk and split == 1 and wide:
             # all slices' A tiles in one [SL, BLOCK_R, BLOCK_K] load, one dot per K step
             sl = next_pow2(num_slices)
-            programs = min(grid[0], streamk * num_programs_limit(x.device))
             n_cols = sl * block_r
             ws = torch.empty(programs, cfg["BLOCK_M"], n_cols, dtype=torch.float32, device=x.device)
             a3 = a_stacked.view(num_slices, max_loras * max_rank, hidden)
@@ -195,7 +196,6 @@ def launch_lora_shrink(
                 s.stride(0), s.stride(1), s.stride(2), programs, SL=sl, **common, **cfg,
             )  # fmt: skip
         elif streamk and split == 1:
-            programs = min(grid[0], streamk * num_programs_limit(x.device))
             ws, cnt = _tail_buffers(x.device, programs * num_slices * cfg["BLOCK_M"] * block_r, programs)
             _lora_shrink_streamk_kernel[(programs,)](
                 *descs, s, *seg, ws, cnt, *sizes, programs, **common, **cfg

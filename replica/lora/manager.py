@@ -74,6 +74,8 @@ class LoRALayer:
         self.bias = torch.zeros(m.max_loras, self.out_features, device=weight.device, dtype=torch.float32)
         self.has_bias = [False] * m.max_loras
         self.used: set[int] = set()  # slots with weights here: layers no active adapter targets are skipped
+        # in a group of linears on one input (LoRAManager.groups): the group's A, of which a is a slice
+        self.a_group: torch.Tensor | None = None
         if self.mode == "row":
             base_partial = module.forward_partial
 
@@ -248,7 +250,6 @@ class LoRAManager:
         self.active = False  # self.batch is not None, as a plain bool (a torch.compile guard)
         self.share_shrink = True
         self.groups: dict[str, tuple[LoRALayer, ...]] = {}  # first layer's name → the layers of its group
-        self._grouped: set[str] = set()
         # the input tensors are held weakly: nothing here keeps an activation alive
         self._run: tuple[Any, int, list[LoRALayer]] = (_dead, 0, [])  # linears called in a row on one input
         # a group's s slices for the other linears: {(id(meta), scaled): {layer name: s}} for one input
@@ -363,7 +364,7 @@ class LoRAManager:
         for layer in self._run[2]:
             if layer in run:  # a linear called twice on one input: the group ends before it
                 break
-            if layer.name not in self._grouped:
+            if layer.a_group is None:
                 run.append(layer)
         self._run = (_dead, 0, [])
         if len(run) < 2:
@@ -376,7 +377,6 @@ class LoRAManager:
         for i, layer in enumerate(run):
             layer.a = a_group[i : i + 1]  # writes to the layer's slots now land in the group buffer
             layer.a_group = a_group
-            self._grouped.add(layer.name)
         self.groups[run[0].name] = tuple(run)
 
     def set_batch(self, groups: list[tuple[int, tuple]]) -> None:
