@@ -61,8 +61,9 @@ def run_shape(nsl: int, rank: int, args, lines: list[str]) -> dict:
     want_y = adaln_ref(x2.float(), shift.float(), scale.float(), 1e-6)
     y_err = (y.view(-1, HIDDEN).float() - want_y).abs().max().item()
     s_err = (s.float() - lora_shrink(y.view(-1, HIDDEN), p.a, m, scaled=True).float()).abs().max().item()
-    out_err = (lora_linear(y.view(-1, HIDDEN), p.w, None, p.a, p.b, m, p.sizes, s=s).float()
-               - lora_linear(y.view(-1, HIDDEN), p.w, None, p.a, p.b, m, p.sizes).float()).abs().max().item()  # fmt: skip
+    y2 = y.view(-1, HIDDEN)
+    out_err = (lora_linear(y2, p.w, None, p.a, p.b, m, p.sizes, s=s).float()
+               - lora_linear(y2, p.w, None, p.a, p.b, m, p.sizes).float()).abs().max().item()  # fmt: skip
     check = f"max |y - ref| {y_err:.3g}, |s - shrink(y)| {s_err:.3g}, |out - engine path| {out_err:.3g}"
 
     def fused_block(x3=x3, shift=shift, scale=scale, p=p, m=m):

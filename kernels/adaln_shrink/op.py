@@ -8,16 +8,17 @@ from ditserve.kernels._dispatch import block_rank, use_triton
 from ditserve.kernels.adaln_shrink.reference import adaln_ref, adaln_shrink_ref
 from ditserve.kernels.lora_shrink.op import MAX_SLICES, scaled_cols
 
-# Tiles (BLOCK_M rows per program; BLOCK_K columns per step of both passes). The rows of the programs in
-# flight should fit in L2 so that pass 2 reads them from there. Candidates for benchmarks/lora_kernels.py
-# --adaln (the GPU tests run each once); DEFAULT is what the op uses.
+# Tiles: "BLOCK_M/BLOCK_K/num_warps/num_stages" (BLOCK_M rows of one batch element per program, BLOCK_K
+# columns per step of both passes). The rows of the programs in flight should fit in L2, so that pass 2
+# reads them from there. Candidates for benchmarks/adaln_lora.py (the GPU tests run each); compiled for
+# sm_90 (hidden divisible by 16) they need 108-206 registers with LoRA and no spills, 40-48 without.
 SWEEP: dict[str, dict[str, int]] = {
     "32/64/4/2": dict(BLOCK_M=32, BLOCK_K=64, num_warps=4, num_stages=2),
-    "16/128/4/2": dict(BLOCK_M=16, BLOCK_K=128, num_warps=4, num_stages=2),
-    "32/128/4/2": dict(BLOCK_M=32, BLOCK_K=128, num_warps=4, num_stages=2),
+    "32/128/8/2": dict(BLOCK_M=32, BLOCK_K=128, num_warps=8, num_stages=2),
     "64/64/8/2": dict(BLOCK_M=64, BLOCK_K=64, num_warps=8, num_stages=2),
+    "16/256/8/2": dict(BLOCK_M=16, BLOCK_K=256, num_warps=8, num_stages=2),
 }
-DEFAULT = SWEEP["32/64/4/2"]
+DEFAULT = SWEEP["32/128/8/2"]
 
 
 def launch_adaln_shrink(
@@ -39,7 +40,9 @@ def launch_adaln_shrink(
 
     num_tokens, hidden = x.shape
     batch = shift.shape[0]
-    assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
+    assert x.dim() == 2 and x.is_contiguous(), (x.shape, x.stride())
+    assert x.numel() < 2**31, f"{x.numel()} elements: the kernel's offsets are 32-bit"
+
     assert shift.shape == scale.shape == (batch, hidden), (shift.shape, scale.shape, x.shape)
     assert shift.stride(1) == 1 and scale.stride(1) == 1, "hidden dim of shift/scale must be contiguous"
     assert batch > 0 and num_tokens % batch == 0, f"{num_tokens} tokens are not {batch} equal rows"
@@ -48,6 +51,7 @@ def launch_adaln_shrink(
     if has_lora:
         assert a_stacked.dim() == 4 and a_stacked.dtype == x.dtype and a_stacked.shape[3] == hidden
         assert 1 <= a_stacked.shape[0] <= MAX_SLICES and a_stacked.stride(3) == 1, a_stacked.shape
+        assert a_stacked.stride(1) * a_stacked.shape[1] < 2**31, a_stacked.shape  # 32-bit offsets in a slot
         assert 0 <= rank_dim <= min(a_stacked.shape[2], 128), (rank_dim, a_stacked.shape)
         assert token_seg.shape[0] == num_tokens and slot_rank.shape[0] == a_stacked.shape[1]
         num_slices = a_stacked.shape[0]
@@ -65,12 +69,13 @@ def launch_adaln_shrink(
     cfg = dict(config or DEFAULT)
     lora = (a_stacked, s, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank) if has_lora else (
         x, y, x, x, x, x, x, x)  # fmt: skip
-    a_strides = a_stacked.stride() if has_lora else (0, 0, 0, 0)
+    a_strides = a_stacked.stride()[:3] if has_lora else (0, 0, 0)
     s_strides = s.stride() if has_lora else (0, 0, 0)
-    grid = (-(-num_tokens // cfg["BLOCK_M"]),)
+    rows = num_tokens // batch
+    grid = (-(-rows // cfg["BLOCK_M"]), batch)
     _adaln_shrink_kernel[grid](
-        x, shift, scale, y, *lora, num_tokens, hidden, num_tokens // batch, s.shape[2] if has_lora else 0,
-        eps, x.stride(0), shift.stride(0), scale.stride(0), y.stride(0), *a_strides, *s_strides,
+        x, shift, scale, y, *lora, num_tokens, hidden, rows, s.shape[2] if has_lora else 0,
+        eps, shift.stride(0), scale.stride(0), *a_strides, *s_strides,
         NUM_SLICES=a_stacked.shape[0] if has_lora else 1,
         BLOCK_R=block_rank(s.shape[2]) if has_lora else 16,
         HAS_LORA=has_lora, SCALED=seg_scale is not None,
