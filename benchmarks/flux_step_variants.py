@@ -8,7 +8,8 @@ batch 1. Each variant is applied to the same model object in order and timed ove
 after warm-up (CUDA events around the whole batch of forwards; compile time = first call − steady call).
 Variants are cumulative where the name says so. `epilogues` (ditserve's --fused-epilogues) and `fp8`
 (--quantization fp8) change the model in place, so run them after the stock ones:
-`--variants eager,compiled,compiled+epilogues,compiled+epilogues+fp8`. Also prints the attention kernels on
+`--variants eager,compiled,compiled+epilogues,compiled+epilogues+fp8`; `eager+norms` and `eager+epilogues`
+patch without compiling (the one-pass adaLN norms alone, then all of --fused-epilogues). Also prints the attention kernels on
 the FLUX-1024 shape and, per size, a kernel-time breakdown (torch.profiler) of the baseline and the last
 variant.
 """
@@ -195,6 +196,12 @@ def main() -> None:
         if variant == "eager":
             return
         if variant == "+graph":
+            return
+        if variant.startswith("eager+"):  # eager, with --fused-epilogues' norms only / all of it
+            from ditserve.replica.models.flux_fused import fuse_flux_epilogues, fuse_flux_norms
+
+            fuse = fuse_flux_epilogues if "epilogues" in variant else fuse_flux_norms
+            lines.append(f"{variant}: {fuse(tr)} modules patched")
             return
         torch._dynamo.reset()
         if "cudnn" in variant:

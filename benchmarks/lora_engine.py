@@ -21,10 +21,7 @@ Rows, in this order (the stock-diffusers rows run first, on the clean model):
   (checked: no PEFT layer left) and the memory is released before the next rows.
 - ditserve Engine, per rank: ``--requests`` requests of one size share every step; batch step = the
   engine's step time (every rank command of the step), median over the timed steps, without LoRA and
-  with one adapter per request (``max_lora_rank`` = rank), in interleaved modes: the default (LoRA inside
-  the GEMMs, each group of linears on one input shrunk once, by the adaLN norm that feeds it where there is
-  one), the group shrinks run on their own, one shrink per linear, and unfused (--no-fused-lora). After
-  each engine the LoRA hooks are removed.
+  with one adapter per request (``max_lora_rank`` = rank). After each engine the LoRA hooks are removed.
 
 PSNR: each request's image from the engine batch with LoRA against the same request through diffusers +
 PEFT with the same adapter (uint8; 4 requests, minimum reported).
@@ -112,16 +109,12 @@ def peft_layers(module: torch.nn.Module) -> int:
     return sum(isinstance(m, BaseTunerLayer) for m in module.modules())
 
 
-def set_mode(manager, mode: str) -> None:
-    """The LoRA path a timed mode of the engine rows takes."""
-    manager.fused, manager.share_shrink = mode != "inplace", mode != "unshared"
-    manager.fuse_norms = mode == "fused"
-
-
 def detach_lora(manager) -> None:
-    """Give the transformer's linears and norms their own forward back (the engine is shut down; the pipe
-    stays)."""
-    manager.detach()
+    """Give the transformer's linears their own forward back (the engine is shut down; the pipe stays)."""
+    manager.batch, manager.active = None, False
+    for layer in manager.layers.values():
+        layer.detach()
+    manager.layers.clear()
 
 
 def free(device: torch.device) -> None:
@@ -321,22 +314,20 @@ def main() -> None:
             for i, lora in enumerate(adapters_for(rank)):
                 engine.loras[f"a{i}"] = manager.load_weights(f"a{i}", lora, source="memory")
             load_s = time.perf_counter() - t0
-            # modes: no LoRA; LoRA inside the GEMM (fused_lora, the default: groups' shrinks in the adaLN
-            # norms); the same with the groups' shrinks on their own; with one shrink per linear instead of
-            # one per group of linears on the same input; base GEMM + in-place expand
-            modes = ("none", "fused", "nonorm", "unshared", "inplace")
-
+            # modes: no LoRA; LoRA inside the GEMM (fused_lora, the default); the same with one shrink per
+            # linear instead of one per group of linears on the same input; base GEMM + in-place expand
+            modes = ("none", "fused", "unshared", "inplace")
             for mode in modes:  # warm-up every path, then time them interleaved
-                set_mode(manager, mode)
+                manager.fused, manager.share_shrink = mode != "inplace", mode != "unshared"
                 timed_steps(engine, batch(mode != "none"))
             results: dict[str, list[float]] = {}
             for mode in modes + modes:
-                set_mode(manager, mode)
+                manager.fused, manager.share_shrink = mode != "inplace", mode != "unshared"
                 times, outs = timed_steps(engine, batch(mode != "none"))
                 results.setdefault(mode, []).extend(times[1:])
-                if mode in ("fused", "nonorm"):
+                if mode == "fused":
                     for i, image in enumerate(outs):
-                        images[("engine" if mode == "fused" else "nonorm", rank, i)] = image
+                        images[("engine", rank, i)] = image
         except Exception as exc:
             failed(label, exc)
             continue
@@ -350,9 +341,6 @@ def main() -> None:
         base, lora = statistics.median(results["none"]), statistics.median(results["fused"])
         inplace = statistics.median(results["inplace"])
         unshared = statistics.median(results["unshared"])
-        nonorm = statistics.median(results["nonorm"])
-        # the shrinks in the norms against the groups' own shrinks: the same images (bf16 rounding aside)
-        norm_psnr = min(psnr(images[("engine", rank, i)], images[("nonorm", rank, i)]) for i in range(n))
         psnrs = [
             psnr(images[("engine", rank, i)], images[("peft", rank, i)])
             for i in range(n)
@@ -371,20 +359,16 @@ def main() -> None:
                 "ratio": lora / base,
                 "step_ms_lora_inplace": inplace * 1e3,
                 "ratio_inplace": inplace / base,
-                "step_ms_lora_nonorm": nonorm * 1e3,
-                "ratio_nonorm": nonorm / base,
                 "step_ms_lora_unshared": unshared * 1e3,
                 "ratio_unshared": unshared / base,
                 "load_s": load_s,
                 "psnr_vs_peft_min": min(psnrs) if psnrs else None,
-                "psnr_norm_shrink_vs_own_min": norm_psnr,
                 "device": dev,
                 "commit": sha,
             }
         )
         print(f"{label}: batch step {base * 1e3:.1f} ms no LoRA, {lora * 1e3:.1f} ms with {n} LoRAs "
-              f"({lora / base:.3f}×), {nonorm * 1e3:.1f} ms with the group shrinks outside the norms "
-              f"({nonorm / base:.3f}×), {unshared * 1e3:.1f} ms with a shrink per linear ({unshared / base:.3f}×), "
+              f"({lora / base:.3f}×), {unshared * 1e3:.1f} ms with a shrink per linear ({unshared / base:.3f}×), "
               f"{inplace * 1e3:.1f} ms unfused ({inplace / base:.3f}×)", flush=True)  # fmt: skip
 
     # ---- table ----------------------------------------------------------------------------------------
@@ -410,12 +394,6 @@ def main() -> None:
             lines.append(
                 f"| {size} | ditserve engine, {n} LoRAs | {r['rank']} | {n} × {n} | — | {r['step_ms_lora']:.1f} | "
                 f"{r['ratio']:.3f}× | 1.000× | {fmt_psnr(r['psnr_vs_peft_min'])} |"
-            )
-            lines.append(
-                f"| {size} | ditserve engine, {n} LoRAs, group shrinks not in the norms | {r['rank']} | {n} × {n} | "
-                f"— | {r['step_ms_lora_nonorm']:.1f} | {r['ratio_nonorm']:.3f}× | "
-                f"{r['step_ms_lora_nonorm'] / r['step_ms_lora']:.3f}× | "
-                f"{fmt_psnr(r['psnr_norm_shrink_vs_own_min'])} (vs the row above) |"
             )
             lines.append(
                 f"| {size} | ditserve engine, {n} LoRAs, a shrink per linear | {r['rank']} | {n} × {n} | — | "

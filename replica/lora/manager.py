@@ -20,12 +20,6 @@ buffer, and the first of the group runs one multi-slice shrink for all of them (
 once per linear; in the fused path and in the unfused one, which FP8 linears and requests with several
 adapters take, once per adapter position); the others take their slice of s if they are called with that
 same, unmodified tensor, and otherwise shrink on their own.
-
-Shrinks inside the norm (``fuse_norms=True``, fused path): where such a group reads the output of a DiT's
-adaLN-Zero norm (diffusers' ``AdaLayerNormZero`` / ``AdaLayerNormZeroSingle``: Flux's norm1, norm1_context
-and single blocks' norm), learned from one forward, the norm runs ``kernels.adaln_shrink``: LayerNorm and
-modulation in one pass that also writes the group's shrink, so the projections' LoRA reads nothing more
-than their base GEMM does.
 """
 
 from __future__ import annotations
@@ -39,7 +33,6 @@ import torch
 import torch.nn as nn
 
 from ditserve.kernels._dispatch import use_triton
-from ditserve.kernels.adaln_shrink.op import adaln
 from ditserve.kernels.lora import LoRABatchMeta, apply_lora, lora_expand, lora_linear, lora_shrink
 
 from .loader import LoRAFile, LoRAModule
@@ -52,19 +45,6 @@ def _take(t: torch.Tensor, ranges, dim: int) -> torch.Tensor:
 def _dead() -> None:
     """A weak reference to nothing."""
     return None
-
-
-def _remember(memo: dict, t: torch.Tensor, value) -> None:
-    """memo[id(t)] = value for as long as t lives unmodified (held weakly; dead entries are dropped)."""
-    for key in [k for k, (ref, _, _) in memo.items() if ref() is None]:
-        del memo[key]
-    memo[id(t)] = (weakref.ref(t), _version(t), value)
-
-
-def _recall(memo: dict, t: torch.Tensor, default):
-    """What _remember stored for this very tensor, unmodified since; else default."""
-    ref, version, value = memo.get(id(t), (_dead, 0, default))
-    return value if ref() is t and version == _version(t) else default
 
 
 def _version(t: torch.Tensor) -> int:
@@ -272,81 +252,8 @@ class LoRAManager:
         self.groups: dict[str, tuple[LoRALayer, ...]] = {}  # first layer's name → the layers of its group
         # the input tensors are held weakly: nothing here keeps an activation alive
         self._run: tuple[Any, int, list[LoRALayer]] = (_dead, 0, [])  # linears called in a row on one input
-        # a group's s slices for its linears, per input tensor (a Flux double block normalises both streams
-        # before either's projections): {id(x): (x, version, {(id(meta), scaled): {layer name: s}})}
-        self._shared: dict[int, tuple[Any, int, dict]] = {}
-        self.fuse_norms = True
-        self.norm_groups: dict[str, tuple[LoRALayer, ...]] = {}  # adaLN norm's name → the group reading it
-        self._norm_out: dict[int, tuple[Any, int, str]] = {}  # {id(y): (y, version, norm's name)}
-        self.norms = self._install_norms()
-
-    def _install_norms(self) -> dict[str, nn.Module]:
-        """Route the transformer's adaLN-Zero norms (LayerNorm without affine) through ``_norm_forward``
-        while LoRA is active."""
-        from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
-
-        norms = {}
-        for name, module in self.transformer.named_modules():
-            if (
-                not isinstance(module, AdaLayerNormZero | AdaLayerNormZeroSingle)
-                or "forward" in module.__dict__
-            ):
-                continue
-            norm = module.norm
-            if type(norm) is not nn.LayerNorm or norm.elementwise_affine or getattr(module, "emb", None):
-                continue
-            chunks = 6 if isinstance(module, AdaLayerNormZero) else 3
-            module.forward = self._norm_forward(name, module, module.forward, chunks)
-            norms[name] = module
-        return norms
-
-    def _norm_forward(self, name: str, module: nn.Module, base_forward, chunks: int):
-        def forward(x, *args, **kwargs):
-            # the stock forward (traced under torch.compile) unless LoRA is active
-            if not self.active or args or len(kwargs) != 1 or "emb" not in kwargs:
-                return base_forward(x, *args, **kwargs)
-            return self._adaln(name, module, x, kwargs["emb"], chunks)
-
-        return forward
-
-    @torch.compiler.disable
-    def _adaln(self, name: str, module: nn.Module, x: torch.Tensor, emb: torch.Tensor, chunks: int):
-        """The adaLN-Zero norm's outputs; with the group of linears that reads them known and some of
-        its adapters in this batch, y and the group's scaled shrink from one pass (put where
-        ``shared_shrink`` finds it)."""
-        shift, scale, *rest = module.linear(module.silu(emb)).chunk(chunks, dim=1)
-        group = self.norm_groups.get(name)
-        if (
-            group is not None
-            and self.fuse_norms
-            and self.share_shrink
-            and self.fused
-            and len(self.batch.positions) == 1
-            and use_triton(x)
-            and x.dim() == 3
-            and x.shape[0] == shift.shape[0]
-            and x.dtype == group[0].a.dtype
-            and any(self.batch.slots & member.used for member in group)
-        ):
-            meta, _ = self.batch.meta(0, x.shape[1] * x.shape[0] // self.batch.total_rows)
-            if meta is not None:
-                y, s = adaln(x.contiguous(), shift, scale, module.norm.eps, group[0].a_group, meta)
-                cache = {(id(meta), True): {g.name: s[i : i + 1] for i, g in enumerate(group)}}
-                _remember(self._shared, y, cache)
-                return (y, *rest)
-        y = module.norm(x) * (1 + scale[:, None]) + shift[:, None]
-        _remember(self._norm_out, y, name)
-        return (y, *rest)
-
-    def detach(self) -> None:
-        """Give every patched module its own forward back (LoRA no longer applied)."""
-        self.batch, self.active = None, False
-        for layer in self.layers.values():
-            layer.detach()
-        self.layers.clear()
-        for module in self.norms.values():
-            module.__dict__.pop("forward", None)
-        self.norms.clear()
+        # a group's s slices for the other linears: {(id(meta), scaled): {layer name: s}} for one input
+        self._shared: tuple[Any, int, dict] = (_dead, 0, {})
 
     def _layer(self, name: str) -> LoRALayer:
         if name not in self.layers:
@@ -426,19 +333,18 @@ class LoRAManager:
         batch position by its meta."""
         if not self.share_shrink:
             return None
-        cache = _recall(self._shared, x, {})
+        sx, version, cache = self._shared
+        if sx() is not x or version != _version(x):
+            cache = {}
         parts = cache.get((id(meta), scaled))
         if parts is not None and layer.name in parts:
             return parts.pop(layer.name)
         group = self.groups.get(layer.name)
         if group is None or not any(self.batch.slots & member.used for member in group[1:]):
             return None  # no group, or no other linear of it has an adapter of this batch
-        norm = _recall(self._norm_out, x, None)
-        if norm is not None:
-            self.norm_groups[norm] = group  # from the next call, the norm computes this shrink
         s_all = lora_shrink(x2, group[0].a_group, meta, scaled=scaled)  # [len(group), tokens, cols]
         cache[(id(meta), scaled)] = {g.name: s_all[i : i + 1] for i, g in enumerate(group) if i}
-        _remember(self._shared, x, cache)
+        self._shared = (weakref.ref(x), _version(x), cache)
         return s_all[:1]
 
     def note_input(self, layer: LoRALayer, x: torch.Tensor) -> None:
@@ -482,5 +388,4 @@ class LoRAManager:
         self.batch = BatchLayout(layout, list(self.ranks), self.device) if has_lora else None
         self.active = has_lora
         self._close_run()  # the previous call's last run of linears on one input
-        self._shared.clear()
-        self._norm_out.clear()
+        self._shared = (_dead, 0, {})

@@ -9,7 +9,11 @@ tensors of the model (tokens × 12288 MLP activations) and can go into the GEMMs
   written and read back;
 - single blocks no longer concatenate the attention output with the MLP activations for ``proj_out``: the
   product is two GEMMs over column slices of its weight, the second accumulating into the first's output
-  (``proj_out(cat([a, m])) = a · W[:, :d]ᵀ + m · W[:, d:]ᵀ + b``).
+  (``proj_out(cat([a, m])) = a · W[:, :d]ᵀ + m · W[:, d:]ᵀ + b``);
+- the adaLN-Zero norms before the projections (double blocks' ``norm1`` and ``norm1_context``, single
+  blocks' ``norm``) run eagerly as three kernels (LayerNorm, · (1 + scale), + shift), each reading and writing
+  tokens × hidden; ``kernels.adaln`` does it in one pass. Under torch.compile the stock ops are traced
+  instead (inductor fuses them itself, with the residual add before them).
 
 Where a linear is not a plain ``nn.Linear`` (tensor-parallel swaps) or carries an installed LoRA layer
 (``forward`` overridden on the instance), the stock path runs: the same numbers, no fusion. Off CUDA the
@@ -23,6 +27,9 @@ import types
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ditserve.kernels._dispatch import use_triton
+from ditserve.kernels.adaln.op import adaln
 
 
 def _plain(linear: nn.Module) -> bool:
@@ -73,8 +80,41 @@ def _single_block_forward(
     return joint[:, :n_text], joint[:, n_text:]
 
 
+def adaln_modulate(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, norm: nn.Module
+) -> torch.Tensor:
+    """``norm(x) · (1 + scale[:, None]) + shift[:, None]`` (x ``[batch, tokens, hidden]``, shift and scale
+    ``[batch, hidden]``): one kernel where Triton runs, outside torch.compile."""
+    if (
+        not torch.compiler.is_compiling()
+        and use_triton(x)
+        and x.dim() == 3
+        and shift.shape == scale.shape == (x.shape[0], x.shape[2])
+    ):
+        return adaln(x, shift, scale, norm.eps)
+    return norm(x) * (1 + scale[:, None]) + shift[:, None]
+
+
+def _adaln_zero_forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.linear(self.silu(emb)).chunk(
+        6, dim=1
+    )
+    return adaln_modulate(x, shift_msa, scale_msa, self.norm), gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+def _adaln_single_forward(self, x, emb=None):
+    shift_msa, scale_msa, gate_msa = self.linear(self.silu(emb)).chunk(3, dim=1)
+    return adaln_modulate(x, shift_msa, scale_msa, self.norm), gate_msa
+
+
 def _gelu_forward(self, hidden_states):
     return linear_gelu_tanh(hidden_states, self.proj)
+
+
+def _plain_layer_norm(module: nn.Module) -> bool:
+    """An adaLN-Zero norm without its own embedding whose norm is a LayerNorm without affine."""
+    norm = module.norm
+    return getattr(module, "emb", None) is None and type(norm) is nn.LayerNorm and not norm.elementwise_affine
 
 
 def fuse_flux_epilogues(transformer: nn.Module) -> int:
@@ -92,5 +132,18 @@ def fuse_flux_epilogues(transformer: nn.Module) -> int:
                 changed += 1
         elif type(module) is GELU and module.approximate == "tanh":
             module.forward = types.MethodType(_gelu_forward, module)
+            changed += 1
+    return changed + fuse_flux_norms(transformer)
+
+
+def fuse_flux_norms(transformer: nn.Module) -> int:
+    """Only the adaLN-Zero norms of ``fuse_flux_epilogues`` (one pass each); returns how many changed."""
+    from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
+
+    changed = 0
+    for module in transformer.modules():
+        if type(module) in (AdaLayerNormZero, AdaLayerNormZeroSingle) and _plain_layer_norm(module):
+            forward = _adaln_zero_forward if type(module) is AdaLayerNormZero else _adaln_single_forward
+            module.forward = types.MethodType(forward, module)
             changed += 1
     return changed

@@ -54,16 +54,28 @@ def test_overridden_linears_keep_their_forward():
     torch.testing.assert_close(linear_of_concat(lin, x[:, :3], x[:, 3:]), stock(x) + 1.0)
 
 
-def test_patched_demo_flux_gives_the_stock_output():
+def test_patched_demo_flux_gives_the_stock_output(monkeypatch):
+    """Every single block (its forward and its norm), and each double block's two feed-forward GELUs and two
+    norms, patched; the adaLN norms run the one-pass kernel (Triton's interpreter here), once per norm and
+    forward; the output is the stock one."""
+    import ditserve.kernels.adaln.op as adaln_op
+
+    launches = []
+    real = adaln_op.launch_adaln
+    monkeypatch.setattr(
+        adaln_op, "launch_adaln", lambda x, *a, **k: launches.append(x.shape) or real(x, *a, **k)
+    )
     model = _demo_transformer()
     feed = _inputs(model, "cpu", torch.float32)
     with torch.no_grad():
         want = model(**feed)[0]
         singles = sum(isinstance(m, FluxSingleTransformerBlock) for m in model.modules())
+        doubles = len(model.transformer_blocks)
         changed = fuse_flux_epilogues(model)
+        assert not launches
         got = model(**feed)[0]
-    # every single block, and the image and text feed-forward GELUs of every double block
-    assert singles > 0 and changed == singles + 2 * len(model.transformer_blocks)
+    assert singles > 0 and changed == 2 * singles + 4 * doubles
+    assert len(launches) == singles + 2 * doubles
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

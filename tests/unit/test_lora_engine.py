@@ -236,7 +236,6 @@ def test_linears_on_one_input_share_one_shrink(engine, files, monkeypatch):
         lambda x, a, *r, **k: slices.append(a.shape[0]) or real(x, a, *r, **k),
     )
     manager = engine.launcher.worker.lora
-    manager.fuse_norms = False  # the groups' own shrinks (the norms computing them: the next test)
     engine.load_lora("qkv", str(path))
     try:
         manager.share_shrink = False
@@ -282,7 +281,7 @@ def test_linears_on_one_input_share_one_shrink(engine, files, monkeypatch):
         only_q = image(engine, LoRARef(name="q"))
         assert slices and set(slices) == {1}
     finally:
-        manager.share_shrink = manager.fused = manager.fuse_norms = True
+        manager.share_shrink = manager.fused = True
         for name in ("qkv", "qkv2", "q"):
             if name in manager.slots:
                 engine.unload_lora(name)
@@ -293,58 +292,3 @@ def test_linears_on_one_input_share_one_shrink(engine, files, monkeypatch):
     assert psnr(shared, image(engine)) < 30  # the adapter visibly changes the picture
     assert psnr(later, shared) < 30
     assert psnr(only_q, diffusers_image(path3)) >= 40
-
-
-def test_adaln_norms_compute_their_groups_shrink(engine, files, monkeypatch):
-    """Where a group of linears reads an adaLN-Zero norm's output (a double block's norm1 → q, k, v and
-    norm1_context → add_q/k/v; a single block's norm → proj_mlp, q, k, v), the norm learns that from one
-    forward and then writes the group's shrink in its own pass: no shrink launches are left, one norm
-    launch per group, and the image is the one the groups' own shrinks give and the one diffusers gives."""
-    import ditserve.kernels.adaln_shrink.op as adaln_op
-    import ditserve.kernels.lora_shrink.op as shrink_op
-
-    g = torch.Generator().manual_seed(7)
-    w = {
-        m: (torch.randn(RANK, i, generator=g), torch.randn(o, RANK, generator=g))
-        for m, (i, o) in SIBLINGS.items()
-    }
-    path = write_peft(files["root"] / "qkv_norm.safetensors", w)
-    shrinks, norms = [], []
-    real_shrink, real_norm = shrink_op.launch_lora_shrink, adaln_op.launch_adaln_shrink
-    monkeypatch.setattr(
-        shrink_op,
-        "launch_lora_shrink",
-        lambda x, a, *r, **k: shrinks.append(a.shape[0]) or real_shrink(x, a, *r, **k),
-    )
-    monkeypatch.setattr(
-        adaln_op,
-        "launch_adaln_shrink",
-        lambda x, *r, **k: norms.append(r[3].shape[0] if len(r) > 3 else 0) or real_norm(x, *r, **k),
-    )
-    manager = engine.launcher.worker.lora
-    engine.load_lora("qkv", str(path))
-    try:
-        manager.fuse_norms = False
-        own = image(engine, LoRARef(name="qkv"))  # also learns the groups
-        assert not norms and sorted(set(shrinks)) == [3, 4]
-        manager.fuse_norms = True
-        image(engine, LoRARef(name="qkv"))  # learns which norm feeds which group
-        block, single = "transformer_blocks.0.", "single_transformer_blocks.0."
-        assert {n: grp[0].name for n, grp in manager.norm_groups.items()} == {
-            block + "norm1": block + "attn.to_q",
-            block + "norm1_context": block + "attn.add_q_proj",
-            single + "norm": single + "proj_mlp",
-        }
-        shrinks.clear()
-        norms.clear()
-        fused = image(engine, LoRARef(name="qkv"))
-        assert not shrinks  # every group's shrink came from its norm
-        steps = len(norms) // 3
-        assert steps >= 1 and sorted(norms) == sorted([3, 3, 4] * steps)
-        without = image(engine)  # no LoRA in the batch: the stock norm, no kernels
-    finally:
-        manager.fuse_norms = True
-        engine.unload_lora("qkv")
-    assert psnr(fused, own) >= 40
-    assert psnr(fused, diffusers_image(path)) >= 40
-    assert psnr(fused, without) < 30
