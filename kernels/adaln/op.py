@@ -9,7 +9,8 @@ from ditserve.kernels.adaln.reference import adaln_ref
 
 # Tiles: "BLOCK_M/BLOCK_K/num_warps/num_stages" (BLOCK_M rows of one batch element per program, BLOCK_K
 # columns per step of both passes). benchmarks/adaln.py times them (the GPU tests run each); on an H200,
-# x [4, 4608, 3072] bf16: 32/128/8/2 91 µs, 16/256/8/2 92, 32/64/4/2 and 64/64/8/2 118 (BENCHMARKS.md).
+# bf16, hidden 3072 (BENCHMARKS.md): x [4, 4608]: 32/128/8/2 85.5 µs, 16/256/8/2 90.3, the others 117;
+# x [4, 512] (fewer row blocks of 32 than SMs): 16/256/8/2 21.1 µs, 32/128/8/2 27.2.
 SWEEP: dict[str, dict[str, int]] = {
     "32/64/4/2": dict(BLOCK_M=32, BLOCK_K=64, num_warps=4, num_stages=2),
     "32/128/8/2": dict(BLOCK_M=32, BLOCK_K=128, num_warps=8, num_stages=2),
@@ -17,6 +18,12 @@ SWEEP: dict[str, dict[str, int]] = {
     "16/256/8/2": dict(BLOCK_M=16, BLOCK_K=256, num_warps=8, num_stages=2),
 }
 DEFAULT = SWEEP["32/128/8/2"]
+SMALL = SWEEP["16/256/8/2"]
+
+
+def adaln_config(num_tokens: int) -> dict[str, int]:
+    """DEFAULT, or for batches with fewer 32-row blocks than an H200 has SMs, SMALL (more programs)."""
+    return SMALL if num_tokens < 32 * 132 else DEFAULT
 
 
 def launch_adaln(
@@ -38,7 +45,7 @@ def launch_adaln(
     y = torch.empty_like(x)
     if num_tokens == 0:
         return y
-    cfg = dict(config or DEFAULT)
+    cfg = dict(config or adaln_config(num_tokens))
     rows = num_tokens // batch
     grid = (-(-rows // cfg["BLOCK_M"]), batch)
     _adaln_kernel[grid](x, shift, scale, y, hidden, rows, eps, shift.stride(0), scale.stride(0), **cfg)

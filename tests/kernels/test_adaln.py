@@ -60,6 +60,14 @@ def test_adaln_equals_diffusers_norm():
     torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-4)
 
 
+def test_adaln_config_by_batch_size():
+    """Small batches (Flux's text stream: 4 × 512 tokens) take 16-row tiles, large ones 32-row tiles."""
+    from ditserve.kernels.adaln.op import DEFAULT, SMALL, adaln_config
+
+    assert adaln_config(4 * 512) == SMALL and SMALL["BLOCK_M"] == 16
+    assert adaln_config(4 * 4608) == DEFAULT and DEFAULT["BLOCK_M"] == 32
+
+
 def test_adaln_refuses_rows_that_do_not_split():
     x = torch.randn(10, 32)
     with pytest.raises(AssertionError, match="equal rows"):
