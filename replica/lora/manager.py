@@ -9,9 +9,10 @@ as several "positions": position p applies every request's p-th adapter in one k
 Tensor parallelism: a column-parallel linear keeps all of A and its rows of B; a row-parallel linear keeps
 its columns of A and all of B and adds the delta in ``forward_partial``, before the all-reduce.
 
-Fused path (``fused=True``, where Triton runs): a plain or column-parallel linear whose batch has one
-adapter position computes ``lora_linear`` — the shrink, then one GEMM whose tiles add the expand before y
-is stored — instead of the base GEMM followed by an in-place expand (which reads and writes y once more).
+Fused path (``fused=True``, where Triton runs): a plain or column-parallel linear computes ``lora_linear``
+for the first adapter position — the shrink, then one GEMM whose tiles add the expand before y is stored —
+instead of the base GEMM followed by an in-place expand (which reads and writes y once more); further
+positions (requests with several adapters) add theirs as in-place expands after it.
 
 Shared shrinks (``share_shrink=True``): linears called one after another on the same input tensor (a
 block's q, k, v projections; Flux single blocks' proj_mlp, q, k, v) are learned as a group from the calls
@@ -111,7 +112,6 @@ class LoRALayer:
         self.manager.note_input(self, x)
         if (
             self.manager.fused
-            and len(batch.positions) == 1
             and use_triton(x)
             and x.dtype == self.a.dtype == self.module.weight.dtype  # not FP8 linears: delta after the GEMM
             and x.numel() > 0
@@ -119,11 +119,14 @@ class LoRALayer:
             x2 = x.reshape(-1, self.in_features)
             meta, segments = batch.meta(0, x2.shape[0] // batch.total_rows)
             if meta is not None and not any(self.has_bias[slot] for _, _, slot, _ in segments):
+                # every request's first adapter inside the GEMM; further ones (a style and a character on
+                # one request) as in-place expands after it
                 s = self.manager.shared_shrink(self, x, x2, meta, scaled=True)
                 y = lora_linear(
                     x2, self.module.weight, self.module.bias, self.a, self.b, meta, [self.out_features], s=s
                 )
-                return y.view(*x.shape[:-1], self.out_features)
+                y = y.view(*x.shape[:-1], self.out_features)
+                return self._add_delta(x, y, first_position=1) if len(batch.positions) > 1 else y
         return self._add_delta(x, self._base_forward(x))
 
     def check(self, w: LoRAModule) -> None:
@@ -160,14 +163,14 @@ class LoRALayer:
             self.has_bias[slot] = True
 
     @torch.compiler.disable
-    def _add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _add_delta(self, x: torch.Tensor, y: torch.Tensor, first_position: int = 0) -> torch.Tensor:
         batch = self.manager.batch
         if batch is None or not (batch.slots & self.used):
             return y
         y2 = y.reshape(-1, self.out_features)
         x2 = x.reshape(-1, self.in_features)
         tokens_per_row = x2.shape[0] // batch.total_rows
-        for position in range(len(batch.positions)):
+        for position in range(first_position, len(batch.positions)):
             meta, segments = batch.meta(position, tokens_per_row)
             if meta is None:
                 continue

@@ -75,9 +75,17 @@ def image(engine, *refs) -> np.ndarray:
     return png_pixels(engine.generate(GenerationParams(**REQ, lora=refs), timeout=120).outputs[0])
 
 
-def diffusers_image(path) -> np.ndarray:
+def diffusers_image(path, *more) -> np.ndarray:
+    """diffusers' own image with the adapter file at path; with ``more`` = (path, weight) pairs, all of
+    them at once (``set_adapters`` with path's weight 1)."""
     pipe = FluxPipeline.from_pretrained(ensure_demo_model("demo-flux"))
-    pipe.load_lora_weights(str(path))
+    if more:
+        names = [f"l{i}" for i in range(len(more) + 1)]
+        for name, p in zip(names, [path, *(p for p, _ in more)], strict=True):
+            pipe.load_lora_weights(str(p), adapter_name=name)
+        pipe.set_adapters(names, adapter_weights=[1.0, *(w for _, w in more)])
+    else:
+        pipe.load_lora_weights(str(path))
     out = pipe(
         REQ["prompt"],
         height=64,
@@ -117,6 +125,42 @@ def test_mixed_batch_gives_each_request_its_own_image(engine, files):
     assert psnr(both, alone[0]) < 35 and psnr(both, alone[2]) < 35
     engine.unload_lora("a")
     engine.unload_lora("b")
+
+
+def test_two_adapters_on_one_request_match_diffusers(engine, files, monkeypatch):
+    """A style and a character on one request: the first adapter inside the GEMM, the second as an in-place
+    expand after it; the image is diffusers' with both adapters active (``set_adapters`` with the same
+    weights), and the unfused path's."""
+    import ditserve.kernels.lora as lora_api
+
+    calls = {"gemm": 0, "expand": 0}
+    real_gemm, real_expand = lora_api.lora_gemm_op, lora_api.lora_expand_op
+
+    def gemm(*a, **k):
+        calls["gemm"] += 1
+        return real_gemm(*a, **k)
+
+    def expand(*a, **k):
+        calls["expand"] += 1
+        return real_expand(*a, **k)
+
+    monkeypatch.setattr(lora_api, "lora_gemm_op", gemm)
+    monkeypatch.setattr(lora_api, "lora_expand_op", expand)
+    manager = engine.launcher.worker.lora
+    engine.load_lora("a", str(files["a_kohya"]))
+    engine.load_lora("b", str(files["b"]))
+    try:
+        both = image(engine, LoRARef(name="a"), LoRARef(name="b", scale=0.7))
+        assert calls["gemm"] and calls["expand"] == calls["gemm"]  # one expand after each fused GEMM
+        manager.fused = False
+        unfused = image(engine, LoRARef(name="a"), LoRARef(name="b", scale=0.7))
+    finally:
+        manager.fused = True
+        engine.unload_lora("a")
+        engine.unload_lora("b")
+    assert psnr(both, diffusers_image(files["a_kohya"], (files["b"], 0.7))) >= 40
+    assert psnr(both, unfused) >= 40
+    assert psnr(both, diffusers_image(files["a_kohya"])) < 35
 
 
 def test_refusals_name_the_problem_and_leave_others_working(engine, files):
