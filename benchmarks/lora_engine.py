@@ -153,6 +153,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--rank", default="16,64", help="comma list of LoRA ranks")
+    parser.add_argument(
+        "--adapters-per-request",
+        type=int,
+        default=1,
+        help="engine rows: request i gets adapters a_i, a_i+1, ... (a style and a character); needs --no-peft",
+    )
     parser.add_argument("--no-peft", action="store_true", help="skip the diffusers + PEFT rows")
     parser.add_argument(
         "--compile", action="store_true", help="engine with --compile (regional torch.compile)"
@@ -160,6 +166,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=1e9, help="skip rows that would start after this")
     parser.add_argument("--out", default="bench-out")
     args = parser.parse_args()
+    if args.adapters_per_request > 1 and not args.no_peft:
+        parser.error("--adapters-per-request > 1 times the engine only: add --no-peft")
     t_start = time.perf_counter()
     ranks = [int(r) for r in str(args.rank).split(",")]
     device = torch.device(args.device if args.device != "cuda" else "cuda:0")
@@ -289,13 +297,15 @@ def main() -> None:
                 height=args.size,
                 seed=i,
                 num_inference_steps=args.steps,
-                lora=(LoRARef(name=f"a{i}"),) if with_lora else (),
+                lora=tuple(LoRARef(name=f"a{(i + k) % n}") for k in range(args.adapters_per_request))
+                if with_lora
+                else (),
             )
             for i in range(n)
         ]
 
     for rank in ranks:
-        label = f"ditserve engine, rank {rank}"
+        label = f"ditserve engine, rank {rank}, {args.adapters_per_request} adapter(s) per request"
         if over_budget(label):
             continue
         engine = manager = None
@@ -416,7 +426,7 @@ def main() -> None:
             )
     notes = [
         "",
-        f"{dev}, commit {sha}, {args.steps} steps per request, {'float32 tiny' if args.tiny else 'bf16'} model, "
+        f"{dev}, commit {sha}, {args.steps} steps per request, {args.adapters_per_request} adapter(s) per request, {'float32 tiny' if args.tiny else 'bf16'} model, "
         f"engine {'with --compile' if args.compile else 'eager'}; "
         f"whole run {time.perf_counter() - t_start:.0f}s.",
         "'vs ditserve batch without LoRA': an engine row against the same engine's no-LoRA batch step; a "
