@@ -426,7 +426,8 @@ def main() -> None:
             )
     notes = [
         "",
-        f"{dev}, commit {sha}, {args.steps} steps per request, {args.adapters_per_request} adapter(s) per request, {'float32 tiny' if args.tiny else 'bf16'} model, "
+        f"{dev}, commit {sha}, {args.steps} steps per request, {args.adapters_per_request} adapter(s) per "
+        f"request, {'float32 tiny' if args.tiny else 'bf16'} model, "
         f"engine {'with --compile' if args.compile else 'eager'}; "
         f"whole run {time.perf_counter() - t_start:.0f}s.",
         "'vs ditserve batch without LoRA': an engine row against the same engine's no-LoRA batch step; a "
