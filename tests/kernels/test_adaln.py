@@ -68,6 +68,12 @@ def test_adaln_config_by_batch_size():
     assert adaln_config(4 * 4608) == DEFAULT and DEFAULT["BLOCK_M"] == 32
 
 
+def test_adaln_op_traces():
+    """The custom op's fake implementation agrees with the real one (what torch.compile would trace)."""
+    x = torch.randn(2 * 24, 32)
+    torch.library.opcheck(torch.ops.ditserve.adaln.default, (x, *modulation(2, 32, torch.float32), 1e-6))
+
+
 def test_adaln_refuses_rows_that_do_not_split():
     x = torch.randn(10, 32)
     with pytest.raises(AssertionError, match="equal rows"):
