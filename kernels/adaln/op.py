@@ -6,6 +6,7 @@ import torch
 
 from ditserve.kernels._dispatch import use_triton
 from ditserve.kernels.adaln.reference import adaln_ref
+from ditserve.kernels.lora_gemm.op import num_programs_limit
 
 # Tiles: "BLOCK_M/BLOCK_K/num_warps/num_stages" (BLOCK_M rows of one batch element per program, BLOCK_K
 # columns per step of both passes). benchmarks/adaln.py times them (the GPU tests run each); on an H200,
@@ -21,9 +22,9 @@ DEFAULT = SWEEP["32/128/8/2"]
 SMALL = SWEEP["16/256/8/2"]
 
 
-def adaln_config(num_tokens: int) -> dict[str, int]:
-    """DEFAULT, or for batches with fewer 32-row blocks than an H200 has SMs, SMALL (more programs)."""
-    return SMALL if num_tokens < 32 * 132 else DEFAULT
+def adaln_config(num_tokens: int, num_sms: int) -> dict[str, int]:
+    """DEFAULT, or for batches with fewer 32-row blocks than the device has SMs, SMALL (more programs)."""
+    return SMALL if num_tokens < DEFAULT["BLOCK_M"] * num_sms else DEFAULT
 
 
 def launch_adaln(
@@ -45,7 +46,7 @@ def launch_adaln(
     y = torch.empty_like(x)
     if num_tokens == 0:
         return y
-    cfg = dict(config or adaln_config(num_tokens))
+    cfg = dict(config or adaln_config(num_tokens, num_programs_limit(x.device)))
     rows = num_tokens // batch
     grid = (-(-rows // cfg["BLOCK_M"]), batch)
     _adaln_kernel[grid](x, shift, scale, y, hidden, rows, eps, shift.stride(0), scale.stride(0), **cfg)

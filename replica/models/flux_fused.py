@@ -28,8 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import ditserve.kernels.adaln.op as adaln_ops
 from ditserve.kernels._dispatch import use_triton
-from ditserve.kernels.adaln.op import adaln
 
 
 def _plain(linear: nn.Module) -> bool:
@@ -84,14 +84,16 @@ def adaln_modulate(
     x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, norm: nn.Module
 ) -> torch.Tensor:
     """``norm(x) · (1 + scale[:, None]) + shift[:, None]`` (x ``[batch, tokens, hidden]``, shift and scale
-    ``[batch, hidden]``): one kernel where Triton runs, outside torch.compile."""
+    ``[batch, hidden]``): one kernel where Triton runs, outside torch.compile (eager only, so the launcher
+    is called directly, without the custom op's dispatch)."""
     if (
         not torch.compiler.is_compiling()
         and use_triton(x)
         and x.dim() == 3
         and shift.shape == scale.shape == (x.shape[0], x.shape[2])
     ):
-        return adaln(x, shift, scale, norm.eps)
+        y = adaln_ops.launch_adaln(x.contiguous().view(-1, x.shape[2]), shift, scale, norm.eps)
+        return y.view(x.shape)
     return norm(x) * (1 + scale[:, None]) + shift[:, None]
 
 

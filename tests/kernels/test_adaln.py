@@ -63,11 +63,12 @@ def test_adaln_equals_diffusers_norm():
 
 
 def test_adaln_config_by_batch_size():
-    """Small batches (Flux's text stream: 4 × 512 tokens) take 16-row tiles, large ones 32-row tiles."""
+    """On an H200 (132 SMs), small batches (Flux's text stream: 4 × 512 tokens) take 16-row tiles, large
+    ones 32-row tiles."""
     from ditserve.kernels.adaln.op import DEFAULT, SMALL, adaln_config
 
-    assert adaln_config(4 * 512) == SMALL and SMALL["BLOCK_M"] == 16
-    assert adaln_config(4 * 4608) == DEFAULT and DEFAULT["BLOCK_M"] == 32
+    assert adaln_config(4 * 512, 132) == SMALL and SMALL["BLOCK_M"] == 16
+    assert adaln_config(4 * 4608, 132) == DEFAULT and DEFAULT["BLOCK_M"] == 32
 
 
 def test_adaln_op_traces():
