@@ -21,7 +21,9 @@ Rows, in this order (the stock-diffusers rows run first, on the clean model):
   (checked: no PEFT layer left) and the memory is released before the next rows.
 - ditserve Engine, per rank: ``--requests`` requests of one size share every step; batch step = the
   engine's step time (every rank command of the step), median over the timed steps, without LoRA and
-  with one adapter per request (``max_lora_rank`` = rank). After each engine the LoRA hooks are removed.
+  with one adapter per request (``max_lora_rank`` = rank), in interleaved modes: no LoRA; LoRA (the
+  default); the shrink kernel launched before each fused GEMM instead of inside it; a shrink per linear
+  instead of one per group; unfused. After each engine the LoRA hooks are removed.
 
 PSNR: each request's image from the engine batch with LoRA against the same request through diffusers +
 PEFT with the same adapter (uint8; 4 requests, minimum reported).
@@ -60,6 +62,7 @@ from engine_vs_diffusers import (  # noqa: E402
     sync,
 )
 
+import ditserve.kernels.lora_linear.op as linear_op  # noqa: E402
 from ditserve.replica.engine import Engine  # noqa: E402
 from ditserve.replica.lora.loader import LoRAFile, LoRAModule  # noqa: E402
 from ditserve.replica.request import GenerationParams, LoRARef  # noqa: E402
@@ -324,15 +327,21 @@ def main() -> None:
             for i, lora in enumerate(adapters_for(rank)):
                 engine.loras[f"a{i}"] = manager.load_weights(f"a{i}", lora, source="memory")
             load_s = time.perf_counter() - t0
-            # modes: no LoRA; LoRA inside the GEMM (fused_lora, the default); the same with one shrink per
+            # modes: no LoRA; LoRA inside the GEMM (fused_lora, the default: the shrink inside the GEMM launch
+            # where the batch allows); the same with the shrink kernel launched first; with one shrink per
             # linear instead of one per group of linears on the same input; base GEMM + in-place expand
-            modes = ("none", "fused", "unshared", "inplace")
-            for mode in modes:  # warm-up every path, then time them interleaved
+            modes = ("none", "fused", "two launches", "unshared", "inplace")
+
+            def set_mode(mode: str, manager=manager) -> None:
                 manager.fused, manager.share_shrink = mode != "inplace", mode != "unshared"
+                linear_op.SHRINK_IN = mode != "two launches"
+
+            for mode in modes:  # warm-up every path, then time them interleaved
+                set_mode(mode)
                 timed_steps(engine, batch(mode != "none"))
             results: dict[str, list[float]] = {}
             for mode in modes + modes:
-                manager.fused, manager.share_shrink = mode != "inplace", mode != "unshared"
+                set_mode(mode)
                 times, outs = timed_steps(engine, batch(mode != "none"))
                 results.setdefault(mode, []).extend(times[1:])
                 if mode == "fused":
@@ -350,6 +359,7 @@ def main() -> None:
             free(device)
         base, lora = statistics.median(results["none"]), statistics.median(results["fused"])
         inplace = statistics.median(results["inplace"])
+        two = statistics.median(results["two launches"])
         unshared = statistics.median(results["unshared"])
         psnrs = [
             psnr(images[("engine", rank, i)], images[("peft", rank, i)])
@@ -369,6 +379,8 @@ def main() -> None:
                 "ratio": lora / base,
                 "step_ms_lora_inplace": inplace * 1e3,
                 "ratio_inplace": inplace / base,
+                "step_ms_lora_two_launches": two * 1e3,
+                "ratio_two_launches": two / base,
                 "step_ms_lora_unshared": unshared * 1e3,
                 "ratio_unshared": unshared / base,
                 "load_s": load_s,
@@ -378,7 +390,8 @@ def main() -> None:
             }
         )
         print(f"{label}: batch step {base * 1e3:.1f} ms no LoRA, {lora * 1e3:.1f} ms with {n} LoRAs "
-              f"({lora / base:.3f}×), {unshared * 1e3:.1f} ms with a shrink per linear ({unshared / base:.3f}×), "
+              f"({lora / base:.3f}×), {two * 1e3:.1f} ms with the shrink kernel launched first ({two / base:.3f}×), "
+              f"{unshared * 1e3:.1f} ms with a shrink per linear ({unshared / base:.3f}×), "
               f"{inplace * 1e3:.1f} ms unfused ({inplace / base:.3f}×)", flush=True)  # fmt: skip
 
     # ---- table ----------------------------------------------------------------------------------------
@@ -404,6 +417,11 @@ def main() -> None:
             lines.append(
                 f"| {size} | ditserve engine, {n} LoRAs | {r['rank']} | {n} × {n} | — | {r['step_ms_lora']:.1f} | "
                 f"{r['ratio']:.3f}× | 1.000× | {fmt_psnr(r['psnr_vs_peft_min'])} |"
+            )
+            lines.append(
+                f"| {size} | ditserve engine, {n} LoRAs, the shrink kernel before each fused GEMM | {r['rank']} | "
+                f"{n} × {n} | — | {r['step_ms_lora_two_launches']:.1f} | {r['ratio_two_launches']:.3f}× | "
+                f"{r['step_ms_lora_two_launches'] / r['step_ms_lora']:.3f}× | — |"
             )
             lines.append(
                 f"| {size} | ditserve engine, {n} LoRAs, a shrink per linear | {r['rank']} | {n} × {n} | — | "

@@ -30,7 +30,6 @@ import triton.testing
 
 import ditserve.kernels.lora_expand.op as expand_op
 import ditserve.kernels.lora_gemm.op as gemm_op
-import ditserve.kernels.lora_linear.op as linear_op
 import ditserve.kernels.lora_shrink.op as shrink_op
 from ditserve.kernels._bench import LoRAProblem, copy_bandwidth, make_problem, matmul_flops
 from ditserve.kernels._dispatch import block_rank
@@ -313,6 +312,17 @@ def _time_checked(name, fn, want, atol, rtol, t0, budget_s):
     return f"{name}: {ms * 1e3:.1f} µs{'' if ok else ' WRONG'}", ms, ok
 
 
+# the one-kernel lora_linear's shrink knobs (lora_gemm/op.py), on top of the tuned tiles
+FUSED_SWEEP: dict[str, dict[str, int]] = {
+    "two launches": {"SHRINK_IN": 0},
+    "shrink units per slice": {"SHRINK_WIDE": 0},
+    "shrink units per slice K 128": {"SHRINK_WIDE": 0, "SHRINK_K": 128, "SHRINK_STAGES": 5},
+    "shrink K 64 4 stages": {"SHRINK_K": 64, "SHRINK_STAGES": 4},
+    "shrink units of 32 rows 5 stages": {"SHRINK_M": 32, "SHRINK_STAGES": 5},
+    "shrink units of 128 rows K 128": {"SHRINK_M": 128, "SHRINK_K": 128, "SHRINK_STAGES": 3},
+}
+
+
 def qkv_only(args, head: list[str]) -> None:
     """The target shapes only: F.linear (cuBLAS) vs the scaled shrink (bf16 scale · s) + lora_gemm (LoRA
     iterations in the K loop), every config checked against the torch reference (WRONG when not close);
@@ -343,11 +353,10 @@ def qkv_only(args, head: list[str]) -> None:
     summary = ["", "| batch | slices | rank | cuBLAS | best shrink | shrink config | best lora_gemm config | "
                "lora_gemm | gemm/cuBLAS | overhead | one-kernel lora_linear (config) | its overhead | target |",
                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    # the one-kernel lora_linear (shrink inside the GEMM launch, default) against its two-launch form
     fused_cfgs: dict[str, dict[str, int] | None] = {"fused default": None}
     if args.sweep_gemm or args.sweep_fused:
-        fused_cfgs.update(linear_op.SWEEP)
-    if args.sweep_ws:
-        fused_cfgs.update(linear_op.SWEEP_WS)
+        fused_cfgs.update(FUSED_SWEEP)
     if args.fused_configs:
         parts = args.fused_configs.split(",")
         fused_cfgs = {
@@ -355,15 +364,15 @@ def qkv_only(args, head: list[str]) -> None:
         }
     inter = ["", f"Interleaved ({args.rounds} rounds, {args.gap_s:g} s idle before each timing; medians; "
              "+% = median of the per-round ratios to cuBLAS - 1): cuBLAS F.linear, `lora_linear` as the engine "
-             "calls it (scaled shrink + lora_gemm), its parts alone (the scaled shrink; lora_gemm on a given s, "
-             "default config and the sweep's fastest), the one-kernel lora_linear (with --sweep-fused)", "",
+             "calls it (one launch: the shrink inside lora_gemm where the batch allows), its parts alone (the scaled shrink; lora_gemm on a given s, "
+             "default config and the sweep's fastest), and the two-launch form (shrink kernel, then lora_gemm)", "",
              "| batch | slices | rank | cuBLAS | lora_linear | vs cuBLAS | shrink | fastest swept shrink | its time "
              "| vs cuBLAS | lora_gemm | vs cuBLAS | "
-             "fastest swept config | its time | vs cuBLAS | one kernel | vs cuBLAS | target |",
+             "fastest swept config | its time | vs cuBLAS | two launches | vs cuBLAS | target |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     extra = [
         "",
-        "lora_gemm configs in the same interleaved rounds (--inter-configs):",
+        "lora_gemm / lora_linear configs in the same interleaved rounds (--inter-configs, --inter-fused):",
         "",
         "| batch | slices | rank | config | time | vs cuBLAS |",
         "|---|---|---|---|---|---|",
@@ -429,8 +438,10 @@ def qkv_only(args, head: list[str]) -> None:
                     for name, cfg in fused_cfgs.items():
 
                         def ffn(p=p, seg=seg, cfg=cfg, m=m):
+                            if cfg is not None:  # the tuned tiles with this override
+                                cfg = {**gemm_op.gemm_config(m.num_tokens, p.w.shape[0]), **cfg}
                             return launch_lora_linear(p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes,
-                                                      config=cfg)  # fmt: skip
+                                                      m.seg_align, config=cfg)[0]  # fmt: skip
 
                         cell, ms, ok = _time_checked(name, ffn, want_lin, 5e-2, 3e-2, t0, args.budget_s)
                         fused_cells.append(cell + (f" ({ms / base:.3f}x cuBLAS)" if ms is not None else ""))
@@ -466,6 +477,10 @@ def qkv_only(args, head: list[str]) -> None:
                     fns = {
                         "cuBLAS": lambda p=p: F.linear(p.x, p.w),
                         "lora_linear": lambda p=p, m=m: lora_linear(p.x, p.w, None, p.a, p.b, m, p.sizes),
+                        # the same with the shrink kernel launched first (the engine's path until SHRINK_IN)
+                        "two launches": lambda p=p, m=m: lora_linear(
+                            p.x, p.w, None, p.a, p.b, m, p.sizes, s=lora_shrink(p.x, p.a, m, scaled=True)
+                        ),
                         # its two parts, each on its own: the shrink, and lora_gemm on a given s
                         "shrink": _shrink_call(p),
                         "lora_gemm": _gemm_call(p, s),
@@ -474,12 +489,13 @@ def qkv_only(args, head: list[str]) -> None:
                         fns["best lora_gemm"] = _gemm_call(p, s, configs[best])
                     for name in filter(None, args.inter_configs.split(",")):
                         fns[f"gemm {name}"] = _gemm_call(p, s, gemm_op.SWEEP[name])
+                    for name in filter(None, args.inter_fused.split(",")):
+                        cfg = {**gemm_op.gemm_config(m.num_tokens, p.w.shape[0]), **FUSED_SWEEP[name]}
+                        fns[f"fused {name}"] = lambda p=p, seg=seg, m=m, cfg=cfg: launch_lora_linear(
+                            p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes, m.seg_align, config=cfg
+                        )
                     if shrink_best not in ("", "default"):
                         fns["best shrink"] = _shrink_call(p, shrink_cfgs[shrink_best])
-                    if args.sweep_fused:
-                        fns["one kernel"] = lambda p=p, seg=seg, m=m: launch_lora_linear(
-                            p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes
-                        )
                     res = interleaved(fns, args.rounds, args.gap_s)
 
                     def col(name, res=res):
@@ -490,11 +506,15 @@ def qkv_only(args, head: list[str]) -> None:
                     inter.append(
                         f"| {batch} | {nsl} | {rank} | {res['cuBLAS'][0] * 1e3:.0f} µs | {col('lora_linear')} | "
                         f"{res['shrink'][0] * 1e3:.1f} µs | {shrink_best} | {col('best shrink')} | {col('lora_gemm')} | {best} | {col('best lora_gemm')} | "
-                        f"{col('one kernel')} | {target} |"
+                        f"{col('two launches')} | {target} |"
                     )
                     records[-1]["interleaved"] = res
                     for name in filter(None, args.inter_configs.split(",")):
                         extra.append(f"| {batch} | {nsl} | {rank} | {name} | {col('gemm ' + name)} |")
+                    for name in filter(None, args.inter_fused.split(",")):
+                        extra.append(
+                            f"| {batch} | {nsl} | {rank} | lora_linear {name} | {col('fused ' + name)} |"
+                        )
                 del p, s, want
                 torch.cuda.empty_cache()
     if totals:
@@ -509,7 +529,7 @@ def qkv_only(args, head: list[str]) -> None:
             summary.append(f"fastest shrink config, {nsl} slices (summed over batches and ranks): {pick}")
     if args.rounds:
         summary += inter
-        if args.inter_configs:
+        if args.inter_configs or args.inter_fused:
             summary += extra
     summary.append(f"\nwall time {time.time() - t0:.0f} s")
     print("\n".join(summary), flush=True)
@@ -534,7 +554,7 @@ def main() -> None:
                     "lora_linear and the one-kernel lora_linear per LoRA shape (0: none)")  # fmt: skip
     ap.add_argument("--gap-s", type=float, default=0.0, help="--rounds: seconds of idle GPU before each "
                     "interleaved timing")  # fmt: skip
-    ap.add_argument("--fused-configs", default="", help="--sweep-fused: only lora_linear SWEEP names "
+    ap.add_argument("--fused-configs", default="", help="--sweep-fused: only FUSED_SWEEP names "
                     "containing one of these comma-separated parts")  # fmt: skip
     ap.add_argument("--budget-s", type=float, default=115.0, help="--qkv-only: skip configs after this")
     ap.add_argument("--batches", default=",".join(QKV_BATCHES), help="--qkv-only: batches to run")
@@ -546,6 +566,8 @@ def main() -> None:
         help="--qkv-only: lora_gemm SWEEP names (comma-separated, "
         "exact) also timed in the interleaved rounds",
     )
+    ap.add_argument("--inter-fused", default="", help="--qkv-only: FUSED_SWEEP names (comma-separated, exact) "
+                    "of the one-kernel lora_linear also timed in the interleaved rounds")  # fmt: skip
     ap.add_argument("--gemm-configs", default="", help="--qkv-only --sweep-gemm: only SWEEP names containing "
                     "one of these comma-separated parts")  # fmt: skip
     args = ap.parse_args()

@@ -26,7 +26,7 @@ Example (a fused QKV projection, two requests with adapters in slots 0 and 3, on
 the better choice when many requests share few adapters in non-contiguous ranges. Build `meta` once per
 step (and per CFG branch layout) and reuse it in every layer. `lora_linear` runs the shrink, then one
 Triton GEMM (`lora_gemm`) that adds scale · s · Bᵀ to each output tile before it is stored, so no pass reads
-and rewrites y after the GEMM. All ops are torch custom ops
+and rewrites y after the GEMM (on aligned batches the shrink runs inside that launch too). All ops are torch custom ops
 (`torch.ops.ditserve.*`), so `torch.compile(fullgraph=True)` traces through them. On CPU tensors the
 torch reference runs unless TRITON_INTERPRET=1.
 """
@@ -41,6 +41,7 @@ from ditserve.kernels._dispatch import use_triton
 from ditserve.kernels.lora_expand.op import lora_expand_op
 from ditserve.kernels.lora_expand_sgmv.op import lora_expand_sgmv_op
 from ditserve.kernels.lora_gemm.op import lora_gemm_op
+from ditserve.kernels.lora_linear.op import lora_linear_op
 from ditserve.kernels.lora_meta import LoRABatchMeta, choose_chunk_size
 from ditserve.kernels.lora_shrink.op import lora_shrink_op, lora_shrink_scaled_op
 from ditserve.kernels.lora_shrink_sgmv.op import lora_shrink_sgmv_op
@@ -159,12 +160,14 @@ def lora_linear(
 ) -> torch.Tensor:  # [num_tokens, sum(out_slice_sizes)]
     """x · Wᵀ + bias + LoRA(x), with the LoRA term fused into the base GEMM's epilogue.
 
-    Where Triton runs (CUDA, or the interpreter) and there are ≤ 4 slices: the shrink (scale · s in x's
-    dtype), then `lora_gemm`, whose K loop runs scale · s · Bᵀ as extra iterations on the same accumulator
-    before the single store of y (tile config: `lora_gemm.op.gemm_config`, TMA on CUDA). Elsewhere the expand
-    writes delta + bias into a fresh buffer and cuBLAS accumulates onto it (`_lora_linear_addmm`). A batch
-    without LoRA is a plain linear. `s` (Triton path only) skips the shrink: linears that read the same x
-    (q, k, v) can share one multi-slice shrink, reading x once.
+    Where Triton runs (CUDA, or the interpreter) and there are ≤ 4 slices: `lora_linear_op`, i.e. `lora_gemm`,
+    whose K loop runs scale · s · Bᵀ as extra iterations on the same accumulator before the single store of
+    y (tile config: `lora_gemm.op.gemm_config`, TMA on CUDA), with s = scale · x · Aᵀ computed in the same
+    launch by the programs the last round of tiles leaves idle where the batch allows it (`shrink_in_ok`),
+    else by the shrink kernel first. Elsewhere the expand writes delta + bias into a fresh buffer and cuBLAS
+    accumulates onto it (`_lora_linear_addmm`). A batch without LoRA is a plain linear. `s` (Triton path
+    only) skips the shrink: linears that read the same x (q, k, v) can share one multi-slice shrink, reading
+    x once (`lora_linear_op` returns it).
     """
     if not meta.has_lora or len(out_slice_sizes) > _GROUP or x.shape[0] == 0:
         y = torch.nn.functional.linear(x, weight, bias)
@@ -173,7 +176,10 @@ def lora_linear(
     if not use_triton(x):
         return _lora_linear_addmm(x, weight, bias, a_stacked, b_stacked, meta, out_slice_sizes)
     if s is None:
-        s = lora_shrink(x, a_stacked, meta, scaled=True)
+        return lora_linear_op(
+            x, weight, bias, a_stacked, b_stacked, meta.token_seg, meta.seg_start, meta.seg_len, meta.seg_slot,
+            meta.seg_scale, meta.slot_rank, meta.max_rank, list(out_slice_sizes), meta.seg_align,
+        )[0]  # fmt: skip
     return lora_gemm_op(
         x, weight, bias, s, b_stacked, meta.token_seg, meta.seg_start, meta.seg_len, meta.seg_slot,
         meta.seg_scale, meta.slot_rank, list(out_slice_sizes), True, meta.seg_align,

@@ -33,6 +33,19 @@ Otherwise (s in fp32, not scaled) every tile adds the LoRA term after the K loop
 
 The K loop reads x and W (and s, B) through pointers (runs in the interpreter and everywhere) or through
 TMA tensor descriptors (USE_TMA: host-built `TensorDescriptor`s, out-of-range rows come back as zeros).
+
+SHRINK_IN (TMA, LORA_IN_LOOP, no straddling row blocks): the launch computes s itself, s[g, rows of row
+block rb] = scale · x · A[g, slot]ᵀ for every slice g of a_desc (≥ the output slices: a group of linears
+on one input shares it), instead of reading one a separate shrink kernel wrote. A persistent grid of P
+programs over T tiles gives T mod P of them one tile more than the others; those start their first tile
+at once (its K loop needs no s) and wait for that tile's shrink unit only before its LoRA iteration. All
+the other programs first shrink: units (row block, slice) are claimed in order from an atomic counter, so
+a program only ever waits for a unit another running program has claimed (no deadlock, whatever the
+number of resident programs, and the interpreter's one-after-another programs shrink everything the
+first one needs). Each unit raises its flag (release) after its stores; before its tile loop every
+program claims what is left and waits until every unit is done (acquire), then fences the async proxy (s
+was stored through the generic proxy and is read through TMA). The tile loop itself is the one above. So
+the shrink's HBM-bound work fills the slots the last round of tiles leaves idle.
 """
 
 import triton
@@ -157,6 +170,105 @@ def _lora_epilogue(
     return acc
 
 
+@triton.jit
+def _store_tile(acc, y_ptr, y_desc, bias_ptr, m0, n0, offs_m, offs_n, n_mask, num_tokens, stride_yt, stride_yn,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, TMA_STORE: tl.constexpr,
+                EPI_SUBTILE: tl.constexpr):  # fmt: skip
+    """y tile = acc (+ bias), in y's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = acc.to(y_ptr.dtype.element_ty)
+    if TMA_STORE:
+        # rows past num_tokens are clipped by the descriptor; the tile never crosses a slice
+        if EPI_SUBTILE == 2:
+            lo, hi = tl.split(tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            y_desc.store([m0, n0], lo)
+            y_desc.store([m0, n0 + BLOCK_N // 2], hi)
+        else:
+            y_desc.store([m0, n0], out)
+    else:
+        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :] * stride_yn
+        tl.store(y_ptrs, out, mask=(offs_m < num_tokens)[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _shrink_unit(u, xs, a_desc, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens,
+                 hidden, shrink_slices, max_loras, a_rows, s_cols, stride_ss, stride_st, stride_sr,
+                 SHRINK_M: tl.constexpr, SHRINK_K: tl.constexpr, SHRINK_R: tl.constexpr, WIDE_G: tl.constexpr,
+                 SHRINK_STAGES: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """Shrink unit u: s[g, rows, :s_cols] = scale · x[rows] · A[g, slot, :rank]ᵀ for SHRINK_M rows (one
+    segment's), zeros past the rank and for rows without an adapter. WIDE_G > 1: u is a row block and one
+    dot per K step covers every slice (A through a 3-D box [WIDE_G, SHRINK_R, SHRINK_K], slices past the last
+    read as zeros); WIDE_G == 1: u = (row block, slice)."""
+    if WIDE_G > 1:
+        rb = u
+        g0 = 0
+    else:
+        rb = u // shrink_slices
+        g0 = u - rb * shrink_slices
+    m0 = rb * SHRINK_M
+    seg = tl.load(token_seg_ptr + m0)
+    slot = tl.load(seg_slot_ptr + seg)
+    rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
+    rank = tl.where(slot >= 0, rank, 0)
+    offs_m = m0 + tl.arange(0, SHRINK_M)
+    offs_c = tl.arange(0, WIDE_G * SHRINK_R)
+    acc = tl.zeros((SHRINK_M, WIDE_G * SHRINK_R), dtype=tl.float32)
+    if rank > 0:
+        for ki in tl.range(0, tl.cdiv(hidden, SHRINK_K), num_stages=SHRINK_STAGES):
+            xt = xs.load([m0, ki * SHRINK_K])
+            if WIDE_G > 1:
+                at = tl.reshape(a_desc.load([0, slot * a_rows, ki * SHRINK_K]), (WIDE_G * SHRINK_R, SHRINK_K))
+            else:
+                at = a_desc.load([(g0 * max_loras + slot) * a_rows, ki * SHRINK_K])
+            acc = tl.dot(xt, at.T, acc, input_precision=PRECISION)
+        acc = acc * tl.load(seg_scale_ptr + seg)
+    g = g0 + offs_c // SHRINK_R
+    r = offs_c % SHRINK_R
+    # A rows past the rank belong to the next slot (or are zeros): drop them
+    acc = tl.where(r[None, :] < rank, acc, 0.0)
+    s_ptrs = s_ptr + g.to(tl.int64)[None, :] * stride_ss + offs_m.to(tl.int64)[:, None] * stride_st
+    s_ptrs += r[None, :] * stride_sr
+    tl.store(s_ptrs, acc.to(s_ptr.dtype.element_ty),
+             mask=(offs_m < num_tokens)[:, None] & ((r < s_cols) & (g < shrink_slices))[None, :])  # fmt: skip
+
+
+@triton.jit
+def _shrink_claimed(need, num_units, sync_ptr, xs, a_desc, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
+                    slot_rank_ptr, num_tokens, hidden, shrink_slices, max_loras, a_rows, s_cols, stride_ss,
+                    stride_st, stride_sr, SHRINK_M: tl.constexpr, SHRINK_K: tl.constexpr, SHRINK_R: tl.constexpr,
+                    WIDE_G: tl.constexpr, SHRINK_STAGES: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """Claim shrink units in order and run them until one at or past `need` is claimed (need = num_units - 1:
+    until none is left). sync_ptr: a flag per unit, then the claim counter, then the done counter."""
+    claim_ptr = sync_ptr + num_units
+    go = tl.atomic_add(claim_ptr, 0, sem="relaxed", scope="gpu") <= need
+    while go:
+        u = tl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
+        if u < num_units:
+            _shrink_unit(u, xs, a_desc, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr,
+                         num_tokens, hidden, shrink_slices, max_loras, a_rows, s_cols, stride_ss, stride_st,
+                         stride_sr, SHRINK_M, SHRINK_K, SHRINK_R, WIDE_G, SHRINK_STAGES, PRECISION)  # fmt: skip
+            tl.debug_barrier()  # every thread's s stores precede the release
+            tl.atomic_xchg(sync_ptr + u, 1, sem="release", scope="gpu")
+            tl.atomic_add(claim_ptr + 1, 1, sem="release", scope="gpu")
+        go = u < need
+
+
+@triton.jit
+def _fence_proxy_async(dummy, FENCE: tl.constexpr):
+    """Generic-proxy writes seen through an acquire become visible to this thread's TMA (async-proxy) reads
+    (FENCE False: the interpreter, which has no proxies)."""
+    if FENCE:
+        tl.inline_asm_elementwise(
+            "fence.proxy.async.global; mov.b32 $0, $1;",
+            "=r,r",
+            [dummy],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
 # index arguments that only steer the tile walk are not specialised on (divisibility by 16 would compile
 # another variant for every slice layout / grid size)
 @triton.jit(do_not_specialize=["rank_dim", "blk1", "blk2", "blk3", "num_col_blocks", "num_programs"])
@@ -203,6 +315,14 @@ def _lora_gemm_kernel(
     stride_bl,
     stride_bn,
     stride_br,
+    xs,  # SHRINK_IN: x as a TensorDescriptor with block [SHRINK_M, SHRINK_K]
+    a_desc,  # SHRINK_IN: A as [shrink_slices, max_loras · a_rows, hidden], block [WIDE_G, SHRINK_R, SHRINK_K]
+    # (WIDE_G > 1), or as [shrink_slices · max_loras · a_rows, hidden], block [SHRINK_R, SHRINK_K]
+    sync_ptr,  # SHRINK_IN: int32 [shrink units + 2], zero at launch (see _shrink_claimed)
+    shrink_slices,  # SHRINK_IN: slices of s the launch computes (≥ the output slices)
+    max_loras,
+    a_rows,  # rows of A per (slice, slot): its max rank
+    s_cols,  # columns of s
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -223,6 +343,13 @@ def _lora_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     TMA_STORE: tl.constexpr,  # y through a TMA store (every slice a multiple of BLOCK_N wide)
     EPI_SUBTILE: tl.constexpr,  # TMA_STORE in this many column pieces (less shared memory for the store)
+    SHRINK_IN: tl.constexpr,  # the launch computes s itself (see the module docstring)
+    SHRINK_R: tl.constexpr,  # SHRINK_IN: rank columns per slice of a shrink unit (a power of two ≥ s_cols)
+    SHRINK_M: tl.constexpr,  # SHRINK_IN: rows per shrink unit (divides BLOCK_M)
+    SHRINK_K: tl.constexpr,  # SHRINK_IN: hidden columns per step of the shrink's K loop
+    WIDE_G: tl.constexpr,  # SHRINK_IN: slices per shrink unit (1, or every slice rounded up to a power of two)
+    SHRINK_STAGES: tl.constexpr,  # SHRINK_IN: pipeline stages of the shrink's K loop
+    FENCE: tl.constexpr,  # SHRINK_IN on a GPU: fence the async proxy before TMA reads of s
     PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -237,7 +364,59 @@ def _lora_gemm_kernel(
     # straddle segments (LoRA iterations in or after the K loop, rows that may hold two segments)
     EPILOGUE_ALL: tl.constexpr = HAS_LORA and not LORA_IN_LOOP and not LORA_AFTER
     EPILOGUE_STRADDLE: tl.constexpr = LORA_AFTER or (LORA_IN_LOOP and STRADDLE)
-    for tile_id in tl.range(pid, num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+    tile_start = pid
+    if SHRINK_IN:
+        UNITS_PER_BLOCK: tl.constexpr = BLOCK_M // SHRINK_M  # shrink row blocks per tile row block
+        num_units = tl.cdiv(num_tokens, SHRINK_M)
+        if WIDE_G == 1:
+            num_units *= shrink_slices
+        if pid < num_tiles % num_programs:
+            # one tile more than the others: the first one starts at once, s is needed only at its end
+            pid_m, j, m0, n0, offs_m, offs_n, n_mask, rows, cols = _tile_geometry(
+                pid, num_pid_m, num_col_blocks, num_tokens, col1, col2, col3, n_total, blk1, blk2, blk3,
+                BLOCK_M, BLOCK_N, GROUP_M, COL_ALIGN,
+            )  # fmt: skip
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(k_tiles):
+                a = x.load([m0, ki * BLOCK_K])
+                wt = w.load([n0, ki * BLOCK_K])
+                acc = tl.dot(a, wt.T, acc, input_precision=PRECISION)
+            slot = tl.load(seg_slot_ptr + tl.load(token_seg_ptr + m0))
+            if slot >= 0:
+                # the units of this tile's rows (and slice): claim up to the last of them, then wait for each
+                rb0 = pid_m * UNITS_PER_BLOCK
+                last = tl.minimum(rb0 + UNITS_PER_BLOCK, tl.cdiv(num_tokens, SHRINK_M)) - 1
+                if WIDE_G == 1:
+                    last = last * shrink_slices + j
+                _shrink_claimed(last, num_units, sync_ptr, xs, a_desc, s_ptr, token_seg_ptr, seg_slot_ptr,
+                                seg_scale_ptr, slot_rank_ptr, num_tokens, hidden, shrink_slices, max_loras, a_rows,
+                                s_cols, stride_ss, stride_st, stride_sr, SHRINK_M, SHRINK_K, SHRINK_R, WIDE_G,
+                                SHRINK_STAGES, PRECISION)  # fmt: skip
+                for i in tl.static_range(UNITS_PER_BLOCK):
+                    unit = tl.minimum(rb0 + i, tl.cdiv(num_tokens, SHRINK_M) - 1)
+                    if WIDE_G == 1:
+                        unit = unit * shrink_slices + j
+                    while tl.atomic_add(sync_ptr + unit, 0, sem="acquire", scope="gpu") == 0:
+                        pass
+                _fence_proxy_async(pid, FENCE)
+                for ri in tl.range(0, tl.cdiv(lora_k, BLOCK_K), num_stages=1):
+                    a = s_desc.load([j * num_tokens + m0, ri * BLOCK_K])
+                    wt = b_desc.load([slot * n_total + n0, ri * BLOCK_K])
+                    acc = tl.dot(a, wt.T, acc, input_precision=PRECISION)
+            _store_tile(acc, y_ptr, y_desc, bias_ptr, m0, n0, offs_m, offs_n, n_mask, num_tokens, stride_yt,
+                        stride_yn, BLOCK_M, BLOCK_N, HAS_BIAS, TMA_STORE, EPI_SUBTILE)  # fmt: skip
+            tile_start = pid + num_programs
+        # what is left of the shrink, then wait for the units other programs claimed
+        _shrink_claimed(num_units - 1, num_units, sync_ptr, xs, a_desc, s_ptr, token_seg_ptr, seg_slot_ptr,
+                        seg_scale_ptr, slot_rank_ptr, num_tokens, hidden, shrink_slices, max_loras, a_rows, s_cols,
+                        stride_ss, stride_st, stride_sr, SHRINK_M, SHRINK_K, SHRINK_R, WIDE_G, SHRINK_STAGES,
+                        PRECISION)  # fmt: skip
+        while tl.atomic_add(sync_ptr + num_units + 1, 0, sem="acquire", scope="gpu") < num_units:
+            pass
+        _fence_proxy_async(pid, FENCE)
+    for tile_id in tl.range(
+        tile_start, num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE
+    ):
         _, j, m0, n0, offs_m, offs_n, n_mask, rows, cols = _tile_geometry(
             tile_id, num_pid_m, num_col_blocks, num_tokens, col1, col2, col3, n_total, blk1, blk2, blk3,
             BLOCK_M, BLOCK_N, GROUP_M, COL_ALIGN,
@@ -316,17 +495,5 @@ def _lora_gemm_kernel(
                     stride_ss, stride_st, stride_sr, stride_bl, stride_bn, stride_br,
                     R_CHUNK, S_SCALED, PRECISION,
                 )  # fmt: skip
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        out = acc.to(y_ptr.dtype.element_ty)
-        if TMA_STORE:
-            # rows past num_tokens are clipped by the descriptor; the tile never crosses a slice
-            if EPI_SUBTILE == 2:
-                lo, hi = tl.split(tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-                y_desc.store([m0, n0], lo)
-                y_desc.store([m0, n0 + BLOCK_N // 2], hi)
-            else:
-                y_desc.store([m0, n0], out)
-        else:
-            y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :] * stride_yn
-            tl.store(y_ptrs, out, mask=(offs_m < num_tokens)[:, None] & n_mask[None, :])
+        _store_tile(acc, y_ptr, y_desc, bias_ptr, m0, n0, offs_m, offs_n, n_mask, num_tokens, stride_yt,
+                    stride_yn, BLOCK_M, BLOCK_N, HAS_BIAS, TMA_STORE, EPI_SUBTILE)  # fmt: skip

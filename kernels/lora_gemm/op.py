@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from ditserve.kernels._dispatch import use_triton
+from ditserve.kernels._dispatch import next_pow2, use_triton
 from ditserve.kernels.lora_expand.op import column_align, column_blocks
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 
@@ -18,7 +18,11 @@ MAX_SLICES = 4
 # iterations of the K loop; 2 = a loop of its own after the K loop, LORA_BK rank columns per iteration
 # (TMA only; through pointers it runs as 0); 0 = after the loop in the epilogue, R_CHUNK rank columns per
 # dot), TMA_STORE (with TMA and slices that are whole multiples of BLOCK_N: y through a TMA store in 1 or 2
-# column pieces; 0 = a masked pointer store).
+# column pieces; 0 = a masked pointer store). With the shrink inside the launch (a_stacked given):
+# SHRINK_IN (0: not allowed, `shrink_in_ok`), SHRINK_M (rows per shrink unit, default 64), SHRINK_K (hidden
+# columns per step of its K loop: 128 where 5 stages fit SHRINK_SMEM, else BLOCK_K), SHRINK_WIDE (0: one unit
+# per slice even where all slices fit one dot), SHRINK_STAGES (its K loop's stages: 5 with 128-column steps,
+# else 4).
 # benchmarks/lora_kernels.py --qkv-only --sweep-gemm overrides this table.
 TUNED: dict[str, dict[str, int]] = {
     # ≥ 2 waves of 128×256 tiles (Flux QKV at 4608+ tokens): the Hopper GEMM shape, 8 warps over 2
@@ -33,8 +37,14 @@ TUNED: dict[str, dict[str, int]] = {
     "small": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4,
                   PERSISTENT=0, TMA=1, FLATTEN=0, WS=0, LORA_LOOP=1),
 }  # fmt: skip
-DEFAULTS = dict(GROUP_M=8, PERSISTENT=0, TMA=0, FLATTEN=0, WS=0, LORA_LOOP=1, R_CHUNK=16, TMA_STORE=0)
+DEFAULTS = dict(
+    GROUP_M=8, PERSISTENT=0, TMA=0, FLATTEN=0, WS=0, LORA_LOOP=1, R_CHUNK=16, TMA_STORE=0, SHRINK_IN=1
+)
 MAX_LORA_BK = 64  # LORA_LOOP=2: widest LoRA iteration (rank 128 takes two)
+MAX_WIDE_SHRINK = 256  # SHRINK_IN: widest shrink dot (slices × rank columns); wider ones go slice by slice
+SHRINK_SMEM = (
+    160 * 1024
+)  # SHRINK_IN: shared memory the shrink's pipeline may take (the GEMM loop's is reused)
 
 
 def lora_block_k(rank_dim: int) -> int:
@@ -121,6 +131,27 @@ def resolve_config(
     return cfg
 
 
+def shrink_in_ok(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    a_stacked: torch.Tensor,
+    b_stacked: torch.Tensor,
+    seg_align: int,
+    config: dict[str, int] | None = None,
+) -> bool:
+    """Whether `launch_lora_gemm(..., a_stacked=...)` can compute s inside its launch: Triton runs, the
+    config reads x, W, s and B through TMA with the LoRA iterations in the K loop, and no row block holds two
+    segments (a shrink unit is one row block of one segment)."""
+    if not use_triton(x) or x.shape[0] == 0 or x.shape[1] == 0 or a_stacked.shape[0] > MAX_SLICES:
+        return False
+    cfg = resolve_config(config, x.shape[0], weight.shape[0], True, seg_align)
+    if not (cfg["TMA"] and cfg["LORA_LOOP"] == 1 and cfg.get("SHRINK_IN", 1)) or seg_align % cfg["BLOCK_M"]:
+        return False
+    es = x.element_size()
+    b_ok = b_stacked.is_contiguous() and b_stacked.shape[2] * es % 16 == 0 and b_stacked.data_ptr() % 16 == 0
+    return tma_ok(x, weight, a_stacked.flatten(0, 2)) and a_stacked.is_contiguous() and b_ok
+
+
 def tma_ok(*tensors: torch.Tensor) -> bool:
     """TMA needs 16-byte aligned bases and row strides, and a unit inner stride."""
     return all(
@@ -201,10 +232,23 @@ def launch_lora_gemm(
     config: dict[str, int] | None = None,  # tile override (benchmarks, tests); missing keys from DEFAULTS
     s_scaled: bool = False,  # s already holds scale(t) · x · Aᵀ in x's dtype (lora_shrink(..., scaled=True))
     seg_align: int = 1,  # every non-empty segment starts at a multiple of this (LoRABatchMeta.seg_align)
+    a_stacked: torch.Tensor
+    | None = None,  # shrink_in_ok: [groups, max_loras, max_rank, hidden]; s is written
 ) -> torch.Tensor:  # [num_tokens, sum(out_slice_sizes)], x's dtype
+    """a_stacked given: the launch computes s = scale · x · Aᵀ (s_scaled, every slice of a_stacked, which may
+    be more than the output slices) into the s passed, and reads it (SHRINK_IN; the caller checked
+    `shrink_in_ok`)."""
     from ditserve.kernels.lora_gemm.kernel import _lora_gemm_kernel
 
     args = (x, weight, bias, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank)
+    shrink_in = a_stacked is not None
+    if shrink_in:
+        assert s_scaled and a_stacked.shape[0] == s.shape[0] >= len(out_slice_sizes), (
+            a_stacked.shape,
+            s.shape,
+        )
+        assert a_stacked.is_contiguous() and a_stacked.shape[3] == x.shape[1], a_stacked.shape
+        args = (x, weight, bias, s[: len(out_slice_sizes)], *args[4:])
     _check(*args, out_slice_sizes, s_scaled)
     num_tokens, hidden = x.shape
     n_total = weight.shape[0]
@@ -247,6 +291,31 @@ def launch_lora_gemm(
     y_desc = y
     if tma_store:
         y_desc = TensorDescriptor.from_tensor(y, [bm, bn // subtile])
+    xs_desc, a_desc, sync, shrink_r, shrink_m, shrink_k, wide_g, shrink_stages = x_arg, s, s, 16, bm, bk, 1, 1
+    if shrink_in:
+        assert use_tma and lora_in_loop and seg_align % bm == 0, "SHRINK_IN: see shrink_in_ok"
+        g, max_loras, a_rows, _ = a_stacked.shape
+        shrink_r = max(16, next_pow2(s.shape[2]))
+        shrink_m = min(cfg.get("SHRINK_M", 64), bm)
+        # one unit per row block for every slice where the slices side by side fit one dot
+        wide = cfg.get("SHRINK_WIDE", 1) and next_pow2(g) * shrink_r <= MAX_WIDE_SHRINK
+        wide_g = next_pow2(g) if wide else 1
+        # one program per SM shrinks (the shrink kernel runs two or three): it keeps more of x in flight
+        # with 128-column steps where 5 stages of them fit SHRINK_SMEM
+        wide_k = (shrink_m + wide_g * shrink_r) * 128 * x.element_size() * 5 <= SHRINK_SMEM
+        shrink_k = cfg.get("SHRINK_K", 128 if wide_k else bk)
+        shrink_stages = cfg.get("SHRINK_STAGES", 5 if shrink_k == 128 and wide_k else 4)
+        xs_desc = TensorDescriptor.from_tensor(x, [shrink_m, shrink_k])
+        if wide_g > 1:
+            a_desc = TensorDescriptor(
+                a_stacked, [g, max_loras * a_rows, hidden], [max_loras * a_rows * hidden, hidden, 1],
+                [wide_g, shrink_r, shrink_k],
+            )  # fmt: skip
+        else:
+            rows = g * max_loras * a_rows
+            a_desc = TensorDescriptor(a_stacked, [rows, hidden], [hidden, 1], [shrink_r, shrink_k])
+        units = -(-num_tokens // shrink_m) * (1 if wide_g > 1 else g)
+        sync = torch.zeros(units + 2, dtype=torch.int32, device=x.device)
     _lora_gemm_kernel[(grid,)](
         x_arg, w_arg, s_desc, b_desc, y, y_desc, bias if bias is not None else y, s, b_stacked,
         token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
@@ -254,12 +323,15 @@ def launch_lora_gemm(
         s.shape[0] * num_tokens, b_stacked.shape[0] * n_total,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
         s.stride(0), s.stride(1), s.stride(2), b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2),
+        xs_desc, a_desc, sync, s.shape[0], b_stacked.shape[0], a_stacked.shape[2] if shrink_in else 0, s.shape[2],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, R_CHUNK=cfg["R_CHUNK"], GROUP_M=cfg["GROUP_M"],
         USE_TMA=use_tma, FLATTEN=bool(cfg["FLATTEN"]), WARP_SPECIALIZE=bool(cfg["WS"]),
         EVEN_K=hidden % bk == 0, COL_ALIGN=col_align, HAS_LORA=has_lora, LORA_IN_LOOP=lora_in_loop,
         STRADDLE=seg_align % bm != 0,
         LORA_AFTER=lora_after, LORA_BK=lora_bk, S_SCALED=s_scaled, HAS_BIAS=bias is not None,
-        TMA_STORE=tma_store, EPI_SUBTILE=subtile if tma_store else 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        TMA_STORE=tma_store, EPI_SUBTILE=subtile if tma_store else 1, SHRINK_IN=shrink_in, SHRINK_R=shrink_r,
+        SHRINK_M=shrink_m, SHRINK_K=shrink_k, WIDE_G=wide_g, SHRINK_STAGES=shrink_stages,
+        FENCE=x.is_cuda, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return y

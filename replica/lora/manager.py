@@ -26,6 +26,7 @@ same, unmodified tensor, and otherwise shrink on their own.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ import torch.nn as nn
 
 from ditserve.kernels._dispatch import use_triton
 from ditserve.kernels.lora import LoRABatchMeta, apply_lora, lora_expand, lora_linear, lora_shrink
+from ditserve.kernels.lora_linear.op import lora_linear_op
 
 from .loader import LoRAFile, LoRAModule
 
@@ -121,10 +123,30 @@ class LoRALayer:
             if meta is not None and not any(self.has_bias[slot] for _, _, slot, _ in segments):
                 # every request's first adapter inside the GEMM; further ones (a style and a character on
                 # one request) as in-place expands after it
-                s = self.manager.shared_shrink(self, x, x2, meta, scaled=True)
-                y = lora_linear(
-                    x2, self.module.weight, self.module.bias, self.a, self.b, meta, [self.out_features], s=s
-                )
+                lead: dict[str, torch.Tensor] = {}
+
+                def shrink_and_gemm(a_group: torch.Tensor) -> torch.Tensor:
+                    # a group's first linear: its GEMM computes the whole group's s in the same launch
+                    lead["y"], s_all = lora_linear_op(
+                        x2, self.module.weight, self.module.bias, a_group, self.b, meta.token_seg,
+                        meta.seg_start, meta.seg_len, meta.seg_slot, meta.seg_scale, meta.slot_rank,
+                        meta.max_rank, [self.out_features], meta.seg_align,
+                    )  # fmt: skip
+                    return s_all
+
+                s = self.manager.shared_shrink(self, x, x2, meta, scaled=True, shrink=shrink_and_gemm)
+                y = lead.get("y")
+                if y is None:
+                    y = lora_linear(
+                        x2,
+                        self.module.weight,
+                        self.module.bias,
+                        self.a,
+                        self.b,
+                        meta,
+                        [self.out_features],
+                        s=s,
+                    )
                 y = y.view(*x.shape[:-1], self.out_features)
                 return self._add_delta(x, y, first_position=1) if len(batch.positions) > 1 else y
         return self._add_delta(x, self._base_forward(x))
@@ -328,12 +350,19 @@ class LoRAManager:
         self.info.pop(name, None)
 
     def shared_shrink(
-        self, layer: LoRALayer, x: torch.Tensor, x2: torch.Tensor, meta: LoRABatchMeta, scaled: bool
+        self,
+        layer: LoRALayer,
+        x: torch.Tensor,
+        x2: torch.Tensor,
+        meta: LoRABatchMeta,
+        scaled: bool,
+        shrink: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """``lora_shrink(x2, layer.a, meta, scaled=scaled)`` (x2: the layer's input x as [tokens, in]) if its
-        group's shrink has it, running that shrink when ``layer`` leads a group; None: the layer shrinks on
-        its own. The input is recognised by identity (the tensor object the module was called with), the
-        batch position by its meta."""
+        group's shrink has it, running that shrink when ``layer`` leads a group (``shrink(a_group)`` instead
+        of ``lora_shrink`` when given: the leader's fused GEMM computes it); None: the layer shrinks on its
+        own. The input is recognised by identity (the tensor object the module was called with), the batch
+        position by its meta."""
         if not self.share_shrink:
             return None
         sx, version, cache = self._shared
@@ -345,7 +374,8 @@ class LoRAManager:
         group = self.groups.get(layer.name)
         if group is None or not any(self.batch.slots & member.used for member in group[1:]):
             return None  # no group, or no other linear of it has an adapter of this batch
-        s_all = lora_shrink(x2, group[0].a_group, meta, scaled=scaled)  # [len(group), tokens, cols]
+        # [len(group), tokens, cols]
+        s_all = shrink(group[0].a_group) if shrink else lora_shrink(x2, group[0].a_group, meta, scaled=scaled)
         cache[(id(meta), scaled)] = {g.name: s_all[i : i + 1] for i, g in enumerate(group) if i}
         self._shared = (weakref.ref(x), _version(x), cache)
         return s_all[:1]

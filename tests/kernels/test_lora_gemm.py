@@ -401,6 +401,7 @@ def test_tiles_straddling_segments_and_no_lora(s_dtype):
 def test_lora_linear_uses_fused_gemm(monkeypatch):
     """lora_linear goes through lora_gemm where Triton runs and equals the unfused path."""
     import ditserve.kernels.lora as lora
+    import ditserve.kernels.lora_linear.op as linear_op
 
     layout = (
         [(150, 0), (1, 1), (0, 2), (40, 0), (7, -1), (33, 3)],
@@ -412,11 +413,12 @@ def test_lora_linear_uses_fused_gemm(monkeypatch):
     w, bias = gemm_inputs(c, torch.float32, with_bias=True)
     calls = []
 
-    def spy(*a):
-        calls.append((a[3].dtype, a[-1]))
-        return torch.ops.ditserve.lora_gemm(*a)
+    def spy(*a, **k):
+        calls.append((a[3].dtype, k["s_scaled"]))
+        return launch(*a, **k)
 
-    monkeypatch.setattr(lora, "lora_gemm_op", spy)
+    launch = linear_op.launch_lora_gemm
+    monkeypatch.setattr(linear_op, "launch_lora_gemm", spy)
     got = lora_linear(c.x, w, bias, c.a, c.b, c.meta, sizes)
     assert calls == [(torch.float32, True)]  # s pre-scaled in x's dtype
     want = lora._lora_linear_addmm(c.x, w, bias, c.a, c.b, c.meta, sizes)

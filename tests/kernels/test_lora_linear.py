@@ -1,4 +1,5 @@
-"""The one-kernel LoRA linear (shrink inside the GEMM launch) against its torch reference."""
+"""The LoRA linear op (`lora_linear_op`): on batches whose segments start on row-block boundaries the shrink
+runs inside the GEMM launch (SHRINK_IN), elsewhere as its own kernel first; both against the torch reference."""
 
 from __future__ import annotations
 
@@ -7,42 +8,47 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ditserve.kernels.lora_linear.op import SWEEP, launch_lora_linear, lora_linear_op
+import ditserve.kernels.lora_linear.op as linear_op
+from ditserve.kernels.lora_gemm.op import gemm_config, shrink_in_ok
+from ditserve.kernels.lora_linear.op import launch_lora_linear, lora_linear_op
 from ditserve.kernels.lora_linear.reference import lora_linear_ref
-from tests.kernels.lora_cases import gpu_problem, layouts, make_case
+from ditserve.kernels.lora_shrink.reference import lora_shrink_scaled_ref
+from tests.kernels.lora_cases import MAX_LORAS, gpu_problem, layouts, make_case
 
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=3e-2, rtol=2e-2)}
 
 
 def _cfg(bm, bn, bk, **kw):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=1, **kw)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=1, PERSISTENT=1, TMA=1, **kw)
 
 
-# 16-row tiles make segments straddle row blocks; 4 persistent programs loop over several tiles and row
-# blocks; TMA zero-fills rows and K columns past the end (hidden 40 is not a multiple of 32)
-configs = st.sampled_from(
-    [
-        None,
-        _cfg(16, 16, 16, TMA=0),
-        _cfg(16, 32, 32, TMA=0, GROUP_M=2),
-        _cfg(32, 16, 16, TMA=1, FLATTEN=1),
-        _cfg(16, 64, 32, TMA=1, GROUP_M=1, LORA_LOOP=0),
-    ]
-)
-out_slices = st.lists(st.sampled_from([8, 16, 40, 17, 70]), min_size=1, max_size=4)
+# the interpreter runs 4 persistent programs: with most tile counts some of them get one tile more (their
+# first tile starts before the shrink); flattened and plain tile loops, TMA and pointer stores of y
+# shrink units of every slice at once (wide) or one slice each, of a whole row block or half of one
+SHRINK_IN_CONFIGS = [
+    _cfg(16, 16, 16),
+    _cfg(16, 32, 16, FLATTEN=1, TMA_STORE=1, SHRINK_WIDE=0),
+    _cfg(32, 16, 32, FLATTEN=1, GROUP_M=2, SHRINK_M=16),
+    _cfg(32, 16, 16, SHRINK_M=16, SHRINK_K=32, SHRINK_WIDE=0, SHRINK_STAGES=1),
+]
 
 
-def args(c, w, bias):
-    m = c.meta
-    return (c.x, w, bias, c.a, c.b, m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank,
-            m.max_rank, c.sizes)  # fmt: skip
-
-
-def reference(c, w, bias):
-    m = c.meta
-    return lora_linear_ref(c.x, w, bias, c.a, c.b, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank,
-                           m.max_rank, c.sizes)  # fmt: skip
+@st.composite
+def aligned_layouts(draw):
+    """Requests of whole 32-token row blocks (0 included), slot -1, rank 0, repeated and mixed ranks."""
+    ranks = draw(st.lists(st.sampled_from([0, 1, 4, 8, 13, 16, 32]), min_size=MAX_LORAS, max_size=MAX_LORAS))
+    requests = draw(
+        st.lists(
+            st.tuples(st.sampled_from([0, 32, 64, 96]), st.integers(-1, MAX_LORAS - 1)),
+            min_size=1,
+            max_size=5,
+        )  # fmt: skip
+    )
+    scales = draw(
+        st.lists(st.sampled_from([0.5, 1.0, -0.75]), min_size=len(requests), max_size=len(requests))
+    )
+    return requests, ranks, scales
 
 
 def weights(c, dtype, with_bias, seed=1):
@@ -53,58 +59,113 @@ def weights(c, dtype, with_bias, seed=1):
     return w, bias
 
 
+def run(c, w, bias, cfg=None):
+    m = c.meta
+    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
+    return launch_lora_linear(c.x, w, bias, c.a, c.b, *seg, m.max_rank, c.sizes, m.seg_align, config=cfg)
+
+
+def expected(c, w, bias):
+    """y from the reference with the output slices' A, s for every slice of c.a (the group's)."""
+    m = c.meta
+    y = lora_linear_ref(c.x, w, bias, c.a[: len(c.sizes)], c.b, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale,
+                        m.slot_rank, m.max_rank, c.sizes)  # fmt: skip
+    s = lora_shrink_scaled_ref(c.x, c.a, m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank,
+                               m.max_rank)  # fmt: skip
+    return y, s
+
+
+@pytest.fixture
+def no_shrink_kernel(monkeypatch):
+    """The shrink kernel must not run: SHRINK_IN computes s inside the GEMM launch."""
+
+    def fail(*a, **k):
+        raise AssertionError("the shrink kernel ran")
+
+    monkeypatch.setattr(linear_op, "launch_lora_shrink", fail)
+
+
 @SETTINGS
-@given(layouts(), out_slices, st.sampled_from([32, 40, 48]), st.sampled_from([torch.float32, torch.float16]),
-       st.booleans(), configs)  # fmt: skip
-def test_matches_reference(layout, sizes, hidden, dtype, with_bias, cfg):
-    """Zero-length and 1-token requests, slot -1, rank 0 and mixed ranks up to 128, 1-4 slices of
-    unequal sizes: y equals x · Wᵀ + bias + scale · (x · Aᵀ) · Bᵀ per request."""
-    c = make_case(layout, len(sizes), sizes, hidden, dtype)
-    if not c.meta.has_lora:
-        return  # lora_linear runs a plain linear then (tests/kernels/test_lora_gemm.py)
+@given(aligned_layouts(), st.lists(st.sampled_from([16, 32, 48]), min_size=1, max_size=3), st.integers(0, 1),
+       st.sampled_from([32, 48]), st.sampled_from([torch.float32, torch.float16]), st.booleans(),
+       st.sampled_from(SHRINK_IN_CONFIGS))  # fmt: skip
+def test_shrink_in_launch_matches_reference(layout, sizes, extra_slices, hidden, dtype, with_bias, cfg):
+    """Aligned batches: one launch gives y = x · Wᵀ + bias + scale · (x · Aᵀ) · Bᵀ per request and s for every
+    slice of A (a group may hold more slices than the output), zeros for rows without an adapter."""
+    c = make_case(layout, len(sizes) + extra_slices, sizes, hidden, dtype)
+    if not c.meta.has_lora or c.meta.num_tokens == 0:
+        return
     w, bias = weights(c, dtype, with_bias)
-    got = launch_lora_linear(*args(c, w, bias), config=cfg)
-    torch.testing.assert_close(got, reference(c, w, bias), **TOL[dtype])
+    assert shrink_in_ok(c.x, w, c.a, c.b, c.meta.seg_align, cfg)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(linear_op, "launch_lora_shrink", lambda *a, **k: pytest.fail("the shrink kernel ran"))
+        y, s = run(c, w, bias, cfg)
+    want_y, want_s = expected(c, w, bias)
+    torch.testing.assert_close(y, want_y, **TOL[dtype])
+    torch.testing.assert_close(s, want_s, **TOL[dtype])
 
 
-def test_lora_term_lands_on_its_request_and_slice():
-    """Two requests with different adapters and one without, 3 slices: each request's rows change by its
-    own adapter's delta and the plain request's rows are the base linear exactly (to fp32 rounding)."""
-    c = make_case(([(37, 1), (20, -1), (41, 3)], [0, 16, 0, 32], [1.0, 1.0, -0.5]), 3, [24, 24, 40], 32,
-                  torch.float32)  # fmt: skip
+@SETTINGS
+@given(layouts(), st.lists(st.sampled_from([8, 16, 40]), min_size=1, max_size=3), st.sampled_from([32, 40]),
+       st.booleans())  # fmt: skip
+def test_unaligned_batches_take_two_launches(layout, sizes, hidden, with_bias):
+    """Segments that start inside a row block (any layout): the shrink kernel first, then lora_gemm; same
+    results."""
+    c = make_case(layout, len(sizes), sizes, hidden, torch.float32)
+    if not c.meta.has_lora:
+        return
+    w, bias = weights(c, torch.float32, with_bias)
+    y, s = run(c, w, bias, SHRINK_IN_CONFIGS[1])
+    want_y, want_s = expected(c, w, bias)
+    torch.testing.assert_close(y, want_y, **TOL[torch.float32])
+    torch.testing.assert_close(s, want_s, **TOL[torch.float32])
+
+
+def test_first_tiles_wait_for_their_shrink(no_shrink_kernel):
+    """9 row blocks × 3 column blocks = 27 tiles on 4 programs: programs 0-2 get a tile more and run it before
+    any shrink unit exists (row block 0, adapter 1); their LoRA terms must still be right, as must those of
+    the other adapter's rows and the rows without one."""
+    c = make_case(([(48, 1), (32, -1), (48, 3), (16, 1)], [0, 16, 0, 32], [1.0, 1.0, -0.5, 2.0]), 3,
+                  [16, 16, 16], 32, torch.float32)  # fmt: skip
     w, _ = weights(c, torch.float32, False)
-    got = launch_lora_linear(*args(c, w, None), config=_cfg(16, 16, 16, TMA=0))
-    base = c.x @ w.T
-    torch.testing.assert_close(got[37:57], base[37:57], atol=1e-5, rtol=1e-5)
-    for rows, slot, scale in ((slice(0, 37), 1, 1.0), (slice(57, 98), 3, -0.5)):
-        cols = 0
-        for j, n in enumerate(c.sizes):
-            a = c.a[j, slot, : 16 if slot == 1 else 32]
-            b = c.b[slot, cols : cols + n, : a.shape[0]]
-            want = base[rows, cols : cols + n] + scale * (c.x[rows] @ a.T) @ b.T
-            torch.testing.assert_close(got[rows, cols : cols + n], want, atol=1e-4, rtol=1e-4)
-            cols += n
+    assert c.meta.num_tokens // 16 * 3 % 4 == 3
+    y, s = run(c, w, None, _cfg(16, 16, 16, GROUP_M=1))
+    want_y, want_s = expected(c, w, None)
+    torch.testing.assert_close(y, want_y, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s, want_s, atol=1e-4, rtol=1e-4)
 
 
 def test_custom_op_contract():
-    c = make_case(([(9, 0), (7, 1)], [16, 8, 0, 0], [1.0, 0.5]), 2, [16, 24], 32, torch.float32)
+    c = make_case(([(16, 0), (32, 1)], [16, 8, 0, 0], [1.0, 0.5]), 3, [16, 24], 32, torch.float32)
     w, bias = weights(c, torch.float32, True)
-    torch.library.opcheck(lora_linear_op, args(c, w, bias))
+    m = c.meta
+    args = (c.x, w, bias, c.a, c.b, m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank,
+            m.max_rank, c.sizes, m.seg_align)  # fmt: skip
+    torch.library.opcheck(lora_linear_op, args)
 
 
 # --- GPU, bf16, Flux sizes ---------------------------------------------------------------------------
 
+ALIGNED = [(4608, 0), (512, -1), (4608, 1), (4096, 3), (512, 1)]
+
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [None, *SWEEP])
-@pytest.mark.parametrize("num_slices", [3, 4])
-def test_bf16_gpu_every_config(num_slices, name):
-    """Straddling row blocks, a slot of rank 128 (shrink in two passes of 256 columns at 4 slices), a
-    request without LoRA, 1- and 0-token requests: every swept config matches the reference."""
-    meta, x, a, b, w, bias, sizes = gpu_problem(num_slices)
+@pytest.mark.parametrize("num_slices,groups", [(3, 3), (4, 4), (1, 3)])
+def test_bf16_gpu_shrink_in(num_slices, groups, no_shrink_kernel):
+    """Flux-sized aligned batch (4608/512-token requests, one without LoRA, ranks 16/64/32): one launch, the
+    tuned config, y and s equal the reference; three launches in a row (the sync buffer starts at zero each
+    time); a q linear leading a q/k/v group (1 output slice, 3 slices of s)."""
+    meta, x, a, b, w, bias, sizes = gpu_problem(groups, ALIGNED)
+    sizes = sizes[:num_slices]
+    n = sum(sizes)
+    w, bias, b = w[:n].contiguous(), bias[:n].contiguous(), b[:, :n].contiguous()
     m = meta
     seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
-    want = lora_linear_ref(x, w, bias, a, b, *seg[1:], m.max_rank, sizes)
-    for _ in range(3):  # the flags must come back to zero for the next launch
-        got = launch_lora_linear(x, w, bias, a, b, *seg, m.max_rank, sizes, config=SWEEP.get(name))
-        torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=3e-2)
+    assert m.seg_align % 128 == 0 and shrink_in_ok(x, w, a, b, m.seg_align)
+    want = lora_linear_ref(x, w, bias, a[:num_slices], b, *seg[1:], m.max_rank, sizes)
+    want_s = lora_shrink_scaled_ref(x, a, *seg, m.max_rank)
+    for _ in range(3):
+        y, s = launch_lora_linear(x, w, bias, a, b, *seg, m.max_rank, sizes, m.seg_align)
+        torch.testing.assert_close(y.float(), want.float(), atol=5e-2, rtol=3e-2)
+        torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
+    assert gemm_config(m.num_tokens, n)["TMA"]

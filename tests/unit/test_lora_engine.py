@@ -127,24 +127,47 @@ def test_mixed_batch_gives_each_request_its_own_image(engine, files):
     engine.unload_lora("b")
 
 
+def spy_kernels(monkeypatch) -> dict:
+    """Counts the fused GEMM launches (`lora_gemm`, with or without the shrink inside) and records the slice
+    count of every shrink, whether its own kernel or inside a GEMM launch."""
+    import ditserve.kernels.lora_gemm.op as gemm_op
+    import ditserve.kernels.lora_linear.op as linear_op
+    import ditserve.kernels.lora_shrink.op as shrink_op
+
+    seen = {"gemm": 0, "slices": []}
+    real_gemm, real_shrink = gemm_op.launch_lora_gemm, shrink_op.launch_lora_shrink
+
+    def gemm(*a, **k):
+        seen["gemm"] += 1
+        if k.get("a_stacked") is not None:
+            seen["slices"].append(k["a_stacked"].shape[0])
+        return real_gemm(*a, **k)
+
+    def shrink(x, a, *r, **k):
+        seen["slices"].append(a.shape[0])
+        return real_shrink(x, a, *r, **k)
+
+    for mod in (gemm_op, linear_op):
+        monkeypatch.setattr(mod, "launch_lora_gemm", gemm)
+    for mod in (shrink_op, linear_op):
+        monkeypatch.setattr(mod, "launch_lora_shrink", shrink)
+    return seen
+
+
 def test_two_adapters_on_one_request_match_diffusers(engine, files, monkeypatch):
     """A style and a character on one request: the first adapter inside the GEMM, the second as an in-place
     expand after it; the image is diffusers' with both adapters active (``set_adapters`` with the same
     weights), and the unfused path's."""
     import ditserve.kernels.lora as lora_api
 
-    calls = {"gemm": 0, "expand": 0}
-    real_gemm, real_expand = lora_api.lora_gemm_op, lora_api.lora_expand_op
-
-    def gemm(*a, **k):
-        calls["gemm"] += 1
-        return real_gemm(*a, **k)
+    calls = spy_kernels(monkeypatch)
+    calls["expand"] = 0
+    real_expand = lora_api.lora_expand_op
 
     def expand(*a, **k):
         calls["expand"] += 1
         return real_expand(*a, **k)
 
-    monkeypatch.setattr(lora_api, "lora_gemm_op", gemm)
     monkeypatch.setattr(lora_api, "lora_expand_op", expand)
     manager = engine.launcher.worker.lora
     engine.load_lora("a", str(files["a_kohya"]))
@@ -200,20 +223,16 @@ def test_refusals_name_the_problem_and_leave_others_working(engine, files):
 
 
 def test_lora_inside_the_gemm_draws_what_the_unfused_path_draws(engine, files, monkeypatch):
-    import ditserve.kernels.lora as lora_api
-
-    calls = []
-    real = lora_api.lora_gemm_op
-    monkeypatch.setattr(lora_api, "lora_gemm_op", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = spy_kernels(monkeypatch)
     manager = engine.launcher.worker.lora
     engine.load_lora("a", str(files["a_kohya"]))
     try:
         manager.fused = False
         unfused = image(engine, LoRARef(name="a"))
-        assert not calls
+        assert not calls["gemm"]
         manager.fused = True
         fused = image(engine, LoRARef(name="a"))
-        assert calls  # the LoRA went through the fused GEMM (Triton interpreter here, GPU in serving)
+        assert calls["gemm"]  # the LoRA went through the fused GEMM (Triton interpreter here, GPU in serving)
     finally:
         manager.fused = True
         engine.unload_lora("a")
@@ -259,8 +278,6 @@ def test_linears_on_one_input_share_one_shrink(engine, files, monkeypatch):
     as groups from one forward; from then on each group runs one multi-slice shrink (x read once), in the
     fused and the unfused path and per adapter position, and the image is the one each linear's own shrink
     gives, and the one diffusers gives for the same file."""
-    import ditserve.kernels.lora_shrink.op as shrink_op
-
     g = torch.Generator().manual_seed(5)
     w = {
         m: (torch.randn(RANK, i, generator=g), torch.randn(o, RANK, generator=g))
@@ -272,13 +289,7 @@ def test_linears_on_one_input_share_one_shrink(engine, files, monkeypatch):
         for m, (i, o) in SIBLINGS.items()
     }
     path2 = write_peft(files["root"] / "qkv2.safetensors", w2)
-    slices = []
-    real = shrink_op.launch_lora_shrink
-    monkeypatch.setattr(
-        shrink_op,
-        "launch_lora_shrink",
-        lambda x, a, *r, **k: slices.append(a.shape[0]) or real(x, a, *r, **k),
-    )
+    slices = spy_kernels(monkeypatch)["slices"]
     manager = engine.launcher.worker.lora
     engine.load_lora("qkv", str(path))
     try:
