@@ -1,10 +1,18 @@
 """Segmented LoRA expand: y[t, cols_j] (+)= scale(t) · s[j, t, :rank] · B[slot(t), cols_j, :rank]ᵀ.
 
-Grid: (column blocks over all output slices, token blocks). A column block never straddles two output
-slices (each slice is cut into its own blocks), so each program knows its slice j from the block index
-and the cumulative block counts. Like the shrink, a program loops over the segments touching its
-BLOCK_M tokens; s rows of other segments load as zero. The scale is applied to s before the dot (one
-multiply per s element instead of per output), and y is read and written once per tile.
+`_lora_expand_kernel` — grid: (column blocks over all output slices, token blocks). A column block never
+straddles two output slices (each slice is cut into its own blocks), so each program knows its slice j
+from the block index and the cumulative block counts. Like the shrink, a program loops over the segments
+touching its BLOCK_M tokens; s rows of other segments load as zero. The scale is applied to s before the
+dot (one multiply per s element instead of per output), and y is read and written once per tile.
+
+`_lora_expand_rows_kernel` (y += delta only) — grid: (column chunks, token blocks). A program keeps its
+rows' scaled s in registers and walks a chunk of CHUNK column blocks of one slice: per block one B tile
+(from L2, pipelined as the dot's operand), one dot onto the y tile, one store; the next block's y tile is
+loaded before this block's dot, so its HBM latency overlaps the work. The one-tile-per-program kernel
+above reloads s for every y tile and waits for every load; at rank 64-128 that, not HBM, set its time.
+Rows of a token block that straddles segments are handled one segment at a time, each pass reading and
+writing only its own rows.
 """
 
 import triton
@@ -109,3 +117,102 @@ def _lora_expand_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def _lora_expand_rows_kernel(
+    y_ptr,  # [num_tokens, n_total], updated in place
+    s_ptr,  # [num_slices, num_tokens, rank_dim] fp32
+    b_ptr,  # [max_loras, n_total, max_rank]
+    token_seg_ptr,  # [num_tokens] int32
+    seg_start_ptr,  # [num_segments] int32
+    seg_len_ptr,  # [num_segments] int32
+    seg_slot_ptr,  # [num_segments] int32
+    seg_scale_ptr,  # [num_segments] fp32
+    slot_rank_ptr,  # [max_loras] int32
+    num_tokens,
+    rank_dim,
+    col1,  # first column of slice 1 (= n_total when absent), likewise col2, col3
+    col2,
+    col3,
+    n_total,
+    blk1,  # first column block of slice 1 (= number of blocks when absent), likewise blk2, blk3
+    blk2,
+    blk3,
+    num_col_blocks,
+    chk1,  # first chunk of slice 1 (= number of chunks when absent), likewise chk2, chk3
+    chk2,
+    chk3,
+    stride_yt,
+    stride_yn,
+    stride_ss,
+    stride_st,
+    stride_sr,
+    stride_bl,
+    stride_bn,
+    stride_br,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    CHUNK: tl.constexpr,  # column blocks per program (fewer at the end of a slice)
+    STAGES: tl.constexpr,  # pipeline stages of the column loop (B tiles)
+    PRECISION: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    j = (pid_c >= chk1).to(tl.int32) + (pid_c >= chk2).to(tl.int32) + (pid_c >= chk3).to(tl.int32)
+    chk_lo = tl.where(j == 0, 0, tl.where(j == 1, chk1, tl.where(j == 2, chk2, chk3)))
+    blk_lo = tl.where(j == 0, 0, tl.where(j == 1, blk1, tl.where(j == 2, blk2, blk3)))
+    blk_hi = tl.where(j == 0, blk1, tl.where(j == 1, blk2, tl.where(j == 2, blk3, num_col_blocks)))
+    col_lo = tl.where(j == 0, 0, tl.where(j == 1, col1, tl.where(j == 2, col2, col3)))
+    col_hi = tl.where(j == 0, col1, tl.where(j == 1, col2, tl.where(j == 2, col3, n_total)))
+    first = (pid_c - chk_lo) * CHUNK  # this chunk's first block within slice j
+    num_blocks = tl.minimum(CHUNK, blk_hi - blk_lo - first)
+    n_first = col_lo + first * BLOCK_N
+    n_end = n_first + num_blocks * BLOCK_N  # past this chunk's last column
+
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    y_rows = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt
+    seg_lo = tl.load(token_seg_ptr + m0)
+    seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
+    for seg in range(seg_lo, seg_hi + 1):
+        slot = tl.load(seg_slot_ptr + seg)
+        rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
+        rank = tl.minimum(tl.where(slot >= 0, rank, 0), rank_dim)
+        if rank > 0:
+            start = tl.load(seg_start_ptr + seg)
+            end = start + tl.load(seg_len_ptr + seg)
+            scale = tl.load(seg_scale_ptr + seg)
+            row_mask = (offs_m >= start) & (offs_m < end)
+            r_mask = offs_r < rank
+            s_ptrs = (
+                s_ptr + j * stride_ss + offs_m.to(tl.int64)[:, None] * stride_st + offs_r[None, :] * stride_sr
+            )
+            s = tl.load(s_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+            b_rows = b_ptr + slot.to(tl.int64) * stride_bl + offs_r[:, None] * stride_br
+            a = (s * scale).to(b_ptr.dtype.element_ty)
+            cols = n_first + offs_n
+            y_next = tl.load(
+                y_rows + cols[None, :] * stride_yn,
+                mask=row_mask[:, None] & (cols < col_hi)[None, :],
+                other=0.0,
+            )
+            for i in tl.range(0, num_blocks, num_stages=STAGES):
+                cols = n_first + i * BLOCK_N + offs_n
+                c_mask = cols < col_hi
+                b = tl.load(
+                    b_rows + cols[None, :] * stride_bn, mask=r_mask[:, None] & c_mask[None, :], other=0.0
+                )
+                y_cur = y_next
+                nxt = cols + BLOCK_N
+                y_next = tl.load(
+                    y_rows + nxt[None, :] * stride_yn,
+                    mask=row_mask[:, None] & ((nxt < col_hi) & (nxt < n_end))[None, :],
+                    other=0.0,
+                )
+                acc = tl.dot(a, b, y_cur.to(tl.float32), input_precision=PRECISION)
+                tl.store(y_rows + cols[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
+                         mask=row_mask[:, None] & c_mask[None, :])  # fmt: skip

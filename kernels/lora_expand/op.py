@@ -17,10 +17,36 @@ TUNED: dict[int, dict[str, int]] = {
 }
 
 
-def expand_config(block_r: int) -> dict[str, int]:
-    """Tile sizes by rank tile (the measured table). Each program re-reads an s tile and a B tile from L2
-    for one y tile, so larger tiles pay off as the rank grows."""
+# y += delta (no bias): the row-stationary kernel, BLOCK_R -> tiles (ROWS=1 selects it; CHUNK column blocks
+# per program, STAGES of its column loop). H200, 4x4608 tokens, 3 and 4 slices, interleaved against the
+# kernel above (BENCHMARKS.md): 84-87 % of the HBM floor at rank 16 (was 75-77 %), 64 % at 64 (49-50 %),
+# 42 % at 128 (25 %). Rank 32 was not measured; it takes rank 16's tiles.
+ROWS_TUNED: dict[int, dict[str, int]] = {
+    16: dict(ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=4, STAGES=2, num_warps=4),
+    32: dict(ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=4, STAGES=2, num_warps=4),
+    64: dict(ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=8),
+    128: dict(ROWS=1, BLOCK_M=128, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=8),
+}
+
+
+def expand_config(block_r: int, accumulate: bool = False, has_bias: bool = False) -> dict[str, int]:
+    """Tile sizes by rank tile (the measured tables): the row-stationary kernel where it applies (y += delta,
+    no bias), else one y tile per program, where each program re-reads an s tile and a B tile from L2 for one
+    y tile, so larger tiles pay off as the rank grows."""
+    if accumulate and not has_bias and block_r in ROWS_TUNED:
+        return ROWS_TUNED[block_r]
     return TUNED.get(block_r, dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2))
+
+
+def column_chunks(blks: list[int], num_col_blocks: int, chunk: int) -> list[int]:
+    """First chunk of slices 1..3 (the number of chunks when absent), CHUNK column blocks per chunk cut per
+    slice; the last entry is the number of chunks."""
+    edges = [0, *blks, num_col_blocks]
+    out, total = [], 0
+    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+        total += -(-(hi - lo) // chunk)
+        out.append(total)
+    return out
 
 
 def column_blocks(out_slice_sizes: list[int], block_n: int) -> tuple[list[int], list[int], int]:
@@ -80,7 +106,7 @@ def launch_lora_expand(
     bias: torch.Tensor | None = None,  # [sum(out_slice_sizes)], y's dtype
     config: dict[str, int] | None = None,  # tile override (benchmarks)
 ) -> None:
-    from ditserve.kernels.lora_expand.kernel import _lora_expand_kernel
+    from ditserve.kernels.lora_expand.kernel import _lora_expand_kernel, _lora_expand_rows_kernel
 
     _check(
         y, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank, out_slice_sizes, bias
@@ -93,8 +119,22 @@ def launch_lora_expand(
             y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
         return
     block_r = block_rank(rank_dim)
-    cfg = config or expand_config(block_r)
+    cfg = dict(config or expand_config(block_r, accumulate, bias is not None))
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, cfg["BLOCK_N"])
+    precision = "ieee" if y.dtype == torch.float32 else "tf32"
+    if cfg.pop("ROWS", 0) and accumulate and bias is None:
+        chunk, stages = cfg.pop("CHUNK"), cfg.pop("STAGES")
+        chks = column_chunks(blks, num_col_blocks, chunk)
+        _lora_expand_rows_kernel[(chks[-1], -(-num_tokens // cfg["BLOCK_M"]))](
+            y, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
+            num_tokens, rank_dim, *cols, y.shape[1], *blks, num_col_blocks, *chks[:3],
+            y.stride(0), y.stride(1), s.stride(0), s.stride(1), s.stride(2),
+            b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2),
+            BLOCK_R=block_r, CHUNK=chunk, STAGES=stages, PRECISION=precision, **cfg,
+        )  # fmt: skip
+        return
+    for key in ("CHUNK", "STAGES"):
+        cfg.pop(key, None)
     grid = (num_col_blocks, -(-num_tokens // cfg["BLOCK_M"]))
     _lora_expand_kernel[grid](
         y, s, b_stacked, bias if bias is not None else y,
@@ -102,9 +142,7 @@ def launch_lora_expand(
         num_tokens, rank_dim, *cols, y.shape[1], *blks,
         y.stride(0), y.stride(1), s.stride(0), s.stride(1), s.stride(2),
         b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2),
-        BLOCK_R=block_r, ACCUMULATE=accumulate, HAS_BIAS=bias is not None,
-        PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
-        **cfg,
+        BLOCK_R=block_r, ACCUMULATE=accumulate, HAS_BIAS=bias is not None, PRECISION=precision, **cfg,
     )  # fmt: skip
 
 

@@ -25,6 +25,14 @@ hiddens = st.sampled_from([32, 48, 96])
 # small tiles make segments straddle tile edges; None = the launcher's own config
 shrink_cfgs = st.sampled_from([None, dict(BLOCK_M=16, BLOCK_K=16, num_warps=4, num_stages=1)])
 expand_cfgs = st.sampled_from([None, dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)])
+# the row-stationary kernel (y += delta): chunks of 1-3 column blocks, a chunk cut short at a slice's end
+rows_cfgs = st.sampled_from(
+    [
+        dict(ROWS=1, BLOCK_M=16, BLOCK_N=16, CHUNK=1, STAGES=1, num_warps=4),
+        dict(ROWS=1, BLOCK_M=16, BLOCK_N=16, CHUNK=3, STAGES=2, num_warps=4),
+        dict(ROWS=1, BLOCK_M=32, BLOCK_N=16, CHUNK=2, STAGES=3, num_warps=4),
+    ]
+)
 
 
 @st.composite
@@ -137,6 +145,24 @@ def test_expand_matches_reference(layout, sizes, hidden, dtype, cfg, mode):
         # rows without LoRA are bit-for-bit untouched
         no_lora = [m.seg_slot[t].item() < 0 for t in m.token_seg.tolist()]
         torch.testing.assert_close(got[no_lora], c.y[no_lora], atol=0, rtol=0)
+
+
+@SETTINGS
+@given(layouts(), out_slices(), hiddens, dtypes, rows_cfgs)
+def test_row_stationary_expand_matches_reference(layout, sizes, hidden, dtype, cfg):
+    """y += delta by the kernel that keeps a token block's s and walks a chunk of column blocks: straddling
+    segments, empty and 1-token requests, slot -1, rank 0, mixed ranks, 1-4 unequal slices; rows without
+    LoRA bit-for-bit untouched."""
+    c = make_case(layout, len(sizes), sizes, hidden, dtype)
+    m = c.meta
+    s = lora_shrink_ref(c.x, c.a, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
+    got, want = c.y.clone(), c.y.clone()
+    seg = (m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
+    launch_lora_expand(got, s, c.b, m.token_seg, *seg, sizes, config=cfg)
+    lora_expand_ref(want, s, c.b, *seg, sizes)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    no_lora = [m.seg_slot[t].item() < 0 for t in m.token_seg.tolist()]
+    torch.testing.assert_close(got[no_lora], c.y[no_lora], atol=0, rtol=0)
 
 
 @SETTINGS

@@ -1,0 +1,91 @@
+"""The in-place LoRA expand (GPU): the one-tile-per-program kernel against the row-stationary one and its
+candidate tiles, in interleaved rounds, on 4 requests × 4608 tokens, hidden 3072, 3 and 4 output slices.
+
+    PYTHONPATH=<dir holding ditserve/> python3 benchmarks/lora_expand_rows.py --out DIR
+
+Every config's output is checked against the torch reference first (WRONG configs are left out). "% HBM" =
+(bytes that must move / copy bandwidth measured in the same run) / time; "x" = median of the per-round
+ratios to the one-tile-per-program kernel. Writes DIR/lora_expand_rows.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lora_kernels as lk  # noqa: E402
+
+from ditserve.kernels._bench import copy_bandwidth, make_problem  # noqa: E402
+from ditserve.kernels._dispatch import block_rank  # noqa: E402
+from ditserve.kernels.lora import lora_shrink  # noqa: E402
+from ditserve.kernels.lora_expand.op import ROWS_TUNED, TUNED, launch_lora_expand  # noqa: E402
+from ditserve.kernels.lora_expand.reference import lora_expand_ref  # noqa: E402
+
+
+def rows(bm: int, bn: int, chunk: int, stages: int, warps: int) -> dict[str, int]:
+    return dict(ROWS=1, BLOCK_M=bm, BLOCK_N=bn, CHUNK=chunk, STAGES=stages, num_warps=warps)
+
+
+CANDIDATES = {
+    "rows 64x128 c4 s2 w4": rows(64, 128, 4, 2, 4),
+    "rows 64x128 c8 s3 w4": rows(64, 128, 8, 3, 4),
+    "rows 64x128 c8 s3 w8": rows(64, 128, 8, 3, 8),
+    "rows 128x128 c8 s3 w8": rows(128, 128, 8, 3, 8),
+    "rows 64x256 c4 s3 w8": rows(64, 256, 4, 3, 8),
+    "rows 64x128 c24 s3 w4": rows(64, 128, 24, 3, 4),
+    "rows 32x128 c8 s3 w4": rows(32, 128, 8, 3, 4),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--ranks", default="16,64,128")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    bw = copy_bandwidth()
+    lines = [
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s",
+        "",
+    ]
+    lines += ["| slices | rank | config | µs | % HBM | x one tile per program |", "|---|---|---|---|---|---|"]
+    for nsl, sizes in ((3, [3072] * 3), (4, [3072] * 3 + [12288])):
+        for rank in map(int, args.ranks.split(",")):
+            p = make_problem([(4608, i) for i in range(4)], rank, sizes)
+            m = p.meta
+            s = lora_shrink(p.x, p.a, m)
+            seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
+            want = p.y.clone()
+            lora_expand_ref(want, s, p.b, *seg[1:], sizes)
+            configs = {"one tile per program": TUNED[block_rank(rank)], **CANDIDATES}
+            configs[f"default ({ROWS_TUNED[block_rank(rank)]})"] = None
+            fns = {}
+            for name, cfg in configs.items():
+                y = p.y.clone()
+                launch_lora_expand(y, s, p.b, *seg, sizes, config=cfg)
+                if (y.float() - want.float()).abs().max().item() > 0.1:
+                    lines.append(f"| {nsl} | {rank} | {name} | WRONG | | |")
+                    continue
+                fns[name] = lambda cfg=cfg, p=p, s=s, seg=seg, sizes=sizes: launch_lora_expand(
+                    p.y, s, p.b, *seg, sizes, config=cfg
+                )
+            res = lk.interleaved(fns, args.rounds, 0.1)
+            floor_ms = p.expand_bytes() / bw * 1e3
+            for name, (ms, ratio) in res.items():
+                lines.append(
+                    f"| {nsl} | {rank} | {name} | {ms * 1e3:.1f} | {100 * floor_ms / ms:.0f}% | {ratio:.3f} |"
+                )
+            print("\n".join(lines[-len(res) :]), flush=True)
+            del p, s, want
+            torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "lora_expand_rows.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
