@@ -38,14 +38,16 @@ SHRINK_IN (TMA, LORA_IN_LOOP, no straddling row blocks): the launch computes s i
 block rb] = scale · x · A[g, slot]ᵀ for every slice g of a_desc (≥ the output slices: a group of linears
 on one input shares it), instead of reading one a separate shrink kernel wrote. A persistent grid of P
 programs over T tiles gives T mod P of them one tile more than the others; those start their first tile
-at once (its K loop needs no s) and wait for that tile's shrink unit only before its LoRA iteration. All
-the other programs first shrink: units (row block, slice) are claimed in order from an atomic counter, so
+at once (its K loop needs no s) and wait for that tile's shrink units only before its LoRA iteration. All
+the other programs first shrink: units (SHRINK_M rows of every slice in one dot where slices × rank ≤ 256,
+else of one slice; 128-column K steps where they fit) are claimed in order from an atomic counter, so
 a program only ever waits for a unit another running program has claimed (no deadlock, whatever the
 number of resident programs, and the interpreter's one-after-another programs shrink everything the
 first one needs). Each unit raises its flag (release) after its stores; before its tile loop every
 program claims what is left and waits until every unit is done (acquire), then fences the async proxy (s
 was stored through the generic proxy and is read through TMA). The tile loop itself is the one above. So
-the shrink's HBM-bound work fills the slots the last round of tiles leaves idle.
+the shrink's HBM-bound work goes into the slots the last round of tiles leaves idle (how much of it fits
+there: BENCHMARKS.md).
 """
 
 import triton
