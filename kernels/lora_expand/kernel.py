@@ -8,8 +8,9 @@ dot (one multiply per s element instead of per output), and y is read and writte
 
 `_lora_expand_rows_kernel` (y += delta only) — grid: (column chunks, token blocks). A program keeps its
 rows' scaled s in registers and walks a chunk of CHUNK column blocks of one slice: per block one B tile
-(from L2, pipelined as the dot's operand), one dot onto the y tile, one store; the next block's y tile is
-loaded before this block's dot, so its HBM latency overlaps the work. The one-tile-per-program kernel
+(from L2; a plain load: Triton 3.6 does not pipeline it in this loop nest, checked in the sm_90 PTX), one
+dot onto the y tile, one store; the next block's y tile is loaded before this block's dot, so its HBM
+latency overlaps the work. The one-tile-per-program kernel
 above reloads s for every y tile and waits for every load; at rank 64-128 that, not HBM, set its time.
 Rows of a token block that straddles segments are handled one segment at a time, each pass reading and
 writing only its own rows.
@@ -139,7 +140,6 @@ def _lora_expand_rows_kernel(
     blk1,  # first column block of slice 1 (= number of blocks when absent), likewise blk2, blk3
     blk2,
     blk3,
-    num_col_blocks,
     chk1,  # first chunk of slice 1 (= number of chunks when absent), likewise chk2, chk3
     chk2,
     chk3,
@@ -155,20 +155,19 @@ def _lora_expand_rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     CHUNK: tl.constexpr,  # column blocks per program (fewer at the end of a slice)
-    STAGES: tl.constexpr,  # pipeline stages of the column loop (B tiles)
+    STAGES: tl.constexpr,  # num_stages of the column loop (a tuning knob: its loads are not pipelined on sm_90)
     PRECISION: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
     pid_m = tl.program_id(1)
-    j = (pid_c >= chk1).to(tl.int32) + (pid_c >= chk2).to(tl.int32) + (pid_c >= chk3).to(tl.int32)
-    chk_lo = tl.where(j == 0, 0, tl.where(j == 1, chk1, tl.where(j == 2, chk2, chk3)))
-    blk_lo = tl.where(j == 0, 0, tl.where(j == 1, blk1, tl.where(j == 2, blk2, blk3)))
-    blk_hi = tl.where(j == 0, blk1, tl.where(j == 1, blk2, tl.where(j == 2, blk3, num_col_blocks)))
-    col_lo = tl.where(j == 0, 0, tl.where(j == 1, col1, tl.where(j == 2, col2, col3)))
-    col_hi = tl.where(j == 0, col1, tl.where(j == 1, col2, tl.where(j == 2, col3, n_total)))
-    first = (pid_c - chk_lo) * CHUNK  # this chunk's first block within slice j
-    num_blocks = tl.minimum(CHUNK, blk_hi - blk_lo - first)
-    n_first = col_lo + first * BLOCK_N
+    # this chunk's first column block (chunks are cut per slice like the blocks), then its slice and columns
+    js = (pid_c >= chk1).to(tl.int32) + (pid_c >= chk2).to(tl.int32) + (pid_c >= chk3).to(tl.int32)
+    chk_lo = tl.where(js == 0, 0, tl.where(js == 1, chk1, tl.where(js == 2, chk2, chk3)))
+    blk_lo = tl.where(js == 0, 0, tl.where(js == 1, blk1, tl.where(js == 2, blk2, blk3)))
+    j, n_first, col_hi = slice_columns(
+        blk_lo + (pid_c - chk_lo) * CHUNK, col1, col2, col3, n_total, blk1, blk2, blk3, BLOCK_N
+    )
+    num_blocks = tl.minimum(CHUNK, tl.cdiv(col_hi - n_first, BLOCK_N))
     n_end = n_first + num_blocks * BLOCK_N  # past this chunk's last column
 
     m0 = pid_m * BLOCK_M

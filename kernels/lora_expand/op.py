@@ -127,7 +127,7 @@ def launch_lora_expand(
         chks = column_chunks(blks, num_col_blocks, chunk)
         _lora_expand_rows_kernel[(chks[-1], -(-num_tokens // cfg["BLOCK_M"]))](
             y, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
-            num_tokens, rank_dim, *cols, y.shape[1], *blks, num_col_blocks, *chks[:3],
+            num_tokens, rank_dim, *cols, y.shape[1], *blks, *chks[:3],
             y.stride(0), y.stride(1), s.stride(0), s.stride(1), s.stride(2),
             b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2),
             BLOCK_R=block_r, CHUNK=chunk, STAGES=stages, PRECISION=precision, **cfg,

@@ -114,6 +114,17 @@ def _tma_k_tiles(ki, k_tiles, x, w, s_desc, b_desc, m0, n0, s_row, b_row, BLOCK_
 
 
 @triton.jit
+def _lora_loop(acc, s_desc, b_desc, s_row, b_row, lora_k, LORA_BK: tl.constexpr, PRECISION: tl.constexpr):
+    """acc += s[s_row.., :lora_k] · B[b_row.., :lora_k]ᵀ through TMA, LORA_BK rank columns per dot (a loop of
+    its own after a tile's K loop)."""
+    for ri in tl.range(0, tl.cdiv(lora_k, LORA_BK), num_stages=1):
+        a = s_desc.load([s_row, ri * LORA_BK])
+        wt = b_desc.load([b_row, ri * LORA_BK])
+        acc = tl.dot(a, wt.T, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _lora_epilogue(
     acc,
     seg_lo,
@@ -401,10 +412,8 @@ def _lora_gemm_kernel(
                     while tl.atomic_add(sync_ptr + unit, 0, sem="acquire", scope="gpu") == 0:
                         pass
                 _fence_proxy_async(pid, FENCE)
-                for ri in tl.range(0, tl.cdiv(lora_k, BLOCK_K), num_stages=1):
-                    a = s_desc.load([j * num_tokens + m0, ri * BLOCK_K])
-                    wt = b_desc.load([slot * n_total + n0, ri * BLOCK_K])
-                    acc = tl.dot(a, wt.T, acc, input_precision=PRECISION)
+                acc = _lora_loop(acc, s_desc, b_desc, j * num_tokens + m0, slot * n_total + n0, lora_k, BLOCK_K,
+                                 PRECISION)  # fmt: skip
             _store_tile(acc, y_ptr, y_desc, bias_ptr, m0, n0, offs_m, offs_n, n_mask, num_tokens, stride_yt,
                         stride_yn, BLOCK_M, BLOCK_N, HAS_BIAS, TMA_STORE, EPI_SUBTILE)  # fmt: skip
             tile_start = pid + num_programs
@@ -453,10 +462,8 @@ def _lora_gemm_kernel(
                 acc = tl.dot(a, wt.T, acc, input_precision=PRECISION)
             if LORA_AFTER:
                 if lora_here:
-                    for ri in tl.range(0, tl.cdiv(lora_k, LORA_BK), num_stages=1):
-                        a = s_desc.load([j * num_tokens + m0, ri * LORA_BK])
-                        wt = b_desc.load([slot * n_total + n0, ri * LORA_BK])
-                        acc = tl.dot(a, wt.T, acc, input_precision=PRECISION)
+                    acc = _lora_loop(acc, s_desc, b_desc, j * num_tokens + m0, slot * n_total + n0, lora_k,
+                                     LORA_BK, PRECISION)  # fmt: skip
         else:
             x_off = rows[:, None] * stride_xt
             w_off = cols[None, :] * stride_wn
