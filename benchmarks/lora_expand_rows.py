@@ -26,18 +26,24 @@ from ditserve.kernels.lora_expand.op import ROWS_TUNED, TUNED, launch_lora_expan
 from ditserve.kernels.lora_expand.reference import lora_expand_ref  # noqa: E402
 
 
-def rows(bm: int, bn: int, chunk: int, stages: int, warps: int) -> dict[str, int]:
-    return dict(ROWS=1, BLOCK_M=bm, BLOCK_N=bn, CHUNK=chunk, STAGES=stages, num_warps=warps)
+def rows(bm: int, bn: int, chunk: int, stages: int, warps: int, tma: int = 0) -> dict[str, int]:
+    """tma: 1 = B tiles through a TMA descriptor, 2 = y tiles of one-segment row blocks too."""
+    return dict(ROWS=1, BLOCK_M=bm, BLOCK_N=bn, CHUNK=chunk, STAGES=stages, num_warps=warps,
+                B_TMA=int(tma >= 1), Y_TMA=int(tma >= 2))  # fmt: skip
 
 
 CANDIDATES = {
-    "rows 64x128 c4 s2 w4": rows(64, 128, 4, 2, 4),
-    "rows 64x128 c8 s3 w4": rows(64, 128, 8, 3, 4),
     "rows 64x128 c8 s3 w8": rows(64, 128, 8, 3, 8),
-    "rows 128x128 c8 s3 w8": rows(128, 128, 8, 3, 8),
-    "rows 64x256 c4 s3 w8": rows(64, 256, 4, 3, 8),
-    "rows 64x128 c24 s3 w4": rows(64, 128, 24, 3, 4),
-    "rows 32x128 c8 s3 w4": rows(32, 128, 8, 3, 4),
+    "rows 64x128 c4 s2 w4 B tma": rows(64, 128, 4, 2, 4, 1),
+    "rows 64x128 c8 s3 w8 B tma": rows(64, 128, 8, 3, 8, 1),
+    "rows 128x128 c8 s3 w8 B tma": rows(128, 128, 8, 3, 8, 1),
+    "rows 64x128 c4 s3 w4 B+y tma": rows(64, 128, 4, 3, 4, 2),
+    "rows 64x128 c8 s3 w8 B+y tma": rows(64, 128, 8, 3, 8, 2),
+    "rows 64x128 c8 s4 w8 B+y tma": rows(64, 128, 8, 4, 8, 2),
+    "rows 64x128 c24 s3 w8 B+y tma": rows(64, 128, 24, 3, 8, 2),
+    "rows 128x128 c8 s3 w8 B+y tma": rows(128, 128, 8, 3, 8, 2),
+    "rows 128x128 c8 s2 w8 B+y tma": rows(128, 128, 8, 2, 8, 2),
+    "rows 64x256 c4 s3 w8 B+y tma": rows(64, 256, 4, 3, 8, 2),
 }
 
 

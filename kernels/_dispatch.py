@@ -36,3 +36,11 @@ def next_pow2(n: int) -> int:
 def block_rank(max_rank: int) -> int:
     """Rank tile: power of two, ≥ 16 because tl.dot needs K, N ≥ 16 on the GPU."""
     return max(16, next_pow2(max_rank))
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and row strides, and a unit inner stride."""
+    return all(
+        t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+        for t in tensors
+    )

@@ -151,11 +151,16 @@ def _lora_expand_rows_kernel(
     stride_bl,
     stride_bn,
     stride_br,
+    b_desc,  # B_TMA: B viewed as [max_loras · n_total, max_rank], a TensorDescriptor, block [BLOCK_N, BLOCK_R]
+    y_desc,  # Y_TMA: y as a TensorDescriptor, block [BLOCK_M, BLOCK_N]
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     CHUNK: tl.constexpr,  # column blocks per program (fewer at the end of a slice)
-    STAGES: tl.constexpr,  # num_stages of the column loop (a tuning knob: its loads are not pipelined on sm_90)
+    STAGES: tl.constexpr,  # num_stages of the column loop
+    B_TMA: tl.constexpr,  # B tiles through b_desc (pipelined TMA loads) instead of pointer loads
+    Y_TMA: tl.constexpr,  # (with B_TMA, every slice a multiple of BLOCK_N) y tiles of one-segment row blocks
+    # through y_desc
     PRECISION: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
@@ -192,26 +197,43 @@ def _lora_expand_rows_kernel(
             )
             s = tl.load(s_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
             b_rows = b_ptr + slot.to(tl.int64) * stride_bl + offs_r[:, None] * stride_br
+            b_first = slot * n_total + n_first
             a = (s * scale).to(b_ptr.dtype.element_ty)
-            cols = n_first + offs_n
-            y_next = tl.load(
-                y_rows + cols[None, :] * stride_yn,
-                mask=row_mask[:, None] & (cols < col_hi)[None, :],
-                other=0.0,
-            )
-            for i in tl.range(0, num_blocks, num_stages=STAGES):
-                cols = n_first + i * BLOCK_N + offs_n
-                c_mask = cols < col_hi
-                b = tl.load(
-                    b_rows + cols[None, :] * stride_bn, mask=r_mask[:, None] & c_mask[None, :], other=0.0
-                )
-                y_cur = y_next
-                nxt = cols + BLOCK_N
+            if Y_TMA and seg_lo == seg_hi:
+                # one segment holds every row: y tiles through TMA too (rows past the end are clipped)
+                for i in tl.range(0, num_blocks, num_stages=STAGES):
+                    n0 = n_first + i * BLOCK_N
+                    b = b_desc.load([b_first + i * BLOCK_N, 0]).T
+                    y_t = y_desc.load([m0, n0])
+                    acc = tl.dot(a, b, y_t.to(tl.float32), input_precision=PRECISION)
+                    y_desc.store([m0, n0], acc.to(y_ptr.dtype.element_ty))
+            else:
+                cols = n_first + offs_n
                 y_next = tl.load(
-                    y_rows + nxt[None, :] * stride_yn,
-                    mask=row_mask[:, None] & ((nxt < col_hi) & (nxt < n_end))[None, :],
+                    y_rows + cols[None, :] * stride_yn,
+                    mask=row_mask[:, None] & (cols < col_hi)[None, :],
                     other=0.0,
                 )
-                acc = tl.dot(a, b, y_cur.to(tl.float32), input_precision=PRECISION)
-                tl.store(y_rows + cols[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
-                         mask=row_mask[:, None] & c_mask[None, :])  # fmt: skip
+                for i in tl.range(0, num_blocks, num_stages=STAGES):
+                    cols = n_first + i * BLOCK_N + offs_n
+                    c_mask = cols < col_hi
+                    if B_TMA:
+                        # rows past the slice (or the slot) only reach masked-off columns; columns past the rank
+                        # meet zeros in s
+                        b = b_desc.load([b_first + i * BLOCK_N, 0]).T
+                    else:
+                        b = tl.load(
+                            b_rows + cols[None, :] * stride_bn,
+                            mask=r_mask[:, None] & c_mask[None, :],
+                            other=0.0,
+                        )
+                    y_cur = y_next
+                    nxt = cols + BLOCK_N
+                    y_next = tl.load(
+                        y_rows + nxt[None, :] * stride_yn,
+                        mask=row_mask[:, None] & ((nxt < col_hi) & (nxt < n_end))[None, :],
+                        other=0.0,
+                    )
+                    acc = tl.dot(a, b, y_cur.to(tl.float32), input_precision=PRECISION)
+                    tl.store(y_rows + cols[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
+                             mask=row_mask[:, None] & c_mask[None, :])  # fmt: skip

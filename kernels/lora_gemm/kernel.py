@@ -125,6 +125,20 @@ def _lora_loop(acc, s_desc, b_desc, s_row, b_row, lora_k, LORA_BK: tl.constexpr,
 
 
 @triton.jit
+def _lora_pre_load(s_ptr, b_ptr, j, rows, cols, slot, lora_here, lora_k, stride_ss, stride_st, stride_sr,
+                   stride_bl, stride_bn, stride_br, LORA_BK: tl.constexpr):  # fmt: skip
+    """LORA_PRE: the tile's s[j, rows, :LORA_BK] and B[slot, cols, :LORA_BK] as register loads (nothing moves
+    where lora_here is False); issued before the K loop, they are not waited for until the dot after it."""
+    offs_r = tl.arange(0, LORA_BK)
+    r_ok = offs_r < tl.where(lora_here, lora_k, 0)
+    s_ptrs = s_ptr + j * stride_ss + rows[:, None] * stride_st + offs_r[None, :] * stride_sr
+    s_pre = tl.load(s_ptrs, mask=r_ok[None, :], other=0.0, volatile=True)
+    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bl + cols[:, None] * stride_bn + offs_r[None, :] * stride_br
+    b_pre = tl.load(b_ptrs, mask=r_ok[None, :], other=0.0, volatile=True)
+    return s_pre, b_pre
+
+
+@triton.jit
 def _lora_epilogue(
     acc,
     seg_lo,
@@ -351,7 +365,9 @@ def _lora_gemm_kernel(
     STRADDLE: tl.constexpr,  # some row block may hold two segments (False: every segment starts at a
     # multiple of BLOCK_M, the pass over straddling tiles is left out)
     LORA_AFTER: tl.constexpr,  # USE_TMA: LoRA iterations in a loop of their own after the K loop (s pre-scaled)
-    LORA_BK: tl.constexpr,  # rank columns per LoRA iteration with LORA_AFTER
+    LORA_BK: tl.constexpr,  # rank columns per LoRA iteration with LORA_AFTER, of the loads with LORA_PRE
+    LORA_PRE: tl.constexpr,  # the tile's s and B (≤ LORA_BK rank columns) loaded into registers before the K
+    # loop, one dot after it (s pre-scaled)
     S_SCALED: tl.constexpr,  # s already holds scale · x · Aᵀ
     HAS_BIAS: tl.constexpr,
     TMA_STORE: tl.constexpr,  # y through a TMA store (every slice a multiple of BLOCK_N wide)
@@ -375,8 +391,8 @@ def _lora_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     # the per-segment LoRA epilogue after the K loop: for every tile (s unscaled), or only for tiles whose rows
     # straddle segments (LoRA iterations in or after the K loop, rows that may hold two segments)
-    EPILOGUE_ALL: tl.constexpr = HAS_LORA and not LORA_IN_LOOP and not LORA_AFTER
-    EPILOGUE_STRADDLE: tl.constexpr = LORA_AFTER or (LORA_IN_LOOP and STRADDLE)
+    EPILOGUE_ALL: tl.constexpr = HAS_LORA and not LORA_IN_LOOP and not LORA_AFTER and not LORA_PRE
+    EPILOGUE_STRADDLE: tl.constexpr = LORA_AFTER or ((LORA_IN_LOOP or LORA_PRE) and STRADDLE)
     tile_start = pid
     if SHRINK_IN:
         UNITS_PER_BLOCK: tl.constexpr = BLOCK_M // SHRINK_M  # shrink row blocks per tile row block
@@ -411,9 +427,14 @@ def _lora_gemm_kernel(
                         unit = unit * shrink_slices + j
                     while tl.atomic_add(sync_ptr + unit, 0, sem="acquire", scope="gpu") == 0:
                         pass
-                _fence_proxy_async(pid, FENCE)
-                acc = _lora_loop(acc, s_desc, b_desc, j * num_tokens + m0, slot * n_total + n0, lora_k, BLOCK_K,
-                                 PRECISION)  # fmt: skip
+                if LORA_PRE:
+                    s_pre, b_pre = _lora_pre_load(s_ptr, b_ptr, j, rows, cols, slot, slot >= 0, lora_k, stride_ss,
+                                                  stride_st, stride_sr, stride_bl, stride_bn, stride_br, LORA_BK)  # fmt: skip
+                    acc = tl.dot(s_pre, b_pre.T, acc, input_precision=PRECISION)
+                else:
+                    _fence_proxy_async(pid, FENCE)
+                    acc = _lora_loop(acc, s_desc, b_desc, j * num_tokens + m0, slot * n_total + n0, lora_k,
+                                     BLOCK_K, PRECISION)  # fmt: skip
             _store_tile(acc, y_ptr, y_desc, bias_ptr, m0, n0, offs_m, offs_n, n_mask, num_tokens, stride_yt,
                         stride_yn, BLOCK_M, BLOCK_N, HAS_BIAS, TMA_STORE, EPI_SUBTILE)  # fmt: skip
             tile_start = pid + num_programs
@@ -445,11 +466,14 @@ def _lora_gemm_kernel(
         # LoRA iterations of the K loop: only for a tile inside one segment with an adapter
         slot = 0
         lora_here = False
-        if LORA_IN_LOOP or LORA_AFTER:
+        if LORA_IN_LOOP or LORA_AFTER or LORA_PRE:
             slot = tl.load(seg_slot_ptr + seg_lo)
             lora_here = (seg_lo == seg_hi) & (slot >= 0)
             slot = tl.maximum(slot, 0)
 
+        if LORA_PRE:
+            s_pre, b_pre = _lora_pre_load(s_ptr, b_ptr, j, rows, cols, slot, lora_here, lora_k, stride_ss,
+                                          stride_st, stride_sr, stride_bl, stride_bn, stride_br, LORA_BK)  # fmt: skip
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if USE_TMA:
             # LoRA iterations of other tiles point past the last row: TMA fills zeros, moves no bytes
@@ -495,6 +519,8 @@ def _lora_gemm_kernel(
                     wt = tl.load(w_ptrs, mask=(kk + offs_k)[:, None] < k_lim, other=0.0)
                 acc = tl.dot(a, wt, acc, input_precision=PRECISION)
 
+        if LORA_PRE:
+            acc = tl.dot(s_pre, b_pre.T, acc, input_precision=PRECISION)
         if EPILOGUE_ALL or EPILOGUE_STRADDLE:
             # EPILOGUE_STRADDLE: rare, the tile's rows straddle segments; their LoRA terms one by one here
             if EPILOGUE_ALL or seg_lo != seg_hi:
