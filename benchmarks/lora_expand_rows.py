@@ -34,23 +34,22 @@ def rows(bm: int, bn: int, chunk: int, stages: int, warps: int, tma: int = 0) ->
 
 CANDIDATES = {
     "rows 64x128 c8 s3 w8": rows(64, 128, 8, 3, 8),
-    "rows 64x128 c4 s2 w4 B tma": rows(64, 128, 4, 2, 4, 1),
     "rows 64x128 c8 s3 w8 B tma": rows(64, 128, 8, 3, 8, 1),
-    "rows 128x128 c8 s3 w8 B tma": rows(128, 128, 8, 3, 8, 1),
     "rows 64x128 c4 s3 w4 B+y tma": rows(64, 128, 4, 3, 4, 2),
+    "rows 64x128 c8 s3 w4 B+y tma": rows(64, 128, 8, 3, 4, 2),
+    "rows 64x128 c4 s4 w4 B+y tma": rows(64, 128, 4, 4, 4, 2),
+    "rows 64x128 c4 s3 w8 B+y tma": rows(64, 128, 4, 3, 8, 2),
     "rows 64x128 c8 s3 w8 B+y tma": rows(64, 128, 8, 3, 8, 2),
-    "rows 64x128 c8 s4 w8 B+y tma": rows(64, 128, 8, 4, 8, 2),
-    "rows 64x128 c24 s3 w8 B+y tma": rows(64, 128, 24, 3, 8, 2),
     "rows 128x128 c8 s3 w8 B+y tma": rows(128, 128, 8, 3, 8, 2),
-    "rows 128x128 c8 s2 w8 B+y tma": rows(128, 128, 8, 2, 8, 2),
-    "rows 64x256 c4 s3 w8 B+y tma": rows(64, 256, 4, 3, 8, 2),
+    "rows 32x128 c8 s3 w4 B+y tma": rows(32, 128, 8, 3, 4, 2),
+    "rows 64x64 c8 s3 w4 B+y tma": rows(64, 64, 8, 3, 4, 2),
 }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
-    ap.add_argument("--ranks", default="16,64,128")
+    ap.add_argument("--ranks", default="16,32,64,128")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -73,7 +72,11 @@ def main() -> None:
             fns = {}
             for name, cfg in configs.items():
                 y = p.y.clone()
-                launch_lora_expand(y, s, p.b, *seg, sizes, config=cfg)
+                try:
+                    launch_lora_expand(y, s, p.b, *seg, sizes, config=cfg)
+                except Exception as e:  # out of shared memory
+                    lines.append(f"| {nsl} | {rank} | {name} | fail ({type(e).__name__}) | | |")
+                    continue
                 if (y.float() - want.float()).abs().max().item() > 0.1:
                     lines.append(f"| {nsl} | {rank} | {name} | WRONG | | |")
                     continue
