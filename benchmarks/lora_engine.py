@@ -62,10 +62,20 @@ from engine_vs_diffusers import (  # noqa: E402
     sync,
 )
 
+import ditserve.kernels.lora_expand.op as expand_op  # noqa: E402
 import ditserve.kernels.lora_linear.op as linear_op  # noqa: E402
 from ditserve.replica.engine import Engine  # noqa: E402
 from ditserve.replica.lora.loader import LoRAFile, LoRAModule  # noqa: E402
 from ditserve.replica.request import GenerationParams, LoRARef  # noqa: E402
+
+ROWS_TUNED = expand_op.ROWS_TUNED
+# the in-place expand's tiles before B and y went through TMA (--expand-ab)
+POINTER_ROWS = {
+    16: dict(ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=4, STAGES=2, num_warps=4),
+    32: dict(ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=4, STAGES=2, num_warps=4),
+    64: dict(ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=8),
+    128: dict(ROWS=1, BLOCK_M=128, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=8),
+}
 
 TARGETS = (
     "attn.to_q",
@@ -163,6 +173,11 @@ def main() -> None:
         help="engine rows: request i gets adapters a_i, a_i+1, ... (a style and a character); needs --no-peft",
     )
     parser.add_argument("--no-peft", action="store_true", help="skip the diffusers + PEFT rows")
+    parser.add_argument(
+        "--expand-ab",
+        action="store_true",
+        help="engine rows: also the fused and unfused modes with the in-place expand's earlier pointer tiles",
+    )
     parser.add_argument(
         "--compile", action="store_true", help="engine with --compile (regional torch.compile)"
     )
@@ -331,10 +346,14 @@ def main() -> None:
             # where the batch allows); the same with the shrink kernel launched first; with one shrink per
             # linear instead of one per group of linears on the same input; base GEMM + in-place expand
             modes = ("none", "fused", "two launches", "unshared", "inplace")
+            if args.expand_ab:  # the in-place expand with B and y through pointers (its tiles before TMA)
+                modes += ("fused, pointer expand", "inplace, pointer expand")
 
             def set_mode(mode: str, manager=manager) -> None:
-                manager.fused, manager.share_shrink = mode != "inplace", mode != "unshared"
+                manager.fused = not mode.startswith("inplace")
+                manager.share_shrink = mode != "unshared"
                 linear_op.SHRINK_IN = mode != "two launches"
+                expand_op.ROWS_TUNED = POINTER_ROWS if mode.endswith("pointer expand") else ROWS_TUNED
 
             for mode in modes:  # warm-up every path, then time them interleaved
                 set_mode(mode)
@@ -358,6 +377,7 @@ def main() -> None:
             del engine, manager
             free(device)
         base, lora = statistics.median(results["none"]), statistics.median(results["fused"])
+        ab = {mode: statistics.median(results[mode]) / base for mode in results if "pointer" in mode}
         inplace = statistics.median(results["inplace"])
         two = statistics.median(results["two launches"])
         unshared = statistics.median(results["unshared"])
@@ -384,6 +404,7 @@ def main() -> None:
                 "step_ms_lora_unshared": unshared * 1e3,
                 "ratio_unshared": unshared / base,
                 "load_s": load_s,
+                **{f"ratio_{mode}": r for mode, r in ab.items()},
                 "psnr_vs_peft_min": min(psnrs) if psnrs else None,
                 "device": dev,
                 "commit": sha,
@@ -392,7 +413,8 @@ def main() -> None:
         print(f"{label}: batch step {base * 1e3:.1f} ms no LoRA, {lora * 1e3:.1f} ms with {n} LoRAs "
               f"({lora / base:.3f}×), {two * 1e3:.1f} ms with the shrink kernel launched first ({two / base:.3f}×), "
               f"{unshared * 1e3:.1f} ms with a shrink per linear ({unshared / base:.3f}×), "
-              f"{inplace * 1e3:.1f} ms unfused ({inplace / base:.3f}×)", flush=True)  # fmt: skip
+              f"{inplace * 1e3:.1f} ms unfused ({inplace / base:.3f}×)"
+              + "".join(f", {mode} {r:.3f}×" for mode, r in ab.items()), flush=True)  # fmt: skip
 
     # ---- table ----------------------------------------------------------------------------------------
     engine_rows = {r["rank"]: r for r in rows if r["impl"] == "ditserve engine"}

@@ -33,16 +33,16 @@ def rows(bm: int, bn: int, chunk: int, stages: int, warps: int, tma: int = 0) ->
 
 
 CANDIDATES = {
-    "rows 64x128 c8 s3 w8": rows(64, 128, 8, 3, 8),
-    "rows 64x128 c8 s3 w8 B tma": rows(64, 128, 8, 3, 8, 1),
-    "rows 64x128 c4 s3 w4 B+y tma": rows(64, 128, 4, 3, 4, 2),
-    "rows 64x128 c8 s3 w4 B+y tma": rows(64, 128, 8, 3, 4, 2),
-    "rows 64x128 c4 s4 w4 B+y tma": rows(64, 128, 4, 4, 4, 2),
-    "rows 64x128 c4 s3 w8 B+y tma": rows(64, 128, 4, 3, 8, 2),
-    "rows 64x128 c8 s3 w8 B+y tma": rows(64, 128, 8, 3, 8, 2),
-    "rows 128x128 c8 s3 w8 B+y tma": rows(128, 128, 8, 3, 8, 2),
+    "rows 64x128 c8 s3 w8 (pointers)": rows(64, 128, 8, 3, 8),
+    "rows 64x128 c4 s2 w4 (pointers)": rows(64, 128, 4, 2, 4),
     "rows 32x128 c8 s3 w4 B+y tma": rows(32, 128, 8, 3, 4, 2),
-    "rows 64x64 c8 s3 w4 B+y tma": rows(64, 64, 8, 3, 4, 2),
+    "rows 64x128 c8 s3 w4 B+y tma": rows(64, 128, 8, 3, 4, 2),
+    "rows 128x128 c8 s3 w8 B+y tma": rows(128, 128, 8, 3, 8, 2),
+    "rows 128x128 c16 s3 w8 B+y tma": rows(128, 128, 16, 3, 8, 2),
+    "rows 128x64 c16 s3 w8 B+y tma": rows(128, 64, 16, 3, 8, 2),
+    "rows 128x64 c16 s4 w4 B+y tma": rows(128, 64, 16, 4, 4, 2),
+    "rows 256x64 c16 s3 w8 B+y tma": rows(256, 64, 16, 3, 8, 2),
+    "rows 256x64 c8 s2 w8 B+y tma": rows(256, 64, 8, 2, 8, 2),
 }
 
 

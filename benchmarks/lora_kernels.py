@@ -320,10 +320,10 @@ FUSED_SWEEP: dict[str, dict[str, int]] = {
     "shrink K 64 4 stages": {"SHRINK_K": 64, "SHRINK_STAGES": 4},
     "shrink units of 32 rows 5 stages": {"SHRINK_M": 32, "SHRINK_STAGES": 5},
     "shrink units of 128 rows K 128": {"SHRINK_M": 128, "SHRINK_K": 128, "SHRINK_STAGES": 3},
-    # the LoRA tiles loaded ahead of the K loop, one rank-wide dot after it (ranks ≤ 32; the TMA store in two
-    # pieces leaves room for their buffers); "store in two pieces" is the same store without them
-    "LoRA loaded ahead": {"LORA_LOOP": 3, "TMA_STORE": 2},
+    # y's TMA store in two [128, 128] pieces instead of one [128, 256] (32 KB less shared memory)
     "store in two pieces": {"TMA_STORE": 2},
+    # three slices' shrink units as dots of 2 and 1 slices instead of one padded to 4
+    "shrink split dots": {"SHRINK_WIDE": 2},
 }
 
 

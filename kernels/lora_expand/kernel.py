@@ -7,13 +7,14 @@ touching its BLOCK_M tokens; s rows of other segments load as zero. The scale is
 dot (one multiply per s element instead of per output), and y is read and written once per tile.
 
 `_lora_expand_rows_kernel` (y += delta only) — grid: (column chunks, token blocks). A program keeps its
-rows' scaled s in registers and walks a chunk of CHUNK column blocks of one slice: per block one B tile
-(from L2; a plain load: Triton 3.6 does not pipeline it in this loop nest, checked in the sm_90 PTX), one
-dot onto the y tile, one store; the next block's y tile is loaded before this block's dot, so its HBM
-latency overlaps the work. The one-tile-per-program kernel
-above reloads s for every y tile and waits for every load; at rank 64-128 that, not HBM, set its time.
-Rows of a token block that straddles segments are handled one segment at a time, each pass reading and
-writing only its own rows.
+rows' scaled s in registers and walks a chunk of CHUNK column blocks of one slice: per block one B tile, one
+dot onto the y tile, one store. B_TMA: the B tiles come through a TMA descriptor, which Triton pipelines
+STAGES deep (as plain loads from L2 they were not pipelined, and at ranks 64-128 their latency set the time);
+Y_TMA: in a row block that lies inside one segment the y tiles are loaded and stored through a descriptor
+too, so the loop is a pipelined TMA stream. Otherwise (pointers, or a row block that straddles segments,
+handled one segment at a time, each pass reading and writing only its own rows) the next block's y tile is
+loaded before this block's dot. The one-tile-per-program kernel above reloads s for every y tile and waits
+for every load.
 """
 
 import triton

@@ -18,14 +18,15 @@ TUNED: dict[int, dict[str, int]] = {
 
 
 # y += delta (no bias): the row-stationary kernel, BLOCK_R -> tiles (ROWS=1 selects it; CHUNK column blocks
-# per program, STAGES of its column loop). H200, 4x4608 tokens, 3 and 4 slices, interleaved against the
-# kernel above (BENCHMARKS.md): 84-87 % of the HBM floor at rank 16 (was 75-77 %), 64 % at 64 (49-50 %),
-# 42 % at 128 (25 %). Rank 32 was not measured; it takes rank 16's tiles.
+# per program, STAGES of its column loop; B_TMA: B tiles through a TMA descriptor, pipelined; Y_TMA: so are the
+# y tiles of row blocks inside one segment, where the slices are whole column blocks). H200, 4x4608 tokens, 3
+# and 4 slices, interleaved (BENCHMARKS.md): 90-92 % of the HBM floor at ranks 16 and 32, 86-89 % at 64,
+# 71 % at 128 (pointer loads: 84-86 %, 67-68 %, 63-64 %, 41 %).
 ROWS_TUNED: dict[int, dict[str, int]] = {
-    16: dict(ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=4, STAGES=2, num_warps=4),
-    32: dict(ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=4, STAGES=2, num_warps=4),
-    64: dict(ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=8),
-    128: dict(ROWS=1, BLOCK_M=128, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=8),
+    16: dict(ROWS=1, BLOCK_M=32, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1),
+    32: dict(ROWS=1, BLOCK_M=32, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1),
+    64: dict(ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1),
+    128: dict(ROWS=1, BLOCK_M=128, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=8, B_TMA=1, Y_TMA=1),
 }
 
 

@@ -16,13 +16,12 @@ MAX_SLICES = 4
 # tiles), TMA (x, W, s and B through TensorDescriptors), FLATTEN (tile and K loops flattened into one
 # pipelined loop), WS (warp-specialised loop), LORA_LOOP (with a pre-scaled s: 1 = the LoRA term as extra
 # iterations of the K loop; 2 = a loop of its own after the K loop, LORA_BK rank columns per iteration
-# (TMA only; through pointers it runs as 0); 3 = the tile's s and B loaded into registers before the K loop
-# and one dot of the rank's width after it (ranks ≤ MAX_PRE_RANK, else 1); 0 = after the loop in the
-# epilogue, R_CHUNK rank columns per dot), TMA_STORE (with TMA and slices that are whole multiples of BLOCK_N: y through a TMA store in 1 or 2
+# (TMA only; through pointers it runs as 0); 0 = after the loop in the epilogue, R_CHUNK rank columns per
+# dot), TMA_STORE (with TMA and slices that are whole multiples of BLOCK_N: y through a TMA store in 1 or 2
 # column pieces; 0 = a masked pointer store). With the shrink inside the launch (a_stacked given):
 # SHRINK_IN (0: not allowed, `shrink_in_ok`), SHRINK_M (rows per shrink unit, default 64), SHRINK_K (hidden
 # columns per step of its K loop: 128 where 5 stages fit SHRINK_SMEM, else BLOCK_K), SHRINK_WIDE (0: one unit
-# per slice even where all slices fit one dot), SHRINK_STAGES (its K loop's stages: 5 with 128-column steps,
+# per slice even where all slices fit one dot; 2: three slices as two dots of 2 and 1 slices, no padding), SHRINK_STAGES (its K loop's stages: 5 with 128-column steps,
 # else 4).
 # benchmarks/lora_kernels.py --qkv-only --sweep-gemm overrides this table.
 TUNED: dict[str, dict[str, int]] = {
@@ -42,9 +41,6 @@ DEFAULTS = dict(
     GROUP_M=8, PERSISTENT=0, TMA=0, FLATTEN=0, WS=0, LORA_LOOP=1, R_CHUNK=16, TMA_STORE=0, SHRINK_IN=1
 )
 MAX_LORA_BK = 64  # LORA_LOOP=2: widest LoRA iteration (rank 128 takes two)
-# LORA_LOOP=3: widest rank loaded ahead; Triton's pipeliner gives its s and B tiles a shared-memory buffer per
-# stage (sm_90, 128×256 tiles, 3 stages: rank 16 fits next to a TMA store in two pieces, 64 does not)
-MAX_PRE_RANK = 32
 MAX_WIDE_SHRINK = 256  # SHRINK_IN: widest shrink dot (slices × rank columns); wider ones go slice by slice
 SHRINK_SMEM = (
     160 * 1024
@@ -130,7 +126,7 @@ def resolve_config(
     if config:
         return {**DEFAULTS, **config}
     cfg = gemm_config(num_tokens, n_total)
-    if lora_in_loop and cfg["FLATTEN"] and cfg["LORA_LOOP"] in (1, 3) and seg_align % cfg["BLOCK_M"]:
+    if lora_in_loop and cfg["FLATTEN"] and cfg["LORA_LOOP"] == 1 and seg_align % cfg["BLOCK_M"]:
         cfg = {**cfg, "FLATTEN": 0}
     return cfg
 
@@ -149,10 +145,7 @@ def shrink_in_ok(
     if not use_triton(x) or x.shape[0] == 0 or x.shape[1] == 0 or a_stacked.shape[0] > MAX_SLICES:
         return False
     cfg = resolve_config(config, x.shape[0], weight.shape[0], True, seg_align)
-    if (
-        not (cfg["TMA"] and cfg["LORA_LOOP"] in (1, 3) and cfg.get("SHRINK_IN", 1))
-        or seg_align % cfg["BLOCK_M"]
-    ):
+    if not (cfg["TMA"] and cfg["LORA_LOOP"] == 1 and cfg.get("SHRINK_IN", 1)) or seg_align % cfg["BLOCK_M"]:
         return False
     es = x.element_size()
     b_ok = b_stacked.is_contiguous() and b_stacked.shape[2] * es % 16 == 0 and b_stacked.data_ptr() % 16 == 0
@@ -263,12 +256,10 @@ def launch_lora_gemm(
     grid = min(num_tiles, num_programs_limit(x.device)) if cfg["PERSISTENT"] else num_tiles
     rank_dim = min(s.shape[2], b_stacked.shape[2])  # columns past the largest slot rank are never needed
     has_lora = rank_dim > 0
-    # LORA_LOOP=3 takes ranks up to MAX_PRE_RANK (its tiles are buffered per pipeline stage); above, 1
-    lora_pre = has_lora and s_scaled and cfg["LORA_LOOP"] == 3 and rank_dim <= MAX_PRE_RANK
-    lora_in_loop = has_lora and s_scaled and (cfg["LORA_LOOP"] == 1 or cfg["LORA_LOOP"] == 3 and not lora_pre)
+    lora_in_loop = has_lora and s_scaled and cfg["LORA_LOOP"] == 1
     # LORA_LOOP=2 is a TMA loop; through pointers the epilogue does the same work (LORA_LOOP=0)
     lora_after = has_lora and s_scaled and cfg["LORA_LOOP"] == 2 and bool(cfg["TMA"])
-    lora_bk = lora_block_k(rank_dim) if lora_after or lora_pre else bk
+    lora_bk = lora_block_k(rank_dim) if lora_after else bk
     use_tma = bool(cfg["TMA"]) and hidden > 0 and tma_ok(x, weight)
     s_desc = b_desc = s  # placeholders where the kernel reads no descriptor
     if use_tma:
@@ -293,24 +284,32 @@ def launch_lora_gemm(
     if tma_store:
         y_desc = TensorDescriptor.from_tensor(y, [bm, bn // subtile])
     xs_desc, a_desc, sync, shrink_r, shrink_m, shrink_k, wide_g, shrink_stages = x_arg, s, s, 16, bm, bk, 1, 1
+    a2_desc, wide_g2 = s, 0
     if shrink_in:
-        assert use_tma and (lora_in_loop or lora_pre) and seg_align % bm == 0, "SHRINK_IN: see shrink_in_ok"
+        assert use_tma and lora_in_loop and seg_align % bm == 0, "SHRINK_IN: see shrink_in_ok"
         g, max_loras, a_rows, _ = a_stacked.shape
         shrink_r = max(16, next_pow2(s.shape[2]))
         shrink_m = min(cfg.get("SHRINK_M", 64), bm)
-        # one unit per row block for every slice where the slices side by side fit one dot
+        # one unit per row block for every slice where the slices side by side fit one dot; SHRINK_WIDE=2:
+        # three slices as dots of 2 and 1 (no padding slice)
         wide = cfg.get("SHRINK_WIDE", 1) and next_pow2(g) * shrink_r <= MAX_WIDE_SHRINK
         wide_g = next_pow2(g) if wide else 1
+        wide_g2 = 0
+        if wide and g == 3 and cfg.get("SHRINK_WIDE", 1) == 2:
+            wide_g, wide_g2 = 2, 1
         # one program per SM shrinks (the shrink kernel runs two or three): it keeps more of x in flight
         # with 128-column steps where 5 stages of them fit SHRINK_SMEM
-        wide_k = (shrink_m + wide_g * shrink_r) * 128 * x.element_size() * 5 <= SHRINK_SMEM
+        wide_k = (shrink_m + (wide_g + wide_g2) * shrink_r) * 128 * x.element_size() * 5 <= SHRINK_SMEM
         shrink_k = cfg.get("SHRINK_K", 128 if wide_k else bk)
         shrink_stages = cfg.get("SHRINK_STAGES", 5 if shrink_k == 128 and wide_k else 4)
         xs_desc = TensorDescriptor.from_tensor(x, [shrink_m, shrink_k])
         if wide_g > 1:
-            a_desc = TensorDescriptor(
-                a_stacked, [g, max_loras * a_rows, hidden], [max_loras * a_rows * hidden, hidden, 1],
-                [wide_g, shrink_r, shrink_k],
+            a_desc, a2_desc = (
+                TensorDescriptor(
+                    a_stacked, [g, max_loras * a_rows, hidden], [max_loras * a_rows * hidden, hidden, 1],
+                    [wg, shrink_r, shrink_k],
+                )
+                for wg in (wide_g, max(wide_g2, 1))
             )  # fmt: skip
         else:
             rows = g * max_loras * a_rows
@@ -324,14 +323,14 @@ def launch_lora_gemm(
         s.shape[0] * num_tokens, b_stacked.shape[0] * n_total,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
         s.stride(0), s.stride(1), s.stride(2), b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2),
-        xs_desc, a_desc, sync, s.shape[0], b_stacked.shape[0], a_stacked.shape[2] if shrink_in else 0, s.shape[2],
+        xs_desc, a_desc, a2_desc, sync, s.shape[0], b_stacked.shape[0], a_stacked.shape[2] if shrink_in else 0, s.shape[2],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, R_CHUNK=cfg["R_CHUNK"], GROUP_M=cfg["GROUP_M"],
         USE_TMA=use_tma, FLATTEN=bool(cfg["FLATTEN"]), WARP_SPECIALIZE=bool(cfg["WS"]),
         EVEN_K=hidden % bk == 0, COL_ALIGN=col_align, HAS_LORA=has_lora, LORA_IN_LOOP=lora_in_loop,
         STRADDLE=seg_align % bm != 0,
-        LORA_AFTER=lora_after, LORA_BK=lora_bk, LORA_PRE=lora_pre, S_SCALED=s_scaled, HAS_BIAS=bias is not None,
+        LORA_AFTER=lora_after, LORA_BK=lora_bk, S_SCALED=s_scaled, HAS_BIAS=bias is not None,
         TMA_STORE=tma_store, EPI_SUBTILE=subtile if tma_store else 1, SHRINK_IN=shrink_in, SHRINK_R=shrink_r,
-        SHRINK_M=shrink_m, SHRINK_K=shrink_k, WIDE_G=wide_g, SHRINK_STAGES=shrink_stages,
+        SHRINK_M=shrink_m, SHRINK_K=shrink_k, WIDE_G=wide_g, WIDE_G2=wide_g2, SHRINK_STAGES=shrink_stages,
         FENCE=x.is_cuda, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
