@@ -322,8 +322,6 @@ FUSED_SWEEP: dict[str, dict[str, int]] = {
     "shrink units of 128 rows K 128": {"SHRINK_M": 128, "SHRINK_K": 128, "SHRINK_STAGES": 3},
     # y's TMA store in two [128, 128] pieces instead of one [128, 256] (32 KB less shared memory)
     "store in two pieces": {"TMA_STORE": 2},
-    # three slices' shrink units as dots of 2 and 1 slices instead of one padded to 4
-    "shrink split dots": {"SHRINK_WIDE": 2},
 }
 
 

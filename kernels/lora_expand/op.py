@@ -21,12 +21,12 @@ TUNED: dict[int, dict[str, int]] = {
 # per program, STAGES of its column loop; B_TMA: B tiles through a TMA descriptor, pipelined; Y_TMA: so are the
 # y tiles of row blocks inside one segment, where the slices are whole column blocks). H200, 4x4608 tokens, 3
 # and 4 slices, interleaved (BENCHMARKS.md): 90-92 % of the HBM floor at ranks 16 and 32, 86-89 % at 64,
-# 71 % at 128 (pointer loads: 84-86 %, 67-68 %, 63-64 %, 41 %).
+# 72-78 % at 128 (the pointer tiles before: 84-86 %, 67-68 %, 58-64 %, 37-42 %).
 ROWS_TUNED: dict[int, dict[str, int]] = {
     16: dict(ROWS=1, BLOCK_M=32, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1),
     32: dict(ROWS=1, BLOCK_M=32, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1),
     64: dict(ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1),
-    128: dict(ROWS=1, BLOCK_M=128, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=8, B_TMA=1, Y_TMA=1),
+    128: dict(ROWS=1, BLOCK_M=128, BLOCK_N=128, CHUNK=16, STAGES=3, num_warps=8, B_TMA=1, Y_TMA=1),
 }
 
 
