@@ -455,6 +455,11 @@ def main() -> None:
                 f"{r['step_ms_lora_inplace']:.1f} | {r['ratio_inplace']:.3f}× | "
                 f"{r['step_ms_lora_inplace'] / r['step_ms_lora']:.3f}× | — |"
             )
+            for key in (k for k in r if k.startswith("ratio_") and k.endswith("pointer expand")):
+                lines.append(
+                    f"| {size} | ditserve engine, {n} LoRAs, {key[6:]} | {r['rank']} | {n} × {n} | — | "
+                    f"{r[key] * r['step_ms_no_lora']:.1f} | {r[key]:.3f}× | {r[key] / r['ratio']:.3f}× | — |"
+                )
         else:
             same = engine_rows.get(r["rank"])
             lora_ref = same["step_ms_lora"] if same else None
