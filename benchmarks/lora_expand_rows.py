@@ -43,6 +43,9 @@ CANDIDATES = {
     "rows 128x64 c16 s4 w4 B+y tma": rows(128, 64, 16, 4, 4, 2),
     "rows 256x64 c16 s3 w8 B+y tma": rows(256, 64, 16, 3, 8, 2),
     "rows 256x64 c8 s2 w8 B+y tma": rows(256, 64, 8, 2, 8, 2),
+    "rows 128x128 c24 s3 w8 B+y tma": rows(128, 128, 24, 3, 8, 2),
+    "rows 128x64 c32 s4 w8 B+y tma": rows(128, 64, 32, 4, 8, 2),
+    "rows 256x64 c24 s3 w8 B+y tma": rows(256, 64, 24, 3, 8, 2),
 }
 
 
