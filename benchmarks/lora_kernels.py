@@ -322,9 +322,6 @@ FUSED_SWEEP: dict[str, dict[str, int]] = {
     "shrink units of 128 rows K 128": {"SHRINK_M": 128, "SHRINK_K": 128, "SHRINK_STAGES": 3},
     # y's TMA store in two [128, 128] pieces instead of one [128, 256] (32 KB less shared memory)
     "store in two pieces": {"TMA_STORE": 2},
-    # 32-column K steps: the rank-16 LoRA iteration is 32 wide instead of 64 (1 of 97 steps instead of 49)
-    "K steps of 32, 5 stages": {"BLOCK_K": 32, "num_stages": 5},
-    "K steps of 32, 6 stages": {"BLOCK_K": 32, "num_stages": 6},
 }
 
 
