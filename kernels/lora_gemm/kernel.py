@@ -205,30 +205,14 @@ def _store_tile(acc, y_ptr, y_desc, bias_ptr, m0, n0, offs_m, offs_n, n_mask, nu
 
 
 @triton.jit
-def _store_s(acc, g0, offs_m, rank, s_ptr, num_tokens, shrink_slices, s_cols, stride_ss, stride_st, stride_sr,
-             SHRINK_R: tl.constexpr, WIDTH: tl.constexpr):  # fmt: skip
-    """s[g0 + c // SHRINK_R, offs_m, c % SHRINK_R] = acc[:, c] for the WIDTH columns c of acc; columns past the
-    rank (A rows of the next slot, or zeros) are stored as zeros, slices past the last are left out."""
-    offs_c = tl.arange(0, WIDTH)
-    g = g0 + offs_c // SHRINK_R
-    r = offs_c % SHRINK_R
-    acc = tl.where(r[None, :] < rank, acc, 0.0)
-    s_ptrs = s_ptr + g.to(tl.int64)[None, :] * stride_ss + offs_m.to(tl.int64)[:, None] * stride_st
-    s_ptrs += r[None, :] * stride_sr
-    tl.store(s_ptrs, acc.to(s_ptr.dtype.element_ty),
-             mask=(offs_m < num_tokens)[:, None] & ((r < s_cols) & (g < shrink_slices))[None, :])  # fmt: skip
-
-
-@triton.jit
-def _shrink_unit(u, xs, a_desc, a2_desc, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr,
-                 num_tokens, hidden, shrink_slices, max_loras, a_rows, s_cols, stride_ss, stride_st, stride_sr,
+def _shrink_unit(u, xs, a_desc, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens,
+                 hidden, shrink_slices, max_loras, a_rows, s_cols, stride_ss, stride_st, stride_sr,
                  SHRINK_M: tl.constexpr, SHRINK_K: tl.constexpr, SHRINK_R: tl.constexpr, WIDE_G: tl.constexpr,
-                 WIDE_G2: tl.constexpr, SHRINK_STAGES: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                 SHRINK_STAGES: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """Shrink unit u: s[g, rows, :s_cols] = scale · x[rows] · A[g, slot, :rank]ᵀ for SHRINK_M rows (one
     segment's), zeros past the rank and for rows without an adapter. WIDE_G > 1: u is a row block and one
-    dot per K step covers slices 0..WIDE_G-1 (A through a 3-D box [WIDE_G, SHRINK_R, SHRINK_K], slices past
-    the last read as zeros), and with WIDE_G2 > 0 a second dot slices WIDE_G..WIDE_G+WIDE_G2-1 (a2_desc: three
-    slices as 2 + 1 instead of a padded 4); WIDE_G == 1: u = (row block, slice)."""
+    dot per K step covers every slice (A through a 3-D box [WIDE_G, SHRINK_R, SHRINK_K], slices past the last
+    read as zeros); WIDE_G == 1: u = (row block, slice)."""
     if WIDE_G > 1:
         rb = u
         g0 = 0
@@ -241,36 +225,32 @@ def _shrink_unit(u, xs, a_desc, a2_desc, s_ptr, token_seg_ptr, seg_slot_ptr, seg
     rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
     rank = tl.where(slot >= 0, rank, 0)
     offs_m = m0 + tl.arange(0, SHRINK_M)
+    offs_c = tl.arange(0, WIDE_G * SHRINK_R)
     acc = tl.zeros((SHRINK_M, WIDE_G * SHRINK_R), dtype=tl.float32)
-    acc2 = tl.zeros((SHRINK_M, max(WIDE_G2, 1) * SHRINK_R), dtype=tl.float32)
     if rank > 0:
         for ki in tl.range(0, tl.cdiv(hidden, SHRINK_K), num_stages=SHRINK_STAGES):
             xt = xs.load([m0, ki * SHRINK_K])
             if WIDE_G > 1:
                 at = tl.reshape(a_desc.load([0, slot * a_rows, ki * SHRINK_K]), (WIDE_G * SHRINK_R, SHRINK_K))
-                if WIDE_G2 > 0:
-                    at2 = a2_desc.load([WIDE_G, slot * a_rows, ki * SHRINK_K])
-                    at2 = tl.reshape(at2, (WIDE_G2 * SHRINK_R, SHRINK_K))
-                    acc2 = tl.dot(xt, at2.T, acc2, input_precision=PRECISION)
             else:
                 at = a_desc.load([(g0 * max_loras + slot) * a_rows, ki * SHRINK_K])
             acc = tl.dot(xt, at.T, acc, input_precision=PRECISION)
-        scale = tl.load(seg_scale_ptr + seg)
-        acc = acc * scale
-        acc2 = acc2 * scale
-    _store_s(acc, g0, offs_m, rank, s_ptr, num_tokens, shrink_slices, s_cols, stride_ss, stride_st, stride_sr,
-             SHRINK_R, WIDE_G * SHRINK_R)  # fmt: skip
-    if WIDE_G2 > 0:
-        _store_s(acc2, WIDE_G, offs_m, rank, s_ptr, num_tokens, shrink_slices, s_cols, stride_ss, stride_st,
-                 stride_sr, SHRINK_R, WIDE_G2 * SHRINK_R)  # fmt: skip
+        acc = acc * tl.load(seg_scale_ptr + seg)
+    g = g0 + offs_c // SHRINK_R
+    r = offs_c % SHRINK_R
+    # A rows past the rank belong to the next slot (or are zeros): drop them
+    acc = tl.where(r[None, :] < rank, acc, 0.0)
+    s_ptrs = s_ptr + g.to(tl.int64)[None, :] * stride_ss + offs_m.to(tl.int64)[:, None] * stride_st
+    s_ptrs += r[None, :] * stride_sr
+    tl.store(s_ptrs, acc.to(s_ptr.dtype.element_ty),
+             mask=(offs_m < num_tokens)[:, None] & ((r < s_cols) & (g < shrink_slices))[None, :])  # fmt: skip
 
 
 @triton.jit
-def _shrink_claimed(need, num_units, sync_ptr, xs, a_desc, a2_desc, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
+def _shrink_claimed(need, num_units, sync_ptr, xs, a_desc, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
                     slot_rank_ptr, num_tokens, hidden, shrink_slices, max_loras, a_rows, s_cols, stride_ss,
                     stride_st, stride_sr, SHRINK_M: tl.constexpr, SHRINK_K: tl.constexpr, SHRINK_R: tl.constexpr,
-                    WIDE_G: tl.constexpr, WIDE_G2: tl.constexpr, SHRINK_STAGES: tl.constexpr,
-                    PRECISION: tl.constexpr):  # fmt: skip
+                    WIDE_G: tl.constexpr, SHRINK_STAGES: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """Claim shrink units in order and run them until one at or past `need` is claimed (need = num_units - 1:
     until none is left). sync_ptr: a flag per unit, then the claim counter, then the done counter."""
     claim_ptr = sync_ptr + num_units
@@ -278,10 +258,9 @@ def _shrink_claimed(need, num_units, sync_ptr, xs, a_desc, a2_desc, s_ptr, token
     while go:
         u = tl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
         if u < num_units:
-            _shrink_unit(u, xs, a_desc, a2_desc, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr,
+            _shrink_unit(u, xs, a_desc, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr,
                          num_tokens, hidden, shrink_slices, max_loras, a_rows, s_cols, stride_ss, stride_st,
-                         stride_sr, SHRINK_M, SHRINK_K, SHRINK_R, WIDE_G, WIDE_G2, SHRINK_STAGES,
-                         PRECISION)  # fmt: skip
+                         stride_sr, SHRINK_M, SHRINK_K, SHRINK_R, WIDE_G, SHRINK_STAGES, PRECISION)  # fmt: skip
             tl.debug_barrier()  # every thread's s stores precede the release
             tl.atomic_xchg(sync_ptr + u, 1, sem="release", scope="gpu")
             tl.atomic_add(claim_ptr + 1, 1, sem="release", scope="gpu")
@@ -352,9 +331,7 @@ def _lora_gemm_kernel(
     xs,  # SHRINK_IN: x as a TensorDescriptor with block [SHRINK_M, SHRINK_K]
     a_desc,  # SHRINK_IN: A as [shrink_slices, max_loras · a_rows, hidden], block [WIDE_G, SHRINK_R, SHRINK_K]
     # (WIDE_G > 1), or as [shrink_slices · max_loras · a_rows, hidden], block [SHRINK_R, SHRINK_K]
-    a2_desc,  # SHRINK_IN with WIDE_G2 > 0: A as for a_desc, block [WIDE_G2, SHRINK_R, SHRINK_K]
     sync_ptr,  # SHRINK_IN: int32 [shrink units + 2], zero at launch (see _shrink_claimed)
-    park_ptr,  # SHRINK_IN with PARK: fp32 [programs with a tile more, BLOCK_M · BLOCK_N]
     shrink_slices,  # SHRINK_IN: slices of s the launch computes (≥ the output slices)
     max_loras,
     a_rows,  # rows of A per (slice, slot): its max rank
@@ -384,9 +361,7 @@ def _lora_gemm_kernel(
     SHRINK_M: tl.constexpr,  # SHRINK_IN: rows per shrink unit (divides BLOCK_M)
     SHRINK_K: tl.constexpr,  # SHRINK_IN: hidden columns per step of the shrink's K loop
     WIDE_G: tl.constexpr,  # SHRINK_IN: slices per shrink unit (1, or every slice rounded up to a power of two)
-    WIDE_G2: tl.constexpr,  # SHRINK_IN: slices of a unit's second dot (0: none; 1 for three slices as 2 + 1)
     SHRINK_STAGES: tl.constexpr,  # SHRINK_IN: pipeline stages of the shrink's K loop
-    PARK: tl.constexpr,  # SHRINK_IN: a first tile's accumulator waits in park_ptr while its program shrinks
     FENCE: tl.constexpr,  # SHRINK_IN on a GPU: fence the async proxy before TMA reads of s
     PRECISION: tl.constexpr,
 ):
@@ -420,23 +395,16 @@ def _lora_gemm_kernel(
                 wt = w.load([n0, ki * BLOCK_K])
                 acc = tl.dot(a, wt.T, acc, input_precision=PRECISION)
             slot = tl.load(seg_slot_ptr + tl.load(token_seg_ptr + m0))
-            if PARK:
-                # the accumulator waits in global memory (L2) while this program shrinks: the shrink's registers
-                # do not come on top of it
-                park = park_ptr + pid.to(tl.int64) * (BLOCK_M * BLOCK_N)
-                park += tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                tl.store(park, acc)
-                tl.debug_barrier()
             if slot >= 0:
                 # the units of this tile's rows (and slice): claim up to the last of them, then wait for each
                 rb0 = pid_m * UNITS_PER_BLOCK
                 last = tl.minimum(rb0 + UNITS_PER_BLOCK, tl.cdiv(num_tokens, SHRINK_M)) - 1
                 if WIDE_G == 1:
                     last = last * shrink_slices + j
-                _shrink_claimed(last, num_units, sync_ptr, xs, a_desc, a2_desc, s_ptr, token_seg_ptr, seg_slot_ptr,
+                _shrink_claimed(last, num_units, sync_ptr, xs, a_desc, s_ptr, token_seg_ptr, seg_slot_ptr,
                                 seg_scale_ptr, slot_rank_ptr, num_tokens, hidden, shrink_slices, max_loras, a_rows,
                                 s_cols, stride_ss, stride_st, stride_sr, SHRINK_M, SHRINK_K, SHRINK_R, WIDE_G,
-                                WIDE_G2, SHRINK_STAGES, PRECISION)  # fmt: skip
+                                SHRINK_STAGES, PRECISION)  # fmt: skip
                 for i in tl.static_range(UNITS_PER_BLOCK):
                     unit = tl.minimum(rb0 + i, tl.cdiv(num_tokens, SHRINK_M) - 1)
                     if WIDE_G == 1:
@@ -444,20 +412,16 @@ def _lora_gemm_kernel(
                     while tl.atomic_add(sync_ptr + unit, 0, sem="acquire", scope="gpu") == 0:
                         pass
                 _fence_proxy_async(pid, FENCE)
-            if PARK:
-                tl.debug_barrier()
-                acc = tl.load(park)
-            if slot >= 0:
                 acc = _lora_loop(acc, s_desc, b_desc, j * num_tokens + m0, slot * n_total + n0, lora_k, BLOCK_K,
                                  PRECISION)  # fmt: skip
             _store_tile(acc, y_ptr, y_desc, bias_ptr, m0, n0, offs_m, offs_n, n_mask, num_tokens, stride_yt,
                         stride_yn, BLOCK_M, BLOCK_N, HAS_BIAS, TMA_STORE, EPI_SUBTILE)  # fmt: skip
             tile_start = pid + num_programs
         # what is left of the shrink, then wait for the units other programs claimed
-        _shrink_claimed(num_units - 1, num_units, sync_ptr, xs, a_desc, a2_desc, s_ptr, token_seg_ptr, seg_slot_ptr,
+        _shrink_claimed(num_units - 1, num_units, sync_ptr, xs, a_desc, s_ptr, token_seg_ptr, seg_slot_ptr,
                         seg_scale_ptr, slot_rank_ptr, num_tokens, hidden, shrink_slices, max_loras, a_rows, s_cols,
-                        stride_ss, stride_st, stride_sr, SHRINK_M, SHRINK_K, SHRINK_R, WIDE_G, WIDE_G2,
-                        SHRINK_STAGES, PRECISION)  # fmt: skip
+                        stride_ss, stride_st, stride_sr, SHRINK_M, SHRINK_K, SHRINK_R, WIDE_G, SHRINK_STAGES,
+                        PRECISION)  # fmt: skip
         while tl.atomic_add(sync_ptr + num_units + 1, 0, sem="acquire", scope="gpu") < num_units:
             pass
         _fence_proxy_async(pid, FENCE)

@@ -21,7 +21,7 @@ MAX_SLICES = 4
 # column pieces; 0 = a masked pointer store). With the shrink inside the launch (a_stacked given):
 # SHRINK_IN (0: not allowed, `shrink_in_ok`), SHRINK_M (rows per shrink unit, default 64), SHRINK_K (hidden
 # columns per step of its K loop: 128 where 5 stages fit SHRINK_SMEM, else BLOCK_K), SHRINK_WIDE (0: one unit
-# per slice even where all slices fit one dot; 2: three slices as two dots of 2 and 1 slices, no padding), SHRINK_STAGES (its K loop's stages: 5 with 128-column steps,
+# per slice even where all slices fit one dot), SHRINK_STAGES (its K loop's stages: 5 with 128-column steps,
 # else 4).
 # benchmarks/lora_kernels.py --qkv-only --sweep-gemm overrides this table.
 TUNED: dict[str, dict[str, int]] = {
@@ -284,41 +284,30 @@ def launch_lora_gemm(
     if tma_store:
         y_desc = TensorDescriptor.from_tensor(y, [bm, bn // subtile])
     xs_desc, a_desc, sync, shrink_r, shrink_m, shrink_k, wide_g, shrink_stages = x_arg, s, s, 16, bm, bk, 1, 1
-    a2_desc, wide_g2, park, park_buf = s, 0, False, s
     if shrink_in:
         assert use_tma and lora_in_loop and seg_align % bm == 0, "SHRINK_IN: see shrink_in_ok"
         g, max_loras, a_rows, _ = a_stacked.shape
         shrink_r = max(16, next_pow2(s.shape[2]))
         shrink_m = min(cfg.get("SHRINK_M", 64), bm)
-        # one unit per row block for every slice where the slices side by side fit one dot; SHRINK_WIDE=2:
-        # three slices as dots of 2 and 1 (no padding slice)
+        # one unit per row block for every slice where the slices side by side fit one dot
         wide = cfg.get("SHRINK_WIDE", 1) and next_pow2(g) * shrink_r <= MAX_WIDE_SHRINK
         wide_g = next_pow2(g) if wide else 1
-        wide_g2 = 0
-        if wide and g == 3 and cfg.get("SHRINK_WIDE", 1) == 2:
-            wide_g, wide_g2 = 2, 1
         # one program per SM shrinks (the shrink kernel runs two or three): it keeps more of x in flight
         # with 128-column steps where 5 stages of them fit SHRINK_SMEM
-        wide_k = (shrink_m + (wide_g + wide_g2) * shrink_r) * 128 * x.element_size() * 5 <= SHRINK_SMEM
+        wide_k = (shrink_m + wide_g * shrink_r) * 128 * x.element_size() * 5 <= SHRINK_SMEM
         shrink_k = cfg.get("SHRINK_K", 128 if wide_k else bk)
         shrink_stages = cfg.get("SHRINK_STAGES", 5 if shrink_k == 128 and wide_k else 4)
         xs_desc = TensorDescriptor.from_tensor(x, [shrink_m, shrink_k])
         if wide_g > 1:
-            a_desc, a2_desc = (
-                TensorDescriptor(
-                    a_stacked, [g, max_loras * a_rows, hidden], [max_loras * a_rows * hidden, hidden, 1],
-                    [wg, shrink_r, shrink_k],
-                )
-                for wg in (wide_g, max(wide_g2, 1))
+            a_desc = TensorDescriptor(
+                a_stacked, [g, max_loras * a_rows, hidden], [max_loras * a_rows * hidden, hidden, 1],
+                [wide_g, shrink_r, shrink_k],
             )  # fmt: skip
         else:
             rows = g * max_loras * a_rows
             a_desc = TensorDescriptor(a_stacked, [rows, hidden], [hidden, 1], [shrink_r, shrink_k])
         units = -(-num_tokens // shrink_m) * (1 if wide_g > 1 else g)
         sync = torch.zeros(units + 2, dtype=torch.int32, device=x.device)
-        park = bool(cfg.get("SHRINK_PARK", 0))
-        if park:
-            park_buf = torch.empty(max(num_tiles % grid, 1) * bm * bn, dtype=torch.float32, device=x.device)
     _lora_gemm_kernel[(grid,)](
         x_arg, w_arg, s_desc, b_desc, y, y_desc, bias if bias is not None else y, s, b_stacked,
         token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
@@ -326,14 +315,14 @@ def launch_lora_gemm(
         s.shape[0] * num_tokens, b_stacked.shape[0] * n_total,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
         s.stride(0), s.stride(1), s.stride(2), b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2),
-        xs_desc, a_desc, a2_desc, sync, park_buf, s.shape[0], b_stacked.shape[0], a_stacked.shape[2] if shrink_in else 0, s.shape[2],
+        xs_desc, a_desc, sync, s.shape[0], b_stacked.shape[0], a_stacked.shape[2] if shrink_in else 0, s.shape[2],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, R_CHUNK=cfg["R_CHUNK"], GROUP_M=cfg["GROUP_M"],
         USE_TMA=use_tma, FLATTEN=bool(cfg["FLATTEN"]), WARP_SPECIALIZE=bool(cfg["WS"]),
         EVEN_K=hidden % bk == 0, COL_ALIGN=col_align, HAS_LORA=has_lora, LORA_IN_LOOP=lora_in_loop,
         STRADDLE=seg_align % bm != 0,
         LORA_AFTER=lora_after, LORA_BK=lora_bk, S_SCALED=s_scaled, HAS_BIAS=bias is not None,
         TMA_STORE=tma_store, EPI_SUBTILE=subtile if tma_store else 1, SHRINK_IN=shrink_in, SHRINK_R=shrink_r,
-        SHRINK_M=shrink_m, SHRINK_K=shrink_k, WIDE_G=wide_g, WIDE_G2=wide_g2, SHRINK_STAGES=shrink_stages, PARK=park,
+        SHRINK_M=shrink_m, SHRINK_K=shrink_k, WIDE_G=wide_g, SHRINK_STAGES=shrink_stages,
         FENCE=x.is_cuda, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
