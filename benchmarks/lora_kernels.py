@@ -322,18 +322,6 @@ FUSED_SWEEP: dict[str, dict[str, int]] = {
     "shrink units of 128 rows K 128": {"SHRINK_M": 128, "SHRINK_K": 128, "SHRINK_STAGES": 3},
     # y's TMA store in two [128, 128] pieces instead of one [128, 256] (32 KB less shared memory)
     "store in two pieces": {"TMA_STORE": 2},
-    # a first tile's accumulator parked in global memory while its program shrinks (fewer registers), with
-    # three slices' units as dots of 2 + 1 slices, and with 128-row units
-    "park": {"SHRINK_PARK": 1},
-    "park + split dots": {"SHRINK_PARK": 1, "SHRINK_WIDE": 2},
-    "park + 128-row units": {"SHRINK_PARK": 1, "SHRINK_M": 128, "SHRINK_K": 64, "SHRINK_STAGES": 4},
-    "park + 128-row split units": {
-        "SHRINK_PARK": 1,
-        "SHRINK_WIDE": 2,
-        "SHRINK_M": 128,
-        "SHRINK_K": 64,
-        "SHRINK_STAGES": 4,
-    },
 }
 
 
