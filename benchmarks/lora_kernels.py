@@ -573,6 +573,12 @@ def main() -> None:
     ap.add_argument("--gemm-configs", default="", help="--qkv-only --sweep-gemm: only SWEEP names containing "
                     "one of these comma-separated parts")  # fmt: skip
     args = ap.parse_args()
+    # exact names, checked before any timing (a name with a comma in it would be cut in two)
+    for flag, names, known in (("--inter-configs", args.inter_configs, gemm_op.SWEEP),
+                               ("--inter-fused", args.inter_fused, FUSED_SWEEP)):  # fmt: skip
+        unknown = [n for n in filter(None, names.split(",")) if n not in known]
+        if unknown:
+            ap.error(f"{flag}: unknown {unknown}; known: {sorted(known)}")
     os.makedirs(args.out, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
     if args.qkv_only:
