@@ -125,16 +125,17 @@ def launch_lora_expand(
     precision = "ieee" if y.dtype == torch.float32 else "tf32"
     if cfg.pop("ROWS", 0) and accumulate and bias is None:
         chunk, stages = cfg.pop("CHUNK"), cfg.pop("STAGES")
-        b_tma, y_tma = cfg.pop("B_TMA", 0), cfg.pop("Y_TMA", 0)
         chks = column_chunks(blks, num_col_blocks, chunk)
-        b_desc = y_desc = b_stacked
-        b_tma = b_tma and b_stacked.is_contiguous() and tma_ok(b_stacked.flatten(0, 1))
+        b_rows = b_stacked.flatten(0, 1)
+        b_tma = bool(cfg.pop("B_TMA", 0)) and b_stacked.is_contiguous() and tma_ok(b_rows)
+        # y's TMA store must not cross a slice: every slice whole column blocks
+        y_tma = bool(cfg.pop("Y_TMA", 0)) and b_tma and tma_ok(y)
+        y_tma = y_tma and all(n % cfg["BLOCK_N"] == 0 for n in out_slice_sizes)
+        b_desc = y_desc = b_stacked  # placeholders where the kernel reads no descriptor
         if b_tma:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
-            b_desc = TensorDescriptor.from_tensor(b_stacked.flatten(0, 1), [cfg["BLOCK_N"], block_r])
-            # y's TMA store must not cross a slice: every slice whole column blocks
-            y_tma = y_tma and all(n % cfg["BLOCK_N"] == 0 for n in out_slice_sizes) and tma_ok(y)
+            b_desc = TensorDescriptor.from_tensor(b_rows, [cfg["BLOCK_N"], block_r])
             if y_tma:
                 y_desc = TensorDescriptor.from_tensor(y, [cfg["BLOCK_M"], cfg["BLOCK_N"]])
         _lora_expand_rows_kernel[(chks[-1], -(-num_tokens // cfg["BLOCK_M"]))](
@@ -142,7 +143,7 @@ def launch_lora_expand(
             num_tokens, rank_dim, *cols, y.shape[1], *blks, *chks[:3],
             y.stride(0), y.stride(1), s.stride(0), s.stride(1), s.stride(2),
             b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2), b_desc, y_desc,
-            BLOCK_R=block_r, CHUNK=chunk, STAGES=stages, B_TMA=bool(b_tma), Y_TMA=bool(b_tma and y_tma),
+            BLOCK_R=block_r, CHUNK=chunk, STAGES=stages, B_TMA=b_tma, Y_TMA=y_tma,
             PRECISION=precision, **cfg,
         )  # fmt: skip
         return

@@ -149,22 +149,27 @@ def test_expand_matches_reference(layout, sizes, hidden, dtype, cfg, mode):
         torch.testing.assert_close(got[no_lora], c.y[no_lora], atol=0, rtol=0)
 
 
+def check_expand_in_place(c, cfg):
+    """y += delta through launch_lora_expand(config=cfg) equals the reference; rows without LoRA are
+    bit-for-bit untouched."""
+    m, sizes = c.meta, c.sizes
+    s = lora_shrink_ref(c.x, c.a, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
+    got, want = c.y.clone(), c.y.clone()
+    seg = (m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
+    launch_lora_expand(got, s, c.b, m.token_seg, *seg, sizes, config=cfg)
+    lora_expand_ref(want, s, c.b, *seg, sizes)
+    torch.testing.assert_close(got, want, **TOL[c.y.dtype])
+    no_lora = [m.seg_slot[t].item() < 0 for t in m.token_seg.tolist()]
+    torch.testing.assert_close(got[no_lora], c.y[no_lora], atol=0, rtol=0)
+
+
 @SETTINGS
 @given(layouts(), out_slices(), hiddens, dtypes, rows_cfgs)
 def test_row_stationary_expand_matches_reference(layout, sizes, hidden, dtype, cfg):
     """y += delta by the kernel that keeps a token block's s and walks a chunk of column blocks: straddling
     segments, empty and 1-token requests, slot -1, rank 0, mixed ranks, 1-4 unequal slices; rows without
     LoRA bit-for-bit untouched."""
-    c = make_case(layout, len(sizes), sizes, hidden, dtype)
-    m = c.meta
-    s = lora_shrink_ref(c.x, c.a, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
-    got, want = c.y.clone(), c.y.clone()
-    seg = (m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
-    launch_lora_expand(got, s, c.b, m.token_seg, *seg, sizes, config=cfg)
-    lora_expand_ref(want, s, c.b, *seg, sizes)
-    torch.testing.assert_close(got, want, **TOL[dtype])
-    no_lora = [m.seg_slot[t].item() < 0 for t in m.token_seg.tolist()]
-    torch.testing.assert_close(got[no_lora], c.y[no_lora], atol=0, rtol=0)
+    check_expand_in_place(make_case(layout, len(sizes), sizes, hidden, dtype), cfg)
 
 
 @SETTINGS
@@ -180,17 +185,9 @@ def test_row_stationary_expand_through_tma(layout, sizes, dtype, tiles):
     the same result as the reference, rows without LoRA bit-for-bit untouched."""
     block_m, chunk = tiles
     c = make_case(layout, len(sizes), sizes, 32, dtype)
-    m = c.meta
     assert tma_ok(c.y, c.b.flatten(0, 1))  # the TMA paths are the ones taken
-    s = lora_shrink_ref(c.x, c.a, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
-    got, want = c.y.clone(), c.y.clone()
-    seg = (m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
     cfg = dict(ROWS=1, BLOCK_M=block_m, BLOCK_N=16, CHUNK=chunk, STAGES=2, B_TMA=1, Y_TMA=1, num_warps=4)
-    launch_lora_expand(got, s, c.b, m.token_seg, *seg, sizes, config=cfg)
-    lora_expand_ref(want, s, c.b, *seg, sizes)
-    torch.testing.assert_close(got, want, **TOL[dtype])
-    no_lora = [m.seg_slot[t].item() < 0 for t in m.token_seg.tolist()]
-    torch.testing.assert_close(got[no_lora], c.y[no_lora], atol=0, rtol=0)
+    check_expand_in_place(c, cfg)
 
 
 @SETTINGS
