@@ -27,25 +27,15 @@ from ditserve.kernels.lora_expand.reference import lora_expand_ref  # noqa: E402
 
 
 def rows(bm: int, bn: int, chunk: int, stages: int, warps: int, tma: int = 0) -> dict[str, int]:
-    """tma: 1 = B tiles through a TMA descriptor, 2 = y tiles of one-segment row blocks too, 3 = their delta
-    as a TMA reduce-add (y not loaded)."""
+    """tma: 1 = B tiles through a TMA descriptor, 2 = y tiles of one-segment row blocks too."""
     return dict(ROWS=1, BLOCK_M=bm, BLOCK_N=bn, CHUNK=chunk, STAGES=stages, num_warps=warps,
-                B_TMA=int(tma >= 1), Y_TMA=int(tma >= 2), Y_RED=int(tma >= 3))  # fmt: skip
+                B_TMA=int(tma >= 1), Y_TMA=int(tma >= 2))  # fmt: skip
 
 
 CANDIDATES = {
     "rows 32x128 c8 s3 w4 B+y tma": rows(32, 128, 8, 3, 4, 2),
     "rows 64x128 c8 s3 w4 B+y tma": rows(64, 128, 8, 3, 4, 2),
     "rows 128x128 c16 s3 w8 B+y tma": rows(128, 128, 16, 3, 8, 2),
-    "rows 32x128 c8 s3 w4 reduce": rows(32, 128, 8, 3, 4, 3),
-    "rows 32x128 c8 s4 w4 reduce": rows(32, 128, 8, 4, 4, 3),
-    "rows 64x128 c8 s3 w4 reduce": rows(64, 128, 8, 3, 4, 3),
-    "rows 64x128 c8 s4 w4 reduce": rows(64, 128, 8, 4, 4, 3),
-    "rows 64x128 c16 s2 w4 reduce": rows(64, 128, 16, 2, 4, 3),
-    "rows 128x128 c8 s3 w8 reduce": rows(128, 128, 8, 3, 8, 3),
-    "rows 128x128 c16 s3 w8 reduce": rows(128, 128, 16, 3, 8, 3),
-    "rows 128x128 c16 s4 w8 reduce": rows(128, 128, 16, 4, 8, 3),
-    "rows 128x64 c16 s4 w8 reduce": rows(128, 64, 16, 4, 8, 3),
 }
 
 
@@ -56,6 +46,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--requests", type=int, default=4, help="requests of 4608 tokens, one adapter each")
     ap.add_argument("--slices", default="3,4")
+    ap.add_argument(
+        "--chunks", default="", help="also time every candidate tile with these CHUNK values (e.g. 2,4,24)"
+    )
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     bw = copy_bandwidth()
@@ -75,6 +68,9 @@ def main() -> None:
             want = p.y.clone()
             lora_expand_ref(want, s, p.b, *seg[1:], sizes)
             configs = {"one tile per program": TUNED[block_rank(rank)], **CANDIDATES}
+            for c in filter(None, args.chunks.split(",")):
+                for name, cfg in CANDIDATES.items():
+                    configs[f"{name} -> c{c}"] = {**cfg, "CHUNK": int(c)}
             configs[f"default ({ROWS_TUNED[block_rank(rank)]})"] = None
             fns = {}
             for name, cfg in configs.items():

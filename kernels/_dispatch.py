@@ -44,31 +44,3 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
         t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
         for t in tensors
     )
-
-
-def _interpreter_tma_reduce() -> None:
-    """Triton's interpreter has no TMA reduce (a descriptor's `atomic_add`), which the in-place expand's
-    Y_RED path issues. Give it one: load the block, add, store (the interpreter runs one program at a time,
-    so this is the atomic add the GPU's L2 performs)."""
-    from triton._C.libtriton import ir
-    from triton.runtime import interpreter
-
-    if hasattr(interpreter.InterpreterBuilder, "create_descriptor_reduce"):
-        return
-
-    def create_descriptor_reduce(self, kind, desc, value, indices):
-        assert kind == ir.DESCRIPTOR_REDUCE_KIND.ADD, kind
-        ptrs, mask = desc.materialize_pointers(indices)
-        cur = self.create_masked_load(ptrs, mask, None, None, False)
-        return self.create_masked_store(
-            ptrs, interpreter.TensorHandle(cur.data + value.data, cur.dtype), mask, None
-        )
-
-    interpreter.InterpreterBuilder.create_descriptor_reduce = create_descriptor_reduce
-
-
-if _INTERPRET_AT_IMPORT:
-    try:
-        _interpreter_tma_reduce()
-    except ImportError:  # no Triton: the references run
-        pass

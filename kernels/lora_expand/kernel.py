@@ -11,9 +11,7 @@ rows' scaled s in registers and walks a chunk of CHUNK column blocks of one slic
 dot onto the y tile, one store. B_TMA: the B tiles come through a TMA descriptor, which Triton pipelines
 STAGES deep (as plain loads from L2 they were not pipelined, and at ranks 64-128 their latency set the time);
 Y_TMA: in a row block that lies inside one segment the y tiles are loaded and stored through a descriptor
-too, so the loop is a pipelined TMA stream; Y_RED: there the y tiles are not loaded at all, the delta goes out
-as a TMA reduce-add (the L2 reads, adds and writes y: the same HBM bytes, but no y tile in shared memory or
-registers; the delta is rounded to y's dtype before the add, as an unfused `y + delta` does). Otherwise (pointers, or a row block that straddles segments,
+too, so the loop is a pipelined TMA stream. Otherwise (pointers, or a row block that straddles segments,
 handled one segment at a time, each pass reading and writing only its own rows) the next block's y tile is
 loaded before this block's dot. The one-tile-per-program kernel above reloads s for every y tile and waits
 for every load.
@@ -164,7 +162,6 @@ def _lora_expand_rows_kernel(
     B_TMA: tl.constexpr,  # B tiles through b_desc (pipelined TMA loads) instead of pointer loads
     Y_TMA: tl.constexpr,  # (with B_TMA, every slice a multiple of BLOCK_N) y tiles of one-segment row blocks
     # through y_desc
-    Y_RED: tl.constexpr,  # (with Y_TMA) those y tiles are not loaded: the delta goes out as a TMA reduce-add
     PRECISION: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
@@ -208,14 +205,9 @@ def _lora_expand_rows_kernel(
                 for i in tl.range(0, num_blocks, num_stages=STAGES):
                     n0 = n_first + i * BLOCK_N
                     b = b_desc.load([b_first + i * BLOCK_N, 0]).T
-                    if Y_RED:
-                        # the L2 adds the delta (rounded to y's dtype) into y: no y tile in the SM
-                        delta = tl.dot(a, b, input_precision=PRECISION)
-                        y_desc.atomic_add([m0, n0], delta.to(y_ptr.dtype.element_ty))
-                    else:
-                        y_t = y_desc.load([m0, n0])
-                        acc = tl.dot(a, b, y_t.to(tl.float32), input_precision=PRECISION)
-                        y_desc.store([m0, n0], acc.to(y_ptr.dtype.element_ty))
+                    y_t = y_desc.load([m0, n0])
+                    acc = tl.dot(a, b, y_t.to(tl.float32), input_precision=PRECISION)
+                    y_desc.store([m0, n0], acc.to(y_ptr.dtype.element_ty))
             else:
                 cols = n_first + offs_n
                 y_next = tl.load(
