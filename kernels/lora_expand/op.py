@@ -19,14 +19,16 @@ TUNED: dict[int, dict[str, int]] = {
 
 # y += delta (no bias): the row-stationary kernel, BLOCK_R -> tiles (ROWS=1 selects it; CHUNK column blocks
 # per program, STAGES of its column loop; B_TMA: B tiles through a TMA descriptor, pipelined; Y_TMA: so are the
-# y tiles of row blocks inside one segment, where the slices are whole column blocks). H200, 4x4608 tokens, 3
-# and 4 slices, interleaved (BENCHMARKS.md): 90-92 % of the HBM floor at ranks 16 and 32, 86-89 % at 64,
-# 72-78 % at 128 (the pointer tiles before: 84-86 %, 67-68 %, 58-64 %, 37-42 %).
+# y tiles of row blocks inside one segment, where the slices are whole column blocks). H200, 1x4608 and
+# 4x4608 tokens, 3 and 4 slices, interleaved (BENCHMARKS.md): 84-95 % of the HBM floor at rank 16, 79-92 % at
+# 32, 75-89 % at 64, 71-80 % at 128. The chunk is a trade: a program's s tile and pipeline fill are paid once per
+# chunk (at rank 128, 64 KB of s and one program per SM: whole slices win), while small chunks spread a small
+# batch over more SMs (rank 16: chunks of 4 beat 8 on every shape).
 ROWS_TUNED: dict[int, dict[str, int]] = {
-    16: dict(ROWS=1, BLOCK_M=32, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1),
+    16: dict(ROWS=1, BLOCK_M=32, BLOCK_N=128, CHUNK=4, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1),
     32: dict(ROWS=1, BLOCK_M=32, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1),
     64: dict(ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1),
-    128: dict(ROWS=1, BLOCK_M=128, BLOCK_N=128, CHUNK=16, STAGES=3, num_warps=8, B_TMA=1, Y_TMA=1),
+    128: dict(ROWS=1, BLOCK_M=128, BLOCK_N=128, CHUNK=24, STAGES=3, num_warps=8, B_TMA=1, Y_TMA=1),
 }
 
 
