@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -44,3 +45,13 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
         t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
         for t in tensors
     )
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_programs_limit(device: torch.device) -> int:
+    """Programs a persistent launch keeps resident: one per SM (4 in the interpreter, so tests loop)."""
+    return _num_sms(device.index or 0) if device.type == "cuda" else 4

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ditserve.kernels._dispatch import use_triton
+from ditserve.kernels._dispatch import num_programs_limit, use_triton
 from ditserve.kernels.adaln.reference import adaln_ref
-from ditserve.kernels.lora_gemm.op import num_programs_limit
 
 # Tiles: "BLOCK_M/BLOCK_K/num_warps/num_stages" (BLOCK_M rows of one batch element per program, BLOCK_K
 # columns per step of both passes). benchmarks/adaln.py times them (the GPU tests run each); on an H200,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ditserve.kernels._dispatch import block_rank, tma_ok, use_triton
+from ditserve.kernels._dispatch import block_rank, num_programs_limit, tma_ok, use_triton
 from ditserve.kernels.lora_expand.reference import lora_expand_ref
 
 MAX_SLICES = 4
@@ -28,8 +28,24 @@ ROWS_TUNED: dict[int, dict[str, int]] = {
     16: dict(ROWS=1, BLOCK_M=32, BLOCK_N=128, CHUNK=4, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1),
     32: dict(ROWS=1, BLOCK_M=32, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1),
     64: dict(ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1),
-    128: dict(ROWS=1, BLOCK_M=128, BLOCK_N=128, CHUNK=24, STAGES=3, num_warps=8, B_TMA=1, Y_TMA=1),
+    128: dict(ROWS=1, BLOCK_M=128, BLOCK_N=128, CHUNK=24, STAGES=3, num_warps=8, B_TMA=1, Y_TMA=1, PER_SM=1),
 }
+# PER_SM: the tile fills an SM (rank 128: 229 KB of shared memory), so the chunk is chosen per launch
+# (`wave_chunk`) between CHUNK and CHUNK / 2
+
+
+def wave_chunk(slice_blocks: list[int], row_blocks: int, chunk: int, slots: int, cost: float = 2.0) -> int:
+    """Chunk for a tile that runs `slots` programs at a time (one per SM): an SM runs its programs one after
+    another, so a launch takes about ceil(programs / slots) rounds of (chunk + a program's fixed cost, ~2 column
+    blocks: its s tile and pipeline fill). Of `chunk` and `chunk // 2`, the one with fewer such steps. H200,
+    rank 128: halves for 4 requests × 4608 tokens with 3 slices (864 programs, 7 rounds of 12, against 432 in
+    4 rounds of 24), whole slices for one request (108 programs) and for 4 slices (1008)."""
+
+    def steps(c: int) -> float:
+        programs = row_blocks * sum(-(-b // c) for b in slice_blocks)
+        return -(-programs // slots) * (c + cost)
+
+    return min((chunk, max(chunk // 2, 1)), key=steps)
 
 
 def expand_config(block_r: int, accumulate: bool = False, has_bias: bool = False) -> dict[str, int]:
@@ -127,6 +143,10 @@ def launch_lora_expand(
     precision = "ieee" if y.dtype == torch.float32 else "tf32"
     if cfg.pop("ROWS", 0) and accumulate and bias is None:
         chunk, stages = cfg.pop("CHUNK"), cfg.pop("STAGES")
+        if cfg.pop("PER_SM", 0):
+            slice_blocks = [-(-n // cfg["BLOCK_N"]) for n in out_slice_sizes]
+            row_blocks = -(-num_tokens // cfg["BLOCK_M"])
+            chunk = wave_chunk(slice_blocks, row_blocks, chunk, num_programs_limit(y.device))
         chks = column_chunks(blks, num_col_blocks, chunk)
         b_rows = b_stacked.flatten(0, 1)
         b_tma = bool(cfg.pop("B_TMA", 0)) and b_stacked.is_contiguous() and tma_ok(b_rows)
@@ -149,7 +169,7 @@ def launch_lora_expand(
             PRECISION=precision, **cfg,
         )  # fmt: skip
         return
-    for key in ("CHUNK", "STAGES", "B_TMA", "Y_TMA"):
+    for key in ("CHUNK", "STAGES", "B_TMA", "Y_TMA", "PER_SM"):
         cfg.pop(key, None)
     grid = (num_col_blocks, -(-num_tokens // cfg["BLOCK_M"]))
     _lora_expand_kernel[grid](

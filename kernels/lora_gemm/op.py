@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ditserve.kernels._dispatch import next_pow2, tma_ok, use_triton
+from ditserve.kernels._dispatch import next_pow2, num_programs_limit, tma_ok, use_triton
 from ditserve.kernels.lora_expand.op import column_align, column_blocks
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 
@@ -95,16 +93,6 @@ SWEEP_WS: dict[str, dict[str, int]] = {
     "tma persist ws 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, tma=1, ws=1),
     "tma persist flat ws 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, tma=1, flatten=1, ws=1),
 }
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def num_programs_limit(device: torch.device) -> int:
-    """Programs a persistent launch keeps resident: one per SM (4 in the interpreter, so tests loop)."""
-    return _num_sms(device.index or 0) if device.type == "cuda" else 4
 
 
 def size_class(num_tokens: int, n_total: int, num_sms: int = 132) -> str:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ditserve.kernels._dispatch import block_rank, next_pow2, tma_ok, use_triton
-from ditserve.kernels.lora_gemm.op import num_programs_limit
+from ditserve.kernels._dispatch import block_rank, next_pow2, num_programs_limit, tma_ok, use_triton
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref
 
 MAX_SLICES = 4

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from ditserve.kernels._dispatch import tma_ok
 from ditserve.kernels.lora import LoRABatchMeta, apply_lora, choose_chunk_size, lora_linear, lora_shrink
-from ditserve.kernels.lora_expand.op import launch_lora_expand
+from ditserve.kernels.lora_expand.op import launch_lora_expand, wave_chunk
 from ditserve.kernels.lora_expand.reference import lora_expand_ref
 from ditserve.kernels.lora_expand_sgmv.op import launch_lora_expand_sgmv
 from ditserve.kernels.lora_expand_sgmv.reference import lora_expand_sgmv_ref
@@ -170,6 +170,17 @@ def test_row_stationary_expand_matches_reference(layout, sizes, hidden, dtype, c
     segments, empty and 1-token requests, slot -1, rank 0, mixed ranks, 1-4 unequal slices; rows without
     LoRA bit-for-bit untouched."""
     check_expand_in_place(make_case(layout, len(sizes), sizes, hidden, dtype), cfg)
+
+
+def test_one_program_per_sm_tiles_halve_their_chunk_where_that_saves_a_round():
+    """The rank-128 expand tile fills an SM, so its programs run in rounds of one per SM: QKV on 4 × 4608
+    tokens (144 row blocks, 3 slices of 24 column blocks) takes 7 rounds of 12 blocks rather than 4 of 24;
+    one request, or 4 slices, keep whole slices; a batch that fits one round spreads over more SMs."""
+    assert wave_chunk([24] * 3, 144, 24, 132) == 12
+    assert wave_chunk([24, 24, 24, 96], 144, 24, 132) == 24
+    assert wave_chunk([24] * 3, 36, 24, 132) == 24
+    assert wave_chunk([24] * 3, 16, 24, 132) == 12
+    assert wave_chunk([1], 1, 1, 132) == 1
 
 
 @SETTINGS
