@@ -49,7 +49,14 @@ def main() -> None:
     ap.add_argument(
         "--chunks", default="", help="also time every candidate tile with these CHUNK values (e.g. 2,4,24)"
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="KEY=VAL[,KEY=VAL]: also time the default tile with these settings (repeatable), e.g. S_EARLY=1",
+    )
     args = ap.parse_args()
+    variants = {v: dict((k, int(x)) for k, x in (kv.split("=") for kv in v.split(","))) for v in args.variant}
     os.makedirs(args.out, exist_ok=True)
     bw = copy_bandwidth()
     lines = [
@@ -72,6 +79,8 @@ def main() -> None:
                 for name, cfg in CANDIDATES.items():
                     configs[f"{name} -> c{c}"] = {**cfg, "CHUNK": int(c)}
             configs[f"default ({ROWS_TUNED[block_rank(rank)]})"] = None
+            for name, kv in variants.items():
+                configs[f"default + {name}"] = {**ROWS_TUNED[block_rank(rank)], **kv}
             fns = {}
             for name, cfg in configs.items():
                 y = p.y.clone()

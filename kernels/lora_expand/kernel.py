@@ -162,6 +162,7 @@ def _lora_expand_rows_kernel(
     B_TMA: tl.constexpr,  # B tiles through b_desc (pipelined TMA loads) instead of pointer loads
     Y_TMA: tl.constexpr,  # (with B_TMA, every slice a multiple of BLOCK_N) y tiles of one-segment row blocks
     # through y_desc
+    S_EARLY: tl.constexpr,  # (with Y_TMA) s loaded for every row before the segment metadata
     PRECISION: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
@@ -181,6 +182,13 @@ def _lora_expand_rows_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
     y_rows = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt
+    s_rows = s_ptr + j * stride_ss + offs_m.to(tl.int64)[:, None] * stride_st + offs_r[None, :] * stride_sr
+    if S_EARLY:
+        # every row's s, issued before the segment metadata: in a one-segment row block its latency overlaps the
+        # chain of metadata loads (token -> segment -> slot -> rank) instead of following it
+        s_early = tl.load(
+            s_rows, mask=(offs_m < num_tokens)[:, None] & (offs_r < rank_dim)[None, :], other=0.0
+        )
     seg_lo = tl.load(token_seg_ptr + m0)
     seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
     for seg in range(seg_lo, seg_hi + 1):
@@ -193,15 +201,15 @@ def _lora_expand_rows_kernel(
             scale = tl.load(seg_scale_ptr + seg)
             row_mask = (offs_m >= start) & (offs_m < end)
             r_mask = offs_r < rank
-            s_ptrs = (
-                s_ptr + j * stride_ss + offs_m.to(tl.int64)[:, None] * stride_st + offs_r[None, :] * stride_sr
-            )
-            s = tl.load(s_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
             b_rows = b_ptr + slot.to(tl.int64) * stride_bl + offs_r[:, None] * stride_br
             b_first = slot * n_total + n_first
-            a = (s * scale).to(b_ptr.dtype.element_ty)
             if Y_TMA and seg_lo == seg_hi:
                 # one segment holds every row: y tiles through TMA too (rows past the end are clipped)
+                if S_EARLY:
+                    a = tl.where(r_mask[None, :], s_early * scale, 0.0).to(b_ptr.dtype.element_ty)
+                else:
+                    s = tl.load(s_rows, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+                    a = (s * scale).to(b_ptr.dtype.element_ty)
                 for i in tl.range(0, num_blocks, num_stages=STAGES):
                     n0 = n_first + i * BLOCK_N
                     b = b_desc.load([b_first + i * BLOCK_N, 0]).T
@@ -209,6 +217,8 @@ def _lora_expand_rows_kernel(
                     acc = tl.dot(a, b, y_t.to(tl.float32), input_precision=PRECISION)
                     y_desc.store([m0, n0], acc.to(y_ptr.dtype.element_ty))
             else:
+                s = tl.load(s_rows, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+                a = (s * scale).to(b_ptr.dtype.element_ty)
                 cols = n_first + offs_n
                 y_next = tl.load(
                     y_rows + cols[None, :] * stride_yn,

@@ -153,6 +153,7 @@ def launch_lora_expand(
         # y's TMA store must not cross a slice: every slice whole column blocks
         y_tma = bool(cfg.pop("Y_TMA", 0)) and b_tma and tma_ok(y)
         y_tma = y_tma and all(n % cfg["BLOCK_N"] == 0 for n in out_slice_sizes)
+        s_early = bool(cfg.pop("S_EARLY", 0)) and y_tma
         b_desc = y_desc = b_stacked  # placeholders where the kernel reads no descriptor
         if b_tma:
             from triton.tools.tensor_descriptor import TensorDescriptor
@@ -165,11 +166,11 @@ def launch_lora_expand(
             num_tokens, rank_dim, *cols, y.shape[1], *blks, *chks[:3],
             y.stride(0), y.stride(1), s.stride(0), s.stride(1), s.stride(2),
             b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2), b_desc, y_desc,
-            BLOCK_R=block_r, CHUNK=chunk, STAGES=stages, B_TMA=b_tma, Y_TMA=y_tma,
+            BLOCK_R=block_r, CHUNK=chunk, STAGES=stages, B_TMA=b_tma, Y_TMA=y_tma, S_EARLY=s_early,
             PRECISION=precision, **cfg,
         )  # fmt: skip
         return
-    for key in ("CHUNK", "STAGES", "B_TMA", "Y_TMA", "PER_SM"):
+    for key in ("CHUNK", "STAGES", "B_TMA", "Y_TMA", "S_EARLY", "PER_SM"):
         cfg.pop(key, None)
     grid = (num_col_blocks, -(-num_tokens // cfg["BLOCK_M"]))
     _lora_expand_kernel[grid](

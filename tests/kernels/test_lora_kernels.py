@@ -154,6 +154,9 @@ def check_expand_in_place(c, cfg):
     bit-for-bit untouched."""
     m, sizes = c.meta, c.sizes
     s = lora_shrink_ref(c.x, c.a, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
+    ranks = m.slot_rank.tolist()
+    for start, n, slot in zip(m.seg_start.tolist(), m.seg_len.tolist(), m.seg_slot.tolist(), strict=True):
+        s[:, start : start + n, ranks[slot] if slot >= 0 else 0 :] = 7.0  # past a row's rank: never read
     got, want = c.y.clone(), c.y.clone()
     seg = (m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
     launch_lora_expand(got, s, c.b, m.token_seg, *seg, sizes, config=cfg)
@@ -189,16 +192,18 @@ def test_one_program_per_sm_tiles_halve_their_chunk_where_that_saves_a_round():
     st.lists(st.sampled_from([16, 32, 48]), min_size=1, max_size=4),
     dtypes,
     st.sampled_from([(16, 1), (16, 3), (32, 2)]),
+    st.booleans(),
 )
-def test_row_stationary_expand_through_tma(layout, sizes, dtype, tiles):
+def test_row_stationary_expand_through_tma(layout, sizes, dtype, tiles, s_early):
     """B tiles, and y tiles of row blocks inside one segment, through TMA descriptors (slices of whole
-    column blocks, so y's TMA store never crosses a slice; straddling row blocks keep the pointer loop):
-    the same result as the reference, rows without LoRA bit-for-bit untouched."""
+    column blocks, so y's TMA store never crosses a slice; straddling row blocks keep the pointer loop), s
+    loaded by segment or (s_early) for every row before the segment metadata: the same result as the
+    reference, rows without LoRA bit-for-bit untouched."""
     block_m, chunk = tiles
     c = make_case(layout, len(sizes), sizes, 32, dtype)
     assert tma_ok(c.y, c.b.flatten(0, 1))  # the TMA paths are the ones taken
     cfg = dict(ROWS=1, BLOCK_M=block_m, BLOCK_N=16, CHUNK=chunk, STAGES=2, B_TMA=1, Y_TMA=1, num_warps=4)
-    check_expand_in_place(c, cfg)
+    check_expand_in_place(c, {**cfg, "S_EARLY": int(s_early)})
 
 
 @SETTINGS
