@@ -27,15 +27,18 @@ from ditserve.kernels.lora_expand.reference import lora_expand_ref  # noqa: E402
 
 
 def rows(bm: int, bn: int, chunk: int, stages: int, warps: int, tma: int = 0) -> dict[str, int]:
-    """tma: 1 = B tiles through a TMA descriptor, 2 = y tiles of one-segment row blocks too."""
+    """tma: 1 = B tiles through a TMA descriptor, 2 = y tiles of one-segment row blocks too, 3 = and their s
+    loaded before the segment metadata (S_EARLY)."""
     return dict(ROWS=1, BLOCK_M=bm, BLOCK_N=bn, CHUNK=chunk, STAGES=stages, num_warps=warps,
-                B_TMA=int(tma >= 1), Y_TMA=int(tma >= 2))  # fmt: skip
+                B_TMA=int(tma >= 1), Y_TMA=int(tma >= 2), S_EARLY=int(tma >= 3))  # fmt: skip
 
 
 CANDIDATES = {
     "rows 32x128 c8 s3 w4 B+y tma": rows(32, 128, 8, 3, 4, 2),
     "rows 64x128 c8 s3 w4 B+y tma": rows(64, 128, 8, 3, 4, 2),
     "rows 128x128 c16 s3 w8 B+y tma": rows(128, 128, 16, 3, 8, 2),
+    "rows 64x128 c8 s3 w4 B+y tma s early": rows(64, 128, 8, 3, 4, 3),
+    "rows 128x128 c12 s3 w8 B+y tma s early": rows(128, 128, 12, 3, 8, 3),
 }
 
 

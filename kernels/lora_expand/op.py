@@ -19,16 +19,27 @@ TUNED: dict[int, dict[str, int]] = {
 
 # y += delta (no bias): the row-stationary kernel, BLOCK_R -> tiles (ROWS=1 selects it; CHUNK column blocks
 # per program, STAGES of its column loop; B_TMA: B tiles through a TMA descriptor, pipelined; Y_TMA: so are the
-# y tiles of row blocks inside one segment, where the slices are whole column blocks). H200, 1x4608 and
-# 4x4608 tokens, 3 and 4 slices, interleaved (BENCHMARKS.md): 84-95 % of the HBM floor at rank 16, 79-92 % at
-# 32, 75-89 % at 64, 71-80 % at 128. The chunk is a trade: a program's s tile and pipeline fill are paid once per
-# chunk (at rank 128, 64 KB of s and one program per SM: whole slices win), while small chunks spread a small
-# batch over more SMs (rank 16: chunks of 4 beat 8 on every shape).
+# y tiles of row blocks inside one segment, where the slices are whole column blocks; S_EARLY: their s is loaded
+# before the segment metadata). H200, 1x4608 and 4x4608 tokens, 3 and 4 slices, interleaved (BENCHMARKS.md):
+# 84-95 % of the HBM floor at rank 16, 81-92 % at 32, 78-91 % at 64, 71-81 % at 128. The chunk is a trade: a
+# program's start (its s tile, the pipeline fill) is paid once per chunk (at rank 128, one program per SM: whole
+# slices mostly win), while small chunks spread a small batch over more SMs (rank 16: chunks of 4 beat 8).
 ROWS_TUNED: dict[int, dict[str, int]] = {
-    16: dict(ROWS=1, BLOCK_M=32, BLOCK_N=128, CHUNK=4, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1),
-    32: dict(ROWS=1, BLOCK_M=32, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1),
-    64: dict(ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1),
-    128: dict(ROWS=1, BLOCK_M=128, BLOCK_N=128, CHUNK=24, STAGES=3, num_warps=8, B_TMA=1, Y_TMA=1, PER_SM=1),
+    16: dict(ROWS=1, BLOCK_M=32, BLOCK_N=128, CHUNK=4, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1, S_EARLY=1),
+    32: dict(ROWS=1, BLOCK_M=32, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1, S_EARLY=1),
+    64: dict(ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1, S_EARLY=1),
+    128: dict(
+        ROWS=1,
+        BLOCK_M=128,
+        BLOCK_N=128,
+        CHUNK=24,
+        STAGES=3,
+        num_warps=8,
+        B_TMA=1,
+        Y_TMA=1,
+        S_EARLY=1,
+        PER_SM=1,
+    ),
 }
 # PER_SM: the tile fills an SM (rank 128: 229 KB of shared memory), so the chunk is chosen per launch
 # (`wave_chunk`) between CHUNK and CHUNK / 2
