@@ -27,36 +27,41 @@ TUNED: dict[int, dict[str, int]] = {
 ROWS_TUNED: dict[int, dict[str, int]] = {
     16: dict(ROWS=1, BLOCK_M=32, BLOCK_N=128, CHUNK=4, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1, S_EARLY=1),
     32: dict(ROWS=1, BLOCK_M=32, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1, S_EARLY=1),
-    64: dict(ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1, S_EARLY=1),
-    128: dict(
-        ROWS=1,
-        BLOCK_M=128,
-        BLOCK_N=128,
-        CHUNK=24,
-        STAGES=3,
-        num_warps=8,
-        B_TMA=1,
-        Y_TMA=1,
-        S_EARLY=1,
-        PER_SM=1,
-    ),
-}
-# PER_SM: the tile fills an SM (rank 128: 229 KB of shared memory), so the chunk is chosen per launch
-# (`wave_chunk`) between CHUNK and CHUNK / 2
+    64: dict(ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1, S_EARLY=1,
+             PER_SM=2, ALT_CHUNK=24),
+    128: dict(ROWS=1, BLOCK_M=128, BLOCK_N=128, CHUNK=24, STAGES=3, num_warps=8, B_TMA=1, Y_TMA=1, S_EARLY=1,
+              PER_SM=1, ALT_CHUNK=12),
+}  # fmt: skip
+# PER_SM: programs of the tile an SM holds (rank 64: 106 KB of shared memory, rank 128: 229 KB); with it the
+# launch chooses between CHUNK and ALT_CHUNK (`wave_chunk`)
 
 
-def wave_chunk(slice_blocks: list[int], row_blocks: int, chunk: int, slots: int, cost: float = 2.0) -> int:
-    """Chunk for a tile that runs `slots` programs at a time (one per SM): an SM runs its programs one after
-    another, so a launch takes about ceil(programs / slots) rounds of (chunk + a program's fixed cost, ~2 column
-    blocks: its s tile and pipeline fill). Of `chunk` and `chunk // 2`, the one with fewer such steps. H200,
-    rank 128: halves for 4 requests × 4608 tokens with 3 slices (864 programs, 7 rounds of 12, against 432 in
-    4 rounds of 24), whole slices for one request (108 programs) and for 4 slices (1008)."""
+def wave_chunk(
+    slice_blocks: list[int],
+    row_blocks: int,
+    chunks: tuple[int, int],
+    per_sm: int,
+    num_sms: int,
+    cost: float = 2.0,
+) -> int:
+    """The chunk (of `chunks`, the first the default) with which a launch takes the fewest rounds × steps: a
+    tile that fills an SM (per_sm 1) runs its programs in rounds of one per SM, each round (chunk + a program's
+    fixed cost, ~2 column blocks: its s tile and pipeline fill) long. With two per SM the programs share an SM's
+    bandwidth and many rounds blur, so there the other chunk is taken only when all its programs run in one
+    round. H200 (BENCHMARKS.md): rank 128 halves its whole slices for 4 requests × 4608 tokens with 3 slices
+    (864 programs, 7 rounds of 12, against 432 in 4 rounds of 24) and keeps them for one request (108 programs)
+    and for 4 slices (1008); rank 64 takes whole slices for one request of 4608 tokens with 3 slices (216
+    programs in one round of 24 against 648 in 3 rounds of 8)."""
+    slots = per_sm * num_sms
+
+    def programs(c: int) -> int:
+        return row_blocks * sum(-(-b // c) for b in slice_blocks)
 
     def steps(c: int) -> float:
-        programs = row_blocks * sum(-(-b // c) for b in slice_blocks)
-        return -(-programs // slots) * (c + cost)
+        return -(-programs(c) // slots) * (c + cost)
 
-    return min((chunk, max(chunk // 2, 1)), key=steps)
+    fits = [c for c in chunks if c == chunks[0] or per_sm == 1 or programs(c) <= slots]
+    return min(fits, key=steps)
 
 
 def expand_config(block_r: int, accumulate: bool = False, has_bias: bool = False) -> dict[str, int]:
@@ -154,10 +159,13 @@ def launch_lora_expand(
     precision = "ieee" if y.dtype == torch.float32 else "tf32"
     if cfg.pop("ROWS", 0) and accumulate and bias is None:
         chunk, stages = cfg.pop("CHUNK"), cfg.pop("STAGES")
-        if cfg.pop("PER_SM", 0):
+        per_sm, alt_chunk = cfg.pop("PER_SM", 0), cfg.pop("ALT_CHUNK", 0)
+        if per_sm and alt_chunk:
             slice_blocks = [-(-n // cfg["BLOCK_N"]) for n in out_slice_sizes]
             row_blocks = -(-num_tokens // cfg["BLOCK_M"])
-            chunk = wave_chunk(slice_blocks, row_blocks, chunk, num_programs_limit(y.device))
+            chunk = wave_chunk(
+                slice_blocks, row_blocks, (chunk, alt_chunk), per_sm, num_programs_limit(y.device)
+            )
         chks = column_chunks(blks, num_col_blocks, chunk)
         b_rows = b_stacked.flatten(0, 1)
         b_tma = bool(cfg.pop("B_TMA", 0)) and b_stacked.is_contiguous() and tma_ok(b_rows)
@@ -181,7 +189,7 @@ def launch_lora_expand(
             PRECISION=precision, **cfg,
         )  # fmt: skip
         return
-    for key in ("CHUNK", "STAGES", "B_TMA", "Y_TMA", "S_EARLY", "PER_SM"):
+    for key in ("CHUNK", "STAGES", "B_TMA", "Y_TMA", "S_EARLY", "PER_SM", "ALT_CHUNK"):
         cfg.pop(key, None)
     grid = (num_col_blocks, -(-num_tokens // cfg["BLOCK_M"]))
     _lora_expand_kernel[grid](

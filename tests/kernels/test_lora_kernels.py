@@ -175,15 +175,19 @@ def test_row_stationary_expand_matches_reference(layout, sizes, hidden, dtype, c
     check_expand_in_place(make_case(layout, len(sizes), sizes, hidden, dtype), cfg)
 
 
-def test_one_program_per_sm_tiles_halve_their_chunk_where_that_saves_a_round():
+def test_expand_chunk_follows_the_rounds_of_programs():
     """The rank-128 expand tile fills an SM, so its programs run in rounds of one per SM: QKV on 4 × 4608
     tokens (144 row blocks, 3 slices of 24 column blocks) takes 7 rounds of 12 blocks rather than 4 of 24;
-    one request, or 4 slices, keep whole slices; a batch that fits one round spreads over more SMs."""
-    assert wave_chunk([24] * 3, 144, 24, 132) == 12
-    assert wave_chunk([24, 24, 24, 96], 144, 24, 132) == 24
-    assert wave_chunk([24] * 3, 36, 24, 132) == 24
-    assert wave_chunk([24] * 3, 16, 24, 132) == 12
-    assert wave_chunk([1], 1, 1, 132) == 1
+    one request, or 4 slices, keep whole slices; a batch that fits one round spreads over more SMs. The rank-64
+    tile (two per SM) takes whole slices only where they all run at once: one request of 4608 tokens."""
+    assert wave_chunk([24] * 3, 144, (24, 12), 1, 132) == 12
+    assert wave_chunk([24, 24, 24, 96], 144, (24, 12), 1, 132) == 24
+    assert wave_chunk([24] * 3, 36, (24, 12), 1, 132) == 24
+    assert wave_chunk([24] * 3, 16, (24, 12), 1, 132) == 12
+    assert wave_chunk([24] * 3, 72, (8, 24), 2, 132) == 24
+    assert wave_chunk([24, 24, 24, 96], 72, (8, 24), 2, 132) == 8
+    assert wave_chunk([24] * 3, 288, (8, 24), 2, 132) == 8
+    assert wave_chunk([24, 24, 24, 96], 288, (8, 24), 2, 132) == 8
 
 
 @SETTINGS
