@@ -13,10 +13,8 @@ STAGES deep (as plain loads from L2 they were not pipelined, and at ranks 64-128
 Y_TMA: in a row block that lies inside one segment the y tiles are loaded and stored through a descriptor
 too, so the loop is a pipelined TMA stream. Otherwise (pointers, or a row block that straddles segments,
 handled one segment at a time, each pass reading and writing only its own rows) the next block's y tile is
-loaded before this block's dot. SPAN: instead of a (chunk, row block) grid, a 1-D grid of one round of
-programs, each an equal share of all (row block, column block) steps, walked in runs that end at a slice's or a
-row block's end (no round of programs left part-empty). The one-tile-per-program kernel above reloads s for
-every y tile and waits for every load.
+loaded before this block's dot. The one-tile-per-program kernel above reloads s for every y tile and waits
+for every load.
 """
 
 import triton
@@ -124,17 +122,61 @@ def _lora_expand_kernel(
 
 
 @triton.jit
-def _rows_run(
-    pid_m, j, n_first, col_hi, num_blocks,
-    y_ptr, s_ptr, b_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr,
-    num_tokens, rank_dim, n_total, stride_yt, stride_yn, stride_ss, stride_st, stride_sr, stride_bl, stride_bn,
-    stride_br, b_desc, y_desc,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
-    B_TMA: tl.constexpr, Y_TMA: tl.constexpr, S_EARLY: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """y += delta on row block pid_m, columns [n_first, n_first + num_blocks · BLOCK_N) of slice j (ending at
-    col_hi): the row-stationary kernel's work for one chunk, or one run of a span."""
-    n_end = n_first + num_blocks * BLOCK_N  # past this run's last column
+def _lora_expand_rows_kernel(
+    y_ptr,  # [num_tokens, n_total], updated in place
+    s_ptr,  # [num_slices, num_tokens, rank_dim] fp32
+    b_ptr,  # [max_loras, n_total, max_rank]
+    token_seg_ptr,  # [num_tokens] int32
+    seg_start_ptr,  # [num_segments] int32
+    seg_len_ptr,  # [num_segments] int32
+    seg_slot_ptr,  # [num_segments] int32
+    seg_scale_ptr,  # [num_segments] fp32
+    slot_rank_ptr,  # [max_loras] int32
+    num_tokens,
+    rank_dim,
+    col1,  # first column of slice 1 (= n_total when absent), likewise col2, col3
+    col2,
+    col3,
+    n_total,
+    blk1,  # first column block of slice 1 (= number of blocks when absent), likewise blk2, blk3
+    blk2,
+    blk3,
+    chk1,  # first chunk of slice 1 (= number of chunks when absent), likewise chk2, chk3
+    chk2,
+    chk3,
+    stride_yt,
+    stride_yn,
+    stride_ss,
+    stride_st,
+    stride_sr,
+    stride_bl,
+    stride_bn,
+    stride_br,
+    b_desc,  # B_TMA: B viewed as [max_loras · n_total, max_rank], a TensorDescriptor, block [BLOCK_N, BLOCK_R]
+    y_desc,  # Y_TMA: y as a TensorDescriptor, block [BLOCK_M, BLOCK_N]
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    CHUNK: tl.constexpr,  # column blocks per program (fewer at the end of a slice)
+    STAGES: tl.constexpr,  # num_stages of the column loop
+    B_TMA: tl.constexpr,  # B tiles through b_desc (pipelined TMA loads) instead of pointer loads
+    Y_TMA: tl.constexpr,  # (with B_TMA, every slice a multiple of BLOCK_N) y tiles of one-segment row blocks
+    # through y_desc
+    S_EARLY: tl.constexpr,  # (with Y_TMA) s loaded for every row before the segment metadata
+    PRECISION: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    # this chunk's first column block (chunks are cut per slice like the blocks), then its slice and columns
+    js = (pid_c >= chk1).to(tl.int32) + (pid_c >= chk2).to(tl.int32) + (pid_c >= chk3).to(tl.int32)
+    chk_lo = tl.where(js == 0, 0, tl.where(js == 1, chk1, tl.where(js == 2, chk2, chk3)))
+    blk_lo = tl.where(js == 0, 0, tl.where(js == 1, blk1, tl.where(js == 2, blk2, blk3)))
+    j, n_first, col_hi = slice_columns(
+        blk_lo + (pid_c - chk_lo) * CHUNK, col1, col2, col3, n_total, blk1, blk2, blk3, BLOCK_N
+    )
+    num_blocks = tl.minimum(CHUNK, tl.cdiv(col_hi - n_first, BLOCK_N))
+    n_end = n_first + num_blocks * BLOCK_N  # past this chunk's last column
+
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -206,90 +248,3 @@ def _rows_run(
                     acc = tl.dot(a, b, y_cur.to(tl.float32), input_precision=PRECISION)
                     tl.store(y_rows + cols[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
                              mask=row_mask[:, None] & c_mask[None, :])  # fmt: skip
-
-
-@triton.jit
-def _lora_expand_rows_kernel(
-    y_ptr,  # [num_tokens, n_total], updated in place
-    s_ptr,  # [num_slices, num_tokens, rank_dim] fp32
-    b_ptr,  # [max_loras, n_total, max_rank]
-    token_seg_ptr,  # [num_tokens] int32
-    seg_start_ptr,  # [num_segments] int32
-    seg_len_ptr,  # [num_segments] int32
-    seg_slot_ptr,  # [num_segments] int32
-    seg_scale_ptr,  # [num_segments] fp32
-    slot_rank_ptr,  # [max_loras] int32
-    num_tokens,
-    rank_dim,
-    col1,  # first column of slice 1 (= n_total when absent), likewise col2, col3
-    col2,
-    col3,
-    n_total,
-    blk1,  # first column block of slice 1 (= number of blocks when absent), likewise blk2, blk3
-    blk2,
-    blk3,
-    chk1,  # first chunk of slice 1 (= number of chunks when absent), likewise chk2, chk3
-    chk2,
-    chk3,
-    num_col_blocks,  # SPAN: column blocks of all slices
-    num_progs,  # SPAN: the grid size
-    stride_yt,
-    stride_yn,
-    stride_ss,
-    stride_st,
-    stride_sr,
-    stride_bl,
-    stride_bn,
-    stride_br,
-    b_desc,  # B_TMA: B viewed as [max_loras · n_total, max_rank], a TensorDescriptor, block [BLOCK_N, BLOCK_R]
-    y_desc,  # Y_TMA: y as a TensorDescriptor, block [BLOCK_M, BLOCK_N]
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    CHUNK: tl.constexpr,  # column blocks per program (fewer at the end of a slice)
-    STAGES: tl.constexpr,  # num_stages of the column loop
-    B_TMA: tl.constexpr,  # B tiles through b_desc (pipelined TMA loads) instead of pointer loads
-    Y_TMA: tl.constexpr,  # (with B_TMA, every slice a multiple of BLOCK_N) y tiles of one-segment row blocks
-    # through y_desc
-    S_EARLY: tl.constexpr,  # (with Y_TMA) s loaded for every row before the segment metadata
-    SPAN: tl.constexpr,  # a 1-D grid of num_progs programs, each an equal span of the (row block, column block)
-    # steps, in runs that end at a slice's or a row block's end; else a (chunk, row block) grid
-    PRECISION: tl.constexpr,
-):
-    if SPAN:
-        p = tl.program_id(0)
-        total = tl.cdiv(num_tokens, BLOCK_M) * num_col_blocks
-        g = (p * total) // num_progs
-        g_end = ((p + 1) * total) // num_progs
-        while g < g_end:
-            pid_m = g // num_col_blocks
-            j, n_first, col_hi = slice_columns(
-                g - pid_m * num_col_blocks, col1, col2, col3, n_total, blk1, blk2, blk3, BLOCK_N
-            )
-            num_blocks = tl.minimum(g_end - g, tl.cdiv(col_hi - n_first, BLOCK_N))
-            _rows_run(
-                pid_m, j, n_first, col_hi, num_blocks,
-                y_ptr, s_ptr, b_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, seg_scale_ptr,
-                slot_rank_ptr, num_tokens, rank_dim, n_total, stride_yt, stride_yn, stride_ss, stride_st, stride_sr,
-                stride_bl, stride_bn, stride_br, b_desc, y_desc,
-                BLOCK_M, BLOCK_N, BLOCK_R, STAGES, B_TMA, Y_TMA, S_EARLY, PRECISION,
-            )  # fmt: skip
-            g += num_blocks
-    else:
-        pid_c = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        # this chunk's first column block (chunks are cut per slice like the blocks), then its slice and columns
-        js = (pid_c >= chk1).to(tl.int32) + (pid_c >= chk2).to(tl.int32) + (pid_c >= chk3).to(tl.int32)
-        chk_lo = tl.where(js == 0, 0, tl.where(js == 1, chk1, tl.where(js == 2, chk2, chk3)))
-        blk_lo = tl.where(js == 0, 0, tl.where(js == 1, blk1, tl.where(js == 2, blk2, blk3)))
-        j, n_first, col_hi = slice_columns(
-            blk_lo + (pid_c - chk_lo) * CHUNK, col1, col2, col3, n_total, blk1, blk2, blk3, BLOCK_N
-        )
-        num_blocks = tl.minimum(CHUNK, tl.cdiv(col_hi - n_first, BLOCK_N))
-        _rows_run(
-            pid_m, j, n_first, col_hi, num_blocks,
-            y_ptr, s_ptr, b_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, seg_scale_ptr,
-            slot_rank_ptr, num_tokens, rank_dim, n_total, stride_yt, stride_yn, stride_ss, stride_st, stride_sr,
-            stride_bl, stride_bn, stride_br, b_desc, y_desc,
-            BLOCK_M, BLOCK_N, BLOCK_R, STAGES, B_TMA, Y_TMA, S_EARLY, PRECISION,
-        )  # fmt: skip

@@ -160,8 +160,7 @@ def launch_lora_expand(
     if cfg.pop("ROWS", 0) and accumulate and bias is None:
         chunk, stages = cfg.pop("CHUNK"), cfg.pop("STAGES")
         per_sm, alt_chunk = cfg.pop("PER_SM", 0), cfg.pop("ALT_CHUNK", 0)
-        span = bool(cfg.pop("SPAN", 0))
-        if per_sm and alt_chunk and not span:
+        if per_sm and alt_chunk:
             slice_blocks = [-(-n // cfg["BLOCK_N"]) for n in out_slice_sizes]
             row_blocks = -(-num_tokens // cfg["BLOCK_M"])
             chunk = wave_chunk(
@@ -181,20 +180,16 @@ def launch_lora_expand(
             b_desc = TensorDescriptor.from_tensor(b_rows, [cfg["BLOCK_N"], block_r])
             if y_tma:
                 y_desc = TensorDescriptor.from_tensor(y, [cfg["BLOCK_M"], cfg["BLOCK_N"]])
-        row_blocks = -(-num_tokens // cfg["BLOCK_M"])
-        grid = (chks[-1], row_blocks)
-        if span:
-            grid = (min(row_blocks * num_col_blocks, max(per_sm, 1) * num_programs_limit(y.device)),)
-        _lora_expand_rows_kernel[grid](
+        _lora_expand_rows_kernel[(chks[-1], -(-num_tokens // cfg["BLOCK_M"]))](
             y, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
-            num_tokens, rank_dim, *cols, y.shape[1], *blks, *chks[:3], num_col_blocks, grid[0],
+            num_tokens, rank_dim, *cols, y.shape[1], *blks, *chks[:3],
             y.stride(0), y.stride(1), s.stride(0), s.stride(1), s.stride(2),
             b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2), b_desc, y_desc,
-            BLOCK_R=block_r, CHUNK=chunk, STAGES=stages, B_TMA=b_tma, Y_TMA=y_tma, S_EARLY=s_early, SPAN=span,
+            BLOCK_R=block_r, CHUNK=chunk, STAGES=stages, B_TMA=b_tma, Y_TMA=y_tma, S_EARLY=s_early,
             PRECISION=precision, **cfg,
         )  # fmt: skip
         return
-    for key in ("CHUNK", "STAGES", "B_TMA", "Y_TMA", "S_EARLY", "PER_SM", "ALT_CHUNK", "SPAN"):
+    for key in ("CHUNK", "STAGES", "B_TMA", "Y_TMA", "S_EARLY", "PER_SM", "ALT_CHUNK"):
         cfg.pop(key, None)
     grid = (num_col_blocks, -(-num_tokens // cfg["BLOCK_M"]))
     _lora_expand_kernel[grid](
