@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--ranks", default="16,32,64,128")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--requests", type=int, default=4, help="requests of 4608 tokens, one adapter each")
-    ap.add_argument("--slices", default="3,4")
+    ap.add_argument("--slices", default="3,4", help="3 (QKV) and/or 4 (a single block's q, k, v, mlp)")
     ap.add_argument(
         "--chunks", default="", help="also time every candidate tile with these CHUNK values (e.g. 2,4,24)"
     )
@@ -69,7 +69,7 @@ def main() -> None:
     lines += ["| slices | rank | config | µs | % HBM | x one tile per program |", "|---|---|---|---|---|---|"]
     lines[0] += f"; {args.requests} × 4608 tokens"
     for nsl in map(int, args.slices.split(",")):
-        sizes = [3072] * 3 + [12288] * (nsl - 3)
+        sizes = {3: [3072] * 3, 4: [3072] * 3 + [12288]}[nsl]  # QKV, or a single block's q, k, v, mlp
         for rank in map(int, args.ranks.split(",")):
             p = make_problem([(4608, i) for i in range(args.requests)], rank, sizes)
             m = p.meta

@@ -11,11 +11,11 @@ rows' scaled s in registers and walks a chunk of CHUNK column blocks of one slic
 dot onto the y tile, one store. B_TMA: the B tiles come through a TMA descriptor, which Triton pipelines
 STAGES deep (as plain loads from L2 they were not pipelined, and at ranks 64-128 their latency set the time);
 Y_TMA: in a row block that lies inside one segment the y tiles are loaded and stored through a descriptor
-too, so the loop is a pipelined TMA stream, and with S_EARLY that block's s tile is loaded (vectorised, masked
-only by the batch and s's width) before the chain of segment-metadata loads rather than after it. Otherwise (pointers, or a row block that straddles segments,
-handled one segment at a time, each pass reading and writing only its own rows) the next block's y tile is
-loaded before this block's dot. The one-tile-per-program kernel above reloads s for every y tile and waits
-for every load.
+too, so the loop is a pipelined TMA stream; with S_EARLY that block's s tile is loaded (vectorised, masked
+only by the batch and s's width) before the chain of segment-metadata loads rather than after it. Otherwise
+(pointers, or a row block that straddles segments, handled one segment at a time, each pass reading and
+writing only its own rows) the next block's y tile is loaded before this block's dot. The
+one-tile-per-program kernel above reloads s for every y tile and waits for every load.
 """
 
 import triton
