@@ -204,13 +204,14 @@ def _lora_expand_rows_kernel(
             r_mask = offs_r < rank
             b_rows = b_ptr + slot.to(tl.int64) * stride_bl + offs_r[:, None] * stride_br
             b_first = slot * n_total + n_first
+            if S_EARLY and seg_lo == seg_hi:
+                # every row is this segment's: the early s only needs the slot's rank
+                a = tl.where(r_mask[None, :], s_early * scale, 0.0).to(b_ptr.dtype.element_ty)
+            else:
+                s = tl.load(s_rows, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+                a = (s * scale).to(b_ptr.dtype.element_ty)
             if Y_TMA and seg_lo == seg_hi:
                 # one segment holds every row: y tiles through TMA too (rows past the end are clipped)
-                if S_EARLY:
-                    a = tl.where(r_mask[None, :], s_early * scale, 0.0).to(b_ptr.dtype.element_ty)
-                else:
-                    s = tl.load(s_rows, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-                    a = (s * scale).to(b_ptr.dtype.element_ty)
                 for i in tl.range(0, num_blocks, num_stages=STAGES):
                     n0 = n_first + i * BLOCK_N
                     b = b_desc.load([b_first + i * BLOCK_N, 0]).T
@@ -218,8 +219,6 @@ def _lora_expand_rows_kernel(
                     acc = tl.dot(a, b, y_t.to(tl.float32), input_precision=PRECISION)
                     y_desc.store([m0, n0], acc.to(y_ptr.dtype.element_ty))
             else:
-                s = tl.load(s_rows, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-                a = (s * scale).to(b_ptr.dtype.element_ty)
                 cols = n_first + offs_n
                 y_next = tl.load(
                     y_rows + cols[None, :] * stride_yn,
