@@ -8,18 +8,8 @@ from diffusers.models.normalization import AdaLayerNormZero
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ditserve.kernels.adaln.op import (
-    SHRINK_DEFAULT,
-    SHRINK_SWEEP,
-    SWEEP,
-    adaln,
-    launch_adaln,
-    launch_adaln_shrink,
-    shrink_fits,
-)
+from ditserve.kernels.adaln.op import SWEEP, adaln, launch_adaln
 from ditserve.kernels.adaln.reference import adaln_ref
-from ditserve.kernels.lora_meta import LoRABatchMeta
-from ditserve.kernels.lora_shrink.reference import lora_shrink_scaled_ref
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=3e-2, rtol=2e-2)}
 # the op's candidates, and small tiles: rows past a batch element's end, hidden not a multiple of BLOCK_K
@@ -55,45 +45,6 @@ def test_adaln_matches_reference(batch, rows, hidden, dtype, config, offset):
     # x near 1000 carries its own rounding (fp32 spacing 6e-5 there, y ≈ x / std): one more ulp of x per row
     tol = dict(TOL[dtype], atol=TOL[dtype]["atol"] + 1e-6 * offset)
     torch.testing.assert_close(y, adaln_ref(x, shift, scale, 1e-6), **tol)
-
-
-@settings(max_examples=20, deadline=None)
-@given(
-    st.integers(1, 3),
-    st.integers(0, 40),
-    st.sampled_from([48, 72]),
-    st.sampled_from([torch.float32, torch.float16]),
-    st.sampled_from([None, *SHRINK_SWEEP.values(), dict(BLOCK_M=16, BLOCK_K=32, num_warps=4, num_stages=1)]),
-    st.integers(1, 4),
-    st.lists(st.integers(0, 24), min_size=3, max_size=3),
-    st.data(),
-)
-def test_adaln_shrink_is_the_shrink_of_its_output(batch, rows, hidden, dtype, config, slices, ranks, data):
-    """The norm with the LoRA shrink in the same pass: y as without it, and s exactly what the segmented
-    shrink computes from that y (one segment per batch element: its slot or none, its scale), padding
-    columns and rows without an adapter zero; A past each slot's rank holds junk the kernel must not read."""
-    max_rank = max(ranks) or 1
-    if not shrink_fits(slices, max_rank):
-        slices = 1
-    g = torch.Generator().manual_seed(rows * 5 + batch + slices)
-    x = (torch.randn(batch * rows, hidden, generator=g) * 2 + 0.5).to(dtype)
-    shift, scale = modulation(batch, hidden, dtype)
-    a = (torch.randn(slices, 3, 32, hidden, generator=g) * hidden**-0.5).to(dtype)  # junk past each rank
-    slot_rank = torch.tensor(ranks, dtype=torch.int32)
-    slots = data.draw(st.lists(st.integers(-1, 2), min_size=batch, max_size=batch))
-    strengths = data.draw(st.lists(st.sampled_from([0.25, 1.0, -2.0]), min_size=batch, max_size=batch))
-    row_slot = torch.tensor(slots, dtype=torch.int32)
-    row_scale = torch.tensor(strengths, dtype=torch.float32)
-    y, s = launch_adaln_shrink(
-        x, shift, scale, 1e-6, a, row_slot, row_scale, slot_rank, max_rank, config=config
-    )
-    same_tile = launch_adaln(x, shift, scale, 1e-6, config=config or SHRINK_DEFAULT)
-    torch.testing.assert_close(y, same_tile, atol=0, rtol=0)
-    meta = LoRABatchMeta.build([(rows, sl) for sl in slots], ranks, strengths)
-    want = lora_shrink_scaled_ref(
-        y, a, meta.token_seg, meta.seg_start, meta.seg_len, meta.seg_slot, meta.seg_scale, slot_rank, max_rank
-    )
-    torch.testing.assert_close(s, want, **TOL[dtype])
 
 
 def test_adaln_equals_diffusers_norm():
@@ -143,32 +94,3 @@ def test_adaln_gpu_bf16(tokens, name):
     y = launch_adaln(x, shift, scale, 1e-6, config=SWEEP.get(name))
     want = adaln_ref(x.float(), shift.float(), scale.float(), 1e-6)
     torch.testing.assert_close(y.float(), want, atol=6e-2, rtol=2e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("slices,rank", [(3, 16), (3, 64), (4, 64), (1, 128)])
-@pytest.mark.parametrize("name", [None, *SHRINK_SWEEP])
-def test_adaln_shrink_gpu_bf16(slices, rank, name):
-    """bf16 on the GPU at Flux sizes (hidden 3072, a request without adapter between two with), every
-    candidate tile of the fused shrink: y as the plain norm's, s as the segmented shrink of that y."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    tokens = 4608
-    x = (torch.randn(3 * tokens, 3072, device="cuda", generator=g) * 2 + 0.5).bfloat16()
-    shift, scale = (t.cuda() for t in modulation(3, 3072, torch.bfloat16))
-    a = (torch.randn(slices, 4, rank, 3072, device="cuda", generator=g) * 3072**-0.5).bfloat16()
-    ranks = [rank, rank // 2, 0, rank]
-    slot_rank = torch.tensor(ranks, dtype=torch.int32, device="cuda")
-    row_slot = torch.tensor([3, -1, 1], dtype=torch.int32, device="cuda")
-    row_scale = torch.tensor([0.5, 1.0, -1.5], device="cuda")
-    cfg = SHRINK_SWEEP.get(name)
-    y, s = launch_adaln_shrink(x, shift, scale, 1e-6, a, row_slot, row_scale, slot_rank, rank, config=cfg)
-    torch.testing.assert_close(
-        y, launch_adaln(x, shift, scale, 1e-6, config=cfg or SHRINK_DEFAULT), atol=2e-2, rtol=1e-2
-    )
-    meta = LoRABatchMeta.build(
-        [(tokens, 3), (tokens, -1), (tokens, 1)], ranks, [0.5, 1.0, -1.5], device="cuda"
-    )
-    want = lora_shrink_scaled_ref(
-        y, a, meta.token_seg, meta.seg_start, meta.seg_len, meta.seg_slot, meta.seg_scale, slot_rank, rank
-    )
-    torch.testing.assert_close(s.float(), want.float(), atol=2e-2, rtol=2e-2)
