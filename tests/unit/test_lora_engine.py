@@ -51,6 +51,24 @@ def write_kohya(path, w):
     return path
 
 
+def write_xlabs(path, seed: int, rank=RANK):
+    """XLabs' Flux layout: one down/up pair for a block's fused qkv (the up rows q, k, v stacked) and one for
+    its output projection, no alphas (scale 1); image stream (…1), text stream (…2) and a single block."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = TARGETS[0][2]
+
+    def pair(out):
+        return torch.randn(rank, hidden, generator=g), torch.randn(out, rank, generator=g) * 0.5
+
+    tensors = {}
+    for key, out in [("double_blocks.0.processor.qkv_lora1", 3 * hidden), ("double_blocks.0.processor.proj_lora1", hidden),
+                     ("double_blocks.0.processor.qkv_lora2", 3 * hidden), ("single_blocks.0.processor.qkv_lora", 3 * hidden)]:  # fmt: skip
+        down, up = pair(out)
+        tensors[f"{key}.down.weight"], tensors[f"{key}.up.weight"] = down, up
+    save_file(tensors, str(path))
+    return path
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("loras")
@@ -60,6 +78,7 @@ def files(tmp_path_factory):
         "a_kohya": write_kohya(root / "a_kohya.safetensors", w_a),
         "a_peft": write_peft(root / "a_peft.safetensors", w_a),
         "b": write_kohya(root / "b.safetensors", w_b),
+        "xlabs": write_xlabs(root / "xlabs.safetensors", 3),
     }
 
 
@@ -98,7 +117,7 @@ def diffusers_image(path, *more) -> np.ndarray:
     return (out * 255).round().astype("uint8")
 
 
-@pytest.mark.parametrize("kind", ["a_kohya", "a_peft"])
+@pytest.mark.parametrize("kind", ["a_kohya", "a_peft", "xlabs"])
 def test_engine_matches_diffusers_load_lora_weights(engine, files, kind):
     engine.load_lora(kind, str(files[kind]))
     ours = image(engine, LoRARef(name=kind))
