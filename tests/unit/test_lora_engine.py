@@ -126,6 +126,40 @@ def test_engine_matches_diffusers_load_lora_weights(engine, files, kind):
     engine.unload_lora(kind)
 
 
+def test_peft_metadata_rank_and_alpha_patterns(engine, files):
+    """A file saved the way diffusers saves one (``save_lora_weights`` with the adapter's LoraConfig in the
+    safetensors metadata): a default lora_alpha, one module at another rank (rank_pattern) and one at another
+    alpha (alpha_pattern), no alpha tensors. The engine scales each module as diffusers does."""
+    w = weights(4)
+    ranks = {"single_transformer_blocks.0.proj_out": 2}
+    layers = {}
+    for module, (a, b) in w.items():
+        r = ranks.get(module, RANK)
+        layers[f"{module}.lora_A.weight"] = a[:r].contiguous()
+        layers[f"{module}.lora_B.weight"] = b[:, :r].contiguous()
+    metadata = {
+        "r": RANK,
+        "lora_alpha": 8.0,
+        "rank_pattern": {"single_transformer_blocks.0.proj_out": 2},
+        "alpha_pattern": {"ff.net.0.proj": 1.0},
+        "target_modules": [m for _, m, _, _ in TARGETS],
+    }
+    FluxPipeline.save_lora_weights(
+        str(files["root"]),
+        transformer_lora_layers=layers,
+        transformer_lora_adapter_metadata=metadata,
+        weight_name="patterns.safetensors",
+    )
+    path = files["root"] / "patterns.safetensors"
+    info = engine.load_lora("patterns", str(path))
+    try:
+        assert info["rank"] == RANK
+        ours = image(engine, LoRARef(name="patterns"))
+    finally:
+        engine.unload_lora("patterns")
+    assert psnr(ours, diffusers_image(path)) >= 40
+
+
 def test_mixed_batch_gives_each_request_its_own_image(engine, files):
     engine.load_lora("a", str(files["a_kohya"]))
     engine.load_lora("b", str(files["b"]))
