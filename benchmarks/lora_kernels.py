@@ -320,26 +320,6 @@ FUSED_SWEEP: dict[str, dict[str, int]] = {
     "shrink K 64 4 stages": {"SHRINK_K": 64, "SHRINK_STAGES": 4},
     "shrink units of 32 rows 5 stages": {"SHRINK_M": 32, "SHRINK_STAGES": 5},
     "shrink units of 128 rows K 128": {"SHRINK_M": 128, "SHRINK_K": 128, "SHRINK_STAGES": 3},
-    # one slice per unit of 128 rows: no padding slice in the dot and half the A traffic per row of the 64-row
-    # wide unit, x read once per slice (from L2 for the second and third); the 128-row wide unit spills
-    "shrink units per slice of 128 rows": {
-        "SHRINK_WIDE": 0,
-        "SHRINK_M": 128,
-        "SHRINK_K": 64,
-        "SHRINK_STAGES": 4,
-    },
-    "shrink units per slice of 128 rows 5 stages": {
-        "SHRINK_WIDE": 0,
-        "SHRINK_M": 128,
-        "SHRINK_K": 64,
-        "SHRINK_STAGES": 5,
-    },
-    "shrink units per slice of 128 rows K 128": {
-        "SHRINK_WIDE": 0,
-        "SHRINK_M": 128,
-        "SHRINK_K": 128,
-        "SHRINK_STAGES": 3,
-    },
     # y's TMA store in two [128, 128] pieces instead of one [128, 256] (32 KB less shared memory)
     "store in two pieces": {"TMA_STORE": 2},
 }
