@@ -23,7 +23,9 @@ Rows, in this order (the stock-diffusers rows run first, on the clean model):
   engine's step time (every rank command of the step), median over the timed steps, without LoRA and
   with one adapter per request (``max_lora_rank`` = rank), in interleaved modes: no LoRA; LoRA (the
   default); the shrink kernel launched before each fused GEMM instead of inside it; a shrink per linear
-  instead of one per group; unfused. After each engine the LoRA hooks are removed.
+  instead of one per group; unfused; all of them without CUDA graphs. Where the engine has them
+  (``--cuda-graphs``, on by default for one GPU): no LoRA and LoRA again, each forward replayed as a graph
+  (one per adapter layout with LoRA). After each engine the LoRA hooks are removed.
 
 PSNR: each request's image from the engine batch with LoRA against the same request through diffusers +
 PEFT with the same adapter (uint8; 4 requests, minimum reported).
@@ -338,6 +340,8 @@ def main() -> None:
                 compile=args.compile,
             )
             manager = engine.launcher.worker.lora
+            runner = engine.launcher.worker.runner
+            graphs = runner.graphs  # StepGraphs (--cuda-graphs) or None
             t0 = time.perf_counter()
             for i, lora in enumerate(adapters_for(rank)):
                 engine.loras[f"a{i}"] = manager.load_weights(f"a{i}", lora, source="memory")
@@ -348,12 +352,15 @@ def main() -> None:
             modes = ("none", "fused", "two launches", "unshared", "inplace")
             if args.expand_ab:  # the in-place expand with B and y through pointers (its tiles before TMA)
                 modes += ("fused, pointer expand", "inplace, pointer expand")
+            if graphs is not None:  # the default engine on one GPU: every forward a CUDA graph
+                modes += ("none, graphs", "fused, graphs")
 
-            def set_mode(mode: str, manager=manager) -> None:
+            def set_mode(mode: str, manager=manager, runner=runner, graphs=graphs) -> None:
                 manager.fused = not mode.startswith("inplace")
                 manager.share_shrink = mode != "unshared"
                 linear_op.SHRINK_IN = mode != "two launches"
                 expand_op.ROWS_TUNED = POINTER_ROWS if mode.endswith("pointer expand") else ROWS_TUNED
+                runner.graphs = graphs if mode.endswith(", graphs") else None
 
             for mode in modes:  # warm-up every path, then time them interleaved
                 set_mode(mode)
@@ -378,6 +385,9 @@ def main() -> None:
             free(device)
         base, lora = statistics.median(results["none"]), statistics.median(results["fused"])
         ab = {mode: statistics.median(results[mode]) / base for mode in results if "pointer" in mode}
+        graphed = {
+            m: statistics.median(results[m]) for m in ("none, graphs", "fused, graphs") if m in results
+        }
         inplace = statistics.median(results["inplace"])
         two = statistics.median(results["two launches"])
         unshared = statistics.median(results["unshared"])
@@ -404,6 +414,15 @@ def main() -> None:
                 "step_ms_lora_unshared": unshared * 1e3,
                 "ratio_unshared": unshared / base,
                 "load_s": load_s,
+                **(
+                    {
+                        "step_ms_no_lora_graphs": graphed["none, graphs"] * 1e3,
+                        "step_ms_lora_graphs": graphed["fused, graphs"] * 1e3,
+                        "ratio_graphs": graphed["fused, graphs"] / graphed["none, graphs"],
+                    }
+                    if graphed
+                    else {}
+                ),
                 **{f"ratio_{mode}": r for mode, r in ab.items()},
                 "psnr_vs_peft_min": min(psnrs) if psnrs else None,
                 "device": dev,
@@ -414,7 +433,11 @@ def main() -> None:
               f"({lora / base:.3f}×), {two * 1e3:.1f} ms with the shrink kernel launched first ({two / base:.3f}×), "
               f"{unshared * 1e3:.1f} ms with a shrink per linear ({unshared / base:.3f}×), "
               f"{inplace * 1e3:.1f} ms unfused ({inplace / base:.3f}×)"
-              + "".join(f", {mode} {r:.3f}×" for mode, r in ab.items()), flush=True)  # fmt: skip
+              + "".join(f", {mode} {r:.3f}×" for mode, r in ab.items())
+              + (f"; with CUDA graphs {graphed['none, graphs'] * 1e3:.1f} ms no LoRA, "
+                 f"{graphed['fused, graphs'] * 1e3:.1f} ms with LoRA "
+                 f"({graphed['fused, graphs'] / graphed['none, graphs']:.3f}×)" if graphed else ""),
+              flush=True)  # fmt: skip
 
     # ---- table ----------------------------------------------------------------------------------------
     engine_rows = {r["rank"]: r for r in rows if r["impl"] == "ditserve engine"}
@@ -455,6 +478,14 @@ def main() -> None:
                 f"{r['step_ms_lora_inplace']:.1f} | {r['ratio_inplace']:.3f}× | "
                 f"{r['step_ms_lora_inplace'] / r['step_ms_lora']:.3f}× | — |"
             )
+            if "step_ms_lora_graphs" in r:
+                lines.append(f"| {size} | ditserve engine, no LoRA, CUDA graphs | — | {n} × 0 | — | "
+                             f"{r['step_ms_no_lora_graphs']:.1f} | — | — | — |")  # fmt: skip
+                lines.append(
+                    f"| {size} | ditserve engine, {n} LoRAs, CUDA graphs | {r['rank']} | {n} × {n} | — | "
+                    f"{r['step_ms_lora_graphs']:.1f} | {r['ratio_graphs']:.3f}× (vs graphs without LoRA) | "
+                    f"{r['step_ms_lora_graphs'] / r['step_ms_lora']:.3f}× | — |"
+                )
             for key in (k for k in r if k.startswith("ratio_") and k.endswith("pointer expand")):
                 lines.append(
                     f"| {size} | ditserve engine, {n} LoRAs, {key[6:]} | {r['rank']} | {n} × {n} | — | "

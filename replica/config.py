@@ -102,8 +102,8 @@ class EngineConfig(BaseModel):
     )
     cuda_graphs: bool | None = Field(
         default=None,
-        description="Replay each transformer forward of a batch without adapters as a CUDA graph, one per input "
-        "shape (saves the host's launch time where kernels are short). Default: on with --device cuda and one "
+        description="Replay each transformer forward as a CUDA graph, one per input shape and adapter layout "
+        "(saves the host's launch time where kernels are short). Default: on with --device cuda and one "
         "GPU per replica (no tensor, sequence or CFG parallelism).",
     )
     fused_lora: bool = Field(

@@ -118,6 +118,7 @@ class RankWorker:
         self.runner.before_forward = lambda groups: self.lora.set_batch(
             [(rows, s.params.lora) for s, rows in groups]
         )
+        self.runner.graph_key = lambda: self.lora.graph_key()
         self.states: dict[str, RequestState] = {}
 
     def prepare_transformer(self, model: torch.nn.Module) -> None:

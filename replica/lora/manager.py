@@ -279,6 +279,10 @@ class LoRAManager:
         self._run: tuple[Any, int, list[LoRALayer]] = (_dead, 0, [])  # linears called in a row on one input
         # a group's s slices for the other linears: {(id(meta), scaled): {layer name: s}} for one input
         self._shared: tuple[Any, int, dict] = (_dead, 0, {})
+        # CUDA graphs (graph_key): forwards with adapters since slots or groups last changed, and a counter of
+        # group changes (a group moves its layers' A buffers, which a captured graph would still read)
+        self._settled = 0
+        self.groups_version = 0
 
     def _layer(self, name: str) -> LoRALayer:
         if name not in self.layers:
@@ -324,6 +328,7 @@ class LoRAManager:
             layer.write(slot, lora.modules.get(layer.name))
         self.slots[name] = slot
         self.ranks[slot] = lora.rank
+        self._settled = 0  # new layers may form groups in the next forward
         self.info[name] = {
             "name": name,
             "path": source,
@@ -347,6 +352,7 @@ class LoRAManager:
         for layer in self.layers.values():
             layer.write(slot, None)
         self.ranks[slot] = 0
+        self._settled = 0
         self.info.pop(name, None)
 
     def shared_shrink(
@@ -383,8 +389,8 @@ class LoRAManager:
     def note_input(self, layer: LoRALayer, x: torch.Tensor) -> None:
         """Learn groups: linears called in a row on the same tensor, not yet in a group, with A buffers of
         one shape and dtype (≤ 4: the shrink's slice limit)."""
-        if not self.share_shrink:
-            return
+        if not self.share_shrink or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return  # nothing is learned while a CUDA graph is captured: a group would move A buffers
         rx, version, run = self._run
         if rx() is x and version == _version(x):
             run.append(layer)
@@ -392,7 +398,8 @@ class LoRAManager:
         self._close_run()
         self._run = (weakref.ref(x), _version(x), [layer])
 
-    def _close_run(self) -> None:
+    def _close_run(self) -> bool:
+        """Make the run of linears on one input a group if it can be one; whether it became one."""
         run: list[LoRALayer] = []
         for layer in self._run[2]:
             if layer in run:  # a linear called twice on one input: the group ends before it
@@ -401,16 +408,19 @@ class LoRAManager:
                 run.append(layer)
         self._run = (_dead, 0, [])
         if len(run) < 2:
-            return
+            return False
         run = run[:4]
         first = run[0].a
         if any(layer.a.shape != first.shape or layer.a.dtype != first.dtype for layer in run):
-            return
+            return False
         a_group = torch.cat([layer.a for layer in run])  # [len(run), max_loras, max_rank, in]
         for i, layer in enumerate(run):
             layer.a = a_group[i : i + 1]  # writes to the layer's slots now land in the group buffer
             layer.a_group = a_group
         self.groups[run[0].name] = tuple(run)
+        self.groups_version += 1
+        self._settled = 0
+        return True
 
     def set_batch(self, groups: list[tuple[int, tuple]]) -> None:
         """``groups``: (rows, request's LoRARefs) in row order of the next transformer call."""
@@ -418,7 +428,21 @@ class LoRAManager:
         for rows, refs in groups:
             layout.append((rows, [(self.slots[r.name], r.scale * self.info[r.name]["scale"]) for r in refs]))
         has_lora = any(adapters for _, adapters in layout)
+        ran_lora = self.active  # the previous call was a forward with adapters
         self.batch = BatchLayout(layout, list(self.ranks), self.device) if has_lora else None
         self.active = has_lora
-        self._close_run()  # the previous call's last run of linears on one input
+        if not self._close_run() and ran_lora:  # the previous call's last run of linears on one input
+            self._settled += 1
         self._shared = (_dead, 0, {})
+
+    def graph_key(self) -> tuple[tuple, BatchLayout] | None:
+        """For ``--cuda-graphs``: this call's adapter layout as part of a graph key (rows, slot and scale per
+        request and position; slot ranks; the group generation; the path switches) and the layout to keep
+        alive with a graph captured for it (its segment tensors on the device, which the captured kernels
+        read); None while the forward must run without a graph: no adapters, or no forward with adapters
+        yet since the slots changed (the first one learns the groups, which moves A buffers)."""
+        if self.batch is None or self._settled < 1:
+            return None
+        layout = tuple((rows, tuple(adapters)) for rows, adapters in self.batch.groups)
+        key = (layout, tuple(self.batch.slot_ranks), self.groups_version, self.fused, self.share_shrink)
+        return key, self.batch

@@ -86,7 +86,7 @@ class PipelineRunner(ABC):
         self.dtype = dtype
         self.max_sequence_length = max_sequence_length
         self.mesh = mesh
-        # --cuda-graphs: forwards of batches without adapters replay a captured graph per input signature.
+        # --cuda-graphs: forwards replay a captured graph per input signature (and adapter layout).
         self.graphs = None
         if cuda_graphs:
             from .graphs import StepGraphs
@@ -94,6 +94,9 @@ class PipelineRunner(ABC):
             self.graphs = StepGraphs(self.model_forward, device)
         # Set by the LoRA manager: called with the row → request layout before each forward.
         self.before_forward: Callable[[list[tuple[RequestState, int]]], None] | None = None
+        # Set by the LoRA manager: for a forward with adapters, (its layout as part of a graph key, what a
+        # graph captured for it must keep alive), or None when it must run without a graph.
+        self.graph_key: Callable[[], tuple[tuple, object] | None] | None = None
 
     @property
     def cfg_size(self) -> int:
@@ -134,8 +137,12 @@ class PipelineRunner(ABC):
         if self.before_forward is not None:
             self.before_forward([(s, s.rows) for s, _ in rows])
         shared = states[0].extra["shared"]
-        if self.graphs is not None and not any(s.params.lora for s, _ in rows):
-            return self.graphs(latents, timesteps, inputs, shared)
+        if self.graphs is not None:
+            if not any(s.params.lora for s, _ in rows):
+                return self.graphs(latents, timesteps, inputs, shared)
+            lora = self.graph_key() if self.graph_key is not None else None
+            if lora is not None:
+                return self.graphs(latents, timesteps, inputs, shared, extra=lora[0], keep=lora[1])
         return self.model_forward(latents, timesteps, inputs, shared)
 
     def model_changed(self) -> None:

@@ -13,8 +13,13 @@ output (the next replay overwrites it: CFG runs the cond and uncond rows through
 
 Graphs share one memory pool. That is safe here because replays never overlap and every output is cloned
 before another graph runs. A signature whose capture fails (an operation that syncs with the host) runs
-normally from then on. The caller keeps batches with adapters out (their segment layout changes every
-step) and clears the cache when the model changes (weights update, adapter load or unload).
+normally from then on. The caller clears the cache when the model changes (weights update, adapter load or
+unload).
+
+Batches with adapters replay too: the caller adds their layout (rows, slots and scales per request) to the
+key, and hands over what the captured kernels read besides the inputs (the layout's segment tensors on the
+device), which the entry keeps alive: a replay reads those tensors, not the ones built for its own step,
+which hold the same values because the layout is the same.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     static_inputs: list  # same layout as the flattened call arguments; tensors are the capture's copies
     output: torch.Tensor
+    keep: object = None  # what the captured kernels read besides the inputs (kept alive with the graph)
 
 
 def signature(leaves: list, spec) -> tuple:
@@ -67,9 +73,11 @@ class StepGraphs:
         self.uncapturable.clear()
         self.pool = None
 
-    def __call__(self, *args) -> torch.Tensor:
+    def __call__(self, *args, extra: tuple = (), keep: object = None) -> torch.Tensor:
+        """``extra``: more of the key (state the forward reads besides its arguments, e.g. the adapter layout);
+        ``keep``: kept alive with a graph captured for this call."""
         leaves, spec = pytree.tree_flatten(args)
-        key = signature(leaves, spec)
+        key = (signature(leaves, spec), extra)
         entry = self.graphs.get(key)
         if entry is not None:
             self.graphs.move_to_end(key)
@@ -81,9 +89,9 @@ class StepGraphs:
             return entry.output.clone()
         if key in self.uncapturable:
             return self.forward(*args)
-        return self._first_call(key, leaves, spec)
+        return self._first_call(key, leaves, spec, keep)
 
-    def _first_call(self, key: tuple, leaves: list, spec) -> torch.Tensor:
+    def _first_call(self, key: tuple, leaves: list, spec, keep: object = None) -> torch.Tensor:
         static = [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
         static_args = pytree.tree_unflatten(static, spec)
         current = torch.cuda.current_stream(self.device)
@@ -103,7 +111,7 @@ class StepGraphs:
             torch.cuda.synchronize(self.device)
             return result
         self.pool = graph.pool()
-        self.graphs[key] = _Graph(graph, static, output)
+        self.graphs[key] = _Graph(graph, static, output, keep)
         self.captures += 1
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)

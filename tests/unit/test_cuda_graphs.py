@@ -1,5 +1,5 @@
-"""--cuda-graphs: forwards of batches without adapters replay a captured CUDA graph per input shape and draw
-what the engine draws without graphs; adapter batches, memory release and weight changes stay correct."""
+"""--cuda-graphs: forwards replay a captured CUDA graph per input shape (and adapter layout) and draw what the
+engine draws without graphs; adapter batches, memory release and weight changes stay correct."""
 
 import numpy as np
 import pytest
@@ -70,23 +70,38 @@ def test_graphs_draw_the_plain_engine_image(compile):
 
 
 @pytest.mark.gpu
-def test_adapter_batches_bypass_graphs_and_release_resume_recaptures(tmp_path):
+def test_adapter_batches_replay_graphs_and_release_resume_recaptures(tmp_path):
     from tests.unit.test_lora_engine import weights, write_kohya
 
     path = write_kohya(tmp_path / "a.safetensors", weights(1))
+    other = write_kohya(tmp_path / "b.safetensors", weights(2))
     plain, graphed = _worker(cuda_graphs=False), _worker(cuda_graphs=True)
     batch = [GenerationParams(**REQ, lora=(LoRARef(name="a"),)), GenerationParams(**REQ)]
     for w in (plain, graphed):
         w.lora_load("a", str(path))
+        w.lora_load("b", str(other))
     want = _images(plain, batch)
     got = _images(graphed, batch)
-    assert graphed.runner.graphs.replays == 0  # every forward of the mixed batch carried an adapter
+    graphs = graphed.runner.graphs
+    # the first forward with adapters learns the linears that share an input (it moves their A buffers),
+    # so it runs without a graph; the second captures one for this layout, the third replays it
+    assert (graphs.captures, graphs.replays) == (1, 1)
     for g, w in zip(got, want, strict=True):
         assert psnr(g, w) >= 40
     assert psnr(want[0], want[1]) < 30  # the adapter shows
 
+    # another layout (the other adapter, another strength, the rows swapped) is another graph; the graph of
+    # the first layout replays the first layout's adapter even after it
+    swapped = [GenerationParams(**REQ), GenerationParams(**REQ, lora=(LoRARef(name="b", scale=0.6),))]
+    want2, got2 = _images(plain, swapped), _images(graphed, swapped)
+    assert (graphs.captures, graphs.replays) == (2, 3)
+    for g, w in zip(got2, want2, strict=True):
+        assert psnr(g, w) >= 40
+    again = _images(graphed, batch)
+    assert graphs.replays == 6 and all(psnr(g, w) >= 40 for g, w in zip(again, want, strict=True))
+
     alone = _images(graphed, [GenerationParams(**REQ)])[0]
-    assert graphed.runner.graphs.replays == 2 and psnr(alone, want[1]) >= 40
+    assert graphs.replays == 8 and psnr(alone, want[1]) >= 40
     graphed.release_memory()
     graphed.resume_memory()  # the weights come back at other addresses: the graphs must go
     assert not graphed.runner.graphs.graphs

@@ -100,3 +100,34 @@ def test_wan_lora_files_match_diffusers(tmp_path, inputs, layout):
         pipe = WanPipeline.from_pretrained(path, dtype=torch.float32)
         pipe.load_lora_weights(str(write_original(tmp_path / "no_bias.safetensors", weights(1), biased=())))
         assert (forward(pipe.transformer, inputs)[0] - want[0]).abs().max() > 1e-3
+
+
+def test_graph_key_waits_for_the_groups_and_follows_the_layout(tmp_path, inputs):
+    """What --cuda-graphs keys adapter batches by: nothing until a forward with adapters has learned the
+    linears that share an input (q, k, v here: learning moves their A buffers, which a graph would read),
+    then the layout (rows, adapter and strength per request), the same for the same layout."""
+    path = ensure_demo_model("demo-wan")
+    transformer = WanTransformer3DModel.from_pretrained(path / "transformer", torch_dtype=torch.float32)
+    manager = LoRAManager(transformer, "WanPipeline", max_loras=2, max_rank=8)
+    manager.load("style", str(write_musubi(tmp_path / "style.safetensors", weights(1))))
+    layout = [(1, (LoRARef(name="style"),)), (1, ())]
+    manager.set_batch(layout)
+    assert manager.graph_key() is None and not manager.groups
+    forward(transformer, inputs)
+    manager.set_batch(layout)
+    assert manager.groups  # self-attention's q, k, v (and cross-attention's k, v) read one input each
+    key, keep = manager.graph_key()
+    assert keep is manager.batch
+    forward(transformer, inputs)
+    manager.set_batch(layout)
+    assert manager.graph_key()[0] == key
+    manager.set_batch([(1, (LoRARef(name="style", scale=0.5),)), (1, ())])
+    assert manager.graph_key()[0] != key
+    manager.set_batch([(1, ()), (1, (LoRARef(name="style"),))])
+    assert manager.graph_key()[0] != key
+    manager.set_batch([(2, ())])
+    assert manager.graph_key() is None  # no adapters: the plain graphs
+    manager.unload("style")
+    manager.load("style", str(write_musubi(tmp_path / "style.safetensors", weights(1))))
+    manager.set_batch(layout)
+    assert manager.graph_key() is None  # slots changed: one forward without a graph first
