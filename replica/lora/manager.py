@@ -21,6 +21,10 @@ buffer, and the first of the group runs one multi-slice shrink for all of them (
 once per linear; in the fused path and in the unfused one, which FP8 linears and requests with several
 adapters take, once per adapter position); the others take their slice of s if they are called with that
 same, unmodified tensor, and otherwise shrink on their own.
+
+CUDA graphs (``--cuda-graphs``): ``graph_key`` gives the runner a forward's adapter layout as part of the
+graph key, from the second forward with adapters after a load or unload on (the first learns the groups,
+which moves A buffers that a captured graph would read); nothing is learned while a graph is captured.
 """
 
 from __future__ import annotations
