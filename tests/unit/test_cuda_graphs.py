@@ -70,12 +70,13 @@ def test_graphs_draw_the_plain_engine_image(compile):
 
 
 @pytest.mark.gpu
-def test_adapter_batches_replay_graphs_and_release_resume_recaptures(tmp_path):
+@pytest.mark.parametrize("compile", [False, True])
+def test_adapter_batches_replay_graphs_and_release_resume_recaptures(tmp_path, compile):
     from tests.unit.test_lora_engine import weights, write_kohya
 
     path = write_kohya(tmp_path / "a.safetensors", weights(1))
     other = write_kohya(tmp_path / "b.safetensors", weights(2))
-    plain, graphed = _worker(cuda_graphs=False), _worker(cuda_graphs=True)
+    plain, graphed = _worker(cuda_graphs=False, compile=compile), _worker(cuda_graphs=True, compile=compile)
     batch = [GenerationParams(**REQ, lora=(LoRARef(name="a"),)), GenerationParams(**REQ)]
     for w in (plain, graphed):
         w.lora_load("a", str(path))
