@@ -24,7 +24,7 @@ same, unmodified tensor, and otherwise shrink on their own.
 
 CUDA graphs (``--cuda-graphs``): ``graph_key`` gives the runner a forward's adapter layout as part of the
 graph key, from the second forward with adapters after a load or unload on (the first learns the groups,
-which moves A buffers that a captured graph would read); nothing is learned while a graph is captured.
+which moves A buffers that a captured graph would read); no group forms while a graph is captured.
 """
 
 from __future__ import annotations
@@ -283,10 +283,10 @@ class LoRAManager:
         self._run: tuple[Any, int, list[LoRALayer]] = (_dead, 0, [])  # linears called in a row on one input
         # a group's s slices for the other linears: {(id(meta), scaled): {layer name: s}} for one input
         self._shared: tuple[Any, int, dict] = (_dead, 0, {})
-        # CUDA graphs (graph_key): forwards with adapters since slots or groups last changed, and a counter of
-        # group changes (a group moves its layers' A buffers, which a captured graph would still read)
+        # CUDA graphs (graph_key): forwards with adapters since slots or groups last changed (a new group moves
+        # its layers' A buffers, which a captured graph would still read; groups are only ever added, so their
+        # count tells the generations apart in the key)
         self._settled = 0
-        self.groups_version = 0
 
     def _layer(self, name: str) -> LoRALayer:
         if name not in self.layers:
@@ -393,8 +393,8 @@ class LoRAManager:
     def note_input(self, layer: LoRALayer, x: torch.Tensor) -> None:
         """Learn groups: linears called in a row on the same tensor, not yet in a group, with A buffers of
         one shape and dtype (≤ 4: the shrink's slice limit)."""
-        if not self.share_shrink or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            return  # nothing is learned while a CUDA graph is captured: a group would move A buffers
+        if not self.share_shrink:
+            return
         rx, version, run = self._run
         if rx() is x and version == _version(x):
             run.append(layer)
@@ -417,12 +417,13 @@ class LoRAManager:
         first = run[0].a
         if any(layer.a.shape != first.shape or layer.a.dtype != first.dtype for layer in run):
             return False
+        if first.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False  # no group while a CUDA graph is captured: it would move A buffers the graph reads
         a_group = torch.cat([layer.a for layer in run])  # [len(run), max_loras, max_rank, in]
         for i, layer in enumerate(run):
             layer.a = a_group[i : i + 1]  # writes to the layer's slots now land in the group buffer
             layer.a_group = a_group
         self.groups[run[0].name] = tuple(run)
-        self.groups_version += 1
         self._settled = 0
         return True
 
@@ -448,5 +449,5 @@ class LoRAManager:
         if self.batch is None or self._settled < 1:
             return None
         layout = tuple((rows, tuple(adapters)) for rows, adapters in self.batch.groups)
-        key = (layout, tuple(self.batch.slot_ranks), self.groups_version, self.fused, self.share_shrink)
+        key = (layout, tuple(self.batch.slot_ranks), len(self.groups), self.fused, self.share_shrink)
         return key, self.batch
