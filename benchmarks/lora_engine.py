@@ -353,7 +353,7 @@ def main() -> None:
             # modes: no LoRA; LoRA inside the GEMM (fused_lora, the default: the shrink inside the GEMM launch
             # where the batch allows); the same with the shrink kernel launched first; with one shrink per
             # linear instead of one per group of linears on the same input; base GEMM + in-place expand
-            modes = ("none", "fused", "two launches", "unshared", "inplace")
+            modes = ("none", "fused", "fused, gluon", "two launches", "unshared", "inplace")
             if args.expand_ab:  # the in-place expand with B and y through pointers (its tiles before TMA)
                 modes += ("fused, pointer expand", "inplace, pointer expand")
             if graphs is not None:  # the default engine on one GPU: every forward a CUDA graph
@@ -363,6 +363,8 @@ def main() -> None:
                 manager.fused = not mode.startswith("inplace")
                 manager.share_shrink = mode != "unshared"
                 linear_op.SHRINK_IN = mode != "two launches"
+                # the shrink kernel, then the Gluon GEMM (Hopper) where it applies
+                linear_op.GLUON = mode == "fused, gluon"
                 expand_op.ROWS_TUNED = POINTER_ROWS if mode.endswith("pointer expand") else ROWS_TUNED
                 runner.graphs = graphs if mode.endswith(", graphs") else None
 
@@ -388,6 +390,11 @@ def main() -> None:
             del engine, manager
             free(device)
         base, lora = statistics.median(results["none"]), statistics.median(results["fused"])
+        print(
+            f"rank {rank}, step medians (ms): "
+            + ", ".join(f"{m_}: {statistics.median(t) * 1e3:.1f}" for m_, t in results.items()),
+            flush=True,
+        )
         ab = {mode: statistics.median(results[mode]) / base for mode in results if "pointer" in mode}
         graphed = {
             m: statistics.median(results[m]) for m in ("none, graphs", "fused, graphs") if m in results

@@ -489,6 +489,26 @@ def qkv_only(args, head: list[str]) -> None:
                     }
                     if best not in (None, "default"):
                         fns["best lora_gemm"] = _gemm_call(p, s, configs[best])
+                    if args.gluon:  # the Gluon GEMM on a given s, and after the shrink kernel
+                        gcfg = gemm_op.SWEEP["gluon"]
+                        fns["gluon lora_gemm"] = _gemm_call(p, s, gcfg)
+                        fns["gluon no LoRA"] = _gemm_call(p, s[:, :, :0], gcfg)
+                        fns["lora_linear without Gluon"] = lambda p=p, seg=seg, m=m: launch_lora_linear(
+                            p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes, m.seg_align, gluon=False
+                        )
+                        fns["lora_gemm no LoRA"] = _gemm_call(p, s[:, :, :0])
+                        fns["gluon two launches"] = lambda p=p, m=m, seg=seg, gcfg=gcfg: launch_lora_gemm(
+                            p.x,
+                            p.w,
+                            None,
+                            lora_shrink(p.x, p.a, m, scaled=True),
+                            p.b,
+                            *seg,
+                            p.sizes,
+                            config=gcfg,
+                            s_scaled=True,
+                            seg_align=m.seg_align,
+                        )
                     for name in filter(None, args.inter_configs.split(",")):
                         fns[f"gemm {name}"] = _gemm_call(p, s, gemm_op.SWEEP[name])
                     for name in filter(None, args.inter_fused.split(",")):
@@ -513,6 +533,15 @@ def qkv_only(args, head: list[str]) -> None:
                     records[-1]["interleaved"] = res
                     for name in filter(None, args.inter_configs.split(",")):
                         extra.append(f"| {batch} | {nsl} | {rank} | {name} | {col('gemm ' + name)} |")
+                    if args.gluon:
+                        for name in (
+                            "gluon lora_gemm",
+                            "gluon two launches",
+                            "gluon no LoRA",
+                            "lora_gemm no LoRA",
+                            "lora_linear without Gluon",
+                        ):
+                            extra.append(f"| {batch} | {nsl} | {rank} | {name} | {col(name)} |")
                     for name in filter(None, args.inter_fused.split(",")):
                         extra.append(
                             f"| {batch} | {nsl} | {rank} | lora_linear {name} | {col('fused ' + name)} |"
@@ -531,7 +560,7 @@ def qkv_only(args, head: list[str]) -> None:
             summary.append(f"fastest shrink config, {nsl} slices (summed over batches and ranks): {pick}")
     if args.rounds:
         summary += inter
-        if args.inter_configs or args.inter_fused:
+        if args.inter_configs or args.inter_fused or args.gluon:
             summary += extra
     summary.append(f"\nwall time {time.time() - t0:.0f} s")
     print("\n".join(summary), flush=True)
@@ -549,6 +578,12 @@ def main() -> None:
         "--qkv-only", action="store_true", help="only the QKV target shapes, fused GEMM vs cuBLAS"
     )
     ap.add_argument("--sweep-gemm", action="store_true", help="with --qkv-only: every lora_gemm SWEEP config")
+    ap.add_argument(
+        "--gluon",
+        action="store_true",
+        help="--qkv-only --rounds: the Gluon lora_gemm (Hopper) "
+        "alone and after the shrink kernel, in the interleaved rounds",
+    )
     ap.add_argument("--sweep-ws", action="store_true", help="with --sweep-gemm: warp-specialised configs too")
     ap.add_argument("--sweep-fused", action="store_true", help="with --qkv-only: every one-kernel lora_linear "
                     "SWEEP config (lora_linear/op.py), without the lora_gemm and shrink sweeps")  # fmt: skip

@@ -36,7 +36,16 @@ TUNED: dict[str, dict[str, int]] = {
                   PERSISTENT=0, TMA=1, FLATTEN=0, WS=0, LORA_LOOP=1),
 }  # fmt: skip
 DEFAULTS = dict(
-    GROUP_M=8, PERSISTENT=0, TMA=0, FLATTEN=0, WS=0, LORA_LOOP=1, R_CHUNK=16, TMA_STORE=0, SHRINK_IN=1
+    GROUP_M=8,
+    PERSISTENT=0,
+    TMA=0,
+    FLATTEN=0,
+    WS=0,
+    LORA_LOOP=1,
+    R_CHUNK=16,
+    TMA_STORE=0,
+    SHRINK_IN=1,
+    GLUON=0,
 )
 MAX_LORA_BK = 64  # LORA_LOOP=2: widest LoRA iteration (rank 128 takes two)
 MAX_WIDE_SHRINK = 256  # SHRINK_IN: widest shrink dot (slices × rank columns); wider ones go slice by slice
@@ -86,6 +95,9 @@ SWEEP: dict[str, dict[str, int]] = {
     "tma persist flat 128x256x64 w8 s3 tstore g16": _cfg(
         128, 256, 64, 8, 3, tma=1, flatten=1, store=1, group_m=16
     ),
+    # the Gluon kernel for Hopper (gluon_kernel.py: its own tiles, GLUON_CONFIG; elsewhere this config
+    # runs the one above)
+    "gluon": {**_cfg(128, 256, 64, 8, 3, tma=1, flatten=1, store=1, group_m=16), "GLUON": 1},
 }
 # warp-specialised loops (tl.range(..., warp_specialize=True)): Triton documents them for Blackwell; tried
 # on Hopper only on request (--sweep-ws), since a failing lowering may take the whole process down
@@ -238,6 +250,11 @@ def launch_lora_gemm(
     if hidden == 0:  # x · Aᵀ is 0 as well
         return y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
     cfg = resolve_config(config, num_tokens, n_total, s.shape[2] > 0 and s_scaled, seg_align)
+    if cfg.get("GLUON") and not shrink_in:
+        from ditserve.kernels.lora_gemm.gluon_op import gluon_ok, launch_gluon_lora_gemm
+
+        if gluon_ok(x, weight, s, b_stacked, out_slice_sizes, s_scaled, seg_align):
+            return launch_gluon_lora_gemm(x, weight, bias, s, b_stacked, token_seg, seg_slot, out_slice_sizes)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
     num_tiles = -(-num_tokens // bm) * num_col_blocks

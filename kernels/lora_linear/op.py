@@ -3,7 +3,8 @@
 Where `lora_gemm.op.shrink_in_ok` holds (Triton runs, TMA, segments aligned to the row blocks: Flux's
 image and text tokens at the usual sizes), one `lora_gemm` launch computes s on the programs the last
 round of tiles leaves idle and adds the expand in the K loop (SHRINK_IN, see `lora_gemm/kernel.py`);
-elsewhere the scaled shrink kernel runs first, then `lora_gemm`. s is returned for every slice of
+elsewhere the scaled shrink kernel runs first, then `lora_gemm` (or, with GLUON on a Hopper GPU, the Gluon
+GEMM). s is returned for every slice of
 a_stacked, which may hold more slices than the output: a group of linears on one input (q, k, v) shares it.
 """
 
@@ -20,6 +21,11 @@ from ditserve.kernels.lora_shrink.reference import lora_shrink_scaled_ref
 MAX_SLICES = 4
 # False: always the shrink kernel, then lora_gemm (benchmarks time the two forms against each other)
 SHRINK_IN = True
+# True: on Hopper, where its contract holds, the shrink kernel, then the Gluon lora_gemm (gluon_kernel.py),
+# whose LoRA step multiplies only the rank columns (a 16-wide MMA at rank 16) instead of a 64-wide K step.
+# Off by default: its GEMM is faster than lora_gemm's on a given s, but the two launches together are not
+# faster than the one launch above, which hides part of the shrink (BENCHMARKS.md, "The GEMM in Gluon")
+GLUON = False
 
 
 def _check(x, a_stacked, b_stacked, max_rank, sizes):
@@ -47,9 +53,20 @@ def launch_lora_linear(
     seg_align: int = 1,  # LoRABatchMeta.seg_align
     config: dict[str, int]
     | None = None,  # lora_gemm tile override (benchmarks, tests); SHRINK_IN=0: two launches
+    gluon: bool | None = None,  # the Gluon GEMM where it applies (None: GLUON; benchmarks compare)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # y [num_tokens, sum(sizes)]; s [groups, num_tokens, scaled_cols]
     _check(x, a_stacked, b_stacked, max_rank, out_slice_sizes)
     seg = (token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank)
+    if (GLUON if gluon is None else gluon) and config is None and x.is_cuda:
+        from ditserve.kernels.lora_gemm.gluon_op import gluon_ok, launch_gluon_lora_gemm
+
+        if gluon_ok(x, weight, None, b_stacked, out_slice_sizes, True, seg_align):
+            s = launch_lora_shrink(x, a_stacked, *seg[:4], slot_rank, max_rank, seg_scale=seg_scale)
+            ns = len(out_slice_sizes)
+            y = launch_gluon_lora_gemm(
+                x, weight, bias, s[:ns], b_stacked, token_seg, seg_slot, out_slice_sizes
+            )
+            return y, s
     if SHRINK_IN and shrink_in_ok(x, weight, a_stacked, b_stacked, seg_align, config):
         s = x.new_empty((a_stacked.shape[0], x.shape[0], scaled_cols(max_rank)))
         y = launch_lora_gemm(x, weight, bias, s, b_stacked, *seg, out_slice_sizes, config=config, s_scaled=True,

@@ -522,3 +522,40 @@ def test_bf16_gpu_lora_linear_and_inductor():
     torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=3e-2)
     compiled = torch.compile(lambda x, meta: lora_linear(x, w, bias, a, b, meta, sizes), fullgraph=True)
     torch.testing.assert_close(compiled(x, meta).float(), want.float(), atol=5e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_rank", [16, 32, 64, 128])
+@pytest.mark.parametrize("num_slices", [3, 4])
+def test_bf16_gpu_gluon_kernel(num_slices, max_rank, monkeypatch):
+    """The Gluon kernel for Hopper (config "gluon") on an aligned batch with a request without LoRA and an
+    empty one: one narrow LoRA MMA at ranks 16 / 32, a 64-wide step at 64, two at 128; bias; and no LoRA."""
+    import ditserve.kernels.lora_gemm.gluon_op as gluon_op
+
+    if not gluon_op.gluon_available(torch.cuda.current_device()):
+        pytest.skip("the Gluon kernel needs a Hopper GPU (sm_90) and Triton's Gluon")
+    requests = [(1024, 0), (512, -1), (0, 2), (2048, 1), (128, 3), (384, 0)]
+    meta, x, a, b, w, bias, sizes = gpu_problem(num_slices, requests)
+    ranks = [min(r, max_rank) for r in meta.slot_rank.tolist()]
+    m = LoRABatchMeta.build(requests, ranks, [0.5, 1.0, 2.0, 0.25, 1.0, -1.0], device="cuda")
+    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot)
+    s = lora_shrink_scaled_ref(x, a, *seg, m.seg_scale, m.slot_rank, m.max_rank)
+    want = lora_gemm_ref(x, w, bias, s, b, *seg[1:], m.seg_scale, m.slot_rank, sizes, s_scaled=True)
+    calls = []
+    launch = gluon_op.launch_gluon_lora_gemm
+    monkeypatch.setattr(
+        gluon_op, "launch_gluon_lora_gemm", lambda *a_, **k: calls.append(1) or launch(*a_, **k)
+    )
+    cfg = SWEEP["gluon"]
+    got = launch_lora_gemm(
+        x, w, bias, s, b, *seg_args(m), sizes, config=cfg, s_scaled=True, seg_align=m.seg_align
+    )
+    torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=3e-2)
+    no_lora = launch_lora_gemm(x, w, bias, s[:, :, :0], b, *seg_args(m), sizes, config=cfg, s_scaled=True,
+                               seg_align=m.seg_align)  # fmt: skip
+    plain = torch.nn.functional.linear(x, w, bias)
+    torch.testing.assert_close(no_lora.float(), plain.float(), atol=3e-2, rtol=2e-2)
+    assert len(calls) == 2  # both went through the Gluon kernel
+    # the rows of the request without an adapter are the plain GEMM's
+    rows = m.token_seg.new_tensor([m.seg_slot[t].item() < 0 for t in m.token_seg.tolist()], dtype=torch.bool)
+    torch.testing.assert_close(got[rows].float(), no_lora[rows].float(), atol=0, rtol=0)

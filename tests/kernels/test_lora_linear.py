@@ -165,7 +165,34 @@ def test_bf16_gpu_shrink_in(num_slices, groups, no_shrink_kernel):
     want = lora_linear_ref(x, w, bias, a[:num_slices], b, *seg[1:], m.max_rank, sizes)
     want_s = lora_shrink_scaled_ref(x, a, *seg, m.max_rank)
     for _ in range(3):
-        y, s = launch_lora_linear(x, w, bias, a, b, *seg, m.max_rank, sizes, m.seg_align)
+        y, s = launch_lora_linear(x, w, bias, a, b, *seg, m.max_rank, sizes, m.seg_align, gluon=False)
         torch.testing.assert_close(y.float(), want.float(), atol=5e-2, rtol=3e-2)
         torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
     assert gemm_config(m.num_tokens, n)["TMA"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_slices,groups", [(3, 3), (4, 4), (1, 3)])
+def test_bf16_gpu_gluon_lora_linear(num_slices, groups, monkeypatch):
+    """The same batches through the shrink kernel and the Gluon GEMM (Hopper): y and s equal the reference."""
+    import ditserve.kernels.lora_gemm.gluon_op as gluon_op
+
+    if not gluon_op.gluon_available(torch.cuda.current_device()):
+        pytest.skip("the Gluon kernel needs a Hopper GPU (sm_90) and Triton's Gluon")
+    meta, x, a, b, w, bias, sizes = gpu_problem(groups, ALIGNED)
+    sizes = sizes[:num_slices]
+    n = sum(sizes)
+    w, bias, b = w[:n].contiguous(), bias[:n].contiguous(), b[:, :n].contiguous()
+    m = meta
+    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
+    calls = []
+    launch = gluon_op.launch_gluon_lora_gemm
+    monkeypatch.setattr(
+        gluon_op, "launch_gluon_lora_gemm", lambda *a_, **k: calls.append(1) or launch(*a_, **k)
+    )
+    want = lora_linear_ref(x, w, bias, a[:num_slices], b, *seg[1:], m.max_rank, sizes)
+    want_s = lora_shrink_scaled_ref(x, a, *seg, m.max_rank)
+    y, s = launch_lora_linear(x, w, bias, a, b, *seg, m.max_rank, sizes, m.seg_align, gluon=True)
+    torch.testing.assert_close(y.float(), want.float(), atol=5e-2, rtol=3e-2)
+    torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
+    assert calls == [1]

@@ -1,0 +1,116 @@
+"""Launcher of the Gluon lora_gemm for Hopper (gluon_kernel.py), and when it applies (`gluon_ok`)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ditserve.kernels._dispatch import next_pow2, num_programs_limit, tma_ok
+from ditserve.kernels.lora_expand.op import column_blocks
+
+# 128×256 tiles over 8 warps (two warpgroups of 64 rows), 64-wide K steps, a ring of 3 slots (3 × 48 KB)
+# next to a 64 KB store buffer, 16 row blocks per column block in the tile order
+GLUON_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, NUM_BUFFERS=3, num_warps=8)
+
+
+@functools.cache
+def gluon_available(device_index: int) -> bool:
+    """A Hopper GPU (warpgroup MMA) and a Triton with Gluon's Hopper module; DITSERVE_GLUON_GEMM=0 turns it
+    off."""
+    if os.environ.get("DITSERVE_GLUON_GEMM", "1") == "0":
+        return False
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return False
+    try:
+        from ditserve.kernels.lora_gemm import gluon_kernel  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gluon_ok(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    s: torch.Tensor | None,
+    b_stacked: torch.Tensor,
+    out_slice_sizes: list[int],
+    s_scaled: bool,
+    seg_align: int,
+    cfg: dict[str, int] = GLUON_CONFIG,
+) -> bool:
+    """The Gluon kernel's contract: Hopper, bf16/fp16, s pre-scaled in x's dtype (or no LoRA), every segment
+    on a row-block boundary, every output slice whole column blocks, TMA-friendly tensors. s None: the s the
+    scaled shrink kernel will write (contiguous, 16-column multiples)."""
+    if (
+        not x.is_cuda
+        or x.dtype not in (torch.bfloat16, torch.float16)
+        or not gluon_available(x.device.index or 0)
+    ):
+        return False
+    if x.shape[0] == 0 or x.shape[1] == 0 or weight.dtype != x.dtype:
+        return False
+    if seg_align % cfg["BLOCK_M"] or any(n % cfg["BLOCK_N"] for n in out_slice_sizes):
+        return False
+    if not (tma_ok(x, weight) and x.is_contiguous() and weight.is_contiguous()):
+        return False
+    if s is None:
+        return b_stacked.is_contiguous() and tma_ok(b_stacked.flatten(0, 1))
+    if s.shape[2] > 0:
+        if not s_scaled or s.dtype != x.dtype or not (s.is_contiguous() and b_stacked.is_contiguous()):
+            return False
+        if not tma_ok(s.flatten(0, 1), b_stacked.flatten(0, 1)):
+            return False
+    return True
+
+
+def launch_gluon_lora_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    s: torch.Tensor,  # [num_slices, num_tokens, s_cols] pre-scaled, x's dtype; s_cols 0 = no LoRA
+    b_stacked: torch.Tensor,  # [max_loras, n_total, max_rank]
+    token_seg: torch.Tensor,
+    seg_slot: torch.Tensor,
+    out_slice_sizes: list[int],
+    cfg: dict[str, int] = GLUON_CONFIG,
+) -> torch.Tensor:
+    """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ per tile (the caller checked `gluon_ok`)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ditserve.kernels.lora_gemm.gluon_kernel import _gluon_lora_gemm_kernel
+
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    num_tokens, _ = x.shape
+    n_total = weight.shape[0]
+    gdt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    y = x.new_empty((num_tokens, n_total))
+
+    def desc(t, block):
+        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
+
+    x_desc, w_desc, y_desc = desc(x, [bm, bk]), desc(weight, [bn, bk]), desc(y, [bm, bn])
+    lora_k = min(s.shape[2], b_stacked.shape[2])
+    has_lora = lora_k > 0
+    if has_lora:
+        s_desc = desc(s.flatten(0, 1), [bm, bk])
+        b_desc = desc(b_stacked.flatten(0, 1), [bn, bk])
+    else:
+        s_desc, b_desc = x_desc, w_desc  # never read
+    lora_steps = -(-lora_k // bk)
+    # the LoRA steps multiply only the rank columns: 16 or 32 of a 64-column box at ranks ≤ 16 / ≤ 32
+    lora_cols = bk if lora_steps != 1 else min(bk, max(16, next_pow2(lora_k)))
+    cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
+    num_tiles = -(-num_tokens // bm) * num_col_blocks
+    grid = min(num_tiles, num_programs_limit(x.device))
+    _gluon_lora_gemm_kernel[(grid,)](
+        x_desc, w_desc, s_desc, b_desc, y_desc, bias if bias is not None else y, token_seg, seg_slot,
+        num_tokens, n_total, *cols, *blks, num_col_blocks, lora_steps,
+        s.shape[0] * num_tokens, b_stacked.shape[0] * n_total,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, LORA_K=lora_cols, GROUP_M=cfg["GROUP_M"],
+        NUM_BUFFERS=cfg["NUM_BUFFERS"], HAS_LORA=has_lora, HAS_BIAS=bias is not None,
+        num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return y
