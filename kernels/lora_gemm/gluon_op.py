@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -17,10 +16,7 @@ GLUON_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, NUM_BUFFER
 
 @functools.cache
 def gluon_available(device_index: int) -> bool:
-    """A Hopper GPU (warpgroup MMA) and a Triton with Gluon's Hopper module; DITSERVE_GLUON_GEMM=0 turns it
-    off."""
-    if os.environ.get("DITSERVE_GLUON_GEMM", "1") == "0":
-        return False
+    """A Hopper GPU (warpgroup MMA) and a Triton with Gluon's Hopper module."""
     if torch.cuda.get_device_capability(device_index) != (9, 0):
         return False
     try:

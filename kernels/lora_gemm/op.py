@@ -251,10 +251,13 @@ def launch_lora_gemm(
         return y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
     cfg = resolve_config(config, num_tokens, n_total, s.shape[2] > 0 and s_scaled, seg_align)
     if cfg.get("GLUON") and not shrink_in:
-        from ditserve.kernels.lora_gemm.gluon_op import gluon_ok, launch_gluon_lora_gemm
+        from ditserve.kernels.lora_gemm.gluon_op import GLUON_CONFIG, gluon_ok, launch_gluon_lora_gemm
 
         if gluon_ok(x, weight, s, b_stacked, out_slice_sizes, s_scaled, seg_align):
-            return launch_gluon_lora_gemm(x, weight, bias, s, b_stacked, token_seg, seg_slot, out_slice_sizes)
+            gcfg = {**GLUON_CONFIG, "GROUP_M": cfg["GROUP_M"]}
+            return launch_gluon_lora_gemm(
+                x, weight, bias, s, b_stacked, token_seg, seg_slot, out_slice_sizes, cfg=gcfg
+            )
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
     num_tiles = -(-num_tokens // bm) * num_col_blocks

@@ -10,6 +10,8 @@ a_stacked, which may hold more slices than the output: a group of linears on one
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ditserve.kernels._dispatch import use_triton
@@ -24,8 +26,9 @@ SHRINK_IN = True
 # True: on Hopper, where its contract holds, the shrink kernel, then the Gluon lora_gemm (gluon_kernel.py),
 # whose LoRA step multiplies only the rank columns (a 16-wide MMA at rank 16) instead of a 64-wide K step.
 # Off by default: its GEMM is faster than lora_gemm's on a given s, but the two launches together are not
-# faster than the one launch above, which hides part of the shrink (BENCHMARKS.md, "The GEMM in Gluon")
-GLUON = False
+# faster than the one launch above, which hides part of the shrink (BENCHMARKS.md, "The GEMM in Gluon");
+# DITSERVE_GLUON_GEMM=1 turns it on
+GLUON = os.environ.get("DITSERVE_GLUON_GEMM", "0") == "1"
 
 
 def _check(x, a_stacked, b_stacked, max_rank, sizes):
