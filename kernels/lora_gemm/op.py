@@ -20,7 +20,8 @@ MAX_SLICES = 4
 # SHRINK_IN (0: not allowed, `shrink_in_ok`), SHRINK_M (rows per shrink unit, default 64), SHRINK_K (hidden
 # columns per step of its K loop: 128 where 5 stages fit SHRINK_SMEM, else BLOCK_K), SHRINK_WIDE (0: one unit
 # per slice even where all slices fit one dot), SHRINK_STAGES (its K loop's stages: 5 with 128-column steps,
-# else 4).
+# else 4). GLUON=1: the Gluon kernel for Hopper where `gluon_op.gluon_ok` holds (gluon_kernel.py; its tiles
+# are gluon_op.GLUON_CONFIG with this GROUP_M), else the Triton kernel with these tiles.
 # benchmarks/lora_kernels.py --qkv-only --sweep-gemm overrides this table.
 TUNED: dict[str, dict[str, int]] = {
     # ≥ 2 waves of 128×256 tiles (Flux QKV at 4608+ tokens): the Hopper GEMM shape, 8 warps over 2
