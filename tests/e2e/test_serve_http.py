@@ -1,6 +1,7 @@
 """`ditserve serve` as a user runs it: the official openai client, httpx, bad input, Ctrl-C."""
 
 import base64
+import os
 import subprocess
 import sys
 
@@ -68,7 +69,10 @@ def test_same_seed_same_image_through_serve_and_generate(client, tmp_path):
         "-o",
         str(out),
     ]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    # On a CPU, float sums depend on torch's intra-op thread count (a 64x64 demo image: 2 pixels differ by 1
+    # between 1 and 2 threads); Ray starts the replica, which holds a fraction of a CPU, on one thread.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300, env=env)
     assert np.array_equal(served, png_pixels(out.read_bytes()))
 
 
