@@ -6,6 +6,7 @@ import torch
 
 from ditserve.kernels._dispatch import next_pow2, num_programs_limit, tma_ok, use_triton
 from ditserve.kernels.lora_expand.op import column_align, column_blocks
+from ditserve.kernels.lora_gemm import gluon_op
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 
 MAX_SLICES = 4
@@ -251,14 +252,12 @@ def launch_lora_gemm(
     if hidden == 0:  # x · Aᵀ is 0 as well
         return y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
     cfg = resolve_config(config, num_tokens, n_total, s.shape[2] > 0 and s_scaled, seg_align)
-    if cfg.get("GLUON") and not shrink_in:
-        from ditserve.kernels.lora_gemm.gluon_op import GLUON_CONFIG, gluon_ok, launch_gluon_lora_gemm
-
-        if gluon_ok(x, weight, s, b_stacked, out_slice_sizes, s_scaled, seg_align):
-            gcfg = {**GLUON_CONFIG, "GROUP_M": cfg["GROUP_M"]}
-            return launch_gluon_lora_gemm(
-                x, weight, bias, s, b_stacked, token_seg, seg_slot, out_slice_sizes, cfg=gcfg
-            )
+    if cfg["GLUON"] and not shrink_in and gluon_op.gluon_ok(x, weight, s, b_stacked, out_slice_sizes, s_scaled,
+                                                              seg_align):  # fmt: skip
+        gcfg = {**gluon_op.GLUON_CONFIG, "GROUP_M": cfg["GROUP_M"]}
+        return gluon_op.launch_gluon_lora_gemm(
+            x, weight, bias, s, b_stacked, token_seg, seg_slot, out_slice_sizes, cfg=gcfg
+        )
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
     num_tiles = -(-num_tokens // bm) * num_col_blocks

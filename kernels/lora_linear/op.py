@@ -15,6 +15,7 @@ import os
 import torch
 
 from ditserve.kernels._dispatch import use_triton
+from ditserve.kernels.lora_gemm import gluon_op
 from ditserve.kernels.lora_gemm.op import launch_lora_gemm, shrink_in_ok
 from ditserve.kernels.lora_linear.reference import lora_linear_ref
 from ditserve.kernels.lora_shrink.op import launch_lora_shrink, scaled_cols
@@ -60,16 +61,14 @@ def launch_lora_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # y [num_tokens, sum(sizes)]; s [groups, num_tokens, scaled_cols]
     _check(x, a_stacked, b_stacked, max_rank, out_slice_sizes)
     seg = (token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank)
-    if (GLUON if gluon is None else gluon) and config is None and x.is_cuda:
-        from ditserve.kernels.lora_gemm.gluon_op import gluon_ok, launch_gluon_lora_gemm
-
-        if gluon_ok(x, weight, None, b_stacked, out_slice_sizes, True, seg_align):
-            s = launch_lora_shrink(x, a_stacked, *seg[:4], slot_rank, max_rank, seg_scale=seg_scale)
-            ns = len(out_slice_sizes)
-            y = launch_gluon_lora_gemm(
-                x, weight, bias, s[:ns], b_stacked, token_seg, seg_slot, out_slice_sizes
-            )
-            return y, s
+    use_gluon = (GLUON if gluon is None else gluon) and config is None
+    if use_gluon and gluon_op.gluon_ok(x, weight, None, b_stacked, out_slice_sizes, True, seg_align):
+        s = launch_lora_shrink(x, a_stacked, *seg[:4], slot_rank, max_rank, seg_scale=seg_scale)
+        ns = len(out_slice_sizes)
+        y = gluon_op.launch_gluon_lora_gemm(
+            x, weight, bias, s[:ns], b_stacked, token_seg, seg_slot, out_slice_sizes
+        )
+        return y, s
     if SHRINK_IN and shrink_in_ok(x, weight, a_stacked, b_stacked, seg_align, config):
         s = x.new_empty((a_stacked.shape[0], x.shape[0], scaled_cols(max_rank)))
         y = launch_lora_gemm(x, weight, bias, s, b_stacked, *seg, out_slice_sizes, config=config, s_scaled=True,

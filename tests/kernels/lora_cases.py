@@ -116,3 +116,20 @@ def gpu_problem(num_slices: int, requests=GPU_REQUESTS):
     w = rnd(sum(sizes), HIDDEN, std=HIDDEN**-0.5)
     bias = rnd(sum(sizes))
     return meta, x, a, b, w, bias, sizes
+
+
+def gluon_launches(monkeypatch) -> list[int]:
+    """Skip unless the Gluon kernel can run (Hopper, Triton's Gluon); else a list that gets an entry for every
+    launch of it."""
+    import pytest
+
+    from ditserve.kernels.lora_gemm import gluon_op
+
+    if not gluon_op.gluon_available(torch.cuda.current_device()):
+        pytest.skip("the Gluon kernel needs a Hopper GPU (sm_90) and Triton's Gluon")
+    calls: list[int] = []
+    launch = gluon_op.launch_gluon_lora_gemm
+    monkeypatch.setattr(
+        gluon_op, "launch_gluon_lora_gemm", lambda *a, **k: calls.append(1) or launch(*a, **k)
+    )
+    return calls

@@ -15,7 +15,14 @@ from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 from ditserve.kernels.lora_meta import LoRABatchMeta
 from ditserve.kernels.lora_shrink.op import SCALED_SWEEP, launch_lora_shrink, segmented_config
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref
-from tests.kernels.lora_cases import MAX_LORAS, dense_oracle, gpu_problem, make_case, token_counts
+from tests.kernels.lora_cases import (
+    MAX_LORAS,
+    dense_oracle,
+    gluon_launches,
+    gpu_problem,
+    make_case,
+    token_counts,
+)
 
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=3e-2, rtol=2e-2)}
@@ -530,10 +537,7 @@ def test_bf16_gpu_lora_linear_and_inductor():
 def test_bf16_gpu_gluon_kernel(num_slices, max_rank, monkeypatch):
     """The Gluon kernel for Hopper (config "gluon") on an aligned batch with a request without LoRA and an
     empty one: one narrow LoRA MMA at ranks 16 / 32, a 64-wide step at 64, two at 128; bias; and no LoRA."""
-    import ditserve.kernels.lora_gemm.gluon_op as gluon_op
-
-    if not gluon_op.gluon_available(torch.cuda.current_device()):
-        pytest.skip("the Gluon kernel needs a Hopper GPU (sm_90) and Triton's Gluon")
+    calls = gluon_launches(monkeypatch)
     requests = [(1024, 0), (512, -1), (0, 2), (2048, 1), (128, 3), (384, 0)]
     meta, x, a, b, w, bias, sizes = gpu_problem(num_slices, requests)
     ranks = [min(r, max_rank) for r in meta.slot_rank.tolist()]
@@ -541,11 +545,6 @@ def test_bf16_gpu_gluon_kernel(num_slices, max_rank, monkeypatch):
     seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot)
     s = lora_shrink_scaled_ref(x, a, *seg, m.seg_scale, m.slot_rank, m.max_rank)
     want = lora_gemm_ref(x, w, bias, s, b, *seg[1:], m.seg_scale, m.slot_rank, sizes, s_scaled=True)
-    calls = []
-    launch = gluon_op.launch_gluon_lora_gemm
-    monkeypatch.setattr(
-        gluon_op, "launch_gluon_lora_gemm", lambda *a_, **k: calls.append(1) or launch(*a_, **k)
-    )
     cfg = SWEEP["gluon"]
     got = launch_lora_gemm(
         x, w, bias, s, b, *seg_args(m), sizes, config=cfg, s_scaled=True, seg_align=m.seg_align

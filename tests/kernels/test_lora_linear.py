@@ -13,7 +13,7 @@ from ditserve.kernels.lora_gemm.op import gemm_config, shrink_in_ok
 from ditserve.kernels.lora_linear.op import launch_lora_linear, lora_linear_op
 from ditserve.kernels.lora_linear.reference import lora_linear_ref
 from ditserve.kernels.lora_shrink.reference import lora_shrink_scaled_ref
-from tests.kernels.lora_cases import MAX_LORAS, gpu_problem, layouts, make_case
+from tests.kernels.lora_cases import MAX_LORAS, gluon_launches, gpu_problem, layouts, make_case
 
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=3e-2, rtol=2e-2)}
@@ -149,49 +149,41 @@ def test_custom_op_contract():
 ALIGNED = [(4608, 0), (512, -1), (4608, 1), (4096, 3), (512, 1)]
 
 
+def aligned_case(num_slices: int, groups: int):
+    """The Flux-sized aligned batch with `groups` slices of A and the first `num_slices` output slices:
+    (meta, x, a, b, w, bias, sizes, seg, want y, want s)."""
+    meta, x, a, b, w, bias, sizes = gpu_problem(groups, ALIGNED)
+    sizes = sizes[:num_slices]
+    n = sum(sizes)
+    w, bias, b = w[:n].contiguous(), bias[:n].contiguous(), b[:, :n].contiguous()
+    m = meta
+    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
+    want = lora_linear_ref(x, w, bias, a[:num_slices], b, *seg[1:], m.max_rank, sizes)
+    want_s = lora_shrink_scaled_ref(x, a, *seg, m.max_rank)
+    return m, x, a, b, w, bias, sizes, seg, want, want_s
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_slices,groups", [(3, 3), (4, 4), (1, 3)])
 def test_bf16_gpu_shrink_in(num_slices, groups, no_shrink_kernel):
     """Flux-sized aligned batch (4608/512-token requests, one without LoRA, ranks 16/64/32): one launch, the
     tuned config, y and s equal the reference; three launches in a row (the sync buffer starts at zero each
     time); a q linear leading a q/k/v group (1 output slice, 3 slices of s)."""
-    meta, x, a, b, w, bias, sizes = gpu_problem(groups, ALIGNED)
-    sizes = sizes[:num_slices]
-    n = sum(sizes)
-    w, bias, b = w[:n].contiguous(), bias[:n].contiguous(), b[:, :n].contiguous()
-    m = meta
-    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
+    m, x, a, b, w, bias, sizes, seg, want, want_s = aligned_case(num_slices, groups)
     assert m.seg_align % 128 == 0 and shrink_in_ok(x, w, a, b, m.seg_align)
-    want = lora_linear_ref(x, w, bias, a[:num_slices], b, *seg[1:], m.max_rank, sizes)
-    want_s = lora_shrink_scaled_ref(x, a, *seg, m.max_rank)
     for _ in range(3):
         y, s = launch_lora_linear(x, w, bias, a, b, *seg, m.max_rank, sizes, m.seg_align, gluon=False)
         torch.testing.assert_close(y.float(), want.float(), atol=5e-2, rtol=3e-2)
         torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
-    assert gemm_config(m.num_tokens, n)["TMA"]
+    assert gemm_config(m.num_tokens, sum(sizes))["TMA"]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_slices,groups", [(3, 3), (4, 4), (1, 3)])
 def test_bf16_gpu_gluon_lora_linear(num_slices, groups, monkeypatch):
     """The same batches through the shrink kernel and the Gluon GEMM (Hopper): y and s equal the reference."""
-    import ditserve.kernels.lora_gemm.gluon_op as gluon_op
-
-    if not gluon_op.gluon_available(torch.cuda.current_device()):
-        pytest.skip("the Gluon kernel needs a Hopper GPU (sm_90) and Triton's Gluon")
-    meta, x, a, b, w, bias, sizes = gpu_problem(groups, ALIGNED)
-    sizes = sizes[:num_slices]
-    n = sum(sizes)
-    w, bias, b = w[:n].contiguous(), bias[:n].contiguous(), b[:, :n].contiguous()
-    m = meta
-    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
-    calls = []
-    launch = gluon_op.launch_gluon_lora_gemm
-    monkeypatch.setattr(
-        gluon_op, "launch_gluon_lora_gemm", lambda *a_, **k: calls.append(1) or launch(*a_, **k)
-    )
-    want = lora_linear_ref(x, w, bias, a[:num_slices], b, *seg[1:], m.max_rank, sizes)
-    want_s = lora_shrink_scaled_ref(x, a, *seg, m.max_rank)
+    calls = gluon_launches(monkeypatch)
+    m, x, a, b, w, bias, sizes, seg, want, want_s = aligned_case(num_slices, groups)
     y, s = launch_lora_linear(x, w, bias, a, b, *seg, m.max_rank, sizes, m.seg_align, gluon=True)
     torch.testing.assert_close(y.float(), want.float(), atol=5e-2, rtol=3e-2)
     torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
