@@ -353,7 +353,15 @@ def main() -> None:
             # modes: no LoRA; LoRA inside the GEMM (fused_lora, the default: the shrink inside the GEMM launch
             # where the batch allows); the same with the shrink kernel launched first; with one shrink per
             # linear instead of one per group of linears on the same input; base GEMM + in-place expand
-            modes = ("none", "fused", "fused, gluon", "two launches", "unshared", "inplace")
+            modes = (
+                "none",
+                "fused",
+                "fused, gluon",
+                "gluon, two launches",
+                "two launches",
+                "unshared",
+                "inplace",
+            )
             if args.expand_ab:  # the in-place expand with B and y through pointers (its tiles before TMA)
                 modes += ("fused, pointer expand", "inplace, pointer expand")
             if graphs is not None:  # the default engine on one GPU: every forward a CUDA graph
@@ -362,9 +370,9 @@ def main() -> None:
             def set_mode(mode: str, manager=manager, runner=runner, graphs=graphs) -> None:
                 manager.fused = not mode.startswith("inplace")
                 manager.share_shrink = mode != "unshared"
-                linear_op.SHRINK_IN = mode != "two launches"
-                # the shrink kernel, then the Gluon GEMM (Hopper) where it applies
-                linear_op.GLUON = mode == "fused, gluon"
+                linear_op.SHRINK_IN = not mode.endswith("two launches")
+                # the Gluon kernels (Hopper) where they apply: the shrink inside the launch, or first
+                linear_op.GLUON = mode in ("fused, gluon", "gluon, two launches")
                 expand_op.ROWS_TUNED = POINTER_ROWS if mode.endswith("pointer expand") else ROWS_TUNED
                 runner.graphs = graphs if mode.endswith(", graphs") else None
 

@@ -497,6 +497,10 @@ def qkv_only(args, head: list[str]) -> None:
                             p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes, m.seg_align, gluon=False
                         )
                         fns["lora_gemm no LoRA"] = _gemm_call(p, s[:, :, :0])
+                        # the shrink inside the Gluon launch (the engine's path with DITSERVE_GLUON_GEMM=1)
+                        fns["gluon lora_linear"] = lambda p=p, seg=seg, m=m: launch_lora_linear(
+                            p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes, m.seg_align, gluon=True
+                        )
                         fns["gluon two launches"] = lambda p=p, m=m, seg=seg, gcfg=gcfg: launch_lora_gemm(
                             p.x,
                             p.w,
@@ -536,6 +540,7 @@ def qkv_only(args, head: list[str]) -> None:
                     if args.gluon:
                         for name in (
                             "gluon lora_gemm",
+                            "gluon lora_linear",
                             "gluon two launches",
                             "gluon no LoRA",
                             "lora_gemm no LoRA",

@@ -96,11 +96,14 @@ def _issue_load(p_step, p_ki, pred, m0, n0, s_row, b_row, k_tiles, x_desc, w_des
 def _step(acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, my_tiles, k_tiles, steps_per_tile, pid, nprog,
           num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
           s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, a_bufs, w_bufs,
-          bars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
-          GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_LORA: gl.constexpr):  # fmt: skip
+          bars, idx_lo, wait_ptr, wait_val, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+          LORA_K: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_LORA: gl.constexpr,
+          WAIT: gl.constexpr):  # fmt: skip
     """Pipeline step `step` (step ki of its tile): wait for its slot, start its MMA, wait for the MMA before it,
     and send the loads NUM_BUFFERS - 1 steps ahead into the slot that MMA read; the producer's position
-    (p_*) and where its tile's loads start move on."""
+    (p_*) and where its tile's loads start move on. WAIT: before the first LoRA load of tile idx_lo (the
+    first of this run of tiles) whose rows have an adapter, wait until *wait_ptr ≥ wait_val (s is written in
+    this launch, see _gluon_lora_linear_kernel)."""
     slot_i = step % NUM_BUFFERS
     mbarrier.wait(bars.index(slot_i), (step // NUM_BUFFERS) & 1)
     a_buf = a_bufs.index(slot_i)
@@ -117,6 +120,9 @@ def _step(acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, my_tiles, 
     else:
         tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, use_acc=ki > 0, is_async=True)
     acc, _, _ = warpgroup_mma_wait(1, deps=(tok, a_buf, w_buf))
+    if WAIT:
+        if (p_ki == k_tiles) & (p_idx == idx_lo) & (s_row < s_rows_total):
+            _wait_at_least(wait_ptr, wait_val)
     _issue_load(p_step, p_ki, p_idx < my_tiles, m0p, n0p, s_row, b_row, k_tiles, x_desc, w_desc, s_desc, b_desc,
                 a_bufs, w_bufs, bars, BLOCK_K, NUM_BUFFERS, HAS_LORA)  # fmt: skip
     p_ki += 1
@@ -128,6 +134,17 @@ def _step(acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, my_tiles, 
                                               b_rows_total, token_seg_ptr, seg_slot_ptr, BLOCK_M, BLOCK_N, GROUP_M,
                                               HAS_LORA)  # fmt: skip
     return acc, step + 1, p_step + 1, p_idx, p_ki, m0p, n0p, s_row, b_row
+
+
+@gluon.jit
+def _wait_at_least(ptr, value):
+    """Spin until *ptr ≥ value (acquire), then fence the async proxy: what other programs stored through
+    the generic proxy before raising *ptr is then visible to this program's TMA loads."""
+    while gl.atomic_add(ptr, 0, sem="acquire", scope="gpu") < value:
+        pass
+    gl.inline_asm_elementwise(
+        "fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [value], dtype=gl.int32, is_pure=False, pack=1
+    )
 
 
 @gluon.jit
@@ -223,7 +240,8 @@ def _gluon_lora_gemm_kernel(
                 acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, my_tiles, k_tiles, steps_per_tile,
                 pid, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1,
                 blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc,
-                a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_LORA,
+                a_bufs, w_bufs, bars, 0, token_seg_ptr, 0, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS,
+                HAS_LORA, False,
             )  # fmt: skip
         acc = warpgroup_mma_wait(0, deps=(acc,))
         _, m0, n0 = _tile_origin(pid + idx * nprog, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2, blk3,
@@ -233,6 +251,224 @@ def _gluon_lora_gemm_kernel(
             offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
             out = out + gl.load(bias_ptr + offs_n).to(gl.float32)[None, :]
         _store_y(out.to(dtype), c_smem, y_desc, m0, n0)
+    tma.store_wait(pendings=0)
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
+def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m, num_col_blocks,
+           num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr,
+           seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem, wait_ptr,
+           wait_val, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
+           GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_BIAS: gl.constexpr, WAIT: gl.constexpr,
+           num_warps: gl.constexpr):  # fmt: skip
+    """This program's tiles idx_lo ≤ idx < idx_hi (tile pid_r + idx · nprog), as _gluon_lora_gemm_kernel's loop
+    (the pipeline starts and drains within the run); `step` counts the ring steps consumed so far."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    p_step = step
+    p_idx = idx_lo
+    p_ki = 0
+    m0p, n0p, s_row, b_row = _load_origin(p_idx, pid_r, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens,
+                                          n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
+                                          token_seg_ptr, seg_slot_ptr, BLOCK_M, BLOCK_N, GROUP_M, True)  # fmt: skip
+    for _i in gl.static_range(NUM_BUFFERS - 1):
+        _issue_load(p_step, p_ki, p_idx < idx_hi, m0p, n0p, s_row, b_row, k_tiles, x_desc, w_desc, s_desc, b_desc,
+                    a_bufs, w_bufs, bars, BLOCK_K, NUM_BUFFERS, True)  # fmt: skip
+        p_step += 1
+        p_ki += 1
+        if p_ki == steps_per_tile:
+            p_ki = 0
+            p_idx += 1
+            m0p, n0p, s_row, b_row = _load_origin(p_idx, pid_r, nprog, num_tiles, num_pid_m, num_col_blocks,
+                                                  num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
+                                                  s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr,
+                                                  BLOCK_M, BLOCK_N, GROUP_M, True)  # fmt: skip
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+    for idx in range(idx_lo, idx_hi):
+        for ki in range(steps_per_tile):
+            acc, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row = _step(
+                acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, idx_hi, k_tiles, steps_per_tile,
+                pid_r, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1,
+                blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc,
+                a_bufs, w_bufs, bars, idx_lo, wait_ptr, wait_val, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M,
+                NUM_BUFFERS, True, WAIT,
+            )  # fmt: skip
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        _, m0, n0 = _tile_origin(pid_r + idx * nprog, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2,
+                                 blk3, BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
+        out = acc
+        if HAS_BIAS:
+            offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+            out = out + gl.load(bias_ptr + offs_n).to(gl.float32)[None, :]
+        _store_y(out.to(x_desc.dtype), c_smem, y_desc, m0, n0)
+    return step
+
+
+@gluon.jit
+def _issue_unit_load(p_step, kk, pred, m0, a_row, a_slice_rows, x_desc, a_desc, a_bufs, w_bufs, bars,
+                     SHRINK_G: gl.constexpr, SHRINK_R: gl.constexpr, NUM_BUFFERS: gl.constexpr):  # fmt: skip
+    """The loads of a shrink step: x rows m0.. and, for every slice g, the A rows of the slot into rows
+    g·SHRINK_R.. of the W slot."""
+    slot_i = p_step % NUM_BUFFERS
+    bar = bars.index(slot_i)
+    mbarrier.expect(bar, x_desc.block_type.nbytes + SHRINK_G * a_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(x_desc, [m0, kk], bar, a_bufs.index(slot_i), pred)
+    w_buf = w_bufs.index(slot_i)
+    for g in gl.static_range(SHRINK_G):
+        tma.async_copy_global_to_shared(a_desc, [a_row + g * a_slice_rows, kk], bar,
+                                        w_buf.slice(g * SHRINK_R, SHRINK_R, dim=0), pred)  # fmt: skip
+
+
+@gluon.jit
+def _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss, stride_st, s_ptr,
+                 token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, x_desc, a_desc, a_bufs, w_bufs, bars,
+                 BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, SHRINK_G: gl.constexpr, SHRINK_GP: gl.constexpr,
+                 SHRINK_R: gl.constexpr, NUM_BUFFERS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """Shrink unit u: s[g, rows u·BLOCK_M.., :s_cols] = scale · x[rows] · A[g, slot, :rank]ᵀ for every slice g,
+    one MMA per K step over all slices (SHRINK_GP · SHRINK_R columns; the padding slice's rows are never
+    loaded and its columns never stored), through the same ring; zeros for rows without an adapter (no
+    loads)."""
+    SR: gl.constexpr = SHRINK_GP * SHRINK_R
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, SR, 16]
+    )
+    m0 = u * BLOCK_M
+    seg = gl.load(token_seg_ptr + m0)
+    slot = gl.load(seg_slot_ptr + seg)
+    acc = gl.zeros((BLOCK_M, SR), dtype=gl.float32, layout=s_layout)
+    rank = 0
+    if slot >= 0:
+        rank = gl.load(slot_rank_ptr + slot)
+        a_row = slot * a_rows
+        for i in gl.static_range(NUM_BUFFERS - 1):
+            _issue_unit_load(step + i, i * BLOCK_K, i < k_tiles, m0, a_row, a_slice_rows, x_desc, a_desc, a_bufs,
+                             w_bufs, bars, SHRINK_G, SHRINK_R, NUM_BUFFERS)  # fmt: skip
+        for ki in range(k_tiles):
+            slot_i = step % NUM_BUFFERS
+            mbarrier.wait(bars.index(slot_i), (step // NUM_BUFFERS) & 1)
+            a_buf = a_bufs.index(slot_i)
+            w_buf = w_bufs.index(slot_i).slice(0, SR, dim=0)
+            tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, use_acc=ki > 0, is_async=True)
+            acc, _, _ = warpgroup_mma_wait(1, deps=(tok, a_buf, w_buf))
+            nxt = ki + NUM_BUFFERS - 1
+            _issue_unit_load(step + NUM_BUFFERS - 1, nxt * BLOCK_K, nxt < k_tiles, m0, a_row, a_slice_rows, x_desc,
+                             a_desc, a_bufs, w_bufs, bars, SHRINK_G, SHRINK_R, NUM_BUFFERS)  # fmt: skip
+            step += 1
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        acc = acc * gl.load(seg_scale_ptr + seg)
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    cols = gl.arange(0, SR, layout=gl.SliceLayout(0, s_layout))
+    g = cols // SHRINK_R
+    r = cols % SHRINK_R
+    # A rows past the slot's rank belong to the next slot (or are zeros): drop them
+    acc = gl.where((r < rank)[None, :], acc, 0.0)
+    ptrs = s_ptr + g.to(gl.int64)[None, :] * stride_ss + rows.to(gl.int64)[:, None] * stride_st + r[None, :]
+    mask = (rows < num_tokens)[:, None] & ((r < s_cols) & (g < SHRINK_G))[None, :]
+    gl.store(ptrs, acc.to(s_ptr.dtype.element_ty), mask=mask)
+    return step
+
+
+@gluon.jit
+def _gluon_lora_linear_kernel(
+    x_desc,  # as _gluon_lora_gemm_kernel
+    w_desc,
+    s_desc,  # s (written here) viewed as [num_slices · num_tokens, s_cols], block [BLOCK_M, BLOCK_K]
+    b_desc,
+    y_desc,
+    a_desc,  # A viewed as [shrink slices · max_loras · a_rows, hidden], block [SHRINK_R, BLOCK_K]
+    bias_ptr,
+    s_ptr,  # [shrink slices, num_tokens, s_cols] in x's dtype, written here
+    token_seg_ptr,
+    seg_slot_ptr,
+    seg_scale_ptr,  # [num_segments] fp32
+    slot_rank_ptr,  # [max_loras] int32
+    sync_ptr,  # int32 [row blocks + 2], zero at launch: a flag per shrink unit, the claim and done counters
+    num_tokens,
+    n_total,
+    col1,
+    col2,
+    col3,
+    blk1,
+    blk2,
+    blk3,
+    num_col_blocks,
+    lora_steps,
+    s_rows_total,
+    b_rows_total,
+    a_rows,  # rows of A per slot (its max rank)
+    a_slice_rows,  # rows of A per slice: max_loras · a_rows
+    s_cols,
+    stride_ss,
+    stride_st,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    LORA_K: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    NUM_BUFFERS: gl.constexpr,
+    SHRINK_G: gl.constexpr,  # slices of s computed here (≥ the output slices)
+    SHRINK_GP: gl.constexpr,  # SHRINK_G rounded up to a power of two
+    SHRINK_R: gl.constexpr,  # s_cols rounded up to a power of two
+    HAS_BIAS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ and s = scale · x · Aᵀ in one launch. A shrink unit is one row
+    block (all slices in one MMA per K step). The persistent grid gives num_tiles mod P programs one tile more
+    than the others (here the last ones); those run their first tile at once and wait, before its LoRA step,
+    only for the unit of its rows. All programs then claim units in order from an atomic counter and run
+    them (so the shrink fills the slot the last round of tiles leaves free on the other programs), raise a
+    flag per unit and a done counter (release), and run their tiles, the first of which waits for the done
+    counter before its LoRA step (acquire, then a proxy fence: s is stored through the generic proxy and read
+    through TMA). A program only waits for units claimed by running programs, or, for the first tiles of the
+    last programs, by programs with lower ids, which the GPU starts no later."""
+    hidden = x_desc.shape[1]
+    k_tiles = gl.cdiv(hidden, BLOCK_K)
+    steps_per_tile = k_tiles + lora_steps
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    num_pid_m = gl.cdiv(num_tokens, BLOCK_M)
+    num_tiles = num_pid_m * num_col_blocks
+    extra = num_tiles % nprog
+    pid_r = (pid + extra) % nprog  # programs nprog - extra.. take tiles 0..extra-1: one tile more
+    my_tiles = gl.cdiv(num_tiles - pid_r, nprog)
+
+    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [NUM_BUFFERS, BLOCK_M, BLOCK_K], x_desc.layout)
+    w_bufs = gl.allocate_shared_memory(x_desc.dtype, [NUM_BUFFERS, BLOCK_N, BLOCK_K], w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(bars.index(i), count=1)
+    c_smem = gl.allocate_shared_memory(x_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
+
+    num_units = num_pid_m
+    claim_ptr = sync_ptr + num_units
+    done_ptr = claim_ptr + 1
+    first = (pid_r < extra).to(gl.int32)
+    _, m0f, _ = _tile_origin(gl.minimum(pid_r, num_tiles - 1), num_pid_m, num_col_blocks, col1, col2, col3, blk1,
+                             blk2, blk3, BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
+    step = 0
+    step = _tiles(step, 0, first, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m, num_col_blocks,
+                  num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr,
+                  seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem,
+                  sync_ptr + m0f // BLOCK_M, 1, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS,
+                  True, num_warps)  # fmt: skip
+    u = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
+    while u < num_units:
+        step = _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss, stride_st,
+                            s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, x_desc, a_desc, a_bufs,
+                            w_bufs, bars, BLOCK_M, BLOCK_K, SHRINK_G, SHRINK_GP, SHRINK_R, NUM_BUFFERS,
+                            num_warps)  # fmt: skip
+        gl.thread_barrier()  # every thread's s stores precede the release
+        gl.atomic_xchg(sync_ptr + u, 1, sem="release", scope="gpu")
+        gl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
+        u = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
+    step = _tiles(step, first, my_tiles, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m,
+                  num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
+                  token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars,
+                  c_smem, done_ptr, num_units, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS,
+                  True, num_warps)  # fmt: skip
     tma.store_wait(pendings=0)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.invalidate(bars.index(i))

@@ -112,3 +112,86 @@ def launch_gluon_lora_gemm(
         num_warps=cfg["num_warps"],
     )  # fmt: skip
     return y
+
+
+def shrink_geometry(num_slices: int, max_rank: int) -> tuple[int, int, int]:
+    """(s columns, SHRINK_R, SHRINK_GP) of the in-launch shrink: s_cols = max_rank rounded up to 16, its
+    power of two, and the slices' power of two (one MMA of SHRINK_GP · SHRINK_R columns per K step)."""
+    s_cols = -(-max_rank // 16) * 16
+    return s_cols, next_pow2(s_cols), next_pow2(num_slices)
+
+
+def gluon_linear_ok(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    a_stacked: torch.Tensor,
+    b_stacked: torch.Tensor,
+    max_rank: int,
+    out_slice_sizes: list[int],
+    seg_align: int,
+    cfg: dict[str, int] = GLUON_CONFIG,
+) -> bool:
+    """`launch_gluon_lora_linear`'s contract: `gluon_ok` for the GEMM, A laid out for TMA, and every slice's
+    rank columns in one MMA of at most BLOCK_N columns (ranks ≤ 64)."""
+    if not gluon_ok(x, weight, None, b_stacked, out_slice_sizes, True, seg_align, cfg):
+        return False
+    _, shrink_r, shrink_gp = shrink_geometry(a_stacked.shape[0], max_rank)
+    if shrink_gp * shrink_r > cfg["BLOCK_N"] or a_stacked.dtype != x.dtype or not a_stacked.is_contiguous():
+        return False
+    return tma_ok(a_stacked.flatten(0, 2))
+
+
+def launch_gluon_lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    a_stacked: torch.Tensor,  # [groups ≥ output slices, max_loras, max_rank, hidden]
+    b_stacked: torch.Tensor,  # [max_loras, n_total, max_rank]
+    token_seg: torch.Tensor,
+    seg_slot: torch.Tensor,
+    seg_scale: torch.Tensor,
+    slot_rank: torch.Tensor,
+    max_rank: int,
+    out_slice_sizes: list[int],
+    cfg: dict[str, int] = GLUON_CONFIG,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, s): the shrink and the GEMM with the expand in one launch (the caller checked `gluon_linear_ok`);
+    s [groups, num_tokens, s_cols] pre-scaled in x's dtype, as `lora_shrink(..., seg_scale=...)` writes it."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ditserve.kernels.lora_gemm.gluon_kernel import _gluon_lora_linear_kernel
+
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    num_tokens, _ = x.shape
+    n_total = weight.shape[0]
+    groups, max_loras, a_rows, _ = a_stacked.shape
+    s_cols, shrink_r, shrink_gp = shrink_geometry(groups, max_rank)
+    gdt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    y = x.new_empty((num_tokens, n_total))
+    s = x.new_empty((groups, num_tokens, s_cols))
+
+    def desc(t, block):
+        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
+
+    x_desc, w_desc, y_desc = desc(x, [bm, bk]), desc(weight, [bn, bk]), desc(y, [bm, bn])
+    s_desc = desc(s.flatten(0, 1), [bm, bk])
+    b_desc = desc(b_stacked.flatten(0, 1), [bn, bk])
+    a_desc = desc(a_stacked.flatten(0, 2), [shrink_r, bk])
+    lora_k = min(s_cols, b_stacked.shape[2])
+    lora_steps = -(-lora_k // bk)
+    lora_cols = bk if lora_steps != 1 else min(bk, max(16, next_pow2(lora_k)))
+    cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
+    num_pid_m = -(-num_tokens // bm)
+    grid = min(num_pid_m * num_col_blocks, num_programs_limit(x.device))
+    sync = torch.zeros(num_pid_m + 2, dtype=torch.int32, device=x.device)
+    _gluon_lora_linear_kernel[(grid,)](
+        x_desc, w_desc, s_desc, b_desc, y_desc, a_desc, bias if bias is not None else y, s, token_seg, seg_slot,
+        seg_scale, slot_rank, sync, num_tokens, n_total, *cols, *blks, num_col_blocks, lora_steps,
+        groups * num_tokens, b_stacked.shape[0] * n_total, a_rows, max_loras * a_rows, s_cols, s.stride(0),
+        s.stride(1),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, LORA_K=lora_cols, GROUP_M=cfg["GROUP_M"],
+        NUM_BUFFERS=cfg["NUM_BUFFERS"], SHRINK_G=groups, SHRINK_GP=shrink_gp, SHRINK_R=shrink_r,
+        HAS_BIAS=bias is not None, num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return y, s

@@ -24,11 +24,10 @@ from ditserve.kernels.lora_shrink.reference import lora_shrink_scaled_ref
 MAX_SLICES = 4
 # False: always the shrink kernel, then lora_gemm (benchmarks time the two forms against each other)
 SHRINK_IN = True
-# True: on Hopper, where its contract holds, the shrink kernel, then the Gluon lora_gemm (gluon_kernel.py),
-# whose LoRA step multiplies only the rank columns (a 16-wide MMA at rank 16) instead of a 64-wide K step.
-# Off by default: its GEMM is faster than lora_gemm's on a given s, but the two launches together are not
-# faster than the one launch above, which hides part of the shrink (BENCHMARKS.md, "The GEMM in Gluon");
-# DITSERVE_GLUON_GEMM=1 turns it on
+# True: on Hopper, where its contract holds, the Gluon lora_gemm (gluon_kernel.py), whose LoRA step
+# multiplies only the rank columns (a 16-wide MMA at rank 16) instead of a 64-wide K step: with SHRINK_IN
+# and ranks ≤ 64 one launch that also computes s (`launch_gluon_lora_linear`), else the shrink kernel
+# first. DITSERVE_GLUON_GEMM=1 turns it on (BENCHMARKS.md, "The GEMM in Gluon")
 GLUON = os.environ.get("DITSERVE_GLUON_GEMM", "0") == "1"
 
 
@@ -62,6 +61,15 @@ def launch_lora_linear(
     _check(x, a_stacked, b_stacked, max_rank, out_slice_sizes)
     seg = (token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank)
     use_gluon = (GLUON if gluon is None else gluon) and config is None
+    if (
+        use_gluon
+        and SHRINK_IN
+        and gluon_op.gluon_linear_ok(x, weight, a_stacked, b_stacked, max_rank, out_slice_sizes, seg_align)
+    ):
+        return gluon_op.launch_gluon_lora_linear(
+            x, weight, bias, a_stacked, b_stacked, token_seg, seg_slot, seg_scale, slot_rank, max_rank,
+            out_slice_sizes,
+        )  # fmt: skip
     if use_gluon and gluon_op.gluon_ok(x, weight, None, b_stacked, out_slice_sizes, True, seg_align):
         s = launch_lora_shrink(x, a_stacked, *seg[:4], slot_rank, max_rank, seg_scale=seg_scale)
         ns = len(out_slice_sizes)

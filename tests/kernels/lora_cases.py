@@ -118,18 +118,21 @@ def gpu_problem(num_slices: int, requests=GPU_REQUESTS):
     return meta, x, a, b, w, bias, sizes
 
 
-def gluon_launches(monkeypatch) -> list[int]:
-    """Skip unless the Gluon kernel can run (Hopper, Triton's Gluon); else a list that gets an entry for every
-    launch of it."""
+def gluon_launches(monkeypatch) -> list[str]:
+    """Skip unless the Gluon kernels can run (Hopper, Triton's Gluon); else a list that gets an entry for every
+    launch of one: "gemm" (the GEMM on a given s) or "linear" (the shrink inside the launch)."""
     import pytest
 
     from ditserve.kernels.lora_gemm import gluon_op
 
     if not gluon_op.gluon_available(torch.cuda.current_device()):
         pytest.skip("the Gluon kernel needs a Hopper GPU (sm_90) and Triton's Gluon")
-    calls: list[int] = []
-    launch = gluon_op.launch_gluon_lora_gemm
-    monkeypatch.setattr(
-        gluon_op, "launch_gluon_lora_gemm", lambda *a, **k: calls.append(1) or launch(*a, **k)
-    )
+    calls: list[str] = []
+    for name, fn in (
+        ("gemm", gluon_op.launch_gluon_lora_gemm),
+        ("linear", gluon_op.launch_gluon_lora_linear),
+    ):
+        monkeypatch.setattr(
+            gluon_op, fn.__name__, lambda *a, name=name, fn=fn, **k: calls.append(name) or fn(*a, **k)
+        )
     return calls

@@ -180,11 +180,34 @@ def test_bf16_gpu_shrink_in(num_slices, groups, no_shrink_kernel):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_slices,groups", [(3, 3), (4, 4), (1, 3)])
-def test_bf16_gpu_gluon_lora_linear(num_slices, groups, monkeypatch):
-    """The same batches through the shrink kernel and the Gluon GEMM (Hopper): y and s equal the reference."""
+@pytest.mark.parametrize("shrink_in", [True, False])
+def test_bf16_gpu_gluon_lora_linear(num_slices, groups, shrink_in, monkeypatch):
+    """The same batches through the Gluon kernels (Hopper): the shrink inside the launch (three launches in a
+    row: the sync buffer starts at zero each time), or the shrink kernel first; y and s equal the reference."""
     calls = gluon_launches(monkeypatch)
+    monkeypatch.setattr(linear_op, "SHRINK_IN", shrink_in)
     m, x, a, b, w, bias, sizes, seg, want, want_s = aligned_case(num_slices, groups)
-    y, s = launch_lora_linear(x, w, bias, a, b, *seg, m.max_rank, sizes, m.seg_align, gluon=True)
+    runs = 3 if shrink_in else 1
+    for _ in range(runs):
+        y, s = launch_lora_linear(x, w, bias, a, b, *seg, m.max_rank, sizes, m.seg_align, gluon=True)
+        torch.testing.assert_close(y.float(), want.float(), atol=5e-2, rtol=3e-2)
+        torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
+    assert calls == ["linear" if shrink_in else "gemm"] * runs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("requests", [[(4608, 0), (512, -1), (4608, 0), (4096, 0)], [(512, -1), (256, -1)]])
+def test_bf16_gpu_gluon_lora_linear_rank16(requests, monkeypatch):
+    """Rank 16 only (16-column shrink units, a 16-wide LoRA step), and a batch without any adapter (every
+    unit writes zeros, no tile waits): one Gluon launch, y and s equal the reference."""
+    calls = gluon_launches(monkeypatch)
+    meta, x, a, b, w, bias, sizes = gpu_problem(3, requests)
+    m = meta
+    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
+    max_rank = max(m.max_rank, 1)
+    want = lora_linear_ref(x, w, bias, a, b, *seg[1:], max_rank, sizes)
+    want_s = lora_shrink_scaled_ref(x, a, *seg, max_rank)
+    y, s = launch_lora_linear(x, w, bias, a, b, *seg, max_rank, sizes, m.seg_align, gluon=True)
     torch.testing.assert_close(y.float(), want.float(), atol=5e-2, rtol=3e-2)
     torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
-    assert calls == [1]
+    assert calls == ["linear"]
