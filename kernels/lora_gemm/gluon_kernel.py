@@ -102,8 +102,8 @@ def _step(acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, my_tiles, 
     """Pipeline step `step` (step ki of its tile): wait for its slot, start its MMA, wait for the MMA before it,
     and send the loads NUM_BUFFERS - 1 steps ahead into the slot that MMA read; the producer's position
     (p_*) and where its tile's loads start move on. WAIT: before the first LoRA load of tile idx_lo (the
-    first of this run of tiles) whose rows have an adapter, wait until *wait_ptr ≥ wait_val (s is written in
-    this launch, see _gluon_lora_linear_kernel)."""
+    first of this run of tiles), wait until *wait_ptr ≥ wait_val (s is written in this launch, see
+    _gluon_lora_linear_kernel)."""
     slot_i = step % NUM_BUFFERS
     mbarrier.wait(bars.index(slot_i), (step // NUM_BUFFERS) & 1)
     a_buf = a_bufs.index(slot_i)
@@ -121,7 +121,7 @@ def _step(acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, my_tiles, 
         tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, use_acc=ki > 0, is_async=True)
     acc, _, _ = warpgroup_mma_wait(1, deps=(tok, a_buf, w_buf))
     if WAIT:
-        if (p_ki == k_tiles) & (p_idx == idx_lo) & (s_row < s_rows_total):
+        if (p_ki == k_tiles) & (p_idx == idx_lo):
             _wait_at_least(wait_ptr, wait_val)
     _issue_load(p_step, p_ki, p_idx < my_tiles, m0p, n0p, s_row, b_row, k_tiles, x_desc, w_desc, s_desc, b_desc,
                 a_bufs, w_bufs, bars, BLOCK_K, NUM_BUFFERS, HAS_LORA)  # fmt: skip

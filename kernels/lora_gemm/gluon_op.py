@@ -154,6 +154,7 @@ def launch_gluon_lora_linear(
     max_rank: int,
     out_slice_sizes: list[int],
     cfg: dict[str, int] = GLUON_CONFIG,
+    sync: torch.Tensor | None = None,  # int32 [row blocks + 2] zeros (None: a new one)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, s): the shrink and the GEMM with the expand in one launch (the caller checked `gluon_linear_ok`);
     s [groups, num_tokens, s_cols] pre-scaled in x's dtype, as `lora_shrink(..., seg_scale=...)` writes it."""
@@ -184,7 +185,8 @@ def launch_gluon_lora_linear(
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
     num_pid_m = -(-num_tokens // bm)
     grid = min(num_pid_m * num_col_blocks, num_programs_limit(x.device))
-    sync = torch.zeros(num_pid_m + 2, dtype=torch.int32, device=x.device)
+    if sync is None:
+        sync = torch.zeros(num_pid_m + 2, dtype=torch.int32, device=x.device)
     _gluon_lora_linear_kernel[(grid,)](
         x_desc, w_desc, s_desc, b_desc, y_desc, a_desc, bias if bias is not None else y, s, token_seg, seg_slot,
         seg_scale, slot_rank, sync, num_tokens, n_total, *cols, *blks, num_col_blocks, lora_steps,
