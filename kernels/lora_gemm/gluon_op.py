@@ -155,6 +155,7 @@ def launch_gluon_lora_linear(
     out_slice_sizes: list[int],
     cfg: dict[str, int] = GLUON_CONFIG,
     sync: torch.Tensor | None = None,  # int32 [row blocks + 2] zeros (None: a new one)
+    s: torch.Tensor | None = None,  # where s goes (None: a new tensor)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, s): the shrink and the GEMM with the expand in one launch (the caller checked `gluon_linear_ok`);
     s [groups, num_tokens, s_cols] pre-scaled in x's dtype, as `lora_shrink(..., seg_scale=...)` writes it."""
@@ -170,7 +171,8 @@ def launch_gluon_lora_linear(
     s_cols, shrink_r, shrink_gp = shrink_geometry(groups, max_rank)
     gdt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     y = x.new_empty((num_tokens, n_total))
-    s = x.new_empty((groups, num_tokens, s_cols))
+    if s is None:
+        s = x.new_empty((groups, num_tokens, s_cols))
 
     def desc(t, block):
         return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
