@@ -414,6 +414,8 @@ def _gluon_lora_linear_kernel(
     SHRINK_R: gl.constexpr,  # s_cols rounded up to a power of two
     HAS_BIAS: gl.constexpr,
     num_warps: gl.constexpr,
+    DBG_UNITS: gl.constexpr = True,
+    DBG_WAIT: gl.constexpr = True,
 ):
     """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ and s = scale · x · Aᵀ in one launch. A shrink unit is one row
     block (all slices in one MMA per K step). The persistent grid gives num_tiles mod P programs one tile more
@@ -453,8 +455,10 @@ def _gluon_lora_linear_kernel(
                   num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr,
                   seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem,
                   sync_ptr + m0f // BLOCK_M, 1, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS,
-                  True, num_warps)  # fmt: skip
+                  DBG_WAIT, num_warps)  # fmt: skip
     u = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
+    if not DBG_UNITS:
+        u = num_units
     while u < num_units:
         step = _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss, stride_st,
                             s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, x_desc, a_desc, a_bufs,
@@ -468,7 +472,7 @@ def _gluon_lora_linear_kernel(
                   num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
                   token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars,
                   c_smem, done_ptr, num_units, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS,
-                  True, num_warps)  # fmt: skip
+                  DBG_WAIT, num_warps)  # fmt: skip
     tma.store_wait(pendings=0)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.invalidate(bars.index(i))
