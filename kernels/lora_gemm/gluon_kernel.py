@@ -96,14 +96,11 @@ def _issue_load(p_step, p_ki, pred, m0, n0, s_row, b_row, k_tiles, x_desc, w_des
 def _step(acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, my_tiles, k_tiles, steps_per_tile, pid, nprog,
           num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
           s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, a_bufs, w_bufs,
-          bars, idx_lo, wait_ptr, wait_val, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-          LORA_K: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_LORA: gl.constexpr,
-          WAIT: gl.constexpr):  # fmt: skip
+          bars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
+          GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_LORA: gl.constexpr):  # fmt: skip
     """Pipeline step `step` (step ki of its tile): wait for its slot, start its MMA, wait for the MMA before it,
     and send the loads NUM_BUFFERS - 1 steps ahead into the slot that MMA read; the producer's position
-    (p_*) and where its tile's loads start move on. WAIT: before the first LoRA load of tile idx_lo (the
-    first of this run of tiles), wait until *wait_ptr ≥ wait_val (s is written in this launch, see
-    _gluon_lora_linear_kernel)."""
+    (p_*) and where its tile's loads start move on."""
     slot_i = step % NUM_BUFFERS
     mbarrier.wait(bars.index(slot_i), (step // NUM_BUFFERS) & 1)
     a_buf = a_bufs.index(slot_i)
@@ -120,9 +117,6 @@ def _step(acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, my_tiles, 
     else:
         tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, use_acc=ki > 0, is_async=True)
     acc, _, _ = warpgroup_mma_wait(1, deps=(tok, a_buf, w_buf))
-    if WAIT:
-        if (p_ki == k_tiles) & (p_idx == idx_lo):
-            _wait_at_least(wait_ptr, wait_val)
     _issue_load(p_step, p_ki, p_idx < my_tiles, m0p, n0p, s_row, b_row, k_tiles, x_desc, w_desc, s_desc, b_desc,
                 a_bufs, w_bufs, bars, BLOCK_K, NUM_BUFFERS, HAS_LORA)  # fmt: skip
     p_ki += 1
@@ -240,8 +234,7 @@ def _gluon_lora_gemm_kernel(
                 acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, my_tiles, k_tiles, steps_per_tile,
                 pid, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1,
                 blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc,
-                a_bufs, w_bufs, bars, 0, token_seg_ptr, 0, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS,
-                HAS_LORA, False,
+                a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_LORA,
             )  # fmt: skip
         acc = warpgroup_mma_wait(0, deps=(acc,))
         _, m0, n0 = _tile_origin(pid + idx * nprog, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2, blk3,
@@ -259,9 +252,9 @@ def _gluon_lora_gemm_kernel(
 @gluon.jit
 def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m, num_col_blocks,
            num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr,
-           seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem, wait_ptr,
-           wait_val, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
-           GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_BIAS: gl.constexpr, WAIT: gl.constexpr,
+           seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem,
+           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
+           GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_BIAS: gl.constexpr,
            num_warps: gl.constexpr):  # fmt: skip
     """This program's tiles idx_lo ≤ idx < idx_hi (tile pid_r + idx · nprog), as _gluon_lora_gemm_kernel's loop
     (the pipeline starts and drains within the run); `step` counts the ring steps consumed so far."""
@@ -293,18 +286,26 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
                 acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, idx_hi, k_tiles, steps_per_tile,
                 pid_r, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1,
                 blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc,
-                a_bufs, w_bufs, bars, idx_lo, wait_ptr, wait_val, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M,
-                NUM_BUFFERS, True, WAIT,
+                a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, True,
             )  # fmt: skip
         acc = warpgroup_mma_wait(0, deps=(acc,))
         _, m0, n0 = _tile_origin(pid_r + idx * nprog, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2,
                                  blk3, BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
-        out = acc
-        if HAS_BIAS:
-            offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
-            out = out + gl.load(bias_ptr + offs_n).to(gl.float32)[None, :]
-        _store_y(out.to(x_desc.dtype), c_smem, y_desc, m0, n0)
+        _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps)
     return step
+
+
+@gluon.jit
+def _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr,
+              num_warps: gl.constexpr):  # fmt: skip
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    out = acc
+    if HAS_BIAS:
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+        out = out + gl.load(bias_ptr + offs_n).to(gl.float32)[None, :]
+    _store_y(out.to(y_desc.dtype), c_smem, y_desc, m0, n0)
 
 
 @gluon.jit
@@ -414,18 +415,17 @@ def _gluon_lora_linear_kernel(
     SHRINK_R: gl.constexpr,  # s_cols rounded up to a power of two
     HAS_BIAS: gl.constexpr,
     num_warps: gl.constexpr,
-    DBG_UNITS: gl.constexpr = True,
-    DBG_WAIT: gl.constexpr = True,
 ):
     """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ and s = scale · x · Aᵀ in one launch. A shrink unit is one row
     block (all slices in one MMA per K step). The persistent grid gives num_tiles mod P programs one tile more
-    than the others (here the last ones); those run their first tile at once and wait, before its LoRA step,
-    only for the unit of its rows. All programs then claim units in order from an atomic counter and run
-    them (so the shrink fills the slot the last round of tiles leaves free on the other programs), raise a
-    flag per unit and a done counter (release), and run their tiles, the first of which waits for the done
-    counter before its LoRA step (acquire, then a proxy fence: s is stored through the generic proxy and read
-    through TMA). A program only waits for units claimed by running programs, or, for the first tiles of the
-    last programs, by programs with lower ids, which the GPU starts no later."""
+    than the others (here the last ones): those run that tile first, once the unit of its rows is done. All
+    programs claim units in order from an atomic counter and run them (so the shrink fills the slot the last
+    round of tiles leaves free on the other programs), raise a flag per unit and a done counter (release),
+    wait until every unit is done (acquire, then a proxy fence: s is stored through the generic proxy and
+    read through TMA), and run their tiles. The waits sit outside the pipelined loops, with no MMA in flight
+    (inside the loop, a wait before the first LoRA load broke the LoRA step's results on the GPU). A program
+    only waits for units claimed by running programs, or, for the first tile of the last programs, by
+    programs with lower ids, which the GPU starts no later."""
     hidden = x_desc.shape[1]
     k_tiles = gl.cdiv(hidden, BLOCK_K)
     steps_per_tile = k_tiles + lora_steps
@@ -448,17 +448,17 @@ def _gluon_lora_linear_kernel(
     claim_ptr = sync_ptr + num_units
     done_ptr = claim_ptr + 1
     first = (pid_r < extra).to(gl.int32)
-    _, m0f, _ = _tile_origin(gl.minimum(pid_r, num_tiles - 1), num_pid_m, num_col_blocks, col1, col2, col3, blk1,
-                             blk2, blk3, BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
     step = 0
-    step = _tiles(step, 0, first, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m, num_col_blocks,
-                  num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr,
-                  seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem,
-                  sync_ptr + m0f // BLOCK_M, 1, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS,
-                  DBG_WAIT, num_warps)  # fmt: skip
+    if first > 0:  # one tile more than most: it runs first, once its rows' unit is done
+        _, m0f, _ = _tile_origin(pid_r, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2, blk3, BLOCK_M,
+                                 BLOCK_N, GROUP_M)  # fmt: skip
+        _wait_at_least(sync_ptr + m0f // BLOCK_M, 1)
+        step = _tiles(step, 0, 1, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m, num_col_blocks,
+                      num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
+                      token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs,
+                      bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS,
+                      num_warps)  # fmt: skip
     u = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
-    if not DBG_UNITS:
-        u = num_units
     while u < num_units:
         step = _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss, stride_st,
                             s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, x_desc, a_desc, a_bufs,
@@ -468,11 +468,11 @@ def _gluon_lora_linear_kernel(
         gl.atomic_xchg(sync_ptr + u, 1, sem="release", scope="gpu")
         gl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
         u = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
+    _wait_at_least(done_ptr, num_units)
     step = _tiles(step, first, my_tiles, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m,
                   num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
                   token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars,
-                  c_smem, done_ptr, num_units, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS,
-                  DBG_WAIT, num_warps)  # fmt: skip
+                  c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps)  # fmt: skip
     tma.store_wait(pendings=0)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.invalidate(bars.index(i))
