@@ -254,10 +254,11 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
            num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr,
            seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem,
            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
-           GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_BIAS: gl.constexpr,
-           num_warps: gl.constexpr):  # fmt: skip
+           GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr,
+           STORE: gl.constexpr = True):  # fmt: skip
     """This program's tiles idx_lo ≤ idx < idx_hi (tile pid_r + idx · nprog), as _gluon_lora_gemm_kernel's loop
-    (the pipeline starts and drains within the run); `step` counts the ring steps consumed so far."""
+    (the pipeline starts and drains within the run); `step` counts the ring steps consumed so far. STORE False:
+    the (last) tile's output stays in c_smem (see _lora_fixup)."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -291,13 +292,13 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
         acc = warpgroup_mma_wait(0, deps=(acc,))
         _, m0, n0 = _tile_origin(pid_r + idx * nprog, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2,
                                  blk3, BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
-        _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps)
+        _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, STORE)
     return step
 
 
 @gluon.jit
 def _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr,
-              num_warps: gl.constexpr):  # fmt: skip
+              num_warps: gl.constexpr, STORE: gl.constexpr = True):  # fmt: skip
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -305,7 +306,50 @@ def _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N: gl.constexpr, HAS_
     if HAS_BIAS:
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
         out = out + gl.load(bias_ptr + offs_n).to(gl.float32)[None, :]
-    _store_y(out.to(y_desc.dtype), c_smem, y_desc, m0, n0)
+    if STORE:
+        _store_y(out.to(y_desc.dtype), c_smem, y_desc, m0, n0)
+    else:
+        tma.store_wait(pendings=0)
+        c_smem.store(out.to(y_desc.dtype))
+
+
+@gluon.jit
+def _lora_fixup(step, idx, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m, num_col_blocks, num_tokens,
+                n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr,
+                seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
+                GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """The LoRA steps of tile idx, whose K steps ran before s was ready (_tiles with STORE False left x · Wᵀ
+    + bias in c_smem, in y's dtype): its LoRA loads (lora_steps < NUM_BUFFERS), the output back from c_smem,
+    the LoRA MMAs on top, and the store."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    m0, n0, s_row, b_row = _load_origin(idx, pid_r, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens,
+                                        n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
+                                        token_seg_ptr, seg_slot_ptr, BLOCK_M, BLOCK_N, GROUP_M, True)  # fmt: skip
+    for li in range(lora_steps):
+        _issue_load(step + li, k_tiles + li, True, m0, n0, s_row, b_row, k_tiles, x_desc, w_desc, s_desc, b_desc,
+                    a_bufs, w_bufs, bars, BLOCK_K, NUM_BUFFERS, True)  # fmt: skip
+    acc = c_smem.load(mma_layout).to(gl.float32)
+    for _li in range(lora_steps):
+        slot_i = step % NUM_BUFFERS
+        mbarrier.wait(bars.index(slot_i), (step // NUM_BUFFERS) & 1)
+        a_buf = a_bufs.index(slot_i)
+        w_buf = w_bufs.index(slot_i)
+        if LORA_K == BLOCK_K:
+            tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, is_async=True)
+        else:
+            a_l = a_buf.slice(0, LORA_K, dim=1)
+            w_l = w_buf.slice(0, LORA_K, dim=1)
+            tok = warpgroup_mma(a_l, w_l.permute((1, 0)), acc, is_async=True)
+        acc, _, _ = warpgroup_mma_wait(0, deps=(tok, a_buf, w_buf))
+        step += 1
+    _, m0, n0 = _tile_origin(pid_r + idx * nprog, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2, blk3,
+                             BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
+    gl.thread_barrier()  # every thread has read c_smem before it is overwritten
+    _store_y(acc.to(y_desc.dtype), c_smem, y_desc, m0, n0)
+    return step
 
 
 @gluon.jit
@@ -418,14 +462,13 @@ def _gluon_lora_linear_kernel(
 ):
     """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ and s = scale · x · Aᵀ in one launch. A shrink unit is one row
     block (all slices in one MMA per K step). The persistent grid gives num_tiles mod P programs one tile more
-    than the others (here the last ones): those run that tile first, once the unit of its rows is done. All
-    programs claim units in order from an atomic counter and run them (so the shrink fills the slot the last
+    than the others (here the last ones): those run that tile's K steps first and keep its output in c_smem
+    (in y's dtype; its LoRA steps come once s is there, `_lora_fixup`). All programs claim units in order from an atomic counter and run them (so the shrink fills the slot the last
     round of tiles leaves free on the other programs), raise a flag per unit and a done counter (release),
     wait until every unit is done (acquire, then a proxy fence: s is stored through the generic proxy and
     read through TMA), and run their tiles. The waits sit outside the pipelined loops, with no MMA in flight
     (inside the loop, a wait before the first LoRA load broke the LoRA step's results on the GPU). A program
-    only waits for units claimed by running programs, or, for the first tile of the last programs, by
-    programs with lower ids, which the GPU starts no later."""
+    only waits for units claimed by running programs."""
     hidden = x_desc.shape[1]
     k_tiles = gl.cdiv(hidden, BLOCK_K)
     steps_per_tile = k_tiles + lora_steps
@@ -449,15 +492,12 @@ def _gluon_lora_linear_kernel(
     done_ptr = claim_ptr + 1
     first = (pid_r < extra).to(gl.int32)
     step = 0
-    if first > 0:  # one tile more than most: it runs first, once its rows' unit is done
-        _, m0f, _ = _tile_origin(pid_r, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2, blk3, BLOCK_M,
-                                 BLOCK_N, GROUP_M)  # fmt: skip
-        _wait_at_least(sync_ptr + m0f // BLOCK_M, 1)
-        step = _tiles(step, 0, 1, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m, num_col_blocks,
+    if first > 0:  # one tile more than most: its K steps at once, its output kept in c_smem
+        step = _tiles(step, 0, 1, pid_r, nprog, k_tiles, k_tiles, num_tiles, num_pid_m, num_col_blocks,
                       num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
                       token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs,
-                      bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS,
-                      num_warps)  # fmt: skip
+                      bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps,
+                      False)  # fmt: skip
     u = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
     while u < num_units:
         step = _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss, stride_st,
@@ -469,6 +509,11 @@ def _gluon_lora_linear_kernel(
         gl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
         u = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
     _wait_at_least(done_ptr, num_units)
+    if first > 0:  # that tile's LoRA steps, now that s is there
+        step = _lora_fixup(step, 0, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m, num_col_blocks,
+                           num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
+                           token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars,
+                           c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, num_warps)  # fmt: skip
     step = _tiles(step, first, my_tiles, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m,
                   num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
                   token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars,
