@@ -354,17 +354,57 @@ def _lora_fixup(step, idx, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid
 
 @gluon.jit
 def _issue_unit_load(p_step, kk, pred, m0, a_row, a_slice_rows, x_desc, a_desc, a_bufs, w_bufs, bars,
-                     SHRINK_G: gl.constexpr, SHRINK_R: gl.constexpr, NUM_BUFFERS: gl.constexpr):  # fmt: skip
-    """The loads of a shrink step: x rows m0.. and, for every slice g, the A rows of the slot into rows
-    g·SHRINK_R.. of the W slot."""
+                     BLOCK_K: gl.constexpr, SHRINK_G: gl.constexpr, SHRINK_R: gl.constexpr,
+                     DOUBLE: gl.constexpr, NUM_BUFFERS: gl.constexpr):  # fmt: skip
+    """The loads of a shrink step into ring slot p_step % NUM_BUFFERS: x rows m0.. (columns kk..) into its x
+    buffer and, for every slice g, the slot's A rows into rows g·SHRINK_R.. of its W buffer. DOUBLE: also the
+    next 64 columns, A into W rows 64.. and x into rows 128..255 (columns past hidden read as zeros)."""
     slot_i = p_step % NUM_BUFFERS
     bar = bars.index(slot_i)
-    mbarrier.expect(bar, x_desc.block_type.nbytes + SHRINK_G * a_desc.block_type.nbytes, pred=pred)
+    HALVES: gl.constexpr = 2 if DOUBLE else 1
+    mbarrier.expect(bar, HALVES * (x_desc.block_type.nbytes + SHRINK_G * a_desc.block_type.nbytes), pred=pred)
     tma.async_copy_global_to_shared(x_desc, [m0, kk], bar, a_bufs.index(slot_i), pred)
     w_buf = w_bufs.index(slot_i)
     for g in gl.static_range(SHRINK_G):
         tma.async_copy_global_to_shared(a_desc, [a_row + g * a_slice_rows, kk], bar,
                                         w_buf.slice(g * SHRINK_R, SHRINK_R, dim=0), pred)  # fmt: skip
+    if DOUBLE:
+        tma.async_copy_global_to_shared(x_desc, [m0, kk + BLOCK_K], bar, w_buf.slice(128, 128, dim=0), pred)
+        for g in gl.static_range(SHRINK_G):
+            tma.async_copy_global_to_shared(a_desc, [a_row + g * a_slice_rows, kk + BLOCK_K], bar,
+                                            w_buf.slice(64 + g * SHRINK_R, SHRINK_R, dim=0), pred)  # fmt: skip
+
+
+@gluon.jit
+def _unit_mma(acc_a, acc_b, x_op, a_op, a0, use_acc, N_A: gl.constexpr, N_B: gl.constexpr,
+              SPLIT: gl.constexpr):  # fmt: skip
+    """acc_a += x · (A rows a0..a0+N_A)ᵀ and, SPLIT, acc_b += x · (the next N_B rows)ᵀ (asynchronous)."""
+    tok_a = warpgroup_mma(
+        x_op, a_op.slice(a0, N_A, dim=0).permute((1, 0)), acc_a, use_acc=use_acc, is_async=True
+    )
+    tok_b = acc_b
+    if SPLIT:
+        tok_b = warpgroup_mma(x_op, a_op.slice(a0 + N_A, N_B, dim=0).permute((1, 0)), acc_b, use_acc=use_acc,
+                              is_async=True)  # fmt: skip
+    return tok_a, tok_b
+
+
+@gluon.jit
+def _store_s(acc, g0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N: gl.constexpr,
+             SHRINK_G: gl.constexpr, SHRINK_R: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """s[g0 + c // SHRINK_R, rows, c % SHRINK_R] = acc[:, c] for the columns of real slices within s_cols."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N, 16]
+    )
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, N, layout=gl.SliceLayout(0, layout))
+    g = g0 + cols // SHRINK_R
+    r = cols % SHRINK_R
+    # A rows past the slot's rank belong to the next slot (or are zeros): drop them
+    acc = gl.where((r < rank)[None, :], acc, 0.0)
+    ptrs = s_ptr + g.to(gl.int64)[None, :] * stride_ss + rows.to(gl.int64)[:, None] * stride_st + r[None, :]
+    mask = (rows < num_tokens)[:, None] & ((r < s_cols) & (g < SHRINK_G))[None, :]
+    gl.store(ptrs, acc.to(s_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -373,46 +413,60 @@ def _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, str
                  BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, SHRINK_G: gl.constexpr, SHRINK_GP: gl.constexpr,
                  SHRINK_R: gl.constexpr, NUM_BUFFERS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """Shrink unit u: s[g, rows u·BLOCK_M.., :s_cols] = scale · x[rows] · A[g, slot, :rank]ᵀ for every slice g,
-    one MMA per K step over all slices (SHRINK_GP · SHRINK_R columns; the padding slice's rows are never
-    loaded and its columns never stored), through the same ring; zeros for rows without an adapter (no
-    loads)."""
-    SR: gl.constexpr = SHRINK_GP * SHRINK_R
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, SR, 16]
+    through the same ring; zeros for rows without an adapter (no loads). The MMAs of a step cover every slice
+    at once: SHRINK_GP · SHRINK_R columns (GP: the slices rounded up to a power of two; the padding slice's
+    rows are never loaded and its columns never stored), or for 3 slices (SPLIT) two MMAs of 2 and 1 slices'
+    columns, so no MMA work goes to padding. Where the A rows take at most 64 of the W buffer's 256 (rank 16),
+    a ring slot carries two 64-column steps (DOUBLE): twice the bytes in flight, which is what bounds a
+    unit (its x is read from HBM once)."""
+    SPLIT: gl.constexpr = SHRINK_G == 3
+    N_A: gl.constexpr = 2 * SHRINK_R if SPLIT else SHRINK_GP * SHRINK_R
+    N_B: gl.constexpr = SHRINK_R if SPLIT else 16
+    DOUBLE: gl.constexpr = N_A + (N_B if SPLIT else 0) <= 64
+    KSTEP: gl.constexpr = 2 * BLOCK_K if DOUBLE else BLOCK_K
+    layout_a: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N_A, 16]
+    )
+    layout_b: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N_B, 16]
     )
     m0 = u * BLOCK_M
     seg = gl.load(token_seg_ptr + m0)
     slot = gl.load(seg_slot_ptr + seg)
-    acc = gl.zeros((BLOCK_M, SR), dtype=gl.float32, layout=s_layout)
+    acc_a = gl.zeros((BLOCK_M, N_A), dtype=gl.float32, layout=layout_a)
+    acc_b = gl.zeros((BLOCK_M, N_B), dtype=gl.float32, layout=layout_b)
     rank = 0
     if slot >= 0:
         rank = gl.load(slot_rank_ptr + slot)
         a_row = slot * a_rows
+        hidden = x_desc.shape[1]
+        n_steps = gl.cdiv(hidden, KSTEP)
         for i in gl.static_range(NUM_BUFFERS - 1):
-            _issue_unit_load(step + i, i * BLOCK_K, i < k_tiles, m0, a_row, a_slice_rows, x_desc, a_desc, a_bufs,
-                             w_bufs, bars, SHRINK_G, SHRINK_R, NUM_BUFFERS)  # fmt: skip
-        for ki in range(k_tiles):
+            _issue_unit_load(step + i, i * KSTEP, i < n_steps, m0, a_row, a_slice_rows, x_desc, a_desc, a_bufs,
+                             w_bufs, bars, BLOCK_K, SHRINK_G, SHRINK_R, DOUBLE, NUM_BUFFERS)  # fmt: skip
+        for ki in range(n_steps):
             slot_i = step % NUM_BUFFERS
             mbarrier.wait(bars.index(slot_i), (step // NUM_BUFFERS) & 1)
-            a_buf = a_bufs.index(slot_i)
-            w_buf = w_bufs.index(slot_i).slice(0, SR, dim=0)
-            tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, use_acc=ki > 0, is_async=True)
-            acc, _, _ = warpgroup_mma_wait(1, deps=(tok, a_buf, w_buf))
+            x_buf = a_bufs.index(slot_i)
+            w_buf = w_bufs.index(slot_i)
+            tok_a, tok_b = _unit_mma(acc_a, acc_b, x_buf, w_buf, 0, ki > 0, N_A, N_B, SPLIT)
+            if DOUBLE:
+                tok_a, tok_b = _unit_mma(tok_a, tok_b, w_buf.slice(128, 128, dim=0), w_buf, 64, True, N_A, N_B,
+                                         SPLIT)  # fmt: skip
+            acc_a, acc_b, _, _ = warpgroup_mma_wait(0, deps=(tok_a, tok_b, x_buf, w_buf))
             nxt = ki + NUM_BUFFERS - 1
-            _issue_unit_load(step + NUM_BUFFERS - 1, nxt * BLOCK_K, nxt < k_tiles, m0, a_row, a_slice_rows, x_desc,
-                             a_desc, a_bufs, w_bufs, bars, SHRINK_G, SHRINK_R, NUM_BUFFERS)  # fmt: skip
+            _issue_unit_load(step + NUM_BUFFERS - 1, nxt * KSTEP, nxt < n_steps, m0, a_row, a_slice_rows, x_desc,
+                             a_desc, a_bufs, w_bufs, bars, BLOCK_K, SHRINK_G, SHRINK_R, DOUBLE,
+                             NUM_BUFFERS)  # fmt: skip
             step += 1
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        acc = acc * gl.load(seg_scale_ptr + seg)
-    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    cols = gl.arange(0, SR, layout=gl.SliceLayout(0, s_layout))
-    g = cols // SHRINK_R
-    r = cols % SHRINK_R
-    # A rows past the slot's rank belong to the next slot (or are zeros): drop them
-    acc = gl.where((r < rank)[None, :], acc, 0.0)
-    ptrs = s_ptr + g.to(gl.int64)[None, :] * stride_ss + rows.to(gl.int64)[:, None] * stride_st + r[None, :]
-    mask = (rows < num_tokens)[:, None] & ((r < s_cols) & (g < SHRINK_G))[None, :]
-    gl.store(ptrs, acc.to(s_ptr.dtype.element_ty), mask=mask)
+        scale = gl.load(seg_scale_ptr + seg)
+        acc_a = acc_a * scale
+        acc_b = acc_b * scale
+    _store_s(acc_a, 0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_A, SHRINK_G, SHRINK_R, BLOCK_M,
+             num_warps)  # fmt: skip
+    if SPLIT:
+        _store_s(acc_b, 2, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_B, SHRINK_G, SHRINK_R,
+                 BLOCK_M, num_warps)  # fmt: skip
     return step
 
 

@@ -196,12 +196,20 @@ def test_bf16_gpu_gluon_lora_linear(num_slices, groups, shrink_in, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("requests", [[(4608, 0), (512, -1), (4608, 0), (4096, 0)], [(512, -1), (256, -1)]])
-def test_bf16_gpu_gluon_lora_linear_rank16(requests, monkeypatch):
-    """Rank 16 only (16-column shrink units, a 16-wide LoRA step), and a batch without any adapter (every
-    unit writes zeros, no tile waits): one Gluon launch, y and s equal the reference."""
+@pytest.mark.parametrize(
+    "requests,groups",
+    [
+        ([(4608, 0), (512, -1), (4608, 0), (4096, 0)], 3),
+        ([(4608, 0), (512, -1), (4608, 0), (4096, 0)], 4),
+        ([(512, -1), (256, -1)], 3),
+    ],
+)
+def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, monkeypatch):
+    """Rank 16 only (shrink units with two K steps per ring slot, 3 slices as MMAs of 2 and 1 slices or 4
+    slices in one; a 16-wide LoRA step), and a batch without any adapter (every unit writes zeros): one Gluon
+    launch, y and s equal the reference."""
     calls = gluon_launches(monkeypatch)
-    meta, x, a, b, w, bias, sizes = gpu_problem(3, requests)
+    meta, x, a, b, w, bias, sizes = gpu_problem(groups, requests)
     m = meta
     seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
     max_rank = max(m.max_rank, 1)
