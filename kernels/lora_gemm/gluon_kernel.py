@@ -424,6 +424,7 @@ def _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, str
     N_B: gl.constexpr = SHRINK_R if SPLIT else 16
     DOUBLE: gl.constexpr = N_A + (N_B if SPLIT else 0) <= 64
     KSTEP: gl.constexpr = 2 * BLOCK_K if DOUBLE else BLOCK_K
+    GROUPS: gl.constexpr = (2 if SPLIT else 1) * (2 if DOUBLE else 1)  # MMA groups a step commits
     layout_a: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N_A, 16]
     )
@@ -453,12 +454,14 @@ def _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, str
             if DOUBLE:
                 tok_a, tok_b = _unit_mma(tok_a, tok_b, w_buf.slice(128, 128, dim=0), w_buf, 64, True, N_A, N_B,
                                          SPLIT)  # fmt: skip
-            acc_a, acc_b, _, _ = warpgroup_mma_wait(0, deps=(tok_a, tok_b, x_buf, w_buf))
+            # this step's MMAs stay in flight; the step before it is done, so its slot can be loaded
+            acc_a, acc_b, _, _ = warpgroup_mma_wait(GROUPS, deps=(tok_a, tok_b, x_buf, w_buf))
             nxt = ki + NUM_BUFFERS - 1
             _issue_unit_load(step + NUM_BUFFERS - 1, nxt * KSTEP, nxt < n_steps, m0, a_row, a_slice_rows, x_desc,
                              a_desc, a_bufs, w_bufs, bars, BLOCK_K, SHRINK_G, SHRINK_R, DOUBLE,
                              NUM_BUFFERS)  # fmt: skip
             step += 1
+        acc_a, acc_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
         scale = gl.load(seg_scale_ptr + seg)
         acc_a = acc_a * scale
         acc_b = acc_b * scale
