@@ -440,6 +440,8 @@ def main() -> None:
                 "ratio_two_launches": two / base,
                 "step_ms_lora_unshared": unshared * 1e3,
                 "ratio_unshared": unshared / base,
+                # every mode's median step (ms), the Gluon ones included
+                "mode_step_ms": {m_: statistics.median(t) * 1e3 for m_, t in results.items()},
                 "load_s": load_s,
                 **(
                     {
