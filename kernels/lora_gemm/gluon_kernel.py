@@ -20,6 +20,10 @@ while this tile's epilogue (bias, bf16, a TMA store) runs.
 Contract (the launcher checks it): bf16/fp16 x, W, s, B; s pre-scaled in x's dtype; every segment starts
 at a multiple of BLOCK_M (a tile's rows hold one segment); every output slice a multiple of BLOCK_N; x, W,
 s, B, y laid out for TMA.
+
+_gluon_lora_linear_kernel is the same GEMM with the shrink inside the launch (s = scale · x · Aᵀ, written
+by shrink units of one row block each, see its docstring): `gluon_op.launch_gluon_lora_linear`, for ranks
+up to 64.
 """
 
 from triton.experimental import gluon
