@@ -36,6 +36,7 @@ from ditserve.kernels._dispatch import block_rank
 from ditserve.kernels.lora import _lora_linear_addmm, apply_lora, lora_expand, lora_linear, lora_shrink
 from ditserve.kernels.lora_expand.op import launch_lora_expand
 from ditserve.kernels.lora_expand.reference import lora_expand_ref
+from ditserve.kernels.lora_gemm import gluon_op
 from ditserve.kernels.lora_gemm.op import launch_lora_gemm
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 from ditserve.kernels.lora_linear.op import launch_lora_linear
@@ -501,6 +502,12 @@ def qkv_only(args, head: list[str]) -> None:
                         fns["gluon lora_linear"] = lambda p=p, seg=seg, m=m: launch_lora_linear(
                             p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes, m.seg_align, gluon=True
                         )
+                        # the same, a program's first two tiles waiting only for their rows' units
+                        early = {**gluon_op.GLUON_CONFIG, "EARLY_TILES": 2}
+                        fns["gluon lora_linear early2"] = lambda p=p, m=m, cfg=early: gluon_op.launch_gluon_lora_linear(
+                            p.x, p.w, None, p.a, p.b, m.token_seg, m.seg_slot, m.seg_scale, m.slot_rank, m.max_rank,
+                            p.sizes, cfg,
+                        )  # fmt: skip
                         fns["gluon two launches"] = lambda p=p, m=m, seg=seg, gcfg=gcfg: launch_lora_gemm(
                             p.x,
                             p.w,
@@ -541,6 +548,7 @@ def qkv_only(args, head: list[str]) -> None:
                         for name in (
                             "gluon lora_gemm",
                             "gluon lora_linear",
+                            "gluon lora_linear early2",
                             "gluon two launches",
                             "gluon no LoRA",
                             "lora_gemm no LoRA",

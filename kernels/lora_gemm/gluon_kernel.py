@@ -520,6 +520,7 @@ def _gluon_lora_linear_kernel(
     SHRINK_R: gl.constexpr,  # s_cols rounded up to a power of two
     HAS_BIAS: gl.constexpr,
     num_warps: gl.constexpr,
+    EARLY_TILES: gl.constexpr = 0,
 ):
     """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ and s = scale · x · Aᵀ in one launch. A shrink unit is one row
     block (all slices in one MMA per K step). The persistent grid gives num_tiles mod P programs one tile more
@@ -529,7 +530,9 @@ def _gluon_lora_linear_kernel(
     wait until every unit is done (acquire, then a proxy fence: s is stored through the generic proxy and
     read through TMA), and run their tiles. The waits sit outside the pipelined loops, with no MMA in flight
     (inside the loop, a wait before the first LoRA load broke the LoRA step's results on the GPU). A program
-    only waits for units claimed by running programs."""
+    only waits for units claimed by running programs. EARLY_TILES > 0 (not yet measured): a program waits
+    only for the units of its next EARLY_TILES tiles' rows (the first row blocks, claimed first), runs them,
+    and waits for the done counter after them, so that no program idles until the slowest unit is done."""
     hidden = x_desc.shape[1]
     k_tiles = gl.cdiv(hidden, BLOCK_K)
     steps_per_tile = k_tiles + lora_steps
@@ -569,13 +572,32 @@ def _gluon_lora_linear_kernel(
         gl.atomic_xchg(sync_ptr + u, 1, sem="release", scope="gpu")
         gl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
         u = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
-    _wait_at_least(done_ptr, num_units)
+    if EARLY_TILES == 0:
+        _wait_at_least(done_ptr, num_units)
+    else:  # wait only for the units of the rows the next tiles need
+        if first > 0:
+            _, m0e, _ = _tile_origin(pid_r, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2, blk3,
+                                     BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
+            _wait_at_least(sync_ptr + m0e // BLOCK_M, 1)
     if first > 0:  # that tile's LoRA steps, now that s is there
         step = _lora_fixup(step, 0, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m, num_col_blocks,
                            num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
                            token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars,
                            c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, num_warps)  # fmt: skip
-    step = _tiles(step, first, my_tiles, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m,
+    rest = first
+    if EARLY_TILES > 0:
+        rest = gl.minimum(first + EARLY_TILES, my_tiles)
+        for idx in range(first, rest):
+            _, m0e, _ = _tile_origin(pid_r + idx * nprog, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2,
+                                     blk3, BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
+            _wait_at_least(sync_ptr + m0e // BLOCK_M, 1)
+        step = _tiles(step, first, rest, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m,
+                      num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total,
+                      b_rows_total, token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc,
+                      a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS,
+                      HAS_BIAS, num_warps)  # fmt: skip
+        _wait_at_least(done_ptr, num_units)
+    step = _tiles(step, rest, my_tiles, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m,
                   num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
                   token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars,
                   c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps)  # fmt: skip

@@ -10,8 +10,12 @@ from ditserve.kernels._dispatch import next_pow2, num_programs_limit, tma_ok
 from ditserve.kernels.lora_expand.op import column_blocks
 
 # 128×256 tiles over 8 warps (two warpgroups of 64 rows), 64-wide K steps, a ring of 3 slots (3 × 48 KB)
-# next to a 64 KB store buffer, 16 row blocks per column block in the tile order
-GLUON_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, NUM_BUFFERS=3, num_warps=8)
+# next to a 64 KB store buffer, 16 row blocks per column block in the tile order. EARLY_TILES (the shrink
+# inside the launch only): tiles run after waiting for their own rows' units, before the wait for all units
+# (0: none; not yet measured otherwise)
+GLUON_CONFIG = dict(
+    BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, NUM_BUFFERS=3, num_warps=8, EARLY_TILES=0
+)
 
 
 @functools.cache
@@ -196,6 +200,6 @@ def launch_gluon_lora_linear(
         s.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, LORA_K=lora_cols, GROUP_M=cfg["GROUP_M"],
         NUM_BUFFERS=cfg["NUM_BUFFERS"], SHRINK_G=groups, SHRINK_GP=shrink_gp, SHRINK_R=shrink_r,
-        HAS_BIAS=bias is not None, num_warps=cfg["num_warps"],
+        HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], EARLY_TILES=cfg.get("EARLY_TILES", 0),
     )  # fmt: skip
     return y, s

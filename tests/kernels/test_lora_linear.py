@@ -196,6 +196,23 @@ def test_bf16_gpu_gluon_lora_linear(num_slices, groups, shrink_in, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_slices,groups", [(3, 3), (1, 3)])
+def test_bf16_gpu_gluon_lora_linear_early_tiles(num_slices, groups, monkeypatch):
+    """The shrink inside the Gluon launch with EARLY_TILES=2 (a program's next two tiles wait only for their
+    rows' units): y and s equal the reference, three launches in a row."""
+    from ditserve.kernels.lora_gemm import gluon_op
+
+    calls = gluon_launches(monkeypatch)
+    monkeypatch.setitem(gluon_op.GLUON_CONFIG, "EARLY_TILES", 2)
+    m, x, a, b, w, bias, sizes, seg, want, want_s = aligned_case(num_slices, groups)
+    for _ in range(3):
+        y, s = launch_lora_linear(x, w, bias, a, b, *seg, m.max_rank, sizes, m.seg_align, gluon=True)
+        torch.testing.assert_close(y.float(), want.float(), atol=5e-2, rtol=3e-2)
+        torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
+    assert calls == ["linear"] * 3
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "requests,groups",
     [
