@@ -135,6 +135,24 @@ def test_first_tiles_wait_for_their_shrink(no_shrink_kernel):
     torch.testing.assert_close(s, want_s, atol=1e-4, rtol=1e-4)
 
 
+def test_gluon_request_off_hopper_runs_the_triton_path(monkeypatch):
+    """`gluon=True` (DITSERVE_GLUON_GEMM=1) where the Gluon kernels cannot run (here: not a CUDA tensor)
+    takes the Triton path with the same results, and no Gluon launcher is called."""
+    from ditserve.kernels.lora_gemm import gluon_op
+
+    for name in ("launch_gluon_lora_linear", "launch_gluon_lora_gemm"):
+        monkeypatch.setattr(gluon_op, name, lambda *a, name=name, **k: pytest.fail(f"{name} ran"))
+    c = make_case(([(32, 1), (32, -1), (32, 3)], [0, 16, 0, 32], [1.0, 1.0, -0.5]), 3, [16, 16, 16], 32,
+                  torch.float32)  # fmt: skip
+    w, bias = weights(c, torch.float32, True)
+    m = c.meta
+    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
+    y, s = launch_lora_linear(c.x, w, bias, c.a, c.b, *seg, m.max_rank, c.sizes, m.seg_align, gluon=True)
+    want_y, want_s = expected(c, w, bias)
+    torch.testing.assert_close(y, want_y, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s, want_s, atol=1e-4, rtol=1e-4)
+
+
 def test_custom_op_contract():
     c = make_case(([(16, 0), (32, 1)], [16, 8, 0, 0], [1.0, 0.5]), 3, [16, 24], 32, torch.float32)
     w, bias = weights(c, torch.float32, True)
