@@ -3,9 +3,10 @@
 Where `lora_gemm.op.shrink_in_ok` holds (Triton runs, TMA, segments aligned to the row blocks: Flux's
 image and text tokens at the usual sizes), one `lora_gemm` launch computes s on the programs the last
 round of tiles leaves idle and adds the expand in the K loop (SHRINK_IN, see `lora_gemm/kernel.py`);
-elsewhere the scaled shrink kernel runs first, then `lora_gemm` (or, with GLUON on a Hopper GPU, the Gluon
-GEMM). s is returned for every slice of
-a_stacked, which may hold more slices than the output: a group of linears on one input (q, k, v) shares it.
+elsewhere the scaled shrink kernel runs first, then `lora_gemm`. With GLUON on a Hopper GPU the Gluon
+kernels take their place where their contract holds: the same one launch for ranks up to 64, else the
+shrink kernel and the Gluon GEMM. s is returned for every slice of a_stacked, which may hold more slices
+than the output: a group of linears on one input (q, k, v) shares it.
 """
 
 from __future__ import annotations
