@@ -493,6 +493,8 @@ def qkv_only(args, head: list[str]) -> None:
                     if args.gluon:  # the Gluon GEMM on a given s, and after the shrink kernel
                         gcfg = gemm_op.SWEEP["gluon"]
                         fns["gluon lora_gemm"] = _gemm_call(p, s, gcfg)
+                        # its loads in a warp of their own (gluon_ws_kernel.py)
+                        fns["gluon ws lora_gemm"] = _gemm_call(p, s, gemm_op.SWEEP["gluon ws"])
                         fns["gluon no LoRA"] = _gemm_call(p, s[:, :, :0], gcfg)
                         fns["lora_linear without Gluon"] = lambda p=p, seg=seg, m=m: launch_lora_linear(
                             p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes, m.seg_align, gluon=False
@@ -547,6 +549,7 @@ def qkv_only(args, head: list[str]) -> None:
                     if args.gluon:
                         for name in (
                             "gluon lora_gemm",
+                            "gluon ws lora_gemm",
                             "gluon lora_linear",
                             "gluon lora_linear early2",
                             "gluon two launches",

@@ -105,15 +105,21 @@ def launch_gluon_lora_gemm(
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
     num_tiles = -(-num_tokens // bm) * num_col_blocks
     grid = min(num_tiles, num_programs_limit(x.device))
-    _gluon_lora_gemm_kernel[(grid,)](
+    kernel = _gluon_lora_gemm_kernel
+    if cfg.get("WS", 0):  # the loads in a warp of their own (gluon_ws_kernel.py)
+        from ditserve.kernels.lora_gemm.gluon_ws_kernel import _gluon_lora_gemm_ws_kernel as kernel
+
+        extra = dict(LOAD_REGS=56)
+    else:
+        # the LoRA code also without LoRA (zero LoRA steps): ptxas makes faster code of it (H200, QKV 4×4608:
+        # +2.5 % against cuBLAS, +5.7 % compiled without it; BENCHMARKS.md)
+        extra = dict(HAS_LORA=True)
+    kernel[(grid,)](
         x_desc, w_desc, s_desc, b_desc, y_desc, bias if bias is not None else y, token_seg, seg_slot,
         num_tokens, n_total, *cols, *blks, num_col_blocks, lora_steps,
         s.shape[0] * num_tokens, b_stacked.shape[0] * n_total,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, LORA_K=lora_cols, GROUP_M=cfg["GROUP_M"],
-        # the LoRA code also without LoRA (zero LoRA steps): ptxas makes faster code of it (H200, QKV 4×4608:
-        # +2.5 % against cuBLAS, +5.7 % compiled without it; BENCHMARKS.md)
-        NUM_BUFFERS=cfg["NUM_BUFFERS"], HAS_LORA=True, HAS_BIAS=bias is not None,
-        num_warps=cfg["num_warps"],
+        NUM_BUFFERS=cfg["NUM_BUFFERS"], HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], **extra,
     )  # fmt: skip
     return y
 

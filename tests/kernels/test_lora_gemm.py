@@ -532,11 +532,13 @@ def test_bf16_gpu_lora_linear_and_inductor():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", ["gluon", "gluon ws"])
 @pytest.mark.parametrize("max_rank", [16, 32, 64, 128])
 @pytest.mark.parametrize("num_slices", [3, 4])
-def test_bf16_gpu_gluon_kernel(num_slices, max_rank, monkeypatch):
-    """The Gluon kernel for Hopper (config "gluon") on an aligned batch with a request without LoRA and an
-    empty one: one narrow LoRA MMA at ranks 16 / 32, a 64-wide step at 64, two at 128; bias; and no LoRA."""
+def test_bf16_gpu_gluon_kernel(num_slices, max_rank, config, monkeypatch):
+    """The Gluon kernel for Hopper (config "gluon"; "gluon ws": its loads in a warp of their own) on an aligned
+    batch with a request without LoRA and an empty one: one narrow LoRA MMA at ranks 16 / 32, a 64-wide step at
+    64, two at 128; bias; and no LoRA."""
     calls = gluon_launches(monkeypatch)
     requests = [(1024, 0), (512, -1), (0, 2), (2048, 1), (128, 3), (384, 0)]
     meta, x, a, b, w, bias, sizes = gpu_problem(num_slices, requests)
@@ -545,7 +547,7 @@ def test_bf16_gpu_gluon_kernel(num_slices, max_rank, monkeypatch):
     seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot)
     s = lora_shrink_scaled_ref(x, a, *seg, m.seg_scale, m.slot_rank, m.max_rank)
     want = lora_gemm_ref(x, w, bias, s, b, *seg[1:], m.seg_scale, m.slot_rank, sizes, s_scaled=True)
-    cfg = SWEEP["gluon"]
+    cfg = SWEEP[config]
     got = launch_lora_gemm(
         x, w, bias, s, b, *seg_args(m), sizes, config=cfg, s_scaled=True, seg_align=m.seg_align
     )
