@@ -97,6 +97,19 @@ def _issue_load(p_step, p_ki, pred, m0, n0, s_row, b_row, k_tiles, x_desc, w_des
 
 
 @gluon.jit
+def _lora_mma(a_buf, w_buf, acc, LORA_K: gl.constexpr, BLOCK_K: gl.constexpr):
+    """A LoRA step's MMA (asynchronous): s · Bᵀ over the slot's boxes, only their first LORA_K columns where
+    that is all the rank columns (a narrower MMA)."""
+    if LORA_K == BLOCK_K:
+        tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, is_async=True)
+    else:
+        a_l = a_buf.slice(0, LORA_K, dim=1)
+        w_l = w_buf.slice(0, LORA_K, dim=1)
+        tok = warpgroup_mma(a_l, w_l.permute((1, 0)), acc, is_async=True)
+    return tok
+
+
+@gluon.jit
 def _step(acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, my_tiles, k_tiles, steps_per_tile, pid, nprog,
           num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
           s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, a_bufs, w_bufs,
@@ -112,12 +125,8 @@ def _step(acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, my_tiles, 
     if HAS_LORA:
         if ki < k_tiles:
             tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, use_acc=ki > 0, is_async=True)
-        elif LORA_K == BLOCK_K:
-            tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, is_async=True)
-        else:  # only the first LORA_K columns hold rank columns: a narrower MMA
-            a_l = a_buf.slice(0, LORA_K, dim=1)
-            w_l = w_buf.slice(0, LORA_K, dim=1)
-            tok = warpgroup_mma(a_l, w_l.permute((1, 0)), acc, is_async=True)
+        else:
+            tok = _lora_mma(a_buf, w_buf, acc, LORA_K, BLOCK_K)
     else:
         tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, use_acc=ki > 0, is_async=True)
     acc, _, _ = warpgroup_mma_wait(1, deps=(tok, a_buf, w_buf))
@@ -187,9 +196,6 @@ def _gluon_lora_gemm_kernel(
     num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = x_desc.dtype
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
-    )
     hidden = x_desc.shape[1]
     k_tiles = gl.cdiv(hidden, BLOCK_K)
     steps_per_tile = k_tiles
@@ -208,46 +214,11 @@ def _gluon_lora_gemm_kernel(
         mbarrier.init(bars.index(i), count=1)
     c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
 
-    # the producer: the step whose loads go out next (p_step), its tile (p_idx) and K step (p_ki), and where
-    # that tile's loads start; the first NUM_BUFFERS - 1 steps go out before the first MMA
-    p_step = 0
-    p_idx = 0
-    p_ki = 0
-    m0p, n0p, s_row, b_row = _load_origin(0, pid, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total,
-                                          col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
-                                          token_seg_ptr, seg_slot_ptr, BLOCK_M, BLOCK_N, GROUP_M,
-                                          HAS_LORA)  # fmt: skip
-    for _i in gl.static_range(NUM_BUFFERS - 1):
-        _issue_load(p_step, p_ki, p_idx < my_tiles, m0p, n0p, s_row, b_row, k_tiles, x_desc, w_desc, s_desc, b_desc,
-                    a_bufs, w_bufs, bars, BLOCK_K, NUM_BUFFERS, HAS_LORA)  # fmt: skip
-        p_step += 1
-        p_ki += 1
-        if p_ki == steps_per_tile:
-            p_ki = 0
-            p_idx += 1
-            m0p, n0p, s_row, b_row = _load_origin(p_idx, pid, nprog, num_tiles, num_pid_m, num_col_blocks,
-                                                  num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
-                                                  s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr,
-                                                  BLOCK_M, BLOCK_N, GROUP_M, HAS_LORA)  # fmt: skip
-
-    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
-    step = 0  # steps consumed so far (the ring slot and its phase follow from it)
-    for idx in range(my_tiles):
-        for ki in range(steps_per_tile):
-            acc, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row = _step(
-                acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, my_tiles, k_tiles, steps_per_tile,
-                pid, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1,
-                blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc,
-                a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_LORA,
-            )  # fmt: skip
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        _, m0, n0 = _tile_origin(pid + idx * nprog, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2, blk3,
-                                 BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
-        out = acc
-        if HAS_BIAS:
-            offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
-            out = out + gl.load(bias_ptr + offs_n).to(gl.float32)[None, :]
-        _store_y(out.to(dtype), c_smem, y_desc, m0, n0)
+    # step: a tensor from the start (it is carried through the loops)
+    _tiles(gl.to_tensor(0), 0, my_tiles, pid, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m, num_col_blocks,
+           num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr,
+           seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem, BLOCK_M,
+           BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps, True, HAS_LORA)  # fmt: skip
     tma.store_wait(pendings=0)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.invalidate(bars.index(i))
@@ -259,10 +230,13 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
            seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem,
            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
            GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr,
-           STORE: gl.constexpr = True):  # fmt: skip
-    """This program's tiles idx_lo ≤ idx < idx_hi (tile pid_r + idx · nprog), as _gluon_lora_gemm_kernel's loop
-    (the pipeline starts and drains within the run); `step` counts the ring steps consumed so far. STORE False:
-    the (last) tile's output stays in c_smem (see _lora_fixup)."""
+           STORE: gl.constexpr = True, HAS_LORA: gl.constexpr = True):  # fmt: skip
+    """This program's tiles idx_lo ≤ idx < idx_hi (tile pid_r + idx · nprog) as one pipeline, which starts and
+    drains within the run: the producer (the step whose loads go out next, p_step, its tile p_idx and K step
+    p_ki, and where that tile's loads start) sends the first NUM_BUFFERS - 1 steps before the first MMA, and
+    the ring runs across the tile boundaries in between. `step` counts the ring steps consumed so far (the
+    slot and its phase follow from it). STORE False: the (last) tile's output stays in c_smem (see
+    _lora_fixup)."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -271,10 +245,10 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
     p_ki = 0
     m0p, n0p, s_row, b_row = _load_origin(p_idx, pid_r, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens,
                                           n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
-                                          token_seg_ptr, seg_slot_ptr, BLOCK_M, BLOCK_N, GROUP_M, True)  # fmt: skip
+                                          token_seg_ptr, seg_slot_ptr, BLOCK_M, BLOCK_N, GROUP_M, HAS_LORA)  # fmt: skip
     for _i in gl.static_range(NUM_BUFFERS - 1):
         _issue_load(p_step, p_ki, p_idx < idx_hi, m0p, n0p, s_row, b_row, k_tiles, x_desc, w_desc, s_desc, b_desc,
-                    a_bufs, w_bufs, bars, BLOCK_K, NUM_BUFFERS, True)  # fmt: skip
+                    a_bufs, w_bufs, bars, BLOCK_K, NUM_BUFFERS, HAS_LORA)  # fmt: skip
         p_step += 1
         p_ki += 1
         if p_ki == steps_per_tile:
@@ -283,7 +257,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
             m0p, n0p, s_row, b_row = _load_origin(p_idx, pid_r, nprog, num_tiles, num_pid_m, num_col_blocks,
                                                   num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
                                                   s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr,
-                                                  BLOCK_M, BLOCK_N, GROUP_M, True)  # fmt: skip
+                                                  BLOCK_M, BLOCK_N, GROUP_M, HAS_LORA)  # fmt: skip
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
     for idx in range(idx_lo, idx_hi):
         for ki in range(steps_per_tile):
@@ -291,7 +265,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
                 acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, idx_hi, k_tiles, steps_per_tile,
                 pid_r, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1,
                 blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc,
-                a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, True,
+                a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_LORA,
             )  # fmt: skip
         acc = warpgroup_mma_wait(0, deps=(acc,))
         _, m0, n0 = _tile_origin(pid_r + idx * nprog, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2,
@@ -341,12 +315,7 @@ def _lora_fixup(step, idx, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid
         mbarrier.wait(bars.index(slot_i), (step // NUM_BUFFERS) & 1)
         a_buf = a_bufs.index(slot_i)
         w_buf = w_bufs.index(slot_i)
-        if LORA_K == BLOCK_K:
-            tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, is_async=True)
-        else:
-            a_l = a_buf.slice(0, LORA_K, dim=1)
-            w_l = w_buf.slice(0, LORA_K, dim=1)
-            tok = warpgroup_mma(a_l, w_l.permute((1, 0)), acc, is_async=True)
+        tok = _lora_mma(a_buf, w_buf, acc, LORA_K, BLOCK_K)
         acc, _, _ = warpgroup_mma_wait(0, deps=(tok, a_buf, w_buf))
         step += 1
     _, m0, n0 = _tile_origin(pid_r + idx * nprog, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2, blk3,

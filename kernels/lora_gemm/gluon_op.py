@@ -65,6 +65,22 @@ def gluon_ok(
     return True
 
 
+def _tma_desc(t: torch.Tensor, block: list[int]):
+    """A TMA descriptor of t (bf16/fp16) for boxes of `block`, in the default shared layout of that box."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    gdt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
+
+
+def lora_step_shape(lora_k: int, block_k: int) -> tuple[int, int]:
+    """(LoRA steps per tile, rank columns each one multiplies) for lora_k rank columns: the steps multiply
+    only the rank columns, 16 or 32 of a 64-column box at ranks ≤ 16 / ≤ 32; (0, block_k) without LoRA."""
+    steps = -(-lora_k // block_k)
+    return steps, block_k if steps != 1 else min(block_k, max(16, next_pow2(lora_k)))
+
+
 def launch_gluon_lora_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -77,31 +93,20 @@ def launch_gluon_lora_gemm(
     cfg: dict[str, int] = GLUON_CONFIG,
 ) -> torch.Tensor:
     """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ per tile (the caller checked `gluon_ok`)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from ditserve.kernels.lora_gemm.gluon_kernel import _gluon_lora_gemm_kernel
 
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     num_tokens, _ = x.shape
     n_total = weight.shape[0]
-    gdt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     y = x.new_empty((num_tokens, n_total))
-
-    def desc(t, block):
-        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
-
-    x_desc, w_desc, y_desc = desc(x, [bm, bk]), desc(weight, [bn, bk]), desc(y, [bm, bn])
+    x_desc, w_desc, y_desc = _tma_desc(x, [bm, bk]), _tma_desc(weight, [bn, bk]), _tma_desc(y, [bm, bn])
     lora_k = min(s.shape[2], b_stacked.shape[2])
-    has_lora = lora_k > 0
-    if has_lora:
-        s_desc = desc(s.flatten(0, 1), [bm, bk])
-        b_desc = desc(b_stacked.flatten(0, 1), [bn, bk])
+    if lora_k > 0:
+        s_desc = _tma_desc(s.flatten(0, 1), [bm, bk])
+        b_desc = _tma_desc(b_stacked.flatten(0, 1), [bn, bk])
     else:
         s_desc, b_desc = x_desc, w_desc  # never read
-    lora_steps = -(-lora_k // bk)  # 0 without LoRA
-    # the LoRA steps multiply only the rank columns: 16 or 32 of a 64-column box at ranks ≤ 16 / ≤ 32
-    lora_cols = bk if lora_steps != 1 else min(bk, max(16, next_pow2(lora_k)))
+    lora_steps, lora_cols = lora_step_shape(lora_k, bk)
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
     num_tiles = -(-num_tokens // bm) * num_col_blocks
     grid = min(num_tiles, num_programs_limit(x.device))
@@ -169,9 +174,6 @@ def launch_gluon_lora_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, s): the shrink and the GEMM with the expand in one launch (the caller checked `gluon_linear_ok`);
     s [groups, num_tokens, s_cols] pre-scaled in x's dtype, as `lora_shrink(..., seg_scale=...)` writes it."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from ditserve.kernels.lora_gemm.gluon_kernel import _gluon_lora_linear_kernel
 
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -179,21 +181,14 @@ def launch_gluon_lora_linear(
     n_total = weight.shape[0]
     groups, max_loras, a_rows, _ = a_stacked.shape
     s_cols, shrink_r, shrink_gp = shrink_geometry(groups, max_rank)
-    gdt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     y = x.new_empty((num_tokens, n_total))
     if s is None:
         s = x.new_empty((groups, num_tokens, s_cols))
-
-    def desc(t, block):
-        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
-
-    x_desc, w_desc, y_desc = desc(x, [bm, bk]), desc(weight, [bn, bk]), desc(y, [bm, bn])
-    s_desc = desc(s.flatten(0, 1), [bm, bk])
-    b_desc = desc(b_stacked.flatten(0, 1), [bn, bk])
-    a_desc = desc(a_stacked.flatten(0, 2), [shrink_r, bk])
-    lora_k = min(s_cols, b_stacked.shape[2])
-    lora_steps = -(-lora_k // bk)
-    lora_cols = bk if lora_steps != 1 else min(bk, max(16, next_pow2(lora_k)))
+    x_desc, w_desc, y_desc = _tma_desc(x, [bm, bk]), _tma_desc(weight, [bn, bk]), _tma_desc(y, [bm, bn])
+    s_desc = _tma_desc(s.flatten(0, 1), [bm, bk])
+    b_desc = _tma_desc(b_stacked.flatten(0, 1), [bn, bk])
+    a_desc = _tma_desc(a_stacked.flatten(0, 2), [shrink_r, bk])
+    lora_steps, lora_cols = lora_step_shape(min(s_cols, b_stacked.shape[2]), bk)
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
     num_pid_m = -(-num_tokens // bm)
     grid = min(num_pid_m * num_col_blocks, num_programs_limit(x.device))

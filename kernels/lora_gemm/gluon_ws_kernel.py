@@ -14,7 +14,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from ditserve.kernels.lora_gemm.gluon_kernel import _epilogue, _issue_load, _load_origin, _tile_origin
+from ditserve.kernels.lora_gemm.gluon_kernel import (
+    _epilogue,
+    _issue_load,
+    _load_origin,
+    _lora_mma,
+    _tile_origin,
+)
 
 
 @gluon.jit
@@ -56,12 +62,8 @@ def _ws_mma(pid, nprog, my_tiles, k_tiles, steps_per_tile, num_pid_m, num_col_bl
             w_buf = w_bufs.index(slot_i)
             if ki < k_tiles:
                 tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, use_acc=ki > 0, is_async=True)
-            elif LORA_K == BLOCK_K:
-                tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, is_async=True)
             else:
-                a_l = a_buf.slice(0, LORA_K, dim=1)
-                w_l = w_buf.slice(0, LORA_K, dim=1)
-                tok = warpgroup_mma(a_l, w_l.permute((1, 0)), acc, is_async=True)
+                tok = _lora_mma(a_buf, w_buf, acc, LORA_K, BLOCK_K)
             acc, _, _ = warpgroup_mma_wait(1, deps=(tok, a_buf, w_buf))
             # the step before is done in both warpgroups (each waited for its own MMAs): its slot goes back
             gl.thread_barrier()

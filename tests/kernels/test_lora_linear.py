@@ -198,12 +198,18 @@ def test_bf16_gpu_shrink_in(num_slices, groups, no_shrink_kernel):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_slices,groups", [(3, 3), (4, 4), (1, 3)])
-@pytest.mark.parametrize("shrink_in", [True, False])
-def test_bf16_gpu_gluon_lora_linear(num_slices, groups, shrink_in, monkeypatch):
+@pytest.mark.parametrize("mode", ["shrink in the launch", "early tiles", "shrink kernel first"])
+def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
     """The same batches through the Gluon kernels (Hopper): the shrink inside the launch (three launches in a
-    row: the sync buffer starts at zero each time), or the shrink kernel first; y and s equal the reference."""
+    row: the sync buffer starts at zero each time), the same with EARLY_TILES=2 (a program's next two tiles
+    wait only for their rows' units), or the shrink kernel first; y and s equal the reference."""
+    from ditserve.kernels.lora_gemm import gluon_op
+
     calls = gluon_launches(monkeypatch)
+    shrink_in = mode != "shrink kernel first"
     monkeypatch.setattr(linear_op, "SHRINK_IN", shrink_in)
+    if mode == "early tiles":
+        monkeypatch.setitem(gluon_op.GLUON_CONFIG, "EARLY_TILES", 2)
     m, x, a, b, w, bias, sizes, seg, want, want_s = aligned_case(num_slices, groups)
     runs = 3 if shrink_in else 1
     for _ in range(runs):
@@ -211,23 +217,6 @@ def test_bf16_gpu_gluon_lora_linear(num_slices, groups, shrink_in, monkeypatch):
         torch.testing.assert_close(y.float(), want.float(), atol=5e-2, rtol=3e-2)
         torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
     assert calls == ["linear" if shrink_in else "gemm"] * runs
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_slices,groups", [(3, 3), (1, 3)])
-def test_bf16_gpu_gluon_lora_linear_early_tiles(num_slices, groups, monkeypatch):
-    """The shrink inside the Gluon launch with EARLY_TILES=2 (a program's next two tiles wait only for their
-    rows' units): y and s equal the reference, three launches in a row."""
-    from ditserve.kernels.lora_gemm import gluon_op
-
-    calls = gluon_launches(monkeypatch)
-    monkeypatch.setitem(gluon_op.GLUON_CONFIG, "EARLY_TILES", 2)
-    m, x, a, b, w, bias, sizes, seg, want, want_s = aligned_case(num_slices, groups)
-    for _ in range(3):
-        y, s = launch_lora_linear(x, w, bias, a, b, *seg, m.max_rank, sizes, m.seg_align, gluon=True)
-        torch.testing.assert_close(y.float(), want.float(), atol=5e-2, rtol=3e-2)
-        torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
-    assert calls == ["linear"] * 3
 
 
 @pytest.mark.gpu
