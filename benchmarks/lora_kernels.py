@@ -496,6 +496,7 @@ def qkv_only(args, head: list[str]) -> None:
                         # its loads in a warp of their own (gluon_ws_kernel.py)
                         fns["gluon ws lora_gemm"] = _gemm_call(p, s, gemm_op.SWEEP["gluon ws"])
                         fns["gluon no LoRA"] = _gemm_call(p, s[:, :, :0], gcfg)
+                        fns["gluon ws no LoRA"] = _gemm_call(p, s[:, :, :0], gemm_op.SWEEP["gluon ws"])
                         fns["lora_linear without Gluon"] = lambda p=p, seg=seg, m=m: launch_lora_linear(
                             p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes, m.seg_align, gluon=False
                         )
@@ -554,6 +555,7 @@ def qkv_only(args, head: list[str]) -> None:
                             "gluon lora_linear early2",
                             "gluon two launches",
                             "gluon no LoRA",
+                            "gluon ws no LoRA",
                             "lora_gemm no LoRA",
                             "lora_linear without Gluon",
                         ):
