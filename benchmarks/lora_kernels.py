@@ -505,9 +505,9 @@ def qkv_only(args, head: list[str]) -> None:
                         fns["gluon lora_linear"] = lambda p=p, seg=seg, m=m: launch_lora_linear(
                             p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes, m.seg_align, gluon=True
                         )
-                        # the same, a program's first two tiles waiting only for their rows' units
-                        early = {**gluon_op.GLUON_CONFIG, "EARLY_TILES": 2}
-                        fns["gluon lora_linear early2"] = lambda p=p, m=m, cfg=early: gluon_op.launch_gluon_lora_linear(
+                        # the same with every unit before the tiles (SPREAD 0)
+                        first = {**gluon_op.GLUON_CONFIG, "SPREAD": 0}
+                        fns["gluon lora_linear units first"] = lambda p=p, m=m, cfg=first: gluon_op.launch_gluon_lora_linear(
                             p.x, p.w, None, p.a, p.b, m.token_seg, m.seg_slot, m.seg_scale, m.slot_rank, m.max_rank,
                             p.sizes, cfg,
                         )  # fmt: skip
@@ -552,7 +552,7 @@ def qkv_only(args, head: list[str]) -> None:
                             "gluon lora_gemm",
                             "gluon ws lora_gemm",
                             "gluon lora_linear",
-                            "gluon lora_linear early2",
+                            "gluon lora_linear units first",
                             "gluon two launches",
                             "gluon no LoRA",
                             "gluon ws no LoRA",

@@ -155,6 +155,19 @@ def _wait_at_least(ptr, value):
 
 
 @gluon.jit
+def _acquire_seen(ptr, value, seen):
+    """`_wait_at_least(ptr, value)` after a relaxed read `seen` of *ptr: where that read already saw value,
+    only the fences (acquire, then the async proxy's)."""
+    if seen < value:
+        _wait_at_least(ptr, value)
+    else:
+        gl.inline_asm_elementwise(
+            "fence.acq_rel.gpu; fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [value], dtype=gl.int32,
+            is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@gluon.jit
 def _store_y(out, c_smem, y_desc, m0, n0):
     """A tile of y through shared memory and a TMA store (once the store before it has left c_smem)."""
     tma.store_wait(pendings=0)
@@ -230,13 +243,17 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
            seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem,
            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
            GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr,
-           STORE: gl.constexpr = True, HAS_LORA: gl.constexpr = True):  # fmt: skip
+           STORE: gl.constexpr = True, HAS_LORA: gl.constexpr = True, sync_ptr=None,
+           WAIT: gl.constexpr = False):  # fmt: skip
     """This program's tiles idx_lo ≤ idx < idx_hi (tile pid_r + idx · nprog) as one pipeline, which starts and
     drains within the run: the producer (the step whose loads go out next, p_step, its tile p_idx and K step
     p_ki, and where that tile's loads start) sends the first NUM_BUFFERS - 1 steps before the first MMA, and
     the ring runs across the tile boundaries in between. `step` counts the ring steps consumed so far (the
     slot and its phase follow from it). STORE False: the (last) tile's output stays in c_smem (see
-    _lora_fixup)."""
+    _lora_fixup). WAIT (the shrink inside the launch, spread over the run): s of a tile's rows is there
+    before the tile's loads go out: before the run for its first tile, and at each tile's end for the next
+    tile where its group of row blocks changes (a group's units counted in sync_ptr[group]; the LoRA loads
+    of a tile go out during its own K steps when k_tiles ≥ NUM_BUFFERS - 1, which the launcher checks)."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -258,6 +275,10 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
                                                   num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
                                                   s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr,
                                                   BLOCK_M, BLOCK_N, GROUP_M, HAS_LORA)  # fmt: skip
+    tiles_per_group = GROUP_M * num_col_blocks
+    if WAIT:
+        g_lo = (pid_r + idx_lo * nprog) // tiles_per_group
+        _wait_at_least(sync_ptr + g_lo, gl.minimum(num_pid_m - g_lo * GROUP_M, GROUP_M))
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
     for idx in range(idx_lo, idx_hi):
         for ki in range(steps_per_tile):
@@ -270,7 +291,17 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
         acc = warpgroup_mma_wait(0, deps=(acc,))
         _, m0, n0 = _tile_origin(pid_r + idx * nprog, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2,
                                  blk3, BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
-        _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, STORE)
+        if WAIT:
+            g_next = (pid_r + (idx + 1) * nprog) // tiles_per_group
+            if (idx + 1 < idx_hi) & (g_next != (pid_r + idx * nprog) // tiles_per_group):
+                # a relaxed read first, answered while the epilogue runs; acquired after it
+                seen = gl.atomic_add(sync_ptr + g_next, 0, sem="relaxed", scope="gpu")
+                _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, STORE)
+                _acquire_seen(sync_ptr + g_next, gl.minimum(num_pid_m - g_next * GROUP_M, GROUP_M), seen)
+            else:
+                _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, STORE)
+        else:
+            _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, STORE)
     return step
 
 
@@ -489,19 +520,29 @@ def _gluon_lora_linear_kernel(
     SHRINK_R: gl.constexpr,  # s_cols rounded up to a power of two
     HAS_BIAS: gl.constexpr,
     num_warps: gl.constexpr,
-    EARLY_TILES: gl.constexpr = 0,
+    SPREAD: gl.constexpr = 1,
+    LEAD: gl.constexpr = 2,
 ):
     """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ and s = scale · x · Aᵀ in one launch. A shrink unit is one row
     block (all slices in one MMA per K step). The persistent grid gives num_tiles mod P programs one tile more
-    than the others (here the last ones): those run that tile's K steps first and keep its output in c_smem
-    (in y's dtype; its LoRA steps come once s is there, `_lora_fixup`). All programs claim units in order from an atomic counter and run them (so the shrink fills the slot the last
-    round of tiles leaves free on the other programs), raise a flag per unit and a done counter (release),
-    wait until every unit is done (acquire, then a proxy fence: s is stored through the generic proxy and
-    read through TMA), and run their tiles. The waits sit outside the pipelined loops, with no MMA in flight
-    (inside the loop, a wait before the first LoRA load broke the LoRA step's results on the GPU). A program
-    only waits for units claimed by running programs. EARLY_TILES > 0 (not yet measured): a program waits
-    only for the units of its next EARLY_TILES tiles' rows (the first row blocks, claimed first), runs them,
-    and waits for the done counter after them, so that no program idles until the slowest unit is done."""
+    than the others (here the first ones in pid_r). s is stored through the generic proxy and read through
+    TMA: a unit's stores, a barrier, then a release; readers acquire, then fence the async proxy. The waits
+    sit outside the pipelined K loop, with no MMA in flight (inside it, a wait before the first LoRA load
+    broke the LoRA step's results on the GPU).
+
+    SPREAD (default): the units are spread over the run, on the programs with one tile less (the slot the
+    last round of tiles leaves free on them): unit u (row block u, group g = u // GROUP_M of the tile order)
+    goes to the (u mod their count)-th of them, which runs it LEAD tiles before the first position at which
+    any program reaches a tile of group g (s is then there long before it is read, so no program waits for
+    it). sync_ptr[g] counts the group's units done; tiles wait for their group's count (`_tiles` WAIT). A
+    program with no unit before its first tile runs that tile's K steps first and keeps its output in c_smem
+    (its LoRA steps come once its group is done, `_lora_fixup`), so the first units cost the others nothing.
+    Every wait is for a unit due at an earlier position (the first tiles' units at position 0 run before any
+    wait), and all programs are resident: no deadlock.
+
+    SPREAD 0: those extra-tile programs run their first tile's K steps first (c_smem, as above); all programs
+    claim units in order from an atomic counter (sync_ptr[num_units]) and run them, count them in
+    sync_ptr[num_units + 1], and wait until every unit is done before their tiles."""
     hidden = x_desc.shape[1]
     k_tiles = gl.cdiv(hidden, BLOCK_K)
     steps_per_tile = k_tiles + lora_steps
@@ -521,55 +562,78 @@ def _gluon_lora_linear_kernel(
     c_smem = gl.allocate_shared_memory(x_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
 
     num_units = num_pid_m
-    claim_ptr = sync_ptr + num_units
-    done_ptr = claim_ptr + 1
-    first = (pid_r < extra).to(gl.int32)
     step = 0
-    if first > 0:  # one tile more than most: its K steps at once, its output kept in c_smem
-        step = _tiles(step, 0, 1, pid_r, nprog, k_tiles, k_tiles, num_tiles, num_pid_m, num_col_blocks,
-                      num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
-                      token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs,
-                      bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps,
-                      False)  # fmt: skip
-    u = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
-    while u < num_units:
-        step = _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss, stride_st,
-                            s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, x_desc, a_desc, a_bufs,
-                            w_bufs, bars, BLOCK_M, BLOCK_K, SHRINK_G, SHRINK_GP, SHRINK_R, NUM_BUFFERS,
-                            num_warps)  # fmt: skip
-        gl.thread_barrier()  # every thread's s stores precede the release
-        gl.atomic_xchg(sync_ptr + u, 1, sem="release", scope="gpu")
-        gl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
+    if SPREAD:
+        tiles_per_group = GROUP_M * num_col_blocks
+        num_short = nprog - extra
+        u = gl.where(pid_r >= extra, pid_r - extra, num_units)  # this program's next unit
+        idx = 0
+        due = gl.maximum(((u // GROUP_M) * tiles_per_group) // nprog - LEAD, 0)
+        if (u >= num_units) | (due > 0):  # its first tile's K steps before the first units are done
+            step = _tiles(step, 0, 1, pid_r, nprog, k_tiles, k_tiles, num_tiles, num_pid_m, num_col_blocks,
+                          num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
+                          token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs,
+                          w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS,
+                          num_warps, False)  # fmt: skip
+            g0 = pid_r // tiles_per_group
+            _wait_at_least(sync_ptr + g0, gl.minimum(num_pid_m - g0 * GROUP_M, GROUP_M))
+            step = _lora_fixup(step, 0, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m, num_col_blocks,
+                               num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
+                               token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs,
+                               bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS,
+                               num_warps)  # fmt: skip
+            idx = 1
+        while (idx < my_tiles) | (u < num_units):
+            due = gl.maximum(((u // GROUP_M) * tiles_per_group) // nprog - LEAD, 0)
+            if (u < num_units) & (due <= idx):
+                step = _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss,
+                                    stride_st, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr,
+                                    x_desc, a_desc, a_bufs, w_bufs, bars, BLOCK_M, BLOCK_K, SHRINK_G, SHRINK_GP,
+                                    SHRINK_R, NUM_BUFFERS, num_warps)  # fmt: skip
+                gl.thread_barrier()  # every thread's s stores precede the release
+                gl.atomic_add(sync_ptr + u // GROUP_M, 1, sem="release", scope="gpu")
+                u += num_short
+            else:
+                hi = my_tiles
+                if u < num_units:
+                    hi = gl.minimum(due, my_tiles)
+                step = _tiles(step, idx, hi, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m,
+                              num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total,
+                              b_rows_total, token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc,
+                              y_desc, a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M,
+                              NUM_BUFFERS, HAS_BIAS, num_warps, True, True, sync_ptr, True)  # fmt: skip
+                idx = hi
+    else:
+        claim_ptr = sync_ptr + num_units
+        done_ptr = claim_ptr + 1
+        first = (pid_r < extra).to(gl.int32)
+        if first > 0:  # one tile more than most: its K steps at once, its output kept in c_smem
+            step = _tiles(step, 0, 1, pid_r, nprog, k_tiles, k_tiles, num_tiles, num_pid_m, num_col_blocks,
+                          num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
+                          token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs,
+                          w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS,
+                          num_warps, False)  # fmt: skip
         u = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
-    if EARLY_TILES == 0:
+        while u < num_units:
+            step = _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss, stride_st,
+                                s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, x_desc, a_desc,
+                                a_bufs, w_bufs, bars, BLOCK_M, BLOCK_K, SHRINK_G, SHRINK_GP, SHRINK_R, NUM_BUFFERS,
+                                num_warps)  # fmt: skip
+            gl.thread_barrier()  # every thread's s stores precede the release
+            gl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
+            u = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
         _wait_at_least(done_ptr, num_units)
-    else:  # wait only for the units of the rows the next tiles need
-        if first > 0:
-            _, m0e, _ = _tile_origin(pid_r, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2, blk3,
-                                     BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
-            _wait_at_least(sync_ptr + m0e // BLOCK_M, 1)
-    if first > 0:  # that tile's LoRA steps, now that s is there
-        step = _lora_fixup(step, 0, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m, num_col_blocks,
-                           num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
-                           token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars,
-                           c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, num_warps)  # fmt: skip
-    rest = first
-    if EARLY_TILES > 0:
-        rest = gl.minimum(first + EARLY_TILES, my_tiles)
-        for idx in range(first, rest):
-            _, m0e, _ = _tile_origin(pid_r + idx * nprog, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2,
-                                     blk3, BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
-            _wait_at_least(sync_ptr + m0e // BLOCK_M, 1)
-        step = _tiles(step, first, rest, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m,
+        if first > 0:  # that tile's LoRA steps, now that s is there
+            step = _lora_fixup(step, 0, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m, num_col_blocks,
+                               num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
+                               token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs,
+                               bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS,
+                               num_warps)  # fmt: skip
+        step = _tiles(step, first, my_tiles, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m,
                       num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total,
                       b_rows_total, token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc,
                       a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS,
                       HAS_BIAS, num_warps)  # fmt: skip
-        _wait_at_least(done_ptr, num_units)
-    step = _tiles(step, rest, my_tiles, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m,
-                  num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
-                  token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars,
-                  c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps)  # fmt: skip
     tma.store_wait(pendings=0)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.invalidate(bars.index(i))

@@ -198,18 +198,18 @@ def test_bf16_gpu_shrink_in(num_slices, groups, no_shrink_kernel):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_slices,groups", [(3, 3), (4, 4), (1, 3)])
-@pytest.mark.parametrize("mode", ["shrink in the launch", "early tiles", "shrink kernel first"])
+@pytest.mark.parametrize("mode", ["shrink in the launch", "units first", "shrink kernel first"])
 def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
     """The same batches through the Gluon kernels (Hopper): the shrink inside the launch (three launches in a
-    row: the sync buffer starts at zero each time), the same with EARLY_TILES=2 (a program's next two tiles
-    wait only for their rows' units), or the shrink kernel first; y and s equal the reference."""
+    row: the sync buffer starts at zero each time; its units spread over the run), the same with every unit
+    before the tiles (SPREAD 0), or the shrink kernel first; y and s equal the reference."""
     from ditserve.kernels.lora_gemm import gluon_op
 
     calls = gluon_launches(monkeypatch)
     shrink_in = mode != "shrink kernel first"
     monkeypatch.setattr(linear_op, "SHRINK_IN", shrink_in)
-    if mode == "early tiles":
-        monkeypatch.setitem(gluon_op.GLUON_CONFIG, "EARLY_TILES", 2)
+    if mode == "units first":
+        monkeypatch.setitem(gluon_op.GLUON_CONFIG, "SPREAD", 0)
     m, x, a, b, w, bias, sizes, seg, want, want_s = aligned_case(num_slices, groups)
     runs = 3 if shrink_in else 1
     for _ in range(runs):
