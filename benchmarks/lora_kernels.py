@@ -505,12 +505,22 @@ def qkv_only(args, head: list[str]) -> None:
                         fns["gluon lora_linear"] = lambda p=p, seg=seg, m=m: launch_lora_linear(
                             p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes, m.seg_align, gluon=True
                         )
-                        # the same with every unit before the tiles (SPREAD 0)
-                        first = {**gluon_op.GLUON_CONFIG, "SPREAD": 0}
-                        fns["gluon lora_linear units first"] = lambda p=p, m=m, cfg=first: gluon_op.launch_gluon_lora_linear(
-                            p.x, p.w, None, p.a, p.b, m.token_seg, m.seg_slot, m.seg_scale, m.slot_rank, m.max_rank,
-                            p.sizes, cfg,
-                        )  # fmt: skip
+                        # the same with its units all first (SPREAD 0), or spread whatever their width (2), or
+                        # spread 4 tiles before they are needed; the slot lookups a tile ahead (AHEAD)
+                        variants = {
+                            "units first": dict(SPREAD=0),
+                            "spread": dict(SPREAD=2),
+                            "spread lead 4": dict(SPREAD=2, LEAD=4),
+                            "ahead": dict(AHEAD=1),
+                        }
+                        for name, over in variants.items():
+                            fns[f"gluon lora_linear {name}"] = (
+                                lambda p=p, m=m, cfg={**gluon_op.GLUON_CONFIG, **over}: gluon_op.launch_gluon_lora_linear(
+                                    p.x, p.w, None, p.a, p.b, m.token_seg, m.seg_slot, m.seg_scale, m.slot_rank,
+                                    m.max_rank, p.sizes, cfg,
+                                )
+                            )  # fmt: skip
+                        fns["gluon lora_gemm ahead"] = _gemm_call(p, s, gemm_op.SWEEP["gluon ahead"])
                         fns["gluon two launches"] = lambda p=p, m=m, seg=seg, gcfg=gcfg: launch_lora_gemm(
                             p.x,
                             p.w,
@@ -553,6 +563,10 @@ def qkv_only(args, head: list[str]) -> None:
                             "gluon ws lora_gemm",
                             "gluon lora_linear",
                             "gluon lora_linear units first",
+                            "gluon lora_linear spread",
+                            "gluon lora_linear spread lead 4",
+                            "gluon lora_linear ahead",
+                            "gluon lora_gemm ahead",
                             "gluon two launches",
                             "gluon no LoRA",
                             "gluon ws no LoRA",

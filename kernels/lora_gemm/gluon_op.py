@@ -11,10 +11,11 @@ from ditserve.kernels.lora_expand.op import column_blocks
 
 # 128×256 tiles over 8 warps (two warpgroups of 64 rows), 64-wide K steps, a ring of 3 slots (3 × 48 KB)
 # next to a 64 KB store buffer, 16 row blocks per column block in the tile order. The shrink inside the
-# launch: SPREAD 1 puts its units on the programs with one tile less, LEAD tiles before any program needs
-# them; 0 runs them all first (see _gluon_lora_linear_kernel)
+# launch: SPREAD puts its units on the programs with one tile less, LEAD tiles before any program needs
+# them (1: where a unit's MMAs are narrow, 2: always), else they all run first (_gluon_lora_linear_kernel).
+# AHEAD: the slot lookups a tile ahead
 GLUON_CONFIG = dict(
-    BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, NUM_BUFFERS=3, num_warps=8, SPREAD=1, LEAD=2
+    BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, NUM_BUFFERS=3, num_warps=8, SPREAD=1, LEAD=2, AHEAD=0
 )
 
 
@@ -118,7 +119,7 @@ def launch_gluon_lora_gemm(
     else:
         # the LoRA code also without LoRA (zero LoRA steps): ptxas makes faster code of it (H200, QKV 4×4608:
         # +2.5 % against cuBLAS, +5.7 % compiled without it; BENCHMARKS.md)
-        extra = dict(HAS_LORA=True)
+        extra = dict(HAS_LORA=True, AHEAD=bool(cfg.get("AHEAD", 0)))
     kernel[(grid,)](
         x_desc, w_desc, s_desc, b_desc, y_desc, bias if bias is not None else y, token_seg, seg_slot,
         num_tokens, n_total, *cols, *blks, num_col_blocks, lora_steps,
@@ -194,8 +195,11 @@ def launch_gluon_lora_linear(
     grid = min(num_pid_m * num_col_blocks, num_programs_limit(x.device))
     if sync is None:
         sync = torch.zeros(num_pid_m + 2, dtype=torch.int32, device=x.device)
-    # spread units: a tile's LoRA loads must go out during its own K steps, after its wait
-    spread = int(cfg.get("SPREAD", 1) and x.shape[1] >= (cfg["NUM_BUFFERS"] - 1) * bk)
+    # spread units (SPREAD 1: where a unit's MMAs are at most 64 columns wide, e.g. rank 16 with 3 or 4
+    # slices; wider ones take longer than the slack of the programs with one tile less; 2: always): a tile's
+    # LoRA loads must go out during its own K steps, after its wait
+    spread = cfg.get("SPREAD", 1) == 2 or (cfg.get("SPREAD", 1) == 1 and groups * shrink_r <= 64)
+    spread = int(spread and x.shape[1] >= (cfg["NUM_BUFFERS"] - 1) * bk)
     _gluon_lora_linear_kernel[(grid,)](
         x_desc, w_desc, s_desc, b_desc, y_desc, a_desc, bias if bias is not None else y, s, token_seg, seg_slot,
         seg_scale, slot_rank, sync, num_tokens, n_total, *cols, *blks, num_col_blocks, lora_steps,
@@ -204,5 +208,6 @@ def launch_gluon_lora_linear(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, LORA_K=lora_cols, GROUP_M=cfg["GROUP_M"],
         NUM_BUFFERS=cfg["NUM_BUFFERS"], SHRINK_G=groups, SHRINK_GP=shrink_gp, SHRINK_R=shrink_r,
         HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], SPREAD=spread, LEAD=cfg.get("LEAD", 2),
+        AHEAD=bool(cfg.get("AHEAD", 0)),
     )  # fmt: skip
     return y, s

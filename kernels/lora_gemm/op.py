@@ -100,11 +100,17 @@ SWEEP: dict[str, dict[str, int]] = {
     # the Gluon kernel for Hopper (gluon_kernel.py: its own tiles, GLUON_CONFIG; elsewhere this config
     # runs the one above)
     "gluon": {**_cfg(128, 256, 64, 8, 3, tma=1, flatten=1, store=1, group_m=16), "GLUON": 1},
-    # the same with its loads in a warp of their own (gluon_ws_kernel.py; not yet measured)
+    # the same with its loads in a warp of their own (gluon_ws_kernel.py; measured no faster, BENCHMARKS.md)
     "gluon ws": {
         **_cfg(128, 256, 64, 8, 3, tma=1, flatten=1, store=1, group_m=16),
         "GLUON": 1,
         "GLUON_WS": 1,
+    },
+    # the slot lookups a tile ahead
+    "gluon ahead": {
+        **_cfg(128, 256, 64, 8, 3, tma=1, flatten=1, store=1, group_m=16),
+        "GLUON": 1,
+        "GLUON_AHEAD": 1,
     },
 }
 # warp-specialised loops (tl.range(..., warp_specialize=True)): Triton documents them for Blackwell; tried
@@ -260,7 +266,12 @@ def launch_lora_gemm(
     cfg = resolve_config(config, num_tokens, n_total, s.shape[2] > 0 and s_scaled, seg_align)
     if cfg["GLUON"] and not shrink_in and gluon_op.gluon_ok(x, weight, s, b_stacked, out_slice_sizes, s_scaled,
                                                               seg_align):  # fmt: skip
-        gcfg = {**gluon_op.GLUON_CONFIG, "GROUP_M": cfg["GROUP_M"], "WS": cfg.get("GLUON_WS", 0)}
+        gcfg = {
+            **gluon_op.GLUON_CONFIG,
+            "GROUP_M": cfg["GROUP_M"],
+            "WS": cfg.get("GLUON_WS", 0),
+            "AHEAD": cfg.get("GLUON_AHEAD", gluon_op.GLUON_CONFIG["AHEAD"]),
+        }
         return gluon_op.launch_gluon_lora_gemm(
             x, weight, bias, s, b_stacked, token_seg, seg_slot, out_slice_sizes, cfg=gcfg
         )

@@ -198,18 +198,26 @@ def test_bf16_gpu_shrink_in(num_slices, groups, no_shrink_kernel):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_slices,groups", [(3, 3), (4, 4), (1, 3)])
-@pytest.mark.parametrize("mode", ["shrink in the launch", "units first", "shrink kernel first"])
+@pytest.mark.parametrize(
+    "mode", ["shrink in the launch", "spread", "spread, lookups ahead", "units first", "shrink kernel first"]
+)
 def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
     """The same batches through the Gluon kernels (Hopper): the shrink inside the launch (three launches in a
-    row: the sync buffer starts at zero each time; its units spread over the run), the same with every unit
-    before the tiles (SPREAD 0), or the shrink kernel first; y and s equal the reference."""
+    row: the sync buffer starts at zero each time; at rank 64 its units run first), the same with the units
+    spread over the run (SPREAD 2), also with the slot lookups a tile ahead, with every unit first (SPREAD 0),
+    or the shrink kernel first; y and s equal the reference."""
     from ditserve.kernels.lora_gemm import gluon_op
 
     calls = gluon_launches(monkeypatch)
     shrink_in = mode != "shrink kernel first"
     monkeypatch.setattr(linear_op, "SHRINK_IN", shrink_in)
-    if mode == "units first":
-        monkeypatch.setitem(gluon_op.GLUON_CONFIG, "SPREAD", 0)
+    over = {
+        "spread": dict(SPREAD=2),
+        "spread, lookups ahead": dict(SPREAD=2, AHEAD=1),
+        "units first": dict(SPREAD=0),
+    }
+    for key, value in over.get(mode, {}).items():
+        monkeypatch.setitem(gluon_op.GLUON_CONFIG, key, value)
     m, x, a, b, w, bias, sizes, seg, want, want_s = aligned_case(num_slices, groups)
     runs = 3 if shrink_in else 1
     for _ in range(runs):
