@@ -512,6 +512,7 @@ def qkv_only(args, head: list[str]) -> None:
                             "spread": dict(SPREAD=2),
                             "spread lead 4": dict(SPREAD=2, LEAD=4),
                             "ahead": dict(AHEAD=1),
+                            "no fold": dict(FOLD=0),
                         }
                         for name, over in variants.items():
                             fns[f"gluon lora_linear {name}"] = (
@@ -521,6 +522,7 @@ def qkv_only(args, head: list[str]) -> None:
                                 )
                             )  # fmt: skip
                         fns["gluon lora_gemm ahead"] = _gemm_call(p, s, gemm_op.SWEEP["gluon ahead"])
+                        fns["gluon lora_gemm no fold"] = _gemm_call(p, s, gemm_op.SWEEP["gluon no fold"])
                         fns["gluon two launches"] = lambda p=p, m=m, seg=seg, gcfg=gcfg: launch_lora_gemm(
                             p.x,
                             p.w,
@@ -567,6 +569,8 @@ def qkv_only(args, head: list[str]) -> None:
                             "gluon lora_linear spread lead 4",
                             "gluon lora_linear ahead",
                             "gluon lora_gemm ahead",
+                            "gluon lora_linear no fold",
+                            "gluon lora_gemm no fold",
                             "gluon two launches",
                             "gluon no LoRA",
                             "gluon ws no LoRA",

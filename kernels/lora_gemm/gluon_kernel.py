@@ -229,6 +229,7 @@ def _gluon_lora_gemm_kernel(
     HAS_BIAS: gl.constexpr,
     num_warps: gl.constexpr,
     AHEAD: gl.constexpr = False,  # the slot lookups a tile ahead (`_step`)
+    FOLD: gl.constexpr = False,  # the LoRA MMA after the last K step, s and B in buffers of their own (`_tiles`)
 ):
     dtype: gl.constexpr = x_desc.dtype
     hidden = x_desc.shape[1]
@@ -248,16 +249,30 @@ def _gluon_lora_gemm_kernel(
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(bars.index(i), count=1)
     c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
+    l_s, l_b, lbar = c_smem, c_smem, bars  # FOLD's buffers, else never used
+    if FOLD:
+        l_s, l_b, lbar = _fold_buffers(s_desc, b_desc, BLOCK_M, BLOCK_N, LORA_K, FOLD)
 
     # step: a tensor from the start (it is carried through the loops)
     _tiles(gl.to_tensor(0), 0, my_tiles, pid, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m, num_col_blocks,
            num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr,
            seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem, BLOCK_M,
            BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps, True, HAS_LORA, None, False,
-           AHEAD)  # fmt: skip
+           AHEAD, l_s, l_b, lbar, FOLD)  # fmt: skip
     tma.store_wait(pendings=0)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
+def _fold_buffers(s_desc, b_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, LORA_K: gl.constexpr,
+                  FOLD: gl.constexpr):  # fmt: skip
+    """FOLD: shared memory for a tile's s and B boxes and their barrier."""
+    l_s = gl.allocate_shared_memory(s_desc.dtype, [BLOCK_M, LORA_K], s_desc.layout)
+    l_b = gl.allocate_shared_memory(s_desc.dtype, [BLOCK_N, LORA_K], b_desc.layout)
+    lbar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(lbar.index(0), count=1)
+    return l_s, l_b, lbar
 
 
 @gluon.jit
@@ -267,7 +282,8 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
            GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr,
            STORE: gl.constexpr = True, HAS_LORA: gl.constexpr = True, sync_ptr=None,
-           WAIT: gl.constexpr = False, AHEAD: gl.constexpr = False):  # fmt: skip
+           WAIT: gl.constexpr = False, AHEAD: gl.constexpr = False, l_s=None, l_b=None, lbar=None,
+           FOLD: gl.constexpr = False):  # fmt: skip
     """This program's tiles idx_lo ≤ idx < idx_hi (tile pid_r + idx · nprog) as one pipeline, which starts and
     drains within the run: the producer (the step whose loads go out next, p_step, its tile p_idx and K step
     p_ki, and where that tile's loads start) sends the first NUM_BUFFERS - 1 steps before the first MMA, and
@@ -277,7 +293,9 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
     before the tile's loads go out: before the run for its first tile, and at each tile's end for the next
     tile where its group of row blocks changes (a group's units counted in sync_ptr[group]; the LoRA loads
     of a tile go out during its own K steps when k_tiles ≥ NUM_BUFFERS - 1, which the launcher checks). AHEAD:
-    the slot lookups a tile ahead (`_step`)."""
+    the slot lookups a tile ahead (`_step`). FOLD (STORE, no LoRA steps in the ring): each tile's s and B
+    boxes (LORA_K columns) go into buffers of their own (l_s, l_b, completed on lbar once per tile, phase
+    idx & 1) as the tile starts, and its LoRA MMA follows its last K step's."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -316,6 +334,8 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
         _wait_at_least(sync_ptr + g_lo, gl.minimum(num_pid_m - g_lo * GROUP_M, GROUP_M))
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
     for idx in range(idx_lo, idx_hi):
+        if FOLD and STORE:  # the producer is at this tile already (k_tiles ≥ NUM_BUFFERS)
+            _fold_load(s_row, b_row, s_desc, b_desc, l_s, l_b, lbar)
         for ki in range(steps_per_tile):
             acc, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, slot_nx = _step(
                 acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, slot_nx, idx_hi, k_tiles, steps_per_tile,
@@ -323,7 +343,12 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
                 blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc,
                 a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_LORA, AHEAD,
             )  # fmt: skip
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+        if FOLD and STORE:
+            mbarrier.wait(lbar.index(0), idx & 1)
+            tok = warpgroup_mma(l_s, l_b.permute((1, 0)), acc, is_async=True)
+            acc, _ls, _lb = warpgroup_mma_wait(0, deps=(tok, l_s, l_b))
+        else:
+            acc = warpgroup_mma_wait(0, deps=(acc,))
         _, m0, n0 = _tile_origin(pid_r + idx * nprog, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2,
                                  blk3, BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
         if WAIT:
@@ -358,24 +383,40 @@ def _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N: gl.constexpr, HAS_
 
 
 @gluon.jit
+def _fold_load(s_row, b_row, s_desc, b_desc, l_s, l_b, lbar):
+    """A tile's s and B boxes into their own buffers (FOLD), completed on lbar."""
+    bar = lbar.index(0)
+    mbarrier.expect(bar, s_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(s_desc, [s_row, 0], bar, l_s)
+    tma.async_copy_global_to_shared(b_desc, [b_row, 0], bar, l_b)
+
+
+@gluon.jit
 def _lora_fixup(step, idx, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m, num_col_blocks, num_tokens,
                 n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr,
                 seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
-                GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, num_warps: gl.constexpr, l_s=None, l_b=None,
+                lbar=None, FOLD: gl.constexpr = False):  # fmt: skip
     """The LoRA steps of tile idx, whose K steps ran before s was ready (_tiles with STORE False left x · Wᵀ
-    + bias in c_smem, in y's dtype): its LoRA loads (lora_steps < NUM_BUFFERS), the output back from c_smem,
-    the LoRA MMAs on top, and the store."""
+    + bias in c_smem, in y's dtype): its LoRA loads (lora_steps < NUM_BUFFERS; FOLD: into l_s and l_b), the
+    output back from c_smem, the LoRA MMAs on top, and the store."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
     m0, n0, s_row, b_row = _load_origin(idx, pid_r, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens,
                                         n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
                                         token_seg_ptr, seg_slot_ptr, BLOCK_M, BLOCK_N, GROUP_M, True)  # fmt: skip
+    if FOLD:
+        _fold_load(s_row, b_row, s_desc, b_desc, l_s, l_b, lbar)
     for li in range(lora_steps):
         _issue_load(step + li, k_tiles + li, True, m0, n0, s_row, b_row, k_tiles, x_desc, w_desc, s_desc, b_desc,
                     a_bufs, w_bufs, bars, BLOCK_K, NUM_BUFFERS, True)  # fmt: skip
     acc = c_smem.load(mma_layout).to(gl.float32)
+    if FOLD:
+        mbarrier.wait(lbar.index(0), idx & 1)
+        tok = warpgroup_mma(l_s, l_b.permute((1, 0)), acc, is_async=True)
+        acc, _ls, _lb = warpgroup_mma_wait(0, deps=(tok, l_s, l_b))
     for _li in range(lora_steps):
         slot_i = step % NUM_BUFFERS
         mbarrier.wait(bars.index(slot_i), (step // NUM_BUFFERS) & 1)
@@ -558,6 +599,7 @@ def _gluon_lora_linear_kernel(
     SPREAD: gl.constexpr = 1,
     LEAD: gl.constexpr = 2,
     AHEAD: gl.constexpr = False,  # the slot lookups a tile ahead (`_step`)
+    FOLD: gl.constexpr = False,  # the LoRA MMA after the last K step (`_tiles`)
 ):
     """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ and s = scale · x · Aᵀ in one launch. A shrink unit is one row
     block (all slices in one MMA per K step). The persistent grid gives num_tiles mod P programs one tile more
@@ -596,6 +638,9 @@ def _gluon_lora_linear_kernel(
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(bars.index(i), count=1)
     c_smem = gl.allocate_shared_memory(x_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
+    l_s, l_b, lbar = c_smem, c_smem, bars  # FOLD's buffers, else never used
+    if FOLD:
+        l_s, l_b, lbar = _fold_buffers(s_desc, b_desc, BLOCK_M, BLOCK_N, LORA_K, FOLD)
 
     num_units = num_pid_m
     step = 0
@@ -617,7 +662,7 @@ def _gluon_lora_linear_kernel(
                                num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
                                token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs,
                                bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS,
-                               num_warps)  # fmt: skip
+                               num_warps, l_s, l_b, lbar, FOLD)  # fmt: skip
             idx = 1
         while (idx < my_tiles) | (u < num_units):
             due = gl.maximum(((u // GROUP_M) * tiles_per_group) // nprog - LEAD, 0)
@@ -637,7 +682,8 @@ def _gluon_lora_linear_kernel(
                               num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total,
                               b_rows_total, token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc,
                               y_desc, a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M,
-                              NUM_BUFFERS, HAS_BIAS, num_warps, True, True, sync_ptr, True, AHEAD)  # fmt: skip
+                              NUM_BUFFERS, HAS_BIAS, num_warps, True, True, sync_ptr, True, AHEAD, l_s, l_b, lbar,
+                              FOLD)  # fmt: skip
                 idx = hi
     else:
         claim_ptr = sync_ptr + num_units
@@ -664,12 +710,12 @@ def _gluon_lora_linear_kernel(
                                num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
                                token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs,
                                bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS,
-                               num_warps)  # fmt: skip
+                               num_warps, l_s, l_b, lbar, FOLD)  # fmt: skip
         step = _tiles(step, first, my_tiles, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m,
                       num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total,
                       b_rows_total, token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc,
                       a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS,
-                      HAS_BIAS, num_warps, True, True, None, False, AHEAD)  # fmt: skip
+                      HAS_BIAS, num_warps, True, True, None, False, AHEAD, l_s, l_b, lbar, FOLD)  # fmt: skip
     tma.store_wait(pendings=0)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.invalidate(bars.index(i))

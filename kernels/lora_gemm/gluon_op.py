@@ -13,9 +13,19 @@ from ditserve.kernels.lora_expand.op import column_blocks
 # next to a 64 KB store buffer, 16 row blocks per column block in the tile order. The shrink inside the
 # launch: SPREAD puts its units on the programs with one tile less, LEAD tiles before any program needs
 # them (1: where a unit's MMAs are narrow, 2: always), else they all run first (_gluon_lora_linear_kernel).
-# AHEAD: the slot lookups a tile ahead
+# AHEAD: the slot lookups a tile ahead. FOLD: at rank ≤ 16 the LoRA MMA follows the last K step, its s and
+# B boxes in buffers of their own (no LoRA step in the ring)
 GLUON_CONFIG = dict(
-    BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, NUM_BUFFERS=3, num_warps=8, SPREAD=1, LEAD=2, AHEAD=0
+    BLOCK_M=128,
+    BLOCK_N=256,
+    BLOCK_K=64,
+    GROUP_M=16,
+    NUM_BUFFERS=3,
+    num_warps=8,
+    SPREAD=1,
+    LEAD=2,
+    AHEAD=0,
+    FOLD=1,
 )
 
 
@@ -75,6 +85,17 @@ def _tma_desc(t: torch.Tensor, block: list[int]):
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
 
 
+def _fold(cfg: dict[str, int], lora_steps: int, lora_cols: int, hidden: int) -> bool:
+    """FOLD (`_tiles`): one LoRA MMA of 16 rank columns, whose boxes fit shared memory next to the ring, and
+    K steps enough that the producer is at a tile when it starts (k_tiles ≥ NUM_BUFFERS)."""
+    return (
+        bool(cfg.get("FOLD", 1))
+        and lora_steps == 1
+        and lora_cols == 16
+        and hidden >= cfg["NUM_BUFFERS"] * cfg["BLOCK_K"]
+    )
+
+
 def lora_step_shape(lora_k: int, block_k: int) -> tuple[int, int]:
     """(LoRA steps per tile, rank columns each one multiplies) for lora_k rank columns: the steps multiply
     only the rank columns, 16 or 32 of a 64-column box at ranks ≤ 16 / ≤ 32; (0, block_k) without LoRA."""
@@ -108,6 +129,11 @@ def launch_gluon_lora_gemm(
     else:
         s_desc, b_desc = x_desc, w_desc  # never read
     lora_steps, lora_cols = lora_step_shape(lora_k, bk)
+    fold = not cfg.get("WS", 0) and _fold(cfg, lora_steps, lora_cols, x.shape[1])
+    if fold:
+        s_desc = _tma_desc(s.flatten(0, 1), [bm, lora_cols])
+        b_desc = _tma_desc(b_stacked.flatten(0, 1), [bn, lora_cols])
+        lora_steps = 0
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
     num_tiles = -(-num_tokens // bm) * num_col_blocks
     grid = min(num_tiles, num_programs_limit(x.device))
@@ -119,7 +145,7 @@ def launch_gluon_lora_gemm(
     else:
         # the LoRA code also without LoRA (zero LoRA steps): ptxas makes faster code of it (H200, QKV 4×4608:
         # +2.5 % against cuBLAS, +5.7 % compiled without it; BENCHMARKS.md)
-        extra = dict(HAS_LORA=True, AHEAD=bool(cfg.get("AHEAD", 0)))
+        extra = dict(HAS_LORA=True, AHEAD=bool(cfg.get("AHEAD", 0)), FOLD=fold)
     kernel[(grid,)](
         x_desc, w_desc, s_desc, b_desc, y_desc, bias if bias is not None else y, token_seg, seg_slot,
         num_tokens, n_total, *cols, *blks, num_col_blocks, lora_steps,
@@ -190,6 +216,11 @@ def launch_gluon_lora_linear(
     b_desc = _tma_desc(b_stacked.flatten(0, 1), [bn, bk])
     a_desc = _tma_desc(a_stacked.flatten(0, 2), [shrink_r, bk])
     lora_steps, lora_cols = lora_step_shape(min(s_cols, b_stacked.shape[2]), bk)
+    fold = _fold(cfg, lora_steps, lora_cols, x.shape[1])
+    if fold:
+        s_desc = _tma_desc(s.flatten(0, 1), [bm, lora_cols])
+        b_desc = _tma_desc(b_stacked.flatten(0, 1), [bn, lora_cols])
+        lora_steps = 0
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
     num_pid_m = -(-num_tokens // bm)
     grid = min(num_pid_m * num_col_blocks, num_programs_limit(x.device))
@@ -208,6 +239,6 @@ def launch_gluon_lora_linear(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, LORA_K=lora_cols, GROUP_M=cfg["GROUP_M"],
         NUM_BUFFERS=cfg["NUM_BUFFERS"], SHRINK_G=groups, SHRINK_GP=shrink_gp, SHRINK_R=shrink_r,
         HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], SPREAD=spread, LEAD=cfg.get("LEAD", 2),
-        AHEAD=bool(cfg.get("AHEAD", 0)),
+        AHEAD=bool(cfg.get("AHEAD", 0)), FOLD=fold,
     )  # fmt: skip
     return y, s

@@ -112,6 +112,12 @@ SWEEP: dict[str, dict[str, int]] = {
         "GLUON": 1,
         "GLUON_AHEAD": 1,
     },
+    # the LoRA step in the ring at rank 16 too (FOLD off)
+    "gluon no fold": {
+        **_cfg(128, 256, 64, 8, 3, tma=1, flatten=1, store=1, group_m=16),
+        "GLUON": 1,
+        "GLUON_FOLD": 0,
+    },
 }
 # warp-specialised loops (tl.range(..., warp_specialize=True)): Triton documents them for Blackwell; tried
 # on Hopper only on request (--sweep-ws), since a failing lowering may take the whole process down
@@ -271,6 +277,7 @@ def launch_lora_gemm(
             "GROUP_M": cfg["GROUP_M"],
             "WS": cfg.get("GLUON_WS", 0),
             "AHEAD": cfg.get("GLUON_AHEAD", gluon_op.GLUON_CONFIG["AHEAD"]),
+            "FOLD": cfg.get("GLUON_FOLD", gluon_op.GLUON_CONFIG["FOLD"]),
         }
         return gluon_op.launch_gluon_lora_gemm(
             x, weight, bias, s, b_stacked, token_seg, seg_slot, out_slice_sizes, cfg=gcfg

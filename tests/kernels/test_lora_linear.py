@@ -236,10 +236,14 @@ def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
         ([(512, -1), (256, -1)], 3),
     ],
 )
-def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, monkeypatch):
-    """Rank 16 only (shrink units with two K steps per ring slot, 3 slices as MMAs of 2 and 1 slices or 4
-    slices in one; a 16-wide LoRA step), and a batch without any adapter (every unit writes zeros): one Gluon
-    launch, y and s equal the reference."""
+@pytest.mark.parametrize("fold", [1, 0])
+def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, fold, monkeypatch):
+    """Rank 16 only (shrink units with two K steps per ring slot, spread over the run, 3 slices as MMAs of 2
+    and 1 slices or 4 slices in one; the 16-wide LoRA MMA after the last K step (FOLD) or as a ring step), and
+    a batch without any adapter (every unit writes zeros): one Gluon launch, y and s equal the reference."""
+    from ditserve.kernels.lora_gemm import gluon_op
+
+    monkeypatch.setitem(gluon_op.GLUON_CONFIG, "FOLD", fold)
     calls = gluon_launches(monkeypatch)
     meta, x, a, b, w, bias, sizes = gpu_problem(groups, requests)
     m = meta
