@@ -365,16 +365,21 @@ def main() -> None:
             if args.expand_ab:  # the in-place expand with B and y through pointers (its tiles before TMA)
                 modes += ("fused, pointer expand", "inplace, pointer expand")
             if graphs is not None:  # the default engine on one GPU: every forward a CUDA graph
-                modes += ("none, graphs", "fused, graphs")
+                modes += ("none, graphs", "fused, graphs", "fused, gluon, graphs")
 
             def set_mode(mode: str, manager=manager, runner=runner, graphs=graphs) -> None:
                 manager.fused = not mode.startswith("inplace")
                 manager.share_shrink = mode != "unshared"
                 linear_op.SHRINK_IN = not mode.endswith("two launches")
                 # the Gluon kernels (Hopper) where they apply: the shrink inside the launch, or first
-                linear_op.GLUON = mode in ("fused, gluon", "gluon, two launches")
+                linear_op.GLUON = mode in ("fused, gluon", "gluon, two launches", "fused, gluon, graphs")
                 expand_op.ROWS_TUNED = POINTER_ROWS if mode.endswith("pointer expand") else ROWS_TUNED
                 runner.graphs = graphs if mode.endswith(", graphs") else None
+                if graphs is not None and mode.endswith(", graphs") and set_mode.kernels != linear_op.GLUON:
+                    graphs.clear()  # a graph holds the kernels it was captured with
+                    set_mode.kernels = linear_op.GLUON
+
+            set_mode.kernels = None
 
             for mode in modes:  # warm-up every path, then time them interleaved
                 set_mode(mode)
@@ -384,7 +389,8 @@ def main() -> None:
                 set_mode(mode)
                 times, outs = timed_steps(engine, batch(mode != "none"))
                 results.setdefault(mode, []).extend(times[1:])
-                if mode in ("fused", "fused, graphs", "none"):  # "fused": the engine's images against PEFT
+                if mode in ("fused", "fused, graphs", "fused, gluon", "fused, gluon, graphs", "none"):
+                    # "fused": the engine's images against PEFT
                     for i, image in enumerate(outs):
                         images[(mode, rank, i)] = image
         except Exception as exc:
@@ -409,6 +415,16 @@ def main() -> None:
         }
         if graphed:  # the graphs draw what the eager forwards draw, and the adapters show
             same = min(psnr(images[("fused, graphs", rank, i)], images[("fused", rank, i)]) for i in range(n))
+            gluon = min(psnr(images[("fused, gluon", rank, i)], images[("fused", rank, i)]) for i in range(n))
+            gluon_graphs = min(
+                psnr(images[("fused, gluon, graphs", rank, i)], images[("fused, gluon", rank, i)])
+                for i in range(n)
+            )
+            print(
+                f"rank {rank}: PSNR Gluon vs Triton eager (min) {gluon:.1f} dB; Gluon with graphs vs eager (min) "
+                f"{gluon_graphs:.1f} dB",
+                flush=True,
+            )
             shows = max(psnr(images[("fused", rank, i)], images[("none", rank, i)]) for i in range(n))
             print(
                 f"rank {rank}: PSNR LoRA with graphs vs eager (min) {same:.1f} dB; LoRA vs no LoRA (max) "
