@@ -328,6 +328,7 @@ def main() -> None:
             for i in range(n)
         ]
 
+    gluon_default = linear_op.GLUON  # the engine's choice (DITSERVE_GLUON_GEMM); the modes below set it
     for rank in ranks:
         label = f"ditserve engine, rank {rank}, {args.adapters_per_request} adapter(s) per request"
         if over_budget(label):
@@ -351,28 +352,31 @@ def main() -> None:
                 engine.loras[f"a{i}"] = manager.load_weights(f"a{i}", lora, source="memory")
             load_s = time.perf_counter() - t0
             # modes: no LoRA; LoRA inside the GEMM (fused_lora, the default: the shrink inside the GEMM launch
-            # where the batch allows); the same with the shrink kernel launched first; with one shrink per
-            # linear instead of one per group of linears on the same input; base GEMM + in-place expand
+            # where the batch allows; the Gluon kernels on Hopper); the same with the shrink kernel launched
+            # first; with one shrink per linear instead of one per group of linears on the same input; base
+            # GEMM + in-place expand. ", triton": the Triton kernels where the default takes the Gluon ones
             modes = (
                 "none",
                 "fused",
-                "fused, gluon",
-                "gluon, two launches",
+                "fused, triton",
                 "two launches",
+                "two launches, triton",
                 "unshared",
                 "inplace",
             )
             if args.expand_ab:  # the in-place expand with B and y through pointers (its tiles before TMA)
                 modes += ("fused, pointer expand", "inplace, pointer expand")
             if graphs is not None:  # the default engine on one GPU: every forward a CUDA graph
-                modes += ("none, graphs", "fused, graphs", "fused, gluon, graphs")
+                modes += ("none, graphs", "fused, graphs", "fused, triton, graphs")
 
-            def set_mode(mode: str, manager=manager, runner=runner, graphs=graphs) -> None:
+            def set_mode(
+                mode: str, manager=manager, runner=runner, graphs=graphs, gluon_default=gluon_default
+            ) -> None:
                 manager.fused = not mode.startswith("inplace")
                 manager.share_shrink = mode != "unshared"
-                linear_op.SHRINK_IN = not mode.endswith("two launches")
-                # the Gluon kernels (Hopper) where they apply: the shrink inside the launch, or first
-                linear_op.GLUON = mode in ("fused, gluon", "gluon, two launches", "fused, gluon, graphs")
+                linear_op.SHRINK_IN = not mode.startswith("two launches")
+                # the Gluon kernels (Hopper) where they apply, unless the mode asks for the Triton ones
+                linear_op.GLUON = gluon_default and "triton" not in mode
                 expand_op.ROWS_TUNED = POINTER_ROWS if mode.endswith("pointer expand") else ROWS_TUNED
                 runner.graphs = graphs if mode.endswith(", graphs") else None
                 if graphs is not None and mode.endswith(", graphs") and set_mode.kernels != linear_op.GLUON:
@@ -389,7 +393,7 @@ def main() -> None:
                 set_mode(mode)
                 times, outs = timed_steps(engine, batch(mode != "none"))
                 results.setdefault(mode, []).extend(times[1:])
-                if mode in ("fused", "fused, graphs", "fused, gluon", "fused, gluon, graphs", "none"):
+                if mode in ("fused", "fused, graphs", "fused, triton", "fused, triton, graphs", "none"):
                     # "fused": the engine's images against PEFT
                     for i, image in enumerate(outs):
                         images[(mode, rank, i)] = image
@@ -415,14 +419,16 @@ def main() -> None:
         }
         if graphed:  # the graphs draw what the eager forwards draw, and the adapters show
             same = min(psnr(images[("fused, graphs", rank, i)], images[("fused", rank, i)]) for i in range(n))
-            gluon = min(psnr(images[("fused, gluon", rank, i)], images[("fused", rank, i)]) for i in range(n))
-            gluon_graphs = min(
-                psnr(images[("fused, gluon, graphs", rank, i)], images[("fused, gluon", rank, i)])
+            kernels = min(
+                psnr(images[("fused", rank, i)], images[("fused, triton", rank, i)]) for i in range(n)
+            )
+            triton_graphs = min(
+                psnr(images[("fused, triton, graphs", rank, i)], images[("fused, triton", rank, i)])
                 for i in range(n)
             )
             print(
-                f"rank {rank}: PSNR Gluon vs Triton eager (min) {gluon:.1f} dB; Gluon with graphs vs eager (min) "
-                f"{gluon_graphs:.1f} dB",
+                f"rank {rank}: PSNR default vs Triton kernels eager (min) {kernels:.1f} dB; Triton kernels with "
+                f"graphs vs eager (min) {triton_graphs:.1f} dB",
                 flush=True,
             )
             shows = max(psnr(images[("fused", rank, i)], images[("none", rank, i)]) for i in range(n))
@@ -433,6 +439,7 @@ def main() -> None:
             )
         inplace = statistics.median(results["inplace"])
         two = statistics.median(results["two launches"])
+        triton = statistics.median(results["fused, triton"])
         unshared = statistics.median(results["unshared"])
         psnrs = [
             psnr(images[("fused", rank, i)], images[("peft", rank, i)])
@@ -452,6 +459,8 @@ def main() -> None:
                 "ratio": lora / base,
                 "step_ms_lora_inplace": inplace * 1e3,
                 "ratio_inplace": inplace / base,
+                "step_ms_lora_triton": triton * 1e3,
+                "ratio_triton": triton / base,
                 "step_ms_lora_two_launches": two * 1e3,
                 "ratio_two_launches": two / base,
                 "step_ms_lora_unshared": unshared * 1e3,
@@ -507,6 +516,11 @@ def main() -> None:
             lines.append(
                 f"| {size} | ditserve engine, {n} LoRAs | {r['rank']} | {n} × {n} | — | {r['step_ms_lora']:.1f} | "
                 f"{r['ratio']:.3f}× | 1.000× | {fmt_psnr(r['psnr_vs_peft_min'])} |"
+            )
+            lines.append(
+                f"| {size} | ditserve engine, {n} LoRAs, the Triton kernels | {r['rank']} | {n} × {n} | — | "
+                f"{r['step_ms_lora_triton']:.1f} | {r['ratio_triton']:.3f}× | "
+                f"{r['step_ms_lora_triton'] / r['step_ms_lora']:.3f}× | — |"
             )
             lines.append(
                 f"| {size} | ditserve engine, {n} LoRAs, the shrink kernel before each fused GEMM | {r['rank']} | "

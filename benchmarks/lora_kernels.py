@@ -493,25 +493,20 @@ def qkv_only(args, head: list[str]) -> None:
                     if args.gluon:  # the Gluon GEMM on a given s, and after the shrink kernel
                         gcfg = gemm_op.SWEEP["gluon"]
                         fns["gluon lora_gemm"] = _gemm_call(p, s, gcfg)
-                        # its loads in a warp of their own (gluon_ws_kernel.py)
-                        fns["gluon ws lora_gemm"] = _gemm_call(p, s, gemm_op.SWEEP["gluon ws"])
                         fns["gluon no LoRA"] = _gemm_call(p, s[:, :, :0], gcfg)
-                        fns["gluon ws no LoRA"] = _gemm_call(p, s[:, :, :0], gemm_op.SWEEP["gluon ws"])
                         fns["lora_linear without Gluon"] = lambda p=p, seg=seg, m=m: launch_lora_linear(
                             p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes, m.seg_align, gluon=False
                         )
                         fns["lora_gemm no LoRA"] = _gemm_call(p, s[:, :, :0])
-                        # the shrink inside the Gluon launch (the engine's path with DITSERVE_GLUON_GEMM=1)
+                        # the shrink inside the Gluon launch (the engine's path on Hopper)
                         fns["gluon lora_linear"] = lambda p=p, seg=seg, m=m: launch_lora_linear(
                             p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes, m.seg_align, gluon=True
                         )
                         # the same with its units all first (SPREAD 0), or spread whatever their width (2), or
-                        # spread 4 tiles before they are needed; the slot lookups a tile ahead (AHEAD)
+                        # with the rank-16 LoRA MMA as a ring step (FOLD 0)
                         variants = {
                             "units first": dict(SPREAD=0),
                             "spread": dict(SPREAD=2),
-                            "spread lead 4": dict(SPREAD=2, LEAD=4),
-                            "ahead": dict(AHEAD=1),
                             "no fold": dict(FOLD=0),
                         }
                         for name, over in variants.items():
@@ -521,7 +516,6 @@ def qkv_only(args, head: list[str]) -> None:
                                     m.max_rank, p.sizes, cfg,
                                 )
                             )  # fmt: skip
-                        fns["gluon lora_gemm ahead"] = _gemm_call(p, s, gemm_op.SWEEP["gluon ahead"])
                         fns["gluon lora_gemm no fold"] = _gemm_call(p, s, gemm_op.SWEEP["gluon no fold"])
                         fns["gluon two launches"] = lambda p=p, m=m, seg=seg, gcfg=gcfg: launch_lora_gemm(
                             p.x,
@@ -562,18 +556,13 @@ def qkv_only(args, head: list[str]) -> None:
                     if args.gluon:
                         for name in (
                             "gluon lora_gemm",
-                            "gluon ws lora_gemm",
                             "gluon lora_linear",
                             "gluon lora_linear units first",
                             "gluon lora_linear spread",
-                            "gluon lora_linear spread lead 4",
-                            "gluon lora_linear ahead",
-                            "gluon lora_gemm ahead",
                             "gluon lora_linear no fold",
                             "gluon lora_gemm no fold",
                             "gluon two launches",
                             "gluon no LoRA",
-                            "gluon ws no LoRA",
                             "lora_gemm no LoRA",
                             "lora_linear without Gluon",
                         ):

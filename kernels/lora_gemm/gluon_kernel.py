@@ -58,37 +58,21 @@ def _tile_origin(tile_id, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk
 def _load_origin(p_idx, pid, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3,
                  blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-                 HAS_LORA: gl.constexpr, AHEAD: gl.constexpr = False, slot_pre=0):  # fmt: skip
+                 HAS_LORA: gl.constexpr):  # fmt: skip
     """Where the loads of this program's tile p_idx start: x/W rows m0 / n0, and the rows of s[j] and
     B[slot] for its LoRA steps (past the last row, i.e. zeros, where its rows have no adapter). Computed
-    once per tile (the steps in between only advance the K coordinate). AHEAD: its slot is slot_pre, looked
-    up a tile earlier (`_tile_slot`)."""
+    once per tile (the steps in between only advance the K coordinate)."""
     tile_id = gl.minimum(pid + p_idx * nprog, num_tiles - 1)
     j, m0, n0 = _tile_origin(tile_id, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2, blk3,
                              BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
     s_row = s_rows_total
     b_row = b_rows_total
     if HAS_LORA:
-        if AHEAD:
-            slot = slot_pre
-        else:
-            slot = gl.load(seg_slot_ptr + gl.load(token_seg_ptr + m0))
+        slot = gl.load(seg_slot_ptr + gl.load(token_seg_ptr + m0))
         here = slot >= 0
         s_row = gl.where(here, j * num_tokens + m0, s_rows_total)
         b_row = gl.where(here, gl.maximum(slot, 0) * n_total + n0, b_rows_total)
     return m0, n0, s_row, b_row
-
-
-@gluon.jit
-def _tile_slot(p_idx, pid, nprog, num_tiles, num_pid_m, num_col_blocks, token_seg_ptr, seg_slot_ptr,
-               BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
-    """The adapter slot of this program's tile p_idx (its first row's segment; -1: none)."""
-    tile_id = gl.minimum(pid + p_idx * nprog, num_tiles - 1)
-    num_in_group = GROUP_M * num_col_blocks
-    first_m = (tile_id // num_in_group) * GROUP_M
-    group_size = gl.minimum(num_pid_m - first_m, GROUP_M)
-    m0 = (first_m + (tile_id - (tile_id // num_in_group) * num_in_group) % group_size) * BLOCK_M
-    return gl.load(seg_slot_ptr + gl.load(token_seg_ptr + m0))
 
 
 @gluon.jit
@@ -126,16 +110,14 @@ def _lora_mma(a_buf, w_buf, acc, LORA_K: gl.constexpr, BLOCK_K: gl.constexpr):
 
 
 @gluon.jit
-def _step(acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, slot_nx, my_tiles, k_tiles, steps_per_tile,
+def _step(acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, my_tiles, k_tiles, steps_per_tile,
           pid, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
           s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, a_bufs, w_bufs,
           bars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
-          GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_LORA: gl.constexpr,
-          AHEAD: gl.constexpr = False):  # fmt: skip
+          GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_LORA: gl.constexpr):  # fmt: skip
     """Pipeline step `step` (step ki of its tile): wait for its slot, start its MMA, wait for the MMA before it,
     and send the loads NUM_BUFFERS - 1 steps ahead into the slot that MMA read; the producer's position
-    (p_*) and where its tile's loads start move on. AHEAD: slot_nx is the producer's next tile's slot, and
-    the one after it is looked up when the producer moves on (a tile before its LoRA loads need it)."""
+    (p_*) and where its tile's loads start move on."""
     slot_i = step % NUM_BUFFERS
     mbarrier.wait(bars.index(slot_i), (step // NUM_BUFFERS) & 1)
     a_buf = a_bufs.index(slot_i)
@@ -157,11 +139,8 @@ def _step(acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, slot_nx, m
         m0p, n0p, s_row, b_row = _load_origin(p_idx, pid, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens,
                                               n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total,
                                               b_rows_total, token_seg_ptr, seg_slot_ptr, BLOCK_M, BLOCK_N, GROUP_M,
-                                              HAS_LORA, AHEAD, slot_nx)  # fmt: skip
-        if AHEAD:
-            slot_nx = _tile_slot(p_idx + 1, pid, nprog, num_tiles, num_pid_m, num_col_blocks, token_seg_ptr,
-                                 seg_slot_ptr, BLOCK_M, GROUP_M)  # fmt: skip
-    return acc, step + 1, p_step + 1, p_idx, p_ki, m0p, n0p, s_row, b_row, slot_nx
+                                              HAS_LORA)  # fmt: skip
+    return acc, step + 1, p_step + 1, p_idx, p_ki, m0p, n0p, s_row, b_row
 
 
 @gluon.jit
@@ -228,7 +207,6 @@ def _gluon_lora_gemm_kernel(
     HAS_LORA: gl.constexpr,
     HAS_BIAS: gl.constexpr,
     num_warps: gl.constexpr,
-    AHEAD: gl.constexpr = False,  # the slot lookups a tile ahead (`_step`)
     FOLD: gl.constexpr = False,  # the LoRA MMA after the last K step, s and B in buffers of their own (`_tiles`)
 ):
     dtype: gl.constexpr = x_desc.dtype
@@ -258,7 +236,7 @@ def _gluon_lora_gemm_kernel(
            num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr,
            seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem, BLOCK_M,
            BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps, True, HAS_LORA, None, False,
-           AHEAD, l_s, l_b, lbar, FOLD)  # fmt: skip
+           l_s, l_b, lbar, FOLD)  # fmt: skip
     tma.store_wait(pendings=0)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.invalidate(bars.index(i))
@@ -282,8 +260,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
            GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr,
            STORE: gl.constexpr = True, HAS_LORA: gl.constexpr = True, sync_ptr=None,
-           WAIT: gl.constexpr = False, AHEAD: gl.constexpr = False, l_s=None, l_b=None, lbar=None,
-           FOLD: gl.constexpr = False):  # fmt: skip
+           WAIT: gl.constexpr = False, l_s=None, l_b=None, lbar=None, FOLD: gl.constexpr = False):  # fmt: skip
     """This program's tiles idx_lo ≤ idx < idx_hi (tile pid_r + idx · nprog) as one pipeline, which starts and
     drains within the run: the producer (the step whose loads go out next, p_step, its tile p_idx and K step
     p_ki, and where that tile's loads start) sends the first NUM_BUFFERS - 1 steps before the first MMA, and
@@ -292,8 +269,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
     _lora_fixup). WAIT (the shrink inside the launch, spread over the run): s of a tile's rows is there
     before the tile's loads go out: before the run for its first tile, and at each tile's end for the next
     tile where its group of row blocks changes (a group's units counted in sync_ptr[group]; the LoRA loads
-    of a tile go out during its own K steps when k_tiles ≥ NUM_BUFFERS - 1, which the launcher checks). AHEAD:
-    the slot lookups a tile ahead (`_step`). FOLD (STORE, no LoRA steps in the ring): each tile's s and B
+    of a tile go out during its own K steps when k_tiles ≥ NUM_BUFFERS - 1, which the launcher checks). FOLD (STORE, no LoRA steps in the ring): each tile's s and B
     boxes (LORA_K columns) go into buffers of their own (l_s, l_b, completed on lbar once per tile, phase
     idx & 1) as the tile starts, and its LoRA MMA follows its last K step's."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -302,17 +278,9 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
     p_step = step
     p_idx = idx_lo
     p_ki = 0
-    slot_nx = 0
-    if AHEAD:
-        slot_nx = _tile_slot(p_idx, pid_r, nprog, num_tiles, num_pid_m, num_col_blocks, token_seg_ptr, seg_slot_ptr,
-                             BLOCK_M, GROUP_M)  # fmt: skip
     m0p, n0p, s_row, b_row = _load_origin(p_idx, pid_r, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens,
                                           n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
-                                          token_seg_ptr, seg_slot_ptr, BLOCK_M, BLOCK_N, GROUP_M, HAS_LORA, AHEAD,
-                                          slot_nx)  # fmt: skip
-    if AHEAD:
-        slot_nx = _tile_slot(p_idx + 1, pid_r, nprog, num_tiles, num_pid_m, num_col_blocks, token_seg_ptr,
-                             seg_slot_ptr, BLOCK_M, GROUP_M)  # fmt: skip
+                                          token_seg_ptr, seg_slot_ptr, BLOCK_M, BLOCK_N, GROUP_M, HAS_LORA)  # fmt: skip
     for _i in gl.static_range(NUM_BUFFERS - 1):
         _issue_load(p_step, p_ki, p_idx < idx_hi, m0p, n0p, s_row, b_row, k_tiles, x_desc, w_desc, s_desc, b_desc,
                     a_bufs, w_bufs, bars, BLOCK_K, NUM_BUFFERS, HAS_LORA)  # fmt: skip
@@ -324,10 +292,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
             m0p, n0p, s_row, b_row = _load_origin(p_idx, pid_r, nprog, num_tiles, num_pid_m, num_col_blocks,
                                                   num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
                                                   s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr,
-                                                  BLOCK_M, BLOCK_N, GROUP_M, HAS_LORA, AHEAD, slot_nx)  # fmt: skip
-            if AHEAD:
-                slot_nx = _tile_slot(p_idx + 1, pid_r, nprog, num_tiles, num_pid_m, num_col_blocks, token_seg_ptr,
-                                     seg_slot_ptr, BLOCK_M, GROUP_M)  # fmt: skip
+                                                  BLOCK_M, BLOCK_N, GROUP_M, HAS_LORA)  # fmt: skip
     tiles_per_group = GROUP_M * num_col_blocks
     if WAIT:
         g_lo = (pid_r + idx_lo * nprog) // tiles_per_group
@@ -337,11 +302,11 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
         if FOLD and STORE:  # the producer is at this tile already (k_tiles ≥ NUM_BUFFERS)
             _fold_load(s_row, b_row, s_desc, b_desc, l_s, l_b, lbar)
         for ki in range(steps_per_tile):
-            acc, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, slot_nx = _step(
-                acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, slot_nx, idx_hi, k_tiles, steps_per_tile,
+            acc, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row = _step(
+                acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, idx_hi, k_tiles, steps_per_tile,
                 pid_r, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1,
                 blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc,
-                a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_LORA, AHEAD,
+                a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_LORA,
             )  # fmt: skip
         if FOLD and STORE:
             mbarrier.wait(lbar.index(0), idx & 1)
@@ -598,7 +563,6 @@ def _gluon_lora_linear_kernel(
     num_warps: gl.constexpr,
     SPREAD: gl.constexpr = 1,
     LEAD: gl.constexpr = 2,
-    AHEAD: gl.constexpr = False,  # the slot lookups a tile ahead (`_step`)
     FOLD: gl.constexpr = False,  # the LoRA MMA after the last K step (`_tiles`)
 ):
     """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ and s = scale · x · Aᵀ in one launch. A shrink unit is one row
@@ -682,7 +646,7 @@ def _gluon_lora_linear_kernel(
                               num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total,
                               b_rows_total, token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc,
                               y_desc, a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M,
-                              NUM_BUFFERS, HAS_BIAS, num_warps, True, True, sync_ptr, True, AHEAD, l_s, l_b, lbar,
+                              NUM_BUFFERS, HAS_BIAS, num_warps, True, True, sync_ptr, True, l_s, l_b, lbar,
                               FOLD)  # fmt: skip
                 idx = hi
     else:
@@ -715,7 +679,7 @@ def _gluon_lora_linear_kernel(
                       num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total,
                       b_rows_total, token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc,
                       a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS,
-                      HAS_BIAS, num_warps, True, True, None, False, AHEAD, l_s, l_b, lbar, FOLD)  # fmt: skip
+                      HAS_BIAS, num_warps, True, True, None, False, l_s, l_b, lbar, FOLD)  # fmt: skip
     tma.store_wait(pendings=0)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.invalidate(bars.index(i))

@@ -13,8 +13,8 @@ from ditserve.kernels.lora_expand.op import column_blocks
 # next to a 64 KB store buffer, 16 row blocks per column block in the tile order. The shrink inside the
 # launch: SPREAD puts its units on the programs with one tile less, LEAD tiles before any program needs
 # them (1: where a unit's MMAs are narrow, 2: always), else they all run first (_gluon_lora_linear_kernel).
-# AHEAD: the slot lookups a tile ahead. FOLD: at rank ≤ 16 the LoRA MMA follows the last K step, its s and
-# B boxes in buffers of their own (no LoRA step in the ring)
+# FOLD: at rank ≤ 16 the LoRA MMA follows the last K step, its s and B boxes in buffers of their own (no
+# LoRA step in the ring)
 GLUON_CONFIG = dict(
     BLOCK_M=128,
     BLOCK_N=256,
@@ -24,7 +24,6 @@ GLUON_CONFIG = dict(
     num_warps=8,
     SPREAD=1,
     LEAD=2,
-    AHEAD=0,
     FOLD=1,
 )
 
@@ -129,7 +128,7 @@ def launch_gluon_lora_gemm(
     else:
         s_desc, b_desc = x_desc, w_desc  # never read
     lora_steps, lora_cols = lora_step_shape(lora_k, bk)
-    fold = not cfg.get("WS", 0) and _fold(cfg, lora_steps, lora_cols, x.shape[1])
+    fold = _fold(cfg, lora_steps, lora_cols, x.shape[1])
     if fold:
         s_desc = _tma_desc(s.flatten(0, 1), [bm, lora_cols])
         b_desc = _tma_desc(b_stacked.flatten(0, 1), [bn, lora_cols])
@@ -137,21 +136,15 @@ def launch_gluon_lora_gemm(
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
     num_tiles = -(-num_tokens // bm) * num_col_blocks
     grid = min(num_tiles, num_programs_limit(x.device))
-    kernel = _gluon_lora_gemm_kernel
-    if cfg.get("WS", 0):  # the loads in a warp of their own (gluon_ws_kernel.py)
-        from ditserve.kernels.lora_gemm.gluon_ws_kernel import _gluon_lora_gemm_ws_kernel as kernel
-
-        extra = dict(LOAD_REGS=56)
-    else:
-        # the LoRA code also without LoRA (zero LoRA steps): ptxas makes faster code of it (H200, QKV 4×4608:
-        # +2.5 % against cuBLAS, +5.7 % compiled without it; BENCHMARKS.md)
-        extra = dict(HAS_LORA=True, AHEAD=bool(cfg.get("AHEAD", 0)), FOLD=fold)
-    kernel[(grid,)](
+    # the LoRA code also without LoRA (zero LoRA steps): ptxas makes faster code of it (H200, QKV 4×4608:
+    # +2.5 % against cuBLAS, +5.7 % compiled without it; BENCHMARKS.md)
+    _gluon_lora_gemm_kernel[(grid,)](
         x_desc, w_desc, s_desc, b_desc, y_desc, bias if bias is not None else y, token_seg, seg_slot,
         num_tokens, n_total, *cols, *blks, num_col_blocks, lora_steps,
         s.shape[0] * num_tokens, b_stacked.shape[0] * n_total,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, LORA_K=lora_cols, GROUP_M=cfg["GROUP_M"],
-        NUM_BUFFERS=cfg["NUM_BUFFERS"], HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], **extra,
+        NUM_BUFFERS=cfg["NUM_BUFFERS"], HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], HAS_LORA=True,
+        FOLD=fold,
     )  # fmt: skip
     return y
 
@@ -239,6 +232,6 @@ def launch_gluon_lora_linear(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, LORA_K=lora_cols, GROUP_M=cfg["GROUP_M"],
         NUM_BUFFERS=cfg["NUM_BUFFERS"], SHRINK_G=groups, SHRINK_GP=shrink_gp, SHRINK_R=shrink_r,
         HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], SPREAD=spread, LEAD=cfg.get("LEAD", 2),
-        AHEAD=bool(cfg.get("AHEAD", 0)), FOLD=fold,
+        FOLD=fold,
     )  # fmt: skip
     return y, s

@@ -100,18 +100,6 @@ SWEEP: dict[str, dict[str, int]] = {
     # the Gluon kernel for Hopper (gluon_kernel.py: its own tiles, GLUON_CONFIG; elsewhere this config
     # runs the one above)
     "gluon": {**_cfg(128, 256, 64, 8, 3, tma=1, flatten=1, store=1, group_m=16), "GLUON": 1},
-    # the same with its loads in a warp of their own (gluon_ws_kernel.py; measured no faster, BENCHMARKS.md)
-    "gluon ws": {
-        **_cfg(128, 256, 64, 8, 3, tma=1, flatten=1, store=1, group_m=16),
-        "GLUON": 1,
-        "GLUON_WS": 1,
-    },
-    # the slot lookups a tile ahead
-    "gluon ahead": {
-        **_cfg(128, 256, 64, 8, 3, tma=1, flatten=1, store=1, group_m=16),
-        "GLUON": 1,
-        "GLUON_AHEAD": 1,
-    },
     # the LoRA step in the ring at rank 16 too (FOLD off)
     "gluon no fold": {
         **_cfg(128, 256, 64, 8, 3, tma=1, flatten=1, store=1, group_m=16),
@@ -275,8 +263,6 @@ def launch_lora_gemm(
         gcfg = {
             **gluon_op.GLUON_CONFIG,
             "GROUP_M": cfg["GROUP_M"],
-            "WS": cfg.get("GLUON_WS", 0),
-            "AHEAD": cfg.get("GLUON_AHEAD", gluon_op.GLUON_CONFIG["AHEAD"]),
             "FOLD": cfg.get("GLUON_FOLD", gluon_op.GLUON_CONFIG["FOLD"]),
         }
         return gluon_op.launch_gluon_lora_gemm(

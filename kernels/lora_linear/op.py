@@ -25,11 +25,12 @@ from ditserve.kernels.lora_shrink.reference import lora_shrink_scaled_ref
 MAX_SLICES = 4
 # False: always the shrink kernel, then lora_gemm (benchmarks time the two forms against each other)
 SHRINK_IN = True
-# True: on Hopper, where its contract holds, the Gluon lora_gemm (gluon_kernel.py), whose LoRA step
-# multiplies only the rank columns (a 16-wide MMA at rank 16) instead of a 64-wide K step: with SHRINK_IN
+# True (the default): on Hopper, where its contract holds, the Gluon lora_gemm (gluon_kernel.py), whose LoRA
+# step multiplies only the rank columns (a 16-wide MMA at rank 16) instead of a 64-wide K step: with SHRINK_IN
 # and ranks ≤ 64 one launch that also computes s (`launch_gluon_lora_linear`), else the shrink kernel
-# first. DITSERVE_GLUON_GEMM=1 turns it on (BENCHMARKS.md, "The GEMM in Gluon")
-GLUON = os.environ.get("DITSERVE_GLUON_GEMM", "0") == "1"
+# first; elsewhere the Triton kernels. DITSERVE_GLUON_GEMM=0 turns it off (BENCHMARKS.md, "The GEMM in
+# Gluon" and after)
+GLUON = os.environ.get("DITSERVE_GLUON_GEMM", "1") != "0"
 
 
 def _check(x, a_stacked, b_stacked, max_rank, sizes):

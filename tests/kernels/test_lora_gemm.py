@@ -532,12 +532,12 @@ def test_bf16_gpu_lora_linear_and_inductor():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["gluon", "gluon ws", "gluon ahead", "gluon no fold"])
+@pytest.mark.parametrize("config", ["gluon", "gluon no fold"])
 @pytest.mark.parametrize("max_rank", [16, 32, 64, 128])
 @pytest.mark.parametrize("num_slices", [3, 4])
 def test_bf16_gpu_gluon_kernel(num_slices, max_rank, config, monkeypatch):
-    """The Gluon kernel for Hopper (config "gluon"; "gluon ws": its loads in a warp of their own; "gluon
-    ahead": its slot lookups a tile ahead; "gluon no fold": the rank-16 LoRA MMA as a ring step) on an aligned
+    """The Gluon kernel for Hopper (config "gluon"; "gluon no fold": the rank-16 LoRA MMA as a ring step) on an
+    aligned
     batch with a request without LoRA and an empty one: one narrow LoRA MMA at ranks 16 / 32, a 64-wide step at
     64, two at 128; bias; and no LoRA."""
     calls = gluon_launches(monkeypatch)

@@ -136,7 +136,7 @@ def test_first_tiles_wait_for_their_shrink(no_shrink_kernel):
 
 
 def test_gluon_request_off_hopper_runs_the_triton_path(monkeypatch):
-    """`gluon=True` (DITSERVE_GLUON_GEMM=1) where the Gluon kernels cannot run (here: not a CUDA tensor)
+    """`gluon=True` (the default) where the Gluon kernels cannot run (here: not a CUDA tensor)
     takes the Triton path with the same results, and no Gluon launcher is called."""
     from ditserve.kernels.lora_gemm import gluon_op
 
@@ -198,14 +198,12 @@ def test_bf16_gpu_shrink_in(num_slices, groups, no_shrink_kernel):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_slices,groups", [(3, 3), (4, 4), (1, 3)])
-@pytest.mark.parametrize(
-    "mode", ["shrink in the launch", "spread", "spread, lookups ahead", "units first", "shrink kernel first"]
-)
+@pytest.mark.parametrize("mode", ["shrink in the launch", "spread", "units first", "shrink kernel first"])
 def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
     """The same batches through the Gluon kernels (Hopper): the shrink inside the launch (three launches in a
     row: the sync buffer starts at zero each time; at rank 64 its units run first), the same with the units
-    spread over the run (SPREAD 2), also with the slot lookups a tile ahead, with every unit first (SPREAD 0),
-    or the shrink kernel first; y and s equal the reference."""
+    spread over the run (SPREAD 2), with every unit first (SPREAD 0), or the shrink kernel first; y and s
+    equal the reference."""
     from ditserve.kernels.lora_gemm import gluon_op
 
     calls = gluon_launches(monkeypatch)
@@ -213,7 +211,6 @@ def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
     monkeypatch.setattr(linear_op, "SHRINK_IN", shrink_in)
     over = {
         "spread": dict(SPREAD=2),
-        "spread, lookups ahead": dict(SPREAD=2, AHEAD=1),
         "units first": dict(SPREAD=0),
     }
     for key, value in over.get(mode, {}).items():
