@@ -319,7 +319,8 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
         if WAIT:
             g_next = (pid_r + (idx + 1) * nprog) // tiles_per_group
             if (idx + 1 < idx_hi) & (g_next != (pid_r + idx * nprog) // tiles_per_group):
-                # a relaxed read first, answered while the epilogue runs; acquired after it
+                # a relaxed read first, answered while the epilogue runs; acquired after it (the epilogue
+                # written once after a conditional read instead: 254 registers against 236 for sm_90)
                 seen = gl.atomic_add(sync_ptr + g_next, 0, sem="relaxed", scope="gpu")
                 _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, STORE)
                 _acquire_seen(sync_ptr + g_next, gl.minimum(num_pid_m - g_next * GROUP_M, GROUP_M), seen)
