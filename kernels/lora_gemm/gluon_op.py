@@ -149,6 +149,14 @@ def launch_gluon_lora_gemm(
     return y
 
 
+NARROW_UNIT_COLS = 64  # a shrink unit's MMAs at most this wide (slices × rank columns): spread (SPREAD 1)
+
+
+def unit_cols(groups: int, max_rank: int) -> int:
+    """Columns of a shrink unit's MMAs in the one launch: the slices times the rank columns (SHRINK_R)."""
+    return groups * shrink_geometry(groups, max_rank)[1]
+
+
 def shrink_geometry(num_slices: int, max_rank: int) -> tuple[int, int, int]:
     """(s columns, SHRINK_R, SHRINK_GP) of the in-launch shrink: s_cols = max_rank rounded up to 16, its
     power of two, and the slices' power of two (one MMA of SHRINK_GP · SHRINK_R columns per K step)."""
@@ -222,7 +230,9 @@ def launch_gluon_lora_linear(
     # spread units (SPREAD 1: where a unit's MMAs are at most 64 columns wide, e.g. rank 16 with 3 or 4
     # slices; wider ones take longer than the slack of the programs with one tile less; 2: always): a tile's
     # LoRA loads must go out during its own K steps, after its wait
-    spread = cfg.get("SPREAD", 1) == 2 or (cfg.get("SPREAD", 1) == 1 and groups * shrink_r <= 64)
+    spread = cfg.get("SPREAD", 1) == 2 or (
+        cfg.get("SPREAD", 1) == 1 and groups * shrink_r <= NARROW_UNIT_COLS
+    )
     spread = int(spread and x.shape[1] >= (cfg["NUM_BUFFERS"] - 1) * bk)
     _gluon_lora_linear_kernel[(grid,)](
         x_desc, w_desc, s_desc, b_desc, y_desc, a_desc, bias if bias is not None else y, s, token_seg, seg_slot,

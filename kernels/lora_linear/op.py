@@ -31,6 +31,11 @@ SHRINK_IN = True
 # first; elsewhere the Triton kernels. DITSERVE_GLUON_GEMM=0 turns it off (BENCHMARKS.md, "The GEMM in
 # Gluon" and after)
 GLUON = os.environ.get("DITSERVE_GLUON_GEMM", "1") != "0"
+# The one Gluon launch only where its shrink units are narrow enough to spread over the run (slices × rank
+# columns ≤ this: rank 16 with 3 or 4 slices); wider units run before the tiles, which costs more than the
+# shrink kernel on one request (H200, QKV, 1 × 4608 tokens, rank 64: +14.1 % against +8.6 % over cuBLAS;
+# BENCHMARKS.md), so there the shrink kernel and the Gluon GEMM run
+GLUON_ONE_LAUNCH_COLS = gluon_op.NARROW_UNIT_COLS
 
 
 def _check(x, a_stacked, b_stacked, max_rank, sizes):
@@ -66,6 +71,7 @@ def launch_lora_linear(
     if (
         use_gluon
         and SHRINK_IN
+        and gluon_op.unit_cols(a_stacked.shape[0], max_rank) <= GLUON_ONE_LAUNCH_COLS
         and gluon_op.gluon_linear_ok(x, weight, a_stacked, b_stacked, max_rank, out_slice_sizes, seg_align)
     ):
         return gluon_op.launch_gluon_lora_linear(

@@ -198,17 +198,22 @@ def test_bf16_gpu_shrink_in(num_slices, groups, no_shrink_kernel):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_slices,groups", [(3, 3), (4, 4), (1, 3)])
-@pytest.mark.parametrize("mode", ["shrink in the launch", "spread", "units first", "shrink kernel first"])
+@pytest.mark.parametrize(
+    "mode", ["shrink in the launch", "spread", "units first", "shrink kernel first", "default"]
+)
 def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
     """The same batches through the Gluon kernels (Hopper): the shrink inside the launch (three launches in a
     row: the sync buffer starts at zero each time; at rank 64 its units run first), the same with the units
     spread over the run (SPREAD 2), with every unit first (SPREAD 0), or the shrink kernel first; y and s
-    equal the reference."""
+    equal the reference. By default (units 3 × 64 columns wide, more than GLUON_ONE_LAUNCH_COLS) the shrink
+    kernel and the Gluon GEMM run."""
     from ditserve.kernels.lora_gemm import gluon_op
 
     calls = gluon_launches(monkeypatch)
-    shrink_in = mode != "shrink kernel first"
-    monkeypatch.setattr(linear_op, "SHRINK_IN", shrink_in)
+    shrink_in = mode not in ("shrink kernel first", "default")
+    monkeypatch.setattr(linear_op, "SHRINK_IN", mode != "shrink kernel first")
+    if mode != "default":
+        monkeypatch.setattr(linear_op, "GLUON_ONE_LAUNCH_COLS", 256)  # the one launch at rank 64 as well
     over = {
         "spread": dict(SPREAD=2),
         "units first": dict(SPREAD=0),
