@@ -36,6 +36,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+# the TMA copies: async_load / async_store in newer Triton, async_copy_global_to_shared /
+# async_copy_shared_to_global before (the old names raise there)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
 
 @gluon.jit
 def _tile_origin(tile_id, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2, blk3,
@@ -85,15 +90,15 @@ def _issue_load(p_step, p_ki, pred, m0, n0, s_row, b_row, k_tiles, x_desc, w_des
     mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
     if HAS_LORA:
         if p_ki < k_tiles:
-            tma.async_copy_global_to_shared(x_desc, [m0, p_ki * BLOCK_K], bar, a_bufs.index(slot_i), pred)
-            tma.async_copy_global_to_shared(w_desc, [n0, p_ki * BLOCK_K], bar, w_bufs.index(slot_i), pred)
+            _tma_load(x_desc, [m0, p_ki * BLOCK_K], bar, a_bufs.index(slot_i), pred)
+            _tma_load(w_desc, [n0, p_ki * BLOCK_K], bar, w_bufs.index(slot_i), pred)
         else:
             kk = (p_ki - k_tiles) * BLOCK_K
-            tma.async_copy_global_to_shared(s_desc, [s_row, kk], bar, a_bufs.index(slot_i), pred)
-            tma.async_copy_global_to_shared(b_desc, [b_row, kk], bar, w_bufs.index(slot_i), pred)
+            _tma_load(s_desc, [s_row, kk], bar, a_bufs.index(slot_i), pred)
+            _tma_load(b_desc, [b_row, kk], bar, w_bufs.index(slot_i), pred)
     else:
-        tma.async_copy_global_to_shared(x_desc, [m0, p_ki * BLOCK_K], bar, a_bufs.index(slot_i), pred)
-        tma.async_copy_global_to_shared(w_desc, [n0, p_ki * BLOCK_K], bar, w_bufs.index(slot_i), pred)
+        _tma_load(x_desc, [m0, p_ki * BLOCK_K], bar, a_bufs.index(slot_i), pred)
+        _tma_load(w_desc, [n0, p_ki * BLOCK_K], bar, w_bufs.index(slot_i), pred)
 
 
 @gluon.jit
@@ -173,7 +178,7 @@ def _store_y(out, c_smem, y_desc, m0, n0):
     tma.store_wait(pendings=0)
     c_smem.store(out)
     fence_async_shared()
-    tma.async_copy_shared_to_global(y_desc, [m0, n0], c_smem)
+    _tma_store(y_desc, [m0, n0], c_smem)
 
 
 @gluon.jit
@@ -353,8 +358,8 @@ def _fold_load(s_row, b_row, s_desc, b_desc, l_s, l_b, lbar):
     """A tile's s and B boxes into their own buffers (FOLD), completed on lbar."""
     bar = lbar.index(0)
     mbarrier.expect(bar, s_desc.block_type.nbytes + b_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(s_desc, [s_row, 0], bar, l_s)
-    tma.async_copy_global_to_shared(b_desc, [b_row, 0], bar, l_b)
+    _tma_load(s_desc, [s_row, 0], bar, l_s)
+    _tma_load(b_desc, [b_row, 0], bar, l_b)
 
 
 @gluon.jit
@@ -409,15 +414,15 @@ def _issue_unit_load(p_step, kk, pred, m0, a_row, a_slice_rows, x_desc, a_desc, 
     bar = bars.index(slot_i)
     HALVES: gl.constexpr = 2 if DOUBLE else 1
     mbarrier.expect(bar, HALVES * (x_desc.block_type.nbytes + SHRINK_G * a_desc.block_type.nbytes), pred=pred)
-    tma.async_copy_global_to_shared(x_desc, [m0, kk], bar, a_bufs.index(slot_i), pred)
+    _tma_load(x_desc, [m0, kk], bar, a_bufs.index(slot_i), pred)
     w_buf = w_bufs.index(slot_i)
     for g in gl.static_range(SHRINK_G):
-        tma.async_copy_global_to_shared(a_desc, [a_row + g * a_slice_rows, kk], bar,
+        _tma_load(a_desc, [a_row + g * a_slice_rows, kk], bar,
                                         w_buf.slice(g * SHRINK_R, SHRINK_R, dim=0), pred)  # fmt: skip
     if DOUBLE:
-        tma.async_copy_global_to_shared(x_desc, [m0, kk + BLOCK_K], bar, w_buf.slice(128, 128, dim=0), pred)
+        _tma_load(x_desc, [m0, kk + BLOCK_K], bar, w_buf.slice(128, 128, dim=0), pred)
         for g in gl.static_range(SHRINK_G):
-            tma.async_copy_global_to_shared(a_desc, [a_row + g * a_slice_rows, kk + BLOCK_K], bar,
+            _tma_load(a_desc, [a_row + g * a_slice_rows, kk + BLOCK_K], bar,
                                             w_buf.slice(64 + g * SHRINK_R, SHRINK_R, dim=0), pred)  # fmt: skip
 
 

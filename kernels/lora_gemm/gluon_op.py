@@ -28,10 +28,28 @@ GLUON_CONFIG = dict(
 )
 
 
+# Triton versions (major, minor) the Gluon kernels were compiled and tested with on a Hopper GPU. Gluon's
+# API and checks still change between versions (Triton 3.9 renames the TMA copies and refuses a TMA box that
+# differs from its shared-memory buffer, which a dead branch of the ring does under FOLD); with any other
+# version the Triton kernels run.
+GLUON_TRITON = ((3, 6),)
+
+
+def gluon_triton_ok(version: str) -> bool:
+    """Whether the Gluon kernels are used with this Triton version ("3.6.0" yes; "3.9.0" not yet)."""
+    major, minor = (int(p) for p in version.split(".")[:2])
+    return (major, minor) in GLUON_TRITON
+
+
 @functools.cache
 def gluon_available(device_index: int) -> bool:
-    """A Hopper GPU (warpgroup MMA) and a Triton with Gluon's Hopper module."""
+    """A Hopper GPU (warpgroup MMA) and a Triton with Gluon's Hopper module, of a version the kernels were
+    tested with (`GLUON_TRITON`)."""
     if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return False
+    import triton
+
+    if not gluon_triton_ok(triton.__version__):
         return False
     try:
         from ditserve.kernels.lora_gemm import gluon_kernel  # noqa: F401

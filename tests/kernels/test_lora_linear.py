@@ -135,6 +135,15 @@ def test_first_tiles_wait_for_their_shrink(no_shrink_kernel):
     torch.testing.assert_close(s, want_s, atol=1e-4, rtol=1e-4)
 
 
+def test_gluon_kernels_only_with_the_triton_they_were_tested_with():
+    """The Gluon kernels run with the Triton versions in GLUON_TRITON (3.6, the one they were tested with on
+    the GPU); Triton 3.9, whose Gluon refuses them, runs the Triton kernels."""
+    from ditserve.kernels.lora_gemm import gluon_op
+
+    assert gluon_op.gluon_triton_ok("3.6.0") and gluon_op.gluon_triton_ok("3.6.1+git1234")
+    assert not gluon_op.gluon_triton_ok("3.9.0") and not gluon_op.gluon_triton_ok("3.10.0")
+
+
 def test_gluon_request_off_hopper_runs_the_triton_path(monkeypatch):
     """`gluon=True` (the default) where the Gluon kernels cannot run (here: not a CUDA tensor)
     takes the Triton path with the same results, and no Gluon launcher is called."""
