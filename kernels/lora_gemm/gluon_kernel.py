@@ -36,10 +36,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-# the TMA copies: async_load / async_store in newer Triton, async_copy_global_to_shared /
-# async_copy_shared_to_global before (the old names raise there)
+# names that newer Triton changed (3.9: the old ones raise or are gone): the TMA copies (async_load /
+# async_store, before async_copy_global_to_shared / async_copy_shared_to_global) and the CTA barrier
+# (barrier, before thread_barrier)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.jit
@@ -398,7 +400,7 @@ def _lora_fixup(step, idx, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid
         step += 1
     _, m0, n0 = _tile_origin(pid_r + idx * nprog, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2, blk3,
                              BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
-    gl.thread_barrier()  # every thread has read c_smem before it is overwritten
+    _cta_barrier()  # every thread has read c_smem before it is overwritten
     _store_y(acc.to(y_desc.dtype), c_smem, y_desc, m0, n0)
     return step
 
@@ -641,7 +643,7 @@ def _gluon_lora_linear_kernel(
                                     stride_st, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr,
                                     x_desc, a_desc, a_bufs, w_bufs, bars, BLOCK_M, BLOCK_K, SHRINK_G, SHRINK_GP,
                                     SHRINK_R, NUM_BUFFERS, num_warps)  # fmt: skip
-                gl.thread_barrier()  # every thread's s stores precede the release
+                _cta_barrier()  # every thread's s stores precede the release
                 gl.atomic_add(sync_ptr + u // GROUP_M, 1, sem="release", scope="gpu")
                 u += num_short
             else:
@@ -671,7 +673,7 @@ def _gluon_lora_linear_kernel(
                                 s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, x_desc, a_desc,
                                 a_bufs, w_bufs, bars, BLOCK_M, BLOCK_K, SHRINK_G, SHRINK_GP, SHRINK_R, NUM_BUFFERS,
                                 num_warps)  # fmt: skip
-            gl.thread_barrier()  # every thread's s stores precede the release
+            _cta_barrier()  # every thread's s stores precede the release
             gl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
             u = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
         _wait_at_least(done_ptr, num_units)

@@ -29,9 +29,10 @@ GLUON_CONFIG = dict(
 
 
 # Triton versions (major, minor) the Gluon kernels were compiled and tested with on a Hopper GPU. Gluon's
-# API and checks still change between versions (Triton 3.9 renames the TMA copies and refuses a TMA box that
-# differs from its shared-memory buffer, which a dead branch of the ring does under FOLD); with any other
-# version the Triton kernels run.
+# API and checks still change between versions: Triton 3.9 renames the TMA copies and the CTA barrier
+# (gluon_kernel.py takes either name: the same PTX on 3.6) and refuses a TMA box that differs from its
+# shared-memory buffer, which the ring's LoRA load (dead code under FOLD) does; with any other version the
+# Triton kernels run.
 GLUON_TRITON = ((3, 6),)
 
 
