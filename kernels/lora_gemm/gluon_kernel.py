@@ -236,7 +236,7 @@ def _gluon_lora_gemm_kernel(
     c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
     l_s, l_b, lbar = c_smem, c_smem, bars  # FOLD's buffers, else never used
     if FOLD:
-        l_s, l_b, lbar = _fold_buffers(s_desc, b_desc, BLOCK_M, BLOCK_N, LORA_K, FOLD)
+        l_s, l_b, lbar = _fold_buffers(s_desc, b_desc, BLOCK_M, BLOCK_N, LORA_K)
 
     # step: a tensor from the start (it is carried through the loops)
     _tiles(gl.to_tensor(0), 0, my_tiles, pid, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m, num_col_blocks,
@@ -250,8 +250,7 @@ def _gluon_lora_gemm_kernel(
 
 
 @gluon.jit
-def _fold_buffers(s_desc, b_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, LORA_K: gl.constexpr,
-                  FOLD: gl.constexpr):  # fmt: skip
+def _fold_buffers(s_desc, b_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, LORA_K: gl.constexpr):
     """FOLD: shared memory for a tile's s and B boxes and their barrier."""
     l_s = gl.allocate_shared_memory(s_desc.dtype, [BLOCK_M, LORA_K], s_desc.layout)
     l_b = gl.allocate_shared_memory(s_desc.dtype, [BLOCK_N, LORA_K], b_desc.layout)
@@ -612,7 +611,7 @@ def _gluon_lora_linear_kernel(
     c_smem = gl.allocate_shared_memory(x_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
     l_s, l_b, lbar = c_smem, c_smem, bars  # FOLD's buffers, else never used
     if FOLD:
-        l_s, l_b, lbar = _fold_buffers(s_desc, b_desc, BLOCK_M, BLOCK_N, LORA_K, FOLD)
+        l_s, l_b, lbar = _fold_buffers(s_desc, b_desc, BLOCK_M, BLOCK_N, LORA_K)
 
     num_units = num_pid_m
     step = 0

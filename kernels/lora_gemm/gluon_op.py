@@ -114,6 +114,19 @@ def _fold(cfg: dict[str, int], lora_steps: int, lora_cols: int, hidden: int) -> 
     )
 
 
+def _lora_boxes(s: torch.Tensor, b_stacked: torch.Tensor, lora_k: int, cfg: dict[str, int], hidden: int):
+    """(s and B descriptors, LoRA steps in the ring, rank columns per LoRA MMA, FOLD) for lora_k ≥ 1 rank
+    columns: boxes of BLOCK_K columns for the ring's LoRA steps, or of the 16 rank columns under FOLD (then no
+    LoRA step in the ring)."""
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    lora_steps, lora_cols = lora_step_shape(lora_k, bk)
+    fold = _fold(cfg, lora_steps, lora_cols, hidden)
+    width = lora_cols if fold else bk
+    s_desc = _tma_desc(s.flatten(0, 1), [bm, width])
+    b_desc = _tma_desc(b_stacked.flatten(0, 1), [bn, width])
+    return s_desc, b_desc, 0 if fold else lora_steps, lora_cols, fold
+
+
 def lora_step_shape(lora_k: int, block_k: int) -> tuple[int, int]:
     """(LoRA steps per tile, rank columns each one multiplies) for lora_k rank columns: the steps multiply
     only the rank columns, 16 or 32 of a 64-column box at ranks ≤ 16 / ≤ 32; (0, block_k) without LoRA."""
@@ -142,16 +155,10 @@ def launch_gluon_lora_gemm(
     x_desc, w_desc, y_desc = _tma_desc(x, [bm, bk]), _tma_desc(weight, [bn, bk]), _tma_desc(y, [bm, bn])
     lora_k = min(s.shape[2], b_stacked.shape[2])
     if lora_k > 0:
-        s_desc = _tma_desc(s.flatten(0, 1), [bm, bk])
-        b_desc = _tma_desc(b_stacked.flatten(0, 1), [bn, bk])
+        s_desc, b_desc, lora_steps, lora_cols, fold = _lora_boxes(s, b_stacked, lora_k, cfg, x.shape[1])
     else:
         s_desc, b_desc = x_desc, w_desc  # never read
-    lora_steps, lora_cols = lora_step_shape(lora_k, bk)
-    fold = _fold(cfg, lora_steps, lora_cols, x.shape[1])
-    if fold:
-        s_desc = _tma_desc(s.flatten(0, 1), [bm, lora_cols])
-        b_desc = _tma_desc(b_stacked.flatten(0, 1), [bn, lora_cols])
-        lora_steps = 0
+        (lora_steps, lora_cols), fold = lora_step_shape(0, bk), False
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
     num_tiles = -(-num_tokens // bm) * num_col_blocks
     grid = min(num_tiles, num_programs_limit(x.device))
@@ -232,15 +239,9 @@ def launch_gluon_lora_linear(
     if s is None:
         s = x.new_empty((groups, num_tokens, s_cols))
     x_desc, w_desc, y_desc = _tma_desc(x, [bm, bk]), _tma_desc(weight, [bn, bk]), _tma_desc(y, [bm, bn])
-    s_desc = _tma_desc(s.flatten(0, 1), [bm, bk])
-    b_desc = _tma_desc(b_stacked.flatten(0, 1), [bn, bk])
     a_desc = _tma_desc(a_stacked.flatten(0, 2), [shrink_r, bk])
-    lora_steps, lora_cols = lora_step_shape(min(s_cols, b_stacked.shape[2]), bk)
-    fold = _fold(cfg, lora_steps, lora_cols, x.shape[1])
-    if fold:
-        s_desc = _tma_desc(s.flatten(0, 1), [bm, lora_cols])
-        b_desc = _tma_desc(b_stacked.flatten(0, 1), [bn, lora_cols])
-        lora_steps = 0
+    lora_k = min(s_cols, b_stacked.shape[2])
+    s_desc, b_desc, lora_steps, lora_cols, fold = _lora_boxes(s, b_stacked, lora_k, cfg, x.shape[1])
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
     num_pid_m = -(-num_tokens // bm)
     grid = min(num_pid_m * num_col_blocks, num_programs_limit(x.device))
@@ -250,7 +251,7 @@ def launch_gluon_lora_linear(
     # slices; wider ones take longer than the slack of the programs with one tile less; 2: always): a tile's
     # LoRA loads must go out during its own K steps, after its wait
     spread = cfg.get("SPREAD", 1) == 2 or (
-        cfg.get("SPREAD", 1) == 1 and groups * shrink_r <= NARROW_UNIT_COLS
+        cfg.get("SPREAD", 1) == 1 and unit_cols(groups, max_rank) <= NARROW_UNIT_COLS
     )
     spread = int(spread and x.shape[1] >= (cfg["NUM_BUFFERS"] - 1) * bk)
     _gluon_lora_linear_kernel[(grid,)](
