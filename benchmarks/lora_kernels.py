@@ -1,7 +1,8 @@
 """Multi-LoRA kernel benchmark (GPU): shrink / expand (segmented and SGMV) against the HBM floor, the torch
 per-segment loop and the base projection GEMM, on hidden 3072.
 
-    python benchmarks/lora_kernels.py --out DIR [--sweep]
+    python benchmarks/lora_kernels.py --out DIR [--sweep] [--flush read|write] [--batches 4x4608,1x4608]
+        [--slices 3,4] [--ranks 16,64]
     python benchmarks/lora_kernels.py --out DIR --qkv-only [--sweep-gemm] [--sweep-ws]
         [--batches 4x4608] [--slices 3] [--ranks 64,16,0] [--gemm-configs "w8 s3,after"]
 
@@ -85,13 +86,19 @@ def flush_l2() -> None:
         buf.zero_()
 
 
+def flush_ms() -> float:
+    """GPU ms of one `flush_l2` in the current FLUSH_MODE (timed once per mode)."""
+    times = _FLUSH.setdefault("ms", {})
+    if FLUSH_MODE not in times:
+        _FLUSH.setdefault("buf", torch.ones(256 << 20, dtype=torch.int8, device="cuda"))
+        times[FLUSH_MODE] = triton.testing.do_bench_cudagraph(flush_l2, rep=100, return_mode="median")
+    return times[FLUSH_MODE]
+
+
 def graph_ms(fn) -> float:
     """GPU ms per call from CUDA-graph replay (no Python/launch overhead), L2 flushed before every call
     (`flush_l2` inside the graph, timed alone and subtracted)."""
-    if _FLUSH.get("mode") != FLUSH_MODE:
-        _FLUSH.setdefault("buf", torch.ones(256 << 20, dtype=torch.int8, device="cuda"))
-        _FLUSH["mode"] = FLUSH_MODE
-        _FLUSH["ms"] = triton.testing.do_bench_cudagraph(flush_l2, rep=100, return_mode="median")
+    flush = flush_ms()
     fn()  # compile outside the capture
     torch.cuda.synchronize()
 
@@ -100,7 +107,7 @@ def graph_ms(fn) -> float:
         fn()
 
     ms = triton.testing.do_bench_cudagraph(flushed, rep=60, return_mode="median")
-    return max(ms - _FLUSH["ms"], 1e-4)
+    return max(ms - flush, 1e-4)
 
 
 def commit() -> str:
@@ -112,11 +119,32 @@ def commit() -> str:
         return "unknown"
 
 
-def measure(p: LoRAProblem) -> dict[str, float]:
-    """Median ms of every provider on one problem."""
+def with_flush(mode: str, fn):
+    """fn() with FLUSH_MODE set to mode."""
+    global FLUSH_MODE
+    old, FLUSH_MODE = FLUSH_MODE, mode
+    try:
+        return fn()
+    finally:
+        FLUSH_MODE = old
+
+
+def measure(p: LoRAProblem, other_flush: str | None = None) -> dict[str, float]:
+    """Median ms of every provider on one problem; other_flush: the shrink and the expand timed again with
+    that flush mode (shrink_<mode>, expand_<mode>)."""
     m, sizes = p.meta, p.sizes
     s = lora_shrink(p.x, p.a, m)
     seg = (m.seg_start, m.seg_len, m.seg_slot)
+    again = {}
+    if other_flush:
+        again = {
+            f"shrink_{other_flush}": with_flush(
+                other_flush, lambda: graph_ms(lambda: lora_shrink(p.x, p.a, m))
+            ),
+            f"expand_{other_flush}": with_flush(
+                other_flush, lambda: graph_ms(lambda: lora_expand(p.y, s, p.b, m, sizes))
+            ),
+        }
 
     def loop():
         s_ref = lora_shrink_ref(p.x, p.a, *seg, m.slot_rank, m.max_rank)
@@ -135,6 +163,7 @@ def measure(p: LoRAProblem) -> dict[str, float]:
         fused=graph_ms(lambda: lora_linear(p.x, p.w, None, p.a, p.b, m, sizes)),
         apply_eager=bench_ms(lambda: apply_lora(p.y, p.x, p.a, p.b, m, sizes)),
         base_eager=bench_ms(lambda: F.linear(p.x, p.w)),
+        **again,
     )
 
 
@@ -230,8 +259,7 @@ TARGETS = {16: 4.0, 64: 8.0}  # % overhead over the base GEMM at 4x4608, QKV
 def quick_graph_ms(fn, calls: int = 8, replays: int = 3) -> float:
     """Like graph_ms with fewer calls (the sweep times ~150 kernels): one graph of `calls` × (L2 flush,
     fn), replayed `replays` times, the fastest replay per call minus the flush."""
-    if _FLUSH.get("mode") != FLUSH_MODE:
-        graph_ms(lambda: None)
+    flush = flush_ms()
     fn()  # compile outside the capture
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
@@ -252,7 +280,7 @@ def quick_graph_ms(fn, calls: int = 8, replays: int = 3) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
     del graph
-    return max(min(times) - _FLUSH["ms"], 1e-4)
+    return max(min(times) - flush, 1e-4)
 
 
 def interleaved(fns: dict[str, object], rounds: int, gap_s: float = 0.0) -> dict[str, tuple[float, float]]:
@@ -619,9 +647,13 @@ def main() -> None:
     ap.add_argument("--fused-configs", default="", help="--sweep-fused: only FUSED_SWEEP names "
                     "containing one of these comma-separated parts")  # fmt: skip
     ap.add_argument("--budget-s", type=float, default=115.0, help="--qkv-only: skip configs after this")
-    ap.add_argument("--batches", default=",".join(QKV_BATCHES), help="--qkv-only: batches to run")
-    ap.add_argument("--slices", default=",".join(map(str, SLICES)), help="--qkv-only: slice counts to run")
-    ap.add_argument("--ranks", default=",".join(map(str, QKV_RANKS)), help="--qkv-only: ranks to run")
+    ap.add_argument("--batches", default=None, help="batches to run (comma-separated BATCHES names; "
+                    f"--qkv-only: {','.join(QKV_BATCHES)} unless given, else all)")  # fmt: skip
+    ap.add_argument("--slices", default=",".join(map(str, SLICES)), help="slice counts to run")
+    ap.add_argument("--ranks", default=None, help=f"ranks to run (--qkv-only: {QKV_RANKS} unless given, "
+                    f"else {RANKS})")  # fmt: skip
+    ap.add_argument("--flush", default="read", choices=["read", "write"], help="the kernel table's L2 flush "
+                    "(FLUSH_MODE); the shrink and expand are timed with the other one as well")  # fmt: skip
     ap.add_argument(
         "--inter-configs",
         default="",
@@ -633,6 +665,13 @@ def main() -> None:
     ap.add_argument("--gemm-configs", default="", help="--qkv-only --sweep-gemm: only SWEEP names containing "
                     "one of these comma-separated parts")  # fmt: skip
     args = ap.parse_args()
+    if args.batches is None:
+        args.batches = ",".join(QKV_BATCHES if args.qkv_only else BATCHES)
+    if args.ranks is None:
+        args.ranks = ",".join(map(str, QKV_RANKS if args.qkv_only else RANKS))
+    unknown = [b for b in args.batches.split(",") if b not in BATCHES]
+    if unknown:
+        ap.error(f"--batches: unknown {unknown}; known: {list(BATCHES)}")
     # exact names, checked before any timing (a name with a comma in it would be cut in two)
     for flag, names, known in (("--inter-configs", args.inter_configs, gemm_op.SWEEP),
                                ("--inter-fused", args.inter_fused, FUSED_SWEEP)):  # fmt: skip
@@ -646,6 +685,9 @@ def main() -> None:
                         f"triton {triton.__version__}, commit {commit()}, {time.strftime('%Y-%m-%d')}",
                         "bf16, hidden 3072, 4 adapters one per request (1 for 1x4608), scale 0.5"])  # fmt: skip
         return
+    global FLUSH_MODE
+    FLUSH_MODE = args.flush
+    other = "write" if args.flush == "read" else "read"
     bw, mm = copy_bandwidth(), matmul_flops()
     head = [
         f"machine: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
@@ -654,6 +696,8 @@ def main() -> None:
         "bf16, hidden 3072, per-slot rank = rank, scale 0.5, adapters = one per request (slots 0..n-1)",
         "kernel and GEMM times: CUDA-graph replay, L2 flushed before each call (GPU time, no launch overhead); "
         "torch loop and the last column: eager do_bench (Python + launch overhead included)",
+        f"L2 flush: {args.flush} (read: a 256 MB buffer summed, clean lines left; write: memset, ~60 MB of dirty "
+        f"lines left that the timed kernel writes back); last column: shrink / expand µs with the {other} flush",
     ]
     sweep_lines: list[str] = []
     if args.sweep:
@@ -663,17 +707,20 @@ def main() -> None:
         "",
         "| batch | slices | rank | shrink | shrink SGMV | expand | expand SGMV | torch loop (shrink+expand) | "
         "base GEMM | LoRA overhead: shrink+expand / SGMV / expand-writes+addmm | "
-        "fused GEMM+LoRA: (shrink + lora_gemm - base)/base | eager: shrink+expand vs base |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"fused GEMM+LoRA: (shrink + lora_gemm - base)/base | eager: shrink+expand vs base | {other} flush: "
+        "shrink / expand |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
     records = []
-    for batch, reqs in BATCHES.items():
-        for nsl, sizes in SLICES.items():
-            for rank in RANKS:
+    for batch in args.batches.split(","):
+        reqs = BATCHES[batch]
+        for nsl in map(int, args.slices.split(",")):
+            sizes = SLICES[nsl]
+            for rank in map(int, args.ranks.split(",")):
                 p = make_problem(reqs, rank, sizes)
                 m = p.meta
-                t = measure(p)
+                t = measure(p, other)
                 sb, eb = p.shrink_bytes(), p.expand_bytes()
                 sf, ef = p.shrink_flops(), p.expand_flops()
                 over = [100 * t["apply"] / t["base"], 100 * t["apply_sgmv"] / t["base"],
@@ -683,7 +730,8 @@ def main() -> None:
                     f"{cell(t['shrink_sgmv'], sb, sf, bw, mm)} | {cell(t['expand'], eb, ef, bw, mm)} | "
                     f"{cell(t['expand_sgmv'], eb, ef, bw, mm)} | {t['loop'] * 1e3:.0f} µs | {t['base'] * 1e3:.0f} µs | "
                     f"{over[0]:.1f}% / {over[1]:.1f}% / {over[2]:.1f}% | {over[3]:.1f}% | "
-                    f"{t['apply_eager'] * 1e3:.0f} / {t['base_eager'] * 1e3:.0f} µs |"
+                    f"{t['apply_eager'] * 1e3:.0f} / {t['base_eager'] * 1e3:.0f} µs | "
+                    f"{t['shrink_' + other] * 1e3:.1f} / {t['expand_' + other] * 1e3:.1f} µs |"
                 )
                 lines.append(row)
                 print(row, flush=True)
@@ -695,7 +743,7 @@ def main() -> None:
     lines += sweep_lines
     save(args.out, lines)
     with open(os.path.join(args.out, "lora_kernels.json"), "w") as f:
-        json.dump(dict(head=head, copy_bw=bw, matmul_flops=mm, records=records, shrink_tuned=str(shrink_op.TUNED),
+        json.dump(dict(head=head, flush=args.flush, copy_bw=bw, matmul_flops=mm, records=records, shrink_tuned=str(shrink_op.TUNED),
                        expand_tuned=str(expand_op.TUNED)), f, indent=1)  # fmt: skip
 
 

@@ -60,6 +60,10 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     # shared out evenly; every slice in one program, x read once); WIDE=1: every slice's A tile in one load
     # and one wide dot per K step
     "sk 64/64/4/4 x2": _SK_64,
+    # the same on 3 programs per SM, and on one of 128 rows; for batches of fewer row blocks than programs
+    # (one request of 4608 tokens: 72 row blocks of 64) every SM still gets K steps
+    "sk 64/64/4/4 x3": dict(_SK_64, STREAMK=3),
+    "sk 128/64/8/4 x1": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=1),
     "wide 128/64/8/4": _WIDE_128,
     "wide 64/64/4/4 x2": _WIDE_64,
 }
@@ -181,9 +185,12 @@ def launch_lora_shrink(
         )
         seg = (token_seg, seg_start, seg_len, seg_slot, seg_scale if scaled else s, slot_rank)
         sizes = (num_tokens, hidden, s.shape[2], max_loras, max_rank, s.stride(0), s.stride(1), s.stride(2))
-        # stream-K: at most one program per row block
-        programs = min(grid[0], streamk * num_programs_limit(x.device))
+        # stream-K: the wide kernel cuts a row block between at most two programs, so it gets at most one
+        # program per row block; the narrow one sums any number of pieces of a row block, so a batch of fewer
+        # row blocks than programs still spreads its K steps over every SM
+        programs = streamk * num_programs_limit(x.device)
         if streamk and split == 1 and wide:
+            programs = min(grid[0], programs)
             # all slices' A tiles in one [SL, BLOCK_R, BLOCK_K] load, one dot per K step
             sl = next_pow2(num_slices)
             n_cols = sl * block_r

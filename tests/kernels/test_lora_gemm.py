@@ -191,13 +191,15 @@ def test_shrink_streamk(max_rank):
     """The stream-K shrinks (STREAMK; 4 programs in the interpreter): whole row blocks first, then a row
     block whose K steps are shared by all four programs (summed with atomics in the scratch buffer, which
     must be left zeroed); the wide one (WIDE: all slices in one dot) with row blocks cut between two
-    programs, whose partial tiles meet in the workspace. Tiles straddling segments, 1-token and empty
-    segments, rank 0, slot -1; 1, 3 and 4 slices; both outputs equal the references, and again on a second
-    launch (the scratch is not reset between launches)."""
+    programs, whose partial tiles meet in the workspace. A batch of one row block for four programs (its five
+    K steps cut into four pieces; the wide kernel takes one program). Tiles
+    straddling segments, 1-token and empty segments, rank 0, slot -1; 1, 3 and 4 slices; both outputs equal
+    the references, and again on a second launch (the scratch is not reset between launches)."""
     ranks = [8, 0, 4, 8] if max_rank == 8 else [16, 0, 64, 48]
-    layout = ([(1, 0), (0, 1), (9, 2), (5, -1), (3, 3), (30, 1), (7, 0), (4, 2), (20, 3)], ranks,
-              [1, 2, -1, 1, 0.5, 1, 2, 3, 1])  # fmt: skip
-    for num_slices in (1, 3, 4):
+    large = ([(1, 0), (0, 1), (9, 2), (5, -1), (3, 3), (30, 1), (7, 0), (4, 2), (20, 3)], ranks,
+             [1, 2, -1, 1, 0.5, 1, 2, 3, 1])  # fmt: skip
+    small = ([(5, 2), (10, 0), (1, 3)], ranks, [1, 2, -1])
+    for layout, num_slices in ((large, 1), (large, 3), (large, 4), (small, 3)):
         # hidden 72 in 16-wide K steps: 5 per row block, 6 row blocks of 16 -> 30 steps, 7.5 per program
         c = make_case(layout, num_slices, [16] * num_slices, 72, torch.float16, max_rank=max_rank)
         m = c.meta
