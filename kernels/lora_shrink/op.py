@@ -83,6 +83,7 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
 #   slice, 4 stages (96 KB: two per SM): 3 slices rank 64 55.0 µs, rank 128 89.6; no stream-K or wide
 #   variant measured faster (rank 64: 65.8-110 µs).
 # Rank 16 stays on TUNED (41 µs at 4x4608, 3 slices; nothing measured faster there).
+# Batches of fewer 64-row blocks than SMs take SMALL_TUNED instead (below).
 SEGMENTED_TUNED: dict[tuple[int, int], tuple[dict[str, int], ...]] = {
     (3, 32): (_SK_64, TUNED[3, 32]),
     (4, 32): (_WIDE_64, TUNED[4, 32]),
@@ -93,9 +94,23 @@ SEGMENTED_TUNED: dict[tuple[int, int], tuple[dict[str, int], ...]] = {
 }
 
 
+# Batches of fewer 64-row blocks than SMs (one request of 4608 tokens: 72 on 132 SMs): the TMA kernel with one
+# program per 64-row block and slice (216-288 programs), except 6 pointer stages at rank 16 with 3 slices.
+# H200, 1x4608, L2 flushed by a read, bf16 scaled s (fp32 s alike), µs, against the large-batch defaults:
+# 3 slices 16.3 / 17.7 / 18.5 / 22.3 at ranks 16 / 32 / 64 / 128 (18.4 / 20.9 / 19.8 / 21.9), 4 slices 17.4 /
+# 17.5 / 20.7 / 36.5 (19.8 / 23.4 / 22.2 / 39.5); stream-K over all SMs was no faster (17.8-48.3).
+_TMA_SPLIT_64 = dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT=1, TMA=1)
+SMALL_TUNED: dict[tuple[int, int], dict[str, int]] = {
+    (3, 16): dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=6),
+}
+
+
 def segmented_config(num_slices: int, block_r: int, num_tokens: int, device: torch.device) -> dict[str, int]:
-    """The segmented shrink's tiles for this batch: the first SEGMENTED_TUNED entry whose stream-K programs
-    (if any) all get a row block, else TUNED / shrink_config."""
+    """The segmented shrink's tiles for this batch: for fewer 64-row blocks than SMs SMALL_TUNED (else the
+    split TMA kernel on 64-row blocks), otherwise the first SEGMENTED_TUNED entry whose stream-K programs (if
+    any) all get a row block, else TUNED / shrink_config."""
+    if num_tokens < 64 * num_programs_limit(device):
+        return SMALL_TUNED.get((num_slices, block_r), _TMA_SPLIT_64)
     for cfg in SEGMENTED_TUNED.get((num_slices, block_r), ()):
         rows_needed = cfg.get("STREAMK", 0) * num_programs_limit(device) * cfg["BLOCK_M"]
         if num_tokens >= rows_needed:

@@ -213,25 +213,30 @@ def test_shrink_streamk(max_rank):
                 torch.testing.assert_close(launch_lora_shrink(*args, config=cfg), want, **TOL[torch.float16])
 
 
-@pytest.mark.parametrize("rank", [32, 64, 128])
+@pytest.mark.parametrize("rank", [16, 32, 64, 128])
 @pytest.mark.parametrize("num_slices", [3, 4])
 def test_shrink_segmented_defaults(num_slices, rank):
-    """The segmented shrink's defaults above rank 16: the split TMA kernel at ranks 64 (3 slices) and 128;
-    stream-K at rank 32 and (wide) at rank 64 with 4 slices, but only for batches with a row block for
-    every program (4 programs in the interpreter), smaller ones fall back. A large and a small batch, each
-    with straddling segments, a smaller rank next to the largest and rows past the last tile, equal the
-    references in both outputs."""
+    """The segmented shrink's defaults: for batches of fewer 64-row blocks than programs (4 in the
+    interpreter) the split TMA kernel on 64-row blocks (6 pointer stages at rank 16 with 3 slices); above
+    that, the split TMA kernel at ranks 64 (3 slices) and 128, stream-K at rank 32 and (wide) at rank 64 with 4
+    slices, the pointer tiles at rank 16. A large and a small batch, each with straddling segments, a smaller
+    rank next to the largest and rows past the last tile, equal the references in both outputs."""
     block_r = block_rank(rank)
     dev = torch.device("cpu")
     small, large = (
         segmented_config(num_slices, block_r, 200, dev),
         segmented_config(num_slices, block_r, 600, dev),
     )
+    if (num_slices, rank) == (3, 16):
+        assert small == dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=6)
+    else:
+        assert small["TMA"] == small["SPLIT"] == 1 and small["BLOCK_M"] == 64
     if (num_slices, rank) in ((3, 32), (4, 32), (4, 64)):
         assert large["STREAMK"] and large.get("WIDE", 0) == (num_slices == 4)
-        assert not small.get("STREAMK")
+    elif rank == 16:
+        assert "TMA" not in large
     else:
-        assert large == small and large["TMA"] == 1 and large["SPLIT"] == 1
+        assert large["TMA"] == 1 and large["SPLIT"] == 1 and large["BLOCK_M"] == 128
     for first in (100, 500):  # tokens of the first request: 202 and 602 in all
         layout = ([(first, 0), (0, 1), (37, 2), (5, -1), (60, 3)], [rank, 16, 0, 48 if rank > 48 else 8],
                   [1, 2, 1, 1, -0.5])  # fmt: skip
