@@ -545,6 +545,9 @@ def qkv_only(args, head: list[str]) -> None:
                                 )
                             )  # fmt: skip
                         fns["gluon lora_gemm no fold"] = _gemm_call(p, s, gemm_op.SWEEP["gluon no fold"])
+                        nosplit = gemm_op.SWEEP["gluon no split"]
+                        fns["gluon lora_gemm no split"] = _gemm_call(p, s, nosplit)
+                        fns["gluon no LoRA no split"] = _gemm_call(p, s[:, :, :0], nosplit)
                         fns["gluon two launches"] = lambda p=p, m=m, seg=seg, gcfg=gcfg: launch_lora_gemm(
                             p.x,
                             p.w,
@@ -589,8 +592,10 @@ def qkv_only(args, head: list[str]) -> None:
                             "gluon lora_linear spread",
                             "gluon lora_linear no fold",
                             "gluon lora_gemm no fold",
+                            "gluon lora_gemm no split",
                             "gluon two launches",
                             "gluon no LoRA",
+                            "gluon no LoRA no split",
                             "lora_gemm no LoRA",
                             "lora_linear without Gluon",
                         ):

@@ -205,6 +205,8 @@ def _gluon_lora_gemm_kernel(
     lora_steps,  # HAS_LORA: cdiv(rank columns, BLOCK_K)
     s_rows_total,  # rows of s_desc: a row coordinate past every row
     b_rows_total,  # rows of b_desc
+    ws_ptr,  # SPLIT_TAIL: fp32 [≥ tail tiles, BLOCK_M, BLOCK_N], zero between launches (each launch leaves it so)
+    cnt_ptr,  # SPLIT_TAIL: int32 [≥ tail tiles], zero between launches: pieces of each tail tile summed so far
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
@@ -215,7 +217,14 @@ def _gluon_lora_gemm_kernel(
     HAS_BIAS: gl.constexpr,
     num_warps: gl.constexpr,
     FOLD: gl.constexpr = False,  # the LoRA MMA after the last K step, s and B in buffers of their own (`_tiles`)
+    SPLIT_TAIL: gl.constexpr = False,  # the last partial round of tiles cut along K (`_tail_piece`)
 ):
+    """SPLIT_TAIL: where the tiles leave a last round that fills at most half the programs, those tail tiles
+    are cut into `parts` pieces of contiguous K steps (parts = programs // tail tiles, at most k_tiles // 4),
+    one piece per program, so the last round takes about 1 / parts of a tile instead of a whole one. Each
+    piece adds its fp32 partial tile into ws with relaxed atomics and counts itself in cnt (acq_rel); the
+    piece that completes the count reads the sum, leaves ws and cnt zeroed for the next launch, and runs the
+    epilogue. The piece with the last K steps also runs the tile's LoRA steps (or FOLD's MMA)."""
     dtype: gl.constexpr = x_desc.dtype
     hidden = x_desc.shape[1]
     k_tiles = gl.cdiv(hidden, BLOCK_K)
@@ -238,15 +247,104 @@ def _gluon_lora_gemm_kernel(
     if FOLD:
         l_s, l_b, lbar = _fold_buffers(s_desc, b_desc, BLOCK_M, BLOCK_N, LORA_K)
 
+    full = num_tiles // nprog
+    tail = num_tiles - full * nprog
+    parts = 1
+    if SPLIT_TAIL:
+        parts = gl.where(tail > 0, gl.minimum(nprog // gl.maximum(tail, 1), k_tiles // 4), 1)
+    dp_hi = my_tiles
+    if parts > 1:
+        dp_hi = full
     # step: a tensor from the start (it is carried through the loops)
-    _tiles(gl.to_tensor(0), 0, my_tiles, pid, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m, num_col_blocks,
-           num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr,
-           seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem, BLOCK_M,
-           BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps, True, HAS_LORA, None, False,
-           l_s, l_b, lbar, FOLD)  # fmt: skip
+    step = _tiles(gl.to_tensor(0), 0, dp_hi, pid, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m,
+                  num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
+                  token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars,
+                  c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps, True,
+                  HAS_LORA, None, False, l_s, l_b, lbar, FOLD)  # fmt: skip
+    if SPLIT_TAIL:
+        if (parts > 1) & (pid < tail * parts):
+            _tail_piece(step, pid // parts, pid % parts, parts, full, nprog, k_tiles, lora_steps, num_tiles,
+                        num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
+                        s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, bias_ptr, ws_ptr, cnt_ptr, x_desc,
+                        w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem, l_s, l_b, lbar, BLOCK_M,
+                        BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_LORA, HAS_BIAS, FOLD,
+                        num_warps)  # fmt: skip
     tma.store_wait(pendings=0)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
+def _piece_ki(k, k_hi, k_tiles):
+    """A tail piece's step k (from its first K step): the K step k below k_hi, then the LoRA steps."""
+    return gl.where(k < k_hi, k, k_tiles + k - k_hi)
+
+
+@gluon.jit
+def _tail_piece(step, t, part, parts, full, nprog, k_tiles, lora_steps, num_tiles, num_pid_m, num_col_blocks,
+                num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr,
+                seg_slot_ptr, bias_ptr, ws_ptr, cnt_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars,
+                c_smem, l_s, l_b, lbar, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                LORA_K: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_LORA: gl.constexpr,
+                HAS_BIAS: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """Piece `part` of tail tile t (tile full · nprog + t): its K steps [k_lo, k_hi) through the ring (idle
+    after the program's whole tiles), the last piece's LoRA steps, the partial tile into ws; the piece that
+    completes the tile's count stores it (`_gluon_lora_gemm_kernel` SPLIT_TAIL)."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    m0, n0, s_row, b_row = _load_origin(0, full * nprog + t, nprog, num_tiles, num_pid_m, num_col_blocks,
+                                        num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total,
+                                        b_rows_total, token_seg_ptr, seg_slot_ptr, BLOCK_M, BLOCK_N, GROUP_M,
+                                        HAS_LORA)  # fmt: skip
+    k_lo = (part * k_tiles) // parts
+    k_hi = ((part + 1) * k_tiles) // parts
+    last = part == parts - 1
+    n = k_hi - k_lo
+    if HAS_LORA:
+        if last:
+            n += lora_steps
+            if FOLD:
+                _fold_load(s_row, b_row, s_desc, b_desc, l_s, l_b, lbar)
+    for i in gl.static_range(NUM_BUFFERS - 1):
+        _issue_load(step + i, _piece_ki(k_lo + i, k_hi, k_tiles), i < n, m0, n0, s_row, b_row, k_tiles, x_desc,
+                    w_desc, s_desc, b_desc, a_bufs, w_bufs, bars, BLOCK_K, NUM_BUFFERS, HAS_LORA)  # fmt: skip
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+    for i in range(n):
+        slot_i = step % NUM_BUFFERS
+        mbarrier.wait(bars.index(slot_i), (step // NUM_BUFFERS) & 1)
+        a_buf = a_bufs.index(slot_i)
+        w_buf = w_bufs.index(slot_i)
+        if HAS_LORA:
+            if _piece_ki(k_lo + i, k_hi, k_tiles) < k_tiles:
+                tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, use_acc=i > 0, is_async=True)
+            else:
+                tok = _lora_mma(a_buf, w_buf, acc, LORA_K, BLOCK_K)
+        else:
+            tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, use_acc=i > 0, is_async=True)
+        acc, _, _ = warpgroup_mma_wait(1, deps=(tok, a_buf, w_buf))
+        nxt = i + NUM_BUFFERS - 1
+        _issue_load(step + NUM_BUFFERS - 1, _piece_ki(k_lo + nxt, k_hi, k_tiles), nxt < n, m0, n0, s_row, b_row,
+                    k_tiles, x_desc, w_desc, s_desc, b_desc, a_bufs, w_bufs, bars, BLOCK_K, NUM_BUFFERS,
+                    HAS_LORA)  # fmt: skip
+        step += 1
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    if FOLD:
+        if last:
+            mbarrier.wait(lbar.index(0), full & 1)
+            tok = warpgroup_mma(l_s, l_b.permute((1, 0)), acc, is_async=True)
+            acc, _ls, _lb = warpgroup_mma_wait(0, deps=(tok, l_s, l_b))
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+    ws = ws_ptr + t * (BLOCK_M * BLOCK_N) + rows[:, None] * BLOCK_N + cols[None, :]
+    gl.atomic_add(ws, acc, sem="relaxed", scope="gpu")
+    _cta_barrier()  # every thread's sums precede the count
+    done = gl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") + 1
+    if done == parts:  # the tile's last piece to arrive: take the sum, leave zeros for the next launch
+        total = gl.load(ws, cache_modifier=".cg")
+        gl.store(ws, gl.zeros_like(total))
+        gl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")
+        _epilogue(total, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, True)
 
 
 @gluon.jit

@@ -14,7 +14,8 @@ from ditserve.kernels.lora_expand.op import column_blocks
 # launch: SPREAD puts its units on the programs with one tile less, LEAD tiles before any program needs
 # them (1: where a unit's MMAs are narrow, 2: always), else they all run first (_gluon_lora_linear_kernel).
 # FOLD: at rank ≤ 16 the LoRA MMA follows the last K step, its s and B boxes in buffers of their own (no
-# LoRA step in the ring)
+# LoRA step in the ring). SPLIT_TAIL (the GEMM launch): a last round of tiles that leaves at least half the
+# programs idle is cut along K into pieces for them (`tail_parts`)
 GLUON_CONFIG = dict(
     BLOCK_M=128,
     BLOCK_N=256,
@@ -25,6 +26,7 @@ GLUON_CONFIG = dict(
     SPREAD=1,
     LEAD=2,
     FOLD=1,
+    SPLIT_TAIL=1,
 )
 
 
@@ -162,17 +164,40 @@ def launch_gluon_lora_gemm(
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
     num_tiles = -(-num_tokens // bm) * num_col_blocks
     grid = min(num_tiles, num_programs_limit(x.device))
+    split = tail_parts(num_tiles, grid, -(-x.shape[1] // bk)) > 1 and bool(cfg.get("SPLIT_TAIL", 0))
+    ws, cnt = _tail_buffers(x.device, (num_tiles % grid) * bm * bn, num_tiles % grid) if split else (y, y)
     # the LoRA code also without LoRA (zero LoRA steps): ptxas makes faster code of it (H200, QKV 4×4608:
     # +2.5 % against cuBLAS, +5.7 % compiled without it; BENCHMARKS.md)
     _gluon_lora_gemm_kernel[(grid,)](
         x_desc, w_desc, s_desc, b_desc, y_desc, bias if bias is not None else y, token_seg, seg_slot,
         num_tokens, n_total, *cols, *blks, num_col_blocks, lora_steps,
-        s.shape[0] * num_tokens, b_stacked.shape[0] * n_total,
+        s.shape[0] * num_tokens, b_stacked.shape[0] * n_total, ws, cnt,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, LORA_K=lora_cols, GROUP_M=cfg["GROUP_M"],
         NUM_BUFFERS=cfg["NUM_BUFFERS"], HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], HAS_LORA=True,
-        FOLD=fold,
+        FOLD=fold, SPLIT_TAIL=split,
     )  # fmt: skip
     return y
+
+
+def tail_parts(num_tiles: int, programs: int, k_tiles: int) -> int:
+    """Pieces each tile of the last partial round is cut into along K (`_gluon_lora_gemm_kernel` SPLIT_TAIL):
+    as many as the programs left idle allow, each of at least 4 K steps; 1 (no cut) without such a round."""
+    tail = num_tiles % programs
+    return min(programs // tail, k_tiles // 4) if tail and num_tiles > programs else 1
+
+
+# SPLIT_TAIL's fp32 partial tiles and piece counts, one set per device (launches on one device must not run
+# concurrently on two streams); every launch leaves both zeroed
+_TAIL: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _tail_buffers(device: torch.device, n_ws: int, n_cnt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ws, cnt = _TAIL.get(device, (None, None))
+    if ws is None or ws.numel() < n_ws or cnt.numel() < n_cnt:
+        ws = torch.zeros(max(n_ws, ws.numel() if ws is not None else 0), dtype=torch.float32, device=device)
+        cnt = torch.zeros(max(n_cnt, 256), dtype=torch.int32, device=device)
+        _TAIL[device] = (ws, cnt)
+    return ws, cnt
 
 
 NARROW_UNIT_COLS = 64  # a shrink unit's MMAs at most this wide (slices × rank columns): spread (SPREAD 1)

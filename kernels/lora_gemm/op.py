@@ -106,6 +106,12 @@ SWEEP: dict[str, dict[str, int]] = {
         "GLUON": 1,
         "GLUON_FOLD": 0,
     },
+    # the last partial round of tiles whole (SPLIT_TAIL off)
+    "gluon no split": {
+        **_cfg(128, 256, 64, 8, 3, tma=1, flatten=1, store=1, group_m=16),
+        "GLUON": 1,
+        "GLUON_SPLIT_TAIL": 0,
+    },
 }
 # warp-specialised loops (tl.range(..., warp_specialize=True)): Triton documents them for Blackwell; tried
 # on Hopper only on request (--sweep-ws), since a failing lowering may take the whole process down
@@ -264,6 +270,7 @@ def launch_lora_gemm(
             **gluon_op.GLUON_CONFIG,
             "GROUP_M": cfg["GROUP_M"],
             "FOLD": cfg.get("GLUON_FOLD", gluon_op.GLUON_CONFIG["FOLD"]),
+            "SPLIT_TAIL": cfg.get("GLUON_SPLIT_TAIL", gluon_op.GLUON_CONFIG["SPLIT_TAIL"]),
         }
         return gluon_op.launch_gluon_lora_gemm(
             x, weight, bias, s, b_stacked, token_seg, seg_slot, out_slice_sizes, cfg=gcfg

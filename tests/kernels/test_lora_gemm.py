@@ -568,3 +568,38 @@ def test_bf16_gpu_gluon_kernel(num_slices, max_rank, config, monkeypatch):
     # the rows of the request without an adapter are the plain GEMM's
     rows = m.token_seg.new_tensor([m.seg_slot[t].item() < 0 for t in m.token_seg.tolist()], dtype=torch.bool)
     torch.testing.assert_close(got[rows].float(), no_lora[rows].float(), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_rank", [16, 64])
+def test_bf16_gpu_gluon_split_tail(max_rank, monkeypatch):
+    """The Gluon GEMM with the last partial round of tiles cut along K (SPLIT_TAIL): 4 requests of 4608 tokens
+    (one without an adapter) and QKV outputs are 5184 tiles, a last round of 36 on an H200's 132 SMs, each cut
+    into 3 pieces whose partial sums meet in a scratch buffer. Equal to the reference, to the kernel without
+    the cut, and to itself on a second launch (the scratch is left zeroed); with and without LoRA (FOLD's MMA
+    at rank 16, a LoRA step in the ring at 64)."""
+    from ditserve.kernels._dispatch import num_programs_limit
+    from ditserve.kernels.lora_gemm import gluon_op
+
+    calls = gluon_launches(monkeypatch)
+    requests = [(4608, 0), (4608, -1), (4608, 2), (4608, 1)]
+    meta, x, a, b, w, bias, sizes = gpu_problem(3, requests)
+    num_tiles = (meta.num_tokens // 128) * (sum(sizes) // 256)
+    if gluon_op.tail_parts(num_tiles, num_programs_limit(x.device), x.shape[1] // 64) < 2:
+        pytest.skip("no last round of tiles to cut on this GPU's SM count")
+    ranks = [min(r, max_rank) for r in meta.slot_rank.tolist()]
+    m = LoRABatchMeta.build(requests, ranks, [0.5, 1.0, 2.0, -1.0], device="cuda")
+    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot)
+    s = lora_shrink_scaled_ref(x, a, *seg, m.seg_scale, m.slot_rank, m.max_rank)
+    want = lora_gemm_ref(x, w, bias, s, b, *seg[1:], m.seg_scale, m.slot_rank, sizes, s_scaled=True)
+    plain = torch.nn.functional.linear(x, w, bias)
+    for s_in, ref in ((s, want), (s[:, :, :0], plain)):
+        outs = {}
+        for config in ("gluon", "gluon", "gluon no split"):
+            got = launch_lora_gemm(x, w, bias, s_in, b, *seg_args(m), sizes, config=SWEEP[config], s_scaled=True,
+                                   seg_align=m.seg_align)  # fmt: skip
+            torch.testing.assert_close(got.float(), ref.float(), atol=5e-2, rtol=3e-2)
+            outs.setdefault(config, []).append(got)
+        torch.testing.assert_close(outs["gluon"][0], outs["gluon"][1], atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(outs["gluon"][0], outs["gluon no split"][0], atol=1e-2, rtol=1e-2)
+    assert calls == ["gemm"] * 6

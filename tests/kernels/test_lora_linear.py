@@ -144,6 +144,19 @@ def test_gluon_kernels_only_with_the_triton_they_were_tested_with():
     assert not gluon_op.gluon_triton_ok("3.9.0") and not gluon_op.gluon_triton_ok("3.10.0")
 
 
+def test_gluon_split_tail_policy():
+    """Where the Gluon GEMM cuts its last round of tiles along K (`tail_parts`): into as many pieces as the
+    idle programs allow, each of at least 4 K steps; not where that round fills more than half the programs,
+    where the tiles divide evenly, or where there are fewer tiles than programs."""
+    from ditserve.kernels.lora_gemm import gluon_op
+
+    assert gluon_op.tail_parts(5184, 132, 48) == 3  # QKV of 4 × 4608 tokens: 36 tiles in the last round
+    assert gluon_op.tail_parts(2688, 132, 48) == 2  # 48 tiles
+    assert gluon_op.tail_parts(5184, 132, 8) == 2  # hidden 512: pieces of 4 K steps at most 2
+    assert gluon_op.tail_parts(1296, 132, 48) == 1  # 108 tiles: fills more than half the programs
+    assert gluon_op.tail_parts(264, 132, 48) == 1 and gluon_op.tail_parts(100, 132, 48) == 1
+
+
 def test_gluon_request_off_hopper_runs_the_triton_path(monkeypatch):
     """`gluon=True` (the default) where the Gluon kernels cannot run (here: not a CUDA tensor)
     takes the Triton path with the same results, and no Gluon launcher is called."""
