@@ -55,3 +55,23 @@ def _num_sms(device_index: int) -> int:
 def num_programs_limit(device: torch.device) -> int:
     """Programs a persistent launch keeps resident: one per SM (4 in the interpreter, so tests loop)."""
     return _num_sms(device.index or 0) if device.type == "cuda" else 4
+
+
+# Scratch that kernels leave in a known state between launches (zeroed sums and counts), one buffer per (name,
+# device); launches on one device must not run concurrently on two streams. A larger request allocates a new
+# zeroed buffer and keeps the old one alive: CUDA graphs captured before hold its address and use it on every
+# replay (freed, its memory could be handed to other tensors).
+_SCRATCH: dict[tuple[str, torch.device], torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+
+
+def zeroed_scratch(
+    name: str, device: torch.device, numel: int, dtype: torch.dtype, min_numel: int = 0
+) -> torch.Tensor:
+    """A buffer of at least numel elements, zero when first allocated, kept per (name, device)."""
+    buf = _SCRATCH.get((name, device))
+    if buf is None or buf.numel() < numel:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = _SCRATCH[name, device] = torch.zeros(max(numel, min_numel), dtype=dtype, device=device)
+    return buf

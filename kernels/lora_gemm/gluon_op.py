@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from ditserve.kernels._dispatch import next_pow2, num_programs_limit, tma_ok
+from ditserve.kernels._dispatch import next_pow2, num_programs_limit, tma_ok, zeroed_scratch
 from ditserve.kernels.lora_expand.op import column_blocks
 
 # 128×256 tiles over 8 warps (two warpgroups of 64 rows), 64-wide K steps, a ring of 3 slots (3 × 48 KB)
@@ -165,7 +165,11 @@ def launch_gluon_lora_gemm(
     num_tiles = -(-num_tokens // bm) * num_col_blocks
     grid = min(num_tiles, num_programs_limit(x.device))
     split = tail_parts(num_tiles, grid, -(-x.shape[1] // bk)) > 1 and bool(cfg.get("SPLIT_TAIL", 0))
-    ws, cnt = _tail_buffers(x.device, (num_tiles % grid) * bm * bn, num_tiles % grid) if split else (y, y)
+    ws, cnt = y, y  # never read without SPLIT_TAIL
+    if split:  # at most half the programs' tiles (sized for that at once: the same buffers for every shape)
+        half = num_programs_limit(x.device) // 2
+        ws = zeroed_scratch("gemm tail sums", x.device, half * bm * bn, torch.float32)
+        cnt = zeroed_scratch("gemm tail counts", x.device, half, torch.int32)
     # the LoRA code also without LoRA (zero LoRA steps): ptxas makes faster code of it (H200, QKV 4×4608:
     # +2.5 % against cuBLAS, +5.7 % compiled without it; BENCHMARKS.md)
     _gluon_lora_gemm_kernel[(grid,)](
@@ -184,20 +188,6 @@ def tail_parts(num_tiles: int, programs: int, k_tiles: int) -> int:
     as many as the programs left idle allow, each of at least 4 K steps; 1 (no cut) without such a round."""
     tail = num_tiles % programs
     return min(programs // tail, k_tiles // 4) if tail and num_tiles > programs else 1
-
-
-# SPLIT_TAIL's fp32 partial tiles and piece counts, one set per device (launches on one device must not run
-# concurrently on two streams); every launch leaves both zeroed
-_TAIL: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _tail_buffers(device: torch.device, n_ws: int, n_cnt: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ws, cnt = _TAIL.get(device, (None, None))
-    if ws is None or ws.numel() < n_ws or cnt.numel() < n_cnt:
-        ws = torch.zeros(max(n_ws, ws.numel() if ws is not None else 0), dtype=torch.float32, device=device)
-        cnt = torch.zeros(max(n_cnt, 256), dtype=torch.int32, device=device)
-        _TAIL[device] = (ws, cnt)
-    return ws, cnt
 
 
 NARROW_UNIT_COLS = 64  # a shrink unit's MMAs at most this wide (slices × rank columns): spread (SPREAD 1)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from ditserve.kernels._dispatch import block_rank, next_pow2, num_programs_limit, tma_ok, use_triton
+from ditserve.kernels._dispatch import (
+    block_rank,
+    next_pow2,
+    num_programs_limit,
+    tma_ok,
+    use_triton,
+    zeroed_scratch,
+)
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref
 
 MAX_SLICES = 4
@@ -239,28 +246,18 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# the stream-K shrinks' scratch, one set per device (launches on one device must not run concurrently on two
-# streams). _SYNC: the wide kernel's per-boundary counters, which every launch leaves consistent (never
-# reset); _TAIL: the narrow kernel's tail sums and step counts, which every launch leaves at zero.
-_SYNC: dict[torch.device, torch.Tensor] = {}
-_TAIL: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
+# the stream-K shrinks' scratch (`zeroed_scratch`): the wide kernel's per-boundary counters, which every launch
+# leaves consistent (never reset); the narrow kernel's tail sums and step counts, which every launch leaves at
+# zero.
 def _sync_counters(device: torch.device, n: int) -> torch.Tensor:
-    buf = _SYNC.get(device)
-    if buf is None or buf.numel() < n:
-        buf = _SYNC[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
+    return zeroed_scratch("shrink boundaries", device, n, torch.int32, 4096)
 
 
 def _tail_buffers(device: torch.device, n_ws: int, n_cnt: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ws, cnt = _TAIL.get(device, (None, None))
-    if ws is None or ws.numel() < n_ws or cnt.numel() < n_cnt:
-        n_ws = max(n_ws, ws.numel() if ws is not None else 0)
-        ws = torch.zeros(n_ws, dtype=torch.float32, device=device)
-        cnt = torch.zeros(max(n_cnt, 4096), dtype=torch.int32, device=device)
-        _TAIL[device] = (ws, cnt)
-    return ws, cnt
+    return (
+        zeroed_scratch("shrink tail sums", device, n_ws, torch.float32),
+        zeroed_scratch("shrink tail counts", device, n_cnt, torch.int32, 4096),
+    )
 
 
 @torch.library.custom_op("ditserve::lora_shrink", mutates_args=())

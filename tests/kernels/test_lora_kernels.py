@@ -326,3 +326,27 @@ def test_cpu_fallback_without_interpreter(monkeypatch):
     y = c.y.clone()
     apply_lora(y, c.x, c.a, c.b, c.meta, sizes)
     torch.testing.assert_close(y.double(), dense_oracle(c), atol=1e-4, rtol=1e-4)
+
+
+def test_zeroed_scratch_keeps_what_captured_graphs_hold():
+    """Kernel scratch (stream-K sums and counts): zero when allocated, the same buffer for requests it holds,
+    a new zeroed one for a larger request, and the old one kept alive, since a CUDA graph captured earlier
+    still writes to its address on every replay."""
+    import gc
+    import weakref
+
+    from ditserve.kernels._dispatch import zeroed_scratch
+
+    dev = torch.device("cpu")
+    first = zeroed_scratch("test scratch", dev, 100, torch.float32)
+    assert first.numel() == 100 and not first.any()
+    first[3] = 1.0  # a launch left something (a graph would not; this tells the buffers apart)
+    assert zeroed_scratch("test scratch", dev, 60, torch.float32).data_ptr() == first.data_ptr()
+    old = weakref.ref(first)
+    ptr = first.data_ptr()
+    del first
+    bigger = zeroed_scratch("test scratch", dev, 1000, torch.float32)
+    gc.collect()
+    assert bigger.numel() == 1000 and not bigger.any() and bigger.data_ptr() != ptr
+    assert old() is not None and old()[3] == 1.0
+    assert zeroed_scratch("other scratch", dev, 10, torch.int32, min_numel=64).numel() == 64
