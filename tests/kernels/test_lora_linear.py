@@ -279,3 +279,51 @@ def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, fold, monkeypatch):
     torch.testing.assert_close(y.float(), want.float(), atol=5e-2, rtol=3e-2)
     torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
     assert calls == ["linear"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("requests", [ALIGNED, [(4608, 0), (4608, -1), (4608, 2), (4608, 1)]])
+def test_bf16_gpu_gluon_gemm_after_shrink_as_dependent(requests, monkeypatch):
+    """At ranks 64 and 128 the shrink kernel and the Gluon GEMM, launched as its programmatic dependent (PDL: the
+    GEMM's programs run their first tile's K steps while the shrink may still run, then wait for it): y and s
+    equal the reference and the launch without PDL, eagerly three times in a row and replayed from a CUDA
+    graph (4 × 4608 tokens also cut the GEMM's last round of tiles)."""
+    from ditserve.kernels.lora_gemm import gluon_op
+
+    gluon_launches(monkeypatch)
+    launched = []
+    real = gluon_op.launch_gluon_lora_gemm
+    monkeypatch.setattr(gluon_op, "launch_gluon_lora_gemm",
+                        lambda *a, **k: launched.append(k.get("pdl")) or real(*a, **k))  # fmt: skip
+    meta, x, a, b, w, bias, sizes = gpu_problem(3, requests)
+    m = meta
+    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
+    assert m.max_rank >= 64  # units too wide for the one launch: the shrink kernel, then the GEMM
+    want = lora_linear_ref(x, w, bias, a, b, *seg[1:], m.max_rank, sizes)
+    want_s = lora_shrink_scaled_ref(x, a, *seg, m.max_rank)
+
+    def run():
+        return launch_lora_linear(x, w, bias, a, b, *seg, m.max_rank, sizes, m.seg_align, gluon=True)
+
+    outs = []
+    for pdl in (1, 1, 1, 0):
+        monkeypatch.setitem(gluon_op.GLUON_CONFIG, "PDL", pdl)
+        y, s = run()
+        torch.testing.assert_close(y.float(), want.float(), atol=5e-2, rtol=3e-2)
+        torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
+        outs.append(y)
+    torch.testing.assert_close(outs[0], outs[3], atol=1e-2, rtol=1e-2)
+    assert launched == [True, True, True, False]
+    monkeypatch.setitem(gluon_op.GLUON_CONFIG, "PDL", 1)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        y_g, s_g = run()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(2):
+        y_g.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(y_g.float(), want.float(), atol=5e-2, rtol=3e-2)
+        torch.testing.assert_close(s_g.float(), want_s.float(), atol=2e-2, rtol=2e-2)
