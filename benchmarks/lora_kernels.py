@@ -324,20 +324,6 @@ def _gemm_call(p: LoRAProblem, s: torch.Tensor, cfg: dict[str, int] | None = Non
     )
 
 
-def _without_pdl(fn):
-    """fn with the Gluon GEMM after the shrink kernel launched as a plain launch, not its dependent (PDL)."""
-
-    def run():
-        old = gluon_op.GLUON_CONFIG["PDL"]
-        gluon_op.GLUON_CONFIG["PDL"] = 0
-        try:
-            return fn()
-        finally:
-            gluon_op.GLUON_CONFIG["PDL"] = old
-
-    return run
-
-
 def _fail(name: str, e: Exception) -> str:
     return f"{name}: fail ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
 
@@ -559,7 +545,6 @@ def qkv_only(args, head: list[str]) -> None:
                                 )
                             )  # fmt: skip
                         fns["gluon lora_gemm no fold"] = _gemm_call(p, s, gemm_op.SWEEP["gluon no fold"])
-                        fns["lora_linear no PDL"] = _without_pdl(fns["gluon lora_linear"])
                         nosplit = gemm_op.SWEEP["gluon no split"]
                         fns["gluon lora_gemm no split"] = _gemm_call(p, s, nosplit)
                         fns["gluon no LoRA no split"] = _gemm_call(p, s[:, :, :0], nosplit)
@@ -606,7 +591,6 @@ def qkv_only(args, head: list[str]) -> None:
                             "gluon lora_linear units first",
                             "gluon lora_linear spread",
                             "gluon lora_linear no fold",
-                            "lora_linear no PDL",
                             "gluon lora_gemm no fold",
                             "gluon lora_gemm no split",
                             "gluon two launches",

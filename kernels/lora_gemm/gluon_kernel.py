@@ -175,16 +175,6 @@ def _acquire_seen(ptr, value, seen):
 
 
 @gluon.jit
-def _grid_dependency_wait(value):
-    """Wait until the kernel this launch depends on (programmatic dependent launch) has finished and its
-    writes are visible, to the async proxy (TMA loads) too."""
-    gl.inline_asm_elementwise(
-        "griddepcontrol.wait; fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [value], dtype=gl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
 def _store_y(out, c_smem, y_desc, m0, n0):
     """A tile of y through shared memory and a TMA store (once the store before it has left c_smem)."""
     tma.store_wait(pendings=0)
@@ -228,20 +218,13 @@ def _gluon_lora_gemm_kernel(
     num_warps: gl.constexpr,
     FOLD: gl.constexpr = False,  # the LoRA MMA after the last K step, s and B in buffers of their own (`_tiles`)
     SPLIT_TAIL: gl.constexpr = False,  # the last partial round of tiles cut along K (`_tail_piece`)
-    PDL: gl.constexpr = False,  # launched as the programmatic dependent of the kernel that writes s (below)
 ):
     """SPLIT_TAIL: where the tiles leave a last round that fills at most half the programs, those tail tiles
     are cut into `parts` pieces of contiguous K steps (parts = programs // tail tiles, at most k_tiles // 4),
     one piece per program, so the last round takes about 1 / parts of a tile instead of a whole one. Each
     piece adds its fp32 partial tile into ws with relaxed atomics and counts itself in cnt (acq_rel); the
     piece that completes the count reads the sum, leaves ws and cnt zeroed for the next launch, and runs the
-    epilogue. The piece with the last K steps also runs the tile's LoRA steps (or FOLD's MMA).
-
-    PDL: this launch may start while the kernel before it (the shrink that writes s) still runs on other
-    SMs; x and W were complete before that kernel started. A program runs its first tile's K steps, keeps
-    the output in c_smem, waits for that kernel (griddepcontrol.wait: it has finished and its writes are
-    visible), then the tile's LoRA steps and the store (`_lora_fixup`); nothing reads s or writes y before the
-    wait."""
+    epilogue. The piece with the last K steps also runs the tile's LoRA steps (or FOLD's MMA)."""
     dtype: gl.constexpr = x_desc.dtype
     hidden = x_desc.shape[1]
     k_tiles = gl.cdiv(hidden, BLOCK_K)
@@ -273,22 +256,7 @@ def _gluon_lora_gemm_kernel(
     if parts > 1:
         dp_hi = full
     # step: a tensor from the start (it is carried through the loops)
-    step = gl.to_tensor(0)
-    idx0 = 0
-    if PDL:
-        step = _tiles(step, 0, 1, pid, nprog, k_tiles, k_tiles, num_tiles, num_pid_m, num_col_blocks, num_tokens,
-                      n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr,
-                      seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem,
-                      BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps,
-                      False)  # fmt: skip
-        _grid_dependency_wait(pid)
-        step = _lora_fixup(step, 0, pid, nprog, k_tiles, lora_steps, num_tiles, num_pid_m, num_col_blocks,
-                           num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
-                           token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars,
-                           c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, num_warps, l_s, l_b,
-                           lbar, FOLD)  # fmt: skip
-        idx0 = 1
-    step = _tiles(step, idx0, dp_hi, pid, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m,
+    step = _tiles(gl.to_tensor(0), 0, dp_hi, pid, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m,
                   num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
                   token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars,
                   c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps, True,

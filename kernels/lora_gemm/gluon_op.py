@@ -15,8 +15,7 @@ from ditserve.kernels.lora_expand.op import column_blocks
 # them (1: where a unit's MMAs are narrow, 2: always), else they all run first (_gluon_lora_linear_kernel).
 # FOLD: at rank ≤ 16 the LoRA MMA follows the last K step, its s and B boxes in buffers of their own (no
 # LoRA step in the ring). SPLIT_TAIL (the GEMM launch): a last round of tiles that leaves at least half the
-# programs idle is cut along K into pieces for them (`tail_parts`). PDL: after the shrink kernel, the GEMM
-# is launched as its programmatic dependent (`launch_gluon_lora_gemm` pdl)
+# programs idle is cut along K into pieces for them (`tail_parts`)
 GLUON_CONFIG = dict(
     BLOCK_M=128,
     BLOCK_N=256,
@@ -28,7 +27,6 @@ GLUON_CONFIG = dict(
     LEAD=2,
     FOLD=1,
     SPLIT_TAIL=1,
-    PDL=1,
 )
 
 
@@ -148,12 +146,8 @@ def launch_gluon_lora_gemm(
     seg_slot: torch.Tensor,
     out_slice_sizes: list[int],
     cfg: dict[str, int] = GLUON_CONFIG,
-    pdl: bool = False,
 ) -> torch.Tensor:
-    """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ per tile (the caller checked `gluon_ok`). pdl: launched as the
-    programmatic dependent of the kernel just before it, which must be the one writing s, launched after x
-    was complete (the shrink kernel: `lora_linear`); each program then runs its first tile's K steps before
-    it waits for that kernel."""
+    """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ per tile (the caller checked `gluon_ok`)."""
     from ditserve.kernels.lora_gemm.gluon_kernel import _gluon_lora_gemm_kernel
 
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -184,7 +178,7 @@ def launch_gluon_lora_gemm(
         s.shape[0] * num_tokens, b_stacked.shape[0] * n_total, ws, cnt,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, LORA_K=lora_cols, GROUP_M=cfg["GROUP_M"],
         NUM_BUFFERS=cfg["NUM_BUFFERS"], HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], HAS_LORA=True,
-        FOLD=fold, SPLIT_TAIL=split, PDL=pdl, **({"launch_pdl": True} if pdl else {}),
+        FOLD=fold, SPLIT_TAIL=split,
     )  # fmt: skip
     return y
 

@@ -82,9 +82,8 @@ def launch_lora_linear(
         s = launch_lora_shrink(x, a_stacked, *seg[:4], slot_rank, max_rank, seg_scale=seg_scale)
         ns = len(out_slice_sizes)
         y = gluon_op.launch_gluon_lora_gemm(
-            x, weight, bias, s[:ns], b_stacked, token_seg, seg_slot, out_slice_sizes,
-            pdl=bool(gluon_op.GLUON_CONFIG["PDL"]),
-        )  # fmt: skip
+            x, weight, bias, s[:ns], b_stacked, token_seg, seg_slot, out_slice_sizes
+        )
         return y, s
     if SHRINK_IN and shrink_in_ok(x, weight, a_stacked, b_stacked, seg_align, config):
         s = x.new_empty((a_stacked.shape[0], x.shape[0], scaled_cols(max_rank)))

@@ -14,7 +14,6 @@ in one load and one dot. Which one a batch gets is op.py's `segmented_config`, f
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 
 @triton.jit
@@ -86,10 +85,7 @@ def _lora_shrink_kernel(
     SPLIT: tl.constexpr,  # > 1: SPLIT programs per row block, one slice each (NUM_SLICES = 1); more programs
     # for small batches, x read SPLIT times (from L2: the programs of one row block run side by side)
     PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,  # let a kernel launched after this one as its dependent start (`launch_lora_shrink`)
 ):
-    if PDL:
-        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     if SPLIT > 1:
         j = pid_m % SPLIT
@@ -242,14 +238,11 @@ def _lora_shrink_tma_kernel(
     SCALED: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,  # let a kernel launched after this one as its dependent start (`launch_lora_shrink`)
 ):
     """The shrink with x and A read through TMA descriptors (no address arithmetic or masks per element):
     rows past num_tokens and columns past hidden come back as zeros; one program per row block (and slice,
     SPLIT). A rows past the slot's rank (the next slot's, where BLOCK_R > max_rank) land in columns that
     are zeroed before the store."""
-    if PDL:
-        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     j0 = 0
     if SPLIT > 1:
@@ -310,7 +303,6 @@ def _lora_shrink_streamk_kernel(
     BLOCK_R: tl.constexpr,
     SCALED: tl.constexpr,
     PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,  # let a kernel launched after this one as its dependent start (`launch_lora_shrink`)
 ):
     """Data-parallel waves, then stream-K over the rest. A unit is a row block, every slice in one program (x
     read once). The first (units // num_programs) · num_programs units go round-robin, one whole unit per
@@ -318,8 +310,6 @@ def _lora_shrink_streamk_kernel(
     ranges, so the last wave does not leave SMs idle (144 row blocks of 128 tokens on 132 programs would
     otherwise end in a wave of 12). A tail unit cut between programs is summed in ws with fp32 atomics; the program whose K steps complete the unit's count (cnt)
     reads the sum, stores s, and zeroes ws and cnt for the next launch, so nothing waits for anything."""
-    if PDL:
-        gdc_launch_dependents()
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(hidden, BLOCK_K)
     units = tl.cdiv(num_tokens, BLOCK_M)
@@ -443,7 +433,6 @@ def _lora_shrink_wide_kernel(
     BLOCK_R: tl.constexpr,
     SCALED: tl.constexpr,
     PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,  # let a kernel launched after this one as its dependent start (`launch_lora_shrink`)
 ):
     """Stream-K over row blocks, every slice in one wide dot (_wide_partial): the K steps of all row blocks
     are cut into num_programs equal contiguous ranges. A row block cut between programs p and p + 1 is
@@ -451,8 +440,6 @@ def _lora_shrink_wide_kernel(
     counts it in sync; the second (which waits only for a program already past its arrival, so it cannot
     deadlock) adds it to its own and stores. The counters grow by fixed amounts each launch (two arrivals,
     one tile), so they never need zeroing."""
-    if PDL:
-        gdc_launch_dependents()
     N: tl.constexpr = SL * BLOCK_R
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(hidden, BLOCK_K)

@@ -188,11 +188,8 @@ def launch_lora_shrink(
     streamk = cfg.pop("STREAMK", 0)
     wide = cfg.pop("WIDE", 0)
     grid = (triton_cdiv(num_tokens, cfg["BLOCK_M"]) * split,)
-    # PDL: every program signals at once that a kernel launched next as this one's programmatic dependent (the
-    # Gluon GEMM after the shrink, `launch_gluon_lora_gemm` pdl) may start on the SMs this launch frees; that
-    # kernel waits for this one before it reads s (Hopper; no effect on other launches)
     common = dict(NUM_SLICES=num_slices // split, BLOCK_R=block_r, SCALED=scaled,
-                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl_capable(x))  # fmt: skip
+                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32")  # fmt: skip
     _, max_loras, max_rank, hidden = a_stacked.shape
     a_rows = a_stacked.view(-1, hidden) if a_stacked.is_contiguous() else None  # [slices·loras·rank, hidden]
     if cfg.pop("TMA", 0) and a_rows is not None and tma_ok(x, a_rows):
@@ -243,11 +240,6 @@ def launch_lora_shrink(
         SPLIT=split, **common, **cfg,
     )  # fmt: skip
     return s
-
-
-def pdl_capable(x: torch.Tensor) -> bool:
-    """Programmatic dependent launch: CUDA devices of compute capability 9.0 and later."""
-    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
 def triton_cdiv(a: int, b: int) -> int:
