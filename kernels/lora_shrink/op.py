@@ -105,7 +105,7 @@ SEGMENTED_TUNED: dict[tuple[int, int], tuple[dict[str, int], ...]] = {
 # program per 64-row block and slice (216-288 programs), except 6 pointer stages at rank 16 with 3 slices.
 # H200, 1x4608, L2 flushed by a read, bf16 scaled s (fp32 s alike), µs, against the large-batch defaults:
 # 3 slices 16.3 / 17.7 / 18.5 / 22.3 at ranks 16 / 32 / 64 / 128 (18.4 / 20.9 / 19.8 / 21.9), 4 slices 17.4 /
-# 17.5 / 20.7 / 36.5 (19.8 / 23.4 / 22.2 / 39.5); stream-K over all SMs was no faster (17.8-48.3).
+# 17.5 / 20.7 / 36.5 (19.8 / 23.4 / 22.2 / 39.5); stream-K over all SMs was no faster (17.8-60.2).
 _TMA_SPLIT_64 = dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT=1, TMA=1)
 SMALL_TUNED: dict[tuple[int, int], dict[str, int]] = {
     (3, 16): dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=6),
