@@ -73,8 +73,8 @@ _FLUSH: dict[str, object] = {}
 # How the L2 is emptied before each timed call. "write": a 256 MB memset (what triton.testing.do_bench
 # does); its last ~60 MB stay in L2 as dirty lines, so the timed kernel also pays for writing them back
 # (≈ 14 µs of HBM time, which a memory-bound kernel of 40 µs feels and a GEMM does not). "read": the
-# buffer is summed instead, leaving clean lines, so a kernel pays for its own bytes only (its own last
-# dirty lines are written back during the next flush, as in the "write" mode).
+# buffer is summed instead, leaving clean lines; the kernel's own last dirty lines are then written back
+# during the next flush, whose time alone (subtracted) does not include them, so they land on the kernel.
 FLUSH_MODE = os.environ.get("LORA_BENCH_FLUSH", "write")
 
 
