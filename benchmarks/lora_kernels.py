@@ -562,6 +562,8 @@ def qkv_only(args, head: list[str]) -> None:
                         )
                     for name in filter(None, args.inter_configs.split(",")):
                         fns[f"gemm {name}"] = _gemm_call(p, s, gemm_op.SWEEP[name])
+                        if name.startswith("gluon"):  # and without LoRA (the base loop alone)
+                            fns[f"gemm {name} no LoRA"] = _gemm_call(p, s[:, :, :0], gemm_op.SWEEP[name])
                     for name in filter(None, args.inter_fused.split(",")):
                         cfg = {**gemm_op.gemm_config(m.num_tokens, p.w.shape[0]), **FUSED_SWEEP[name]}
                         fns[f"fused {name}"] = lambda p=p, seg=seg, m=m, cfg=cfg: launch_lora_linear(
@@ -584,6 +586,10 @@ def qkv_only(args, head: list[str]) -> None:
                     records[-1]["interleaved"] = res
                     for name in filter(None, args.inter_configs.split(",")):
                         extra.append(f"| {batch} | {nsl} | {rank} | {name} | {col('gemm ' + name)} |")
+                        if name.startswith("gluon"):
+                            extra.append(
+                                f"| {batch} | {nsl} | {rank} | {name} no LoRA | {col(f'gemm {name} no LoRA')} |"
+                            )
                     if args.gluon:
                         for name in (
                             "gluon lora_gemm",

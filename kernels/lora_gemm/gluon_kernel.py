@@ -175,12 +175,40 @@ def _acquire_seen(ptr, value, seen):
 
 
 @gluon.jit
-def _store_y(out, c_smem, y_desc, m0, n0):
-    """A tile of y through shared memory and a TMA store (once the store before it has left c_smem)."""
-    tma.store_wait(pendings=0)
+def _store_y(out, c_smem, y_desc, m0, n0, PENDING: gl.constexpr = 0):
+    """A tile of y through shared memory and a TMA store (once all but PENDING of the stores before it have
+    left shared memory: 0 where c_smem is the buffer the last store read)."""
+    tma.store_wait(pendings=PENDING)
     c_smem.store(out)
     fence_async_shared()
     _tma_store(y_desc, [m0, n0], c_smem)
+
+
+@gluon.jit
+def _halves(t, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr):
+    """A [BLOCK_M, WIDTH] register tile as its two column halves (in the MMA layout a split of registers)."""
+    return gl.split(gl.permute(gl.reshape(t, [BLOCK_M, 2, WIDTH // 2]), [0, 2, 1]))
+
+
+@gluon.jit
+def _store_chunks(out, c_smem, y_desc, m0, n0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  EPI_SPLIT: gl.constexpr, EPI_BUFS: gl.constexpr):  # fmt: skip
+    """A tile of y as EPI_SPLIT column chunks (2 or 4) through EPI_BUFS chunk buffers (c_smem [EPI_BUFS,
+    BLOCK_M, BLOCK_N // EPI_SPLIT]): a smaller staging buffer than the tile, which leaves shared memory for
+    one more ring slot."""
+    H: gl.constexpr = BLOCK_N // 2
+    a, b = _halves(out, BLOCK_M, BLOCK_N)
+    if EPI_SPLIT == 2:
+        _store_y(a, c_smem.index(0), y_desc, m0, n0, 0)
+        _store_y(b, c_smem.index(EPI_BUFS - 1), y_desc, m0, n0 + H, EPI_BUFS - 1)
+    else:
+        Q: gl.constexpr = H // 2
+        a0, a1 = _halves(a, BLOCK_M, H)
+        _store_y(a0, c_smem.index(0), y_desc, m0, n0, EPI_BUFS - 1)
+        _store_y(a1, c_smem.index(EPI_BUFS - 1), y_desc, m0, n0 + Q, EPI_BUFS - 1)
+        b0, b1 = _halves(b, BLOCK_M, H)
+        _store_y(b0, c_smem.index(0), y_desc, m0, n0 + H, EPI_BUFS - 1)
+        _store_y(b1, c_smem.index(EPI_BUFS - 1), y_desc, m0, n0 + H + Q, EPI_BUFS - 1)
 
 
 @gluon.jit
@@ -218,6 +246,8 @@ def _gluon_lora_gemm_kernel(
     num_warps: gl.constexpr,
     FOLD: gl.constexpr = False,  # the LoRA MMA after the last K step, s and B in buffers of their own (`_tiles`)
     SPLIT_TAIL: gl.constexpr = False,  # the last partial round of tiles cut along K (`_tail_piece`)
+    EPI_SPLIT: gl.constexpr = 1,  # y stored in this many column chunks (1, 2, 4; y_desc's block is one chunk)
+    EPI_BUFS: gl.constexpr = 1,  # staging buffers for those chunks (EPI_SPLIT > 1)
 ):
     """SPLIT_TAIL: where the tiles leave a last round that fills at most half the programs, those tail tiles
     are cut into `parts` pieces of contiguous K steps (parts = programs // tail tiles, at most k_tiles // 4),
@@ -242,8 +272,11 @@ def _gluon_lora_gemm_kernel(
     bars = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(bars.index(i), count=1)
-    c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
-    l_s, l_b, lbar = c_smem, c_smem, bars  # FOLD's buffers, else never used
+    if EPI_SPLIT == 1:
+        c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
+    else:
+        c_smem = gl.allocate_shared_memory(dtype, [EPI_BUFS, BLOCK_M, BLOCK_N // EPI_SPLIT], y_desc.layout)
+    l_s, l_b, lbar = a_bufs, w_bufs, bars  # FOLD's buffers, else never used
     if FOLD:
         l_s, l_b, lbar = _fold_buffers(s_desc, b_desc, BLOCK_M, BLOCK_N, LORA_K)
 
@@ -260,7 +293,7 @@ def _gluon_lora_gemm_kernel(
                   num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
                   token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars,
                   c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps, True,
-                  HAS_LORA, None, False, l_s, l_b, lbar, FOLD)  # fmt: skip
+                  HAS_LORA, None, False, l_s, l_b, lbar, FOLD, EPI_SPLIT, EPI_BUFS)  # fmt: skip
     if SPLIT_TAIL:
         if (parts > 1) & (pid < tail * parts):
             _tail_piece(step, pid // parts, pid % parts, parts, full, nprog, k_tiles, lora_steps, num_tiles,
@@ -268,7 +301,7 @@ def _gluon_lora_gemm_kernel(
                         s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, bias_ptr, ws_ptr, cnt_ptr, x_desc,
                         w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem, l_s, l_b, lbar, BLOCK_M,
                         BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_LORA, HAS_BIAS, FOLD,
-                        num_warps)  # fmt: skip
+                        num_warps, EPI_SPLIT, EPI_BUFS)  # fmt: skip
     tma.store_wait(pendings=0)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.invalidate(bars.index(i))
@@ -286,7 +319,8 @@ def _tail_piece(step, t, part, parts, full, nprog, k_tiles, lora_steps, num_tile
                 seg_slot_ptr, bias_ptr, ws_ptr, cnt_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars,
                 c_smem, l_s, l_b, lbar, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 LORA_K: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_LORA: gl.constexpr,
-                HAS_BIAS: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                HAS_BIAS: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr, EPI_SPLIT: gl.constexpr = 1,
+                EPI_BUFS: gl.constexpr = 1):  # fmt: skip
     """Piece `part` of tail tile t (tile full · nprog + t): its K steps [k_lo, k_hi) through the ring (idle
     after the program's whole tiles), the last piece's LoRA steps, the partial tile into ws; the piece that
     completes the tile's count stores it (`_gluon_lora_gemm_kernel` SPLIT_TAIL)."""
@@ -344,7 +378,8 @@ def _tail_piece(step, t, part, parts, full, nprog, k_tiles, lora_steps, num_tile
         total = gl.load(ws, cache_modifier=".cg")
         gl.store(ws, gl.zeros_like(total))
         gl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")
-        _epilogue(total, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, True)
+        _epilogue(total, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, True, EPI_SPLIT,
+                  EPI_BUFS)  # fmt: skip
 
 
 @gluon.jit
@@ -364,7 +399,8 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
            GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr,
            STORE: gl.constexpr = True, HAS_LORA: gl.constexpr = True, sync_ptr=None,
-           WAIT: gl.constexpr = False, l_s=None, l_b=None, lbar=None, FOLD: gl.constexpr = False):  # fmt: skip
+           WAIT: gl.constexpr = False, l_s=None, l_b=None, lbar=None, FOLD: gl.constexpr = False,
+           EPI_SPLIT: gl.constexpr = 1, EPI_BUFS: gl.constexpr = 1):  # fmt: skip
     """This program's tiles idx_lo ≤ idx < idx_hi (tile pid_r + idx · nprog) as one pipeline, which starts and
     drains within the run: the producer (the step whose loads go out next, p_step, its tile p_idx and K step
     p_ki, and where that tile's loads start) sends the first NUM_BUFFERS - 1 steps before the first MMA, and
@@ -426,18 +462,22 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
                 # a relaxed read first, answered while the epilogue runs; acquired after it (the epilogue
                 # written once after a conditional read instead: 254 registers against 236 for sm_90)
                 seen = gl.atomic_add(sync_ptr + g_next, 0, sem="relaxed", scope="gpu")
-                _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, STORE)
+                _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, STORE, EPI_SPLIT,
+                          EPI_BUFS)  # fmt: skip
                 _acquire_seen(sync_ptr + g_next, gl.minimum(num_pid_m - g_next * GROUP_M, GROUP_M), seen)
             else:
-                _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, STORE)
+                _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, STORE, EPI_SPLIT,
+                          EPI_BUFS)  # fmt: skip
         else:
-            _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, STORE)
+            _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, STORE, EPI_SPLIT,
+                      EPI_BUFS)  # fmt: skip
     return step
 
 
 @gluon.jit
 def _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr,
-              num_warps: gl.constexpr, STORE: gl.constexpr = True):  # fmt: skip
+              num_warps: gl.constexpr, STORE: gl.constexpr = True, EPI_SPLIT: gl.constexpr = 1,
+              EPI_BUFS: gl.constexpr = 1):  # fmt: skip
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -446,7 +486,11 @@ def _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N: gl.constexpr, HAS_
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
         out = out + gl.load(bias_ptr + offs_n).to(gl.float32)[None, :]
     if STORE:
-        _store_y(out.to(y_desc.dtype), c_smem, y_desc, m0, n0)
+        if EPI_SPLIT == 1:
+            _store_y(out.to(y_desc.dtype), c_smem, y_desc, m0, n0)
+        else:
+            BLOCK_M: gl.constexpr = acc.shape[0]
+            _store_chunks(out.to(y_desc.dtype), c_smem, y_desc, m0, n0, BLOCK_M, BLOCK_N, EPI_SPLIT, EPI_BUFS)
     else:
         tma.store_wait(pendings=0)
         c_smem.store(out.to(y_desc.dtype))

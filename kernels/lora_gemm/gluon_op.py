@@ -105,14 +105,28 @@ def _tma_desc(t: torch.Tensor, block: list[int]):
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
 
 
+SMEM_LIMIT = 232448  # bytes of shared memory a program may use on sm_90
+
+
+def gemm_smem(cfg: dict[str, int], fold: bool, itemsize: int = 2) -> int:
+    """Shared memory of `_gluon_lora_gemm_kernel` (bytes, barriers aside): the ring, y's staging buffer(s)
+    (the whole tile, or EPI_BUFS chunks of BLOCK_N / EPI_SPLIT columns) and FOLD's s and B boxes."""
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    epi = cfg.get("EPI_SPLIT", 1)
+    staging = bm * bn if epi == 1 else cfg.get("EPI_BUFS", 1) * bm * (bn // epi)
+    return itemsize * (cfg["NUM_BUFFERS"] * (bm + bn) * bk + staging + (bm + bn) * 16 * fold)
+
+
 def _fold(cfg: dict[str, int], lora_steps: int, lora_cols: int, hidden: int) -> bool:
-    """FOLD (`_tiles`): one LoRA MMA of 16 rank columns, whose boxes fit shared memory next to the ring, and
-    K steps enough that the producer is at a tile when it starts (k_tiles ≥ NUM_BUFFERS)."""
+    """FOLD (`_tiles`): one LoRA MMA of 16 rank columns, whose boxes fit shared memory next to the ring and
+    y's staging buffer, and K steps enough that the producer is at a tile when it starts (k_tiles ≥
+    NUM_BUFFERS)."""
     return (
         bool(cfg.get("FOLD", 1))
         and lora_steps == 1
         and lora_cols == 16
         and hidden >= cfg["NUM_BUFFERS"] * cfg["BLOCK_K"]
+        and gemm_smem(cfg, True) + 256 <= SMEM_LIMIT
     )
 
 
@@ -154,7 +168,9 @@ def launch_gluon_lora_gemm(
     num_tokens, _ = x.shape
     n_total = weight.shape[0]
     y = x.new_empty((num_tokens, n_total))
-    x_desc, w_desc, y_desc = _tma_desc(x, [bm, bk]), _tma_desc(weight, [bn, bk]), _tma_desc(y, [bm, bn])
+    epi = cfg.get("EPI_SPLIT", 1)
+    x_desc, w_desc = _tma_desc(x, [bm, bk]), _tma_desc(weight, [bn, bk])
+    y_desc = _tma_desc(y, [bm, bn // epi])
     lora_k = min(s.shape[2], b_stacked.shape[2])
     if lora_k > 0:
         s_desc, b_desc, lora_steps, lora_cols, fold = _lora_boxes(s, b_stacked, lora_k, cfg, x.shape[1])
@@ -178,7 +194,7 @@ def launch_gluon_lora_gemm(
         s.shape[0] * num_tokens, b_stacked.shape[0] * n_total, ws, cnt,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, LORA_K=lora_cols, GROUP_M=cfg["GROUP_M"],
         NUM_BUFFERS=cfg["NUM_BUFFERS"], HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], HAS_LORA=True,
-        FOLD=fold, SPLIT_TAIL=split,
+        FOLD=fold, SPLIT_TAIL=split, EPI_SPLIT=epi, EPI_BUFS=cfg.get("EPI_BUFS", 1),
     )  # fmt: skip
     return y
 

@@ -112,6 +112,18 @@ SWEEP: dict[str, dict[str, int]] = {
         "GLUON": 1,
         "GLUON_SPLIT_TAIL": 0,
     },
+    # a fourth ring slot, paid for by storing y in column chunks through a smaller staging buffer
+    # (EPI_SPLIT chunks, EPI_BUFS buffers; with FOLD's boxes only 4 chunks and one buffer fit)
+    **{
+        f"gluon nb{nb} e{e}b{b}": {
+            **_cfg(128, 256, 64, 8, 3, tma=1, flatten=1, store=1, group_m=16),
+            "GLUON": 1,
+            "GLUON_NUM_BUFFERS": nb,
+            "GLUON_EPI_SPLIT": e,
+            "GLUON_EPI_BUFS": b,
+        }
+        for nb, e, b in ((3, 2, 1), (3, 4, 2), (4, 2, 1), (4, 4, 1), (4, 4, 2))
+    },
 }
 # warp-specialised loops (tl.range(..., warp_specialize=True)): Triton documents them for Blackwell; tried
 # on Hopper only on request (--sweep-ws), since a failing lowering may take the whole process down
@@ -266,12 +278,9 @@ def launch_lora_gemm(
     cfg = resolve_config(config, num_tokens, n_total, s.shape[2] > 0 and s_scaled, seg_align)
     if cfg["GLUON"] and not shrink_in and gluon_op.gluon_ok(x, weight, s, b_stacked, out_slice_sizes, s_scaled,
                                                               seg_align):  # fmt: skip
-        gcfg = {
-            **gluon_op.GLUON_CONFIG,
-            "GROUP_M": cfg["GROUP_M"],
-            "FOLD": cfg.get("GLUON_FOLD", gluon_op.GLUON_CONFIG["FOLD"]),
-            "SPLIT_TAIL": cfg.get("GLUON_SPLIT_TAIL", gluon_op.GLUON_CONFIG["SPLIT_TAIL"]),
-        }
+        # GLUON_<KEY> entries override GLUON_CONFIG's KEY (sweep candidates)
+        over = {k.removeprefix("GLUON_"): v for k, v in cfg.items() if k.startswith("GLUON_")}
+        gcfg = {**gluon_op.GLUON_CONFIG, "GROUP_M": cfg["GROUP_M"], **over}
         return gluon_op.launch_gluon_lora_gemm(
             x, weight, bias, s, b_stacked, token_seg, seg_slot, out_slice_sizes, cfg=gcfg
         )

@@ -63,6 +63,13 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "tma 128/64/8/3 split": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3, SPLIT=1, TMA=1),
     "tma 128/64/8/4 split": _TMA_SPLIT,
     "tma 64/64/4/4 split": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT=1, TMA=1),
+    # fewer stages, more programs per SM: the split kernel's programs (one per row block and slice: 432 of 128
+    # rows at 4x4608 tokens, 3 slices) fill the SMs in fewer, fuller waves (4 stages of 128 rows: 2 per SM,
+    # 1.6 waves; 2 stages: 4 per SM, one wave; 64 rows and 2 stages: 7 per SM)
+    "tma 128/64/8/2 split": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=2, SPLIT=1, TMA=1),
+    "tma 64/64/4/2 split": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=2, SPLIT=1, TMA=1),
+    "tma 64/64/4/3 split": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=3, SPLIT=1, TMA=1),
+    "tma 128/64/4/2 split": dict(BLOCK_M=128, BLOCK_K=64, num_warps=4, num_stages=2, SPLIT=1, TMA=1),
     # stream-K (STREAMK=n programs per SM: whole row blocks round-robin, then the last partial wave's K steps
     # shared out evenly; every slice in one program, x read once); WIDE=1: every slice's A tile in one load
     # and one wide dot per K step

@@ -539,14 +539,17 @@ def test_bf16_gpu_lora_linear_and_inductor():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["gluon", "gluon no fold"])
+@pytest.mark.parametrize(
+    "config",
+    ["gluon", "gluon no fold", "gluon nb4 e2b1", "gluon nb4 e4b1", "gluon nb4 e4b2", "gluon nb3 e4b2"],
+)
 @pytest.mark.parametrize("max_rank", [16, 32, 64, 128])
 @pytest.mark.parametrize("num_slices", [3, 4])
 def test_bf16_gpu_gluon_kernel(num_slices, max_rank, config, monkeypatch):
-    """The Gluon kernel for Hopper (config "gluon"; "gluon no fold": the rank-16 LoRA MMA as a ring step) on an
-    aligned
-    batch with a request without LoRA and an empty one: one narrow LoRA MMA at ranks 16 / 32, a 64-wide step at
-    64, two at 128; bias; and no LoRA."""
+    """The Gluon kernel for Hopper (config "gluon"; "gluon no fold": the rank-16 LoRA MMA as a ring step;
+    "gluon nbN eEbB": N ring slots, y stored in E column chunks through B staging buffers) on an aligned batch
+    with a request without LoRA and an empty one: one narrow LoRA MMA at ranks 16 / 32, a 64-wide step at 64,
+    two at 128; bias; and no LoRA."""
     calls = gluon_launches(monkeypatch)
     requests = [(1024, 0), (512, -1), (0, 2), (2048, 1), (128, 3), (384, 0)]
     meta, x, a, b, w, bias, sizes = gpu_problem(num_slices, requests)

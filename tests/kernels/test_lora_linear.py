@@ -157,6 +157,22 @@ def test_gluon_split_tail_policy():
     assert gluon_op.tail_parts(264, 132, 48) == 1 and gluon_op.tail_parts(100, 132, 48) == 1
 
 
+def test_gluon_gemm_shared_memory_and_fold():
+    """The Gluon GEMM's shared memory (ring, y's staging, FOLD's boxes) and where FOLD still fits: the default
+    (3 slots, a whole-tile staging buffer) with FOLD; 4 slots with y in 2 chunks fit only without FOLD's boxes,
+    so FOLD is dropped there (the LoRA step goes into the ring); with 4 chunks it fits again."""
+    from ditserve.kernels.lora_gemm import gluon_op
+
+    cfg = gluon_op.GLUON_CONFIG
+    assert gluon_op.gemm_smem(cfg, False) == 2 * (3 * 384 * 64 + 128 * 256)
+    assert gluon_op._fold(cfg, 1, 16, 3072)
+    four = {**cfg, "NUM_BUFFERS": 4, "EPI_SPLIT": 2, "EPI_BUFS": 1}
+    assert gluon_op.gemm_smem(four, False) <= gluon_op.SMEM_LIMIT < gluon_op.gemm_smem(four, True)
+    assert not gluon_op._fold(four, 1, 16, 3072)
+    assert gluon_op._fold({**four, "EPI_SPLIT": 4}, 1, 16, 3072)
+    assert not gluon_op._fold(cfg, 1, 32, 3072) and not gluon_op._fold(cfg, 1, 16, 128)
+
+
 def test_gluon_request_off_hopper_runs_the_triton_path(monkeypatch):
     """`gluon=True` (the default) where the Gluon kernels cannot run (here: not a CUDA tensor)
     takes the Triton path with the same results, and no Gluon launcher is called."""
