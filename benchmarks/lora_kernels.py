@@ -533,9 +533,14 @@ def qkv_only(args, head: list[str]) -> None:
                         # the same with its units all first (SPREAD 0), or spread whatever their width (2), or
                         # with the rank-16 LoRA MMA as a ring step (FOLD 0)
                         variants = {
-                            "units first": dict(SPREAD=0),
+                            "units first": dict(SPREAD=0, EPI_SPLIT=1),
                             "spread": dict(SPREAD=2),
                             "no fold": dict(FOLD=0),
+                            # y stored in column chunks: one chunk of 128 columns, or four of 64 through two
+                            # buffers, or the whole tile at once
+                            "e2b1": dict(EPI_SPLIT=2, EPI_BUFS=1),
+                            "e4b2": dict(EPI_SPLIT=4, EPI_BUFS=2),
+                            "e1": dict(EPI_SPLIT=1, EPI_BUFS=1),
                         }
                         for name, over in variants.items():
                             fns[f"gluon lora_linear {name}"] = (
@@ -544,6 +549,12 @@ def qkv_only(args, head: list[str]) -> None:
                                     m.max_rank, p.sizes, cfg,
                                 )
                             )  # fmt: skip
+                            if name.startswith("e"):  # the shrink kernel and the Gluon GEMM likewise
+                                gv = {**gcfg, **{f"GLUON_{k}": v for k, v in over.items()}}
+                                fns[f"gluon two launches {name}"] = lambda p=p, m=m, seg=seg, gv=gv: launch_lora_gemm(
+                                    p.x, p.w, None, lora_shrink(p.x, p.a, m, scaled=True), p.b, *seg, p.sizes,
+                                    config=gv, s_scaled=True, seg_align=m.seg_align,
+                                )  # fmt: skip
                         fns["gluon lora_gemm no fold"] = _gemm_call(p, s, gemm_op.SWEEP["gluon no fold"])
                         nosplit = gemm_op.SWEEP["gluon no split"]
                         fns["gluon lora_gemm no split"] = _gemm_call(p, s, nosplit)
@@ -597,6 +608,12 @@ def qkv_only(args, head: list[str]) -> None:
                             "gluon lora_linear units first",
                             "gluon lora_linear spread",
                             "gluon lora_linear no fold",
+                            "gluon lora_linear e2b1",
+                            "gluon lora_linear e4b2",
+                            "gluon lora_linear e1",
+                            "gluon two launches e2b1",
+                            "gluon two launches e4b2",
+                            "gluon two launches e1",
                             "gluon lora_gemm no fold",
                             "gluon lora_gemm no split",
                             "gluon two launches",

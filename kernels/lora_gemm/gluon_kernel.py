@@ -400,7 +400,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
            GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr,
            STORE: gl.constexpr = True, HAS_LORA: gl.constexpr = True, sync_ptr=None,
            WAIT: gl.constexpr = False, l_s=None, l_b=None, lbar=None, FOLD: gl.constexpr = False,
-           EPI_SPLIT: gl.constexpr = 1, EPI_BUFS: gl.constexpr = 1):  # fmt: skip
+           EPI_SPLIT: gl.constexpr = 1, EPI_BUFS: gl.constexpr = 1, KEEP: gl.constexpr = False):  # fmt: skip
     """This program's tiles idx_lo ≤ idx < idx_hi (tile pid_r + idx · nprog) as one pipeline, which starts and
     drains within the run: the producer (the step whose loads go out next, p_step, its tile p_idx and K step
     p_ki, and where that tile's loads start) sends the first NUM_BUFFERS - 1 steps before the first MMA, and
@@ -411,7 +411,8 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
     tile where its group of row blocks changes (a group's units counted in sync_ptr[group]; the LoRA loads
     of a tile go out during its own K steps when k_tiles ≥ NUM_BUFFERS - 1, which the launcher checks). FOLD (STORE, no LoRA steps in the ring): each tile's s and B
     boxes (LORA_K columns) go into buffers of their own (l_s, l_b, completed on lbar once per tile, phase
-    idx & 1) as the tile starts, and its LoRA MMA follows its last K step's."""
+    idx & 1) as the tile starts, and its LoRA MMA follows its last K step's. KEEP (with STORE False, one tile):
+    no epilogue; returns (step, the tile's x · Wᵀ in registers)."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -456,7 +457,9 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
             acc = warpgroup_mma_wait(0, deps=(acc,))
         _, m0, n0 = _tile_origin(pid_r + idx * nprog, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2,
                                  blk3, BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
-        if WAIT:
+        if KEEP:
+            pass
+        elif WAIT:
             g_next = (pid_r + (idx + 1) * nprog) // tiles_per_group
             if (idx + 1 < idx_hi) & (g_next != (pid_r + idx * nprog) // tiles_per_group):
                 # a relaxed read first, answered while the epilogue runs; acquired after it (the epilogue
@@ -471,7 +474,10 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
         else:
             _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, STORE, EPI_SPLIT,
                       EPI_BUFS)  # fmt: skip
-    return step
+    out = step
+    if KEEP:
+        out = (step, acc)
+    return out
 
 
 @gluon.jit
@@ -511,10 +517,12 @@ def _lora_fixup(step, idx, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid
                 seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
                 GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, num_warps: gl.constexpr, l_s=None, l_b=None,
-                lbar=None, FOLD: gl.constexpr = False):  # fmt: skip
+                lbar=None, FOLD: gl.constexpr = False, kept=None, bias_ptr=None, HAS_BIAS: gl.constexpr = False,
+                EPI_SPLIT: gl.constexpr = 1, EPI_BUFS: gl.constexpr = 1):  # fmt: skip
     """The LoRA steps of tile idx, whose K steps ran before s was ready (_tiles with STORE False left x · Wᵀ
-    + bias in c_smem, in y's dtype): its LoRA loads (lora_steps < NUM_BUFFERS; FOLD: into l_s and l_b), the
-    output back from c_smem, the LoRA MMAs on top, and the store."""
+    + bias in c_smem, in y's dtype; or with KEEP, x · Wᵀ in registers: `kept`): its LoRA loads (lora_steps <
+    NUM_BUFFERS; FOLD: into l_s and l_b), the output back from c_smem, the LoRA MMAs on top, and the store
+    (with `kept`: the bias and the epilogue in EPI_SPLIT chunks)."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -526,7 +534,10 @@ def _lora_fixup(step, idx, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid
     for li in range(lora_steps):
         _issue_load(step + li, k_tiles + li, True, m0, n0, s_row, b_row, k_tiles, x_desc, w_desc, s_desc, b_desc,
                     a_bufs, w_bufs, bars, BLOCK_K, NUM_BUFFERS, True)  # fmt: skip
-    acc = c_smem.load(mma_layout).to(gl.float32)
+    if kept is None:
+        acc = c_smem.load(mma_layout).to(gl.float32)
+    else:
+        acc = kept
     if FOLD:
         mbarrier.wait(lbar.index(0), idx & 1)
         tok = warpgroup_mma(l_s, l_b.permute((1, 0)), acc, is_async=True)
@@ -541,8 +552,12 @@ def _lora_fixup(step, idx, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid
         step += 1
     _, m0, n0 = _tile_origin(pid_r + idx * nprog, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2, blk3,
                              BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
-    _cta_barrier()  # every thread has read c_smem before it is overwritten
-    _store_y(acc.to(y_desc.dtype), c_smem, y_desc, m0, n0)
+    if kept is None:
+        _cta_barrier()  # every thread has read c_smem before it is overwritten
+        _store_y(acc.to(y_desc.dtype), c_smem, y_desc, m0, n0)
+    else:
+        _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, True, EPI_SPLIT,
+                  EPI_BUFS)  # fmt: skip
     return step
 
 
@@ -713,6 +728,8 @@ def _gluon_lora_linear_kernel(
     SPREAD: gl.constexpr = 1,
     LEAD: gl.constexpr = 2,
     FOLD: gl.constexpr = False,  # the LoRA MMA after the last K step (`_tiles`)
+    EPI_SPLIT: gl.constexpr = 1,  # y in column chunks (as _gluon_lora_gemm_kernel; SPREAD only)
+    EPI_BUFS: gl.constexpr = 1,
 ):
     """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ and s = scale · x · Aᵀ in one launch. A shrink unit is one row
     block (all slices in one MMA per K step). The persistent grid gives num_tiles mod P programs one tile more
@@ -750,8 +767,14 @@ def _gluon_lora_linear_kernel(
     bars = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(bars.index(i), count=1)
-    c_smem = gl.allocate_shared_memory(x_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
-    l_s, l_b, lbar = c_smem, c_smem, bars  # FOLD's buffers, else never used
+    if EPI_SPLIT == 1:
+        c_smem = gl.allocate_shared_memory(x_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
+    else:  # a chunk's staging buffer(s): the first tile's output, where s is not there yet, stays in registers
+        gl.static_assert(SPREAD > 0, "y in chunks only with the units spread")
+        c_smem = gl.allocate_shared_memory(
+            x_desc.dtype, [EPI_BUFS, BLOCK_M, BLOCK_N // EPI_SPLIT], y_desc.layout
+        )
+    l_s, l_b, lbar = a_bufs, w_bufs, bars  # FOLD's buffers, else never used
     if FOLD:
         l_s, l_b, lbar = _fold_buffers(s_desc, b_desc, BLOCK_M, BLOCK_N, LORA_K)
 
@@ -764,18 +787,33 @@ def _gluon_lora_linear_kernel(
         idx = 0
         due = gl.maximum(((u // GROUP_M) * tiles_per_group) // nprog - LEAD, 0)
         if (u >= num_units) | (due > 0):  # its first tile's K steps before the first units are done
-            step = _tiles(step, 0, 1, pid_r, nprog, k_tiles, k_tiles, num_tiles, num_pid_m, num_col_blocks,
-                          num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
-                          token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs,
-                          w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS,
-                          num_warps, False)  # fmt: skip
             g0 = pid_r // tiles_per_group
-            _wait_at_least(sync_ptr + g0, gl.minimum(num_pid_m - g0 * GROUP_M, GROUP_M))
-            step = _lora_fixup(step, 0, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m, num_col_blocks,
-                               num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
-                               token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs,
-                               bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS,
-                               num_warps, l_s, l_b, lbar, FOLD)  # fmt: skip
+            if EPI_SPLIT == 1:
+                step = _tiles(step, 0, 1, pid_r, nprog, k_tiles, k_tiles, num_tiles, num_pid_m, num_col_blocks,
+                              num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
+                              token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs,
+                              w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS,
+                              HAS_BIAS, num_warps, False)  # fmt: skip
+                _wait_at_least(sync_ptr + g0, gl.minimum(num_pid_m - g0 * GROUP_M, GROUP_M))
+                step = _lora_fixup(step, 0, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m,
+                                   num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
+                                   s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc,
+                                   b_desc, y_desc, a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K,
+                                   GROUP_M, NUM_BUFFERS, num_warps, l_s, l_b, lbar, FOLD)  # fmt: skip
+            else:
+                step, kept = _tiles(step, 0, 1, pid_r, nprog, k_tiles, k_tiles, num_tiles, num_pid_m,
+                                    num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
+                                    s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc,
+                                    s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K,
+                                    LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps, False, True, None, False,
+                                    None, None, None, False, EPI_SPLIT, EPI_BUFS, True)  # fmt: skip
+                _wait_at_least(sync_ptr + g0, gl.minimum(num_pid_m - g0 * GROUP_M, GROUP_M))
+                step = _lora_fixup(step, 0, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m,
+                                   num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
+                                   s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc,
+                                   b_desc, y_desc, a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K,
+                                   GROUP_M, NUM_BUFFERS, num_warps, l_s, l_b, lbar, FOLD, kept, bias_ptr, HAS_BIAS,
+                                   EPI_SPLIT, EPI_BUFS)  # fmt: skip
             idx = 1
         while (idx < my_tiles) | (u < num_units):
             due = gl.maximum(((u // GROUP_M) * tiles_per_group) // nprog - LEAD, 0)
@@ -796,7 +834,7 @@ def _gluon_lora_linear_kernel(
                               b_rows_total, token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc,
                               y_desc, a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M,
                               NUM_BUFFERS, HAS_BIAS, num_warps, True, True, sync_ptr, True, l_s, l_b, lbar,
-                              FOLD)  # fmt: skip
+                              FOLD, EPI_SPLIT, EPI_BUFS)  # fmt: skip
                 idx = hi
     else:
         claim_ptr = sync_ptr + num_units

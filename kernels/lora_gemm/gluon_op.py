@@ -269,15 +269,6 @@ def launch_gluon_lora_linear(
     y = x.new_empty((num_tokens, n_total))
     if s is None:
         s = x.new_empty((groups, num_tokens, s_cols))
-    x_desc, w_desc, y_desc = _tma_desc(x, [bm, bk]), _tma_desc(weight, [bn, bk]), _tma_desc(y, [bm, bn])
-    a_desc = _tma_desc(a_stacked.flatten(0, 2), [shrink_r, bk])
-    lora_k = min(s_cols, b_stacked.shape[2])
-    s_desc, b_desc, lora_steps, lora_cols, fold = _lora_boxes(s, b_stacked, lora_k, cfg, x.shape[1])
-    cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
-    num_pid_m = -(-num_tokens // bm)
-    grid = min(num_pid_m * num_col_blocks, num_programs_limit(x.device))
-    if sync is None:
-        sync = torch.zeros(num_pid_m + 2, dtype=torch.int32, device=x.device)
     # spread units (SPREAD 1: where a unit's MMAs are at most 64 columns wide, e.g. rank 16 with 3 or 4
     # slices; wider ones take longer than the slack of the programs with one tile less; 2: always): a tile's
     # LoRA loads must go out during its own K steps, after its wait
@@ -285,6 +276,19 @@ def launch_gluon_lora_linear(
         cfg.get("SPREAD", 1) == 1 and unit_cols(groups, max_rank) <= NARROW_UNIT_COLS
     )
     spread = int(spread and x.shape[1] >= (cfg["NUM_BUFFERS"] - 1) * bk)
+    epi = cfg.get("EPI_SPLIT", 1) if spread else 1  # y in chunks only with the units spread
+    x_desc, w_desc = _tma_desc(x, [bm, bk]), _tma_desc(weight, [bn, bk])
+    y_desc = _tma_desc(y, [bm, bn // epi])
+    a_desc = _tma_desc(a_stacked.flatten(0, 2), [shrink_r, bk])
+    lora_k = min(s_cols, b_stacked.shape[2])
+    s_desc, b_desc, lora_steps, lora_cols, fold = _lora_boxes(
+        s, b_stacked, lora_k, {**cfg, "EPI_SPLIT": epi}, x.shape[1]
+    )
+    cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
+    num_pid_m = -(-num_tokens // bm)
+    grid = min(num_pid_m * num_col_blocks, num_programs_limit(x.device))
+    if sync is None:
+        sync = torch.zeros(num_pid_m + 2, dtype=torch.int32, device=x.device)
     _gluon_lora_linear_kernel[(grid,)](
         x_desc, w_desc, s_desc, b_desc, y_desc, a_desc, bias if bias is not None else y, s, token_seg, seg_slot,
         seg_scale, slot_rank, sync, num_tokens, n_total, *cols, *blks, num_col_blocks, lora_steps,
@@ -293,6 +297,6 @@ def launch_gluon_lora_linear(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, LORA_K=lora_cols, GROUP_M=cfg["GROUP_M"],
         NUM_BUFFERS=cfg["NUM_BUFFERS"], SHRINK_G=groups, SHRINK_GP=shrink_gp, SHRINK_R=shrink_r,
         HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], SPREAD=spread, LEAD=cfg.get("LEAD", 2),
-        FOLD=fold,
+        FOLD=fold, EPI_SPLIT=epi, EPI_BUFS=cfg.get("EPI_BUFS", 1),
     )  # fmt: skip
     return y, s

@@ -237,7 +237,15 @@ def test_bf16_gpu_shrink_in(num_slices, groups, no_shrink_kernel):
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_slices,groups", [(3, 3), (4, 4), (1, 3)])
 @pytest.mark.parametrize(
-    "mode", ["shrink in the launch", "spread", "units first", "shrink kernel first", "default"]
+    "mode",
+    [
+        "shrink in the launch",
+        "spread",
+        "spread, y in chunks",
+        "units first",
+        "shrink kernel first",
+        "default",
+    ],
 )
 def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
     """The same batches through the Gluon kernels (Hopper): the shrink inside the launch (three launches in a
@@ -254,6 +262,7 @@ def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
         monkeypatch.setattr(linear_op, "GLUON_ONE_LAUNCH_COLS", 256)  # the one launch at rank 64 as well
     over = {
         "spread": dict(SPREAD=2),
+        "spread, y in chunks": dict(SPREAD=2, EPI_SPLIT=4, EPI_BUFS=2),
         "units first": dict(SPREAD=0),
     }
     for key, value in over.get(mode, {}).items():
@@ -277,13 +286,17 @@ def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
     ],
 )
 @pytest.mark.parametrize("fold", [1, 0])
-def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, fold, monkeypatch):
+@pytest.mark.parametrize("epi", [(1, 1), (2, 1), (4, 2)])
+def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, fold, epi, monkeypatch):
     """Rank 16 only (shrink units with two K steps per ring slot, spread over the run, 3 slices as MMAs of 2
-    and 1 slices or 4 slices in one; the 16-wide LoRA MMA after the last K step (FOLD) or as a ring step), and
-    a batch without any adapter (every unit writes zeros): one Gluon launch, y and s equal the reference."""
+    and 1 slices or 4 slices in one; the 16-wide LoRA MMA after the last K step (FOLD) or as a ring step; y
+    stored whole or in 2 or 4 column chunks, the first tile kept in registers until its s is there), and a
+    batch without any adapter (every unit writes zeros): one Gluon launch, y and s equal the reference."""
     from ditserve.kernels.lora_gemm import gluon_op
 
     monkeypatch.setitem(gluon_op.GLUON_CONFIG, "FOLD", fold)
+    monkeypatch.setitem(gluon_op.GLUON_CONFIG, "EPI_SPLIT", epi[0])
+    monkeypatch.setitem(gluon_op.GLUON_CONFIG, "EPI_BUFS", epi[1])
     calls = gluon_launches(monkeypatch)
     meta, x, a, b, w, bias, sizes = gpu_problem(groups, requests)
     m = meta
