@@ -555,6 +555,15 @@ def qkv_only(args, head: list[str]) -> None:
                                     p.x, p.w, None, lora_shrink(p.x, p.a, m, scaled=True), p.b, *seg, p.sizes,
                                     config=gv, s_scaled=True, seg_align=m.seg_align,
                                 )  # fmt: skip
+                        # the stream-K Gluon shrink alone, and before the Gluon GEMM
+                        fns["gluon shrink"] = lambda p=p, m=m: gluon_op.launch_gluon_shrink(
+                            p.x, p.a, m.token_seg, m.seg_slot, m.seg_scale, m.slot_rank, m.max_rank
+                        )
+                        fns["gluon two launches sk"] = lambda p=p, m=m, seg=seg, gcfg=gcfg: launch_lora_gemm(
+                            p.x, p.w, None, gluon_op.launch_gluon_shrink(
+                                p.x, p.a, m.token_seg, m.seg_slot, m.seg_scale, m.slot_rank, m.max_rank
+                            ), p.b, *seg, p.sizes, config=gcfg, s_scaled=True, seg_align=m.seg_align,
+                        )  # fmt: skip
                         fns["gluon lora_gemm no fold"] = _gemm_call(p, s, gemm_op.SWEEP["gluon no fold"])
                         nosplit = gemm_op.SWEEP["gluon no split"]
                         fns["gluon lora_gemm no split"] = _gemm_call(p, s, nosplit)
@@ -614,6 +623,9 @@ def qkv_only(args, head: list[str]) -> None:
                             "gluon two launches e2b1",
                             "gluon two launches e4b2",
                             "gluon two launches e1",
+                            "shrink",
+                            "gluon shrink",
+                            "gluon two launches sk",
                             "gluon lora_gemm no fold",
                             "gluon lora_gemm no split",
                             "gluon two launches",

@@ -5,7 +5,8 @@ for the unfused path, bf16 scale · s for the fused GEMM), every result checked 
         [--ranks 32,64,128] [--configs "tma 128/64/8/4 split,128/64/8/3 split"]
 
 Times: CUDA-graph replay with L2 flushed before each call (`lora_kernels.quick_graph_ms`), µs; WRONG after
-a time whose output is not within 2e-2 of the reference. Candidates are lora_shrink/op.py SCALED_SWEEP names.
+a time whose output is not within 2e-2 of the reference. Candidates are lora_shrink/op.py SCALED_SWEEP names,
+and "gluon": the stream-K Gluon shrink (`gluon_op.launch_gluon_shrink`; Hopper, bf16 scaled output).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lora_kernels as lk  # noqa: E402
 
+from ditserve.kernels.lora_gemm import gluon_op  # noqa: E402
 from ditserve.kernels.lora_shrink.op import SCALED_SWEEP, launch_lora_shrink  # noqa: E402
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref  # noqa: E402
 
@@ -72,6 +74,18 @@ def main() -> None:
                     kw = dict(seg_scale=m.seg_scale) if out != "fp32" else {}
                     cells = []
                     for name in [None, *names]:
+                        if name == "gluon":  # the stream-K Gluon kernel (Hopper; scaled output only)
+                            if out == "fp32":
+                                cells.append("—")
+                                continue
+
+                            def fn(p=p, m=m):
+                                return gluon_op.launch_gluon_shrink(
+                                    p.x, p.a, m.token_seg, m.seg_slot, m.seg_scale, m.slot_rank, m.max_rank
+                                )
+
+                            cells.append(time_cell(fn, want))
+                            continue
                         cfg = SCALED_SWEEP[name] if name else None
 
                         def fn(cfg=cfg, kw=kw, p=p, m=m, seg=seg):

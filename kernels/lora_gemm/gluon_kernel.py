@@ -870,3 +870,138 @@ def _gluon_lora_linear_kernel(
     tma.store_wait(pendings=0)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
+def _gluon_shrink_kernel(
+    x_desc,  # x [num_tokens, hidden], block [BLOCK_M, BLOCK_K]
+    a_desc,  # A viewed as [slices · max_loras · a_rows, hidden], block [SHRINK_R, BLOCK_K]
+    s_ptr,  # [slices, num_tokens, s_cols] in x's dtype, written here
+    token_seg_ptr,
+    seg_slot_ptr,
+    seg_scale_ptr,  # [num_segments] fp32
+    slot_rank_ptr,  # [max_loras] int32
+    ws_ptr,  # fp32 [≥ programs · BLOCK_M · (N_A + N_B)], zero between launches (each launch leaves it so)
+    cnt_ptr,  # int32 [≥ programs], zero between launches: K steps of each cut row block summed so far
+    num_tokens,
+    a_rows,  # rows of A per slot (its max rank)
+    a_slice_rows,  # rows of A per slice: max_loras · a_rows
+    s_cols,
+    stride_ss,
+    stride_st,
+    BLOCK_M: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    SHRINK_G: gl.constexpr,
+    SHRINK_GP: gl.constexpr,
+    SHRINK_R: gl.constexpr,
+    NUM_BUFFERS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """The segmented shrink, s = scale · x · Aᵀ, stream-K over one program per SM: the row blocks' K steps
+    (a row block lies in one segment) laid end to end and cut into equal contiguous ranges, one per program,
+    so every SM gets the same number of K steps whatever the number of row blocks (4 × 4608 tokens are 144
+    blocks of 128 rows on 132 SMs: whole blocks would leave a second round of 12). A program walks its range
+    as pieces of row blocks through one ring (x and every slice's A rows per K step, as `_shrink_unit`, with
+    3 slices as MMAs of 2 and 1 slices' columns); a whole row block is stored at once, the pieces of a cut one
+    add their scaled fp32 partial sums into ws with relaxed atomics and count their K steps in cnt (acq_rel),
+    and the piece that completes the count stores the block and leaves ws and cnt zeroed. A cut row block's ws
+    slot is the first program whose range starts inside it (each program starts inside at most one). Rows
+    without an adapter are zeros: the piece with the block's first K step writes them, no loads."""
+    SPLIT: gl.constexpr = SHRINK_G == 3
+    N_A: gl.constexpr = 2 * SHRINK_R if SPLIT else SHRINK_GP * SHRINK_R
+    N_B: gl.constexpr = SHRINK_R if SPLIT else 16
+    GROUPS: gl.constexpr = 2 if SPLIT else 1
+    layout_a: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N_A, 16]
+    )
+    layout_b: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N_B, 16]
+    )
+    hidden = x_desc.shape[1]
+    n_steps = gl.cdiv(hidden, BLOCK_K)
+    total = gl.cdiv(num_tokens, BLOCK_M) * n_steps
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    g = (pid * total) // nprog
+    g_hi = ((pid + 1) * total) // nprog
+
+    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [NUM_BUFFERS, BLOCK_M, BLOCK_K], x_desc.layout)
+    w_bufs = gl.allocate_shared_memory(
+        x_desc.dtype, [NUM_BUFFERS, SHRINK_GP * SHRINK_R, BLOCK_K], a_desc.layout
+    )
+    bars = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    for bi in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(bars.index(bi), count=1)
+
+    rows_a = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout_a))
+    cols_a = gl.arange(0, N_A, layout=gl.SliceLayout(0, layout_a))
+    rows_b = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout_b))
+    cols_b = gl.arange(0, N_B, layout=gl.SliceLayout(0, layout_b))
+    step = gl.to_tensor(0)
+    while g < g_hi:
+        u = g // n_steps
+        k_lo = g - u * n_steps
+        n = gl.minimum(n_steps - k_lo, g_hi - g)
+        m0 = u * BLOCK_M
+        seg = gl.load(token_seg_ptr + m0)
+        slot = gl.load(seg_slot_ptr + seg)
+        if slot >= 0:
+            rank = gl.load(slot_rank_ptr + slot)
+            a_row = slot * a_rows
+            acc_a = gl.zeros((BLOCK_M, N_A), dtype=gl.float32, layout=layout_a)
+            acc_b = gl.zeros((BLOCK_M, N_B), dtype=gl.float32, layout=layout_b)
+            for pi in gl.static_range(NUM_BUFFERS - 1):
+                _issue_unit_load(step + pi, (k_lo + pi) * BLOCK_K, pi < n, m0, a_row, a_slice_rows, x_desc, a_desc,
+                                 a_bufs, w_bufs, bars, BLOCK_K, SHRINK_G, SHRINK_R, False, NUM_BUFFERS)  # fmt: skip
+            for ki in range(n):
+                slot_i = step % NUM_BUFFERS
+                mbarrier.wait(bars.index(slot_i), (step // NUM_BUFFERS) & 1)
+                x_buf = a_bufs.index(slot_i)
+                w_buf = w_bufs.index(slot_i)
+                tok_a, tok_b = _unit_mma(acc_a, acc_b, x_buf, w_buf, 0, ki > 0, N_A, N_B, SPLIT)
+                acc_a, acc_b, _, _ = warpgroup_mma_wait(GROUPS, deps=(tok_a, tok_b, x_buf, w_buf))
+                nxt = ki + NUM_BUFFERS - 1
+                _issue_unit_load(step + NUM_BUFFERS - 1, (k_lo + nxt) * BLOCK_K, nxt < n, m0, a_row, a_slice_rows,
+                                 x_desc, a_desc, a_bufs, w_bufs, bars, BLOCK_K, SHRINK_G, SHRINK_R, False,
+                                 NUM_BUFFERS)  # fmt: skip
+                step += 1
+            acc_a, acc_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
+            scale = gl.load(seg_scale_ptr + seg)
+            acc_a = acc_a * scale
+            acc_b = acc_b * scale
+            store = n == n_steps
+            if not store:  # a cut row block: the partial sums meet in ws slot b
+                b = gl.cdiv((u * n_steps + 1) * nprog, total)
+                base = ws_ptr + b * (BLOCK_M * (N_A + N_B))
+                ws_a = base + rows_a[:, None] * N_A + cols_a[None, :]
+                ws_b = base + BLOCK_M * N_A + rows_b[:, None] * N_B + cols_b[None, :]
+                gl.atomic_add(ws_a, acc_a, sem="relaxed", scope="gpu")
+                if SPLIT:
+                    gl.atomic_add(ws_b, acc_b, sem="relaxed", scope="gpu")
+                _cta_barrier()  # every thread's sums precede the count
+                done = gl.atomic_add(cnt_ptr + b, n, sem="acq_rel", scope="gpu") + n
+                if done == n_steps:  # the block's last piece: take the sum, leave zeros for the next launch
+                    acc_a = gl.load(ws_a, cache_modifier=".cg")
+                    gl.store(ws_a, gl.zeros_like(acc_a))
+                    if SPLIT:
+                        acc_b = gl.load(ws_b, cache_modifier=".cg")
+                        gl.store(ws_b, gl.zeros_like(acc_b))
+                    gl.atomic_xchg(cnt_ptr + b, 0, sem="relaxed", scope="gpu")
+                    store = True
+            if store:
+                _store_s(acc_a, 0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_A, SHRINK_G, SHRINK_R,
+                         BLOCK_M, num_warps)  # fmt: skip
+                if SPLIT:
+                    _store_s(acc_b, 2, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_B, SHRINK_G,
+                             SHRINK_R, BLOCK_M, num_warps)  # fmt: skip
+        elif k_lo == 0:  # no adapter: zeros
+            zero_a = gl.zeros((BLOCK_M, N_A), dtype=gl.float32, layout=layout_a)
+            _store_s(zero_a, 0, m0, num_tokens, 0, s_cols, stride_ss, stride_st, s_ptr, N_A, SHRINK_G, SHRINK_R,
+                     BLOCK_M, num_warps)  # fmt: skip
+            if SPLIT:
+                zero_b = gl.zeros((BLOCK_M, N_B), dtype=gl.float32, layout=layout_b)
+                _store_s(zero_b, 2, m0, num_tokens, 0, s_cols, stride_ss, stride_st, s_ptr, N_B, SHRINK_G,
+                         SHRINK_R, BLOCK_M, num_warps)  # fmt: skip
+        g += n
+    for bi in gl.static_range(NUM_BUFFERS):
+        mbarrier.invalidate(bars.index(bi))
