@@ -6,7 +6,8 @@ for the unfused path, bf16 scale · s for the fused GEMM), every result checked 
 
 Times: CUDA-graph replay with L2 flushed before each call (`lora_kernels.quick_graph_ms`), µs; WRONG after
 a time whose output is not within 2e-2 of the reference. Candidates are lora_shrink/op.py SCALED_SWEEP names,
-and "gluon": the stream-K Gluon shrink (`gluon_op.launch_gluon_shrink`; Hopper, bf16 scaled output).
+and "gluon" / "gluon store": the stream-K Gluon shrink (`gluon_op.launch_gluon_shrink`; Hopper, bf16 scaled
+output; cut row blocks summed with atomics / through stores). Batches: lora_kernels.BATCHES names or "NxT".
 """
 
 from __future__ import annotations
@@ -61,7 +62,12 @@ def main() -> None:
     for batch in args.batches.split(","):
         for nsl in map(int, args.slices.split(",")):
             for rank in map(int, args.ranks.split(",")):
-                p = lk.make_problem(lk.BATCHES[batch], rank, lk.SLICES[nsl])
+                if batch in lk.BATCHES:
+                    requests = lk.BATCHES[batch]
+                else:  # "NxT": N requests of T tokens, adapters 0..3 in turn
+                    n_req, n_tok = map(int, batch.split("x"))
+                    requests = [(n_tok, i % 4) for i in range(n_req)]
+                p = lk.make_problem(requests, rank, lk.SLICES[nsl])
                 m = p.meta
                 seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot)
                 wants = {
@@ -74,14 +80,22 @@ def main() -> None:
                     kw = dict(seg_scale=m.seg_scale) if out != "fp32" else {}
                     cells = []
                     for name in [None, *names]:
-                        if name == "gluon":  # the stream-K Gluon kernel (Hopper; scaled output only)
+                        if name in ("gluon", "gluon store"):  # the stream-K Gluon kernel (scaled output only)
                             if out == "fp32":
                                 cells.append("—")
                                 continue
+                            gcfg = {**gluon_op.GLUON_SHRINK_CONFIG, "BY_STORE": int(name == "gluon store")}
 
-                            def fn(p=p, m=m):
+                            def fn(p=p, m=m, gcfg=gcfg):
                                 return gluon_op.launch_gluon_shrink(
-                                    p.x, p.a, m.token_seg, m.seg_slot, m.seg_scale, m.slot_rank, m.max_rank
+                                    p.x,
+                                    p.a,
+                                    m.token_seg,
+                                    m.seg_slot,
+                                    m.seg_scale,
+                                    m.slot_rank,
+                                    m.max_rank,
+                                    gcfg,
                                 )
 
                             cells.append(time_cell(fn, want))

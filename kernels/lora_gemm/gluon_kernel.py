@@ -896,6 +896,7 @@ def _gluon_shrink_kernel(
     SHRINK_R: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,
     num_warps: gl.constexpr,
+    BY_STORE: gl.constexpr = False,
 ):
     """The segmented shrink, s = scale · x · Aᵀ, stream-K over one program per SM: the row blocks' K steps
     (a row block lies in one segment) laid end to end and cut into equal contiguous ranges, one per program,
@@ -906,7 +907,11 @@ def _gluon_shrink_kernel(
     add their scaled fp32 partial sums into ws with relaxed atomics and count their K steps in cnt (acq_rel),
     and the piece that completes the count stores the block and leaves ws and cnt zeroed. A cut row block's ws
     slot is the first program whose range starts inside it (each program starts inside at most one). Rows
-    without an adapter are zeros: the piece with the block's first K step writes them, no loads."""
+    without an adapter are zeros: the piece with the block's first K step writes them, no loads.
+
+    BY_STORE: the pieces store their partial sums (ws slot 2 · program + 0 for a program's first piece, + 1
+    for its last) instead of adding them with atomics, and the piece completing the count adds the others'
+    (programs p_first..p_last of the block) to its own."""
     SPLIT: gl.constexpr = SHRINK_G == 3
     N_A: gl.constexpr = 2 * SHRINK_R if SPLIT else SHRINK_GP * SHRINK_R
     N_B: gl.constexpr = SHRINK_R if SPLIT else 16
@@ -970,7 +975,31 @@ def _gluon_shrink_kernel(
             acc_a = acc_a * scale
             acc_b = acc_b * scale
             store = n == n_steps
-            if not store:  # a cut row block: the partial sums meet in ws slot b
+            if BY_STORE:
+                if not store:
+                    b = gl.cdiv((u * n_steps + 1) * nprog, total)  # the first program starting inside u
+                    piece = BLOCK_M * (N_A + N_B)
+                    offs_a = rows_a[:, None] * N_A + cols_a[None, :]
+                    offs_b = BLOCK_M * N_A + rows_b[:, None] * N_B + cols_b[None, :]
+                    mine = ws_ptr + (2 * pid + (k_lo == 0).to(gl.int32)) * piece
+                    gl.store(mine + offs_a, acc_a)
+                    if SPLIT:
+                        gl.store(mine + offs_b, acc_b)
+                    _cta_barrier()  # every thread's sums precede the count
+                    done = gl.atomic_add(cnt_ptr + b, n, sem="acq_rel", scope="gpu") + n
+                    if done == n_steps:
+                        gl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [done],
+                                                  dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+                        p_last = gl.cdiv((u + 1) * n_steps * nprog, total) - 1
+                        for p in range(b - 1, p_last + 1):
+                            if p != pid:
+                                src = ws_ptr + (2 * p + (p == b - 1).to(gl.int32)) * piece
+                                acc_a += gl.load(src + offs_a, cache_modifier=".cg")
+                                if SPLIT:
+                                    acc_b += gl.load(src + offs_b, cache_modifier=".cg")
+                        gl.atomic_xchg(cnt_ptr + b, 0, sem="relaxed", scope="gpu")
+                        store = True
+            elif not store:  # a cut row block: the partial sums meet in ws slot b
                 b = gl.cdiv((u * n_steps + 1) * nprog, total)
                 base = ws_ptr + b * (BLOCK_M * (N_A + N_B))
                 ws_a = base + rows_a[:, None] * N_A + cols_a[None, :]

@@ -334,12 +334,15 @@ def launch_gluon_shrink(
     n_b = shrink_r if groups == 3 else 16
     programs = num_programs_limit(x.device)
     grid = min(programs, -(-num_tokens // bm) * -(-hidden // bk))
-    ws = zeroed_scratch("gluon shrink sums", x.device, programs * bm * (n_a + n_b), torch.float32)
+    by_store = bool(cfg.get("BY_STORE", 0))  # one slot per program's first and last piece
+    ws = zeroed_scratch(
+        "gluon shrink sums", x.device, (1 + by_store) * programs * bm * (n_a + n_b), torch.float32
+    )
     cnt = zeroed_scratch("gluon shrink counts", x.device, programs, torch.int32)
     _gluon_shrink_kernel[(grid,)](
         _tma_desc(x, [bm, bk]), _tma_desc(a_stacked.flatten(0, 2), [shrink_r, bk]), s, token_seg, seg_slot,
         seg_scale, slot_rank, ws, cnt, num_tokens, a_rows, max_loras * a_rows, s_cols, s.stride(0), s.stride(1),
         BLOCK_M=bm, BLOCK_K=bk, SHRINK_G=groups, SHRINK_GP=shrink_gp, SHRINK_R=shrink_r,
-        NUM_BUFFERS=cfg["NUM_BUFFERS"], num_warps=cfg["num_warps"],
+        NUM_BUFFERS=cfg["NUM_BUFFERS"], num_warps=cfg["num_warps"], BY_STORE=by_store,
     )  # fmt: skip
     return s

@@ -228,23 +228,27 @@ def aligned_case(num_slices: int, groups: int):
     ids=["aligned", "4x4608", "few blocks"],
 )
 @pytest.mark.parametrize("groups", [1, 2, 3, 4])
-def test_bf16_gpu_gluon_shrink(groups, requests, max_rank, monkeypatch):
+@pytest.mark.parametrize("by_store", [0, 1])
+def test_bf16_gpu_gluon_shrink(groups, requests, max_rank, by_store, monkeypatch):
     """The stream-K Gluon shrink (Hopper): row blocks' K steps shared out evenly between the programs, so
     blocks are cut between programs (4 × 4608 tokens: 144 blocks on 132 SMs; 7 blocks: each cut into ~19
     pieces) and their pieces summed in a scratch buffer; s equals the reference (zeros for the request without
-    an adapter and past each slot's rank), on a second launch too (the scratch is left zeroed)."""
+    an adapter and past each slot's rank), on a second launch too (the scratch is left zeroed); the pieces'
+    sums meet through atomics or through stores (BY_STORE)."""
     from ditserve.kernels.lora_gemm import gluon_op
 
     gluon_launches(monkeypatch)  # skips off Hopper
-    meta, x, a, *_ = gpu_problem(groups, requests)
+    meta, x, a, *_ = gpu_problem(4, requests)
+    a = a[:groups].contiguous()
     ranks = [min(r, max_rank) for r in meta.slot_rank.tolist()]
     m = LoRABatchMeta.build(requests, ranks, [0.5, 1.0, 2.0, -1.0, 0.25][: len(requests)], device="cuda")
     seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
     want = lora_shrink_scaled_ref(x, a, *seg, m.max_rank)
     for _ in range(2):
         got = gluon_op.launch_gluon_shrink(
-            x, a, m.token_seg, m.seg_slot, m.seg_scale, m.slot_rank, m.max_rank
-        )
+            x, a, m.token_seg, m.seg_slot, m.seg_scale, m.slot_rank, m.max_rank,
+            {**gluon_op.GLUON_SHRINK_CONFIG, "BY_STORE": by_store},
+        )  # fmt: skip
         assert got.shape == want.shape and got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
