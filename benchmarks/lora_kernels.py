@@ -533,13 +533,10 @@ def qkv_only(args, head: list[str]) -> None:
                         # the same with its units all first (SPREAD 0), or spread whatever their width (2), or
                         # with the rank-16 LoRA MMA as a ring step (FOLD 0)
                         variants = {
-                            "units first": dict(SPREAD=0, EPI_SPLIT=1),
+                            "units first": dict(SPREAD=0),
                             "spread": dict(SPREAD=2),
                             "no fold": dict(FOLD=0),
-                            # y stored in column chunks: one chunk of 128 columns, or four of 64 through two
-                            # buffers, or the whole tile at once
-                            "e2b1": dict(EPI_SPLIT=2, EPI_BUFS=1),
-                            "e4b2": dict(EPI_SPLIT=4, EPI_BUFS=2),
+                            # y stored as the whole tile at once (the default: four column chunks)
                             "e1": dict(EPI_SPLIT=1, EPI_BUFS=1),
                         }
                         for name, over in variants.items():
@@ -555,15 +552,6 @@ def qkv_only(args, head: list[str]) -> None:
                                     p.x, p.w, None, lora_shrink(p.x, p.a, m, scaled=True), p.b, *seg, p.sizes,
                                     config=gv, s_scaled=True, seg_align=m.seg_align,
                                 )  # fmt: skip
-                        # the stream-K Gluon shrink alone, and before the Gluon GEMM
-                        fns["gluon shrink"] = lambda p=p, m=m: gluon_op.launch_gluon_shrink(
-                            p.x, p.a, m.token_seg, m.seg_slot, m.seg_scale, m.slot_rank, m.max_rank
-                        )
-                        fns["gluon two launches sk"] = lambda p=p, m=m, seg=seg, gcfg=gcfg: launch_lora_gemm(
-                            p.x, p.w, None, gluon_op.launch_gluon_shrink(
-                                p.x, p.a, m.token_seg, m.seg_slot, m.seg_scale, m.slot_rank, m.max_rank
-                            ), p.b, *seg, p.sizes, config=gcfg, s_scaled=True, seg_align=m.seg_align,
-                        )  # fmt: skip
                         fns["gluon lora_gemm no fold"] = _gemm_call(p, s, gemm_op.SWEEP["gluon no fold"])
                         nosplit = gemm_op.SWEEP["gluon no split"]
                         fns["gluon lora_gemm no split"] = _gemm_call(p, s, nosplit)
@@ -617,15 +605,8 @@ def qkv_only(args, head: list[str]) -> None:
                             "gluon lora_linear units first",
                             "gluon lora_linear spread",
                             "gluon lora_linear no fold",
-                            "gluon lora_linear e2b1",
-                            "gluon lora_linear e4b2",
                             "gluon lora_linear e1",
-                            "gluon two launches e2b1",
-                            "gluon two launches e4b2",
                             "gluon two launches e1",
-                            "shrink",
-                            "gluon shrink",
-                            "gluon two launches sk",
                             "gluon lora_gemm no fold",
                             "gluon lora_gemm no split",
                             "gluon two launches",

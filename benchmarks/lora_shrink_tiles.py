@@ -5,9 +5,7 @@ for the unfused path, bf16 scale · s for the fused GEMM), every result checked 
         [--ranks 32,64,128] [--configs "tma 128/64/8/4 split,128/64/8/3 split"]
 
 Times: CUDA-graph replay with L2 flushed before each call (`lora_kernels.quick_graph_ms`), µs; WRONG after
-a time whose output is not within 2e-2 of the reference. Candidates are lora_shrink/op.py SCALED_SWEEP names,
-and "gluon" / "gluon store": the stream-K Gluon shrink (`gluon_op.launch_gluon_shrink`; Hopper, bf16 scaled
-output; cut row blocks summed with atomics / through stores). Batches: lora_kernels.BATCHES names or "NxT".
+a time whose output is not within 2e-2 of the reference. Candidates are lora_shrink/op.py SCALED_SWEEP names.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lora_kernels as lk  # noqa: E402
 
-from ditserve.kernels.lora_gemm import gluon_op  # noqa: E402
 from ditserve.kernels.lora_shrink.op import SCALED_SWEEP, launch_lora_shrink  # noqa: E402
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref  # noqa: E402
 
@@ -62,12 +59,7 @@ def main() -> None:
     for batch in args.batches.split(","):
         for nsl in map(int, args.slices.split(",")):
             for rank in map(int, args.ranks.split(",")):
-                if batch in lk.BATCHES:
-                    requests = lk.BATCHES[batch]
-                else:  # "NxT": N requests of T tokens, adapters 0..3 in turn
-                    n_req, n_tok = map(int, batch.split("x"))
-                    requests = [(n_tok, i % 4) for i in range(n_req)]
-                p = lk.make_problem(requests, rank, lk.SLICES[nsl])
+                p = lk.make_problem(lk.BATCHES[batch], rank, lk.SLICES[nsl])
                 m = p.meta
                 seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot)
                 wants = {
@@ -80,26 +72,6 @@ def main() -> None:
                     kw = dict(seg_scale=m.seg_scale) if out != "fp32" else {}
                     cells = []
                     for name in [None, *names]:
-                        if name in ("gluon", "gluon store"):  # the stream-K Gluon kernel (scaled output only)
-                            if out == "fp32":
-                                cells.append("—")
-                                continue
-                            gcfg = {**gluon_op.GLUON_SHRINK_CONFIG, "BY_STORE": int(name == "gluon store")}
-
-                            def fn(p=p, m=m, gcfg=gcfg):
-                                return gluon_op.launch_gluon_shrink(
-                                    p.x,
-                                    p.a,
-                                    m.token_seg,
-                                    m.seg_slot,
-                                    m.seg_scale,
-                                    m.slot_rank,
-                                    m.max_rank,
-                                    gcfg,
-                                )
-
-                            cells.append(time_cell(fn, want))
-                            continue
                         cfg = SCALED_SWEEP[name] if name else None
 
                         def fn(cfg=cfg, kw=kw, p=p, m=m, seg=seg):

@@ -15,7 +15,10 @@ from ditserve.kernels.lora_expand.op import column_blocks
 # them (1: where a unit's MMAs are narrow, 2: always), else they all run first (_gluon_lora_linear_kernel).
 # FOLD: at rank ≤ 16 the LoRA MMA follows the last K step, its s and B boxes in buffers of their own (no
 # LoRA step in the ring). SPLIT_TAIL (the GEMM launch): a last round of tiles that leaves at least half the
-# programs idle is cut along K into pieces for them (`tail_parts`)
+# programs idle is cut along K into pieces for them (`tail_parts`). EPI_SPLIT / EPI_BUFS: y stored in 4 column
+# chunks through 2 staging buffers of 128 × 64 (32 KB instead of a 64 KB whole-tile buffer; the one launch
+# keeps a first tile whose s is not there yet in registers instead): 0.1-0.6 points closer to cuBLAS for the
+# GEMM in three H200 runs, even for the one launch (BENCHMARKS.md)
 GLUON_CONFIG = dict(
     BLOCK_M=128,
     BLOCK_N=256,
@@ -27,6 +30,8 @@ GLUON_CONFIG = dict(
     LEAD=2,
     FOLD=1,
     SPLIT_TAIL=1,
+    EPI_SPLIT=4,
+    EPI_BUFS=2,
 )
 
 
@@ -300,49 +305,3 @@ def launch_gluon_lora_linear(
         FOLD=fold, EPI_SPLIT=epi, EPI_BUFS=cfg.get("EPI_BUFS", 1),
     )  # fmt: skip
     return y, s
-
-
-# The stream-K shrink (`_gluon_shrink_kernel`): rows per block, K step, ring slots. Used before the Gluon GEMM
-# where a unit's MMAs are wider than NARROW_UNIT_COLS (narrower ones run inside the one launch) and at most
-# BLOCK_N (ranks ≤ 64), and the batch meets `gluon_linear_ok`.
-GLUON_SHRINK_CONFIG = dict(BLOCK_M=128, BLOCK_K=64, NUM_BUFFERS=4, num_warps=8)
-
-
-def launch_gluon_shrink(
-    x: torch.Tensor,  # [num_tokens, hidden] bf16/fp16
-    a_stacked: torch.Tensor,  # [groups, max_loras, max_rank, hidden], contiguous
-    token_seg: torch.Tensor,
-    seg_slot: torch.Tensor,
-    seg_scale: torch.Tensor,
-    slot_rank: torch.Tensor,
-    max_rank: int,
-    cfg: dict[str, int] = GLUON_SHRINK_CONFIG,
-) -> torch.Tensor:
-    """s = scale · x · Aᵀ [groups, num_tokens, s_cols] in x's dtype, as `lora_shrink(..., seg_scale=...)`
-    writes it, by the stream-K Gluon kernel (the caller checked `gluon_linear_ok`: Hopper, every segment on a
-    row-block boundary, A laid out for TMA, slices × rank columns ≤ 256)."""
-    from ditserve.kernels.lora_gemm.gluon_kernel import _gluon_shrink_kernel
-
-    bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
-    num_tokens, hidden = x.shape
-    groups, max_loras, a_rows, _ = a_stacked.shape
-    s_cols, shrink_r, shrink_gp = shrink_geometry(groups, max_rank)
-    s = x.new_empty((groups, num_tokens, s_cols))
-    if num_tokens == 0:
-        return s
-    n_a = 2 * shrink_r if groups == 3 else shrink_gp * shrink_r
-    n_b = shrink_r if groups == 3 else 16
-    programs = num_programs_limit(x.device)
-    grid = min(programs, -(-num_tokens // bm) * -(-hidden // bk))
-    by_store = bool(cfg.get("BY_STORE", 0))  # one slot per program's first and last piece
-    ws = zeroed_scratch(
-        "gluon shrink sums", x.device, (1 + by_store) * programs * bm * (n_a + n_b), torch.float32
-    )
-    cnt = zeroed_scratch("gluon shrink counts", x.device, programs, torch.int32)
-    _gluon_shrink_kernel[(grid,)](
-        _tma_desc(x, [bm, bk]), _tma_desc(a_stacked.flatten(0, 2), [shrink_r, bk]), s, token_seg, seg_slot,
-        seg_scale, slot_rank, ws, cnt, num_tokens, a_rows, max_loras * a_rows, s_cols, s.stride(0), s.stride(1),
-        BLOCK_M=bm, BLOCK_K=bk, SHRINK_G=groups, SHRINK_GP=shrink_gp, SHRINK_R=shrink_r,
-        NUM_BUFFERS=cfg["NUM_BUFFERS"], num_warps=cfg["num_warps"], BY_STORE=by_store,
-    )  # fmt: skip
-    return s

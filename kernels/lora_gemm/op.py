@@ -112,8 +112,9 @@ SWEEP: dict[str, dict[str, int]] = {
         "GLUON": 1,
         "GLUON_SPLIT_TAIL": 0,
     },
-    # a fourth ring slot, paid for by storing y in column chunks through a smaller staging buffer
-    # (EPI_SPLIT chunks, EPI_BUFS buffers; with FOLD's boxes only 4 chunks and one buffer fit)
+    # y stored whole (the default before 4 chunks through 2 buffers), and a fourth ring slot paid for by
+    # storing y in column chunks through a smaller staging buffer (with FOLD's boxes only 4 chunks and one
+    # buffer fit)
     **{
         f"gluon nb{nb} e{e}b{b}": {
             **_cfg(128, 256, 64, 8, 3, tma=1, flatten=1, store=1, group_m=16),
@@ -122,7 +123,7 @@ SWEEP: dict[str, dict[str, int]] = {
             "GLUON_EPI_SPLIT": e,
             "GLUON_EPI_BUFS": b,
         }
-        for nb, e, b in ((3, 2, 1), (3, 4, 2), (4, 2, 1), (4, 4, 1), (4, 4, 2))
+        for nb, e, b in ((3, 1, 1), (3, 2, 1), (4, 2, 1), (4, 4, 1), (4, 4, 2))
     },
 }
 # warp-specialised loops (tl.range(..., warp_specialize=True)): Triton documents them for Blackwell; tried

@@ -36,9 +36,6 @@ GLUON = os.environ.get("DITSERVE_GLUON_GEMM", "1") != "0"
 # shrink kernel on one request (H200, QKV, 1 × 4608 tokens, rank 64: +14.1 % against +8.6 % over cuBLAS;
 # BENCHMARKS.md), so there the shrink kernel and the Gluon GEMM run
 GLUON_ONE_LAUNCH_COLS = gluon_op.NARROW_UNIT_COLS
-# Before the Gluon GEMM (units wider than GLUON_ONE_LAUNCH_COLS), s from the stream-K Gluon shrink where the
-# one launch's contract holds (`gluon_op.launch_gluon_shrink`), else the Triton shrink kernel
-GLUON_SHRINK = False
 
 
 def _check(x, a_stacked, b_stacked, max_rank, sizes):
@@ -82,14 +79,7 @@ def launch_lora_linear(
             out_slice_sizes,
         )  # fmt: skip
     if use_gluon and gluon_op.gluon_ok(x, weight, None, b_stacked, out_slice_sizes, True, seg_align):
-        if GLUON_SHRINK and gluon_op.gluon_linear_ok(
-            x, weight, a_stacked, b_stacked, max_rank, out_slice_sizes, seg_align
-        ):
-            s = gluon_op.launch_gluon_shrink(
-                x, a_stacked, token_seg, seg_slot, seg_scale, slot_rank, max_rank
-            )
-        else:
-            s = launch_lora_shrink(x, a_stacked, *seg[:4], slot_rank, max_rank, seg_scale=seg_scale)
+        s = launch_lora_shrink(x, a_stacked, *seg[:4], slot_rank, max_rank, seg_scale=seg_scale)
         ns = len(out_slice_sizes)
         y = gluon_op.launch_gluon_lora_gemm(
             x, weight, bias, s[:ns], b_stacked, token_seg, seg_slot, out_slice_sizes
