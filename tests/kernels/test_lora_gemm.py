@@ -439,6 +439,35 @@ def test_lora_linear_uses_fused_gemm(monkeypatch):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "name,want",
+    [
+        ("gluon", {}),
+        ("gluon no fold", {"FOLD": 0}),
+        ("gluon no split", {"SPLIT_TAIL": 0}),
+        ("gluon nb3 e1b1", {"EPI_SPLIT": 1, "EPI_BUFS": 1}),
+        ("gluon nb4 e4b1", {"NUM_BUFFERS": 4, "EPI_SPLIT": 4, "EPI_BUFS": 1}),
+    ],
+)
+def test_gluon_candidates_reach_the_gluon_launch(name, want, monkeypatch):
+    """A "gluon ..." lora_gemm config runs the Gluon GEMM (where its contract holds) with GLUON_CONFIG, its
+    GLUON_<KEY> entries overriding KEY: what the benchmark's candidates and GPU tests rely on. Checked here
+    with the contract check and the launcher replaced (the kernel itself needs a Hopper GPU)."""
+    from ditserve.kernels.lora_gemm import gluon_op
+
+    got = []
+    monkeypatch.setattr(gluon_op, "gluon_ok", lambda *a, **k: True)
+    monkeypatch.setattr(gluon_op, "launch_gluon_lora_gemm", lambda *a, cfg, **k: got.append(cfg) or a[0])
+    c = make_case(([(32, 1), (32, -1)], [0, 16, 0, 32], [1.0, 1.0]), 3, [16, 16, 16], 32, torch.float32)
+    w, _ = gemm_inputs(c, torch.float32, with_bias=False)
+    s = lora_shrink_scaled_ref(c.x, c.a, c.meta.token_seg, c.meta.seg_start, c.meta.seg_len, c.meta.seg_slot,
+                               c.meta.seg_scale, c.meta.slot_rank, c.meta.max_rank)  # fmt: skip
+    m = c.meta
+    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
+    launch_lora_gemm(c.x, w, None, s, c.b, *seg, c.sizes, config=SWEEP[name], s_scaled=True, seg_align=32)
+    assert got == [{**gluon_op.GLUON_CONFIG, "GROUP_M": SWEEP[name]["GROUP_M"], **want}]
+
+
 def test_custom_op_contract_and_compile():
     layout = ([(20, 0), (1, 1), (9, -1), (13, 3)], [16, 8, 0, 32], None)
     sizes = [16, 24]
