@@ -177,6 +177,23 @@ def test_gluon_gemm_shared_memory_and_fold():
     assert not gluon_op._fold(cfg, 1, 32, 3072) and not gluon_op._fold(cfg, 1, 16, 128)
 
 
+def test_gluon_inline_policy():
+    """INLINE (s computed by the lead tiles) only where asked for, with one slice of s per output slice, ranks
+    up to 64 and the ring's A boxes fitting shared memory: not at rank 64 with y staged whole."""
+    from ditserve.kernels.lora_gemm import gluon_op
+
+    on = {**gluon_op.GLUON_CONFIG, "INLINE": 1}
+    whole = {**on, "EPI_SPLIT": 1, "EPI_BUFS": 1}
+    assert gluon_op.inline_ok(on, 3, 3, 16, 3072, True) and gluon_op.inline_ok(on, 4, 4, 64, 3072, False)
+    assert gluon_op.inline_ok(whole, 3, 3, 16, 3072, True) and not gluon_op.inline_ok(
+        whole, 3, 3, 64, 3072, False
+    )
+    assert not gluon_op.inline_ok({**on, "INLINE": 0}, 3, 3, 16, 3072, True)
+    assert not gluon_op.inline_ok(on, 3, 1, 16, 3072, True)  # q of a q/k/v group: s has 3 slices
+    assert not gluon_op.inline_ok(on, 3, 3, 80, 3072, False)  # rank 80: two LoRA steps
+    assert not gluon_op.inline_ok(on, 3, 3, 16, 128, True)  # two K steps, three ring slots
+
+
 def test_gluon_request_off_hopper_runs_the_triton_path(monkeypatch):
     """`gluon=True` (the default) where the Gluon kernels cannot run (here: not a CUDA tensor)
     takes the Triton path with the same results, and no Gluon launcher is called."""
@@ -258,7 +275,6 @@ def spy_inline(monkeypatch) -> list[bool]:
         "spread, y in chunks",
         "units first",
         "inline",
-        "inline, y whole",
         "shrink kernel first",
         "default",
     ],
@@ -282,7 +298,6 @@ def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
         "spread, y in chunks": dict(SPREAD=2, EPI_SPLIT=4, EPI_BUFS=2),
         "units first": dict(SPREAD=0),
         "inline": dict(INLINE=1),
-        "inline, y whole": dict(INLINE=1, EPI_SPLIT=1, EPI_BUFS=1),
     }
     for key, value in over.get(mode, {}).items():
         monkeypatch.setitem(gluon_op.GLUON_CONFIG, key, value)
