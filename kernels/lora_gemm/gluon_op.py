@@ -301,14 +301,8 @@ def launch_gluon_lora_linear(
     )
     spread = int(spread and x.shape[1] >= (cfg["NUM_BUFFERS"] - 1) * bk)
     lora_k = min(s_cols, b_stacked.shape[2])
-    inline = inline_ok(
-        cfg,
-        groups,
-        len(out_slice_sizes),
-        s_cols,
-        x.shape[1],
-        _fold(cfg, *lora_step_shape(lora_k, bk), x.shape[1]),
-    )
+    fold_asked = _fold(cfg, *lora_step_shape(lora_k, bk), x.shape[1])
+    inline = inline_ok(cfg, groups, len(out_slice_sizes), s_cols, x.shape[1], fold_asked)
     epi = cfg.get("EPI_SPLIT", 1) if spread or inline else 1  # y in chunks only with the units spread
     x_desc, w_desc = _tma_desc(x, [bm, bk]), _tma_desc(weight, [bn, bk])
     y_desc = _tma_desc(y, [bm, bn // epi])
