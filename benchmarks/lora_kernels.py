@@ -538,10 +538,6 @@ def qkv_only(args, head: list[str]) -> None:
                             "no fold": dict(FOLD=0),
                             # y stored as the whole tile at once (the default: four column chunks)
                             "e1": dict(EPI_SPLIT=1, EPI_BUFS=1),
-                            # s computed by the lead tiles instead of shrink units (INLINE)
-                            "inline": dict(INLINE=1),
-                            "inline e1": dict(INLINE=1, EPI_SPLIT=1, EPI_BUFS=1),
-                            "inline no fold": dict(INLINE=1, FOLD=0),
                         }
                         for name, over in variants.items():
                             fns[f"gluon lora_linear {name}"] = (
@@ -610,9 +606,6 @@ def qkv_only(args, head: list[str]) -> None:
                             "gluon lora_linear spread",
                             "gluon lora_linear no fold",
                             "gluon lora_linear e1",
-                            "gluon lora_linear inline",
-                            "gluon lora_linear inline e1",
-                            "gluon lora_linear inline no fold",
                             "gluon two launches e1",
                             "gluon lora_gemm no fold",
                             "gluon lora_gemm no split",

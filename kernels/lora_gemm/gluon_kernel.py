@@ -46,20 +46,15 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 @gluon.jit
 def _tile_origin(tile_id, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2, blk3,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-                 INLINE: gl.constexpr = False):  # fmt: skip
-    """Tile tile_id in grouped order → (its slice j, first row m0, first column n0). INLINE: the lead tiles
-    first (`_inline_order`), then the others in grouped order."""
-    if INLINE:
-        pid_m, pid_n = _inline_order(tile_id, num_pid_m, num_col_blocks, blk1, blk2, blk3, GROUP_M)
-    else:
-        num_in_group = GROUP_M * num_col_blocks
-        group = tile_id // num_in_group
-        first_m = group * GROUP_M
-        group_size = gl.minimum(num_pid_m - first_m, GROUP_M)
-        local = tile_id - group * num_in_group
-        pid_m = first_m + local % group_size
-        pid_n = local // group_size
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
+    """Tile tile_id in grouped order → (its slice j, first row m0, first column n0)."""
+    num_in_group = GROUP_M * num_col_blocks
+    group = tile_id // num_in_group
+    first_m = group * GROUP_M
+    group_size = gl.minimum(num_pid_m - first_m, GROUP_M)
+    local = tile_id - group * num_in_group
+    pid_m = first_m + local % group_size
+    pid_n = local // group_size
     j = (pid_n >= blk1).to(gl.int32) + (pid_n >= blk2).to(gl.int32) + (pid_n >= blk3).to(gl.int32)
     col_lo = gl.where(j == 0, 0, gl.where(j == 1, col1, gl.where(j == 2, col2, col3)))
     blk_lo = gl.where(j == 0, 0, gl.where(j == 1, blk1, gl.where(j == 2, blk2, blk3)))
@@ -67,66 +62,16 @@ def _tile_origin(tile_id, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk
 
 
 @gluon.jit
-def _num_slices(num_col_blocks, blk1, blk2, blk3):
-    """Output slices (1-4): slices past the last have their first column block at num_col_blocks."""
-    return (
-        1 + (blk1 < num_col_blocks).to(gl.int32) + (blk2 < num_col_blocks).to(gl.int32)
-        + (blk3 < num_col_blocks).to(gl.int32)
-    )  # fmt: skip
-
-
-@gluon.jit
-def _inline_order(tile_id, num_pid_m, num_col_blocks, blk1, blk2, blk3, GROUP_M: gl.constexpr):
-    """(row block, column block) of tile tile_id in the INLINE order: first the lead tiles, the first column
-    block of every slice for every row block (tile m · slices + j: row block m, slice j), which compute s
-    of their rows and slice; then the others in grouped order (GROUP_M row blocks per column block, the
-    lead column blocks left out)."""
-    num_sl = _num_slices(num_col_blocks, blk1, blk2, blk3)
-    n_lead = num_pid_m * num_sl
-    num_in_group = GROUP_M * (num_col_blocks - num_sl)
-    rest = gl.maximum(tile_id - n_lead, 0)
-    group = rest // gl.maximum(num_in_group, 1)
-    first_m = group * GROUP_M
-    group_size = gl.minimum(num_pid_m - first_m, GROUP_M)
-    local = rest - group * num_in_group
-    d = local // group_size  # the d-th column block that is not a slice's first
-    dep_n = (
-        d + 1 + (d >= blk1 - 1).to(gl.int32) + (d >= blk2 - 2).to(gl.int32) + (d >= blk3 - 3).to(gl.int32)
-    )  # fmt: skip
-    lj = tile_id % num_sl
-    lead_n = gl.where(lj == 0, 0, gl.where(lj == 1, blk1, gl.where(lj == 2, blk2, blk3)))
-    is_lead = tile_id < n_lead
-    pid_m = gl.where(is_lead, tile_id // num_sl, first_m + local % group_size)
-    return pid_m, gl.where(is_lead, lead_n, dep_n)
-
-
-@gluon.jit
-def _wait_group(tile_id, num_pid_m, num_col_blocks, blk1, blk2, blk3, GROUP_M: gl.constexpr,
-                INLINE: gl.constexpr = False):  # fmt: skip
-    """(group of row blocks whose s tile tile_id reads, the count sync_ptr[group] reaches once that s is
-    written): a shrink unit per row block, or (INLINE) a lead tile per row block and slice."""
-    if INLINE:
-        num_sl = _num_slices(num_col_blocks, blk1, blk2, blk3)
-        rest = gl.maximum(tile_id - num_pid_m * num_sl, 0)
-        g = rest // gl.maximum(GROUP_M * (num_col_blocks - num_sl), 1)
-        per = num_sl
-    else:
-        g = tile_id // (GROUP_M * num_col_blocks)
-        per = 1
-    return g, gl.minimum(num_pid_m - g * GROUP_M, GROUP_M) * per
-
-
-@gluon.jit
 def _load_origin(p_idx, pid, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3,
                  blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-                 HAS_LORA: gl.constexpr, INLINE: gl.constexpr = False):  # fmt: skip
+                 HAS_LORA: gl.constexpr):  # fmt: skip
     """Where the loads of this program's tile p_idx start: x/W rows m0 / n0, and the rows of s[j] and
     B[slot] for its LoRA steps (past the last row, i.e. zeros, where its rows have no adapter). Computed
     once per tile (the steps in between only advance the K coordinate)."""
     tile_id = gl.minimum(pid + p_idx * nprog, num_tiles - 1)
     j, m0, n0 = _tile_origin(tile_id, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2, blk3,
-                             BLOCK_M, BLOCK_N, GROUP_M, INLINE)  # fmt: skip
+                             BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
     s_row = s_rows_total
     b_row = b_rows_total
     if HAS_LORA:
@@ -176,8 +121,7 @@ def _step(acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, my_tiles, 
           pid, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
           s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, a_bufs, w_bufs,
           bars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
-          GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_LORA: gl.constexpr,
-          INLINE: gl.constexpr = False):  # fmt: skip
+          GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_LORA: gl.constexpr):  # fmt: skip
     """Pipeline step `step` (step ki of its tile): wait for its slot, start its MMA, wait for the MMA before it,
     and send the loads NUM_BUFFERS - 1 steps ahead into the slot that MMA read; the producer's position
     (p_*) and where its tile's loads start move on."""
@@ -202,7 +146,7 @@ def _step(acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, my_tiles, 
         m0p, n0p, s_row, b_row = _load_origin(p_idx, pid, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens,
                                               n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total,
                                               b_rows_total, token_seg_ptr, seg_slot_ptr, BLOCK_M, BLOCK_N, GROUP_M,
-                                              HAS_LORA, INLINE)  # fmt: skip
+                                              HAS_LORA)  # fmt: skip
     return acc, step + 1, p_step + 1, p_idx, p_ki, m0p, n0p, s_row, b_row
 
 
@@ -456,8 +400,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
            GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr,
            STORE: gl.constexpr = True, HAS_LORA: gl.constexpr = True, sync_ptr=None,
            WAIT: gl.constexpr = False, l_s=None, l_b=None, lbar=None, FOLD: gl.constexpr = False,
-           EPI_SPLIT: gl.constexpr = 1, EPI_BUFS: gl.constexpr = 1, KEEP: gl.constexpr = False,
-           INLINE: gl.constexpr = False):  # fmt: skip
+           EPI_SPLIT: gl.constexpr = 1, EPI_BUFS: gl.constexpr = 1, KEEP: gl.constexpr = False):  # fmt: skip
     """This program's tiles idx_lo ≤ idx < idx_hi (tile pid_r + idx · nprog) as one pipeline, which starts and
     drains within the run: the producer (the step whose loads go out next, p_step, its tile p_idx and K step
     p_ki, and where that tile's loads start) sends the first NUM_BUFFERS - 1 steps before the first MMA, and
@@ -469,8 +412,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
     of a tile go out during its own K steps when k_tiles ≥ NUM_BUFFERS - 1, which the launcher checks). FOLD (STORE, no LoRA steps in the ring): each tile's s and B
     boxes (LORA_K columns) go into buffers of their own (l_s, l_b, completed on lbar once per tile, phase
     idx & 1) as the tile starts, and its LoRA MMA follows its last K step's. KEEP (with STORE False, one tile):
-    no epilogue; returns (step, the tile's x · Wᵀ in registers). INLINE: tiles in that order, s written by
-    lead tiles (`_lead_tiles`)."""
+    no epilogue; returns (step, the tile's x · Wᵀ in registers)."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -479,8 +421,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
     p_ki = 0
     m0p, n0p, s_row, b_row = _load_origin(p_idx, pid_r, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens,
                                           n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
-                                          token_seg_ptr, seg_slot_ptr, BLOCK_M, BLOCK_N, GROUP_M, HAS_LORA,
-                                          INLINE)  # fmt: skip
+                                          token_seg_ptr, seg_slot_ptr, BLOCK_M, BLOCK_N, GROUP_M, HAS_LORA)  # fmt: skip
     for _i in gl.static_range(NUM_BUFFERS - 1):
         _issue_load(p_step, p_ki, p_idx < idx_hi, m0p, n0p, s_row, b_row, k_tiles, x_desc, w_desc, s_desc, b_desc,
                     a_bufs, w_bufs, bars, BLOCK_K, NUM_BUFFERS, HAS_LORA)  # fmt: skip
@@ -492,11 +433,11 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
             m0p, n0p, s_row, b_row = _load_origin(p_idx, pid_r, nprog, num_tiles, num_pid_m, num_col_blocks,
                                                   num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
                                                   s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr,
-                                                  BLOCK_M, BLOCK_N, GROUP_M, HAS_LORA, INLINE)  # fmt: skip
+                                                  BLOCK_M, BLOCK_N, GROUP_M, HAS_LORA)  # fmt: skip
+    tiles_per_group = GROUP_M * num_col_blocks
     if WAIT:
-        g_lo, want = _wait_group(pid_r + idx_lo * nprog, num_pid_m, num_col_blocks, blk1, blk2, blk3, GROUP_M,
-                                 INLINE)  # fmt: skip
-        _wait_at_least(sync_ptr + g_lo, want)
+        g_lo = (pid_r + idx_lo * nprog) // tiles_per_group
+        _wait_at_least(sync_ptr + g_lo, gl.minimum(num_pid_m - g_lo * GROUP_M, GROUP_M))
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
     for idx in range(idx_lo, idx_hi):
         if FOLD and STORE:  # the producer is at this tile already (k_tiles ≥ NUM_BUFFERS)
@@ -506,7 +447,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
                 acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, idx_hi, k_tiles, steps_per_tile,
                 pid_r, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1,
                 blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc,
-                a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_LORA, INLINE,
+                a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_LORA,
             )  # fmt: skip
         if FOLD and STORE:
             mbarrier.wait(lbar.index(0), idx & 1)
@@ -515,22 +456,18 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
         else:
             acc = warpgroup_mma_wait(0, deps=(acc,))
         _, m0, n0 = _tile_origin(pid_r + idx * nprog, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2,
-                                 blk3, BLOCK_M, BLOCK_N, GROUP_M, INLINE)  # fmt: skip
+                                 blk3, BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
         if KEEP:
             pass
         elif WAIT:
-            g_next, want = _wait_group(pid_r + (idx + 1) * nprog, num_pid_m, num_col_blocks, blk1, blk2, blk3,
-                                       GROUP_M, INLINE)  # fmt: skip
-            g_now, _ = _wait_group(
-                pid_r + idx * nprog, num_pid_m, num_col_blocks, blk1, blk2, blk3, GROUP_M, INLINE
-            )
-            if (idx + 1 < idx_hi) & (g_next != g_now):
+            g_next = (pid_r + (idx + 1) * nprog) // tiles_per_group
+            if (idx + 1 < idx_hi) & (g_next != (pid_r + idx * nprog) // tiles_per_group):
                 # a relaxed read first, answered while the epilogue runs; acquired after it (the epilogue
                 # written once after a conditional read instead: 254 registers against 236 for sm_90)
                 seen = gl.atomic_add(sync_ptr + g_next, 0, sem="relaxed", scope="gpu")
                 _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, STORE, EPI_SPLIT,
                           EPI_BUFS)  # fmt: skip
-                _acquire_seen(sync_ptr + g_next, want, seen)
+                _acquire_seen(sync_ptr + g_next, gl.minimum(num_pid_m - g_next * GROUP_M, GROUP_M), seen)
             else:
                 _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, STORE, EPI_SPLIT,
                           EPI_BUFS)  # fmt: skip
@@ -621,172 +558,6 @@ def _lora_fixup(step, idx, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid
     else:
         _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, True, EPI_SPLIT,
                   EPI_BUFS)  # fmt: skip
-    return step
-
-
-@gluon.jit
-def _lead_origin(p_idx, pid, nprog, n_lead, num_pid_m, num_col_blocks, n_total, col1, col2, col3, blk1, blk2, blk3,
-                 a_rows, a_slice_rows, a_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
-    """Where the loads of this program's lead tile p_idx start (`_lead_tiles`): x / W rows m0 / n0, the
-    slot's A rows of the tile's slice j, and its B rows (past the last rows, i.e. zeros, without an
-    adapter)."""
-    tile_id = gl.minimum(pid + p_idx * nprog, n_lead - 1)
-    j, m0, n0 = _tile_origin(tile_id, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2, blk3, BLOCK_M,
-                             BLOCK_N, GROUP_M, True)  # fmt: skip
-    slot = gl.load(seg_slot_ptr + gl.load(token_seg_ptr + m0))
-    here = slot >= 0
-    a_row = gl.where(here, j * a_slice_rows + gl.maximum(slot, 0) * a_rows, a_rows_total)
-    b_row = gl.where(here, gl.maximum(slot, 0) * n_total + n0, b_rows_total)
-    return m0, n0, a_row, b_row
-
-
-@gluon.jit
-def _lead_issue(p_step, p_ki, pred, m0, n0, a_row, b_row, k_tiles, x_desc, w_desc, a_desc, b_desc, a_bufs, w_bufs,
-                r_bufs, bars, BLOCK_K: gl.constexpr, NUM_BUFFERS: gl.constexpr, FOLD: gl.constexpr):  # fmt: skip
-    """The TMA loads of a lead tile's step into ring slot p_step % NUM_BUFFERS: a K step's x, W and A boxes,
-    or (without FOLD) its LoRA step's B box (its s comes from registers)."""
-    slot_i = p_step % NUM_BUFFERS
-    bar = bars.index(slot_i)
-    kk = p_ki * BLOCK_K
-    if FOLD:
-        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes + a_desc.block_type.nbytes,
-                        pred=pred)  # fmt: skip
-        _tma_load(x_desc, [m0, kk], bar, a_bufs.index(slot_i), pred)
-        _tma_load(w_desc, [n0, kk], bar, w_bufs.index(slot_i), pred)
-        _tma_load(a_desc, [a_row, kk], bar, r_bufs.index(slot_i), pred)
-    elif p_ki < k_tiles:
-        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes + a_desc.block_type.nbytes,
-                        pred=pred)  # fmt: skip
-        _tma_load(x_desc, [m0, kk], bar, a_bufs.index(slot_i), pred)
-        _tma_load(w_desc, [n0, kk], bar, w_bufs.index(slot_i), pred)
-        _tma_load(a_desc, [a_row, kk], bar, r_bufs.index(slot_i), pred)
-    else:
-        mbarrier.expect(bar, b_desc.block_type.nbytes, pred=pred)
-        _tma_load(b_desc, [b_row, 0], bar, w_bufs.index(slot_i), pred)
-
-
-@gluon.jit
-def _lead_produce(p_step, p_ki, p_idx, m0p, n0p, a_row, b_row, steps_per_tile, n_lead_mine, pid, nprog, k_tiles,
-                  n_lead, num_pid_m, num_col_blocks, n_total, col1, col2, col3, blk1, blk2, blk3, a_rows, a_slice_rows,
-                  a_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, a_desc, b_desc, a_bufs,
-                  w_bufs, r_bufs, bars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, FOLD: gl.constexpr):  # fmt: skip
-    """The lead tiles' producer: the loads of step p_step (`_lead_issue`), then on to the next step (and where
-    its tile's loads start, at a tile boundary)."""
-    _lead_issue(p_step, p_ki, p_idx < n_lead_mine, m0p, n0p, a_row, b_row, k_tiles, x_desc, w_desc, a_desc, b_desc,
-                a_bufs, w_bufs, r_bufs, bars, BLOCK_K, NUM_BUFFERS, FOLD)  # fmt: skip
-    p_ki += 1
-    if p_ki == steps_per_tile:
-        p_ki = 0
-        p_idx += 1
-        m0p, n0p, a_row, b_row = _lead_origin(p_idx, pid, nprog, n_lead, num_pid_m, num_col_blocks, n_total, col1,
-                                              col2, col3, blk1, blk2, blk3, a_rows, a_slice_rows, a_rows_total,
-                                              b_rows_total, token_seg_ptr, seg_slot_ptr, BLOCK_M, BLOCK_N,
-                                              GROUP_M)  # fmt: skip
-    return p_step + 1, p_ki, p_idx, m0p, n0p, a_row, b_row
-
-
-@gluon.jit
-def _lead_tiles(step, n_lead_mine, pid, nprog, k_tiles, n_lead, num_pid_m, num_col_blocks, num_tokens, n_total,
-                col1, col2, col3, blk1, blk2, blk3, a_rows, a_slice_rows, b_rows_total, s_cols, stride_ss, stride_st,
-                s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, bias_ptr, sync_ptr, x_desc, w_desc,
-                a_desc, b_desc, y_desc, a_bufs, w_bufs, r_bufs, bars, c_smem, l_s, l_b, lbar,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
-                GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr,
-                FOLD: gl.constexpr, EPI_SPLIT: gl.constexpr, EPI_BUFS: gl.constexpr):  # fmt: skip
-    """This program's lead tiles (INLINE; tiles pid + idx · nprog < n_lead, idx < n_lead_mine), one pipeline:
-    every K step multiplies the x box by the W box (the tile's output) and by the slot's A box of the tile's
-    slice (LORA_K rows: s of its rows and slice, in a second accumulator). After the K steps s is scaled, stored
-    for the other tiles of its row block (then counted in sync_ptr[group]), and multiplied by the tile's B box
-    from shared memory: FOLD's buffers (the B box loaded as the tile starts), else the LoRA ring step's slot
-    (its B box through the ring, s written into its x buffer)."""
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, LORA_K, 16]
-    )
-    steps_per_tile = k_tiles if FOLD else k_tiles + 1
-    a_rows_total = a_desc.shape[0]
-    p_step = step
-    p_idx = 0
-    p_ki = 0
-    m0p, n0p, a_row, b_row = _lead_origin(0, pid, nprog, n_lead, num_pid_m, num_col_blocks, n_total, col1, col2,
-                                          col3, blk1, blk2, blk3, a_rows, a_slice_rows, a_rows_total, b_rows_total,
-                                          token_seg_ptr, seg_slot_ptr, BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
-    for _i in gl.static_range(NUM_BUFFERS - 1):
-        _lead_issue(p_step, p_ki, p_idx < n_lead_mine, m0p, n0p, a_row, b_row, k_tiles, x_desc, w_desc, a_desc,
-                    b_desc, a_bufs, w_bufs, r_bufs, bars, BLOCK_K, NUM_BUFFERS, FOLD)  # fmt: skip
-        p_step += 1
-        p_ki += 1
-    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
-    acc_s = gl.zeros((BLOCK_M, LORA_K), dtype=gl.float32, layout=s_layout)
-    for idx in range(0, n_lead_mine):
-        j, m0, n0 = _tile_origin(pid + idx * nprog, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2, blk3,
-                                 BLOCK_M, BLOCK_N, GROUP_M, True)  # fmt: skip
-        seg = gl.load(token_seg_ptr + m0)
-        slot = gl.load(seg_slot_ptr + seg)
-        if FOLD:  # this tile's B box (the producer is at this tile already: k_tiles ≥ NUM_BUFFERS)
-            bar = lbar.index(0)
-            mbarrier.expect(bar, b_desc.block_type.nbytes)
-            _tma_load(b_desc, [b_row, 0], bar, l_b)
-        for ki in range(k_tiles):
-            slot_i = step % NUM_BUFFERS
-            mbarrier.wait(bars.index(slot_i), (step // NUM_BUFFERS) & 1)
-            x_buf = a_bufs.index(slot_i)
-            w_buf = w_bufs.index(slot_i)
-            r_buf = r_bufs.index(slot_i)
-            tok = warpgroup_mma(x_buf, w_buf.permute((1, 0)), acc, use_acc=ki > 0, is_async=True)
-            tok_s = warpgroup_mma(x_buf, r_buf.permute((1, 0)), acc_s, use_acc=ki > 0, is_async=True)
-            acc, acc_s, _, _, _ = warpgroup_mma_wait(2, deps=(tok, tok_s, x_buf, w_buf, r_buf))
-            p_step, p_ki, p_idx, m0p, n0p, a_row, b_row = _lead_produce(
-                p_step, p_ki, p_idx, m0p, n0p, a_row, b_row, steps_per_tile, n_lead_mine, pid, nprog, k_tiles,
-                n_lead, num_pid_m, num_col_blocks, n_total, col1, col2, col3, blk1, blk2, blk3, a_rows, a_slice_rows,
-                a_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, a_desc, b_desc, a_bufs,
-                w_bufs, r_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_BUFFERS, FOLD,
-            )  # fmt: skip
-            step += 1
-        acc, acc_s = warpgroup_mma_wait(0, deps=(acc, acc_s))
-        # s of these rows and slice j: scaled, rank columns only (A rows past the slot's rank are the next
-        # slot's), in x's dtype
-        rank = gl.load(slot_rank_ptr + gl.maximum(slot, 0))
-        scale = gl.load(seg_scale_ptr + seg)
-        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        r = gl.arange(0, LORA_K, layout=gl.SliceLayout(0, s_layout))
-        # (zeros where the rows have no adapter: their A box was past the last row)
-        sv = gl.where((r < rank)[None, :], acc_s * scale, 0.0).to(x_desc.dtype)
-        ptrs = s_ptr + j.to(gl.int64) * stride_ss + rows.to(gl.int64)[:, None] * stride_st + r[None, :]
-        gl.store(ptrs, sv, mask=(rows < num_tokens)[:, None] & (r < s_cols)[None, :])
-        if FOLD:
-            l_s.store(sv)
-            fence_async_shared()
-            _cta_barrier()  # every warp's s rows are in l_s before the MMA reads them
-            mbarrier.wait(lbar.index(0), idx & 1)
-            tok = warpgroup_mma(l_s, l_b.permute((1, 0)), acc, is_async=True)
-            acc, _ls, _lb = warpgroup_mma_wait(0, deps=(tok, l_s, l_b))
-        else:  # the LoRA ring step: its B box came through the ring, s goes into its x buffer
-            slot_i = step % NUM_BUFFERS
-            x_buf = a_bufs.index(slot_i)
-            w_buf = w_bufs.index(slot_i)
-            x_buf.slice(0, LORA_K, dim=1).store(sv)
-            fence_async_shared()
-            _cta_barrier()
-            mbarrier.wait(bars.index(slot_i), (step // NUM_BUFFERS) & 1)
-            tok = _lora_mma(x_buf, w_buf, acc, LORA_K, BLOCK_K)
-            acc, _, _ = warpgroup_mma_wait(0, deps=(tok, x_buf, w_buf))
-            p_step, p_ki, p_idx, m0p, n0p, a_row, b_row = _lead_produce(
-                p_step, p_ki, p_idx, m0p, n0p, a_row, b_row, steps_per_tile, n_lead_mine, pid, nprog, k_tiles,
-                n_lead, num_pid_m, num_col_blocks, n_total, col1, col2, col3, blk1, blk2, blk3, a_rows, a_slice_rows,
-                a_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, a_desc, b_desc, a_bufs,
-                w_bufs, r_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_BUFFERS, FOLD,
-            )  # fmt: skip
-            step += 1
-        _epilogue(
-            acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, True, EPI_SPLIT, EPI_BUFS
-        )
-        _cta_barrier()  # every thread's s stores precede the release
-        gl.atomic_add(sync_ptr + (m0 // BLOCK_M) // GROUP_M, 1, sem="release", scope="gpu")
     return step
 
 
@@ -957,9 +728,8 @@ def _gluon_lora_linear_kernel(
     SPREAD: gl.constexpr = 1,
     LEAD: gl.constexpr = 2,
     FOLD: gl.constexpr = False,  # the LoRA MMA after the last K step (`_tiles`)
-    EPI_SPLIT: gl.constexpr = 1,  # y in column chunks (as _gluon_lora_gemm_kernel; SPREAD or INLINE only)
+    EPI_SPLIT: gl.constexpr = 1,  # y in column chunks (as _gluon_lora_gemm_kernel; SPREAD only)
     EPI_BUFS: gl.constexpr = 1,
-    INLINE: gl.constexpr = False,  # s computed in the lead tiles instead of shrink units (`_lead_tiles`)
 ):
     """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ and s = scale · x · Aᵀ in one launch. A shrink unit is one row
     block (all slices in one MMA per K step). The persistent grid gives num_tiles mod P programs one tile more
@@ -980,15 +750,7 @@ def _gluon_lora_linear_kernel(
 
     SPREAD 0: those extra-tile programs run their first tile's K steps first (c_smem, as above); all programs
     claim units in order from an atomic counter (sync_ptr[num_units]) and run them, count them in
-    sync_ptr[num_units + 1], and wait until every unit is done before their tiles.
-
-    INLINE (one slice of s per output slice, LORA_K = SHRINK_R): no shrink units. The first column block of
-    every slice is a lead tile, and the lead tiles come first in the tile order (`_inline_order`): each one
-    computes s of its rows and slice from the x boxes its K steps load anyway (one more MMA per step, LORA_K
-    columns wide) and adds its own LoRA term from registers (`_lead_tiles`). The other tiles follow in
-    grouped order and wait, as under SPREAD, for their group's count (a lead tile per row block and slice):
-    lead tiles wait for nothing, so none of them waits long (the first group's lead tiles are at the head of
-    the order)."""
+    sync_ptr[num_units + 1], and wait until every unit is done before their tiles."""
     hidden = x_desc.shape[1]
     k_tiles = gl.cdiv(hidden, BLOCK_K)
     steps_per_tile = k_tiles + lora_steps
@@ -998,8 +760,6 @@ def _gluon_lora_linear_kernel(
     num_tiles = num_pid_m * num_col_blocks
     extra = num_tiles % nprog
     pid_r = (pid + extra) % nprog  # programs nprog - extra.. take tiles 0..extra-1: one tile more
-    if INLINE:
-        pid_r = pid
     my_tiles = gl.cdiv(num_tiles - pid_r, nprog)
 
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [NUM_BUFFERS, BLOCK_M, BLOCK_K], x_desc.layout)
@@ -1010,7 +770,7 @@ def _gluon_lora_linear_kernel(
     if EPI_SPLIT == 1:
         c_smem = gl.allocate_shared_memory(x_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
     else:  # a chunk's staging buffer(s): the first tile's output, where s is not there yet, stays in registers
-        gl.static_assert((SPREAD > 0) | INLINE, "y in chunks only with the units spread, or INLINE")
+        gl.static_assert(SPREAD > 0, "y in chunks only with the units spread")
         c_smem = gl.allocate_shared_memory(
             x_desc.dtype, [EPI_BUFS, BLOCK_M, BLOCK_N // EPI_SPLIT], y_desc.layout
         )
@@ -1020,24 +780,7 @@ def _gluon_lora_linear_kernel(
 
     num_units = num_pid_m
     step = 0
-    if INLINE:
-        r_bufs = gl.allocate_shared_memory(x_desc.dtype, [NUM_BUFFERS, LORA_K, BLOCK_K], a_desc.layout)
-        n_lead = num_pid_m * _num_slices(num_col_blocks, blk1, blk2, blk3)
-        n_lead_mine = gl.minimum(gl.cdiv(gl.maximum(n_lead - pid, 0), nprog), my_tiles)
-        step = _lead_tiles(gl.to_tensor(0), n_lead_mine, pid, nprog, k_tiles, n_lead, num_pid_m, num_col_blocks,
-                           num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, a_rows, a_slice_rows,
-                           b_rows_total, s_cols, stride_ss, stride_st, s_ptr, token_seg_ptr, seg_slot_ptr,
-                           seg_scale_ptr, slot_rank_ptr, bias_ptr, sync_ptr, x_desc, w_desc, a_desc, b_desc, y_desc,
-                           a_bufs, w_bufs, r_bufs, bars, c_smem, l_s, l_b, lbar, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K,
-                           GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps, FOLD, EPI_SPLIT, EPI_BUFS)  # fmt: skip
-        if n_lead_mine < my_tiles:  # (else no tile of this program reads s)
-            step = _tiles(step, n_lead_mine, my_tiles, pid, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m,
-                          num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total,
-                          b_rows_total, token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc,
-                          a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS,
-                          HAS_BIAS, num_warps, True, True, sync_ptr, True, l_s, l_b, lbar, FOLD, EPI_SPLIT, EPI_BUFS,
-                          False, True)  # fmt: skip
-    elif SPREAD:
+    if SPREAD:
         tiles_per_group = GROUP_M * num_col_blocks
         num_short = nprog - extra
         u = gl.where(pid_r >= extra, pid_r - extra, num_units)  # this program's next unit

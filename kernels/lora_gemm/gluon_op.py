@@ -32,7 +32,6 @@ GLUON_CONFIG = dict(
     SPLIT_TAIL=1,
     EPI_SPLIT=4,
     EPI_BUFS=2,
-    INLINE=0,
 )
 
 
@@ -227,24 +226,6 @@ def shrink_geometry(num_slices: int, max_rank: int) -> tuple[int, int, int]:
     return s_cols, next_pow2(s_cols), next_pow2(num_slices)
 
 
-def inline_ok(
-    cfg: dict[str, int], groups: int, num_slices: int, s_cols: int, hidden: int, fold: bool
-) -> bool:
-    """INLINE (`_gluon_lora_linear_kernel`: s computed in the lead tiles): asked for, one slice of s per
-    output slice, every slice's rank columns in one MMA of at most BLOCK_K columns (s_cols ≤ BLOCK_K), K
-    steps enough that the producer is at a lead tile when it starts (k_tiles ≥ NUM_BUFFERS), and the ring's
-    A boxes (NUM_BUFFERS × SHRINK_R rows) fit shared memory beside the GEMM's buffers (not with y staged
-    whole at rank 64)."""
-    a_ring = 2 * cfg["NUM_BUFFERS"] * shrink_geometry(groups, s_cols)[1] * cfg["BLOCK_K"]
-    return (
-        bool(cfg.get("INLINE", 0))
-        and groups == num_slices
-        and s_cols <= cfg["BLOCK_K"]
-        and hidden >= cfg["NUM_BUFFERS"] * cfg["BLOCK_K"]
-        and gemm_smem(cfg, fold) + a_ring + 256 <= SMEM_LIMIT
-    )
-
-
 def gluon_linear_ok(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -300,17 +281,14 @@ def launch_gluon_lora_linear(
         cfg.get("SPREAD", 1) == 1 and unit_cols(groups, max_rank) <= NARROW_UNIT_COLS
     )
     spread = int(spread and x.shape[1] >= (cfg["NUM_BUFFERS"] - 1) * bk)
-    lora_k = min(s_cols, b_stacked.shape[2])
-    fold_asked = _fold(cfg, *lora_step_shape(lora_k, bk), x.shape[1])
-    inline = inline_ok(cfg, groups, len(out_slice_sizes), s_cols, x.shape[1], fold_asked)
-    epi = cfg.get("EPI_SPLIT", 1) if spread or inline else 1  # y in chunks only with the units spread
+    epi = cfg.get("EPI_SPLIT", 1) if spread else 1  # y in chunks only with the units spread
     x_desc, w_desc = _tma_desc(x, [bm, bk]), _tma_desc(weight, [bn, bk])
     y_desc = _tma_desc(y, [bm, bn // epi])
     a_desc = _tma_desc(a_stacked.flatten(0, 2), [shrink_r, bk])
+    lora_k = min(s_cols, b_stacked.shape[2])
     s_desc, b_desc, lora_steps, lora_cols, fold = _lora_boxes(
         s, b_stacked, lora_k, {**cfg, "EPI_SPLIT": epi}, x.shape[1]
     )
-    assert not inline or (lora_steps, lora_cols) in ((0, 16), (1, shrink_r)), (lora_cols, shrink_r)
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
     num_pid_m = -(-num_tokens // bm)
     grid = min(num_pid_m * num_col_blocks, num_programs_limit(x.device))
@@ -324,6 +302,6 @@ def launch_gluon_lora_linear(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, LORA_K=lora_cols, GROUP_M=cfg["GROUP_M"],
         NUM_BUFFERS=cfg["NUM_BUFFERS"], SHRINK_G=groups, SHRINK_GP=shrink_gp, SHRINK_R=shrink_r,
         HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], SPREAD=spread, LEAD=cfg.get("LEAD", 2),
-        FOLD=fold, EPI_SPLIT=epi, EPI_BUFS=cfg.get("EPI_BUFS", 1), INLINE=inline,
+        FOLD=fold, EPI_SPLIT=epi, EPI_BUFS=cfg.get("EPI_BUFS", 1),
     )  # fmt: skip
     return y, s

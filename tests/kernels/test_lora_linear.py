@@ -177,23 +177,6 @@ def test_gluon_gemm_shared_memory_and_fold():
     assert not gluon_op._fold(cfg, 1, 32, 3072) and not gluon_op._fold(cfg, 1, 16, 128)
 
 
-def test_gluon_inline_policy():
-    """INLINE (s computed by the lead tiles) only where asked for, with one slice of s per output slice, ranks
-    up to 64 and the ring's A boxes fitting shared memory: not at rank 64 with y staged whole."""
-    from ditserve.kernels.lora_gemm import gluon_op
-
-    on = {**gluon_op.GLUON_CONFIG, "INLINE": 1}
-    whole = {**on, "EPI_SPLIT": 1, "EPI_BUFS": 1}
-    assert gluon_op.inline_ok(on, 3, 3, 16, 3072, True) and gluon_op.inline_ok(on, 4, 4, 64, 3072, False)
-    assert gluon_op.inline_ok(whole, 3, 3, 16, 3072, True) and not gluon_op.inline_ok(
-        whole, 3, 3, 64, 3072, False
-    )
-    assert not gluon_op.inline_ok({**on, "INLINE": 0}, 3, 3, 16, 3072, True)
-    assert not gluon_op.inline_ok(on, 3, 1, 16, 3072, True)  # q of a q/k/v group: s has 3 slices
-    assert not gluon_op.inline_ok(on, 3, 3, 80, 3072, False)  # rank 80: two LoRA steps
-    assert not gluon_op.inline_ok(on, 3, 3, 16, 128, True)  # two K steps, three ring slots
-
-
 def test_gluon_request_off_hopper_runs_the_triton_path(monkeypatch):
     """`gluon=True` (the default) where the Gluon kernels cannot run (here: not a CUDA tensor)
     takes the Triton path with the same results, and no Gluon launcher is called."""
@@ -255,16 +238,6 @@ def test_bf16_gpu_shrink_in(num_slices, groups, no_shrink_kernel):
     assert gemm_config(m.num_tokens, sum(sizes))["TMA"]
 
 
-def spy_inline(monkeypatch) -> list[bool]:
-    """A list that gets what `gluon_op.inline_ok` answered at each launch of the one Gluon launch."""
-    from ditserve.kernels.lora_gemm import gluon_op
-
-    seen: list[bool] = []
-    real = gluon_op.inline_ok
-    monkeypatch.setattr(gluon_op, "inline_ok", lambda *a: seen.append(real(*a)) or seen[-1])
-    return seen
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_slices,groups", [(3, 3), (4, 4), (1, 3)])
 @pytest.mark.parametrize(
@@ -274,7 +247,6 @@ def spy_inline(monkeypatch) -> list[bool]:
         "spread",
         "spread, y in chunks",
         "units first",
-        "inline",
         "shrink kernel first",
         "default",
     ],
@@ -282,9 +254,8 @@ def spy_inline(monkeypatch) -> list[bool]:
 def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
     """The same batches through the Gluon kernels (Hopper): the shrink inside the launch (three launches in a
     row: the sync buffer starts at zero each time; at rank 64 its units run first), the same with the units
-    spread over the run (SPREAD 2), with every unit first (SPREAD 0), computed by the lead tiles (INLINE; where
-    s has more slices than the output, the units instead), or the shrink kernel first; y and s equal the
-    reference. By default (units 3 × 64 columns wide, more than GLUON_ONE_LAUNCH_COLS) the shrink
+    spread over the run (SPREAD 2), with every unit first (SPREAD 0), or the shrink kernel first; y and s
+    equal the reference. By default (units 3 × 64 columns wide, more than GLUON_ONE_LAUNCH_COLS) the shrink
     kernel and the Gluon GEMM run."""
     from ditserve.kernels.lora_gemm import gluon_op
 
@@ -297,11 +268,9 @@ def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
         "spread": dict(SPREAD=2),
         "spread, y in chunks": dict(SPREAD=2, EPI_SPLIT=4, EPI_BUFS=2),
         "units first": dict(SPREAD=0),
-        "inline": dict(INLINE=1),
     }
     for key, value in over.get(mode, {}).items():
         monkeypatch.setitem(gluon_op.GLUON_CONFIG, key, value)
-    inline = spy_inline(monkeypatch)
     m, x, a, b, w, bias, sizes, seg, want, want_s = aligned_case(num_slices, groups)
     runs = 3 if shrink_in else 1
     for _ in range(runs):
@@ -309,7 +278,6 @@ def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
         torch.testing.assert_close(y.float(), want.float(), atol=5e-2, rtol=3e-2)
         torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
     assert calls == ["linear" if shrink_in else "gemm"] * runs
-    assert inline == ([num_slices == groups] * runs if mode.startswith("inline") else [False] * len(inline))
 
 
 @pytest.mark.gpu
@@ -323,23 +291,17 @@ def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
 )
 @pytest.mark.parametrize("fold", [1, 0])
 @pytest.mark.parametrize("epi", [(4, 2), (1, 1), (2, 1)])
-@pytest.mark.parametrize("inline", [0, 1])
-def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, fold, epi, inline, monkeypatch):
+def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, fold, epi, monkeypatch):
     """Rank 16 only (shrink units with two K steps per ring slot, spread over the run, 3 slices as MMAs of 2
-    and 1 slices or 4 slices in one; or s computed by the lead tiles, INLINE; the 16-wide LoRA MMA after the
-    last K step (FOLD) or as a ring step; y stored whole or in 2 or 4 column chunks, the first tile kept in
-    registers until its s is there), and a batch without any adapter (every unit or lead tile writes zeros):
-    one Gluon launch, y and s equal the reference."""
+    and 1 slices or 4 slices in one; the 16-wide LoRA MMA after the last K step (FOLD) or as a ring step; y
+    stored whole or in 2 or 4 column chunks, the first tile kept in registers until its s is there), and a
+    batch without any adapter (every unit writes zeros): one Gluon launch, y and s equal the reference."""
     from ditserve.kernels.lora_gemm import gluon_op
 
-    if inline and epi == (2, 1):
-        pytest.skip("INLINE with y whole and in 4 chunks is enough")
     monkeypatch.setitem(gluon_op.GLUON_CONFIG, "FOLD", fold)
     monkeypatch.setitem(gluon_op.GLUON_CONFIG, "EPI_SPLIT", epi[0])
     monkeypatch.setitem(gluon_op.GLUON_CONFIG, "EPI_BUFS", epi[1])
-    monkeypatch.setitem(gluon_op.GLUON_CONFIG, "INLINE", inline)
     calls = gluon_launches(monkeypatch)
-    took = spy_inline(monkeypatch)
     meta, x, a, b, w, bias, sizes = gpu_problem(groups, requests)
     m = meta
     seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
@@ -349,4 +311,4 @@ def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, fold, epi, inline, 
     y, s = launch_lora_linear(x, w, bias, a, b, *seg, max_rank, sizes, m.seg_align, gluon=True)
     torch.testing.assert_close(y.float(), want.float(), atol=5e-2, rtol=3e-2)
     torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
-    assert calls == ["linear"] and took == [bool(inline)]
+    assert calls == ["linear"]
