@@ -261,6 +261,7 @@ def launch_gluon_lora_linear(
     cfg: dict[str, int] = GLUON_CONFIG,
     sync: torch.Tensor | None = None,  # int32 [row blocks + 2] zeros (None: a new one)
     s: torch.Tensor | None = None,  # where s goes (None: a new tensor)
+    trace: torch.Tensor | None = None,  # int64 [programs, TRACE_EVENTS, 3]: record a timeline (SPREAD only)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, s): the shrink and the GEMM with the expand in one launch (the caller checked `gluon_linear_ok`);
     s [groups, num_tokens, s_cols] pre-scaled in x's dtype, as `lora_shrink(..., seg_scale=...)` writes it."""
@@ -302,6 +303,6 @@ def launch_gluon_lora_linear(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, LORA_K=lora_cols, GROUP_M=cfg["GROUP_M"],
         NUM_BUFFERS=cfg["NUM_BUFFERS"], SHRINK_G=groups, SHRINK_GP=shrink_gp, SHRINK_R=shrink_r,
         HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], SPREAD=spread, LEAD=cfg.get("LEAD", 2),
-        FOLD=fold, EPI_SPLIT=epi, EPI_BUFS=cfg.get("EPI_BUFS", 1),
+        FOLD=fold, EPI_SPLIT=epi, EPI_BUFS=cfg.get("EPI_BUFS", 1), TRACE=trace is not None, trace_ptr=trace,
     )  # fmt: skip
     return y, s
