@@ -538,10 +538,6 @@ def qkv_only(args, head: list[str]) -> None:
                             "no fold": dict(FOLD=0),
                             # y stored as the whole tile at once (the default: four column chunks)
                             "e1": dict(EPI_SPLIT=1, EPI_BUFS=1),
-                            # each unit's x rows asked into L2 at once before its loads (PREFETCH)
-                            "prefetch": dict(PREFETCH=1),
-                            "spread prefetch": dict(SPREAD=2, PREFETCH=1),
-                            "units first prefetch": dict(SPREAD=0, PREFETCH=1),
                         }
                         for name, over in variants.items():
                             fns[f"gluon lora_linear {name}"] = (
@@ -610,9 +606,6 @@ def qkv_only(args, head: list[str]) -> None:
                             "gluon lora_linear spread",
                             "gluon lora_linear no fold",
                             "gluon lora_linear e1",
-                            "gluon lora_linear prefetch",
-                            "gluon lora_linear spread prefetch",
-                            "gluon lora_linear units first prefetch",
                             "gluon two launches e1",
                             "gluon lora_gemm no fold",
                             "gluon lora_gemm no split",

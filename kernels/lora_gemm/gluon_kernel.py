@@ -635,36 +635,17 @@ def _store_s(acc, g0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr,
 
 
 @gluon.jit
-def _prefetch_rows(x_ptr, m0, num_tokens, hidden, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
-    """Rows m0.. m0 + BLOCK_M of x (row-major, `hidden` columns) into L2: one prefetch per 128-byte line, all
-    sent at once (addresses past the last row or column repeat the last ones)."""
-    LINES: gl.constexpr = 64  # lines of a row per pass
-    layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])
-    PER_LINE: gl.constexpr = 1024 // x_ptr.dtype.element_ty.primitive_bitwidth  # elements per line
-    line_count = gl.cdiv(hidden, PER_LINE)
-    rows = gl.minimum(m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout)), num_tokens - 1)
-    for c0 in range(0, line_count, LINES):
-        lines = gl.minimum(c0 + gl.arange(0, LINES, layout=gl.SliceLayout(0, layout)), line_count - 1)
-        ptrs = x_ptr + rows.to(gl.int64)[:, None] * hidden + (lines * PER_LINE)[None, :]
-        gl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32, is_pure=False, pack=1
-        )
-
-
-@gluon.jit
 def _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss, stride_st, s_ptr,
                  token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, x_desc, a_desc, a_bufs, w_bufs, bars,
                  BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, SHRINK_G: gl.constexpr, SHRINK_GP: gl.constexpr,
-                 SHRINK_R: gl.constexpr, NUM_BUFFERS: gl.constexpr, num_warps: gl.constexpr, x_ptr=None,
-                 PREFETCH: gl.constexpr = False):  # fmt: skip
+                 SHRINK_R: gl.constexpr, NUM_BUFFERS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """Shrink unit u: s[g, rows u·BLOCK_M.., :s_cols] = scale · x[rows] · A[g, slot, :rank]ᵀ for every slice g,
     through the same ring; zeros for rows without an adapter (no loads). The MMAs of a step cover every slice
     at once: SHRINK_GP · SHRINK_R columns (GP: the slices rounded up to a power of two; the padding slice's
     rows are never loaded and its columns never stored), or for 3 slices (SPLIT) two MMAs of 2 and 1 slices'
     columns, so no MMA work goes to padding. Where the A rows take at most 64 of the W buffer's 256 (rank 16),
     a ring slot carries two 64-column steps (DOUBLE): twice the bytes in flight, which is what bounds a
-    unit (its x is read from HBM once). PREFETCH: the unit's x rows are asked into L2 at once first
-    (`_prefetch_rows`), so the ring's loads find them there instead of waiting on HBM two slots at a time."""
+    unit (its x is read from HBM once)."""
     SPLIT: gl.constexpr = SHRINK_G == 3
     N_A: gl.constexpr = 2 * SHRINK_R if SPLIT else SHRINK_GP * SHRINK_R
     N_B: gl.constexpr = SHRINK_R if SPLIT else 16
@@ -687,8 +668,6 @@ def _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, str
         rank = gl.load(slot_rank_ptr + slot)
         a_row = slot * a_rows
         hidden = x_desc.shape[1]
-        if PREFETCH:
-            _prefetch_rows(x_ptr, m0, num_tokens, hidden, BLOCK_M, num_warps)
         n_steps = gl.cdiv(hidden, KSTEP)
         for i in gl.static_range(NUM_BUFFERS - 1):
             _issue_unit_load(step + i, i * KSTEP, i < n_steps, m0, a_row, a_slice_rows, x_desc, a_desc, a_bufs,
@@ -771,8 +750,6 @@ def _gluon_lora_linear_kernel(
     EPI_BUFS: gl.constexpr = 1,
     TRACE: gl.constexpr = False,  # SPREAD: a timeline per program into trace_ptr (`_trace`; benchmarks)
     trace_ptr=None,
-    x_ptr=None,  # x itself (PREFETCH)
-    PREFETCH: gl.constexpr = False,  # each shrink unit asks its x rows into L2 first (`_shrink_unit`)
 ):
     """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ and s = scale · x · Aᵀ in one launch. A shrink unit is one row
     block (all slices in one MMA per K step). The persistent grid gives num_tiles mod P programs one tile more
@@ -873,7 +850,7 @@ def _gluon_lora_linear_kernel(
                 step = _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss,
                                     stride_st, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr,
                                     x_desc, a_desc, a_bufs, w_bufs, bars, BLOCK_M, BLOCK_K, SHRINK_G, SHRINK_GP,
-                                    SHRINK_R, NUM_BUFFERS, num_warps, x_ptr, PREFETCH)  # fmt: skip
+                                    SHRINK_R, NUM_BUFFERS, num_warps)  # fmt: skip
                 _cta_barrier()  # every thread's s stores precede the release
                 gl.atomic_add(sync_ptr + u // GROUP_M, 1, sem="release", scope="gpu")
                 if TRACE:
@@ -909,7 +886,7 @@ def _gluon_lora_linear_kernel(
             step = _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss, stride_st,
                                 s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, x_desc, a_desc,
                                 a_bufs, w_bufs, bars, BLOCK_M, BLOCK_K, SHRINK_G, SHRINK_GP, SHRINK_R, NUM_BUFFERS,
-                                num_warps, x_ptr, PREFETCH)  # fmt: skip
+                                num_warps)  # fmt: skip
             _cta_barrier()  # every thread's s stores precede the release
             gl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
             u = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")

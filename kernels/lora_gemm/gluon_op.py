@@ -32,7 +32,6 @@ GLUON_CONFIG = dict(
     SPLIT_TAIL=1,
     EPI_SPLIT=4,
     EPI_BUFS=2,
-    PREFETCH=0,
 )
 
 
@@ -305,6 +304,5 @@ def launch_gluon_lora_linear(
         NUM_BUFFERS=cfg["NUM_BUFFERS"], SHRINK_G=groups, SHRINK_GP=shrink_gp, SHRINK_R=shrink_r,
         HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], SPREAD=spread, LEAD=cfg.get("LEAD", 2),
         FOLD=fold, EPI_SPLIT=epi, EPI_BUFS=cfg.get("EPI_BUFS", 1), TRACE=trace is not None, trace_ptr=trace,
-        x_ptr=x, PREFETCH=bool(cfg.get("PREFETCH", 0)),
     )  # fmt: skip
     return y, s
