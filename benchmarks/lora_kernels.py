@@ -538,10 +538,6 @@ def qkv_only(args, head: list[str]) -> None:
                             "no fold": dict(FOLD=0),
                             # y stored as the whole tile at once (the default: four column chunks)
                             "e1": dict(EPI_SPLIT=1, EPI_BUFS=1),
-                            # a fourth ring slot (a third slot of loads in flight for the units; FOLD then
-                            # does not fit at rank 16)
-                            "nb4": dict(NUM_BUFFERS=4),
-                            "spread nb4": dict(SPREAD=2, NUM_BUFFERS=4),
                         }
                         for name, over in variants.items():
                             fns[f"gluon lora_linear {name}"] = (
@@ -610,8 +606,6 @@ def qkv_only(args, head: list[str]) -> None:
                             "gluon lora_linear spread",
                             "gluon lora_linear no fold",
                             "gluon lora_linear e1",
-                            "gluon lora_linear nb4",
-                            "gluon lora_linear spread nb4",
                             "gluon two launches e1",
                             "gluon lora_gemm no fold",
                             "gluon lora_gemm no split",
