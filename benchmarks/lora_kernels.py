@@ -538,9 +538,6 @@ def qkv_only(args, head: list[str]) -> None:
                             "no fold": dict(FOLD=0),
                             # y stored as the whole tile at once (the default: four column chunks)
                             "e1": dict(EPI_SPLIT=1, EPI_BUFS=1),
-                            # each unit as two halves of its K steps on two programs (HALVES 2; spread only)
-                            "halves": dict(HALVES=2),
-                            "spread halves": dict(SPREAD=2, HALVES=2),
                         }
                         for name, over in variants.items():
                             fns[f"gluon lora_linear {name}"] = (
@@ -609,8 +606,6 @@ def qkv_only(args, head: list[str]) -> None:
                             "gluon lora_linear spread",
                             "gluon lora_linear no fold",
                             "gluon lora_linear e1",
-                            "gluon lora_linear halves",
-                            "gluon lora_linear spread halves",
                             "gluon two launches e1",
                             "gluon lora_gemm no fold",
                             "gluon lora_gemm no split",

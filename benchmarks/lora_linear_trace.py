@@ -94,17 +94,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", default="16")
     ap.add_argument("--traces", type=int, default=5)
-    ap.add_argument(
-        "--halves", default="1", help="HALVES values to trace (units as two halves of their K steps)"
-    )
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results = {}
-    for rank, halves in ((int(r), int(h)) for r in args.ranks.split(",") for h in args.halves.split(",")):
+    for rank in (int(r) for r in args.ranks.split(",")):
         p = make_problem([(4608, i) for i in range(4)], rank, [3072] * 3)
         m = p.meta
-        cfg = {**gluon_op.GLUON_CONFIG, "SPREAD": 2, "HALVES": halves}
+        cfg = {**gluon_op.GLUON_CONFIG, "SPREAD": 2}
 
         def run(trace=None, p=p, m=m, cfg=cfg):
             return gluon_op.launch_gluon_lora_linear(
@@ -123,10 +120,10 @@ def main() -> None:
             run(trace)
             torch.cuda.synchronize()
             lines.append(timeline(trace))
-        results[f"rank {rank} halves {halves}"] = dict(
+        results[rank] = dict(
             cublas_us=base * 1e3, one_launch_us=plain * 1e3, traced_us=traced * 1e3, runs=lines
         )
-        print(f"rank {rank}, HALVES {halves}: cuBLAS {base * 1e3:.0f} µs, one launch {plain * 1e3:.0f} µs "
+        print(f"rank {rank}: cuBLAS {base * 1e3:.0f} µs, one launch {plain * 1e3:.0f} µs "
               f"({100 * (plain / base - 1):+.1f} %), traced {traced * 1e3:.0f} µs")  # fmt: skip
         for line in lines:
             print(json.dumps(line))

@@ -635,45 +635,17 @@ def _store_s(acc, g0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr,
 
 
 @gluon.jit
-def _half_ptrs(acc, base, col0, W: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
-    """Where acc's elements go in a half unit's fp32 sums (rows of W columns, acc's from col0)."""
-    N: gl.constexpr = acc.shape[1]
-    layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N, 16]
-    )
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, N, layout=gl.SliceLayout(0, layout))
-    return base + rows[:, None] * W + col0 + cols[None, :]
-
-
-@gluon.jit
-def _half_put(acc, base, col0, W: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
-    gl.store(_half_ptrs(acc, base, col0, W, BLOCK_M, num_warps), acc)
-
-
-@gluon.jit
-def _half_get(acc, base, col0, W: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
-    return gl.load(_half_ptrs(acc, base, col0, W, BLOCK_M, num_warps), cache_modifier=".cg")
-
-
-@gluon.jit
 def _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss, stride_st, s_ptr,
                  token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, x_desc, a_desc, a_bufs, w_bufs, bars,
                  BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, SHRINK_G: gl.constexpr, SHRINK_GP: gl.constexpr,
-                 SHRINK_R: gl.constexpr, NUM_BUFFERS: gl.constexpr, num_warps: gl.constexpr, half=0, ws_ptr=None,
-                 cnt_ptr=None, HALVES: gl.constexpr = 1):  # fmt: skip
+                 SHRINK_R: gl.constexpr, NUM_BUFFERS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """Shrink unit u: s[g, rows u·BLOCK_M.., :s_cols] = scale · x[rows] · A[g, slot, :rank]ᵀ for every slice g,
     through the same ring; zeros for rows without an adapter (no loads). The MMAs of a step cover every slice
     at once: SHRINK_GP · SHRINK_R columns (GP: the slices rounded up to a power of two; the padding slice's
     rows are never loaded and its columns never stored), or for 3 slices (SPLIT) two MMAs of 2 and 1 slices'
     columns, so no MMA work goes to padding. Where the A rows take at most 64 of the W buffer's 256 (rank 16),
     a ring slot carries two 64-column steps (DOUBLE): twice the bytes in flight, which is what bounds a
-    unit (its x is read from HBM once).
-
-    HALVES 2: this is half `half` of the unit, its K steps from half · n / 2 (n the unit's steps); each half
-    puts its fp32 sums into ws (`_half_put`), counts itself in cnt_ptr[u] (acq_rel), and the half that
-    completes the count adds the other's sums, scales and stores s. Returns (step, whether s of the unit is
-    stored now)."""
+    unit (its x is read from HBM once)."""
     SPLIT: gl.constexpr = SHRINK_G == 3
     N_A: gl.constexpr = 2 * SHRINK_R if SPLIT else SHRINK_GP * SHRINK_R
     N_B: gl.constexpr = SHRINK_R if SPLIT else 16
@@ -696,12 +668,10 @@ def _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, str
         rank = gl.load(slot_rank_ptr + slot)
         a_row = slot * a_rows
         hidden = x_desc.shape[1]
-        n_all = gl.cdiv(hidden, KSTEP)
-        k0 = ((half * n_all) // HALVES) * KSTEP
-        n_steps = ((half + 1) * n_all) // HALVES - (half * n_all) // HALVES
+        n_steps = gl.cdiv(hidden, KSTEP)
         for i in gl.static_range(NUM_BUFFERS - 1):
-            _issue_unit_load(step + i, k0 + i * KSTEP, i < n_steps, m0, a_row, a_slice_rows, x_desc, a_desc,
-                             a_bufs, w_bufs, bars, BLOCK_K, SHRINK_G, SHRINK_R, DOUBLE, NUM_BUFFERS)  # fmt: skip
+            _issue_unit_load(step + i, i * KSTEP, i < n_steps, m0, a_row, a_slice_rows, x_desc, a_desc, a_bufs,
+                             w_bufs, bars, BLOCK_K, SHRINK_G, SHRINK_R, DOUBLE, NUM_BUFFERS)  # fmt: skip
         for ki in range(n_steps):
             slot_i = step % NUM_BUFFERS
             mbarrier.wait(bars.index(slot_i), (step // NUM_BUFFERS) & 1)
@@ -714,33 +684,20 @@ def _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, str
             # this step's MMAs stay in flight; the step before it is done, so its slot can be loaded
             acc_a, acc_b, _, _ = warpgroup_mma_wait(GROUPS, deps=(tok_a, tok_b, x_buf, w_buf))
             nxt = ki + NUM_BUFFERS - 1
-            _issue_unit_load(step + NUM_BUFFERS - 1, k0 + nxt * KSTEP, nxt < n_steps, m0, a_row, a_slice_rows,
-                             x_desc, a_desc, a_bufs, w_bufs, bars, BLOCK_K, SHRINK_G, SHRINK_R, DOUBLE,
+            _issue_unit_load(step + NUM_BUFFERS - 1, nxt * KSTEP, nxt < n_steps, m0, a_row, a_slice_rows, x_desc,
+                             a_desc, a_bufs, w_bufs, bars, BLOCK_K, SHRINK_G, SHRINK_R, DOUBLE,
                              NUM_BUFFERS)  # fmt: skip
             step += 1
         acc_a, acc_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
-    last = gl.to_tensor(True)
-    if HALVES > 1:
-        W: gl.constexpr = N_A + (N_B if SPLIT else 0)  # ws columns per row
-        mine = ws_ptr + (u * 2 + half).to(gl.int64) * (BLOCK_M * W)
-        _half_put(acc_a, mine, 0, W, BLOCK_M, num_warps)
-        if SPLIT:
-            _half_put(acc_b, mine, N_A, W, BLOCK_M, num_warps)
-        _cta_barrier()  # every thread's sums precede the count
-        last = gl.atomic_add(cnt_ptr + u, 1, sem="acq_rel", scope="gpu") == 1
-        if last:  # the other half is in: its sums on top
-            other = ws_ptr + (u * 2 + 1 - half).to(gl.int64) * (BLOCK_M * W)
-            acc_a = acc_a + _half_get(acc_a, other, 0, W, BLOCK_M, num_warps)
-            if SPLIT:
-                acc_b = acc_b + _half_get(acc_b, other, N_A, W, BLOCK_M, num_warps)
-    if last:
         scale = gl.load(seg_scale_ptr + seg)
-        _store_s(acc_a * scale, 0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_A, SHRINK_G,
-                 SHRINK_R, BLOCK_M, num_warps)  # fmt: skip
-        if SPLIT:
-            _store_s(acc_b * scale, 2, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_B, SHRINK_G,
-                     SHRINK_R, BLOCK_M, num_warps)  # fmt: skip
-    return step, last
+        acc_a = acc_a * scale
+        acc_b = acc_b * scale
+    _store_s(acc_a, 0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_A, SHRINK_G, SHRINK_R, BLOCK_M,
+             num_warps)  # fmt: skip
+    if SPLIT:
+        _store_s(acc_b, 2, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_B, SHRINK_G, SHRINK_R,
+                 BLOCK_M, num_warps)  # fmt: skip
+    return step
 
 
 @gluon.jit
@@ -757,8 +714,7 @@ def _gluon_lora_linear_kernel(
     seg_slot_ptr,
     seg_scale_ptr,  # [num_segments] fp32
     slot_rank_ptr,  # [max_loras] int32
-    sync_ptr,  # int32 [row blocks + 2 (HALVES 2: + row blocks)], zero at launch: a count per group of units,
-    # the claim and done counters (SPREAD 0), the halves done per unit (HALVES 2)
+    sync_ptr,  # int32 [row blocks + 2], zero at launch: a flag per shrink unit, the claim and done counters
     num_tokens,
     n_total,
     col1,
@@ -794,8 +750,6 @@ def _gluon_lora_linear_kernel(
     EPI_BUFS: gl.constexpr = 1,
     TRACE: gl.constexpr = False,  # SPREAD: a timeline per program into trace_ptr (`_trace`; benchmarks)
     trace_ptr=None,
-    ws_ptr=None,  # HALVES 2: fp32 [row blocks, 2, BLOCK_M, the unit's MMA columns], the halves' sums
-    HALVES: gl.constexpr = 1,  # SPREAD: each unit as two halves of its K steps, on two programs
 ):
     """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ and s = scale · x · Aᵀ in one launch. A shrink unit is one row
     block (all slices in one MMA per K step). The persistent grid gives num_tiles mod P programs one tile more
@@ -849,16 +803,15 @@ def _gluon_lora_linear_kernel(
     if SPREAD:
         tiles_per_group = GROUP_M * num_col_blocks
         num_short = nprog - extra
-        num_parts = num_units * HALVES  # units, or their halves (part u: unit u // HALVES)
-        u = gl.where(pid_r >= extra, pid_r - extra, num_parts)  # this program's next unit (or half)
+        u = gl.where(pid_r >= extra, pid_r - extra, num_units)  # this program's next unit
         idx = 0
         nt = gl.to_tensor(0)
         if (
             TRACE
         ):  # kinds: 0 start, 1/2 a unit's start/end, 3/4 a run of tiles' start/end, 5 the first tile done
             nt = _trace(trace_ptr, pid, nt, gl.to_tensor(0), pid_r)
-        due = gl.maximum((((u // HALVES) // GROUP_M) * tiles_per_group) // nprog - LEAD, 0)
-        if (u >= num_parts) | (due > 0):  # its first tile's K steps before the first units are done
+        due = gl.maximum(((u // GROUP_M) * tiles_per_group) // nprog - LEAD, 0)
+        if (u >= num_units) | (due > 0):  # its first tile's K steps before the first units are done
             g0 = pid_r // tiles_per_group
             if EPI_SPLIT == 1:
                 step = _tiles(step, 0, 1, pid_r, nprog, k_tiles, k_tiles, num_tiles, num_pid_m, num_col_blocks,
@@ -889,25 +842,23 @@ def _gluon_lora_linear_kernel(
             if TRACE:
                 nt = _trace(trace_ptr, pid, nt, gl.to_tensor(5), g0)
             idx = 1
-        while (idx < my_tiles) | (u < num_parts):
-            due = gl.maximum((((u // HALVES) // GROUP_M) * tiles_per_group) // nprog - LEAD, 0)
-            if (u < num_parts) & (due <= idx):
+        while (idx < my_tiles) | (u < num_units):
+            due = gl.maximum(((u // GROUP_M) * tiles_per_group) // nprog - LEAD, 0)
+            if (u < num_units) & (due <= idx):
                 if TRACE:
                     nt = _trace(trace_ptr, pid, nt, gl.to_tensor(1), u)
-                step, last = _shrink_unit(step, u // HALVES, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols,
-                                          stride_ss, stride_st, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
-                                          slot_rank_ptr, x_desc, a_desc, a_bufs, w_bufs, bars, BLOCK_M, BLOCK_K,
-                                          SHRINK_G, SHRINK_GP, SHRINK_R, NUM_BUFFERS, num_warps, u % HALVES, ws_ptr,
-                                          sync_ptr + num_units + 2, HALVES)  # fmt: skip
-                if last:  # s of the unit is stored
-                    _cta_barrier()  # every thread's s stores precede the release
-                    gl.atomic_add(sync_ptr + (u // HALVES) // GROUP_M, 1, sem="release", scope="gpu")
+                step = _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss,
+                                    stride_st, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr,
+                                    x_desc, a_desc, a_bufs, w_bufs, bars, BLOCK_M, BLOCK_K, SHRINK_G, SHRINK_GP,
+                                    SHRINK_R, NUM_BUFFERS, num_warps)  # fmt: skip
+                _cta_barrier()  # every thread's s stores precede the release
+                gl.atomic_add(sync_ptr + u // GROUP_M, 1, sem="release", scope="gpu")
                 if TRACE:
                     nt = _trace(trace_ptr, pid, nt, gl.to_tensor(2), u)
                 u += num_short
             else:
                 hi = my_tiles
-                if u < num_parts:
+                if u < num_units:
                     hi = gl.minimum(due, my_tiles)
                 if TRACE:
                     nt = _trace(trace_ptr, pid, nt, gl.to_tensor(3), idx)
@@ -932,10 +883,10 @@ def _gluon_lora_linear_kernel(
                           num_warps, False)  # fmt: skip
         u = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
         while u < num_units:
-            step, _ = _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss,
-                                   stride_st, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, x_desc,
-                                   a_desc, a_bufs, w_bufs, bars, BLOCK_M, BLOCK_K, SHRINK_G, SHRINK_GP, SHRINK_R,
-                                   NUM_BUFFERS, num_warps)  # fmt: skip
+            step = _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss, stride_st,
+                                s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, x_desc, a_desc,
+                                a_bufs, w_bufs, bars, BLOCK_M, BLOCK_K, SHRINK_G, SHRINK_GP, SHRINK_R, NUM_BUFFERS,
+                                num_warps)  # fmt: skip
             _cta_barrier()  # every thread's s stores precede the release
             gl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
             u = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")

@@ -32,7 +32,6 @@ GLUON_CONFIG = dict(
     SPLIT_TAIL=1,
     EPI_SPLIT=4,
     EPI_BUFS=2,
-    HALVES=1,
 )
 
 
@@ -260,7 +259,7 @@ def launch_gluon_lora_linear(
     max_rank: int,
     out_slice_sizes: list[int],
     cfg: dict[str, int] = GLUON_CONFIG,
-    sync: torch.Tensor | None = None,  # int32 [row blocks · (1 + HALVES 2) + 2] zeros (None: a new one)
+    sync: torch.Tensor | None = None,  # int32 [row blocks + 2] zeros (None: a new one)
     s: torch.Tensor | None = None,  # where s goes (None: a new tensor)
     trace: torch.Tensor | None = None,  # int64 [programs, TRACE_EVENTS, 3]: record a timeline (SPREAD only)
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,13 +293,8 @@ def launch_gluon_lora_linear(
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
     num_pid_m = -(-num_tokens // bm)
     grid = min(num_pid_m * num_col_blocks, num_programs_limit(x.device))
-    # HALVES 2 (spread units only): each unit as two halves of its K steps on two programs, summed in ws
-    halves = 2 if spread and cfg.get("HALVES", 1) == 2 else 1
-    ws = y  # never read with whole units
-    if halves == 2:
-        ws = torch.empty(num_pid_m * 2 * bm * shrink_gp * shrink_r, dtype=torch.float32, device=x.device)
     if sync is None:
-        sync = torch.zeros(num_pid_m * halves + 2, dtype=torch.int32, device=x.device)
+        sync = torch.zeros(num_pid_m + 2, dtype=torch.int32, device=x.device)
     _gluon_lora_linear_kernel[(grid,)](
         x_desc, w_desc, s_desc, b_desc, y_desc, a_desc, bias if bias is not None else y, s, token_seg, seg_slot,
         seg_scale, slot_rank, sync, num_tokens, n_total, *cols, *blks, num_col_blocks, lora_steps,
@@ -310,6 +304,5 @@ def launch_gluon_lora_linear(
         NUM_BUFFERS=cfg["NUM_BUFFERS"], SHRINK_G=groups, SHRINK_GP=shrink_gp, SHRINK_R=shrink_r,
         HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], SPREAD=spread, LEAD=cfg.get("LEAD", 2),
         FOLD=fold, EPI_SPLIT=epi, EPI_BUFS=cfg.get("EPI_BUFS", 1), TRACE=trace is not None, trace_ptr=trace,
-        ws_ptr=ws, HALVES=halves,
     )  # fmt: skip
     return y, s

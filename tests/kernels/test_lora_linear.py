@@ -246,7 +246,6 @@ def test_bf16_gpu_shrink_in(num_slices, groups, no_shrink_kernel):
         "shrink in the launch",
         "spread",
         "spread, y in chunks",
-        "spread, halves",
         "units first",
         "shrink kernel first",
         "default",
@@ -255,8 +254,8 @@ def test_bf16_gpu_shrink_in(num_slices, groups, no_shrink_kernel):
 def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
     """The same batches through the Gluon kernels (Hopper): the shrink inside the launch (three launches in a
     row: the sync buffer starts at zero each time; at rank 64 its units run first), the same with the units
-    spread over the run (SPREAD 2; also as two halves of their K steps, HALVES 2), with every unit first
-    (SPREAD 0), or the shrink kernel first; y and s equal the reference. By default (units 3 × 64 columns wide, more than GLUON_ONE_LAUNCH_COLS) the shrink
+    spread over the run (SPREAD 2), with every unit first (SPREAD 0), or the shrink kernel first; y and s
+    equal the reference. By default (units 3 × 64 columns wide, more than GLUON_ONE_LAUNCH_COLS) the shrink
     kernel and the Gluon GEMM run."""
     from ditserve.kernels.lora_gemm import gluon_op
 
@@ -268,7 +267,6 @@ def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
     over = {
         "spread": dict(SPREAD=2),
         "spread, y in chunks": dict(SPREAD=2, EPI_SPLIT=4, EPI_BUFS=2),
-        "spread, halves": dict(SPREAD=2, HALVES=2),
         "units first": dict(SPREAD=0),
     }
     for key, value in over.get(mode, {}).items():
@@ -293,18 +291,13 @@ def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
 )
 @pytest.mark.parametrize("fold", [1, 0])
 @pytest.mark.parametrize("epi", [(4, 2), (1, 1), (2, 1)])
-@pytest.mark.parametrize("halves", [1, 2])
-def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, fold, epi, halves, monkeypatch):
+def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, fold, epi, monkeypatch):
     """Rank 16 only (shrink units with two K steps per ring slot, spread over the run, 3 slices as MMAs of 2
     and 1 slices or 4 slices in one; the 16-wide LoRA MMA after the last K step (FOLD) or as a ring step; y
-    stored whole or in 2 or 4 column chunks, the first tile kept in registers until its s is there; units
-    whole or as two halves of their K steps summed by the later one), and a batch without any adapter (every
-    unit writes zeros): one Gluon launch, y and s equal the reference."""
+    stored whole or in 2 or 4 column chunks, the first tile kept in registers until its s is there), and a
+    batch without any adapter (every unit writes zeros): one Gluon launch, y and s equal the reference."""
     from ditserve.kernels.lora_gemm import gluon_op
 
-    if halves == 2 and epi != (4, 2):
-        pytest.skip("halves with y in 4 chunks (the default) are enough")
-    monkeypatch.setitem(gluon_op.GLUON_CONFIG, "HALVES", halves)
     monkeypatch.setitem(gluon_op.GLUON_CONFIG, "FOLD", fold)
     monkeypatch.setitem(gluon_op.GLUON_CONFIG, "EPI_SPLIT", epi[0])
     monkeypatch.setitem(gluon_op.GLUON_CONFIG, "EPI_BUFS", epi[1])
