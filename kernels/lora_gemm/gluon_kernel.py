@@ -770,9 +770,7 @@ def _gluon_lora_linear_kernel(
 
     SPREAD 0: those extra-tile programs run their first tile's K steps first (c_smem, as above); all programs
     claim units in order from an atomic counter (sync_ptr[num_units]) and run them, count them in
-    sync_ptr[num_units + 1], and wait until every unit is done before their tiles' LoRA steps: the others run
-    their first tile's K steps once no unit is left to claim (its output in registers, `_tiles` KEEP), so
-    they do not idle while the last units run."""
+    sync_ptr[num_units + 1], and wait until every unit is done before their tiles."""
     hidden = x_desc.shape[1]
     k_tiles = gl.cdiv(hidden, BLOCK_K)
     steps_per_tile = k_tiles + lora_steps
@@ -892,27 +890,14 @@ def _gluon_lora_linear_kernel(
             _cta_barrier()  # every thread's s stores precede the release
             gl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
             u = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
+        _wait_at_least(done_ptr, num_units)
         if first > 0:  # that tile's LoRA steps, now that s is there
-            _wait_at_least(done_ptr, num_units)
             step = _lora_fixup(step, 0, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m, num_col_blocks,
                                num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
                                token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs,
                                bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS,
                                num_warps, l_s, l_b, lbar, FOLD)  # fmt: skip
-        else:  # no unit left to claim: its first tile's K steps while the last units run, the output in registers
-            step, kept = _tiles(step, 0, 1, pid_r, nprog, k_tiles, k_tiles, num_tiles, num_pid_m, num_col_blocks,
-                                num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
-                                token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs,
-                                w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS,
-                                HAS_BIAS, num_warps, False, True, None, False, None, None, None, False, EPI_SPLIT,
-                                EPI_BUFS, True)  # fmt: skip
-            _wait_at_least(done_ptr, num_units)
-            step = _lora_fixup(step, 0, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m, num_col_blocks,
-                               num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
-                               token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs,
-                               bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, num_warps, l_s,
-                               l_b, lbar, FOLD, kept, bias_ptr, HAS_BIAS, EPI_SPLIT, EPI_BUFS)  # fmt: skip
-        step = _tiles(step, 1, my_tiles, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m,
+        step = _tiles(step, first, my_tiles, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m,
                       num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total,
                       b_rows_total, token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc,
                       a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS,
