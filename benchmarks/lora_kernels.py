@@ -283,10 +283,31 @@ def quick_graph_ms(fn, calls: int = 8, replays: int = 3) -> float:
     return max(min(times) - flush, 1e-4)
 
 
+def working(fns: dict[str, object]) -> tuple[dict[str, object], list[str]]:
+    """(the fns that run once without raising, a `_fail` line for each one that raised): one variant that
+    cannot launch (shared memory, a config the kernel refuses) costs its row, not the whole run. The first
+    fn (the baseline of the ratios) is not caught."""
+    first = next(iter(fns))
+    fns[first]()
+    ok, failed = {first: fns[first]}, []
+    for name, fn in list(fns.items())[1:]:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - any failure of a variant is reported, not fatal
+            failed.append(_fail(name, e))
+        else:
+            ok[name] = fn
+    return ok, failed
+
+
 def interleaved(fns: dict[str, object], rounds: int, gap_s: float = 0.0) -> dict[str, tuple[float, float]]:
     """{name: (median ms, median ratio to the first fn)}: every fn timed once per round, the rounds
     interleaved so clock and thermal drift hit every row alike; ratios are taken within a round. gap_s of
-    idle GPU before each timing lets the clocks recover from the previous one."""
+    idle GPU before each timing lets the clocks recover from the previous one. Fns that raise on a first
+    call are left out (printed; their rows read "—")."""
+    fns, failed = working(fns)
+    for line in failed:
+        print(line, flush=True)
     times: dict[str, list[float]] = {k: [] for k in fns}
     ratios: dict[str, list[float]] = {k: [] for k in fns}
     first = next(iter(fns))

@@ -103,3 +103,31 @@ def test_engine_vs_diffusers_tiny_with_the_engine_switches(tmp_path):
     assert rows["ditserve eager"]["psnr_eager"] == float("inf")  # the runner draws diffusers' image
     assert rows["ditserve eager + epilogues"]["psnr_eager"] >= 40
     assert 25 <= rows["ditserve eager + epilogues + fp8"]["psnr_eager"] < float("inf")
+
+
+def load_benchmark(script: str):
+    """A benchmark script as a module (its functions, without running main)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), ROOT / "benchmarks" / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kernel_benchmark_leaves_out_a_variant_that_cannot_run():
+    """The interleaved timing of `lora_kernels.py` drops a variant whose first call raises (a config that does
+    not fit shared memory, say) and reports it; the others, and the baseline's failures, are not hidden."""
+    bench = load_benchmark("lora_kernels.py")
+    calls = []
+
+    def too_big():
+        raise RuntimeError("out of resource: shared memory, Required: 237592\nmore")
+
+    ok, failed = bench.working(
+        {"cuBLAS": lambda: calls.append("base"), "nb4": too_big, "e1": lambda: calls.append("e1")}
+    )
+    assert list(ok) == ["cuBLAS", "e1"] and calls == ["base", "e1"]
+    assert failed == ["nb4: fail (RuntimeError: out of resource: shared memory, Required: 237592)"]
+    with pytest.raises(RuntimeError):
+        bench.working({"cuBLAS": too_big, "e1": lambda: None})
