@@ -806,9 +806,8 @@ def _gluon_lora_linear_kernel(
         u = gl.where(pid_r >= extra, pid_r - extra, num_units)  # this program's next unit
         idx = 0
         nt = gl.to_tensor(0)
-        if (
-            TRACE
-        ):  # kinds: 0 start, 1/2 a unit's start/end, 3/4 a run of tiles' start/end, 5 the first tile done
+        # TRACE kinds: 0 start, 1/2 a unit's start/end, 3/4 a run of tiles' start/end, 5 the first tile done
+        if TRACE:
             nt = _trace(trace_ptr, pid, nt, gl.to_tensor(0), pid_r)
         due = gl.maximum(((u // GROUP_M) * tiles_per_group) // nprog - LEAD, 0)
         if (u >= num_units) | (due > 0):  # its first tile's K steps before the first units are done

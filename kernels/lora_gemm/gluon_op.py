@@ -283,6 +283,7 @@ def launch_gluon_lora_linear(
     )
     spread = int(spread and x.shape[1] >= (cfg["NUM_BUFFERS"] - 1) * bk)
     epi = cfg.get("EPI_SPLIT", 1) if spread else 1  # y in chunks only with the units spread
+    assert trace is None or spread, "TRACE records the launch with its units spread (SPREAD)"
     x_desc, w_desc = _tma_desc(x, [bm, bk]), _tma_desc(weight, [bn, bk])
     y_desc = _tma_desc(y, [bm, bn // epi])
     a_desc = _tma_desc(a_stacked.flatten(0, 2), [shrink_r, bk])
