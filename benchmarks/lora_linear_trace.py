@@ -17,6 +17,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+import triton.testing
 
 from ditserve.kernels._bench import make_problem
 from ditserve.kernels._dispatch import num_programs_limit
@@ -24,19 +25,9 @@ from ditserve.kernels.lora_gemm import gluon_op
 from ditserve.kernels.lora_gemm.gluon_kernel import TRACE_EVENTS
 
 
-def cuda_ms(fn, reps: int = 20) -> float:
-    """Median of reps timed calls (CUDA events), after two warm-up calls."""
-    fn()
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def cuda_ms(fn) -> float:
+    """Median ms of fn (as the other kernel benchmarks time it)."""
+    return triton.testing.do_bench(fn, return_mode="median")
 
 
 def timeline(trace: torch.Tensor) -> dict:
@@ -44,29 +35,27 @@ def timeline(trace: torch.Tensor) -> dict:
     ev = trace.cpu().tolist()
     t0 = min(p[0][2] for p in ev if p[0][2] > 0)
     progs = []
-    for pid, events in enumerate(ev):
+    for events in ev:
         events = [(k, a, (t - t0) / 1e3) for k, a, t in events if t > 0]
-        runs, units, first, last = [], [], None, events[0][2]
+        runs, units, first, last = [], [], None, events[0][2]  # (tiles, µs) per run, µs per unit
         open_run = open_unit = None
         for kind, aux, t in events:
             last = max(last, t)
             if kind == 3:
                 open_run = (aux, t)
             elif kind == 4 and open_run:
-                runs.append(dict(tiles=aux - open_run[0], start=open_run[1], us=t - open_run[1]))
+                runs.append(dict(tiles=aux - open_run[0], us=t - open_run[1]))
             elif kind == 1:
                 open_unit = t
             elif kind == 2 and open_unit is not None:
-                units.append(dict(start=open_unit, us=t - open_unit))
+                units.append(t - open_unit)
             elif kind == 5:
                 first = t - events[0][2]
         tiles = sum(r["tiles"] for r in runs) + (first is not None)
-        progs.append(
-            dict(pid=pid, start=events[0][2], end=last, tiles=tiles, runs=runs, units=units, first=first)
-        )
+        progs.append(dict(start=events[0][2], end=last, tiles=tiles, runs=runs, units=units, first=first))
     span = max(p["end"] for p in progs)
     per_tile = [r["us"] / r["tiles"] for p in progs for r in p["runs"] if r["tiles"] >= 4]
-    unit_us = [u["us"] for p in progs for u in p["units"]]
+    unit_us = [u for p in progs for u in p["units"]]
     most = max(p["tiles"] for p in progs)
     long_ = [p for p in progs if p["tiles"] == most]
     short = [p for p in progs if p["tiles"] < most]
@@ -84,7 +73,7 @@ def timeline(trace: torch.Tensor) -> dict:
         long_programs=len(long_),
         long_end_us=q([p["end"] for p in long_]),
         short_end_us=q([p["end"] for p in short]),
-        short_busy_in_units_us=q([sum(u["us"] for u in p["units"]) for p in short]),
+        short_busy_in_units_us=q([sum(p["units"]) for p in short]),
         start_skew_us=q([p["start"] for p in progs]),
         idle_at_end_us=round(sum(span - p["end"] for p in progs) / len(progs), 1),
     )
