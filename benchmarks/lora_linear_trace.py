@@ -83,14 +83,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", default="16")
     ap.add_argument("--traces", type=int, default=5)
+    ap.add_argument("--variants", default="", help="GLUON_CONFIG overrides to trace besides the default, "
+                    "e.g. 'LATE=1,LEAD=0;LATE=1'")  # fmt: skip
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results = {}
-    for rank in (int(r) for r in args.ranks.split(",")):
+    variants = [""] + [v for v in args.variants.split(";") if v]
+    for rank, variant in ((int(r), v) for r in args.ranks.split(",") for v in variants):
         p = make_problem([(4608, i) for i in range(4)], rank, [3072] * 3)
         m = p.meta
-        cfg = {**gluon_op.GLUON_CONFIG, "SPREAD": 2}
+        over = {k: int(v) for k, v in (kv.split("=") for kv in variant.split(",") if kv)}
+        cfg = {**gluon_op.GLUON_CONFIG, "SPREAD": 2, **over}
 
         def run(trace=None, p=p, m=m, cfg=cfg):
             return gluon_op.launch_gluon_lora_linear(
@@ -109,10 +113,10 @@ def main() -> None:
             run(trace)
             torch.cuda.synchronize()
             lines.append(timeline(trace))
-        results[rank] = dict(
+        results[f"rank {rank} {variant}".strip()] = dict(
             cublas_us=base * 1e3, one_launch_us=plain * 1e3, traced_us=traced * 1e3, runs=lines
         )
-        print(f"rank {rank}: cuBLAS {base * 1e3:.0f} µs, one launch {plain * 1e3:.0f} µs "
+        print(f"rank {rank} {variant}: cuBLAS {base * 1e3:.0f} µs, one launch {plain * 1e3:.0f} µs "
               f"({100 * (plain / base - 1):+.1f} %), traced {traced * 1e3:.0f} µs")  # fmt: skip
         for line in lines:
             print(json.dumps(line))

@@ -400,7 +400,8 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
            GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr,
            STORE: gl.constexpr = True, HAS_LORA: gl.constexpr = True, sync_ptr=None,
            WAIT: gl.constexpr = False, l_s=None, l_b=None, lbar=None, FOLD: gl.constexpr = False,
-           EPI_SPLIT: gl.constexpr = 1, EPI_BUFS: gl.constexpr = 1, KEEP: gl.constexpr = False):  # fmt: skip
+           EPI_SPLIT: gl.constexpr = 1, EPI_BUFS: gl.constexpr = 1, KEEP: gl.constexpr = False,
+           LATE: gl.constexpr = False):  # fmt: skip
     """This program's tiles idx_lo ≤ idx < idx_hi (tile pid_r + idx · nprog) as one pipeline, which starts and
     drains within the run: the producer (the step whose loads go out next, p_step, its tile p_idx and K step
     p_ki, and where that tile's loads start) sends the first NUM_BUFFERS - 1 steps before the first MMA, and
@@ -412,7 +413,9 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
     of a tile go out during its own K steps when k_tiles ≥ NUM_BUFFERS - 1, which the launcher checks). FOLD (STORE, no LoRA steps in the ring): each tile's s and B
     boxes (LORA_K columns) go into buffers of their own (l_s, l_b, completed on lbar once per tile, phase
     idx & 1) as the tile starts, and its LoRA MMA follows its last K step's. KEEP (with STORE False, one tile):
-    no epilogue; returns (step, the tile's x · Wᵀ in registers)."""
+    no epilogue; returns (step, the tile's x · Wᵀ in registers). LATE (WAIT and FOLD): a tile whose group's s
+    is not all there as it starts runs its K steps anyway and waits after them, then loads its s and B boxes
+    (instead of the run waiting before the tile's loads)."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -435,13 +438,27 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
                                                   s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr,
                                                   BLOCK_M, BLOCK_N, GROUP_M, HAS_LORA)  # fmt: skip
     tiles_per_group = GROUP_M * num_col_blocks
-    if WAIT:
+    if WAIT and not LATE:
         g_lo = (pid_r + idx_lo * nprog) // tiles_per_group
         _wait_at_least(sync_ptr + g_lo, gl.minimum(num_pid_m - g_lo * GROUP_M, GROUP_M))
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
     for idx in range(idx_lo, idx_hi):
+        early = gl.to_tensor(True)
+        g_t = gl.to_tensor(0)
+        want_t = gl.to_tensor(0)
+        s_row_t = s_row
+        b_row_t = b_row
         if FOLD and STORE:  # the producer is at this tile already (k_tiles ≥ NUM_BUFFERS)
-            _fold_load(s_row, b_row, s_desc, b_desc, l_s, l_b, lbar)
+            if LATE:  # its group's s there already? (else its boxes after its K steps)
+                g_t = (pid_r + idx * nprog) // tiles_per_group
+                want_t = gl.minimum(num_pid_m - g_t * GROUP_M, GROUP_M)
+                seen = gl.atomic_add(sync_ptr + g_t, 0, sem="relaxed", scope="gpu")
+                early = seen >= want_t
+                if early:
+                    _acquire_seen(sync_ptr + g_t, want_t, seen)
+                    _fold_load(s_row, b_row, s_desc, b_desc, l_s, l_b, lbar)
+            else:
+                _fold_load(s_row, b_row, s_desc, b_desc, l_s, l_b, lbar)
         for ki in range(steps_per_tile):
             acc, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row = _step(
                 acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, idx_hi, k_tiles, steps_per_tile,
@@ -450,6 +467,11 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
                 a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_LORA,
             )  # fmt: skip
         if FOLD and STORE:
+            if LATE:
+                if not early:
+                    acc = warpgroup_mma_wait(0, deps=(acc,))
+                    _wait_at_least(sync_ptr + g_t, want_t)
+                    _fold_load(s_row_t, b_row_t, s_desc, b_desc, l_s, l_b, lbar)
             mbarrier.wait(lbar.index(0), idx & 1)
             tok = warpgroup_mma(l_s, l_b.permute((1, 0)), acc, is_async=True)
             acc, _ls, _lb = warpgroup_mma_wait(0, deps=(tok, l_s, l_b))
@@ -459,7 +481,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
                                  blk3, BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
         if KEEP:
             pass
-        elif WAIT:
+        elif WAIT and not LATE:
             g_next = (pid_r + (idx + 1) * nprog) // tiles_per_group
             if (idx + 1 < idx_hi) & (g_next != (pid_r + idx * nprog) // tiles_per_group):
                 # a relaxed read first, answered while the epilogue runs; acquired after it (the epilogue
@@ -750,6 +772,7 @@ def _gluon_lora_linear_kernel(
     EPI_BUFS: gl.constexpr = 1,
     TRACE: gl.constexpr = False,  # SPREAD: a timeline per program into trace_ptr (`_trace`; benchmarks)
     trace_ptr=None,
+    LATE: gl.constexpr = False,  # SPREAD and FOLD: tiles wait for their group's s after their K steps (`_tiles`)
 ):
     """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ and s = scale · x · Aᵀ in one launch. A shrink unit is one row
     block (all slices in one MMA per K step). The persistent grid gives num_tiles mod P programs one tile more
@@ -866,7 +889,7 @@ def _gluon_lora_linear_kernel(
                               b_rows_total, token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc,
                               y_desc, a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M,
                               NUM_BUFFERS, HAS_BIAS, num_warps, True, True, sync_ptr, True, l_s, l_b, lbar,
-                              FOLD, EPI_SPLIT, EPI_BUFS)  # fmt: skip
+                              FOLD, EPI_SPLIT, EPI_BUFS, False, LATE)  # fmt: skip
                 if TRACE:
                     nt = _trace(trace_ptr, pid, nt, gl.to_tensor(4), hi)
                 idx = hi

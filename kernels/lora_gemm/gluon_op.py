@@ -32,6 +32,7 @@ GLUON_CONFIG = dict(
     SPLIT_TAIL=1,
     EPI_SPLIT=4,
     EPI_BUFS=2,
+    LATE=0,
 )
 
 
@@ -283,6 +284,8 @@ def launch_gluon_lora_linear(
     )
     spread = int(spread and x.shape[1] >= (cfg["NUM_BUFFERS"] - 1) * bk)
     epi = cfg.get("EPI_SPLIT", 1) if spread else 1  # y in chunks only with the units spread
+    # (a unit of the first group due after a first tile would wait for itself)
+    assert cfg.get("LEAD", 2) >= 0, "units are due LEAD ≥ 0 tiles before their group"
     assert trace is None or spread, "TRACE records the launch with its units spread (SPREAD)"
     x_desc, w_desc = _tma_desc(x, [bm, bk]), _tma_desc(weight, [bn, bk])
     y_desc = _tma_desc(y, [bm, bn // epi])
@@ -305,5 +308,6 @@ def launch_gluon_lora_linear(
         NUM_BUFFERS=cfg["NUM_BUFFERS"], SHRINK_G=groups, SHRINK_GP=shrink_gp, SHRINK_R=shrink_r,
         HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], SPREAD=spread, LEAD=cfg.get("LEAD", 2),
         FOLD=fold, EPI_SPLIT=epi, EPI_BUFS=cfg.get("EPI_BUFS", 1), TRACE=trace is not None, trace_ptr=trace,
+        LATE=bool(cfg.get("LATE", 0) and spread and fold),
     )  # fmt: skip
     return y, s

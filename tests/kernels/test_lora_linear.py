@@ -291,13 +291,19 @@ def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
 )
 @pytest.mark.parametrize("fold", [1, 0])
 @pytest.mark.parametrize("epi", [(4, 2), (1, 1), (2, 1)])
-def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, fold, epi, monkeypatch):
+@pytest.mark.parametrize("late", [0, 1])
+def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, fold, epi, late, monkeypatch):
     """Rank 16 only (shrink units with two K steps per ring slot, spread over the run, 3 slices as MMAs of 2
     and 1 slices or 4 slices in one; the 16-wide LoRA MMA after the last K step (FOLD) or as a ring step; y
     stored whole or in 2 or 4 column chunks, the first tile kept in registers until its s is there), and a
-    batch without any adapter (every unit writes zeros): one Gluon launch, y and s equal the reference."""
+    batch without any adapter (every unit writes zeros); also with the tiles waiting for s after their K
+    steps and the units due with their group (LATE, LEAD 0): one Gluon launch, y and s equal the reference."""
     from ditserve.kernels.lora_gemm import gluon_op
 
+    if late and epi == (2, 1):
+        pytest.skip("LATE with y whole and in 4 chunks is enough")
+    monkeypatch.setitem(gluon_op.GLUON_CONFIG, "LATE", late)
+    monkeypatch.setitem(gluon_op.GLUON_CONFIG, "LEAD", 0 if late else 2)
     monkeypatch.setitem(gluon_op.GLUON_CONFIG, "FOLD", fold)
     monkeypatch.setitem(gluon_op.GLUON_CONFIG, "EPI_SPLIT", epi[0])
     monkeypatch.setitem(gluon_op.GLUON_CONFIG, "EPI_BUFS", epi[1])
