@@ -559,13 +559,10 @@ def qkv_only(args, head: list[str]) -> None:
                             "no fold": dict(FOLD=0),
                             # y stored as the whole tile at once (the default: four column chunks)
                             "e1": dict(EPI_SPLIT=1, EPI_BUFS=1),
-                            # tiles wait for s after their K steps (LATE), units due with their group (LEAD 0)
+                            # tiles wait for s after their K steps (LATE), units due LEAD tiles before their group
+                            "late": dict(LATE=1),
                             "late lead0": dict(LATE=1, LEAD=0),
-                            # the units in a warpgroup of their own (WS), with its ring of 2 × 64 or 3 × 32
-                            # columns, or 64 registers a thread (the tiles' warpgroups then 216)
-                            "ws": dict(WS=1),
-                            "ws k32 b3": dict(WS=1, UNIT_K=32, UNIT_BUFS=3),
-                            "ws regs64": dict(WS=1, UNIT_REGS=64),
+                            "late lead1": dict(LATE=1, LEAD=1),
                         }
                         for name, over in variants.items():
                             fns[f"gluon lora_linear {name}"] = (
@@ -634,10 +631,9 @@ def qkv_only(args, head: list[str]) -> None:
                             "gluon lora_linear spread",
                             "gluon lora_linear no fold",
                             "gluon lora_linear e1",
+                            "gluon lora_linear late",
                             "gluon lora_linear late lead0",
-                            "gluon lora_linear ws",
-                            "gluon lora_linear ws k32 b3",
-                            "gluon lora_linear ws regs64",
+                            "gluon lora_linear late lead1",
                             "gluon two launches e1",
                             "gluon lora_gemm no fold",
                             "gluon lora_gemm no split",

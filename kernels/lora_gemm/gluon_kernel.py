@@ -401,7 +401,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
            STORE: gl.constexpr = True, HAS_LORA: gl.constexpr = True, sync_ptr=None,
            WAIT: gl.constexpr = False, l_s=None, l_b=None, lbar=None, FOLD: gl.constexpr = False,
            EPI_SPLIT: gl.constexpr = 1, EPI_BUFS: gl.constexpr = 1, KEEP: gl.constexpr = False,
-           LATE: gl.constexpr = False, UNIT_M: gl.constexpr = 0):  # fmt: skip
+           LATE: gl.constexpr = False):  # fmt: skip
     """This program's tiles idx_lo ≤ idx < idx_hi (tile pid_r + idx · nprog) as one pipeline, which starts and
     drains within the run: the producer (the step whose loads go out next, p_step, its tile p_idx and K step
     p_ki, and where that tile's loads start) sends the first NUM_BUFFERS - 1 steps before the first MMA, and
@@ -415,8 +415,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
     idx & 1) as the tile starts, and its LoRA MMA follows its last K step's. KEEP (with STORE False, one tile):
     no epilogue; returns (step, the tile's x · Wᵀ in registers). LATE (WAIT and FOLD): a tile whose group's s
     is not all there as it starts runs its K steps anyway and waits after them, then loads its s and B boxes
-    (instead of the run waiting before the tile's loads); the count is read once per group. UNIT_M (LATE): a
-    group's count is of units of UNIT_M rows (0: BLOCK_M)."""
+    (instead of the run waiting before the tile's loads); the count is read once per group."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -442,9 +441,6 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
     if WAIT and not LATE:
         g_lo = (pid_r + idx_lo * nprog) // tiles_per_group
         _wait_at_least(sync_ptr + g_lo, gl.minimum(num_pid_m - g_lo * GROUP_M, GROUP_M))
-    U_M: gl.constexpr = BLOCK_M if UNIT_M == 0 else UNIT_M
-    U_G: gl.constexpr = GROUP_M * (BLOCK_M // U_M)  # units per group
-    num_units = gl.cdiv(num_tokens, U_M)
     known = gl.to_tensor(-1)  # LATE: the last group seen complete
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
     for idx in range(idx_lo, idx_hi):
@@ -456,7 +452,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
         if FOLD and STORE:  # the producer is at this tile already (k_tiles ≥ NUM_BUFFERS)
             if LATE:  # its group's s there already? (else its boxes after its K steps)
                 g_t = (pid_r + idx * nprog) // tiles_per_group
-                want_t = gl.minimum(num_units - g_t * U_G, U_G)
+                want_t = gl.minimum(num_pid_m - g_t * GROUP_M, GROUP_M)
                 early = g_t == known
                 if not early:
                     seen = gl.atomic_add(sync_ptr + g_t, 0, sem="relaxed", scope="gpu")
@@ -670,19 +666,18 @@ def _store_s(acc, g0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr,
 def _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss, stride_st, s_ptr,
                  token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, x_desc, a_desc, a_bufs, w_bufs, bars,
                  BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, SHRINK_G: gl.constexpr, SHRINK_GP: gl.constexpr,
-                 SHRINK_R: gl.constexpr, NUM_BUFFERS: gl.constexpr, num_warps: gl.constexpr,
-                 DOUBLE_OK: gl.constexpr = True):  # fmt: skip
+                 SHRINK_R: gl.constexpr, NUM_BUFFERS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """Shrink unit u: s[g, rows u·BLOCK_M.., :s_cols] = scale · x[rows] · A[g, slot, :rank]ᵀ for every slice g,
     through the same ring; zeros for rows without an adapter (no loads). The MMAs of a step cover every slice
     at once: SHRINK_GP · SHRINK_R columns (GP: the slices rounded up to a power of two; the padding slice's
     rows are never loaded and its columns never stored), or for 3 slices (SPLIT) two MMAs of 2 and 1 slices'
     columns, so no MMA work goes to padding. Where the A rows take at most 64 of the W buffer's 256 (rank 16),
     a ring slot carries two 64-column steps (DOUBLE): twice the bytes in flight, which is what bounds a
-    unit (its x is read from HBM once); not with DOUBLE_OK False (the buffers hold one step)."""
+    unit (its x is read from HBM once)."""
     SPLIT: gl.constexpr = SHRINK_G == 3
     N_A: gl.constexpr = 2 * SHRINK_R if SPLIT else SHRINK_GP * SHRINK_R
     N_B: gl.constexpr = SHRINK_R if SPLIT else 16
-    DOUBLE: gl.constexpr = DOUBLE_OK and N_A + (N_B if SPLIT else 0) <= 64
+    DOUBLE: gl.constexpr = N_A + (N_B if SPLIT else 0) <= 64
     KSTEP: gl.constexpr = 2 * BLOCK_K if DOUBLE else BLOCK_K
     GROUPS: gl.constexpr = (2 if SPLIT else 1) * (2 if DOUBLE else 1)  # MMA groups a step commits
     layout_a: gl.constexpr = gl.NVMMADistributedLayout(
@@ -731,44 +726,6 @@ def _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, str
         _store_s(acc_b, 2, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_B, SHRINK_G, SHRINK_R,
                  BLOCK_M, num_warps)  # fmt: skip
     return step
-
-
-@gluon.jit
-def _ws_tiles(pid_r, nprog, my_tiles, k_tiles, steps_per_tile, num_tiles, num_pid_m, num_col_blocks, num_tokens,
-              n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr,
-              bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem, sync_ptr, l_s, l_b,
-              lbar, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
-              GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr,
-              EPI_SPLIT: gl.constexpr, EPI_BUFS: gl.constexpr, UNIT_M: gl.constexpr):  # fmt: skip
-    """WS's default partition: this program's tiles as one run, each loading its s after its K steps where
-    its group's units are not all done yet (`_tiles` LATE)."""
-    _tiles(gl.to_tensor(0), 0, my_tiles, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m, num_col_blocks,
-           num_tokens,
-           n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr,
-           bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N,
-           BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps, True, True, sync_ptr, True, l_s, l_b, lbar,
-           True, EPI_SPLIT, EPI_BUFS, False, True, UNIT_M)  # fmt: skip
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def _ws_units(pid, nprog, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss, stride_st, s_ptr, token_seg_ptr,
-              seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, sync_ptr, ux_desc, ua_desc, u_x, u_a, u_bars,
-              GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr, UNIT_M: gl.constexpr, UNIT_K: gl.constexpr,
-              SHRINK_G: gl.constexpr, SHRINK_GP: gl.constexpr, SHRINK_R: gl.constexpr,
-              UNIT_BUFS: gl.constexpr):  # fmt: skip
-    """WS's unit partition (one warpgroup): units of UNIT_M rows pid, pid + nprog, ... through a ring of its
-    own (UNIT_BUFS slots of UNIT_K columns), each counted in its group's sync_ptr once its s is stored."""
-    U_G: gl.constexpr = GROUP_M * (BLOCK_M // UNIT_M)
-    num_units = gl.cdiv(num_tokens, UNIT_M)
-    step = gl.to_tensor(0)
-    for u in range(pid, num_units, nprog):
-        step = _shrink_unit(step, u, 0, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss, stride_st, s_ptr,
-                            token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, ux_desc, ua_desc, u_x, u_a,
-                            u_bars, UNIT_M, UNIT_K, SHRINK_G, SHRINK_GP, SHRINK_R, UNIT_BUFS, 4,
-                            False)  # fmt: skip
-        _cta_barrier()  # the partition's threads' s stores precede the release (a barrier of its own warps)
-        gl.atomic_add(sync_ptr + u // U_G, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -822,13 +779,6 @@ def _gluon_lora_linear_kernel(
     TRACE: gl.constexpr = False,  # SPREAD: a timeline per program into trace_ptr (`_trace`; benchmarks)
     trace_ptr=None,
     LATE: gl.constexpr = False,  # SPREAD and FOLD: tiles wait for their group's s after their K steps (`_tiles`)
-    WS: gl.constexpr = False,  # FOLD: the units in a warpgroup of their own, beside the tiles' (see below)
-    UNIT_M: gl.constexpr = 64,  # WS: rows of a unit, columns of its K steps, its ring's slots, its registers
-    UNIT_K: gl.constexpr = 64,
-    UNIT_BUFS: gl.constexpr = 2,
-    UNIT_REGS: gl.constexpr = 48,
-    ux_desc=None,  # WS: x with block [UNIT_M, UNIT_K]; A with block [SHRINK_R, UNIT_K]
-    ua_desc=None,
 ):
     """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ and s = scale · x · Aᵀ in one launch. A shrink unit is one row
     block (all slices in one MMA per K step). The persistent grid gives num_tiles mod P programs one tile more
@@ -846,10 +796,6 @@ def _gluon_lora_linear_kernel(
     (its LoRA steps come once its group is done, `_lora_fixup`), so the first units cost the others nothing.
     Every wait is for a unit due at an earlier position (the first tiles' units at position 0 run before any
     wait), and all programs are resident: no deadlock.
-
-    WS: every program's tiles in one run (the default partition, `_ws_tiles`), its units in a warpgroup of
-    their own with UNIT_REGS registers and a ring of their own (`_ws_units`): units pid, pid + P, ... in
-    order, so the first group's s is there about as the first tiles end their K steps.
 
     SPREAD 0: those extra-tile programs run their first tile's K steps first (c_smem, as above); all programs
     claim units in order from an atomic counter (sync_ptr[num_units]) and run them, count them in
@@ -873,7 +819,7 @@ def _gluon_lora_linear_kernel(
     if EPI_SPLIT == 1:
         c_smem = gl.allocate_shared_memory(x_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
     else:  # a chunk's staging buffer(s): the first tile's output, where s is not there yet, stays in registers
-        gl.static_assert((SPREAD > 0) or WS, "y in chunks only with the units spread or WS")
+        gl.static_assert(SPREAD > 0, "y in chunks only with the units spread")
         c_smem = gl.allocate_shared_memory(
             x_desc.dtype, [EPI_BUFS, BLOCK_M, BLOCK_N // EPI_SPLIT], y_desc.layout
         )
@@ -883,33 +829,7 @@ def _gluon_lora_linear_kernel(
 
     num_units = num_pid_m
     step = 0
-    if WS:
-        gl.static_assert(FOLD, "WS folds the LoRA MMA after the K steps")
-        u_x = gl.allocate_shared_memory(x_desc.dtype, [UNIT_BUFS, UNIT_M, UNIT_K], ux_desc.layout)
-        u_a = gl.allocate_shared_memory(
-            x_desc.dtype, [UNIT_BUFS, SHRINK_GP * SHRINK_R, UNIT_K], ua_desc.layout
-        )
-        u_bars = gl.allocate_shared_memory(gl.int64, [UNIT_BUFS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(UNIT_BUFS):
-            mbarrier.init(u_bars.index(i), count=1)
-        gl.warp_specialize(
-            [
-                (_ws_tiles, (pid_r, nprog, my_tiles, k_tiles, steps_per_tile, num_tiles, num_pid_m, num_col_blocks,
-                             num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
-                             token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs,
-                             w_bufs, bars, c_smem, sync_ptr, l_s, l_b, lbar, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K,
-                             GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps, EPI_SPLIT, EPI_BUFS, UNIT_M)),
-                (_ws_units, (pid, nprog, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss, stride_st, s_ptr,
-                             token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, sync_ptr, ux_desc, ua_desc,
-                             u_x, u_a, u_bars, GROUP_M, BLOCK_M, UNIT_M, UNIT_K, SHRINK_G, SHRINK_GP, SHRINK_R,
-                             UNIT_BUFS)),
-            ],
-            [4],
-            [UNIT_REGS],
-        )  # fmt: skip
-        for i in gl.static_range(UNIT_BUFS):
-            mbarrier.invalidate(u_bars.index(i))
-    elif SPREAD:
+    if SPREAD:
         tiles_per_group = GROUP_M * num_col_blocks
         num_short = nprog - extra
         u = gl.where(pid_r >= extra, pid_r - extra, num_units)  # this program's next unit

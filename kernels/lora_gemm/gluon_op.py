@@ -33,15 +33,6 @@ GLUON_CONFIG = dict(
     EPI_SPLIT=4,
     EPI_BUFS=2,
     LATE=0,
-    # the shrink units in a warpgroup of their own beside the tiles' (`_gluon_lora_linear_kernel` WS): units
-    # of UNIT_M rows through UNIT_BUFS ring slots of UNIT_K columns, UNIT_REGS registers a thread (the
-    # tiles' warpgroups get the rest of MAXNREG × 3 warpgroups); where a unit's MMAs are at most 64 wide
-    WS=0,
-    UNIT_M=64,
-    UNIT_K=64,
-    UNIT_BUFS=2,
-    UNIT_REGS=56,
-    MAXNREG=168,
 )
 
 
@@ -229,18 +220,6 @@ def unit_cols(groups: int, max_rank: int) -> int:
     return groups * shrink_geometry(groups, max_rank)[1]
 
 
-def ws_fits(cfg: dict[str, int], groups: int, max_rank: int, lora_k: int, hidden: int) -> bool:
-    """WS (`_gluon_lora_linear_kernel`): units whose MMAs are at most NARROW_UNIT_COLS wide, the LoRA MMA
-    folded after the K steps, and the units' ring beside the tiles' buffers in shared memory."""
-    _, shrink_r, shrink_gp = shrink_geometry(groups, max_rank)
-    unit_ring = 2 * cfg["UNIT_BUFS"] * (cfg["UNIT_M"] + shrink_gp * shrink_r) * cfg["UNIT_K"]
-    return (
-        unit_cols(groups, max_rank) <= NARROW_UNIT_COLS
-        and _fold(cfg, *lora_step_shape(lora_k, cfg["BLOCK_K"]), hidden)
-        and gemm_smem(cfg, True) + unit_ring + 512 <= SMEM_LIMIT
-    )
-
-
 def shrink_geometry(num_slices: int, max_rank: int) -> tuple[int, int, int]:
     """(s columns, SHRINK_R, SHRINK_GP) of the in-launch shrink: s_cols = max_rank rounded up to 16, its
     power of two, and the slices' power of two (one MMA of SHRINK_GP · SHRINK_R columns per K step)."""
@@ -304,15 +283,14 @@ def launch_gluon_lora_linear(
         cfg.get("SPREAD", 1) == 1 and unit_cols(groups, max_rank) <= NARROW_UNIT_COLS
     )
     spread = int(spread and x.shape[1] >= (cfg["NUM_BUFFERS"] - 1) * bk)
-    lora_k = min(s_cols, b_stacked.shape[2])
-    ws = bool(cfg.get("WS", 0)) and ws_fits(cfg, groups, max_rank, lora_k, x.shape[1])
-    epi = cfg.get("EPI_SPLIT", 1) if spread or ws else 1  # y in chunks only with the units spread or WS
+    epi = cfg.get("EPI_SPLIT", 1) if spread else 1  # y in chunks only with the units spread
     # (a unit of the first group due after a first tile would wait for itself)
     assert cfg.get("LEAD", 2) >= 0, "units are due LEAD ≥ 0 tiles before their group"
     assert trace is None or spread, "TRACE records the launch with its units spread (SPREAD)"
     x_desc, w_desc = _tma_desc(x, [bm, bk]), _tma_desc(weight, [bn, bk])
     y_desc = _tma_desc(y, [bm, bn // epi])
     a_desc = _tma_desc(a_stacked.flatten(0, 2), [shrink_r, bk])
+    lora_k = min(s_cols, b_stacked.shape[2])
     s_desc, b_desc, lora_steps, lora_cols, fold = _lora_boxes(
         s, b_stacked, lora_k, {**cfg, "EPI_SPLIT": epi}, x.shape[1]
     )
@@ -321,15 +299,6 @@ def launch_gluon_lora_linear(
     grid = min(num_pid_m * num_col_blocks, num_programs_limit(x.device))
     if sync is None:
         sync = torch.zeros(num_pid_m + 2, dtype=torch.int32, device=x.device)
-    ws_args = {}
-    if ws:
-        um, uk = cfg["UNIT_M"], cfg["UNIT_K"]
-        assert bm % um == 0 and trace is None
-        ws_args = dict(
-            WS=True, UNIT_M=um, UNIT_K=uk, UNIT_BUFS=cfg["UNIT_BUFS"], UNIT_REGS=cfg["UNIT_REGS"],
-            ux_desc=_tma_desc(x, [um, uk]), ua_desc=_tma_desc(a_stacked.flatten(0, 2), [shrink_r, uk]),
-            maxnreg=cfg["MAXNREG"],
-        )  # fmt: skip
     _gluon_lora_linear_kernel[(grid,)](
         x_desc, w_desc, s_desc, b_desc, y_desc, a_desc, bias if bias is not None else y, s, token_seg, seg_slot,
         seg_scale, slot_rank, sync, num_tokens, n_total, *cols, *blks, num_col_blocks, lora_steps,
@@ -339,6 +308,6 @@ def launch_gluon_lora_linear(
         NUM_BUFFERS=cfg["NUM_BUFFERS"], SHRINK_G=groups, SHRINK_GP=shrink_gp, SHRINK_R=shrink_r,
         HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], SPREAD=spread, LEAD=cfg.get("LEAD", 2),
         FOLD=fold, EPI_SPLIT=epi, EPI_BUFS=cfg.get("EPI_BUFS", 1), TRACE=trace is not None, trace_ptr=trace,
-        LATE=bool(cfg.get("LATE", 0) and spread and fold), **ws_args,
+        LATE=bool(cfg.get("LATE", 0) and spread and fold),
     )  # fmt: skip
     return y, s

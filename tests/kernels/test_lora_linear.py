@@ -291,23 +291,19 @@ def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
 )
 @pytest.mark.parametrize("fold", [1, 0])
 @pytest.mark.parametrize("epi", [(4, 2), (1, 1), (2, 1)])
-@pytest.mark.parametrize("mode", ["spread", "late", "ws"])
-def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, fold, epi, mode, monkeypatch):
+@pytest.mark.parametrize("late", [0, 1])
+def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, fold, epi, late, monkeypatch):
     """Rank 16 only (shrink units with two K steps per ring slot, spread over the run, 3 slices as MMAs of 2
     and 1 slices or 4 slices in one; the 16-wide LoRA MMA after the last K step (FOLD) or as a ring step; y
     stored whole or in 2 or 4 column chunks, the first tile kept in registers until its s is there), and a
     batch without any adapter (every unit writes zeros); also with the tiles waiting for s after their K
-    steps and the units due with their group (LATE, LEAD 0), or the units in a warpgroup of their own (WS):
-    one Gluon launch, y and s equal the reference."""
+    steps and the units due with their group (LATE, LEAD 0): one Gluon launch, y and s equal the reference."""
     from ditserve.kernels.lora_gemm import gluon_op
 
-    if mode == "late" and epi == (2, 1):
+    if late and epi == (2, 1):
         pytest.skip("LATE with y whole and in 4 chunks is enough")
-    if mode == "ws" and (epi != (4, 2) or not fold):
-        pytest.skip("WS folds the LoRA MMA and fits shared memory with y in 4 chunks through 2 buffers")
-    monkeypatch.setitem(gluon_op.GLUON_CONFIG, "LATE", int(mode == "late"))
-    monkeypatch.setitem(gluon_op.GLUON_CONFIG, "LEAD", 0 if mode == "late" else 2)
-    monkeypatch.setitem(gluon_op.GLUON_CONFIG, "WS", int(mode == "ws"))
+    monkeypatch.setitem(gluon_op.GLUON_CONFIG, "LATE", late)
+    monkeypatch.setitem(gluon_op.GLUON_CONFIG, "LEAD", 0 if late else 2)
     monkeypatch.setitem(gluon_op.GLUON_CONFIG, "FOLD", fold)
     monkeypatch.setitem(gluon_op.GLUON_CONFIG, "EPI_SPLIT", epi[0])
     monkeypatch.setitem(gluon_op.GLUON_CONFIG, "EPI_BUFS", epi[1])
@@ -316,8 +312,6 @@ def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, fold, epi, mode, mo
     m = meta
     seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
     max_rank = max(m.max_rank, 1)
-    if mode == "ws":  # the launch takes the WS path
-        assert gluon_op.ws_fits(gluon_op.GLUON_CONFIG, groups, max_rank, 16, x.shape[1])
     want = lora_linear_ref(x, w, bias, a, b, *seg[1:], max_rank, sizes)
     want_s = lora_shrink_scaled_ref(x, a, *seg, max_rank)
     y, s = launch_lora_linear(x, w, bias, a, b, *seg, max_rank, sizes, m.seg_align, gluon=True)
