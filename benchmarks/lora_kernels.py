@@ -559,10 +559,11 @@ def qkv_only(args, head: list[str]) -> None:
                             "no fold": dict(FOLD=0),
                             # y stored as the whole tile at once (the default: four column chunks)
                             "e1": dict(EPI_SPLIT=1, EPI_BUFS=1),
-                            # tiles wait for s after their K steps (LATE), units due LEAD tiles before their group
-                            "late": dict(LATE=1),
-                            "late lead0": dict(LATE=1, LEAD=0),
+                            # tiles waiting for s before their K steps, units due 2 tiles before their group (the
+                            # default before LATE); LATE with the units due 1 or 2 tiles before their group
+                            "no late lead2": dict(LATE=0, LEAD=2),
                             "late lead1": dict(LATE=1, LEAD=1),
+                            "late lead2": dict(LATE=1, LEAD=2),
                         }
                         for name, over in variants.items():
                             fns[f"gluon lora_linear {name}"] = (
@@ -631,9 +632,9 @@ def qkv_only(args, head: list[str]) -> None:
                             "gluon lora_linear spread",
                             "gluon lora_linear no fold",
                             "gluon lora_linear e1",
-                            "gluon lora_linear late",
-                            "gluon lora_linear late lead0",
+                            "gluon lora_linear no late lead2",
                             "gluon lora_linear late lead1",
+                            "gluon lora_linear late lead2",
                             "gluon two launches e1",
                             "gluon lora_gemm no fold",
                             "gluon lora_gemm no split",

@@ -12,7 +12,9 @@ from ditserve.kernels.lora_expand.op import column_blocks
 # 128×256 tiles over 8 warps (two warpgroups of 64 rows), 64-wide K steps, a ring of 3 slots (3 × 48 KB)
 # next to a 64 KB store buffer, 16 row blocks per column block in the tile order. The shrink inside the
 # launch: SPREAD puts its units on the programs with one tile less, LEAD tiles before any program needs
-# them (1: where a unit's MMAs are narrow, 2: always), else they all run first (_gluon_lora_linear_kernel).
+# them (1: where a unit's MMAs are narrow, 2: always), else they all run first (_gluon_lora_linear_kernel);
+# LATE: a tile whose group's s is not all there runs its K steps first and waits after them, so the units
+# can be due with their group (LEAD 0) and read x about when its first tiles do.
 # FOLD: at rank ≤ 16 the LoRA MMA follows the last K step, its s and B boxes in buffers of their own (no
 # LoRA step in the ring). SPLIT_TAIL (the GEMM launch): a last round of tiles that leaves at least half the
 # programs idle is cut along K into pieces for them (`tail_parts`). EPI_SPLIT / EPI_BUFS: y stored in 4 column
@@ -27,12 +29,12 @@ GLUON_CONFIG = dict(
     NUM_BUFFERS=3,
     num_warps=8,
     SPREAD=1,
-    LEAD=2,
+    LEAD=0,
     FOLD=1,
     SPLIT_TAIL=1,
     EPI_SPLIT=4,
     EPI_BUFS=2,
-    LATE=0,
+    LATE=1,
 )
 
 
