@@ -791,7 +791,8 @@ def _gluon_lora_linear_kernel(
     last round of tiles leaves free on them): unit u (row block u, group g = u // GROUP_M of the tile order)
     goes to the (u mod their count)-th of them, which runs it LEAD tiles before the first position at which
     any program reaches a tile of group g (s is then there long before it is read, so no program waits for
-    it). sync_ptr[g] counts the group's units done; tiles wait for their group's count (`_tiles` WAIT). A
+    it). sync_ptr[g] counts the group's units done; tiles wait for their group's count (`_tiles` WAIT; with
+    LATE after their K steps, so units can be due with their group, LEAD 0: the launcher's default). A
     program with no unit before its first tile runs that tile's K steps first and keeps its output in c_smem
     (its LoRA steps come once its group is done, `_lora_fixup`), so the first units cost the others nothing.
     Every wait is for a unit due at an earlier position (the first tiles' units at position 0 run before any
