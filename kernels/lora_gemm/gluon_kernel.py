@@ -117,6 +117,26 @@ def _lora_mma(a_buf, w_buf, acc, LORA_K: gl.constexpr, BLOCK_K: gl.constexpr):
 
 
 @gluon.jit
+def _ring_mma(acc, step, i, k_lo, k_hi, k_tiles, a_bufs, w_bufs, bars, LORA_K: gl.constexpr, BLOCK_K: gl.constexpr,
+              NUM_BUFFERS: gl.constexpr, HAS_LORA: gl.constexpr):  # fmt: skip
+    """Ring step `step`, the i-th of a run of the K steps k_lo..k_hi - 1 followed by the LoRA steps: wait for
+    its slot, start its MMA, and wait for the MMA before it (so the slot that one read can be loaded again)."""
+    slot_i = step % NUM_BUFFERS
+    mbarrier.wait(bars.index(slot_i), (step // NUM_BUFFERS) & 1)
+    a_buf = a_bufs.index(slot_i)
+    w_buf = w_bufs.index(slot_i)
+    if HAS_LORA:
+        if _piece_ki(k_lo + i, k_hi, k_tiles) < k_tiles:
+            tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, use_acc=i > 0, is_async=True)
+        else:
+            tok = _lora_mma(a_buf, w_buf, acc, LORA_K, BLOCK_K)
+    else:
+        tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, use_acc=i > 0, is_async=True)
+    acc, _, _ = warpgroup_mma_wait(1, deps=(tok, a_buf, w_buf))
+    return acc
+
+
+@gluon.jit
 def _step(acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, my_tiles, k_tiles, steps_per_tile,
           pid, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
           s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, a_bufs, w_bufs,
@@ -125,18 +145,8 @@ def _step(acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, my_tiles, 
     """Pipeline step `step` (step ki of its tile): wait for its slot, start its MMA, wait for the MMA before it,
     and send the loads NUM_BUFFERS - 1 steps ahead into the slot that MMA read; the producer's position
     (p_*) and where its tile's loads start move on."""
-    slot_i = step % NUM_BUFFERS
-    mbarrier.wait(bars.index(slot_i), (step // NUM_BUFFERS) & 1)
-    a_buf = a_bufs.index(slot_i)
-    w_buf = w_bufs.index(slot_i)
-    if HAS_LORA:
-        if ki < k_tiles:
-            tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, use_acc=ki > 0, is_async=True)
-        else:
-            tok = _lora_mma(a_buf, w_buf, acc, LORA_K, BLOCK_K)
-    else:
-        tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, use_acc=ki > 0, is_async=True)
-    acc, _, _ = warpgroup_mma_wait(1, deps=(tok, a_buf, w_buf))
+    acc = _ring_mma(acc, step, ki, 0, k_tiles, k_tiles, a_bufs, w_bufs, bars, LORA_K, BLOCK_K, NUM_BUFFERS,
+                    HAS_LORA)  # fmt: skip
     _issue_load(p_step, p_ki, p_idx < my_tiles, m0p, n0p, s_row, b_row, k_tiles, x_desc, w_desc, s_desc, b_desc,
                 a_bufs, w_bufs, bars, BLOCK_K, NUM_BUFFERS, HAS_LORA)  # fmt: skip
     p_ki += 1
@@ -345,18 +355,8 @@ def _tail_piece(step, t, part, parts, full, nprog, k_tiles, lora_steps, num_tile
                     w_desc, s_desc, b_desc, a_bufs, w_bufs, bars, BLOCK_K, NUM_BUFFERS, HAS_LORA)  # fmt: skip
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
     for i in range(n):
-        slot_i = step % NUM_BUFFERS
-        mbarrier.wait(bars.index(slot_i), (step // NUM_BUFFERS) & 1)
-        a_buf = a_bufs.index(slot_i)
-        w_buf = w_bufs.index(slot_i)
-        if HAS_LORA:
-            if _piece_ki(k_lo + i, k_hi, k_tiles) < k_tiles:
-                tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, use_acc=i > 0, is_async=True)
-            else:
-                tok = _lora_mma(a_buf, w_buf, acc, LORA_K, BLOCK_K)
-        else:
-            tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, use_acc=i > 0, is_async=True)
-        acc, _, _ = warpgroup_mma_wait(1, deps=(tok, a_buf, w_buf))
+        acc = _ring_mma(acc, step, i, k_lo, k_hi, k_tiles, a_bufs, w_bufs, bars, LORA_K, BLOCK_K, NUM_BUFFERS,
+                        HAS_LORA)  # fmt: skip
         nxt = i + NUM_BUFFERS - 1
         _issue_load(step + NUM_BUFFERS - 1, _piece_ki(k_lo + nxt, k_hi, k_tiles), nxt < n, m0, n0, s_row, b_row,
                     k_tiles, x_desc, w_desc, s_desc, b_desc, a_bufs, w_bufs, bars, BLOCK_K, NUM_BUFFERS,
@@ -587,6 +587,37 @@ def _lora_fixup(step, idx, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid
         _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, True, EPI_SPLIT,
                   EPI_BUFS)  # fmt: skip
     return step
+
+
+@gluon.jit
+def _first_tile(step, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total,
+                col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, bias_ptr,
+                x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem, sync_ptr, g0, l_s, l_b, lbar, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
+                GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr,
+                FOLD: gl.constexpr, EPI_SPLIT: gl.constexpr, EPI_BUFS: gl.constexpr):  # fmt: skip
+    """A program's first tile before its group g0's s is there: its K steps, the output kept in c_smem (y
+    whole) or in registers (y in chunks), the wait for the group's units, then its LoRA steps and store
+    (`_lora_fixup`)."""
+    kept = None
+    if EPI_SPLIT == 1:
+        step = _tiles(step, 0, 1, pid_r, nprog, k_tiles, k_tiles, num_tiles, num_pid_m, num_col_blocks, num_tokens,
+                      n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr,
+                      seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem,
+                      BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps,
+                      False)  # fmt: skip
+    else:
+        step, kept = _tiles(step, 0, 1, pid_r, nprog, k_tiles, k_tiles, num_tiles, num_pid_m, num_col_blocks,
+                            num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
+                            token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs,
+                            w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS,
+                            num_warps, False, True, None, False, None, None, None, False, EPI_SPLIT, EPI_BUFS,
+                            True)  # fmt: skip
+    _wait_at_least(sync_ptr + g0, gl.minimum(num_pid_m - g0 * GROUP_M, GROUP_M))
+    return _lora_fixup(step, 0, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m, num_col_blocks, num_tokens,
+                       n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr,
+                       seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem, BLOCK_M,
+                       BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, num_warps, l_s, l_b, lbar, FOLD, kept,
+                       bias_ptr, HAS_BIAS, EPI_SPLIT, EPI_BUFS)  # fmt: skip
 
 
 TRACE_EVENTS = gl.constexpr(64)  # events per program a TRACE launch records at most
@@ -842,32 +873,11 @@ def _gluon_lora_linear_kernel(
         due = gl.maximum(((u // GROUP_M) * tiles_per_group) // nprog - LEAD, 0)
         if (u >= num_units) | (due > 0):  # its first tile's K steps before the first units are done
             g0 = pid_r // tiles_per_group
-            if EPI_SPLIT == 1:
-                step = _tiles(step, 0, 1, pid_r, nprog, k_tiles, k_tiles, num_tiles, num_pid_m, num_col_blocks,
-                              num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
-                              token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs,
-                              w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS,
-                              HAS_BIAS, num_warps, False)  # fmt: skip
-                _wait_at_least(sync_ptr + g0, gl.minimum(num_pid_m - g0 * GROUP_M, GROUP_M))
-                step = _lora_fixup(step, 0, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m,
-                                   num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
-                                   s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc,
-                                   b_desc, y_desc, a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K,
-                                   GROUP_M, NUM_BUFFERS, num_warps, l_s, l_b, lbar, FOLD)  # fmt: skip
-            else:
-                step, kept = _tiles(step, 0, 1, pid_r, nprog, k_tiles, k_tiles, num_tiles, num_pid_m,
-                                    num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
-                                    s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc,
-                                    s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K,
-                                    LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps, False, True, None, False,
-                                    None, None, None, False, EPI_SPLIT, EPI_BUFS, True)  # fmt: skip
-                _wait_at_least(sync_ptr + g0, gl.minimum(num_pid_m - g0 * GROUP_M, GROUP_M))
-                step = _lora_fixup(step, 0, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m,
-                                   num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
-                                   s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc,
-                                   b_desc, y_desc, a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K,
-                                   GROUP_M, NUM_BUFFERS, num_warps, l_s, l_b, lbar, FOLD, kept, bias_ptr, HAS_BIAS,
-                                   EPI_SPLIT, EPI_BUFS)  # fmt: skip
+            step = _first_tile(step, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m, num_col_blocks,
+                               num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
+                               token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs,
+                               w_bufs, bars, c_smem, sync_ptr, g0, l_s, l_b, lbar, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS,
+                               num_warps, FOLD, EPI_SPLIT, EPI_BUFS)  # fmt: skip
             if TRACE:
                 nt = _trace(trace_ptr, pid, nt, gl.to_tensor(5), g0)
             idx = 1
