@@ -35,6 +35,9 @@ GLUON_CONFIG = dict(
     EPI_SPLIT=4,
     EPI_BUFS=2,
     LATE=1,
+    # LEAD for launches whose tiles wait for s before their K steps (no LATE: LoRA MMAs wider than 16, i.e.
+    # no FOLD, or LATE 0): a group's units are then done before its first tile starts
+    LEAD_NOT_LATE=2,
 )
 
 
@@ -222,6 +225,16 @@ def unit_cols(groups: int, max_rank: int) -> int:
     return groups * shrink_geometry(groups, max_rank)[1]
 
 
+def unit_lead(cfg: dict[str, int], late: bool) -> int:
+    """Tiles before the first of its group that a spread shrink unit is due: LEAD where the tiles wait for s
+    after their K steps (LATE), else LEAD_NOT_LATE (there a unit due with its group holds up the group's tiles
+    before their loads: BENCHMARKS.md, rank 64 spread). At least 0: a unit of the first group due after a
+    first tile would wait for itself."""
+    lead = cfg.get("LEAD", 2) if late else cfg.get("LEAD_NOT_LATE", 2)
+    assert lead >= 0, "units are due LEAD ≥ 0 tiles before their group"
+    return lead
+
+
 def shrink_geometry(num_slices: int, max_rank: int) -> tuple[int, int, int]:
     """(s columns, SHRINK_R, SHRINK_GP) of the in-launch shrink: s_cols = max_rank rounded up to 16, its
     power of two, and the slices' power of two (one MMA of SHRINK_GP · SHRINK_R columns per K step)."""
@@ -286,8 +299,6 @@ def launch_gluon_lora_linear(
     )
     spread = int(spread and x.shape[1] >= (cfg["NUM_BUFFERS"] - 1) * bk)
     epi = cfg.get("EPI_SPLIT", 1) if spread else 1  # y in chunks only with the units spread
-    # (a unit of the first group due after a first tile would wait for itself)
-    assert cfg.get("LEAD", 2) >= 0, "units are due LEAD ≥ 0 tiles before their group"
     assert trace is None or spread, "TRACE records the launch with its units spread (SPREAD)"
     x_desc, w_desc = _tma_desc(x, [bm, bk]), _tma_desc(weight, [bn, bk])
     y_desc = _tma_desc(y, [bm, bn // epi])
@@ -296,6 +307,7 @@ def launch_gluon_lora_linear(
     s_desc, b_desc, lora_steps, lora_cols, fold = _lora_boxes(
         s, b_stacked, lora_k, {**cfg, "EPI_SPLIT": epi}, x.shape[1]
     )
+    late = bool(cfg.get("LATE", 0) and spread and fold)
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
     num_pid_m = -(-num_tokens // bm)
     grid = min(num_pid_m * num_col_blocks, num_programs_limit(x.device))
@@ -308,8 +320,8 @@ def launch_gluon_lora_linear(
         s.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, LORA_K=lora_cols, GROUP_M=cfg["GROUP_M"],
         NUM_BUFFERS=cfg["NUM_BUFFERS"], SHRINK_G=groups, SHRINK_GP=shrink_gp, SHRINK_R=shrink_r,
-        HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], SPREAD=spread, LEAD=cfg.get("LEAD", 2),
+        HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], SPREAD=spread, LEAD=unit_lead(cfg, late),
         FOLD=fold, EPI_SPLIT=epi, EPI_BUFS=cfg.get("EPI_BUFS", 1), TRACE=trace is not None, trace_ptr=trace,
-        LATE=bool(cfg.get("LATE", 0) and spread and fold),
+        LATE=late,
     )  # fmt: skip
     return y, s

@@ -144,6 +144,20 @@ def test_gluon_kernels_only_with_the_triton_they_were_tested_with():
     assert not gluon_op.gluon_triton_ok("3.9.0") and not gluon_op.gluon_triton_ok("3.10.0")
 
 
+def test_gluon_units_due_early_where_tiles_wait_before_their_k_steps():
+    """The one Gluon launch's spread units: due with their group (LEAD 0, the default) only where its tiles
+    wait for s after their K steps (LATE); where they wait before them (no FOLD at rank > 16, or LATE off),
+    at least a tile early, else every tile of a group would wait for its units; a negative lead is refused."""
+    from ditserve.kernels.lora_gemm import gluon_op
+
+    cfg = gluon_op.GLUON_CONFIG
+    assert cfg["LATE"] and gluon_op.unit_lead(cfg, late=True) == cfg["LEAD"] == 0
+    assert gluon_op.unit_lead(cfg, late=False) >= 1
+    assert gluon_op.unit_lead({**cfg, "LATE": 0, "LEAD_NOT_LATE": 3}, late=False) == 3
+    with pytest.raises(AssertionError, match="LEAD"):
+        gluon_op.unit_lead({**cfg, "LEAD": -1}, late=True)
+
+
 def test_gluon_split_tail_policy():
     """Where the Gluon GEMM cuts its last round of tiles along K (`tail_parts`): into as many pieces as the
     idle programs allow, each of at least 4 K steps; not where that round fills more than half the programs,
