@@ -393,6 +393,27 @@ def _fold_buffers(s_desc, b_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, 
 
 
 @gluon.jit
+def _group_units(g, num_pid_m, GROUP_M: gl.constexpr):
+    """The shrink units (row blocks) of group g of the tile order: the count its tiles wait for."""
+    return gl.minimum(num_pid_m - g * GROUP_M, GROUP_M)
+
+
+@gluon.jit
+def _group_ready(sync_ptr, g, want, known):
+    """(whether group g's `want` units are all done, the last group known so): a relaxed read of its count
+    unless g is `known`, acquired where it is complete."""
+    ready = g == known
+    if not ready:
+        seen = gl.atomic_add(sync_ptr + g, 0, sem="relaxed", scope="gpu")
+        ready = seen >= want
+        if ready:
+            _acquire_seen(sync_ptr + g, want, seen)
+    if ready:
+        known = g
+    return ready, known
+
+
+@gluon.jit
 def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m, num_col_blocks,
            num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr,
            seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem,
@@ -403,18 +424,18 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
            EPI_SPLIT: gl.constexpr = 1, EPI_BUFS: gl.constexpr = 1, KEEP: gl.constexpr = False,
            LATE: gl.constexpr = False):  # fmt: skip
     """This program's tiles idx_lo ≤ idx < idx_hi (tile pid_r + idx · nprog) as one pipeline, which starts and
-    drains within the run: the producer (the step whose loads go out next, p_step, its tile p_idx and K step
-    p_ki, and where that tile's loads start) sends the first NUM_BUFFERS - 1 steps before the first MMA, and
-    the ring runs across the tile boundaries in between. `step` counts the ring steps consumed so far (the
-    slot and its phase follow from it). STORE False: the (last) tile's output stays in c_smem (see
-    _lora_fixup). WAIT (the shrink inside the launch, spread over the run): s of a tile's rows is there
-    before the tile's loads go out: before the run for its first tile, and at each tile's end for the next
-    tile where its group of row blocks changes (a group's units counted in sync_ptr[group]; the LoRA loads
-    of a tile go out during its own K steps when k_tiles ≥ NUM_BUFFERS - 1, which the launcher checks). FOLD (STORE, no LoRA steps in the ring): each tile's s and B
-    boxes (LORA_K columns) go into buffers of their own (l_s, l_b, completed on lbar once per tile, phase
-    idx & 1) as the tile starts, and its LoRA MMA follows its last K step's. KEEP (with STORE False, one tile):
-    no epilogue; returns (step, the tile's x · Wᵀ in registers). LATE (WAIT and FOLD): a tile whose group's s
-    is not all there as it starts runs its K steps anyway and waits after them, then loads its s and B boxes
+    drains within the run: the producer (the step whose loads go out next, p_step, its tile p_idx and K step p_ki,
+    and where that tile's loads start) sends the first NUM_BUFFERS - 1 steps before the first MMA, and the ring
+    runs across the tile boundaries in between. `step` counts the ring steps consumed so far (the slot and its
+    phase follow from it). STORE False: the (last) tile's output stays in c_smem (see _lora_fixup). WAIT (the
+    shrink inside the launch, spread over the run): s of a tile's rows is there before the tile's loads go out:
+    before the run for its first tile, and at each tile's end for the next tile where its group of row blocks
+    changes (a group's units counted in sync_ptr[group]; the LoRA loads of a tile go out during its own K steps
+    when k_tiles ≥ NUM_BUFFERS - 1, which the launcher checks). FOLD (STORE, no LoRA steps in the ring): each
+    tile's s and B boxes (LORA_K columns) go into buffers of their own (l_s, l_b, completed on lbar once per tile,
+    phase idx & 1) as the tile starts, and its LoRA MMA follows its last K step's. KEEP (with STORE False, one
+    tile): no epilogue; returns (step, the tile's x · Wᵀ in registers). LATE (WAIT and FOLD): a tile whose group's
+    s is not all there as it starts runs its K steps anyway and waits after them, then loads its s and B boxes
     (instead of the run waiting before the tile's loads); the count is read once per group."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
@@ -440,7 +461,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
     tiles_per_group = GROUP_M * num_col_blocks
     if WAIT and not LATE:
         g_lo = (pid_r + idx_lo * nprog) // tiles_per_group
-        _wait_at_least(sync_ptr + g_lo, gl.minimum(num_pid_m - g_lo * GROUP_M, GROUP_M))
+        _wait_at_least(sync_ptr + g_lo, _group_units(g_lo, num_pid_m, GROUP_M))
     known = gl.to_tensor(-1)  # LATE: the last group seen complete
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
     for idx in range(idx_lo, idx_hi):
@@ -452,15 +473,9 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
         if FOLD and STORE:  # the producer is at this tile already (k_tiles ≥ NUM_BUFFERS)
             if LATE:  # its group's s there already? (else its boxes after its K steps)
                 g_t = (pid_r + idx * nprog) // tiles_per_group
-                want_t = gl.minimum(num_pid_m - g_t * GROUP_M, GROUP_M)
-                early = g_t == known
-                if not early:
-                    seen = gl.atomic_add(sync_ptr + g_t, 0, sem="relaxed", scope="gpu")
-                    early = seen >= want_t
-                    if early:
-                        _acquire_seen(sync_ptr + g_t, want_t, seen)
+                want_t = _group_units(g_t, num_pid_m, GROUP_M)
+                early, known = _group_ready(sync_ptr, g_t, want_t, known)
                 if early:
-                    known = g_t
                     _fold_load(s_row, b_row, s_desc, b_desc, l_s, l_b, lbar)
             else:
                 _fold_load(s_row, b_row, s_desc, b_desc, l_s, l_b, lbar)
@@ -495,7 +510,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
                 seen = gl.atomic_add(sync_ptr + g_next, 0, sem="relaxed", scope="gpu")
                 _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, STORE, EPI_SPLIT,
                           EPI_BUFS)  # fmt: skip
-                _acquire_seen(sync_ptr + g_next, gl.minimum(num_pid_m - g_next * GROUP_M, GROUP_M), seen)
+                _acquire_seen(sync_ptr + g_next, _group_units(g_next, num_pid_m, GROUP_M), seen)
             else:
                 _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, STORE, EPI_SPLIT,
                           EPI_BUFS)  # fmt: skip
@@ -592,7 +607,8 @@ def _lora_fixup(step, idx, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid
 @gluon.jit
 def _first_tile(step, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total,
                 col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, bias_ptr,
-                x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem, sync_ptr, g0, l_s, l_b, lbar, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
+                x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem, sync_ptr, g0, l_s, l_b, lbar,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
                 GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr,
                 FOLD: gl.constexpr, EPI_SPLIT: gl.constexpr, EPI_BUFS: gl.constexpr):  # fmt: skip
     """A program's first tile before its group g0's s is there: its K steps, the output kept in c_smem (y
@@ -612,7 +628,7 @@ def _first_tile(step, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m, n
                             w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS,
                             num_warps, False, True, None, False, None, None, None, False, EPI_SPLIT, EPI_BUFS,
                             True)  # fmt: skip
-    _wait_at_least(sync_ptr + g0, gl.minimum(num_pid_m - g0 * GROUP_M, GROUP_M))
+    _wait_at_least(sync_ptr + g0, _group_units(g0, num_pid_m, GROUP_M))
     return _lora_fixup(step, 0, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m, num_col_blocks, num_tokens,
                        n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr,
                        seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem, BLOCK_M,
@@ -876,8 +892,8 @@ def _gluon_lora_linear_kernel(
             step = _first_tile(step, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m, num_col_blocks,
                                num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
                                token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs,
-                               w_bufs, bars, c_smem, sync_ptr, g0, l_s, l_b, lbar, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS,
-                               num_warps, FOLD, EPI_SPLIT, EPI_BUFS)  # fmt: skip
+                               w_bufs, bars, c_smem, sync_ptr, g0, l_s, l_b, lbar, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K,
+                               GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps, FOLD, EPI_SPLIT, EPI_BUFS)  # fmt: skip
             if TRACE:
                 nt = _trace(trace_ptr, pid, nt, gl.to_tensor(5), g0)
             idx = 1
