@@ -577,8 +577,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
            EPI_SPLIT: gl.constexpr = 1, EPI_BUFS: gl.constexpr = 1, KEEP: gl.constexpr = False,
            LATE: gl.constexpr = False, sa_bufs=None, a_desc=None, a_rows=0, a_slice_rows=0, s_ptr=None,
            seg_scale_ptr=None, slot_rank_ptr=None, s_cols=0, stride_ss=0, stride_st=0, ZT: gl.constexpr = False,
-           SHRINK_G: gl.constexpr = 1, SHRINK_GP: gl.constexpr = 1, SHRINK_R: gl.constexpr = 16, trace_ptr=None,
-           TRACE: gl.constexpr = False):  # fmt: skip
+           SHRINK_G: gl.constexpr = 1, SHRINK_GP: gl.constexpr = 1, SHRINK_R: gl.constexpr = 16):  # fmt: skip
     """This program's tiles idx_lo ≤ idx < idx_hi (tile pid_r + idx · nprog) as one pipeline, which starts and
     drains within the run: the producer (the step whose loads go out next, p_step, its tile p_idx and K step p_ki,
     and where that tile's loads start) sends the first NUM_BUFFERS - 1 steps before the first MMA, and the ring
@@ -618,7 +617,6 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
         g_lo = (pid_r + idx_lo * nprog) // tiles_per_group
         _wait_at_least(sync_ptr + g_lo, _group_units(g_lo, num_pid_m, GROUP_M))
     known = gl.to_tensor(-1)  # LATE: the last group seen complete
-    nt = gl.to_tensor(1)  # TRACE (ZT): events recorded (the kernel's start is event 0)
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
     for idx in range(idx_lo, idx_hi):
         early = gl.to_tensor(True)
@@ -629,8 +627,6 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
         z_tile = False
         if ZT:
             z_tile = n0p == 0  # the producer is at this tile already
-            if TRACE:  # 10 / 11: an R / Z tile starts
-                nt = _trace(trace_ptr, pid_r, nt, 10 + z_tile.to(gl.int32), idx)
             if z_tile:
                 acc, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row = _shrink_tile(
                     step, idx, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, idx_hi, k_tiles, steps_per_tile, pid_r,
@@ -665,11 +661,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
                 if LATE:
                     if not early:
                         acc = warpgroup_mma_wait(0, deps=(acc,))
-                        if TRACE and ZT:  # 14 / 15: a tile's wait for its group's s
-                            nt = _trace(trace_ptr, pid_r, nt, gl.to_tensor(14), g_t)
                         _wait_at_least(sync_ptr + g_t, want_t)
-                        if TRACE and ZT:
-                            nt = _trace(trace_ptr, pid_r, nt, gl.to_tensor(15), g_t)
                         known = g_t
                         _fold_load(s_row_t, b_row_t, s_desc, b_desc, l_s, l_b, lbar)
                 mbarrier.wait(lbar.index(0), idx & 1)
@@ -699,8 +691,6 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
     out = step
     if KEEP:
         out = (step, acc)
-    if TRACE and ZT:  # 4: the run ends
-        _trace(trace_ptr, pid_r, nt, gl.to_tensor(4), idx_hi)
     return out
 
 
@@ -1067,8 +1057,6 @@ def _gluon_lora_linear_kernel(
     step = 0
     if TILE_SHRINK:
         gl.static_assert(FOLD and LATE, "TILE_SHRINK with FOLD and LATE")
-        if TRACE:  # kinds 10-15 and 4 (`_tiles`)
-            _trace(trace_ptr, pid_r, gl.to_tensor(0), gl.to_tensor(0), pid_r)
         sa_bufs = gl.allocate_shared_memory(
             x_desc.dtype, [NUM_BUFFERS, SHRINK_GP * SHRINK_R, BLOCK_K], w_desc.layout
         )
@@ -1078,7 +1066,7 @@ def _gluon_lora_linear_kernel(
                       a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS,
                       num_warps, True, True, sync_ptr, True, l_s, l_b, lbar, FOLD, EPI_SPLIT, EPI_BUFS, False, True,
                       sa_bufs, a_desc, a_rows, a_slice_rows, s_ptr, seg_scale_ptr, slot_rank_ptr, s_cols, stride_ss,
-                      stride_st, True, SHRINK_G, SHRINK_GP, SHRINK_R, trace_ptr, TRACE)  # fmt: skip
+                      stride_st, True, SHRINK_G, SHRINK_GP, SHRINK_R)  # fmt: skip
     elif SPREAD:
         tiles_per_group = GROUP_M * num_col_blocks
         num_short = nprog - extra
