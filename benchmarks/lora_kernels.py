@@ -564,8 +564,6 @@ def qkv_only(args, head: list[str]) -> None:
                             "no late lead2": dict(LATE=0, LEAD=2),
                             "late lead1": dict(LATE=1, LEAD=1),
                             "late lead2": dict(LATE=1, LEAD=2),
-                            # no units: the tiles of the first column block compute s (LATE)
-                            "tile shrink": dict(TILE_SHRINK=1),
                         }
                         for name, over in variants.items():
                             fns[f"gluon lora_linear {name}"] = (
@@ -637,7 +635,6 @@ def qkv_only(args, head: list[str]) -> None:
                             "gluon lora_linear no late lead2",
                             "gluon lora_linear late lead1",
                             "gluon lora_linear late lead2",
-                            "gluon lora_linear tile shrink",
                             "gluon two launches e1",
                             "gluon lora_gemm no fold",
                             "gluon lora_gemm no split",

@@ -45,48 +45,16 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.jit
-def _shrink_first_order(t, num_pid_m, num_col_blocks, GROUP_M: gl.constexpr):
-    """(pid_m, pid_n) of position t in the grouped order with each group's first column block moved one group
-    earlier (TILE_SHRINK: those tiles compute their row blocks' s): Z0 | Z1 R0 | Z2 R1 | ... | R_last, where
-    Zg is group g's tiles of column block 0 (one per row block) and Rg its other tiles in grouped order. A
-    group's s is then computed about a group's worth of tiles before the rest of its tiles need it."""
-    num_groups = gl.cdiv(num_pid_m, GROUP_M)
-    z0 = gl.minimum(num_pid_m, GROUP_M)
-    tiles_per_group = GROUP_M * num_col_blocks
-    p = gl.maximum(t - z0, 0)
-    g = gl.minimum(p // tiles_per_group, gl.maximum(num_groups - 2, 0))
-    local = p - g * tiles_per_group
-    zg = gl.minimum(num_pid_m - g * GROUP_M, GROUP_M)  # row blocks of group g
-    zn = gl.minimum(gl.maximum(num_pid_m - (g + 1) * GROUP_M, 0), GROUP_M)  # of group g + 1
-    blk = zn + zg * (num_col_blocks - 1)  # Z(g+1) R(g): full groups' blocks are tiles_per_group long
-    over = local >= blk  # past the last full-length block: the last group's R
-    g = gl.where(over, g + 1, g)
-    local = gl.where(over, local - blk, local)
-    zg = gl.where(over, gl.maximum(num_pid_m - g * GROUP_M, 1), zg)  # (≥ 1: t < z0 takes neither)
-    zn = gl.where(over, 0, zn)
-    is_z = local < zn
-    orig = local - zn + zg  # an R tile's place in its group's grouped order (past the first column block)
-    pid_m = gl.where(is_z, (g + 1) * GROUP_M + local, g * GROUP_M + orig % zg)
-    pid_n = gl.where(is_z, 0, orig // zg)
-    first = t < z0
-    return gl.where(first, t, pid_m), gl.where(first, 0, pid_n)
-
-
-@gluon.jit
 def _tile_origin(tile_id, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2, blk3,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-                 ZT: gl.constexpr = False):  # fmt: skip
-    """Tile tile_id in grouped order (ZT: `_shrink_first_order`) → (its slice j, first row m0, first column n0)."""
-    if ZT:
-        pid_m, pid_n = _shrink_first_order(tile_id, num_pid_m, num_col_blocks, GROUP_M)
-    else:
-        num_in_group = GROUP_M * num_col_blocks
-        group = tile_id // num_in_group
-        first_m = group * GROUP_M
-        group_size = gl.minimum(num_pid_m - first_m, GROUP_M)
-        local = tile_id - group * num_in_group
-        pid_m = first_m + local % group_size
-        pid_n = local // group_size
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
+    """Tile tile_id in grouped order → (its slice j, first row m0, first column n0)."""
+    num_in_group = GROUP_M * num_col_blocks
+    group = tile_id // num_in_group
+    first_m = group * GROUP_M
+    group_size = gl.minimum(num_pid_m - first_m, GROUP_M)
+    local = tile_id - group * num_in_group
+    pid_m = first_m + local % group_size
+    pid_n = local // group_size
     j = (pid_n >= blk1).to(gl.int32) + (pid_n >= blk2).to(gl.int32) + (pid_n >= blk3).to(gl.int32)
     col_lo = gl.where(j == 0, 0, gl.where(j == 1, col1, gl.where(j == 2, col2, col3)))
     blk_lo = gl.where(j == 0, 0, gl.where(j == 1, blk1, gl.where(j == 2, blk2, blk3)))
@@ -97,13 +65,13 @@ def _tile_origin(tile_id, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk
 def _load_origin(p_idx, pid, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3,
                  blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-                 HAS_LORA: gl.constexpr, ZT: gl.constexpr = False):  # fmt: skip
+                 HAS_LORA: gl.constexpr):  # fmt: skip
     """Where the loads of this program's tile p_idx start: x/W rows m0 / n0, and the rows of s[j] and
     B[slot] for its LoRA steps (past the last row, i.e. zeros, where its rows have no adapter). Computed
     once per tile (the steps in between only advance the K coordinate)."""
     tile_id = gl.minimum(pid + p_idx * nprog, num_tiles - 1)
     j, m0, n0 = _tile_origin(tile_id, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2, blk3,
-                             BLOCK_M, BLOCK_N, GROUP_M, ZT)  # fmt: skip
+                             BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
     s_row = s_rows_total
     b_row = b_rows_total
     if HAS_LORA:
@@ -116,41 +84,23 @@ def _load_origin(p_idx, pid, nprog, num_tiles, num_pid_m, num_col_blocks, num_to
 
 @gluon.jit
 def _issue_load(p_step, p_ki, pred, m0, n0, s_row, b_row, k_tiles, x_desc, w_desc, s_desc, b_desc, a_bufs, w_bufs,
-                bars, BLOCK_K: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_LORA: gl.constexpr, sa_bufs=None,
-                a_desc=None, n_total=0, b_rows_total=0, a_rows=0, a_slice_rows=0, ZT: gl.constexpr = False,
-                SHRINK_G: gl.constexpr = 1, SHRINK_R: gl.constexpr = 16):  # fmt: skip
+                bars, BLOCK_K: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_LORA: gl.constexpr):  # fmt: skip
     """The TMA loads of one pipeline step (K step p_ki of a tile; p_ki ≥ k_tiles: its LoRA steps) into ring
-    slot p_step % NUM_BUFFERS (nothing where pred is false: past this program's last tile). ZT (TILE_SHRINK,
-    no LoRA steps in the ring): a tile of the first column block whose rows have an adapter (n0 = 0, b_row a
-    row of B) also loads every slice's A rows of that adapter into the slot's sa_bufs (`_shrink_tile`)."""
+    slot p_step % NUM_BUFFERS (nothing where pred is false: past this program's last tile)."""
     slot_i = p_step % NUM_BUFFERS
     bar = bars.index(slot_i)
-    xw_bytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
-    if ZT:
-        with_a = (n0 == 0) & (b_row < b_rows_total)
-        mbarrier.expect(bar, xw_bytes + SHRINK_G * a_desc.block_type.nbytes, pred=pred & with_a)
-        mbarrier.expect(bar, xw_bytes, pred=pred & ((n0 != 0) | (b_row >= b_rows_total)))
-        kk = p_ki * BLOCK_K
-        _tma_load(x_desc, [m0, kk], bar, a_bufs.index(slot_i), pred)
-        _tma_load(w_desc, [n0, kk], bar, w_bufs.index(slot_i), pred)
-        a_row = (b_row // n_total) * a_rows  # n0 = 0: b_row is the slot's first row of B
-        sa_buf = sa_bufs.index(slot_i)
-        for g in gl.static_range(SHRINK_G):
-            _tma_load(a_desc, [a_row + g * a_slice_rows, kk], bar, sa_buf.slice(g * SHRINK_R, SHRINK_R, dim=0),
-                      pred & with_a)  # fmt: skip
-    else:
-        mbarrier.expect(bar, xw_bytes, pred=pred)
-        if HAS_LORA:
-            if p_ki < k_tiles:
-                _tma_load(x_desc, [m0, p_ki * BLOCK_K], bar, a_bufs.index(slot_i), pred)
-                _tma_load(w_desc, [n0, p_ki * BLOCK_K], bar, w_bufs.index(slot_i), pred)
-            else:
-                kk = (p_ki - k_tiles) * BLOCK_K
-                _tma_load(s_desc, [s_row, kk], bar, a_bufs.index(slot_i), pred)
-                _tma_load(b_desc, [b_row, kk], bar, w_bufs.index(slot_i), pred)
-        else:
+    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
+    if HAS_LORA:
+        if p_ki < k_tiles:
             _tma_load(x_desc, [m0, p_ki * BLOCK_K], bar, a_bufs.index(slot_i), pred)
             _tma_load(w_desc, [n0, p_ki * BLOCK_K], bar, w_bufs.index(slot_i), pred)
+        else:
+            kk = (p_ki - k_tiles) * BLOCK_K
+            _tma_load(s_desc, [s_row, kk], bar, a_bufs.index(slot_i), pred)
+            _tma_load(b_desc, [b_row, kk], bar, w_bufs.index(slot_i), pred)
+    else:
+        _tma_load(x_desc, [m0, p_ki * BLOCK_K], bar, a_bufs.index(slot_i), pred)
+        _tma_load(w_desc, [n0, p_ki * BLOCK_K], bar, w_bufs.index(slot_i), pred)
 
 
 @gluon.jit
@@ -191,35 +141,14 @@ def _step(acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, my_tiles, 
           pid, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
           s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, a_bufs, w_bufs,
           bars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LORA_K: gl.constexpr,
-          GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_LORA: gl.constexpr, sa_bufs=None, a_desc=None,
-          a_rows=0, a_slice_rows=0, ZT: gl.constexpr = False, SHRINK_G: gl.constexpr = 1,
-          SHRINK_R: gl.constexpr = 16):  # fmt: skip
+          GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_LORA: gl.constexpr):  # fmt: skip
     """Pipeline step `step` (step ki of its tile): wait for its slot, start its MMA, wait for the MMA before it,
-    and send the loads NUM_BUFFERS - 1 steps ahead into the slot that MMA read (`_advance`)."""
+    and send the loads NUM_BUFFERS - 1 steps ahead into the slot that MMA read; the producer's position
+    (p_*) and where its tile's loads start move on."""
     acc = _ring_mma(acc, step, ki, 0, k_tiles, k_tiles, a_bufs, w_bufs, bars, LORA_K, BLOCK_K, NUM_BUFFERS,
                     HAS_LORA)  # fmt: skip
-    p_step, p_idx, p_ki, m0p, n0p, s_row, b_row = _advance(
-        p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, my_tiles, k_tiles, steps_per_tile, pid, nprog, num_tiles,
-        num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total,
-        b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, a_bufs, w_bufs, bars, BLOCK_M,
-        BLOCK_N, BLOCK_K, GROUP_M, NUM_BUFFERS, HAS_LORA, sa_bufs, a_desc, a_rows, a_slice_rows, ZT, SHRINK_G,
-        SHRINK_R,
-    )  # fmt: skip
-    return acc, step + 1, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row
-
-
-@gluon.jit
-def _advance(p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, my_tiles, k_tiles, steps_per_tile, pid, nprog, num_tiles,
-             num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total,
-             b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, a_bufs, w_bufs, bars,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-             NUM_BUFFERS: gl.constexpr, HAS_LORA: gl.constexpr, sa_bufs=None, a_desc=None, a_rows=0, a_slice_rows=0,
-             ZT: gl.constexpr = False, SHRINK_G: gl.constexpr = 1, SHRINK_R: gl.constexpr = 16):  # fmt: skip
-    """The producer's part of a pipeline step: the loads of step p_step (K step p_ki of this program's tile
-    p_idx), then its position (p_*) and where its tile's loads start move on."""
     _issue_load(p_step, p_ki, p_idx < my_tiles, m0p, n0p, s_row, b_row, k_tiles, x_desc, w_desc, s_desc, b_desc,
-                a_bufs, w_bufs, bars, BLOCK_K, NUM_BUFFERS, HAS_LORA, sa_bufs, a_desc, n_total, b_rows_total, a_rows,
-                a_slice_rows, ZT, SHRINK_G, SHRINK_R)  # fmt: skip
+                a_bufs, w_bufs, bars, BLOCK_K, NUM_BUFFERS, HAS_LORA)  # fmt: skip
     p_ki += 1
     if p_ki == steps_per_tile:
         p_ki = 0
@@ -227,8 +156,8 @@ def _advance(p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, my_tiles, k_tiles, ste
         m0p, n0p, s_row, b_row = _load_origin(p_idx, pid, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens,
                                               n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total,
                                               b_rows_total, token_seg_ptr, seg_slot_ptr, BLOCK_M, BLOCK_N, GROUP_M,
-                                              HAS_LORA, ZT)  # fmt: skip
-    return p_step + 1, p_idx, p_ki, m0p, n0p, s_row, b_row
+                                              HAS_LORA)  # fmt: skip
+    return acc, step + 1, p_step + 1, p_idx, p_ki, m0p, n0p, s_row, b_row
 
 
 @gluon.jit
@@ -485,88 +414,6 @@ def _group_ready(sync_ptr, g, want, known):
 
 
 @gluon.jit
-def _shrink_tile(step, idx, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, idx_hi, k_tiles, steps_per_tile, pid_r,
-                 nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
-                 s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, s_ptr,
-                 sync_ptr, s_cols, stride_ss, stride_st, a_rows, a_slice_rows, x_desc, w_desc, s_desc, b_desc, a_desc,
-                 a_bufs, w_bufs, sa_bufs, bars, l_s, l_b, lbar, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr, SHRINK_G: gl.constexpr,
-                 SHRINK_GP: gl.constexpr, SHRINK_R: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-    """Tile idx of this program, one of the first column block (TILE_SHRINK), with its row block's shrink: each
-    K step's x box, already in the ring for x · Wᵀ, also multiplies every slice's A rows of the rows' adapter
-    (loaded into sa_bufs with it, `_issue_load` ZT), as two MMAs of 2 and 1 slices' columns for 3 slices (as
-    `_shrink_unit`). After the K steps: s = scale · x · Aᵀ stored for every slice (zeros where the rows have
-    no adapter), counted in sync_ptr[group] (release), and the tile's own LoRA MMA from s[0] read back
-    through TMA with its B box. Returns the accumulator (x · Wᵀ + s · Bᵀ) and the ring's positions."""
-    SPLIT: gl.constexpr = SHRINK_G == 3
-    N_A: gl.constexpr = 2 * SHRINK_R if SPLIT else SHRINK_GP * SHRINK_R
-    N_B: gl.constexpr = SHRINK_R if SPLIT else 16
-    GROUPS: gl.constexpr = 3 if SPLIT else 2  # MMA groups a step commits
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    layout_a: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N_A, 16]
-    )
-    layout_b: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N_B, 16]
-    )
-    m0 = m0p  # the producer is at this tile
-    s_row_t = s_row
-    b_row_t = b_row
-    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
-    acc_a = gl.zeros((BLOCK_M, N_A), dtype=gl.float32, layout=layout_a)
-    acc_b = gl.zeros((BLOCK_M, N_B), dtype=gl.float32, layout=layout_b)
-    for ki in range(steps_per_tile):
-        slot_i = step % NUM_BUFFERS
-        mbarrier.wait(bars.index(slot_i), (step // NUM_BUFFERS) & 1)
-        x_buf = a_bufs.index(slot_i)
-        w_buf = w_bufs.index(slot_i)
-        sa_buf = sa_bufs.index(slot_i)
-        tok = warpgroup_mma(x_buf, w_buf.permute((1, 0)), acc, use_acc=ki > 0, is_async=True)
-        tok_a, tok_b = _unit_mma(acc_a, acc_b, x_buf, sa_buf, 0, ki > 0, N_A, N_B, SPLIT)
-        # this step's MMAs stay in flight; the step before it is done, so its slot can be loaded
-        acc, acc_a, acc_b, _, _, _ = warpgroup_mma_wait(
-            GROUPS, deps=(tok, tok_a, tok_b, x_buf, w_buf, sa_buf)
-        )
-        p_step, p_idx, p_ki, m0p, n0p, s_row, b_row = _advance(
-            p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, idx_hi, k_tiles, steps_per_tile, pid_r, nprog, num_tiles,
-            num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total,
-            b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, a_bufs, w_bufs, bars, BLOCK_M,
-            BLOCK_N, BLOCK_K, GROUP_M, NUM_BUFFERS, True, sa_bufs, a_desc, a_rows, a_slice_rows, True, SHRINK_G,
-            SHRINK_R,
-        )  # fmt: skip
-        step += 1
-    acc, acc_a, acc_b = warpgroup_mma_wait(0, deps=(acc, acc_a, acc_b))
-    seg = gl.load(token_seg_ptr + m0)
-    slot = gl.load(seg_slot_ptr + seg)
-    rank = gl.where(slot >= 0, gl.load(slot_rank_ptr + gl.maximum(slot, 0)), 0)
-    scale = gl.load(seg_scale_ptr + seg)
-    _store_s(acc_a * scale, 0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_A, SHRINK_G, SHRINK_R,
-             BLOCK_M, num_warps)  # fmt: skip
-    if SPLIT:
-        _store_s(acc_b * scale, 2, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_B, SHRINK_G,
-                 SHRINK_R, BLOCK_M, num_warps)  # fmt: skip
-    _async_proxy_fence()  # this thread's s stores before the TMA load of s[0] below
-    _cta_barrier()  # every thread's s stores precede the release
-    gl.atomic_add(sync_ptr + (m0 // BLOCK_M) // GROUP_M, 1, sem="release", scope="gpu")
-    _fold_load(s_row_t, b_row_t, s_desc, b_desc, l_s, l_b, lbar)
-    mbarrier.wait(lbar.index(0), idx & 1)
-    tok = warpgroup_mma(l_s, l_b.permute((1, 0)), acc, is_async=True)
-    acc, _ls, _lb = warpgroup_mma_wait(0, deps=(tok, l_s, l_b))
-    return acc, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row
-
-
-@gluon.jit
-def _async_proxy_fence():
-    """fence.proxy.async.global: this thread's generic-proxy stores before later TMA (async-proxy) accesses."""
-    gl.inline_asm_elementwise(
-        "fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [gl.to_tensor(0)], dtype=gl.int32, is_pure=False,
-        pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
 def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m, num_col_blocks,
            num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr,
            seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars, c_smem,
@@ -575,9 +422,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
            STORE: gl.constexpr = True, HAS_LORA: gl.constexpr = True, sync_ptr=None,
            WAIT: gl.constexpr = False, l_s=None, l_b=None, lbar=None, FOLD: gl.constexpr = False,
            EPI_SPLIT: gl.constexpr = 1, EPI_BUFS: gl.constexpr = 1, KEEP: gl.constexpr = False,
-           LATE: gl.constexpr = False, sa_bufs=None, a_desc=None, a_rows=0, a_slice_rows=0, s_ptr=None,
-           seg_scale_ptr=None, slot_rank_ptr=None, s_cols=0, stride_ss=0, stride_st=0, ZT: gl.constexpr = False,
-           SHRINK_G: gl.constexpr = 1, SHRINK_GP: gl.constexpr = 1, SHRINK_R: gl.constexpr = 16):  # fmt: skip
+           LATE: gl.constexpr = False):  # fmt: skip
     """This program's tiles idx_lo ≤ idx < idx_hi (tile pid_r + idx · nprog) as one pipeline, which starts and
     drains within the run: the producer (the step whose loads go out next, p_step, its tile p_idx and K step p_ki,
     and where that tile's loads start) sends the first NUM_BUFFERS - 1 steps before the first MMA, and the ring
@@ -591,9 +436,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
     phase idx & 1) as the tile starts, and its LoRA MMA follows its last K step's. KEEP (with STORE False, one
     tile): no epilogue; returns (step, the tile's x · Wᵀ in registers). LATE (WAIT and FOLD): a tile whose group's
     s is not all there as it starts runs its K steps anyway and waits after them, then loads its s and B boxes
-    (instead of the run waiting before the tile's loads); the count is read once per group. ZT (TILE_SHRINK,
-    with LATE): the tiles in `_shrink_first_order`; those of the first column block compute their row block's s
-    (`_shrink_tile`) and count it in sync_ptr[group], which the other tiles wait for after their K steps."""
+    (instead of the run waiting before the tile's loads); the count is read once per group."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -602,16 +445,19 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
     p_ki = 0
     m0p, n0p, s_row, b_row = _load_origin(p_idx, pid_r, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens,
                                           n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
-                                          token_seg_ptr, seg_slot_ptr, BLOCK_M, BLOCK_N, GROUP_M, HAS_LORA,
-                                          ZT)  # fmt: skip
+                                          token_seg_ptr, seg_slot_ptr, BLOCK_M, BLOCK_N, GROUP_M, HAS_LORA)  # fmt: skip
     for _i in gl.static_range(NUM_BUFFERS - 1):
-        p_step, p_idx, p_ki, m0p, n0p, s_row, b_row = _advance(
-            p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, idx_hi, k_tiles, steps_per_tile, pid_r, nprog, num_tiles,
-            num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total,
-            b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc, a_bufs, w_bufs, bars, BLOCK_M,
-            BLOCK_N, BLOCK_K, GROUP_M, NUM_BUFFERS, HAS_LORA, sa_bufs, a_desc, a_rows, a_slice_rows, ZT, SHRINK_G,
-            SHRINK_R,
-        )  # fmt: skip
+        _issue_load(p_step, p_ki, p_idx < idx_hi, m0p, n0p, s_row, b_row, k_tiles, x_desc, w_desc, s_desc, b_desc,
+                    a_bufs, w_bufs, bars, BLOCK_K, NUM_BUFFERS, HAS_LORA)  # fmt: skip
+        p_step += 1
+        p_ki += 1
+        if p_ki == steps_per_tile:
+            p_ki = 0
+            p_idx += 1
+            m0p, n0p, s_row, b_row = _load_origin(p_idx, pid_r, nprog, num_tiles, num_pid_m, num_col_blocks,
+                                                  num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3,
+                                                  s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr,
+                                                  BLOCK_M, BLOCK_N, GROUP_M, HAS_LORA)  # fmt: skip
     tiles_per_group = GROUP_M * num_col_blocks
     if WAIT and not LATE:
         g_lo = (pid_r + idx_lo * nprog) // tiles_per_group
@@ -624,53 +470,36 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
         want_t = gl.to_tensor(0)
         s_row_t = s_row
         b_row_t = b_row
-        z_tile = False
-        if ZT:
-            z_tile = n0p == 0  # the producer is at this tile already
-            if z_tile:
-                acc, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row = _shrink_tile(
-                    step, idx, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, idx_hi, k_tiles, steps_per_tile, pid_r,
-                    nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2,
-                    blk3, s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, s_ptr,
-                    sync_ptr, s_cols, stride_ss, stride_st, a_rows, a_slice_rows, x_desc, w_desc, s_desc, b_desc,
-                    a_desc, a_bufs, w_bufs, sa_bufs, bars, l_s, l_b, lbar, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                    NUM_BUFFERS, SHRINK_G, SHRINK_GP, SHRINK_R, num_warps,
-                )  # fmt: skip
-        if not z_tile:
-            if FOLD and STORE:  # the producer is at this tile already (k_tiles ≥ NUM_BUFFERS)
-                if LATE:  # its group's s there already? (else its boxes after its K steps)
-                    if ZT:
-                        g_t = (m0p // BLOCK_M) // GROUP_M
-                    else:
-                        g_t = (pid_r + idx * nprog) // tiles_per_group
-                    want_t = _group_units(g_t, num_pid_m, GROUP_M)
-                    early, known = _group_ready(sync_ptr, g_t, want_t, known)
-                    if early:
-                        _fold_load(s_row, b_row, s_desc, b_desc, l_s, l_b, lbar)
-                else:
+        if FOLD and STORE:  # the producer is at this tile already (k_tiles ≥ NUM_BUFFERS)
+            if LATE:  # its group's s there already? (else its boxes after its K steps)
+                g_t = (pid_r + idx * nprog) // tiles_per_group
+                want_t = _group_units(g_t, num_pid_m, GROUP_M)
+                early, known = _group_ready(sync_ptr, g_t, want_t, known)
+                if early:
                     _fold_load(s_row, b_row, s_desc, b_desc, l_s, l_b, lbar)
-            for ki in range(steps_per_tile):
-                acc, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row = _step(
-                    acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, idx_hi, k_tiles, steps_per_tile,
-                    pid_r, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1,
-                    blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc,
-                    b_desc, a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_LORA,
-                    sa_bufs, a_desc, a_rows, a_slice_rows, ZT, SHRINK_G, SHRINK_R,
-                )  # fmt: skip
-            if FOLD and STORE:
-                if LATE:
-                    if not early:
-                        acc = warpgroup_mma_wait(0, deps=(acc,))
-                        _wait_at_least(sync_ptr + g_t, want_t)
-                        known = g_t
-                        _fold_load(s_row_t, b_row_t, s_desc, b_desc, l_s, l_b, lbar)
-                mbarrier.wait(lbar.index(0), idx & 1)
-                tok = warpgroup_mma(l_s, l_b.permute((1, 0)), acc, is_async=True)
-                acc, _ls, _lb = warpgroup_mma_wait(0, deps=(tok, l_s, l_b))
             else:
-                acc = warpgroup_mma_wait(0, deps=(acc,))
+                _fold_load(s_row, b_row, s_desc, b_desc, l_s, l_b, lbar)
+        for ki in range(steps_per_tile):
+            acc, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row = _step(
+                acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, idx_hi, k_tiles, steps_per_tile,
+                pid_r, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1,
+                blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc,
+                a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_LORA,
+            )  # fmt: skip
+        if FOLD and STORE:
+            if LATE:
+                if not early:
+                    acc = warpgroup_mma_wait(0, deps=(acc,))
+                    _wait_at_least(sync_ptr + g_t, want_t)
+                    known = g_t
+                    _fold_load(s_row_t, b_row_t, s_desc, b_desc, l_s, l_b, lbar)
+            mbarrier.wait(lbar.index(0), idx & 1)
+            tok = warpgroup_mma(l_s, l_b.permute((1, 0)), acc, is_async=True)
+            acc, _ls, _lb = warpgroup_mma_wait(0, deps=(tok, l_s, l_b))
+        else:
+            acc = warpgroup_mma_wait(0, deps=(acc,))
         _, m0, n0 = _tile_origin(pid_r + idx * nprog, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2,
-                                 blk3, BLOCK_M, BLOCK_N, GROUP_M, ZT)  # fmt: skip
+                                 blk3, BLOCK_M, BLOCK_N, GROUP_M)  # fmt: skip
         if KEEP:
             pass
         elif WAIT and not LATE:
@@ -997,7 +826,6 @@ def _gluon_lora_linear_kernel(
     TRACE: gl.constexpr = False,  # SPREAD: a timeline per program into trace_ptr (`_trace`; benchmarks)
     trace_ptr=None,
     LATE: gl.constexpr = False,  # SPREAD and FOLD: tiles wait for their group's s after their K steps (`_tiles`)
-    TILE_SHRINK: gl.constexpr = False,  # LATE: s computed by the tiles of the first column block, no units
 ):
     """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ and s = scale · x · Aᵀ in one launch. A shrink unit is one row
     block (all slices in one MMA per K step). The persistent grid gives num_tiles mod P programs one tile more
@@ -1019,13 +847,7 @@ def _gluon_lora_linear_kernel(
 
     SPREAD 0: those extra-tile programs run their first tile's K steps first (c_smem, as above); all programs
     claim units in order from an atomic counter (sync_ptr[num_units]) and run them, count them in
-    sync_ptr[num_units + 1], and wait until every unit is done before their tiles.
-
-    TILE_SHRINK (with LATE): no shrink units. The tiles of the first column block multiply their x boxes by A
-    as well (`_shrink_tile`: x is read once for both), and the tile order moves them one group earlier
-    (`_shrink_first_order`), so a group's s is there before the rest of its tiles need it; those wait for
-    their group's count after their K steps (LATE). A tile of the first column block never waits, and every
-    other tile waits only for tiles earlier in the order: no deadlock."""
+    sync_ptr[num_units + 1], and wait until every unit is done before their tiles."""
     hidden = x_desc.shape[1]
     k_tiles = gl.cdiv(hidden, BLOCK_K)
     steps_per_tile = k_tiles + lora_steps
@@ -1055,19 +877,7 @@ def _gluon_lora_linear_kernel(
 
     num_units = num_pid_m
     step = 0
-    if TILE_SHRINK:
-        gl.static_assert(FOLD and LATE, "TILE_SHRINK with FOLD and LATE")
-        sa_bufs = gl.allocate_shared_memory(
-            x_desc.dtype, [NUM_BUFFERS, SHRINK_GP * SHRINK_R, BLOCK_K], w_desc.layout
-        )
-        step = _tiles(gl.to_tensor(0), 0, my_tiles, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m,
-                      num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total,
-                      b_rows_total, token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc,
-                      a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS,
-                      num_warps, True, True, sync_ptr, True, l_s, l_b, lbar, FOLD, EPI_SPLIT, EPI_BUFS, False, True,
-                      sa_bufs, a_desc, a_rows, a_slice_rows, s_ptr, seg_scale_ptr, slot_rank_ptr, s_cols, stride_ss,
-                      stride_st, True, SHRINK_G, SHRINK_GP, SHRINK_R)  # fmt: skip
-    elif SPREAD:
+    if SPREAD:
         tiles_per_group = GROUP_M * num_col_blocks
         num_short = nprog - extra
         u = gl.where(pid_r >= extra, pid_r - extra, num_units)  # this program's next unit

@@ -38,9 +38,6 @@ GLUON_CONFIG = dict(
     # LEAD for launches whose tiles wait for s before their K steps (no LATE: LoRA MMAs wider than 16, i.e.
     # no FOLD, or LATE 0): a group's units are then done before its first tile starts
     LEAD_NOT_LATE=2,
-    # LATE launches with narrow shrink MMAs (≤ NARROW_UNIT_COLS): s computed by the tiles of the first column
-    # block (in a tile order that moves them a group earlier) instead of by shrink units
-    TILE_SHRINK=0,
 )
 
 
@@ -311,15 +308,6 @@ def launch_gluon_lora_linear(
         s, b_stacked, lora_k, {**cfg, "EPI_SPLIT": epi}, x.shape[1]
     )
     late = bool(cfg.get("LATE", 0) and spread and fold)
-    tile_shrink = bool(
-        cfg.get("TILE_SHRINK", 0)
-        and late
-        and unit_cols(groups, max_rank) <= NARROW_UNIT_COLS
-        and gemm_smem({**cfg, "EPI_SPLIT": epi}, True)
-        + cfg["NUM_BUFFERS"] * shrink_gp * shrink_r * bk * 2
-        + 256
-        <= SMEM_LIMIT
-    )
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
     num_pid_m = -(-num_tokens // bm)
     grid = min(num_pid_m * num_col_blocks, num_programs_limit(x.device))
@@ -334,6 +322,6 @@ def launch_gluon_lora_linear(
         NUM_BUFFERS=cfg["NUM_BUFFERS"], SHRINK_G=groups, SHRINK_GP=shrink_gp, SHRINK_R=shrink_r,
         HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], SPREAD=spread, LEAD=unit_lead(cfg, late),
         FOLD=fold, EPI_SPLIT=epi, EPI_BUFS=cfg.get("EPI_BUFS", 1), TRACE=trace is not None, trace_ptr=trace,
-        LATE=late, TILE_SHRINK=tile_shrink,
+        LATE=late,
     )  # fmt: skip
     return y, s

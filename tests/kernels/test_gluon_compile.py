@@ -3,9 +3,9 @@ go to `warmup` against an sm_90 target, through the Triton installed here (its G
 This catches what the GPU tests would only see on a Hopper machine: a kernel that no longer traces, type
 checks or fits shared memory. Whether the code is right, and fast, is for the GPU tests and benchmarks.
 
-FOLD (the rank-16 LoRA MMA after the K steps, from boxes of their own) only with TILE_SHRINK: elsewhere
-Triton 3.9's Gluon refuses the ring's LoRA load that FOLD leaves dead (a box narrower than its ring slot), so
-those kernels compile only with the Triton they run with (3.6, `gluon_op.GLUON_TRITON`)."""
+Without FOLD (the rank-16 LoRA MMA after the K steps, from boxes of their own): Triton 3.9's Gluon refuses
+the ring's LoRA load that FOLD leaves dead (a box narrower than its ring slot), so those kernels compile only
+with the Triton they run with (3.6, `gluon_op.GLUON_TRITON`)."""
 
 from __future__ import annotations
 
@@ -89,7 +89,6 @@ def _assert_hopper_kernel(kernel):
         {"FOLD": 0},  # units spread over the run, y in chunks, the LoRA MMA as a ring step
         {"FOLD": 0, "EPI_SPLIT": 1, "EPI_BUFS": 1},  # y whole
         {"SPREAD": 0, "FOLD": 0},  # the units first
-        {"TILE_SHRINK": 1},  # no units: the first column block's tiles compute s (FOLD, LATE)
     ],
 )
 def test_one_launch_compiles_for_hopper(compiled, cfg):
