@@ -564,9 +564,6 @@ def qkv_only(args, head: list[str]) -> None:
                             "no late lead2": dict(LATE=0, LEAD=2),
                             "late lead1": dict(LATE=1, LEAD=1),
                             "late lead2": dict(LATE=1, LEAD=2),
-                            # the units as sᵀ = A · xᵀ (one 64-row MMA per K step instead of narrow ones)
-                            "units transposed": dict(UNIT_T=1),
-                            "units transposed no late lead2": dict(UNIT_T=1, LATE=0, LEAD=2),
                         }
                         for name, over in variants.items():
                             fns[f"gluon lora_linear {name}"] = (
@@ -638,8 +635,6 @@ def qkv_only(args, head: list[str]) -> None:
                             "gluon lora_linear no late lead2",
                             "gluon lora_linear late lead1",
                             "gluon lora_linear late lead2",
-                            "gluon lora_linear units transposed",
-                            "gluon lora_linear units transposed no late lead2",
                             "gluon two launches e1",
                             "gluon lora_gemm no fold",
                             "gluon lora_gemm no split",

@@ -709,46 +709,18 @@ def _store_s(acc, g0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr,
     gl.store(ptrs, acc.to(s_ptr.dtype.element_ty), mask=mask)
 
 
-# UNIT_T's accumulator sᵀ [64 A rows, 128 tokens]: each warpgroup 64 × 64 (8 warps)
-_T_LAYOUT = gl.constexpr(
-    gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
-)
-
-
-@gluon.jit
-def _store_s_t(acc, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, SHRINK_G: gl.constexpr,
-               SHRINK_R: gl.constexpr, BLOCK_M: gl.constexpr):  # fmt: skip
-    """s[c // SHRINK_R, m0 + t, c % SHRINK_R] = acc[c, t] (acc = sᵀ, UNIT_T) for the rows c of real slices
-    within s_cols; zeros past the slot's rank."""
-    c = gl.arange(0, 64, layout=gl.SliceLayout(1, _T_LAYOUT))
-    t = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, _T_LAYOUT))
-    g = c // SHRINK_R
-    r = c % SHRINK_R
-    acc = gl.where((r < rank)[:, None], acc, 0.0)
-    # 32-bit offsets from the unit's first row (s holds far fewer than 2³¹ elements): fewer registers
-    base = s_ptr + m0.to(gl.int64) * stride_st
-    offs = (g * stride_ss + r)[:, None] + (t * stride_st)[None, :]
-    mask = ((r < s_cols) & (g < SHRINK_G))[:, None] & (m0 + t < num_tokens)[None, :]
-    gl.store(base + offs, acc.to(s_ptr.dtype.element_ty), mask=mask)
-
-
 @gluon.jit
 def _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss, stride_st, s_ptr,
                  token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, x_desc, a_desc, a_bufs, w_bufs, bars,
                  BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, SHRINK_G: gl.constexpr, SHRINK_GP: gl.constexpr,
-                 SHRINK_R: gl.constexpr, NUM_BUFFERS: gl.constexpr, num_warps: gl.constexpr,
-                 UNIT_T: gl.constexpr = False):  # fmt: skip
+                 SHRINK_R: gl.constexpr, NUM_BUFFERS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """Shrink unit u: s[g, rows u·BLOCK_M.., :s_cols] = scale · x[rows] · A[g, slot, :rank]ᵀ for every slice g,
     through the same ring; zeros for rows without an adapter (no loads). The MMAs of a step cover every slice
     at once: SHRINK_GP · SHRINK_R columns (GP: the slices rounded up to a power of two; the padding slice's
     rows are never loaded and its columns never stored), or for 3 slices (SPLIT) two MMAs of 2 and 1 slices'
     columns, so no MMA work goes to padding. Where the A rows take at most 64 of the W buffer's 256 (rank 16),
     a ring slot carries two 64-column steps (DOUBLE): twice the bytes in flight, which is what bounds a
-    unit (its x is read from HBM once).
-
-    UNIT_T (SHRINK_GP · SHRINK_R ≤ 64, 8 warps): sᵀ = A · xᵀ instead, one MMA per K step with the A rows
-    (padded to 64) as its M and the unit's 128 rows of x as its N (`_unit_mma_t`): 4 warpgroup instructions of
-    64 × 64 per 64 K columns and warpgroup, against 8 narrow ones (32 and 16 columns) for 3 slices."""
+    unit (its x is read from HBM once)."""
     SPLIT: gl.constexpr = SHRINK_G == 3
     N_A: gl.constexpr = 2 * SHRINK_R if SPLIT else SHRINK_GP * SHRINK_R
     N_B: gl.constexpr = SHRINK_R if SPLIT else 16
@@ -764,14 +736,8 @@ def _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, str
     m0 = u * BLOCK_M
     seg = gl.load(token_seg_ptr + m0)
     slot = gl.load(seg_slot_ptr + seg)
-    if UNIT_T:
-        gl.static_assert(
-            SHRINK_GP * SHRINK_R <= 64 and num_warps == 8, "UNIT_T: A rows in one 64-row MMA, 8 warps"
-        )
-        acc_t = gl.zeros((64, BLOCK_M), dtype=gl.float32, layout=_T_LAYOUT)
-    else:
-        acc_a = gl.zeros((BLOCK_M, N_A), dtype=gl.float32, layout=layout_a)
-        acc_b = gl.zeros((BLOCK_M, N_B), dtype=gl.float32, layout=layout_b)
+    acc_a = gl.zeros((BLOCK_M, N_A), dtype=gl.float32, layout=layout_a)
+    acc_b = gl.zeros((BLOCK_M, N_B), dtype=gl.float32, layout=layout_b)
     rank = 0
     if slot >= 0:
         rank = gl.load(slot_rank_ptr + slot)
@@ -786,44 +752,26 @@ def _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, str
             mbarrier.wait(bars.index(slot_i), (step // NUM_BUFFERS) & 1)
             x_buf = a_bufs.index(slot_i)
             w_buf = w_bufs.index(slot_i)
-            if UNIT_T:
-                tok = warpgroup_mma(w_buf.slice(0, 64, dim=0), x_buf.permute((1, 0)), acc_t, use_acc=ki > 0,
-                                    is_async=True)  # fmt: skip
-                if DOUBLE:
-                    tok = warpgroup_mma(w_buf.slice(64, 64, dim=0), w_buf.slice(128, 128, dim=0).permute((1, 0)),
-                                        tok, is_async=True)  # fmt: skip
-                # this step's MMAs stay in flight; the step before it is done, so its slot can be loaded
-                acc_t, _, _ = warpgroup_mma_wait(2 if DOUBLE else 1, deps=(tok, x_buf, w_buf))
-            else:
-                tok_a, tok_b = _unit_mma(acc_a, acc_b, x_buf, w_buf, 0, ki > 0, N_A, N_B, SPLIT)
-                if DOUBLE:
-                    tok_a, tok_b = _unit_mma(tok_a, tok_b, w_buf.slice(128, 128, dim=0), w_buf, 64, True, N_A, N_B,
-                                             SPLIT)  # fmt: skip
-                # this step's MMAs stay in flight; the step before it is done, so its slot can be loaded
-                acc_a, acc_b, _, _ = warpgroup_mma_wait(GROUPS, deps=(tok_a, tok_b, x_buf, w_buf))
+            tok_a, tok_b = _unit_mma(acc_a, acc_b, x_buf, w_buf, 0, ki > 0, N_A, N_B, SPLIT)
+            if DOUBLE:
+                tok_a, tok_b = _unit_mma(tok_a, tok_b, w_buf.slice(128, 128, dim=0), w_buf, 64, True, N_A, N_B,
+                                         SPLIT)  # fmt: skip
+            # this step's MMAs stay in flight; the step before it is done, so its slot can be loaded
+            acc_a, acc_b, _, _ = warpgroup_mma_wait(GROUPS, deps=(tok_a, tok_b, x_buf, w_buf))
             nxt = ki + NUM_BUFFERS - 1
             _issue_unit_load(step + NUM_BUFFERS - 1, nxt * KSTEP, nxt < n_steps, m0, a_row, a_slice_rows, x_desc,
                              a_desc, a_bufs, w_bufs, bars, BLOCK_K, SHRINK_G, SHRINK_R, DOUBLE,
                              NUM_BUFFERS)  # fmt: skip
             step += 1
+        acc_a, acc_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
         scale = gl.load(seg_scale_ptr + seg)
-        if UNIT_T:
-            acc_t = warpgroup_mma_wait(0, deps=(acc_t,))
-            acc_t = acc_t * scale
-        else:
-            acc_a, acc_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
-            acc_a = acc_a * scale
-            acc_b = acc_b * scale
-    if UNIT_T:
-        _store_s_t(
-            acc_t, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, SHRINK_G, SHRINK_R, BLOCK_M
-        )
-    else:
-        _store_s(acc_a, 0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_A, SHRINK_G, SHRINK_R,
+        acc_a = acc_a * scale
+        acc_b = acc_b * scale
+    _store_s(acc_a, 0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_A, SHRINK_G, SHRINK_R, BLOCK_M,
+             num_warps)  # fmt: skip
+    if SPLIT:
+        _store_s(acc_b, 2, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_B, SHRINK_G, SHRINK_R,
                  BLOCK_M, num_warps)  # fmt: skip
-        if SPLIT:
-            _store_s(acc_b, 2, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_B, SHRINK_G, SHRINK_R,
-                     BLOCK_M, num_warps)  # fmt: skip
     return step
 
 
@@ -878,7 +826,6 @@ def _gluon_lora_linear_kernel(
     TRACE: gl.constexpr = False,  # SPREAD: a timeline per program into trace_ptr (`_trace`; benchmarks)
     trace_ptr=None,
     LATE: gl.constexpr = False,  # SPREAD and FOLD: tiles wait for their group's s after their K steps (`_tiles`)
-    UNIT_T: gl.constexpr = False,  # the units' MMAs as sᵀ = A · xᵀ (`_shrink_unit`)
 ):
     """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ and s = scale · x · Aᵀ in one launch. A shrink unit is one row
     block (all slices in one MMA per K step). The persistent grid gives num_tiles mod P programs one tile more
@@ -958,7 +905,7 @@ def _gluon_lora_linear_kernel(
                 step = _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss,
                                     stride_st, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr,
                                     x_desc, a_desc, a_bufs, w_bufs, bars, BLOCK_M, BLOCK_K, SHRINK_G, SHRINK_GP,
-                                    SHRINK_R, NUM_BUFFERS, num_warps, UNIT_T)  # fmt: skip
+                                    SHRINK_R, NUM_BUFFERS, num_warps)  # fmt: skip
                 _cta_barrier()  # every thread's s stores precede the release
                 gl.atomic_add(sync_ptr + u // GROUP_M, 1, sem="release", scope="gpu")
                 if TRACE:
@@ -994,7 +941,7 @@ def _gluon_lora_linear_kernel(
             step = _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss, stride_st,
                                 s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, x_desc, a_desc,
                                 a_bufs, w_bufs, bars, BLOCK_M, BLOCK_K, SHRINK_G, SHRINK_GP, SHRINK_R, NUM_BUFFERS,
-                                num_warps, UNIT_T)  # fmt: skip
+                                num_warps)  # fmt: skip
             _cta_barrier()  # every thread's s stores precede the release
             gl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
             u = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")

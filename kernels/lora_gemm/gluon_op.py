@@ -38,9 +38,6 @@ GLUON_CONFIG = dict(
     # LEAD for launches whose tiles wait for s before their K steps (no LATE: LoRA MMAs wider than 16, i.e.
     # no FOLD, or LATE 0): a group's units are then done before its first tile starts
     LEAD_NOT_LATE=2,
-    # the one launch's shrink units as sᵀ = A · xᵀ: one MMA of 64 A rows by the unit's 128 tokens per K step
-    # (where the slices' rank columns fit 64 rows) instead of narrow MMAs of 32 and 16 columns
-    UNIT_T=0,
 )
 
 
@@ -325,6 +322,6 @@ def launch_gluon_lora_linear(
         NUM_BUFFERS=cfg["NUM_BUFFERS"], SHRINK_G=groups, SHRINK_GP=shrink_gp, SHRINK_R=shrink_r,
         HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], SPREAD=spread, LEAD=unit_lead(cfg, late),
         FOLD=fold, EPI_SPLIT=epi, EPI_BUFS=cfg.get("EPI_BUFS", 1), TRACE=trace is not None, trace_ptr=trace,
-        LATE=late, UNIT_T=bool(cfg.get("UNIT_T", 0)) and shrink_gp * shrink_r <= 64 and cfg["num_warps"] == 8,
+        LATE=late,
     )  # fmt: skip
     return y, s

@@ -332,37 +332,3 @@ def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, fold, epi, late, mo
     torch.testing.assert_close(y.float(), want.float(), atol=5e-2, rtol=3e-2)
     torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
     assert calls == ["linear"]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "requests",
-    [
-        [(4608, 2), (512, 1), (1024, -1), (4096, 3), (2048, 0)],  # 6 groups of 16 row blocks
-        [(4608, 0), (512, -1), (4608, 2), (4096, 0)],  # 108 row blocks: the last group has 12
-        [(256, 3), (128, -1)],  # one group of 3 row blocks
-    ],
-)
-@pytest.mark.parametrize("groups", [3, 4])
-@pytest.mark.parametrize("spread", [1, 0])
-def test_bf16_gpu_gluon_lora_linear_units_transposed(requests, groups, spread, monkeypatch):
-    """UNIT_T: the shrink units as sᵀ = A · xᵀ (the A rows of every slice as one 64-row MMA operand, the
-    unit's tokens as its columns), spread over the run or all first. Several rank-16 adapters, one of rank
-    13 (its A rows past 13 are another adapter's), one of rank 0, rows without any: y and s equal the
-    reference, launch after launch."""
-    from ditserve.kernels.lora_gemm import gluon_op
-    from tests.kernels import lora_cases
-
-    monkeypatch.setattr(lora_cases, "GPU_RANKS", [16, 0, 16, 13, 0])
-    monkeypatch.setitem(gluon_op.GLUON_CONFIG, "UNIT_T", 1)
-    monkeypatch.setitem(gluon_op.GLUON_CONFIG, "SPREAD", spread)
-    calls = gluon_launches(monkeypatch)
-    m, x, a, b, w, bias, sizes = lora_cases.gpu_problem(groups, requests)
-    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
-    want = lora_linear_ref(x, w, bias, a, b, *seg[1:], 16, sizes)
-    want_s = lora_shrink_scaled_ref(x, a, *seg, 16)
-    for _ in range(3):
-        y, s = launch_lora_linear(x, w, bias, a, b, *seg, 16, sizes, m.seg_align, gluon=True)
-        torch.testing.assert_close(y.float(), want.float(), atol=5e-2, rtol=3e-2)
-        torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
-    assert calls == ["linear"] * 3
