@@ -710,17 +710,56 @@ def _store_s(acc, g0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr,
 
 
 @gluon.jit
+def _sum_halves(acc_a, acc_b, i, ws_ptr, cnt_ptr, N_A: gl.constexpr, N_B: gl.constexpr, SPLIT: gl.constexpr,
+                BLOCK_M: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """A half unit's partial sums into ws[i] (fp32 [BLOCK_M, N_A (+ N_B)], relaxed atomics), counted in
+    cnt_ptr[i] (acq_rel): (the unit's sums, True) for the half that completes it, which leaves ws[i] zeroed
+    for the next launch; (its own, False) for the other."""
+    W: gl.constexpr = N_A + N_B if SPLIT else N_A
+    layout_a: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N_A, 16]
+    )
+    layout_b: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N_B, 16]
+    )
+    base = ws_ptr + i.to(gl.int64) * (BLOCK_M * W)
+    rows_a = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout_a))
+    cols_a = gl.arange(0, N_A, layout=gl.SliceLayout(0, layout_a))
+    ptr_a = base + rows_a[:, None] * W + cols_a[None, :]
+    gl.atomic_add(ptr_a, acc_a, sem="relaxed", scope="gpu")
+    if SPLIT:
+        rows_b = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout_b))
+        cols_b = gl.arange(0, N_B, layout=gl.SliceLayout(0, layout_b))
+        ptr_b = base + rows_b[:, None] * W + (N_A + cols_b)[None, :]
+        gl.atomic_add(ptr_b, acc_b, sem="relaxed", scope="gpu")
+    _cta_barrier()  # every thread's sums precede the count
+    finished = gl.atomic_add(cnt_ptr + i, 1, sem="acq_rel", scope="gpu") == 1
+    if finished:  # the other half's sums are in: take the total, leave zeros
+        acc_a = gl.load(ptr_a, cache_modifier=".cg")
+        gl.store(ptr_a, gl.zeros_like(acc_a))
+        if SPLIT:
+            acc_b = gl.load(ptr_b, cache_modifier=".cg")
+            gl.store(ptr_b, gl.zeros_like(acc_b))
+    return acc_a, acc_b, finished
+
+
+@gluon.jit
 def _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss, stride_st, s_ptr,
                  token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, x_desc, a_desc, a_bufs, w_bufs, bars,
                  BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, SHRINK_G: gl.constexpr, SHRINK_GP: gl.constexpr,
-                 SHRINK_R: gl.constexpr, NUM_BUFFERS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                 SHRINK_R: gl.constexpr, NUM_BUFFERS: gl.constexpr, num_warps: gl.constexpr, part=-1, ws_ptr=None,
+                 cnt_ptr=None, whole=0, HALVES: gl.constexpr = False):  # fmt: skip
     """Shrink unit u: s[g, rows u·BLOCK_M.., :s_cols] = scale · x[rows] · A[g, slot, :rank]ᵀ for every slice g,
     through the same ring; zeros for rows without an adapter (no loads). The MMAs of a step cover every slice
     at once: SHRINK_GP · SHRINK_R columns (GP: the slices rounded up to a power of two; the padding slice's
     rows are never loaded and its columns never stored), or for 3 slices (SPLIT) two MMAs of 2 and 1 slices'
     columns, so no MMA work goes to padding. Where the A rows take at most 64 of the W buffer's 256 (rank 16),
     a ring slot carries two 64-column steps (DOUBLE): twice the bytes in flight, which is what bounds a
-    unit (its x is read from HBM once)."""
+    unit (its x is read from HBM once).
+
+    HALVES (UNIT_HALVES; returns (step, whether s was stored)): part 0 / 1 runs the first / second half of the
+    K steps and adds its (scaled) partial sums into ws (`_sum_halves`); the half that completes the unit
+    stores s. part -1: the whole unit."""
     SPLIT: gl.constexpr = SHRINK_G == 3
     N_A: gl.constexpr = 2 * SHRINK_R if SPLIT else SHRINK_GP * SHRINK_R
     N_B: gl.constexpr = SHRINK_R if SPLIT else 16
@@ -744,8 +783,14 @@ def _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, str
         a_row = slot * a_rows
         hidden = x_desc.shape[1]
         n_steps = gl.cdiv(hidden, KSTEP)
+        k0 = 0  # the first K column of this unit's steps
+        if HALVES:
+            if part >= 0:
+                first = (part * n_steps) // 2
+                n_steps = ((part + 1) * n_steps) // 2 - first
+                k0 = first * KSTEP
         for i in gl.static_range(NUM_BUFFERS - 1):
-            _issue_unit_load(step + i, i * KSTEP, i < n_steps, m0, a_row, a_slice_rows, x_desc, a_desc, a_bufs,
+            _issue_unit_load(step + i, k0 + i * KSTEP, i < n_steps, m0, a_row, a_slice_rows, x_desc, a_desc, a_bufs,
                              w_bufs, bars, BLOCK_K, SHRINK_G, SHRINK_R, DOUBLE, NUM_BUFFERS)  # fmt: skip
         for ki in range(n_steps):
             slot_i = step % NUM_BUFFERS
@@ -759,7 +804,7 @@ def _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, str
             # this step's MMAs stay in flight; the step before it is done, so its slot can be loaded
             acc_a, acc_b, _, _ = warpgroup_mma_wait(GROUPS, deps=(tok_a, tok_b, x_buf, w_buf))
             nxt = ki + NUM_BUFFERS - 1
-            _issue_unit_load(step + NUM_BUFFERS - 1, nxt * KSTEP, nxt < n_steps, m0, a_row, a_slice_rows, x_desc,
+            _issue_unit_load(step + NUM_BUFFERS - 1, k0 + nxt * KSTEP, nxt < n_steps, m0, a_row, a_slice_rows, x_desc,
                              a_desc, a_bufs, w_bufs, bars, BLOCK_K, SHRINK_G, SHRINK_R, DOUBLE,
                              NUM_BUFFERS)  # fmt: skip
             step += 1
@@ -767,12 +812,36 @@ def _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, str
         scale = gl.load(seg_scale_ptr + seg)
         acc_a = acc_a * scale
         acc_b = acc_b * scale
-    _store_s(acc_a, 0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_A, SHRINK_G, SHRINK_R, BLOCK_M,
-             num_warps)  # fmt: skip
-    if SPLIT:
-        _store_s(acc_b, 2, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_B, SHRINK_G, SHRINK_R,
+    if HALVES:
+        finished = part < 0
+        if part >= 0:
+            acc_a, acc_b, finished = _sum_halves(acc_a, acc_b, u - whole, ws_ptr, cnt_ptr, N_A, N_B, SPLIT, BLOCK_M,
+                                                 num_warps)  # fmt: skip
+        if finished:
+            _store_s(acc_a, 0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_A, SHRINK_G, SHRINK_R,
+                     BLOCK_M, num_warps)  # fmt: skip
+            if SPLIT:
+                _store_s(acc_b, 2, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_B, SHRINK_G,
+                         SHRINK_R, BLOCK_M, num_warps)  # fmt: skip
+        out = (step, finished)
+    else:
+        _store_s(acc_a, 0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_A, SHRINK_G, SHRINK_R,
                  BLOCK_M, num_warps)  # fmt: skip
-    return step
+        if SPLIT:
+            _store_s(acc_b, 2, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_B, SHRINK_G, SHRINK_R,
+                     BLOCK_M, num_warps)  # fmt: skip
+        out = step
+    return out
+
+
+@gluon.jit
+def _item_unit(it, whole, HALVES: gl.constexpr):
+    """The unit of a program's work item `it` (UNIT_HALVES: items past `whole` are halves, two per unit)."""
+    if HALVES:
+        u = gl.where(it < whole, it, whole + (it - whole) // 2)
+    else:
+        u = it
+    return u
 
 
 @gluon.jit
@@ -826,6 +895,8 @@ def _gluon_lora_linear_kernel(
     TRACE: gl.constexpr = False,  # SPREAD: a timeline per program into trace_ptr (`_trace`; benchmarks)
     trace_ptr=None,
     LATE: gl.constexpr = False,  # SPREAD and FOLD: tiles wait for their group's s after their K steps (`_tiles`)
+    UNIT_HALVES: gl.constexpr = False,  # SPREAD: the units past whole rounds as halves (see below)
+    ws_ptr=None,  # UNIT_HALVES: fp32 [units, BLOCK_M, ≤ 64] zeros (each launch leaves them so)
 ):
     """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ and s = scale · x · Aᵀ in one launch. A shrink unit is one row
     block (all slices in one MMA per K step). The persistent grid gives num_tiles mod P programs one tile more
@@ -847,7 +918,12 @@ def _gluon_lora_linear_kernel(
 
     SPREAD 0: those extra-tile programs run their first tile's K steps first (c_smem, as above); all programs
     claim units in order from an atomic counter (sync_ptr[num_units]) and run them, count them in
-    sync_ptr[num_units + 1], and wait until every unit is done before their tiles."""
+    sync_ptr[num_units + 1], and wait until every unit is done before their tiles.
+
+    UNIT_HALVES (SPREAD): where the units outnumber the programs with one tile less, those past whole rounds of
+    them are run as two halves of their K steps on two programs (`_shrink_unit` HALVES; the count of a split
+    unit's halves in sync_ptr[num_units + 2 + i]), so a program runs a unit and a half instead of one or
+    two."""
     hidden = x_desc.shape[1]
     k_tiles = gl.cdiv(hidden, BLOCK_K)
     steps_per_tile = k_tiles + lora_steps
@@ -880,14 +956,21 @@ def _gluon_lora_linear_kernel(
     if SPREAD:
         tiles_per_group = GROUP_M * num_col_blocks
         num_short = nprog - extra
-        u = gl.where(pid_r >= extra, pid_r - extra, num_units)  # this program's next unit
+        whole = num_units
+        n_items = num_units
+        if UNIT_HALVES:  # the units past whole rounds of the short programs as two halves each
+            rem = gl.where(num_units >= num_short, num_units % num_short, 0)
+            whole = num_units - rem
+            n_items = whole + 2 * rem
+        it = gl.where(pid_r >= extra, pid_r - extra, n_items)  # this program's next unit (or half)
+        u = _item_unit(it, whole, UNIT_HALVES)
         idx = 0
         nt = gl.to_tensor(0)
         # TRACE kinds: 0 start, 1/2 a unit's start/end, 3/4 a run of tiles' start/end, 5 the first tile done
         if TRACE:
             nt = _trace(trace_ptr, pid, nt, gl.to_tensor(0), pid_r)
         due = gl.maximum(((u // GROUP_M) * tiles_per_group) // nprog - LEAD, 0)
-        if (u >= num_units) | (due > 0):  # its first tile's K steps before the first units are done
+        if (it >= n_items) | (due > 0):  # its first tile's K steps before the first units are done
             g0 = pid_r // tiles_per_group
             step = _first_tile(step, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m, num_col_blocks,
                                num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
@@ -897,23 +980,35 @@ def _gluon_lora_linear_kernel(
             if TRACE:
                 nt = _trace(trace_ptr, pid, nt, gl.to_tensor(5), g0)
             idx = 1
-        while (idx < my_tiles) | (u < num_units):
+        while (idx < my_tiles) | (it < n_items):
+            u = _item_unit(it, whole, UNIT_HALVES)
             due = gl.maximum(((u // GROUP_M) * tiles_per_group) // nprog - LEAD, 0)
-            if (u < num_units) & (due <= idx):
+            if (it < n_items) & (due <= idx):
                 if TRACE:
                     nt = _trace(trace_ptr, pid, nt, gl.to_tensor(1), u)
-                step = _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss,
-                                    stride_st, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr,
-                                    x_desc, a_desc, a_bufs, w_bufs, bars, BLOCK_M, BLOCK_K, SHRINK_G, SHRINK_GP,
-                                    SHRINK_R, NUM_BUFFERS, num_warps)  # fmt: skip
-                _cta_barrier()  # every thread's s stores precede the release
-                gl.atomic_add(sync_ptr + u // GROUP_M, 1, sem="release", scope="gpu")
+                if UNIT_HALVES:
+                    part = gl.where(it < whole, -1, (it - whole) % 2)
+                    step, stored = _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss,
+                                                stride_st, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
+                                                slot_rank_ptr, x_desc, a_desc, a_bufs, w_bufs, bars, BLOCK_M, BLOCK_K,
+                                                SHRINK_G, SHRINK_GP, SHRINK_R, NUM_BUFFERS, num_warps, part, ws_ptr,
+                                                sync_ptr + num_units + 2, whole, True)  # fmt: skip
+                    _cta_barrier()  # every thread's s stores precede the release
+                    if stored:
+                        gl.atomic_add(sync_ptr + u // GROUP_M, 1, sem="release", scope="gpu")
+                else:
+                    step = _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss,
+                                        stride_st, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr,
+                                        x_desc, a_desc, a_bufs, w_bufs, bars, BLOCK_M, BLOCK_K, SHRINK_G, SHRINK_GP,
+                                        SHRINK_R, NUM_BUFFERS, num_warps)  # fmt: skip
+                    _cta_barrier()  # every thread's s stores precede the release
+                    gl.atomic_add(sync_ptr + u // GROUP_M, 1, sem="release", scope="gpu")
                 if TRACE:
                     nt = _trace(trace_ptr, pid, nt, gl.to_tensor(2), u)
-                u += num_short
+                it += num_short
             else:
                 hi = my_tiles
-                if u < num_units:
+                if it < n_items:
                     hi = gl.minimum(due, my_tiles)
                 if TRACE:
                     nt = _trace(trace_ptr, pid, nt, gl.to_tensor(3), idx)

@@ -38,6 +38,8 @@ GLUON_CONFIG = dict(
     # LEAD for launches whose tiles wait for s before their K steps (no LATE: LoRA MMAs wider than 16, i.e.
     # no FOLD, or LATE 0): a group's units are then done before its first tile starts
     LEAD_NOT_LATE=2,
+    # spread units past whole rounds of the programs with one tile less run as two halves of their K steps
+    UNIT_HALVES=0,
 )
 
 
@@ -311,8 +313,12 @@ def launch_gluon_lora_linear(
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)
     num_pid_m = -(-num_tokens // bm)
     grid = min(num_pid_m * num_col_blocks, num_programs_limit(x.device))
-    if sync is None:
-        sync = torch.zeros(num_pid_m + 2, dtype=torch.int32, device=x.device)
+    halves = bool(cfg.get("UNIT_HALVES", 0) and spread)
+    ws = y  # never read without halves
+    if halves:  # a split unit's partial sums (zeros between launches: each leaves them so)
+        ws = zeroed_scratch("unit halves", x.device, num_pid_m * bm * shrink_gp * shrink_r, torch.float32)
+    if sync is None:  # group counts, SPREAD 0's claim and done counters, UNIT_HALVES' half counts
+        sync = torch.zeros(2 * num_pid_m + 2, dtype=torch.int32, device=x.device)
     _gluon_lora_linear_kernel[(grid,)](
         x_desc, w_desc, s_desc, b_desc, y_desc, a_desc, bias if bias is not None else y, s, token_seg, seg_slot,
         seg_scale, slot_rank, sync, num_tokens, n_total, *cols, *blks, num_col_blocks, lora_steps,
@@ -322,6 +328,6 @@ def launch_gluon_lora_linear(
         NUM_BUFFERS=cfg["NUM_BUFFERS"], SHRINK_G=groups, SHRINK_GP=shrink_gp, SHRINK_R=shrink_r,
         HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], SPREAD=spread, LEAD=unit_lead(cfg, late),
         FOLD=fold, EPI_SPLIT=epi, EPI_BUFS=cfg.get("EPI_BUFS", 1), TRACE=trace is not None, trace_ptr=trace,
-        LATE=late,
+        LATE=late, UNIT_HALVES=halves, ws_ptr=ws,
     )  # fmt: skip
     return y, s

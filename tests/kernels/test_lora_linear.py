@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ditserve.kernels.lora_linear.op as linear_op
+from ditserve.kernels._dispatch import num_programs_limit
 from ditserve.kernels.lora_gemm.op import gemm_config, shrink_in_ok
 from ditserve.kernels.lora_linear.op import launch_lora_linear, lora_linear_op
 from ditserve.kernels.lora_linear.reference import lora_linear_ref
@@ -332,3 +333,44 @@ def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, fold, epi, late, mo
     torch.testing.assert_close(y.float(), want.float(), atol=5e-2, rtol=3e-2)
     torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
     assert calls == ["linear"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "requests,split",
+    [
+        ([(4608, 0), (4608, 2), (4608, -1), (4608, 3)], True),  # 144 units, 96 short programs: 48 split
+        ([(4608, 3)], True),  # 36 units, 24 short programs: 12 split
+        ([(2048, 0), (128, 1), (6016, 2), (512, -1)], True),  # 68 units, 60 short programs: 8 split
+        ([(4608, 2), (512, 1), (1024, -1), (4096, 3), (2048, 0)], False),  # 96 units, 108 short programs
+    ],
+)
+@pytest.mark.parametrize("epi", [(4, 2), (1, 1)])
+def test_bf16_gpu_gluon_lora_linear_unit_halves(requests, split, epi, monkeypatch):
+    """UNIT_HALVES: where the shrink units outnumber the programs with one tile less (on an H200's 132), the
+    units past whole rounds of them run as two halves of their K steps on two programs, the second half to
+    finish adding the first's partial sums and storing s. Several rank-16 adapters, one of rank 13, one of rank
+    0, rows without any: y and s equal the reference launch after launch (the partial sums' buffer is left
+    zeroed), and the split units' halves were counted (or none split where the units are fewer)."""
+    from ditserve.kernels.lora_gemm import gluon_op
+    from tests.kernels import lora_cases
+
+    gluon_launches(monkeypatch)
+    if num_programs_limit(torch.device("cuda")) != 132:
+        pytest.skip("the layouts' split units are counted for the 132 programs of an H200")
+    monkeypatch.setattr(lora_cases, "GPU_RANKS", [16, 0, 16, 13, 0])
+    cfg = {**gluon_op.GLUON_CONFIG, "UNIT_HALVES": 1, "EPI_SPLIT": epi[0], "EPI_BUFS": epi[1]}
+    m, x, a, b, w, bias, sizes = lora_cases.gpu_problem(3, requests)
+    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
+    want = lora_linear_ref(x, w, bias, a, b, *seg[1:], 16, sizes)
+    want_s = lora_shrink_scaled_ref(x, a, *seg, 16)
+    units = m.num_tokens // 128
+    for _ in range(3):
+        sync = torch.zeros(2 * units + 2, dtype=torch.int32, device="cuda")
+        y, s = gluon_op.launch_gluon_lora_linear(
+            x, w, bias, a, b, m.token_seg, m.seg_slot, m.seg_scale, m.slot_rank, 16, sizes, cfg, sync=sync
+        )
+        torch.testing.assert_close(y.float(), want.float(), atol=5e-2, rtol=3e-2)
+        torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
+        halves = sync[units + 2 :]
+        assert set(halves.tolist()) == ({0, 2} if split else {0}) and (halves == 2).any() == split
