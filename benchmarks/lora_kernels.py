@@ -564,9 +564,8 @@ def qkv_only(args, head: list[str]) -> None:
                             "no late lead2": dict(LATE=0, LEAD=2),
                             "late lead1": dict(LATE=1, LEAD=1),
                             "late lead2": dict(LATE=1, LEAD=2),
-                            # the units past whole rounds of the short programs as two halves each
-                            "unit halves": dict(UNIT_HALVES=1),
-                            "unit halves lead1": dict(UNIT_HALVES=1, LEAD=1),
+                            # every unit whole (the default before UNIT_HALVES)
+                            "whole units": dict(UNIT_HALVES=0),
                         }
                         for name, over in variants.items():
                             fns[f"gluon lora_linear {name}"] = (
@@ -638,8 +637,7 @@ def qkv_only(args, head: list[str]) -> None:
                             "gluon lora_linear no late lead2",
                             "gluon lora_linear late lead1",
                             "gluon lora_linear late lead2",
-                            "gluon lora_linear unit halves",
-                            "gluon lora_linear unit halves lead1",
+                            "gluon lora_linear whole units",
                             "gluon two launches e1",
                             "gluon lora_gemm no fold",
                             "gluon lora_gemm no split",

@@ -39,7 +39,7 @@ GLUON_CONFIG = dict(
     # no FOLD, or LATE 0): a group's units are then done before its first tile starts
     LEAD_NOT_LATE=2,
     # spread units past whole rounds of the programs with one tile less run as two halves of their K steps
-    UNIT_HALVES=0,
+    UNIT_HALVES=1,
 )
 
 

@@ -86,10 +86,10 @@ def _assert_hopper_kernel(kernel):
 @pytest.mark.parametrize(
     "cfg",
     [
-        {"FOLD": 0},  # units spread over the run, y in chunks, the LoRA MMA as a ring step
+        {"FOLD": 0},  # units spread over the run (some in halves), y in chunks, the LoRA MMA as a ring step
         {"FOLD": 0, "EPI_SPLIT": 1, "EPI_BUFS": 1},  # y whole
         {"SPREAD": 0, "FOLD": 0},  # the units first
-        {"FOLD": 0, "UNIT_HALVES": 1},  # units past whole rounds as halves
+        {"FOLD": 0, "UNIT_HALVES": 0},  # whole units only
     ],
 )
 def test_one_launch_compiles_for_hopper(compiled, cfg):
