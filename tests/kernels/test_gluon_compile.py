@@ -9,6 +9,9 @@ with the Triton they run with (3.6, `gluon_op.GLUON_TRITON`)."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
+
 import pytest
 import torch
 
@@ -16,9 +19,6 @@ triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.runtime import driver  # noqa: E402
-
-from ditserve.kernels.lora_gemm import gluon_kernel, gluon_op  # noqa: E402
 
 HIDDEN = 3072
 SIZES = [3072, 3072, 3072]
@@ -40,29 +40,6 @@ class _Hopper:
         return torch.device("cpu")
 
 
-@pytest.fixture
-def compiled(monkeypatch):
-    """Compiled kernels by name: the launchers' `kernel[grid](...)` becomes `kernel.warmup(...)` (no launch)."""
-    out: dict[str, object] = {}
-
-    class _Warmup:
-        def __init__(self, name, fn):
-            self.name, self.fn = name, fn
-
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                out[self.name] = self.fn.warmup(*args, grid=grid, **kwargs)
-
-            return run
-
-    for name in ("_gluon_lora_gemm_kernel", "_gluon_lora_linear_kernel"):
-        monkeypatch.setattr(gluon_kernel, name, _Warmup(name, getattr(gluon_kernel, name)))
-    # the active driver back as it was after the test (`driver.active` itself would create one: none on CPU)
-    monkeypatch.setattr(driver, "_active", getattr(driver, "_active", None))
-    driver.set_active(_Hopper())
-    return out
-
-
 def _batch(num_tokens: int, groups: int, rank: int, loras: int = 4):
     """bf16 CPU tensors of a batch of 4 equal requests, one adapter each (the values are never read)."""
     x = torch.zeros(num_tokens, HIDDEN, dtype=torch.bfloat16)
@@ -76,11 +53,65 @@ def _batch(num_tokens: int, groups: int, rank: int, loras: int = 4):
     return x, w, a, b, token_seg, seg_slot, seg_scale, slot_rank
 
 
-def _assert_hopper_kernel(kernel):
-    ptx = kernel.asm["ptx"]
-    assert ".target sm_90a" in ptx
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
-    assert kernel.metadata.shared <= gluon_op.SMEM_LIMIT
+class _Warmup:
+    """`kernel[grid](...)` as `kernel.warmup(...)`: the compiled kernel into out[name], no launch."""
+
+    def __init__(self, name, kernel, out):
+        self.name, self.kernel, self.out = name, kernel, out
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.out[self.name] = self.kernel.warmup(*args, grid=grid, **kwargs)
+
+        return run
+
+
+def _compile(kernel: str, cfg: dict, rank: int) -> dict:
+    """In a fresh process: the launcher's `kernel[grid](...)` becomes `kernel.warmup(...)` against an sm_90
+    target (no launch); what the compiled kernel holds. A fresh process because Triton's interpreter, which the
+    CPU tests run kernels in, leaves the language's builtins patched after a kernel calls a jit helper, and a
+    compile after that fails."""
+    from triton.runtime import driver
+
+    from ditserve.kernels.lora_gemm import gluon_kernel, gluon_op
+
+    driver.set_active(_Hopper())
+    out: dict[str, object] = {}
+    for name in ("_gluon_lora_gemm_kernel", "_gluon_lora_linear_kernel"):
+        fn = getattr(gluon_kernel, name)
+        setattr(gluon_kernel, name, _Warmup(name, fn.kernel if isinstance(fn, _Warmup) else fn, out))
+    config = {**gluon_op.GLUON_CONFIG, **cfg}
+    if kernel == "linear":
+        x, w, a, b, token_seg, seg_slot, seg_scale, slot_rank = _batch(1024, 3, rank)
+        gluon_op.launch_gluon_lora_linear(
+            x, w, None, a, b, token_seg, seg_slot, seg_scale, slot_rank, rank, SIZES, config
+        )
+        compiled = out["_gluon_lora_linear_kernel"]
+    else:
+        x, w, _, b, token_seg, seg_slot, _, _ = _batch(2304, 3, rank)
+        s = torch.zeros(3, x.shape[0], rank, dtype=torch.bfloat16)
+        gluon_op.launch_gluon_lora_gemm(x, w, None, s, b, token_seg, seg_slot, SIZES, config)
+        compiled = out["_gluon_lora_gemm_kernel"]
+    ptx = compiled.asm["ptx"]
+    return dict(
+        sm_90a=".target sm_90a" in ptx,
+        wgmma="wgmma.mma_async" in ptx,
+        tma="cp.async.bulk.tensor" in ptx,
+        shared=compiled.metadata.shared,
+        limit=gluon_op.SMEM_LIMIT,
+    )
+
+
+@pytest.fixture(scope="module")
+def compile_in_child():
+    """`_compile` in one spawned process for the module's tests."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield lambda *args: pool.submit(_compile, *args).result(timeout=600)
+
+
+def _assert_hopper_kernel(info: dict):
+    assert info["sm_90a"] and info["wgmma"] and info["tma"]
+    assert info["shared"] <= info["limit"]
 
 
 @pytest.mark.parametrize(
@@ -92,32 +123,12 @@ def _assert_hopper_kernel(kernel):
         {"FOLD": 0, "UNIT_HALVES": 0},  # whole units only
     ],
 )
-def test_one_launch_compiles_for_hopper(compiled, cfg):
-    x, w, a, b, token_seg, seg_slot, seg_scale, slot_rank = _batch(1024, 3, 16)
-    gluon_op.launch_gluon_lora_linear(
-        x,
-        w,
-        None,
-        a,
-        b,
-        token_seg,
-        seg_slot,
-        seg_scale,
-        slot_rank,
-        16,
-        SIZES,
-        {**gluon_op.GLUON_CONFIG, **cfg},
-    )
-    _assert_hopper_kernel(compiled["_gluon_lora_linear_kernel"])
+def test_one_launch_compiles_for_hopper(compile_in_child, cfg):
+    _assert_hopper_kernel(compile_in_child("linear", cfg, 16))
 
 
 @pytest.mark.parametrize("rank", [16, 64])
-def test_gemm_compiles_for_hopper(compiled, rank):
+def test_gemm_compiles_for_hopper(compile_in_child, rank):
     """The GEMM on a given s with its LoRA steps in the ring, the last round cut along K (18 row blocks × 36
     column blocks leave a partial round on the 4 programs of a CPU device)."""
-    x, w, _, b, token_seg, seg_slot, _, _ = _batch(2304, 3, rank)
-    s = torch.zeros(3, x.shape[0], rank, dtype=torch.bfloat16)
-    gluon_op.launch_gluon_lora_gemm(
-        x, w, None, s, b, token_seg, seg_slot, SIZES, {**gluon_op.GLUON_CONFIG, "FOLD": 0}
-    )
-    _assert_hopper_kernel(compiled["_gluon_lora_gemm_kernel"])
+    _assert_hopper_kernel(compile_in_child("gemm", {"FOLD": 0}, rank))
