@@ -812,25 +812,21 @@ def _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, str
         scale = gl.load(seg_scale_ptr + seg)
         acc_a = acc_a * scale
         acc_b = acc_b * scale
+    finished = True
     if HALVES:
         finished = part < 0
         if part >= 0:
             acc_a, acc_b, finished = _sum_halves(acc_a, acc_b, u - whole, ws_ptr, cnt_ptr, N_A, N_B, SPLIT, BLOCK_M,
                                                  num_warps)  # fmt: skip
-        if finished:
-            _store_s(acc_a, 0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_A, SHRINK_G, SHRINK_R,
-                     BLOCK_M, num_warps)  # fmt: skip
-            if SPLIT:
-                _store_s(acc_b, 2, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_B, SHRINK_G,
-                         SHRINK_R, BLOCK_M, num_warps)  # fmt: skip
-        out = (step, finished)
-    else:
+    if finished:
         _store_s(acc_a, 0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_A, SHRINK_G, SHRINK_R,
                  BLOCK_M, num_warps)  # fmt: skip
         if SPLIT:
             _store_s(acc_b, 2, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_B, SHRINK_G, SHRINK_R,
                      BLOCK_M, num_warps)  # fmt: skip
-        out = step
+    out = step
+    if HALVES:
+        out = (step, finished)
     return out
 
 
@@ -858,7 +854,7 @@ def _gluon_lora_linear_kernel(
     seg_slot_ptr,
     seg_scale_ptr,  # [num_segments] fp32
     slot_rank_ptr,  # [max_loras] int32
-    sync_ptr,  # int32 [row blocks + 2], zero at launch: a flag per shrink unit, the claim and done counters
+    sync_ptr,  # int32 [2 · row blocks + 2], zero at launch: group counts, claim and done counters, half counts
     num_tokens,
     n_total,
     col1,
@@ -896,7 +892,7 @@ def _gluon_lora_linear_kernel(
     trace_ptr=None,
     LATE: gl.constexpr = False,  # SPREAD and FOLD: tiles wait for their group's s after their K steps (`_tiles`)
     UNIT_HALVES: gl.constexpr = False,  # SPREAD: the units past whole rounds as halves (see below)
-    ws_ptr=None,  # UNIT_HALVES: fp32 [units, BLOCK_M, ≤ 64] zeros (each launch leaves them so)
+    ws_ptr=None,  # UNIT_HALVES: fp32 [units, BLOCK_M, a unit's MMA columns] zeros (each launch leaves them so)
 ):
     """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ and s = scale · x · Aᵀ in one launch. A shrink unit is one row
     block (all slices in one MMA per K step). The persistent grid gives num_tiles mod P programs one tile more

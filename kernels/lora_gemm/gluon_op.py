@@ -277,7 +277,7 @@ def launch_gluon_lora_linear(
     max_rank: int,
     out_slice_sizes: list[int],
     cfg: dict[str, int] = GLUON_CONFIG,
-    sync: torch.Tensor | None = None,  # int32 [row blocks + 2] zeros (None: a new one)
+    sync: torch.Tensor | None = None,  # int32 [2 · row blocks + 2] zeros (None: a new one)
     s: torch.Tensor | None = None,  # where s goes (None: a new tensor)
     trace: torch.Tensor | None = None,  # int64 [programs, TRACE_EVENTS, 3]: record a timeline (SPREAD only)
 ) -> tuple[torch.Tensor, torch.Tensor]:
