@@ -714,7 +714,8 @@ def _sum_halves(acc_a, acc_b, i, ws_ptr, cnt_ptr, N_A: gl.constexpr, N_B: gl.con
                 BLOCK_M: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """A half unit's partial sums into ws[i] (fp32 [BLOCK_M, N_A (+ N_B)], relaxed atomics), counted in
     cnt_ptr[i] (acq_rel): (the unit's sums, True) for the half that completes it, which leaves ws[i] zeroed
-    for the next launch; (its own, False) for the other."""
+    for the next launch; (its own, False) for the other. The protocol of `_tail_piece`'s pieces, for the two
+    accumulators of a unit (their count lives in the launch's zeroed sync buffer, so it is not reset here)."""
     W: gl.constexpr = N_A + N_B if SPLIT else N_A
     layout_a: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N_A, 16]
@@ -982,22 +983,21 @@ def _gluon_lora_linear_kernel(
             if (it < n_items) & (due <= idx):
                 if TRACE:
                     nt = _trace(trace_ptr, pid, nt, gl.to_tensor(1), u)
+                part = -1  # the whole unit, or (UNIT_HALVES) half 0 / 1 of it
                 if UNIT_HALVES:
                     part = gl.where(it < whole, -1, (it - whole) % 2)
-                    step, stored = _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss,
-                                                stride_st, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
-                                                slot_rank_ptr, x_desc, a_desc, a_bufs, w_bufs, bars, BLOCK_M, BLOCK_K,
-                                                SHRINK_G, SHRINK_GP, SHRINK_R, NUM_BUFFERS, num_warps, part, ws_ptr,
-                                                sync_ptr + num_units + 2, whole, True)  # fmt: skip
-                    _cta_barrier()  # every thread's s stores precede the release
-                    if stored:
-                        gl.atomic_add(sync_ptr + u // GROUP_M, 1, sem="release", scope="gpu")
+                done = _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss, stride_st,
+                                    s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, x_desc, a_desc,
+                                    a_bufs, w_bufs, bars, BLOCK_M, BLOCK_K, SHRINK_G, SHRINK_GP, SHRINK_R, NUM_BUFFERS,
+                                    num_warps, part, ws_ptr, sync_ptr + num_units + 2, whole,
+                                    UNIT_HALVES)  # fmt: skip
+                stored = True
+                if UNIT_HALVES:
+                    step, stored = done
                 else:
-                    step = _shrink_unit(step, u, k_tiles, num_tokens, a_rows, a_slice_rows, s_cols, stride_ss,
-                                        stride_st, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr,
-                                        x_desc, a_desc, a_bufs, w_bufs, bars, BLOCK_M, BLOCK_K, SHRINK_G, SHRINK_GP,
-                                        SHRINK_R, NUM_BUFFERS, num_warps)  # fmt: skip
-                    _cta_barrier()  # every thread's s stores precede the release
+                    step = done
+                _cta_barrier()  # every thread's s stores precede the release
+                if stored:
                     gl.atomic_add(sync_ptr + u // GROUP_M, 1, sem="release", scope="gpu")
                 if TRACE:
                     nt = _trace(trace_ptr, pid, nt, gl.to_tensor(2), u)
