@@ -607,6 +607,9 @@ def qkv_only(args, head: list[str]) -> None:
                         )
                     if shrink_best not in ("", "default"):
                         fns["best shrink"] = _shrink_call(p, shrink_cfgs[shrink_best])
+                    if args.inter_only:  # cuBLAS (the reference of every ratio) and the shrink stay
+                        keep = {"cuBLAS", "shrink", *args.inter_only.split(",")}
+                        fns = {k: v for k, v in fns.items() if k in keep}
                     res = interleaved(fns, args.rounds, args.gap_s)
 
                     def col(name, res=res):
@@ -652,6 +655,9 @@ def qkv_only(args, head: list[str]) -> None:
                         extra.append(
                             f"| {batch} | {nsl} | {rank} | lora_linear {name} | {col('fused ' + name)} |"
                         )
+                    # the rounds so far, in case a later shape runs past a time limit
+                    with open(os.path.join(args.out, "lora_qkv.md"), "w") as f:
+                        f.write("\n".join(lines + summary + inter + extra) + "\n")
                 del p, s, want
                 torch.cuda.empty_cache()
     if totals:
@@ -715,6 +721,8 @@ def main() -> None:
     )
     ap.add_argument("--inter-fused", default="", help="--qkv-only: FUSED_SWEEP names (comma-separated, exact) "
                     "of the one-kernel lora_linear also timed in the interleaved rounds")  # fmt: skip
+    ap.add_argument("--inter-only", default="", help="--qkv-only: time only these rows (comma-separated, "
+                    "exact names of the interleaved tables) beside cuBLAS and the shrink")  # fmt: skip
     ap.add_argument("--gemm-configs", default="", help="--qkv-only --sweep-gemm: only SWEEP names containing "
                     "one of these comma-separated parts")  # fmt: skip
     args = ap.parse_args()
