@@ -212,13 +212,29 @@ def _store_chunks(out, c_smem, y_desc, m0, n0, BLOCK_M: gl.constexpr, BLOCK_N: g
         _store_y(a, c_smem.index(0), y_desc, m0, n0, 0)
         _store_y(b, c_smem.index(EPI_BUFS - 1), y_desc, m0, n0 + H, EPI_BUFS - 1)
     else:
-        Q: gl.constexpr = H // 2
-        a0, a1 = _halves(a, BLOCK_M, H)
-        _store_y(a0, c_smem.index(0), y_desc, m0, n0, EPI_BUFS - 1)
-        _store_y(a1, c_smem.index(EPI_BUFS - 1), y_desc, m0, n0 + Q, EPI_BUFS - 1)
-        b0, b1 = _halves(b, BLOCK_M, H)
-        _store_y(b0, c_smem.index(0), y_desc, m0, n0 + H, EPI_BUFS - 1)
-        _store_y(b1, c_smem.index(EPI_BUFS - 1), y_desc, m0, n0 + H + Q, EPI_BUFS - 1)
+        _store_quarters(a, c_smem, y_desc, m0, n0, BLOCK_M, H, EPI_BUFS)
+        _store_quarters(b, c_smem, y_desc, m0, n0 + H, BLOCK_M, H, EPI_BUFS)
+
+
+@gluon.jit
+def _store_pending(pend, c_smem, y_desc, m0, n0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   EPI_BUFS: gl.constexpr, DEFER: gl.constexpr):  # fmt: skip
+    """What DEFER left of the tile at m0, n0 (`_tiles`): its second half (1) or all of it (2), in 4 chunks."""
+    if DEFER == 1:
+        _store_quarters(pend, c_smem, y_desc, m0, n0 + BLOCK_N // 2, BLOCK_M, BLOCK_N // 2, EPI_BUFS)
+    else:
+        _store_chunks(pend, c_smem, y_desc, m0, n0, BLOCK_M, BLOCK_N, 4, EPI_BUFS)
+
+
+@gluon.jit
+def _store_quarters(
+    h, c_smem, y_desc, m0, n0, BLOCK_M: gl.constexpr, H: gl.constexpr, EPI_BUFS: gl.constexpr
+):
+    """A [BLOCK_M, H] half of a tile of y as two chunks through the chunk buffers (EPI_SPLIT 4)."""
+    Q: gl.constexpr = H // 2
+    h0, h1 = _halves(h, BLOCK_M, H)
+    _store_y(h0, c_smem.index(0), y_desc, m0, n0, EPI_BUFS - 1)
+    _store_y(h1, c_smem.index(EPI_BUFS - 1), y_desc, m0, n0 + Q, EPI_BUFS - 1)
 
 
 @gluon.jit
@@ -258,6 +274,7 @@ def _gluon_lora_gemm_kernel(
     SPLIT_TAIL: gl.constexpr = False,  # the last partial round of tiles cut along K (`_tail_piece`)
     EPI_SPLIT: gl.constexpr = 1,  # y stored in this many column chunks (1, 2, 4; y_desc's block is one chunk)
     EPI_BUFS: gl.constexpr = 1,  # staging buffers for those chunks (EPI_SPLIT > 1)
+    DEFER: gl.constexpr = 0,  # (EPI_SPLIT 4) y of a tile (1: its second half, 2: all) stored during the next tile's first MMA
 ):
     """SPLIT_TAIL: where the tiles leave a last round that fills at most half the programs, those tail tiles
     are cut into `parts` pieces of contiguous K steps (parts = programs // tail tiles, at most k_tiles // 4),
@@ -303,7 +320,7 @@ def _gluon_lora_gemm_kernel(
                   num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total, b_rows_total,
                   token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs, w_bufs, bars,
                   c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps, True,
-                  HAS_LORA, None, False, l_s, l_b, lbar, FOLD, EPI_SPLIT, EPI_BUFS)  # fmt: skip
+                  HAS_LORA, None, False, l_s, l_b, lbar, FOLD, EPI_SPLIT, EPI_BUFS, DEFER=DEFER)  # fmt: skip
     if SPLIT_TAIL:
         if (parts > 1) & (pid < tail * parts):
             _tail_piece(step, pid // parts, pid % parts, parts, full, nprog, k_tiles, lora_steps, num_tiles,
@@ -422,7 +439,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
            STORE: gl.constexpr = True, HAS_LORA: gl.constexpr = True, sync_ptr=None,
            WAIT: gl.constexpr = False, l_s=None, l_b=None, lbar=None, FOLD: gl.constexpr = False,
            EPI_SPLIT: gl.constexpr = 1, EPI_BUFS: gl.constexpr = 1, KEEP: gl.constexpr = False,
-           LATE: gl.constexpr = False):  # fmt: skip
+           LATE: gl.constexpr = False, DEFER: gl.constexpr = 0):  # fmt: skip
     """This program's tiles idx_lo ≤ idx < idx_hi (tile pid_r + idx · nprog) as one pipeline, which starts and
     drains within the run: the producer (the step whose loads go out next, p_step, its tile p_idx and K step p_ki,
     and where that tile's loads start) sends the first NUM_BUFFERS - 1 steps before the first MMA, and the ring
@@ -436,7 +453,11 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
     phase idx & 1) as the tile starts, and its LoRA MMA follows its last K step's. KEEP (with STORE False, one
     tile): no epilogue; returns (step, the tile's x · Wᵀ in registers). LATE (WAIT and FOLD): a tile whose group's
     s is not all there as it starts runs its K steps anyway and waits after them, then loads its s and B boxes
-    (instead of the run waiting before the tile's loads); the count is read once per group."""
+    (instead of the run waiting before the tile's loads); the count is read once per group. DEFER (STORE, y in
+    4 chunks, not WAIT without LATE): 1, a tile's second half of y (2: all of it) stays in registers (bf16, 32
+    or 64 a thread: not an accumulator, so ptxas keeps the MMAs asynchronous) and is stored after the next
+    tile's first MMA has started, so the tensor cores idle less for it; the run's last tile stores it at the
+    run's end."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -464,6 +485,14 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
         _wait_at_least(sync_ptr + g_lo, _group_units(g_lo, num_pid_m, GROUP_M))
     known = gl.to_tensor(-1)  # LATE: the last group seen complete
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+    H: gl.constexpr = BLOCK_N // 2
+    gl.static_assert(not DEFER or (STORE and not KEEP and (LATE or not WAIT) and EPI_SPLIT == 4))
+    if DEFER:  # the last tile's y still to store (its second half, or all of it), and where it goes
+        pend = gl.zeros((BLOCK_M, BLOCK_N), dtype=y_desc.dtype, layout=mma_layout)
+        if DEFER == 1:
+            _z, pend = _halves(pend, BLOCK_M, BLOCK_N)
+        pm0 = gl.to_tensor(0)
+        pn0 = gl.to_tensor(0)
     for idx in range(idx_lo, idx_hi):
         early = gl.to_tensor(True)
         g_t = gl.to_tensor(0)
@@ -479,7 +508,18 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
                     _fold_load(s_row, b_row, s_desc, b_desc, l_s, l_b, lbar)
             else:
                 _fold_load(s_row, b_row, s_desc, b_desc, l_s, l_b, lbar)
-        for ki in range(steps_per_tile):
+        k_first = 0
+        if DEFER:  # the first step, then the last tile's second half while its MMA runs
+            acc, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row = _step(
+                acc, 0, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, idx_hi, k_tiles, steps_per_tile,
+                pid_r, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1,
+                blk2, blk3, s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, x_desc, w_desc, s_desc, b_desc,
+                a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_LORA,
+            )  # fmt: skip
+            if idx > idx_lo:
+                _store_pending(pend, c_smem, y_desc, pm0, pn0, BLOCK_M, BLOCK_N, EPI_BUFS, DEFER)
+            k_first = 1
+        for ki in range(k_first, steps_per_tile):
             acc, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row = _step(
                 acc, ki, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row, idx_hi, k_tiles, steps_per_tile,
                 pid_r, nprog, num_tiles, num_pid_m, num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1,
@@ -514,9 +554,19 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
             else:
                 _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, STORE, EPI_SPLIT,
                           EPI_BUFS)  # fmt: skip
+        elif DEFER:
+            pend = _with_bias(acc, bias_ptr, n0, BLOCK_N, HAS_BIAS, num_warps).to(y_desc.dtype)
+            if DEFER == 1:
+                out_a, pend = _halves(pend, BLOCK_M, BLOCK_N)
+                _store_quarters(out_a, c_smem, y_desc, m0, n0, BLOCK_M, H, EPI_BUFS)
+            pm0 = m0
+            pn0 = n0
         else:
             _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, STORE, EPI_SPLIT,
                       EPI_BUFS)  # fmt: skip
+    if DEFER:
+        if idx_hi > idx_lo:
+            _store_pending(pend, c_smem, y_desc, pm0, pn0, BLOCK_M, BLOCK_N, EPI_BUFS, DEFER)
     out = step
     if KEEP:
         out = (step, acc)
@@ -527,13 +577,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
 def _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr,
               num_warps: gl.constexpr, STORE: gl.constexpr = True, EPI_SPLIT: gl.constexpr = 1,
               EPI_BUFS: gl.constexpr = 1):  # fmt: skip
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    out = acc
-    if HAS_BIAS:
-        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
-        out = out + gl.load(bias_ptr + offs_n).to(gl.float32)[None, :]
+    out = _with_bias(acc, bias_ptr, n0, BLOCK_N, HAS_BIAS, num_warps)
     if STORE:
         if EPI_SPLIT == 1:
             _store_y(out.to(y_desc.dtype), c_smem, y_desc, m0, n0)
@@ -543,6 +587,19 @@ def _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N: gl.constexpr, HAS_
     else:
         tma.store_wait(pendings=0)
         c_smem.store(out.to(y_desc.dtype))
+
+
+@gluon.jit
+def _with_bias(acc, bias_ptr, n0, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
+    """acc (+ bias[n0:n0 + BLOCK_N] in each row)."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    out = acc
+    if HAS_BIAS:
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+        out = out + gl.load(bias_ptr + offs_n).to(gl.float32)[None, :]
+    return out
 
 
 @gluon.jit
@@ -894,6 +951,7 @@ def _gluon_lora_linear_kernel(
     LATE: gl.constexpr = False,  # SPREAD and FOLD: tiles wait for their group's s after their K steps (`_tiles`)
     UNIT_HALVES: gl.constexpr = False,  # SPREAD: the units past whole rounds as halves (see below)
     ws_ptr=None,  # UNIT_HALVES: fp32 [units, BLOCK_M, a unit's MMA columns] zeros (each launch leaves them so)
+    DEFER: gl.constexpr = 0,  # (LATE, EPI_SPLIT 4) y of a tile stored during the next tile's first MMA (`_tiles`)
 ):
     """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ and s = scale · x · Aᵀ in one launch. A shrink unit is one row
     block (all slices in one MMA per K step). The persistent grid gives num_tiles mod P programs one tile more
@@ -1013,7 +1071,7 @@ def _gluon_lora_linear_kernel(
                               b_rows_total, token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc,
                               y_desc, a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M,
                               NUM_BUFFERS, HAS_BIAS, num_warps, True, True, sync_ptr, True, l_s, l_b, lbar,
-                              FOLD, EPI_SPLIT, EPI_BUFS, False, LATE)  # fmt: skip
+                              FOLD, EPI_SPLIT, EPI_BUFS, False, LATE, DEFER=DEFER)  # fmt: skip
                 if TRACE:
                     nt = _trace(trace_ptr, pid, nt, gl.to_tensor(4), hi)
                 idx = hi

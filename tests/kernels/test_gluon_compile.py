@@ -127,8 +127,9 @@ def test_one_launch_compiles_for_hopper(compile_in_child, cfg):
     _assert_hopper_kernel(compile_in_child("linear", cfg, 16))
 
 
-@pytest.mark.parametrize("rank", [16, 64])
-def test_gemm_compiles_for_hopper(compile_in_child, rank):
+@pytest.mark.parametrize("rank,defer", [(16, 0), (64, 0), (16, 2), (64, 1)])
+def test_gemm_compiles_for_hopper(compile_in_child, rank, defer):
     """The GEMM on a given s with its LoRA steps in the ring, the last round cut along K (18 row blocks × 36
-    column blocks leave a partial round on the 4 programs of a CPU device)."""
-    _assert_hopper_kernel(compile_in_child("gemm", {"FOLD": 0}, rank))
+    column blocks leave a partial round on the 4 programs of a CPU device); with a tile's y (half or whole)
+    stored while the next tile's first MMA runs (DEFER)."""
+    _assert_hopper_kernel(compile_in_child("gemm", {"FOLD": 0, "DEFER": defer}, rank))

@@ -578,13 +578,16 @@ def test_bf16_gpu_lora_linear_and_inductor():
         "gluon nb4 e2b1",
         "gluon nb4 e4b1",
         "gluon nb4 e4b2",
+        "gluon defer1",
+        "gluon defer2",
     ],
 )
 @pytest.mark.parametrize("max_rank", [16, 32, 64, 128])
 @pytest.mark.parametrize("num_slices", [3, 4])
 def test_bf16_gpu_gluon_kernel(num_slices, max_rank, config, monkeypatch):
     """The Gluon kernel for Hopper (config "gluon"; "gluon no fold": the rank-16 LoRA MMA as a ring step;
-    "gluon nbN eEbB": N ring slots, y stored in E column chunks through B staging buffers) on an aligned batch
+    "gluon nbN eEbB": N ring slots, y stored in E column chunks through B staging buffers; "gluon deferD": a
+    tile's y, half or whole, stored while the next tile's first MMA runs) on an aligned batch
     with a request without LoRA and an empty one: one narrow LoRA MMA at ranks 16 / 32, a 64-wide step at 64,
     two at 128; bias; and no LoRA."""
     calls = gluon_launches(monkeypatch)
@@ -617,7 +620,8 @@ def test_bf16_gpu_gluon_split_tail(max_rank, monkeypatch):
     (one without an adapter) and QKV outputs are 5184 tiles, a last round of 36 on an H200's 132 SMs, each cut
     into 3 pieces whose partial sums meet in a scratch buffer. Equal to the reference, to the kernel without
     the cut, and to itself on a second launch (the scratch is left zeroed); with and without LoRA (FOLD's MMA
-    at rank 16, a LoRA step in the ring at 64; y in 4 column chunks, with the cut tiles too, or stored whole)."""
+    at rank 16, a LoRA step in the ring at 64; y in 4 column chunks, with the cut tiles too, or stored whole;
+    a tile's y, half or whole, stored while the next tile's first MMA runs)."""
     from ditserve.kernels._dispatch import num_programs_limit
     from ditserve.kernels.lora_gemm import gluon_op
 
@@ -635,7 +639,7 @@ def test_bf16_gpu_gluon_split_tail(max_rank, monkeypatch):
     plain = torch.nn.functional.linear(x, w, bias)
     for s_in, ref in ((s, want), (s[:, :, :0], plain)):
         outs = {}
-        for config in ("gluon", "gluon", "gluon no split", "gluon nb3 e1b1"):
+        for config in ("gluon", "gluon", "gluon no split", "gluon nb3 e1b1", "gluon defer1", "gluon defer2"):
             got = launch_lora_gemm(x, w, bias, s_in, b, *seg_args(m), sizes, config=SWEEP[config], s_scaled=True,
                                    seg_align=m.seg_align)  # fmt: skip
             torch.testing.assert_close(got.float(), ref.float(), atol=5e-2, rtol=3e-2)
@@ -643,4 +647,6 @@ def test_bf16_gpu_gluon_split_tail(max_rank, monkeypatch):
         torch.testing.assert_close(outs["gluon"][0], outs["gluon"][1], atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(outs["gluon"][0], outs["gluon no split"][0], atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(outs["gluon"][0], outs["gluon nb3 e1b1"][0], atol=1e-2, rtol=1e-2)
-    assert calls == ["gemm"] * 8
+        for config in ("gluon defer1", "gluon defer2"):
+            torch.testing.assert_close(outs["gluon"][0], outs[config][0], atol=1e-2, rtol=1e-2)
+    assert calls == ["gemm"] * 12

@@ -346,20 +346,24 @@ def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, fold, epi, late, mo
     ],
 )
 @pytest.mark.parametrize("epi", [(4, 2), (1, 1)])
-def test_bf16_gpu_gluon_lora_linear_unit_halves(requests, split, epi, monkeypatch):
+@pytest.mark.parametrize("defer", [0, 1, 2])
+def test_bf16_gpu_gluon_lora_linear_unit_halves(requests, split, epi, defer, monkeypatch):
     """UNIT_HALVES: where the shrink units outnumber the programs with one tile less (on an H200's 132), the
     units past whole rounds of them run as two halves of their K steps on two programs, the second half to
     finish adding the first's partial sums and storing s. Several rank-16 adapters, one of rank 13, one of rank
     0, rows without any: y and s equal the reference launch after launch (the partial sums' buffer is left
-    zeroed), and the split units' halves were counted (or none split where the units are fewer)."""
+    zeroed), and the split units' halves were counted (or none split where the units are fewer); also with a
+    tile's y, half or whole, stored while the next tile's first MMA runs (DEFER, y in 4 chunks)."""
     from ditserve.kernels.lora_gemm import gluon_op
     from tests.kernels import lora_cases
 
+    if defer and epi != (4, 2):
+        pytest.skip("DEFER stores y in 4 chunks")
     gluon_launches(monkeypatch)
     if num_programs_limit(torch.device("cuda")) != 132:
         pytest.skip("the layouts' split units are counted for the 132 programs of an H200")
     monkeypatch.setattr(lora_cases, "GPU_RANKS", [16, 0, 16, 13, 0])
-    cfg = {**gluon_op.GLUON_CONFIG, "UNIT_HALVES": 1, "EPI_SPLIT": epi[0], "EPI_BUFS": epi[1]}
+    cfg = {**gluon_op.GLUON_CONFIG, "UNIT_HALVES": 1, "EPI_SPLIT": epi[0], "EPI_BUFS": epi[1], "DEFER": defer}
     m, x, a, b, w, bias, sizes = lora_cases.gpu_problem(3, requests)
     seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
     want = lora_linear_ref(x, w, bias, a, b, *seg[1:], 16, sizes)
