@@ -566,9 +566,8 @@ def qkv_only(args, head: list[str]) -> None:
                             "late lead2": dict(LATE=1, LEAD=2),
                             # every unit whole (the default before UNIT_HALVES)
                             "whole units": dict(UNIT_HALVES=0),
-                            # a tile's y (half, all) stored while the next tile's first MMA runs
-                            "defer1": dict(DEFER=1),
-                            "defer2": dict(DEFER=2),
+                            # every tile's y stored at its end (the default before DEFER)
+                            "no defer": dict(DEFER=0),
                         }
                         for name, over in variants.items():
                             fns[f"gluon lora_linear {name}"] = (
@@ -577,9 +576,8 @@ def qkv_only(args, head: list[str]) -> None:
                                     m.max_rank, p.sizes, cfg,
                                 )
                             )  # fmt: skip
-                            if name.startswith(
-                                ("e", "defer")
-                            ):  # the shrink kernel and the Gluon GEMM likewise
+                            # the shrink kernel and the Gluon GEMM likewise
+                            if name.startswith(("e", "no defer")):
                                 gv = {**gcfg, **{f"GLUON_{k}": v for k, v in over.items()}}
                                 fns[f"gluon two launches {name}"] = lambda p=p, m=m, seg=seg, gv=gv: launch_lora_gemm(
                                     p.x, p.w, None, lora_shrink(p.x, p.a, m, scaled=True), p.b, *seg, p.sizes,
@@ -646,10 +644,8 @@ def qkv_only(args, head: list[str]) -> None:
                             "gluon lora_linear late lead1",
                             "gluon lora_linear late lead2",
                             "gluon lora_linear whole units",
-                            "gluon lora_linear defer1",
-                            "gluon lora_linear defer2",
-                            "gluon two launches defer1",
-                            "gluon two launches defer2",
+                            "gluon lora_linear no defer",
+                            "gluon two launches no defer",
                             "gluon two launches e1",
                             "gluon lora_gemm no fold",
                             "gluon lora_gemm no split",

@@ -217,16 +217,6 @@ def _store_chunks(out, c_smem, y_desc, m0, n0, BLOCK_M: gl.constexpr, BLOCK_N: g
 
 
 @gluon.jit
-def _store_pending(pend, c_smem, y_desc, m0, n0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   EPI_BUFS: gl.constexpr, DEFER: gl.constexpr):  # fmt: skip
-    """What DEFER left of the tile at m0, n0 (`_tiles`): its second half (1) or all of it (2), in 4 chunks."""
-    if DEFER == 1:
-        _store_quarters(pend, c_smem, y_desc, m0, n0 + BLOCK_N // 2, BLOCK_M, BLOCK_N // 2, EPI_BUFS)
-    else:
-        _store_chunks(pend, c_smem, y_desc, m0, n0, BLOCK_M, BLOCK_N, 4, EPI_BUFS)
-
-
-@gluon.jit
 def _store_quarters(
     h, c_smem, y_desc, m0, n0, BLOCK_M: gl.constexpr, H: gl.constexpr, EPI_BUFS: gl.constexpr
 ):
@@ -274,7 +264,7 @@ def _gluon_lora_gemm_kernel(
     SPLIT_TAIL: gl.constexpr = False,  # the last partial round of tiles cut along K (`_tail_piece`)
     EPI_SPLIT: gl.constexpr = 1,  # y stored in this many column chunks (1, 2, 4; y_desc's block is one chunk)
     EPI_BUFS: gl.constexpr = 1,  # staging buffers for those chunks (EPI_SPLIT > 1)
-    DEFER: gl.constexpr = 0,  # (EPI_SPLIT 4) y of a tile (1: its second half, 2: all) stored during the next tile's first MMA
+    DEFER: gl.constexpr = False,  # (EPI_SPLIT 4) a tile's second half of y stored during the next tile's first MMA
 ):
     """SPLIT_TAIL: where the tiles leave a last round that fills at most half the programs, those tail tiles
     are cut into `parts` pieces of contiguous K steps (parts = programs // tail tiles, at most k_tiles // 4),
@@ -439,7 +429,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
            STORE: gl.constexpr = True, HAS_LORA: gl.constexpr = True, sync_ptr=None,
            WAIT: gl.constexpr = False, l_s=None, l_b=None, lbar=None, FOLD: gl.constexpr = False,
            EPI_SPLIT: gl.constexpr = 1, EPI_BUFS: gl.constexpr = 1, KEEP: gl.constexpr = False,
-           LATE: gl.constexpr = False, DEFER: gl.constexpr = 0):  # fmt: skip
+           LATE: gl.constexpr = False, DEFER: gl.constexpr = False):  # fmt: skip
     """This program's tiles idx_lo ≤ idx < idx_hi (tile pid_r + idx · nprog) as one pipeline, which starts and
     drains within the run: the producer (the step whose loads go out next, p_step, its tile p_idx and K step p_ki,
     and where that tile's loads start) sends the first NUM_BUFFERS - 1 steps before the first MMA, and the ring
@@ -454,10 +444,9 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
     tile): no epilogue; returns (step, the tile's x · Wᵀ in registers). LATE (WAIT and FOLD): a tile whose group's
     s is not all there as it starts runs its K steps anyway and waits after them, then loads its s and B boxes
     (instead of the run waiting before the tile's loads); the count is read once per group. DEFER (STORE, y in
-    4 chunks, not WAIT without LATE): 1, a tile's second half of y (2: all of it) stays in registers (bf16, 32
-    or 64 a thread: not an accumulator, so ptxas keeps the MMAs asynchronous) and is stored after the next
-    tile's first MMA has started, so the tensor cores idle less for it; the run's last tile stores it at the
-    run's end."""
+    4 chunks, not WAIT without LATE): a tile's second half of y stays in registers (bf16, 32 a thread: not an
+    accumulator, so ptxas keeps the MMAs asynchronous) and is stored after the next tile's first MMA has
+    started, so the tensor cores idle less for it; the run's last tile stores it at the run's end."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -487,10 +476,10 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
     H: gl.constexpr = BLOCK_N // 2
     gl.static_assert(not DEFER or (STORE and not KEEP and (LATE or not WAIT) and EPI_SPLIT == 4))
-    if DEFER:  # the last tile's y still to store (its second half, or all of it), and where it goes
-        pend = gl.zeros((BLOCK_M, BLOCK_N), dtype=y_desc.dtype, layout=mma_layout)
-        if DEFER == 1:
-            _z, pend = _halves(pend, BLOCK_M, BLOCK_N)
+    if DEFER:  # the second half of the last tile's y, and where it goes
+        _z, pend = _halves(
+            gl.zeros((BLOCK_M, BLOCK_N), dtype=y_desc.dtype, layout=mma_layout), BLOCK_M, BLOCK_N
+        )
         pm0 = gl.to_tensor(0)
         pn0 = gl.to_tensor(0)
     for idx in range(idx_lo, idx_hi):
@@ -517,7 +506,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
                 a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M, NUM_BUFFERS, HAS_LORA,
             )  # fmt: skip
             if idx > idx_lo:
-                _store_pending(pend, c_smem, y_desc, pm0, pn0, BLOCK_M, BLOCK_N, EPI_BUFS, DEFER)
+                _store_quarters(pend, c_smem, y_desc, pm0, pn0 + H, BLOCK_M, H, EPI_BUFS)
             k_first = 1
         for ki in range(k_first, steps_per_tile):
             acc, step, p_step, p_idx, p_ki, m0p, n0p, s_row, b_row = _step(
@@ -555,10 +544,9 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
                 _epilogue(acc, bias_ptr, c_smem, y_desc, m0, n0, BLOCK_N, HAS_BIAS, num_warps, STORE, EPI_SPLIT,
                           EPI_BUFS)  # fmt: skip
         elif DEFER:
-            pend = _with_bias(acc, bias_ptr, n0, BLOCK_N, HAS_BIAS, num_warps).to(y_desc.dtype)
-            if DEFER == 1:
-                out_a, pend = _halves(pend, BLOCK_M, BLOCK_N)
-                _store_quarters(out_a, c_smem, y_desc, m0, n0, BLOCK_M, H, EPI_BUFS)
+            out = _with_bias(acc, bias_ptr, n0, BLOCK_N, HAS_BIAS, num_warps).to(y_desc.dtype)
+            out_a, pend = _halves(out, BLOCK_M, BLOCK_N)
+            _store_quarters(out_a, c_smem, y_desc, m0, n0, BLOCK_M, H, EPI_BUFS)
             pm0 = m0
             pn0 = n0
         else:
@@ -566,7 +554,7 @@ def _tiles(step, idx_lo, idx_hi, pid_r, nprog, k_tiles, steps_per_tile, num_tile
                       EPI_BUFS)  # fmt: skip
     if DEFER:
         if idx_hi > idx_lo:
-            _store_pending(pend, c_smem, y_desc, pm0, pn0, BLOCK_M, BLOCK_N, EPI_BUFS, DEFER)
+            _store_quarters(pend, c_smem, y_desc, pm0, pn0 + H, BLOCK_M, H, EPI_BUFS)
     out = step
     if KEEP:
         out = (step, acc)
@@ -951,7 +939,7 @@ def _gluon_lora_linear_kernel(
     LATE: gl.constexpr = False,  # SPREAD and FOLD: tiles wait for their group's s after their K steps (`_tiles`)
     UNIT_HALVES: gl.constexpr = False,  # SPREAD: the units past whole rounds as halves (see below)
     ws_ptr=None,  # UNIT_HALVES: fp32 [units, BLOCK_M, a unit's MMA columns] zeros (each launch leaves them so)
-    DEFER: gl.constexpr = 0,  # (LATE, EPI_SPLIT 4) y of a tile stored during the next tile's first MMA (`_tiles`)
+    DEFER: gl.constexpr = False,  # (LATE, EPI_SPLIT 4) a tile's second half of y stored during the next one's first MMA
 ):
     """y = x · Wᵀ + bias + s[j] · B[slot]ᵀ and s = scale · x · Aᵀ in one launch. A shrink unit is one row
     block (all slices in one MMA per K step). The persistent grid gives num_tiles mod P programs one tile more

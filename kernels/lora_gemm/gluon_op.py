@@ -40,8 +40,8 @@ GLUON_CONFIG = dict(
     LEAD_NOT_LATE=2,
     # spread units past whole rounds of the programs with one tile less run as two halves of their K steps
     UNIT_HALVES=1,
-    # a tile's y stored while the next tile's first MMA runs: 1 its second half, 2 all of it
-    DEFER=0,
+    # a tile's second half of y stored while the next tile's first MMA runs (the GEMM; the one launch's LATE runs)
+    DEFER=1,
 )
 
 
@@ -210,7 +210,7 @@ def launch_gluon_lora_gemm(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, LORA_K=lora_cols, GROUP_M=cfg["GROUP_M"],
         NUM_BUFFERS=cfg["NUM_BUFFERS"], HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], HAS_LORA=True,
         FOLD=fold, SPLIT_TAIL=split, EPI_SPLIT=epi, EPI_BUFS=cfg.get("EPI_BUFS", 1),
-        DEFER=cfg.get("DEFER", 0) if epi == 4 else 0,
+        DEFER=bool(cfg.get("DEFER", 0)) and epi == 4,
     )  # fmt: skip
     return y
 
@@ -331,6 +331,6 @@ def launch_gluon_lora_linear(
         NUM_BUFFERS=cfg["NUM_BUFFERS"], SHRINK_G=groups, SHRINK_GP=shrink_gp, SHRINK_R=shrink_r,
         HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], SPREAD=spread, LEAD=unit_lead(cfg, late),
         FOLD=fold, EPI_SPLIT=epi, EPI_BUFS=cfg.get("EPI_BUFS", 1), TRACE=trace is not None, trace_ptr=trace,
-        LATE=late, UNIT_HALVES=halves, ws_ptr=ws, DEFER=cfg.get("DEFER", 0) if late and epi == 4 else 0,
+        LATE=late, UNIT_HALVES=halves, ws_ptr=ws, DEFER=bool(cfg.get("DEFER", 0)) and late and epi == 4,
     )  # fmt: skip
     return y, s

@@ -125,14 +125,12 @@ SWEEP: dict[str, dict[str, int]] = {
         }
         for nb, e, b in ((3, 1, 1), (3, 2, 1), (4, 2, 1), (4, 4, 1), (4, 4, 2))
     },
-    # a tile's y (1: its second half, 2: all of it) stored while the next tile's first MMA runs
-    **{
-        f"gluon defer{d}": {
-            **_cfg(128, 256, 64, 8, 3, tma=1, flatten=1, store=1, group_m=16),
-            "GLUON": 1,
-            "GLUON_DEFER": d,
-        }
-        for d in (1, 2)
+    # every tile's y stored at its end (DEFER off: the default before its second half waited for the next
+    # tile's first MMA)
+    "gluon no defer": {
+        **_cfg(128, 256, 64, 8, 3, tma=1, flatten=1, store=1, group_m=16),
+        "GLUON": 1,
+        "GLUON_DEFER": 0,
     },
 }
 # warp-specialised loops (tl.range(..., warp_specialize=True)): Triton documents them for Blackwell; tried
