@@ -4,7 +4,7 @@ forms, against cuBLAS and the real Gluon GEMM without LoRA, on the QKV projectio
 outputs), bf16:
 
 - `one acc`: one 128 × 256 accumulator; at a tile's end the MMAs drain (wait 0) and the tensor cores idle
-  while y is converted and stored (what `kernels/lora_gemm` does);
+  while y is converted and stored (what `kernels/lora_gemm` did before DEFER);
 - `one acc, y stored during the next tile's first MMA`: y converted to bf16 registers at the tile's end, the
   next tile's first MMA started, then y stored from those registers while it runs (64 more registers a
   thread; ptxas serializes every MMA if an accumulator is read while any MMA is in flight, so the conversion

@@ -15,7 +15,8 @@ k_tiles base steps, then (HAS_LORA) lora_steps LoRA steps: s[j] rows m0.. and B[
 ri·BLOCK_K..), both loaded as [rows, BLOCK_K] boxes; the columns past the tensors' widths and, for a tile
 whose rows have no adapter, the whole box (its coordinates point past the last row) come back as zeros and
 move no bytes. The ring runs across tile boundaries: the loads of the next tile's first steps are in flight
-while this tile's epilogue (bias, bf16, a TMA store) runs.
+while this tile's epilogue (bias, bf16, a TMA store) runs, and with DEFER the second half of that store waits
+in registers until the next tile's first MMA has started, so the tensor cores idle for half of it.
 
 Contract (the launcher checks it): bf16/fp16 x, W, s, B; s pre-scaled in x's dtype; every segment starts
 at a multiple of BLOCK_M (a tile's rows hold one segment); every output slice a multiple of BLOCK_N; x, W,

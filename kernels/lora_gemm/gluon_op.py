@@ -20,7 +20,8 @@ from ditserve.kernels.lora_expand.op import column_blocks
 # programs idle is cut along K into pieces for them (`tail_parts`). EPI_SPLIT / EPI_BUFS: y stored in 4 column
 # chunks through 2 staging buffers of 128 × 64 (32 KB instead of a 64 KB whole-tile buffer; the one launch
 # keeps a first tile whose s is not there yet in registers instead): 0.1-0.6 points closer to cuBLAS for the
-# GEMM in three H200 runs, even for the one launch (BENCHMARKS.md)
+# GEMM in three H200 runs, even for the one launch (BENCHMARKS.md). DEFER: a tile's second half of y is stored
+# once the next tile's first MMA has started (0.2-0.7 points in two H200 runs)
 GLUON_CONFIG = dict(
     BLOCK_M=128,
     BLOCK_N=256,
