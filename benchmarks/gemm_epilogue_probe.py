@@ -73,6 +73,23 @@ def _load(p, total, pid, nprog, k_tiles, num_pid_m, num_pid_n, x_desc, w_desc, a
 
 
 @gluon.jit
+def _kstep(acc, use_acc, step, total, pid, nprog, k_tiles, num_pid_m, num_pid_n, x_desc, w_desc, a_bufs, w_bufs,
+           bars, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+           NUM_BUFFERS: gl.constexpr):  # fmt: skip
+    """Pipeline step `step` of the one-accumulator loop: wait for its slot, start its MMA, wait for the one
+    before, and send the loads NUM_BUFFERS - 1 steps ahead into the slot that one read."""
+    slot = step % NUM_BUFFERS
+    mbarrier.wait(bars.index(slot), (step // NUM_BUFFERS) & 1)
+    a_buf = a_bufs.index(slot)
+    w_buf = w_bufs.index(slot)
+    tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, use_acc=use_acc, is_async=True)
+    acc, _, _ = warpgroup_mma_wait(1, deps=(tok, a_buf, w_buf))
+    _load(step + NUM_BUFFERS - 1, total, pid, nprog, k_tiles, num_pid_m, num_pid_n, x_desc, w_desc, a_bufs,
+          w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_BUFFERS)  # fmt: skip
+    return acc, step + 1
+
+
+@gluon.jit
 def _store_cols(out, c_smem, y_desc, m0, n0, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr):
     """A [BLOCK_M, WIDTH] tile of y as two column chunks through the two chunk buffers (as kernels/lora_gemm)."""
     a, b = gl.split(gl.permute(gl.reshape(out, [BLOCK_M, 2, WIDTH // 2]), [0, 2, 1]))
@@ -129,28 +146,15 @@ def _probe_gemm_kernel(x_desc, w_desc, y_desc, num_tokens, n_total, BLOCK_M: gl.
         for t in range(my_tiles):
             # the tile's first K step, peeled: with DEFER the previous tile's y is stored while its MMA runs
             # (from registers that are no MMA's accumulator, so ptxas keeps the MMAs asynchronous)
-            slot = step % NUM_BUFFERS
-            mbarrier.wait(bars.index(slot), (step // NUM_BUFFERS) & 1)
-            a_buf = a_bufs.index(slot)
-            w_buf = w_bufs.index(slot)
-            tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, use_acc=False, is_async=True)
-            acc, _, _ = warpgroup_mma_wait(1, deps=(tok, a_buf, w_buf))
-            _load(step + NUM_BUFFERS - 1, total, pid, nprog, k_tiles, num_pid_m, num_pid_n, x_desc, w_desc,
-                  a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_BUFFERS)  # fmt: skip
-            step += 1
+            acc, step = _kstep(acc, False, step, total, pid, nprog, k_tiles, num_pid_m, num_pid_n, x_desc, w_desc,
+                               a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_BUFFERS)  # fmt: skip
             if DEFER:
                 if t > 0:
                     _store_tile(out, c_smem, y_desc, pm0, pn0, BLOCK_M, BLOCK_N)
             for _ki in range(1, k_tiles):
-                slot = step % NUM_BUFFERS
-                mbarrier.wait(bars.index(slot), (step // NUM_BUFFERS) & 1)
-                a_buf = a_bufs.index(slot)
-                w_buf = w_bufs.index(slot)
-                tok = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, use_acc=True, is_async=True)
-                acc, _, _ = warpgroup_mma_wait(1, deps=(tok, a_buf, w_buf))
-                _load(step + NUM_BUFFERS - 1, total, pid, nprog, k_tiles, num_pid_m, num_pid_n, x_desc, w_desc,
-                      a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_BUFFERS)  # fmt: skip
-                step += 1
+                acc, step = _kstep(acc, True, step, total, pid, nprog, k_tiles, num_pid_m, num_pid_n, x_desc,
+                                   w_desc, a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                   NUM_BUFFERS)  # fmt: skip
             acc = warpgroup_mma_wait(0, deps=(acc,))
             m0, n0 = _origin(pid + t * nprog, num_pid_m, BLOCK_M, BLOCK_N, GROUP_M, num_pid_n)
             if DEFER:
