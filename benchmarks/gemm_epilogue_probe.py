@@ -29,19 +29,13 @@ import torch
 import torch.nn.functional as F
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+# the kernel's own epilogue pieces (y in column chunks through two staging buffers) and TMA names
+from ditserve.kernels.lora_gemm.gluon_kernel import _store_chunks, _store_quarters, _tma_load
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lora_kernels as lk  # noqa: E402
-
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
 @gluon.jit
@@ -90,29 +84,6 @@ def _kstep(acc, use_acc, step, total, pid, nprog, k_tiles, num_pid_m, num_pid_n,
 
 
 @gluon.jit
-def _store_cols(out, c_smem, y_desc, m0, n0, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr):
-    """A [BLOCK_M, WIDTH] tile of y as two column chunks through the two chunk buffers (as kernels/lora_gemm)."""
-    a, b = gl.split(gl.permute(gl.reshape(out, [BLOCK_M, 2, WIDTH // 2]), [0, 2, 1]))
-    tma.store_wait(pendings=1)
-    c_smem.index(0).store(a)
-    fence_async_shared()
-    _tma_store(y_desc, [m0, n0], c_smem.index(0))
-    tma.store_wait(pendings=1)
-    c_smem.index(1).store(b)
-    fence_async_shared()
-    _tma_store(y_desc, [m0, n0 + WIDTH // 2], c_smem.index(1))
-
-
-@gluon.jit
-def _store_tile(out, c_smem, y_desc, m0, n0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """A [BLOCK_M, BLOCK_N] tile of y as four column chunks through two buffers."""
-    H: gl.constexpr = BLOCK_N // 2
-    a, b = gl.split(gl.permute(gl.reshape(out, [BLOCK_M, 2, H]), [0, 2, 1]))
-    _store_cols(a, c_smem, y_desc, m0, n0, BLOCK_M, H)
-    _store_cols(b, c_smem, y_desc, m0, n0 + H, BLOCK_M, H)
-
-
-@gluon.jit
 def _probe_gemm_kernel(x_desc, w_desc, y_desc, num_tokens, n_total, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr,
                        HALVES: gl.constexpr, DEFER: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
@@ -150,7 +121,7 @@ def _probe_gemm_kernel(x_desc, w_desc, y_desc, num_tokens, n_total, BLOCK_M: gl.
                                a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_BUFFERS)  # fmt: skip
             if DEFER:
                 if t > 0:
-                    _store_tile(out, c_smem, y_desc, pm0, pn0, BLOCK_M, BLOCK_N)
+                    _store_chunks(out, c_smem, y_desc, pm0, pn0, BLOCK_M, BLOCK_N, 4, 2)
             for _ki in range(1, k_tiles):
                 acc, step = _kstep(acc, True, step, total, pid, nprog, k_tiles, num_pid_m, num_pid_n, x_desc,
                                    w_desc, a_bufs, w_bufs, bars, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
@@ -162,10 +133,10 @@ def _probe_gemm_kernel(x_desc, w_desc, y_desc, num_tokens, n_total, BLOCK_M: gl.
                 pm0 = m0
                 pn0 = n0
             else:
-                _store_tile(acc.to(dtype), c_smem, y_desc, m0, n0, BLOCK_M, BLOCK_N)
+                _store_chunks(acc.to(dtype), c_smem, y_desc, m0, n0, BLOCK_M, BLOCK_N, 4, 2)
         if DEFER:
             if my_tiles > 0:
-                _store_tile(out, c_smem, y_desc, pm0, pn0, BLOCK_M, BLOCK_N)
+                _store_chunks(out, c_smem, y_desc, pm0, pn0, BLOCK_M, BLOCK_N, 4, 2)
     else:  # two column halves, two MMAs per K step (one in flight), both stored at the tile's end
         half: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, H, 16]
@@ -189,8 +160,8 @@ def _probe_gemm_kernel(x_desc, w_desc, y_desc, num_tokens, n_total, BLOCK_M: gl.
                 step += 1
             acc_b, acc_a = warpgroup_mma_wait(0, deps=(acc_b, acc_a))
             m0, n0 = _origin(pid + t * nprog, num_pid_m, BLOCK_M, BLOCK_N, GROUP_M, num_pid_n)
-            _store_cols(acc_a.to(dtype), c_smem, y_desc, m0, n0, BLOCK_M, H)
-            _store_cols(acc_b.to(dtype), c_smem, y_desc, m0, n0 + H, BLOCK_M, H)
+            _store_quarters(acc_a.to(dtype), c_smem, y_desc, m0, n0, BLOCK_M, H, 2)
+            _store_quarters(acc_b.to(dtype), c_smem, y_desc, m0, n0 + H, BLOCK_M, H, 2)
     tma.store_wait(pendings=0)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.invalidate(bars.index(i))

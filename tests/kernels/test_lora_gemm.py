@@ -585,7 +585,7 @@ def test_bf16_gpu_lora_linear_and_inductor():
 @pytest.mark.parametrize("num_slices", [3, 4])
 def test_bf16_gpu_gluon_kernel(num_slices, max_rank, config, monkeypatch):
     """The Gluon kernel for Hopper (config "gluon"; "gluon no fold": the rank-16 LoRA MMA as a ring step;
-    "gluon nbN eEbB": N ring slots, y stored in E column chunks through B staging buffers; "gluon deferD": a
+    "gluon nbN eEbB": N ring slots, y stored in E column chunks through B staging buffers; "gluon no defer": a
     tile's second half of y stored at its end, not while the next tile's first MMA runs) on an aligned batch
     with a request without LoRA and an empty one: one narrow LoRA MMA at ranks 16 / 32, a 64-wide step at 64,
     two at 128; bias; and no LoRA."""
