@@ -154,19 +154,26 @@ def _gluon_lora_shrink_kernel(
         _load_a(ja, ja < total, gl.where(ba == b, cur_slot, nxt_slot), 0, (ja - ba * k_tiles) * BLOCK_K,
                 max_rank, a_slice_rows, a_desc, a_bufs, a_bars, G, R, AB)  # fmt: skip
         if ki == k_tiles - 1:
-            acc_a, acc_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
+            # the block's sums, read once its MMAs are done; nothing but MMAs writes the accumulators (any other
+            # write into them makes ptxas serialize every MMA of the kernel, C7515), the next block's first MMA
+            # starts them afresh (use_acc false)
+            out_a, out_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
             if SCALED:
-                acc_a = acc_a * cur_scale
-                acc_b = acc_b * cur_scale
+                out_a = out_a * cur_scale
+                out_b = out_b * cur_scale
             m0 = (pid + b * nprog) * BLOCK_M
-            _store_s(acc_a, 0, m0, num_tokens, cur_rank, s_cols, stride_ss, stride_st, s_ptr, N_A, G, R, BLOCK_M,
+            _store_s(out_a, 0, m0, num_tokens, cur_rank, s_cols, stride_ss, stride_st, s_ptr, N_A, G, R, BLOCK_M,
                      num_warps)  # fmt: skip
             if SPLIT:
-                _store_s(acc_b, 2, m0, num_tokens, cur_rank, s_cols, stride_ss, stride_st, s_ptr, N_B, G, R,
+                _store_s(out_b, 2, m0, num_tokens, cur_rank, s_cols, stride_ss, stride_st, s_ptr, N_B, G, R,
                          BLOCK_M, num_warps)  # fmt: skip
 
     # the other row blocks in pieces of one slice, each its own pipeline (the ring's steps go on counting)
+    # no MMA in flight from here (the last block's epilogue waited for them, but ptxas cannot tell, and would
+    # serialize every MMA for the pieces' accumulator set up below)
+    acc_a, acc_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
     step = total
+    acc = gl.zeros((BLOCK_M, R), dtype=gl.float32, layout=layout_r)
     for p in range(pid, (num_blocks - whole) * G, nprog):
         rb = whole + p // G
         g = p % G
@@ -178,7 +185,6 @@ def _gluon_lora_shrink_kernel(
         for i in gl.static_range(AB - 1):
             _load_a(step + i, i < k_tiles, slot, g, i * BLOCK_K, max_rank, a_slice_rows, a_desc, a_bufs, a_bars, 1,
                     R, AB)  # fmt: skip
-        acc = gl.zeros((BLOCK_M, R), dtype=gl.float32, layout=layout_r)
         for ki in range(k_tiles):
             x_buf = x_bufs.index(step % XB)
             a_buf = a_bufs.index(step % AB)
@@ -194,10 +200,11 @@ def _gluon_lora_shrink_kernel(
                     a_desc, a_bufs, a_bars, 1, R, AB)  # fmt: skip
             step += 1
         acc = warpgroup_mma_wait(0, deps=(acc,))
+        out = acc
         if SCALED:
-            acc = acc * scale
+            out = acc * scale
         _store_s(
-            acc, g, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, R, G, R, BLOCK_M, num_warps
+            out, g, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, R, G, R, BLOCK_M, num_warps
         )
 
     for i in gl.static_range(XB):
