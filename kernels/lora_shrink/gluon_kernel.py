@@ -3,11 +3,12 @@
 One program per SM walks whole row blocks (pid, pid + P, ... below `whole`), every slice of a block in one
 program so x is read once: per 64-wide K step an x box [BLOCK_M, BLOCK_K] and every slice's A box [R,
 BLOCK_K] (the slot's rows) land in two rings of their own, XB slots for x (read from HBM: many in flight) and
-AB slots for A (read from L2: fewer), each completed on its own mbarriers. The warpgroup MMAs of a step (all
-slices' columns at once; 3 slices as MMAs of 2 and 1 slices' columns) stay in flight while the next step's
-are issued, and a ring slot is loaded again once the step that read it has finished. The rings run across
-block boundaries: the loads of the next block's first steps are in flight while this block's s is stored.
-A block's segment (slot, rank, scale) is looked up a block ahead, so no load waits on that chain of reads.
+AB slots for A (read from L2). The program's warps are specialised: one loader warp walks the same steps and
+issues the TMA loads as soon as a slot is free (its `empty` barrier), completing the slot's `ready` barrier;
+the MMA warps (two warpgroups of 64 rows) wait for `ready`, issue the step's warpgroup MMAs (all slices'
+columns at once; 3 slices as MMAs of 2 and 1 slices' columns), and once the step before has finished free
+its slots. The rings run across block boundaries: the next block's first loads are in flight while this
+block's s is stored.
 
 The row blocks past `whole` (those that would leave most programs idle in a last round) are cut by slice
 into pieces of one slice each, one piece per program, so that round is a third (3 slices) of a block long.
@@ -37,28 +38,136 @@ def _block_segment(rb, num_blocks, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, s
 
 
 @gluon.jit
-def _load_x(j, pred, slot, m0, kk, x_desc, x_bufs, x_bars, XB: gl.constexpr):
-    """x rows m0.. (columns kk..) into x ring slot j % XB; a block without an adapter loads nothing and
-    completes the slot's barrier at once."""
-    bar = x_bars.index(j % XB)
-    mbarrier.expect(bar, x_desc.block_type.nbytes, pred=pred & (slot >= 0))
-    _tma_load(x_desc, [m0, kk], bar, x_bufs.index(j % XB), pred & (slot >= 0))
-    mbarrier.arrive(bar, pred=pred & (slot < 0))
+def _load_step(j, slot, m0, kk, g_lo, max_rank, a_slice_rows, x_desc, a_desc, x_bufs, a_bufs, x_ready, x_empty,
+               a_ready, a_empty, NG: gl.constexpr, R: gl.constexpr, XB: gl.constexpr, AB: gl.constexpr):  # fmt: skip
+    """Step j's loads, each once its ring slot is free: x rows m0.. (columns kk..) into x slot j % XB, and the
+    slot's A rows of slices g_lo.. g_lo + NG into A slot j % AB, slice i at rows i·R.. (rows past the slot's
+    rank are the next slot's: the store drops their columns). A block without an adapter loads nothing and
+    completes the slots' barriers at once."""
+    xs = j % XB
+    mbarrier.wait(x_empty.index(xs), ((j // XB) & 1) ^ 1)
+    if slot >= 0:
+        mbarrier.expect(x_ready.index(xs), x_desc.block_type.nbytes)
+        _tma_load(x_desc, [m0, kk], x_ready.index(xs), x_bufs.index(xs))
+    else:
+        mbarrier.arrive(x_ready.index(xs))
+    a_s = j % AB
+    mbarrier.wait(a_empty.index(a_s), ((j // AB) & 1) ^ 1)
+    if slot >= 0:
+        bar = a_ready.index(a_s)
+        mbarrier.expect(bar, NG * a_desc.block_type.nbytes)
+        for i in gl.static_range(NG):
+            _tma_load(a_desc, [(g_lo + i) * a_slice_rows + slot * max_rank, kk], bar,
+                      a_bufs.index(a_s).slice(i * R, R, dim=0))  # fmt: skip
+    else:
+        mbarrier.arrive(a_ready.index(a_s))
 
 
 @gluon.jit
-def _load_a(j, pred, slot, g_lo, kk, max_rank, a_slice_rows, a_desc, a_bufs, a_bars, NG: gl.constexpr,
-            R: gl.constexpr, AB: gl.constexpr):  # fmt: skip
-    """The slot's A rows of slices g_lo.. g_lo + NG (columns kk..) into A ring slot j % AB, slice i at rows
-    i·R.. (rows past the slot's rank are the next slot's: the store drops their columns)."""
-    bar = a_bars.index(j % AB)
-    buf = a_bufs.index(j % AB)
-    row = gl.maximum(slot, 0) * max_rank
-    mbarrier.expect(bar, NG * a_desc.block_type.nbytes, pred=pred & (slot >= 0))
-    for i in gl.static_range(NG):
-        _tma_load(a_desc, [(g_lo + i) * a_slice_rows + row, kk], bar, buf.slice(i * R, R, dim=0),
-                  pred & (slot >= 0))  # fmt: skip
-    mbarrier.arrive(bar, pred=pred & (slot < 0))
+def _shrink_loader(x_desc, a_desc, x_bufs, a_bufs, x_ready, x_empty, a_ready, a_empty, token_seg_ptr, seg_slot_ptr,
+                   max_rank, a_slice_rows, num_blocks, whole, G: gl.constexpr, R: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, XB: gl.constexpr, AB: gl.constexpr):  # fmt: skip
+    """The loader warp: every step of this program's whole blocks, then of its pieces, in the MMA warps' order."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    k_tiles = gl.cdiv(x_desc.shape[1], BLOCK_K)
+    j = 0
+    for rb in range(pid, whole, nprog):
+        slot = gl.load(seg_slot_ptr + gl.load(token_seg_ptr + rb * BLOCK_M))
+        for ki in range(k_tiles):
+            _load_step(j, slot, rb * BLOCK_M, ki * BLOCK_K, 0, max_rank, a_slice_rows, x_desc, a_desc, x_bufs, a_bufs,
+                       x_ready, x_empty, a_ready, a_empty, G, R, XB, AB)  # fmt: skip
+            j += 1
+    for p in range(pid, (num_blocks - whole) * G, nprog):
+        rb = whole + p // G
+        slot = gl.load(seg_slot_ptr + gl.load(token_seg_ptr + rb * BLOCK_M))
+        for ki in range(k_tiles):
+            _load_step(j, slot, rb * BLOCK_M, ki * BLOCK_K, p % G, max_rank, a_slice_rows, x_desc, a_desc, x_bufs,
+                       a_bufs, x_ready, x_empty, a_ready, a_empty, 1, R, XB, AB)  # fmt: skip
+            j += 1
+
+
+@gluon.jit
+def _release(j, x_empty, a_empty, XB: gl.constexpr, AB: gl.constexpr):
+    """Step j's ring slots are free again (its MMAs have finished)."""
+    mbarrier.arrive(x_empty.index(j % XB))
+    mbarrier.arrive(a_empty.index(j % AB))
+
+
+@gluon.jit
+def _shrink_mmas(x_bufs, a_bufs, x_ready, x_empty, a_ready, a_empty, s_ptr, token_seg_ptr, seg_slot_ptr,
+                 seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, whole, k_tiles,
+                 G: gl.constexpr, GP: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr, XB: gl.constexpr,
+                 AB: gl.constexpr, SCALED: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """The MMA warps: per step wait for its slots, issue its MMAs, free the step before's slots once those
+    MMAs are done; per block (or piece) store its s (scaled). Nothing but MMAs writes the accumulators: any
+    other write makes ptxas serialize every MMA of the kernel (C7515)."""
+    SPLIT: gl.constexpr = G == 3
+    N_A: gl.constexpr = 2 * R if SPLIT else GP * R
+    N_B: gl.constexpr = R if SPLIT else 16
+    GROUPS: gl.constexpr = 2 if SPLIT else 1  # MMA groups a block's step commits
+    layout_a: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N_A, 16]
+    )
+    layout_b: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N_B, 16]
+    )
+    layout_r: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, R, 16]
+    )
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    acc_a = gl.zeros((BLOCK_M, N_A), dtype=gl.float32, layout=layout_a)
+    acc_b = gl.zeros((BLOCK_M, N_B), dtype=gl.float32, layout=layout_b)
+    j = 0
+    for rb in range(pid, whole, nprog):
+        # the block's segment, first needed for its store: the loads overlap the block's MMAs
+        slot, rank, scale = _block_segment(rb, num_blocks, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr,
+                                           BLOCK_M)  # fmt: skip
+        for ki in range(k_tiles):
+            x_buf = x_bufs.index(j % XB)
+            a_buf = a_bufs.index(j % AB)
+            mbarrier.wait(x_ready.index(j % XB), (j // XB) & 1)
+            mbarrier.wait(a_ready.index(j % AB), (j // AB) & 1)
+            tok_a, tok_b = _unit_mma(acc_a, acc_b, x_buf, a_buf, 0, ki > 0, N_A, N_B, SPLIT)
+            acc_a, acc_b, _, _ = warpgroup_mma_wait(GROUPS, deps=(tok_a, tok_b, x_buf, a_buf))
+            if j > 0:
+                _release(j - 1, x_empty, a_empty, XB, AB)
+            j += 1
+        out_a, out_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
+        if SCALED:
+            out_a = out_a * scale
+            out_b = out_b * scale
+        _store_s(out_a, 0, rb * BLOCK_M, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_A, G, R, BLOCK_M,
+                 num_warps)  # fmt: skip
+        if SPLIT:
+            _store_s(out_b, 2, rb * BLOCK_M, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_B, G, R, BLOCK_M,
+                     num_warps)  # fmt: skip
+    # no MMA in flight from here (ptxas cannot tell, and would serialize every MMA for the accumulator below)
+    acc_a, acc_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
+    acc = gl.zeros((BLOCK_M, R), dtype=gl.float32, layout=layout_r)
+    for p in range(pid, (num_blocks - whole) * G, nprog):
+        rb = whole + p // G
+        slot, rank, scale = _block_segment(rb, num_blocks, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr,
+                                           BLOCK_M)  # fmt: skip
+        for ki in range(k_tiles):
+            x_buf = x_bufs.index(j % XB)
+            a_buf = a_bufs.index(j % AB)
+            mbarrier.wait(x_ready.index(j % XB), (j // XB) & 1)
+            mbarrier.wait(a_ready.index(j % AB), (j // AB) & 1)
+            tok = warpgroup_mma(
+                x_buf, a_buf.slice(0, R, dim=0).permute((1, 0)), acc, use_acc=ki > 0, is_async=True
+            )
+            acc, _, _ = warpgroup_mma_wait(1, deps=(tok, x_buf, a_buf))
+            if j > 0:
+                _release(j - 1, x_empty, a_empty, XB, AB)
+            j += 1
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        out = acc
+        if SCALED:
+            out = acc * scale
+        _store_s(out, p % G, rb * BLOCK_M, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, R, G, R, BLOCK_M,
+                 num_warps)  # fmt: skip
 
 
 @gluon.jit
@@ -88,126 +197,34 @@ def _gluon_lora_shrink_kernel(
     SCALED: gl.constexpr,  # s · scale(t) in s's dtype, else unscaled fp32
     num_warps: gl.constexpr,
 ):
-    SPLIT: gl.constexpr = G == 3
-    N_A: gl.constexpr = 2 * R if SPLIT else GP * R
-    N_B: gl.constexpr = R if SPLIT else 16
-    GROUPS: gl.constexpr = 2 if SPLIT else 1  # MMA groups a block's step commits
-    layout_a: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N_A, 16]
-    )
-    layout_b: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N_B, 16]
-    )
-    layout_r: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, R, 16]
-    )
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
     k_tiles = gl.cdiv(x_desc.shape[1], BLOCK_K)
-
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [XB, BLOCK_M, BLOCK_K], x_desc.layout)
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [AB, GP * R, BLOCK_K], a_desc.layout)
-    x_bars = gl.allocate_shared_memory(gl.int64, [XB, 1], mbarrier.MBarrierLayout())
-    a_bars = gl.allocate_shared_memory(gl.int64, [AB, 1], mbarrier.MBarrierLayout())
+    x_ready = gl.allocate_shared_memory(gl.int64, [XB, 1], mbarrier.MBarrierLayout())
+    x_empty = gl.allocate_shared_memory(gl.int64, [XB, 1], mbarrier.MBarrierLayout())
+    a_ready = gl.allocate_shared_memory(gl.int64, [AB, 1], mbarrier.MBarrierLayout())
+    a_empty = gl.allocate_shared_memory(gl.int64, [AB, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(XB):
-        mbarrier.init(x_bars.index(i), count=1)
+        mbarrier.init(x_ready.index(i), count=1)
+        mbarrier.init(x_empty.index(i), count=1)
     for i in gl.static_range(AB):
-        mbarrier.init(a_bars.index(i), count=1)
-
-    # whole row blocks: pid, pid + nprog, ... below `whole`, one continuous ring of K steps
-    my_blocks = gl.cdiv(gl.maximum(whole - pid, 0), nprog)
-    total = my_blocks * k_tiles
-    cur_slot, cur_rank, cur_scale = _block_segment(pid, num_blocks, token_seg_ptr, seg_slot_ptr, slot_rank_ptr,
-                                                   seg_scale_ptr, BLOCK_M)  # fmt: skip
-    nxt_slot, nxt_rank, nxt_scale = _block_segment(pid + nprog, num_blocks, token_seg_ptr, seg_slot_ptr,
-                                                   slot_rank_ptr, seg_scale_ptr, BLOCK_M)  # fmt: skip
-    for i in gl.static_range(XB - 1):  # the first block's first steps (XB, AB ≤ k_tiles)
-        _load_x(i, i < total, cur_slot, pid * BLOCK_M, i * BLOCK_K, x_desc, x_bufs, x_bars, XB)
-    for i in gl.static_range(AB - 1):
-        _load_a(
-            i, i < total, cur_slot, 0, i * BLOCK_K, max_rank, a_slice_rows, a_desc, a_bufs, a_bars, G, R, AB
-        )
-    acc_a = gl.zeros((BLOCK_M, N_A), dtype=gl.float32, layout=layout_a)
-    acc_b = gl.zeros((BLOCK_M, N_B), dtype=gl.float32, layout=layout_b)
-    for t in range(total):
-        b = t // k_tiles
-        ki = t - b * k_tiles
-        if ki == 0:
-            if t > 0:  # the next block is this one now; look up the one after it
-                cur_slot, cur_rank, cur_scale = nxt_slot, nxt_rank, nxt_scale
-                nxt_slot, nxt_rank, nxt_scale = _block_segment(pid + (b + 1) * nprog, num_blocks, token_seg_ptr,
-                                                               seg_slot_ptr, slot_rank_ptr, seg_scale_ptr,
-                                                               BLOCK_M)  # fmt: skip
-        x_buf = x_bufs.index(t % XB)
-        a_buf = a_bufs.index(t % AB)
-        mbarrier.wait(x_bars.index(t % XB), (t // XB) & 1)
-        mbarrier.wait(a_bars.index(t % AB), (t // AB) & 1)
-        tok_a, tok_b = _unit_mma(acc_a, acc_b, x_buf, a_buf, 0, ki > 0, N_A, N_B, SPLIT)
-        # this step's MMAs stay in flight; the step before it is done, so its slots can be loaded again
-        acc_a, acc_b, _, _ = warpgroup_mma_wait(GROUPS, deps=(tok_a, tok_b, x_buf, a_buf))
-        jx = t + XB - 1
-        bx = jx // k_tiles
-        _load_x(jx, jx < total, gl.where(bx == b, cur_slot, nxt_slot), (pid + bx * nprog) * BLOCK_M,
-                (jx - bx * k_tiles) * BLOCK_K, x_desc, x_bufs, x_bars, XB)  # fmt: skip
-        ja = t + AB - 1
-        ba = ja // k_tiles
-        _load_a(ja, ja < total, gl.where(ba == b, cur_slot, nxt_slot), 0, (ja - ba * k_tiles) * BLOCK_K,
-                max_rank, a_slice_rows, a_desc, a_bufs, a_bars, G, R, AB)  # fmt: skip
-        if ki == k_tiles - 1:
-            # the block's sums, read once its MMAs are done; nothing but MMAs writes the accumulators (any other
-            # write into them makes ptxas serialize every MMA of the kernel, C7515), the next block's first MMA
-            # starts them afresh (use_acc false)
-            out_a, out_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
-            if SCALED:
-                out_a = out_a * cur_scale
-                out_b = out_b * cur_scale
-            m0 = (pid + b * nprog) * BLOCK_M
-            _store_s(out_a, 0, m0, num_tokens, cur_rank, s_cols, stride_ss, stride_st, s_ptr, N_A, G, R, BLOCK_M,
-                     num_warps)  # fmt: skip
-            if SPLIT:
-                _store_s(out_b, 2, m0, num_tokens, cur_rank, s_cols, stride_ss, stride_st, s_ptr, N_B, G, R,
-                         BLOCK_M, num_warps)  # fmt: skip
-
-    # the other row blocks in pieces of one slice, each its own pipeline (the ring's steps go on counting)
-    # no MMA in flight from here (the last block's epilogue waited for them, but ptxas cannot tell, and would
-    # serialize every MMA for the pieces' accumulator set up below)
-    acc_a, acc_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
-    step = total
-    acc = gl.zeros((BLOCK_M, R), dtype=gl.float32, layout=layout_r)
-    for p in range(pid, (num_blocks - whole) * G, nprog):
-        rb = whole + p // G
-        g = p % G
-        m0 = rb * BLOCK_M
-        slot, rank, scale = _block_segment(rb, num_blocks, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr,
-                                           BLOCK_M)  # fmt: skip
-        for i in gl.static_range(XB - 1):
-            _load_x(step + i, i < k_tiles, slot, m0, i * BLOCK_K, x_desc, x_bufs, x_bars, XB)
-        for i in gl.static_range(AB - 1):
-            _load_a(step + i, i < k_tiles, slot, g, i * BLOCK_K, max_rank, a_slice_rows, a_desc, a_bufs, a_bars, 1,
-                    R, AB)  # fmt: skip
-        for ki in range(k_tiles):
-            x_buf = x_bufs.index(step % XB)
-            a_buf = a_bufs.index(step % AB)
-            mbarrier.wait(x_bars.index(step % XB), (step // XB) & 1)
-            mbarrier.wait(a_bars.index(step % AB), (step // AB) & 1)
-            tok = warpgroup_mma(
-                x_buf, a_buf.slice(0, R, dim=0).permute((1, 0)), acc, use_acc=ki > 0, is_async=True
-            )
-            acc, _, _ = warpgroup_mma_wait(1, deps=(tok, x_buf, a_buf))
-            _load_x(step + XB - 1, ki + XB - 1 < k_tiles, slot, m0, (ki + XB - 1) * BLOCK_K, x_desc, x_bufs, x_bars,
-                    XB)  # fmt: skip
-            _load_a(step + AB - 1, ki + AB - 1 < k_tiles, slot, g, (ki + AB - 1) * BLOCK_K, max_rank, a_slice_rows,
-                    a_desc, a_bufs, a_bars, 1, R, AB)  # fmt: skip
-            step += 1
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        out = acc
-        if SCALED:
-            out = acc * scale
-        _store_s(
-            out, g, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, R, G, R, BLOCK_M, num_warps
-        )
-
+        mbarrier.init(a_ready.index(i), count=1)
+        mbarrier.init(a_empty.index(i), count=1)
+    gl.warp_specialize(
+        [
+            (_shrink_mmas, (x_bufs, a_bufs, x_ready, x_empty, a_ready, a_empty, s_ptr, token_seg_ptr, seg_slot_ptr,
+                            seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, whole,
+                            k_tiles, G, GP, R, BLOCK_M, XB, AB, SCALED, num_warps)),
+            (_shrink_loader, (x_desc, a_desc, x_bufs, a_bufs, x_ready, x_empty, a_ready, a_empty, token_seg_ptr,
+                              seg_slot_ptr, max_rank, a_slice_rows, num_blocks, whole, G, R, BLOCK_M, BLOCK_K, XB,
+                              AB)),
+        ],
+        [1],
+        [40],
+    )  # fmt: skip
     for i in gl.static_range(XB):
-        mbarrier.invalidate(x_bars.index(i))
+        mbarrier.invalidate(x_ready.index(i))
+        mbarrier.invalidate(x_empty.index(i))
     for i in gl.static_range(AB):
-        mbarrier.invalidate(a_bars.index(i))
+        mbarrier.invalidate(a_ready.index(i))
+        mbarrier.invalidate(a_empty.index(i))

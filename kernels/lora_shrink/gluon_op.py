@@ -7,9 +7,9 @@ import torch
 from ditserve.kernels._dispatch import block_rank, next_pow2, num_programs_limit, tma_ok
 from ditserve.kernels.lora_gemm.gluon_op import SMEM_LIMIT, _tma_desc, gluon_available
 
-# 128-row blocks over 8 warps (two warpgroups of 64 rows), 64-wide K steps; XB x slots (0: as many as fit
-# beside the A ring, at most MAX_XB), AB A slots.
-GLUON_SHRINK_CONFIG = dict(BLOCK_M=128, BLOCK_K=64, XB=0, AB=3, num_warps=8)
+# 128-row blocks over 8 MMA warps (two warpgroups of 64 rows) and a loader warp, 64-wide K steps; XB x slots
+# (0: as many as fit beside the A ring, at most MAX_XB), AB A slots.
+GLUON_SHRINK_CONFIG = dict(BLOCK_M=128, BLOCK_K=64, XB=0, AB=4, num_warps=8)
 MAX_XB = 8
 
 

@@ -81,11 +81,12 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "wide 128/64/8/4": _WIDE_128,
     "wide 64/64/4/4 x2": _WIDE_64,
     # the Gluon kernel for Hopper (gluon_kernel.py): persistent, every slice of a 128-row block in one program,
-    # x and A in rings of their own (XB 0: as many x slots as fit), the last round's blocks in slice pieces
-    "gluon": dict(GLUON=1, BLOCK_M=128, BLOCK_K=64, XB=0, AB=3, num_warps=8),
+    # x and A in rings of their own (XB 0: as many x slots as fit) fed by a loader warp, the last round's blocks
+    # in pieces of one slice
+    "gluon": dict(GLUON=1, BLOCK_M=128, BLOCK_K=64, XB=0, AB=4, num_warps=8),
     "gluon a2": dict(GLUON=1, BLOCK_M=128, BLOCK_K=64, XB=0, AB=2, num_warps=8),
-    "gluon a4": dict(GLUON=1, BLOCK_M=128, BLOCK_K=64, XB=0, AB=4, num_warps=8),
-    "gluon x4": dict(GLUON=1, BLOCK_M=128, BLOCK_K=64, XB=4, AB=3, num_warps=8),
+    "gluon a6": dict(GLUON=1, BLOCK_M=128, BLOCK_K=64, XB=0, AB=6, num_warps=8),
+    "gluon x4": dict(GLUON=1, BLOCK_M=128, BLOCK_K=64, XB=4, AB=4, num_warps=8),
 }
 
 # The segmented kernel's defaults (fp32 and scaled outputs) where H200 sweeps (hidden 3072; 4x4608 tokens,
