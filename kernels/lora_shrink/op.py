@@ -80,13 +80,6 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "sk 128/64/8/4 x1": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=1),
     "wide 128/64/8/4": _WIDE_128,
     "wide 64/64/4/4 x2": _WIDE_64,
-    # the Gluon kernel for Hopper (gluon_kernel.py): persistent, every slice of a 128-row block in one program,
-    # x and A in rings of their own (XB 0: as many x slots as fit) fed by a loader warp, the last round's blocks
-    # in pieces of one slice
-    "gluon": dict(GLUON=1, BLOCK_M=128, BLOCK_K=64, XB=0, AB=4, num_warps=8),
-    "gluon a2": dict(GLUON=1, BLOCK_M=128, BLOCK_K=64, XB=0, AB=2, num_warps=8),
-    "gluon a6": dict(GLUON=1, BLOCK_M=128, BLOCK_K=64, XB=0, AB=6, num_warps=8),
-    "gluon x4": dict(GLUON=1, BLOCK_M=128, BLOCK_K=64, XB=4, AB=4, num_warps=8),
 }
 
 # The segmented kernel's defaults (fp32 and scaled outputs) where H200 sweeps (hidden 3072; 4x4608 tokens,
@@ -183,7 +176,6 @@ def launch_lora_shrink(
     # TMA=1: x and A through TMA descriptors (where their layouts allow), and with STREAMK=n (not SPLIT)
     # the stream-K kernel on n programs per SM (WIDE=1: its one-dot form)
     seg_scale: torch.Tensor | None = None,  # [num_segments] fp32: write scale(t) · s in x's dtype instead
-    seg_align: int = 1,  # LoRABatchMeta.seg_align: the Gluon kernel (config GLUON=1) needs row-block segments
 ) -> torch.Tensor:  # [num_slices, num_tokens, rank_dim] fp32, or [.., scaled_cols(rank_dim)] x's dtype
     from ditserve.kernels.lora_shrink.kernel import _lora_shrink_kernel
 
@@ -199,13 +191,6 @@ def launch_lora_shrink(
         return s.zero_()
     block_r = block_rank(s.shape[2])
     cfg = dict(config or segmented_config(num_slices, block_r, num_tokens, x.device))
-    if cfg.pop("GLUON", 0):  # the Gluon kernel where its contract holds, else the Triton kernel's tiles
-        from ditserve.kernels.lora_shrink import gluon_op
-
-        if gluon_op.gluon_shrink_ok(x, a_stacked, s.shape[2], seg_align, cfg):
-            gluon_op.launch_gluon_lora_shrink(x, a_stacked, s, token_seg, seg_slot, seg_scale, slot_rank, cfg)
-            return s
-        cfg = dict(segmented_config(num_slices, block_r, num_tokens, x.device))
     split = num_slices if cfg.pop("SPLIT", 0) else 1
     streamk = cfg.pop("STREAMK", 0)
     wide = cfg.pop("WIDE", 0)
