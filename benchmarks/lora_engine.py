@@ -354,10 +354,12 @@ def main() -> None:
             # modes: no LoRA; LoRA inside the GEMM (fused_lora, the default: the shrink inside the GEMM launch
             # where the batch allows; the Gluon kernels on Hopper); the same with the shrink kernel launched
             # first; with one shrink per linear instead of one per group of linears on the same input; base
-            # GEMM + in-place expand. ", triton": the Triton kernels where the default takes the Gluon ones
+            # GEMM + in-place expand. ", triton": the Triton kernels where the default takes the Gluon ones;
+            # "fused, one launch wherever it applies": without `one_launch_pays` choosing where it does
             modes = (
                 "none",
                 "fused",
+                "fused, one launch wherever it applies",
                 "fused, triton",
                 "two launches",
                 "two launches, triton",
@@ -375,6 +377,7 @@ def main() -> None:
                 manager.fused = not mode.startswith("inplace")
                 manager.share_shrink = mode != "unshared"
                 linear_op.SHRINK_IN = not mode.startswith("two launches")
+                linear_op.ONE_LAUNCH_RULE = "wherever" not in mode
                 # the Gluon kernels (Hopper) where they apply, unless the mode asks for the Triton ones
                 linear_op.GLUON = gluon_default and "triton" not in mode
                 expand_op.ROWS_TUNED = POINTER_ROWS if mode.endswith("pointer expand") else ROWS_TUNED

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from ditserve.kernels._dispatch import use_triton
+from ditserve.kernels._dispatch import num_programs_limit, use_triton
 from ditserve.kernels.lora_gemm import gluon_op
 from ditserve.kernels.lora_gemm.op import launch_lora_gemm, shrink_in_ok
 from ditserve.kernels.lora_linear.reference import lora_linear_ref
@@ -36,6 +36,31 @@ GLUON = os.environ.get("DITSERVE_GLUON_GEMM", "1") != "0"
 # shrink kernel on one request (H200, QKV, 1 × 4608 tokens, rank 64: +14.1 % against +8.6 % over cuBLAS;
 # BENCHMARKS.md), so there the shrink kernel and the Gluon GEMM run
 GLUON_ONE_LAUNCH_COLS = gluon_op.NARROW_UNIT_COLS
+# True: the one launch only where `one_launch_pays` (False: wherever it applies; benchmarks compare)
+ONE_LAUNCH_RULE = True
+# `one_launch_pays`: row blocks (shrink units) per program with one tile less in the last round, and the
+# hidden size, above which the shrink kernel before the GEMM is faster
+UNITS_PER_IDLE = 4
+ONE_LAUNCH_MAX_HIDDEN = 12288
+
+
+def one_launch_pays(
+    num_tokens: int, hidden: int, out_slice_sizes: list[int], programs: int, cfg: dict = gluon_op.GLUON_CONFIG
+) -> bool:
+    """Whether the shrink inside the GEMM launch beats the shrink kernel launched before the GEMM. Its units
+    (one per row block) run on the programs with one tile less in the last round of tiles; H200, FLUX.1-dev
+    projections at 1024², 4 requests (`benchmarks/lora_linear_shapes.py`, BENCHMARKS.md): where the row blocks
+    outnumber those programs more than UNITS_PER_IDLE times the units hold up the launch (4 × 4096 tokens'
+    q/k/v: 128 units for 12 such programs, +12.7 % over cuBLAS against +2.3 % for the two launches), and
+    units over rows longer than ONE_LAUNCH_MAX_HIDDEN (the single blocks' proj_out, 15360) cost more than the
+    kernel (+9.0 % against +6.3 %); elsewhere the one launch was as fast or faster (4 × 4608 tokens' q/k/v
+    +3.7 % against +5.3 %, the single blocks' q/k/v/mlp +2.1 % against +5.3 %)."""
+    if hidden > ONE_LAUNCH_MAX_HIDDEN:
+        return False
+    row_blocks = -(-num_tokens // cfg["BLOCK_M"])
+    col_blocks = sum(-(-n // cfg["BLOCK_N"]) for n in out_slice_sizes)
+    idle = -(row_blocks * col_blocks) % programs  # programs with one tile less
+    return row_blocks <= UNITS_PER_IDLE * idle
 
 
 def _check(x, a_stacked, b_stacked, max_rank, sizes):
@@ -73,6 +98,10 @@ def launch_lora_linear(
         and SHRINK_IN
         and gluon_op.unit_cols(a_stacked.shape[0], max_rank) <= GLUON_ONE_LAUNCH_COLS
         and gluon_op.gluon_linear_ok(x, weight, a_stacked, b_stacked, max_rank, out_slice_sizes, seg_align)
+        and (
+            not ONE_LAUNCH_RULE
+            or one_launch_pays(x.shape[0], x.shape[1], out_slice_sizes, num_programs_limit(x.device))
+        )
     ):
         return gluon_op.launch_gluon_lora_linear(
             x, weight, bias, a_stacked, b_stacked, token_seg, seg_slot, seg_scale, slot_rank, max_rank,

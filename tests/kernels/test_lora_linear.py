@@ -279,6 +279,7 @@ def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
     monkeypatch.setattr(linear_op, "SHRINK_IN", mode != "shrink kernel first")
     if mode != "default":
         monkeypatch.setattr(linear_op, "GLUON_ONE_LAUNCH_COLS", 256)  # the one launch at rank 64 as well
+        monkeypatch.setattr(linear_op, "ONE_LAUNCH_RULE", False)  # whatever `one_launch_pays` says
     over = {
         "spread": dict(SPREAD=2),
         "spread, y in chunks": dict(SPREAD=2, EPI_SPLIT=4, EPI_BUFS=2),
@@ -322,6 +323,7 @@ def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, fold, epi, late, mo
     monkeypatch.setitem(gluon_op.GLUON_CONFIG, "FOLD", fold)
     monkeypatch.setitem(gluon_op.GLUON_CONFIG, "EPI_SPLIT", epi[0])
     monkeypatch.setitem(gluon_op.GLUON_CONFIG, "EPI_BUFS", epi[1])
+    monkeypatch.setattr(linear_op, "ONE_LAUNCH_RULE", False)  # the one launch whatever `one_launch_pays` says
     calls = gluon_launches(monkeypatch)
     meta, x, a, b, w, bias, sizes = gpu_problem(groups, requests)
     m = meta
@@ -379,3 +381,21 @@ def test_bf16_gpu_gluon_lora_linear_unit_halves(requests, split, epi, defer, mon
         torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
         halves = sync[units + 2 :]
         assert set(halves.tolist()) == ({0, 2} if split else {0}) and (halves == 2).any() == split
+
+
+@pytest.mark.parametrize(
+    "tokens,hidden,sizes,one",
+    [
+        (4 * 4608, 3072, [3072] * 3, True),  # 144 row blocks, 96 programs with a tile less
+        (4 * 4096, 3072, [3072] * 3, False),  # 128 row blocks, 12 such programs
+        (4 * 4608, 3072, [3072] * 3 + [12288], True),  # the single blocks' q/k/v/mlp: 48
+        (4 * 4096, 3072, [12288], True),  # the feed-forward's up projection: 60
+        (4 * 512, 3072, [3072] * 3, True),  # text tokens: 16 row blocks
+        (4 * 4608, 15360, [3072], False),  # the single blocks' proj_out: rows past 12288
+        (132 * 128, 3072, [256], False),  # tiles fill the last round: no program has one tile less
+    ],
+)
+def test_one_launch_pays(tokens, hidden, sizes, one):
+    """Where the shrink runs inside the GEMM launch on an H200 (132 programs), FLUX.1-dev shapes at 1024²:
+    not where its units far outnumber the programs with one tile less, nor over rows longer than 12288."""
+    assert linear_op.one_launch_pays(tokens, hidden, sizes, 132) is one
