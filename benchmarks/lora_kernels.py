@@ -332,7 +332,7 @@ def _shrink_call(p: LoRAProblem, cfg: dict[str, int] | None = None):
     m = p.meta
     seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot)
     return lambda: launch_lora_shrink(
-        p.x, p.a, *seg, m.slot_rank, m.max_rank, config=cfg, seg_scale=m.seg_scale
+        p.x, p.a, *seg, m.slot_rank, m.max_rank, config=cfg, seg_scale=m.seg_scale, seg_align=m.seg_align
     )
 
 
@@ -587,6 +587,13 @@ def qkv_only(args, head: list[str]) -> None:
                         nosplit = gemm_op.SWEEP["gluon no split"]
                         fns["gluon lora_gemm no split"] = _gemm_call(p, s, nosplit)
                         fns["gluon no LoRA no split"] = _gemm_call(p, s[:, :, :0], nosplit)
+                        # the Gluon shrink kernel alone, and before the Gluon GEMM
+                        gshrink = _shrink_call(p, shrink_op.SCALED_SWEEP["gluon"])
+                        fns["gluon shrink"] = gshrink
+                        fns["gluon two launches gluon shrink"] = lambda p=p, seg=seg, gshrink=gshrink, gcfg=gcfg: (
+                            launch_lora_gemm(p.x, p.w, None, gshrink(), p.b, *seg, p.sizes, config=gcfg,
+                                             s_scaled=True, seg_align=p.meta.seg_align)
+                        )  # fmt: skip
                         fns["gluon two launches"] = lambda p=p, m=m, seg=seg, gcfg=gcfg: launch_lora_gemm(
                             p.x,
                             p.w,
@@ -650,6 +657,8 @@ def qkv_only(args, head: list[str]) -> None:
                             "gluon lora_gemm no fold",
                             "gluon lora_gemm no split",
                             "gluon two launches",
+                            "gluon shrink",
+                            "gluon two launches gluon shrink",
                             "gluon no LoRA",
                             "gluon no LoRA no split",
                             "lora_gemm no LoRA",

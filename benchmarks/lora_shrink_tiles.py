@@ -76,7 +76,14 @@ def main() -> None:
 
                         def fn(cfg=cfg, kw=kw, p=p, m=m, seg=seg):
                             return launch_lora_shrink(
-                                p.x, p.a, *seg, m.slot_rank, m.max_rank, config=cfg, **kw
+                                p.x,
+                                p.a,
+                                *seg,
+                                m.slot_rank,
+                                m.max_rank,
+                                config=cfg,
+                                seg_align=m.seg_align,
+                                **kw,
                             )
 
                         cells.append(time_cell(fn, want))

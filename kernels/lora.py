@@ -80,7 +80,7 @@ def lora_shrink(
     if scaled and method == "sgemm":
         return lora_shrink_scaled_op(
             x, a_stacked, meta.token_seg, meta.seg_start, meta.seg_len, meta.seg_slot, meta.seg_scale,
-            meta.slot_rank, meta.max_rank,
+            meta.slot_rank, meta.max_rank, meta.seg_align,
         )  # fmt: skip
     if scaled:
         s = lora_shrink(x, a_stacked, meta, method) * meta.token_scale[None, :, None]
@@ -99,6 +99,7 @@ def lora_shrink(
         meta.seg_slot,
         meta.slot_rank,
         meta.max_rank,
+        meta.seg_align,
     )
 
 

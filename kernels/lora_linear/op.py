@@ -108,7 +108,9 @@ def launch_lora_linear(
             out_slice_sizes,
         )  # fmt: skip
     if use_gluon and gluon_op.gluon_ok(x, weight, None, b_stacked, out_slice_sizes, True, seg_align):
-        s = launch_lora_shrink(x, a_stacked, *seg[:4], slot_rank, max_rank, seg_scale=seg_scale)
+        s = launch_lora_shrink(
+            x, a_stacked, *seg[:4], slot_rank, max_rank, seg_scale=seg_scale, seg_align=seg_align
+        )
         ns = len(out_slice_sizes)
         y = gluon_op.launch_gluon_lora_gemm(
             x, weight, bias, s[:ns], b_stacked, token_seg, seg_slot, out_slice_sizes
@@ -119,7 +121,9 @@ def launch_lora_linear(
         y = launch_lora_gemm(x, weight, bias, s, b_stacked, *seg, out_slice_sizes, config=config, s_scaled=True,
                              seg_align=seg_align, a_stacked=a_stacked)  # fmt: skip
         return y, s
-    s = launch_lora_shrink(x, a_stacked, *seg[:4], slot_rank, max_rank, seg_scale=seg_scale)
+    s = launch_lora_shrink(
+        x, a_stacked, *seg[:4], slot_rank, max_rank, seg_scale=seg_scale, seg_align=seg_align
+    )
     ns = len(out_slice_sizes)
     y = launch_lora_gemm(x, weight, bias, s[:ns], b_stacked, *seg, out_slice_sizes, config=config, s_scaled=True,
                          seg_align=seg_align)  # fmt: skip

@@ -80,6 +80,15 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "sk 128/64/8/4 x1": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=1),
     "wide 128/64/8/4": _WIDE_128,
     "wide 64/64/4/4 x2": _WIDE_64,
+    # wider K steps on 64-row blocks (one request of 4608 tokens and the skewed mix, rank 16: 15.0 and 21.9 µs
+    # against 15.7 and 25.0 for the defaults, H200, read flush)
+    "tma 64/128/4/4": dict(BLOCK_M=64, BLOCK_K=128, num_warps=4, num_stages=4, TMA=1),
+    # the Gluon kernel for Hopper (gluon_kernel.py): one wave of programs, each walking a few consecutive row
+    # blocks through one deep ring (STAGES 0: as many slots as fit) fed by a loader warp
+    "gluon": dict(GLUON=1, BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4),
+    "gluon k128": dict(GLUON=1, BLOCK_M=64, BLOCK_K=128, STAGES=0, num_warps=4),
+    "gluon 128": dict(GLUON=1, BLOCK_M=128, BLOCK_K=64, STAGES=0, num_warps=8),
+    "gluon 128 k128": dict(GLUON=1, BLOCK_M=128, BLOCK_K=128, STAGES=0, num_warps=8),
 }
 
 # The segmented kernel's defaults (fp32 and scaled outputs) where H200 sweeps (hidden 3072; 4x4608 tokens,
@@ -132,6 +141,22 @@ def segmented_config(num_slices: int, block_r: int, num_tokens: int, device: tor
     return shrink_config(num_slices, block_r)
 
 
+def default_config(num_slices: int, block_r: int, num_tokens: int, device: torch.device) -> dict[str, int]:
+    """The shrink's tiles when none are given: on Hopper with the Gluon kernels the Gluon shrink where H200 runs
+    found it faster (`gluon_op.gluon_shrink_choice`; the launch falls back to the Triton tiles where its
+    contract does not hold; DITSERVE_GLUON_GEMM=0 turns it off with the Gluon GEMM), else `segmented_config`."""
+    if device.type == "cuda":
+        from ditserve.kernels.lora_gemm.gluon_op import gluon_available
+        from ditserve.kernels.lora_linear import op as linear_op
+        from ditserve.kernels.lora_shrink.gluon_op import gluon_shrink_choice
+
+        if linear_op.GLUON and gluon_available(device.index or 0):
+            name = gluon_shrink_choice(num_slices, block_r, num_tokens, num_programs_limit(device))
+            if name is not None:
+                return SCALED_SWEEP[name]
+    return segmented_config(num_slices, block_r, num_tokens, device)
+
+
 def shrink_config(num_slices: int, block_r: int) -> dict[str, int]:
     """Tile sizes by (slices, rank tile): the measured table, else 64-row tiles with 8 warps once the
     fp32 accumulators (num_slices × BLOCK_M × BLOCK_R) pass 8K elements. Larger tiles ran out of
@@ -176,6 +201,8 @@ def launch_lora_shrink(
     # TMA=1: x and A through TMA descriptors (where their layouts allow), and with STREAMK=n (not SPLIT)
     # the stream-K kernel on n programs per SM (WIDE=1: its one-dot form)
     seg_scale: torch.Tensor | None = None,  # [num_segments] fp32: write scale(t) · s in x's dtype instead
+    seg_align: int = 1,  # LoRABatchMeta.seg_align: the Gluon kernel (the default where `default_config` picks
+    # it, or config GLUON=1) needs segments on its row blocks
 ) -> torch.Tensor:  # [num_slices, num_tokens, rank_dim] fp32, or [.., scaled_cols(rank_dim)] x's dtype
     from ditserve.kernels.lora_shrink.kernel import _lora_shrink_kernel
 
@@ -190,7 +217,14 @@ def launch_lora_shrink(
     if num_tokens == 0 or rank_dim == 0:
         return s.zero_()
     block_r = block_rank(s.shape[2])
-    cfg = dict(config or segmented_config(num_slices, block_r, num_tokens, x.device))
+    cfg = dict(config or default_config(num_slices, block_r, num_tokens, x.device))
+    if cfg.pop("GLUON", 0):  # the Gluon kernel where its contract holds, else the Triton kernel's tiles
+        from ditserve.kernels.lora_shrink import gluon_op
+
+        if gluon_op.gluon_shrink_ok(x, a_stacked, s.shape[2], seg_align, cfg):
+            gluon_op.launch_gluon_lora_shrink(x, a_stacked, s, token_seg, seg_slot, seg_scale, slot_rank, cfg)
+            return s
+        cfg = dict(segmented_config(num_slices, block_r, num_tokens, x.device))
     split = num_slices if cfg.pop("SPLIT", 0) else 1
     streamk = cfg.pop("STREAMK", 0)
     wide = cfg.pop("WIDE", 0)
@@ -277,15 +311,17 @@ def lora_shrink_op(
     seg_slot: torch.Tensor,
     slot_rank: torch.Tensor,
     rank_dim: int,
+    seg_align: int = 1,
 ) -> torch.Tensor:
     """Segmented shrink; Triton on CUDA (or TRITON_INTERPRET=1), else the torch reference."""
     if use_triton(x):
-        return launch_lora_shrink(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, slot_rank, rank_dim)
+        return launch_lora_shrink(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, slot_rank, rank_dim,
+                                  seg_align=seg_align)  # fmt: skip
     return lora_shrink_ref(x, a_stacked, seg_start, seg_len, seg_slot, slot_rank, rank_dim)
 
 
 @lora_shrink_op.register_fake
-def _(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, slot_rank, rank_dim):
+def _(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, slot_rank, rank_dim, seg_align=1):
     return x.new_empty((a_stacked.shape[0], x.shape[0], rank_dim), dtype=torch.float32)
 
 
@@ -300,17 +336,19 @@ def lora_shrink_scaled_op(
     seg_scale: torch.Tensor,
     slot_rank: torch.Tensor,
     rank_dim: int,
+    seg_align: int = 1,
 ) -> torch.Tensor:
     """scale(t) · x · Aᵀ in x's dtype, [num_slices, num_tokens, scaled_cols(rank_dim)] (what the fused GEMM
     reads); Triton on CUDA (or TRITON_INTERPRET=1), else the torch reference."""
     if use_triton(x):
         return launch_lora_shrink(
-            x, a_stacked, token_seg, seg_start, seg_len, seg_slot, slot_rank, rank_dim, seg_scale=seg_scale
-        )
+            x, a_stacked, token_seg, seg_start, seg_len, seg_slot, slot_rank, rank_dim, seg_scale=seg_scale,
+            seg_align=seg_align,
+        )  # fmt: skip
     return lora_shrink_scaled_ref(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
                                   rank_dim)  # fmt: skip
 
 
 @lora_shrink_scaled_op.register_fake
-def _(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank, rank_dim):
+def _(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank, rank_dim, seg_align=1):
     return x.new_empty((a_stacked.shape[0], x.shape[0], scaled_cols(rank_dim)))

@@ -74,14 +74,31 @@ def _compile(kernel: str, cfg: dict, rank: int) -> dict:
     from triton.runtime import driver
 
     from ditserve.kernels.lora_gemm import gluon_kernel, gluon_op
+    from ditserve.kernels.lora_shrink import gluon_kernel as shrink_kernel
+    from ditserve.kernels.lora_shrink import gluon_op as shrink_op
 
     driver.set_active(_Hopper())
     out: dict[str, object] = {}
-    for name in ("_gluon_lora_gemm_kernel", "_gluon_lora_linear_kernel"):
-        fn = getattr(gluon_kernel, name)
-        setattr(gluon_kernel, name, _Warmup(name, fn.kernel if isinstance(fn, _Warmup) else fn, out))
+    for module, name in (
+        (gluon_kernel, "_gluon_lora_gemm_kernel"),
+        (gluon_kernel, "_gluon_lora_linear_kernel"),
+        (shrink_kernel, "_gluon_lora_shrink_kernel"),
+    ):
+        fn = getattr(module, name)
+        setattr(module, name, _Warmup(name, fn.kernel if isinstance(fn, _Warmup) else fn, out))
     config = {**gluon_op.GLUON_CONFIG, **cfg}
-    if kernel == "linear":
+    if kernel == "shrink":
+        # 20 row blocks of 64 on the 4 programs of a CPU device: 5 consecutive ones each
+        x, _, a, _, token_seg, seg_slot, seg_scale, slot_rank = _batch(1280, cfg["slices"], rank)
+        scaled = cfg["scaled"]
+        s = torch.zeros(cfg["slices"], x.shape[0], -(-rank // 16) * 16 if scaled else rank,
+                        dtype=torch.bfloat16 if scaled else torch.float32)  # fmt: skip
+        shrink_cfg = {**shrink_op.GLUON_SHRINK_CONFIG, **cfg.get("shrink", {})}
+        shrink_op.launch_gluon_lora_shrink(
+            x, a, s, token_seg, seg_slot, seg_scale if scaled else None, slot_rank, shrink_cfg
+        )
+        compiled = out["_gluon_lora_shrink_kernel"]
+    elif kernel == "linear":
         x, w, a, b, token_seg, seg_slot, seg_scale, slot_rank = _batch(1024, 3, rank)
         gluon_op.launch_gluon_lora_linear(
             x, w, None, a, b, token_seg, seg_slot, seg_scale, slot_rank, rank, SIZES, config
@@ -133,3 +150,23 @@ def test_gemm_compiles_for_hopper(compile_in_child, rank, defer):
     column blocks leave a partial round on the 4 programs of a CPU device); a tile's second half of y stored
     while the next tile's first MMA runs (DEFER, the default) or at its end."""
     _assert_hopper_kernel(compile_in_child("gemm", {"FOLD": 0, "DEFER": defer}, rank))
+
+
+@pytest.mark.parametrize(
+    "slices,rank,scaled,shrink",
+    [
+        (3, 64, 1, {}),
+        (3, 16, 0, {}),
+        (4, 64, 1, {}),
+        (2, 128, 1, {}),
+        (1, 32, 1, {}),
+        (4, 16, 0, {"BLOCK_M": 128, "num_warps": 8}),
+        (3, 16, 1, {"BLOCK_K": 128}),
+    ],
+)
+def test_shrink_compiles_for_hopper(compile_in_child, slices, rank, scaled, shrink):
+    """The Gluon shrink: a few row blocks per program, two MMAs a step for 3 slices, one or two MMA warpgroups,
+    64- and 128-wide K steps, the bf16 scaled and the fp32 s; its ring fills shared memory up to the limit (as
+    many slots as fit)."""
+    cfg = {"slices": slices, "scaled": scaled, "shrink": shrink}
+    _assert_hopper_kernel(compile_in_child("shrink", cfg, rank))

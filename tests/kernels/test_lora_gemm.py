@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from triton.runtime.errors import OutOfResources
 
-from ditserve.kernels._dispatch import block_rank
+from ditserve.kernels._dispatch import block_rank, next_pow2
 from ditserve.kernels.lora import lora_linear
 from ditserve.kernels.lora_gemm.op import SWEEP, TUNED, launch_lora_gemm, resolve_config
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
@@ -554,6 +554,58 @@ def test_bf16_gpu_shrink_scaled_every_config(num_slices, name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gluon", "gluon 128", "gluon k128", "gluon 128 k128"])
+@pytest.mark.parametrize("num_slices", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "requests,ranks",
+    [
+        # 288 row blocks of 64 (144 of 128): 96 programs of 3 consecutive blocks (72 of 2)
+        ([(4608, 0), (4608, 1), (4608, 2), (4608, 3)], [64, 64, 64, 64]),
+        # 72 row blocks of 64: a program each; rank 16 (a 16-wide rank tile)
+        ([(4608, 0)], [16]),
+        # a request without an adapter (no loads, zeros), ranks 8 / 32 / 16 under a 32-wide tile, a last
+        # block past the final row
+        ([(4608, 0), (1024, -1), (4608, 1), (256, 2), (4096, 1), (300, 0)], [8, 32, 16]),
+        # rank 128 (two slices at most fit one MMA) next to rank 64
+        ([(2048, 0), (16896, 1)], [128, 64]),
+    ],
+)
+def test_bf16_gpu_gluon_shrink(name, num_slices, requests, ranks):
+    """The Gluon shrink (Hopper) on Flux sizes, on one MMA warpgroup (64-row blocks) and two (128), 64- and
+    128-wide K steps, bf16 scale · s and fp32 s against the references, launch after launch; it must take these
+    batches (a test of the fallback it is not)."""
+    from ditserve.kernels.lora_gemm.gluon_op import gluon_available
+    from ditserve.kernels.lora_shrink import gluon_op
+
+    if not gluon_available(torch.cuda.current_device()):
+        pytest.skip("the Gluon kernels need a Hopper GPU (sm_90) and a Triton they were tested with")
+    m = LoRABatchMeta.build(requests, ranks, [0.5 + i for i in range(len(requests))], device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(m.num_tokens, 3072, generator=g, device="cuda").to(torch.bfloat16)
+    a = (torch.randn(num_slices, len(ranks), 128, 3072, generator=g, device="cuda") * 3072**-0.5).to(
+        torch.bfloat16
+    )
+    seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot)
+    cfg = SCALED_SWEEP[name]
+    s_cols = -(-m.max_rank // 16) * 16
+    if next_pow2(num_slices) * block_rank(s_cols) > 256:
+        assert not gluon_op.gluon_shrink_ok(x, a, s_cols, m.seg_align, cfg)
+        pytest.skip("more columns than one MMA: the Triton kernels")
+    assert gluon_op.gluon_shrink_ok(x, a, s_cols, m.seg_align, cfg)
+    assert gluon_op.gluon_shrink_ok(x, a, m.max_rank, m.seg_align, cfg)
+    want = lora_shrink_scaled_ref(x, a, *seg, m.seg_scale, m.slot_rank, m.max_rank)
+    want32 = lora_shrink_ref(x, a, *seg[1:], m.slot_rank, m.max_rank)
+    for _ in range(2):
+        got = launch_lora_shrink(x, a, *seg, m.slot_rank, m.max_rank, config=cfg, seg_scale=m.seg_scale,
+                                 seg_align=m.seg_align)  # fmt: skip
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        got32 = launch_lora_shrink(x, a, *seg, m.slot_rank, m.max_rank, config=cfg, seg_align=m.seg_align)
+        assert got32.dtype == torch.float32 and got32.shape == want32.shape
+        torch.testing.assert_close(got32, want32, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
 def test_bf16_gpu_lora_linear_and_inductor():
     meta, x, a, b, w, bias, sizes = gpu_problem(3)
     m = meta
@@ -648,3 +700,24 @@ def test_bf16_gpu_gluon_split_tail(max_rank, monkeypatch):
         torch.testing.assert_close(outs["gluon"][0], outs["gluon nb3 e1b1"][0], atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(outs["gluon"][0], outs["gluon no defer"][0], atol=1e-2, rtol=1e-2)
     assert calls == ["gemm"] * 10
+
+
+@pytest.mark.parametrize(
+    "slices,rank_tile,tokens,want",
+    [
+        (3, 32, 4 * 4608, "gluon k128"),  # 144 blocks of 128 on 132 SMs
+        (4, 16, 4 * 4608, "gluon 128"),
+        (4, 32, 10496, "gluon 128"),  # the skewed mix 4608/1024/4608/256: 82 blocks of 128
+        (3, 16, 4608, "gluon k128"),  # one request: 72 blocks of 64
+        (3, 64, 4 * 4608, None),  # rank 64: the Triton kernels
+        (1, 16, 4 * 4608, None),  # one slice: not measured, the Triton kernels
+        (3, 16, 2048, None),  # 8 x 256 tokens: 32 blocks of 64
+    ],
+)
+def test_gluon_shrink_choice(slices, rank_tile, tokens, want):
+    """Where the shrink is the Gluon kernel by default on an H200 (132 SMs), and in which form: the shapes the
+    H200 runs measured (BENCHMARKS.md), every named form a SCALED_SWEEP candidate."""
+    from ditserve.kernels.lora_shrink.gluon_op import gluon_shrink_choice
+
+    got = gluon_shrink_choice(slices, rank_tile, tokens, 132)
+    assert got == want and (got is None or SCALED_SWEEP[got]["GLUON"] == 1)

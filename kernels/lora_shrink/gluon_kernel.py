@@ -1,0 +1,179 @@
+"""The segmented LoRA shrink in Gluon for Hopper (sm_90): s[g, t, :] = (scale(t) ·) x[t] · A[g, slot(t)]ᵀ.
+
+The shrink streams x (113 MB for 4 requests of 4608 tokens at hidden 3072) and does little arithmetic at ranks
+up to 32, so it is as fast as the bytes in flight on each SM allow. It runs as one wave: program p owns
+`blocks` consecutive row blocks (cdiv(row blocks, SMs), so no program waits for a second round: 288
+blocks of 64 rows are 96 programs of 3 blocks, as cuBLAS cuts the same dense shape) and walks their K steps
+through one deep ring of STAGES shared-memory slots, each holding a step's x box [BLOCK_M, BLOCK_K] and every
+slice's A box [R, BLOCK_K] (the block's adapter slot; slices at rows g·R of the step's A buffer, the third of 3
+slices in a buffer of its own, so no slot holds a padding slice). The warps are specialised: a loader warp issues each step's TMA loads as soon as its slot is free (`empty`),
+completing the slot's `ready` barrier; the MMA warps (one warpgroup per 64 rows) wait for `ready`, issue the
+step's warpgroup MMAs (every slice's columns at once; 3 slices as MMAs of 2 and 1 slices' columns) and free
+the step before's slot once its MMAs are done. The ring runs across row blocks: the next block's loads are in
+flight while this block's s is stored.
+
+Contract (the launcher checks it): bf16/fp16 x and A; every segment starts at a multiple of BLOCK_M (a row
+block holds one segment); slices (rounded up to a power of two) × rank tile ≤ 256; x and A laid out for TMA.
+A row block without an adapter loads nothing and stores zeros.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from ditserve.kernels.lora_gemm.gluon_kernel import _store_s, _tma_load
+
+
+@gluon.jit
+def _block_segment(rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, BLOCK_M: gl.constexpr):
+    """Row block rb's (slot, rank, scale): its segment's adapter slot (-1: none), that slot's rank (0 without
+    one) and the segment's scale."""
+    seg = gl.load(token_seg_ptr + rb * BLOCK_M)
+    slot = gl.load(seg_slot_ptr + seg)
+    rank = gl.where(slot >= 0, gl.load(slot_rank_ptr + gl.maximum(slot, 0)), 0)
+    scale = gl.load(seg_scale_ptr + seg)
+    return slot, rank, scale
+
+
+@gluon.jit
+def _program_blocks(num_blocks, blocks):
+    """This program's row blocks [lo, hi): `blocks` consecutive ones."""
+    lo = gl.program_id(0) * blocks
+    return lo, gl.minimum(lo + blocks, num_blocks)
+
+
+@gluon.jit
+def _shrink_loader(x_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr, slot_rank_ptr,
+                   seg_scale_ptr, max_rank, a_slice_rows, num_blocks, blocks, G: gl.constexpr, R: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """The loader warp: every K step of this program's row blocks with an adapter, in the MMA warps' order;
+    step j into ring slot j % STAGES once the MMAs of step j - STAGES have freed it."""
+    lo, hi = _program_blocks(num_blocks, blocks)
+    k_tiles = gl.cdiv(x_desc.shape[1], BLOCK_K)
+    step_bytes: gl.constexpr = x_desc.block_type.nbytes + G * a_desc.block_type.nbytes
+    j = 0
+    for rb in range(lo, hi):
+        slot, rank, _ = _block_segment(rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, BLOCK_M)
+        a_row = gl.maximum(slot, 0) * max_rank
+        for ki in range(gl.where(rank > 0, k_tiles, 0)):
+            i = j % STAGES
+            mbarrier.wait(empty.index(i), ((j // STAGES) & 1) ^ 1)
+            bar = ready.index(i)
+            mbarrier.expect(bar, step_bytes)
+            _tma_load(x_desc, [rb * BLOCK_M, ki * BLOCK_K], bar, x_bufs.index(i))
+            for g in gl.static_range(G):
+                if G == 3 and g == 2:
+                    dst = b_bufs.index(i)
+                else:
+                    dst = a_bufs.index(i).slice(g * R, R, dim=0)
+                _tma_load(a_desc, [g * a_slice_rows + a_row, ki * BLOCK_K], bar, dst)
+            j += 1
+
+
+@gluon.jit
+def _shrink_mmas(x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr,
+                 num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles, G: gl.constexpr,
+                 R: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SCALED: gl.constexpr,
+                 num_warps: gl.constexpr):  # fmt: skip
+    """The MMA warps: per step wait for its slot, issue its MMAs, free the step before's slot once those MMAs
+    are done; per row block store its s (scaled), zeros for a block without an adapter. Nothing but MMAs
+    writes the accumulators: any other write makes ptxas serialize every MMA of the kernel (C7515)."""
+    SPLIT: gl.constexpr = G == 3
+    N_A: gl.constexpr = 2 * R if SPLIT else G * R
+    N_B: gl.constexpr = R if SPLIT else 16
+    GROUPS: gl.constexpr = 2 if SPLIT else 1  # MMAs a step commits
+    layout_a: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N_A, 16]
+    )
+    layout_b: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N_B, 16]
+    )
+    lo, hi = _program_blocks(num_blocks, blocks)
+    acc_a = gl.zeros((BLOCK_M, N_A), dtype=gl.float32, layout=layout_a)
+    acc_b = gl.zeros((BLOCK_M, N_B), dtype=gl.float32, layout=layout_b)
+    j = 0
+    for rb in range(lo, hi):
+        slot, rank, scale = _block_segment(
+            rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, BLOCK_M
+        )
+        for ki in range(gl.where(rank > 0, k_tiles, 0)):
+            i = j % STAGES
+            x_buf = x_bufs.index(i)
+            a_buf = a_bufs.index(i)
+            b_buf = b_bufs.index(i)
+            mbarrier.wait(ready.index(i), (j // STAGES) & 1)
+            tok_a = warpgroup_mma(x_buf, a_buf.permute((1, 0)), acc_a, use_acc=ki > 0, is_async=True)
+            tok_b = acc_b
+            if SPLIT:
+                tok_b = warpgroup_mma(x_buf, b_buf.permute((1, 0)), acc_b, use_acc=ki > 0, is_async=True)
+            acc_a, acc_b, _, _, _ = warpgroup_mma_wait(GROUPS, deps=(tok_a, tok_b, x_buf, a_buf, b_buf))
+            if j > 0:
+                mbarrier.arrive(empty.index((j - 1) % STAGES))
+            j += 1
+        out_a, out_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
+        if SCALED:
+            out_a = out_a * scale
+            out_b = out_b * scale
+        # rank 0 (no adapter, nothing loaded): _store_s drops every column, so the block's s is zeros
+        _store_s(out_a, 0, rb * BLOCK_M, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_A, G, R, BLOCK_M,
+                 num_warps)  # fmt: skip
+        if SPLIT:
+            _store_s(out_b, 2, rb * BLOCK_M, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_B, G, R,
+                     BLOCK_M, num_warps)  # fmt: skip
+
+
+@gluon.jit
+def _gluon_lora_shrink_kernel(
+    x_desc,  # x [num_tokens, hidden], box [BLOCK_M, BLOCK_K]
+    a_desc,  # A viewed as [slices · max_loras · max_rank, hidden], box [R, BLOCK_K]
+    s_ptr,  # [slices, num_tokens, s_cols]: fp32 (unscaled) or x's dtype (SCALED)
+    token_seg_ptr,  # [num_tokens] int32
+    seg_slot_ptr,  # [num_segments] int32, -1 = no LoRA
+    seg_scale_ptr,  # [num_segments] fp32
+    slot_rank_ptr,  # [max_loras] int32
+    num_tokens,
+    s_cols,  # columns of s written (the rest of the rank tile is dropped)
+    max_rank,  # A rows per slot
+    a_slice_rows,  # A rows per slice: max_loras · max_rank
+    stride_ss,
+    stride_st,
+    num_blocks,  # row blocks of BLOCK_M tokens
+    blocks,  # row blocks per program (consecutive)
+    G: gl.constexpr,  # slices
+    R: gl.constexpr,  # rank tile (power of two ≥ 16)
+    BLOCK_M: gl.constexpr,  # rows of a block: 64 per warpgroup
+    BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr,  # ring slots
+    SCALED: gl.constexpr,  # s · scale(t) in s's dtype, else unscaled fp32
+    num_warps: gl.constexpr,
+):
+    k_tiles = gl.cdiv(x_desc.shape[1], BLOCK_K)
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    # every slice's A rows of a step in one buffer; 3 slices as 2 + 1 (no padding slice)
+    a_bufs = gl.allocate_shared_memory(
+        a_desc.dtype, [STAGES, (2 if G == 3 else G) * R, BLOCK_K], a_desc.layout
+    )
+    if G == 3:
+        b_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, R, BLOCK_K], a_desc.layout)
+    else:
+        b_bufs = a_bufs
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize(
+        [
+            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
+                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles, G,
+                            R, BLOCK_M, STAGES, SCALED, num_warps)),
+            (_shrink_loader, (x_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr,
+                              slot_rank_ptr, seg_scale_ptr, max_rank, a_slice_rows, num_blocks, blocks, G, R,
+                              BLOCK_M, BLOCK_K, STAGES)),
+        ],
+        [1],
+        [40],
+    )  # fmt: skip
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))

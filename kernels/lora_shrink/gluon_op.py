@@ -1,0 +1,112 @@
+"""Launcher of the Gluon shrink for Hopper (gluon_kernel.py), and when it applies (`gluon_shrink_ok`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ditserve.kernels._dispatch import block_rank, next_pow2, num_programs_limit, tma_ok
+from ditserve.kernels.lora_gemm.gluon_op import SMEM_LIMIT, _tma_desc, gluon_available
+
+# 64-row blocks on one MMA warpgroup and a loader warp, 64-wide K steps, STAGES ring slots (0: as many as fit
+# in shared memory, at most MAX_STAGES).
+GLUON_SHRINK_CONFIG = dict(BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4)
+MAX_STAGES = 16
+
+# Where the Gluon shrink is the default (lora_shrink/op.py SCALED_SWEEP names), by (slices, rank tile), for
+# batches of at least half as many 128-row blocks as SMs (4 × 4608 tokens, the skewed mix 4608/1024/4608/256)
+# and for smaller ones of at least half as many 64-row blocks (one request of 4608). H200, L2 flushed by a
+# read, µs fp32 / bf16 scaled s, three calls (BENCHMARKS.md), against the Triton defaults:
+# - 4x4608: 3 slices rank 32 37.9-38.0 / 36.1-36.9 (41.8-42.8 / 41.2-42.6); 4 slices rank 16 34.0-35.0 /
+#   34.1-34.5 (38.6-42.5 / 37.3-37.8), rank 32 40.7-41.5 / 40.4-41.3 (55.0-57.7 / 48.0-48.5); 3 slices rank 16
+#   34.1 / 34.0, equal to the Triton kernel (34.1 / 34.0) in the same call.
+# - skew: 20.7-24.7 against 24.2-33.6 at ranks 16-32. One request: 11.4-13.8 against 15.6-18.0.
+# Rank 64 and above keep the Triton kernels (their A boxes are three times x's bytes per 64 rows; 55-66 µs
+# against 47-51 on 4x4608, 3 slices); so do 1 and 2 slices (not measured).
+GLUON_TUNED_LARGE: dict[tuple[int, int], str] = {
+    (3, 16): "gluon 128 k128",
+    (4, 16): "gluon 128",
+    (3, 32): "gluon k128",
+    (4, 32): "gluon 128",
+}
+GLUON_TUNED_SMALL: dict[tuple[int, int], str] = {
+    (3, 16): "gluon k128",
+    (4, 16): "gluon k128",
+    (3, 32): "gluon",
+    (4, 32): "gluon",
+}
+
+
+def gluon_shrink_choice(num_slices: int, rank_tile: int, num_tokens: int, num_sms: int) -> str | None:
+    """The SCALED_SWEEP name of the Gluon shrink this batch takes by default, or None (the Triton kernels)."""
+    if -(-num_tokens // 128) >= num_sms // 2:
+        return GLUON_TUNED_LARGE.get((num_slices, rank_tile))
+    if -(-num_tokens // 64) >= num_sms // 2:
+        return GLUON_TUNED_SMALL.get((num_slices, rank_tile))
+    return None
+
+
+def shrink_smem(cfg: dict[str, int], num_slices: int, rank_tile: int, itemsize: int = 2) -> tuple[int, int]:
+    """(ring slots, bytes of shared memory) of `_gluon_lora_shrink_kernel` (barriers aside)."""
+    slot = (cfg["BLOCK_M"] + num_slices * rank_tile) * cfg["BLOCK_K"] * itemsize
+    stages = cfg["STAGES"] or min(MAX_STAGES, (SMEM_LIMIT - 1024) // slot)
+    return stages, stages * slot
+
+
+def gluon_shrink_ok(
+    x: torch.Tensor,
+    a_stacked: torch.Tensor,
+    s_cols: int,
+    seg_align: int,
+    cfg: dict[str, int] = GLUON_SHRINK_CONFIG,
+) -> bool:
+    """The Gluon shrink's contract: Hopper, bf16/fp16 x and A (contiguous), every segment on a row-block
+    boundary, all slices' rank tiles in one MMA (≤ 256 columns), TMA-friendly tensors, a ring of at least two
+    slots in shared memory."""
+    if (
+        not x.is_cuda
+        or x.dtype not in (torch.bfloat16, torch.float16)
+        or not gluon_available(x.device.index or 0)
+    ):
+        return False
+    if a_stacked.dtype != x.dtype or not a_stacked.is_contiguous() or seg_align % cfg["BLOCK_M"]:
+        return False
+    num_slices, hidden = a_stacked.shape[0], a_stacked.shape[3]
+    stages, smem = shrink_smem(cfg, num_slices, block_rank(s_cols), x.element_size())
+    return (
+        next_pow2(num_slices) * block_rank(s_cols) <= 256
+        and smem <= SMEM_LIMIT - 1024
+        and stages >= 2
+        and tma_ok(x, a_stacked.view(-1, hidden))
+    )
+
+
+def launch_gluon_lora_shrink(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    a_stacked: torch.Tensor,  # [num_slices, max_loras, max_rank, hidden], contiguous
+    s: torch.Tensor,  # [num_slices, num_tokens, s_cols], written: fp32 unscaled, or x's dtype scaled
+    token_seg: torch.Tensor,  # [num_tokens] int32
+    seg_slot: torch.Tensor,  # [num_segments] int32
+    seg_scale: torch.Tensor | None,  # [num_segments] fp32; None: unscaled fp32 s
+    slot_rank: torch.Tensor,  # [max_loras] int32
+    cfg: dict[str, int] = GLUON_SHRINK_CONFIG,
+) -> None:
+    """s = (scale ·) x · Aᵀ per row block's adapter (the caller checked `gluon_shrink_ok`)."""
+    from ditserve.kernels.lora_shrink.gluon_kernel import _gluon_lora_shrink_kernel
+
+    num_slices, max_loras, max_rank, hidden = a_stacked.shape
+    num_tokens, s_cols = x.shape[0], s.shape[2]
+    assert s.is_contiguous() and s.shape[:2] == (num_slices, num_tokens), s.shape
+    assert (seg_scale is None) == (s.dtype == torch.float32), (s.dtype, seg_scale is None)
+    bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
+    rank_tile = block_rank(s_cols)
+    stages, _ = shrink_smem(cfg, num_slices, rank_tile, x.element_size())
+    num_blocks = -(-num_tokens // bm)
+    # one wave: every program resident at once, each with the same number of consecutive row blocks
+    blocks = -(-num_blocks // num_programs_limit(x.device))
+    _gluon_lora_shrink_kernel[(-(-num_blocks // blocks),)](
+        _tma_desc(x, [bm, bk]), _tma_desc(a_stacked.view(-1, hidden), [rank_tile, bk]), s, token_seg, seg_slot,
+        seg_slot if seg_scale is None else seg_scale, slot_rank, num_tokens, s_cols, max_rank, max_loras * max_rank,
+        s.stride(0), s.stride(1), num_blocks, blocks,
+        G=num_slices, R=rank_tile, BLOCK_M=bm, BLOCK_K=bk, STAGES=stages, SCALED=seg_scale is not None,
+        num_warps=cfg["num_warps"],
+    )  # fmt: skip
