@@ -2,15 +2,15 @@
 
 The shrink streams x (113 MB for 4 requests of 4608 tokens at hidden 3072) and does little arithmetic at ranks
 up to 32, so it is as fast as the bytes in flight on each SM allow. It runs as one wave: program p owns
-`blocks` consecutive row blocks (cdiv(row blocks, SMs), so no program waits for a second round: 288
-blocks of 64 rows are 96 programs of 3 blocks, as cuBLAS cuts the same dense shape) and walks their K steps
-through one deep ring of STAGES shared-memory slots, each holding a step's x box [BLOCK_M, BLOCK_K] and every
-slice's A box [R, BLOCK_K] (the block's adapter slot; slices at rows g·R of the step's A buffer, the third of 3
-slices in a buffer of its own, so no slot holds a padding slice). The warps are specialised: a loader warp issues each step's TMA loads as soon as its slot is free (`empty`),
-completing the slot's `ready` barrier; the MMA warps (one warpgroup per 64 rows) wait for `ready`, issue the
-step's warpgroup MMAs (every slice's columns at once; 3 slices as MMAs of 2 and 1 slices' columns) and free
-the step before's slot once its MMAs are done. The ring runs across row blocks: the next block's loads are in
-flight while this block's s is stored.
+`blocks` consecutive row blocks (cdiv(row blocks, SMs), so no program waits for a second round: 288 blocks of
+64 rows are 96 programs of 3 blocks, as cuBLAS cuts the same dense shape) and walks their K steps through one
+deep ring of STAGES shared-memory slots, each holding a step's x box [BLOCK_M, BLOCK_K] and every slice's A box
+[R, BLOCK_K] (the block's adapter slot; slices at rows g·R of the step's A buffer, the third of 3 slices in a
+buffer of its own, so no slot holds a padding slice). The warps are specialised: a loader warp issues each
+step's TMA loads as soon as its slot is free (`empty`), completing the slot's `ready` barrier; the MMA warps
+(one warpgroup per 64 rows) wait for `ready`, issue the step's warpgroup MMAs (every slice's columns at once; 3
+slices as MMAs of 2 and 1 slices' columns) and free the step before's slot once its MMAs are done. The ring
+runs across row blocks: the next block's loads are in flight while this block's s is stored.
 
 Contract (the launcher checks it): bf16/fp16 x and A; every segment starts at a multiple of BLOCK_M (a row
 block holds one segment); slices (rounded up to a power of two) × rank tile ≤ 256; x and A laid out for TMA.

@@ -16,12 +16,12 @@ MAX_STAGES = 16
 # batches of at least half as many 128-row blocks as SMs (4 × 4608 tokens, the skewed mix 4608/1024/4608/256)
 # and for smaller ones of at least half as many 64-row blocks (one request of 4608). H200, L2 flushed by a
 # read, µs fp32 / bf16 scaled s, three calls (BENCHMARKS.md), against the Triton defaults:
-# - 4x4608: 3 slices rank 32 37.9-38.0 / 36.1-36.9 (41.8-42.8 / 41.2-42.6); 4 slices rank 16 34.0-35.0 /
+# - 4x4608: 3 slices rank 32 37.9-38.0 / 36.1-36.9 in two calls (41.8-42.8 / 41.2-42.6); 4 slices rank 16 34.0-35.0 /
 #   34.1-34.5 (38.6-42.5 / 37.3-37.8), rank 32 40.7-41.5 / 40.4-41.3 (55.0-57.7 / 48.0-48.5); 3 slices rank 16
 #   34.1 / 34.0, equal to the Triton kernel (34.1 / 34.0) in the same call.
-# - skew: 20.7-24.7 against 24.2-33.6 at ranks 16-32. One request: 11.4-13.8 against 15.6-18.0.
-# Rank 64 and above keep the Triton kernels (their A boxes are three times x's bytes per 64 rows; 55-66 µs
-# against 47-51 on 4x4608, 3 slices); so do 1 and 2 slices (not measured).
+# - skew: 20.7-27.3 against 24.2-33.6 at ranks 16-32. One request: 11.4-14.0 against 15.6-18.0.
+# Rank 64 and above keep the Triton kernels (their A boxes are three times x's bytes per 64 rows; 55.6-61.6 µs
+# against 47.4-51.1 on 4x4608, 3 slices); so do 1 and 2 slices (not measured).
 GLUON_TUNED_LARGE: dict[tuple[int, int], str] = {
     (3, 16): "gluon 128 k128",
     (4, 16): "gluon 128",
