@@ -239,8 +239,8 @@ def sweep(lines: list[str], out: str) -> None:
             torch.cuda.empty_cache()
 
 
-def save(out: str, lines: list[str]) -> None:
-    with open(os.path.join(out, "lora_kernels.md"), "w") as f:
+def save(out: str, lines: list[str], name: str = "lora_kernels.md") -> None:
+    with open(os.path.join(out, name), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 

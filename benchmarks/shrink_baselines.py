@@ -88,8 +88,7 @@ def main() -> None:
                 lines.append(f"| {batch} | {nsl} | {rank} | {hbm * 1e3:.1f} / {roof * 1e3:.1f} µs | "
                              + " | ".join(cells) + " |")  # fmt: skip
                 print(lines[-1], flush=True)
-                with open(os.path.join(args.out, "shrink_baselines.md"), "w") as f:
-                    f.write("\n".join(lines) + "\n")
+                lk.save(args.out, lines, "shrink_baselines.md")
                 del p, dense, x64
                 torch.cuda.empty_cache()
 
