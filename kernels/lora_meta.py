@@ -13,6 +13,7 @@ no launch needs a device→host sync.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
@@ -55,8 +56,9 @@ class LoRABatchMeta:
       chunk_start [num_chunks]      first position of the chunk in sorted_token_ids
       chunk_len   [num_chunks]      tokens in the chunk (1..chunk_size)
     Host ints: num_tokens, max_rank (largest rank in use; 0 = no LoRA in the batch: kernels skip),
-    chunk_size, num_chunks, seg_align (the largest power of two, up to 2**30, dividing the first token of
-    every non-empty segment: a row block of that many tokens or fewer never holds two segments).
+    chunk_size, num_chunks, seg_align (the greatest common divisor of the first tokens of the non-empty
+    segments, 0 where all start at token 0: row blocks of b tokens never hold two segments when seg_align % b
+    == 0; four requests of 4608 tokens: 4608, for blocks of 64, 128 or 192 rows; one request: any block).
     """
 
     seg_start: torch.Tensor
@@ -121,10 +123,7 @@ class LoRABatchMeta:
             token_seg += [i] * n
             pos += n
         num_tokens = pos
-        seg_align = 1 << 30
-        for start, n in zip(starts, lens, strict=True):
-            while n and start % seg_align:
-                seg_align //= 2
+        seg_align = math.gcd(*(start for start, n in zip(starts, lens, strict=True) if n))
         max_rank = max((slot_ranks[s] for s in slots if s >= 0), default=0)
         if max_rank > 128:
             raise ValueError(f"rank {max_rank} > 128 is not supported by the LoRA kernels")

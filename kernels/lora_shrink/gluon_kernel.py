@@ -10,10 +10,14 @@ buffer of its own, so no slot holds a padding slice). The warps are specialised:
 step's TMA loads as soon as its slot is free (`empty`), completing the slot's `ready` barrier; the MMA warps
 (one warpgroup per 64 rows) wait for `ready`, issue the step's warpgroup MMAs (every slice's columns at once; 3
 slices as MMAs of 2 and 1 slices' columns) and free the step before's slot once its MMAs are done. The ring
-runs across row blocks: the next block's loads are in flight while this block's s is stored.
+runs across row blocks: the next block's loads are in flight while this block's s is stored. With WG > 1 a
+row block is WG × BLOCK_M rows and WG MMA partitions share each slot's x box, each its own BLOCK_M rows with its
+own accumulators (`empty` counts WG arrivals): more warpgroups issuing MMAs per SM, on programs of one block
+(4 × 4608 tokens: 96 blocks of 192 rows, the cut cuBLAS takes), where one warpgroup cannot keep the tensor
+cores busy at rank 32 and above.
 
-Contract (the launcher checks it): bf16/fp16 x and A; every segment starts at a multiple of BLOCK_M (a row
-block holds one segment); slices (rounded up to a power of two) × rank tile ≤ 256; x and A laid out for TMA.
+Contract (the launcher checks it): bf16/fp16 x and A; every segment starts at a multiple of WG × BLOCK_M (a
+row block holds one segment); slices (rounded up to a power of two) × rank tile ≤ 256; x and A laid out for TMA.
 A row block without an adapter loads nothing and stores zeros.
 """
 
@@ -25,10 +29,10 @@ from ditserve.kernels.lora_gemm.gluon_kernel import _store_s, _tma_load
 
 
 @gluon.jit
-def _block_segment(rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, BLOCK_M: gl.constexpr):
+def _block_segment(rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, ROWS: gl.constexpr):
     """Row block rb's (slot, rank, scale): its segment's adapter slot (-1: none), that slot's rank (0 without
     one) and the segment's scale."""
-    seg = gl.load(token_seg_ptr + rb * BLOCK_M)
+    seg = gl.load(token_seg_ptr + rb * ROWS)
     slot = gl.load(seg_slot_ptr + seg)
     rank = gl.where(slot >= 0, gl.load(slot_rank_ptr + gl.maximum(slot, 0)), 0)
     scale = gl.load(seg_scale_ptr + seg)
@@ -45,22 +49,25 @@ def _program_blocks(num_blocks, blocks):
 @gluon.jit
 def _shrink_loader(x_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr, slot_rank_ptr,
                    seg_scale_ptr, max_rank, a_slice_rows, num_blocks, blocks, G: gl.constexpr, R: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+                   ROWS: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """The loader warp: every K step of this program's row blocks with an adapter, in the MMA warps' order;
     step j into ring slot j % STAGES once the MMAs of step j - STAGES have freed it."""
     lo, hi = _program_blocks(num_blocks, blocks)
     k_tiles = gl.cdiv(x_desc.shape[1], BLOCK_K)
-    step_bytes: gl.constexpr = x_desc.block_type.nbytes + G * a_desc.block_type.nbytes
+    XM: gl.constexpr = x_desc.block_type.shape[0]  # rows of an x box: one per MMA partition
+    WG: gl.constexpr = ROWS // XM
+    step_bytes: gl.constexpr = WG * x_desc.block_type.nbytes + G * a_desc.block_type.nbytes
     j = 0
     for rb in range(lo, hi):
-        slot, rank, _ = _block_segment(rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, BLOCK_M)
+        slot, rank, _ = _block_segment(rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, ROWS)
         a_row = gl.maximum(slot, 0) * max_rank
         for ki in range(gl.where(rank > 0, k_tiles, 0)):
             i = j % STAGES
             mbarrier.wait(empty.index(i), ((j // STAGES) & 1) ^ 1)
             bar = ready.index(i)
             mbarrier.expect(bar, step_bytes)
-            _tma_load(x_desc, [rb * BLOCK_M, ki * BLOCK_K], bar, x_bufs.index(i))
+            for w in gl.static_range(WG):
+                _tma_load(x_desc, [rb * ROWS + w * XM, ki * BLOCK_K], bar, x_bufs.index(i * WG + w))
             for g in gl.static_range(G):
                 if G == 3 and g == 2:
                     dst = b_bufs.index(i)
@@ -74,10 +81,12 @@ def _shrink_loader(x_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_s
 def _shrink_mmas(x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr,
                  num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles, G: gl.constexpr,
                  R: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SCALED: gl.constexpr,
-                 num_warps: gl.constexpr):  # fmt: skip
-    """The MMA warps: per step wait for its slot, issue its MMAs, free the step before's slot once those MMAs
-    are done; per row block store its s (scaled), zeros for a block without an adapter. Nothing but MMAs
-    writes the accumulators: any other write makes ptxas serialize every MMA of the kernel (C7515)."""
+                 WG: gl.constexpr, wg: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """MMA partition wg (of WG): per step wait for its slot, issue its MMAs on its BLOCK_M rows of the slot's x
+    box, free the step before's slot once those MMAs are done; per row block store its rows of s (scaled),
+    zeros for a block without an adapter. Nothing but MMAs writes the accumulators: any other write makes ptxas
+    serialize every MMA of the kernel (C7515)."""
+    ROWS: gl.constexpr = WG * BLOCK_M
     SPLIT: gl.constexpr = G == 3
     N_A: gl.constexpr = 2 * R if SPLIT else G * R
     N_B: gl.constexpr = R if SPLIT else 16
@@ -94,11 +103,12 @@ def _shrink_mmas(x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg
     j = 0
     for rb in range(lo, hi):
         slot, rank, scale = _block_segment(
-            rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, BLOCK_M
+            rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, ROWS
         )
+        m0 = rb * ROWS + wg * BLOCK_M
         for ki in range(gl.where(rank > 0, k_tiles, 0)):
             i = j % STAGES
-            x_buf = x_bufs.index(i)
+            x_buf = x_bufs.index(i * WG + wg)
             a_buf = a_bufs.index(i)
             b_buf = b_bufs.index(i)
             mbarrier.wait(ready.index(i), (j // STAGES) & 1)
@@ -115,16 +125,16 @@ def _shrink_mmas(x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg
             out_a = out_a * scale
             out_b = out_b * scale
         # rank 0 (no adapter, nothing loaded): _store_s drops every column, so the block's s is zeros
-        _store_s(out_a, 0, rb * BLOCK_M, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_A, G, R, BLOCK_M,
+        _store_s(out_a, 0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_A, G, R, BLOCK_M,
                  num_warps)  # fmt: skip
         if SPLIT:
-            _store_s(out_b, 2, rb * BLOCK_M, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_B, G, R,
+            _store_s(out_b, 2, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_B, G, R,
                      BLOCK_M, num_warps)  # fmt: skip
 
 
 @gluon.jit
 def _gluon_lora_shrink_kernel(
-    x_desc,  # x [num_tokens, hidden], box [BLOCK_M, BLOCK_K]
+    x_desc,  # x [num_tokens, hidden], box [BLOCK_M, BLOCK_K] (WG of them a step)
     a_desc,  # A viewed as [slices · max_loras · max_rank, hidden], box [R, BLOCK_K]
     s_ptr,  # [slices, num_tokens, s_cols]: fp32 (unscaled) or x's dtype (SCALED)
     token_seg_ptr,  # [num_tokens] int32
@@ -137,18 +147,21 @@ def _gluon_lora_shrink_kernel(
     a_slice_rows,  # A rows per slice: max_loras · max_rank
     stride_ss,
     stride_st,
-    num_blocks,  # row blocks of BLOCK_M tokens
+    num_blocks,  # row blocks of WG · BLOCK_M tokens
     blocks,  # row blocks per program (consecutive)
     G: gl.constexpr,  # slices
     R: gl.constexpr,  # rank tile (power of two ≥ 16)
-    BLOCK_M: gl.constexpr,  # rows of a block: 64 per warpgroup
+    BLOCK_M: gl.constexpr,  # rows of an MMA partition: 64 per warpgroup (num_warps / 4)
     BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr,  # ring slots
     SCALED: gl.constexpr,  # s · scale(t) in s's dtype, else unscaled fp32
+    WG: gl.constexpr,  # MMA partitions, each of num_warps warps: a row block is WG · BLOCK_M rows
+    MMA_REGS: gl.constexpr,  # registers of each MMA partition past the first (WG > 1): those it starts with
     num_warps: gl.constexpr,
 ):
     k_tiles = gl.cdiv(x_desc.shape[1], BLOCK_K)
-    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    # a slot's x box per MMA partition: slot i, partition w at x_bufs[i · WG + w]
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES * WG, BLOCK_M, BLOCK_K], x_desc.layout)
     # every slice's A rows of a step in one buffer; 3 slices as 2 + 1 (no padding slice)
     a_bufs = gl.allocate_shared_memory(
         a_desc.dtype, [STAGES, (2 if G == 3 else G) * R, BLOCK_K], a_desc.layout
@@ -161,19 +174,80 @@ def _gluon_lora_shrink_kernel(
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    gl.warp_specialize(
-        [
+        mbarrier.init(empty.index(i), count=WG)
+    # MMA partition 0 (the default partition, num_warps warps), MMA partitions 1..WG-1, the loader warp; written
+    # out per WG (a partition is a literal (function, arguments) pair)
+    if WG == 1:
+        gl.warp_specialize(
+            [
             (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
-                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles, G,
-                            R, BLOCK_M, STAGES, SCALED, num_warps)),
+                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles,
+                            G, R, BLOCK_M, STAGES, SCALED, WG, 0, num_warps)),
             (_shrink_loader, (x_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr,
                               slot_rank_ptr, seg_scale_ptr, max_rank, a_slice_rows, num_blocks, blocks, G, R,
-                              BLOCK_M, BLOCK_K, STAGES)),
-        ],
-        [1],
-        [40],
-    )  # fmt: skip
+                              WG * BLOCK_M, BLOCK_K, STAGES)),
+            ],
+            [1],
+            [40],
+        )  # fmt: skip
+    elif WG == 2:
+        gl.warp_specialize(
+            [
+            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
+                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles,
+                            G, R, BLOCK_M, STAGES, SCALED, WG, 0, num_warps)),
+            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
+                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles,
+                            G, R, BLOCK_M, STAGES, SCALED, WG, 1, num_warps)),
+            (_shrink_loader, (x_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr,
+                              slot_rank_ptr, seg_scale_ptr, max_rank, a_slice_rows, num_blocks, blocks, G, R,
+                              WG * BLOCK_M, BLOCK_K, STAGES)),
+            ],
+            [num_warps, 1],
+            [MMA_REGS, 40],
+        )  # fmt: skip
+    elif WG == 3:
+        gl.warp_specialize(
+            [
+            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
+                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles,
+                            G, R, BLOCK_M, STAGES, SCALED, WG, 0, num_warps)),
+            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
+                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles,
+                            G, R, BLOCK_M, STAGES, SCALED, WG, 1, num_warps)),
+            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
+                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles,
+                            G, R, BLOCK_M, STAGES, SCALED, WG, 2, num_warps)),
+            (_shrink_loader, (x_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr,
+                              slot_rank_ptr, seg_scale_ptr, max_rank, a_slice_rows, num_blocks, blocks, G, R,
+                              WG * BLOCK_M, BLOCK_K, STAGES)),
+            ],
+            [num_warps, num_warps, 1],
+            [MMA_REGS, MMA_REGS, 40],
+        )  # fmt: skip
+    else:
+        gl.static_assert(WG == 4, "1-4 MMA partitions")
+        gl.warp_specialize(
+            [
+            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
+                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles,
+                            G, R, BLOCK_M, STAGES, SCALED, WG, 0, num_warps)),
+            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
+                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles,
+                            G, R, BLOCK_M, STAGES, SCALED, WG, 1, num_warps)),
+            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
+                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles,
+                            G, R, BLOCK_M, STAGES, SCALED, WG, 2, num_warps)),
+            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
+                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles,
+                            G, R, BLOCK_M, STAGES, SCALED, WG, 3, num_warps)),
+            (_shrink_loader, (x_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr,
+                              slot_rank_ptr, seg_scale_ptr, max_rank, a_slice_rows, num_blocks, blocks, G, R,
+                              WG * BLOCK_M, BLOCK_K, STAGES)),
+            ],
+            [num_warps, num_warps, num_warps, 1],
+            [MMA_REGS, MMA_REGS, MMA_REGS, 40],
+        )  # fmt: skip
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))

@@ -8,9 +8,19 @@ from ditserve.kernels._dispatch import block_rank, next_pow2, num_programs_limit
 from ditserve.kernels.lora_gemm.gluon_op import SMEM_LIMIT, _tma_desc, gluon_available
 
 # 64-row blocks on one MMA warpgroup and a loader warp, 64-wide K steps, STAGES ring slots (0: as many as fit
-# in shared memory, at most MAX_STAGES).
-GLUON_SHRINK_CONFIG = dict(BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4)
+# in shared memory, at most MAX_STAGES); WG MMA partitions of num_warps warps and BLOCK_M rows each make a row
+# block of WG · BLOCK_M rows.
+GLUON_SHRINK_CONFIG = dict(BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4, WG=1)
 MAX_STAGES = 16
+REGISTERS = 65536  # 32-bit registers of an SM, shared by a program's warps
+
+
+def partition_regs(wg: int, warps: int) -> int:
+    """Registers per thread a program of WG MMA partitions and the loader warp starts with (what ptxas reports
+    for it: the warps counted in whole warpgroups, 8-register steps; 168 / 128 / 96 at WG 2 / 3 / 4)."""
+    groups = -(-(wg * warps + 1) // 4)
+    return REGISTERS // (groups * 4 * 32) // 8 * 8
+
 
 # Where the Gluon shrink is the default (lora_shrink/op.py SCALED_SWEEP names), by (slices, rank tile), for
 # batches of at least half as many 128-row blocks as SMs (4 × 4608 tokens, the skewed mix 4608/1024/4608/256)
@@ -36,8 +46,30 @@ GLUON_TUNED_SMALL: dict[tuple[int, int], str] = {
 }
 
 
-def gluon_shrink_choice(num_slices: int, rank_tile: int, num_tokens: int, num_sms: int) -> str | None:
+# Batches whose segments lie on 192-row blocks filling at least 70 % of the SMs in one wave (4 × 4608 tokens:
+# 96 programs of one block) take 3 MMA partitions where that was faster (H200, read flush, µs fp32 / bf16 scaled
+# s, against the forms above in the same call): 4 slices rank 32 38.9 / 37.8 (41.5 / 41.1), 3 slices rank 32
+# 37.0 / 36.9 (38.3 / 37.1), 3 slices rank 64 47.5 / 49.0 (the Triton kernel 50.9 / 49.0). At rank 16 they tie.
+GLUON_TUNED_W3: dict[tuple[int, int], str] = {
+    (3, 32): "gluon w3",
+    (4, 32): "gluon w3",
+    (3, 64): "gluon w3",
+}
+
+
+def wave_programs(num_blocks: int, num_sms: int) -> int:
+    """Programs of the one-wave launch: each takes cdiv(blocks, SMs) consecutive blocks."""
+    return -(-num_blocks // -(-num_blocks // num_sms)) if num_blocks else 0
+
+
+def gluon_shrink_choice(
+    num_slices: int, rank_tile: int, num_tokens: int, num_sms: int, seg_align: int = 1
+) -> str | None:
     """The SCALED_SWEEP name of the Gluon shrink this batch takes by default, or None (the Triton kernels)."""
+    if seg_align % 192 == 0 and wave_programs(-(-num_tokens // 192), num_sms) >= 0.7 * num_sms:
+        name = GLUON_TUNED_W3.get((num_slices, rank_tile))
+        if name is not None:
+            return name
     if -(-num_tokens // 128) >= num_sms // 2:
         return GLUON_TUNED_LARGE.get((num_slices, rank_tile))
     if -(-num_tokens // 64) >= num_sms // 2:
@@ -47,7 +79,7 @@ def gluon_shrink_choice(num_slices: int, rank_tile: int, num_tokens: int, num_sm
 
 def shrink_smem(cfg: dict[str, int], num_slices: int, rank_tile: int, itemsize: int = 2) -> tuple[int, int]:
     """(ring slots, bytes of shared memory) of `_gluon_lora_shrink_kernel` (barriers aside)."""
-    slot = (cfg["BLOCK_M"] + num_slices * rank_tile) * cfg["BLOCK_K"] * itemsize
+    slot = (cfg.get("WG", 1) * cfg["BLOCK_M"] + num_slices * rank_tile) * cfg["BLOCK_K"] * itemsize
     stages = cfg["STAGES"] or min(MAX_STAGES, (SMEM_LIMIT - 1024) // slot)
     return stages, stages * slot
 
@@ -61,19 +93,25 @@ def gluon_shrink_ok(
 ) -> bool:
     """The Gluon shrink's contract: Hopper, bf16/fp16 x and A (contiguous), every segment on a row-block
     boundary, all slices' rank tiles in one MMA (≤ 256 columns), TMA-friendly tensors, a ring of at least two
-    slots in shared memory."""
+    slots in shared memory; row blocks of at most 256 rows."""
     if (
         not x.is_cuda
         or x.dtype not in (torch.bfloat16, torch.float16)
         or not gluon_available(x.device.index or 0)
     ):
         return False
-    if a_stacked.dtype != x.dtype or not a_stacked.is_contiguous() or seg_align % cfg["BLOCK_M"]:
+    rows = cfg.get("WG", 1) * cfg["BLOCK_M"]
+    if a_stacked.dtype != x.dtype or not a_stacked.is_contiguous() or seg_align % rows or rows > 256:
         return False
     num_slices, hidden = a_stacked.shape[0], a_stacked.shape[3]
     stages, smem = shrink_smem(cfg, num_slices, block_rank(s_cols), x.element_size())
+    # with WG > 1 every thread holds its fp32 accumulators (half the MMA columns) in fewer registers; past
+    # this ptxas spills, then fails (4 slices at rank 64 on 3 or 4 partitions)
+    wg = cfg.get("WG", 1)
+    acc_fits = wg == 1 or num_slices * block_rank(s_cols) // 2 <= partition_regs(wg, cfg["num_warps"]) - 32
     return (
-        next_pow2(num_slices) * block_rank(s_cols) <= 256
+        acc_fits
+        and next_pow2(num_slices) * block_rank(s_cols) <= 256
         and smem <= SMEM_LIMIT - 1024
         and stages >= 2
         and tma_ok(x, a_stacked.view(-1, hidden))
@@ -97,16 +135,16 @@ def launch_gluon_lora_shrink(
     num_tokens, s_cols = x.shape[0], s.shape[2]
     assert s.is_contiguous() and s.shape[:2] == (num_slices, num_tokens), s.shape
     assert (seg_scale is None) == (s.dtype == torch.float32), (s.dtype, seg_scale is None)
-    bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
+    bm, bk, wg, warps = cfg["BLOCK_M"], cfg["BLOCK_K"], cfg.get("WG", 1), cfg["num_warps"]
     rank_tile = block_rank(s_cols)
     stages, _ = shrink_smem(cfg, num_slices, rank_tile, x.element_size())
-    num_blocks = -(-num_tokens // bm)
+    num_blocks = -(-num_tokens // (wg * bm))
     # one wave: every program resident at once, each with the same number of consecutive row blocks
     blocks = -(-num_blocks // num_programs_limit(x.device))
     _gluon_lora_shrink_kernel[(-(-num_blocks // blocks),)](
         _tma_desc(x, [bm, bk]), _tma_desc(a_stacked.view(-1, hidden), [rank_tile, bk]), s, token_seg, seg_slot,
         seg_slot if seg_scale is None else seg_scale, slot_rank, num_tokens, s_cols, max_rank, max_loras * max_rank,
         s.stride(0), s.stride(1), num_blocks, blocks,
-        G=num_slices, R=rank_tile, BLOCK_M=bm, BLOCK_K=bk, STAGES=stages, SCALED=seg_scale is not None,
-        num_warps=cfg["num_warps"],
+        G=num_slices, R=rank_tile, BLOCK_M=bm, BLOCK_K=bk, STAGES=stages, SCALED=seg_scale is not None, WG=wg,
+        MMA_REGS=partition_regs(wg, warps), num_warps=warps,
     )  # fmt: skip

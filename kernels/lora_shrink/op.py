@@ -89,6 +89,12 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "gluon k128": dict(GLUON=1, BLOCK_M=64, BLOCK_K=128, STAGES=0, num_warps=4),
     "gluon 128": dict(GLUON=1, BLOCK_M=128, BLOCK_K=64, STAGES=0, num_warps=8),
     "gluon 128 k128": dict(GLUON=1, BLOCK_M=128, BLOCK_K=128, STAGES=0, num_warps=8),
+    # WG MMA partitions of one warpgroup each: row blocks of 128 / 192 / 256 rows with WG warpgroups issuing
+    # MMAs apart (4 × 4608 tokens with 192 rows: 96 programs of one block)
+    "gluon w2": dict(GLUON=1, BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4, WG=2),
+    "gluon w3": dict(GLUON=1, BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4, WG=3),
+    "gluon w3 k128": dict(GLUON=1, BLOCK_M=64, BLOCK_K=128, STAGES=0, num_warps=4, WG=3),
+    "gluon w4": dict(GLUON=1, BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4, WG=4),
 }
 
 # The segmented kernel's defaults (fp32 and scaled outputs) where H200 sweeps (hidden 3072; 4x4608 tokens,
@@ -141,7 +147,9 @@ def segmented_config(num_slices: int, block_r: int, num_tokens: int, device: tor
     return shrink_config(num_slices, block_r)
 
 
-def default_config(num_slices: int, block_r: int, num_tokens: int, device: torch.device) -> dict[str, int]:
+def default_config(
+    num_slices: int, block_r: int, num_tokens: int, device: torch.device, seg_align: int = 1
+) -> dict[str, int]:
     """The shrink's tiles when none are given: on Hopper with the Gluon kernels the Gluon shrink where H200 runs
     found it faster (`gluon_op.gluon_shrink_choice`; the launch falls back to the Triton tiles where its
     contract does not hold; DITSERVE_GLUON_GEMM=0 turns it off with the Gluon GEMM), else `segmented_config`."""
@@ -151,7 +159,7 @@ def default_config(num_slices: int, block_r: int, num_tokens: int, device: torch
         from ditserve.kernels.lora_shrink.gluon_op import gluon_shrink_choice
 
         if linear_op.GLUON and gluon_available(device.index or 0):
-            name = gluon_shrink_choice(num_slices, block_r, num_tokens, num_programs_limit(device))
+            name = gluon_shrink_choice(num_slices, block_r, num_tokens, num_programs_limit(device), seg_align)
             if name is not None:
                 return SCALED_SWEEP[name]
     return segmented_config(num_slices, block_r, num_tokens, device)
@@ -217,7 +225,7 @@ def launch_lora_shrink(
     if num_tokens == 0 or rank_dim == 0:
         return s.zero_()
     block_r = block_rank(s.shape[2])
-    cfg = dict(config or default_config(num_slices, block_r, num_tokens, x.device))
+    cfg = dict(config or default_config(num_slices, block_r, num_tokens, x.device, seg_align))
     if cfg.pop("GLUON", 0):  # the Gluon kernel where its contract holds, else the Triton kernel's tiles
         from ditserve.kernels.lora_shrink import gluon_op
 

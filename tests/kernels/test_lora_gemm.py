@@ -317,12 +317,18 @@ def test_tma_store_whole_tile_slices(subtile):
 
 
 def test_seg_align():
-    """The largest power of two dividing every non-empty segment's first token (empty ones do not count)."""
+    """The greatest common divisor of the non-empty segments' first tokens (empty ones do not count), so row
+    blocks of any size dividing it (192 rows too) hold one segment each; 0 (which every size divides) where the
+    batch has one segment."""
     ranks = [16, 16, 16]
     assert LoRABatchMeta.build([(32, 0), (0, 1), (16, -1), (48, 2)], ranks).seg_align == 16
     assert LoRABatchMeta.build([(128, 0), (256, 1), (3, 2)], ranks).seg_align == 128
     assert LoRABatchMeta.build([(1, 0), (5, 1)], ranks).seg_align == 1
-    assert LoRABatchMeta.build([(7, 0)], ranks).seg_align == 1 << 30
+    assert LoRABatchMeta.build([(7, 0)], ranks).seg_align == 0  # one segment: blocks of any size
+    assert LoRABatchMeta.build([(0, 1), (7, 0), (0, 2)], ranks).seg_align == 0
+    assert LoRABatchMeta.build([(4608, 0), (4608, 1), (4608, 2), (4608, 0)], ranks).seg_align == 4608
+    assert LoRABatchMeta.build([(4608, 0), (1024, -1), (4608, 1), (256, 2)], ranks).seg_align == 512
+    assert LoRABatchMeta.build([(192, 0), (384, 1), (0, 2), (5, 1)], ranks).seg_align == 192
 
 
 @pytest.mark.parametrize("flatten", [0, 1])
@@ -554,25 +560,37 @@ def test_bf16_gpu_shrink_scaled_every_config(num_slices, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["gluon", "gluon 128", "gluon k128", "gluon 128 k128"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gluon",
+        "gluon 128",
+        "gluon k128",
+        "gluon 128 k128",
+        "gluon w2",
+        "gluon w3",
+        "gluon w3 k128",
+        "gluon w4",
+    ],
+)
 @pytest.mark.parametrize("num_slices", [1, 2, 3, 4])
 @pytest.mark.parametrize(
     "requests,ranks",
     [
-        # 288 row blocks of 64 (144 of 128): 96 programs of 3 consecutive blocks (72 of 2)
+        # 288 row blocks of 64 (144 of 128, 96 of 192): 96 programs of 3 consecutive blocks (72 of 2, 96 of 1)
         ([(4608, 0), (4608, 1), (4608, 2), (4608, 3)], [64, 64, 64, 64]),
         # 72 row blocks of 64: a program each; rank 16 (a 16-wide rank tile)
         ([(4608, 0)], [16]),
         # a request without an adapter (no loads, zeros), ranks 8 / 32 / 16 under a 32-wide tile, a last
-        # block past the final row
-        ([(4608, 0), (1024, -1), (4608, 1), (256, 2), (4096, 1), (300, 0)], [8, 32, 16]),
+        # block past the final row; segments on multiples of 768 rows (every form's row block)
+        ([(4608, 0), (1536, -1), (4608, 1), (768, 2), (3840, 1), (300, 0)], [8, 32, 16]),
         # rank 128 (two slices at most fit one MMA) next to rank 64
-        ([(2048, 0), (16896, 1)], [128, 64]),
+        ([(2304, 0), (16896, 1)], [128, 64]),
     ],
 )
 def test_bf16_gpu_gluon_shrink(name, num_slices, requests, ranks):
-    """The Gluon shrink (Hopper) on Flux sizes, on one MMA warpgroup (64-row blocks) and two (128), 64- and
-    128-wide K steps, bf16 scale · s and fp32 s against the references, launch after launch; it must take these
+    """The Gluon shrink (Hopper) on Flux sizes, on one MMA warpgroup (64-row blocks) and two (128), on 2-4 MMA
+    partitions of one warpgroup each (128-256 rows), 64- and 128-wide K steps, bf16 scale · s and fp32 s against the references, launch after launch; it must take these
     batches (a test of the fallback it is not)."""
     from ditserve.kernels.lora_gemm.gluon_op import gluon_available
     from ditserve.kernels.lora_shrink import gluon_op
@@ -591,6 +609,10 @@ def test_bf16_gpu_gluon_shrink(name, num_slices, requests, ranks):
     if next_pow2(num_slices) * block_rank(s_cols) > 256:
         assert not gluon_op.gluon_shrink_ok(x, a, s_cols, m.seg_align, cfg)
         pytest.skip("more columns than one MMA: the Triton kernels")
+    wg = cfg.get("WG", 1)
+    if wg > 1 and num_slices * block_rank(s_cols) // 2 > gluon_op.partition_regs(wg, cfg["num_warps"]) - 32:
+        assert not gluon_op.gluon_shrink_ok(x, a, s_cols, m.seg_align, cfg)
+        pytest.skip("accumulators past the registers of a partition: the Triton kernels")
     assert gluon_op.gluon_shrink_ok(x, a, s_cols, m.seg_align, cfg)
     assert gluon_op.gluon_shrink_ok(x, a, m.max_rank, m.seg_align, cfg)
     want = lora_shrink_scaled_ref(x, a, *seg, m.seg_scale, m.slot_rank, m.max_rank)
@@ -703,21 +725,27 @@ def test_bf16_gpu_gluon_split_tail(max_rank, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "slices,rank_tile,tokens,want",
+    "slices,rank_tile,tokens,align,want",
     [
-        (3, 32, 4 * 4608, "gluon k128"),  # 144 blocks of 128 on 132 SMs
-        (4, 16, 4 * 4608, "gluon 128"),
-        (4, 32, 10496, "gluon 128"),  # the skewed mix 4608/1024/4608/256: 82 blocks of 128
-        (3, 16, 4608, "gluon k128"),  # one request: 72 blocks of 64
-        (3, 64, 4 * 4608, None),  # rank 64: the Triton kernels
-        (1, 16, 4 * 4608, None),  # one slice: not measured, the Triton kernels
-        (3, 16, 2048, None),  # 8 x 256 tokens: 32 blocks of 64
+        (3, 32, 4 * 4608, 512, "gluon k128"),  # 144 blocks of 128 on 132 SMs
+        (3, 32, 4 * 4608, 4608, "gluon w3"),  # segments on 192-row blocks: 96 programs of one
+        (4, 32, 4 * 4608, 4608, "gluon w3"),
+        (3, 64, 4 * 4608, 4608, "gluon w3"),
+        (4, 16, 4 * 4608, 4608, "gluon 128"),  # rank 16: 3 partitions tie
+        (4, 32, 6 * 4608, 4608, "gluon 128"),  # 144 blocks of 192: 72 programs of 2
+        (4, 32, 8 * 4608, 4608, "gluon w3"),  # 192 blocks of 192: 96 programs of 2
+        (4, 32, 10496, 512, "gluon 128"),  # the skewed mix 4608/1024/4608/256: 82 blocks of 128
+        (3, 16, 4608, 0, "gluon k128"),  # one request: 72 blocks of 64
+        (3, 64, 4 * 4608, 512, None),  # rank 64 off 192-row blocks: the Triton kernels
+        (4, 64, 4 * 4608, 4608, None),  # 4 slices at rank 64: the Triton kernels
+        (1, 16, 4 * 4608, 4608, None),  # one slice: not measured, the Triton kernels
+        (3, 16, 2048, 256, None),  # 8 x 256 tokens: 32 blocks of 64
     ],
 )
-def test_gluon_shrink_choice(slices, rank_tile, tokens, want):
+def test_gluon_shrink_choice(slices, rank_tile, tokens, align, want):
     """Where the shrink is the Gluon kernel by default on an H200 (132 SMs), and in which form: the shapes the
     H200 runs measured (BENCHMARKS.md), every named form a SCALED_SWEEP candidate."""
     from ditserve.kernels.lora_shrink.gluon_op import gluon_shrink_choice
 
-    got = gluon_shrink_choice(slices, rank_tile, tokens, 132)
+    got = gluon_shrink_choice(slices, rank_tile, tokens, 132, align)
     assert got == want and (got is None or SCALED_SWEEP[got]["GLUON"] == 1)
