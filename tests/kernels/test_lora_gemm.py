@@ -727,7 +727,8 @@ def test_bf16_gpu_gluon_split_tail(max_rank, monkeypatch):
 @pytest.mark.parametrize(
     "slices,rank_tile,tokens,align,want",
     [
-        (3, 32, 4 * 4608, 512, "gluon k128"),  # 144 blocks of 128 on 132 SMs
+        (3, 32, 4 * 4608, 512, "gluon 128"),  # 144 blocks of 128 on 132 SMs
+        (3, 32, 10496, 512, "gluon 128"),  # the skewed mix 4608/1024/4608/256: 82 blocks of 128
         (3, 32, 4 * 4608, 4608, "gluon w3"),  # segments on 192-row blocks: 96 programs of one
         (4, 32, 4 * 4608, 4608, "gluon w3"),
         (3, 64, 4 * 4608, 4608, "gluon w3"),
