@@ -30,8 +30,8 @@ def partition_regs(wg: int, warps: int) -> int:
 #   34.1-34.5 (38.6-42.5 / 37.3-37.8), rank 32 40.7-41.5 / 40.4-41.3 (55.0-57.7 / 48.0-48.5); 3 slices rank 16
 #   34.1 / 34.0, equal to the Triton kernel (34.1 / 34.0) in the same call.
 # - skew: 20.7-27.3 against 24.2-33.6 at ranks 16-32. One request: 11.4-14.0 against 15.6-18.0.
-# Rank 64 and above keep the Triton kernels (their A boxes are three times x's bytes per 64 rows; 55.6-61.6 µs
-# against 47.4-51.1 on 4x4608, 3 slices); so do 1 and 2 slices (not measured).
+# Rank 64 and above keep the Triton kernels here (their A boxes are three times x's bytes per 64 rows; 55.6-61.6
+# µs against 47.4-51.1 on 4x4608, 3 slices), as do 1 and 2 slices (not measured), except on 192-row blocks below.
 GLUON_TUNED_LARGE: dict[tuple[int, int], str] = {
     (3, 16): "gluon 128 k128",
     (4, 16): "gluon 128",
@@ -50,8 +50,9 @@ GLUON_TUNED_SMALL: dict[tuple[int, int], str] = {
 
 # Batches whose segments lie on 192-row blocks filling at least 70 % of the SMs in one wave (4 × 4608 tokens:
 # 96 programs of one block) take 3 MMA partitions where that was faster (H200, read flush, µs fp32 / bf16 scaled
-# s, against the forms above in the same call): 4 slices rank 32 38.9 / 37.8 (41.5 / 41.1), 3 slices rank 32
-# 37.0 / 36.9 (38.3 / 37.1), 3 slices rank 64 47.5 / 49.0 (the Triton kernel 50.9 / 49.0). At rank 16 they tie.
+# s, two calls, against the forms above in the same calls): 4 slices rank 32 38.6-38.9 / 37.8-37.9 (41.0-41.5 /
+# 40.7-41.1), 3 slices rank 32 36.9-37.0 / 36.9-37.0 (38.3-38.7 / 37.3-37.6), 3 slices rank 64 47.5-47.7 / 49.0-49.3
+# (the Triton kernel 50.9 / 49.0, one call). At rank 16 they tie; 4 slices at rank 64 do not fit the registers.
 GLUON_TUNED_W3: dict[tuple[int, int], str] = {
     (3, 32): "gluon w3",
     (4, 32): "gluon w3",
