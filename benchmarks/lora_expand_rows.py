@@ -39,6 +39,12 @@ CANDIDATES = {
     "rows 128x128 c16 s3 w8 B+y tma": rows(128, 128, 16, 3, 8, 2),
     "rows 64x128 c8 s3 w4 B+y tma s early": rows(64, 128, 8, 3, 4, 3),
     "rows 128x128 c12 s3 w8 B+y tma s early": rows(128, 128, 12, 3, 8, 3),
+    # the Gluon kernel for Hopper (lora_expand/gluon_kernel.py): equal spans of tiles, a loader warp, a ring as
+    # deep as shared memory allows, a slot freed LAG TMA stores later
+    "gluon 128x64 lag2": dict(GLUON=1, BLOCK_M=128, BLOCK_N=64, STAGES=0, LAG=2, num_warps=8),
+    "gluon 128x64 lag1": dict(GLUON=1, BLOCK_M=128, BLOCK_N=64, STAGES=0, LAG=1, num_warps=8),
+    "gluon 128x128 lag1": dict(GLUON=1, BLOCK_M=128, BLOCK_N=128, STAGES=0, LAG=1, num_warps=8),
+    "gluon 64x128 lag2": dict(GLUON=1, BLOCK_M=64, BLOCK_N=128, STAGES=0, LAG=2, num_warps=4),
 }
 
 
@@ -88,7 +94,7 @@ def main() -> None:
             for name, cfg in configs.items():
                 y = p.y.clone()
                 try:
-                    launch_lora_expand(y, s, p.b, *seg, sizes, config=cfg)
+                    launch_lora_expand(y, s, p.b, *seg, sizes, config=cfg, seg_align=m.seg_align)
                 except Exception as e:  # out of shared memory
                     lines.append(f"| {nsl} | {rank} | {name} | fail ({type(e).__name__}) | | |")
                     continue
@@ -96,7 +102,7 @@ def main() -> None:
                     lines.append(f"| {nsl} | {rank} | {name} | WRONG | | |")
                     continue
                 fns[name] = lambda cfg=cfg, p=p, s=s, seg=seg, sizes=sizes: launch_lora_expand(
-                    p.y, s, p.b, *seg, sizes, config=cfg
+                    p.y, s, p.b, *seg, sizes, config=cfg, seg_align=p.meta.seg_align
                 )
             res = lk.interleaved(fns, args.rounds, 0.1)
             floor_ms = p.expand_bytes() / bw * 1e3

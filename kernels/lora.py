@@ -130,7 +130,7 @@ def lora_expand(
     else:
         lora_expand_op(
             y, s, b_stacked, meta.token_seg, meta.seg_start, meta.seg_len, meta.seg_slot, meta.seg_scale,
-            meta.slot_rank, list(out_slice_sizes),
+            meta.slot_rank, list(out_slice_sizes), seg_align=meta.seg_align,
         )  # fmt: skip
 
 

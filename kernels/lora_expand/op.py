@@ -139,7 +139,8 @@ def launch_lora_expand(
     out_slice_sizes: list[int],  # 1..4 output slices, slice j pairs with s[j]
     accumulate: bool = True,  # False: y = delta + bias, every element written
     bias: torch.Tensor | None = None,  # [sum(out_slice_sizes)], y's dtype
-    config: dict[str, int] | None = None,  # tile override (benchmarks)
+    config: dict[str, int] | None = None,  # tile override (benchmarks); GLUON=1: the Gluon kernel for Hopper
+    seg_align: int = 1,  # LoRABatchMeta.seg_align: the Gluon kernel needs segments on its row blocks
 ) -> None:
     from ditserve.kernels.lora_expand.kernel import _lora_expand_kernel, _lora_expand_rows_kernel
 
@@ -155,6 +156,19 @@ def launch_lora_expand(
         return
     block_r = block_rank(rank_dim)
     cfg = dict(config or expand_config(block_r, accumulate, bias is not None))
+    if cfg.pop("GLUON", 0):  # the Gluon kernel where its contract holds, else the Triton kernel's tiles
+        from ditserve.kernels.lora_expand import gluon_op
+
+        if (
+            accumulate
+            and bias is None
+            and gluon_op.gluon_expand_ok(y, s, b_stacked, out_slice_sizes, seg_align, cfg)
+        ):
+            gluon_op.launch_gluon_lora_expand(
+                y, s, b_stacked, token_seg, seg_slot, seg_scale, slot_rank, out_slice_sizes, cfg
+            )
+            return
+        cfg = dict(expand_config(block_r, accumulate, bias is not None))
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, cfg["BLOCK_N"])
     precision = "ieee" if y.dtype == torch.float32 else "tf32"
     if cfg.pop("ROWS", 0) and accumulate and bias is None:
@@ -216,11 +230,12 @@ def lora_expand_op(
     out_slice_sizes: list[int],
     accumulate: bool = True,
     bias: torch.Tensor | None = None,
+    seg_align: int = 1,
 ) -> None:
     """Segmented expand into y (in place); Triton on CUDA (or TRITON_INTERPRET=1), else the reference."""
     args = (y, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank, out_slice_sizes)
     if use_triton(y):
-        launch_lora_expand(*args, accumulate=accumulate, bias=bias)
+        launch_lora_expand(*args, accumulate=accumulate, bias=bias, seg_align=seg_align)
     else:
         lora_expand_ref(y, s, b_stacked, seg_start, seg_len, seg_slot, seg_scale, slot_rank, out_slice_sizes,
                         accumulate=accumulate, bias=bias)  # fmt: skip
@@ -228,5 +243,5 @@ def lora_expand_op(
 
 @lora_expand_op.register_fake
 def _(y, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank, out_slice_sizes,
-      accumulate=True, bias=None):  # fmt: skip
+      accumulate=True, bias=None, seg_align=1):  # fmt: skip
     return None

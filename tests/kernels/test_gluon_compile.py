@@ -73,6 +73,8 @@ def _compile(kernel: str, cfg: dict, rank: int) -> dict:
     compile after that fails."""
     from triton.runtime import driver
 
+    from ditserve.kernels.lora_expand import gluon_kernel as expand_kernel
+    from ditserve.kernels.lora_expand import gluon_op as expand_op
     from ditserve.kernels.lora_gemm import gluon_kernel, gluon_op
     from ditserve.kernels.lora_shrink import gluon_kernel as shrink_kernel
     from ditserve.kernels.lora_shrink import gluon_op as shrink_op
@@ -83,6 +85,7 @@ def _compile(kernel: str, cfg: dict, rank: int) -> dict:
         (gluon_kernel, "_gluon_lora_gemm_kernel"),
         (gluon_kernel, "_gluon_lora_linear_kernel"),
         (shrink_kernel, "_gluon_lora_shrink_kernel"),
+        (expand_kernel, "_gluon_lora_expand_kernel"),
     ):
         fn = getattr(module, name)
         setattr(module, name, _Warmup(name, fn.kernel if isinstance(fn, _Warmup) else fn, out))
@@ -98,6 +101,18 @@ def _compile(kernel: str, cfg: dict, rank: int) -> dict:
             x, a, s, token_seg, seg_slot, seg_scale if scaled else None, slot_rank, shrink_cfg
         )
         compiled = out["_gluon_lora_shrink_kernel"]
+    elif kernel == "expand":
+        # 12 row blocks of 128 × 144 column blocks of 64 in equal spans on the 4 programs of a CPU device
+        sizes = SIZES if cfg["slices"] == 3 else [*SIZES, 4 * HIDDEN]
+        x, _, _, _, token_seg, seg_slot, seg_scale, slot_rank = _batch(1536, 3, rank)
+        y = torch.zeros(x.shape[0], sum(sizes), dtype=torch.bfloat16)
+        b = torch.zeros(4, sum(sizes), rank, dtype=torch.bfloat16)
+        s = torch.zeros(len(sizes), x.shape[0], rank)
+        expand_cfg = {**expand_op.GLUON_EXPAND_CONFIG, **cfg.get("expand", {})}
+        expand_op.launch_gluon_lora_expand(
+            y, s, b, token_seg, seg_slot, seg_scale, slot_rank, sizes, expand_cfg
+        )
+        compiled = out["_gluon_lora_expand_kernel"]
     elif kernel == "linear":
         x, w, a, b, token_seg, seg_slot, seg_scale, slot_rank = _batch(1024, 3, rank)
         gluon_op.launch_gluon_lora_linear(
@@ -174,3 +189,19 @@ def test_shrink_compiles_for_hopper(compile_in_child, slices, rank, scaled, shri
     many slots as fit)."""
     cfg = {"slices": slices, "scaled": scaled, "shrink": shrink}
     _assert_hopper_kernel(compile_in_child("shrink", cfg, rank))
+
+
+@pytest.mark.parametrize(
+    "slices,rank,expand",
+    [
+        (3, 16, {}),
+        (4, 128, {}),
+        (3, 64, {"LAG": 1}),
+        (3, 128, {"BLOCK_N": 128, "LAG": 1}),
+        (4, 32, {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4}),
+    ],
+)
+def test_expand_compiles_for_hopper(compile_in_child, slices, rank, expand):
+    """The Gluon in-place expand: 3 and 4 output slices, ranks 16-128, 64- and 128-row tiles, 64- and 128-wide
+    column blocks, one or two TMA stores in flight; its ring fills shared memory up to the limit."""
+    _assert_hopper_kernel(compile_in_child("expand", {"slices": slices, "expand": expand}, rank))

@@ -210,6 +210,25 @@ def test_row_stationary_expand_through_tma(layout, sizes, dtype, tiles, s_early)
     check_expand_in_place(c, {**cfg, "S_EARLY": int(s_early)})
 
 
+def test_gluon_expand_config_reaches_its_launch_or_falls_back(monkeypatch):
+    """A GLUON=1 expand config runs the Gluon kernel with that config and the batch's segment alignment
+    where its contract holds (checked here with the contract and the launcher replaced: the kernel needs a
+    Hopper GPU), and off Hopper (here) the Triton kernel's tiles, with the reference's result."""
+    from ditserve.kernels.lora_expand import gluon_op
+
+    cfg = dict(GLUON=1, BLOCK_M=64, BLOCK_N=16, STAGES=0, LAG=2, num_warps=4)
+    c = make_case(([(64, 1), (64, -1), (64, 0)], [16, 32, 0, 8], None), 2, [16, 32], 32, torch.float32)
+    check_expand_in_place(c, cfg)  # the fallback
+    m = c.meta
+    seen = []
+    monkeypatch.setattr(gluon_op, "gluon_expand_ok", lambda *a: seen.append(a[4]) or True)
+    monkeypatch.setattr(gluon_op, "launch_gluon_lora_expand", lambda *a: seen.append(a[-1]))
+    s = lora_shrink_ref(c.x, c.a, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
+    seg = (m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
+    launch_lora_expand(c.y.clone(), s, c.b, m.token_seg, *seg, c.sizes, config=cfg, seg_align=m.seg_align)
+    assert seen == [64, {k: v for k, v in cfg.items() if k != "GLUON"}]
+
+
 @SETTINGS
 @given(layouts(), st.integers(1, 4), hiddens, dtypes, st.sampled_from([16, 32, 64]), shrink_cfgs)
 def test_shrink_sgmv_matches_reference(layout, num_slices, hidden, dtype, chunk_size, cfg):

@@ -101,3 +101,54 @@ def test_inductor_compiles_around_custom_ops():
 
     got = torch.compile(layer, fullgraph=True)(x, meta)
     torch.testing.assert_close(got.float(), layer(x, meta).float(), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "name,cfg",
+    [
+        ("128x64 lag2", dict(GLUON=1, BLOCK_M=128, BLOCK_N=64, STAGES=0, LAG=2, num_warps=8)),
+        ("128x64 lag1", dict(GLUON=1, BLOCK_M=128, BLOCK_N=64, STAGES=0, LAG=1, num_warps=8)),
+        ("128x128 lag1", dict(GLUON=1, BLOCK_M=128, BLOCK_N=128, STAGES=0, LAG=1, num_warps=8)),
+        ("64x128 lag2", dict(GLUON=1, BLOCK_M=64, BLOCK_N=128, STAGES=0, LAG=2, num_warps=4)),
+    ],
+)
+@pytest.mark.parametrize("num_slices", [3, 4])
+@pytest.mark.parametrize(
+    "requests,ranks",
+    [
+        # 144 row blocks of 128 × 144 (or 336) column blocks of 64, in equal spans over the SMs
+        ([(4608, 0), (4608, 1), (4608, 2), (4608, 3)], [128, 128, 128, 128]),
+        # a request without an adapter (left bit-for-bit untouched), ranks 8 / 32 / 16 under a 32-wide tile
+        # (s filled past each rank), a last row block past the final row
+        ([(1024, 0), (512, -1), (1536, 1), (128, 2), (300, 0)], [8, 32, 16]),
+        # one request at rank 16
+        ([(4608, 0)], [16]),
+    ],
+)
+def test_bf16_gluon_expand(requests, ranks, num_slices, name, cfg):
+    """The Gluon in-place expand (Hopper, a sweep candidate) against the reference, launch after launch, on
+    batches whose segments lie on its row blocks; it must take them (a test of the fallback it is not)."""
+    from ditserve.kernels.lora_expand import gluon_op
+    from ditserve.kernels.lora_gemm.gluon_op import gluon_available
+
+    if not gluon_available(torch.cuda.current_device()):
+        pytest.skip("the Gluon kernels need a Hopper GPU (sm_90) and a Triton they were tested with")
+    meta = LoRABatchMeta.build(requests, ranks, [0.5 + i for i in range(len(requests))], device="cuda")
+    sizes = SIZES[num_slices]
+    g = torch.Generator(device="cuda").manual_seed(2)
+    s = torch.randn(num_slices, meta.num_tokens, meta.max_rank, generator=g, device="cuda")
+    b = (torch.randn(len(ranks), sum(sizes), 128, generator=g, device="cuda") * 128**-0.5).to(torch.bfloat16)
+    y = torch.randn(meta.num_tokens, sum(sizes), generator=g, device="cuda").to(torch.bfloat16)
+    seg = (meta.seg_start, meta.seg_len, meta.seg_slot, meta.seg_scale, meta.slot_rank)
+    assert gluon_op.gluon_expand_ok(y, s, b, sizes, meta.seg_align, cfg)
+    want = y.clone()
+    lora_expand_ref(want, s, b, *seg, sizes)
+    for _ in range(2):
+        got = y.clone()
+        launch_lora_expand(got, s, b, meta.token_seg, *seg, sizes, config=cfg, seg_align=meta.seg_align)
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)
+        for start, n, slot in zip(
+            meta.seg_start.tolist(), meta.seg_len.tolist(), meta.seg_slot.tolist(), strict=True
+        ):
+            if slot < 0:
+                assert torch.equal(got[start : start + n], y[start : start + n])
