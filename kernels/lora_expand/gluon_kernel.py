@@ -51,6 +51,20 @@ def _tile_slice(cb, blk1, blk2, blk3):
 
 
 @gluon.jit
+def _tile_segment(t, num_col_blocks, prev_rb, slot, rank, scale, token_seg_ptr, seg_slot_ptr, slot_rank_ptr,
+                  seg_scale_ptr, BLOCK_M: gl.constexpr):  # fmt: skip
+    """Tile t's (row block, column block) and its row block's (slot, rank, scale): loaded where the row block
+    is not prev_rb, else the ones given."""
+    rb = t // num_col_blocks
+    cb = t - rb * num_col_blocks
+    if rb != prev_rb:
+        slot, rank, scale = _block_segment(
+            rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, BLOCK_M
+        )
+    return rb, cb, slot, rank, scale
+
+
+@gluon.jit
 def _expand_loader(y_desc, b_desc, y_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr, slot_rank_ptr,
                    seg_scale_ptr, n_total, num_col_blocks, num_tiles, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
@@ -59,17 +73,13 @@ def _expand_loader(y_desc, b_desc, y_bufs, b_bufs, ready, empty, token_seg_ptr, 
     lo, hi = _tile_span(num_tiles)
     step_bytes: gl.constexpr = y_desc.block_type.nbytes + b_desc.block_type.nbytes
     j = 0
-    prev_rb = -1
+    rb = -1
     slot = 0
     rank = 0
+    scale = 0.0
     for t in range(lo, hi):
-        rb = t // num_col_blocks
-        cb = t - rb * num_col_blocks
-        if rb != prev_rb:
-            slot, rank, _ = _block_segment(
-                rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, BLOCK_M
-            )
-            prev_rb = rb
+        rb, cb, slot, rank, scale = _tile_segment(t, num_col_blocks, rb, slot, rank, scale, token_seg_ptr,
+                                                  seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, BLOCK_M)  # fmt: skip
         if rank > 0:
             i = j % STAGES
             mbarrier.wait(empty.index(i), ((j // STAGES) & 1) ^ 1)
@@ -111,15 +121,12 @@ def _expand_compute(y_desc, y_bufs, b_bufs, s_smem, ready, empty, s_ptr, token_s
     j = 0
     prev_rb = -1
     prev_g = -1
+    slot = 0
     rank = 0
     scale = 0.0
     for t in range(lo, hi):
-        rb = t // num_col_blocks
-        cb = t - rb * num_col_blocks
-        if rb != prev_rb:
-            _, rank, scale = _block_segment(
-                rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, BLOCK_M
-            )
+        rb, cb, slot, rank, scale = _tile_segment(t, num_col_blocks, prev_rb, slot, rank, scale, token_seg_ptr,
+                                                  seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, BLOCK_M)  # fmt: skip
         if rank > 0:
             g = _tile_slice(cb, blk1, blk2, blk3)
             if (rb != prev_rb) | (g != prev_g):

@@ -155,7 +155,7 @@ def _gluon_lora_shrink_kernel(
     BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr,  # ring slots
     SCALED: gl.constexpr,  # s · scale(t) in s's dtype, else unscaled fp32
-    WG: gl.constexpr,  # MMA partitions, each of num_warps warps: a row block is WG · BLOCK_M rows
+    WG: gl.constexpr,  # 1-3 MMA partitions, each of num_warps warps: a row block is WG · BLOCK_M rows
     MMA_REGS: gl.constexpr,  # registers of each MMA partition past the first (WG > 1): those it starts with
     num_warps: gl.constexpr,
 ):
@@ -206,7 +206,8 @@ def _gluon_lora_shrink_kernel(
             [num_warps, 1],
             [MMA_REGS, 40],
         )  # fmt: skip
-    elif WG == 3:
+    else:
+        gl.static_assert(WG == 3, "1-3 MMA partitions")
         gl.warp_specialize(
             [
             (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
@@ -224,29 +225,6 @@ def _gluon_lora_shrink_kernel(
             ],
             [num_warps, num_warps, 1],
             [MMA_REGS, MMA_REGS, 40],
-        )  # fmt: skip
-    else:
-        gl.static_assert(WG == 4, "1-4 MMA partitions")
-        gl.warp_specialize(
-            [
-            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
-                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles,
-                            G, R, BLOCK_M, STAGES, SCALED, WG, 0, num_warps)),
-            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
-                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles,
-                            G, R, BLOCK_M, STAGES, SCALED, WG, 1, num_warps)),
-            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
-                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles,
-                            G, R, BLOCK_M, STAGES, SCALED, WG, 2, num_warps)),
-            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
-                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles,
-                            G, R, BLOCK_M, STAGES, SCALED, WG, 3, num_warps)),
-            (_shrink_loader, (x_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr,
-                              slot_rank_ptr, seg_scale_ptr, max_rank, a_slice_rows, num_blocks, blocks, G, R,
-                              WG * BLOCK_M, BLOCK_K, STAGES)),
-            ],
-            [num_warps, num_warps, num_warps, 1],
-            [MMA_REGS, MMA_REGS, MMA_REGS, 40],
         )  # fmt: skip
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))

@@ -17,7 +17,7 @@ REGISTERS = 65536  # 32-bit registers of an SM, shared by a program's warps
 
 def partition_regs(wg: int, warps: int) -> int:
     """Registers per thread a program of WG MMA partitions and the loader warp starts with (what ptxas reports
-    for it: the warps counted in whole warpgroups, 8-register steps; 168 / 128 / 96 at WG 2 / 3 / 4)."""
+    for it: the warps counted in whole warpgroups, 8-register steps; 168 / 128 at WG 2 / 3)."""
     groups = -(-(wg * warps + 1) // 4)
     return REGISTERS // (groups * 4 * 32) // 8 * 8
 
@@ -96,21 +96,25 @@ def gluon_shrink_ok(
 ) -> bool:
     """The Gluon shrink's contract: Hopper, bf16/fp16 x and A (contiguous), every segment on a row-block
     boundary, all slices' rank tiles in one MMA (≤ 256 columns), TMA-friendly tensors, a ring of at least two
-    slots in shared memory; row blocks of at most 256 rows."""
+    slots in shared memory; 1-3 MMA partitions."""
     if (
         not x.is_cuda
         or x.dtype not in (torch.bfloat16, torch.float16)
         or not gluon_available(x.device.index or 0)
     ):
         return False
-    rows = cfg.get("WG", 1) * cfg["BLOCK_M"]
-    if a_stacked.dtype != x.dtype or not a_stacked.is_contiguous() or seg_align % rows or rows > 256:
+    wg = cfg.get("WG", 1)
+    if (
+        a_stacked.dtype != x.dtype
+        or not a_stacked.is_contiguous()
+        or seg_align % (wg * cfg["BLOCK_M"])
+        or wg > 3
+    ):
         return False
     num_slices, hidden = a_stacked.shape[0], a_stacked.shape[3]
     stages, smem = shrink_smem(cfg, num_slices, block_rank(s_cols), x.element_size())
     # with WG > 1 every thread holds its fp32 accumulators (half the MMA columns) in fewer registers; past
-    # this ptxas spills, then fails (4 slices at rank 64 on 3 or 4 partitions)
-    wg = cfg.get("WG", 1)
+    # this ptxas spills, then fails (4 slices at rank 64 on 3 partitions)
     acc_fits = wg == 1 or num_slices * block_rank(s_cols) // 2 <= partition_regs(wg, cfg["num_warps"]) - 32
     return (
         acc_fits
