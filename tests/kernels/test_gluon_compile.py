@@ -180,6 +180,7 @@ def test_gemm_compiles_for_hopper(compile_in_child, rank, defer):
         (4, 32, 0, {"WG": 3}),
         (3, 64, 1, {"WG": 3}),
         (3, 32, 0, {"WG": 2}),
+        (4, 32, 1, {"WG": 3, "BLOCK_K": 32}),
     ],
 )
 def test_shrink_compiles_for_hopper(compile_in_child, slices, rank, scaled, shrink):

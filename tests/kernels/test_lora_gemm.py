@@ -570,6 +570,8 @@ def test_bf16_gpu_shrink_scaled_every_config(num_slices, name):
         "gluon w2",
         "gluon w3",
         "gluon w3 k128",
+        "gluon w3 k32",
+        "gluon 128 k32",
     ],
 )
 @pytest.mark.parametrize("num_slices", [1, 2, 3, 4])
@@ -589,7 +591,7 @@ def test_bf16_gpu_shrink_scaled_every_config(num_slices, name):
 )
 def test_bf16_gpu_gluon_shrink(name, num_slices, requests, ranks):
     """The Gluon shrink (Hopper) on Flux sizes, on one MMA warpgroup (64-row blocks) and two (128), on 2-3 MMA
-    partitions of one warpgroup each (128-192 rows), 64- and 128-wide K steps, bf16 scale · s and fp32 s
+    partitions of one warpgroup each (128-192 rows), 32- to 128-wide K steps, bf16 scale · s and fp32 s
     against the references, launch after launch; it must take these batches (a test of the fallback it is
     not)."""
     from ditserve.kernels.lora_gemm.gluon_op import gluon_available
