@@ -71,17 +71,14 @@ def launch_gluon_lora_expand(
 ) -> None:
     """y += scale · s · Bᵀ per row block's adapter (the caller checked `gluon_expand_ok`)."""
     from ditserve.kernels.lora_expand.gluon_kernel import _gluon_lora_expand_kernel
+    from ditserve.kernels.lora_expand.op import column_blocks
 
     num_tokens, n_total = y.shape
     rank_dim = s.shape[2]
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     rank_tile = block_rank(rank_dim)
     stages, _ = expand_smem(cfg, rank_tile, y.element_size())
-    starts = [0]
-    for n in out_slice_sizes:
-        starts.append(starts[-1] + n // bn)
-    num_col_blocks = starts[-1]
-    blks = (starts[1:-1] + [num_col_blocks] * 3)[:3]  # first column block of slices 1..3
+    _, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)  # first column block of slices 1..3
     num_tiles = -(-num_tokens // bm) * num_col_blocks
     _gluon_lora_expand_kernel[(min(num_tiles, num_programs_limit(y.device)),)](
         _tma_desc(y, [bm, bn]), _tma_desc(b_stacked.flatten(0, 1), [bn, rank_tile]), s, token_seg, seg_slot,

@@ -61,7 +61,8 @@ GLUON_TUNED_W3: dict[tuple[int, int], str] = {
 
 
 def wave_programs(num_blocks: int, num_sms: int) -> int:
-    """Programs of the one-wave launch: each takes cdiv(blocks, SMs) consecutive blocks."""
+    """Programs of the one-wave launch (`launch_gluon_lora_shrink`): each takes cdiv(blocks, SMs) consecutive
+    blocks."""
     return -(-num_blocks // -(-num_blocks // num_sms)) if num_blocks else 0
 
 
@@ -148,7 +149,7 @@ def launch_gluon_lora_shrink(
     num_blocks = -(-num_tokens // (wg * bm))
     # one wave: every program resident at once, each with the same number of consecutive row blocks
     blocks = -(-num_blocks // num_programs_limit(x.device))
-    _gluon_lora_shrink_kernel[(-(-num_blocks // blocks),)](
+    _gluon_lora_shrink_kernel[(wave_programs(num_blocks, num_programs_limit(x.device)),)](
         _tma_desc(x, [bm, bk]), _tma_desc(a_stacked.view(-1, hidden), [rank_tile, bk]), s, token_seg, seg_slot,
         seg_slot if seg_scale is None else seg_scale, slot_rank, num_tokens, s_cols, max_rank, max_loras * max_rank,
         s.stride(0), s.stride(1), num_blocks, blocks,
