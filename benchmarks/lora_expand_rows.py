@@ -22,6 +22,7 @@ import lora_kernels as lk  # noqa: E402
 from ditserve.kernels._bench import copy_bandwidth, make_problem  # noqa: E402
 from ditserve.kernels._dispatch import block_rank  # noqa: E402
 from ditserve.kernels.lora import lora_shrink  # noqa: E402
+from ditserve.kernels.lora_expand.gluon_op import gluon_expand_ok  # noqa: E402
 from ditserve.kernels.lora_expand.op import ROWS_TUNED, TUNED, launch_lora_expand  # noqa: E402
 from ditserve.kernels.lora_expand.reference import lora_expand_ref  # noqa: E402
 
@@ -45,6 +46,10 @@ CANDIDATES = {
     "gluon 128x64 lag1": dict(GLUON=1, BLOCK_M=128, BLOCK_N=64, STAGES=0, LAG=1, num_warps=8),
     "gluon 128x128 lag1": dict(GLUON=1, BLOCK_M=128, BLOCK_N=128, STAGES=0, LAG=1, num_warps=8),
     "gluon 64x128 lag2": dict(GLUON=1, BLOCK_M=64, BLOCK_N=128, STAGES=0, LAG=2, num_warps=4),
+    # two compute partitions of one warpgroup each, every other tile
+    "gluon w2 128x64 lag0": dict(GLUON=1, BLOCK_M=128, BLOCK_N=64, STAGES=0, LAG=0, num_warps=4, WG=2),
+    "gluon w2 64x128 lag0": dict(GLUON=1, BLOCK_M=64, BLOCK_N=128, STAGES=0, LAG=0, num_warps=4, WG=2),
+    "gluon w2 64x64 lag1": dict(GLUON=1, BLOCK_M=64, BLOCK_N=64, STAGES=0, LAG=1, num_warps=4, WG=2),
 }
 
 
@@ -92,6 +97,9 @@ def main() -> None:
                 configs[f"default + {name}"] = {**ROWS_TUNED[block_rank(rank)], **kv}
             fns = {}
             for name, cfg in configs.items():
+                if cfg and cfg.get("GLUON") and not gluon_expand_ok(p.y, s, p.b, sizes, m.seg_align, cfg):
+                    lines.append(f"| {nsl} | {rank} | {name} | outside its contract | | |")
+                    continue
                 y = p.y.clone()
                 try:
                     launch_lora_expand(y, s, p.b, *seg, sizes, config=cfg, seg_align=m.seg_align)

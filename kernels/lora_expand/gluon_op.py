@@ -9,20 +9,21 @@ import torch
 
 from ditserve.kernels._dispatch import block_rank, num_programs_limit, tma_ok
 from ditserve.kernels.lora_gemm.gluon_op import SMEM_LIMIT, _tma_desc, gluon_available
+from ditserve.kernels.lora_shrink.gluon_op import partition_regs
 
 # 128-row tiles on two warpgroups, 64 columns, as many ring slots as fit (STAGES 0, at most MAX_STAGES), a slot
-# freed two TMA stores of y later (LAG)
-GLUON_EXPAND_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, STAGES=0, LAG=2, num_warps=8)
+# freed two TMA stores of y later (LAG); WG compute partitions of num_warps warps, each its own tiles
+GLUON_EXPAND_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, STAGES=0, LAG=2, num_warps=8, WG=1)
 MAX_STAGES = 12
 
 
 def expand_smem(cfg: dict[str, int], rank_tile: int, itemsize: int = 2) -> tuple[int, int]:
     """(ring slots, bytes of shared memory) of `_gluon_lora_expand_kernel` (barriers aside): the slots' y and
-    B boxes and the scaled s."""
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    B boxes and each compute partition's scaled s; the slots a multiple of the partitions."""
+    bm, bn, wg = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg.get("WG", 1)
     slot = (bm * bn + bn * rank_tile) * itemsize
-    s_bytes = bm * rank_tile * itemsize
-    stages = cfg["STAGES"] or min(MAX_STAGES, (SMEM_LIMIT - 1024 - s_bytes) // slot)
+    s_bytes = wg * bm * rank_tile * itemsize
+    stages = cfg["STAGES"] or min(MAX_STAGES, (SMEM_LIMIT - 1024 - s_bytes) // slot) // wg * wg
     return stages, stages * slot + s_bytes
 
 
@@ -36,7 +37,7 @@ def gluon_expand_ok(
 ) -> bool:
     """The Gluon expand's contract: Hopper, bf16/fp16 y and B (B contiguous), every segment on a row-block
     boundary, every slice whole column blocks, B at least a rank tile wide, TMA-friendly tensors, more ring slots
-    than stores in flight."""
+    than stores in flight for each compute partition, 1-2 partitions."""
     if (
         not y.is_cuda
         or y.dtype not in (torch.bfloat16, torch.float16)
@@ -49,9 +50,13 @@ def gluon_expand_ok(
         return False
     rank_tile = block_rank(s.shape[2])
     stages, smem = expand_smem(cfg, rank_tile, y.element_size())
+    wg = cfg.get("WG", 1)
     return (
         rank_tile <= b_stacked.shape[2]
-        and stages >= cfg["LAG"] + 2
+        and wg in (1, 2)
+        and stages % wg == 0
+        and stages // wg >= cfg["LAG"] + 2
+        and cfg["BLOCK_M"] % (16 * cfg["num_warps"]) == 0
         and smem <= SMEM_LIMIT - 1024
         and tma_ok(y, b_stacked.flatten(0, 1))
         and s.is_contiguous()
@@ -78,6 +83,7 @@ def launch_gluon_lora_expand(
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     rank_tile = block_rank(rank_dim)
     stages, _ = expand_smem(cfg, rank_tile, y.element_size())
+    wg = cfg.get("WG", 1)
     _, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)  # first column block of slices 1..3
     num_tiles = -(-num_tokens // bm) * num_col_blocks
     _gluon_lora_expand_kernel[(min(num_tiles, num_programs_limit(y.device)),)](
@@ -85,5 +91,5 @@ def launch_gluon_lora_expand(
         seg_scale, slot_rank, num_tokens, rank_dim, n_total, s.stride(0), s.stride(1), num_col_blocks, num_tiles,
         *blks,
         R=rank_tile, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, LAG=cfg["LAG"], TPW_N=min(rank_tile // 4, 32),
-        num_warps=cfg["num_warps"],
+        WG=wg, MMA_REGS=partition_regs(wg, cfg["num_warps"]), num_warps=cfg["num_warps"],
     )  # fmt: skip

@@ -229,6 +229,23 @@ def test_gluon_expand_config_reaches_its_launch_or_falls_back(monkeypatch):
     assert seen == [64, {k: v for k, v in cfg.items() if k != "GLUON"}]
 
 
+@pytest.mark.parametrize("wg", [1, 2])
+@pytest.mark.parametrize("bm,bn,rank_tile", [(128, 64, 128), (64, 128, 128), (64, 64, 16), (128, 128, 64)])
+def test_gluon_expand_ring_fills_shared_memory_per_partition(wg, bm, bn, rank_tile):
+    """The Gluon expand's ring: as many slots as fit beside every compute partition's scaled s, a multiple of
+    the partitions (a slot always serves the same one), WG more would not fit (or MAX_STAGES)."""
+    from ditserve.kernels.lora_expand.gluon_op import MAX_STAGES, expand_smem
+    from ditserve.kernels.lora_gemm.gluon_op import SMEM_LIMIT
+
+    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, STAGES=0, LAG=0, num_warps=4, WG=wg)
+    stages, smem = expand_smem(cfg, rank_tile)
+    slot = (bm * bn + bn * rank_tile) * 2
+    assert stages % wg == 0 and stages >= wg
+    assert smem == stages * slot + wg * bm * rank_tile * 2 <= SMEM_LIMIT - 1024
+    assert stages + wg > MAX_STAGES or smem + wg * slot > SMEM_LIMIT - 1024
+    assert expand_smem({**cfg, "STAGES": 2}, rank_tile)[0] == 2  # a given depth is kept
+
+
 @SETTINGS
 @given(layouts(), st.integers(1, 4), hiddens, dtypes, st.sampled_from([16, 32, 64]), shrink_cfgs)
 def test_shrink_sgmv_matches_reference(layout, num_slices, hidden, dtype, chunk_size, cfg):
