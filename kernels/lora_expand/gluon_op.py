@@ -1,6 +1,5 @@
-"""Launcher of the Gluon in-place expand for Hopper (gluon_kernel.py), and when it applies (`gluon_expand_ok`).
-
-A sweep candidate (config GLUON=1), not a default: `launch_lora_expand` falls back to the Triton kernels where
+"""Launcher of the Gluon in-place expand for Hopper (gluon_kernel.py), when it applies (`gluon_expand_ok`) and
+where it is the default (`gluon_expand_choice`); `launch_lora_expand` falls back to the Triton kernels where
 its contract does not hold."""
 
 from __future__ import annotations
@@ -15,6 +14,20 @@ from ditserve.kernels.lora_shrink.gluon_op import partition_regs
 # freed two TMA stores of y later (LAG); WG compute partitions of num_warps warps, each its own tiles
 GLUON_EXPAND_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, STAGES=0, LAG=2, num_warps=8, WG=1)
 MAX_STAGES = 12
+
+# Where the Gluon expand is the default, by (slices, rank tile): the rest keep the Triton row-stationary kernel.
+# H200, L2 flushed by a read, µs (benchmarks/lora_expand_rows.py, BENCHMARKS.md), QKV (3 slices) at rank 128:
+# two partitions of 64 × 128 tiles 220.4 on 4 × 4608 tokens (the Triton default 228.6 in the same run), 63.8 on
+# one request (67.7). Not at 4 slices rank 128 (574.9-596.5 against 485.4) nor ranks 16-64 (the Triton kernel
+# 2-16 % faster on both batches).
+GLUON_EXPAND_TUNED: dict[tuple[int, int], dict[str, int]] = {
+    (3, 128): dict(BLOCK_M=64, BLOCK_N=128, STAGES=0, LAG=0, num_warps=4, WG=2),
+}
+
+
+def gluon_expand_choice(num_slices: int, rank_tile: int) -> dict[str, int] | None:
+    """The Gluon expand config this batch takes by default (the caller checks `gluon_expand_ok`), or None."""
+    return GLUON_EXPAND_TUNED.get((num_slices, rank_tile))
 
 
 def expand_smem(cfg: dict[str, int], rank_tile: int, itemsize: int = 2) -> tuple[int, int]:

@@ -155,6 +155,11 @@ def launch_lora_expand(
             y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
         return
     block_r = block_rank(rank_dim)
+    if config is None and accumulate and bias is None:  # the Gluon kernel where it is the default
+        from ditserve.kernels.lora_expand import gluon_op
+
+        choice = gluon_op.gluon_expand_choice(len(out_slice_sizes), block_r)
+        config = {"GLUON": 1, **choice} if choice else None
     cfg = dict(config or expand_config(block_r, accumulate, bias is not None))
     if cfg.pop("GLUON", 0):  # the Gluon kernel where its contract holds, else the Triton kernel's tiles
         from ditserve.kernels.lora_expand import gluon_op

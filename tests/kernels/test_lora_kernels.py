@@ -229,6 +229,29 @@ def test_gluon_expand_config_reaches_its_launch_or_falls_back(monkeypatch):
     assert seen == [64, {k: v for k, v in cfg.items() if k != "GLUON"}]
 
 
+@pytest.mark.parametrize(
+    "num_slices,rank,gluon", [(3, 128, True), (3, 100, True), (4, 128, False), (3, 64, False)]
+)
+def test_default_expand_takes_gluon_where_measured_faster(monkeypatch, num_slices, rank, gluon):
+    """Without a config the expand takes the Gluon kernel (its tuned config) at 3 slices rank tile 128 where its
+    contract holds (contract and launcher replaced here: the kernel needs a Hopper GPU), elsewhere the Triton
+    kernel; and off Hopper (here, the real contract) the Triton kernel at 3 slices too."""
+    from ditserve.kernels.lora_expand import gluon_op
+
+    sizes = [16] * num_slices
+    layout = ([(64, 1), (64, -1), (64, 0)], [rank, rank, 0, 8], None)
+    c = make_case(layout, num_slices, sizes, 32, torch.float32, max_rank=128)
+    m = c.meta
+    s = lora_shrink_ref(c.x, c.a, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
+    seg = (m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
+    check_expand_in_place(c, None)  # the real contract: the Triton kernel, the reference's result
+    seen = []
+    monkeypatch.setattr(gluon_op, "gluon_expand_ok", lambda *a: True)
+    monkeypatch.setattr(gluon_op, "launch_gluon_lora_expand", lambda *a: seen.append(a[-1]))
+    launch_lora_expand(c.y.clone(), s, c.b, m.token_seg, *seg, c.sizes, seg_align=m.seg_align)
+    assert seen == ([gluon_op.GLUON_EXPAND_TUNED[(3, 128)]] if gluon else [])
+
+
 @pytest.mark.parametrize("wg", [1, 2])
 @pytest.mark.parametrize("bm,bn,rank_tile", [(128, 64, 128), (64, 128, 128), (64, 64, 16), (128, 128, 64)])
 def test_gluon_expand_ring_fills_shared_memory_per_partition(wg, bm, bn, rank_tile):
