@@ -157,3 +157,31 @@ def test_bf16_gluon_expand(requests, ranks, num_slices, name, cfg):
         ):
             if slot < 0:
                 assert torch.equal(got[start : start + n], y[start : start + n])
+
+
+def test_bf16_default_expand_aligned_qkv_rank128_takes_gluon():
+    """QKV at rank 128 on requests of 4608 tokens (Flux 1024²) and one without an adapter: `apply_lora`'s
+    default expand is the Gluon kernel here (its contract holds) and equals the reference."""
+    from ditserve.kernels.lora_expand import gluon_op
+    from ditserve.kernels.lora_gemm.gluon_op import gluon_available
+
+    if not gluon_available(torch.cuda.current_device()):
+        pytest.skip("the Gluon kernels need a Hopper GPU (sm_90) and a Triton they were tested with")
+    requests = [(4608, 0), (4608, -1), (4608, 1), (4608, 2)]
+    meta = LoRABatchMeta.build(requests, [128, 96, 128], [0.5, 1.0, 2.0, 0.25], device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    sizes = SIZES[3]
+    x = (torch.randn(meta.num_tokens, HIDDEN, generator=g, device="cuda")).to(torch.bfloat16)
+    a = (torch.randn(3, 3, 128, HIDDEN, generator=g, device="cuda") * HIDDEN**-0.5).to(torch.bfloat16)
+    b = (torch.randn(3, sum(sizes), 128, generator=g, device="cuda") * 128**-0.5).to(torch.bfloat16)
+    y = torch.randn(meta.num_tokens, sum(sizes), generator=g, device="cuda").to(torch.bfloat16)
+    s = lora_shrink(x, a, meta)
+    cfg = gluon_op.gluon_expand_choice(3, 128)
+    assert cfg is not None and gluon_op.gluon_expand_ok(y, s, b, sizes, meta.seg_align, cfg)
+    seg = (meta.seg_start, meta.seg_len, meta.seg_slot, meta.seg_scale, meta.slot_rank)
+    want = y.clone()
+    lora_expand_ref(want, s, b, *seg, sizes)
+    got = y.clone()
+    apply_lora(got, x, a, b, meta, sizes)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)
+    assert torch.equal(got[4608:9216], y[4608:9216])
