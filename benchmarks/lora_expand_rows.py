@@ -69,7 +69,16 @@ def main() -> None:
         default=[],
         help="KEY=VAL[,KEY=VAL]: also time the default tile with these settings (repeatable), e.g. S_EARLY=1",
     )
+    ap.add_argument(
+        "--candidates",
+        default=None,
+        help="comma-separated CANDIDATES names to time (default: all; empty: only the default and --variant)",
+    )
     args = ap.parse_args()
+    if args.candidates is not None:
+        keep = set(filter(None, args.candidates.split(",")))
+        for name in set(CANDIDATES) - keep:
+            del CANDIDATES[name]
     variants = {v: dict((k, int(x)) for k, x in (kv.split("=") for kv in v.split(","))) for v in args.variant}
     os.makedirs(args.out, exist_ok=True)
     bw = copy_bandwidth()
