@@ -22,8 +22,8 @@ import lora_kernels as lk  # noqa: E402
 from ditserve.kernels._bench import copy_bandwidth, make_problem  # noqa: E402
 from ditserve.kernels._dispatch import block_rank  # noqa: E402
 from ditserve.kernels.lora import lora_shrink  # noqa: E402
-from ditserve.kernels.lora_expand.gluon_op import gluon_expand_choice, gluon_expand_ok  # noqa: E402
-from ditserve.kernels.lora_expand.op import ROWS_TUNED, TUNED, launch_lora_expand  # noqa: E402
+from ditserve.kernels.lora_expand.gluon_op import gluon_expand_ok  # noqa: E402
+from ditserve.kernels.lora_expand.op import ROWS_TUNED, TUNED, default_expand_config, launch_lora_expand  # noqa: E402
 from ditserve.kernels.lora_expand.reference import lora_expand_ref  # noqa: E402
 
 
@@ -101,8 +101,7 @@ def main() -> None:
             for c in filter(None, args.chunks.split(",")):
                 for name, cfg in CANDIDATES.items():
                     configs[f"{name} -> c{c}"] = {**cfg, "CHUNK": int(c)}
-            gluon = gluon_expand_choice(nsl, block_rank(rank))
-            configs[f"default ({'gluon ' if gluon else ''}{gluon or ROWS_TUNED[block_rank(rank)]})"] = None
+            configs[f"default ({default_expand_config(nsl, block_rank(rank), True, False)})"] = None
             for name, kv in variants.items():
                 configs[f"default + {name}"] = {**ROWS_TUNED[block_rank(rank)], **kv}
             fns = {}

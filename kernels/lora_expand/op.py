@@ -73,6 +73,21 @@ def expand_config(block_r: int, accumulate: bool = False, has_bias: bool = False
     return TUNED.get(block_r, dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2))
 
 
+def default_expand_config(num_slices: int, block_r: int, accumulate: bool, has_bias: bool) -> dict[str, int]:
+    """The expand's tiles when none are given: the Gluon kernel (GLUON=1) where H200 runs found it faster
+    (`gluon_op.gluon_expand_choice`; the launch falls back to the Triton tiles where its contract does not hold,
+    e.g. off Hopper; DITSERVE_GLUON_GEMM=0 turns it off with the other Gluon kernels), else `expand_config`."""
+    from ditserve.kernels.lora_linear import op as linear_op
+
+    if accumulate and not has_bias and linear_op.GLUON:
+        from ditserve.kernels.lora_expand.gluon_op import gluon_expand_choice
+
+        choice = gluon_expand_choice(num_slices, block_r)
+        if choice is not None:
+            return {"GLUON": 1, **choice}
+    return expand_config(block_r, accumulate, has_bias)
+
+
 def column_chunks(blks: list[int], num_col_blocks: int, chunk: int) -> list[int]:
     """First chunk of slices 1..3 (the number of chunks when absent), CHUNK column blocks per chunk cut per
     slice; the last entry is the number of chunks."""
@@ -155,12 +170,7 @@ def launch_lora_expand(
             y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
         return
     block_r = block_rank(rank_dim)
-    if config is None and accumulate and bias is None:  # the Gluon kernel where it is the default
-        from ditserve.kernels.lora_expand import gluon_op
-
-        choice = gluon_op.gluon_expand_choice(len(out_slice_sizes), block_r)
-        config = {"GLUON": 1, **choice} if choice else None
-    cfg = dict(config or expand_config(block_r, accumulate, bias is not None))
+    cfg = dict(config or default_expand_config(len(out_slice_sizes), block_r, accumulate, bias is not None))
     if cfg.pop("GLUON", 0):  # the Gluon kernel where its contract holds, else the Triton kernel's tiles
         from ditserve.kernels.lora_expand import gluon_op
 

@@ -235,8 +235,10 @@ def test_gluon_expand_config_reaches_its_launch_or_falls_back(monkeypatch):
 def test_default_expand_takes_gluon_where_measured_faster(monkeypatch, num_slices, rank, gluon):
     """Without a config the expand takes the Gluon kernel (its tuned config) at 3 slices rank tile 128 where its
     contract holds (contract and launcher replaced here: the kernel needs a Hopper GPU), elsewhere the Triton
-    kernel; and off Hopper (here, the real contract) the Triton kernel at 3 slices too."""
+    kernel; and off Hopper (here, the real contract) or with the Gluon kernels turned off the Triton kernel at 3
+    slices too."""
     from ditserve.kernels.lora_expand import gluon_op
+    from ditserve.kernels.lora_linear import op as linear_op
 
     sizes = [16] * num_slices
     layout = ([(64, 1), (64, -1), (64, 0)], [rank, rank, 0, 8], None)
@@ -250,6 +252,10 @@ def test_default_expand_takes_gluon_where_measured_faster(monkeypatch, num_slice
     monkeypatch.setattr(gluon_op, "launch_gluon_lora_expand", lambda *a: seen.append(a[-1]))
     launch_lora_expand(c.y.clone(), s, c.b, m.token_seg, *seg, c.sizes, seg_align=m.seg_align)
     assert seen == ([gluon_op.GLUON_EXPAND_TUNED[(3, 128)]] if gluon else [])
+    monkeypatch.setattr(linear_op, "GLUON", False)  # DITSERVE_GLUON_GEMM=0: the Triton kernel everywhere
+    seen.clear()
+    launch_lora_expand(c.y.clone(), s, c.b, m.token_seg, *seg, c.sizes, seg_align=m.seg_align)
+    assert seen == []
 
 
 @pytest.mark.parametrize("wg", [1, 2])
