@@ -1,5 +1,5 @@
-"""What plain torch reaches at the byte counts of the LoRA kernels (GPU): a clone (read + write) and a
-read-only sum, graph-timed with the same L2 flush as benchmarks/lora_kernels.py, against the 2 GiB clone that
+"""What plain torch reaches at the byte counts of the LoRA kernels (GPU): a clone (read + write), an in-place
+add (read and write the same bytes, as the in-place expand does) and a read-only sum, graph-timed with the same L2 flush as benchmarks/lora_kernels.py, against the 2 GiB clone that
 sets the kernel tables' HBM floor. Small transfers do not reach the large-copy bandwidth; this says by how much.
 
     PYTHONPATH=<dir holding ditserve/> python3 benchmarks/copy_sizes.py --out DIR   # writes DIR/copy_sizes.md
@@ -38,18 +38,19 @@ def main() -> None:
     lines = [
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, 2 GiB clone {bw / 1e9:.0f} GB/s",
         "",
-        "| bytes of | MB | clone (read + write) | % of 2 GiB clone | read-only sum | % of 2 GiB clone |",
-        "|---|---|---|---|---|---|",
+        "| bytes of | MB | clone (read + write) | % of 2 GiB clone | in-place add | % | read-only sum | % |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, nbytes in SIZES.items():
         half = torch.ones(nbytes // 4, dtype=torch.int16, device="cuda")  # clone moves nbytes
         whole = torch.ones(nbytes // 8, dtype=torch.int64, device="cuda")  # sum reads nbytes
         clone_ms = min(lk.quick_graph_ms(lambda h=half: h.clone()) for _ in range(3))
+        add_ms = min(lk.quick_graph_ms(lambda h=half: h.add_(1)) for _ in range(3))
         sum_ms = min(lk.quick_graph_ms(lambda w=whole: w.sum()) for _ in range(3))
         floor_ms = nbytes / bw * 1e3
         lines.append(
             f"| {name} | {nbytes / 1e6:.0f} | {clone_ms * 1e3:.1f} µs | {100 * floor_ms / clone_ms:.0f}% | "
-            f"{sum_ms * 1e3:.1f} µs | {100 * floor_ms / sum_ms:.0f}% |"
+            f"{add_ms * 1e3:.1f} µs | {100 * floor_ms / add_ms:.0f}% | {sum_ms * 1e3:.1f} µs | {100 * floor_ms / sum_ms:.0f}% |"
         )
         print(lines[-1], flush=True)
         del half, whole
