@@ -50,19 +50,6 @@ CANDIDATES = {
     "gluon w2 128x64 lag0": dict(GLUON=1, BLOCK_M=128, BLOCK_N=64, STAGES=0, LAG=0, num_warps=4, WG=2),
     "gluon w2 64x128 lag0": dict(GLUON=1, BLOCK_M=64, BLOCK_N=128, STAGES=0, LAG=0, num_warps=4, WG=2),
     "gluon w2 64x64 lag1": dict(GLUON=1, BLOCK_M=64, BLOCK_N=64, STAGES=0, LAG=1, num_warps=4, WG=2),
-    # two compute partitions splitting every tile's rows (SPLIT): one B box for 2 × BLOCK_M rows of y
-    "gluon split 2x64x64 lag0": dict(
-        GLUON=1, BLOCK_M=64, BLOCK_N=64, STAGES=0, LAG=0, num_warps=4, WG=2, SPLIT=1
-    ),
-    "gluon split 2x64x64 lag1": dict(
-        GLUON=1, BLOCK_M=64, BLOCK_N=64, STAGES=0, LAG=1, num_warps=4, WG=2, SPLIT=1
-    ),
-    "gluon split 2x64x128 lag0": dict(
-        GLUON=1, BLOCK_M=64, BLOCK_N=128, STAGES=0, LAG=0, num_warps=4, WG=2, SPLIT=1
-    ),
-    "gluon split 2x128x64 lag1": dict(
-        GLUON=1, BLOCK_M=128, BLOCK_N=64, STAGES=0, LAG=1, num_warps=4, WG=2, SPLIT=1
-    ),
 }
 
 

@@ -14,15 +14,11 @@ issue y + s · Bᵀ as one warpgroup MMA, write the sum back into the slot's y b
 the slot LAG tiles later, once the stores before have left it. With WG compute partitions (one warpgroup
 each) partition p takes the span's tiles j ≡ p (mod WG), with its own scaled s: one partition's loads from and
 stores into shared memory overlap another's MMAs, where one partition runs them one after the other. A slot
-always serves the same partition (STAGES a multiple of WG), which frees it in order. With SPLIT the WG
-partitions split each tile's rows instead: a row block is WG · BLOCK_M rows, a slot holds the tile's one B box
-and a y box per partition, and every partition takes every tile (its own BLOCK_M rows, its own s) and frees
-every slot (`empty` counts WG arrivals); so a B box read from L2 serves WG · BLOCK_M rows of y, where it serves
-BLOCK_M without SPLIT (at rank 128 B's boxes are twice the bytes of 64-row y boxes). Row blocks without an
+always serves the same partition (STAGES a multiple of WG), which frees it in order. Row blocks without an
 adapter are skipped: their y is not touched.
 
 Contract (the launcher checks it): bf16/fp16 y and B; y += delta only (no bias, accumulate); every segment
-starts at a multiple of the row block (a row block holds one segment); every slice whole column blocks; y and B laid
+starts at a multiple of BLOCK_M (a row block holds one segment); every slice whole column blocks; y and B laid
 out for TMA.
 """
 
@@ -73,15 +69,12 @@ def _tile_segment(t, num_col_blocks, prev_rb, slot, rank, scale, token_seg_ptr, 
 
 @gluon.jit
 def _expand_loader(y_desc, b_desc, y_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr, slot_rank_ptr,
-                   seg_scale_ptr, n_total, num_col_blocks, num_tiles, ROWS: gl.constexpr,
+                   seg_scale_ptr, n_total, num_col_blocks, num_tiles, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """The loader warp: the B box and the y boxes (ROWS / BLOCK_M of them: one per partition with SPLIT) of
-    every tile of this program's span with an adapter, in the compute warps' order; tile j into ring slot
-    j % STAGES once the compute warps have freed it."""
+    """The loader warp: the B and y boxes of every tile of this program's span with an adapter, in the compute
+    warps' order; tile j into ring slot j % STAGES once the compute warps have freed it."""
     lo, hi = _tile_span(num_tiles)
-    XM: gl.constexpr = y_desc.block_type.shape[0]
-    PER: gl.constexpr = ROWS // XM  # y boxes a slot holds
-    step_bytes: gl.constexpr = PER * y_desc.block_type.nbytes + b_desc.block_type.nbytes
+    step_bytes: gl.constexpr = y_desc.block_type.nbytes + b_desc.block_type.nbytes
     j = 0
     rb = -1
     slot = 0
@@ -89,15 +82,14 @@ def _expand_loader(y_desc, b_desc, y_bufs, b_bufs, ready, empty, token_seg_ptr, 
     scale = 0.0
     for t in range(lo, hi):
         rb, cb, slot, rank, scale = _tile_segment(t, num_col_blocks, rb, slot, rank, scale, token_seg_ptr,
-                                                  seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, ROWS)  # fmt: skip
+                                                  seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, BLOCK_M)  # fmt: skip
         if rank > 0:
             i = j % STAGES
             mbarrier.wait(empty.index(i), ((j // STAGES) & 1) ^ 1)
             bar = ready.index(i)
             mbarrier.expect(bar, step_bytes)
             _tma_load(b_desc, [slot * n_total + cb * BLOCK_N, 0], bar, b_bufs.index(i))
-            for w in gl.static_range(PER):
-                _tma_load(y_desc, [rb * ROWS + w * XM, cb * BLOCK_N], bar, y_bufs.index(i * PER + w))
+            _tma_load(y_desc, [rb * BLOCK_M, cb * BLOCK_N], bar, y_bufs.index(i))
             j += 1
 
 
@@ -121,16 +113,11 @@ def _expand_compute(y_desc, y_bufs, b_bufs, s_smem, ready, empty, s_ptr, token_s
                     slot_rank_ptr, seg_scale_ptr, num_tokens, rank_dim, stride_ss, stride_st, num_col_blocks,
                     num_tiles, blk1, blk2, blk3, R: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, LAG: gl.constexpr, TPW_N: gl.constexpr, WG: gl.constexpr,
-                    PART: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+                    PART: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """Compute partition PART of WG: per row block and slice its scaled s into its s_smem; per tile of its
-    own (the span's adapter tiles j ≡ PART mod WG; with SPLIT every tile, its BLOCK_M rows of it) y + s · Bᵀ in
-    the accumulator (y loaded into it from the slot), the sum back into the slot and out with TMA; the slot of
-    its tile LAG before freed once at most LAG of its stores are still reading their slots."""
-    ROWS: gl.constexpr = WG * BLOCK_M if SPLIT else BLOCK_M  # a row block
-    PER: gl.constexpr = WG if SPLIT else 1  # y boxes a slot holds
-    EVERY: gl.constexpr = 1 if SPLIT else WG  # a partition's tiles: every EVERY-th adapter tile
-    MINE: gl.constexpr = PART % EVERY
-    YBOX: gl.constexpr = PART if SPLIT else 0  # its y box in a slot
+    own (the span's adapter tiles j ≡ PART mod WG) y + s · Bᵀ in the accumulator (y loaded into it from the
+    slot), the sum back into the slot and out with TMA; the slot of its tile LAG before freed once at most LAG
+    of its stores are still reading their slots."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -145,19 +132,18 @@ def _expand_compute(y_desc, y_bufs, b_bufs, s_smem, ready, empty, s_ptr, token_s
     scale = 0.0
     for t in range(lo, hi):
         rb, cb, slot, rank, scale = _tile_segment(t, num_col_blocks, prev_rb, slot, rank, scale, token_seg_ptr,
-                                                  seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, ROWS)  # fmt: skip
+                                                  seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, BLOCK_M)  # fmt: skip
         if rank > 0:
-            if j % EVERY == MINE:
-                m0 = rb * ROWS + YBOX * BLOCK_M
+            if j % WG == PART:
                 g = _tile_slice(cb, blk1, blk2, blk3)
                 if (rb != s_rb) | (g != s_g):
                     # the MMAs that read s_own are done (each tile waits for its own)
-                    _load_scaled_s(s_ptr, s_own, g, m0, num_tokens, rank, rank_dim, scale, stride_ss,
+                    _load_scaled_s(s_ptr, s_own, g, rb * BLOCK_M, num_tokens, rank, rank_dim, scale, stride_ss,
                                    stride_st, R, BLOCK_M, TPW_N, num_warps)  # fmt: skip
                     s_rb = rb
                     s_g = g
                 i = j % STAGES
-                y_buf = y_bufs.index(i * PER + YBOX)
+                y_buf = y_bufs.index(i)
                 b_buf = b_bufs.index(i)
                 mbarrier.wait(ready.index(i), (j // STAGES) & 1)
                 acc = y_buf.load(mma_layout).to(gl.float32)
@@ -165,11 +151,11 @@ def _expand_compute(y_desc, y_bufs, b_bufs, s_smem, ready, empty, s_ptr, token_s
                 acc, _, _ = warpgroup_mma_wait(0, deps=(tok, s_own, b_buf))
                 y_buf.store(acc.to(y_desc.dtype))
                 fence_async_shared()
-                _tma_store(y_desc, [m0, cb * BLOCK_N], y_buf)
-                # the stores of this partition's tiles up to j - LAG · EVERY have read their slots
+                _tma_store(y_desc, [rb * BLOCK_M, cb * BLOCK_N], y_buf)
+                # the stores of this partition's tiles up to j - LAG · WG have read their slots
                 tma.store_wait(pendings=LAG)
-                if j >= LAG * EVERY:
-                    mbarrier.arrive(empty.index((j - LAG * EVERY) % STAGES))
+                if j >= LAG * WG:
+                    mbarrier.arrive(empty.index((j - LAG * WG) % STAGES))
             j += 1
         prev_rb = rb
     tma.store_wait(pendings=0)
@@ -195,18 +181,16 @@ def _gluon_lora_expand_kernel(
     blk2,
     blk3,
     R: gl.constexpr,  # rank tile (power of two ≥ 16)
-    BLOCK_M: gl.constexpr,  # rows of a partition's tile, a multiple of 16 · num_warps (its MMA covers them)
+    BLOCK_M: gl.constexpr,  # rows of a tile, a multiple of 16 · num_warps (a partition's MMA covers it)
     BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr,  # ring slots, a multiple of WG (without SPLIT)
+    STAGES: gl.constexpr,  # ring slots, a multiple of WG
     LAG: gl.constexpr,  # TMA stores of y a partition has in flight before it frees a slot
     TPW_N: gl.constexpr,  # threads of a warp along s's columns when loading it
     WG: gl.constexpr,  # compute partitions (1-2) of num_warps warps
-    SPLIT: gl.constexpr,  # the partitions split each tile's rows (a row block of WG · BLOCK_M), else take turns
     MMA_REGS: gl.constexpr,  # registers per thread of the second partition (gluon_op.partition_regs)
     num_warps: gl.constexpr,
 ):
-    PER: gl.constexpr = WG if SPLIT else 1  # y boxes a slot holds
-    y_bufs = gl.allocate_shared_memory(y_desc.dtype, [STAGES * PER, BLOCK_M, BLOCK_N], y_desc.layout)
+    y_bufs = gl.allocate_shared_memory(y_desc.dtype, [STAGES, BLOCK_M, BLOCK_N], y_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, R], b_desc.layout)
     # the MMA's first operand: B's box layout fits it (the swizzle follows the R columns alone)
     s_smem = gl.allocate_shared_memory(b_desc.dtype, [WG, BLOCK_M, R], b_desc.layout)
@@ -214,17 +198,17 @@ def _gluon_lora_expand_kernel(
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=PER)
+        mbarrier.init(empty.index(i), count=1)
     if WG == 1:
         gl.warp_specialize(
             [
             (_expand_compute, (y_desc, y_bufs, b_bufs, s_smem, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr,
                                slot_rank_ptr, seg_scale_ptr, num_tokens, rank_dim, stride_ss, stride_st,
                                num_col_blocks, num_tiles, blk1, blk2, blk3, R, BLOCK_M, BLOCK_N, STAGES, LAG,
-                               TPW_N, WG, 0, SPLIT, num_warps)),
+                               TPW_N, WG, 0, num_warps)),
             (_expand_loader, (y_desc, b_desc, y_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr,
-                              slot_rank_ptr, seg_scale_ptr, n_total, num_col_blocks, num_tiles, PER * BLOCK_M,
-                              BLOCK_N, STAGES)),
+                              slot_rank_ptr, seg_scale_ptr, n_total, num_col_blocks, num_tiles, BLOCK_M, BLOCK_N,
+                              STAGES)),
             ],
             [1],
             [40],
@@ -236,14 +220,14 @@ def _gluon_lora_expand_kernel(
             (_expand_compute, (y_desc, y_bufs, b_bufs, s_smem, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr,
                                slot_rank_ptr, seg_scale_ptr, num_tokens, rank_dim, stride_ss, stride_st,
                                num_col_blocks, num_tiles, blk1, blk2, blk3, R, BLOCK_M, BLOCK_N, STAGES, LAG,
-                               TPW_N, WG, 0, SPLIT, num_warps)),
+                               TPW_N, WG, 0, num_warps)),
             (_expand_compute, (y_desc, y_bufs, b_bufs, s_smem, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr,
                                slot_rank_ptr, seg_scale_ptr, num_tokens, rank_dim, stride_ss, stride_st,
                                num_col_blocks, num_tiles, blk1, blk2, blk3, R, BLOCK_M, BLOCK_N, STAGES, LAG,
-                               TPW_N, WG, 1, SPLIT, num_warps)),
+                               TPW_N, WG, 1, num_warps)),
             (_expand_loader, (y_desc, b_desc, y_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr,
-                              slot_rank_ptr, seg_scale_ptr, n_total, num_col_blocks, num_tiles, PER * BLOCK_M,
-                              BLOCK_N, STAGES)),
+                              slot_rank_ptr, seg_scale_ptr, n_total, num_col_blocks, num_tiles, BLOCK_M, BLOCK_N,
+                              STAGES)),
             ],
             [num_warps, 1],
             [MMA_REGS, 40],

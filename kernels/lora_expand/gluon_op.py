@@ -11,9 +11,8 @@ from ditserve.kernels.lora_gemm.gluon_op import SMEM_LIMIT, _tma_desc, gluon_ava
 from ditserve.kernels.lora_shrink.gluon_op import partition_regs
 
 # 128-row tiles on two warpgroups, 64 columns, as many ring slots as fit (STAGES 0, at most MAX_STAGES), a slot
-# freed two TMA stores of y later (LAG); WG compute partitions of num_warps warps, each its own tiles (SPLIT 0)
-# or its BLOCK_M rows of every tile (SPLIT 1: a row block of WG · BLOCK_M rows)
-GLUON_EXPAND_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, STAGES=0, LAG=2, num_warps=8, WG=1, SPLIT=0)
+# freed two TMA stores of y later (LAG); WG compute partitions of num_warps warps, each its own tiles
+GLUON_EXPAND_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, STAGES=0, LAG=2, num_warps=8, WG=1)
 MAX_STAGES = 12
 
 # Where the Gluon expand is the default, by (slices, rank tile): the rest keep the Triton row-stationary kernel.
@@ -31,21 +30,13 @@ def gluon_expand_choice(num_slices: int, rank_tile: int) -> dict[str, int] | Non
     return GLUON_EXPAND_TUNED.get((num_slices, rank_tile))
 
 
-def split_rows(cfg: dict[str, int]) -> tuple[int, int]:
-    """(rows of a row block, compute partitions that take turns over the tiles) of a Gluon expand config."""
-    wg = cfg.get("WG", 1)
-    return (wg * cfg["BLOCK_M"], 1) if cfg.get("SPLIT", 0) else (cfg["BLOCK_M"], wg)
-
-
 def expand_smem(cfg: dict[str, int], rank_tile: int, itemsize: int = 2) -> tuple[int, int]:
-    """(ring slots, bytes of shared memory) of `_gluon_lora_expand_kernel` (barriers aside): the slots' y
-    boxes (one per partition with SPLIT) and B box, and each compute partition's scaled s; the slots a multiple
-    of the partitions that take turns."""
+    """(ring slots, bytes of shared memory) of `_gluon_lora_expand_kernel` (barriers aside): the slots' y and
+    B boxes and each compute partition's scaled s; the slots a multiple of the partitions."""
     bm, bn, wg = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg.get("WG", 1)
-    rows, turns = split_rows(cfg)
-    slot = (rows * bn + bn * rank_tile) * itemsize
+    slot = (bm * bn + bn * rank_tile) * itemsize
     s_bytes = wg * bm * rank_tile * itemsize
-    stages = cfg["STAGES"] or min(MAX_STAGES, (SMEM_LIMIT - 1024 - s_bytes) // slot) // turns * turns
+    stages = cfg["STAGES"] or min(MAX_STAGES, (SMEM_LIMIT - 1024 - s_bytes) // slot) // wg * wg
     return stages, stages * slot + s_bytes
 
 
@@ -66,8 +57,7 @@ def gluon_expand_ok(
         or not gluon_available(y.device.index or 0)
     ):
         return False
-    rows, turns = split_rows(cfg)
-    if b_stacked.dtype != y.dtype or not b_stacked.is_contiguous() or seg_align % rows:
+    if b_stacked.dtype != y.dtype or not b_stacked.is_contiguous() or seg_align % cfg["BLOCK_M"]:
         return False
     if any(n % cfg["BLOCK_N"] for n in out_slice_sizes):
         return False
@@ -77,8 +67,8 @@ def gluon_expand_ok(
     return (
         rank_tile <= b_stacked.shape[2]
         and wg in (1, 2)
-        and stages % turns == 0
-        and stages // turns >= cfg["LAG"] + 2
+        and stages % wg == 0
+        and stages // wg >= cfg["LAG"] + 2
         and cfg["BLOCK_M"] % (16 * cfg["num_warps"]) == 0
         and smem <= SMEM_LIMIT - 1024
         and tma_ok(y, b_stacked.flatten(0, 1))
@@ -104,16 +94,15 @@ def launch_gluon_lora_expand(
     num_tokens, n_total = y.shape
     rank_dim = s.shape[2]
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    rows, _ = split_rows(cfg)
     rank_tile = block_rank(rank_dim)
     stages, _ = expand_smem(cfg, rank_tile, y.element_size())
     wg = cfg.get("WG", 1)
     _, blks, num_col_blocks = column_blocks(out_slice_sizes, bn)  # first column block of slices 1..3
-    num_tiles = -(-num_tokens // rows) * num_col_blocks
+    num_tiles = -(-num_tokens // bm) * num_col_blocks
     _gluon_lora_expand_kernel[(min(num_tiles, num_programs_limit(y.device)),)](
         _tma_desc(y, [bm, bn]), _tma_desc(b_stacked.flatten(0, 1), [bn, rank_tile]), s, token_seg, seg_slot,
         seg_scale, slot_rank, num_tokens, rank_dim, n_total, s.stride(0), s.stride(1), num_col_blocks, num_tiles,
         *blks,
         R=rank_tile, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, LAG=cfg["LAG"], TPW_N=min(rank_tile // 4, 32),
-        WG=wg, SPLIT=int(cfg.get("SPLIT", 0)), MMA_REGS=partition_regs(wg, cfg["num_warps"]), num_warps=cfg["num_warps"],
+        WG=wg, MMA_REGS=partition_regs(wg, cfg["num_warps"]), num_warps=cfg["num_warps"],
     )  # fmt: skip

@@ -201,13 +201,10 @@ def test_shrink_compiles_for_hopper(compile_in_child, slices, rank, scaled, shri
         (4, 32, {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4}),
         (3, 128, {"WG": 2, "num_warps": 4, "LAG": 0}),
         (4, 64, {"WG": 2, "BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "LAG": 1}),
-        (3, 128, {"WG": 2, "SPLIT": 1, "BLOCK_M": 64, "num_warps": 4, "LAG": 1}),
-        (4, 64, {"WG": 2, "SPLIT": 1, "BLOCK_M": 128, "num_warps": 4, "LAG": 0}),
     ],
 )
 def test_expand_compiles_for_hopper(compile_in_child, slices, rank, expand):
     """The Gluon in-place expand: 3 and 4 output slices, ranks 16-128, 64- and 128-row tiles, 64- and 128-wide
     column blocks, none to two TMA stores in flight, one or two compute partitions (WG; a partition of one
-    warpgroup covering 128 rows) taking turns over the tiles or splitting each tile's rows (SPLIT); its ring
-    fills shared memory up to the limit."""
+    warpgroup covering 128 rows); its ring fills shared memory up to the limit."""
     _assert_hopper_kernel(compile_in_child("expand", {"slices": slices, "expand": expand}, rank))

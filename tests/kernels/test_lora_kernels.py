@@ -258,22 +258,20 @@ def test_default_expand_takes_gluon_where_measured_faster(monkeypatch, num_slice
     assert seen == []
 
 
-@pytest.mark.parametrize("wg,split", [(1, 0), (2, 0), (2, 1)])
+@pytest.mark.parametrize("wg", [1, 2])
 @pytest.mark.parametrize("bm,bn,rank_tile", [(128, 64, 128), (64, 128, 128), (64, 64, 16), (128, 128, 64)])
-def test_gluon_expand_ring_fills_shared_memory_per_partition(wg, split, bm, bn, rank_tile):
+def test_gluon_expand_ring_fills_shared_memory_per_partition(wg, bm, bn, rank_tile):
     """The Gluon expand's ring: as many slots as fit beside every compute partition's scaled s, a multiple of
-    the partitions that take turns (a slot always serves the same one), as many more would not fit (or
-    MAX_STAGES); with SPLIT a slot holds a y box per partition and one B box."""
+    the partitions (a slot always serves the same one), WG more would not fit (or MAX_STAGES)."""
     from ditserve.kernels.lora_expand.gluon_op import MAX_STAGES, expand_smem
     from ditserve.kernels.lora_gemm.gluon_op import SMEM_LIMIT
 
-    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, STAGES=0, LAG=0, num_warps=4, WG=wg, SPLIT=split)
+    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, STAGES=0, LAG=0, num_warps=4, WG=wg)
     stages, smem = expand_smem(cfg, rank_tile)
-    turns, boxes = (1, wg) if split else (wg, 1)
-    slot = (boxes * bm * bn + bn * rank_tile) * 2
-    assert stages % turns == 0 and stages >= turns
+    slot = (bm * bn + bn * rank_tile) * 2
+    assert stages % wg == 0 and stages >= wg
     assert smem == stages * slot + wg * bm * rank_tile * 2 <= SMEM_LIMIT - 1024
-    assert stages + turns > MAX_STAGES or smem + turns * slot > SMEM_LIMIT - 1024
+    assert stages + wg > MAX_STAGES or smem + wg * slot > SMEM_LIMIT - 1024
     assert expand_smem({**cfg, "STAGES": 2}, rank_tile)[0] == 2  # a given depth is kept
 
 

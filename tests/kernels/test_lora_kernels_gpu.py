@@ -112,14 +112,6 @@ def test_inductor_compiles_around_custom_ops():
         ("64x128 lag2", dict(GLUON=1, BLOCK_M=64, BLOCK_N=128, STAGES=0, LAG=2, num_warps=4)),
         ("w2 128x64 lag0", dict(GLUON=1, BLOCK_M=128, BLOCK_N=64, STAGES=0, LAG=0, num_warps=4, WG=2)),
         ("w2 64x64 lag1", dict(GLUON=1, BLOCK_M=64, BLOCK_N=64, STAGES=0, LAG=1, num_warps=4, WG=2)),
-        (
-            "split 2x64x64 lag1",
-            dict(GLUON=1, BLOCK_M=64, BLOCK_N=64, STAGES=0, LAG=1, num_warps=4, WG=2, SPLIT=1),
-        ),
-        (
-            "split 2x64x128 lag0",
-            dict(GLUON=1, BLOCK_M=64, BLOCK_N=128, STAGES=0, LAG=0, num_warps=4, WG=2, SPLIT=1),
-        ),
     ],
 )
 @pytest.mark.parametrize("num_slices", [3, 4])
