@@ -14,8 +14,7 @@ runs across row blocks: the next block's loads are in flight while this block's 
 row block is WG × BLOCK_M rows and WG MMA partitions share each slot's x box, each its own BLOCK_M rows with its
 own accumulators (`empty` counts WG arrivals): more warpgroups issuing MMAs per SM, on programs of one block
 (4 × 4608 tokens: 96 blocks of 192 rows, the cut cuBLAS takes), where one warpgroup cannot keep the tensor
-cores busy at rank 32 and above. With ROT program p walks K from step p mod K steps on (wrapping round), so
-the programs that share an adapter ask L2 for different A boxes at the same time instead of the same ones.
+cores busy at rank 32 and above.
 
 Contract (the launcher checks it): bf16/fp16 x and A; every segment starts at a multiple of WG × BLOCK_M (a
 row block holds one segment); slices (rounded up to a power of two) × rank tile ≤ 256; x and A laid out for TMA.
@@ -50,13 +49,11 @@ def _program_blocks(num_blocks, blocks):
 @gluon.jit
 def _shrink_loader(x_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr, slot_rank_ptr,
                    seg_scale_ptr, max_rank, a_slice_rows, num_blocks, blocks, G: gl.constexpr, R: gl.constexpr,
-                   ROWS: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, ROT: gl.constexpr):  # fmt: skip
-    """The loader warp: every K step of this program's row blocks with an adapter, in the MMA warps' order
-    (from K step rot on with ROT); step j into ring slot j % STAGES once the MMAs of step j - STAGES have freed
-    it."""
+                   ROWS: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """The loader warp: every K step of this program's row blocks with an adapter, in the MMA warps' order;
+    step j into ring slot j % STAGES once the MMAs of step j - STAGES have freed it."""
     lo, hi = _program_blocks(num_blocks, blocks)
     k_tiles = gl.cdiv(x_desc.shape[1], BLOCK_K)
-    rot = (gl.program_id(0) % k_tiles) * ROT
     XM: gl.constexpr = x_desc.block_type.shape[0]  # rows of an x box: one per MMA partition
     WG: gl.constexpr = ROWS // XM
     step_bytes: gl.constexpr = WG * x_desc.block_type.nbytes + G * a_desc.block_type.nbytes
@@ -65,20 +62,18 @@ def _shrink_loader(x_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_s
         slot, rank, _ = _block_segment(rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, ROWS)
         a_row = gl.maximum(slot, 0) * max_rank
         for ki in range(gl.where(rank > 0, k_tiles, 0)):
-            kk = ki + rot
-            k0 = gl.where(kk >= k_tiles, kk - k_tiles, kk) * BLOCK_K
             i = j % STAGES
             mbarrier.wait(empty.index(i), ((j // STAGES) & 1) ^ 1)
             bar = ready.index(i)
             mbarrier.expect(bar, step_bytes)
             for w in gl.static_range(WG):
-                _tma_load(x_desc, [rb * ROWS + w * XM, k0], bar, x_bufs.index(i * WG + w))
+                _tma_load(x_desc, [rb * ROWS + w * XM, ki * BLOCK_K], bar, x_bufs.index(i * WG + w))
             for g in gl.static_range(G):
                 if G == 3 and g == 2:
                     dst = b_bufs.index(i)
                 else:
                     dst = a_bufs.index(i).slice(g * R, R, dim=0)
-                _tma_load(a_desc, [g * a_slice_rows + a_row, k0], bar, dst)
+                _tma_load(a_desc, [g * a_slice_rows + a_row, ki * BLOCK_K], bar, dst)
             j += 1
 
 
@@ -162,7 +157,6 @@ def _gluon_lora_shrink_kernel(
     SCALED: gl.constexpr,  # s · scale(t) in s's dtype, else unscaled fp32
     WG: gl.constexpr,  # 1-3 MMA partitions, each of num_warps warps: a row block is WG · BLOCK_M rows
     MMA_REGS: gl.constexpr,  # registers of each MMA partition past the first (WG > 1): those it starts with
-    ROT: gl.constexpr,  # 1: program p's K steps from p mod K steps on
     num_warps: gl.constexpr,
 ):
     k_tiles = gl.cdiv(x_desc.shape[1], BLOCK_K)
@@ -191,7 +185,7 @@ def _gluon_lora_shrink_kernel(
                             G, R, BLOCK_M, STAGES, SCALED, WG, 0, num_warps)),
             (_shrink_loader, (x_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr,
                               slot_rank_ptr, seg_scale_ptr, max_rank, a_slice_rows, num_blocks, blocks, G, R,
-                              WG * BLOCK_M, BLOCK_K, STAGES, ROT)),
+                              WG * BLOCK_M, BLOCK_K, STAGES)),
             ],
             [1],
             [40],
@@ -207,7 +201,7 @@ def _gluon_lora_shrink_kernel(
                             G, R, BLOCK_M, STAGES, SCALED, WG, 1, num_warps)),
             (_shrink_loader, (x_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr,
                               slot_rank_ptr, seg_scale_ptr, max_rank, a_slice_rows, num_blocks, blocks, G, R,
-                              WG * BLOCK_M, BLOCK_K, STAGES, ROT)),
+                              WG * BLOCK_M, BLOCK_K, STAGES)),
             ],
             [num_warps, 1],
             [MMA_REGS, 40],
@@ -227,7 +221,7 @@ def _gluon_lora_shrink_kernel(
                             G, R, BLOCK_M, STAGES, SCALED, WG, 2, num_warps)),
             (_shrink_loader, (x_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr,
                               slot_rank_ptr, seg_scale_ptr, max_rank, a_slice_rows, num_blocks, blocks, G, R,
-                              WG * BLOCK_M, BLOCK_K, STAGES, ROT)),
+                              WG * BLOCK_M, BLOCK_K, STAGES)),
             ],
             [num_warps, num_warps, 1],
             [MMA_REGS, MMA_REGS, 40],

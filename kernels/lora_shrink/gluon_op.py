@@ -154,5 +154,5 @@ def launch_gluon_lora_shrink(
         seg_slot if seg_scale is None else seg_scale, slot_rank, num_tokens, s_cols, max_rank, max_loras * max_rank,
         s.stride(0), s.stride(1), num_blocks, blocks,
         G=num_slices, R=rank_tile, BLOCK_M=bm, BLOCK_K=bk, STAGES=stages, SCALED=seg_scale is not None, WG=wg,
-        MMA_REGS=partition_regs(wg, warps), ROT=cfg.get("ROT", 0), num_warps=warps,
+        MMA_REGS=partition_regs(wg, warps), num_warps=warps,
     )  # fmt: skip

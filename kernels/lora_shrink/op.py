@@ -96,13 +96,6 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "gluon w3 k128": dict(GLUON=1, BLOCK_M=64, BLOCK_K=128, STAGES=0, num_warps=4, WG=3),
     "gluon w3 k32": dict(GLUON=1, BLOCK_M=64, BLOCK_K=32, STAGES=0, num_warps=4, WG=3),
     "gluon 128 k32": dict(GLUON=1, BLOCK_M=128, BLOCK_K=32, STAGES=0, num_warps=8),
-    # K walked from a different step in every program (ROT): the programs sharing an adapter read different A
-    # boxes at a time
-    "gluon rot": dict(GLUON=1, BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4, ROT=1),
-    "gluon k128 rot": dict(GLUON=1, BLOCK_M=64, BLOCK_K=128, STAGES=0, num_warps=4, ROT=1),
-    "gluon 128 rot": dict(GLUON=1, BLOCK_M=128, BLOCK_K=64, STAGES=0, num_warps=8, ROT=1),
-    "gluon 128 k128 rot": dict(GLUON=1, BLOCK_M=128, BLOCK_K=128, STAGES=0, num_warps=8, ROT=1),
-    "gluon w3 rot": dict(GLUON=1, BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4, WG=3, ROT=1),
 }
 
 # The segmented kernel's defaults (fp32 and scaled outputs) where H200 sweeps (hidden 3072; 4x4608 tokens,

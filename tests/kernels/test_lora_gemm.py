@@ -572,8 +572,6 @@ def test_bf16_gpu_shrink_scaled_every_config(num_slices, name):
         "gluon w3 k128",
         "gluon w3 k32",
         "gluon 128 k32",
-        "gluon 128 rot",
-        "gluon w3 rot",
     ],
 )
 @pytest.mark.parametrize("num_slices", [1, 2, 3, 4])
