@@ -36,6 +36,21 @@ def slice_columns(pid_n, col1, col2, col3, n_total, blk1, blk2, blk3, BLOCK_N: t
 
 
 @triton.jit
+def chunk_columns(pid_c, col1, col2, col3, n_total, blk1, blk2, blk3, chk1, chk2, chk3, CHUNK: tl.constexpr,
+                  BLOCK_N: tl.constexpr):  # fmt: skip
+    """Column chunk pid_c → (its slice j, its first column, the end of slice j, its column blocks): chunks of
+    CHUNK column blocks cut per slice like the blocks (`op.column_chunks`), chk1..chk3 the first chunk of
+    slices 1..3 (the number of chunks when absent); a slice's last chunk may be shorter."""
+    js = (pid_c >= chk1).to(tl.int32) + (pid_c >= chk2).to(tl.int32) + (pid_c >= chk3).to(tl.int32)
+    chk_lo = tl.where(js == 0, 0, tl.where(js == 1, chk1, tl.where(js == 2, chk2, chk3)))
+    blk_lo = tl.where(js == 0, 0, tl.where(js == 1, blk1, tl.where(js == 2, blk2, blk3)))
+    j, n_first, col_hi = slice_columns(
+        blk_lo + (pid_c - chk_lo) * CHUNK, col1, col2, col3, n_total, blk1, blk2, blk3, BLOCK_N
+    )
+    return j, n_first, col_hi, tl.minimum(CHUNK, tl.cdiv(col_hi - n_first, BLOCK_N))
+
+
+@triton.jit
 def _lora_expand_kernel(
     y_ptr,  # [num_tokens, n_total]
     s_ptr,  # [num_slices, num_tokens, rank_dim] fp32
@@ -168,14 +183,9 @@ def _lora_expand_rows_kernel(
 ):
     pid_c = tl.program_id(0)
     pid_m = tl.program_id(1)
-    # this chunk's first column block (chunks are cut per slice like the blocks), then its slice and columns
-    js = (pid_c >= chk1).to(tl.int32) + (pid_c >= chk2).to(tl.int32) + (pid_c >= chk3).to(tl.int32)
-    chk_lo = tl.where(js == 0, 0, tl.where(js == 1, chk1, tl.where(js == 2, chk2, chk3)))
-    blk_lo = tl.where(js == 0, 0, tl.where(js == 1, blk1, tl.where(js == 2, blk2, blk3)))
-    j, n_first, col_hi = slice_columns(
-        blk_lo + (pid_c - chk_lo) * CHUNK, col1, col2, col3, n_total, blk1, blk2, blk3, BLOCK_N
+    j, n_first, col_hi, num_blocks = chunk_columns(
+        pid_c, col1, col2, col3, n_total, blk1, blk2, blk3, chk1, chk2, chk3, CHUNK, BLOCK_N
     )
-    num_blocks = tl.minimum(CHUNK, tl.cdiv(col_hi - n_first, BLOCK_N))
     n_end = n_first + num_blocks * BLOCK_N  # past this chunk's last column
 
     m0 = pid_m * BLOCK_M

@@ -1,14 +1,20 @@
 """Chunked SGMV LoRA expand: y[t, cols_j] += scale(t) · s[j, t, :rank] · B[slot, cols_j, :rank]ᵀ.
 
-Grid: (column blocks over all output slices, chunks). A chunk holds one slot, so the program loads its
-B tile once and reuses it for every BLOCK_M sub-block of the chunk; y and s rows are gathered and
-scattered by token id. Chunks without LoRA return at once.
+`_lora_expand_sgmv_kernel` — grid: (column blocks over all output slices, chunks). A chunk holds one slot, so
+the program loads its B tile once and reuses it for every BLOCK_M sub-block of the chunk; y and s rows are
+gathered and scattered by token id. Every column block reloads the chunk's s rows, so s is read once per column
+block of its slice (at rank 128 as many bytes as y).
+
+`_lora_expand_sgmv_rows_kernel` — grid: (column chunks, chunks), the segmented row-stationary kernel's walk
+over gathered rows: a program keeps its chunk's scaled s rows in registers and walks CHUNK column blocks of one
+slice, per block one B tile (B_TMA: through a TMA descriptor, pipelined STAGES deep), one gathered y tile,
+one dot, one scattered store; s is read once per column chunk. Chunks without LoRA return at once.
 """
 
 import triton
 import triton.language as tl
 
-from ditserve.kernels.lora_expand.kernel import slice_columns
+from ditserve.kernels.lora_expand.kernel import chunk_columns, slice_columns
 
 
 @triton.jit
@@ -73,3 +79,84 @@ def _lora_expand_sgmv_kernel(
         y_mask = row_mask[:, None] & n_mask[None, :]
         acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def _lora_expand_sgmv_rows_kernel(
+    y_ptr,  # [num_tokens, n_total], updated in place
+    s_ptr,  # [num_slices, num_tokens, rank_dim] fp32
+    b_ptr,  # [max_loras, n_total, max_rank]
+    sorted_ids_ptr,  # [num_tokens] int32
+    token_scale_ptr,  # [num_tokens] fp32
+    chunk_slot_ptr,  # [num_chunks] int32
+    chunk_start_ptr,  # [num_chunks] int32
+    chunk_len_ptr,  # [num_chunks] int32
+    slot_rank_ptr,  # [max_loras] int32
+    col1,  # first column of slice 1 (= n_total when absent), likewise col2, col3
+    col2,
+    col3,
+    n_total,
+    blk1,  # first column block of slice 1 (= number of blocks when absent), likewise blk2, blk3
+    blk2,
+    blk3,
+    chk1,  # first column chunk of slice 1 (= number of column chunks when absent), likewise chk2, chk3
+    chk2,
+    chk3,
+    stride_yt,
+    stride_yn,
+    stride_ss,
+    stride_st,
+    stride_sr,
+    stride_bl,
+    stride_bn,
+    stride_br,
+    b_desc,  # B_TMA: B viewed as [max_loras · n_total, max_rank], a TensorDescriptor, block [BLOCK_N, BLOCK_R]
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    CHUNK: tl.constexpr,  # column blocks per program (fewer at the end of a slice)
+    STAGES: tl.constexpr,  # num_stages of the column loop
+    B_TMA: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    chunk = tl.program_id(1)
+    slot = tl.load(chunk_slot_ptr + chunk)
+    rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
+    rank = tl.where(slot >= 0, rank, 0)
+    if rank == 0:
+        return
+    start = tl.load(chunk_start_ptr + chunk)
+    length = tl.load(chunk_len_ptr + chunk)
+    j, n_first, col_hi, num_blocks = chunk_columns(
+        pid_c, col1, col2, col3, n_total, blk1, blk2, blk3, chk1, chk2, chk3, CHUNK, BLOCK_N
+    )
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    b_rows = b_ptr + slot.to(tl.int64) * stride_bl + offs_r[:, None] * stride_br
+    for m0 in range(0, length, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        row_mask = offs_m < length
+        tok = tl.load(sorted_ids_ptr + start + offs_m, mask=row_mask, other=0)
+        scale = tl.load(token_scale_ptr + tok, mask=row_mask, other=0.0)
+        tok = tok.to(tl.int64)
+        s_ptrs = s_ptr + j * stride_ss + tok[:, None] * stride_st + offs_r[None, :] * stride_sr
+        s = tl.load(s_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+        a = (s * scale[:, None]).to(b_ptr.dtype.element_ty)
+        y_rows = y_ptr + tok[:, None] * stride_yt
+        for i in tl.range(0, num_blocks, num_stages=STAGES):
+            cols = n_first + i * BLOCK_N + offs_n
+            c_mask = cols < col_hi
+            if B_TMA:
+                # rows past the slice (or the slot) only reach masked-off columns; columns past the rank meet
+                # zeros in s
+                b = b_desc.load([slot * n_total + n_first + i * BLOCK_N, 0]).T
+            else:
+                b = tl.load(
+                    b_rows + cols[None, :] * stride_bn, mask=r_mask[:, None] & c_mask[None, :], other=0.0
+                )
+            y_mask = row_mask[:, None] & c_mask[None, :]
+            y_t = tl.load(y_rows + cols[None, :] * stride_yn, mask=y_mask, other=0.0)
+            acc = tl.dot(a, b, y_t.to(tl.float32), input_precision=PRECISION)
+            tl.store(y_rows + cols[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=y_mask)

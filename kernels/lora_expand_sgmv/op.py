@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ditserve.kernels._dispatch import block_rank, use_triton
-from ditserve.kernels.lora_expand.op import MAX_SLICES, column_blocks, expand_config
+from ditserve.kernels._dispatch import block_rank, tma_ok, use_triton
+from ditserve.kernels.lora_expand.op import MAX_SLICES, column_blocks, column_chunks, expand_config
 from ditserve.kernels.lora_expand_sgmv.reference import lora_expand_sgmv_ref
 
 
@@ -14,6 +14,25 @@ def expand_sgmv_config(block_r: int, chunk_size: int) -> dict[str, int]:
     cfg = dict(expand_config(block_r))
     cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], chunk_size))
     return cfg
+
+
+# Candidates (benchmarks/lora_kernels.py --sweep-sgmv; not yet timed on a GPU, so not a default): the
+# row-stationary walk over gathered rows (ROWS=1), a chunk's rows (BLOCK_M: the chunk size, capped) keeping
+# their scaled s across CHUNK column blocks, B through TMA
+SGMV_ROWS_SWEEP: dict[str, dict[str, int]] = {
+    "rows 64x128 c8 s3 w4 B tma": dict(
+        ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1
+    ),
+    "rows 64x128 c24 s3 w4 B tma": dict(
+        ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=24, STAGES=3, num_warps=4, B_TMA=1
+    ),
+    "rows 128x128 c12 s3 w8 B tma": dict(
+        ROWS=1, BLOCK_M=128, BLOCK_N=128, CHUNK=12, STAGES=3, num_warps=8, B_TMA=1
+    ),
+    "rows 32x128 c4 s3 w4 B tma": dict(
+        ROWS=1, BLOCK_M=32, BLOCK_N=128, CHUNK=4, STAGES=3, num_warps=4, B_TMA=1
+    ),
+}
 
 
 def launch_lora_expand_sgmv(
@@ -30,7 +49,10 @@ def launch_lora_expand_sgmv(
     chunk_size: int,  # longest chunk
     config: dict[str, int] | None = None,  # tile override (benchmarks)
 ) -> None:
-    from ditserve.kernels.lora_expand_sgmv.kernel import _lora_expand_sgmv_kernel
+    from ditserve.kernels.lora_expand_sgmv.kernel import (
+        _lora_expand_sgmv_kernel,
+        _lora_expand_sgmv_rows_kernel,
+    )
 
     assert y.dim() == 2 and s.dim() == 3 and b_stacked.dim() == 3, (y.shape, s.shape, b_stacked.shape)
     assert 1 <= len(out_slice_sizes) <= MAX_SLICES and len(out_slice_sizes) == s.shape[0]
@@ -55,15 +77,34 @@ def launch_lora_expand_sgmv(
     if y.shape[0] == 0 or rank_dim == 0 or num_chunks == 0:
         return
     block_r = block_rank(rank_dim)
-    cfg = config or expand_sgmv_config(block_r, chunk_size)
+    cfg = dict(config or expand_sgmv_config(block_r, chunk_size))
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, cfg["BLOCK_N"])
+    precision = "ieee" if y.dtype == torch.float32 else "tf32"
+    if cfg.pop("ROWS", 0):
+        chunk, stages = cfg.pop("CHUNK"), cfg.pop("STAGES")
+        cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], chunk_size))
+        chks = column_chunks(blks, num_col_blocks, chunk)
+        b_rows = b_stacked.flatten(0, 1)
+        b_tma = bool(cfg.pop("B_TMA", 0)) and b_stacked.is_contiguous() and tma_ok(b_rows)
+        b_desc = b_stacked  # a placeholder where the kernel reads no descriptor
+        if b_tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            b_desc = TensorDescriptor.from_tensor(b_rows, [cfg["BLOCK_N"], block_r])
+        _lora_expand_sgmv_rows_kernel[(chks[-1], num_chunks)](
+            y, s, b_stacked, sorted_token_ids, token_scale, chunk_slot, chunk_start, chunk_len, slot_rank,
+            *cols, y.shape[1], *blks, *chks[:3],
+            y.stride(0), y.stride(1), s.stride(0), s.stride(1), s.stride(2),
+            b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2), b_desc,
+            BLOCK_R=block_r, CHUNK=chunk, STAGES=stages, B_TMA=b_tma, PRECISION=precision, **cfg,
+        )  # fmt: skip
+        return
     _lora_expand_sgmv_kernel[(num_col_blocks, num_chunks)](
         y, s, b_stacked, sorted_token_ids, token_scale, chunk_slot, chunk_start, chunk_len, slot_rank,
         *cols, y.shape[1], *blks,
         y.stride(0), y.stride(1), s.stride(0), s.stride(1), s.stride(2),
         b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2),
-        BLOCK_R=block_r, PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
-        **cfg,
+        BLOCK_R=block_r, PRECISION=precision, **cfg,
     )  # fmt: skip
 
 

@@ -57,6 +57,28 @@ def test_bf16_matches_reference(num_slices, method):
     assert torch.equal(got[no_lora], y[no_lora])
 
 
+@pytest.mark.parametrize("name", ["rows 64x128 c8 s3 w4 B tma", "rows 128x128 c12 s3 w8 B tma"])
+@pytest.mark.parametrize("num_slices", [3, 4])
+def test_bf16_sgmv_expand_rows_candidates(num_slices, name):
+    """The SGMV expand's row-stationary candidates over gathered rows (a sweep candidate, not the default) on
+    the mixed batch, chunk after chunk of one slot: equal to the reference, the request without LoRA left
+    bit-for-bit untouched."""
+    from ditserve.kernels.lora_expand_sgmv.op import SGMV_ROWS_SWEEP, launch_lora_expand_sgmv
+    from ditserve.kernels.lora_expand_sgmv.reference import lora_expand_sgmv_ref
+
+    meta, x, a, b, y, sizes = problem(num_slices)
+    s, _ = reference(meta, x, a, b, y, sizes)
+    ids = (meta.sorted_token_ids, meta.token_scale, meta.chunk_slot, meta.chunk_start, meta.chunk_len)
+    got, want = y.clone(), y.clone()
+    launch_lora_expand_sgmv(
+        got, s, b, *ids, meta.slot_rank, sizes, meta.chunk_size, config=SGMV_ROWS_SWEEP[name]
+    )
+    lora_expand_sgmv_ref(want, s, b, *ids, meta.slot_rank, sizes)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)
+    no_lora = slice(1518, 1818)  # the (300, -1) request
+    assert torch.equal(got[no_lora], y[no_lora])
+
+
 @pytest.mark.parametrize("rank", [16, 32, 64, 128])
 @pytest.mark.parametrize("num_slices", [3, 4])
 def test_bf16_expand_tiles_of_every_rank(num_slices, rank):

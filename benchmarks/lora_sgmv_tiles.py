@@ -1,0 +1,99 @@
+"""The chunked SGMV expand's default (column-stationary) against its row-stationary candidates
+(lora_expand_sgmv/op.py SGMV_ROWS_SWEEP) and the segmented expand's default, every result checked against the
+reference (GPU):
+
+    python benchmarks/lora_sgmv_tiles.py --out DIR [--batches "4x4608,interleaved 8x2304"] [--ranks 16,128]
+
+Times: CUDA-graph replay with the L2 flushed before each call (`lora_kernels.quick_graph_ms`), µs, and % of the
+HBM floor (the expand's bytes over the 2 GiB clone's bandwidth); WRONG after a time whose output is off. The
+"interleaved" batches give 2 adapters to alternating requests, where SGMV groups tokens the segments do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import lora_kernels as lk  # noqa: E402
+
+from ditserve.kernels._bench import copy_bandwidth, make_problem  # noqa: E402
+from ditserve.kernels.lora import lora_shrink  # noqa: E402
+from ditserve.kernels.lora_expand.op import launch_lora_expand  # noqa: E402
+from ditserve.kernels.lora_expand_sgmv.op import SGMV_ROWS_SWEEP, launch_lora_expand_sgmv  # noqa: E402
+from ditserve.kernels.lora_expand_sgmv.reference import lora_expand_sgmv_ref  # noqa: E402
+
+BATCHES = {
+    **lk.BATCHES,
+    "interleaved 8x2304": [(2304, i % 2) for i in range(8)],
+}
+
+
+def launch(name: str, y: torch.Tensor, p, s: torch.Tensor) -> None:
+    """One expand into y: the segmented default ("segmented"), the SGMV default ("sgmv"), or a candidate."""
+    m = p.meta
+    if name == "segmented":
+        seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
+        launch_lora_expand(y, s, p.b, *seg, p.sizes, seg_align=m.seg_align)
+        return
+    ids = (m.sorted_token_ids, m.token_scale, m.chunk_slot, m.chunk_start, m.chunk_len, m.slot_rank)
+    cfg = SGMV_ROWS_SWEEP.get(name)
+    launch_lora_expand_sgmv(y, s, p.b, *ids, p.sizes, m.chunk_size, config=cfg)
+
+
+def cells(p, bw: float) -> list[str]:
+    """µs (% of the HBM floor) of each expand on problem p, WRONG where its output is off."""
+    m = p.meta
+    s = lora_shrink(p.x, p.a, m)
+    ids = (m.sorted_token_ids, m.token_scale, m.chunk_slot, m.chunk_start, m.chunk_len, m.slot_rank)
+    want = p.y.clone()
+    lora_expand_sgmv_ref(want, s, p.b, *ids, p.sizes)
+    floor_us = p.expand_bytes() / bw * 1e6
+    out = []
+    for name in ["segmented", "sgmv", *SGMV_ROWS_SWEEP]:
+        y = p.y.clone()
+        launch(name, y, p, s)
+        ok = (y.float() - want.float()).abs().max().item() <= 0.1
+        us = lk.quick_graph_ms(lambda name=name: launch(name, p.y, p, s)) * 1e3
+        out.append(f"{us:.1f} ({100 * floor_us / us:.0f}%){'' if ok else ' WRONG'}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batches", default="4x4608,skew 4608/1024/4608/256,1x4608,interleaved 8x2304")
+    ap.add_argument("--slices", default="3,4")
+    ap.add_argument("--ranks", default="16,32,64,128")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    bw = copy_bandwidth()
+    names = list(SGMV_ROWS_SWEEP)
+    lines = [
+        f"machine: {torch.cuda.get_device_name()}, torch {torch.__version__}, commit {lk.commit()}, "
+        f"{time.strftime('%Y-%m-%d')}; copy bandwidth {bw / 1e9:.0f} GB/s",
+        "",
+        "| batch | slices | rank | chunk | segmented default | SGMV default | " + " | ".join(names) + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(names),
+    ]
+    print("\n".join(lines), flush=True)
+    for batch in args.batches.split(","):
+        for nsl in map(int, args.slices.split(",")):
+            for rank in map(int, args.ranks.split(",")):
+                p = make_problem(BATCHES[batch], rank, lk.SLICES[nsl])
+                row = cells(p, bw)
+                lines.append(f"| {batch} | {nsl} | {rank} | {p.meta.chunk_size} | " + " | ".join(row) + " |")
+                print(lines[-1], flush=True)
+                with open(os.path.join(args.out, "lora_sgmv_tiles.md"), "w") as f:
+                    f.write("\n".join(lines) + "\n")
+                del p
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
