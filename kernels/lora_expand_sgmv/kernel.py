@@ -18,6 +18,32 @@ from ditserve.kernels.lora_expand.kernel import chunk_columns, slice_columns
 
 
 @triton.jit
+def _chunk_adapter(chunk, chunk_slot_ptr, chunk_start_ptr, chunk_len_ptr, slot_rank_ptr):
+    """Chunk → (its slot, that slot's rank (0 without one), its first position in the sorted order, its
+    length)."""
+    slot = tl.load(chunk_slot_ptr + chunk)
+    rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
+    rank = tl.where(slot >= 0, rank, 0)
+    return slot, rank, tl.load(chunk_start_ptr + chunk), tl.load(chunk_len_ptr + chunk)
+
+
+@triton.jit
+def _gathered_s(sorted_ids_ptr, token_scale_ptr, s_ptr, j, start, length, m0, rank, stride_ss, stride_st,
+                stride_sr, dtype: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    """The chunk's sorted positions m0.. m0 + BLOCK_M: (their tokens (int64), which are in the chunk, scale ·
+    s[j] of those rows in dtype, zero past the rank)."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    row_mask = offs_m < length
+    tok = tl.load(sorted_ids_ptr + start + offs_m, mask=row_mask, other=0)
+    scale = tl.load(token_scale_ptr + tok, mask=row_mask, other=0.0)
+    tok = tok.to(tl.int64)
+    s_ptrs = s_ptr + j * stride_ss + tok[:, None] * stride_st + offs_r[None, :] * stride_sr
+    s = tl.load(s_ptrs, mask=row_mask[:, None] & (offs_r < rank)[None, :], other=0.0)
+    return tok, row_mask, (s * scale[:, None]).to(dtype)
+
+
+@triton.jit
 def _lora_expand_sgmv_kernel(
     y_ptr,  # [num_tokens, n_total]
     s_ptr,  # [num_slices, num_tokens, rank_dim] fp32
@@ -49,15 +75,11 @@ def _lora_expand_sgmv_kernel(
     PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    chunk = tl.program_id(1)
-    slot = tl.load(chunk_slot_ptr + chunk)
-    rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
-    rank = tl.where(slot >= 0, rank, 0)
+    slot, rank, start, length = _chunk_adapter(
+        tl.program_id(1), chunk_slot_ptr, chunk_start_ptr, chunk_len_ptr, slot_rank_ptr
+    )
     if rank == 0:
         return
-    start = tl.load(chunk_start_ptr + chunk)
-    length = tl.load(chunk_len_ptr + chunk)
-
     j, n0, col_hi = slice_columns(pid_n, col1, col2, col3, n_total, blk1, blk2, blk3, BLOCK_N)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < col_hi
@@ -67,14 +89,10 @@ def _lora_expand_sgmv_kernel(
     b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
 
     for m0 in range(0, length, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        row_mask = offs_m < length
-        tok = tl.load(sorted_ids_ptr + start + offs_m, mask=row_mask, other=0)
-        scale = tl.load(token_scale_ptr + tok, mask=row_mask, other=0.0)
-        tok = tok.to(tl.int64)
-        s_ptrs = s_ptr + j * stride_ss + tok[:, None] * stride_st + offs_r[None, :] * stride_sr
-        s = tl.load(s_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-        acc = tl.dot((s * scale[:, None]).to(b.dtype), b, input_precision=PRECISION)
+        tok, row_mask, a = _gathered_s(sorted_ids_ptr, token_scale_ptr, s_ptr, j, start, length, m0, rank,
+                                       stride_ss, stride_st, stride_sr, b_ptr.dtype.element_ty, BLOCK_M,
+                                       BLOCK_R)  # fmt: skip
+        acc = tl.dot(a, b, input_precision=PRECISION)
         y_ptrs = y_ptr + tok[:, None] * stride_yt + offs_n[None, :] * stride_yn
         y_mask = row_mask[:, None] & n_mask[None, :]
         acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
@@ -120,14 +138,11 @@ def _lora_expand_sgmv_rows_kernel(
     PRECISION: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
-    chunk = tl.program_id(1)
-    slot = tl.load(chunk_slot_ptr + chunk)
-    rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
-    rank = tl.where(slot >= 0, rank, 0)
+    slot, rank, start, length = _chunk_adapter(
+        tl.program_id(1), chunk_slot_ptr, chunk_start_ptr, chunk_len_ptr, slot_rank_ptr
+    )
     if rank == 0:
         return
-    start = tl.load(chunk_start_ptr + chunk)
-    length = tl.load(chunk_len_ptr + chunk)
     j, n_first, col_hi, num_blocks = chunk_columns(
         pid_c, col1, col2, col3, n_total, blk1, blk2, blk3, chk1, chk2, chk3, CHUNK, BLOCK_N
     )
@@ -136,14 +151,9 @@ def _lora_expand_sgmv_rows_kernel(
     r_mask = offs_r < rank
     b_rows = b_ptr + slot.to(tl.int64) * stride_bl + offs_r[:, None] * stride_br
     for m0 in range(0, length, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        row_mask = offs_m < length
-        tok = tl.load(sorted_ids_ptr + start + offs_m, mask=row_mask, other=0)
-        scale = tl.load(token_scale_ptr + tok, mask=row_mask, other=0.0)
-        tok = tok.to(tl.int64)
-        s_ptrs = s_ptr + j * stride_ss + tok[:, None] * stride_st + offs_r[None, :] * stride_sr
-        s = tl.load(s_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-        a = (s * scale[:, None]).to(b_ptr.dtype.element_ty)
+        tok, row_mask, a = _gathered_s(sorted_ids_ptr, token_scale_ptr, s_ptr, j, start, length, m0, rank,
+                                       stride_ss, stride_st, stride_sr, b_ptr.dtype.element_ty, BLOCK_M,
+                                       BLOCK_R)  # fmt: skip
         y_rows = y_ptr + tok[:, None] * stride_yt
         for i in tl.range(0, num_blocks, num_stages=STAGES):
             cols = n_first + i * BLOCK_N + offs_n
