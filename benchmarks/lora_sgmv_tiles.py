@@ -1,8 +1,8 @@
-"""The chunked SGMV expand's default (column-stationary) against its row-stationary candidates
-(lora_expand_sgmv/op.py SGMV_ROWS_SWEEP) and the segmented expand's default, every result checked against the
-reference (GPU):
+"""The chunked SGMV kernels' defaults against their candidates (the expand's row-stationary walk,
+lora_expand_sgmv/op.py SGMV_ROWS_SWEEP; the shrink's program per slice, lora_shrink_sgmv/op.py
+SGMV_SHRINK_SWEEP) and the segmented kernels' defaults, every result checked against the reference (GPU):
 
-    python benchmarks/lora_sgmv_tiles.py --out DIR [--batches "4x4608,interleaved 8x2304"] [--ranks 16,128]
+    python benchmarks/lora_sgmv_tiles.py --out DIR [--op expand|shrink] [--batches "4x4608,interleaved 8x2304"]
 
 Times: CUDA-graph replay with the L2 flushed before each call (`lora_kernels.quick_graph_ms`), µs, and % of the
 HBM floor (the expand's bytes over the 2 GiB clone's bandwidth); WRONG after a time whose output is off. The
@@ -27,6 +27,9 @@ from ditserve.kernels.lora import lora_shrink  # noqa: E402
 from ditserve.kernels.lora_expand.op import launch_lora_expand  # noqa: E402
 from ditserve.kernels.lora_expand_sgmv.op import SGMV_ROWS_SWEEP, launch_lora_expand_sgmv  # noqa: E402
 from ditserve.kernels.lora_expand_sgmv.reference import lora_expand_sgmv_ref  # noqa: E402
+from ditserve.kernels.lora_shrink.op import launch_lora_shrink  # noqa: E402
+from ditserve.kernels.lora_shrink_sgmv.op import SGMV_SHRINK_SWEEP, launch_lora_shrink_sgmv  # noqa: E402
+from ditserve.kernels.lora_shrink_sgmv.reference import lora_shrink_sgmv_ref  # noqa: E402
 
 BATCHES = {
     **lk.BATCHES,
@@ -44,6 +47,30 @@ def launch(name: str, y: torch.Tensor, p, s: torch.Tensor) -> None:
     ids = (m.sorted_token_ids, m.token_scale, m.chunk_slot, m.chunk_start, m.chunk_len, m.slot_rank)
     cfg = SGMV_ROWS_SWEEP.get(name)
     launch_lora_expand_sgmv(y, s, p.b, *ids, p.sizes, m.chunk_size, config=cfg)
+
+
+def launch_shrink(name: str, p) -> torch.Tensor:
+    """One shrink (fp32 s): the segmented default ("segmented"), the SGMV default ("sgmv"), or a candidate."""
+    m = p.meta
+    if name == "segmented":
+        seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot)
+        return launch_lora_shrink(p.x, p.a, *seg, m.slot_rank, m.max_rank, seg_align=m.seg_align)
+    ids = (m.sorted_token_ids, m.chunk_slot, m.chunk_start, m.chunk_len, m.slot_rank, m.max_rank)
+    return launch_lora_shrink_sgmv(p.x, p.a, *ids, m.chunk_size, config=SGMV_SHRINK_SWEEP.get(name))
+
+
+def shrink_cells(p, bw: float) -> list[str]:
+    """µs (% of the HBM floor) of each shrink on problem p, WRONG where its output is off."""
+    m = p.meta
+    ids = (m.sorted_token_ids, m.chunk_slot, m.chunk_start, m.chunk_len, m.slot_rank, m.max_rank)
+    want = lora_shrink_sgmv_ref(p.x, p.a, *ids)
+    floor_us = p.shrink_bytes() / bw * 1e6
+    out = []
+    for name in ["segmented", "sgmv", *SGMV_SHRINK_SWEEP]:
+        ok = torch.allclose(launch_shrink(name, p), want, atol=2e-2, rtol=2e-2)
+        us = lk.quick_graph_ms(lambda name=name: launch_shrink(name, p)) * 1e3
+        out.append(f"{us:.1f} ({100 * floor_us / us:.0f}%){'' if ok else ' WRONG'}")
+    return out
 
 
 def cells(p, bw: float) -> list[str]:
@@ -67,16 +94,17 @@ def cells(p, bw: float) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--op", default="expand", choices=["expand", "shrink"])
     ap.add_argument("--batches", default="4x4608,skew 4608/1024/4608/256,1x4608,interleaved 8x2304")
     ap.add_argument("--slices", default="3,4")
     ap.add_argument("--ranks", default="16,32,64,128")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     bw = copy_bandwidth()
-    names = list(SGMV_ROWS_SWEEP)
+    names = list(SGMV_ROWS_SWEEP if args.op == "expand" else SGMV_SHRINK_SWEEP)
     lines = [
         f"machine: {torch.cuda.get_device_name()}, torch {torch.__version__}, commit {lk.commit()}, "
-        f"{time.strftime('%Y-%m-%d')}; copy bandwidth {bw / 1e9:.0f} GB/s",
+        f"{time.strftime('%Y-%m-%d')}; copy bandwidth {bw / 1e9:.0f} GB/s; {args.op}",
         "",
         "| batch | slices | rank | chunk | segmented default | SGMV default | " + " | ".join(names) + " |",
         "|---|---|---|---|---|---|" + "---|" * len(names),
@@ -86,10 +114,10 @@ def main() -> None:
         for nsl in map(int, args.slices.split(",")):
             for rank in map(int, args.ranks.split(",")):
                 p = make_problem(BATCHES[batch], rank, lk.SLICES[nsl])
-                row = cells(p, bw)
+                row = cells(p, bw) if args.op == "expand" else shrink_cells(p, bw)
                 lines.append(f"| {batch} | {nsl} | {rank} | {p.meta.chunk_size} | " + " | ".join(row) + " |")
                 print(lines[-1], flush=True)
-                with open(os.path.join(args.out, "lora_sgmv_tiles.md"), "w") as f:
+                with open(os.path.join(args.out, f"lora_sgmv_tiles_{args.op}.md"), "w") as f:
                     f.write("\n".join(lines) + "\n")
                 del p
                 torch.cuda.empty_cache()

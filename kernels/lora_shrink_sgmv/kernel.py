@@ -3,7 +3,9 @@
 A chunk is ≤ chunk_size tokens of one slot (LoRABatchMeta.sorted_token_ids[chunk_start : +chunk_len]).
 The program walks its chunk in BLOCK_M sub-blocks, gathering x rows by token id and scattering s rows
 back, so requests that share an adapter share chunks and a skewed mix still yields evenly sized work.
-Chunks of no-LoRA tokens (slot -1) only write zeros.
+Chunks of no-LoRA tokens (slot -1) only write zeros. With SPLIT the grid is (chunks, slices): a program
+computes one slice's s (fewer accumulators a program, at ranks 64-128 what lets the segmented kernel keep its
+tiles large), reading its chunk's x rows once per slice.
 """
 
 import triton
@@ -31,13 +33,17 @@ def _lora_shrink_sgmv_kernel(
     stride_ss,
     stride_st,
     stride_sr,
-    NUM_SLICES: tl.constexpr,
+    NUM_SLICES: tl.constexpr,  # slices a program computes (1 with SPLIT)
+    SPLIT: tl.constexpr,  # the grid's second axis is the slice
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     chunk = tl.program_id(0)
+    if SPLIT:
+        a_ptr += tl.program_id(1).to(tl.int64) * stride_as
+        s_ptr += tl.program_id(1).to(tl.int64) * stride_ss
     slot = tl.load(chunk_slot_ptr + chunk)
     start = tl.load(chunk_start_ptr + chunk)
     length = tl.load(chunk_len_ptr + chunk)

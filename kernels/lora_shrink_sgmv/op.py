@@ -16,6 +16,15 @@ def shrink_sgmv_config(num_slices: int, block_r: int, chunk_size: int) -> dict[s
     return cfg
 
 
+# Candidates (benchmarks/lora_sgmv_tiles.py --op shrink; not yet timed on a GPU, so not a default): one program
+# per (chunk, slice) (SPLIT=1), as the segmented shrink's default at ranks 64-128 (BLOCK_M: capped at the chunk)
+SGMV_SHRINK_SWEEP: dict[str, dict[str, int]] = {
+    "split 64/64/4/4": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT=1),
+    "split 128/64/8/4": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, SPLIT=1),
+    "split 64/128/4/3": dict(BLOCK_M=64, BLOCK_K=128, num_warps=4, num_stages=3, SPLIT=1),
+}
+
+
 def launch_lora_shrink_sgmv(
     x: torch.Tensor,  # [num_tokens, hidden] fp16/bf16/fp32, hidden contiguous
     a_stacked: torch.Tensor,  # [num_slices ≤ 4, max_loras, max_rank, hidden], same dtype as x
@@ -44,14 +53,16 @@ def launch_lora_shrink_sgmv(
     if num_tokens == 0 or rank_dim == 0 or num_chunks == 0:
         return s.zero_()
     block_r = block_rank(rank_dim)
-    cfg = config or shrink_sgmv_config(num_slices, block_r, chunk_size)
-    _lora_shrink_sgmv_kernel[(num_chunks,)](
+    cfg = dict(config or shrink_sgmv_config(num_slices, block_r, chunk_size))
+    split = bool(cfg.pop("SPLIT", 0))
+    cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], chunk_size))
+    _lora_shrink_sgmv_kernel[(num_chunks, num_slices if split else 1)](
         x, a_stacked, s, sorted_token_ids, chunk_slot, chunk_start, chunk_len, slot_rank,
         x.shape[1], rank_dim,
         x.stride(0), x.stride(1),
         a_stacked.stride(0), a_stacked.stride(1), a_stacked.stride(2), a_stacked.stride(3),
         s.stride(0), s.stride(1), s.stride(2),
-        NUM_SLICES=num_slices, BLOCK_R=block_r,
+        NUM_SLICES=1 if split else num_slices, SPLIT=split, BLOCK_R=block_r,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         **cfg,
     )  # fmt: skip

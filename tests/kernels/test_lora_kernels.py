@@ -35,6 +35,15 @@ rows_cfgs = st.sampled_from(
         dict(ROWS=1, BLOCK_M=16, BLOCK_N=16, CHUNK=3, STAGES=2, B_TMA=1, num_warps=4),
     ]
 )
+# the SGMV shrink: every slice in one program, or one program per (chunk, slice) (SPLIT)
+sgmv_shrink_cfgs = st.sampled_from(
+    [
+        None,
+        dict(BLOCK_M=16, BLOCK_K=16, num_warps=4, num_stages=1),
+        dict(BLOCK_M=16, BLOCK_K=16, num_warps=4, num_stages=2, SPLIT=1),
+        dict(BLOCK_M=32, BLOCK_K=32, num_warps=4, num_stages=1, SPLIT=1),
+    ]
+)
 # the SGMV expand: its column-stationary default and the row-stationary walk over gathered rows (chunks of 1-3
 # column blocks, B through TMA or pointers; BLOCK_M 32 under chunks of 16 is capped at the chunk)
 sgmv_expand_cfgs = st.one_of(
@@ -288,7 +297,7 @@ def test_gluon_expand_ring_fills_shared_memory_per_partition(wg, bm, bn, rank_ti
 
 
 @SETTINGS
-@given(layouts(), st.integers(1, 4), hiddens, dtypes, st.sampled_from([16, 32, 64]), shrink_cfgs)
+@given(layouts(), st.integers(1, 4), hiddens, dtypes, st.sampled_from([16, 32, 64]), sgmv_shrink_cfgs)
 def test_shrink_sgmv_matches_reference(layout, num_slices, hidden, dtype, chunk_size, cfg):
     c = make_case(layout, num_slices, [16] * num_slices, hidden, dtype, chunk_size=chunk_size)
     m = c.meta

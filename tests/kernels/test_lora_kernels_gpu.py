@@ -79,6 +79,21 @@ def test_bf16_sgmv_expand_rows_candidates(num_slices, name):
     assert torch.equal(got[no_lora], y[no_lora])
 
 
+@pytest.mark.parametrize("name", ["split 64/64/4/4", "split 128/64/8/4"])
+@pytest.mark.parametrize("num_slices", [3, 4])
+def test_bf16_sgmv_shrink_split_candidates(num_slices, name):
+    """The SGMV shrink's program per (chunk, slice) (a sweep candidate, not the default) on the mixed batch:
+    equal to the segmented reference, zeros for the request without LoRA."""
+    from ditserve.kernels.lora_shrink_sgmv.op import SGMV_SHRINK_SWEEP, launch_lora_shrink_sgmv
+
+    meta, x, a, b, y, sizes = problem(num_slices)
+    s_ref, _ = reference(meta, x, a, b, y, sizes)
+    ids = (meta.sorted_token_ids, meta.chunk_slot, meta.chunk_start, meta.chunk_len, meta.slot_rank)
+    got = launch_lora_shrink_sgmv(x, a, *ids, meta.max_rank, meta.chunk_size, config=SGMV_SHRINK_SWEEP[name])
+    torch.testing.assert_close(got, s_ref, atol=2e-2, rtol=2e-2)
+    assert not got[:, 1518:1818].any()  # the (300, -1) request
+
+
 @pytest.mark.parametrize("rank", [16, 32, 64, 128])
 @pytest.mark.parametrize("num_slices", [3, 4])
 def test_bf16_expand_tiles_of_every_rank(num_slices, rank):
