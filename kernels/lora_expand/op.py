@@ -99,6 +99,17 @@ def column_chunks(blks: list[int], num_col_blocks: int, chunk: int) -> list[int]
     return out
 
 
+def b_descriptor(b_stacked: torch.Tensor, want: bool, block_n: int, block_r: int):
+    """B viewed as [max_loras · n_total, max_rank] through a TMA descriptor of [block_n, block_r] boxes, where
+    asked for and B's layout allows it; else None."""
+    b_rows = b_stacked.flatten(0, 1)
+    if not (want and b_stacked.is_contiguous() and tma_ok(b_rows)):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(b_rows, [block_n, block_r])
+
+
 def column_blocks(out_slice_sizes: list[int], block_n: int) -> tuple[list[int], list[int], int]:
     """Slice boundaries (col1..col3) and first column block of slices 1..3, padded for absent slices,
     and the total number of column blocks."""
@@ -196,19 +207,19 @@ def launch_lora_expand(
                 slice_blocks, row_blocks, (chunk, alt_chunk), per_sm, num_programs_limit(y.device)
             )
         chks = column_chunks(blks, num_col_blocks, chunk)
-        b_rows = b_stacked.flatten(0, 1)
-        b_tma = bool(cfg.pop("B_TMA", 0)) and b_stacked.is_contiguous() and tma_ok(b_rows)
+        b_desc = b_descriptor(b_stacked, bool(cfg.pop("B_TMA", 0)), cfg["BLOCK_N"], block_r)
+        b_tma = b_desc is not None
         # y's TMA store must not cross a slice: every slice whole column blocks
         y_tma = bool(cfg.pop("Y_TMA", 0)) and b_tma and tma_ok(y)
         y_tma = y_tma and all(n % cfg["BLOCK_N"] == 0 for n in out_slice_sizes)
         s_early = bool(cfg.pop("S_EARLY", 0)) and y_tma
-        b_desc = y_desc = b_stacked  # placeholders where the kernel reads no descriptor
-        if b_tma:
+        y_desc = b_stacked  # a placeholder where the kernel reads no descriptor
+        if y_tma:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
-            b_desc = TensorDescriptor.from_tensor(b_rows, [cfg["BLOCK_N"], block_r])
-            if y_tma:
-                y_desc = TensorDescriptor.from_tensor(y, [cfg["BLOCK_M"], cfg["BLOCK_N"]])
+            y_desc = TensorDescriptor.from_tensor(y, [cfg["BLOCK_M"], cfg["BLOCK_N"]])
+        if not b_tma:
+            b_desc = b_stacked
         _lora_expand_rows_kernel[(chks[-1], -(-num_tokens // cfg["BLOCK_M"]))](
             y, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
             num_tokens, rank_dim, *cols, y.shape[1], *blks, *chks[:3],

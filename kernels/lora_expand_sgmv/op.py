@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from ditserve.kernels._dispatch import block_rank, tma_ok, use_triton
-from ditserve.kernels.lora_expand.op import MAX_SLICES, column_blocks, column_chunks, expand_config
+from ditserve.kernels._dispatch import block_rank, use_triton
+from ditserve.kernels.lora_expand.op import (
+    MAX_SLICES,
+    b_descriptor,
+    column_blocks,
+    column_chunks,
+    expand_config,
+)
 from ditserve.kernels.lora_expand_sgmv.reference import lora_expand_sgmv_ref
 
 
-def expand_sgmv_config(block_r: int, chunk_size: int) -> dict[str, int]:
-    """The segmented expand's tiles, BLOCK_M capped at the chunk size."""
-    cfg = dict(expand_config(block_r))
-    cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], chunk_size))
-    return cfg
+def expand_sgmv_config(block_r: int) -> dict[str, int]:
+    """The segmented expand's tiles (the launch caps BLOCK_M at the chunk size)."""
+    return dict(expand_config(block_r))
 
 
-# Candidates (benchmarks/lora_kernels.py --sweep-sgmv; not yet timed on a GPU, so not a default): the
+# Candidates (benchmarks/lora_sgmv_tiles.py; not yet timed on a GPU, so not a default): the
 # row-stationary walk over gathered rows (ROWS=1), a chunk's rows (BLOCK_M: the chunk size, capped) keeping
 # their scaled s across CHUNK column blocks, B through TMA
 SGMV_ROWS_SWEEP: dict[str, dict[str, int]] = {
@@ -77,20 +81,17 @@ def launch_lora_expand_sgmv(
     if y.shape[0] == 0 or rank_dim == 0 or num_chunks == 0:
         return
     block_r = block_rank(rank_dim)
-    cfg = dict(config or expand_sgmv_config(block_r, chunk_size))
+    cfg = dict(config or expand_sgmv_config(block_r))
+    cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], chunk_size))  # a chunk is walked in sub-blocks
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, cfg["BLOCK_N"])
     precision = "ieee" if y.dtype == torch.float32 else "tf32"
     if cfg.pop("ROWS", 0):
         chunk, stages = cfg.pop("CHUNK"), cfg.pop("STAGES")
-        cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], chunk_size))
         chks = column_chunks(blks, num_col_blocks, chunk)
-        b_rows = b_stacked.flatten(0, 1)
-        b_tma = bool(cfg.pop("B_TMA", 0)) and b_stacked.is_contiguous() and tma_ok(b_rows)
-        b_desc = b_stacked  # a placeholder where the kernel reads no descriptor
-        if b_tma:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            b_desc = TensorDescriptor.from_tensor(b_rows, [cfg["BLOCK_N"], block_r])
+        b_desc = b_descriptor(b_stacked, bool(cfg.pop("B_TMA", 0)), cfg["BLOCK_N"], block_r)
+        b_tma = b_desc is not None
+        if not b_tma:
+            b_desc = b_stacked  # a placeholder where the kernel reads no descriptor
         _lora_expand_sgmv_rows_kernel[(chks[-1], num_chunks)](
             y, s, b_stacked, sorted_token_ids, token_scale, chunk_slot, chunk_start, chunk_len, slot_rank,
             *cols, y.shape[1], *blks, *chks[:3],

@@ -9,11 +9,9 @@ from ditserve.kernels.lora_shrink.op import MAX_SLICES, shrink_config
 from ditserve.kernels.lora_shrink_sgmv.reference import lora_shrink_sgmv_ref
 
 
-def shrink_sgmv_config(num_slices: int, block_r: int, chunk_size: int) -> dict[str, int]:
-    """The segmented shrink's tiles, BLOCK_M capped at the chunk size (a chunk is walked in sub-blocks)."""
-    cfg = dict(shrink_config(num_slices, block_r))
-    cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], chunk_size))
-    return cfg
+def shrink_sgmv_config(num_slices: int, block_r: int) -> dict[str, int]:
+    """The segmented shrink's tiles (the launch caps BLOCK_M at the chunk size)."""
+    return dict(shrink_config(num_slices, block_r))
 
 
 # Candidates (benchmarks/lora_sgmv_tiles.py --op shrink; not yet timed on a GPU, so not a default): one program
@@ -53,9 +51,9 @@ def launch_lora_shrink_sgmv(
     if num_tokens == 0 or rank_dim == 0 or num_chunks == 0:
         return s.zero_()
     block_r = block_rank(rank_dim)
-    cfg = dict(config or shrink_sgmv_config(num_slices, block_r, chunk_size))
+    cfg = dict(config or shrink_sgmv_config(num_slices, block_r))
     split = bool(cfg.pop("SPLIT", 0))
-    cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], chunk_size))
+    cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], chunk_size))  # a chunk is walked in sub-blocks
     _lora_shrink_sgmv_kernel[(num_chunks, num_slices if split else 1)](
         x, a_stacked, s, sorted_token_ids, chunk_slot, chunk_start, chunk_len, slot_rank,
         x.shape[1], rank_dim,
