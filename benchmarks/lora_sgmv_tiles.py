@@ -23,8 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lora_kernels as lk  # noqa: E402
 
 from ditserve.kernels._bench import copy_bandwidth, make_problem  # noqa: E402
+from ditserve.kernels._dispatch import block_rank  # noqa: E402
 from ditserve.kernels.lora import lora_shrink  # noqa: E402
-from ditserve.kernels.lora_expand.op import launch_lora_expand  # noqa: E402
+from ditserve.kernels.lora_expand.op import expand_config, launch_lora_expand  # noqa: E402
 from ditserve.kernels.lora_expand_sgmv.op import SGMV_ROWS_SWEEP, launch_lora_expand_sgmv  # noqa: E402
 from ditserve.kernels.lora_expand_sgmv.reference import lora_expand_sgmv_ref  # noqa: E402
 from ditserve.kernels.lora_shrink.op import launch_lora_shrink  # noqa: E402
@@ -38,14 +39,15 @@ BATCHES = {
 
 
 def launch(name: str, y: torch.Tensor, p, s: torch.Tensor) -> None:
-    """One expand into y: the segmented default ("segmented"), the SGMV default ("sgmv"), or a candidate."""
+    """One expand into y: the segmented default ("segmented"), the SGMV default ("sgmv"), the SGMV kernel of one
+    y tile per program ("sgmv tiles", the default before the row-stationary walk), or a candidate."""
     m = p.meta
     if name == "segmented":
         seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
         launch_lora_expand(y, s, p.b, *seg, p.sizes, seg_align=m.seg_align)
         return
     ids = (m.sorted_token_ids, m.token_scale, m.chunk_slot, m.chunk_start, m.chunk_len, m.slot_rank)
-    cfg = SGMV_ROWS_SWEEP.get(name)
+    cfg = expand_config(block_rank(s.shape[2])) if name == "sgmv tiles" else SGMV_ROWS_SWEEP.get(name)
     launch_lora_expand_sgmv(y, s, p.b, *ids, p.sizes, m.chunk_size, config=cfg)
 
 
@@ -78,12 +80,13 @@ def cells(p, bw: float) -> list[str]:
     m = p.meta
     s = lora_shrink(p.x, p.a, m)
     ids = (m.sorted_token_ids, m.token_scale, m.chunk_slot, m.chunk_start, m.chunk_len, m.slot_rank)
-    want = p.y.clone()
+    y0 = p.y.clone()  # the timed launches add into p.y over and over: each check starts from this copy
+    want = y0.clone()
     lora_expand_sgmv_ref(want, s, p.b, *ids, p.sizes)
     floor_us = p.expand_bytes() / bw * 1e6
     out = []
-    for name in ["segmented", "sgmv", *SGMV_ROWS_SWEEP]:
-        y = p.y.clone()
+    for name in ["segmented", "sgmv", "sgmv tiles", *SGMV_ROWS_SWEEP]:
+        y = y0.clone()
         launch(name, y, p, s)
         ok = (y.float() - want.float()).abs().max().item() <= 0.1
         us = lk.quick_graph_ms(lambda name=name: launch(name, p.y, p, s)) * 1e3
@@ -101,7 +104,7 @@ def main() -> None:
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     bw = copy_bandwidth()
-    names = list(SGMV_ROWS_SWEEP if args.op == "expand" else SGMV_SHRINK_SWEEP)
+    names = ["SGMV one tile a program", *SGMV_ROWS_SWEEP] if args.op == "expand" else list(SGMV_SHRINK_SWEEP)
     lines = [
         f"machine: {torch.cuda.get_device_name()}, torch {torch.__version__}, commit {lk.commit()}, "
         f"{time.strftime('%Y-%m-%d')}; copy bandwidth {bw / 1e9:.0f} GB/s; {args.op}",

@@ -14,15 +14,9 @@ from ditserve.kernels.lora_expand.op import (
 )
 from ditserve.kernels.lora_expand_sgmv.reference import lora_expand_sgmv_ref
 
-
-def expand_sgmv_config(block_r: int) -> dict[str, int]:
-    """The segmented expand's tiles (the launch caps BLOCK_M at the chunk size)."""
-    return dict(expand_config(block_r))
-
-
-# Candidates (benchmarks/lora_sgmv_tiles.py; not yet timed on a GPU, so not a default): the
-# row-stationary walk over gathered rows (ROWS=1), a chunk's rows (BLOCK_M: the chunk size, capped) keeping
-# their scaled s across CHUNK column blocks, B through TMA
+# The row-stationary walk over gathered rows (ROWS=1): a chunk's rows (BLOCK_M: the chunk size, capped) keep
+# their scaled s across CHUNK column blocks, B through TMA. Candidates for benchmarks/lora_sgmv_tiles.py; the
+# default takes one per rank tile (SGMV_ROWS_TUNED).
 SGMV_ROWS_SWEEP: dict[str, dict[str, int]] = {
     "rows 64x128 c8 s3 w4 B tma": dict(
         ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1
@@ -37,6 +31,24 @@ SGMV_ROWS_SWEEP: dict[str, dict[str, int]] = {
         ROWS=1, BLOCK_M=32, BLOCK_N=128, CHUNK=4, STAGES=3, num_warps=4, B_TMA=1
     ),
 }
+
+# The default by rank tile: the candidate with the least time summed over 4x4608, the skewed mix and one
+# request of 4608 tokens with 3 and 4 slices (H200, one call, BENCHMARKS.md "The SGMV expand's row-stationary
+# walk ..."); µs at 4x4608 with 3 slices against the kernel of one y tile a program (`expand_config`) before it:
+# rank 16 178.8 against 258.8, 32 190.1 against 307.3, 64 205.6 against 528.7, 128 261.5 against 1048.4.
+SGMV_ROWS_TUNED: dict[int, str] = {
+    16: "rows 32x128 c4 s3 w4 B tma",
+    32: "rows 128x128 c12 s3 w8 B tma",
+    64: "rows 64x128 c24 s3 w4 B tma",
+    128: "rows 64x128 c24 s3 w4 B tma",
+}
+
+
+def expand_sgmv_config(block_r: int) -> dict[str, int]:
+    """The SGMV expand's tiles by rank tile: the row-stationary walk (the launch caps BLOCK_M at the chunk
+    size), else the segmented expand's tiles of one y tile per program."""
+    name = SGMV_ROWS_TUNED.get(block_r)
+    return dict(SGMV_ROWS_SWEEP[name] if name else expand_config(block_r))
 
 
 def launch_lora_expand_sgmv(
