@@ -1,24 +1,29 @@
 """The segmented LoRA shrink in Gluon for Hopper (sm_90): s[g, t, :] = (scale(t) ·) x[t] · A[g, slot(t)]ᵀ.
 
 The shrink streams x (113 MB for 4 requests of 4608 tokens at hidden 3072) and does little arithmetic at ranks
-up to 32, so it is as fast as the bytes in flight on each SM allow. It runs as one wave: program p owns
-`blocks` consecutive row blocks (cdiv(row blocks, SMs), so no program waits for a second round: 288 blocks of
-64 rows are 96 programs of 3 blocks, as cuBLAS cuts the same dense shape) and walks their K steps through one
-deep ring of STAGES shared-memory slots, each holding a step's x box [BLOCK_M, BLOCK_K] and every slice's A box
-[R, BLOCK_K] (the block's adapter slot; slices at rows g·R of the step's A buffer, the third of 3 slices in a
-buffer of its own, so no slot holds a padding slice). The warps are specialised: a loader warp issues each
-step's TMA loads as soon as its slot is free (`empty`), completing the slot's `ready` barrier; the MMA warps
-(one warpgroup per 64 rows) wait for `ready`, issue the step's warpgroup MMAs (every slice's columns at once; 3
-slices as MMAs of 2 and 1 slices' columns) and free the step before's slot once its MMAs are done. The ring
-runs across row blocks: the next block's loads are in flight while this block's s is stored. With WG > 1 a
-row block is WG × BLOCK_M rows and WG MMA partitions share each slot's x box, each its own BLOCK_M rows with its
-own accumulators (`empty` counts WG arrivals): more warpgroups issuing MMAs per SM, on programs of one block
-(4 × 4608 tokens: 96 blocks of 192 rows, the cut cuBLAS takes), where one warpgroup cannot keep the tensor
-cores busy at rank 32 and above.
+up to 32, so it is as fast as the bytes in flight on each SM allow. It runs as one wave: the batch's rows are
+cut into units of UNIT rows and program p owns a run of consecutive units, the programs' runs differing by at
+most one unit. With UNIT a row block of WG · BLOCK_M rows that is `blocks` consecutive row blocks (cdiv(row
+blocks, SMs), so no program waits for a second round: 288 blocks of 64 rows are 96 programs of 3 blocks, as
+cuBLAS cuts the same dense shape); with UNIT = 16 every SM gets a share as even as 16 rows allow (4 × 4608
+tokens: 132 programs of 128-144 rows; one request of 4608: 32-48 rows).
 
-Contract (the launcher checks it): bf16/fp16 x and A; every segment starts at a multiple of WG × BLOCK_M (a
-row block holds one segment); slices (rounded up to a power of two) × rank tile ≤ 256; x and A laid out for TMA.
-A row block without an adapter loads nothing and stores zeros.
+A program walks its rows in pieces: up to WG · BLOCK_M rows, never across the end of a segment (one adapter a
+piece), so segments may start anywhere. Each piece's K steps go through one deep ring of STAGES shared-memory
+slots, each holding a step's x box [BLOCK_M, BLOCK_K] per MMA partition and every slice's A box [R, BLOCK_K]
+(the piece's adapter slot; slices at rows g·R of the step's A buffer, the third of 3 slices in a buffer of its
+own, so no slot holds a padding slice); a partition's rows that the piece does not fill come as boxes of 16
+rows up to the piece's end. The warps are specialised: a loader warp issues each step's TMA loads as soon as
+its slot is free (`empty`), completing the slot's `ready` barrier; the MMA warps (one warpgroup per 64 rows)
+wait for `ready`, issue the step's warpgroup MMAs (every slice's columns at once; 3 slices as MMAs of 2 and 1
+slices' columns) and free the step before's slot once its MMAs are done. The ring runs across pieces: the next
+piece's loads are in flight while this piece's s is stored. With WG > 1 the WG MMA partitions share each
+slot's A box, each its own BLOCK_M rows with its own accumulators (`empty` counts WG arrivals): more warpgroups
+issuing MMAs per SM (4 × 4608 tokens: 96 programs of 192 rows, the cut cuBLAS takes), where one warpgroup
+cannot keep the tensor cores busy at rank 32 and above.
+
+Contract (the launcher checks it): bf16/fp16 x and A; slices (rounded up to a power of two) × rank tile ≤ 256;
+x and A laid out for TMA. A piece without an adapter loads nothing and stores zeros.
 """
 
 from triton.experimental import gluon
@@ -31,7 +36,7 @@ from ditserve.kernels.lora_gemm.gluon_kernel import _store_s, _tma_load
 @gluon.jit
 def _block_segment(rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, ROWS: gl.constexpr):
     """Row block rb's (slot, rank, scale): its segment's adapter slot (-1: none), that slot's rank (0 without
-    one) and the segment's scale."""
+    one) and the segment's scale (the Gluon expand's blocks, which hold one segment each)."""
     seg = gl.load(token_seg_ptr + rb * ROWS)
     slot = gl.load(seg_slot_ptr + seg)
     rank = gl.where(slot >= 0, gl.load(slot_rank_ptr + gl.maximum(slot, 0)), 0)
@@ -40,26 +45,49 @@ def _block_segment(rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr
 
 
 @gluon.jit
-def _program_blocks(num_blocks, blocks):
-    """This program's row blocks [lo, hi): `blocks` consecutive ones."""
-    lo = gl.program_id(0) * blocks
-    return lo, gl.minimum(lo + blocks, num_blocks)
+def _program_rows(num_tokens, num_units, UNIT: gl.constexpr):
+    """This program's rows [lo, hi): its share of the batch's units of UNIT rows (floor(p · units / programs) on),
+    so the programs' shares differ by at most one unit."""
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    lo = pid * num_units // programs * UNIT
+    hi = gl.minimum((pid + 1) * num_units // programs * UNIT, num_tokens)
+    return gl.minimum(lo, num_tokens), hi
 
 
 @gluon.jit
-def _shrink_loader(x_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr, slot_rank_ptr,
-                   seg_scale_ptr, max_rank, a_slice_rows, num_blocks, blocks, G: gl.constexpr, R: gl.constexpr,
-                   ROWS: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """The loader warp: every K step of this program's row blocks with an adapter, in the MMA warps' order;
-    step j into ring slot j % STAGES once the MMAs of step j - STAGES have freed it."""
-    lo, hi = _program_blocks(num_blocks, blocks)
+def _piece(r, hi, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr,
+           ROWS: gl.constexpr):  # fmt: skip
+    """The piece of rows starting at r: [r, end) with end at most ROWS rows on, the program's end hi or the end
+    of r's segment, whichever comes first; with its segment's adapter slot (-1: none), that slot's rank (0 without
+    one) and the segment's scale."""
+    seg = gl.load(token_seg_ptr + r)
+    end = gl.minimum(gl.minimum(gl.load(seg_start_ptr + seg) + gl.load(seg_len_ptr + seg), hi), r + ROWS)
+    slot, rank, scale = _block_segment(r, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, 1)
+    return end, slot, rank, scale
+
+
+@gluon.jit
+def _shrink_loader(x_desc, x16_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr, seg_start_ptr,
+                   seg_len_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, max_rank, a_slice_rows, num_tokens,
+                   num_units, UNIT: gl.constexpr, G: gl.constexpr, R: gl.constexpr, ROWS: gl.constexpr,
+                   BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """The loader warp: every K step of this program's pieces with an adapter, in the MMA warps' order; step j
+    into ring slot j % STAGES once the MMAs of step j - STAGES have freed it. An MMA partition's rows of a piece
+    come as one x box where the piece fills them, else as boxes of 16 rows up to the piece's end; a box the piece
+    does not reach is placed wholly past x's last row (TMA fills it with zeros and reads nothing), so every step
+    brings the same bytes."""
+    lo, hi = _program_rows(num_tokens, num_units, UNIT)
     k_tiles = gl.cdiv(x_desc.shape[1], BLOCK_K)
     XM: gl.constexpr = x_desc.block_type.shape[0]  # rows of an x box: one per MMA partition
+    XS: gl.constexpr = x16_desc.block_type.shape[0]  # rows of a box of a piece's last rows
     WG: gl.constexpr = ROWS // XM
     step_bytes: gl.constexpr = WG * x_desc.block_type.nbytes + G * a_desc.block_type.nbytes
     j = 0
-    for rb in range(lo, hi):
-        slot, rank, _ = _block_segment(rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, ROWS)
+    r = lo
+    while r < hi:
+        end, slot, rank, _ = _piece(r, hi, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr,
+                                    seg_scale_ptr, ROWS)  # fmt: skip
         a_row = gl.maximum(slot, 0) * max_rank
         for ki in range(gl.where(rank > 0, k_tiles, 0)):
             i = j % STAGES
@@ -67,25 +95,35 @@ def _shrink_loader(x_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_s
             bar = ready.index(i)
             mbarrier.expect(bar, step_bytes)
             for w in gl.static_range(WG):
-                _tma_load(x_desc, [rb * ROWS + w * XM, ki * BLOCK_K], bar, x_bufs.index(i * WG + w))
+                m = r + w * XM
+                dst = x_bufs.index(i * WG + w)
+                if (end - m >= XM) | (end <= m):
+                    _tma_load(x_desc, [gl.where(end > m, m, num_tokens), ki * BLOCK_K], bar, dst)
+                else:
+                    for q in gl.static_range(XM // XS):
+                        row = gl.where(m + q * XS < end, m + q * XS, num_tokens)
+                        _tma_load(x16_desc, [row, ki * BLOCK_K], bar, dst.slice(q * XS, XS, dim=0))
             for g in gl.static_range(G):
                 if G == 3 and g == 2:
-                    dst = b_bufs.index(i)
+                    dst_a = b_bufs.index(i)
                 else:
-                    dst = a_bufs.index(i).slice(g * R, R, dim=0)
-                _tma_load(a_desc, [g * a_slice_rows + a_row, ki * BLOCK_K], bar, dst)
+                    dst_a = a_bufs.index(i).slice(g * R, R, dim=0)
+                _tma_load(a_desc, [g * a_slice_rows + a_row, ki * BLOCK_K], bar, dst_a)
             j += 1
+        r = end
 
 
 @gluon.jit
-def _shrink_mmas(x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr, slot_rank_ptr,
-                 num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles, G: gl.constexpr,
-                 R: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SCALED: gl.constexpr,
-                 WG: gl.constexpr, wg: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+def _shrink_mmas(x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr,
+                 seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_units,
+                 k_tiles, UNIT: gl.constexpr, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
+                 STAGES: gl.constexpr, SCALED: gl.constexpr, WG: gl.constexpr, wg: gl.constexpr,
+                 num_warps: gl.constexpr):  # fmt: skip
     """MMA partition wg (of WG): per step wait for its slot, issue its MMAs on its BLOCK_M rows of the slot's x
-    box, free the step before's slot once those MMAs are done; per row block store its rows of s (scaled),
-    zeros for a block without an adapter. Nothing but MMAs writes the accumulators: any other write makes ptxas
-    serialize every MMA of the kernel (C7515)."""
+    box, free the step before's slot once those MMAs are done; per piece store its rows of s up to the piece's
+    end (scaled; rows of the box past the end hold other rows or zeros and are dropped), zeros for a piece without
+    an adapter. Nothing but MMAs writes the accumulators: any other write makes ptxas serialize every MMA of the
+    kernel (C7515)."""
     ROWS: gl.constexpr = WG * BLOCK_M
     SPLIT: gl.constexpr = G == 3
     N_A: gl.constexpr = 2 * R if SPLIT else G * R
@@ -97,15 +135,15 @@ def _shrink_mmas(x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg
     layout_b: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N_B, 16]
     )
-    lo, hi = _program_blocks(num_blocks, blocks)
+    lo, hi = _program_rows(num_tokens, num_units, UNIT)
     acc_a = gl.zeros((BLOCK_M, N_A), dtype=gl.float32, layout=layout_a)
     acc_b = gl.zeros((BLOCK_M, N_B), dtype=gl.float32, layout=layout_b)
     j = 0
-    for rb in range(lo, hi):
-        slot, rank, scale = _block_segment(
-            rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, ROWS
-        )
-        m0 = rb * ROWS + wg * BLOCK_M
+    r = lo
+    while r < hi:
+        end, slot, rank, scale = _piece(r, hi, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
+                                        slot_rank_ptr, seg_scale_ptr, ROWS)  # fmt: skip
+        m0 = r + wg * BLOCK_M
         for ki in range(gl.where(rank > 0, k_tiles, 0)):
             i = j % STAGES
             x_buf = x_bufs.index(i * WG + wg)
@@ -124,20 +162,24 @@ def _shrink_mmas(x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg
         if SCALED:
             out_a = out_a * scale
             out_b = out_b * scale
-        # rank 0 (no adapter, nothing loaded): _store_s drops every column, so the block's s is zeros
-        _store_s(out_a, 0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_A, G, R, BLOCK_M,
-                 num_warps)  # fmt: skip
+        # rank 0 (no adapter, nothing loaded): _store_s drops every column, so the piece's s is zeros
+        _store_s(out_a, 0, m0, end, rank, s_cols, stride_ss, stride_st, s_ptr, N_A, G, R, BLOCK_M, num_warps)
         if SPLIT:
-            _store_s(out_b, 2, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N_B, G, R,
-                     BLOCK_M, num_warps)  # fmt: skip
+            _store_s(
+                out_b, 2, m0, end, rank, s_cols, stride_ss, stride_st, s_ptr, N_B, G, R, BLOCK_M, num_warps
+            )
+        r = end
 
 
 @gluon.jit
 def _gluon_lora_shrink_kernel(
     x_desc,  # x [num_tokens, hidden], box [BLOCK_M, BLOCK_K] (WG of them a step)
+    x16_desc,  # x, box [16, BLOCK_K]: a piece's last rows of an MMA partition
     a_desc,  # A viewed as [slices · max_loras · max_rank, hidden], box [R, BLOCK_K]
     s_ptr,  # [slices, num_tokens, s_cols]: fp32 (unscaled) or x's dtype (SCALED)
     token_seg_ptr,  # [num_tokens] int32
+    seg_start_ptr,  # [num_segments] int32
+    seg_len_ptr,  # [num_segments] int32
     seg_slot_ptr,  # [num_segments] int32, -1 = no LoRA
     seg_scale_ptr,  # [num_segments] fp32
     slot_rank_ptr,  # [max_loras] int32
@@ -147,15 +189,15 @@ def _gluon_lora_shrink_kernel(
     a_slice_rows,  # A rows per slice: max_loras · max_rank
     stride_ss,
     stride_st,
-    num_blocks,  # row blocks of WG · BLOCK_M tokens
-    blocks,  # row blocks per program (consecutive)
+    num_units,  # cdiv(num_tokens, UNIT): the programs share them out
+    UNIT: gl.constexpr,  # rows of a unit: WG · BLOCK_M (row blocks), or 16 (shares as even as 16 rows allow)
     G: gl.constexpr,  # slices
     R: gl.constexpr,  # rank tile (power of two ≥ 16)
     BLOCK_M: gl.constexpr,  # rows of an MMA partition: 64 per warpgroup (num_warps / 4)
     BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr,  # ring slots
     SCALED: gl.constexpr,  # s · scale(t) in s's dtype, else unscaled fp32
-    WG: gl.constexpr,  # 1-3 MMA partitions, each of num_warps warps: a row block is WG · BLOCK_M rows
+    WG: gl.constexpr,  # 1-3 MMA partitions, each of num_warps warps: a piece is up to WG · BLOCK_M rows
     MMA_REGS: gl.constexpr,  # registers of each MMA partition past the first (WG > 1): those it starts with
     num_warps: gl.constexpr,
 ):
@@ -180,12 +222,12 @@ def _gluon_lora_shrink_kernel(
     if WG == 1:
         gl.warp_specialize(
             [
-            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
-                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles,
-                            G, R, BLOCK_M, STAGES, SCALED, WG, 0, num_warps)),
-            (_shrink_loader, (x_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr,
-                              slot_rank_ptr, seg_scale_ptr, max_rank, a_slice_rows, num_blocks, blocks, G, R,
-                              WG * BLOCK_M, BLOCK_K, STAGES)),
+            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr,
+                            seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st,
+                            num_units, k_tiles, UNIT, G, R, BLOCK_M, STAGES, SCALED, WG, 0, num_warps)),
+            (_shrink_loader, (x_desc, x16_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr,
+                              seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, max_rank,
+                              a_slice_rows, num_tokens, num_units, UNIT, G, R, WG * BLOCK_M, BLOCK_K, STAGES)),
             ],
             [1],
             [40],
@@ -193,15 +235,15 @@ def _gluon_lora_shrink_kernel(
     elif WG == 2:
         gl.warp_specialize(
             [
-            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
-                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles,
-                            G, R, BLOCK_M, STAGES, SCALED, WG, 0, num_warps)),
-            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
-                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles,
-                            G, R, BLOCK_M, STAGES, SCALED, WG, 1, num_warps)),
-            (_shrink_loader, (x_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr,
-                              slot_rank_ptr, seg_scale_ptr, max_rank, a_slice_rows, num_blocks, blocks, G, R,
-                              WG * BLOCK_M, BLOCK_K, STAGES)),
+            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr,
+                            seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st,
+                            num_units, k_tiles, UNIT, G, R, BLOCK_M, STAGES, SCALED, WG, 0, num_warps)),
+            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr,
+                            seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st,
+                            num_units, k_tiles, UNIT, G, R, BLOCK_M, STAGES, SCALED, WG, 1, num_warps)),
+            (_shrink_loader, (x_desc, x16_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr,
+                              seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, max_rank,
+                              a_slice_rows, num_tokens, num_units, UNIT, G, R, WG * BLOCK_M, BLOCK_K, STAGES)),
             ],
             [num_warps, 1],
             [MMA_REGS, 40],
@@ -210,18 +252,18 @@ def _gluon_lora_shrink_kernel(
         gl.static_assert(WG == 3, "1-3 MMA partitions")
         gl.warp_specialize(
             [
-            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
-                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles,
-                            G, R, BLOCK_M, STAGES, SCALED, WG, 0, num_warps)),
-            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
-                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles,
-                            G, R, BLOCK_M, STAGES, SCALED, WG, 1, num_warps)),
-            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_ptr,
-                            slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks, blocks, k_tiles,
-                            G, R, BLOCK_M, STAGES, SCALED, WG, 2, num_warps)),
-            (_shrink_loader, (x_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr,
-                              slot_rank_ptr, seg_scale_ptr, max_rank, a_slice_rows, num_blocks, blocks, G, R,
-                              WG * BLOCK_M, BLOCK_K, STAGES)),
+            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr,
+                            seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st,
+                            num_units, k_tiles, UNIT, G, R, BLOCK_M, STAGES, SCALED, WG, 0, num_warps)),
+            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr,
+                            seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st,
+                            num_units, k_tiles, UNIT, G, R, BLOCK_M, STAGES, SCALED, WG, 1, num_warps)),
+            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr,
+                            seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st,
+                            num_units, k_tiles, UNIT, G, R, BLOCK_M, STAGES, SCALED, WG, 2, num_warps)),
+            (_shrink_loader, (x_desc, x16_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr,
+                              seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, max_rank,
+                              a_slice_rows, num_tokens, num_units, UNIT, G, R, WG * BLOCK_M, BLOCK_K, STAGES)),
             ],
             [num_warps, num_warps, 1],
             [MMA_REGS, MMA_REGS, 40],

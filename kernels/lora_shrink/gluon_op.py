@@ -11,6 +11,9 @@ from ditserve.kernels.lora_gemm.gluon_op import SMEM_LIMIT, _tma_desc, gluon_ava
 # in shared memory, at most MAX_STAGES); WG MMA partitions of num_warps warps and BLOCK_M rows each make a row
 # block of WG · BLOCK_M rows.
 GLUON_SHRINK_CONFIG = dict(BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4, WG=1)
+# BAL=1: the batch's rows shared out over every SM in units of BAL_UNIT rows (also the rows of the boxes that
+# bring a piece's last rows), instead of whole row blocks
+BAL_UNIT = 16
 MAX_STAGES = 16
 REGISTERS = 65536  # 32-bit registers of an SM, shared by a program's warps
 
@@ -69,16 +72,26 @@ def wave_programs(num_blocks: int, num_sms: int) -> int:
 def gluon_shrink_choice(
     num_slices: int, rank_tile: int, num_tokens: int, num_sms: int, seg_align: int = 1
 ) -> str | None:
-    """The SCALED_SWEEP name of the Gluon shrink this batch takes by default, or None (the Triton kernels)."""
+    """The SCALED_SWEEP name of the Gluon shrink this batch takes by default, or None (the Triton kernels). The
+    forms below were measured on batches whose segments lie on their row blocks, and are taken only there."""
     if seg_align % 192 == 0 and wave_programs(-(-num_tokens // 192), num_sms) >= 0.7 * num_sms:
         name = GLUON_TUNED_W3.get((num_slices, rank_tile))
         if name is not None:
             return name
+    name = None
     if -(-num_tokens // 128) >= num_sms // 2:
-        return GLUON_TUNED_LARGE.get((num_slices, rank_tile))
-    if -(-num_tokens // 64) >= num_sms // 2:
-        return GLUON_TUNED_SMALL.get((num_slices, rank_tile))
-    return None
+        name = GLUON_TUNED_LARGE.get((num_slices, rank_tile))
+    elif -(-num_tokens // 64) >= num_sms // 2:
+        name = GLUON_TUNED_SMALL.get((num_slices, rank_tile))
+    return name if name is not None and seg_align % block_rows(name) == 0 else None
+
+
+def block_rows(name: str) -> int:
+    """Rows of a row block of the SCALED_SWEEP form `name` (WG · BLOCK_M)."""
+    from ditserve.kernels.lora_shrink.op import SCALED_SWEEP
+
+    cfg = SCALED_SWEEP[name]
+    return cfg.get("WG", 1) * cfg["BLOCK_M"]
 
 
 def shrink_smem(cfg: dict[str, int], num_slices: int, rank_tile: int, itemsize: int = 2) -> tuple[int, int]:
@@ -92,12 +105,11 @@ def gluon_shrink_ok(
     x: torch.Tensor,
     a_stacked: torch.Tensor,
     s_cols: int,
-    seg_align: int,
     cfg: dict[str, int] = GLUON_SHRINK_CONFIG,
 ) -> bool:
-    """The Gluon shrink's contract: Hopper, bf16/fp16 x and A (contiguous), every segment on a row-block
-    boundary, all slices' rank tiles in one MMA (≤ 256 columns), TMA-friendly tensors, a ring of at least two
-    slots in shared memory; 1-3 MMA partitions."""
+    """The Gluon shrink's contract: Hopper, bf16/fp16 x and A (contiguous), all slices' rank tiles in one MMA
+    (≤ 256 columns), TMA-friendly tensors, a ring of at least two slots in shared memory; 1-3 MMA
+    partitions. Segments may start anywhere (a program cuts its rows at their ends)."""
     if (
         not x.is_cuda
         or x.dtype not in (torch.bfloat16, torch.float16)
@@ -105,12 +117,7 @@ def gluon_shrink_ok(
     ):
         return False
     wg = cfg.get("WG", 1)
-    if (
-        a_stacked.dtype != x.dtype
-        or not a_stacked.is_contiguous()
-        or seg_align % (wg * cfg["BLOCK_M"])
-        or wg > 3
-    ):
+    if a_stacked.dtype != x.dtype or not a_stacked.is_contiguous() or wg > 3:
         return False
     num_slices, hidden = a_stacked.shape[0], a_stacked.shape[3]
     stages, smem = shrink_smem(cfg, num_slices, block_rank(s_cols), x.element_size())
@@ -131,12 +138,14 @@ def launch_gluon_lora_shrink(
     a_stacked: torch.Tensor,  # [num_slices, max_loras, max_rank, hidden], contiguous
     s: torch.Tensor,  # [num_slices, num_tokens, s_cols], written: fp32 unscaled, or x's dtype scaled
     token_seg: torch.Tensor,  # [num_tokens] int32
+    seg_start: torch.Tensor,  # [num_segments] int32
+    seg_len: torch.Tensor,  # [num_segments] int32
     seg_slot: torch.Tensor,  # [num_segments] int32
     seg_scale: torch.Tensor | None,  # [num_segments] fp32; None: unscaled fp32 s
     slot_rank: torch.Tensor,  # [max_loras] int32
     cfg: dict[str, int] = GLUON_SHRINK_CONFIG,
 ) -> None:
-    """s = (scale ·) x · Aᵀ per row block's adapter (the caller checked `gluon_shrink_ok`)."""
+    """s = (scale ·) x · Aᵀ per segment's adapter (the caller checked `gluon_shrink_ok`)."""
     from ditserve.kernels.lora_shrink.gluon_kernel import _gluon_lora_shrink_kernel
 
     num_slices, max_loras, max_rank, hidden = a_stacked.shape
@@ -146,13 +155,16 @@ def launch_gluon_lora_shrink(
     bm, bk, wg, warps = cfg["BLOCK_M"], cfg["BLOCK_K"], cfg.get("WG", 1), cfg["num_warps"]
     rank_tile = block_rank(s_cols)
     stages, _ = shrink_smem(cfg, num_slices, rank_tile, x.element_size())
-    num_blocks = -(-num_tokens // (wg * bm))
-    # one wave: every program resident at once, each with the same number of consecutive row blocks
-    blocks = -(-num_blocks // num_programs_limit(x.device))
-    _gluon_lora_shrink_kernel[(wave_programs(num_blocks, num_programs_limit(x.device)),)](
-        _tma_desc(x, [bm, bk]), _tma_desc(a_stacked.view(-1, hidden), [rank_tile, bk]), s, token_seg, seg_slot,
-        seg_slot if seg_scale is None else seg_scale, slot_rank, num_tokens, s_cols, max_rank, max_loras * max_rank,
-        s.stride(0), s.stride(1), num_blocks, blocks,
-        G=num_slices, R=rank_tile, BLOCK_M=bm, BLOCK_K=bk, STAGES=stages, SCALED=seg_scale is not None, WG=wg,
-        MMA_REGS=partition_regs(wg, warps), num_warps=warps,
+    sms = num_programs_limit(x.device)
+    # one wave, every program resident at once: BAL, every SM a share of the rows as even as 16-row units allow;
+    # else each program the same number of consecutive row blocks
+    unit = BAL_UNIT if cfg.get("BAL", 0) else wg * bm
+    num_units = -(-num_tokens // unit)
+    programs = min(sms, num_units) if cfg.get("BAL", 0) else wave_programs(num_units, sms)
+    _gluon_lora_shrink_kernel[(programs,)](
+        _tma_desc(x, [bm, bk]), _tma_desc(x, [BAL_UNIT, bk]), _tma_desc(a_stacked.view(-1, hidden), [rank_tile, bk]),
+        s, token_seg, seg_start, seg_len, seg_slot, seg_slot if seg_scale is None else seg_scale, slot_rank,
+        num_tokens, s_cols, max_rank, max_loras * max_rank, s.stride(0), s.stride(1), num_units,
+        UNIT=unit, G=num_slices, R=rank_tile, BLOCK_M=bm, BLOCK_K=bk, STAGES=stages, SCALED=seg_scale is not None,
+        WG=wg, MMA_REGS=partition_regs(wg, warps), num_warps=warps,
     )  # fmt: skip

@@ -96,6 +96,13 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "gluon w3 k128": dict(GLUON=1, BLOCK_M=64, BLOCK_K=128, STAGES=0, num_warps=4, WG=3),
     "gluon w3 k32": dict(GLUON=1, BLOCK_M=64, BLOCK_K=32, STAGES=0, num_warps=4, WG=3),
     "gluon 128 k32": dict(GLUON=1, BLOCK_M=128, BLOCK_K=32, STAGES=0, num_warps=8),
+    # BAL: the rows shared out over every SM in 16-row units instead of whole row blocks (4 × 4608 tokens: 132
+    # programs of 128-144 rows; the skewed mix 4608/1024/4608/256: 132 of 64-80; one request of 4608: 32-48)
+    "gluon bal": dict(GLUON=1, BAL=1, BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4),
+    "gluon bal k128": dict(GLUON=1, BAL=1, BLOCK_M=64, BLOCK_K=128, STAGES=0, num_warps=4),
+    "gluon bal w2": dict(GLUON=1, BAL=1, BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4, WG=2),
+    "gluon bal w3": dict(GLUON=1, BAL=1, BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4, WG=3),
+    "gluon bal 128": dict(GLUON=1, BAL=1, BLOCK_M=128, BLOCK_K=64, STAGES=0, num_warps=8),
 }
 
 # The segmented kernel's defaults (fp32 and scaled outputs) where H200 sweeps (hidden 3072; 4x4608 tokens,
@@ -210,8 +217,8 @@ def launch_lora_shrink(
     # TMA=1: x and A through TMA descriptors (where their layouts allow), and with STREAMK=n (not SPLIT)
     # the stream-K kernel on n programs per SM (WIDE=1: its one-dot form)
     seg_scale: torch.Tensor | None = None,  # [num_segments] fp32: write scale(t) · s in x's dtype instead
-    seg_align: int = 1,  # LoRABatchMeta.seg_align: the Gluon kernel (the default where `default_config` picks
-    # it, or config GLUON=1) needs segments on its row blocks
+    seg_align: int = 1,  # LoRABatchMeta.seg_align: the Gluon kernel's forms are the default only where
+    # segments lie on their row blocks (`default_config`)
 ) -> torch.Tensor:  # [num_slices, num_tokens, rank_dim] fp32, or [.., scaled_cols(rank_dim)] x's dtype
     from ditserve.kernels.lora_shrink.kernel import _lora_shrink_kernel
 
@@ -230,8 +237,9 @@ def launch_lora_shrink(
     if cfg.pop("GLUON", 0):  # the Gluon kernel where its contract holds, else the Triton kernel's tiles
         from ditserve.kernels.lora_shrink import gluon_op
 
-        if gluon_op.gluon_shrink_ok(x, a_stacked, s.shape[2], seg_align, cfg):
-            gluon_op.launch_gluon_lora_shrink(x, a_stacked, s, token_seg, seg_slot, seg_scale, slot_rank, cfg)
+        if gluon_op.gluon_shrink_ok(x, a_stacked, s.shape[2], cfg):
+            seg = (token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank)
+            gluon_op.launch_gluon_lora_shrink(x, a_stacked, s, *seg, cfg)
             return s
         cfg = dict(segmented_config(num_slices, block_r, num_tokens, x.device))
     split = num_slices if cfg.pop("SPLIT", 0) else 1

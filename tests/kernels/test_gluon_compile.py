@@ -97,9 +97,10 @@ def _compile(kernel: str, cfg: dict, rank: int) -> dict:
         s = torch.zeros(cfg["slices"], x.shape[0], -(-rank // 16) * 16 if scaled else rank,
                         dtype=torch.bfloat16 if scaled else torch.float32)  # fmt: skip
         shrink_cfg = {**shrink_op.GLUON_SHRINK_CONFIG, **cfg.get("shrink", {})}
-        shrink_op.launch_gluon_lora_shrink(
-            x, a, s, token_seg, seg_slot, seg_scale if scaled else None, slot_rank, shrink_cfg
-        )
+        seg_start = torch.arange(4, dtype=torch.int32) * (x.shape[0] // 4)
+        seg_len = torch.full((4,), x.shape[0] // 4, dtype=torch.int32)
+        seg = (token_seg, seg_start, seg_len, seg_slot, seg_scale if scaled else None, slot_rank)
+        shrink_op.launch_gluon_lora_shrink(x, a, s, *seg, shrink_cfg)
         compiled = out["_gluon_lora_shrink_kernel"]
     elif kernel == "expand":
         # 12 row blocks of 128 × 144 column blocks of 64 in equal spans on the 4 programs of a CPU device
@@ -181,12 +182,15 @@ def test_gemm_compiles_for_hopper(compile_in_child, rank, defer):
         (3, 64, 1, {"WG": 3}),
         (3, 32, 0, {"WG": 2}),
         (4, 32, 1, {"WG": 3, "BLOCK_K": 32}),
+        (3, 32, 0, {"BAL": 1, "WG": 3}),
+        (3, 16, 1, {"BAL": 1, "BLOCK_K": 128}),
+        (4, 16, 0, {"BAL": 1, "BLOCK_M": 128, "num_warps": 8}),
     ],
 )
 def test_shrink_compiles_for_hopper(compile_in_child, slices, rank, scaled, shrink):
-    """The Gluon shrink: a few row blocks per program, two MMAs a step for 3 slices, one or two MMA warpgroups,
-    2-3 MMA partitions (WG), 64- and 128-wide K steps, the bf16 scaled and the fp32 s; its ring fills shared
-    memory up to the limit (as many slots as fit)."""
+    """The Gluon shrink: a few row blocks per program or shares of 16-row units (BAL), two MMAs a step for 3
+    slices, one or two MMA warpgroups, 2-3 MMA partitions (WG), 64- and 128-wide K steps, the bf16 scaled and the
+    fp32 s; its ring fills shared memory up to the limit (as many slots as fit)."""
     cfg = {"slices": slices, "scaled": scaled, "shrink": shrink}
     _assert_hopper_kernel(compile_in_child("shrink", cfg, rank))
 

@@ -572,6 +572,11 @@ def test_bf16_gpu_shrink_scaled_every_config(num_slices, name):
         "gluon w3 k128",
         "gluon w3 k32",
         "gluon 128 k32",
+        "gluon bal",
+        "gluon bal k128",
+        "gluon bal w2",
+        "gluon bal w3",
+        "gluon bal 128",
     ],
 )
 @pytest.mark.parametrize("num_slices", [1, 2, 3, 4])
@@ -587,13 +592,15 @@ def test_bf16_gpu_shrink_scaled_every_config(num_slices, name):
         ([(4608, 0), (1536, -1), (4608, 1), (768, 2), (3840, 1), (300, 0)], [8, 32, 16]),
         # rank 128 (two slices at most fit one MMA) next to rank 64
         ([(2304, 0), (16896, 1)], [128, 64]),
+        # segments off every row block: odd lengths, an empty and a 1-token request, one without an adapter
+        ([(1000, 0), (1, 1), (0, 2), (517, 3), (300, -1), (2000, 1), (129, 0)], [16, 32, 8, 16]),
     ],
 )
 def test_bf16_gpu_gluon_shrink(name, num_slices, requests, ranks):
     """The Gluon shrink (Hopper) on Flux sizes, on one MMA warpgroup (64-row blocks) and two (128), on 2-3 MMA
-    partitions of one warpgroup each (128-192 rows), 32- to 128-wide K steps, bf16 scale · s and fp32 s
-    against the references, launch after launch; it must take these batches (a test of the fallback it is
-    not)."""
+    partitions of one warpgroup each (128-192 rows), 32- to 128-wide K steps, rows in whole blocks or shared out
+    in 16-row units (BAL), segments on its blocks or anywhere, bf16 scale · s and fp32 s against the references,
+    launch after launch; it must take these batches (a test of the fallback it is not)."""
     from ditserve.kernels.lora_gemm.gluon_op import gluon_available
     from ditserve.kernels.lora_shrink import gluon_op
 
@@ -609,14 +616,14 @@ def test_bf16_gpu_gluon_shrink(name, num_slices, requests, ranks):
     cfg = SCALED_SWEEP[name]
     s_cols = -(-m.max_rank // 16) * 16
     if next_pow2(num_slices) * block_rank(s_cols) > 256:
-        assert not gluon_op.gluon_shrink_ok(x, a, s_cols, m.seg_align, cfg)
+        assert not gluon_op.gluon_shrink_ok(x, a, s_cols, cfg)
         pytest.skip("more columns than one MMA: the Triton kernels")
     wg = cfg.get("WG", 1)
     if wg > 1 and num_slices * block_rank(s_cols) // 2 > gluon_op.partition_regs(wg, cfg["num_warps"]) - 32:
-        assert not gluon_op.gluon_shrink_ok(x, a, s_cols, m.seg_align, cfg)
+        assert not gluon_op.gluon_shrink_ok(x, a, s_cols, cfg)
         pytest.skip("accumulators past the registers of a partition: the Triton kernels")
-    assert gluon_op.gluon_shrink_ok(x, a, s_cols, m.seg_align, cfg)
-    assert gluon_op.gluon_shrink_ok(x, a, m.max_rank, m.seg_align, cfg)
+    assert gluon_op.gluon_shrink_ok(x, a, s_cols, cfg)
+    assert gluon_op.gluon_shrink_ok(x, a, m.max_rank, cfg)
     want = lora_shrink_scaled_ref(x, a, *seg, m.seg_scale, m.slot_rank, m.max_rank)
     want32 = lora_shrink_ref(x, a, *seg[1:], m.slot_rank, m.max_rank)
     for _ in range(2):
@@ -743,6 +750,8 @@ def test_bf16_gpu_gluon_split_tail(max_rank, monkeypatch):
         (4, 64, 4 * 4608, 4608, None),  # 4 slices at rank 64: the Triton kernels
         (1, 16, 4 * 4608, 4608, None),  # one slice: not measured, the Triton kernels
         (3, 16, 2048, 256, None),  # 8 x 256 tokens: 32 blocks of 64
+        (3, 16, 4 * 4608, 64, None),  # segments off the 128-row blocks it was measured on: the Triton kernels
+        (3, 32, 4608, 32, None),  # one request's form, 64-row blocks, with a segment off them
     ],
 )
 def test_gluon_shrink_choice(slices, rank_tile, tokens, align, want):
