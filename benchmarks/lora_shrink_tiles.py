@@ -24,6 +24,15 @@ import lora_kernels as lk  # noqa: E402
 from ditserve.kernels.lora_shrink.op import SCALED_SWEEP, launch_lora_shrink  # noqa: E402
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref  # noqa: E402
 
+# batches whose requests do not lie on 128- or 192-row blocks (image sizes that are not multiples of 256 px):
+# the Gluon forms' pieces end at segment ends there
+BATCHES = {
+    **lk.BATCHES,
+    "4x4544": [(4544, i) for i in range(4)],
+    "4x4600": [(4600, i) for i in range(4)],
+    "1x4600": [(4600, 0)],
+    "skew 4600/1000/4544/300": [(4600, 0), (1000, 1), (4544, 2), (300, 3)],
+}
 DEFAULT_CONFIGS = ["tma 128/64/8/4 split", "tma 64/64/4/4 split", "tma 64/64/4/4", "128/64/8/3 split",
                    "64/64/4/4 split"]  # fmt: skip
 
@@ -59,7 +68,7 @@ def main() -> None:
     for batch in args.batches.split(","):
         for nsl in map(int, args.slices.split(",")):
             for rank in map(int, args.ranks.split(",")):
-                p = lk.make_problem(lk.BATCHES[batch], rank, lk.SLICES[nsl])
+                p = lk.make_problem(BATCHES[batch], rank, lk.SLICES[nsl])
                 m = p.meta
                 seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot)
                 wants = {

@@ -1,12 +1,10 @@
 """The segmented LoRA shrink in Gluon for Hopper (sm_90): s[g, t, :] = (scale(t) ·) x[t] · A[g, slot(t)]ᵀ.
 
 The shrink streams x (113 MB for 4 requests of 4608 tokens at hidden 3072) and does little arithmetic at ranks
-up to 32, so it is as fast as the bytes in flight on each SM allow. It runs as one wave: the batch's rows are
-cut into units of UNIT rows and program p owns a run of consecutive units, the programs' runs differing by at
-most one unit. With UNIT a row block of WG · BLOCK_M rows that is `blocks` consecutive row blocks (cdiv(row
-blocks, SMs), so no program waits for a second round: 288 blocks of 64 rows are 96 programs of 3 blocks, as
-cuBLAS cuts the same dense shape); with UNIT = 16 every SM gets a share as even as 16 rows allow (4 × 4608
-tokens: 132 programs of 128-144 rows; one request of 4608: 32-48 rows).
+up to 32, so it is as fast as the bytes in flight on each SM allow. It runs as one wave: program p owns
+`blocks` consecutive row blocks of WG · BLOCK_M rows (cdiv(row blocks, SMs), give or take one, so no program
+waits for a second round: 288 blocks of 64 rows are 96 programs of 3 blocks, as cuBLAS cuts the same dense
+shape).
 
 A program walks its rows in pieces: up to WG · BLOCK_M rows, never across the end of a segment (one adapter a
 piece), so segments may start anywhere. Each piece's K steps go through one deep ring of STAGES shared-memory
@@ -45,14 +43,14 @@ def _block_segment(rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr
 
 
 @gluon.jit
-def _program_rows(num_tokens, num_units, UNIT: gl.constexpr):
-    """This program's rows [lo, hi): its share of the batch's units of UNIT rows (floor(p · units / programs) on),
-    so the programs' shares differ by at most one unit."""
+def _program_rows(num_tokens, num_blocks, ROWS: gl.constexpr):
+    """This program's rows [lo, hi): its share of the batch's row blocks of ROWS rows (blocks floor(p · blocks /
+    programs) on), so the programs' shares differ by at most one block."""
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
-    lo = pid * num_units // programs * UNIT
-    hi = gl.minimum((pid + 1) * num_units // programs * UNIT, num_tokens)
-    return gl.minimum(lo, num_tokens), hi
+    lo = gl.minimum(pid * num_blocks // programs * ROWS, num_tokens)
+    hi = gl.minimum((pid + 1) * num_blocks // programs * ROWS, num_tokens)
+    return lo, hi
 
 
 @gluon.jit
@@ -70,14 +68,14 @@ def _piece(r, hi, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_
 @gluon.jit
 def _shrink_loader(x_desc, x16_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr, seg_start_ptr,
                    seg_len_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, max_rank, a_slice_rows, num_tokens,
-                   num_units, UNIT: gl.constexpr, G: gl.constexpr, R: gl.constexpr, ROWS: gl.constexpr,
+                   num_blocks, G: gl.constexpr, R: gl.constexpr, ROWS: gl.constexpr,
                    BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """The loader warp: every K step of this program's pieces with an adapter, in the MMA warps' order; step j
     into ring slot j % STAGES once the MMAs of step j - STAGES have freed it. An MMA partition's rows of a piece
     come as one x box where the piece fills them, else as boxes of 16 rows up to the piece's end; a box the piece
     does not reach is placed wholly past x's last row (TMA fills it with zeros and reads nothing), so every step
     brings the same bytes."""
-    lo, hi = _program_rows(num_tokens, num_units, UNIT)
+    lo, hi = _program_rows(num_tokens, num_blocks, ROWS)
     k_tiles = gl.cdiv(x_desc.shape[1], BLOCK_K)
     XM: gl.constexpr = x_desc.block_type.shape[0]  # rows of an x box: one per MMA partition
     XS: gl.constexpr = x16_desc.block_type.shape[0]  # rows of a box of a piece's last rows
@@ -115,8 +113,8 @@ def _shrink_loader(x_desc, x16_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empt
 
 @gluon.jit
 def _shrink_mmas(x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr,
-                 seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_units,
-                 k_tiles, UNIT: gl.constexpr, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
+                 seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks,
+                 k_tiles, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
                  STAGES: gl.constexpr, SCALED: gl.constexpr, WG: gl.constexpr, wg: gl.constexpr,
                  num_warps: gl.constexpr):  # fmt: skip
     """MMA partition wg (of WG): per step wait for its slot, issue its MMAs on its BLOCK_M rows of the slot's x
@@ -135,7 +133,7 @@ def _shrink_mmas(x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg
     layout_b: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N_B, 16]
     )
-    lo, hi = _program_rows(num_tokens, num_units, UNIT)
+    lo, hi = _program_rows(num_tokens, num_blocks, ROWS)
     acc_a = gl.zeros((BLOCK_M, N_A), dtype=gl.float32, layout=layout_a)
     acc_b = gl.zeros((BLOCK_M, N_B), dtype=gl.float32, layout=layout_b)
     j = 0
@@ -174,7 +172,7 @@ def _shrink_mmas(x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg
 @gluon.jit
 def _gluon_lora_shrink_kernel(
     x_desc,  # x [num_tokens, hidden], box [BLOCK_M, BLOCK_K] (WG of them a step)
-    x16_desc,  # x, box [16, BLOCK_K]: a piece's last rows of an MMA partition
+    x16_desc,  # x, box [16, BLOCK_K]: a piece's last rows where they do not fill an MMA partition
     a_desc,  # A viewed as [slices · max_loras · max_rank, hidden], box [R, BLOCK_K]
     s_ptr,  # [slices, num_tokens, s_cols]: fp32 (unscaled) or x's dtype (SCALED)
     token_seg_ptr,  # [num_tokens] int32
@@ -189,8 +187,7 @@ def _gluon_lora_shrink_kernel(
     a_slice_rows,  # A rows per slice: max_loras · max_rank
     stride_ss,
     stride_st,
-    num_units,  # cdiv(num_tokens, UNIT): the programs share them out
-    UNIT: gl.constexpr,  # rows of a unit: WG · BLOCK_M (row blocks), or 16 (shares as even as 16 rows allow)
+    num_blocks,  # cdiv(num_tokens, WG · BLOCK_M): the programs share them out
     G: gl.constexpr,  # slices
     R: gl.constexpr,  # rank tile (power of two ≥ 16)
     BLOCK_M: gl.constexpr,  # rows of an MMA partition: 64 per warpgroup (num_warps / 4)
@@ -224,10 +221,10 @@ def _gluon_lora_shrink_kernel(
             [
             (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr,
                             seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st,
-                            num_units, k_tiles, UNIT, G, R, BLOCK_M, STAGES, SCALED, WG, 0, num_warps)),
+                            num_blocks, k_tiles, G, R, BLOCK_M, STAGES, SCALED, WG, 0, num_warps)),
             (_shrink_loader, (x_desc, x16_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr,
                               seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, max_rank,
-                              a_slice_rows, num_tokens, num_units, UNIT, G, R, WG * BLOCK_M, BLOCK_K, STAGES)),
+                              a_slice_rows, num_tokens, num_blocks, G, R, WG * BLOCK_M, BLOCK_K, STAGES)),
             ],
             [1],
             [40],
@@ -237,13 +234,13 @@ def _gluon_lora_shrink_kernel(
             [
             (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr,
                             seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st,
-                            num_units, k_tiles, UNIT, G, R, BLOCK_M, STAGES, SCALED, WG, 0, num_warps)),
+                            num_blocks, k_tiles, G, R, BLOCK_M, STAGES, SCALED, WG, 0, num_warps)),
             (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr,
                             seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st,
-                            num_units, k_tiles, UNIT, G, R, BLOCK_M, STAGES, SCALED, WG, 1, num_warps)),
+                            num_blocks, k_tiles, G, R, BLOCK_M, STAGES, SCALED, WG, 1, num_warps)),
             (_shrink_loader, (x_desc, x16_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr,
                               seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, max_rank,
-                              a_slice_rows, num_tokens, num_units, UNIT, G, R, WG * BLOCK_M, BLOCK_K, STAGES)),
+                              a_slice_rows, num_tokens, num_blocks, G, R, WG * BLOCK_M, BLOCK_K, STAGES)),
             ],
             [num_warps, 1],
             [MMA_REGS, 40],
@@ -254,16 +251,16 @@ def _gluon_lora_shrink_kernel(
             [
             (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr,
                             seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st,
-                            num_units, k_tiles, UNIT, G, R, BLOCK_M, STAGES, SCALED, WG, 0, num_warps)),
+                            num_blocks, k_tiles, G, R, BLOCK_M, STAGES, SCALED, WG, 0, num_warps)),
             (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr,
                             seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st,
-                            num_units, k_tiles, UNIT, G, R, BLOCK_M, STAGES, SCALED, WG, 1, num_warps)),
+                            num_blocks, k_tiles, G, R, BLOCK_M, STAGES, SCALED, WG, 1, num_warps)),
             (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr,
                             seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st,
-                            num_units, k_tiles, UNIT, G, R, BLOCK_M, STAGES, SCALED, WG, 2, num_warps)),
+                            num_blocks, k_tiles, G, R, BLOCK_M, STAGES, SCALED, WG, 2, num_warps)),
             (_shrink_loader, (x_desc, x16_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr,
                               seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, max_rank,
-                              a_slice_rows, num_tokens, num_units, UNIT, G, R, WG * BLOCK_M, BLOCK_K, STAGES)),
+                              a_slice_rows, num_tokens, num_blocks, G, R, WG * BLOCK_M, BLOCK_K, STAGES)),
             ],
             [num_warps, num_warps, 1],
             [MMA_REGS, MMA_REGS, 40],

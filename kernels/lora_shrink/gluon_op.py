@@ -11,9 +11,7 @@ from ditserve.kernels.lora_gemm.gluon_op import SMEM_LIMIT, _tma_desc, gluon_ava
 # in shared memory, at most MAX_STAGES); WG MMA partitions of num_warps warps and BLOCK_M rows each make a row
 # block of WG · BLOCK_M rows.
 GLUON_SHRINK_CONFIG = dict(BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4, WG=1)
-# BAL=1: the batch's rows shared out over every SM in units of BAL_UNIT rows (also the rows of the boxes that
-# bring a piece's last rows), instead of whole row blocks
-BAL_UNIT = 16
+TAIL_ROWS = 16  # rows of the boxes that bring a piece's last rows where it does not fill an MMA partition
 MAX_STAGES = 16
 REGISTERS = 65536  # 32-bit registers of an SM, shared by a program's warps
 
@@ -155,16 +153,13 @@ def launch_gluon_lora_shrink(
     bm, bk, wg, warps = cfg["BLOCK_M"], cfg["BLOCK_K"], cfg.get("WG", 1), cfg["num_warps"]
     rank_tile = block_rank(s_cols)
     stages, _ = shrink_smem(cfg, num_slices, rank_tile, x.element_size())
-    sms = num_programs_limit(x.device)
-    # one wave, every program resident at once: BAL, every SM a share of the rows as even as 16-row units allow;
-    # else each program the same number of consecutive row blocks
-    unit = BAL_UNIT if cfg.get("BAL", 0) else wg * bm
-    num_units = -(-num_tokens // unit)
-    programs = min(sms, num_units) if cfg.get("BAL", 0) else wave_programs(num_units, sms)
-    _gluon_lora_shrink_kernel[(programs,)](
-        _tma_desc(x, [bm, bk]), _tma_desc(x, [BAL_UNIT, bk]), _tma_desc(a_stacked.view(-1, hidden), [rank_tile, bk]),
+    # one wave, every program resident at once, each with the same number of consecutive row blocks (give or take
+    # one); sharing the rows out over every SM in 16-row units instead was slower (BENCHMARKS.md)
+    num_blocks = -(-num_tokens // (wg * bm))
+    _gluon_lora_shrink_kernel[(wave_programs(num_blocks, num_programs_limit(x.device)),)](
+        _tma_desc(x, [bm, bk]), _tma_desc(x, [TAIL_ROWS, bk]), _tma_desc(a_stacked.view(-1, hidden), [rank_tile, bk]),
         s, token_seg, seg_start, seg_len, seg_slot, seg_slot if seg_scale is None else seg_scale, slot_rank,
-        num_tokens, s_cols, max_rank, max_loras * max_rank, s.stride(0), s.stride(1), num_units,
-        UNIT=unit, G=num_slices, R=rank_tile, BLOCK_M=bm, BLOCK_K=bk, STAGES=stages, SCALED=seg_scale is not None,
-        WG=wg, MMA_REGS=partition_regs(wg, warps), num_warps=warps,
+        num_tokens, s_cols, max_rank, max_loras * max_rank, s.stride(0), s.stride(1), num_blocks,
+        G=num_slices, R=rank_tile, BLOCK_M=bm, BLOCK_K=bk, STAGES=stages, SCALED=seg_scale is not None, WG=wg,
+        MMA_REGS=partition_regs(wg, warps), num_warps=warps,
     )  # fmt: skip

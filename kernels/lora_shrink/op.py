@@ -96,13 +96,6 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "gluon w3 k128": dict(GLUON=1, BLOCK_M=64, BLOCK_K=128, STAGES=0, num_warps=4, WG=3),
     "gluon w3 k32": dict(GLUON=1, BLOCK_M=64, BLOCK_K=32, STAGES=0, num_warps=4, WG=3),
     "gluon 128 k32": dict(GLUON=1, BLOCK_M=128, BLOCK_K=32, STAGES=0, num_warps=8),
-    # BAL: the rows shared out over every SM in 16-row units instead of whole row blocks (4 × 4608 tokens: 132
-    # programs of 128-144 rows; the skewed mix 4608/1024/4608/256: 132 of 64-80; one request of 4608: 32-48)
-    "gluon bal": dict(GLUON=1, BAL=1, BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4),
-    "gluon bal k128": dict(GLUON=1, BAL=1, BLOCK_M=64, BLOCK_K=128, STAGES=0, num_warps=4),
-    "gluon bal w2": dict(GLUON=1, BAL=1, BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4, WG=2),
-    "gluon bal w3": dict(GLUON=1, BAL=1, BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4, WG=3),
-    "gluon bal 128": dict(GLUON=1, BAL=1, BLOCK_M=128, BLOCK_K=64, STAGES=0, num_warps=8),
 }
 
 # The segmented kernel's defaults (fp32 and scaled outputs) where H200 sweeps (hidden 3072; 4x4608 tokens,

@@ -182,15 +182,12 @@ def test_gemm_compiles_for_hopper(compile_in_child, rank, defer):
         (3, 64, 1, {"WG": 3}),
         (3, 32, 0, {"WG": 2}),
         (4, 32, 1, {"WG": 3, "BLOCK_K": 32}),
-        (3, 32, 0, {"BAL": 1, "WG": 3}),
-        (3, 16, 1, {"BAL": 1, "BLOCK_K": 128}),
-        (4, 16, 0, {"BAL": 1, "BLOCK_M": 128, "num_warps": 8}),
     ],
 )
 def test_shrink_compiles_for_hopper(compile_in_child, slices, rank, scaled, shrink):
-    """The Gluon shrink: a few row blocks per program or shares of 16-row units (BAL), two MMAs a step for 3
-    slices, one or two MMA warpgroups, 2-3 MMA partitions (WG), 64- and 128-wide K steps, the bf16 scaled and the
-    fp32 s; its ring fills shared memory up to the limit (as many slots as fit)."""
+    """The Gluon shrink: a few row blocks per program, two MMAs a step for 3 slices, one or two MMA warpgroups,
+    2-3 MMA partitions (WG), 64- and 128-wide K steps, the bf16 scaled and the fp32 s; its ring fills shared
+    memory up to the limit (as many slots as fit)."""
     cfg = {"slices": slices, "scaled": scaled, "shrink": shrink}
     _assert_hopper_kernel(compile_in_child("shrink", cfg, rank))
 

@@ -572,11 +572,6 @@ def test_bf16_gpu_shrink_scaled_every_config(num_slices, name):
         "gluon w3 k128",
         "gluon w3 k32",
         "gluon 128 k32",
-        "gluon bal",
-        "gluon bal k128",
-        "gluon bal w2",
-        "gluon bal w3",
-        "gluon bal 128",
     ],
 )
 @pytest.mark.parametrize("num_slices", [1, 2, 3, 4])
@@ -598,9 +593,9 @@ def test_bf16_gpu_shrink_scaled_every_config(num_slices, name):
 )
 def test_bf16_gpu_gluon_shrink(name, num_slices, requests, ranks):
     """The Gluon shrink (Hopper) on Flux sizes, on one MMA warpgroup (64-row blocks) and two (128), on 2-3 MMA
-    partitions of one warpgroup each (128-192 rows), 32- to 128-wide K steps, rows in whole blocks or shared out
-    in 16-row units (BAL), segments on its blocks or anywhere, bf16 scale · s and fp32 s against the references,
-    launch after launch; it must take these batches (a test of the fallback it is not)."""
+    partitions of one warpgroup each (128-192 rows), 32- to 128-wide K steps, segments on its row blocks or
+    anywhere, bf16 scale · s and fp32 s against the references, launch after launch; it must take these batches
+    (a test of the fallback it is not)."""
     from ditserve.kernels.lora_gemm.gluon_op import gluon_available
     from ditserve.kernels.lora_shrink import gluon_op
 
