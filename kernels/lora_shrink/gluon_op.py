@@ -61,6 +61,23 @@ GLUON_TUNED_W3: dict[tuple[int, int], str] = {
 }
 
 
+# Batches of at least half as many 64-row blocks as SMs whose segments are off 128-row blocks (image sizes that
+# are not multiples of 256 px): the 64-row forms, whose pieces end at segment ends; the Triton kernels' blocks
+# straddle segments there. H200, read flush, µs fp32 s, 4x4600 / 4x4544 / skew 4600/1000/4544/300 against the
+# Triton defaults in the same call (BENCHMARKS.md): 3 slices rank 16 40.6 / 35.4 / 27.1 (45.5 / 34.4 / 37.1),
+# rank 32 45.3 / 38.8 / 32.7 (116.7 / 45.8 / 42.8), rank 64 60.5 / 48.9 / 44.1 (111.6 / 108.4 / 93.2); 4 slices
+# rank 16 38.8 / 35.0 / 27.7 (48.9 / 38.3 / 43.4), rank 32 48.9 / 40.6 / 34.3 (116.4 / 51.1 / 54.2), rank 64
+# 77.0 / 62.5 / 55.7 (185.1 / 118.2 / 106.0).
+GLUON_TUNED_OFF_BLOCKS: dict[tuple[int, int], str] = {
+    (3, 16): "gluon k128",
+    (4, 16): "gluon k128",
+    (3, 32): "gluon",
+    (4, 32): "gluon",
+    (3, 64): "gluon",
+    (4, 64): "gluon",
+}
+
+
 def wave_programs(num_blocks: int, num_sms: int) -> int:
     """Programs of the one-wave launch (`launch_gluon_lora_shrink`): each takes cdiv(blocks, SMs) consecutive
     blocks."""
@@ -71,7 +88,8 @@ def gluon_shrink_choice(
     num_slices: int, rank_tile: int, num_tokens: int, num_sms: int, seg_align: int = 1
 ) -> str | None:
     """The SCALED_SWEEP name of the Gluon shrink this batch takes by default, or None (the Triton kernels). The
-    forms below were measured on batches whose segments lie on their row blocks, and are taken only there."""
+    tuned forms were measured on batches whose segments lie on their row blocks, and are taken only there;
+    batches whose segments are off 128-row blocks take GLUON_TUNED_OFF_BLOCKS."""
     if seg_align % 192 == 0 and wave_programs(-(-num_tokens // 192), num_sms) >= 0.7 * num_sms:
         name = GLUON_TUNED_W3.get((num_slices, rank_tile))
         if name is not None:
@@ -81,7 +99,11 @@ def gluon_shrink_choice(
         name = GLUON_TUNED_LARGE.get((num_slices, rank_tile))
     elif -(-num_tokens // 64) >= num_sms // 2:
         name = GLUON_TUNED_SMALL.get((num_slices, rank_tile))
-    return name if name is not None and seg_align % block_rows(name) == 0 else None
+    if name is not None and seg_align % block_rows(name) == 0:
+        return name
+    if seg_align % 128 and -(-num_tokens // 64) >= num_sms // 2:
+        return GLUON_TUNED_OFF_BLOCKS.get((num_slices, rank_tile))
+    return None
 
 
 def block_rows(name: str) -> int:

@@ -745,8 +745,14 @@ def test_bf16_gpu_gluon_split_tail(max_rank, monkeypatch):
         (4, 64, 4 * 4608, 4608, None),  # 4 slices at rank 64: the Triton kernels
         (1, 16, 4 * 4608, 4608, None),  # one slice: not measured, the Triton kernels
         (3, 16, 2048, 256, None),  # 8 x 256 tokens: 32 blocks of 64
-        (3, 16, 4 * 4608, 64, None),  # segments off the 128-row blocks it was measured on: the Triton kernels
-        (3, 32, 4608, 32, None),  # one request's form, 64-row blocks, with a segment off them
+        # segments off 128-row blocks: the 64-row forms, pieces ending at segment ends
+        (3, 16, 4 * 4544, 64, "gluon k128"),  # not "gluon 128 k128", whose 128-row blocks it was measured on
+        (3, 32, 4608, 32, "gluon"),
+        (3, 64, 4 * 4600, 8, "gluon"),
+        (4, 64, 4 * 4544, 64, "gluon"),
+        (3, 128, 4 * 4600, 8, None),  # rank 128 with 3 slices: more columns than one MMA, the Triton kernels
+        (3, 64, 10496, 512, None),  # the skewed mix on 128-row blocks at rank 64: the Triton kernels
+        (3, 32, 2000, 8, None),  # fewer than 66 blocks of 64: the Triton kernels
     ],
 )
 def test_gluon_shrink_choice(slices, rank_tile, tokens, align, want):

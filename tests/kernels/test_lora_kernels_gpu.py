@@ -222,3 +222,38 @@ def test_bf16_default_expand_aligned_qkv_rank128_takes_gluon():
     apply_lora(got, x, a, b, meta, sizes)
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)
     assert torch.equal(got[4608:9216], y[4608:9216])
+
+
+@pytest.mark.parametrize("rank", [16, 32, 64])
+@pytest.mark.parametrize("num_slices", [3, 4])
+def test_bf16_default_shrink_off_row_blocks_takes_gluon(num_slices, rank):
+    """Requests of 4600 tokens (segments off every 64-row block), one without an adapter: the default shrink is
+    the Gluon kernel's 64-row form here (pieces that end at segment ends) and equals the reference, fp32 s and
+    bf16 scale · s, launch after launch."""
+    from ditserve.kernels.lora_gemm.gluon_op import gluon_available
+    from ditserve.kernels.lora_shrink.gluon_op import gluon_shrink_choice
+    from ditserve.kernels.lora_shrink.op import launch_lora_shrink
+    from ditserve.kernels.lora_shrink.reference import lora_shrink_scaled_ref
+
+    if not gluon_available(torch.cuda.current_device()):
+        pytest.skip("the Gluon kernels need a Hopper GPU (sm_90) and a Triton they were tested with")
+    requests = [(4600, 0), (4600, -1), (4600, 1), (4600, 2)]
+    meta = LoRABatchMeta.build(requests, [rank, rank // 2, rank], [0.5, 1.0, 2.0, 0.25], device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert gluon_shrink_choice(num_slices, rank, meta.num_tokens, sms, meta.seg_align) is not None
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(meta.num_tokens, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
+    a = (torch.randn(num_slices, 3, rank, HIDDEN, generator=g, device="cuda") * HIDDEN**-0.5).to(
+        torch.bfloat16
+    )
+    seg = (meta.token_seg, meta.seg_start, meta.seg_len, meta.seg_slot)
+    want32 = lora_shrink_ref(x, a, *seg[1:], meta.slot_rank, meta.max_rank)
+    want = lora_shrink_scaled_ref(x, a, *seg, meta.seg_scale, meta.slot_rank, meta.max_rank)
+    for _ in range(2):
+        got32 = launch_lora_shrink(x, a, *seg, meta.slot_rank, meta.max_rank, seg_align=meta.seg_align)
+        torch.testing.assert_close(got32, want32, atol=2e-2, rtol=2e-2)
+        got = launch_lora_shrink(
+            x, a, *seg, meta.slot_rank, meta.max_rank, seg_scale=meta.seg_scale, seg_align=meta.seg_align
+        )
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        assert not got32[:, 4600:9200].any()  # the request without an adapter
