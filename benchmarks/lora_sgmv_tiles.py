@@ -7,11 +7,14 @@ SGMV_SHRINK_SWEEP) and the segmented kernels' defaults, every result checked aga
 Times: CUDA-graph replay with the L2 flushed before each call (`lora_kernels.quick_graph_ms`), µs, and % of the
 HBM floor (the expand's bytes over the 2 GiB clone's bandwidth); WRONG after a time whose output is off. The
 "interleaved" batches give 2 adapters to alternating requests, where SGMV groups tokens the segments do not.
+`--op chunks` times both SGMV defaults with the batch's chunk size set to each of `--chunks` (the column "chunk"
+is the one the policy, `choose_chunk_size`, picks).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -24,7 +27,7 @@ import lora_kernels as lk  # noqa: E402
 
 from ditserve.kernels._bench import copy_bandwidth, make_problem  # noqa: E402
 from ditserve.kernels._dispatch import block_rank  # noqa: E402
-from ditserve.kernels.lora import lora_shrink  # noqa: E402
+from ditserve.kernels.lora import LoRABatchMeta, lora_shrink  # noqa: E402
 from ditserve.kernels.lora_expand.op import expand_config, launch_lora_expand  # noqa: E402
 from ditserve.kernels.lora_expand_sgmv.op import SGMV_ROWS_SWEEP, launch_lora_expand_sgmv  # noqa: E402
 from ditserve.kernels.lora_expand_sgmv.reference import lora_expand_sgmv_ref  # noqa: E402
@@ -94,17 +97,52 @@ def cells(p, bw: float) -> list[str]:
     return out
 
 
+def chunk_cells(p, requests: list[tuple[int, int]], chunks: list[int], bw: float) -> list[str]:
+    """Both SGMV defaults on problem p with its meta rebuilt for each chunk size: "shrink µs / expand µs" (% of
+    their HBM floors), WRONG where an output is off."""
+    out = []
+    for chunk in chunks:
+        meta = LoRABatchMeta.build(requests, [p.rank] * p.a.shape[1], [0.5] * len(requests), "cuda", chunk)
+        q = dataclasses.replace(p, meta=meta)
+        m = q.meta
+        ids = (m.sorted_token_ids, m.chunk_slot, m.chunk_start, m.chunk_len, m.slot_rank, m.max_rank)
+        s_want = lora_shrink_sgmv_ref(q.x, q.a, *ids)
+        s = launch_shrink("sgmv", q)
+        ok = torch.allclose(s, s_want, atol=2e-2, rtol=2e-2)
+        shrink_us = lk.quick_graph_ms(lambda q=q: launch_shrink("sgmv", q)) * 1e3
+        y0 = q.y.clone()
+        want = y0.clone()
+        e_ids = (m.sorted_token_ids, m.token_scale, m.chunk_slot, m.chunk_start, m.chunk_len, m.slot_rank)
+        lora_expand_sgmv_ref(want, s_want, q.b, *e_ids, q.sizes)
+        y = y0.clone()
+        launch("sgmv", y, q, s_want)
+        ok = ok and (y.float() - want.float()).abs().max().item() <= 0.1
+        expand_us = lk.quick_graph_ms(lambda q=q, s=s_want: launch("sgmv", q.y, q, s)) * 1e3
+        shrink_pct = 100 * q.shrink_bytes() / bw * 1e6 / shrink_us
+        expand_pct = 100 * q.expand_bytes() / bw * 1e6 / expand_us
+        out.append(
+            f"{shrink_us:.1f} ({shrink_pct:.0f}%) / {expand_us:.1f} ({expand_pct:.0f}%){'' if ok else ' WRONG'}"
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--op", default="expand", choices=["expand", "shrink"])
+    ap.add_argument("--op", default="expand", choices=["expand", "shrink", "chunks"])
+    ap.add_argument("--chunks", default="16,32,64,128", help="--op chunks: the chunk sizes to time")
     ap.add_argument("--batches", default="4x4608,skew 4608/1024/4608/256,1x4608,interleaved 8x2304")
     ap.add_argument("--slices", default="3,4")
     ap.add_argument("--ranks", default="16,32,64,128")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     bw = copy_bandwidth()
-    names = ["SGMV one tile a program", *SGMV_ROWS_SWEEP] if args.op == "expand" else list(SGMV_SHRINK_SWEEP)
+    chunks = [int(c) for c in args.chunks.split(",")]
+    names = {
+        "expand": ["SGMV one tile a program", *SGMV_ROWS_SWEEP],
+        "shrink": list(SGMV_SHRINK_SWEEP),
+        "chunks": [f"chunk {c}: shrink / expand" for c in chunks],
+    }[args.op]
     lines = [
         f"machine: {torch.cuda.get_device_name()}, torch {torch.__version__}, commit {lk.commit()}, "
         f"{time.strftime('%Y-%m-%d')}; copy bandwidth {bw / 1e9:.0f} GB/s; {args.op}",
@@ -117,7 +155,10 @@ def main() -> None:
         for nsl in map(int, args.slices.split(",")):
             for rank in map(int, args.ranks.split(",")):
                 p = make_problem(BATCHES[batch], rank, lk.SLICES[nsl])
-                row = cells(p, bw) if args.op == "expand" else shrink_cells(p, bw)
+                if args.op == "chunks":
+                    row = ["", "", *chunk_cells(p, BATCHES[batch], chunks, bw)]
+                else:
+                    row = cells(p, bw) if args.op == "expand" else shrink_cells(p, bw)
                 lines.append(f"| {batch} | {nsl} | {rank} | {p.meta.chunk_size} | " + " | ".join(row) + " |")
                 print(lines[-1], flush=True)
                 with open(os.path.join(args.out, f"lora_sgmv_tiles_{args.op}.md"), "w") as f:
