@@ -101,6 +101,7 @@ def chunk_cells(p, requests: list[tuple[int, int]], chunks: list[int], bw: float
     """Both SGMV defaults on problem p with its meta rebuilt for each chunk size: "shrink µs / expand µs" (% of
     their HBM floors), WRONG where an output is off."""
     out = []
+    y0 = p.y.clone()  # the timed expands add into p.y: each check starts from this copy
     for chunk in chunks:
         meta = LoRABatchMeta.build(requests, [p.rank] * p.a.shape[1], [0.5] * len(requests), "cuda", chunk)
         q = dataclasses.replace(p, meta=meta)
@@ -110,7 +111,6 @@ def chunk_cells(p, requests: list[tuple[int, int]], chunks: list[int], bw: float
         s = launch_shrink("sgmv", q)
         ok = torch.allclose(s, s_want, atol=2e-2, rtol=2e-2)
         shrink_us = lk.quick_graph_ms(lambda q=q: launch_shrink("sgmv", q)) * 1e3
-        y0 = q.y.clone()
         want = y0.clone()
         e_ids = (m.sorted_token_ids, m.token_scale, m.chunk_slot, m.chunk_start, m.chunk_len, m.slot_rank)
         lora_expand_sgmv_ref(want, s_want, q.b, *e_ids, q.sizes)
