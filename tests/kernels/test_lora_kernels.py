@@ -108,12 +108,14 @@ def test_meta_build_rejects_bad_input():
 
 
 def test_chunk_size_policy():
-    # few tokens: smallest chunks so every SM gets work; many: the largest chunk that still fills them
-    assert choose_chunk_size([100], num_sms=132) == 16
+    # few tokens: chunks of the kernels' 64-row tiles; many: the largest chunk that still gives every SM two
+    assert choose_chunk_size([100], num_sms=132) == 64  # never below the kernels' 64-row tiles
+    assert choose_chunk_size([4608], num_sms=132) == 64
     assert choose_chunk_size([4608] * 4, num_sms=132) == 64
-    assert choose_chunk_size([4608, 1024, 4608, 256], num_sms=132) == 32
+    assert choose_chunk_size([4608, 1024, 4608, 256], num_sms=132) == 64
+    assert choose_chunk_size([9 * 4608], num_sms=132) == 128  # 324 chunks of 128: two per SM and more
     assert choose_chunk_size([200_000], num_sms=132) == 256
-    assert choose_chunk_size([], num_sms=132) == 16
+    assert choose_chunk_size([], num_sms=132) == 64
 
 
 # --- references against a token-by-token oracle ----------------------------------------------------
