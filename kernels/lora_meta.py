@@ -20,19 +20,17 @@ import torch
 
 # SMs of the target GPU; only used by the chunk-size policy (an H100/H200 has 132).
 DEFAULT_NUM_SMS = 132
-CHUNK_SIZES = (16, 32, 64, 128, 256)
-
-
-# The smallest chunk the policy picks: the SGMV kernels' 64-row tiles, which a smaller chunk cuts down (H200, 3
-# slices, µs shrink / expand at chunk 16-32 against 64: one request of 4608 tokens 33.1 / 57.8 against 18.1 / 55.5
-# at rank 16, 103.9 / 106.7 against 44.8 / 79.0 at rank 128; the skewed mix 4608/1024/4608/256 35.7 / 109.4 against
-# 24.8 / 112.5 at rank 16; 8 x 256 tokens even, 17.9-37.1 / 32.4-58.7 against 17.0-43.1 / 31.5-43.9; BENCHMARKS.md).
-MIN_CHUNK = 64
+# Chunk sizes the policy picks from. The smallest is the SGMV kernels' 64-row tiles, which a smaller chunk cuts
+# down (H200, 3 slices, µs shrink / expand at chunk 16-32 against 64: one request of 4608 tokens 33.1 / 57.8
+# against 18.1 / 55.5 at rank 16, 103.9 / 106.7 against 44.8 / 79.0 at rank 128; the skewed mix
+# 4608/1024/4608/256 35.7 / 109.4 against 24.8 / 112.5 at rank 16; 8 x 256 tokens even, 17.9-37.1 / 32.4-58.7
+# against 17.0-43.1 / 31.5-43.9; BENCHMARKS.md).
+CHUNK_SIZES = (64, 128, 256)
 
 
 def choose_chunk_size(tokens_per_slot: Sequence[int], num_sms: int = DEFAULT_NUM_SMS) -> int:
     """Chunk-size policy for SGMV: the largest chunk that still gives every SM about two chunks, and never less
-    than MIN_CHUNK rows.
+    than the smallest of CHUNK_SIZES (64 rows).
 
     Large chunks amortise the per-chunk adapter load (A or B tile stays in registers/L2 across more
     rows) and keep the kernels' row tiles whole; below 64 rows those tiles shrink to the chunk, which cost more
@@ -40,10 +38,10 @@ def choose_chunk_size(tokens_per_slot: Sequence[int], num_sms: int = DEFAULT_NUM
     adds at most one partial chunk.
     """
     counts = [n for n in tokens_per_slot if n > 0]
-    for size in reversed(CHUNK_SIZES):
-        if size > MIN_CHUNK and sum(-(-n // size) for n in counts) >= 2 * num_sms:
+    for size in reversed(CHUNK_SIZES[1:]):
+        if sum(-(-n // size) for n in counts) >= 2 * num_sms:
             return size
-    return MIN_CHUNK
+    return CHUNK_SIZES[0]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,14 +32,20 @@ from ditserve.kernels.lora_gemm.gluon_kernel import _store_s, _tma_load
 
 
 @gluon.jit
-def _block_segment(rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, ROWS: gl.constexpr):
-    """Row block rb's (slot, rank, scale): its segment's adapter slot (-1: none), that slot's rank (0 without
-    one) and the segment's scale (the Gluon expand's blocks, which hold one segment each)."""
-    seg = gl.load(token_seg_ptr + rb * ROWS)
+def _segment_adapter(seg, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr):
+    """Segment seg's (slot, rank, scale): its adapter slot (-1: none), that slot's rank (0 without one) and the
+    segment's scale."""
     slot = gl.load(seg_slot_ptr + seg)
     rank = gl.where(slot >= 0, gl.load(slot_rank_ptr + gl.maximum(slot, 0)), 0)
     scale = gl.load(seg_scale_ptr + seg)
     return slot, rank, scale
+
+
+@gluon.jit
+def _block_segment(rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, ROWS: gl.constexpr):
+    """Row block rb's (slot, rank, scale), from its first row's segment (the Gluon expand's blocks, which hold
+    one segment each)."""
+    return _segment_adapter(gl.load(token_seg_ptr + rb * ROWS), seg_slot_ptr, slot_rank_ptr, seg_scale_ptr)
 
 
 @gluon.jit
@@ -61,7 +67,7 @@ def _piece(r, hi, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_
     one) and the segment's scale."""
     seg = gl.load(token_seg_ptr + r)
     end = gl.minimum(gl.minimum(gl.load(seg_start_ptr + seg) + gl.load(seg_len_ptr + seg), hi), r + ROWS)
-    slot, rank, scale = _block_segment(r, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, 1)
+    slot, rank, scale = _segment_adapter(seg, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr)
     return end, slot, rank, scale
 
 
