@@ -1,5 +1,9 @@
 """Package mapping: the folders cluster/, replica/, kernels/ become ditserve.cluster, ditserve.replica,
-ditserve.kernels (generic top-level names would clash with other distributions, e.g. PyPI's `kernels`)."""
+ditserve.kernels (generic top-level names would clash with other distributions, e.g. PyPI's `kernels`).
+
+The three roots have no ``__init__.py``: they are namespace portions, so with the repository root on
+``sys.path`` (``python -m pytest`` from the root, Ray workers started from the checkout) an installed
+regular package of the same name still wins. Their subfolders are regular packages."""
 
 from setuptools import find_packages, setup
 

@@ -42,8 +42,16 @@ def free_port() -> int:
     raise RuntimeError("no free port found in 20000-32767")
 
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
 class ServeProcess:
-    """``ditserve serve`` in a subprocess on free ports; ``stop()`` sends Ctrl-C (SIGINT)."""
+    """``ditserve serve`` in a subprocess on free ports; ``stop()`` sends Ctrl-C (SIGINT).
+
+    Started as the README starts it: the ``ditserve`` console script, working directory at the repository
+    root (Ray puts the driver's working directory on every worker's ``sys.path``, so a root folder that
+    shadowed an installed distribution would break the replicas here).
+    """
 
     def __init__(self, *args: str, timeout_s: float = 180.0, attempts: int = 3):
         # A port found free can still be taken before the server binds it; then start again on new ones.
@@ -60,10 +68,12 @@ class ServeProcess:
         self.port = free_port()
         self.grpc_port = free_port()
         self.log_path = Path(os.environ["DITSERVE_HOME"]) / f"serve-{self.port}.log"
-        cmd = [sys.executable, "-m", "ditserve.cluster.cli", "serve", "--port", str(self.port)]
+        cmd = [str(Path(sys.executable).with_name("ditserve")), "serve", "--port", str(self.port)]
         cmd += ["--grpc-port", str(self.grpc_port), *args]
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO_ROOT
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
