@@ -24,6 +24,7 @@ import ray
 from ray import serve
 
 from ditserve.replica.engine import Engine
+from ditserve.replica.launcher import RankDied, RankError
 from ditserve.replica.request import GenerationParams
 from ditserve.replica.scheduler import QueueFullError
 
@@ -133,6 +134,8 @@ class EngineReplica(ReplicaStreams):
     def health(self) -> str:
         if self.shut_down:
             return "shutdown"
+        if self.launcher.dead:
+            return "rank_failed"
         if not self.engine.running:
             return "engine_stopped"
         return "released" if self.released else "ok"
@@ -164,6 +167,11 @@ class EngineReplica(ReplicaStreams):
             return  # stopped on purpose: Serve must not restart it
         if not self.engine.running:
             raise RuntimeError("engine loop is not running")
+        # A dead rank leaves the replica unable to step (its peers may sit in a collective): unhealthy, so
+        # Serve replaces it (its rank actors end with it) and the replacement converges to the desired state.
+        dead = await asyncio.to_thread(self.launcher.dead_ranks)
+        if dead:
+            raise RuntimeError(f"ranks {dead} of this replica are gone")
         self._expire_sessions()
         try:
             desired = await self.state_actor.get.remote()
@@ -175,9 +183,20 @@ class EngineReplica(ReplicaStreams):
             await self._converge(desired)
 
     # -- generation ---------------------------------------------------------------------------------------
+    def _rank_failed(self, exc: BaseException | None = None) -> dict[str, Any]:
+        detail = f" ({str(exc).splitlines()[0]})" if exc is not None else ""
+        return error_dict(
+            503,
+            f"replica {self.replica_id} lost a rank{detail} and is being replaced; retry the request",
+            retry_after=1,
+            replica=self.replica_id,
+        )
+
     def _unavailable(self) -> dict[str, Any] | None:
         if self.shut_down:
             return error_dict(503, "replica is shut down", replica=self.replica_id)
+        if self.launcher.dead:
+            return self._rank_failed()
         if self.released:
             return error_dict(
                 503, "replica memory is released; POST /v1/admin/memory/resume first", replica=self.replica_id
@@ -203,6 +222,12 @@ class EngineReplica(ReplicaStreams):
             return error_dict(400, str(exc), _param_of(str(exc)), replica=self.replica_id)
         except ReplicaUnavailable as exc:
             return error_dict(503, str(exc), replica=self.replica_id)
+        except RankDied as exc:
+            return self._rank_failed(exc)
+        except RankError as exc:
+            if self.launcher.dead:
+                return self._rank_failed(exc)
+            raise
         return {"replica": self.replica_id, "result": result}
 
     async def generate(self, params: GenerationParams) -> dict[str, Any]:

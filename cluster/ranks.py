@@ -10,14 +10,16 @@ replica actor: when Serve (or ``ray.kill``) ends the replica, its ranks end with
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import ray
+from ray.exceptions import ActorDiedError, RayActorError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ditserve.replica.config import EngineConfig
-from ditserve.replica.launcher import InProcessLauncher, RankError, RankLauncher, free_port
+from ditserve.replica.launcher import InProcessLauncher, RankDied, RankError, RankLauncher, free_port
 
 logger = logging.getLogger("ditserve")
 
@@ -46,7 +48,11 @@ class RankActor:
         )
 
     def where(self) -> dict[str, Any]:
-        return {"rank": self.rank, **node_info()}
+        return {"rank": self.rank, "pid": os.getpid(), **node_info()}
+
+    def ping(self) -> int:
+        """Liveness: answered from a second thread of the actor, also while ``call`` runs a step."""
+        return self.rank
 
     def call(self, method: str, *args: Any) -> Any:
         result = getattr(self.worker, method)(*args)
@@ -63,6 +69,7 @@ class RayRankLauncher(RankLauncher):
         self.start_timeout_s = start_timeout_s
         self.actors: list[Any] = []
         self.ranks: list[dict[str, Any]] = []
+        self.dead: list[int] = []
 
     def start(self, config: EngineConfig) -> None:
         pg = get_current_placement_group()
@@ -76,6 +83,8 @@ class RayRankLauncher(RankLauncher):
         remote_cls = ray.remote(RankActor)
         self.actors = [
             remote_cls.options(
+                # Two threads: ``ping`` answers while ``call`` holds the other in a step or a collective.
+                max_concurrency=2,
                 num_cpus=self.num_cpus,
                 num_gpus=self.num_gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -92,16 +101,37 @@ class RayRankLauncher(RankLauncher):
             raise RankError(f"rank start failed: {exc}") from exc
 
     def call(self, method: str, *args: Any) -> Any:
+        if self.dead:
+            raise RankDied(f"ranks {self.dead} are gone; this replica cannot run {method}")
         refs = [a.call.remote(method, *args) for a in self.actors]
-        results, errors = [], []
-        for rank, ref in enumerate(refs):
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        pending, errors = list(refs), []
+        # Answers as they come: a dead rank fails the call at once, not after its peers' collective
+        # timeout (they may be waiting for it inside one).
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
             try:
-                results.append(ray.get(ref))
+                ray.get(ready[0])
+            except RayActorError as exc:  # the actor, not the method: its process is gone
+                self.dead.append(rank_of[ready[0]])
+                raise RankDied(f"rank {rank_of[ready[0]]} is gone during {method}: {exc}") from None
             except Exception as exc:
-                errors.append(f"rank {rank}: {exc}")
+                errors.append(f"rank {rank_of[ready[0]]}: {exc}")
         if errors:
             raise RankError("\n".join(errors))
-        return results[0]
+        return ray.get(refs[0])
+
+    def dead_ranks(self, timeout_s: float = 5.0) -> list[int]:
+        """Ranks whose actor is gone (a ping answers from a second actor thread even during a step)."""
+        refs = [a.ping.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for rank, ref in enumerate(refs):
+            if ref in ready and rank not in self.dead:
+                try:
+                    ray.get(ref)
+                except ActorDiedError:
+                    self.dead.append(rank)
+        return list(self.dead)
 
     def shutdown(self) -> None:
         for actor in self.actors:

@@ -9,8 +9,10 @@ place that knows Ray).
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import socket
 import threading
+import time
 import traceback
 from abc import ABC, abstractmethod
 from typing import Any
@@ -22,8 +24,20 @@ class RankError(RuntimeError):
     """A rank failed a command; carries the remote traceback text."""
 
 
+class RankDied(RankError):
+    """A rank process is gone: the replica cannot run another step (its peers may be stuck in a collective).
+
+    Raised as soon as the death is seen, without waiting for the surviving ranks' answers."""
+
+
 class RankLauncher(ABC):
     world_size: int
+    # Ranks seen dead (by a command or a liveness probe); once non-empty the launcher is unusable.
+    dead: list[int]
+
+    def dead_ranks(self, timeout_s: float = 5.0) -> list[int]:
+        """Probe every rank without waiting for a running command; the ranks whose process is gone."""
+        return list(getattr(self, "dead", []))
 
     @abstractmethod
     def start(self, config: EngineConfig) -> None: ...
@@ -40,6 +54,7 @@ class InProcessLauncher(RankLauncher):
     """One rank, in the caller's process: no process group, no pickling."""
 
     world_size = 1
+    dead: list[int] = []  # the rank is this process: while it answers, it is alive
 
     def __init__(self, pipe=None):
         self.pipe = pipe  # an in-memory pipeline (benchmarks); None loads the model folder
@@ -102,6 +117,7 @@ class LocalProcessLauncher(RankLauncher):
         self._lock = threading.Lock()
         self._procs: list[mp.Process] = []
         self._conns = []
+        self.dead: list[int] = []
 
     def start(self, config: EngineConfig) -> None:
         ctx = mp.get_context("spawn")
@@ -117,27 +133,61 @@ class LocalProcessLauncher(RankLauncher):
         self._gather("start", timeout=self.start_timeout_s)
 
     def _gather(self, what: str, timeout: float | None = None) -> Any:
-        results, errors = [], []
-        for rank, conn in enumerate(self._conns):
-            if timeout is not None and not conn.poll(timeout):
-                errors.append(f"rank {rank}: no answer to {what} within {timeout:.0f}s")
-                continue
-            try:
-                status, value = conn.recv()
-            except EOFError:
-                errors.append(f"rank {rank}: process exited during {what}")
-                continue
-            (results if status == "ok" else errors).append(
-                value if status == "ok" else f"rank {rank}: {value}"
-            )
+        """Every rank's answer to ``what``; a rank whose process exits fails the call at once (its peers
+        may wait in a collective for it until their timeout, so they are not waited for)."""
+        answers: dict[int, tuple[str, Any]] = {}
+        waiting = {conn: rank for rank, conn in enumerate(self._conns)}
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while waiting:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = mp_connection.wait([*waiting, *sentinels], timeout=left)
+            if not ready:
+                late = sorted(waiting.values())
+                raise RankError(f"ranks {late}: no answer to {what} within {timeout:.0f}s")
+            for conn in [obj for obj in ready if obj in waiting]:
+                self._receive(conn, waiting, answers)
+            for sentinel in [obj for obj in ready if obj in sentinels]:
+                rank = sentinels.pop(sentinel)
+                conn = self._conns[rank]
+                if conn in waiting and conn.poll():  # it answered, then exited (a start failure)
+                    self._receive(conn, waiting, answers)
+                if rank not in answers:
+                    self.dead.append(rank)
+                    code = self._procs[rank].exitcode
+                    raise RankDied(f"rank {rank}: process exited (code {code}) during {what}")
+        silent = [rank for rank in range(len(self._conns)) if rank not in answers]
+        if silent:
+            self.dead += silent
+            raise RankDied(f"ranks {silent}: process exited during {what}")
+        errors = [
+            f"rank {rank}: {value}" for rank, (status, value) in sorted(answers.items()) if status != "ok"
+        ]
         if errors:
             raise RankError("\n".join(errors))
-        return results[0]
+        return answers[0][1]
+
+    @staticmethod
+    def _receive(conn, waiting: dict, answers: dict[int, tuple[str, Any]]) -> None:
+        rank = waiting.pop(conn)
+        try:
+            answers[rank] = conn.recv()
+        except EOFError:
+            pass  # the process exited without answering: counted dead below
+
+    def dead_ranks(self, timeout_s: float = 5.0) -> list[int]:
+        self.dead += [r for r, p in enumerate(self._procs) if p.exitcode is not None and r not in self.dead]
+        return list(self.dead)
 
     def call(self, method: str, *args: Any) -> Any:
         with self._lock:
+            if self.dead:
+                raise RankDied(f"ranks {self.dead} are gone; this replica cannot run {method}")
             for conn in self._conns:
-                conn.send((method, args))
+                try:
+                    conn.send((method, args))
+                except (BrokenPipeError, OSError):
+                    pass  # a dead rank: _gather sees its process exit
             return self._gather(method)
 
     def shutdown(self) -> None:

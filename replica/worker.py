@@ -21,7 +21,10 @@ from .request import GenerationParams
 
 logger = logging.getLogger(__name__)
 
-COLLECTIVE_TIMEOUT = timedelta(seconds=int(os.environ.get("DITSERVE_COLLECTIVE_TIMEOUT_S", "300")))
+# A backstop for a peer that is alive but stuck: a dead peer is seen by the launcher within seconds and
+# fails the step there. It must still cover the longest skew between ranks inside one step (the first
+# compiled forward, rank 0's VAE decode), so it is not a step's length.
+COLLECTIVE_TIMEOUT = timedelta(seconds=int(os.environ.get("DITSERVE_COLLECTIVE_TIMEOUT_S", "120")))
 
 
 def load_pipeline(spec: ModelSpec, dtype: torch.dtype, device: torch.device):
