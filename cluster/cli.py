@@ -211,7 +211,10 @@ def run_serve(ns: argparse.Namespace) -> int:
     finally:
         print("ditserve: shutting down", flush=True)
         try:
-            serve.shutdown()
+            if args.address:  # a shared cluster: remove our application only, never the others'
+                serve.delete(APP_NAME)
+            else:
+                serve.shutdown()
             delete_state_actor(APP_NAME)
         finally:
             ray.shutdown()
