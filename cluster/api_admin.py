@@ -52,14 +52,21 @@ async def _converge(fe: Any, desired: dict[str, Any]) -> JSONResponse:
     return _respond(report, version=desired["version"], state=desired)
 
 
+# What anyone may read of a replica; node addresses, GPUs, ranks, file paths and queue stats need the key.
+PUBLIC_REPLICA_FIELDS = ("replica_id", "health", "layout", "device", "control_version")
+
+
 @router.get("/v1/replicas")
-async def replicas(fe: Any = Depends(frontend)) -> JSONResponse:
-    """Each running replica: id, node, GPUs, ranks, layout, health, control-state version."""
+async def replicas(request: Request, fe: Any = Depends(frontend)) -> JSONResponse:
+    """Each running replica: id, health, layout, control-state version; with the admin key (or when none is
+    configured) also its node, GPUs, ranks, applied control state (weights and adapter paths) and stats."""
     try:
         described = await fe.engine.broadcast("describe").results_async(timeout_s=30, return_exceptions=True)
     except Exception:
         described = []
     data = sorted((d for d in described if isinstance(d, dict)), key=lambda d: d["replica_id"])
+    if not fe.is_admin(request):
+        data = [{k: d[k] for k in PUBLIC_REPLICA_FIELDS if k in d} for d in data]
     desired = await fe.state_actor().get.remote()
     return JSONResponse(
         {

@@ -264,7 +264,7 @@ class EngineReplica(ReplicaStreams):
                 retry_after=5,
                 replica=self.replica_id,
             )
-        session = Session(f"{self.replica_id}.{secrets.token_hex(8)}", width=width, height=height)
+        session = Session(f"{self.replica_id}.{secrets.token_hex(16)}", width=width, height=height)
         self.sessions[session.session_id] = session
         return {"replica": self.replica_id, "session_id": session.session_id}
 

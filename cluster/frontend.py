@@ -15,6 +15,7 @@ How the routes are organised (add new groups the same way):
 """
 
 import base64
+import hmac
 import time
 from typing import Any
 
@@ -71,12 +72,19 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
                 400, f"model {model!r} is not served here; available: [{self.model_name!r}]", param="model"
             )
 
-    def check_auth(self, request: Request, admin: bool) -> None:
+    def is_admin(self, request: Request) -> bool:
+        """Whether the request may see and change the cluster: no key configured, or the right one (compared
+        in constant time, so response timing does not reveal how much of a guess was right)."""
         key = self.args.api_key
-        if key is None or not (admin or self.args.api_key_for_generation):
-            return
+        if key is None:
+            return True
         header = request.headers.get("authorization", "")
-        if header != f"Bearer {key}":
+        return hmac.compare_digest(header.encode(), f"Bearer {key}".encode())
+
+    def check_auth(self, request: Request, admin: bool) -> None:
+        if self.args.api_key is None or not (admin or self.args.api_key_for_generation):
+            return
+        if not self.is_admin(request):
             raise APIError(
                 401, "missing or wrong API key (Authorization: Bearer <key>)", type="authentication_error"
             )

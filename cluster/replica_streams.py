@@ -224,7 +224,7 @@ class ReplicaStreams:
                 replica=self.replica_id,
             )
         job = VideoJob(
-            id=f"{self.replica_id}.{secrets.token_hex(8)}",
+            id=f"{self.replica_id}.{secrets.token_hex(16)}",
             prompt=prompt,
             model=model,
             size=f"{params.width}x{params.height}",

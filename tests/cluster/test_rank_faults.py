@@ -66,6 +66,28 @@ def wait_for(predicate, timeout_s: float, what: str):
     raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
 
 
+def test_replicas_without_the_key_show_ids_health_and_layout_only(server):
+    wait_for(lambda: len(replicas(server.base_url)) == 2, 120, "two replicas")
+    public = httpx.get(f"{server.base_url}/v1/replicas", timeout=60)
+    guessed = httpx.get(
+        f"{server.base_url}/v1/replicas",
+        headers={"Authorization": "Bearer " + "x" * len(API_KEY)},
+        timeout=60,
+    )
+    for answer in (public, guessed):
+        assert answer.status_code == 200, answer.text
+        for replica in answer.json()["data"]:
+            assert {"replica_id", "health", "layout"} <= set(replica), replica
+            assert not {"node_ip", "node_id", "gpu_ids", "ranks", "control_state", "stats"} & set(replica)
+    full = replicas(server.base_url)
+    assert all(r["ranks"] and r["node_ip"] and "loras" in r["control_state"] for r in full)
+    # Session ids carry 128 random bits beside the owner replica's id.
+    opened = httpx.post(f"{server.base_url}/v1/sessions", json={"size": "64x64"}, timeout=60)
+    assert opened.status_code == 200, opened.text
+    owner, token = opened.json()["id"].rsplit(".", 1)
+    assert owner in {r["replica_id"] for r in full} and len(token) == 32
+
+
 def test_killed_rank_fails_its_replica_fast_and_the_replacement_serves_with_the_adapter(server):
     url = server.base_url
     before = wait_for(
