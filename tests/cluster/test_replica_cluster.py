@@ -63,7 +63,7 @@ def image_of(response: httpx.Response) -> np.ndarray:
 
 
 def replicas(base_url: str) -> list[dict]:
-    r = httpx.get(f"{base_url}/v1/replicas", timeout=60)
+    r = httpx.get(f"{base_url}/v1/replicas", headers=ADMIN, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["data"]
 
