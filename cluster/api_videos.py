@@ -139,17 +139,30 @@ def pinned(fe: Any, video_id: str):
     return fe.engine.options(session_id=video_id)
 
 
+class VideoLost(Exception):
+    """The replica that ran a video job is gone, and the job with it."""
+
+
+def lost_video(video_id: str) -> dict[str, Any]:
+    """A job whose replica died: failed, with the reason (an id this server issued is never a 404)."""
+    return {
+        "id": video_id,
+        "object": "video",
+        "status": "failed",
+        "progress": 0,
+        "error": {
+            "code": "replica_gone",
+            "message": f"the replica that ran video {video_id!r} is gone, and the job with it; create it again",
+        },
+    }
+
+
 async def call_job(fe: Any, video_id: str, call) -> dict[str, Any]:
     try:
         return await fe.call_engine(call)
     except APIError as exc:
         if exc.status == 410:  # the owner replica is gone, and the job with it
-            raise APIError(
-                404,
-                f"video {video_id!r} was lost: the replica that ran it is gone; create it again",
-                type="not_found_error",
-                param="video_id",
-            ) from None
+            raise VideoLost(video_id) from None
         raise
 
 
@@ -176,7 +189,10 @@ async def create_video(request: Request, fe: Any = Depends(frontend)):
 @router.get("/{video_id}")
 async def get_video(video_id: str, request: Request, fe: Any = Depends(frontend)):
     fe.check_auth(request, admin=False)
-    answer = await call_job(fe, video_id, pinned(fe, video_id).get_video.remote(video_id))
+    try:
+        answer = await call_job(fe, video_id, pinned(fe, video_id).get_video.remote(video_id))
+    except VideoLost:
+        return JSONResponse(lost_video(video_id))
     return JSONResponse(answer["video"], headers={REPLICA_HEADER: answer["replica"]})
 
 
@@ -185,12 +201,19 @@ async def video_content(video_id: str, request: Request, variant: str = "video",
     fe.check_auth(request, admin=False)
     if variant != "video":
         raise APIError(400, f"variant: only 'video' is served, got {variant!r}", param="variant")
-    answer = await call_job(fe, video_id, pinned(fe, video_id).video_content.remote(video_id))
+    try:
+        answer = await call_job(fe, video_id, pinned(fe, video_id).video_content.remote(video_id))
+    except VideoLost:
+        message = lost_video(video_id)["error"]["message"]
+        raise APIError(409, f"video {video_id!r} failed: {message}", param="video_id") from None
     return Response(answer["mp4"], media_type="video/mp4", headers={REPLICA_HEADER: answer["replica"]})
 
 
 @router.delete("/{video_id}")
 async def delete_video(video_id: str, request: Request, fe: Any = Depends(frontend)):
     fe.check_auth(request, admin=False)
-    answer = await call_job(fe, video_id, pinned(fe, video_id).delete_video.remote(video_id))
+    try:
+        answer = await call_job(fe, video_id, pinned(fe, video_id).delete_video.remote(video_id))
+    except VideoLost:  # nothing is left of it anywhere: deleted
+        return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
     return JSONResponse(answer["video"], headers={REPLICA_HEADER: answer["replica"]})

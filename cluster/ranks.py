@@ -150,7 +150,7 @@ class InProcessRankLauncher(InProcessLauncher):
         from ditserve.replica.rank_control import ServingRankWorker
 
         self.worker = ServingRankWorker(config)
-        self.ranks = [{"rank": 0, **node_info()}]
+        self.ranks = [{"rank": 0, "pid": os.getpid(), **node_info()}]
 
 
 def build_launcher(config: EngineConfig, replica_num_cpus: float) -> RankLauncher:
