@@ -24,6 +24,16 @@ logger = logging.getLogger(__name__)
 # A backstop for a peer that is alive but stuck: a dead peer is seen by the launcher within seconds and
 # fails the step there. It must still cover the longest skew between ranks inside one step (the first
 # compiled forward, rank 0's VAE decode), so it is not a step's length.
+# Test mode, never a user default: the ranks of a replica share one GPU over gloo (NCCL refuses two ranks
+# on one device), so every sharded GPU code path runs on a machine with a single GPU. Gloo takes CUDA
+# tensors for the collectives; the ring's P2P is staged through host memory (``parallel/ring.py``).
+SHARED_GPU_GLOO = os.environ.get("DITSERVE_TEST_SHARED_GPU_GLOO") == "1"
+
+
+def process_group_backend(device: str) -> str:
+    return "nccl" if device == "cuda" and not SHARED_GPU_GLOO else "gloo"
+
+
 COLLECTIVE_TIMEOUT = timedelta(seconds=int(os.environ.get("DITSERVE_COLLECTIVE_TIMEOUT_S", "120")))
 
 
@@ -108,12 +118,15 @@ class RankWorker:
             import torch.distributed as dist
 
             assert dims.world_size == world_size, (dims, world_size)
-            backend = "nccl" if config.device == "cuda" else "gloo"
             dist.init_process_group(
-                backend, init_method=init_method, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
+                process_group_backend(config.device),
+                init_method=init_method,
+                rank=rank,
+                world_size=world_size,
+                timeout=COLLECTIVE_TIMEOUT,
             )
             self.mesh = dims.build_mesh(device_type=self.device.type)
-        # ``pipe`` is injected by benchmarks that build weights in memory; serving always loads the folder.
+            # ``pipe`` is injected by benchmarks that build weights in memory; serving always loads the folder.
         self.pipe = pipe if pipe is not None else load_pipeline(self.spec, config.torch_dtype, self.device)
         self.prepare_transformer(self.pipe.transformer)
         self.runner = build_runner(self.spec, self.pipe, config, self.device, self.mesh)

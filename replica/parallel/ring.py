@@ -15,6 +15,37 @@ import torch.distributed as dist
 from .attention import attention, merge_partial
 
 
+class _Staged:
+    """A P2P exchange through host memory: gloo's P2P takes no CUDA tensors (the shared-GPU test mode)."""
+
+    def __init__(self, send: torch.Tensor, recv: torch.Tensor, *, send_to: int, recv_from: int, group):
+        self.recv, self.host_recv = recv, torch.empty(recv.shape, dtype=recv.dtype, device="cpu")
+        self.host_send = send.to("cpu")
+        self.requests = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, self.host_send, peer=send_to, group=group),
+                dist.P2POp(dist.irecv, self.host_recv, peer=recv_from, group=group),
+            ]
+        )
+
+    def wait(self) -> None:
+        for req in self.requests:
+            req.wait()
+        self.recv.copy_(self.host_recv)
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, *, send_to: int, recv_from: int, group) -> list:
+    """Send ``send`` to the next rank and receive the previous rank's block into ``recv``; returns handles
+    to ``wait()`` on (the transfer overlaps the caller's attention)."""
+    if send.is_cuda and dist.get_backend(group) == "gloo":
+        return [_Staged(send, recv, send_to=send_to, recv_from=recv_from, group=group)]
+    ops = [
+        dist.P2POp(dist.isend, send, peer=send_to, group=group),
+        dist.P2POp(dist.irecv, recv, peer=recv_from, group=group),
+    ]
+    return dist.batch_isend_irecv(ops)
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -46,11 +77,7 @@ def ring_attention(
             nxt = buffers[(step + 1) % 2]
             if nxt is None:
                 nxt = buffers[(step + 1) % 2] = torch.empty_like(current)
-            ops = [
-                dist.P2POp(dist.isend, current, peer=send_to, group=group),
-                dist.P2POp(dist.irecv, nxt, peer=recv_from, group=group),
-            ]
-            requests = dist.batch_isend_irecv(ops)
+            requests = _exchange(current, nxt, send_to=send_to, recv_from=recv_from, group=group)
         source = (rank - step) % world  # whose block we hold at this step
         n = block_valid[source]
         kb, vb = current[0, :, :, :n], current[1, :, :, :n]
