@@ -11,7 +11,7 @@ import base64
 import time
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Body, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -52,8 +52,13 @@ def _pinned(fe: Any, session_id: str):
 
 
 @router.post("")
-async def open_session(body: SessionOpenRequest, request: Request, fe: Any = Depends(frontend)):
+async def open_session(
+    request: Request,
+    body: SessionOpenRequest | None = Body(default=None),  # every field is optional: so is the body
+    fe: Any = Depends(frontend),
+):
     fe.check_auth(request, admin=False)
+    body = body or SessionOpenRequest()
     fe.check_model(body.model)
     if fe.model_kind != "image":
         raise APIError(400, f"model {fe.model_name!r} makes videos; sessions are for images", param="model")

@@ -33,7 +33,14 @@ from .config import AppArgs
 from .control_state import get_or_create_state_actor, initial_state, parse_lora_paths
 from .errors import SessionGoneError
 from .grpc_service import GrpcMethods
-from .http_base import ERROR_TYPES, REPLICA_HEADER, build_fastapi, check_size, register_frontend
+from .http_base import (
+    ERROR_TYPES,
+    REPLICA_HEADER,
+    JSONBodyMiddleware,
+    build_fastapi,
+    check_size,
+    register_frontend,
+)
 from .schemas import APIError, ImageData, ImageGenerationRequest, ImagesResponse, ModelCard
 
 fastapi_app = build_fastapi()
@@ -44,6 +51,8 @@ fastapi_app.include_router(api_videos.router)
 fastapi_app.include_router(api_stream.router)
 # Over --max-body-bytes → 413 before the body is read or parsed.
 fastapi_app.add_middleware(api_stream.BodyLimitMiddleware)
+# `curl -d '{...}'` without a content-type header still sends JSON (read as such).
+fastapi_app.add_middleware(JSONBodyMiddleware)
 
 
 @serve.deployment(name="Frontend", ray_actor_options={"num_cpus": 0.1})
@@ -165,6 +174,15 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
     # -- routes -----------------------------------------------------------------------------------------
     @fastapi_app.get("/health")
     async def health(self) -> dict[str, str]:
+        """200 ``{"status": "ok"}`` while the service takes work; 503 in the error shape once
+        ``POST /v1/admin/shutdown`` has shut it down (for good: the desired state says so)."""
+        desired = await self.state_actor().get.remote()
+        if desired.get("shutdown"):
+            raise APIError(
+                503,
+                "shut down by POST /v1/admin/shutdown; restart the service (ditserve serve) to serve again",
+                type=ERROR_TYPES[503],
+            )
         return {"status": "ok"}
 
     @fastapi_app.get("/v1/models")

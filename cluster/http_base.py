@@ -1,5 +1,6 @@
 """Shared parts of the HTTP ingress: the FastAPI app factory with the one error shape, the replica
-header, size checks, and the ``frontend`` dependency that route modules use to reach the Frontend."""
+header, size checks, the JSON-body middleware, and the ``frontend`` dependency that route modules use
+to reach the Frontend."""
 
 from __future__ import annotations
 
@@ -66,7 +67,9 @@ def build_fastapi() -> FastAPI:
         if first.get("type") == "json_invalid":
             message, param = "request body is not valid JSON", None
         elif first.get("type") == "missing" and param is None:
-            message = "request body is missing"
+            message = "request body is missing: send a JSON object"
+        elif param is None and first.get("type") in ("model_attributes_type", "dict_type"):
+            message = "request body must be a JSON object (content-type: application/json)"
         else:
             message = f"{param or 'body'}: {first.get('msg')}"
         err = APIError(400, message, param=param)
@@ -80,6 +83,33 @@ def build_fastapi() -> FastAPI:
         )
 
     return app
+
+
+def _takes_as_is(content_type: bytes) -> bool:
+    """JSON (``application/json``, ``application/*+json``) and ``multipart/form-data`` bodies are read as
+    their type says; any other (or none) is read as JSON."""
+    media = content_type.split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or media.endswith(b"+json") or media == b"multipart/form-data"
+
+
+class JSONBodyMiddleware:
+    """ASGI middleware: a request body sent without a JSON content type is read as JSON.
+
+    ``curl -d '{...}'`` labels its body ``application/x-www-form-urlencoded``; FastAPI would then refuse
+    the JSON object in it. Every route here takes JSON (``POST /v1/videos`` multipart too, which keeps its
+    type), so the body's type is set to JSON and a body that is not JSON gets "not valid JSON"."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("method") in ("POST", "PUT", "PATCH"):
+            headers = list(scope.get("headers") or [])
+            content_type = next((v for k, v in headers if k == b"content-type"), b"")
+            if not _takes_as_is(content_type):
+                headers = [(k, v) for k, v in headers if k != b"content-type"]
+                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        return await self.app(scope, receive, send)
 
 
 def check_size(size: str, max_width: int, max_height: int, multiple: int = 16) -> tuple[int, int]:

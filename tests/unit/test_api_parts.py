@@ -7,7 +7,9 @@ import io
 
 import numpy as np
 import pytest
+from fastapi import Request
 from PIL import Image
+from pydantic import BaseModel, ConfigDict
 
 from ditserve.cluster.api_videos import VideoCreateRequest, _form_fields
 from ditserve.cluster.client import sse_events
@@ -53,3 +55,57 @@ def test_latent_preview_unpacks_flux_patches():
     assert image.shape == (8, 8, 3) and image.min() == 0 and image.max() >= 254
     odd = latent_preview(np.zeros((1, 7, 5), np.float32), 64, 64)  # unknown layout still gives a PNG
     assert odd[:4] == b"\x89PNG"
+
+
+class PromptBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompt: str
+
+
+def _json_app():
+    """The ingress's FastAPI app factory and JSON-body middleware around two small routes."""
+    from fastapi.testclient import TestClient
+
+    from ditserve.cluster.http_base import JSONBodyMiddleware, build_fastapi
+
+    app = build_fastapi()
+
+    @app.post("/json")
+    async def json_route(body: PromptBody) -> dict:
+        return {"prompt": body.prompt}
+
+    @app.post("/raw")
+    async def raw_route(request: Request) -> dict:
+        return {"content_type": request.headers.get("content-type")}
+
+    app.add_middleware(JSONBodyMiddleware)
+    return TestClient(app)
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    ["application/x-www-form-urlencoded", "text/plain", None, "application/json; charset=utf-8"],
+)
+def test_json_body_is_read_whatever_its_content_type(content_type):
+    headers = {"content-type": content_type} if content_type else {}
+    r = _json_app().post("/json", content=b'{"prompt": "a fox"}', headers=headers)
+    assert r.status_code == 200 and r.json() == {"prompt": "a fox"}, r.text
+
+
+def test_multipart_stays_multipart_and_bad_bodies_say_what_is_wrong():
+    client = _json_app()
+    multipart = "multipart/form-data; boundary=b"
+    assert client.post("/raw", content=b"--b--\r\n", headers={"content-type": multipart}).json() == {
+        "content_type": multipart
+    }
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    cases = [
+        (b"prompt=a+fox", form, "request body is not valid JSON"),
+        (b"[1, 2]", form, "request body must be a JSON object"),
+        (b"--b--\r\n", {"content-type": multipart}, "request body must be a JSON object"),
+        (b"", form, "request body is missing"),
+        (b'{"prompt": 1}', form, "prompt"),
+    ]
+    for content, headers, message in cases:
+        r = client.post("/json", content=content, headers=headers)
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (content, r.text)
