@@ -126,4 +126,28 @@ def resolve_model(model: str) -> ModelSpec:
             f"--model {model!r}: found pipeline {cls}; supported pipelines are {sorted(SUPPORTED_PIPELINES)}"
         )
     family, kind = SUPPORTED_PIPELINES[cls]
+    _refuse_unsupported_variant(model, cls, index)
     return ModelSpec(name=name, path=path, family=family, kind=kind, pipeline_class=cls)
+
+
+def _component(index: dict, name: str) -> bool:
+    """Whether ``model_index.json`` holds component ``name`` (diffusers writes ``[null, null]`` when absent)."""
+    entry = index.get(name)
+    return isinstance(entry, list) and entry[:1] != [None]
+
+
+def _refuse_unsupported_variant(model: str, cls: str, index: dict) -> None:
+    """A folder of a supported pipeline class can still hold a variant the family does not run; serving it
+    as the base variant would give silently wrong output, so it is refused with what was found."""
+    if cls == "WanPipeline":
+        if _component(index, "transformer_2") or index.get("boundary_ratio") is not None:
+            raise ValueError(
+                f"--model {model!r}: a Wan 2.2 folder with two experts (transformer_2, boundary_ratio="
+                f"{index.get('boundary_ratio')}) is not supported yet; serving the first expert alone would "
+                "draw wrong videos. Supported: Wan 2.1 text-to-video folders (one transformer)."
+            )
+        if index.get("expand_timesteps"):
+            raise ValueError(
+                f"--model {model!r}: a Wan 2.2 TI2V folder (expand_timesteps: per-frame timesteps) is not "
+                "supported yet. Supported: Wan 2.1 text-to-video folders."
+            )
