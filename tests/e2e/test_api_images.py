@@ -208,6 +208,69 @@ def test_session_admission_refuses_past_the_limit(server):
     assert httpx.post(f"{server.base_url}/v1/sessions", json={"size": "64x64"}).status_code == 200
 
 
+def test_python_client_generate_returns_one_png_per_image(server):
+    from ditserve.cluster.client import Client
+
+    with Client(f"127.0.0.1:{server.grpc_port}") as c:
+        pngs = c.generate("a red fox", size="64x64", num_inference_steps=1, n=2, seed=3)
+    assert isinstance(pngs, list) and len(pngs) == 2
+    assert all(png_pixels(png).shape == (64, 64, 3) for png in pngs)
+
+
+@pytest.mark.parametrize("content", [None, b"{}"])
+def test_session_opens_without_a_body(server, content):
+    headers = {} if content is None else {"content-type": "application/json"}
+    r = httpx.post(f"{server.base_url}/v1/sessions", content=content, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["size"] == "64x64"  # the demo model's default
+    assert httpx.delete(f"{server.base_url}/v1/sessions/{r.json()['id']}").status_code == 200
+
+
+def test_json_bodies_without_a_json_content_type(server):
+    """What `curl -d '{...}'` sends (application/x-www-form-urlencoded), or no type at all, is read as JSON,
+    on generation, session and admin routes alike."""
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    body = b'{"prompt": "a red fox", "size": "64x64", "num_inference_steps": 1, "seed": 1}'
+    r = _post(server, GEN, content=body, headers=form)
+    assert r.status_code == 200, r.text
+    assert png_pixels(base64.b64decode(r.json()["data"][0]["b64_json"])).shape == (64, 64, 3)
+    r = _post(server, GEN, content=body, headers={"content-type": "text/plain"})
+    assert r.status_code == 200, r.text
+    r = _post(server, "/v1/sessions", content=b'{"size": "64x64"}', headers=form)
+    assert r.status_code == 200, r.text
+    sid = r.json()["id"]
+    step = _post(
+        server, f"/v1/sessions/{sid}/generate", content=b'{"prompt": "a fox", "num_inference_steps": 1}'
+    )
+    assert step.status_code == 200, step.text
+    httpx.delete(f"{server.base_url}/v1/sessions/{sid}")
+    # An admin body is read the same way: the field's own problem is named, not the content type.
+    r = _post(server, "/v1/admin/weights", content=b'{"path": ""}', headers={**ADMIN, **form})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "path", r.text
+    # A body that is not JSON says so.
+    r = _post(server, GEN, content=b"prompt=a+fox", headers=form)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], r.text
+    http_valid(server)
+
+
+def test_replica_header_on_every_answer_a_replica_gave(server):
+    replica = _replica(server)
+    opened = httpx.post(f"{server.base_url}/v1/sessions", json={"size": "64x64"})
+    sid = opened.json()["id"]
+    stepped = _post(server, f"/v1/sessions/{sid}/generate", {"prompt": "a fox", "num_inference_steps": 1})
+    closed = httpx.delete(f"{server.base_url}/v1/sessions/{sid}")
+    unknown_adapter = _post(server, GEN, {"prompt": "a fox", "size": "64x64", "lora": {"name": "nope"}})
+    for r in (opened, stepped, closed, unknown_adapter):
+        assert r.headers.get("x-ditserve-replica") == replica, (r.request.url, r.status_code, r.text)
+    released = _post(server, "/v1/admin/memory/release", headers=ADMIN)
+    resumed = _post(server, "/v1/admin/memory/resume", headers=ADMIN)
+    assert released.headers["x-ditserve-replica"] == resumed.headers["x-ditserve-replica"] == replica
+    # Answers the frontend gives alone carry no replica id.
+    for r in (httpx.get(f"{server.base_url}/health"), httpx.get(f"{server.base_url}/v1/models"),
+              _post(server, GEN, {"prompt": ""})):  # fmt: skip
+        assert "x-ditserve-replica" not in r.headers, r.request.url
+
+
 def test_openapi_lists_the_routes(server):
     spec = httpx.get(f"{server.base_url}/openapi.json").json()
     paths = spec["paths"]
@@ -254,7 +317,8 @@ HTTP_CASES = {
     "unknown adapter, streamed": (lambda s: _post(s, GEN, {"prompt": "a fox", "size": "64x64", "stream": True, "lora": {"name": "nope"}}), 400, "lora"),
     "url response format": (lambda s: _post(s, GEN, {"prompt": "a fox", "response_format": "url"}), 400, "response_format"),
     "malformed JSON": (lambda s: _post(s, GEN, content=b'{"prompt": ', headers={"content-type": "application/json"}), 400, "JSON"),
-    "JSON array body": (lambda s: _post(s, GEN, content=b"[1]", headers={"content-type": "application/json"}), 400, "body"),
+    "JSON array body": (lambda s: _post(s, GEN, content=b"[1]", headers={"content-type": "application/json"}), 400, "JSON object"),
+    "multipart body on a JSON route": (lambda s: _post(s, GEN, content=b"--b\r\n\r\nx\r\n--b--\r\n", headers={"content-type": "multipart/form-data; boundary=b"}), 400, "JSON object"),
     "oversize body": (lambda s: _post(s, GEN, {"prompt": "a" * (LIMIT + 10)}), 413, "max_body_bytes"),
     "oversize chunked body": (lambda s: _post(s, GEN, content=_chunked(LIMIT + 10), headers={"content-type": "application/json"}), 413, "max_body_bytes"),
     "video on an image model": (lambda s: _post(s, "/v1/videos", {"prompt": "a fox"}), 400, "model"),

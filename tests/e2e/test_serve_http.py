@@ -150,3 +150,20 @@ def test_served_images_draw_the_held_out_prompts(client):
         if score_scene(image) != (scene.background, scene.colour):
             wrong.append((scene.caption, score_scene(image)))
     assert len(wrong) <= 1, wrong
+
+
+def test_shutdown_turns_health_and_generation_to_503(server):
+    """Last in this module: it shuts the module's server down for good."""
+    assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
+    r = httpx.post(f"{server.base_url}/v1/admin/shutdown", timeout=120)
+    assert r.status_code == 200 and r.json()["ok"], r.text
+    health = httpx.get(f"{server.base_url}/health")
+    assert health.status_code == 503, health.text
+    error = health.json()["error"]
+    assert "shut down" in error["message"] and error["type"] == "service_unavailable_error"
+    generated = httpx.post(
+        f"{server.base_url}/v1/images/generations",
+        json={"prompt": "a fox", "size": "64x64", "num_inference_steps": 1},
+        timeout=120,
+    )
+    assert generated.status_code == 503, generated.text
