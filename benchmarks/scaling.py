@@ -5,7 +5,7 @@
 
 Two rank processes (NCCL on GPUs, gloo on CPU). Each builds the same FLUX.1-dev-sized random-weight
 pipeline as ``engine_vs_diffusers.py`` (same seed → same weights on every rank; checked), then does what
-``replica/worker.py`` does: ``ParallelDims.build_mesh`` → ``parallelize_flux`` → ``FluxRunner``. The model is
+``replica/worker.py`` does: ``build_mesh`` → ``parallelize_flux`` → ``FluxRunner``. The model is
 rebuilt for every layout (parallelize_flux works in place). Rank 0 first makes the one-GPU references
 (no mesh: stock diffusers attention) without and with true CFG while rank 1 waits; then every layout runs
 on both ranks. Step time = CUDA events around ``runner.step`` (the whole step: forward(s), CFG gather,
@@ -133,7 +133,7 @@ def rank_main(rank: int, world: int, init_method: str, args: dict, queue) -> Non
 def _rank_body(rank: int, world: int, init_method: str, args: dict) -> dict | None:
     import torch.distributed as dist
 
-    from ditserve.replica.parallel import ParallelDims, parallelize_flux
+    from ditserve.replica.parallel import ParallelDims, build_mesh, parallelize_flux
 
     t_start = time.perf_counter()
     cuda = args["device"] == "cuda"
@@ -191,7 +191,7 @@ def _rank_body(rank: int, world: int, init_method: str, args: dict) -> dict | No
                 out["skipped"].append(f"{name}: needs {dims.world_size} ranks")
                 continue
             try:
-                mesh = dims.build_mesh(device_type=device.type)
+                mesh = build_mesh(dims, device_type=device.type)
                 pipe = build_pipe(tiny=args["tiny"], device=device, dtype=dtype)
                 fp = weights_fingerprint(pipe.transformer, device)
                 fps = [torch.empty_like(fp) for _ in range(world)]

@@ -6,6 +6,7 @@ The same dict of arguments works from ``ditserve serve``, from a ``serve run`` /
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from ray.serve import Application
@@ -101,19 +102,22 @@ def build_app(args: dict[str, Any]) -> Application:
 def build_app_with_engine(args: dict[str, Any], engine_cls: type | None) -> Application:
     """``build_app`` with another engine class (benchmarks of the serving path use a trivial one)."""
     app_args = AppArgs(**args)
-    config = app_args.engine_config()
-    validate_layout(config, resolve_model(config.model))
+    config = app_args.engine_config()  # auto values resolved, final values validated
+    validate_layout(config, resolve_model(config.model))  # the layout against the model's heads
     strategy, error = cluster_fit(app_args, _alive_nodes())
     if error is not None:
         raise ValueError(error)
     plain = app_args.model_dump(mode="json")
+    # One id per build: Serve builds on a first deploy and on a redeploy of changed arguments, and restarts
+    # replicas with the arguments bound here, so the desired control state is scoped to this deploy.
+    deploy_id = uuid.uuid4().hex[:12]
     extra = {} if engine_cls is None else {"engine_cls": engine_cls}
     engine = (
         serve_deployment(EngineReplica)
         .options(**engine_deployment_options(app_args, strategy))
-        .bind(plain, **extra)
+        .bind(plain, deploy_id=deploy_id, **extra)
     )
-    return Frontend.bind(engine, plain)
+    return Frontend.bind(engine, plain, deploy_id)
 
 
 def serve_deployment(cls):

@@ -15,22 +15,10 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from .config import AppArgs, EngineArgs, add_model_arguments, model_kwargs
+from .deploy import GRPC_SERVICER_FUNCTIONS, run_deploy
 from .deploy import add_deploy_parser as _add_deploy
-from .deploy import run_deploy
-
-
-def _fail(message: str) -> int:
-    print(f"ditserve: error: {message}", file=sys.stderr)
-    return 2
-
-
-def _validation_message(exc: ValidationError) -> str:
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err.get("loc", ()))
-        flag = f"--{loc.replace('_', '-')}: " if loc else ""
-        lines.append(f"{flag}{err['msg'].removeprefix('Value error, ')}")
-    return "; ".join(lines)
+from .usage import fail as _fail
+from .usage import validation_message as _validation_message
 
 
 # -- generate -------------------------------------------------------------------------------------------
@@ -152,6 +140,10 @@ def port_in_use(host: str, port: int) -> str | None:
     return None
 
 
+def _drop_reconnect_notice(record: logging.LogRecord) -> bool:
+    return "will not be applied" not in record.getMessage()
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     try:
         args = AppArgs(**model_kwargs(ns, AppArgs))
@@ -174,7 +166,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from .control_state import delete_state_actor
+    from .control_state import delete_state_actors
 
     # No --address: always a fresh local cluster, never one that happens to run on this machine already.
     ray.init(address=args.address or "local", include_dashboard=False, log_to_driver=False)
@@ -190,8 +182,6 @@ def run_serve(ns: argparse.Namespace) -> int:
     try:
         from ray.serve.config import gRPCOptions
 
-        from .deploy import GRPC_SERVICER_FUNCTIONS
-
         grpc_options = None
         if args.grpc_port:  # the gRPC API (grpc_service) on Serve's gRPC proxy; --grpc-port 0: off
             grpc_options = gRPCOptions(port=args.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS)
@@ -200,7 +190,14 @@ def run_serve(ns: argparse.Namespace) -> int:
             http_options={"host": args.host, "port": args.port},
             grpc_options=grpc_options,
         )
-        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        # serve.run reconnects to the controller serve.start made with our options, and logs that "new
+        # http_options ... will not be applied": it passes none of its own, ours are in force.
+        serve_logger = logging.getLogger("ray.serve")
+        serve_logger.addFilter(_drop_reconnect_notice)
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        finally:
+            serve_logger.removeFilter(_drop_reconnect_notice)
         print(
             f"ditserve: serving {args.model} at http://{args.host}:{args.port}/v1"
             + (f", gRPC {args.host}:{args.grpc_port}" if args.grpc_port else "")
@@ -215,7 +212,7 @@ def run_serve(ns: argparse.Namespace) -> int:
                 serve.delete(APP_NAME)
             else:
                 serve.shutdown()
-            delete_state_actor(APP_NAME)
+            delete_state_actors(APP_NAME)
         finally:
             ray.shutdown()
     return 0

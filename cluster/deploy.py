@@ -23,6 +23,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .config import AppArgs, add_model_arguments, model_kwargs
+from .usage import fail as _fail
+from .usage import validation_message as _validation_message
 
 IMPORT_PATH = "ditserve.cluster.app:build_app"
 APP_NAME = "ditserve"
@@ -39,6 +41,12 @@ GRPC_SERVICER_FUNCTIONS: list[str] = [
 NOT_BUILDER_ARGS = ("host", "port", "grpc_port", "address", "api_key")
 # Attention heads by model kind, for models that exist only inside the image (layout checks need them).
 KIND_HEADS = {"flux": 24, "wan": 40}
+# Public checkpoint folder names → (family, heads): FLUX.1-dev / -schnell, Wan2.1-T2V-1.3B / -14B.
+KNOWN_FOLDERS = (
+    (re.compile(r"flux\.?1", re.IGNORECASE), "flux", 24),
+    (re.compile(r"wan.*1\.3b", re.IGNORECASE), "wan", 12),
+    (re.compile(r"wan", re.IGNORECASE), "wan", 40),
+)
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 MAX_NAME = 47  # KubeRay appends suffixes (-raycluster-xxxxx-head-svc) to the RayService name
 
@@ -63,8 +71,8 @@ class DeployArgs(BaseModel):
     )
     model_kind: Literal["auto", "flux", "wan"] = Field(
         default="auto",
-        description="Model family when --model is a folder that exists only in the image "
-        "(auto: embedded names and local folders are inspected).",
+        description="Model family when --model is a folder that exists only in the image (auto: embedded "
+        "names and folders on this machine are read; other paths by their name, FLUX.1-* or Wan2.1-*).",
     )
     num_attention_heads: int | None = Field(
         default=None, ge=1, description="Heads of the model for layout checks (default: by --model-kind)."
@@ -111,40 +119,51 @@ class Plan(BaseModel):
     world_size: int
     gpus_per_pod: int
     pods_per_replica: int
+    notes: tuple[str, ...] = ()  # said to the operator on stderr; the manifest is still written
 
 
-def _num_heads(app: AppArgs, deploy: DeployArgs) -> int:
-    """Heads of the model: from its files when it is here (embedded or a local folder), else by kind."""
+def folder_kind(model: str) -> tuple[str, int] | None:
+    """(family, attention heads) of a public checkpoint folder, read from its name; None if unknown."""
+    name = Path(model).name
+    for pattern, family, heads in KNOWN_FOLDERS:
+        if pattern.search(name):
+            return family, heads
+    return None
+
+
+def _num_heads(app: AppArgs, deploy: DeployArgs) -> tuple[int | None, str | None]:
+    """(heads of the model or None, a note for the operator). Embedded models and folders on this machine
+    are read; any other path is a folder inside the image: its family comes from --model-kind, else from
+    its name; when neither tells, the heads are checked on the cluster at start."""
     from ditserve.replica.models.registry import embedded_model_names, resolve_model
 
     if deploy.num_attention_heads is not None:
-        return deploy.num_attention_heads
-    embedded = embedded_model_names()
-    local = app.model in embedded or Path(app.model).expanduser().exists()
-    if deploy.model_kind == "auto":
-        if not local:
-            raise ValueError(
-                f"--model {app.model!r} is neither an embedded model ({embedded}) nor a folder "
-                f"here; for a folder inside the image pass --model-kind {{{', '.join(KIND_HEADS)}}}"
-            )
+        return deploy.num_attention_heads, None
+    if app.model in embedded_model_names() or Path(app.model).expanduser().exists():
         spec = resolve_model(app.model)
-        return spec.num_attention_heads
-    if local:
-        spec = resolve_model(app.model)
-        if spec.family != deploy.model_kind:
+        if deploy.model_kind not in ("auto", spec.family):
             raise ValueError(f"--model-kind {deploy.model_kind}: {app.model!r} is a {spec.family} model")
-        return spec.num_attention_heads
-    return KIND_HEADS[deploy.model_kind]
+        return spec.num_attention_heads, None
+    if deploy.model_kind != "auto":
+        return KIND_HEADS[deploy.model_kind], None
+    if (known := folder_kind(app.model)) is not None:
+        return known[1], None
+    return None, (
+        f"--model {app.model} is not on this machine, taken as a folder inside the image; its family is not "
+        f"known from its name, so the layout's heads are checked on the cluster at start (pass --model-kind "
+        f"{{{', '.join(KIND_HEADS)}}} or --num-attention-heads to check them here)"
+    )
 
 
 def plan(app_kwargs: dict[str, Any], deploy_kwargs: dict[str, Any]) -> Plan:
     """Validate both flag sets and derive the layout; raises ValidationError / ValueError naming the flag."""
     app = AppArgs(**app_kwargs)
     deploy = DeployArgs(**deploy_kwargs)
-    dims = app.parallel_flags().dims()
-    dims.validate(num_heads=_num_heads(app, deploy), attention_supports_lse=True)
-    world = dims.world_size
-    device = app.device or "cuda"
+    # The pods have GPUs unless --device cpu: auto values resolve for them, not for this machine.
+    config = app.engine_config(device="cuda")
+    heads, note = _num_heads(app, deploy)
+    world = config.parallel.dims(num_heads=heads).world_size
+    device = config.device
     if device == "cuda" and world > deploy.gpus_per_node:
         if world % deploy.gpus_per_node:
             raise ValueError(
@@ -164,6 +183,8 @@ def plan(app_kwargs: dict[str, Any], deploy_kwargs: dict[str, Any]) -> Plan:
         and k not in NOT_BUILDER_ARGS
         and dumped[k] != _json_default(defaults[k].get_default(call_default_factory=True))
     }
+    # The builder may run on a pod without GPUs (the head): the device is written, not left to a probe there.
+    builder_args = {"model": app.model, "device": device, **builder_args}
     return Plan(
         app=app,
         deploy=deploy,
@@ -172,6 +193,7 @@ def plan(app_kwargs: dict[str, Any], deploy_kwargs: dict[str, Any]) -> Plan:
         world_size=world,
         gpus_per_pod=gpus_per_pod,
         pods_per_replica=pods,
+        notes=() if note is None else (note,),
     )
 
 
@@ -337,15 +359,13 @@ def header(argv: list[str]) -> str:
 # -- checked-in examples --------------------------------------------------------------------------------
 _CPU_DEMO = ["--name", "ditserve-cpu-demo", "--model", "demo-flux", "--device", "cpu", "--dp-size", "2"]
 _CPU_DEMO += ["--num-gpus", "4", "--ulysses-degree", "2", "--max-width", "512", "--max-height", "512"]
-_FLUX = ["--name", "ditserve-flux", "--model", f"{MODELS_MOUNT}/FLUX.1-dev", "--model-kind", "flux"]
+_FLUX = ["--name", "ditserve-flux", "--model", f"{MODELS_MOUNT}/FLUX.1-dev"]
 _FLUX += ["--models-pvc", "ditserve-models", "--dp-size", "2", "--num-gpus", "8", "--ulysses-degree", "4"]
 _WAN = [
     "--name",
     "ditserve-wan",
     "--model",
     f"{MODELS_MOUNT}/Wan2.1-T2V-14B-Diffusers",
-    "--model-kind",
-    "wan",
 ]
 _WAN += ["--models-pvc", "ditserve-models", "--dp-size", "2", "--num-gpus", "16", "--cfg-parallel-size", "2"]
 _WAN += ["--ulysses-degree", "4"]
@@ -361,7 +381,7 @@ EXAMPLES: dict[str, list[str]] = {
 
 def render(argv: list[str]) -> str:
     """The text ``ditserve deploy <argv>`` prints (raises ValidationError / ValueError on bad flags)."""
-    return _render(build_deploy_parser().parse_args(argv))
+    return _render(build_deploy_parser().parse_args(argv))[0]
 
 
 def _command_of(ns: argparse.Namespace) -> list[str]:
@@ -382,10 +402,11 @@ def _command_of(ns: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _render(ns: argparse.Namespace) -> str:
+def _render(ns: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
+    """(the document, notes for the operator)."""
     p = plan(model_kwargs(ns, AppArgs), model_kwargs(ns, DeployArgs))
     doc = rayservice(p) if ns.deploy_command == "kuberay" else serve_config(p)
-    return header(_command_of(ns)) + dump_yaml(doc)
+    return header(_command_of(ns)) + dump_yaml(doc), p.notes
 
 
 def write_examples(out_dir: Path, check: bool = False) -> list[str]:
@@ -403,6 +424,22 @@ def write_examples(out_dir: Path, check: bool = False) -> list[str]:
 
 
 # -- argparse -------------------------------------------------------------------------------------------
+DEPLOY_HELP = """\
+Print a KubeRay RayService manifest or a Serve config from the flags of `ditserve serve`.
+
+--model is read where the application runs. An embedded model or a folder on this machine is read here
+too; any other path is taken as a folder inside the image (or on --models-pvc, mounted at /models) and
+is not needed here: its family comes from --model-kind, else from its name (FLUX.1-*, Wan2.1-*), and the
+layout is checked against that family's attention heads. When neither tells, the manifest is written
+anyway and the heads are checked on the cluster at start (a note on stderr says so).
+
+Auto values (--device, --dtype, --cuda-graphs, --fused-epilogues) are resolved for GPU pods unless
+--device cpu, and the resolved configuration is validated as `ditserve serve` would on those pods.
+The Serve config starts its own proxies (host 0.0.0.0): run it with `serve run --address local
+CONFIG` for a new local Ray, or `serve deploy CONFIG --address http://HEAD:8265` on a running cluster.
+"""
+
+
 def _add_generators(sub) -> None:
     helps = {
         "kuberay": "Print a KubeRay RayService manifest.",
@@ -420,20 +457,25 @@ def _add_generators(sub) -> None:
 
 def add_deploy_parser(subparsers) -> None:
     """Add ``deploy`` with its ``kuberay`` / ``serve-config`` / ``examples`` subcommands."""
-    p = subparsers.add_parser("deploy", help="Print KubeRay manifests and Serve configs.")
+    p = subparsers.add_parser(
+        "deploy",
+        help="Print KubeRay manifests and Serve configs.",
+        description=DEPLOY_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_generators(p.add_subparsers(dest="deploy_command", required=True))
 
 
 def build_deploy_parser() -> argparse.ArgumentParser:
     """A parser of ``ditserve deploy``'s own arguments (``render`` and tests)."""
-    parser = argparse.ArgumentParser(prog="ditserve deploy")
+    parser = argparse.ArgumentParser(
+        prog="ditserve deploy", description=DEPLOY_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     _add_generators(parser.add_subparsers(dest="deploy_command", required=True))
     return parser
 
 
 def run_deploy(ns: argparse.Namespace) -> int:
-    from .cli import _fail, _validation_message
-
     if ns.deploy_command == "examples":
         stale = write_examples(Path(ns.output_dir), check=ns.check)
         verb = "stale" if ns.check else "wrote"
@@ -441,11 +483,13 @@ def run_deploy(ns: argparse.Namespace) -> int:
             print(f"{verb} {Path(ns.output_dir) / rel}")
         return 1 if (ns.check and stale) else 0
     try:
-        text = _render(ns)
+        text, notes = _render(ns)
     except ValidationError as exc:
         return _fail(_validation_message(exc))
     except ValueError as exc:
         return _fail(str(exc))
+    for note in notes:
+        print(f"ditserve: note: {note}", file=sys.stderr)
     if ns.output:
         Path(ns.output).write_text(text)
     else:

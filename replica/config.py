@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+if TYPE_CHECKING:
+    from .parallel.dims import ParallelDims
+
+# Fields whose input may be "auto" (or left out): resolved from the device and the layout before the
+# config is validated, so a built EngineConfig holds only final values.
+AUTO = "auto"
+AUTO_FIELDS = ("device", "dtype", "fused_epilogues", "cuda_graphs")
 
 
-def _default_device() -> str:
+def host_device() -> Literal["cpu", "cuda"]:
+    """What ``device: auto`` means on this machine."""
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -37,9 +46,11 @@ class ParallelFlags(BaseModel):
         description="Sequence-parallel degree when no other sp flag is given: 2 → K/V-gather 2, larger → Ulysses.",
     )
 
-    def dims(self):
-        """The validated per-replica :class:`ParallelDims` (raises ValueError naming the flags)."""
-        from .parallel import ParallelDims
+    def dims(self, num_heads: int | None = None) -> ParallelDims:
+        """The validated per-replica :class:`ParallelDims` (raises ValueError naming the flags); with
+        ``num_heads`` checked against the model too, so suggested layouts fit it."""
+        # Imported here: the parallel package loads diffusers' models, which config readers do not need.
+        from .parallel.dims import ParallelDims
 
         return ParallelDims.from_flags(
             num_gpus=self.num_gpus,
@@ -50,6 +61,7 @@ class ParallelFlags(BaseModel):
             ring=self.ring_degree,
             kv_gather=self.kv_gather_degree,
             sp_degree=self.sp_degree,
+            num_heads=num_heads,
         )
 
     @property
@@ -71,16 +83,20 @@ class Limits(BaseModel):
 
 
 class EngineConfig(BaseModel):
-    """Everything one engine replica needs; the same object drives ``generate`` and ``serve``."""
+    """Everything one engine replica needs; the same object drives ``generate`` and ``serve``.
+
+    The fields of :data:`AUTO_FIELDS` may be given as ``"auto"`` or left out; they are resolved first
+    (device: this host's, see :func:`resolve_auto`), then every final value is validated once.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(default="demo-scenes", description="Embedded model name or a local diffusers folder.")
     device: Literal["cpu", "cuda"] = Field(
-        default_factory=_default_device, description="Device of the ranks."
+        description="Device of the ranks (auto: cuda when a GPU is visible, else cpu)."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        default="float32", description="Weights and activations dtype (bfloat16 on GPUs for speed)."
+        description="Weights and activations dtype (auto: bfloat16 on cuda, float32 on cpu)."
     )
     parallel: ParallelFlags = Field(default_factory=ParallelFlags, description="Per-replica layout.")
     limits: Limits = Field(default_factory=Limits, description="Request limits.")
@@ -88,23 +104,21 @@ class EngineConfig(BaseModel):
         default=512, ge=1, description="Text tokens per prompt (capped by the tokenizer's own maximum)."
     )
     max_batch_size: int = Field(default=8, ge=1, description="Most requests in one running batch.")
-    max_queue: int = Field(default=64, ge=1, description="Most queued requests before 429.")
+    max_queue: int = Field(default=64, ge=1, description="Most queued requests per replica before 429.")
     compile: bool = Field(default=False, description="torch.compile the transformer blocks.")
     quantization: Literal["none", "fp8"] = Field(
         default="none",
         description="fp8: the transformer blocks' linears as FP8 GEMMs with row-wise scales (GPUs of compute "
         "capability 8.9+, bfloat16; images change a little).",
     )
-    fused_epilogues: bool | None = Field(
-        default=None,
+    fused_epilogues: bool = Field(
         description="FLUX: tanh GELU in the MLP up-projection's GEMM (cuBLASLt epilogue) and the single blocks' "
-        "proj_out without the concat. Default: on with --device cuda.",
+        "proj_out without the concat (auto: on with --device cuda).",
     )
-    cuda_graphs: bool | None = Field(
-        default=None,
+    cuda_graphs: bool = Field(
         description="Replay each transformer forward as a CUDA graph, one per input shape and adapter layout "
-        "(saves the host's launch time where kernels are short). Default: on with --device cuda and one "
-        "GPU per replica (no tensor, sequence or CFG parallelism).",
+        "(saves the host's launch time where kernels are short; auto: on with --device cuda and one "
+        "GPU per replica, no tensor, sequence or CFG parallelism).",
     )
     fused_lora: bool = Field(
         default=True,
@@ -116,30 +130,72 @@ class EngineConfig(BaseModel):
         default=(), description="Folders adapters may be loaded from (empty: any local path)."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve(cls, data: Any) -> Any:
+        return resolve_auto(data) if isinstance(data, dict) else data
+
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
         if self.device == "cpu" and self.dtype == "float16":
-            raise ValueError("--dtype float16 is not supported on CPU; use float32 or bfloat16")
-        if self.quantization == "fp8" and self.device == "cuda" and self.dtype != "bfloat16":
-            raise ValueError("--quantization fp8 writes bfloat16 GEMM outputs on GPUs; use --dtype bfloat16")
-        if self.cuda_graphs and self.device != "cuda":  # asked for explicitly
-            raise ValueError("--cuda-graphs needs --device cuda")
-        if self.cuda_graphs and self.parallel.dims().world_size > 1:
             raise ValueError(
-                "--cuda-graphs runs replicas of one GPU (no --tp-size / sequence / CFG parallelism)"
+                "--dtype float16 is not supported on --device cpu; use --dtype float32 or bfloat16"
+            )
+        if self.quantization == "fp8" and self.device == "cuda" and self.dtype != "bfloat16":
+            raise ValueError(
+                f"--quantization fp8 writes bfloat16 GEMM outputs on GPUs; --dtype {self.dtype} cannot hold "
+                "them: use --dtype bfloat16 (the default on cuda)"
+            )
+        if self.cuda_graphs and self.device != "cuda":  # auto never turns them on off cuda
+            raise ValueError("--cuda-graphs needs --device cuda; drop it or pass --no-cuda-graphs")
+        if self.cuda_graphs and (_world_size(self.parallel) or 1) != 1:  # an illegal layout: its own error
+            raise ValueError(
+                "--cuda-graphs runs replicas of one GPU (no --tp-size / sequence / CFG parallelism); "
+                "drop it or pass --no-cuda-graphs"
             )
         return self
 
     @property
     def use_cuda_graphs(self) -> bool:
-        if self.cuda_graphs is not None:
-            return self.cuda_graphs
-        return self.device == "cuda" and self.parallel.dims().world_size == 1
+        return self.cuda_graphs
 
     @property
     def use_fused_epilogues(self) -> bool:
-        return self.fused_epilogues if self.fused_epilogues is not None else self.device == "cuda"
+        return self.fused_epilogues
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+
+def _world_size(parallel: ParallelFlags) -> int | None:
+    """Ranks per replica, or None for a layout that is not legal (its own check names the flags)."""
+    try:
+        return parallel.dims().world_size
+    except ValueError:
+        return None
+
+
+def resolve_auto(values: dict[str, Any], device: Literal["cpu", "cuda"] | None = None) -> dict[str, Any]:
+    """``values`` with every auto field (``"auto"`` or absent) replaced by its final value.
+
+    ``device`` is what ``device: auto`` means (default: this host's, :func:`host_device`); a manifest for
+    GPU nodes resolves with ``"cuda"`` on a machine without one."""
+    out = dict(values)
+    if out.get("device", AUTO) == AUTO:
+        out["device"] = device or host_device()
+    on_cuda = out["device"] == "cuda"
+    if out.get("dtype", AUTO) == AUTO:
+        out["dtype"] = "bfloat16" if on_cuda else "float32"
+    if out.get("fused_epilogues", AUTO) == AUTO:
+        out["fused_epilogues"] = on_cuda
+    if out.get("cuda_graphs", AUTO) == AUTO:
+        parallel = out.get("parallel", {})
+        try:
+            parallel = (
+                parallel if isinstance(parallel, ParallelFlags) else ParallelFlags.model_validate(parallel)
+            )
+        except ValidationError:  # reported by the field's own validation
+            parallel = None
+        out["cuda_graphs"] = on_cuda and parallel is not None and _world_size(parallel) == 1
+    return out

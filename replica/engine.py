@@ -28,9 +28,7 @@ logger = logging.getLogger(__name__)
 
 def validate_layout(config: EngineConfig, spec: ModelSpec) -> int:
     """Check the parallel layout against the model before any process starts; returns the world size."""
-    dims = config.parallel.dims()
-    dims.validate(num_heads=spec.num_attention_heads, attention_supports_lse=True)
-    return dims.world_size
+    return config.parallel.dims(num_heads=spec.num_attention_heads).world_size
 
 
 class Engine:

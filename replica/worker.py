@@ -117,6 +117,8 @@ class RankWorker:
         if world_size > 1:
             import torch.distributed as dist
 
+            from .parallel.mesh import build_mesh
+
             assert dims.world_size == world_size, (dims, world_size)
             dist.init_process_group(
                 process_group_backend(config.device),
@@ -125,7 +127,7 @@ class RankWorker:
                 world_size=world_size,
                 timeout=COLLECTIVE_TIMEOUT,
             )
-            self.mesh = dims.build_mesh(device_type=self.device.type)
+            self.mesh = build_mesh(dims, device_type=self.device.type)
             # ``pipe`` is injected by benchmarks that build weights in memory; serving always loads the folder.
         self.pipe = pipe if pipe is not None else load_pipeline(self.spec, config.torch_dtype, self.device)
         self.prepare_transformer(self.pipe.transformer)

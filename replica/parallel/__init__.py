@@ -3,7 +3,7 @@
 Typical use on every rank of a replica, after `torch.distributed.init_process_group`::
 
     dims = ParallelDims.from_flags(num_gpus=8, dp_size=1, cfg=2, ulysses=2, ring=2)
-    mesh = dims.build_mesh(device_type="cuda")
+    mesh = build_mesh(dims, device_type="cuda")
     parallelize_flux(transformer, mesh=mesh)          # in place
     pred = transformer(**full_inputs_of_my_cfg_branch)[0]   # full output on every rank
     preds = cfg_all_gather(pred, mesh)                 # (cfg_size, ...) branch i from cfg rank i
@@ -13,7 +13,7 @@ from .attention import BACKENDS, AttentionBackend, attention, merge_partial, sel
 from .cfg import cfg_all_gather
 from .dims import ParallelDims
 from .flux import FluxParallelAttnProcessor, parallelize_flux
-from .mesh import ParallelMesh
+from .mesh import ParallelMesh, build_mesh
 from .tp import ColumnParallelLinear, RowParallelLinear, ShardedRMSNorm
 from .wan import WanParallelAttnProcessor, parallelize_wan
 
@@ -28,6 +28,7 @@ __all__ = [
     "ShardedRMSNorm",
     "WanParallelAttnProcessor",
     "attention",
+    "build_mesh",
     "cfg_all_gather",
     "merge_partial",
     "parallelize_flux",

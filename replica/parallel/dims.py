@@ -8,13 +8,9 @@ person who reads it typed those flags.
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import TYPE_CHECKING
+import math
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-if TYPE_CHECKING:
-    from .mesh import ParallelMesh
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 # Mesh axes, outermost first; rank = (((cfg·R + ring)·G + kv_gather)·U + ulysses)·T + tp.
 AXES: tuple[str, ...] = ("cfg", "ring", "kv_gather", "ulysses", "tp")
@@ -151,6 +147,8 @@ class ParallelDims(BaseModel):
         ring: int = 1,
         kv_gather: int = 1,
         sp_degree: int | None = None,
+        num_heads: int | None = None,
+        attention_supports_lse: bool = True,
     ) -> ParallelDims:
         """Build the per-replica layout from serving flags (SGLang Diffusion semantics).
 
@@ -158,61 +156,167 @@ class ParallelDims(BaseModel):
         `num_gpus / dp_size`; that must equal cfg × tp × ulysses × ring × kv_gather. Without `num_gpus`
         the deployment simply uses dp_size × that product. `sp_degree` alone picks the sequence-parallel
         kind: 2 → kv_gather 2 (one all-gather, cheapest at small degree), larger → Ulysses.
+
+        With `num_heads` the layout is also checked against the model (`validate`). A layout that breaks a
+        rule raises a `ValueError` ending in whole layouts that pass every rule checked here (counts, and
+        heads when known), so a suggestion taken as written never leads to the next error.
         """
-        for name, value in (
-            ("dp_size", dp_size),
-            ("cfg", cfg),
-            ("tp", tp),
-            ("ulysses", ulysses),
-            ("ring", ring),
-            ("kv_gather", kv_gather),
-        ):
-            if value < 1:
-                raise ValueError(f"{FLAG_NAMES[name]} must be >= 1, got {value}; pass a positive integer.")
-        if cfg > 2:
-            raise ValueError(
-                f"--cfg-parallel-size {cfg} is not supported: classifier-free guidance has two branches; "
-                "use --cfg-parallel-size 1 or 2."
+        flags = dict(num_gpus=num_gpus, dp_size=dp_size, cfg=cfg, tp=tp, ulysses=ulysses, ring=ring)
+        flags.update(kv_gather=kv_gather, sp_degree=sp_degree)
+        try:
+            return _build(**flags, num_heads=num_heads, attention_supports_lse=attention_supports_lse)
+        except _FlagError:
+            raise  # a value no layout can have (0, cfg 3, sp with explicit degrees): the message says it
+        except ValueError as exc:
+            message = _message(exc)
+            legal = suggest_layouts(
+                **flags, num_heads=num_heads, attention_supports_lse=attention_supports_lse
             )
-        if sp_degree is not None:
-            if sp_degree < 1:
-                raise ValueError(f"--sp-degree must be >= 1, got {sp_degree}; pass a positive integer.")
-            if (ulysses, ring, kv_gather) != (1, 1, 1):
-                raise ValueError(
-                    f"--sp-degree {sp_degree} cannot be combined with --ulysses-degree / --ring-degree / "
-                    "--kv-gather-degree; pass either --sp-degree alone or the explicit degrees."
-                )
-            if sp_degree == 2:
-                kv_gather = 2
-            elif sp_degree > 2:
-                ulysses = sp_degree
-        dims = cls(cfg=cfg, tp=tp, ulysses=ulysses, ring=ring, kv_gather=kv_gather)
-        if num_gpus is not None:
-            if num_gpus < 1:
-                raise ValueError(f"--num-gpus must be >= 1, got {num_gpus}; pass a positive integer.")
-            if num_gpus % dp_size != 0:
-                raise ValueError(
-                    f"--num-gpus {num_gpus} is not divisible by --dp-size {dp_size}; every replica needs the "
-                    f"same number of GPUs, so pass a --num-gpus that is a multiple of {dp_size} "
-                    f"(e.g. {dp_size * dims.world_size})."
-                )
-            per_replica = num_gpus // dp_size
-            if per_replica != dims.world_size:
-                raise ValueError(
-                    f"--num-gpus {num_gpus} / --dp-size {dp_size} = {per_replica} GPUs per replica, but "
-                    f"--cfg-parallel-size {dims.cfg} × --tp-size {dims.tp} × --ulysses-degree {dims.ulysses} "
-                    f"× --ring-degree {dims.ring} × --kv-gather-degree {dims.kv_gather} = {dims.world_size}; "
-                    f"pass --num-gpus {dp_size * dims.world_size}, or raise the degrees (e.g. "
-                    "--ulysses-degree / --sp-degree) so their product is "
-                    f"{per_replica}."
-                )
-        return dims
+            if legal:
+                message += " Legal layouts: " + " or ".join(f"`{format_flags(f)}`" for f in legal) + "."
+            raise ValueError(message) from exc
 
-    # ---- runtime ------------------------------------------------------------------------------------
-    def build_mesh(
-        self, device_type: str = "cpu", *, timeout: timedelta = timedelta(minutes=5)
-    ) -> ParallelMesh:
-        """Build the named DeviceMesh for this layout (call after `init_process_group`, on every rank)."""
-        from .mesh import ParallelMesh
 
-        return ParallelMesh.build(self, device_type=device_type, timeout=timeout)
+class _FlagError(ValueError):
+    """One flag's value is out of range whatever the others are."""
+
+
+def _message(exc: ValueError) -> str:
+    if isinstance(exc, ValidationError):
+        return "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+    return str(exc)
+
+
+def _build(
+    *,
+    num_gpus: int | None,
+    dp_size: int,
+    cfg: int,
+    tp: int,
+    ulysses: int,
+    ring: int,
+    kv_gather: int,
+    sp_degree: int | None,
+    num_heads: int | None,
+    attention_supports_lse: bool,
+) -> ParallelDims:
+    """`ParallelDims.from_flags` without suggestions (they are checked with this)."""
+    for name, value in (
+        ("dp_size", dp_size),
+        ("cfg", cfg),
+        ("tp", tp),
+        ("ulysses", ulysses),
+        ("ring", ring),
+        ("kv_gather", kv_gather),
+    ):
+        if value < 1:
+            raise _FlagError(f"{FLAG_NAMES[name]} must be >= 1, got {value}; pass a positive integer.")
+    if cfg > 2:
+        raise _FlagError(
+            f"--cfg-parallel-size {cfg} is not supported: classifier-free guidance has two branches; "
+            "use --cfg-parallel-size 1 or 2."
+        )
+    if sp_degree is not None:
+        if sp_degree < 1:
+            raise _FlagError(f"--sp-degree must be >= 1, got {sp_degree}; pass a positive integer.")
+        if (ulysses, ring, kv_gather) != (1, 1, 1):
+            raise _FlagError(
+                f"--sp-degree {sp_degree} cannot be combined with --ulysses-degree / --ring-degree / "
+                "--kv-gather-degree; pass either --sp-degree alone or the explicit degrees."
+            )
+        if sp_degree == 2:
+            kv_gather = 2
+        elif sp_degree > 2:
+            ulysses = sp_degree
+    if num_gpus is not None and num_gpus < 1:
+        raise _FlagError(f"--num-gpus must be >= 1, got {num_gpus}; pass a positive integer.")
+    dims = ParallelDims(cfg=cfg, tp=tp, ulysses=ulysses, ring=ring, kv_gather=kv_gather)
+    # The model's rules first: a count fixed around degrees the model cannot run would only move the error.
+    if num_heads is not None:
+        dims.validate(num_heads=num_heads, attention_supports_lse=attention_supports_lse)
+    if num_gpus is not None:
+        if num_gpus % dp_size != 0:
+            raise ValueError(
+                f"--num-gpus {num_gpus} is not divisible by --dp-size {dp_size}; every replica needs the "
+                f"same number of GPUs, so pass a --num-gpus that is a multiple of {dp_size}."
+            )
+        per_replica = num_gpus // dp_size
+        if per_replica != dims.world_size:
+            raise ValueError(
+                f"--num-gpus {num_gpus} / --dp-size {dp_size} = {per_replica} GPUs per replica, but "
+                f"--cfg-parallel-size {dims.cfg} × --tp-size {dims.tp} × --ulysses-degree {dims.ulysses} "
+                f"× --ring-degree {dims.ring} × --kv-gather-degree {dims.kv_gather} = {dims.world_size}; "
+                f"change --num-gpus or the degrees so that they agree."
+            )
+    return dims
+
+
+# Flags of a suggested layout, in the order a user types them.
+_LAYOUT_FLAGS = ("num_gpus", "dp_size", "cfg", "tp", "ulysses", "ring", "kv_gather")
+
+
+def format_flags(layout: dict[str, int]) -> str:
+    """``--num-gpus 4 --ulysses-degree 4``: the layout flags that differ from 1 (``--num-gpus`` always)."""
+    parts = []
+    for name in _LAYOUT_FLAGS:
+        value = layout.get(name, 1)
+        if name == "num_gpus" or value != 1:
+            parts += [FLAG_NAMES[name], str(value)]
+    return " ".join(parts)
+
+
+def suggest_layouts(
+    *,
+    num_gpus: int | None,
+    dp_size: int,
+    cfg: int,
+    tp: int,
+    ulysses: int,
+    ring: int,
+    kv_gather: int,
+    sp_degree: int | None = None,
+    num_heads: int | None = None,
+    attention_supports_lse: bool = True,
+    limit: int = 3,
+) -> list[dict[str, int]]:
+    """Up to `limit` whole layouts (flag name → value, see `format_flags`) that pass every rule checked
+    here, closest to the flags given first: the GPUs asked for kept, then the fewest degrees changed."""
+    if sp_degree is not None and (ulysses, ring, kv_gather) == (1, 1, 1):
+        ulysses, kv_gather = (sp_degree, 1) if sp_degree > 2 else (1, sp_degree)
+    cfg = min(max(cfg, 1), 2)
+    wanted = dict(
+        cfg=cfg, tp=max(tp, 1), ulysses=max(ulysses, 1), ring=max(ring, 1), kv_gather=max(kv_gather, 1)
+    )
+    world = math.prod(wanted.values())
+    # The slot kind the user picked; the ring by default, K/V-gather where no backend gives the LSE.
+    slot = "kv_gather" if kv_gather > 1 or (ring == 1 and not attention_supports_lse) else "ring"
+    # Deployments to try: the GPUs asked for (split over --dp-size), then the degrees as given.
+    targets: list[tuple[int, int]] = []
+    if num_gpus is not None and num_gpus >= 1:
+        if num_gpus % dp_size == 0:
+            targets.append((num_gpus, dp_size))
+        elif num_gpus % world == 0:
+            targets.append((num_gpus, num_gpus // world))
+    targets.append((dp_size * world, dp_size))
+    found: list[tuple[tuple, dict[str, int]]] = []
+    for gpus, dp in dict.fromkeys(targets):
+        per_replica = gpus // dp
+        for c in _divisors(per_replica):
+            if c > 2:
+                continue
+            for t in _divisors(per_replica // c):
+                for u in _divisors(per_replica // (c * t)):
+                    s = per_replica // (c * t * u)
+                    layout = dict(num_gpus=gpus, dp_size=dp, cfg=c, tp=t, ulysses=u, ring=1, kv_gather=1)
+                    layout[slot] = s
+                    try:
+                        _build(**layout, sp_degree=None, num_heads=num_heads,
+                               attention_supports_lse=attention_supports_lse)  # fmt: skip
+                    except ValueError:
+                        continue
+                    changed = [k for k in wanted if layout[k] != wanted[k]]
+                    distance = sum(abs(math.log2(layout[k] / wanted[k])) for k in wanted)
+                    score = (gpus != num_gpus, dp != dp_size, len(changed), distance, -u)
+                    found.append((score, layout))
+    found.sort(key=lambda item: item[0])
+    return [layout for _, layout in found[:limit]]

@@ -41,6 +41,13 @@ def _backend_override(timeout: timedelta) -> tuple[str, object] | None:
     return (backend, opts)
 
 
+def build_mesh(
+    dims: ParallelDims, device_type: str = "cpu", *, timeout: timedelta = timedelta(minutes=5)
+) -> ParallelMesh:
+    """Build the named DeviceMesh of `dims` (call after `init_process_group`, on every rank)."""
+    return ParallelMesh.build(dims, device_type=device_type, timeout=timeout)
+
+
 @dataclass(frozen=True)
 class ParallelMesh:
     """The replica's DeviceMesh plus the derived 'sp' (sequence) axis and per-axis rank helpers."""
@@ -52,7 +59,7 @@ class ParallelMesh:
     @classmethod
     def build(cls, dims: ParallelDims, *, device_type: str, timeout: timedelta) -> ParallelMesh:
         if not dist.is_initialized():
-            raise RuntimeError("call torch.distributed.init_process_group before ParallelDims.build_mesh")
+            raise RuntimeError("call torch.distributed.init_process_group before build_mesh")
         world = dist.get_world_size()
         if world != dims.world_size:
             raise ValueError(

@@ -21,6 +21,7 @@ from ditserve.replica.parallel import (
     ParallelDims,
     ParallelMesh,
     RowParallelLinear,
+    build_mesh,
     cfg_all_gather,
     parallelize_flux,
     parallelize_wan,
@@ -193,7 +194,7 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[tuple[str, 
                 key = (case.model, case.shape, branch)
                 if key not in refs:
                     refs[key] = base(**make_inputs(case.shape, branch))[0]
-            mesh = case.dims.build_mesh("cpu", timeout=timedelta(seconds=60))
+            mesh = build_mesh(case.dims, "cpu", timeout=timedelta(seconds=60))
             check_mesh(mesh, rank)
             model = parallelize(copy.deepcopy(base), mesh=mesh)
             check_tp_records(base, model, mesh)

@@ -8,7 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from ditserve.cluster.cli import build_parser, main
-from ditserve.cluster.config import AppArgs, EngineArgs, add_model_arguments, model_kwargs
+from ditserve.cluster.config import FLAT_NAMES, NESTED, AppArgs, EngineArgs, add_model_arguments, model_kwargs
+from ditserve.replica.config import AUTO_FIELDS, EngineConfig, Limits, ParallelFlags
 from ditserve.replica.models.registry import resolve_model
 
 
@@ -35,17 +36,17 @@ def test_unknown_field_is_refused():
 
 
 @pytest.mark.parametrize(
-    "kwargs, flag",
+    "flags, flag",
     [
-        ({"num_gpus": 3, "dp_size": 2}, "--dp-size"),
-        ({"ring_degree": 2, "kv_gather_degree": 2}, "--kv-gather-degree"),
-        ({"num_gpus": 4, "ulysses_degree": 2}, "--num-gpus"),
+        (["--num-gpus", "3", "--dp-size", "2"], "--dp-size"),
+        (["--ring-degree", "2", "--kv-gather-degree", "2"], "--kv-gather-degree"),
+        (["--num-gpus", "4", "--ulysses-degree", "2"], "--num-gpus"),
     ],
 )
-def test_illegal_layouts_name_the_flags(kwargs, flag):
-    with pytest.raises(ValidationError) as err:
-        AppArgs(**kwargs)
-    assert flag in str(err.value)
+def test_illegal_layouts_name_the_flags(flags, flag, capsys):
+    assert main(["generate", "a fox", "--model", "demo-flux", *flags, "-o", "x.png"]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Legal layouts: `--num-gpus" in err
 
 
 def test_cli_generate_refuses_illegal_layout_before_starting(capsys):
@@ -75,6 +76,55 @@ def test_resolve_model_errors_say_what_was_found(tmp_path):
 def test_engine_args_dtype_default_follows_device():
     assert EngineArgs(device="cpu").engine_config().dtype == "float32"
     assert EngineArgs(device="cuda").engine_config().dtype == "bfloat16"
+
+
+def test_fp8_on_cuda_without_dtype_resolves_to_bfloat16_before_validation():
+    """The README's fastest recipe on a GPU host: --compile --quantization fp8, no --dtype (no GPU needed:
+    the device is given instead of probed)."""
+    config = EngineArgs(model="demo-flux", compile=True, quantization="fp8").engine_config(device="cuda")
+    assert (config.device, config.dtype, config.quantization, config.compile) == (
+        "cuda",
+        "bfloat16",
+        "fp8",
+        True,
+    )
+    assert config.cuda_graphs and config.fused_epilogues  # the other auto values, resolved for one GPU
+    assert EngineArgs(device="cuda", quantization="fp8").engine_config().dtype == "bfloat16"
+    with pytest.raises(ValidationError, match=r"--dtype float16 cannot hold them: use --dtype bfloat16"):
+        EngineArgs(device="cuda", dtype="float16", quantization="fp8").engine_config()
+
+
+@pytest.mark.parametrize("command", [["generate", "a fox", "-o", "x.png"], ["serve"]])
+def test_float16_on_cpu_is_refused_naming_dtype(command, capsys):
+    assert main([*command, "--model", "demo-flux", "--device", "cpu", "--dtype", "float16"]) == 2
+    err = capsys.readouterr().err
+    assert "--dtype float16 is not supported on --device cpu" in err and "--dtype float32" in err
+
+
+def test_auto_values_are_resolved_in_the_final_config():
+    args = AppArgs(model="demo-flux", ulysses_degree=2)
+    assert {name: getattr(args, name) for name in AUTO_FIELDS} == dict.fromkeys(AUTO_FIELDS, "auto")
+    on_gpu = args.engine_config(device="cuda")
+    assert (on_gpu.dtype, on_gpu.cuda_graphs, on_gpu.fused_epilogues) == ("bfloat16", False, True)  # 2 ranks
+    on_cpu = args.engine_config(device="cpu")
+    assert (on_cpu.dtype, on_cpu.cuda_graphs, on_cpu.fused_epilogues) == ("float32", False, False)
+    assert "auto" not in on_cpu.model_dump(mode="json").values()
+    with pytest.raises(ValidationError, match="--cuda-graphs needs --device cuda"):
+        AppArgs(cuda_graphs=True).engine_config(device="cpu")
+
+
+def test_every_engine_field_is_declared_once():
+    """The flat flags are EngineConfig's fields (nested layout and limits flattened), same help."""
+    nested = {**ParallelFlags.model_fields, **Limits.model_fields}
+    declared = {FLAT_NAMES.get(n, n): f for n, f in EngineConfig.model_fields.items() if n not in NESTED}
+    declared.update(nested)
+    assert set(EngineArgs.model_fields) == set(declared)
+    for name, field in EngineArgs.model_fields.items():
+        assert field.description == declared[name].description, name
+    parser = build_parser()
+    ns = parser.parse_args(["serve", "--lora-root", "/a", "--lora-root", "/b", "--no-cuda-graphs"])
+    assert AppArgs(**model_kwargs(ns, AppArgs)).engine_config().lora_roots == ("/a", "/b")
+    assert "NAME=PATH[:SCALE]" in AppArgs.model_fields["lora_path"].description
 
 
 @pytest.mark.parametrize("flag", ["--port", "--grpc-port"])

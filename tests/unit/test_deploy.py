@@ -193,7 +193,8 @@ def test_serve_config_args_are_the_cli_flags():
         render(["serve-config", "--model", "demo-flux", "--max-n", "2", "--max-queue", "64"])
     )
     # --max-queue 64 is the default: left out
-    assert config["applications"][0]["args"] == {"model": "demo-flux", "max_n": 2}
+    # the device is written (the builder may run on a pod without GPUs), auto means GPU pods
+    assert config["applications"][0]["args"] == {"model": "demo-flux", "device": "cuda", "max_n": 2}
     assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
 
 
@@ -207,7 +208,9 @@ def test_serve_config_args_are_the_cli_flags():
         (["--model", "demo-flux", "--num-gpus", "4", "--ulysses-degree", "2"], "GPUs per replica"),
         ([*FLUX, "--ulysses-degree", "16", "--num-gpus", "16"], "--ulysses-degree 16 does not divide"),
         ([*FLUX, "--ulysses-degree", "12", "--num-gpus", "12"], "--gpus-per-node 8"),
-        (["--model", "/models/mystery"], "--model-kind"),
+        (["--model", "/models/FLUX.1-dev", "--ulysses-degree", "16", "--num-gpus", "16"], "does not divide"),
+        (["--model", "demo-flux", "--device", "cpu", "--dtype", "float16"], "--dtype float16"),
+        (["--model", "demo-flux", "--cuda-graphs", "--tp-size", "2"], "--cuda-graphs"),
         (["--model", "demo-flux", "--model-kind", "wan"], "is a flux model"),
         (["--model", "demo-flux", "--name", "x" * 48], "--name: " + repr("x" * 48) + " is 48 characters"),
         (["--model", "demo-flux", "--name", "Flux_1"], "DNS-1035"),
@@ -247,5 +250,54 @@ def test_serve_config_to_a_file(tmp_path, capsys):
 def test_the_default_model_deploys_without_naming_it():
     """demo-scenes (the default --model, committed weights) is embedded: no --model-kind needed."""
     config = yaml.safe_load(render(["serve-config", "--device", "cpu"]))
-    assert config["applications"][0]["args"] == {"device": "cpu"}
+    assert config["applications"][0]["args"] == {"model": "demo-scenes", "device": "cpu"}
     check_rayservice(render(["kuberay", "--model", "demo-scenes", "--device", "cpu"]))
+
+
+README_FLUX = ["--model", "/models/FLUX.1-dev", "--dp-size", "2", "--num-gpus", "8", "--ulysses-degree", "4"]
+
+
+@pytest.mark.parametrize("command", ["kuberay", "serve-config"])
+def test_the_readme_command_works_as_written(command, capsys):
+    """A folder inside the image, not on this machine: its family is read from its name."""
+    assert main(["deploy", command, *README_FLUX]) == 0
+    captured = capsys.readouterr()
+    config = check_rayservice(captured.out) if command == "kuberay" else check_serve_config(captured.out)
+    args = config["applications"][0]["args"]
+    assert args == {
+        "model": "/models/FLUX.1-dev",
+        "device": "cuda",
+        "num_gpus": 8,
+        "dp_size": 2,
+        "ulysses_degree": 4,
+    }
+    assert captured.err == ""
+    # The name's family is checked: FLUX.1 has 24 heads, which Ulysses 16 does not divide.
+    assert main(["deploy", command, "--model", "/models/FLUX.1-dev", "--ulysses-degree", "16"]) == 2
+    assert "24 heads" in capsys.readouterr().err
+
+
+def test_an_unknown_folder_inside_the_image_deploys_with_a_note(capsys):
+    assert main(["deploy", "kuberay", "--model", "/models/mystery", "--num-gpus", "2", "--tp-size", "2"]) == 0
+    captured = capsys.readouterr()
+    check_rayservice(captured.out)
+    assert "ditserve: note: --model /models/mystery is not on this machine" in captured.err
+    assert "--model-kind" in captured.err
+    # the counts are checked all the same
+    assert main(["deploy", "kuberay", "--model", "/models/mystery", "--num-gpus", "3", "--tp-size", "2"]) == 2
+
+
+def test_deploy_help_says_how_model_paths_are_read(capsys):
+    with pytest.raises(SystemExit):
+        main(["deploy", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "any other path is taken as a folder inside the image" in out and "--model-kind" in out
+
+
+def test_fp8_gpu_config_without_dtype_deploys():
+    """--quantization fp8 --compile on GPU pods: dtype auto is bfloat16 there, so the config is valid."""
+    text = render(["kuberay", "--model", "/models/FLUX.1-dev", "--quantization", "fp8", "--compile"])
+    args = check_rayservice(text)["applications"][0]["args"]
+    assert args == {"model": "/models/FLUX.1-dev", "device": "cuda", "compile": True, "quantization": "fp8"}
+    (group,) = yaml.safe_load(text)["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"

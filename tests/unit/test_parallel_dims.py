@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import re
+
 import pytest
 from pydantic import ValidationError
 
@@ -61,12 +64,68 @@ def test_from_flags_num_gpus_counts_every_replica() -> None:
         ParallelDims.from_flags(num_gpus=8, dp_size=1, ulysses=2)
     message = str(info.value)
     assert "--num-gpus 8 / --dp-size 1 = 8 GPUs per replica" in message
-    assert "--ulysses-degree 2" in message and "pass --num-gpus 2" in message
+    assert "--ulysses-degree 2" in message and "`--num-gpus 8 --ulysses-degree 8`" in message
 
 
 def test_from_flags_dp_must_divide_num_gpus() -> None:
-    with pytest.raises(ValueError, match=r"--num-gpus 6 is not divisible by --dp-size 4.*e\.g\. 4\)"):
+    with pytest.raises(
+        ValueError, match=r"--num-gpus 6 is not divisible by --dp-size 4.*`--num-gpus 4 --dp-size 4`"
+    ):
         ParallelDims.from_flags(num_gpus=6, dp_size=4)
+
+
+SUGGESTION = re.compile(r"`(--[^`]+)`")
+FLAG_TO_ARG = {
+    "--num-gpus": "num_gpus",
+    "--dp-size": "dp_size",
+    "--cfg-parallel-size": "cfg",
+    "--tp-size": "tp",
+}
+FLAG_TO_ARG.update(
+    {"--ulysses-degree": "ulysses", "--ring-degree": "ring", "--kv-gather-degree": "kv_gather"}
+)
+
+
+def suggestions(message: str) -> list[dict[str, int]]:
+    """The layouts a message suggests, as from_flags arguments (flags not named are 1)."""
+    out = []
+    for text in SUGGESTION.findall(message.split("Legal layouts:", 1)[-1]):
+        words = text.split()
+        out.append(
+            {FLAG_TO_ARG[flag]: int(value) for flag, value in zip(words[::2], words[1::2], strict=True)}
+        )
+    return out
+
+
+def test_the_readme_layout_mistake_suggests_layouts_that_run() -> None:
+    """4 GPUs with Ulysses 3 on 8 heads: not --num-gpus 3 (3 does not divide 8), but layouts of 4 GPUs."""
+    with pytest.raises(ValueError) as info:
+        ParallelDims.from_flags(num_gpus=4, ulysses=3, num_heads=8)
+    legal = suggestions(str(info.value))
+    assert legal[0] == {"num_gpus": 4, "ulysses": 4}
+    assert all(layout["num_gpus"] == 4 for layout in legal)
+
+
+LAYOUTS = [
+    dict(num_gpus=g, dp_size=dp, cfg=c, tp=t, ulysses=u, ring=r, kv_gather=k)
+    for g, dp, c, t, u, (r, k) in itertools.product(
+        (None, 3, 4, 6, 8), (1, 2), (1, 2), (1, 2, 3), (1, 3, 4), ((1, 1), (2, 1), (1, 2), (2, 2))
+    )
+]
+
+
+@pytest.mark.parametrize("num_heads", [None, 8, 24])
+def test_every_suggestion_fed_back_validates(num_heads: int | None) -> None:
+    refused = offered = 0
+    for flags in LAYOUTS:
+        try:
+            ParallelDims.from_flags(**flags, num_heads=num_heads)
+        except ValueError as exc:
+            refused += 1
+            for layout in suggestions(str(exc)):
+                offered += 1
+                ParallelDims.from_flags(**layout, num_heads=num_heads)  # raises if a suggestion is wrong
+    assert refused > 100 and offered > refused  # the sweep did hit illegal layouts, each with suggestions
 
 
 @pytest.mark.parametrize(
