@@ -46,7 +46,8 @@ class Client:
 
     # -- images ------------------------------------------------------------------------------------------
     def generate(self, prompt: str, **fields: Any) -> list[bytes]:
-        """PNG bytes per image; ``fields`` are GenerateRequest's (size, n, seed, num_inference_steps...)."""
+        """A list of PNGs (bytes), one per image (``n``, default 1: ``generate(...)[0]`` is the image);
+        ``fields`` are GenerateRequest's (size, n, seed, num_inference_steps, lora...)."""
         return list(self._call("Generate", _image_request(prompt, fields)).images)
 
     def generate_stream(self, prompt: str, **fields: Any) -> Iterator[tuple[int, int, bytes | None]]:
