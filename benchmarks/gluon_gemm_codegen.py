@@ -19,7 +19,7 @@ def main() -> None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from ditserve.kernels.lora_expand.op import column_blocks
+    from ditserve.kernels._tiling import column_blocks
     from ditserve.kernels.lora_gemm.gluon_kernel import _gluon_lora_gemm_kernel
 
     t, h, n = 18432, 3072, 9216

@@ -64,20 +64,10 @@ from engine_vs_diffusers import (  # noqa: E402
     sync,
 )
 
-import ditserve.kernels.lora_expand.op as expand_op  # noqa: E402
-import ditserve.kernels.lora_linear.op as linear_op  # noqa: E402
+from ditserve.kernels.policy import KernelPolicy, active_policy, use_policy  # noqa: E402
 from ditserve.replica.engine import Engine  # noqa: E402
 from ditserve.replica.lora.loader import LoRAFile, LoRAModule  # noqa: E402
 from ditserve.replica.request import GenerationParams, LoRARef  # noqa: E402
-
-ROWS_TUNED = expand_op.ROWS_TUNED
-# the in-place expand's tiles before B and y went through TMA (--expand-ab)
-POINTER_ROWS = {
-    16: dict(ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=4, STAGES=2, num_warps=4),
-    32: dict(ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=4, STAGES=2, num_warps=4),
-    64: dict(ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=8),
-    128: dict(ROWS=1, BLOCK_M=128, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=8),
-}
 
 TARGETS = (
     "attn.to_q",
@@ -179,11 +169,6 @@ def main() -> None:
         help="engine rows: request i gets adapters a_i, a_i+1, ... (a style and a character); needs --no-peft",
     )
     parser.add_argument("--no-peft", action="store_true", help="skip the diffusers + PEFT rows")
-    parser.add_argument(
-        "--expand-ab",
-        action="store_true",
-        help="engine rows: also the fused and unfused modes with the in-place expand's earlier pointer tiles",
-    )
     parser.add_argument(
         "--compile", action="store_true", help="engine with --compile (regional torch.compile)"
     )
@@ -328,7 +313,9 @@ def main() -> None:
             for i in range(n)
         ]
 
-    gluon_default = linear_op.GLUON  # the engine's choice (DITSERVE_GLUON_GEMM); the modes below set it
+    gluon_default = (
+        active_policy().gluon
+    )  # the engine's choice (DITSERVE_GLUON_GEMM); the modes below keep it
     for rank in ranks:
         label = f"ditserve engine, rank {rank}, {args.adapters_per_request} adapter(s) per request"
         if over_budget(label):
@@ -366,35 +353,35 @@ def main() -> None:
                 "unshared",
                 "inplace",
             )
-            if args.expand_ab:  # the in-place expand with B and y through pointers (its tiles before TMA)
-                modes += ("fused, pointer expand", "inplace, pointer expand")
             if graphs is not None:  # the default engine on one GPU: every forward a CUDA graph
                 modes += ("none, graphs", "fused, graphs", "fused, triton, graphs")
 
             def set_mode(
                 mode: str, manager=manager, runner=runner, graphs=graphs, gluon_default=gluon_default
-            ) -> None:
+            ) -> KernelPolicy:
                 manager.fused = not mode.startswith("inplace")
                 manager.share_shrink = mode != "unshared"
-                linear_op.SHRINK_IN = not mode.startswith("two launches")
-                linear_op.ONE_LAUNCH_RULE = "wherever" not in mode
                 # the Gluon kernels (Hopper) where they apply, unless the mode asks for the Triton ones
-                linear_op.GLUON = gluon_default and "triton" not in mode
-                expand_op.ROWS_TUNED = POINTER_ROWS if mode.endswith("pointer expand") else ROWS_TUNED
+                policy = KernelPolicy(
+                    gluon=gluon_default and "triton" not in mode,
+                    shrink_in=not mode.startswith("two launches"),
+                    one_launch_rule="wherever" not in mode,
+                )
                 runner.graphs = graphs if mode.endswith(", graphs") else None
-                if graphs is not None and mode.endswith(", graphs") and set_mode.kernels != linear_op.GLUON:
+                if graphs is not None and mode.endswith(", graphs") and set_mode.kernels != policy.gluon:
                     graphs.clear()  # a graph holds the kernels it was captured with
-                    set_mode.kernels = linear_op.GLUON
+                    set_mode.kernels = policy.gluon
+                return policy
 
             set_mode.kernels = None
 
             for mode in modes:  # warm-up every path, then time them interleaved
-                set_mode(mode)
-                timed_steps(engine, batch(mode != "none"))
+                with use_policy(set_mode(mode)):
+                    timed_steps(engine, batch(mode != "none"))
             results: dict[str, list[float]] = {}
             for mode in modes + modes:
-                set_mode(mode)
-                times, outs = timed_steps(engine, batch(mode != "none"))
+                with use_policy(set_mode(mode)):
+                    times, outs = timed_steps(engine, batch(mode != "none"))
                 results.setdefault(mode, []).extend(times[1:])
                 if mode in ("fused", "fused, graphs", "fused, triton", "fused, triton, graphs", "none"):
                     # "fused": the engine's images against PEFT
@@ -416,7 +403,6 @@ def main() -> None:
             + ", ".join(f"{m_}: {statistics.median(t) * 1e3:.1f}" for m_, t in results.items()),
             flush=True,
         )
-        ab = {mode: statistics.median(results[mode]) / base for mode in results if "pointer" in mode}
         graphed = {
             m: statistics.median(results[m]) for m in ("none, graphs", "fused, graphs") if m in results
         }
@@ -480,7 +466,6 @@ def main() -> None:
                     if graphed
                     else {}
                 ),
-                **{f"ratio_{mode}": r for mode, r in ab.items()},
                 "psnr_vs_peft_min": min(psnrs) if psnrs else None,
                 "device": dev,
                 "commit": sha,
@@ -490,7 +475,6 @@ def main() -> None:
               f"({lora / base:.3f}×), {two * 1e3:.1f} ms with the shrink kernel launched first ({two / base:.3f}×), "
               f"{unshared * 1e3:.1f} ms with a shrink per linear ({unshared / base:.3f}×), "
               f"{inplace * 1e3:.1f} ms unfused ({inplace / base:.3f}×)"
-              + "".join(f", {mode} {r:.3f}×" for mode, r in ab.items())
               + (f"; with CUDA graphs {graphed['none, graphs'] * 1e3:.1f} ms no LoRA, "
                  f"{graphed['fused, graphs'] * 1e3:.1f} ms with LoRA "
                  f"({graphed['fused, graphs'] / graphed['none, graphs']:.3f}×)" if graphed else ""),
@@ -547,11 +531,6 @@ def main() -> None:
                     f"| {size} | ditserve engine, {n} LoRAs, CUDA graphs | {r['rank']} | {n} × {n} | — | "
                     f"{r['step_ms_lora_graphs']:.1f} | {r['ratio_graphs']:.3f}× (vs graphs without LoRA) | "
                     f"{r['step_ms_lora_graphs'] / r['step_ms_lora']:.3f}× | — |"
-                )
-            for key in (k for k in r if k.startswith("ratio_") and k.endswith("pointer expand")):
-                lines.append(
-                    f"| {size} | ditserve engine, {n} LoRAs, {key[6:]} | {r['rank']} | {n} × {n} | — | "
-                    f"{r[key] * r['step_ms_no_lora']:.1f} | {r[key]:.3f}× | {r[key] / r['ratio']:.3f}× | — |"
                 )
         else:
             same = engine_rows.get(r["rank"])

@@ -44,6 +44,7 @@ from ditserve.kernels.lora_linear.op import launch_lora_linear
 from ditserve.kernels.lora_linear.reference import lora_linear_ref
 from ditserve.kernels.lora_shrink.op import launch_lora_shrink
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref
+from ditserve.kernels.policy import KernelPolicy
 
 BATCHES = {
     "1x4608": [(4608, 0)],
@@ -544,12 +545,30 @@ def qkv_only(args, head: list[str]) -> None:
                         fns["gluon lora_gemm"] = _gemm_call(p, s, gcfg)
                         fns["gluon no LoRA"] = _gemm_call(p, s[:, :, :0], gcfg)
                         fns["lora_linear without Gluon"] = lambda p=p, seg=seg, m=m: launch_lora_linear(
-                            p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes, m.seg_align, gluon=False
+                            p.x,
+                            p.w,
+                            None,
+                            p.a,
+                            p.b,
+                            *seg,
+                            m.max_rank,
+                            p.sizes,
+                            m.seg_align,
+                            policy=KernelPolicy(gluon=False),
                         )
                         fns["lora_gemm no LoRA"] = _gemm_call(p, s[:, :, :0])
                         # the shrink inside the Gluon launch (the engine's path on Hopper)
                         fns["gluon lora_linear"] = lambda p=p, seg=seg, m=m: launch_lora_linear(
-                            p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes, m.seg_align, gluon=True
+                            p.x,
+                            p.w,
+                            None,
+                            p.a,
+                            p.b,
+                            *seg,
+                            m.max_rank,
+                            p.sizes,
+                            m.seg_align,
+                            policy=KernelPolicy(gluon=True),
                         )
                         # the same with its units all first (SPREAD 0), or spread whatever their width (2), or
                         # with the rank-16 LoRA MMA as a ring step (FOLD 0)

@@ -25,6 +25,7 @@ import lora_kernels as lk  # noqa: E402
 
 from ditserve.kernels._bench import make_problem  # noqa: E402
 from ditserve.kernels.lora_linear import op as linear_op  # noqa: E402
+from ditserve.kernels.policy import KernelPolicy  # noqa: E402
 
 # name -> (tokens per request, hidden, output slices)
 SHAPES = {
@@ -64,13 +65,10 @@ def main() -> None:
             seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
 
             def lora(shrink_in: bool, p=p, m=m, seg=seg):
-                saved, linear_op.SHRINK_IN = linear_op.SHRINK_IN, shrink_in
-                try:
-                    return linear_op.launch_lora_linear(
-                        p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes, m.seg_align, gluon=True
-                    )[0]
-                finally:
-                    linear_op.SHRINK_IN = saved
+                return linear_op.launch_lora_linear(
+                    p.x, p.w, None, p.a, p.b, *seg, m.max_rank, p.sizes, m.seg_align,
+                    policy=KernelPolicy(gluon=True, shrink_in=shrink_in),
+                )[0]  # fmt: skip
 
             one, two = lora(True), lora(False)
             ok = torch.allclose(one.float(), two.float(), atol=6e-2, rtol=3e-2)

@@ -32,8 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ditserve.kernels.lora_gemm.gluon_kernel import _tma_load, _tma_store
-from ditserve.kernels.lora_shrink.gluon_kernel import _block_segment
+from ditserve.kernels._gluon import _block_segment, _tma_load, _tma_store
 
 
 @gluon.jit

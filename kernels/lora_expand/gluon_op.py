@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 
 from ditserve.kernels._dispatch import block_rank, num_programs_limit, tma_ok
-from ditserve.kernels.lora_gemm.gluon_op import SMEM_LIMIT, _tma_desc, gluon_available
-from ditserve.kernels.lora_shrink.gluon_op import partition_regs
+from ditserve.kernels._hopper import SMEM_LIMIT, gluon_available, partition_regs
+from ditserve.kernels._hopper import tma_desc as _tma_desc
+from ditserve.kernels._tiling import column_blocks
 
 # 128-row tiles on two warpgroups, 64 columns, as many ring slots as fit (STAGES 0, at most MAX_STAGES), a slot
 # freed two TMA stores of y later (LAG); WG compute partitions of num_warps warps, each its own tiles
@@ -89,7 +90,6 @@ def launch_gluon_lora_expand(
 ) -> None:
     """y += scale · s · Bᵀ per row block's adapter (the caller checked `gluon_expand_ok`)."""
     from ditserve.kernels.lora_expand.gluon_kernel import _gluon_lora_expand_kernel
-    from ditserve.kernels.lora_expand.op import column_blocks
 
     num_tokens, n_total = y.shape
     rank_dim = s.shape[2]

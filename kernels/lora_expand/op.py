@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 
 from ditserve.kernels._dispatch import block_rank, num_programs_limit, tma_ok, use_triton
+from ditserve.kernels._tiling import column_blocks
+from ditserve.kernels.lora_expand import gluon_op
 from ditserve.kernels.lora_expand.reference import lora_expand_ref
+from ditserve.kernels.policy import KernelPolicy, active_policy
 
 MAX_SLICES = 4
 # BLOCK_R -> tiles measured best on an H200 (4x4608 tokens, QKV 3x3072; benchmarks/lora_kernels.py --sweep)
@@ -73,16 +76,15 @@ def expand_config(block_r: int, accumulate: bool = False, has_bias: bool = False
     return TUNED.get(block_r, dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2))
 
 
-def default_expand_config(num_slices: int, block_r: int, accumulate: bool, has_bias: bool) -> dict[str, int]:
+def default_expand_config(
+    num_slices: int, block_r: int, accumulate: bool, has_bias: bool, policy: KernelPolicy | None = None
+) -> dict[str, int]:
     """The expand's tiles when none are given: the Gluon kernel (GLUON=1) where H200 runs found it faster
     (`gluon_op.gluon_expand_choice`; the launch falls back to the Triton tiles where its contract does not hold,
     e.g. off Hopper; DITSERVE_GLUON_GEMM=0 turns it off with the other Gluon kernels), else `expand_config`."""
-    from ditserve.kernels.lora_linear import op as linear_op
-
-    if accumulate and not has_bias and linear_op.GLUON:
-        from ditserve.kernels.lora_expand.gluon_op import gluon_expand_choice
-
-        choice = gluon_expand_choice(num_slices, block_r)
+    policy = policy or active_policy()
+    if accumulate and not has_bias and policy.gluon:
+        choice = gluon_op.gluon_expand_choice(num_slices, block_r)
         if choice is not None:
             return {"GLUON": 1, **choice}
     return expand_config(block_r, accumulate, has_bias)
@@ -108,30 +110,6 @@ def b_descriptor(b_stacked: torch.Tensor, want: bool, block_n: int, block_r: int
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor.from_tensor(b_rows, [block_n, block_r])
-
-
-def column_blocks(out_slice_sizes: list[int], block_n: int) -> tuple[list[int], list[int], int]:
-    """Slice boundaries (col1..col3) and first column block of slices 1..3, padded for absent slices,
-    and the total number of column blocks."""
-    cols, blks = [], []
-    col = blk = 0
-    for n in out_slice_sizes:
-        cols.append(col)
-        blks.append(blk)
-        col += n
-        blk += -(-n // block_n)
-    cols, blks = cols[1:], blks[1:]
-    cols += [col] * (3 - len(cols))
-    blks += [blk] * (3 - len(blks))
-    return cols, blks, blk
-
-
-def column_align(cols: list[int]) -> int:
-    """The widest power of two (≤ 16) dividing every slice boundary: lets y and bias use vector accesses."""
-    align = 16
-    while align > 1 and any(c % align for c in cols):
-        align //= 2
-    return align
 
 
 def _check(y, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank, sizes, bias):
@@ -167,6 +145,7 @@ def launch_lora_expand(
     bias: torch.Tensor | None = None,  # [sum(out_slice_sizes)], y's dtype
     config: dict[str, int] | None = None,  # tile override (benchmarks); GLUON=1: the Gluon kernel for Hopper
     seg_align: int = 1,  # LoRABatchMeta.seg_align: the Gluon kernel needs segments on its row blocks
+    policy: KernelPolicy | None = None,  # which variants the default may take (None: active_policy())
 ) -> None:
     from ditserve.kernels.lora_expand.kernel import _lora_expand_kernel, _lora_expand_rows_kernel
 
@@ -181,10 +160,10 @@ def launch_lora_expand(
             y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
         return
     block_r = block_rank(rank_dim)
-    cfg = dict(config or default_expand_config(len(out_slice_sizes), block_r, accumulate, bias is not None))
+    cfg = dict(
+        config or default_expand_config(len(out_slice_sizes), block_r, accumulate, bias is not None, policy)
+    )
     if cfg.pop("GLUON", 0):  # the Gluon kernel where its contract holds, else the Triton kernel's tiles
-        from ditserve.kernels.lora_expand import gluon_op
-
         if (
             accumulate
             and bias is None

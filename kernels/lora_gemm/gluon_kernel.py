@@ -37,12 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-# names that newer Triton changed (3.9: the old ones raise or are gone): the TMA copies (async_load /
-# async_store, before async_copy_global_to_shared / async_copy_shared_to_global) and the CTA barrier
-# (barrier, before thread_barrier)
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+from ditserve.kernels._gluon import _cta_barrier, _store_s, _tma_load, _tma_store
 
 
 @gluon.jit
@@ -735,24 +730,6 @@ def _unit_mma(acc_a, acc_b, x_op, a_op, a0, use_acc, N_A: gl.constexpr, N_B: gl.
         tok_b = warpgroup_mma(x_op, a_op.slice(a0 + N_A, N_B, dim=0).permute((1, 0)), acc_b, use_acc=use_acc,
                               is_async=True)  # fmt: skip
     return tok_a, tok_b
-
-
-@gluon.jit
-def _store_s(acc, g0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N: gl.constexpr,
-             SHRINK_G: gl.constexpr, SHRINK_R: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-    """s[g0 + c // SHRINK_R, rows, c % SHRINK_R] = acc[:, c] for the columns of real slices within s_cols."""
-    layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N, 16]
-    )
-    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, N, layout=gl.SliceLayout(0, layout))
-    g = g0 + cols // SHRINK_R
-    r = cols % SHRINK_R
-    # A rows past the slot's rank belong to the next slot (or are zeros): drop them
-    acc = gl.where((r < rank)[None, :], acc, 0.0)
-    ptrs = s_ptr + g.to(gl.int64)[None, :] * stride_ss + rows.to(gl.int64)[:, None] * stride_st + r[None, :]
-    mask = (rows < num_tokens)[:, None] & ((r < s_cols) & (g < SHRINK_G))[None, :]
-    gl.store(ptrs, acc.to(s_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ditserve.kernels._dispatch import next_pow2, num_programs_limit, tma_ok, zeroed_scratch
-from ditserve.kernels.lora_expand.op import column_blocks
+from ditserve.kernels._hopper import SMEM_LIMIT, gluon_available
+from ditserve.kernels._hopper import tma_desc as _tma_desc
+from ditserve.kernels._tiling import column_blocks
 
 # 128×256 tiles over 8 warps (two warpgroups of 64 rows), 64-wide K steps, a ring of 3 slots (3 × 48 KB)
 # next to a 64 KB store buffer, 16 row blocks per column block in the tile order. The shrink inside the
@@ -46,37 +46,6 @@ GLUON_CONFIG = dict(
 )
 
 
-# Triton versions (major, minor) the Gluon kernels were compiled and tested with on a Hopper GPU. Gluon's
-# API and checks still change between versions: Triton 3.9 renames the TMA copies and the CTA barrier
-# (gluon_kernel.py takes either name: the same PTX on 3.6) and refuses a TMA box that differs from its
-# shared-memory buffer, which the ring's LoRA load (dead code under FOLD) does; with any other version the
-# Triton kernels run.
-GLUON_TRITON = ((3, 6),)
-
-
-def gluon_triton_ok(version: str) -> bool:
-    """Whether the Gluon kernels are used with this Triton version ("3.6.0" yes; "3.9.0" not yet)."""
-    major, minor = (int(p) for p in version.split(".")[:2])
-    return (major, minor) in GLUON_TRITON
-
-
-@functools.cache
-def gluon_available(device_index: int) -> bool:
-    """A Hopper GPU (warpgroup MMA) and a Triton with Gluon's Hopper module, of a version the kernels were
-    tested with (`GLUON_TRITON`)."""
-    if torch.cuda.get_device_capability(device_index) != (9, 0):
-        return False
-    import triton
-
-    if not gluon_triton_ok(triton.__version__):
-        return False
-    try:
-        from ditserve.kernels.lora_gemm import gluon_kernel  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def gluon_ok(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -110,18 +79,6 @@ def gluon_ok(
         if not tma_ok(s.flatten(0, 1), b_stacked.flatten(0, 1)):
             return False
     return True
-
-
-def _tma_desc(t: torch.Tensor, block: list[int]):
-    """A TMA descriptor of t (bf16/fp16) for boxes of `block`, in the default shared layout of that box."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    gdt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
-
-
-SMEM_LIMIT = 232448  # bytes of shared memory a program may use on sm_90
 
 
 def gemm_smem(cfg: dict[str, int], fold: bool, itemsize: int = 2) -> int:

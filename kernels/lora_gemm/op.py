@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ditserve.kernels._dispatch import next_pow2, num_programs_limit, tma_ok, use_triton
-from ditserve.kernels.lora_expand.op import column_align, column_blocks
+from ditserve.kernels._tiling import column_align, column_blocks
 from ditserve.kernels.lora_gemm import gluon_op
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 

@@ -3,15 +3,13 @@
 Where `lora_gemm.op.shrink_in_ok` holds (Triton runs, TMA, segments aligned to the row blocks: Flux's
 image and text tokens at the usual sizes), one `lora_gemm` launch computes s on the programs the last
 round of tiles leaves idle and adds the expand in the K loop (SHRINK_IN, see `lora_gemm/kernel.py`);
-elsewhere the scaled shrink kernel runs first, then `lora_gemm`. With GLUON on a Hopper GPU the Gluon
+elsewhere the scaled shrink kernel runs first, then `lora_gemm`. With `KernelPolicy.gluon` on Hopper the Gluon
 kernels take their place where their contract holds: the same one launch for ranks up to 64, else the
 shrink kernel and the Gluon GEMM. s is returned for every slice of a_stacked, which may hold more slices
 than the output: a group of linears on one input (q, k, v) shares it.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -21,23 +19,13 @@ from ditserve.kernels.lora_gemm.op import launch_lora_gemm, shrink_in_ok
 from ditserve.kernels.lora_linear.reference import lora_linear_ref
 from ditserve.kernels.lora_shrink.op import launch_lora_shrink, scaled_cols
 from ditserve.kernels.lora_shrink.reference import lora_shrink_scaled_ref
+from ditserve.kernels.policy import KernelPolicy, active_policy
 
 MAX_SLICES = 4
-# False: always the shrink kernel, then lora_gemm (benchmarks time the two forms against each other)
-SHRINK_IN = True
-# True (the default): on Hopper, where its contract holds, the Gluon lora_gemm (gluon_kernel.py), whose LoRA
-# step multiplies only the rank columns (a 16-wide MMA at rank 16) instead of a 64-wide K step: with SHRINK_IN
-# and ranks ≤ 64 one launch that also computes s (`launch_gluon_lora_linear`), else the shrink kernel
-# first; elsewhere the Triton kernels. DITSERVE_GLUON_GEMM=0 turns it off (BENCHMARKS.md, "The GEMM in
-# Gluon" and after)
-GLUON = os.environ.get("DITSERVE_GLUON_GEMM", "1") != "0"
 # The one Gluon launch only where its shrink units are narrow enough to spread over the run (slices × rank
 # columns ≤ this: rank 16 with 3 or 4 slices); wider units run before the tiles, which costs more than the
-# shrink kernel on one request (H200, QKV, 1 × 4608 tokens, rank 64: +14.1 % against +8.6 % over cuBLAS;
-# BENCHMARKS.md), so there the shrink kernel and the Gluon GEMM run
+# shrink kernel on one request, so there the shrink kernel and the Gluon GEMM run
 GLUON_ONE_LAUNCH_COLS = gluon_op.NARROW_UNIT_COLS
-# True: the one launch only where `one_launch_pays` (False: wherever it applies; benchmarks compare)
-ONE_LAUNCH_RULE = True
 # `one_launch_pays`: row blocks (shrink units) per program with one tile less in the last round, and the
 # hidden size, above which the shrink kernel before the GEMM is faster
 UNITS_PER_IDLE = 4
@@ -88,18 +76,19 @@ def launch_lora_linear(
     seg_align: int = 1,  # LoRABatchMeta.seg_align
     config: dict[str, int]
     | None = None,  # lora_gemm tile override (benchmarks, tests); SHRINK_IN=0: two launches
-    gluon: bool | None = None,  # the Gluon GEMM where it applies (None: GLUON; benchmarks compare)
+    policy: KernelPolicy | None = None,  # which variants may run (None: active_policy())
 ) -> tuple[torch.Tensor, torch.Tensor]:  # y [num_tokens, sum(sizes)]; s [groups, num_tokens, scaled_cols]
     _check(x, a_stacked, b_stacked, max_rank, out_slice_sizes)
+    policy = policy or active_policy()
     seg = (token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank)
-    use_gluon = (GLUON if gluon is None else gluon) and config is None
+    use_gluon = policy.gluon and config is None
     if (
         use_gluon
-        and SHRINK_IN
+        and policy.shrink_in
         and gluon_op.unit_cols(a_stacked.shape[0], max_rank) <= GLUON_ONE_LAUNCH_COLS
         and gluon_op.gluon_linear_ok(x, weight, a_stacked, b_stacked, max_rank, out_slice_sizes, seg_align)
         and (
-            not ONE_LAUNCH_RULE
+            not policy.one_launch_rule
             or one_launch_pays(x.shape[0], x.shape[1], out_slice_sizes, num_programs_limit(x.device))
         )
     ):
@@ -109,20 +98,27 @@ def launch_lora_linear(
         )  # fmt: skip
     if use_gluon and gluon_op.gluon_ok(x, weight, None, b_stacked, out_slice_sizes, True, seg_align):
         s = launch_lora_shrink(
-            x, a_stacked, *seg[:4], slot_rank, max_rank, seg_scale=seg_scale, seg_align=seg_align
+            x,
+            a_stacked,
+            *seg[:4],
+            slot_rank,
+            max_rank,
+            seg_scale=seg_scale,
+            seg_align=seg_align,
+            policy=policy,
         )
         ns = len(out_slice_sizes)
         y = gluon_op.launch_gluon_lora_gemm(
             x, weight, bias, s[:ns], b_stacked, token_seg, seg_slot, out_slice_sizes
         )
         return y, s
-    if SHRINK_IN and shrink_in_ok(x, weight, a_stacked, b_stacked, seg_align, config):
+    if policy.shrink_in and shrink_in_ok(x, weight, a_stacked, b_stacked, seg_align, config):
         s = x.new_empty((a_stacked.shape[0], x.shape[0], scaled_cols(max_rank)))
         y = launch_lora_gemm(x, weight, bias, s, b_stacked, *seg, out_slice_sizes, config=config, s_scaled=True,
                              seg_align=seg_align, a_stacked=a_stacked)  # fmt: skip
         return y, s
     s = launch_lora_shrink(
-        x, a_stacked, *seg[:4], slot_rank, max_rank, seg_scale=seg_scale, seg_align=seg_align
+        x, a_stacked, *seg[:4], slot_rank, max_rank, seg_scale=seg_scale, seg_align=seg_align, policy=policy
     )
     ns = len(out_slice_sizes)
     y = launch_lora_gemm(x, weight, bias, s[:ns], b_stacked, *seg, out_slice_sizes, config=config, s_scaled=True,

@@ -28,24 +28,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from ditserve.kernels.lora_gemm.gluon_kernel import _store_s, _tma_load
-
-
-@gluon.jit
-def _segment_adapter(seg, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr):
-    """Segment seg's (slot, rank, scale): its adapter slot (-1: none), that slot's rank (0 without one) and the
-    segment's scale."""
-    slot = gl.load(seg_slot_ptr + seg)
-    rank = gl.where(slot >= 0, gl.load(slot_rank_ptr + gl.maximum(slot, 0)), 0)
-    scale = gl.load(seg_scale_ptr + seg)
-    return slot, rank, scale
-
-
-@gluon.jit
-def _block_segment(rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, ROWS: gl.constexpr):
-    """Row block rb's (slot, rank, scale), from its first row's segment (the Gluon expand's blocks, which hold
-    one segment each)."""
-    return _segment_adapter(gl.load(token_seg_ptr + rb * ROWS), seg_slot_ptr, slot_rank_ptr, seg_scale_ptr)
+from ditserve.kernels._gluon import _segment_adapter, _store_s, _tma_load
 
 
 @gluon.jit

@@ -5,22 +5,29 @@ from __future__ import annotations
 import torch
 
 from ditserve.kernels._dispatch import block_rank, next_pow2, num_programs_limit, tma_ok
-from ditserve.kernels.lora_gemm.gluon_op import SMEM_LIMIT, _tma_desc, gluon_available
+from ditserve.kernels._hopper import SMEM_LIMIT, gluon_available, partition_regs
+from ditserve.kernels._hopper import tma_desc as _tma_desc
 
 # 64-row blocks on one MMA warpgroup and a loader warp, 64-wide K steps, STAGES ring slots (0: as many as fit
 # in shared memory, at most MAX_STAGES); WG MMA partitions of num_warps warps and BLOCK_M rows each make a row
 # block of WG · BLOCK_M rows.
 GLUON_SHRINK_CONFIG = dict(BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4, WG=1)
+# the forms measured (sweep candidates; GLUON=1 selects this kernel in `launch_lora_shrink`): one wave of
+# programs, each walking a few consecutive row blocks through one deep ring (STAGES 0: as many slots as fit)
+# fed by a loader warp; WG MMA partitions of one warpgroup each make row blocks of 128 / 192 rows
+GLUON_FORMS: dict[str, dict[str, int]] = {
+    "gluon": dict(GLUON=1, BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4),
+    "gluon k128": dict(GLUON=1, BLOCK_M=64, BLOCK_K=128, STAGES=0, num_warps=4),
+    "gluon 128": dict(GLUON=1, BLOCK_M=128, BLOCK_K=64, STAGES=0, num_warps=8),
+    "gluon 128 k128": dict(GLUON=1, BLOCK_M=128, BLOCK_K=128, STAGES=0, num_warps=8),
+    "gluon w2": dict(GLUON=1, BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4, WG=2),
+    "gluon w3": dict(GLUON=1, BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4, WG=3),
+    "gluon w3 k128": dict(GLUON=1, BLOCK_M=64, BLOCK_K=128, STAGES=0, num_warps=4, WG=3),
+    "gluon w3 k32": dict(GLUON=1, BLOCK_M=64, BLOCK_K=32, STAGES=0, num_warps=4, WG=3),
+    "gluon 128 k32": dict(GLUON=1, BLOCK_M=128, BLOCK_K=32, STAGES=0, num_warps=8),
+}
 TAIL_ROWS = 16  # rows of the boxes that bring a piece's last rows where it does not fill an MMA partition
 MAX_STAGES = 16
-REGISTERS = 65536  # 32-bit registers of an SM, shared by a program's warps
-
-
-def partition_regs(wg: int, warps: int) -> int:
-    """Registers per thread a program of WG MMA partitions and the loader warp starts with (what ptxas reports
-    for it: the warps counted in whole warpgroups, 8-register steps; 168 / 128 at WG 2 / 3)."""
-    groups = -(-(wg * warps + 1) // 4)
-    return REGISTERS // (groups * 4 * 32) // 8 * 8
 
 
 # Where the Gluon shrink is the default (lora_shrink/op.py SCALED_SWEEP names), by (slices, rank tile), for
@@ -108,9 +115,7 @@ def gluon_shrink_choice(
 
 def block_rows(name: str) -> int:
     """Rows of a row block of the SCALED_SWEEP form `name` (WG · BLOCK_M)."""
-    from ditserve.kernels.lora_shrink.op import SCALED_SWEEP
-
-    cfg = SCALED_SWEEP[name]
+    cfg = GLUON_FORMS[name]
     return cfg.get("WG", 1) * cfg["BLOCK_M"]
 
 

@@ -12,7 +12,11 @@ from ditserve.kernels._dispatch import (
     use_triton,
     zeroed_scratch,
 )
+from ditserve.kernels._hopper import gluon_available
+from ditserve.kernels.lora_shrink import gluon_op
+from ditserve.kernels.lora_shrink.gluon_op import GLUON_FORMS, gluon_shrink_choice
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref
+from ditserve.kernels.policy import KernelPolicy, active_policy
 
 MAX_SLICES = 4
 # (num_slices, BLOCK_R) -> tiles measured best on an H200 (hidden 3072, 4608 and 4x4608 tokens; sweep in
@@ -83,19 +87,8 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     # wider K steps on 64-row blocks (one request of 4608 tokens and the skewed mix, rank 16: 15.0 and 21.9 µs
     # against 15.7 and 25.0 for the defaults, H200, read flush)
     "tma 64/128/4/4": dict(BLOCK_M=64, BLOCK_K=128, num_warps=4, num_stages=4, TMA=1),
-    # the Gluon kernel for Hopper (gluon_kernel.py): one wave of programs, each walking a few consecutive row
-    # blocks through one deep ring (STAGES 0: as many slots as fit) fed by a loader warp
-    "gluon": dict(GLUON=1, BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4),
-    "gluon k128": dict(GLUON=1, BLOCK_M=64, BLOCK_K=128, STAGES=0, num_warps=4),
-    "gluon 128": dict(GLUON=1, BLOCK_M=128, BLOCK_K=64, STAGES=0, num_warps=8),
-    "gluon 128 k128": dict(GLUON=1, BLOCK_M=128, BLOCK_K=128, STAGES=0, num_warps=8),
-    # WG MMA partitions of one warpgroup each: row blocks of 128 / 192 rows with WG warpgroups issuing
-    # MMAs apart (4 × 4608 tokens with 192 rows: 96 programs of one block)
-    "gluon w2": dict(GLUON=1, BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4, WG=2),
-    "gluon w3": dict(GLUON=1, BLOCK_M=64, BLOCK_K=64, STAGES=0, num_warps=4, WG=3),
-    "gluon w3 k128": dict(GLUON=1, BLOCK_M=64, BLOCK_K=128, STAGES=0, num_warps=4, WG=3),
-    "gluon w3 k32": dict(GLUON=1, BLOCK_M=64, BLOCK_K=32, STAGES=0, num_warps=4, WG=3),
-    "gluon 128 k32": dict(GLUON=1, BLOCK_M=128, BLOCK_K=32, STAGES=0, num_warps=8),
+    # the Gluon kernel for Hopper (gluon_op.GLUON_FORMS)
+    **GLUON_FORMS,
 }
 
 # The segmented kernel's defaults (fp32 and scaled outputs) where H200 sweeps (hidden 3072; 4x4608 tokens,
@@ -149,20 +142,21 @@ def segmented_config(num_slices: int, block_r: int, num_tokens: int, device: tor
 
 
 def default_config(
-    num_slices: int, block_r: int, num_tokens: int, device: torch.device, seg_align: int = 1
+    num_slices: int,
+    block_r: int,
+    num_tokens: int,
+    device: torch.device,
+    seg_align: int = 1,
+    policy: KernelPolicy | None = None,
 ) -> dict[str, int]:
     """The shrink's tiles when none are given: on Hopper with the Gluon kernels the Gluon shrink where H200 runs
     found it faster (`gluon_op.gluon_shrink_choice`; the launch falls back to the Triton tiles where its
     contract does not hold; DITSERVE_GLUON_GEMM=0 turns it off with the Gluon GEMM), else `segmented_config`."""
-    if device.type == "cuda":
-        from ditserve.kernels.lora_gemm.gluon_op import gluon_available
-        from ditserve.kernels.lora_linear import op as linear_op
-        from ditserve.kernels.lora_shrink.gluon_op import gluon_shrink_choice
-
-        if linear_op.GLUON and gluon_available(device.index or 0):
-            name = gluon_shrink_choice(num_slices, block_r, num_tokens, num_programs_limit(device), seg_align)
-            if name is not None:
-                return SCALED_SWEEP[name]
+    policy = policy or active_policy()
+    if device.type == "cuda" and policy.gluon and gluon_available(device.index or 0):
+        name = gluon_shrink_choice(num_slices, block_r, num_tokens, num_programs_limit(device), seg_align)
+        if name is not None:
+            return GLUON_FORMS[name]
     return segmented_config(num_slices, block_r, num_tokens, device)
 
 
@@ -212,6 +206,7 @@ def launch_lora_shrink(
     seg_scale: torch.Tensor | None = None,  # [num_segments] fp32: write scale(t) · s in x's dtype instead
     seg_align: int = 1,  # LoRABatchMeta.seg_align: the Gluon kernel's forms are the default only where
     # segments lie on their row blocks (`default_config`)
+    policy: KernelPolicy | None = None,  # which variants the default may take (None: active_policy())
 ) -> torch.Tensor:  # [num_slices, num_tokens, rank_dim] fp32, or [.., scaled_cols(rank_dim)] x's dtype
     from ditserve.kernels.lora_shrink.kernel import _lora_shrink_kernel
 
@@ -226,10 +221,8 @@ def launch_lora_shrink(
     if num_tokens == 0 or rank_dim == 0:
         return s.zero_()
     block_r = block_rank(s.shape[2])
-    cfg = dict(config or default_config(num_slices, block_r, num_tokens, x.device, seg_align))
+    cfg = dict(config or default_config(num_slices, block_r, num_tokens, x.device, seg_align, policy))
     if cfg.pop("GLUON", 0):  # the Gluon kernel where its contract holds, else the Triton kernel's tiles
-        from ditserve.kernels.lora_shrink import gluon_op
-
         if gluon_op.gluon_shrink_ok(x, a_stacked, s.shape[2], cfg):
             seg = (token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank)
             gluon_op.launch_gluon_lora_shrink(x, a_stacked, s, *seg, cfg)

@@ -123,9 +123,10 @@ def gluon_launches(monkeypatch) -> list[str]:
     launch of one: "gemm" (the GEMM on a given s) or "linear" (the shrink inside the launch)."""
     import pytest
 
+    from ditserve.kernels._hopper import gluon_available
     from ditserve.kernels.lora_gemm import gluon_op
 
-    if not gluon_op.gluon_available(torch.cuda.current_device()):
+    if not gluon_available(torch.cuda.current_device()):
         pytest.skip(
             "the Gluon kernel needs a Hopper GPU (sm_90) and a Triton it was tested with (GLUON_TRITON)"
         )

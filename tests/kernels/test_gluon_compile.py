@@ -5,7 +5,7 @@ checks or fits shared memory. Whether the code is right, and fast, is for the GP
 
 Without FOLD (the rank-16 LoRA MMA after the K steps, from boxes of their own): Triton 3.9's Gluon refuses
 the ring's LoRA load that FOLD leaves dead (a box narrower than its ring slot), so those kernels compile only
-with the Triton they run with (3.6, `gluon_op.GLUON_TRITON`)."""
+with the Triton they run with (3.6, `_hopper.GLUON_TRITON`)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from ditserve.kernels._hopper import SMEM_LIMIT  # noqa: E402
 
 HIDDEN = 3072
 SIZES = [3072, 3072, 3072]
@@ -131,7 +133,7 @@ def _compile(kernel: str, cfg: dict, rank: int) -> dict:
         wgmma="wgmma.mma_async" in ptx,
         tma="cp.async.bulk.tensor" in ptx,
         shared=compiled.metadata.shared,
-        limit=gluon_op.SMEM_LIMIT,
+        limit=SMEM_LIMIT,
     )
 
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from triton.runtime.errors import OutOfResources
 
 from ditserve.kernels._dispatch import block_rank, next_pow2
+from ditserve.kernels._hopper import partition_regs
 from ditserve.kernels.lora import lora_linear
 from ditserve.kernels.lora_gemm.op import SWEEP, TUNED, launch_lora_gemm, resolve_config
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
@@ -596,7 +597,7 @@ def test_bf16_gpu_gluon_shrink(name, num_slices, requests, ranks):
     partitions of one warpgroup each (128-192 rows), 32- to 128-wide K steps, segments on its row blocks or
     anywhere, bf16 scale · s and fp32 s against the references, launch after launch; it must take these batches
     (a test of the fallback it is not)."""
-    from ditserve.kernels.lora_gemm.gluon_op import gluon_available
+    from ditserve.kernels._hopper import gluon_available
     from ditserve.kernels.lora_shrink import gluon_op
 
     if not gluon_available(torch.cuda.current_device()):
@@ -614,7 +615,7 @@ def test_bf16_gpu_gluon_shrink(name, num_slices, requests, ranks):
         assert not gluon_op.gluon_shrink_ok(x, a, s_cols, cfg)
         pytest.skip("more columns than one MMA: the Triton kernels")
     wg = cfg.get("WG", 1)
-    if wg > 1 and num_slices * block_rank(s_cols) // 2 > gluon_op.partition_regs(wg, cfg["num_warps"]) - 32:
+    if wg > 1 and num_slices * block_rank(s_cols) // 2 > partition_regs(wg, cfg["num_warps"]) - 32:
         assert not gluon_op.gluon_shrink_ok(x, a, s_cols, cfg)
         pytest.skip("accumulators past the registers of a partition: the Triton kernels")
     assert gluon_op.gluon_shrink_ok(x, a, s_cols, cfg)

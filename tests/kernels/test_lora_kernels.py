@@ -17,6 +17,7 @@ from ditserve.kernels.lora_shrink.op import launch_lora_shrink
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref
 from ditserve.kernels.lora_shrink_sgmv.op import launch_lora_shrink_sgmv
 from ditserve.kernels.lora_shrink_sgmv.reference import lora_shrink_sgmv_ref
+from ditserve.kernels.policy import KernelPolicy
 from tests.kernels.lora_cases import dense_oracle, layouts, make_case
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -261,7 +262,6 @@ def test_default_expand_takes_gluon_where_measured_faster(monkeypatch, num_slice
     kernel; and off Hopper (here, the real contract) or with the Gluon kernels turned off the Triton kernel at 3
     slices too."""
     from ditserve.kernels.lora_expand import gluon_op
-    from ditserve.kernels.lora_linear import op as linear_op
 
     sizes = [16] * num_slices
     layout = ([(64, 1), (64, -1), (64, 0)], [rank, rank, 0, 8], None)
@@ -275,9 +275,9 @@ def test_default_expand_takes_gluon_where_measured_faster(monkeypatch, num_slice
     monkeypatch.setattr(gluon_op, "launch_gluon_lora_expand", lambda *a: seen.append(a[-1]))
     launch_lora_expand(c.y.clone(), s, c.b, m.token_seg, *seg, c.sizes, seg_align=m.seg_align)
     assert seen == ([gluon_op.GLUON_EXPAND_TUNED[(3, 128)]] if gluon else [])
-    monkeypatch.setattr(linear_op, "GLUON", False)  # DITSERVE_GLUON_GEMM=0: the Triton kernel everywhere
-    seen.clear()
-    launch_lora_expand(c.y.clone(), s, c.b, m.token_seg, *seg, c.sizes, seg_align=m.seg_align)
+    seen.clear()  # DITSERVE_GLUON_GEMM=0: the Triton kernel everywhere
+    launch_lora_expand(c.y.clone(), s, c.b, m.token_seg, *seg, c.sizes, seg_align=m.seg_align,
+                       policy=KernelPolicy(gluon=False))  # fmt: skip
     assert seen == []
 
 
@@ -286,8 +286,8 @@ def test_default_expand_takes_gluon_where_measured_faster(monkeypatch, num_slice
 def test_gluon_expand_ring_fills_shared_memory_per_partition(wg, bm, bn, rank_tile):
     """The Gluon expand's ring: as many slots as fit beside every compute partition's scaled s, a multiple of
     the partitions (a slot always serves the same one), WG more would not fit (or MAX_STAGES)."""
+    from ditserve.kernels._hopper import SMEM_LIMIT
     from ditserve.kernels.lora_expand.gluon_op import MAX_STAGES, expand_smem
-    from ditserve.kernels.lora_gemm.gluon_op import SMEM_LIMIT
 
     cfg = dict(BLOCK_M=bm, BLOCK_N=bn, STAGES=0, LAG=0, num_warps=4, WG=wg)
     stages, smem = expand_smem(cfg, rank_tile)

@@ -167,8 +167,8 @@ def test_inductor_compiles_around_custom_ops():
 def test_bf16_gluon_expand(requests, ranks, num_slices, name, cfg):
     """The Gluon in-place expand (Hopper, a sweep candidate) against the reference, launch after launch, on
     batches whose segments lie on its row blocks; it must take them (a test of the fallback it is not)."""
+    from ditserve.kernels._hopper import gluon_available
     from ditserve.kernels.lora_expand import gluon_op
-    from ditserve.kernels.lora_gemm.gluon_op import gluon_available
 
     if not gluon_available(torch.cuda.current_device()):
         pytest.skip("the Gluon kernels need a Hopper GPU (sm_90) and a Triton they were tested with")
@@ -199,8 +199,8 @@ def test_bf16_gluon_expand(requests, ranks, num_slices, name, cfg):
 def test_bf16_default_expand_aligned_qkv_rank128_takes_gluon():
     """QKV at rank 128 on requests of 4608 tokens (Flux 1024²) and one without an adapter: `apply_lora`'s
     default expand is the Gluon kernel here (its contract holds) and equals the reference."""
+    from ditserve.kernels._hopper import gluon_available
     from ditserve.kernels.lora_expand import gluon_op
-    from ditserve.kernels.lora_gemm.gluon_op import gluon_available
 
     if not gluon_available(torch.cuda.current_device()):
         pytest.skip("the Gluon kernels need a Hopper GPU (sm_90) and a Triton they were tested with")
@@ -230,7 +230,7 @@ def test_bf16_default_shrink_off_row_blocks_takes_gluon(num_slices, rank):
     """Requests of 4600 tokens (segments off every 64-row block), one without an adapter: the default shrink is
     the Gluon kernel's 64-row form here (pieces that end at segment ends) and equals the reference, fp32 s and
     bf16 scale · s, launch after launch."""
-    from ditserve.kernels.lora_gemm.gluon_op import gluon_available
+    from ditserve.kernels._hopper import gluon_available
     from ditserve.kernels.lora_shrink.gluon_op import gluon_shrink_choice
     from ditserve.kernels.lora_shrink.op import launch_lora_shrink
     from ditserve.kernels.lora_shrink.reference import lora_shrink_scaled_ref

@@ -10,12 +10,17 @@ from hypothesis import strategies as st
 
 import ditserve.kernels.lora_linear.op as linear_op
 from ditserve.kernels._dispatch import num_programs_limit
+from ditserve.kernels._hopper import SMEM_LIMIT, gluon_triton_ok
 from ditserve.kernels.lora_gemm.op import gemm_config, shrink_in_ok
 from ditserve.kernels.lora_linear.op import launch_lora_linear, lora_linear_op
 from ditserve.kernels.lora_linear.reference import lora_linear_ref
 from ditserve.kernels.lora_shrink.reference import lora_shrink_scaled_ref
+from ditserve.kernels.policy import KernelPolicy
 from tests.kernels.lora_cases import MAX_LORAS, gluon_launches, gpu_problem, layouts, make_case
 
+GLUON = KernelPolicy(gluon=True)
+TRITON = KernelPolicy(gluon=False)
+ANY_ONE_LAUNCH = KernelPolicy(gluon=True, one_launch_rule=False)
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=3e-2, rtol=2e-2)}
 
@@ -139,10 +144,9 @@ def test_first_tiles_wait_for_their_shrink(no_shrink_kernel):
 def test_gluon_kernels_only_with_the_triton_they_were_tested_with():
     """The Gluon kernels run with the Triton versions in GLUON_TRITON (3.6, the one they were tested with on
     the GPU); Triton 3.9, whose Gluon refuses them, runs the Triton kernels."""
-    from ditserve.kernels.lora_gemm import gluon_op
 
-    assert gluon_op.gluon_triton_ok("3.6.0") and gluon_op.gluon_triton_ok("3.6.1+git1234")
-    assert not gluon_op.gluon_triton_ok("3.9.0") and not gluon_op.gluon_triton_ok("3.10.0")
+    assert gluon_triton_ok("3.6.0") and gluon_triton_ok("3.6.1+git1234")
+    assert not gluon_triton_ok("3.9.0") and not gluon_triton_ok("3.10.0")
 
 
 def test_gluon_units_due_early_where_tiles_wait_before_their_k_steps():
@@ -185,7 +189,7 @@ def test_gluon_gemm_shared_memory_and_fold():
     assert gluon_op.gemm_smem(whole, False) == 2 * (3 * 384 * 64 + 128 * 256)
     assert gluon_op._fold(cfg, 1, 16, 3072) and gluon_op._fold(whole, 1, 16, 3072)
     four = {**cfg, "NUM_BUFFERS": 4, "EPI_SPLIT": 2, "EPI_BUFS": 1}
-    assert gluon_op.gemm_smem(four, False) <= gluon_op.SMEM_LIMIT < gluon_op.gemm_smem(four, True)
+    assert gluon_op.gemm_smem(four, False) <= SMEM_LIMIT < gluon_op.gemm_smem(four, True)
     assert not gluon_op._fold(four, 1, 16, 3072)
     assert gluon_op._fold({**four, "EPI_SPLIT": 4}, 1, 16, 3072)
     assert not gluon_op._fold({**four, "EPI_SPLIT": 4, "EPI_BUFS": 2}, 1, 16, 3072)
@@ -193,7 +197,7 @@ def test_gluon_gemm_shared_memory_and_fold():
 
 
 def test_gluon_request_off_hopper_runs_the_triton_path(monkeypatch):
-    """`gluon=True` (the default) where the Gluon kernels cannot run (here: not a CUDA tensor)
+    """`KernelPolicy.gluon` (the default) where the Gluon kernels cannot run (here: not a CUDA tensor)
     takes the Triton path with the same results, and no Gluon launcher is called."""
     from ditserve.kernels.lora_gemm import gluon_op
 
@@ -204,7 +208,7 @@ def test_gluon_request_off_hopper_runs_the_triton_path(monkeypatch):
     w, bias = weights(c, torch.float32, True)
     m = c.meta
     seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
-    y, s = launch_lora_linear(c.x, w, bias, c.a, c.b, *seg, m.max_rank, c.sizes, m.seg_align, gluon=True)
+    y, s = launch_lora_linear(c.x, w, bias, c.a, c.b, *seg, m.max_rank, c.sizes, m.seg_align, policy=GLUON)
     want_y, want_s = expected(c, w, bias)
     torch.testing.assert_close(y, want_y, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(s, want_s, atol=1e-4, rtol=1e-4)
@@ -247,7 +251,7 @@ def test_bf16_gpu_shrink_in(num_slices, groups, no_shrink_kernel):
     m, x, a, b, w, bias, sizes, seg, want, want_s = aligned_case(num_slices, groups)
     assert m.seg_align % 128 == 0 and shrink_in_ok(x, w, a, b, m.seg_align)
     for _ in range(3):
-        y, s = launch_lora_linear(x, w, bias, a, b, *seg, m.max_rank, sizes, m.seg_align, gluon=False)
+        y, s = launch_lora_linear(x, w, bias, a, b, *seg, m.max_rank, sizes, m.seg_align, policy=TRITON)
         torch.testing.assert_close(y.float(), want.float(), atol=5e-2, rtol=3e-2)
         torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
     assert gemm_config(m.num_tokens, sum(sizes))["TMA"]
@@ -276,10 +280,9 @@ def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
 
     calls = gluon_launches(monkeypatch)
     shrink_in = mode not in ("shrink kernel first", "default")
-    monkeypatch.setattr(linear_op, "SHRINK_IN", mode != "shrink kernel first")
+    policy = KernelPolicy(shrink_in=mode != "shrink kernel first", one_launch_rule=mode == "default")
     if mode != "default":
         monkeypatch.setattr(linear_op, "GLUON_ONE_LAUNCH_COLS", 256)  # the one launch at rank 64 as well
-        monkeypatch.setattr(linear_op, "ONE_LAUNCH_RULE", False)  # whatever `one_launch_pays` says
     over = {
         "spread": dict(SPREAD=2),
         "spread, y in chunks": dict(SPREAD=2, EPI_SPLIT=4, EPI_BUFS=2),
@@ -290,7 +293,7 @@ def test_bf16_gpu_gluon_lora_linear(num_slices, groups, mode, monkeypatch):
     m, x, a, b, w, bias, sizes, seg, want, want_s = aligned_case(num_slices, groups)
     runs = 3 if shrink_in else 1
     for _ in range(runs):
-        y, s = launch_lora_linear(x, w, bias, a, b, *seg, m.max_rank, sizes, m.seg_align, gluon=True)
+        y, s = launch_lora_linear(x, w, bias, a, b, *seg, m.max_rank, sizes, m.seg_align, policy=policy)
         torch.testing.assert_close(y.float(), want.float(), atol=5e-2, rtol=3e-2)
         torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
     assert calls == ["linear" if shrink_in else "gemm"] * runs
@@ -323,7 +326,6 @@ def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, fold, epi, late, mo
     monkeypatch.setitem(gluon_op.GLUON_CONFIG, "FOLD", fold)
     monkeypatch.setitem(gluon_op.GLUON_CONFIG, "EPI_SPLIT", epi[0])
     monkeypatch.setitem(gluon_op.GLUON_CONFIG, "EPI_BUFS", epi[1])
-    monkeypatch.setattr(linear_op, "ONE_LAUNCH_RULE", False)  # the one launch whatever `one_launch_pays` says
     calls = gluon_launches(monkeypatch)
     meta, x, a, b, w, bias, sizes = gpu_problem(groups, requests)
     m = meta
@@ -331,7 +333,8 @@ def test_bf16_gpu_gluon_lora_linear_rank16(requests, groups, fold, epi, late, mo
     max_rank = max(m.max_rank, 1)
     want = lora_linear_ref(x, w, bias, a, b, *seg[1:], max_rank, sizes)
     want_s = lora_shrink_scaled_ref(x, a, *seg, max_rank)
-    y, s = launch_lora_linear(x, w, bias, a, b, *seg, max_rank, sizes, m.seg_align, gluon=True)
+    # the one launch whatever `one_launch_pays` says
+    y, s = launch_lora_linear(x, w, bias, a, b, *seg, max_rank, sizes, m.seg_align, policy=ANY_ONE_LAUNCH)
     torch.testing.assert_close(y.float(), want.float(), atol=5e-2, rtol=3e-2)
     torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
     assert calls == ["linear"]
