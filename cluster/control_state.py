@@ -84,16 +84,21 @@ def parse_lora_paths(items: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     return loras
 
 
-def state_actor_name(app_name: str) -> str:
-    return f"{app_name}-control-state"
+def state_actor_name(app_name: str, deploy_id: str) -> str:
+    return f"{app_name}-control-state-{deploy_id}"
 
 
-def get_or_create_state_actor(app_name: str, initial: dict[str, Any]):
-    """The app's state actor; the first caller creates it (detached: it outlives any replica)."""
+def get_or_create_state_actor(app_name: str, deploy_id: str, initial: dict[str, Any]):
+    """The desired state of one deploy of the app; the first caller creates it (detached: it outlives any
+    replica, so replicas Serve restarts within this deploy converge to it).
+
+    ``deploy_id`` is minted by the builder each time Serve builds the application (a first deploy, or a
+    redeploy whose arguments changed; a replica restart reuses the bound arguments): a new deploy starts
+    from its own config, never from an old ``shutdown`` or stale adapters."""
     return (
         ray.remote(ControlState)
         .options(
-            name=state_actor_name(app_name),
+            name=state_actor_name(app_name, deploy_id),
             namespace=NAMESPACE,
             lifetime="detached",
             get_if_exists=True,
@@ -107,9 +112,15 @@ def get_or_create_state_actor(app_name: str, initial: dict[str, Any]):
     )
 
 
-def delete_state_actor(app_name: str) -> None:
-    """Forget the desired state (``ditserve serve`` does this when it stops the app)."""
-    try:
-        ray.kill(ray.get_actor(state_actor_name(app_name), namespace=NAMESPACE))
-    except ValueError:
-        pass
+def delete_state_actors(app_name: str, keep: str | None = None) -> None:
+    """Forget the desired state of the app's deploys, but ``keep``'s (``ditserve serve`` deletes all when it
+    stops the app; a new deploy's frontend deletes its predecessors')."""
+    prefix = state_actor_name(app_name, "")
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        name = actor["name"]
+        if actor["namespace"] != NAMESPACE or not name.startswith(prefix) or name == keep:
+            continue
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+        except ValueError:
+            pass  # gone meanwhile

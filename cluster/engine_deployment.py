@@ -82,7 +82,7 @@ class EngineReplica(ReplicaStreams):
     router and frontend with a small engine; it is built as ``engine_cls(config, launcher=...)``.
     """
 
-    def __init__(self, args: dict[str, Any], engine_cls: type = Engine):
+    def __init__(self, args: dict[str, Any], engine_cls: type = Engine, deploy_id: str = "local"):
         self.args = AppArgs(**args)
         self.config = self.args.engine_config()
         try:
@@ -100,7 +100,7 @@ class EngineReplica(ReplicaStreams):
         self._staged_tag: str | None = None
         # Catch up with the desired control state before Serve marks this replica ready.
         self.state_actor = get_or_create_state_actor(
-            self.app_name, initial_state(parse_lora_paths(self.args.lora_path))
+            self.app_name, deploy_id, initial_state(parse_lora_paths(self.args.lora_path))
         )
         desired = ray.get(self.state_actor.get.remote())
         if desired.get("shutdown"):

@@ -30,7 +30,13 @@ from ditserve.replica.request import GenerationParams
 
 from . import api_admin, api_sessions, api_stream, api_videos
 from .config import AppArgs
-from .control_state import get_or_create_state_actor, initial_state, parse_lora_paths
+from .control_state import (
+    delete_state_actors,
+    get_or_create_state_actor,
+    initial_state,
+    parse_lora_paths,
+    state_actor_name,
+)
 from .errors import SessionGoneError
 from .grpc_service import GrpcMethods
 from .http_base import (
@@ -58,9 +64,10 @@ fastapi_app.add_middleware(JSONBodyMiddleware)
 @serve.deployment(name="Frontend", ray_actor_options={"num_cpus": 0.1})
 @serve.ingress(fastapi_app)
 class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
-    def __init__(self, engine, args: dict[str, Any]):
+    def __init__(self, engine, args: dict[str, Any], deploy_id: str = "local"):
         self.engine = engine
         self.args = AppArgs(**args)
+        self.deploy_id = deploy_id
         spec = resolve_model(self.args.model)
         self.spec = spec
         self.model_name = spec.name
@@ -73,6 +80,11 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         except Exception:
             self.app_name = "ditserve"
         register_frontend(self)  # route modules reach this instance through http_base.frontend()
+        try:  # this deploy's state exists from now on; earlier deploys' states are forgotten
+            delete_state_actors(self.app_name, keep=state_actor_name(self.app_name, deploy_id))
+            self.state_actor()
+        except Exception:  # constructed outside a Ray cluster (tools)
+            pass
 
     # -- helpers ----------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -169,7 +181,9 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         )
 
     def state_actor(self):
-        return get_or_create_state_actor(self.app_name, initial_state(parse_lora_paths(self.args.lora_path)))
+        return get_or_create_state_actor(
+            self.app_name, self.deploy_id, initial_state(parse_lora_paths(self.args.lora_path))
+        )
 
     # -- routes -----------------------------------------------------------------------------------------
     @fastapi_app.get("/health")
