@@ -48,6 +48,13 @@ def test_openai_client_gets_a_64x64_png(client):
     assert png_pixels(data).shape == (64, 64, 3)
 
 
+def test_start_logs_no_false_notice_about_http_options(server, client):
+    """serve.start applies --host/--port; serve.run's "New http_options ... will not be applied" is false."""
+    valid(client)
+    output = server.output()
+    assert "ditserve: serving demo-scenes at" in output and "will not be applied" not in output
+
+
 def test_same_seed_same_image_through_serve_and_generate(client, tmp_path):
     served = png_pixels(base64.b64decode(valid(client, seed=5).data[0].b64_json))
     assert np.array_equal(served, png_pixels(base64.b64decode(valid(client, seed=5).data[0].b64_json)))
