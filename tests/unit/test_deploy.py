@@ -301,3 +301,11 @@ def test_fp8_gpu_config_without_dtype_deploys():
     assert args == {"model": "/models/FLUX.1-dev", "device": "cuda", "compile": True, "quantization": "fp8"}
     (group,) = yaml.safe_load(text)["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+def test_deploy_does_not_import_the_cli():
+    """cli imports deploy; the error printing both use lives in a leaf module (no import cycle)."""
+    code = "import sys, ditserve.cluster.deploy; assert 'ditserve.cluster.cli' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    source = Path(inspect.getsourcefile(render)).read_text()
+    assert "from .cli" not in source and "import cli" not in source

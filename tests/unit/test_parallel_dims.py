@@ -184,3 +184,16 @@ def test_legal_layouts_respect_heads() -> None:
     assert all(d.world_size <= 8 and not (d.ring > 1 and d.kv_gather > 1) for d in layouts)
     assert not any(d.ulysses == 3 or d.tp == 3 for d in layouts)
     assert ParallelDims(ring=3) in layouts  # the ring does not split heads
+
+
+def test_dims_does_not_import_the_mesh() -> None:
+    """Imports point one way: mesh.py builds on dims.py, never the reverse (not even inside a function)."""
+    import ast
+    from pathlib import Path
+
+    import ditserve.replica.parallel.dims as dims_module
+
+    tree = ast.parse(Path(dims_module.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in imported if m and "mesh" in m}, imported
