@@ -28,6 +28,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,17 +72,26 @@ def doc_blocks(doc: str) -> list[Block]:
     lines = (REPO_ROOT / doc).read_text().splitlines()
     blocks, i = [], 0
     while i < len(lines):
-        fence = re.match(r"^(```+|~~~+)\s*(\S*)", lines[i])
+        fence = re.match(r"^\s*(```+|~~~+)\s*(\S*)", lines[i])  # indented fences (in lists) too
         if not fence:
             i += 1
             continue
-        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith(fence.group(1)))
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].strip().startswith(fence.group(1)))
         marker = MARKER.match(lines[i - 1].strip()) if i else None
         options = tuple(o.strip() for o in (marker.group(2) or "").split(";") if o.strip()) if marker else ()
         kind = marker.group(1) if marker else None
         if kind == "not runnable":
             options = ()  # the text after the colon is the reason
-        blocks.append(Block(doc, i + 1, fence.group(2).lower(), "\n".join(lines[i + 1 : end]), kind, options))
+        blocks.append(
+            Block(
+                doc,
+                i + 1,
+                fence.group(2).lower(),
+                textwrap.dedent("\n".join(lines[i + 1 : end])),
+                kind,
+                options,
+            )
+        )
         i = end + 1
     return blocks
 
