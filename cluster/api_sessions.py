@@ -51,14 +51,18 @@ def _pinned(fe: Any, session_id: str):
     return fe.engine.options(session_id=session_id)
 
 
-@router.post("")
-async def open_session(
+@router.post("", name="open_session")
+async def open_session_route(
     request: Request,
     body: SessionOpenRequest | None = Body(default=None),  # every field is optional: so is the body
     fe: Any = Depends(frontend),
 ):
+    return await open_session(body or SessionOpenRequest(), request, fe)
+
+
+async def open_session(body: SessionOpenRequest, request: Any, fe: Any) -> JSONResponse:
+    """Open a session on a replica chosen round-robin (HTTP, and gRPC's OpenSession)."""
     fe.check_auth(request, admin=False)
-    body = body or SessionOpenRequest()
     fe.check_model(body.model)
     if fe.model_kind != "image":
         raise APIError(400, f"model {fe.model_name!r} makes videos; sessions are for images", param="model")
