@@ -231,7 +231,7 @@ def check_made(path: Path) -> None:
 @pytest.mark.parametrize(
     "block",
     [
-        pytest.param(b, marks=[pytest.mark.xfail(reason=r)] if (r := b.option("xfail")) else [])
+        pytest.param(b, marks=[pytest.mark.xfail(reason=r[0])] if (r := b.option("xfail")) else [])
         for b in RUNNABLE
     ],
     ids=[b.id for b in RUNNABLE],
