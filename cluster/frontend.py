@@ -14,6 +14,7 @@ How the routes are organised (add new groups the same way):
   the same handle, settings and helpers as the class-based routes.
 """
 
+import asyncio
 import base64
 import hmac
 import time
@@ -190,7 +191,14 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
     async def health(self) -> dict[str, str]:
         """200 ``{"status": "ok"}`` while the service takes work; 503 in the error shape once
         ``POST /v1/admin/shutdown`` has shut it down (for good: the desired state says so)."""
-        desired = await self.state_actor().get.remote()
+        try:  # a health probe must answer, even when the state actor does not
+            desired = await asyncio.wait_for(self.state_actor().get.remote(), timeout=10)
+        except (asyncio.TimeoutError, RayActorError) as exc:
+            raise APIError(
+                503,
+                f"the control state did not answer ({type(exc).__name__}); see the Ray dashboard",
+                type=ERROR_TYPES[503],
+            ) from None
         if desired.get("shutdown"):
             raise APIError(
                 503,
