@@ -17,7 +17,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from ditserve.cluster.cli import main
 from ditserve.cluster.config import AppArgs
-from ditserve.cluster.deploy import EXAMPLES, IMPORT_PATH, render, write_examples
+from ditserve.cluster.deploy import EXAMPLES, IMPORT_PATH, folder_kind, render, write_examples
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -309,3 +309,26 @@ def test_deploy_does_not_import_the_cli():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
     source = Path(inspect.getsourcefile(render)).read_text()
     assert "from .cli" not in source and "import cli" not in source
+
+
+@pytest.mark.parametrize(
+    "model, kind",
+    [
+        ("/models/FLUX.1-dev", ("flux", 24)),
+        ("/models/FLUX.1-schnell", ("flux", 24)),
+        ("/models/Wan2.1-T2V-14B-Diffusers", ("wan", 40)),
+        ("/models/Wan2.1-T2V-1.3B-Diffusers", ("wan", 12)),
+        ("/models/swan-2.1", None),  # not a word boundary
+        ("/models/FLUX.2-dev", None),  # another family: not guessed
+        ("/models/Wan2.2-TI2V-5B", None),
+    ],
+)
+def test_folder_names_give_the_family_and_heads(model, kind):
+    assert folder_kind(model) == kind
+
+
+def test_serve_config_says_how_to_run_it():
+    """serve run without --address joins the cluster `ray start` last recorded (a stale one hangs)."""
+    text = render(["serve-config", "--model", "demo-flux", "--device", "cpu"])
+    assert "# Run: serve run --address local FILE" in text.splitlines()[2]
+    assert "serve run --address local" not in render(["kuberay", "--model", "demo-flux", "--device", "cpu"])
