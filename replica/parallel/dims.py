@@ -280,7 +280,8 @@ def suggest_layouts(
     limit: int = 3,
 ) -> list[dict[str, int]]:
     """Up to `limit` whole layouts (flag name → value, see `format_flags`) that pass every rule checked
-    here, closest to the flags given first: the GPUs asked for kept, then the fewest degrees changed."""
+    here, closest to the flags given first: the GPUs asked for kept, then --cfg-parallel-size, then the
+    fewest degrees changed."""
     if sp_degree is not None and (ulysses, ring, kv_gather) == (1, 1, 1):
         ulysses, kv_gather = (sp_degree, 1) if sp_degree > 2 else (1, sp_degree)
     cfg = min(max(cfg, 1), 2)
@@ -316,7 +317,8 @@ def suggest_layouts(
                         continue
                     changed = [k for k in wanted if layout[k] != wanted[k]]
                     distance = sum(abs(math.log2(layout[k] / wanted[k])) for k in wanted)
-                    score = (gpus != num_gpus, dp != dp_size, len(changed), distance, -u)
+                    # CFG parallelism is a property of the guidance used: changed last.
+                    score = (gpus != num_gpus, dp != dp_size, c != cfg, len(changed), distance, -u)
                     found.append((score, layout))
     found.sort(key=lambda item: item[0])
     return [layout for _, layout in found[:limit]]
