@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -102,3 +103,52 @@ def matmul_flops(device: str = "cuda") -> float:
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     ms = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
     return 2 * 8192**3 / (ms * 1e-3)
+
+
+def perf_table(
+    plot_name: str,
+    ylabel: str,
+    lines: dict[str, str],  # provider → legend
+    value: Callable[[LoRAProblem, str, float], float],  # (problem, provider, ms) → the plotted value
+    calls: Callable[[LoRAProblem], dict[str, Callable[[], object]]],  # problem → provider → call
+    sizes: tuple[int, ...] = (3072, 3072, 3072),
+    rank: int = 64,
+) -> None:
+    """An op's providers timed (do_bench median) for 4 requests of 256 / 1024 / 4608 tokens with 4 adapters
+    (GPU); prints triton's perf_report table."""
+    import triton.testing
+
+    @triton.testing.perf_report(
+        triton.testing.Benchmark(
+            x_names=["tokens_per_request"],
+            x_vals=[256, 1024, 4608],
+            line_arg="provider",
+            line_vals=list(lines),
+            line_names=list(lines.values()),
+            ylabel=ylabel,
+            plot_name=plot_name,
+            args={},
+        )
+    )
+    def bench(tokens_per_request, provider):
+        p = make_problem([(tokens_per_request, i) for i in range(4)], rank, list(sizes))
+        ms = triton.testing.do_bench(calls(p)[provider], return_mode="median")
+        return value(p, provider, ms)
+
+    bench.run(print_data=True)
+
+
+def gbps_report(
+    plot_name: str,
+    nbytes: Callable[[LoRAProblem], int],
+    calls: Callable[[LoRAProblem], tuple[Callable[[], object], Callable[[], object]]],
+) -> None:
+    """GB/s of an op's kernel (`calls(p)` → (torch reference, ours)) against a copy of the same bytes."""
+
+    def providers(p: LoRAProblem) -> dict[str, Callable[[], object]]:
+        reference, ours = calls(p)
+        return {"reference": reference, "ours": ours, "copy": torch.empty(nbytes(p) // 4, dtype=torch.bfloat16,
+                                                                          device="cuda").clone}  # fmt: skip
+
+    lines = {"reference": "torch loop", "ours": "triton", "copy": "copy (floor)"}
+    perf_table(plot_name, "GB/s", lines, lambda p, _, ms: nbytes(p) / (ms * 1e-3) / 1e9, providers)

@@ -20,11 +20,8 @@ import torch
 
 # SMs of the target GPU; only used by the chunk-size policy (an H100/H200 has 132).
 DEFAULT_NUM_SMS = 132
-# Chunk sizes the policy picks from. The smallest is the SGMV kernels' 64-row tiles, which a smaller chunk cuts
-# down (H200, 3 slices, µs shrink / expand at chunk 16-32 against 64: one request of 4608 tokens 33.1 / 57.8
-# against 18.1 / 55.5 at rank 16, 103.9 / 106.7 against 44.8 / 79.0 at rank 128; the skewed mix
-# 4608/1024/4608/256 35.7 / 109.4 against 24.8 / 112.5 at rank 16; 8 x 256 tokens even, 17.9-37.1 / 32.4-58.7
-# against 17.0-43.1 / 31.5-43.9; BENCHMARKS.md).
+# Chunk sizes the policy picks from; the smallest is the SGMV kernels' 64-row tiles, which a smaller chunk cuts
+# down (measured: docs/notes/benchmarks-log.md, "The SGMV expand's row-stationary walk").
 CHUNK_SIZES = (64, 128, 256)
 
 

@@ -8,9 +8,8 @@ from ditserve.kernels._dispatch import num_programs_limit, use_triton
 from ditserve.kernels.adaln.reference import adaln_ref
 
 # Tiles: "BLOCK_M/BLOCK_K/num_warps/num_stages" (BLOCK_M rows of one batch element per program, BLOCK_K
-# columns per step of both passes). benchmarks/adaln.py times them (the GPU tests run each); on an H200,
-# bf16, hidden 3072 (BENCHMARKS.md): x [4, 4608]: 32/128/8/2 85.5 µs, 16/256/8/2 90.3, the others 117;
-# x [4, 512] (fewer row blocks of 32 than SMs): 16/256/8/2 21.1 µs, 32/128/8/2 27.2.
+# columns per step of both passes). benchmarks/kernels/adaln.py times them (the GPU tests run each); DEFAULT
+# won on large batches, SMALL on batches of fewer row blocks than SMs (benchmarks/results/adaln_h200_*.md).
 SWEEP: dict[str, dict[str, int]] = {
     "32/64/4/2": dict(BLOCK_M=32, BLOCK_K=64, num_warps=4, num_stages=2),
     "32/128/8/2": dict(BLOCK_M=32, BLOCK_K=128, num_warps=8, num_stages=2),

@@ -16,20 +16,6 @@ from ditserve.kernels._tiling import column_blocks
 GLUON_EXPAND_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, STAGES=0, LAG=2, num_warps=8, WG=1)
 MAX_STAGES = 12
 
-# Where the Gluon expand is the default, by (slices, rank tile): the rest keep the Triton row-stationary kernel.
-# H200, L2 flushed by a read, µs (benchmarks/lora_expand_rows.py, BENCHMARKS.md), QKV (3 slices) at rank 128:
-# two partitions of 64 × 128 tiles 220.4-221.3 on 4 × 4608 tokens over two calls (the Triton kernel 228.6-229.8
-# in the same calls), 63.6-63.8 on one request (67.7). Not at 4 slices rank 128 (574.9-596.5 against 485.4) nor
-# at ranks 16-64 (the Triton kernel 2-15 % faster on both batches).
-GLUON_EXPAND_TUNED: dict[tuple[int, int], dict[str, int]] = {
-    (3, 128): dict(BLOCK_M=64, BLOCK_N=128, STAGES=0, LAG=0, num_warps=4, WG=2),
-}
-
-
-def gluon_expand_choice(num_slices: int, rank_tile: int) -> dict[str, int] | None:
-    """The Gluon expand config this batch takes by default (the caller checks `gluon_expand_ok`), or None."""
-    return GLUON_EXPAND_TUNED.get((num_slices, rank_tile))
-
 
 def expand_smem(cfg: dict[str, int], rank_tile: int, itemsize: int = 2) -> tuple[int, int]:
     """(ring slots, bytes of shared memory) of `_gluon_lora_expand_kernel` (barriers aside): the slots' y and

@@ -7,35 +7,12 @@ import torch
 from ditserve.kernels._dispatch import block_rank, num_programs_limit, tma_ok, use_triton
 from ditserve.kernels._tiling import column_blocks
 from ditserve.kernels.lora_expand import gluon_op
+from ditserve.kernels.lora_expand.configs import ExpandProblem, choose, triton_tiles
 from ditserve.kernels.lora_expand.reference import lora_expand_ref
-from ditserve.kernels.policy import KernelPolicy, active_policy
+from ditserve.kernels.policy import KernelPolicy
 
 MAX_SLICES = 4
-# BLOCK_R -> tiles measured best on an H200 (4x4608 tokens, QKV 3x3072; benchmarks/lora_kernels.py --sweep)
-TUNED: dict[int, dict[str, int]] = {
-    16: dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
-    32: dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
-    64: dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=2),
-    128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
-}
-
-
-# y += delta (no bias): the row-stationary kernel, BLOCK_R -> tiles (ROWS=1 selects it; CHUNK column blocks
-# per program, STAGES of its column loop; B_TMA: B tiles through a TMA descriptor, pipelined; Y_TMA: so are the
-# y tiles of row blocks inside one segment, where the slices are whole column blocks; S_EARLY: their s is loaded
-# before the segment metadata). H200, 1x4608 and 4x4608 tokens, 3 and 4 slices, interleaved (BENCHMARKS.md):
-# 84-95 % of the HBM floor at rank 16, 81-92 % at 32, 78-91 % at 64, 71-81 % at 128. The chunk is a trade: a
-# program's start (its s tile, the pipeline fill) is paid once per chunk (at rank 128, one program per SM: whole
-# slices mostly win), while small chunks spread a small batch over more SMs (rank 16: chunks of 4 beat 8).
-ROWS_TUNED: dict[int, dict[str, int]] = {
-    16: dict(ROWS=1, BLOCK_M=32, BLOCK_N=128, CHUNK=4, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1, S_EARLY=1),
-    32: dict(ROWS=1, BLOCK_M=32, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1, S_EARLY=1),
-    64: dict(ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1, Y_TMA=1, S_EARLY=1,
-             PER_SM=2, ALT_CHUNK=24),
-    128: dict(ROWS=1, BLOCK_M=128, BLOCK_N=128, CHUNK=24, STAGES=3, num_warps=8, B_TMA=1, Y_TMA=1, S_EARLY=1,
-              PER_SM=1, ALT_CHUNK=12),
-}  # fmt: skip
-# PER_SM: programs of the tile an SM holds (rank 64: 106 KB of shared memory, rank 128: 229 KB); with it the
+# Row-stationary tiles (configs.py) may carry PER_SM: programs of the tile an SM holds (rank 64: 106 KB of shared memory, rank 128: 229 KB); with it the
 # launch chooses between CHUNK and ALT_CHUNK (`wave_chunk`)
 
 
@@ -51,10 +28,7 @@ def wave_chunk(
     tile that fills an SM (per_sm 1) runs its programs in rounds of one per SM, each round (chunk + a program's
     fixed cost, ~2 column blocks: its s tile and pipeline fill) long. With two per SM the programs share an SM's
     bandwidth and many rounds blur, so there the other chunk is taken only when all its programs run in one
-    round. H200 (BENCHMARKS.md): rank 128 halves its whole slices for 4 requests × 4608 tokens with 3 slices
-    (864 programs, 7 rounds of 12, against 432 in 4 rounds of 24) and keeps them for one request (108 programs)
-    and for 4 slices (1008); rank 64 takes whole slices for one request of 4608 tokens with 3 slices (216
-    programs in one round of 24 against 648 in 3 rounds of 8)."""
+    round (measured: docs/notes/benchmarks-log.md, "The in-place expand: chunks by rounds of programs")."""
     slots = per_sm * num_sms
 
     def programs(c: int) -> int:
@@ -65,29 +39,6 @@ def wave_chunk(
 
     fits = [c for c in chunks if c == chunks[0] or per_sm == 1 or programs(c) <= slots]
     return min(fits, key=steps)
-
-
-def expand_config(block_r: int, accumulate: bool = False, has_bias: bool = False) -> dict[str, int]:
-    """Tile sizes by rank tile (the measured tables): the row-stationary kernel where it applies (y += delta,
-    no bias), else one y tile per program, where each program re-reads an s tile and a B tile from L2 for one
-    y tile, so larger tiles pay off as the rank grows."""
-    if accumulate and not has_bias and block_r in ROWS_TUNED:
-        return ROWS_TUNED[block_r]
-    return TUNED.get(block_r, dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2))
-
-
-def default_expand_config(
-    num_slices: int, block_r: int, accumulate: bool, has_bias: bool, policy: KernelPolicy | None = None
-) -> dict[str, int]:
-    """The expand's tiles when none are given: the Gluon kernel (GLUON=1) where H200 runs found it faster
-    (`gluon_op.gluon_expand_choice`; the launch falls back to the Triton tiles where its contract does not hold,
-    e.g. off Hopper; DITSERVE_GLUON_GEMM=0 turns it off with the other Gluon kernels), else `expand_config`."""
-    policy = policy or active_policy()
-    if accumulate and not has_bias and policy.gluon:
-        choice = gluon_op.gluon_expand_choice(num_slices, block_r)
-        if choice is not None:
-            return {"GLUON": 1, **choice}
-    return expand_config(block_r, accumulate, has_bias)
 
 
 def column_chunks(blks: list[int], num_col_blocks: int, chunk: int) -> list[int]:
@@ -161,7 +112,10 @@ def launch_lora_expand(
         return
     block_r = block_rank(rank_dim)
     cfg = dict(
-        config or default_expand_config(len(out_slice_sizes), block_r, accumulate, bias is not None, policy)
+        config
+        or choose(
+            ExpandProblem(len(out_slice_sizes), block_r, accumulate, bias is not None), y.device, policy
+        )
     )
     if cfg.pop("GLUON", 0):  # the Gluon kernel where its contract holds, else the Triton kernel's tiles
         if (
@@ -173,7 +127,7 @@ def launch_lora_expand(
                 y, s, b_stacked, token_seg, seg_slot, seg_scale, slot_rank, out_slice_sizes, cfg
             )
             return
-        cfg = dict(expand_config(block_r, accumulate, bias is not None))
+        cfg = dict(triton_tiles(block_r, accumulate, bias is not None, y.device))
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, cfg["BLOCK_N"])
     precision = "ieee" if y.dtype == torch.float32 else "tf32"
     if cfg.pop("ROWS", 0) and accumulate and bias is None:

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from ditserve.kernels._configs import tables
 from ditserve.kernels._dispatch import block_rank, use_triton
-from ditserve.kernels.lora_expand.op import (
-    MAX_SLICES,
-    b_descriptor,
-    column_blocks,
-    column_chunks,
-    expand_config,
-)
+from ditserve.kernels._tiling import column_blocks
+from ditserve.kernels.lora_expand.configs import triton_tiles
+from ditserve.kernels.lora_expand.op import MAX_SLICES, b_descriptor, column_chunks
 from ditserve.kernels.lora_expand_sgmv.reference import lora_expand_sgmv_ref
 
 # The row-stationary walk over gathered rows (ROWS=1): a chunk's rows (BLOCK_M: the chunk size, capped) keep
-# their scaled s across CHUNK column blocks, B through TMA. Candidates for benchmarks/lora_sgmv_tiles.py; the
-# default takes one per rank tile (SGMV_ROWS_TUNED).
+# their scaled s across CHUNK column blocks, B through TMA. Candidates for benchmarks/kernels/lora_sgmv_tiles.py; the
+# default takes one per rank tile (tuned_<gpu>.json).
 SGMV_ROWS_SWEEP: dict[str, dict[str, int]] = {
     "rows 64x128 c8 s3 w4 B tma": dict(
         ROWS=1, BLOCK_M=64, BLOCK_N=128, CHUNK=8, STAGES=3, num_warps=4, B_TMA=1
@@ -32,23 +31,14 @@ SGMV_ROWS_SWEEP: dict[str, dict[str, int]] = {
     ),
 }
 
-# The default by rank tile: the candidate with the least time summed over 4x4608, the skewed mix and one
-# request of 4608 tokens with 3 and 4 slices (H200, one call, BENCHMARKS.md "The SGMV expand's row-stationary
-# walk ..."); µs at 4x4608 with 3 slices against the kernel of one y tile a program (`expand_config`) before it:
-# rank 16 178.8 against 258.8, 32 190.1 against 307.3, 64 205.6 against 528.7, 128 261.5 against 1048.4.
-SGMV_ROWS_TUNED: dict[int, str] = {
-    16: "rows 32x128 c4 s3 w4 B tma",
-    32: "rows 128x128 c12 s3 w8 B tma",
-    64: "rows 64x128 c24 s3 w4 B tma",
-    128: "rows 64x128 c24 s3 w4 B tma",
-}
+_DIR = Path(__file__).parent
 
 
-def expand_sgmv_config(block_r: int) -> dict[str, int]:
-    """The SGMV expand's tiles by rank tile: the row-stationary walk (the launch caps BLOCK_M at the chunk
-    size), else the segmented expand's tiles of one y tile per program."""
-    name = SGMV_ROWS_TUNED.get(block_r)
-    return dict(SGMV_ROWS_SWEEP[name] if name else expand_config(block_r))
+def expand_sgmv_config(block_r: int, device: torch.device = torch.device("cpu")) -> dict[str, int]:
+    """The SGMV expand's tiles by rank tile (`tuned_<gpu>.json`): the row-stationary walk (the launch caps
+    BLOCK_M at the chunk size), else the segmented expand's tiles of one y tile per program."""
+    cfg = tables(_DIR, device)["triton_rows"].get(str(block_r))
+    return dict(cfg if cfg is not None else triton_tiles(block_r, device=device))
 
 
 def launch_lora_expand_sgmv(
@@ -93,7 +83,7 @@ def launch_lora_expand_sgmv(
     if y.shape[0] == 0 or rank_dim == 0 or num_chunks == 0:
         return
     block_r = block_rank(rank_dim)
-    cfg = dict(config or expand_sgmv_config(block_r))
+    cfg = dict(config or expand_sgmv_config(block_r, y.device))
     cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], chunk_size))  # a chunk is walked in sub-blocks
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, cfg["BLOCK_N"])
     precision = "ieee" if y.dtype == torch.float32 else "tf32"

@@ -677,24 +677,6 @@ def _first_tile(step, pid_r, nprog, k_tiles, lora_steps, num_tiles, num_pid_m, n
                        bias_ptr, HAS_BIAS, EPI_SPLIT, EPI_BUFS)  # fmt: skip
 
 
-TRACE_EVENTS = gl.constexpr(64)  # events per program a TRACE launch records at most
-
-
-@gluon.jit
-def _trace(trace_ptr, pid, n, kind, aux):
-    """TRACE: event n of program pid as (kind, aux, %globaltimer in ns) at trace_ptr[pid, n, :] (int64
-    [programs, TRACE_EVENTS, 3]); returns n + 1."""
-    t = gl.inline_asm_elementwise(
-        "mov.u64 $0, %globaltimer;", "=l,r", [n], dtype=gl.int64, is_pure=False, pack=1
-    )
-    if n < TRACE_EVENTS:
-        base = trace_ptr + (pid * TRACE_EVENTS + n) * 3
-        gl.store(base, kind.to(gl.int64))
-        gl.store(base + 1, aux.to(gl.int64))
-        gl.store(base + 2, t)
-    return n + 1
-
-
 @gluon.jit
 def _issue_unit_load(p_step, kk, pred, m0, a_row, a_slice_rows, x_desc, a_desc, a_bufs, w_bufs, bars,
                      BLOCK_K: gl.constexpr, SHRINK_G: gl.constexpr, SHRINK_R: gl.constexpr,
@@ -912,8 +894,6 @@ def _gluon_lora_linear_kernel(
     FOLD: gl.constexpr = False,  # the LoRA MMA after the last K step (`_tiles`)
     EPI_SPLIT: gl.constexpr = 1,  # y in column chunks (as _gluon_lora_gemm_kernel; SPREAD only)
     EPI_BUFS: gl.constexpr = 1,
-    TRACE: gl.constexpr = False,  # SPREAD: a timeline per program into trace_ptr (`_trace`; benchmarks)
-    trace_ptr=None,
     LATE: gl.constexpr = False,  # SPREAD and FOLD: tiles wait for their group's s after their K steps (`_tiles`)
     UNIT_HALVES: gl.constexpr = False,  # SPREAD: the units past whole rounds as halves (see below)
     ws_ptr=None,  # UNIT_HALVES: fp32 [units, BLOCK_M, a unit's MMA columns] zeros (each launch leaves them so)
@@ -986,10 +966,6 @@ def _gluon_lora_linear_kernel(
         it = gl.where(pid_r >= extra, pid_r - extra, n_items)  # this program's next unit (or half)
         u = _item_unit(it, whole, UNIT_HALVES)
         idx = 0
-        nt = gl.to_tensor(0)
-        # TRACE kinds: 0 start, 1/2 a unit's start/end, 3/4 a run of tiles' start/end, 5 the first tile done
-        if TRACE:
-            nt = _trace(trace_ptr, pid, nt, gl.to_tensor(0), pid_r)
         due = gl.maximum(((u // GROUP_M) * tiles_per_group) // nprog - LEAD, 0)
         if (it >= n_items) | (due > 0):  # its first tile's K steps before the first units are done
             g0 = pid_r // tiles_per_group
@@ -998,15 +974,11 @@ def _gluon_lora_linear_kernel(
                                token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc, y_desc, a_bufs,
                                w_bufs, bars, c_smem, sync_ptr, g0, l_s, l_b, lbar, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K,
                                GROUP_M, NUM_BUFFERS, HAS_BIAS, num_warps, FOLD, EPI_SPLIT, EPI_BUFS)  # fmt: skip
-            if TRACE:
-                nt = _trace(trace_ptr, pid, nt, gl.to_tensor(5), g0)
             idx = 1
         while (idx < my_tiles) | (it < n_items):
             u = _item_unit(it, whole, UNIT_HALVES)
             due = gl.maximum(((u // GROUP_M) * tiles_per_group) // nprog - LEAD, 0)
             if (it < n_items) & (due <= idx):
-                if TRACE:
-                    nt = _trace(trace_ptr, pid, nt, gl.to_tensor(1), u)
                 part = -1  # the whole unit, or (UNIT_HALVES) half 0 / 1 of it
                 if UNIT_HALVES:
                     part = gl.where(it < whole, -1, (it - whole) % 2)
@@ -1023,23 +995,17 @@ def _gluon_lora_linear_kernel(
                 _cta_barrier()  # every thread's s stores precede the release
                 if stored:
                     gl.atomic_add(sync_ptr + u // GROUP_M, 1, sem="release", scope="gpu")
-                if TRACE:
-                    nt = _trace(trace_ptr, pid, nt, gl.to_tensor(2), u)
                 it += num_short
             else:
                 hi = my_tiles
                 if it < n_items:
                     hi = gl.minimum(due, my_tiles)
-                if TRACE:
-                    nt = _trace(trace_ptr, pid, nt, gl.to_tensor(3), idx)
                 step = _tiles(step, idx, hi, pid_r, nprog, k_tiles, steps_per_tile, num_tiles, num_pid_m,
                               num_col_blocks, num_tokens, n_total, col1, col2, col3, blk1, blk2, blk3, s_rows_total,
                               b_rows_total, token_seg_ptr, seg_slot_ptr, bias_ptr, x_desc, w_desc, s_desc, b_desc,
                               y_desc, a_bufs, w_bufs, bars, c_smem, BLOCK_M, BLOCK_N, BLOCK_K, LORA_K, GROUP_M,
                               NUM_BUFFERS, HAS_BIAS, num_warps, True, True, sync_ptr, True, l_s, l_b, lbar,
                               FOLD, EPI_SPLIT, EPI_BUFS, False, LATE, DEFER=DEFER)  # fmt: skip
-                if TRACE:
-                    nt = _trace(trace_ptr, pid, nt, gl.to_tensor(4), hi)
                 idx = hi
     else:
         claim_ptr = sync_ptr + num_units

@@ -19,9 +19,8 @@ from ditserve.kernels._tiling import column_blocks
 # LoRA step in the ring). SPLIT_TAIL (the GEMM launch): a last round of tiles that leaves at least half the
 # programs idle is cut along K into pieces for them (`tail_parts`). EPI_SPLIT / EPI_BUFS: y stored in 4 column
 # chunks through 2 staging buffers of 128 × 64 (32 KB instead of a 64 KB whole-tile buffer; the one launch
-# keeps a first tile whose s is not there yet in registers instead): 0.1-0.6 points closer to cuBLAS for the
-# GEMM in three H200 runs, even for the one launch (BENCHMARKS.md). DEFER: a tile's second half of y is stored
-# once the next tile's first MMA has started (0.2-0.7 points in two H200 runs)
+# keeps a first tile whose s is not there yet in registers instead). DEFER: a tile's second half of y is stored
+# once the next tile's first MMA has started. Each measured faster on an H200 (docs/notes/benchmarks-log.md)
 GLUON_CONFIG = dict(
     BLOCK_M=128,
     BLOCK_N=256,
@@ -159,8 +158,7 @@ def launch_gluon_lora_gemm(
         half = num_programs_limit(x.device) // 2
         ws = zeroed_scratch("gemm tail sums", x.device, half * bm * bn, torch.float32)
         cnt = zeroed_scratch("gemm tail counts", x.device, half, torch.int32)
-    # the LoRA code also without LoRA (zero LoRA steps): ptxas makes faster code of it (H200, QKV 4×4608:
-    # +2.5 % against cuBLAS, +5.7 % compiled without it; BENCHMARKS.md)
+    # the LoRA code also without LoRA (zero LoRA steps): ptxas makes faster code of it (docs/notes/benchmarks-log.md)
     _gluon_lora_gemm_kernel[(grid,)](
         x_desc, w_desc, s_desc, b_desc, y_desc, bias if bias is not None else y, token_seg, seg_slot,
         num_tokens, n_total, *cols, *blks, num_col_blocks, lora_steps,
@@ -191,7 +189,7 @@ def unit_cols(groups: int, max_rank: int) -> int:
 def unit_lead(cfg: dict[str, int], late: bool) -> int:
     """Tiles before the first of its group that a spread shrink unit is due: LEAD where the tiles wait for s
     after their K steps (LATE), else LEAD_NOT_LATE (there a unit due with its group holds up the group's tiles
-    before their loads: BENCHMARKS.md, rank 64 spread). At least 0: a unit of the first group due after a
+    before their loads: docs/notes/benchmarks-log.md, rank 64 spread). At least 0: a unit of the first group due after a
     first tile would wait for itself."""
     lead = cfg.get("LEAD", 2) if late else cfg.get("LEAD_NOT_LATE", 2)
     assert lead >= 0, "units are due LEAD ≥ 0 tiles before their group"
@@ -240,7 +238,6 @@ def launch_gluon_lora_linear(
     cfg: dict[str, int] = GLUON_CONFIG,
     sync: torch.Tensor | None = None,  # int32 [2 · row blocks + 2] zeros (None: a new one)
     s: torch.Tensor | None = None,  # where s goes (None: a new tensor)
-    trace: torch.Tensor | None = None,  # int64 [programs, TRACE_EVENTS, 3]: record a timeline (SPREAD only)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, s): the shrink and the GEMM with the expand in one launch (the caller checked `gluon_linear_ok`);
     s [groups, num_tokens, s_cols] pre-scaled in x's dtype, as `lora_shrink(..., seg_scale=...)` writes it."""
@@ -262,7 +259,6 @@ def launch_gluon_lora_linear(
     )
     spread = int(spread and x.shape[1] >= (cfg["NUM_BUFFERS"] - 1) * bk)
     epi = cfg.get("EPI_SPLIT", 1) if spread else 1  # y in chunks only with the units spread
-    assert trace is None or spread, "TRACE records the launch with its units spread (SPREAD)"
     x_desc, w_desc = _tma_desc(x, [bm, bk]), _tma_desc(weight, [bn, bk])
     y_desc = _tma_desc(y, [bm, bn // epi])
     a_desc = _tma_desc(a_stacked.flatten(0, 2), [shrink_r, bk])
@@ -288,7 +284,7 @@ def launch_gluon_lora_linear(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, LORA_K=lora_cols, GROUP_M=cfg["GROUP_M"],
         NUM_BUFFERS=cfg["NUM_BUFFERS"], SHRINK_G=groups, SHRINK_GP=shrink_gp, SHRINK_R=shrink_r,
         HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], SPREAD=spread, LEAD=unit_lead(cfg, late),
-        FOLD=fold, EPI_SPLIT=epi, EPI_BUFS=cfg.get("EPI_BUFS", 1), TRACE=trace is not None, trace_ptr=trace,
-        LATE=late, UNIT_HALVES=halves, ws_ptr=ws, DEFER=bool(cfg.get("DEFER", 0)) and late and epi == 4,
+        FOLD=fold, EPI_SPLIT=epi, EPI_BUFS=cfg.get("EPI_BUFS", 1), LATE=late, UNIT_HALVES=halves, ws_ptr=ws,
+        DEFER=bool(cfg.get("DEFER", 0)) and late and epi == 4,
     )  # fmt: skip
     return y, s

@@ -47,7 +47,7 @@ first one needs). Each unit raises its flag (release) after its stores; before i
 program claims what is left and waits until every unit is done (acquire), then fences the async proxy (s
 was stored through the generic proxy and is read through TMA). The tile loop itself is the one above. So
 the shrink's HBM-bound work goes into the slots the last round of tiles leaves idle (how much of it fits
-there: BENCHMARKS.md).
+there: docs/notes/benchmarks-log.md).
 """
 
 import triton
@@ -343,7 +343,6 @@ def _lora_gemm_kernel(
     GROUP_M: tl.constexpr,
     USE_TMA: tl.constexpr,
     FLATTEN: tl.constexpr,  # flatten the tile and K loops into one pipelined loop (epilogue overlaps loads)
-    WARP_SPECIALIZE: tl.constexpr,
     EVEN_K: tl.constexpr,  # hidden % BLOCK_K == 0: no K masks (pointer path without LORA_IN_LOOP)
     COL_ALIGN: tl.constexpr,  # every slice boundary is a multiple of this (vectorised y/bias access)
     HAS_LORA: tl.constexpr,
@@ -425,9 +424,7 @@ def _lora_gemm_kernel(
         while tl.atomic_add(sync_ptr + num_units + 1, 0, sem="acquire", scope="gpu") < num_units:
             pass
         _fence_proxy_async(pid, FENCE)
-    for tile_id in tl.range(
-        tile_start, num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE
-    ):
+    for tile_id in tl.range(tile_start, num_tiles, num_programs, flatten=FLATTEN):
         _, j, m0, n0, offs_m, offs_n, n_mask, rows, cols = _tile_geometry(
             tile_id, num_pid_m, num_col_blocks, num_tokens, col1, col2, col3, n_total, blk1, blk2, blk3,
             BLOCK_M, BLOCK_N, GROUP_M, COL_ALIGN,

@@ -6,49 +6,10 @@ import torch
 
 from ditserve.kernels._dispatch import next_pow2, num_programs_limit, tma_ok, use_triton
 from ditserve.kernels._tiling import column_align, column_blocks
-from ditserve.kernels.lora_gemm import gluon_op
+from ditserve.kernels.lora_gemm import configs, gluon_op
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 
 MAX_SLICES = 4
-# Tile configs by problem size (`gemm_config`). Keys of a config: BLOCK_M/N/K, GROUP_M (row blocks per
-# column block in the tile order), num_warps, num_stages, PERSISTENT (one program per SM looping over
-# tiles), TMA (x, W, s and B through TensorDescriptors), FLATTEN (tile and K loops flattened into one
-# pipelined loop), WS (warp-specialised loop), LORA_LOOP (with a pre-scaled s: 1 = the LoRA term as extra
-# iterations of the K loop; 2 = a loop of its own after the K loop, LORA_BK rank columns per iteration
-# (TMA only; through pointers it runs as 0); 0 = after the loop in the epilogue, R_CHUNK rank columns per
-# dot), TMA_STORE (with TMA and slices that are whole multiples of BLOCK_N: y through a TMA store in 1 or 2
-# column pieces; 0 = a masked pointer store). With the shrink inside the launch (a_stacked given):
-# SHRINK_IN (0: not allowed, `shrink_in_ok`), SHRINK_M (rows per shrink unit, default 64), SHRINK_K (hidden
-# columns per step of its K loop: 128 where 5 stages fit SHRINK_SMEM, else BLOCK_K), SHRINK_WIDE (0: one unit
-# per slice even where all slices fit one dot), SHRINK_STAGES (its K loop's stages: 5 with 128-column steps,
-# else 4). GLUON=1: the Gluon kernel for Hopper where `gluon_op.gluon_ok` holds (gluon_kernel.py; its tiles
-# are gluon_op.GLUON_CONFIG with this GROUP_M), else the Triton kernel with these tiles.
-# benchmarks/lora_kernels.py --qkv-only --sweep-gemm overrides this table.
-TUNED: dict[str, dict[str, int]] = {
-    # ≥ 2 waves of 128×256 tiles (Flux QKV at 4608+ tokens): the Hopper GEMM shape, 8 warps over 2
-    # warpgroups, the tile and K loops flattened (the next tile's loads overlap this one's epilogue), y
-    # through a TMA store, 16 row blocks per column block. H200, hidden 3072, 4×4608 tokens, QKV, 4
-    # adapters, interleaved against cuBLAS: +4.7 to +4.9 % at rank 16, +4.6 % at rank 64, +1.0 % without
-    # LoRA (the non-flattened loop with a pointer store: +7 to +9 % with LoRA, +3 to +5 % without).
-    # Batches whose row blocks may hold two segments run unflattened (resolve_config).
-    "large": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=3,
-                  PERSISTENT=1, TMA=1, FLATTEN=1, WS=0, LORA_LOOP=1, TMA_STORE=1),
-    # fewer tiles: smaller ones so every SM gets work
-    "small": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4,
-                  PERSISTENT=0, TMA=1, FLATTEN=0, WS=0, LORA_LOOP=1),
-}  # fmt: skip
-DEFAULTS = dict(
-    GROUP_M=8,
-    PERSISTENT=0,
-    TMA=0,
-    FLATTEN=0,
-    WS=0,
-    LORA_LOOP=1,
-    R_CHUNK=16,
-    TMA_STORE=0,
-    SHRINK_IN=1,
-    GLUON=0,
-)
 MAX_LORA_BK = 64  # LORA_LOOP=2: widest LoRA iteration (rank 128 takes two)
 MAX_WIDE_SHRINK = 256  # SHRINK_IN: widest shrink dot (slices × rank columns); wider ones go slice by slice
 SHRINK_SMEM = (
@@ -64,13 +25,13 @@ def lora_block_k(rank_dim: int) -> int:
     return bk
 
 
-def _cfg(bm, bn, bk, warps, stages, persistent=1, tma=0, flatten=0, ws=0, group_m=8, lora_loop=1, store=0):
+def _cfg(bm, bn, bk, warps, stages, persistent=1, tma=0, flatten=0, group_m=8, lora_loop=1, store=0):
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages,
-                PERSISTENT=persistent, TMA=tma, FLATTEN=flatten, WS=ws, LORA_LOOP=lora_loop,
+                PERSISTENT=persistent, TMA=tma, FLATTEN=flatten, LORA_LOOP=lora_loop,
                 TMA_STORE=store)  # fmt: skip
 
 
-# Candidates of the GPU sweep (benchmarks/lora_kernels.py --sweep-gemm; the GPU tests run each once).
+# Candidates of the GPU sweep (benchmarks/kernels/lora_kernels.py --sweep-gemm; the GPU tests run each once).
 # Shared memory per stage is (BLOCK_M + BLOCK_N) × BLOCK_K × 2 bytes: 48 KB at 128×256×64, so 4 stages
 # of a flattened loop (which keeps one more buffer for the epilogue) do not fit in 227 KB.
 SWEEP: dict[str, dict[str, int]] = {
@@ -133,36 +94,20 @@ SWEEP: dict[str, dict[str, int]] = {
         "GLUON_DEFER": 0,
     },
 }
-# warp-specialised loops (tl.range(..., warp_specialize=True)): Triton documents them for Blackwell; tried
-# on Hopper only on request (--sweep-ws), since a failing lowering may take the whole process down
-SWEEP_WS: dict[str, dict[str, int]] = {
-    "tma persist ws 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, tma=1, ws=1),
-    "tma persist flat ws 128x256x64 w8 s3": _cfg(128, 256, 64, 8, 3, tma=1, flatten=1, ws=1),
-}
-
-
-def size_class(num_tokens: int, n_total: int, num_sms: int = 132) -> str:
-    tiles = -(-num_tokens // 128) * -(-n_total // 256)
-    return "large" if tiles >= 2 * num_sms else "small"
 
 
 def gemm_config(num_tokens: int, n_total: int) -> dict[str, int]:
-    return {**DEFAULTS, **TUNED[size_class(num_tokens, n_total)]}
+    """The tuned tiles for the problem size (configs.tuned)."""
+    return configs.tuned(num_tokens, n_total)
 
 
 def resolve_config(
     config: dict[str, int] | None, num_tokens: int, n_total: int, lora_in_loop: bool, seg_align: int
 ) -> dict[str, int]:
-    """The launch config: `config` over DEFAULTS, or the tuned one for the size. The tuned config does not
-    flatten a batch with LoRA iterations whose row blocks may hold two segments: the per-segment epilogue
-    those tiles need keeps Triton from flattening the loop (1.3-1.4× cuBLAS in the H200 sweep), and the
-    plain persistent loop carries it at no such cost."""
+    """The launch config: `config` over the defaults (benchmarks, tests), else `configs.choose`."""
     if config:
-        return {**DEFAULTS, **config}
-    cfg = gemm_config(num_tokens, n_total)
-    if lora_in_loop and cfg["FLATTEN"] and cfg["LORA_LOOP"] == 1 and seg_align % cfg["BLOCK_M"]:
-        cfg = {**cfg, "FLATTEN": 0}
-    return cfg
+        return {**configs.defaults(), **config}
+    return configs.choose(configs.GemmProblem(num_tokens, n_total, lora_in_loop, seg_align))
 
 
 def shrink_in_ok(
@@ -359,7 +304,7 @@ def launch_lora_gemm(
         s.stride(0), s.stride(1), s.stride(2), b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2),
         xs_desc, a_desc, sync, s.shape[0], b_stacked.shape[0], a_stacked.shape[2] if shrink_in else 0, s.shape[2],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, R_CHUNK=cfg["R_CHUNK"], GROUP_M=cfg["GROUP_M"],
-        USE_TMA=use_tma, FLATTEN=bool(cfg["FLATTEN"]), WARP_SPECIALIZE=bool(cfg["WS"]),
+        USE_TMA=use_tma, FLATTEN=bool(cfg["FLATTEN"]),
         EVEN_K=hidden % bk == 0, COL_ALIGN=col_align, HAS_LORA=has_lora, LORA_IN_LOOP=lora_in_loop,
         STRADDLE=seg_align % bm != 0,
         LORA_AFTER=lora_after, LORA_BK=lora_bk, S_SCALED=s_scaled, HAS_BIAS=bias is not None,

@@ -36,13 +36,10 @@ def one_launch_pays(
     num_tokens: int, hidden: int, out_slice_sizes: list[int], programs: int, cfg: dict = gluon_op.GLUON_CONFIG
 ) -> bool:
     """Whether the shrink inside the GEMM launch beats the shrink kernel launched before the GEMM. Its units
-    (one per row block) run on the programs with one tile less in the last round of tiles; H200, FLUX.1-dev
-    projections at 1024², 4 requests (`benchmarks/lora_linear_shapes.py`, BENCHMARKS.md): where the row blocks
-    outnumber those programs more than UNITS_PER_IDLE times the units hold up the launch (4 × 4096 tokens'
-    q/k/v: 128 units for 12 such programs, +12.7 % over cuBLAS against +2.3 % for the two launches), and
-    units over rows longer than ONE_LAUNCH_MAX_HIDDEN (the single blocks' proj_out, 15360) cost more than the
-    kernel (+9.0 % against +6.3 %); elsewhere the one launch was as fast or faster (4 × 4608 tokens' q/k/v
-    +3.7 % against +5.3 %, the single blocks' q/k/v/mlp +2.1 % against +5.3 %)."""
+    (one per row block) run on the programs with one tile less in the last round of tiles: where the row blocks
+    outnumber those programs more than UNITS_PER_IDLE times the units hold up the launch, and units over rows
+    longer than ONE_LAUNCH_MAX_HIDDEN cost more than the kernel (FLUX.1-dev projections on an H200,
+    `benchmarks/kernels/lora_linear_shapes.py`; docs/notes/benchmarks-log.md, "The one launch only where it pays")."""
     if hidden > ONE_LAUNCH_MAX_HIDDEN:
         return False
     row_blocks = -(-num_tokens // cfg["BLOCK_M"])

@@ -12,35 +12,23 @@ from ditserve.kernels._dispatch import (
     use_triton,
     zeroed_scratch,
 )
-from ditserve.kernels._hopper import gluon_available
 from ditserve.kernels.lora_shrink import gluon_op
-from ditserve.kernels.lora_shrink.gluon_op import GLUON_FORMS, gluon_shrink_choice
+from ditserve.kernels.lora_shrink.configs import ShrinkProblem, choose, triton_choice
+from ditserve.kernels.lora_shrink.gluon_op import GLUON_FORMS
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref
-from ditserve.kernels.policy import KernelPolicy, active_policy
+from ditserve.kernels.policy import KernelPolicy
 
 MAX_SLICES = 4
-# (num_slices, BLOCK_R) -> tiles measured best on an H200 (hidden 3072, 4608 and 4x4608 tokens; sweep in
-# benchmarks/lora_kernels.py --sweep, which overrides this table while it runs)
-TUNED: dict[tuple[int, int], dict[str, int]] = {
-    (3, 16): dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4),
-    (3, 32): dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4),
-    (3, 64): dict(BLOCK_M=64, BLOCK_K=64, num_warps=8, num_stages=3),
-    (3, 128): dict(BLOCK_M=64, BLOCK_K=64, num_warps=8, num_stages=3),
-    (4, 16): dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4),
-    (4, 32): dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4),
-    (4, 64): dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3),
-    (4, 128): dict(BLOCK_M=64, BLOCK_K=64, num_warps=8, num_stages=3),
-}
-
-# the TMA kernel, one program per 128-row block and slice, 4 stages (SEGMENTED_TUNED below)
+# sweep candidates (benchmarks/kernels/lora_shrink_tiles.py, lora_kernels.py --sweep-gemm; the GPU tests run each once):
+# the TMA kernel, one program per 128-row block and slice
 _TMA_SPLIT = dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, SPLIT=1, TMA=1)
 
-# stream-K tiles that won somewhere (SEGMENTED_TUNED below)
+# stream-K tiles
 _SK_64 = dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=2)
 _WIDE_64 = dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, TMA=1, STREAMK=2, WIDE=1)
 _WIDE_128 = dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=1, WIDE=1)
 
-# Candidates for the scaled (x's dtype) output the fused GEMM reads, swept by benchmarks/lora_kernels.py
+# Candidates for the scaled (x's dtype) output the fused GEMM reads, swept by benchmarks/kernels/lora_kernels.py
 # --qkv-only --sweep-gemm (the GPU tests run each once). SPLIT=1: one program per (row block, slice).
 SCALED_SWEEP: dict[str, dict[str, int]] = {
     "64/64/4/4": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4),
@@ -56,7 +44,7 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "32/128/4/3 split": dict(BLOCK_M=32, BLOCK_K=128, num_warps=4, num_stages=3, SPLIT=1),
     "32/128/4/4": dict(BLOCK_M=32, BLOCK_K=128, num_warps=4, num_stages=4),
     "128/128/8/3 split": dict(BLOCK_M=128, BLOCK_K=128, num_warps=8, num_stages=3, SPLIT=1),
-    # 3 stages with one slice per program; 6 stages (best for one request of 4608 tokens at rank 16, 18.5 µs)
+    # 3 stages with one slice per program; 6 stages (best for one request of 4608 tokens at rank 16)
     "64/64/4/3 split": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=3, SPLIT=1),
     "64/64/4/6": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=6),
     # x and A through TMA descriptors (TMA=1): no per-element address arithmetic or masks in the K loop
@@ -84,91 +72,11 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
     "sk 128/64/8/4 x1": dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, TMA=1, STREAMK=1),
     "wide 128/64/8/4": _WIDE_128,
     "wide 64/64/4/4 x2": _WIDE_64,
-    # wider K steps on 64-row blocks (one request of 4608 tokens and the skewed mix, rank 16: 15.0 and 21.9 µs
-    # against 15.7 and 25.0 for the defaults, H200, read flush)
+    # wider K steps on 64-row blocks (small batches and the skewed mix)
     "tma 64/128/4/4": dict(BLOCK_M=64, BLOCK_K=128, num_warps=4, num_stages=4, TMA=1),
     # the Gluon kernel for Hopper (gluon_op.GLUON_FORMS)
     **GLUON_FORMS,
 }
-
-# The segmented kernel's defaults (fp32 and scaled outputs) where H200 sweeps (hidden 3072; 4x4608 tokens,
-# a skewed mix 4608/1024/4608/256 and one request of 4608; BENCHMARKS.md) found something faster than TUNED
-# (which the chunked SGMV shrink reads too, so it keeps pointer tiles). Each entry lists configs in order of
-# preference; a stream-K one (STREAMK=n) is taken only when the batch has n row blocks per SM, so every
-# program gets at least one (`segmented_config`), else the next. bf16 scaled s, 4x4608 / skew / 1x4608, µs:
-# - 3 slices, rank 32: stream-K, 64-row units, two programs per SM: 47.8 / 32.9 / 24.4 (TUNED 56.3 / 33.2 /
-#   24.5).
-# - 4 slices, rank 32: the same, every slice in one wide dot: 49.7 / 32.2 / 23.3 (TUNED 61.5 / 35.4 / 25.2).
-# - 4 slices, rank 64: wide stream-K on 128-row units: 64.1-64.5 / 39.7 (split TMA 72.7-73.7 / 47.1); fp32
-#   60.4-60.9 (80.7-81.7); for fewer than 132 row blocks of 128 the split TMA kernel (1x4608: 25.1 µs, the
-#   wide one 35.4).
-# - 3 slices at ranks 64 and 128, 4 slices at rank 128: the TMA kernel, one program per 128-row block and
-#   slice, 4 stages (96 KB: two per SM): 3 slices rank 64 55.0 µs, rank 128 89.6; no stream-K or wide
-#   variant measured faster (rank 64: 65.8-110 µs).
-# Rank 16 stays on TUNED (41 µs at 4x4608, 3 slices; nothing measured faster there).
-# Batches of fewer 64-row blocks than SMs take SMALL_TUNED instead (below).
-SEGMENTED_TUNED: dict[tuple[int, int], tuple[dict[str, int], ...]] = {
-    (3, 32): (_SK_64, TUNED[3, 32]),
-    (4, 32): (_WIDE_64, TUNED[4, 32]),
-    (3, 64): (_TMA_SPLIT,),
-    (4, 64): (_WIDE_128, _TMA_SPLIT),
-    (3, 128): (_TMA_SPLIT,),
-    (4, 128): (_TMA_SPLIT,),
-}
-
-
-# Batches of fewer 64-row blocks than SMs (one request of 4608 tokens: 72 on 132 SMs): the TMA kernel with one
-# program per 64-row block and slice (216-288 programs), except 6 pointer stages at rank 16 with 3 slices.
-# H200, 1x4608, L2 flushed by a read, bf16 scaled s (fp32 s alike), µs, against the large-batch defaults:
-# 3 slices 16.3 / 17.7 / 18.5 / 22.3 at ranks 16 / 32 / 64 / 128 (18.4 / 20.9 / 19.8 / 21.9), 4 slices 17.4 /
-# 17.5 / 20.7 / 36.5 (19.8 / 23.4 / 22.2 / 39.5); stream-K over all SMs was no faster (17.8-60.2).
-_TMA_SPLIT_64 = dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT=1, TMA=1)
-SMALL_TUNED: dict[tuple[int, int], dict[str, int]] = {
-    (3, 16): dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=6),
-}
-
-
-def segmented_config(num_slices: int, block_r: int, num_tokens: int, device: torch.device) -> dict[str, int]:
-    """The segmented shrink's tiles for this batch: for fewer 64-row blocks than SMs SMALL_TUNED (else the
-    split TMA kernel on 64-row blocks), otherwise the first SEGMENTED_TUNED entry whose stream-K programs (if
-    any) all get a row block, else TUNED / shrink_config."""
-    if num_tokens < 64 * num_programs_limit(device):
-        return SMALL_TUNED.get((num_slices, block_r), _TMA_SPLIT_64)
-    for cfg in SEGMENTED_TUNED.get((num_slices, block_r), ()):
-        rows_needed = cfg.get("STREAMK", 0) * num_programs_limit(device) * cfg["BLOCK_M"]
-        if num_tokens >= rows_needed:
-            return cfg
-    return shrink_config(num_slices, block_r)
-
-
-def default_config(
-    num_slices: int,
-    block_r: int,
-    num_tokens: int,
-    device: torch.device,
-    seg_align: int = 1,
-    policy: KernelPolicy | None = None,
-) -> dict[str, int]:
-    """The shrink's tiles when none are given: on Hopper with the Gluon kernels the Gluon shrink where H200 runs
-    found it faster (`gluon_op.gluon_shrink_choice`; the launch falls back to the Triton tiles where its
-    contract does not hold; DITSERVE_GLUON_GEMM=0 turns it off with the Gluon GEMM), else `segmented_config`."""
-    policy = policy or active_policy()
-    if device.type == "cuda" and policy.gluon and gluon_available(device.index or 0):
-        name = gluon_shrink_choice(num_slices, block_r, num_tokens, num_programs_limit(device), seg_align)
-        if name is not None:
-            return GLUON_FORMS[name]
-    return segmented_config(num_slices, block_r, num_tokens, device)
-
-
-def shrink_config(num_slices: int, block_r: int) -> dict[str, int]:
-    """Tile sizes by (slices, rank tile): the measured table, else 64-row tiles with 8 warps once the
-    fp32 accumulators (num_slices × BLOCK_M × BLOCK_R) pass 8K elements. Larger tiles ran out of
-    shared memory at rank 128 or were slower in the sweep."""
-    if (num_slices, block_r) in TUNED:
-        return TUNED[num_slices, block_r]
-    if num_slices * block_r <= 128:
-        return dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=64, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
 def _check(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, slot_rank, rank_dim):
@@ -205,7 +113,7 @@ def launch_lora_shrink(
     # the stream-K kernel on n programs per SM (WIDE=1: its one-dot form)
     seg_scale: torch.Tensor | None = None,  # [num_segments] fp32: write scale(t) · s in x's dtype instead
     seg_align: int = 1,  # LoRABatchMeta.seg_align: the Gluon kernel's forms are the default only where
-    # segments lie on their row blocks (`default_config`)
+    # segments lie on their row blocks (`configs.choose`)
     policy: KernelPolicy | None = None,  # which variants the default may take (None: active_policy())
 ) -> torch.Tensor:  # [num_slices, num_tokens, rank_dim] fp32, or [.., scaled_cols(rank_dim)] x's dtype
     from ditserve.kernels.lora_shrink.kernel import _lora_shrink_kernel
@@ -221,13 +129,13 @@ def launch_lora_shrink(
     if num_tokens == 0 or rank_dim == 0:
         return s.zero_()
     block_r = block_rank(s.shape[2])
-    cfg = dict(config or default_config(num_slices, block_r, num_tokens, x.device, seg_align, policy))
+    cfg = dict(config or choose(ShrinkProblem(num_slices, block_r, num_tokens, seg_align), x.device, policy))
     if cfg.pop("GLUON", 0):  # the Gluon kernel where its contract holds, else the Triton kernel's tiles
         if gluon_op.gluon_shrink_ok(x, a_stacked, s.shape[2], cfg):
             seg = (token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank)
             gluon_op.launch_gluon_lora_shrink(x, a_stacked, s, *seg, cfg)
             return s
-        cfg = dict(segmented_config(num_slices, block_r, num_tokens, x.device))
+        cfg = dict(triton_choice(ShrinkProblem(num_slices, block_r, num_tokens, seg_align), x.device))
     split = num_slices if cfg.pop("SPLIT", 0) else 1
     streamk = cfg.pop("STREAMK", 0)
     wide = cfg.pop("WIDE", 0)

@@ -5,16 +5,18 @@ from __future__ import annotations
 import torch
 
 from ditserve.kernels._dispatch import block_rank, use_triton
-from ditserve.kernels.lora_shrink.op import MAX_SLICES, shrink_config
+from ditserve.kernels.lora_shrink.configs import triton_tiles
 from ditserve.kernels.lora_shrink_sgmv.reference import lora_shrink_sgmv_ref
+
+MAX_SLICES = 4
 
 
 def shrink_sgmv_config(num_slices: int, block_r: int) -> dict[str, int]:
     """The segmented shrink's tiles (the launch caps BLOCK_M at the chunk size)."""
-    return dict(shrink_config(num_slices, block_r))
+    return dict(triton_tiles(num_slices, block_r))
 
 
-# Candidates (benchmarks/lora_sgmv_tiles.py --op shrink; not yet timed on a GPU, so not a default): one program
+# Candidates (benchmarks/kernels/lora_sgmv_tiles.py --op shrink; not yet timed on a GPU, so not a default): one program
 # per (chunk, slice) (SPLIT=1), as the segmented shrink's default at ranks 64-128 (BLOCK_M: capped at the chunk)
 SGMV_SHRINK_SWEEP: dict[str, dict[str, int]] = {
     "split 64/64/4/4": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT=1),

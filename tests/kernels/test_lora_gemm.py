@@ -11,10 +11,13 @@ from triton.runtime.errors import OutOfResources
 from ditserve.kernels._dispatch import block_rank, next_pow2
 from ditserve.kernels._hopper import partition_regs
 from ditserve.kernels.lora import lora_linear
-from ditserve.kernels.lora_gemm.op import SWEEP, TUNED, launch_lora_gemm, resolve_config
+from ditserve.kernels.lora_gemm import configs as gemm_configs
+from ditserve.kernels.lora_gemm.op import SWEEP, launch_lora_gemm, resolve_config
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 from ditserve.kernels.lora_meta import LoRABatchMeta
-from ditserve.kernels.lora_shrink.op import SCALED_SWEEP, launch_lora_shrink, segmented_config
+from ditserve.kernels.lora_shrink.configs import ShrinkProblem, gluon_choice, triton_choice
+from ditserve.kernels.lora_shrink.gluon_op import GLUON_FORMS
+from ditserve.kernels.lora_shrink.op import SCALED_SWEEP, launch_lora_shrink
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref
 from tests.kernels.lora_cases import (
     MAX_LORAS,
@@ -225,8 +228,8 @@ def test_shrink_segmented_defaults(num_slices, rank):
     block_r = block_rank(rank)
     dev = torch.device("cpu")
     small, large = (
-        segmented_config(num_slices, block_r, 200, dev),
-        segmented_config(num_slices, block_r, 600, dev),
+        triton_choice(ShrinkProblem(num_slices, block_r, 200), dev),
+        triton_choice(ShrinkProblem(num_slices, block_r, 600), dev),
     )
     if (num_slices, rank) == (3, 16):
         assert small == dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=6)
@@ -368,7 +371,7 @@ def test_aligned_segments_many_tiles_per_program():
 def test_default_config_flattens_only_aligned_lora_batches():
     """The tuned large config flattens its tile loop unless LoRA iterations meet row blocks that may hold
     two segments; an explicit config is taken as given."""
-    assert TUNED["large"]["FLATTEN"] == 1
+    assert gemm_configs.tuned(18432, 9216)["FLATTEN"] == 1
     big = (18432, 9216)
     assert resolve_config(None, *big, lora_in_loop=True, seg_align=512)["FLATTEN"] == 1
     assert resolve_config(None, *big, lora_in_loop=True, seg_align=64)["FLATTEN"] == 0
@@ -758,8 +761,7 @@ def test_bf16_gpu_gluon_split_tail(max_rank, monkeypatch):
 )
 def test_gluon_shrink_choice(slices, rank_tile, tokens, align, want):
     """Where the shrink is the Gluon kernel by default on an H200 (132 SMs), and in which form: the shapes the
-    H200 runs measured (BENCHMARKS.md), every named form a SCALED_SWEEP candidate."""
-    from ditserve.kernels.lora_shrink.gluon_op import gluon_shrink_choice
-
-    got = gluon_shrink_choice(slices, rank_tile, tokens, 132, align)
-    assert got == want and (got is None or SCALED_SWEEP[got]["GLUON"] == 1)
+    H200 runs measured (benchmarks/results), named here by the sweep candidate the tuned table holds."""
+    got = gluon_choice(ShrinkProblem(slices, rank_tile, tokens, align), 132)
+    assert got == (None if want is None else GLUON_FORMS[want])
+    assert got is None or got["GLUON"] == 1

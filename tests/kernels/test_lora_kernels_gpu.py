@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ditserve.kernels.lora import LoRABatchMeta, apply_lora, lora_linear, lora_shrink
+from ditserve.kernels.lora_expand import configs as expand_configs
 from ditserve.kernels.lora_expand.op import launch_lora_expand
 from ditserve.kernels.lora_expand.reference import lora_expand_ref
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref
@@ -213,7 +214,8 @@ def test_bf16_default_expand_aligned_qkv_rank128_takes_gluon():
     b = (torch.randn(3, sum(sizes), 128, generator=g, device="cuda") * 128**-0.5).to(torch.bfloat16)
     y = torch.randn(meta.num_tokens, sum(sizes), generator=g, device="cuda").to(torch.bfloat16)
     s = lora_shrink(x, a, meta)
-    cfg = gluon_op.gluon_expand_choice(3, 128)
+    cfg = expand_configs.choose(expand_configs.ExpandProblem(3, 128), y.device)
+    assert cfg.pop("GLUON") == 1
     assert cfg is not None and gluon_op.gluon_expand_ok(y, s, b, sizes, meta.seg_align, cfg)
     seg = (meta.seg_start, meta.seg_len, meta.seg_slot, meta.seg_scale, meta.slot_rank)
     want = y.clone()
@@ -231,7 +233,7 @@ def test_bf16_default_shrink_off_row_blocks_takes_gluon(num_slices, rank):
     the Gluon kernel's 64-row form here (pieces that end at segment ends) and equals the reference, fp32 s and
     bf16 scale · s, launch after launch."""
     from ditserve.kernels._hopper import gluon_available
-    from ditserve.kernels.lora_shrink.gluon_op import gluon_shrink_choice
+    from ditserve.kernels.lora_shrink.configs import ShrinkProblem, gluon_choice
     from ditserve.kernels.lora_shrink.op import launch_lora_shrink
     from ditserve.kernels.lora_shrink.reference import lora_shrink_scaled_ref
 
@@ -240,7 +242,7 @@ def test_bf16_default_shrink_off_row_blocks_takes_gluon(num_slices, rank):
     requests = [(4600, 0), (4600, -1), (4600, 1), (4600, 2)]
     meta = LoRABatchMeta.build(requests, [rank, rank // 2, rank], [0.5, 1.0, 2.0, 0.25], device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert gluon_shrink_choice(num_slices, rank, meta.num_tokens, sms, meta.seg_align) is not None
+    assert gluon_choice(ShrinkProblem(num_slices, rank, meta.num_tokens, meta.seg_align), sms) is not None
     g = torch.Generator(device="cuda").manual_seed(4)
     x = torch.randn(meta.num_tokens, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
     a = (torch.randn(num_slices, 3, rank, HIDDEN, generator=g, device="cuda") * HIDDEN**-0.5).to(

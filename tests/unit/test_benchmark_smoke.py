@@ -11,6 +11,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def results(folder: Path, theme: str):
+    """What a benchmark wrote through benchmarks/report.py: (its results, its markdown)."""
+    [path] = folder.glob(f"{theme}_*.json")
+    payload = json.loads(path.read_text())
+    assert (
+        payload["theme"] == theme
+        and payload["command"].startswith("python ")
+        and payload["versions"]["torch"]
+    )
+    return payload["results"], path.with_suffix(".md").read_text()
+
+
 def run_benchmark(script: str, *args: str) -> None:
     # The benchmark's own CPU path (the LoRA kernels' torch fallback), not the Triton interpreter.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -26,8 +38,8 @@ def run_benchmark(script: str, *args: str) -> None:
 
 
 def test_wan_vs_diffusers_tiny(tmp_path):
-    run_benchmark("wan_vs_diffusers.py", "--no-compile", "--repeats", "1", "--out", str(tmp_path))
-    result = json.loads((tmp_path / "wan_vs_diffusers.json").read_text())
+    run_benchmark("engine/wan_vs_diffusers.py", "--no-compile", "--repeats", "1", "--out", str(tmp_path))
+    result, markdown = results(tmp_path, "wan_vs_diffusers")
     assert result["meta"]["skipped"] == []
     rows = {(r["scheduler"], r["impl"]): r for r in result["rows"]}
     assert set(rows) == {
@@ -42,13 +54,13 @@ def test_wan_vs_diffusers_tiny(tmp_path):
     assert rows[("unipc", "ditserve eager")]["psnr_eager"] >= 40
     assert rows[("euler", "ditserve eager")]["psnr_eager"] >= 35
     assert 25 <= rows[("unipc", "ditserve eager + fp8")]["psnr_eager"] < float("inf")  # FP8: close, not equal
-    assert (tmp_path / "wan_vs_diffusers.md").is_file()
+    assert "ditserve eager" in markdown
 
 
 def test_lora_engine_tiny_with_peft(tmp_path):
     pytest.importorskip("peft")
     run_benchmark(
-        "lora_engine.py",
+        "engine/lora_engine.py",
         "--size",
         "32",
         "--steps",
@@ -60,7 +72,7 @@ def test_lora_engine_tiny_with_peft(tmp_path):
         "--out",
         str(tmp_path),
     )
-    rows = json.loads((tmp_path / "lora_engine.json").read_text())
+    rows, _ = results(tmp_path, "lora_engine")
     assert not [r for r in rows if r["impl"] == "skipped"], rows
     by_impl = {r["impl"]: r for r in rows}
     engine = by_impl["ditserve engine"]
@@ -74,11 +86,10 @@ def test_lora_engine_tiny_with_peft(tmp_path):
 
 def test_flux_step_variants_tiny_with_fused_epilogues(tmp_path):
     """The variant that measures --fused-epilogues applies to the model and keeps its output."""
-    run_benchmark("flux_step_variants.py", "--variants", "eager,compiled+epilogues", "--iters", "1",
+    run_benchmark("engine/flux_step_variants.py", "--variants", "eager,compiled+epilogues", "--iters", "1",
                   "--out", str(tmp_path))  # fmt: skip
-    ms = json.loads((tmp_path / "flux_step_variants.json").read_text())
+    ms, text = results(tmp_path, "flux_step_variants")
     assert set(ms) == {"eager", "compiled+epilogues"} and all(ms[v].get("64", 0) > 0 for v in ms), ms
-    text = (tmp_path / "flux_step_variants.txt").read_text()
     assert int(text.split("fused epilogues in ")[1].split()[0]) > 0, text
     row = next(
         line for line in text.splitlines() if line.startswith("compiled+epilogues") and "ms/step" in line
@@ -88,9 +99,9 @@ def test_flux_step_variants_tiny_with_fused_epilogues(tmp_path):
 
 
 def test_engine_vs_diffusers_tiny_with_the_engine_switches(tmp_path):
-    run_benchmark("engine_vs_diffusers.py", "--sizes", "32", "--steps", "2", "--repeats", "1", "--no-compile",
+    run_benchmark("engine/engine_vs_diffusers.py", "--sizes", "32", "--steps", "2", "--repeats", "1", "--no-compile",
                   "--extras", "epilogues,fp8,engine", "--out", str(tmp_path))  # fmt: skip
-    result = json.loads((tmp_path / "engine_vs_diffusers.json").read_text())
+    result, _ = results(tmp_path, "engine_vs_diffusers")
     assert result["meta"]["skipped"] == []
     rows = {r["impl"]: r for r in result["rows"]}
     engine = "ditserve Engine, --fused-epilogues --quantization fp8"
@@ -108,7 +119,8 @@ def load_benchmark(script: str):
     """A benchmark script as a module (its functions, without running main)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), ROOT / "benchmarks" / script)
+    name = Path(script).stem
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -117,7 +129,7 @@ def load_benchmark(script: str):
 def test_kernel_benchmark_leaves_out_a_variant_that_cannot_run():
     """The interleaved timing of `lora_kernels.py` drops a variant whose first call raises (a config that does
     not fit shared memory, say) and reports it; the others, and the baseline's failures, are not hidden."""
-    bench = load_benchmark("lora_kernels.py")
+    bench = load_benchmark("kernels/lora_kernels.py")
     calls = []
 
     def too_big():

@@ -1,7 +1,7 @@
 """Step-level continuous batching against one request at a time and a static batch, on the real Engine loop.
 
-    GIT_COMMIT=$(git rev-parse --short HEAD) python benchmarks/batching.py --out DIR
-    python benchmarks/batching.py --tiny --device cpu --sizes 64 --out /tmp/b     # CPU smoke run
+    GIT_COMMIT=$(git rev-parse --short HEAD) python benchmarks/engine/batching.py --out DIR
+    python benchmarks/engine/batching.py --tiny --device cpu --sizes 64 --out /tmp/b     # CPU smoke run
 
 FLUX.1-dev-sized transformer with random bf16 weights (built in memory, as in engine_vs_diffusers.py),
 ``--clients`` requests of ``--steps`` steps per size. Three modes, same weights, same run:
@@ -18,8 +18,6 @@ names: continuous / static throughput, continuous / one-at-a-time p95.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
 import sys
@@ -31,7 +29,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the report helper
 from engine_vs_diffusers import build_pipe, commit, device_name, flux_configs  # noqa: E402
+from report import markdown_table, write_results  # noqa: E402
 
 from ditserve.replica.config import EngineConfig  # noqa: E402
 from ditserve.replica.engine import Engine  # noqa: E402
@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument(
         "--budget-s", type=float, default=400.0, help="skip sizes once this much time is spent"
     )
-    parser.add_argument("--out", default="bench-out")
+    parser.add_argument("--out", default=None, help="results folder (default: benchmarks/results)")
     args = parser.parse_args()
     start = time.perf_counter()
     device = torch.device(args.device if args.device != "cuda" else "cuda:0")
@@ -164,8 +164,7 @@ def main() -> None:
                 f"{row['commit']} |",
                 flush=True,
             )
-    os.makedirs(args.out, exist_ok=True)
-    Path(args.out, "batching.json").write_text(json.dumps(rows, indent=1))
+    write_results("batching", markdown_table(rows), rows, out=args.out, baseline="one request at a time")
 
 
 if __name__ == "__main__":

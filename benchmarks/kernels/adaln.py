@@ -1,7 +1,7 @@
 """The adaLN-Zero norm of a Flux block (GPU): diffusers' eager ops, the same ops under torch.compile, and the
 one-pass kernel (`kernels/adaln`, what ``--fused-epilogues`` runs eagerly), against the HBM floor.
 
-    python benchmarks/adaln.py --out DIR [--rounds 7] [--gap-s 0.25]
+    python benchmarks/kernels/adaln.py --out DIR [--rounds 7] [--gap-s 0.25]
 
 y = LayerNorm(x) · (1 + scale[:, None]) + shift[:, None], x [batch, tokens, 3072] bf16, shift and scale
 [batch, 3072]; shapes: 4 × 4608 (4 requests of 1024², image + text: a single block's norm), 4 × 512 (the
@@ -13,7 +13,6 @@ copy bandwidth measured in the same run. Every row is checked against the fp32 r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -72,11 +71,10 @@ def run_shape(name: str, batch: int, tokens: int, args, bw: float, lines: list[s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--gap-s", type=float, default=0.25)
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
     head = [
@@ -87,10 +85,7 @@ def main() -> None:
     print("\n".join(head), flush=True)
     lines = list(head)
     records = [run_shape(name, b, t, args, bw, lines) for name, (b, t) in SHAPES.items()]
-    with open(os.path.join(args.out, "adaln.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(args.out, "adaln.json"), "w") as f:
-        json.dump(dict(head=head, records=records), f, indent=1)
+    lk.save(args.out, lines, "adaln", dict(head=head, records=records))
 
 
 if __name__ == "__main__":

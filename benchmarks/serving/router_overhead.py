@@ -1,7 +1,7 @@
 """Latency the HTTP frontend + session/round-robin router add over a direct handle call, and the balance
 across replicas (CPU; local Ray).
 
-    python benchmarks/router_overhead.py [--dp-size 3] [--requests 1000] [--out DIR]
+    python benchmarks/serving/router_overhead.py [--dp-size 3] [--requests 1000] [--out DIR]
 
 The engine deployment runs with a trivial engine (``engine_cls`` injection: answers each request at once
 with a 1×1 PNG), so what is timed is the serving path alone:
@@ -17,16 +17,19 @@ run (from the ``x-ditserve-replica`` header).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections import Counter
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the report helper
+from report import write_results  # noqa: E402
 
 from ditserve.replica.media import encode_png
 from ditserve.replica.models.registry import resolve_model
@@ -90,7 +93,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--port", type=int, default=8123)
-    parser.add_argument("--out", default=None, help="Folder for router_overhead.json / .md")
+    parser.add_argument("--out", default=None, help="results folder (default: benchmarks/results)")
     ns = parser.parse_args()
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -156,12 +159,9 @@ def main() -> None:
     )
     table = "\n".join(rows) + "\n\n" + summary
     print(table)
-    if ns.out:
-        out = Path(ns.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "router_overhead.md").write_text(table + "\n")
-        payload = {"direct": d, "http": h, "added": added, "served": dict(served), "balance": balance}
-        (out / "router_overhead.json").write_text(json.dumps(payload | {"machine": machine}, indent=1))
+    payload = {"direct": d, "http": h, "added": added, "served": dict(served), "balance": balance}
+    write_results("router_overhead", table, payload | {"machine": machine}, out=ns.out,
+                  baseline="direct handle calls")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ adapter for every row (x · Aᵀ, A the slices' rows stacked: no segments at all
 (`torch._grouped_mm`, one group per request, where this torch has it) and a plain read of x, all graph-timed with
 the kernel table's L2 flush (read). % HBM is against the kernel table's floor (bytes / 2 GiB copy bandwidth).
 
-    PYTHONPATH=<dir holding ditserve/> python3 benchmarks/shrink_baselines.py --out DIR   # DIR/shrink_baselines.md
+    PYTHONPATH=<dir holding ditserve/> python3 benchmarks/probes/shrink_baselines.py --out DIR   # DIR/shrink_baselines.md
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels"))
 import lora_kernels as lk  # noqa: E402
 
 from ditserve.kernels._bench import copy_bandwidth, make_problem, matmul_flops  # noqa: E402
@@ -45,12 +45,11 @@ def grouped_call(p):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results)")
     ap.add_argument("--batches", default="4x4608,skew 4608/1024/4608/256,1x4608")
     ap.add_argument("--slices", default="3,4")
     ap.add_argument("--ranks", default="16,32,64,128")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
     lk.FLUSH_MODE = "read"
     bw, mm = copy_bandwidth(), matmul_flops()
     lines = [
@@ -88,7 +87,7 @@ def main() -> None:
                 lines.append(f"| {batch} | {nsl} | {rank} | {hbm * 1e3:.1f} / {roof * 1e3:.1f} µs | "
                              + " | ".join(cells) + " |")  # fmt: skip
                 print(lines[-1], flush=True)
-                lk.save(args.out, lines, "shrink_baselines.md")
+                lk.save(args.out, lines, "shrink_baselines")
                 del p, dense, x64
                 torch.cuda.empty_cache()
 

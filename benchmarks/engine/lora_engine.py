@@ -1,8 +1,8 @@
 """LoRA in the engine: a batch of requests with different adapters against the same batch without LoRA,
 and the same requests through stock diffusers + PEFT (one after another: it cannot mix adapters in a batch).
 
-    GIT_COMMIT=$(git rev-parse --short HEAD) python benchmarks/lora_engine.py --budget-s 400 --out DIR
-    python benchmarks/lora_engine.py --tiny --device cpu --size 64 --out /tmp/le      # CPU smoke run
+    GIT_COMMIT=$(git rev-parse --short HEAD) python benchmarks/engine/lora_engine.py --budget-s 400 --out DIR
+    python benchmarks/engine/lora_engine.py --tiny --device cpu --size 64 --out /tmp/le      # CPU smoke run
 
 FLUX.1-dev-sized transformer (random bf16 weights, built in memory as in engine_vs_diffusers.py). For each
 rank of ``--rank`` (default 16 and 64) every request gets its own adapter: rank r on every linear of the
@@ -37,8 +37,6 @@ import argparse
 import gc
 import importlib.util
 import io
-import json
-import os
 import statistics
 import sys
 import time
@@ -51,6 +49,7 @@ import torch
 # Loading a second adapter into one model is what these rows do on purpose.
 warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the report helper
 from batching import start_engine  # noqa: E402
 from engine_vs_diffusers import (  # noqa: E402
     ForwardTimer,
@@ -63,6 +62,7 @@ from engine_vs_diffusers import (  # noqa: E402
     psnr,
     sync,
 )
+from report import write_results  # noqa: E402
 
 from ditserve.kernels.policy import KernelPolicy, active_policy, use_policy  # noqa: E402
 from ditserve.replica.engine import Engine  # noqa: E402
@@ -173,7 +173,7 @@ def main() -> None:
         "--compile", action="store_true", help="engine with --compile (regional torch.compile)"
     )
     parser.add_argument("--budget-s", type=float, default=1e9, help="skip rows that would start after this")
-    parser.add_argument("--out", default="bench-out")
+    parser.add_argument("--out", default=None, help="results folder (default: benchmarks/results)")
     args = parser.parse_args()
     if args.adapters_per_request > 1 and not args.no_peft:
         parser.error("--adapters-per-request > 1 times the engine only: add --no-peft")
@@ -554,10 +554,14 @@ def main() -> None:
     if skips.reasons:
         notes.append("Skipped: " + "; ".join(skips.reasons))
     print("\n" + "\n".join(lines + notes), flush=True)
-    os.makedirs(args.out, exist_ok=True)
     out_rows = rows + [{"impl": "skipped", "reason": s} for s in skips.reasons]
-    Path(args.out, "lora_engine.json").write_text(json.dumps(out_rows, indent=1))
-    Path(args.out, "lora_engine.md").write_text("\n".join(lines + notes) + "\n")
+    write_results(
+        "lora_engine",
+        "\n".join(lines + notes),
+        out_rows,
+        out=args.out,
+        baseline="the same batch without LoRA",
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The segmented LoRA shrink's default tiles against named candidates, for both outputs it writes (fp32 s
 for the unfused path, bf16 scale · s for the fused GEMM), every result checked against the reference.
 
-    python benchmarks/lora_shrink_tiles.py --out DIR [--batches 4x4608,1x4608] [--slices 3,4] \
+    python benchmarks/kernels/lora_shrink_tiles.py --out DIR [--batches 4x4608,1x4608] [--slices 3,4] \
         [--ranks 32,64,128] [--configs "tma 128/64/8/4 split,128/64/8/3 split"]
 
 Times: CUDA-graph replay with L2 flushed before each call (`lora_kernels.quick_graph_ms`), µs; WRONG after
@@ -48,13 +48,12 @@ def time_cell(fn, want) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results)")
     ap.add_argument("--batches", default="4x4608,1x4608,skew 4608/1024/4608/256")
     ap.add_argument("--slices", default="3,4")
     ap.add_argument("--ranks", default="32,64,128")
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
     names = [n for n in args.configs.split(",") if n]
     props = torch.cuda.get_device_properties(0)
     lines = [
@@ -100,8 +99,7 @@ def main() -> None:
                         cells.append(time_cell(fn, want))
                     lines.append(f"| {batch} | {nsl} | {rank} | {out} | " + " | ".join(cells[1:]) + " |")
                     print(lines[-1], flush=True)
-                    with open(os.path.join(args.out, "lora_shrink_tiles.md"), "w") as f:
-                        f.write("\n".join(lines) + "\n")
+                    lk.save(args.out, lines, "lora_shrink_tiles")
                 del p, wants
                 torch.cuda.empty_cache()
 

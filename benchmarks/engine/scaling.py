@@ -1,7 +1,7 @@
 """Multi-GPU layouts of one engine replica: step time and image parity against one GPU, in the same run.
 
-    GIT_COMMIT=$(git rev-parse --short HEAD) python benchmarks/scaling.py --out DIR          # 2 GPUs, NCCL
-    python benchmarks/scaling.py --tiny --device cpu --out /tmp/scaling                      # gloo smoke run
+    GIT_COMMIT=$(git rev-parse --short HEAD) python benchmarks/engine/scaling.py --out DIR          # 2 GPUs, NCCL
+    python benchmarks/engine/scaling.py --tiny --device cpu --out /tmp/scaling                      # gloo smoke run
 
 Two rank processes (NCCL on GPUs, gloo on CPU). Each builds the same FLUX.1-dev-sized random-weight
 pipeline as ``engine_vs_diffusers.py`` (same seed → same weights on every rank; checked), then does what
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import statistics
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the report helper
 from engine_vs_diffusers import (  # noqa: E402
     NEGATIVE,
     PROMPT,
@@ -45,6 +45,7 @@ from engine_vs_diffusers import (  # noqa: E402
     reset_peak,
     sync,
 )
+from report import write_results  # noqa: E402
 
 LAYOUTS: list[dict[str, int]] = [
     dict(ulysses=2),
@@ -236,7 +237,9 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=3)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip layouts that start after this many s")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument(
+        "--out", default=os.environ.get("OUT"), help="results folder (default: benchmarks/results)"
+    )
     a = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -326,13 +329,9 @@ def main() -> None:
     )
     text = "\n".join(lines + [""] + notes)
     print("\n" + text)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "scaling.md").write_text(text + "\n")
-    (out / "scaling.json").write_text(
-        json.dumps(dict(meta=dict(commit=sha, devices=dev, argv=sys.argv, **args), result=res, errors=errors),
-                   indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
-    )  # fmt: skip
+    data = dict(meta=dict(commit=sha, devices=dev, **args), result=res, errors=errors)
+    write_results("scaling", text, json.loads(json.dumps(data, default=str).replace("NaN", "null")), out=a.out,
+                  baseline="the one-GPU runner")  # fmt: skip
     if errors:
         sys.exit(1)
 

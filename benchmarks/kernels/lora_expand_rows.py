@@ -1,7 +1,7 @@
 """The in-place LoRA expand (GPU): the one-tile-per-program kernel against the row-stationary one and its
 candidate tiles, in interleaved rounds, on 4 (--requests) × 4608 tokens, hidden 3072, 3 and 4 output slices.
 
-    PYTHONPATH=<dir holding ditserve/> python3 benchmarks/lora_expand_rows.py --out DIR
+    PYTHONPATH=<dir holding ditserve/> python3 benchmarks/kernels/lora_expand_rows.py --out DIR
 
 Every config's output is checked against the torch reference first (WRONG configs are left out). "% HBM" =
 (bytes that must move / copy bandwidth measured in the same run) / time; "x" = median of the per-round
@@ -22,8 +22,9 @@ import lora_kernels as lk  # noqa: E402
 from ditserve.kernels._bench import copy_bandwidth, make_problem  # noqa: E402
 from ditserve.kernels._dispatch import block_rank  # noqa: E402
 from ditserve.kernels.lora import lora_shrink  # noqa: E402
+from ditserve.kernels.lora_expand.configs import ExpandProblem, choose, triton_tiles  # noqa: E402
 from ditserve.kernels.lora_expand.gluon_op import gluon_expand_ok  # noqa: E402
-from ditserve.kernels.lora_expand.op import ROWS_TUNED, TUNED, default_expand_config, launch_lora_expand  # noqa: E402
+from ditserve.kernels.lora_expand.op import launch_lora_expand  # noqa: E402
 from ditserve.kernels.lora_expand.reference import lora_expand_ref  # noqa: E402
 
 
@@ -55,7 +56,7 @@ CANDIDATES = {
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results)")
     ap.add_argument("--ranks", default="16,32,64,128")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--requests", type=int, default=4, help="requests of 4608 tokens, one adapter each")
@@ -80,7 +81,6 @@ def main() -> None:
         for name in set(CANDIDATES) - keep:
             del CANDIDATES[name]
     variants = {v: dict((k, int(x)) for k, x in (kv.split("=") for kv in v.split(","))) for v in args.variant}
-    os.makedirs(args.out, exist_ok=True)
     bw = copy_bandwidth()
     lines = [
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s",
@@ -97,13 +97,13 @@ def main() -> None:
             seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
             want = p.y.clone()
             lora_expand_ref(want, s, p.b, *seg[1:], sizes)
-            configs = {"one tile per program": TUNED[block_rank(rank)], **CANDIDATES}
+            configs = {"one tile per program": triton_tiles(block_rank(rank)), **CANDIDATES}
             for c in filter(None, args.chunks.split(",")):
                 for name, cfg in CANDIDATES.items():
                     configs[f"{name} -> c{c}"] = {**cfg, "CHUNK": int(c)}
-            configs[f"default ({default_expand_config(nsl, block_rank(rank), True, False)})"] = None
+            configs[f"default ({choose(ExpandProblem(nsl, block_rank(rank)), p.y.device)})"] = None
             for name, kv in variants.items():
-                configs[f"default + {name}"] = {**ROWS_TUNED[block_rank(rank)], **kv}
+                configs[f"default + {name}"] = {**triton_tiles(block_rank(rank), accumulate=True), **kv}
             fns = {}
             for name, cfg in configs.items():
                 if cfg and cfg.get("GLUON") and not gluon_expand_ok(p.y, s, p.b, sizes, m.seg_align, cfg):
@@ -130,8 +130,7 @@ def main() -> None:
             print("\n".join(lines[-len(res) :]), flush=True)
             del p, s, want
             torch.cuda.empty_cache()
-    with open(os.path.join(args.out, f"lora_expand_rows_{args.requests}x4608.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    lk.save(args.out, lines, f"lora_expand_rows_{args.requests}x4608")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """ditserve's Wan runner against stock diffusers WanPipeline on one GPU: same weights, inputs and run.
 
-    GIT_COMMIT=$(git rev-parse --short HEAD) python benchmarks/wan_vs_diffusers.py --budget-s 420 --out DIR
-    python benchmarks/wan_vs_diffusers.py --tiny --device cpu --out /tmp/wvd      # CPU smoke run
+    GIT_COMMIT=$(git rev-parse --short HEAD) python benchmarks/engine/wan_vs_diffusers.py --budget-s 420 --out DIR
+    python benchmarks/engine/wan_vs_diffusers.py --tiny --device cpu --out /tmp/wvd      # CPU smoke run
 
 The model is Wan2.1-T2V-1.3B-sized (30 blocks, 12 heads × 128 = dim 1536, ffn 8960, text dim 4096, freq dim
 256, patch (1, 2, 2), RMS q/k norm across heads, cross-attention norm) with random weights built directly
@@ -275,7 +275,9 @@ def main() -> None:
     ap.add_argument(
         "--budget-s", type=float, default=1e9, help="skip rows that would start after this many s"
     )
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument(
+        "--out", default=os.environ.get("OUT"), help="results folder (default: benchmarks/results)"
+    )
     args = ap.parse_args()
 
     t_start = time.perf_counter()

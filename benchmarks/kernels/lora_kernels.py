@@ -1,16 +1,16 @@
 """Multi-LoRA kernel benchmark (GPU): shrink / expand (segmented and SGMV) against the HBM floor, the torch
 per-segment loop and the base projection GEMM, on hidden 3072.
 
-    python benchmarks/lora_kernels.py --out DIR [--sweep] [--flush read|write] [--batches 4x4608,1x4608]
+    python benchmarks/kernels/lora_kernels.py --out DIR [--sweep] [--flush read|write] [--batches 4x4608,1x4608]
         [--slices 3,4] [--ranks 16,64]
-    python benchmarks/lora_kernels.py --out DIR --qkv-only [--sweep-gemm] [--sweep-ws]
+    python benchmarks/kernels/lora_kernels.py --out DIR --qkv-only [--sweep-gemm]
         [--batches 4x4608] [--slices 3] [--ranks 64,16,0] [--gemm-configs "w8 s3,after"]
 
-Prints markdown tables and writes them to DIR/lora_kernels.md (+ DIR/lora_kernels.json); --qkv-only writes
-DIR/lora_qkv.md (+ .json): only the QKV target shapes, the fused GEMM+LoRA (scaled bf16 shrink + lora_gemm
+Prints markdown tables and writes them as the run's results file (benchmarks/report.py: DIR or
+benchmarks/results, lora_kernels_<gpu>_<yyyymm>_<sha>.md + .json); --qkv-only writes lora_qkv_...: only the QKV
+target shapes, the fused GEMM+LoRA (scaled bf16 shrink + lora_gemm
 with the LoRA iterations in its K loop) against cuBLAS F.linear, every config checked against the torch
-reference, and with --sweep-gemm every candidate tile config of lora_gemm (kernels/lora_gemm/op.py SWEEP;
---sweep-ws adds the warp-specialised ones) and of the scaled shrink (lora_shrink/op.py SCALED_SWEEP).
+reference, and with --sweep-gemm every candidate tile config of lora_gemm (kernels/lora_gemm/op.py SWEEP) and of the scaled shrink (lora_shrink/op.py SCALED_SWEEP).
 "% HBM" = (bytes that must move / copy bandwidth measured in the same run) / measured time.
 "% roof" uses max(HBM time, FLOPs / measured bf16 matmul rate): at high rank × slices the shrink's
 tensor-core work, not its bytes, sets the floor.
@@ -19,21 +19,23 @@ tensor-core work, not its bytes, sets the floor.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton.testing
 
-import ditserve.kernels.lora_expand.op as expand_op
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the report helper
+from report import write_results  # noqa: E402
+
 import ditserve.kernels.lora_gemm.op as gemm_op
 import ditserve.kernels.lora_shrink.op as shrink_op
 from ditserve.kernels._bench import LoRAProblem, copy_bandwidth, make_problem, matmul_flops
-from ditserve.kernels._dispatch import block_rank
 from ditserve.kernels.lora import _lora_linear_addmm, apply_lora, lora_expand, lora_linear, lora_shrink
 from ditserve.kernels.lora_expand.op import launch_lora_expand
 from ditserve.kernels.lora_expand.reference import lora_expand_ref
@@ -197,19 +199,18 @@ def sweep(lines: list[str], out: str) -> None:
         for rank in RANKS:
             totals: dict[str, float] = {}
             cells_all = []
-            # the segmented default where it is not a TUNED tile (SEGMENTED_TUNED: TMA and stream-K kernels)
-            # competes with the pointer tiles
-            key = (nsl, block_rank(rank))
+            # the default (configs.choose: TMA and stream-K kernels, the Gluon shrink) competes with the pointer
+            # tiles; the winner is reported for tuned_<gpu>.json, the tables are not changed
             for batch in ("4x4608", "1x4608"):
                 p = make_problem(BATCHES[batch], rank, sizes)
                 m = p.meta
                 args = (p.x, p.a, m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.slot_rank, m.max_rank)
                 cells, _ = sweep_one(lambda cfg, args=args: launch_lora_shrink(*args, config=cfg), SHRINK_SWEEP,
                                      shrink_keys)  # fmt: skip
-                if key in shrink_op.SEGMENTED_TUNED:
-                    cfg = shrink_op.segmented_config(*key, m.num_tokens, p.x.device)
-                    ms = bench_ms(lambda args=args, cfg=cfg: launch_lora_shrink(*args, config=cfg), rep=30)
-                    cells.append(f"tuned: {ms * 1e3:.1f}")
+                ms = bench_ms(
+                    lambda args=args, al=m.seg_align: launch_lora_shrink(*args, seg_align=al), rep=30
+                )
+                cells.append(f"tuned: {ms * 1e3:.1f}")
                 for c in cells:
                     label, _, val = c.partition(": ")
                     if not val.startswith("fail"):
@@ -217,10 +218,6 @@ def sweep(lines: list[str], out: str) -> None:
                 cells_all.append(f"{batch}: " + "; ".join(cells))
             if totals:
                 label = min(totals, key=totals.get)
-                if label != "tuned":
-                    cfg = dict(zip(shrink_keys, (int(v) for v in label.split("/")), strict=True))
-                    shrink_op.TUNED[key] = cfg
-                    shrink_op.SEGMENTED_TUNED.pop(key, None)
                 lines.append(f"- shrink slices={nsl} rank={rank}: chosen {label} — " + " | ".join(cells_all))
                 print(lines[-1], flush=True)
             if nsl == 3:
@@ -232,17 +229,16 @@ def sweep(lines: list[str], out: str) -> None:
                     lambda cfg, p=p, s=s, seg=seg: launch_lora_expand(p.y, s, p.b, *seg, p.sizes, config=cfg),
                     EXPAND_SWEEP, ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
                 )  # fmt: skip
-                if best is not None:
-                    expand_op.TUNED[block_rank(rank)] = best
                 lines.append(f"- expand 4x4608 QKV rank={rank}: chosen {best} — " + "; ".join(cells))
                 print(lines[-1], flush=True)
             save(out, lines)
             torch.cuda.empty_cache()
 
 
-def save(out: str, lines: list[str], name: str = "lora_kernels.md") -> None:
-    with open(os.path.join(out, name), "w") as f:
-        f.write("\n".join(lines) + "\n")
+def save(out: str | None, lines: list[str], name: str = "lora_kernels", data=None) -> None:
+    """This run's results file (benchmarks/report.py): the table so far, and data (default: the lines)."""
+    write_results(name.removesuffix(".md"), "\n".join(lines), lines if data is None else data, out=out,
+                  baseline="F.linear (cuBLAS), a torch clone of the same bytes and a bf16 matmul, same run")  # fmt: skip
 
 
 def cell(ms: float, nbytes: int, flops: int, bw: float, mm: float) -> str:
@@ -386,8 +382,6 @@ def qkv_only(args, head: list[str]) -> None:
     configs: dict[str, dict[str, int] | None] = {"default": None}
     if args.sweep_gemm:
         configs.update(gemm_op.SWEEP)
-    if args.sweep_ws and args.sweep_gemm:
-        configs.update(gemm_op.SWEEP_WS)
     if args.gemm_configs:  # keep the configs whose name contains one of the given parts
         parts = args.gemm_configs.split(",")
         configs = {k: v for k, v in configs.items() if k == "default" or any(q in k for q in parts)}
@@ -395,8 +389,8 @@ def qkv_only(args, head: list[str]) -> None:
     if args.sweep_gemm:
         shrink_cfgs.update(shrink_op.SCALED_SWEEP)
     lines = list(head) + [
-        f"lora_gemm default configs: {gemm_op.TUNED}",
-        f"shrink default configs: {shrink_op.TUNED}; shrink sweep names: BLOCK_M/BLOCK_K/warps/stages",
+        "lora_gemm and shrink defaults: kernels/lora_gemm/tuned_<gpu>.json, kernels/lora_shrink/tuned_<gpu>.json;"
+        " shrink sweep names: BLOCK_M/BLOCK_K/warps/stages",
         "times: CUDA-graph replay, L2 flushed before each call; shrink = lora_shrink(scaled=True) (bf16 "
         "scale · s); gemm/cuBLAS = lora_gemm time / F.linear time; overhead = (best shrink + best lora_gemm "
         "- cuBLAS) / cuBLAS (rank 0: lora_gemm without LoRA vs cuBLAS); 'fp32-s epilogue' = the unscaled "
@@ -524,8 +518,7 @@ def qkv_only(args, head: list[str]) -> None:
                                     shrink_best=shrink_best, shrink_cells=shrink_cells, best=best,
                                     best_ms=best_ms, cells=cells, fused_best=fused_best, fused_ms=fused_ms,
                                     fused_cells=fused_cells))  # fmt: skip
-                with open(os.path.join(args.out, "lora_qkv.md"), "w") as f:
-                    f.write("\n".join(lines + summary) + "\n")
+                save(args.out, lines + summary, "lora_qkv")
                 if rank and args.rounds:
                     fns = {
                         "cuBLAS": lambda p=p: F.linear(p.x, p.w),
@@ -689,8 +682,7 @@ def qkv_only(args, head: list[str]) -> None:
                             f"| {batch} | {nsl} | {rank} | lora_linear {name} | {col('fused ' + name)} |"
                         )
                     # the rounds so far, in case a later shape runs past a time limit
-                    with open(os.path.join(args.out, "lora_qkv.md"), "w") as f:
-                        f.write("\n".join(lines + summary + inter + extra) + "\n")
+                    save(args.out, lines + summary + inter + extra, "lora_qkv")
                 del p, s, want
                 torch.cuda.empty_cache()
     if totals:
@@ -709,15 +701,12 @@ def qkv_only(args, head: list[str]) -> None:
             summary += extra
     summary.append(f"\nwall time {time.time() - t0:.0f} s")
     print("\n".join(summary), flush=True)
-    with open(os.path.join(args.out, "lora_qkv.md"), "w") as f:
-        f.write("\n".join(lines + summary) + "\n")
-    with open(os.path.join(args.out, "lora_qkv.json"), "w") as f:
-        json.dump(dict(head=head, records=records, tuned=str(gemm_op.TUNED)), f, indent=1)
+    save(args.out, lines + summary, "lora_qkv", dict(head=head, records=records))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results)")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument(
         "--qkv-only", action="store_true", help="only the QKV target shapes, fused GEMM vs cuBLAS"
@@ -729,7 +718,6 @@ def main() -> None:
         help="--qkv-only --rounds: the Gluon lora_gemm (Hopper) "
         "alone and after the shrink kernel, in the interleaved rounds",
     )
-    ap.add_argument("--sweep-ws", action="store_true", help="with --sweep-gemm: warp-specialised configs too")
     ap.add_argument("--sweep-fused", action="store_true", help="with --qkv-only: every one-kernel lora_linear "
                     "SWEEP config (lora_linear/op.py), without the lora_gemm and shrink sweeps")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=5, help="--qkv-only: interleaved rounds of cuBLAS, "
@@ -772,7 +760,6 @@ def main() -> None:
         unknown = [n for n in filter(None, names.split(",")) if n not in known]
         if unknown:
             ap.error(f"{flag}: unknown {unknown}; known: {sorted(known)}")
-    os.makedirs(args.out, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
     if args.qkv_only:
         qkv_only(args, [f"machine: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
@@ -835,10 +822,12 @@ def main() -> None:
                 del p
                 torch.cuda.empty_cache()
     lines += sweep_lines
-    save(args.out, lines)
-    with open(os.path.join(args.out, "lora_kernels.json"), "w") as f:
-        json.dump(dict(head=head, flush=args.flush, copy_bw=bw, matmul_flops=mm, records=records, shrink_tuned=str(shrink_op.TUNED),
-                       expand_tuned=str(expand_op.TUNED)), f, indent=1)  # fmt: skip
+    save(
+        args.out,
+        lines,
+        "lora_kernels",
+        dict(head=head, flush=args.flush, copy_bw=bw, matmul_flops=mm, records=records),
+    )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 lora_expand_sgmv/op.py SGMV_ROWS_SWEEP; the shrink's program per slice, lora_shrink_sgmv/op.py
 SGMV_SHRINK_SWEEP) and the segmented kernels' defaults, every result checked against the reference (GPU):
 
-    python benchmarks/lora_sgmv_tiles.py --out DIR [--op expand|shrink] [--batches "4x4608,interleaved 8x2304"]
+    python benchmarks/kernels/lora_sgmv_tiles.py --out DIR [--op expand|shrink] [--batches "4x4608,interleaved 8x2304"]
 
 Times: CUDA-graph replay with the L2 flushed before each call (`lora_kernels.quick_graph_ms`), µs, and % of the
 HBM floor (the expand's bytes over the 2 GiB clone's bandwidth); WRONG after a time whose output is off. The
@@ -28,7 +28,8 @@ import lora_kernels as lk  # noqa: E402
 from ditserve.kernels._bench import copy_bandwidth, make_problem  # noqa: E402
 from ditserve.kernels._dispatch import block_rank  # noqa: E402
 from ditserve.kernels.lora import LoRABatchMeta, lora_shrink  # noqa: E402
-from ditserve.kernels.lora_expand.op import expand_config, launch_lora_expand  # noqa: E402
+from ditserve.kernels.lora_expand.configs import triton_tiles  # noqa: E402
+from ditserve.kernels.lora_expand.op import launch_lora_expand  # noqa: E402
 from ditserve.kernels.lora_expand_sgmv.op import SGMV_ROWS_SWEEP, launch_lora_expand_sgmv  # noqa: E402
 from ditserve.kernels.lora_expand_sgmv.reference import lora_expand_sgmv_ref  # noqa: E402
 from ditserve.kernels.lora_shrink.op import launch_lora_shrink  # noqa: E402
@@ -50,7 +51,7 @@ def launch(name: str, y: torch.Tensor, p, s: torch.Tensor) -> None:
         launch_lora_expand(y, s, p.b, *seg, p.sizes, seg_align=m.seg_align)
         return
     ids = (m.sorted_token_ids, m.token_scale, m.chunk_slot, m.chunk_start, m.chunk_len, m.slot_rank)
-    cfg = expand_config(block_rank(s.shape[2])) if name == "sgmv tiles" else SGMV_ROWS_SWEEP.get(name)
+    cfg = triton_tiles(block_rank(s.shape[2])) if name == "sgmv tiles" else SGMV_ROWS_SWEEP.get(name)
     launch_lora_expand_sgmv(y, s, p.b, *ids, p.sizes, m.chunk_size, config=cfg)
 
 
@@ -128,14 +129,13 @@ def chunk_cells(p, requests: list[tuple[int, int]], chunks: list[int], bw: float
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results)")
     ap.add_argument("--op", default="expand", choices=["expand", "shrink", "chunks"])
     ap.add_argument("--chunks", default="16,32,64,128", help="--op chunks: the chunk sizes to time")
     ap.add_argument("--batches", default="4x4608,skew 4608/1024/4608/256,1x4608,interleaved 8x2304")
     ap.add_argument("--slices", default="3,4")
     ap.add_argument("--ranks", default="16,32,64,128")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
     bw = copy_bandwidth()
     chunks = [int(c) for c in args.chunks.split(",")]
     names = {
@@ -161,8 +161,7 @@ def main() -> None:
                     row = cells(p, bw) if args.op == "expand" else shrink_cells(p, bw)
                 lines.append(f"| {batch} | {nsl} | {rank} | {p.meta.chunk_size} | " + " | ".join(row) + " |")
                 print(lines[-1], flush=True)
-                with open(os.path.join(args.out, f"lora_sgmv_tiles_{args.op}.md"), "w") as f:
-                    f.write("\n".join(lines) + "\n")
+                lk.save(args.out, lines, f"lora_sgmv_tiles_{args.op}")
                 del p
                 torch.cuda.empty_cache()
 

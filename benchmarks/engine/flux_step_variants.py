@@ -1,7 +1,7 @@
 """Where a FLUX-size transformer step goes on one GPU, and what each optimisation of it buys.
 
-    python benchmarks/flux_step_variants.py --out DIR                 # one GPU, ~5 minutes
-    python benchmarks/flux_step_variants.py --tiny --device cpu --variants eager --out /tmp/fsv
+    python benchmarks/engine/flux_step_variants.py --out DIR                 # one GPU, ~5 minutes
+    python benchmarks/engine/flux_step_variants.py --tiny --device cpu --variants eager --out /tmp/fsv
 
 One FLUX.1-dev-sized transformer (random bf16 weights, built as in engine_vs_diffusers.py), fixed inputs,
 batch 1. Each variant is applied to the same model object in order and timed over ``--iters`` forwards
@@ -17,7 +17,6 @@ variant.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -26,7 +25,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the report helper
 from engine_vs_diffusers import build_pipe, flux_configs  # noqa: E402
+from report import write_results  # noqa: E402
 
 
 def inputs(transformer, size: int, device, dtype, text_len: int) -> dict:
@@ -168,7 +169,9 @@ def main() -> None:
         default="eager,compiled,compiled+cudnn,compiled+cudnn+fused,compiled+cudnn+fused+cdt,+graph,max-autotune",
     )
     ap.add_argument("--budget-s", type=float, default=420)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument(
+        "--out", default=os.environ.get("OUT"), help="results folder (default: benchmarks/results)"
+    )
     args = ap.parse_args()
     t_start = time.perf_counter()
     device = torch.device(args.device)
@@ -294,10 +297,9 @@ def main() -> None:
     lines.append(f"whole run {time.perf_counter() - t_start:.0f} s")
     text = "\n".join(lines)
     print("\n" + text)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "flux_step_variants.txt").write_text(text + "\n")
-    (out_dir / "flux_step_variants.json").write_text(json.dumps(results, indent=1))
+    write_results(
+        "flux_step_variants", text, results, out=args.out, baseline="stock diffusers eager, same model"
+    )
 
 
 if __name__ == "__main__":

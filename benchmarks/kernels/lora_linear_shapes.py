@@ -2,7 +2,7 @@
 (one launch) against the shrink kernel before the GEMM (two launches), each against cuBLAS without LoRA, in
 interleaved rounds, 4 requests with an adapter each.
 
-    PYTHONPATH=<dir holding ditserve/> python3 benchmarks/lora_linear_shapes.py --ranks 16,64 --out DIR
+    PYTHONPATH=<dir holding ditserve/> python3 benchmarks/kernels/lora_linear_shapes.py --ranks 16,64 --out DIR
 
 Shapes at 1024² (4 × 4096 image tokens and 4 × 512 text tokens in the double blocks, 4 × 4608 in the single
 blocks): q/k/v (3 slices), the single blocks' q/k/v/mlp (4 slices), attention out, the feed-forward's up and
@@ -44,13 +44,12 @@ SHAPES = {
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results)")
     ap.add_argument("--ranks", default="16,64")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated SHAPES names")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--gap-s", type=float, default=0.1)
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
     lines = [
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, commit {lk.commit()}; 4 requests, 4 adapters",
         "",
@@ -91,8 +90,7 @@ def main() -> None:
                 f"{'' if ok else ' (outputs differ)'} |"
             )
             print(lines[-1], flush=True)
-            with open(os.path.join(args.out, "lora_linear_shapes.md"), "w") as f:
-                f.write("\n".join(lines) + "\n")
+            lk.save(args.out, lines, "lora_linear_shapes")
             del p, one, two
             torch.cuda.empty_cache()
 

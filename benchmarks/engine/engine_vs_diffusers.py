@@ -1,7 +1,7 @@
 """ditserve's Flux runner against stock diffusers FluxPipeline on one GPU: same weights, inputs and run.
 
-    GIT_COMMIT=$(git rev-parse --short HEAD) python benchmarks/engine_vs_diffusers.py --out DIR
-    python benchmarks/engine_vs_diffusers.py --tiny --device cpu --out /tmp/evd      # CPU smoke run
+    GIT_COMMIT=$(git rev-parse --short HEAD) python benchmarks/engine/engine_vs_diffusers.py --out DIR
+    python benchmarks/engine/engine_vs_diffusers.py --tiny --device cpu --out /tmp/evd      # CPU smoke run
 
 The model is FLUX.1-dev-sized (19 double + 38 single blocks, 24 heads × 128, joint dim 4096, pooled 768,
 guidance embeds) with random weights built directly on the device in bf16, plus the real FLUX VAE config.
@@ -28,7 +28,6 @@ Prints a markdown table and writes DIR/engine_vs_diffusers.md and .json.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -40,6 +39,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the report helper
+from report import write_results  # noqa: E402
 
 PROMPT = "a photograph of an astronaut riding a horse on the moon, high detail"
 NEGATIVE = "blurry, low quality"
@@ -274,13 +276,12 @@ class Skips:
         self.add(label, f"{type(exc).__name__}: {str(exc)[:300]}")
 
 
-def write_report(out_dir: str, stem: str, text: str, meta: dict, rows: list[dict]) -> None:
-    """Print the table, and write it to OUT/stem.md and the measurements to OUT/stem.json."""
+def write_report(out_dir: str | None, stem: str, text: str, meta: dict, rows: list[dict]) -> None:
+    """Print the table, and write it and the measurements as this run's results file (benchmarks/report.py)."""
     print("\n" + text)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.md").write_text(text + "\n")
-    (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
+    write_results(
+        stem, text, dict(meta=meta, rows=rows), out=out_dir, baseline="stock diffusers, same weights"
+    )
 
 
 # ---- the two ways to make one image -----------------------------------------------------------------
@@ -392,7 +393,9 @@ def main() -> None:
         "in-process Engine with the switches so far; empty: none",
     )
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip configs that start after this many s")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument(
+        "--out", default=os.environ.get("OUT"), help="results folder (default: benchmarks/results)"
+    )
     args = ap.parse_args()
 
     t_start = time.perf_counter()
