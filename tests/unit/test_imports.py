@@ -96,17 +96,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-# cycles still to be cut; no other may appear, and these go from the list once cut
-KNOWN_CYCLES = [
-    ["ditserve.cluster.cli", "ditserve.cluster.deploy"],
-    ["ditserve.replica.parallel.dims", "ditserve.replica.parallel.mesh"],
-]
-
-
 def test_import_graph_has_no_cycle():
     graph = import_graph(our_modules())
     assert len(graph) > 50, sorted(graph)  # the walk found the three folders
-    assert [c for c in cycles(graph) if c not in KNOWN_CYCLES] == []
+    assert cycles(graph) == []
 
 
 def test_cycle_finder_sees_a_cycle_behind_a_late_import():
