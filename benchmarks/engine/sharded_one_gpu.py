@@ -25,7 +25,6 @@ import gc
 import io
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -39,6 +38,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 from engine_vs_diffusers import build_pipe, flux_configs, psnr  # noqa: E402
+from report import write_results  # noqa: E402
 
 LAYOUTS: list[dict[str, int]] = [
     dict(ulysses_degree=2),
@@ -158,7 +158,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--layouts", default="all", help="comma-separated indices into LAYOUTS, or all")
     parser.add_argument("--budget-s", type=float, default=540, help="skip layouts that would start later")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", default=None, help="results folder (default: benchmarks/results)")
     args = parser.parse_args()
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     if args.tiny:
@@ -204,28 +204,16 @@ def main() -> None:
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
-    write_report(Path(args.out), args, rows, skipped)
+    write_report(args.out, args, rows, skipped)
 
 
-def write_report(out: Path, args, rows: list[dict], skipped: list[str]) -> None:
-    sha = os.environ.get("GIT_COMMIT") or _git_sha()
-    gpu = torch.cuda.get_device_name().replace(" ", "-").lower() if args.device == "cuda" else "cpu"
-    stem = f"sharded_one_gpu_{gpu}_{time.strftime('%Y%m')}_{sha}"
-    command = "python benchmarks/engine/sharded_one_gpu.py " + " ".join(sys.argv[1:])
-    versions = {"torch": torch.__version__}
-    for name in ("diffusers", "transformers", "triton"):
-        try:
-            versions[name] = __import__(name).__version__
-        except ImportError:
-            pass
+def write_report(out: str | None, args, rows: list[dict], skipped: list[str]) -> None:
     lines = [
-        f"# Sharded layouts on one {gpu} (ranks share the GPU over gloo) against one rank",
-        "",
-        f"`{command}` at {sha}; {versions}. {'Tiny' if args.tiny else 'FLUX.1-dev-sized'} random "
-        f"{args.dtype} weights, {args.size}², "
-        f"{args.steps} steps, 4 true-CFG requests per batch; adapters: 4 × rank {args.rank}, one per request. "
-        "PSNR (dB, uint8, min over the 4 requests) against the one-rank image of the same request; "
-        "'LoRA vs plain' shows the adapters change the image. Times include gloo's host copies: not speed.",
+        f"{'Tiny' if args.tiny else 'FLUX.1-dev-sized'} random {args.dtype} weights, {args.size}², {args.steps} "
+        f"steps, 4 true-CFG requests per batch; adapters: 4 × rank {args.rank}, one per request. Ranks share "
+        "one device over gloo. PSNR (dB, uint8, min over the 4 requests) against the one-rank image of the same "
+        "request; 'LoRA vs plain' shows the adapters change the image. Times include gloo's host copies: not "
+        "speed.",
         "",
         "| layout | PSNR no LoRA | PSNR 4 adapters | LoRA vs plain | start s | batch s | LoRA batch s |",
         "|---|---|---|---|---|---|---|",
@@ -237,23 +225,10 @@ def write_report(out: Path, args, rows: list[dict], skipped: list[str]) -> None:
         )
     if skipped:
         lines += ["", "Skipped: " + "; ".join(skipped)]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    meta = {"command": command, "commit": sha, "versions": versions, "skipped": skipped, "args": vars(args)}
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
-    print("\n".join(lines), flush=True)
-
-
-def _git_sha() -> str:
-    try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
-            ).stdout.strip()
-            or "unknown"
-        )
-    except OSError:
-        return "unknown"
+    write_results(
+        "sharded_one_gpu", "\n".join(lines), {"rows": rows, "skipped": skipped}, out=out,
+        baseline="one rank, the same batches (GPU defaults)",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ growth in %. Writes DIR/soak_cpu_<yyyymm>_<sha>.md and .json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -40,6 +39,9 @@ import httpx
 import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from report import write_results  # noqa: E402
+
 KEY = "soak-key"
 ADMIN = {"Authorization": f"Bearer {KEY}"}
 CLIENT_TIMEOUT_S = 120.0
@@ -260,7 +262,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--max-requests", type=int, default=2000, help="per loop")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", default=None, help="results folder (default: benchmarks/results)")
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("DITSERVE_HOME", tempfile.mkdtemp(prefix="ditserve-soak-"))
@@ -318,21 +320,12 @@ def main() -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
-    write_report(Path(args.out), args, tally, phases)
+    write_report(args.out, args, tally, phases)
 
 
-def write_report(out: Path, args, tally: Tally, phases: list[dict]) -> None:
-    sha = (
-        os.environ.get("GIT_COMMIT")
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-        ).stdout.strip()
-    )
-    stem = f"soak_cpu_{time.strftime('%Y%m')}_{sha}"
-    command = "python benchmarks/serving/soak.py " + " ".join(sys.argv[1:])
-    lines = [f"# Soak: {args.minutes:g} minutes of mixed traffic on 3 simulated hosts, one replica killed per phase",
-             "", f"`{command}` at {sha}, CPU ({os.cpu_count()} cores).", "",
-             "| requests | answers | p50 s | p95 s |", "|---|---|---|---|"]  # fmt: skip
+def write_report(out: str | None, args, tally: Tally, phases: list[dict]) -> None:
+    lines = [f"{args.minutes:g} minutes of mixed traffic on 3 simulated hosts (CPU, {os.cpu_count()} cores), "
+             "one replica killed per phase.", "", "| requests | answers | p50 s | p95 s |", "|---|---|---|---|"]  # fmt: skip
     for kind, outcomes in sorted(tally.outcomes.items()):
         lat = sorted(tally.latency[kind])
         p95 = lat[min(len(lat) - 1, int(0.95 * (len(lat) - 1)))]
@@ -350,12 +343,9 @@ def write_report(out: Path, args, tally: Tally, phases: list[dict]) -> None:
                   for r in worst]  # fmt: skip
         if "error" in phase:
             lines += ["", f"The phase failed: {phase['error']}"]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    data = {"command": command, "commit": sha, "outcomes": {k: dict(v) for k, v in tally.outcomes.items()},
-            "unexpected": tally.unexpected, "phases": phases}  # fmt: skip
-    (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
-    print("\n".join(lines))
+    data = {"outcomes": {k: dict(v) for k, v in tally.outcomes.items()}, "unexpected": tally.unexpected,
+            "phases": phases}  # fmt: skip
+    write_results("soak", "\n".join(lines), data, out=out, baseline="each process's memory after warm-up")
 
 
 if __name__ == "__main__":
