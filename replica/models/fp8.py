@@ -11,7 +11,7 @@ request: nothing to gain, and they set every activation's scale and shift) nor t
 projection. Tensor-parallel linears keep their own classes and stay in the compute dtype. An adapter on a
 converted linear adds its delta after the FP8 GEMM (the fused LoRA GEMM reads bf16 weights).
 
-Images change: FP8 rounds every GEMM input to 3 mantissa bits. benchmarks/engine_vs_diffusers.py and
+Images change: FP8 rounds every GEMM input to 3 mantissa bits. benchmarks/engine/engine_vs_diffusers.py and
 wan_vs_diffusers.py report the PSNR against bf16.
 """
 
