@@ -1,6 +1,11 @@
-"""Column tiling of fused outputs (q, k, v side by side), shared by the expand and GEMM launchers."""
+"""Column tiling of fused outputs (q, k, v side by side), shared by the expand (segmented and SGMV) and GEMM
+launchers."""
 
 from __future__ import annotations
+
+import torch
+
+from ditserve.kernels._dispatch import tma_ok
 
 
 def column_blocks(out_slice_sizes: list[int], block_n: int) -> tuple[list[int], list[int], int]:
@@ -25,3 +30,25 @@ def column_align(cols: list[int]) -> int:
     while align > 1 and any(c % align for c in cols):
         align //= 2
     return align
+
+
+def column_chunks(blks: list[int], num_col_blocks: int, chunk: int) -> list[int]:
+    """First chunk of slices 1..3 (the number of chunks when absent), CHUNK column blocks per chunk cut per
+    slice; the last entry is the number of chunks."""
+    edges = [0, *blks, num_col_blocks]
+    out, total = [], 0
+    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+        total += -(-(hi - lo) // chunk)
+        out.append(total)
+    return out
+
+
+def b_descriptor(b_stacked: torch.Tensor, want: bool, block_n: int, block_r: int):
+    """B viewed as [max_loras · n_total, max_rank] through a TMA descriptor of [block_n, block_r] boxes, where
+    asked for and B's layout allows it; else None."""
+    b_rows = b_stacked.flatten(0, 1)
+    if not (want and b_stacked.is_contiguous() and tma_ok(b_rows)):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(b_rows, [block_n, block_r])

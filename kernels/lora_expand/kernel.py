@@ -39,7 +39,7 @@ def slice_columns(pid_n, col1, col2, col3, n_total, blk1, blk2, blk3, BLOCK_N: t
 def chunk_columns(pid_c, col1, col2, col3, n_total, blk1, blk2, blk3, chk1, chk2, chk3, CHUNK: tl.constexpr,
                   BLOCK_N: tl.constexpr):  # fmt: skip
     """Column chunk pid_c → (its slice j, its first column, the end of slice j, its column blocks): chunks of
-    CHUNK column blocks cut per slice like the blocks (`op.column_chunks`), chk1..chk3 the first chunk of
+    CHUNK column blocks cut per slice like the blocks (`_tiling.column_chunks`), chk1..chk3 the first chunk of
     slices 1..3 (the number of chunks when absent); a slice's last chunk may be shorter."""
     js = (pid_c >= chk1).to(tl.int32) + (pid_c >= chk2).to(tl.int32) + (pid_c >= chk3).to(tl.int32)
     chk_lo = tl.where(js == 0, 0, tl.where(js == 1, chk1, tl.where(js == 2, chk2, chk3)))

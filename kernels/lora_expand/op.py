@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ditserve.kernels._dispatch import block_rank, num_programs_limit, tma_ok, use_triton
-from ditserve.kernels._tiling import column_blocks
+from ditserve.kernels._tiling import b_descriptor, column_blocks, column_chunks
 from ditserve.kernels.lora_expand import gluon_op
 from ditserve.kernels.lora_expand.configs import ExpandProblem, choose, triton_tiles
 from ditserve.kernels.lora_expand.reference import lora_expand_ref
@@ -39,28 +39,6 @@ def wave_chunk(
 
     fits = [c for c in chunks if c == chunks[0] or per_sm == 1 or programs(c) <= slots]
     return min(fits, key=steps)
-
-
-def column_chunks(blks: list[int], num_col_blocks: int, chunk: int) -> list[int]:
-    """First chunk of slices 1..3 (the number of chunks when absent), CHUNK column blocks per chunk cut per
-    slice; the last entry is the number of chunks."""
-    edges = [0, *blks, num_col_blocks]
-    out, total = [], 0
-    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
-        total += -(-(hi - lo) // chunk)
-        out.append(total)
-    return out
-
-
-def b_descriptor(b_stacked: torch.Tensor, want: bool, block_n: int, block_r: int):
-    """B viewed as [max_loras · n_total, max_rank] through a TMA descriptor of [block_n, block_r] boxes, where
-    asked for and B's layout allows it; else None."""
-    b_rows = b_stacked.flatten(0, 1)
-    if not (want and b_stacked.is_contiguous() and tma_ok(b_rows)):
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(b_rows, [block_n, block_r])
 
 
 def _check(y, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank, sizes, bias):

@@ -8,9 +8,8 @@ import torch
 
 from ditserve.kernels._configs import tables
 from ditserve.kernels._dispatch import block_rank, use_triton
-from ditserve.kernels._tiling import column_blocks
+from ditserve.kernels._tiling import b_descriptor, column_blocks, column_chunks
 from ditserve.kernels.lora_expand.configs import triton_tiles
-from ditserve.kernels.lora_expand.op import MAX_SLICES, b_descriptor, column_chunks
 from ditserve.kernels.lora_expand_sgmv.reference import lora_expand_sgmv_ref
 
 # The row-stationary walk over gathered rows (ROWS=1): a chunk's rows (BLOCK_M: the chunk size, capped) keep
@@ -32,6 +31,7 @@ SGMV_ROWS_SWEEP: dict[str, dict[str, int]] = {
 }
 
 _DIR = Path(__file__).parent
+MAX_SLICES = 4
 
 
 def expand_sgmv_config(block_r: int, device: torch.device = torch.device("cpu")) -> dict[str, int]:
