@@ -20,6 +20,8 @@ setup(
         "": ["*.json", "*.txt", "*.md", "*.safetensors", "*.proto", "*.yaml"],
         # the trained demo model's folders are data, not packages
         "ditserve.replica.models": ["demo_scenes/*", "demo_scenes/*/*"],
+        # the web playground served at GET / (plain files, no build step)
+        "ditserve.cluster": ["static/*"],
     },
     include_package_data=True,
 )

@@ -18,10 +18,12 @@ import asyncio
 import base64
 import hmac
 import time
+from pathlib import Path
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError
@@ -60,6 +62,15 @@ fastapi_app.include_router(api_stream.router)
 fastapi_app.add_middleware(api_stream.BodyLimitMiddleware)
 # `curl -d '{...}'` without a content-type header still sends JSON (read as such).
 fastapi_app.add_middleware(JSONBodyMiddleware)
+
+# The playground: static files shipped in the package (no build step, nothing fetched from elsewhere).
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+fastapi_app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+
+@fastapi_app.get("/", include_in_schema=False)
+async def playground() -> FileResponse:
+    return FileResponse(STATIC_DIR / "index.html")
 
 
 @serve.deployment(name="Frontend", ray_actor_options={"num_cpus": 0.1})

@@ -126,6 +126,8 @@ def test_wheel_holds_every_module_and_the_demo_model(wheel):
     assert repo_modules() <= in_wheel, sorted(repo_modules() - in_wheel)
     assert "ditserve/replica/models/demo_scenes/transformer/diffusion_pytorch_model.safetensors" in names
     assert "ditserve/cluster/grpc_gen/ditserve_pb2.py" in names
+    # the playground served at GET / works from an installed wheel
+    assert {f"ditserve/cluster/static/{f}" for f in ("index.html", "app.js", "style.css")} <= set(names)
     # No bare top-level package besides ditserve.
     assert {n.split("/")[0] for n in names if not n.startswith("ditserve-")} == {"ditserve"}
 

@@ -1,0 +1,173 @@
+"""The playground at ``GET /`` in a real browser: headless Chromium driven by Selenium against
+``ditserve serve`` on the demo models. Screenshots of each state go to the test's tmp folder."""
+
+from __future__ import annotations
+
+import base64
+import io
+import shutil
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from tests.helpers import ServeProcess
+
+KEY = "playground-key"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+webdriver = pytest.importorskip(
+    "selenium.webdriver", reason="selenium is not installed (pip install -e '.[dev]')"
+)
+if CHROMIUM is None or CHROMEDRIVER is None:
+    pytest.skip(
+        "Chromium is absent: apt-get install -y chromium chromium-driver (.ci/run does)",
+        allow_module_level=True,
+    )
+
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def lora_root(tmp_path_factory) -> Path:
+    from tests.unit.test_lora_engine import weights, write_kohya  # an adapter that fits the demo models
+
+    root = tmp_path_factory.mktemp("loras")
+    write_kohya(root / "style.safetensors", weights(1))
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(lora_root):
+    proc = ServeProcess("--api-key", KEY, "--lora-root", str(lora_root))  # the default model, demo-scenes
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1100,800"):
+        options.add_argument(arg)
+    options.add_argument("--autoplay-policy=no-user-gesture-required")
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture
+def shots(tmp_path):
+    def shot(browser, name: str) -> None:
+        browser.save_screenshot(str(tmp_path / f"{name}.png"))
+
+    return shot
+
+
+def hook(browser, testid: str, root=None):
+    return (root or browser).find_element(By.CSS_SELECTOR, f'[data-testid="{testid}"]')
+
+
+def wait(browser, condition, timeout: float = 60):
+    return WebDriverWait(browser, timeout, poll_frequency=0.1).until(lambda _: condition())
+
+
+def fill(element, text: str) -> None:
+    element.clear()
+    element.send_keys(text)
+
+
+def test_prompt_shows_step_progress_then_the_prompts_image(browser, server, shots):
+    from ditserve.replica.models.scenes import held_out_scenes
+    from ditserve.replica.models.scorer import score_scene
+
+    scene = held_out_scenes()[0]
+    browser.get(server.base_url + "/")
+    wait(browser, lambda: hook(browser, "model").get_attribute("value") == "demo-scenes")
+    fill(hook(browser, "prompt"), scene.caption)
+    fill(hook(browser, "size"), "64x64")
+    fill(hook(browser, "steps"), "20")
+    fill(hook(browser, "seed"), "1000")
+    hook(browser, "generate").click()
+    result = hook(browser, "result")
+    wait(browser, lambda: result.is_displayed() and result.get_attribute("src").startswith("data:image/png"))
+    shots(browser, "generate-done")
+
+    ticks = browser.find_elements(By.CSS_SELECTOR, '[data-testid="previews"] .tick')
+    assert [int(t.get_attribute("data-step")) for t in ticks] == list(range(1, 21))
+    assert hook(browser, "progress").get_attribute("value") == "20"
+    assert hook(browser, "replica").text.strip(), "the serving replica is shown"
+    png = base64.b64decode(result.get_attribute("src").split(",", 1)[1])
+    assert score_scene(Image.open(io.BytesIO(png))) == (scene.background, scene.colour)
+    assert not browser.find_elements(By.CSS_SELECTOR, '[data-testid="error"]')
+    # kept in this browser's history, as a download link
+    first = hook(browser, "history-0")
+    assert first.get_attribute("download").endswith(".png") and first.get_attribute(
+        "href"
+    ) == result.get_attribute("src")
+    browser.refresh()
+    wait(browser, lambda: hook(browser, "history-0").get_attribute("href").startswith("data:image/png"))
+
+
+def test_bad_size_shows_the_apis_message_next_to_the_size_field(browser, server, shots):
+    browser.get(server.base_url + "/")
+    fill(hook(browser, "prompt"), "a red circle on blue")
+    fill(hook(browser, "size"), "100x100")
+    hook(browser, "generate").click()
+    error = wait(browser, lambda: hook(browser, "error"), timeout=30)
+    shots(browser, "generate-bad-size")
+    assert "multiples of 16" in error.text
+    assert error.get_attribute("data-param") == "size"
+    assert hook(browser, "generate").is_enabled(), "nothing stays busy after an error"
+    assert hook(browser, "status").text == "failed"
+
+
+def test_lora_loaded_in_the_cluster_tab_appears_in_the_generate_form(browser, server, shots):
+    browser.get(server.base_url + "/")
+    fill(hook(browser, "api-key"), KEY)
+    hook(browser, "tab-cluster").click()
+    wait(
+        browser, lambda: len(browser.find_elements(By.CSS_SELECTOR, '[data-testid="replicas"] tbody tr')) == 1
+    )
+    fill(hook(browser, "lora-name"), "style")
+    fill(hook(browser, "lora-path"), "style.safetensors")
+    hook(browser, "lora-load").click()
+    wait(
+        browser,
+        lambda: browser.find_elements(By.CSS_SELECTOR, '[data-testid="lora-unload-style"]'),
+        timeout=120,
+    )
+    shots(browser, "cluster-lora-loaded")
+    hook(browser, "tab-generate").click()
+    use = hook(browser, "lora-use-style")
+    assert use.is_displayed() and hook(browser, "lora-scale-style").get_attribute("value") == "1"
+    shots(browser, "generate-with-lora")
+
+
+@pytest.fixture(scope="module")
+def video_server():
+    proc = ServeProcess("--model", "demo-wan")
+    yield proc
+    proc.stop()
+
+
+def test_video_job_plays_inline(browser, video_server, shots):
+    browser.get(video_server.base_url + "/")
+    hook(browser, "tab-videos").click()
+    fill(hook(browser, "video-prompt"), "waves on a beach")
+    fill(hook(browser, "video-size"), "64x64")
+    fill(hook(browser, "video-frames"), "5")
+    fill(hook(browser, "video-steps"), "2")
+    hook(browser, "video-create").click()
+    video = hook(browser, "video")
+    wait(browser, lambda: video.is_displayed(), timeout=120)
+    # the browser decoded the MP4 and plays it: frames advance
+    wait(
+        browser,
+        lambda: browser.execute_script(
+            "const v = arguments[0]; return v.readyState >= 2 && v.currentTime > 0", video
+        ),
+    )
+    assert browser.execute_script("return arguments[0].videoWidth", video) == 64
+    shots(browser, "video-playing")
