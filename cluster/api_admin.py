@@ -17,6 +17,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from ditserve.replica.lora.loader import inspect_adapter
+from ditserve.replica.models.registry import transformer_folder
+
 from .engine_deployment import new_tag
 from .http_base import REPLICA_HEADER, frontend
 from .schemas import APIError
@@ -83,6 +86,10 @@ async def replicas(request: Request, fe: Any = Depends(frontend)) -> JSONRespons
 async def update_weights(body: WeightsRequest, request: Request, fe: Any = Depends(frontend)):
     """Load new transformer weights on every replica: all replicas (and all their ranks) or none."""
     fe.check_auth(request, admin=True)
+    try:
+        transformer_folder(body.path)  # a folder that holds no model is refused before any replica loads it
+    except ValueError as exc:
+        raise _bad_request(exc) from None
     tag = new_tag()
     staged = await fe.broadcast({"op": "stage_weights", "path": body.path, "tag": tag})
     if not staged["ok"]:
@@ -115,17 +122,31 @@ async def shutdown(request: Request, fe: Any = Depends(frontend)):
     return _respond(report)
 
 
+def _bad_request(exc: ValueError) -> APIError:
+    message = str(exc)
+    head = message.split(":", 1)[0].strip()
+    return APIError(400, message, param=head if head.isidentifier() else None)
+
+
 @router.post("/v1/loras")
 async def load_lora(body: LoRALoadRequest, request: Request, fe: Any = Depends(frontend)):
+    """Load an adapter on every replica; it enters the desired state only when every replica that answered
+    loaded it (at least one must): a bad file never becomes state that replicas restart into."""
     fe.check_auth(request, admin=True)
+    if not body.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise APIError(400, f"name: {body.name!r} must be letters, digits, '-', '_' or '.'", param="name")
+    try:  # what can be checked without the model, before any replica is asked
+        source = str(inspect_adapter(body.path, fe.args.lora_root, fe.args.max_lora_rank))
+    except ValueError as exc:
+        raise _bad_request(exc) from None
     prepared = await fe.broadcast(
-        {"op": "lora_load", "name": body.name, "source": body.path, "scale": body.scale}
+        {"op": "lora_load", "name": body.name, "source": source, "scale": body.scale}
     )
     if not prepared["ok"]:
         if any(a["ok"] for a in prepared["replicas"]):
             await fe.broadcast({"op": "lora_unload", "name": body.name})
         fe.raise_broadcast_error(prepared)
-    desired = await fe.state_actor().set_lora.remote(body.name, body.path, body.scale)
+    desired = await fe.state_actor().set_lora.remote(body.name, source, body.scale)
     return await _converge(fe, desired)
 
 

@@ -99,6 +99,9 @@ def run_generate(ns: argparse.Namespace) -> int:
         adapters = [parse_lora_spec(spec) for spec in ns.lora]
     except ValueError as exc:
         return _fail(str(exc))
+    # A path typed here is relative to where it is typed (with --lora-root: to the roots, as served).
+    roots = engine.config.lora_roots
+    adapters = [(n, path if roots else str(Path(path).expanduser().absolute()), s) for n, path, s in adapters]
     engine.start()
     try:
         for name, path, _ in adapters:
@@ -144,8 +147,36 @@ def _drop_reconnect_notice(record: logging.LogRecord) -> bool:
     return "will not be applied" not in record.getMessage()
 
 
+def _serve_http_address(host: str, port: int) -> tuple[str, int]:
+    """Where Serve's HTTP proxies listen: the controller's options (a cluster joined with --address may have
+    started Serve with its own before us; serve.start then keeps those)."""
+    try:
+        from ray.serve.context import _get_global_client
+
+        config = _get_global_client().http_config
+        return config.host, int(config.port)
+    except Exception:  # no client API in this Ray version: what we asked for
+        return host, port
+
+
+def _absolute_lora_paths(specs: list[str] | None, roots: list[str] | None) -> list[str] | None:
+    """``--lora-path NAME=PATH[:SCALE]`` typed at the prompt: a relative PATH is the user's, from the
+    working directory (replicas on other hosts never see it); with --lora-root it is read under the roots."""
+    if not specs or roots:
+        return specs
+    from ditserve.replica.lora.loader import parse_lora_spec
+
+    out = []
+    for spec in specs:
+        name, path, scale = parse_lora_spec(spec, flag="--lora-path")
+        out.append(f"{name}={Path(path).expanduser().absolute()}:{scale}")
+    return out
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     try:
+        if getattr(ns, "lora_path", None):
+            ns.lora_path = _absolute_lora_paths(ns.lora_path, getattr(ns, "lora_root", None))
         args = AppArgs(**model_kwargs(ns, AppArgs))
         from .app import APP_NAME, build_app
 
@@ -198,8 +229,15 @@ def run_serve(ns: argparse.Namespace) -> int:
             serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         finally:
             serve_logger.removeFilter(_drop_reconnect_notice)
+        host, port = _serve_http_address(args.host, args.port)
+        if (host, port) != (args.host, args.port):  # --address: Serve already ran there with its own options
+            print(
+                f"ditserve: Serve already runs on this cluster with HTTP on {host}:{port}; "
+                f"--host/--port {args.host}:{args.port} do not apply",
+                flush=True,
+            )
         print(
-            f"ditserve: serving {args.model} at http://{args.host}:{args.port}/v1"
+            f"ditserve: serving {args.model} at http://{host}:{port}/v1"
             + (f", gRPC {args.host}:{args.grpc_port}" if args.grpc_port else "")
             + " (Ctrl-C stops)",
             flush=True,

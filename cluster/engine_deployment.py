@@ -53,8 +53,17 @@ class ReplicaUnavailable(RuntimeError):
     """Memory released or shut down: generation answers 503 until resumed."""
 
 
+def _rank_value_error(exc: BaseException) -> str | None:
+    """The ``ValueError`` message a rank raised (bad input every rank saw: an adapter of the wrong shapes),
+    out of the ranks' joined tracebacks; None for other failures."""
+    if not isinstance(exc, RankError) or isinstance(exc, RankDied):
+        return None
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip().startswith("ValueError: ")]
+    return lines[-1].removeprefix("ValueError: ") if lines else None
+
+
 def _status_of(exc: BaseException) -> int:
-    if isinstance(exc, ValueError):
+    if isinstance(exc, ValueError) or _rank_value_error(exc) is not None:
         return 400
     if isinstance(exc, NotImplementedError):
         return 501
@@ -97,6 +106,7 @@ class EngineReplica(ReplicaStreams):
         self.shut_down = False
         self.released = False
         self.applied = initial_state()
+        self.refused: dict[str, str] = {}  # desired-state items this replica could not apply, and why
         self._staged_tag: str | None = None
         # Catch up with the desired control state before Serve marks this replica ready.
         self.state_actor = get_or_create_state_actor(
@@ -147,6 +157,7 @@ class EngineReplica(ReplicaStreams):
             "health": self.health(),
             "control_version": self.applied["version"],
             "control_state": self.applied,
+            "refused": self.refused,
             "sessions": len(self.sessions),
             "stats": self.engine.stats(),
         }
@@ -306,7 +317,7 @@ class EngineReplica(ReplicaStreams):
             return answer | {
                 "ok": False,
                 "status": _status_of(exc),
-                "error": f"{type(exc).__name__}: {exc}",
+                "error": _rank_value_error(exc) or f"{type(exc).__name__}: {exc}",
                 "version": self.applied["version"],
             }
         return answer | {"ok": True, "result": result, "version": self.applied["version"]}
@@ -344,7 +355,7 @@ class EngineReplica(ReplicaStreams):
 
     async def _converge(self, desired: dict[str, Any]) -> dict[str, Any]:
         await self._on_loop(lambda: self._apply(desired))
-        return {"version": self.applied["version"]}
+        return {"version": self.applied["version"], "refused": dict(self.refused)}
 
     def _apply(self, desired: dict[str, Any]) -> None:
         """Move this replica to ``desired`` (loop thread). Older or equal versions are no-ops."""
@@ -352,17 +363,28 @@ class EngineReplica(ReplicaStreams):
             return
         applied = self.applied
         weights = desired["weights"]
+        self.refused = {}
         if weights["version"] != applied["weights"]["version"] and weights["path"] is not None:
-            if self._staged_tag != weights["tag"]:
-                self._stage_weights(weights["path"], weights["tag"])
-            self.engine.call_ranks("commit_weights", weights["tag"])
+            try:
+                if self._staged_tag != weights["tag"]:
+                    self._stage_weights(weights["path"], weights["tag"])
+                self.engine.call_ranks("commit_weights", weights["tag"])
+                applied["weights"] = copy.deepcopy(weights)
+            except RankDied:
+                raise  # a lost rank is the replica's failure, not the item's
+            except Exception as exc:  # keep serving the current weights
+                self._refuse("weights", exc)
             self._staged_tag = None
-            applied["weights"] = copy.deepcopy(weights)
         for name in [n for n in applied["loras"] if n not in desired["loras"]]:
             self._lora_unload(name)
         for name, spec in desired["loras"].items():
             if applied["loras"].get(name) != spec:
-                self._lora_load(name, spec["source"], spec["scale"])
+                try:
+                    self._lora_load(name, spec["source"], spec["scale"])
+                except RankDied:
+                    raise
+                except Exception as exc:  # e.g. the file is gone from a shared volume: serve the rest
+                    self._refuse(f"lora:{name}", exc)
         if desired["memory"] != applied["memory"]:
             if desired["memory"] == "released":
                 self.released = True
@@ -373,6 +395,14 @@ class EngineReplica(ReplicaStreams):
                 self.released = False
             applied["memory"] = desired["memory"]
         applied["version"] = desired["version"]
+
+    def _refuse(self, item: str, exc: Exception) -> None:
+        """An item of the desired state this replica cannot apply: reported (``/v1/replicas`` with the admin
+        key, the converge answer), never a reason to fail the constructor and crash-loop."""
+        self.refused[item] = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        logger.error(
+            "replica %s refuses %s of the desired state: %s", self.replica_id, item, self.refused[item]
+        )
 
     def _stage_weights(self, path: str, tag: str) -> dict[str, Any]:
         """Load new weights on every rank next to the current ones; any rank failing discards all."""

@@ -166,30 +166,41 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
             )
         except DeploymentUnavailableError:
             results = []
-        answers = []
-        for result in results:
-            if isinstance(result, Exception):
-                result = {"replica": None, "op": op["op"], "ok": False, "status": 503, "error": str(result)}
-            answers.append(result)
-        answers.sort(key=lambda a: str(a.get("replica")))
+        # A replica the call could not reach (it died, or is restarting) did not answer: it is "missing",
+        # and converges from the state actor when it runs again.
+        answers = sorted(
+            (r for r in results if not isinstance(r, Exception)), key=lambda a: str(a["replica"])
+        )
         return {
             "op": op["op"],
             "replicas": answers,
             "answered": len(answers),
             "missing": max(0, self.args.dp_size - len(answers)),
-            "ok": all(a["ok"] for a in answers),
+            # An op no replica answered is not done: nothing checked it, nothing applied it.
+            "ok": bool(answers) and all(a["ok"] for a in answers),
         }
 
     @staticmethod
     def raise_broadcast_error(report: dict[str, Any]) -> None:
+        if not report["replicas"]:  # nothing was checked or applied anywhere: retry once replicas run
+            raise APIError(
+                503,
+                f"{report['op']}: no engine replica answered ({report['missing']} starting or restarting); "
+                "nothing was changed, retry in a moment",
+                type=ERROR_TYPES[503],
+                headers={"Retry-After": "5"},
+            )
         failed = [a for a in report["replicas"] if not a["ok"]]
         first = failed[0]
         status = first.get("status", 500)
+        message = str(first["error"]).removeprefix("ValueError: ")
+        head = message.split(":", 1)[0].strip()
         raise APIError(
             status,
             f"{report['op']} failed on {len(failed)} of {report['answered']} replicas; "
-            f"replica {first['replica']}: {first['error']}",
+            f"replica {first['replica']}: {message}",
             type=ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+            param=head if status < 500 and head.isidentifier() else None,
         )
 
     def state_actor(self):

@@ -12,22 +12,12 @@ reference, which cannot fail.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from .models.registry import transformer_folder
 from .worker import RankWorker
-
-
-def _transformer_folder(path: str) -> str:
-    """A diffusers pipeline folder (``<path>/transformer``) or a transformer folder itself."""
-    sub = os.path.join(path, "transformer")
-    if os.path.isfile(os.path.join(sub, "config.json")):
-        return sub
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    raise ValueError(f"path: {path} is not a diffusers pipeline or transformer folder (no config.json)")
 
 
 def _public(config: Any) -> dict[str, Any]:
@@ -47,7 +37,7 @@ class ServingRankWorker(RankWorker):
         """Load ``path``'s transformer, prepare it like the current one, keep it aside under ``tag``."""
         import diffusers
 
-        folder = _transformer_folder(path)
+        folder = transformer_folder(path)
         current = self.pipe.transformer
         cls = getattr(diffusers, type(current).__name__)
         model = cls.from_pretrained(folder, dtype=self.config.torch_dtype)

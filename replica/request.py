@@ -16,7 +16,13 @@ class LoRARef(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(min_length=1, description="Name of a loaded LoRA adapter.")
-    scale: float = Field(default=1.0, ge=-10.0, le=10.0, description="Strength multiplier.")
+    scale: float | None = Field(
+        default=None,
+        ge=-10.0,
+        le=10.0,
+        description="The adapter's strength for this request (1.0: as trained, 0: off). Absent: the scale it "
+        "was loaded with (POST /v1/loras `scale`, --lora-path NAME=PATH:SCALE; default 1.0).",
+    )
 
 
 class GenerationParams(BaseModel):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -79,7 +80,8 @@ class ServeProcess:
             if self.proc.poll() is not None:
                 self.log.close()
                 raise RuntimeError(f"ditserve serve exited early:\n{self.output()}")
-            if "ditserve: serving" in self.output():
+            if match := re.search(r"ditserve: serving .+? at http://[^\s:]+:(\d+)/v1", self.output()):
+                self.port = int(match.group(1))  # with --address: the port Serve already listens on
                 return
             time.sleep(0.5)
         self.stop()

@@ -47,21 +47,33 @@ def parse_lora_spec(spec: str, flag: str = "--lora") -> tuple[str, str, float]:
 
 
 def check_allowed(path: Path, roots: tuple[str, ...]) -> Path:
-    """Resolve ``path``; with roots configured, it must lie under one of them (no ``..`` escapes)."""
-    resolved = path.expanduser().resolve()
+    """Resolve ``path``; with roots configured, it must lie under one of them (no ``..`` escapes).
+
+    A relative path is read against the roots (the first that holds it), never against the server's
+    working directory; without roots it must be absolute."""
+    path = path.expanduser()
+    if not path.is_absolute():
+        if not roots:
+            raise ValueError(f"path: {path} is relative; give an absolute path (or serve with --lora-root)")
+        found = [Path(r).expanduser() / path for r in roots]
+        path = next((p for p in found if p.exists()), found[0])
+    resolved = path.resolve()
     if roots and not any(resolved.is_relative_to(Path(r).expanduser().resolve()) for r in roots):
         raise ValueError(f"path: {path} is outside the allowed LoRA roots {list(roots)} (--lora-root)")
     return resolved
 
 
-def _safetensors_file(path: Path) -> Path:
+def _safetensors_file(path: Path) -> tuple[Path, dict]:
+    """The adapter's safetensors file (``path`` or the one inside the folder ``path``) and its header."""
     if path.is_dir():
         files = sorted(path.glob("*.safetensors"))
         if len(files) != 1:
             raise ValueError(f"path: {path} must hold exactly one .safetensors file, found {len(files)}")
         path = files[0]
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"path: {path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"path: {path} is not a regular file")
     with open(path, "rb") as f:
         head = f.read(8)
         size = int.from_bytes(head, "little") if len(head) == 8 else -1
@@ -69,10 +81,35 @@ def _safetensors_file(path: Path) -> Path:
     try:
         keys = json.loads(header)
     except (ValueError, UnicodeDecodeError):
-        raise ValueError(f"path: {path} is not a safetensors file") from None
+        keys = None
+    if not isinstance(keys, dict) or not any(isinstance(v, dict) and "shape" in v for v in keys.values()):
+        raise ValueError(f"path: {path} is not a safetensors file")
     if any(marker in k for k in keys for marker in DORA_MARKERS):
         raise ValueError(f"path: {path} is a DoRA adapter; DoRA is not supported (plain LoRA only)")
-    return path
+    return path, keys
+
+
+# Down-projection keys of the layouts diffusers converts: PEFT/diffusers, kohya, XLabs.
+_DOWN_MARKERS = (".lora_A.", ".lora_down.", ".down.")
+
+
+def inspect_adapter(path: str, roots: tuple[str, ...], max_rank: int) -> Path:
+    """What can be checked of an adapter file without the model (the frontend does this before a load
+    enters the desired state): where it may come from, that it is a safetensors file, its rank. Returns
+    the resolved file path. Its shapes against the model are checked where the model is, on the replicas."""
+    file, header = _safetensors_file(check_allowed(Path(path), roots))
+    ranks = [
+        min(entry["shape"])
+        for key, entry in header.items()
+        if any(m in key for m in _DOWN_MARKERS)
+        and isinstance(entry, dict)
+        and len(entry.get("shape", ())) == 2
+    ]
+    if not ranks:
+        raise ValueError(f"path: {file} holds no LoRA down-projections (lora_A / lora_down); not an adapter")
+    if max(ranks) > max_rank:
+        raise ValueError(f"path: {file} has rank {max(ranks)}, above --max-lora-rank {max_rank}")
+    return file
 
 
 def _alpha_for(module: str, rank: int, alphas: dict, metadata: dict) -> float:
@@ -93,7 +130,7 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
     """Load and normalise one adapter for a pipeline family (``FluxPipeline``, ``WanPipeline``)."""
     import diffusers
 
-    file = _safetensors_file(path)
+    file, _ = _safetensors_file(path)
     loader = getattr(diffusers, pipeline_class)
     kwargs = {"return_lora_metadata": True}
     if pipeline_class == "FluxPipeline":

@@ -159,7 +159,7 @@ class LoRALayer:
         rank = w.a.shape[0]
         if tuple(w.a.shape) != (rank, self.full_in) or tuple(w.b.shape) != (self.full_out, rank):
             raise ValueError(
-                f"shapes of {self.name} do not match the model: A {tuple(w.a.shape)}, B {tuple(w.b.shape)}, "
+                f"path: the adapter's shapes of {self.name} do not match the model: A {tuple(w.a.shape)}, B {tuple(w.b.shape)}, "
                 f"expected A [r, {self.full_in}] and B [{self.full_out}, r]"
             )
 
@@ -296,8 +296,13 @@ class LoRAManager:
             self.layers[name] = LoRALayer(name, module, self)
         return self.layers[name]
 
+    def strength(self, ref) -> float:
+        """A request's adapter strength: its own scale when it gives one (it replaces, never multiplies, the
+        load-time scale, as diffusers' ``set_adapters`` weights do), else the scale the adapter was loaded with."""
+        return float(ref.scale) if ref.scale is not None else self.info[ref.name]["scale"]
+
     def load(self, name: str, path: str, scale: float = 1.0) -> dict[str, Any]:
-        """Load ``path`` into a slot as ``name``; ``scale`` multiplies every request's own strength."""
+        """Load ``path`` into a slot as ``name``; ``scale`` is the strength of requests that give none."""
         from .loader import read_lora_file
 
         return self.load_weights(
@@ -308,7 +313,7 @@ class LoRAManager:
         """Put already-read adapter weights into a slot (all checks first: all layers or none)."""
         if lora.rank > self.max_rank:
             raise ValueError(
-                f"rank: adapter {name!r} has rank {lora.rank}, above --max-lora-rank {self.max_rank}"
+                f"path: adapter {name!r} has rank {lora.rank}, above --max-lora-rank {self.max_rank}"
             )
         replacing = name in self.slots
         if not replacing and len(self.slots) >= self.max_loras:
@@ -317,9 +322,7 @@ class LoRAManager:
             )
         missing = [m for m in lora.modules if not self._has_module(m)]
         if missing:
-            raise ValueError(
-                f"shapes: adapter {name!r} targets modules the model does not have: {missing[:5]}"
-            )
+            raise ValueError(f"path: adapter {name!r} targets modules the model does not have: {missing[:5]}")
         layers = {m: self._layer(m) for m in lora.modules}
         for module_name, weights in lora.modules.items():
             layers[module_name].check(weights)  # every check before any write: all or nothing
@@ -431,7 +434,7 @@ class LoRAManager:
         """``groups``: (rows, request's LoRARefs) in row order of the next transformer call."""
         layout = []
         for rows, refs in groups:
-            layout.append((rows, [(self.slots[r.name], r.scale * self.info[r.name]["scale"]) for r in refs]))
+            layout.append((rows, [(self.slots[r.name], self.strength(r)) for r in refs]))
         has_lora = any(adapters for _, adapters in layout)
         ran_lora = self.active  # the previous call was a forward with adapters
         self.batch = BatchLayout(layout, list(self.ranks), self.device) if has_lora else None

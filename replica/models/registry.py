@@ -151,3 +151,19 @@ def _refuse_unsupported_variant(model: str, cls: str, index: dict) -> None:
                 f"--model {model!r}: a Wan 2.2 TI2V folder (expand_timesteps: per-frame timesteps) is not "
                 "supported yet. Supported: Wan 2.1 text-to-video folders."
             )
+
+
+def transformer_folder(path: str) -> str:
+    """The transformer of a weights update: a diffusers pipeline folder (``<path>/transformer``) or a
+    transformer folder itself, by absolute path (every host reads the same path)."""
+    if not Path(path).is_absolute():
+        raise ValueError(
+            f"path: {path} is relative; give the folder's absolute path (the same on every host)"
+        )
+    for folder in (Path(path) / "transformer", Path(path)):
+        if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+            return str(folder)
+    raise ValueError(
+        f"path: {path} is not a diffusers pipeline or transformer folder (no config.json with safetensors "
+        "weights beside it)"
+    )

@@ -289,6 +289,24 @@ def test_refusals_name_the_problem_and_leave_others_working(engine, files):
         engine.unload_lora(name)
 
 
+def test_a_request_scale_is_the_strength_and_the_load_scale_its_default(engine, files):
+    engine.load_lora("at08", str(files["b"]), 0.8)
+    engine.load_lora("at10", str(files["b"]), 1.0)
+    try:
+        # A request's scale replaces the load-time scale (never multiplies it) ...
+        assert np.array_equal(
+            image(engine, LoRARef(name="at08", scale=1.0)), image(engine, LoRARef(name="at10"))
+        )
+        # ... and a request that gives none draws with the load-time scale.
+        assert np.array_equal(
+            image(engine, LoRARef(name="at08")), image(engine, LoRARef(name="at10", scale=0.8))
+        )
+        assert not np.array_equal(image(engine, LoRARef(name="at08")), image(engine, LoRARef(name="at10")))
+    finally:
+        engine.unload_lora("at08")
+        engine.unload_lora("at10")
+
+
 def test_lora_inside_the_gemm_draws_what_the_unfused_path_draws(engine, files, monkeypatch):
     calls = spy_kernels(monkeypatch)
     manager = engine.launcher.worker.lora

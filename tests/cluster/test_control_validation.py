@@ -1,0 +1,166 @@
+"""A bad control request never poisons the cluster: it is refused (4xx naming the field, or 503 when no
+replica can answer) before it enters the desired state, and a replica that cannot apply an item of the
+desired state (an adapter file deleted after a good load) refuses that item and serves the rest.
+
+CPU, real Ray, ``ditserve serve --dp-size 2 --lora-root ROOT``, one server for the module.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.helpers import ServeProcess
+
+KEY = "control-key"
+ADMIN = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    from tests.unit.test_lora_engine import weights, write_kohya
+
+    root = tmp_path_factory.mktemp("loras")
+    write_kohya(root / "good.safetensors", weights(1))
+    (root / "notes.safetensors").write_text("not a safetensors file\n")
+    (root / "empty").mkdir()
+    # A valid LoRA layout whose shapes fit no module of the model.
+    save_file(
+        {
+            "transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.randn(4, 7),
+            "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.randn(5, 4),
+        },
+        str(root / "wrong_shapes.safetensors"),
+    )
+    no_model = root / "no-model"
+    no_model.mkdir()
+    (no_model / "readme.txt").write_text("no model here")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(root):
+    proc = ServeProcess(
+        "--model", "demo-flux", "--dp-size", "2", "--api-key", KEY, "--lora-root", str(root), timeout_s=300
+    )  # fmt: skip
+    yield proc
+    proc.stop()
+
+
+def loras(url: str) -> dict:
+    r = httpx.get(f"{url}/v1/loras", headers=ADMIN, timeout=60)
+    assert r.status_code == 200, r.text
+    return {a["name"]: a for a in r.json()["data"]}
+
+
+def replicas(url: str) -> list[dict]:
+    r = httpx.get(f"{url}/v1/replicas", headers=ADMIN, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["data"]
+
+
+def both_serve(url: str, **extra) -> set[str]:
+    served = set()
+    for seed in range(4):
+        body = {"prompt": "a red fox", "size": "64x64", "num_inference_steps": 2, "seed": seed, **extra}
+        r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        served.add(r.headers["x-ditserve-replica"])
+    return served
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
+
+
+def bad_requests(root) -> dict[str, tuple[str, dict]]:
+    lora = "/v1/loras"
+    return {
+        "not safetensors": (lora, {"name": "x", "path": str(root / "notes.safetensors")}),
+        "missing file": (lora, {"name": "x", "path": str(root / "gone.safetensors")}),
+        "wrong shapes": (lora, {"name": "x", "path": str(root / "wrong_shapes.safetensors")}),
+        "directory": (lora, {"name": "x", "path": str(root / "empty")}),
+        "system file": (lora, {"name": "x", "path": "/etc/passwd"}),
+        "outside the root": (lora, {"name": "x", "path": "/tmp/../etc/hostname"}),
+        "weights without a model": ("/v1/admin/weights", {"path": str(root / "no-model")}),
+    }
+
+
+def test_bad_control_requests_are_refused_and_change_nothing(server, root):
+    url = server.base_url
+    wait_for(lambda: len(replicas(url)) == 2, 120, "two replicas")
+    before = loras(url)
+    for case, (route, body) in bad_requests(root).items():
+        r = httpx.post(f"{url}{route}", json=body, headers=ADMIN, timeout=120)
+        assert 400 <= r.status_code < 500, (case, r.status_code, r.text)
+        error = r.json()["error"]
+        assert error["param"] == "path" and "path" in error["message"], (case, error)
+        assert os.getcwd() not in error["message"] or str(root).startswith(os.getcwd()), (case, error)
+        assert loras(url) == before, case
+    assert len(both_serve(url)) == 2
+    assert all(r["control_state"]["weights"]["version"] == 0 for r in replicas(url))
+
+
+def test_a_relative_path_is_read_under_the_root(server):
+    url = server.base_url
+    r = httpx.post(
+        f"{url}/v1/loras", json={"name": "rel", "path": "good.safetensors"}, headers=ADMIN, timeout=120
+    )
+    assert r.status_code == 200, r.text
+    assert "rel" in loras(url)
+    r = httpx.delete(f"{url}/v1/loras/rel", headers=ADMIN, timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def test_an_op_no_replica_answers_is_503_and_not_recorded(server, root):
+    url = server.base_url
+    before = loras(url)
+    for replica in replicas(url):
+        os.kill(replica["ranks"][0]["pid"], signal.SIGKILL)
+    r = httpx.post(
+        f"{url}/v1/loras",
+        json={"name": "late", "path": str(root / "good.safetensors")},
+        headers=ADMIN,
+        timeout=120,
+    )
+    assert r.status_code == 503, r.text
+    assert "retry" in r.json()["error"]["message"] and int(r.headers["retry-after"]) >= 1
+    assert loras(url) == before
+    wait_for(
+        lambda: len(rs := replicas(url)) == 2 and all(x["health"] == "ok" for x in rs), 150, "replacements"
+    )
+    assert len(both_serve(url)) == 2
+
+
+def test_a_deleted_adapter_file_does_not_crash_loop_its_replacement(server, root, tmp_path):
+    url = server.base_url
+    path = root / "doomed.safetensors"
+    path.write_bytes((root / "good.safetensors").read_bytes())
+    r = httpx.post(f"{url}/v1/loras", json={"name": "doomed", "path": str(path)}, headers=ADMIN, timeout=120)
+    assert r.status_code == 200, r.text
+    path.unlink()  # the shared volume changed
+    victim = replicas(url)[0]
+    os.kill(victim["ranks"][0]["pid"], signal.SIGKILL)
+
+    def replaced():
+        rs = replicas(url)
+        fresh = [x for x in rs if x["replica_id"] != victim["replica_id"]]
+        return len(rs) == 2 and len(fresh) == 2 and all(x["health"] == "ok" for x in rs) and rs
+
+    now = wait_for(replaced, 120, "the replacement serving within two minutes")
+    new = next(
+        x for x in now if x["replica_id"] not in {victim["replica_id"]} and "lora:doomed" in x["refused"]
+    )
+    assert "does not exist" in new["refused"]["lora:doomed"]
+    assert len(both_serve(url)) == 2
