@@ -79,6 +79,10 @@ async def session_generate(
     session_id: str, body: SessionGenerateRequest, request: Request, fe: Any = Depends(frontend)
 ):
     fe.check_auth(request, admin=False)
+    if "num_inference_steps" not in body.model_fields_set:  # the default shrinks to what the server allows
+        body = body.model_copy(
+            update={"num_inference_steps": min(body.num_inference_steps, fe.args.max_steps)}
+        )
     if body.num_inference_steps > fe.args.max_steps:
         raise APIError(
             400,

@@ -4,14 +4,17 @@ to reach the Frontend."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
-from .schemas import APIError, parse_size
+from .schemas import APIError, ErrorResponse, parse_size
 
 REPLICA_HEADER = "x-ditserve-replica"
 
@@ -78,11 +81,39 @@ def build_fastapi() -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        headers = dict(exc.headers or {})
+        message = str(exc.detail)
+        if exc.status_code == 405:  # every method of every route on this path, not only the first route's
+            allowed = _allowed_methods(request)
+            headers["Allow"] = ", ".join(allowed)
+            message = f"{request.method} is not allowed on {request.url.path}; allowed: {', '.join(allowed)}"
         return JSONResponse(
-            APIError(exc.status_code, str(exc.detail), type=kind).body(), status_code=exc.status_code
+            APIError(exc.status_code, message, type=kind).body(), status_code=exc.status_code, headers=headers
         )
 
+    # The served schema says what this server answers: its errors, its limits (see openapi_schema).
+    # A module-level function (partial), so the copy Serve freezes still finds this process's Frontend.
+    app.openapi = functools.partial(served_openapi, app)  # type: ignore[method-assign]
     return app
+
+
+def served_openapi(app: FastAPI) -> dict[str, Any]:
+    """``GET /openapi.json``: the schema for this process's server (built once it has started)."""
+    if not _instance:
+        return openapi_schema(app, None)
+    if app.openapi_schema is None:
+        fe = _instance[0]
+        app.openapi_schema = openapi_schema(app, fe.args, fe.model_name, fe.model_kind, fe.default_size)
+    return app.openapi_schema
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    methods: set[str] = set()
+    for route in request.app.routes:
+        match, _ = route.matches({**request.scope, "method": "GET"})
+        if match != Match.NONE and getattr(route, "methods", None):
+            methods |= set(route.methods)
+    return sorted(methods)
 
 
 def _takes_as_is(content_type: bytes) -> bool:
@@ -121,3 +152,171 @@ def check_size(size: str, max_width: int, max_height: int, multiple: int = 16) -
     if width > max_width or height > max_height:
         raise APIError(400, f"size: {size} is above the maximum {max_width}x{max_height}", param="size")
     return width, height
+
+
+# -- the served OpenAPI schema ------------------------------------------------------------------------
+
+ERROR_DESCRIPTIONS = {
+    400: "Invalid request: the message names the field (param) and the limit or the fix.",
+    401: "Missing or wrong API key (Authorization: Bearer <key>).",
+    404: "No such resource (the id or name in the path is unknown here).",
+    409: "The resource is in a state that cannot answer this (e.g. a failed video's content).",
+    410: "The session is gone (its replica restarted or it expired); open a new one.",
+    413: "The request body is over --max-body-bytes.",
+    429: "The replica's queue is full; retry after Retry-After seconds.",
+    503: "No engine replica can take the request now (starting, released or shut down); retry later.",
+}
+
+# Routes anyone may call, with or without the key.
+PUBLIC_PATHS = ("/health", "/v1/models", "/v1/replicas")
+# Routes that generate (they queue on a replica, so a full queue answers 429).
+GENERATION_ROUTES = {
+    ("post", "/v1/images/generations"),
+    ("post", "/v1/videos"),
+    ("post", "/v1/sessions"),
+    ("post", "/v1/sessions/{session_id}/generate"),
+}
+# Routes that change the cluster's control state: a replica's refusal (e.g. a bad adapter file) is passed on.
+CONTROL_PREFIXES = ("/v1/loras", "/v1/admin/")
+# Routes only one model kind serves; the other kind answers them with 400 always, so they are left out.
+KIND_PATHS = {"image": ("/v1/videos",), "video": ("/v1/images/", "/v1/sessions")}
+
+
+def error_statuses(method: str, path: str, operation: dict[str, Any], args: Any | None) -> list[int]:
+    """The error statuses one operation can answer with, on a server started with ``args``."""
+    if path == "/v1/models":
+        return []
+    if path == "/health":
+        return [503]
+    statuses = {503}
+    if method in ("post", "put", "patch"):
+        statuses |= {400, 413}  # a body that is not JSON, or too large
+    if operation.get("parameters") or "requestBody" in operation:
+        statuses.add(400)
+    if path not in PUBLIC_PATHS and _needs_key(path, args):
+        statuses.add(401)
+    if "{" in path:
+        statuses.add(404)
+    if (method, path) in GENERATION_ROUTES:
+        statuses.add(429)
+    if path.startswith("/v1/sessions/{"):
+        statuses |= {410, 429}
+    if path == "/v1/videos/{video_id}/content":
+        statuses.add(409)
+    if path.startswith(CONTROL_PREFIXES) and method != "get":
+        statuses |= {400, 404, 409}
+    return sorted(statuses)
+
+
+def _needs_key(path: str, args: Any | None) -> bool:
+    if args is None:
+        return True
+    if args.api_key is None:
+        return False
+    return path.startswith(CONTROL_PREFIXES) or args.api_key_for_generation
+
+
+def _steps(limit: int) -> list[int]:
+    return list(range(16, limit + 1, 16))
+
+
+def size_pattern(max_width: int, max_height: int) -> str:
+    """A regex of the sizes ``check_size`` takes: WIDTHxHEIGHT, multiples of 16 up to the limits."""
+    widths = "|".join(map(str, _steps(max_width)))
+    heights = "|".join(map(str, _steps(max_height)))
+    return f"^(({widths})x({heights}))?$"  # empty: the model's default size, as when left out
+
+
+def _nullable(schema: dict[str, Any], description: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"anyOf": [schema, {"type": "null"}]}
+    if description:
+        out["description"] = description
+    return out
+
+
+def _apply_limits(
+    components: dict[str, Any], args: Any, model_name: str, kind: str, default_size: str
+) -> None:
+    """The server's limits (--max-steps, --max-width, ...) as constraints of the request bodies, so a
+    request the schema allows is one this server takes."""
+    size = {"type": "string", "pattern": size_pattern(args.max_width, args.max_height)}
+    prompt = {"type": "string", "minLength": 1, "maxLength": args.max_prompt_chars, "pattern": "\\S"}
+    model = {"type": "string", "enum": [model_name]}
+    for name in (
+        "ImageGenerationRequest",
+        "SessionGenerateRequest",
+        "SessionOpenRequest",
+        "VideoCreateRequest",
+    ):
+        props = components.get(name, {}).get("properties", {})
+        if "prompt" in props:
+            props["prompt"] = {**prompt, "description": props["prompt"].get("description", "")}
+        if "num_inference_steps" in props:
+            props["num_inference_steps"]["maximum"] = args.max_steps
+            props["num_inference_steps"]["default"] = min(
+                props["num_inference_steps"].get("default", 1), args.max_steps
+            )
+        if "size" in props:
+            props["size"] = _nullable(size, props["size"].get("description"))
+        if "model" in props:
+            props["model"] = _nullable(model, props["model"].get("description"))
+        if "seed" in props:  # a bound the generators read exactly (2**63 as exclusiveMaximum is a float)
+            props["seed"] = _nullable(
+                {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}, props["seed"].get("description")
+            )
+    image = components.get("ImageGenerationRequest", {}).get("properties", {})
+    if image:
+        image["n"]["maximum"] = args.max_n
+        image["response_format"]["enum"] = ["b64_json"]
+    video = components.get("VideoCreateRequest", {}).get("properties", {})
+    if video and "num_frames" in video:
+        video["num_frames"] = _nullable(
+            {"type": "integer", "minimum": 1, "maximum": args.max_frames},
+            video["num_frames"].get("description"),
+        )
+
+
+def openapi_schema(
+    app: FastAPI,
+    args: Any | None,
+    model_name: str = "",
+    kind: str = "",
+    default_size: str = "",
+) -> dict[str, Any]:
+    """The app's OpenAPI schema as this server answers: each operation's error statuses with the one
+    error model (validation errors are 400, so no 422), the limits of ``args`` as constraints, and only
+    the routes the served model's kind takes. ``args`` None (no server): errors only."""
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    components["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.update(components["ErrorResponse"].pop("$defs", {}))
+    ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path, item in list(schema["paths"].items()):
+        if kind and path.startswith(KIND_PATHS.get(kind, ())):
+            del schema["paths"][path]
+            continue
+        for method, operation in item.items():
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            for status in error_statuses(method, path, operation, args):
+                responses[str(status)] = {
+                    "description": ERROR_DESCRIPTIONS[status],
+                    "content": {"application/json": {"schema": ref}},
+                }
+            if (method, path) == ("post", "/v1/images/generations"):  # "stream": true answers events
+                responses["200"].setdefault("content", {})["text/event-stream"] = {
+                    "schema": {"type": "object", "description": "Each event's data (see api_stream)."}
+                }
+            body = operation.get("requestBody", {}).get("content", {})
+            for media in body.values():  # one named model for a body documented inline (POST /v1/videos)
+                inline = media.get("schema", {})
+                title = inline.get("title")
+                if "$ref" not in inline and title and "properties" in inline:
+                    components.update(inline.pop("$defs", {}))
+                    components[title] = inline
+                    media["schema"] = {"$ref": f"#/components/schemas/{title}"}
+    if args is not None:
+        _apply_limits(components, args, model_name, kind, default_size)
+    return schema

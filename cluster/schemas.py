@@ -48,6 +48,19 @@ class APIError(Exception):
         }
 
 
+class ErrorDetail(BaseModel):
+    message: str = Field(description="What is wrong, naming the field or flag and the fix.")
+    type: str = Field(description="Kind of error, e.g. invalid_request_error, authentication_error.")
+    param: str | None = Field(default=None, description="The request field the error is about, if one.")
+    code: int | None = Field(default=None, description="The HTTP status of the answer.")
+
+
+class ErrorResponse(BaseModel):
+    """The one error shape every 4xx/5xx answer carries (``APIError.body()``)."""
+
+    error: ErrorDetail
+
+
 def parse_size(size: str) -> tuple[int, int]:
     """ "WxH" → (width, height); raises APIError naming ``size``."""
     match = SIZE_RE.match(size)
@@ -80,7 +93,10 @@ class ImageGenerationRequest(BaseModel):
     true_cfg_scale: float | None = Field(default=None, ge=0, le=100, description="True-CFG scale (Flux).")
     seed: int | None = Field(default=None, ge=0, lt=2**63, description="Random seed (random when absent).")
     lora: LoRARef | list[LoRARef] | None = Field(default=None, description="Adapter(s) for this request.")
-    stream: bool = Field(default=False, description="Server-sent progress events before the image.")
+    # Strict: "stream": 0 or "yes" is refused naming the field, as the schema's boolean says.
+    stream: bool = Field(
+        default=False, strict=True, description="Server-sent progress events before the image."
+    )
     # Accepted for OpenAI compatibility, ignored.
     user: str | None = None
     quality: str | None = None

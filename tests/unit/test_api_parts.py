@@ -109,3 +109,70 @@ def test_multipart_stays_multipart_and_bad_bodies_say_what_is_wrong():
     for content, headers, message in cases:
         r = client.post("/json", content=content, headers=headers)
         assert r.status_code == 400 and message in r.json()["error"]["message"], (content, r.text)
+
+
+def _served_schema(**limits):
+    from ditserve.cluster.config import AppArgs
+    from ditserve.cluster.frontend import fastapi_app
+    from ditserve.cluster.http_base import openapi_schema
+
+    args = AppArgs(model="demo-flux", api_key="k", **limits)
+    return openapi_schema(fastapi_app, args, "demo-flux", "image", "64x64")
+
+
+def test_openapi_documents_the_error_statuses_in_the_error_model():
+    schema = _served_schema()
+    operations = {(m, p): op for p, item in schema["paths"].items() for m, op in item.items()}
+    assert not any(p.startswith("/v1/videos") for _, p in operations)  # an image server takes no videos
+    for (method, path), op in operations.items():
+        assert "422" not in op["responses"], (method, path)  # validation errors are answered as 400
+        for status, response in op["responses"].items():
+            if status != "200":
+                ref = response["content"]["application/json"]["schema"]["$ref"]
+                assert ref == "#/components/schemas/ErrorResponse", (method, path, status)
+    image = operations[("post", "/v1/images/generations")]["responses"]
+    assert {"400", "413", "429", "503"} <= set(image) and "401" not in image  # the key guards admin only
+    assert "text/event-stream" in image["200"]["content"]
+    assert {"401", "404"} <= set(operations[("delete", "/v1/loras/{name}")]["responses"])
+    assert "410" in operations[("post", "/v1/sessions/{session_id}/generate")]["responses"]
+    error = schema["components"]["schemas"]["ErrorDetail"]
+    assert set(error["properties"]) == {"message", "type", "param", "code"}
+    assert "HTTPValidationError" not in schema["components"]["schemas"]
+
+
+def test_openapi_carries_the_servers_limits():
+    import re
+
+    from ditserve.cluster.http_base import check_size
+
+    schema = _served_schema(max_steps=3, max_width=64, max_height=32, max_n=2, max_prompt_chars=50)
+    props = schema["components"]["schemas"]["ImageGenerationRequest"]["properties"]
+    assert props["num_inference_steps"]["maximum"] == 3 and props["n"]["maximum"] == 2
+    assert props["prompt"]["maxLength"] == 50
+    assert props["model"]["anyOf"][0]["enum"] == ["demo-flux"]
+    pattern = re.compile(props["size"]["anyOf"][0]["pattern"])
+    for width in range(0, 100, 8):  # the pattern takes exactly the sizes the server takes
+        for height in range(0, 60, 8):
+            size = f"{width}x{height}"
+            try:
+                check_size(size, 64, 32)
+                taken = True
+            except APIError:
+                taken = False
+            assert bool(pattern.match(size)) == taken, size
+    session = schema["components"]["schemas"]["SessionGenerateRequest"]["properties"]
+    assert session["num_inference_steps"]["maximum"] == 3
+
+
+def test_method_not_allowed_names_every_allowed_method():
+    from fastapi.testclient import TestClient
+
+    from ditserve.cluster.http_base import build_fastapi
+
+    app = build_fastapi()
+    app.get("/things")(lambda: {})
+    app.post("/things")(lambda: {})
+    answer = TestClient(app).put("/things")
+    assert answer.status_code == 405
+    assert answer.headers["allow"] == "GET, POST"
+    assert answer.json()["error"]["message"] == "PUT is not allowed on /things; allowed: GET, POST"
