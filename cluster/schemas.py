@@ -92,7 +92,11 @@ class ImageGenerationRequest(BaseModel):
     guidance_scale: float | None = Field(default=None, ge=0, le=100, description="Guidance (model default).")
     true_cfg_scale: float | None = Field(default=None, ge=0, le=100, description="True-CFG scale (Flux).")
     seed: int | None = Field(default=None, ge=0, lt=2**63, description="Random seed (random when absent).")
-    lora: LoRARef | list[LoRARef] | None = Field(default=None, description="Adapter(s) for this request.")
+    lora: LoRARef | list[LoRARef] | None = Field(
+        default=None,
+        description="Adapter(s) for this request, each {name, scale}: scale is the request's strength of that "
+        "adapter (it replaces the scale given at load time, which applies when the request gives none).",
+    )
     # Strict: "stream": 0 or "yes" is refused naming the field, as the schema's boolean says.
     stream: bool = Field(
         default=False, strict=True, description="Server-sent progress events before the image."
