@@ -160,6 +160,7 @@ def image_phase(base: str, seconds: float, args, tally: Tally, adapter: Path) ->
     wait_replicas(base, 3)
     small = {"prompt": "a red circle on a blue background", "size": "64x64", "num_inference_steps": 3}
     loaded = threading.Event()
+    deadline = time.monotonic() + seconds
 
     def image():
         extra = {"lora": [{"name": "soak"}]} if loaded.is_set() and rng.random() < 0.3 else {}
@@ -196,28 +197,14 @@ def image_phase(base: str, seconds: float, args, tally: Tally, adapter: Path) ->
                 loaded.set()
         time.sleep(10)  # an operator's pace, not a race
 
-    warm_end = time.monotonic() + min(60, seconds / 4)
-    deadline = time.monotonic() + seconds
-    loops = [threading.Thread(target=loop, args=(deadline, args.max_requests, f)) for f in
-             (image, image, stream, session, lora)]  # fmt: skip
-    for t in loops:
-        t.start()
-    time.sleep(max(0.0, warm_end - time.monotonic()))
-    warm = rss_by_pid()
-    time.sleep(max(0.0, deadline - seconds / 2 - time.monotonic()))
-    victim = replicas(base)[0]
-    os.kill(victim["ranks"][0]["pid"], signal.SIGKILL)
-    killed = {"phase": "images", "replica": victim["replica_id"], "at_s": round(seconds / 2)}
-    for t in loops:
-        t.join()
-    end = rss_by_pid()
-    wait_replicas(base, 3)
-    return {"killed": killed, "memory": growth(warm, end)}
+    return drive("images", base, [image, image, stream, session, lora], deadline, warm_s=min(60, seconds / 4),
+                 replicas_n=3, args=args)  # fmt: skip
 
 
 def video_phase(base: str, seconds: float, args, tally: Tally) -> dict:
     client = httpx.Client(timeout=CLIENT_TIMEOUT_S)
     wait_replicas(base, 2)
+    deadline = time.monotonic() + seconds
 
     def job():
         body = {"prompt": "waves", "size": "64x64", "num_frames": 5, "num_inference_steps": 3}
@@ -240,21 +227,28 @@ def video_phase(base: str, seconds: float, args, tally: Tally) -> dict:
             time.sleep(0.2)
         tally.add("video", "never_finished", 0.0, False, vid)
 
-    deadline = time.monotonic() + seconds
-    warm_end = time.monotonic() + min(30, seconds / 4)
-    loops = [threading.Thread(target=loop, args=(deadline, args.max_requests, job)) for _ in range(3)]
+    return drive("videos", base, [job] * 3, deadline, warm_s=min(30, seconds / 4), replicas_n=2, args=args)
+
+
+def drive(
+    phase: str, base: str, bodies: list, deadline: float, *, warm_s: float, replicas_n: int, args
+) -> dict:
+    """Each body in a bounded loop of its own until ``deadline``; every process's memory after ``warm_s`` and
+    at the end; one replica process killed at the midpoint; then the replacement awaited."""
+    start = time.monotonic()
+    loops = [threading.Thread(target=loop, args=(deadline, args.max_requests, body)) for body in bodies]
     for t in loops:
         t.start()
-    time.sleep(max(0.0, warm_end - time.monotonic()))
+    time.sleep(max(0.0, start + warm_s - time.monotonic()))
     warm = rss_by_pid()
-    time.sleep(max(0.0, deadline - seconds / 2 - time.monotonic()))
+    time.sleep(max(0.0, (start + deadline) / 2 - time.monotonic()))
     victim = replicas(base)[0]
     os.kill(victim["ranks"][0]["pid"], signal.SIGKILL)
-    killed = {"phase": "videos", "replica": victim["replica_id"], "at_s": round(seconds / 2)}
+    killed = {"phase": phase, "replica": victim["replica_id"], "at_s": round(time.monotonic() - start)}
     for t in loops:
         t.join()
     end = rss_by_pid()
-    wait_replicas(base, 2)
+    wait_replicas(base, replicas_n)
     return {"killed": killed, "memory": growth(warm, end)}
 
 
