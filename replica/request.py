@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from .caching.settings import CacheSettings
+
 
 class LoRARef(BaseModel):
     """One adapter applied to a request: a loaded adapter's name and its strength."""
@@ -54,6 +56,9 @@ class GenerationParams(BaseModel):
         default=1.0, gt=0.0, le=1.0, description="With init_latents: 1 = start from noise, small = keep."
     )
     return_latents: bool = Field(default=False, description="Also return the final latents.")
+    cache: CacheSettings | None = Field(
+        default=None, description="Step cache of this request; None: the server's default (--cache-policy)."
+    )
 
 
 @dataclass

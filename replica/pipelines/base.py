@@ -70,6 +70,9 @@ class PipelineRunner(ABC):
 
     # Inputs shared by every row of a bucket (not concatenated): e.g. Flux's txt_ids / img_ids.
     shared_inputs: tuple[str, ...] = ()
+    # Step caching: the transformer's block lists in call order, and what one block returns (in order).
+    cache_blocks: tuple[str, ...] = ()
+    cache_outputs: tuple[str, ...] = ("hidden_states",)
 
     def __init__(
         self,
@@ -97,6 +100,34 @@ class PipelineRunner(ABC):
         # Set by the LoRA manager: for a forward with adapters, (its layout as part of a graph key, what a
         # graph captured for it must keep alive), or None when it must run without a graph.
         self.graph_key: Callable[[], tuple[tuple, object] | None] | None = None
+        self._step_cache = None  # built on the first forward with a caching request
+
+    def step_cache(self):
+        """The transformer's step-cache wrapper (built once; a no-op for forwards without caching rows)."""
+        if self._step_cache is None:
+            from ..caching.blocks import apply_step_cache
+
+            group = None
+            if self.mesh is not None and self.mesh.sp_size > 1:
+                group = self.mesh.sp_mesh.get_group()
+            self._step_cache = apply_step_cache(
+                self.pipe.transformer, block_lists=self.cache_blocks, outputs=self.cache_outputs, group=group
+            )
+        return self._step_cache
+
+    def request_cache(self, state: RequestState, branch: str):
+        """The request's cache for one CFG branch, or None when it does not cache (or the rows are padding)."""
+        settings = state.params.cache
+        if settings is None or not settings.enabled or not self.cache_blocks:
+            return None
+        if branch == "uncond" and state.uncond is None:
+            return None  # cfg-parallel padding rows: computed and discarded
+        from ..caching.state import RequestCache
+
+        caches = state.extra.setdefault("cache", {})
+        if branch not in caches:
+            caches[branch] = RequestCache(settings)
+        return caches[branch]
 
     @property
     def cfg_size(self) -> int:
@@ -137,6 +168,16 @@ class PipelineRunner(ABC):
         if self.before_forward is not None:
             self.before_forward([(s, s.rows) for s, _ in rows])
         shared = states[0].extra["shared"]
+        caches = [(self.request_cache(s, branch), s.rows) for s, _ in rows]
+        if any(c is not None for c, _ in caches):
+            # Caching forwards run eagerly: which rows compute changes from step to step, and a captured
+            # graph would freeze one decision.
+            cache = self.step_cache()
+            cache.set_plan(caches)
+            try:
+                return self.model_forward(latents, timesteps, inputs, shared)
+            finally:
+                cache.set_plan(None)
         if self.graphs is not None:
             if not any(s.params.lora for s, _ in rows):
                 return self.graphs(latents, timesteps, inputs, shared)

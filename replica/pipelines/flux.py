@@ -12,6 +12,8 @@ from .base import PipelineRunner, RequestState, request_scheduler, to_uint8
 
 class FluxRunner(PipelineRunner):
     default_guidance = 3.5
+    cache_blocks = ("transformer_blocks", "single_transformer_blocks")
+    cache_outputs = ("encoder_hidden_states", "hidden_states")
 
     def _encode(self, prompt: str, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         max_len = min(self.max_sequence_length, self.pipe.tokenizer_2.model_max_length)

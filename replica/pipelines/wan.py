@@ -10,6 +10,7 @@ from .base import PipelineRunner, RequestState, request_scheduler, to_uint8
 
 
 class WanRunner(PipelineRunner):
+    cache_blocks = ("blocks",)
     default_guidance = 5.0
 
     @torch.no_grad()

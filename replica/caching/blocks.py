@@ -1,0 +1,174 @@
+"""The shared forward with per-request step caching.
+
+The first block of the transformer runs on every row. Its wrapper then decides, per request (per CFG
+branch: each branch has its own ``RequestCache``), whether the request's rows must compute; it runs the
+remaining blocks itself on the computing rows only (gathered, then scattered back) and adds each hit's
+kept residual to its first-block output. The model's own loop then calls the remaining blocks, which pass
+their inputs through for this forward. So the work saved in the blocks is the hits' share of rows.
+
+Under sequence parallelism a request's rows are split over the sp group: the two sums of its metric are
+all-reduced over that group before the comparison, so every rank decides the same (tensor-parallel ranks
+hold the same activations after each block's all-reduce and decide the same without a collective).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .state import RequestCache
+
+ATTR = "_ditserve_step_cache"
+
+
+@dataclass
+class ForwardPlan:
+    """The row layout of one forward: (the request's cache or None when it does not cache, its rows)."""
+
+    groups: list[tuple[RequestCache | None, int]]
+    ran: bool = False
+
+
+@dataclass
+class StepCacheModel:
+    """Left on the transformer as ``model._ditserve_step_cache``."""
+
+    blocks: list[nn.Module]
+    forwards: list  # the blocks' original bound forwards
+    outputs: tuple[
+        str, ...
+    ]  # names of a block's outputs in order, e.g. ("encoder_hidden_states", "hidden_states")
+    group: dist.ProcessGroup | None = None  # the sp group whose ranks split each row's tokens
+    plan: ForwardPlan | None = None
+    # Set by the LoRA manager's owner: called with the computing rows' layout before the remaining blocks.
+    relayout: object | None = None
+    names: list[str] = field(default_factory=list)
+
+    def set_plan(self, groups: list[tuple[RequestCache | None, int]] | None) -> None:
+        self.plan = (
+            None if groups is None or not any(c is not None for c, _ in groups) else ForwardPlan(groups)
+        )
+
+
+def _as_tuple(out) -> tuple[torch.Tensor, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def apply_step_cache(
+    model: nn.Module,
+    *,
+    block_lists: Sequence[str],
+    outputs: tuple[str, ...],
+    group: dist.ProcessGroup | None = None,
+) -> StepCacheModel:
+    """Wrap the blocks of ``model`` (its ModuleLists named in ``block_lists``, in call order). ``outputs``
+    names what a block returns, in order; each name is also the keyword of that input."""
+    blocks = [b for name in block_lists for b in getattr(model, name, [])]
+    assert len(blocks) >= 2, "step caching needs at least two transformer blocks"
+    handle = StepCacheModel(blocks=blocks, forwards=[b.forward for b in blocks], outputs=outputs, group=group)
+    hidden_index = outputs.index("hidden_states")
+    # The class forward's signature: an instance forward left by another wrapper may take (*args, **kwargs).
+    signatures = [inspect.signature(type(b).forward.__get__(b)) for b in blocks]
+
+    def head_forward(*args, **kwargs):
+        plan = handle.plan
+        out = handle.forwards[0](*args, **kwargs)
+        if plan is None:
+            return out
+        bound = signatures[0].bind(*args, **kwargs)
+        bound.apply_defaults()
+        inputs = dict(bound.arguments)
+        head = _as_tuple(out)
+        residual = head[hidden_index] - inputs["hidden_states"]
+        # Per request: its partial sums over its rows on this rank, then one all-reduce for all requests.
+        sums, offset = [], 0
+        for cache, rows in plan.groups:
+            part = None if cache is None else cache.partial_sums(residual[offset : offset + rows])
+            sums.append(part)
+            offset += rows
+        present = [s for s in sums if s is not None]
+        if present and handle.group is not None:
+            flat = torch.stack(present)
+            dist.all_reduce(flat, group=handle.group)
+            it = iter(flat.unbind(0))
+            sums = [None if s is None else next(it) for s in sums]
+        compute_rows, hits, offset = [], [], 0
+        for (cache, rows), s in zip(plan.groups, sums, strict=True):
+            hit = cache is not None and cache.decide(s)
+            (hits if hit else compute_rows).append((cache, offset, rows))
+            offset += rows
+        total = offset
+        # The remaining blocks on the computing rows only.
+        result = [t.clone() for t in head] if hits else list(head)
+        if compute_rows:
+            if hits:
+                index = torch.cat(
+                    [torch.arange(o, o + r, device=residual.device) for _, o, r in compute_rows]
+                )
+                state = {k: _take_rows(v, index, total) for k, v in inputs.items()}
+                if handle.relayout is not None:
+                    handle.relayout([rows for _, _, rows in compute_rows], [o for _, o, _ in compute_rows])
+            else:
+                index, state = None, inputs
+            current = _as_tuple(out) if index is None else tuple(t[index] for t in head)
+            first_out = current
+            for forward in handle.forwards[1:]:
+                step_in = dict(state)
+                step_in.update(zip(outputs, current, strict=True))
+                current = _as_tuple(forward(**step_in))
+            if index is None:
+                result = list(current)
+            else:
+                for i, t in enumerate(current):
+                    result[i][index] = t
+            # Keep each computing request's residuals (its rows of the tail minus the head).
+            position = 0
+            for cache, offset, rows in compute_rows:
+                if cache is not None:
+                    cache.head_residual = residual[offset : offset + rows].detach().clone()
+                    sl = (
+                        slice(position, position + rows)
+                        if index is not None
+                        else slice(offset, offset + rows)
+                    )
+                    cache.tail_residuals = tuple(
+                        (c[sl] - f[sl]).detach().clone() for c, f in zip(current, first_out, strict=True)
+                    )
+                position += rows
+            if hits and handle.relayout is not None:
+                handle.relayout(None, None)
+        for cache, offset, rows in hits:
+            for i, kept in enumerate(cache.tail_residuals):
+                result[i][offset : offset + rows] = head[i][offset : offset + rows] + kept
+        plan.ran = True
+        result = tuple(result)
+        return result if isinstance(out, tuple) else result[0]
+
+    def make_pass(i: int):
+        def passthrough(*args, **kwargs):
+            if handle.plan is None:
+                return handle.forwards[i](*args, **kwargs)
+            bound = signatures[i].bind(*args, **kwargs)
+            values = tuple(bound.arguments[name] for name in outputs)
+            return values if len(values) > 1 else values[0]
+
+        return passthrough
+
+    blocks[0].forward = head_forward
+    for i in range(1, len(blocks)):
+        blocks[i].forward = make_pass(i)
+    setattr(model, ATTR, handle)
+    return handle
+
+
+def _take_rows(value, index: torch.Tensor, total: int):
+    """The computing rows of a block input: tensors with one entry per row are gathered, others (rotary
+    embeddings, shared ids, kwargs dicts) pass unchanged."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == total and total > 1:
+        return value[index]
+    return value
