@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -39,10 +40,32 @@ def lora_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(lora_root):
-    proc = ServeProcess("--api-key", KEY, "--lora-root", str(lora_root))  # the default model, demo-scenes
-    yield proc
-    proc.stop()
+def servers(lora_root):
+    """The default model (demo-scenes) with an admin key, and demo-wan for the video tab, started side by
+    side (starting is most of this module's time)."""
+    with ThreadPoolExecutor(2) as pool:
+        images = pool.submit(ServeProcess, "--api-key", KEY, "--lora-root", str(lora_root))
+        videos = pool.submit(ServeProcess, "--model", "demo-wan")
+        started = [f.result() if f.exception() is None else f.exception() for f in (images, videos)]
+    failed = [s for s in started if isinstance(s, BaseException)]
+    if failed:
+        for s in started:
+            if not isinstance(s, BaseException):
+                s.stop()
+        raise failed[0]
+    yield started
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(ServeProcess.stop, started))
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def video_server(servers):
+    return servers[1]
 
 
 @pytest.fixture(scope="module")
@@ -143,13 +166,6 @@ def test_lora_loaded_in_the_cluster_tab_appears_in_the_generate_form(browser, se
     use = hook(browser, "lora-use-style")
     assert use.is_displayed() and hook(browser, "lora-scale-style").get_attribute("value") == "1"
     shots(browser, "generate-with-lora")
-
-
-@pytest.fixture(scope="module")
-def video_server():
-    proc = ServeProcess("--model", "demo-wan")
-    yield proc
-    proc.stop()
 
 
 def test_video_job_plays_inline(browser, video_server, shots):
