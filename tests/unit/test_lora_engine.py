@@ -432,3 +432,29 @@ def test_linears_on_one_input_share_one_shrink(engine, files, monkeypatch):
     assert psnr(shared, image(engine)) < 30  # the adapter visibly changes the picture
     assert psnr(later, shared) < 30
     assert psnr(only_q, diffusers_image(path3)) >= 40
+
+
+def test_a_relative_adapter_path_is_read_under_the_root_never_the_working_directory(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from ditserve.replica.lora.loader import inspect_adapter
+
+    root, cwd = tmp_path / "root", tmp_path / "cwd"
+    root.mkdir()
+    cwd.mkdir()
+    write_kohya(cwd / "a.safetensors", weights(1))  # the same name in the working directory: never read
+    write_kohya(root / "a.safetensors", weights(2))
+    monkeypatch.chdir(cwd)
+    assert inspect_adapter("a.safetensors", (str(root),), 128) == (root / "a.safetensors").resolve()
+    refusals = {
+        "outside": ("../cwd/a.safetensors", (str(root),), 128),
+        "relative": ("a.safetensors", (), 128),  # no root: a relative path has no meaning on the server
+        "rank": ("a.safetensors", (str(root),), 2),
+        "does not exist": ("b.safetensors", (str(root),), 128),
+    }
+    for expected, (path, roots, max_rank) in refusals.items():
+        with pytest.raises(ValueError) as refused:
+            inspect_adapter(path, roots, max_rank)
+        message = str(refused.value)
+        assert message.startswith("path: ") and expected in message, message
+        assert str(Path.cwd()) not in message, message
