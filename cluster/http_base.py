@@ -178,7 +178,7 @@ GENERATION_ROUTES = {
 }
 # Routes that change the cluster's control state: a replica's refusal (e.g. a bad adapter file) is passed on.
 CONTROL_PREFIXES = ("/v1/loras", "/v1/admin/")
-# Routes only one model kind serves; the other kind answers them with 400 always, so they are left out.
+# Routes only one model kind serves; a server of the other kind answers them with 400 naming model.
 KIND_PATHS = {"image": ("/v1/videos",), "video": ("/v1/images/", "/v1/sessions")}
 
 
@@ -284,8 +284,9 @@ def openapi_schema(
     default_size: str = "",
 ) -> dict[str, Any]:
     """The app's OpenAPI schema as this server answers: each operation's error statuses with the one
-    error model (validation errors are 400, so no 422), the limits of ``args`` as constraints, and only
-    the routes the served model's kind takes. ``args`` None (no server): errors only."""
+    error model (validation errors are 400, so no 422), the limits of ``args`` as constraints, and on the
+    routes the served model's kind does not take, that they answer 400. ``args`` None (no server): errors
+    only."""
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
@@ -294,10 +295,13 @@ def openapi_schema(
     components.update(components["ErrorResponse"].pop("$defs", {}))
     ref = {"$ref": "#/components/schemas/ErrorResponse"}
     for path, item in list(schema["paths"].items()):
-        if kind and path.startswith(KIND_PATHS.get(kind, ())):
-            del schema["paths"][path]
-            continue
+        other_kind = bool(kind) and path.startswith(KIND_PATHS.get(kind, ()))
         for method, operation in item.items():
+            if other_kind and method == "post":  # documented for clients of every server, refused here
+                operation["description"] = (
+                    f"{operation.get('description', '')}\n\nThis server's model ({model_name}) makes "
+                    f"{kind}s: it answers 400 naming model."
+                ).strip()
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
             for status in error_statuses(method, path, operation, args):
