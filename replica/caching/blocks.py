@@ -31,6 +31,9 @@ class ForwardPlan:
     """The row layout of one forward: (the request's cache or None when it does not cache, its rows)."""
 
     groups: list[tuple[RequestCache | None, int]]
+    # False when the forward's per-row state (e.g. LoRA segments) describes every row: the remaining
+    # blocks then run on all rows and the hits' outputs are replaced (correct, but nothing is saved).
+    shrink: bool = True
     ran: bool = False
 
 
@@ -49,10 +52,9 @@ class StepCacheModel:
     relayout: object | None = None
     names: list[str] = field(default_factory=list)
 
-    def set_plan(self, groups: list[tuple[RequestCache | None, int]] | None) -> None:
-        self.plan = (
-            None if groups is None or not any(c is not None for c, _ in groups) else ForwardPlan(groups)
-        )
+    def set_plan(self, groups: list[tuple[RequestCache | None, int]] | None, *, shrink: bool = True) -> None:
+        active = groups is not None and any(c is not None for c, _ in groups)
+        self.plan = ForwardPlan(groups, shrink=shrink) if active else None
 
 
 def _as_tuple(out) -> tuple[torch.Tensor, ...]:
@@ -104,9 +106,9 @@ def apply_step_cache(
             offset += rows
         total = offset
         # The remaining blocks on the computing rows only.
-        result = [t.clone() for t in head] if hits else list(head)
+        result = [t.clone() for t in head] if hits and plan.shrink else list(head)
         if compute_rows:
-            if hits:
+            if hits and plan.shrink:
                 index = torch.cat(
                     [torch.arange(o, o + r, device=residual.device) for _, o, r in compute_rows]
                 )
@@ -140,7 +142,7 @@ def apply_step_cache(
                         (c[sl] - f[sl]).detach().clone() for c, f in zip(current, first_out, strict=True)
                     )
                 position += rows
-            if hits and handle.relayout is not None:
+            if index is not None and handle.relayout is not None:
                 handle.relayout(None, None)
         for cache, offset, rows in hits:
             for i, kept in enumerate(cache.tail_residuals):

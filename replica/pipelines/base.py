@@ -173,7 +173,8 @@ class PipelineRunner(ABC):
             # Caching forwards run eagerly: which rows compute changes from step to step, and a captured
             # graph would freeze one decision.
             cache = self.step_cache()
-            cache.set_plan(caches)
+            # LoRA segments describe every row of the forward: with adapters the batch is not shrunk.
+            cache.set_plan(caches, shrink=not any(s.params.lora for s, _ in rows))
             try:
                 return self.model_forward(latents, timesteps, inputs, shared)
             finally:

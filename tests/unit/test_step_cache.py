@@ -105,3 +105,42 @@ def test_bad_cache_values_name_the_field():
         CacheSettings(policy="teacache")
     with pytest.raises(ValidationError, match="threshold"):
         CacheSettings(policy="fbcache", threshold=-1)
+
+
+def test_engine_batch_with_lora_and_cached_requests_equals_solo_runs(tmp_path):
+    from ditserve.replica.config import EngineConfig
+    from ditserve.replica.engine import Engine
+    from ditserve.replica.request import LoRARef
+    from tests.helpers import png_pixels
+    from tests.unit.test_lora_engine import weights, write_kohya
+
+    path = write_kohya(tmp_path / "a.safetensors", weights(1))
+    config = EngineConfig(model="demo-flux", max_loras=1, max_lora_rank=8, lora_roots=(str(tmp_path),))
+    engine = Engine(config).start()
+    try:
+        engine.load_lora("a", str(path))
+        fb = CacheSettings(policy="fbcache", threshold=0.45)
+        base = dict(height=64, width=64, guidance_scale=3.5)
+        params = [
+            GenerationParams(prompt="a red fox", num_inference_steps=8, seed=1, cache=fb, **base),
+            GenerationParams(
+                prompt="a blue cat", num_inference_steps=5, seed=2, lora=(LoRARef(name="a"),), **base
+            ),
+            GenerationParams(
+                prompt="a green dog",
+                num_inference_steps=6,
+                seed=3,
+                cache=fb,
+                lora=(LoRARef(name="a"),),
+                **base,
+            ),
+        ]
+        alone = [png_pixels(engine.generate(p, timeout=120).outputs[0]) for p in params]
+        steps_before = engine.steps_run
+        futures = [engine.submit(p) for p in params]
+        together = [png_pixels(f.result(timeout=120).outputs[0]) for f in futures]
+        assert engine.steps_run - steps_before < sum(p.num_inference_steps for p in params)
+        for got, want in zip(together, alone, strict=True):
+            assert psnr(got, want) >= 40
+    finally:
+        engine.shutdown()
