@@ -129,7 +129,7 @@ async function refreshLoras() {
   } catch (err) {
     loras = [];
     box.innerHTML = "";
-    box.append(Object.assign(document.createElement("em"), { textContent: err.message }));
+    box.append(Object.assign(document.createElement("em"), { textContent: `adapters need the admin key: ${err.message}` }));
     renderLoraList();
     return;
   }

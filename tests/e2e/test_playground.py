@@ -146,6 +146,24 @@ def test_bad_size_shows_the_apis_message_next_to_the_size_field(browser, server,
     assert hook(browser, "status").text == "failed"
 
 
+def test_session_refines_the_image_step_by_step(browser, server, shots):
+    browser.get(server.base_url + "/")
+    hook(browser, "tab-sessions").click()
+    fill(hook(browser, "session-size"), "64x64")
+    pictures = []
+    for step, prompt in enumerate(
+        ["a red circle on a blue background", "a red square on a blue background"], 1
+    ):
+        fill(hook(browser, "session-prompt"), prompt)
+        hook(browser, "session-step").click()
+        wait(browser, lambda step=step: hook(browser, "session-step-no").text == str(step))
+        pictures.append(hook(browser, "session-result").get_attribute("src"))
+    shots(browser, "session-refined")
+    assert hook(browser, "session-id").text and all(p.startswith("data:image/png") for p in pictures)
+    assert pictures[0] != pictures[1]
+    assert not browser.find_elements(By.CSS_SELECTOR, '[data-testid="error"]')
+
+
 def test_lora_loaded_in_the_cluster_tab_appears_in_the_generate_form(browser, server, shots):
     browser.get(server.base_url + "/")
     fill(hook(browser, "api-key"), KEY)
