@@ -143,8 +143,12 @@ async def load_lora(body: LoRALoadRequest, request: Request, fe: Any = Depends(f
         {"op": "lora_load", "name": body.name, "source": source, "scale": body.scale}
     )
     if not prepared["ok"]:
-        if any(a["ok"] for a in prepared["replicas"]):
-            await fe.broadcast({"op": "lora_unload", "name": body.name})
+        if any(a["ok"] for a in prepared["replicas"]):  # undo where it was applied: back to the desired state
+            previous = (await fe.state_actor().get.remote())["loras"].get(body.name)
+            if previous is None:
+                await fe.broadcast({"op": "lora_unload", "name": body.name})
+            else:  # it replaced an adapter of the same name: put that one back
+                await fe.broadcast({"op": "lora_load", "name": body.name, **previous})
         fe.raise_broadcast_error(prepared)
     desired = await fe.state_actor().set_lora.remote(body.name, source, body.scale)
     return await _converge(fe, desired)
