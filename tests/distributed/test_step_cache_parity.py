@@ -26,10 +26,10 @@ REQUESTS = [
 ]
 
 
-def run(flags: dict) -> list:
+def run(flags: dict, requests: list[GenerationParams] = REQUESTS) -> list:
     engine = Engine(EngineConfig(model="demo-flux", parallel=ParallelFlags(**flags))).start()
     try:
-        futures = [engine.submit(p) for p in REQUESTS]  # submitted together: they share steps
+        futures = [engine.submit(p) for p in requests]  # submitted together: they share steps
         return [png_pixels(f.result(timeout=300).outputs[0]) for f in futures]
     finally:
         engine.shutdown()
@@ -37,7 +37,11 @@ def run(flags: dict) -> list:
 
 @pytest.fixture(scope="module")
 def reference():
-    return run({})
+    uncached = REQUESTS[0].model_copy(update={"cache": None})
+    *images, plain = run({}, [*REQUESTS, uncached])
+    # The cache did skip blocks for the first request (its image is not the uncached one).
+    assert (images[0] != plain).any()
+    return images
 
 
 @pytest.mark.parametrize(
