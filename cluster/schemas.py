@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
+from ditserve.replica.caching import CacheSettings
 from ditserve.replica.models.registry import ModelSpec
 from ditserve.replica.request import GenerationParams, LoRARef
 
@@ -107,6 +108,12 @@ class ImageGenerationRequest(BaseModel):
     style: str | None = None
     output_format: Literal["png"] | None = None
 
+    cache: CacheSettings | None = Field(
+        default=None,
+        description='Step cache for this request, e.g. {"policy": "fbcache", "threshold": 0.1}: steps whose '
+        "first-block residual barely changed reuse the rest of the model's last output. Absent: no caching.",
+    )
+
     def to_params(self, width: int, height: int, spec: ModelSpec) -> GenerationParams:
         loras = () if self.lora is None else tuple(self.lora if isinstance(self.lora, list) else [self.lora])
         kwargs: dict[str, Any] = {}
@@ -122,6 +129,7 @@ class ImageGenerationRequest(BaseModel):
             guidance_scale=self.guidance_scale,
             true_cfg_scale=true_cfg,
             n=self.n,
+            cache=self.cache,
             lora=loras,
             **kwargs,
         )
