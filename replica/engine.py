@@ -49,6 +49,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.steps_run = 0
         self.loras: dict[str, dict[str, Any]] = {}  # loaded adapters (the same on every rank)
+        self.draining: set[str] = set()  # unloaded, waiting for the requests that use them to finish
         self.last_batch_size = 0
         self.last_step_s = 0.0
         self.step_seconds_total = 0.0
@@ -115,8 +116,9 @@ class Engine:
                 f"num_inference_steps: {params.num_inference_steps} is above the maximum {limits.max_steps}"
             )
         for ref in params.lora:
-            if ref.name not in self.loras:
-                raise ValueError(f"lora: adapter {ref.name!r} is not loaded; loaded: {sorted(self.loras)}")
+            if ref.name not in self.loras or ref.name in self.draining:
+                loaded = sorted(set(self.loras) - self.draining)
+                raise ValueError(f"lora: adapter {ref.name!r} is not loaded; loaded: {loaded}")
         if params.n > limits.max_n:
             raise ValueError(f"n: {params.n} is above the maximum {limits.max_n}")
         if params.init_latents is not None and self.spec.family != "flux":
@@ -171,19 +173,30 @@ class Engine:
 
         if not name or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
             raise ValueError(f"name: {name!r} must be letters, digits, '-', '_' or '.'")
+        if name in self.draining:
+            raise ValueError(
+                f"name: adapter {name!r} is still being unloaded (requests use it); retry shortly"
+            )
         resolved = str(check_allowed(Path(source), self.config.lora_roots))
         info = self.launcher.call("lora_load", name, resolved, float(scale))
         self.loras[name] = info
         return info
 
     def lora_unload(self, name: str) -> None:
+        """Unload ``name`` now, or, while queued or running requests use it, once the last of them is done
+        (it is refused to new requests from now on): an unload never fails a request that was accepted."""
         if name not in self.loras:
             raise ValueError(f"name: adapter {name!r} is not loaded; loaded: {sorted(self.loras)}")
-        busy = [j for j in self._jobs() if any(ref.name == name for ref in j.params.lora)]
-        if busy:
-            raise ValueError(f"lora: adapter {name!r} is used by {len(busy)} queued or running requests")
-        self.launcher.call("lora_unload", name)
-        self.loras.pop(name, None)
+        self.draining.add(name)
+        self._unload_drained()
+
+    def _unload_drained(self) -> None:
+        """Unload the draining adapters no queued or running request uses any more (loop thread)."""
+        for name in list(self.draining):
+            if not any(ref.name == name for j in self._jobs() for ref in j.params.lora):
+                self.launcher.call("lora_unload", name)
+                self.loras.pop(name, None)
+                self.draining.discard(name)
 
     def lora_list(self) -> list[dict[str, Any]]:
         return [dict(info) for info in self.loras.values()]
@@ -228,6 +241,8 @@ class Engine:
                 self._run_controls()
                 for job in self.scheduler.reap_cancelled():
                     self.launcher.call("drop", job.req_id)
+                if self.draining:
+                    self._unload_drained()
                 picked = self.scheduler.next_batch()
                 if picked is None:
                     self.scheduler.wait_for_work(timeout=0.1)

@@ -307,6 +307,27 @@ def test_a_request_scale_is_the_strength_and_the_load_scale_its_default(engine, 
         engine.unload_lora("at10")
 
 
+def test_unloading_an_adapter_in_use_lets_its_requests_finish(engine, files):
+    engine.load_lora("busy", str(files["b"]))
+    want = image(engine, LoRARef(name="busy"))
+    running = engine.submit(
+        GenerationParams(**{**REQ, "num_inference_steps": 40}, lora=(LoRARef(name="busy"),))
+    )
+    first = GenerationParams(**REQ, lora=(LoRARef(name="busy"),))
+    queued = engine.submit(first)
+    engine.unload_lora("busy")  # answers at once: no error although two requests use it
+    with pytest.raises(ValueError, match="'busy' is not loaded"):
+        engine.submit(GenerationParams(**REQ, lora=(LoRARef(name="busy"),)))
+    got = png_pixels(queued.result(timeout=120).outputs[0])  # drawn with the adapter (batched: not bitwise)
+    assert psnr(got, want) >= 40 and psnr(got, want) > psnr(got, image(engine)) + 10
+    running.result(timeout=120)
+    # Unloaded once its last request finished: the name can be loaded again.
+    engine.run_control(lambda: None).result(timeout=60)  # one loop pass after the last step
+    assert "busy" not in {a["name"] for a in engine.lora_list()}
+    engine.load_lora("busy", str(files["b"]))
+    engine.unload_lora("busy")
+
+
 def test_lora_inside_the_gemm_draws_what_the_unfused_path_draws(engine, files, monkeypatch):
     calls = spy_kernels(monkeypatch)
     manager = engine.launcher.worker.lora
