@@ -209,6 +209,10 @@ def video_phase(base: str, seconds: float, args, tally: Tally) -> dict:
     def job():
         body = {"prompt": "waves", "size": "64x64", "num_frames": 5, "num_inference_steps": 3}
         created = timed(tally, "video", lambda: client.post(f"{base}/v1/videos", json=body))
+        if created is not None and created.status_code == 429:  # a client that honours Retry-After
+            time.sleep(
+                min(float(created.headers.get("retry-after", 1)), max(0.0, deadline - time.monotonic()))
+            )
         if created is None or created.status_code != 200:
             return
         vid = created.json()["id"]
