@@ -51,7 +51,10 @@ def check_allowed(path: Path, roots: tuple[str, ...]) -> Path:
 
     A relative path is read against the roots (the first that holds it), never against the server's
     working directory; without roots it must be absolute."""
-    path = path.expanduser()
+    try:
+        path = path.expanduser()
+    except RuntimeError:  # "~someone" with no such user
+        raise ValueError(f"path: {path} names a home directory that does not exist") from None
     if not path.is_absolute():
         if not roots:
             raise ValueError(f"path: {path} is relative; give an absolute path (or serve with --lora-root)")

@@ -278,6 +278,8 @@ def test_refusals_name_the_problem_and_leave_others_working(engine, files):
     )
     with pytest.raises(ValueError, match="DoRA"):
         engine.load_lora("dora", str(dora))
+    with pytest.raises(ValueError, match="home directory that does not exist"):
+        engine.load_lora("tilde", "~no-such-user-here/adapter.safetensors")
     with pytest.raises(ValueError, match="outside the allowed LoRA roots"):
         engine.load_lora("escape", str(root / ".." / "elsewhere.safetensors"))
     engine.load_lora("s2", str(files["a_kohya"]))
