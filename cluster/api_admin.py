@@ -40,7 +40,7 @@ class LoRALoadRequest(BaseModel):
 
     name: str = Field(min_length=1, max_length=128, description="Name requests use to pick the adapter.")
     path: str = Field(min_length=1, description="Adapter file or folder (under --lora-root).")
-    scale: float = Field(default=1.0, ge=-10.0, le=10.0, description="Default strength.")
+    scale: float = Field(strict=True, default=1.0, ge=-10.0, le=10.0, description="Default strength.")
 
 
 def _respond(report: dict[str, Any], **extra: Any) -> JSONResponse:

@@ -36,11 +36,17 @@ class SessionGenerateRequest(BaseModel):
 
     prompt: Prompt = Field(description="What to draw (this step).")
     strength: float = Field(
-        default=0.6, gt=0.0, le=1.0, description="How far this step may move from the previous image."
+        strict=True,
+        default=0.6,
+        gt=0.0,
+        le=1.0,
+        description="How far this step may move from the previous image.",
     )
-    num_inference_steps: int = Field(default=4, ge=1, description="Steps of a full (strength 1) schedule.")
-    guidance_scale: float | None = Field(default=None, ge=0, le=100)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    num_inference_steps: int = Field(
+        strict=True, default=4, ge=1, description="Steps of a full (strength 1) schedule."
+    )
+    guidance_scale: float | None = Field(strict=True, default=None, ge=0, le=100)
+    seed: int | None = Field(strict=True, default=None, ge=0, lt=2**63)
 
 
 def _pinned(fe: Any, session_id: str):

@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, ValidationError
 
@@ -100,9 +101,15 @@ def streaming(fn):
     return wrapper
 
 
+_INT64_TYPES = (FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64)
+
+
 def fields(message: Any, **rename: str) -> dict[str, Any]:
     """The fields a client set (proto3 ``optional`` presence), named as in the HTTP API."""
     data = MessageToDict(message, preserving_proto_field_name=True)
+    for field in message.DESCRIPTOR.fields:  # the JSON mapping writes 64-bit integers as strings
+        if field.cpp_type in _INT64_TYPES and field.name in data and isinstance(data[field.name], str):
+            data[field.name] = int(data[field.name])
     return {rename.get(k, k): v for k, v in data.items()}
 
 

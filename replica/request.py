@@ -19,6 +19,7 @@ class LoRARef(BaseModel):
 
     name: str = Field(min_length=1, description="Name of a loaded LoRA adapter.")
     scale: float | None = Field(
+        strict=True,
         default=None,
         ge=-10.0,
         le=10.0,

@@ -28,6 +28,7 @@ class CacheSettings(BaseModel):
         "first when its residual changed by at most `threshold` since the request's last computed step).",
     )
     threshold: float = Field(
+        strict=True,  # a JSON true is not a threshold
         default=0.1,
         ge=0.0,
         le=10.0,
