@@ -21,6 +21,7 @@ from ditserve.replica.lora.loader import inspect_adapter
 from ditserve.replica.models.registry import transformer_folder
 
 from .engine_deployment import new_tag
+from .errors import param_of
 from .http_base import REPLICA_HEADER, frontend
 from .schemas import APIError
 
@@ -123,9 +124,7 @@ async def shutdown(request: Request, fe: Any = Depends(frontend)):
 
 
 def _bad_request(exc: ValueError) -> APIError:
-    message = str(exc)
-    head = message.split(":", 1)[0].strip()
-    return APIError(400, message, param=head if head.isidentifier() else None)
+    return APIError(400, str(exc), param=param_of(str(exc)))
 
 
 @router.post("/v1/loras")

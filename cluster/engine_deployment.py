@@ -30,6 +30,7 @@ from ditserve.replica.scheduler import QueueFullError
 
 from .config import AppArgs
 from .control_state import get_or_create_state_actor, initial_state, parse_lora_paths
+from .errors import param_of
 from .metrics import ReplicaMetrics
 from .ranks import build_launcher, node_info
 from .replica_streams import ReplicaStreams
@@ -42,11 +43,6 @@ DEFAULT_APP_NAME = "ditserve"
 def error_dict(status: int, message: str, param: str | None = None, **extra: Any) -> dict[str, Any]:
     """Errors cross the handle as data: the frontend owns the mapping to HTTP/gRPC codes."""
     return {"error": {"status": status, "message": message, "param": param, **extra}}
-
-
-def _param_of(message: str) -> str | None:
-    head = message.split(":", 1)[0].strip()
-    return head if head.isidentifier() else None
 
 
 class ReplicaUnavailable(RuntimeError):
@@ -221,7 +217,7 @@ class EngineReplica(ReplicaStreams):
         try:
             future = self.engine.submit(params)
         except ValueError as exc:
-            return error_dict(400, str(exc), _param_of(str(exc)), replica=self.replica_id)
+            return error_dict(400, str(exc), param_of(str(exc)), replica=self.replica_id)
         except QueueFullError as exc:
             return error_dict(429, str(exc), retry_after=exc.retry_after_s, replica=self.replica_id)
         try:
@@ -230,7 +226,7 @@ class EngineReplica(ReplicaStreams):
             future.cancel()  # the client went away: free the slot at the next step
             raise
         except ValueError as exc:
-            return error_dict(400, str(exc), _param_of(str(exc)), replica=self.replica_id)
+            return error_dict(400, str(exc), param_of(str(exc)), replica=self.replica_id)
         except ReplicaUnavailable as exc:
             return error_dict(503, str(exc), replica=self.replica_id)
         except RankDied as exc:

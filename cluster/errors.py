@@ -16,3 +16,9 @@ class SessionGoneError(RuntimeError):
             f"session {session_id!r} was lost: the replica that held its state is gone; open a new session"
         )
         self.session_id = session_id
+
+
+def param_of(message: str) -> str | None:
+    """The request field a ``ValueError`` message names (``"path: ... does not exist"`` → ``"path"``)."""
+    head = message.split(":", 1)[0].strip()
+    return head if head.isidentifier() else None

@@ -40,7 +40,7 @@ from .control_state import (
     parse_lora_paths,
     state_actor_name,
 )
-from .errors import SessionGoneError
+from .errors import SessionGoneError, param_of
 from .grpc_service import GrpcMethods
 from .http_base import (
     ERROR_TYPES,
@@ -194,13 +194,12 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         first = failed[0]
         status = first.get("status", 500)
         message = str(first["error"]).removeprefix("ValueError: ")
-        head = message.split(":", 1)[0].strip()
         raise APIError(
             status,
             f"{report['op']} failed on {len(failed)} of {report['answered']} replicas; "
             f"replica {first['replica']}: {message}",
             type=ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
-            param=head if status < 500 and head.isidentifier() else None,
+            param=param_of(message) if status < 500 else None,
         )
 
     def state_actor(self):

@@ -28,14 +28,11 @@ from PIL import Image
 from ditserve.replica.request import GenerationParams, GenerationResult
 from ditserve.replica.scheduler import QueueFullError
 
+from .errors import param_of
+
 
 def _error(status: int, message: str, param: str | None = None, **extra: Any) -> dict[str, Any]:
     return {"error": {"status": status, "message": message, "param": param, **extra}}
-
-
-def _param_of(message: str) -> str | None:
-    head = message.split(":", 1)[0].strip()
-    return head if head.isidentifier() else None
 
 
 def latent_preview(latents: np.ndarray, width: int, height: int) -> bytes:
@@ -101,7 +98,7 @@ class ReplicaStreams:
     def _submit_error(self, exc: Exception) -> dict[str, Any]:
         if isinstance(exc, QueueFullError):
             return _error(429, str(exc), retry_after=exc.retry_after_s, replica=self.replica_id)
-        return _error(400, str(exc), _param_of(str(exc)), replica=self.replica_id)
+        return _error(400, str(exc), param_of(str(exc)), replica=self.replica_id)
 
     async def generate_stream(self, params: GenerationParams, preview: bool = False) -> AsyncIterator[dict]:
         """Events: ``{"type": "progress", "step", "total"[, "preview"]}`` per step, then ``{"type":
@@ -146,7 +143,7 @@ class ReplicaStreams:
             try:
                 result: GenerationResult = finished.result()
             except ValueError as exc:
-                yield _error(400, str(exc), _param_of(str(exc)), replica=self.replica_id)
+                yield _error(400, str(exc), param_of(str(exc)), replica=self.replica_id)
                 return
             except Exception as exc:
                 yield _error(503, f"generation failed: {exc}", replica=self.replica_id)
