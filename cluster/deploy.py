@@ -22,6 +22,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ditserve.replica.families import families
+
 from .config import AppArgs, add_model_arguments, model_kwargs
 from .usage import fail as _fail
 from .usage import validation_message as _validation_message
@@ -39,14 +41,23 @@ GRPC_SERVICER_FUNCTIONS: list[str] = [
 ]
 # AppArgs fields that are process- or Serve-level, not builder arguments (or secrets: never in a manifest).
 NOT_BUILDER_ARGS = ("host", "port", "grpc_port", "address", "api_key")
-# Attention heads by model kind, for models that exist only inside the image (layout checks need them).
-KIND_HEADS = {"flux": 24, "wan": 40}
-# Public checkpoint folder names → (family, heads): FLUX.1-dev / -schnell, Wan2.1-T2V-1.3B / -14B.
-KNOWN_FOLDERS = (
-    (re.compile(r"(?<![a-z])flux\.?1(?![0-9])", re.IGNORECASE), "flux", 24),
-    (re.compile(r"(?<![a-z])wan-?2\.1.*(?<![0-9.])1\.3b", re.IGNORECASE), "wan", 12),
-    (re.compile(r"(?<![a-z])wan-?2\.1(?![0-9])", re.IGNORECASE), "wan", 40),
-)
+
+
+def _kind_heads() -> dict[str, int]:
+    """Attention heads by model family, for models that exist only inside the image (layout checks)."""
+    return {name: family.typical_heads for name, family in families().items()}
+
+
+def _known_folders() -> list[tuple[re.Pattern, str, int]]:
+    """Public checkpoint folder names → (family, heads), from the family declarations."""
+    return [
+        (re.compile(pattern, re.IGNORECASE), name, heads)
+        for name, family in families().items()
+        for pattern, heads in family.checkpoints
+    ]
+
+
+ModelKind = Literal[("auto", *sorted(families()))]  # type: ignore[valid-type]
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 MAX_NAME = 47  # KubeRay appends suffixes (-raycluster-xxxxx-head-svc) to the RayService name
 
@@ -69,7 +80,7 @@ class DeployArgs(BaseModel):
         default=f"ditserve:{_package_version()}",
         description="Container image (built from deploy/Dockerfile).",
     )
-    model_kind: Literal["auto", "flux", "wan"] = Field(
+    model_kind: ModelKind = Field(
         default="auto",
         description="Model family when --model is a folder that exists only in the image (auto: embedded "
         "names and folders on this machine are read; other paths by their name, FLUX.1-* or Wan2.1-*).",
@@ -125,7 +136,7 @@ class Plan(BaseModel):
 def folder_kind(model: str) -> tuple[str, int] | None:
     """(family, attention heads) of a public checkpoint folder, read from its name; None if unknown."""
     name = Path(model).name
-    for pattern, family, heads in KNOWN_FOLDERS:
+    for pattern, family, heads in _known_folders():
         if pattern.search(name):
             return family, heads
     return None
@@ -145,13 +156,13 @@ def _num_heads(app: AppArgs, deploy: DeployArgs) -> tuple[int | None, str | None
             raise ValueError(f"--model-kind {deploy.model_kind}: {app.model!r} is a {spec.family} model")
         return spec.num_attention_heads, None
     if deploy.model_kind != "auto":
-        return KIND_HEADS[deploy.model_kind], None
+        return _kind_heads()[deploy.model_kind], None
     if (known := folder_kind(app.model)) is not None:
         return known[1], None
     return None, (
         f"--model {app.model} is not on this machine, taken as a folder inside the image; its family is not "
         f"known from its name, so the layout's heads are checked on the cluster at start (pass --model-kind "
-        f"{{{', '.join(KIND_HEADS)}}} or --num-attention-heads to check them here)"
+        f"{{{', '.join(_kind_heads())}}} or --num-attention-heads to check them here)"
     )
 
 

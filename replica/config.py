@@ -126,6 +126,12 @@ class EngineConfig(BaseModel):
     )
     max_loras: int = Field(default=8, ge=1, description="Adapter slots per replica.")
     max_lora_rank: int = Field(default=128, ge=1, le=128, description="Largest adapter rank.")
+    encoder_placement: Literal["first", "all"] = Field(
+        default="first",
+        description="Where the text/image encoders run in a replica of several ranks: first (one copy, on the "
+        "replica's first rank, which sends each request's embeddings to the others; the other ranks never "
+        "load the encoders) or all (every rank loads them and encodes every prompt itself).",
+    )
     lora_roots: tuple[str, ...] = Field(
         default=(), description="Folders adapters may be loaded from (empty: any local path)."
     )

@@ -121,7 +121,7 @@ class Engine:
                 raise ValueError(f"lora: adapter {ref.name!r} is not loaded; loaded: {loaded}")
         if params.n > limits.max_n:
             raise ValueError(f"n: {params.n} is above the maximum {limits.max_n}")
-        if params.init_latents is not None and self.spec.family != "flux":
+        if params.init_latents is not None and not spec.family_spec.img2img:
             raise ValueError(f"init_latents: image-to-image is not supported for {spec.name}")
         if self.spec.kind == "video" and params.num_frames > limits.max_frames:
             raise ValueError(f"num_frames: {params.num_frames} is above the maximum {limits.max_frames}")

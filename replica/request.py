@@ -56,6 +56,14 @@ class GenerationParams(BaseModel):
     strength: float = Field(
         default=1.0, gt=0.0, le=1.0, description="With init_latents: 1 = start from noise, small = keep."
     )
+    # Reference images, encoded (PNG / JPEG / WebP bytes, as uploaded): the edit families' references
+    # (POST /v1/images/edits), image-to-image's start image with ``strength`` for the other image families,
+    # image-to-video's first frame (POST /v1/videos input_reference). Checked at the ingress (decodable,
+    # size, count); resized by the family's own image processor as its diffusers pipeline does.
+    images: tuple[bytes, ...] = Field(default=(), description="Reference images (encoded image files).")
+    mask: bytes | None = Field(
+        default=None, description="Inpainting mask (encoded image; white = repaint) where the family has one."
+    )
     return_latents: bool = Field(default=False, description="Also return the final latents.")
     cache: CacheSettings | None = Field(
         default=None, description="Step cache of this request; None: the server's default (--cache-policy)."

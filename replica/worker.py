@@ -37,8 +37,21 @@ def process_group_backend(device: str) -> str:
 COLLECTIVE_TIMEOUT = timedelta(seconds=int(os.environ.get("DITSERVE_COLLECTIVE_TIMEOUT_S", "120")))
 
 
-def load_pipeline(spec: ModelSpec, dtype: torch.dtype, device: torch.device):
-    """``from_pretrained`` on the local folder: the same path for demo and real weights."""
+def encoder_components(spec: ModelSpec) -> list[str]:
+    """The pipeline's encoder models: its ``transformers`` components that are models (text encoders, image
+    encoders), not tokenizers or processors."""
+    skip = ("Tokenizer", "TokenizerFast", "Processor", "ImageProcessor", "FeatureExtractor")
+    out = []
+    for name, entry in spec.folder.index.items():
+        if isinstance(entry, list) and len(entry) == 2 and entry[0] == "transformers" and entry[1]:
+            if not entry[1].endswith(skip):
+                out.append(name)
+    return out
+
+
+def load_pipeline(spec: ModelSpec, dtype: torch.dtype, device: torch.device, *, encoders: bool = True):
+    """``from_pretrained`` on the local folder: the same path for demo and real weights. Without
+    ``encoders`` the encoder models are not loaded at all (ranks that receive embeddings)."""
     import diffusers
     import transformers
 
@@ -46,16 +59,14 @@ def load_pipeline(spec: ModelSpec, dtype: torch.dtype, device: torch.device):
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     cls = getattr(diffusers, spec.pipeline_class)
-    pipe = cls.from_pretrained(spec.path, dtype=dtype)
+    skipped = {} if encoders else dict.fromkeys(encoder_components(spec))
+    pipe = cls.from_pretrained(spec.path, dtype=dtype, **skipped)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 
 
 def build_runner(spec: ModelSpec, pipe, config: EngineConfig, device: torch.device, mesh) -> PipelineRunner:
-    if spec.family == "flux":
-        from .pipelines.flux import FluxRunner as runner_cls
-    else:
-        from .pipelines.wan import WanRunner as runner_cls
+    runner_cls = spec.family_spec.load("runner")
     return runner_cls(
         pipe,
         device=device,
@@ -89,6 +100,17 @@ def apply_speed_switches(
 
         changed["fused_epilogues"] = fuse_flux_epilogues(model)
     return changed
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """``value`` (tensors in nested dicts / lists / tuples) with every tensor on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
 
 
 class RankWorker:
@@ -129,7 +151,13 @@ class RankWorker:
             )
             self.mesh = build_mesh(dims, device_type=self.device.type)
             # ``pipe`` is injected by benchmarks that build weights in memory; serving always loads the folder.
-        self.pipe = pipe if pipe is not None else load_pipeline(self.spec, config.torch_dtype, self.device)
+        # --encoder-placement first: one copy of the encoders, on rank 0, which sends the embeddings.
+        self.world_size = world_size
+        self.encodes = world_size == 1 or config.encoder_placement == "all" or rank == 0
+        self.sends_embeddings = world_size > 1 and config.encoder_placement == "first"
+        if pipe is None:
+            pipe = load_pipeline(self.spec, config.torch_dtype, self.device, encoders=self.encodes)
+        self.pipe = pipe
         self.prepare_transformer(self.pipe.transformer)
         self.runner = build_runner(self.spec, self.pipe, config, self.device, self.mesh)
         self.lora = self._build_lora()
@@ -144,10 +172,9 @@ class RankWorker:
         weights update): shard it, FP8 GEMMs, fused FLUX epilogues, compile."""
         config = self.config
         if self.mesh is not None:
-            from .parallel import parallelize_flux, parallelize_wan
+            from .parallel.plan import parallelize
 
-            parallelize = parallelize_flux if self.spec.family == "flux" else parallelize_wan
-            parallelize(model, mesh=self.mesh)
+            parallelize(model, self.spec.family_spec.load("plan"), mesh=self.mesh)
         apply_speed_switches(
             model,
             family=self.spec.family,
@@ -166,7 +193,27 @@ class RankWorker:
         return {"rank": self.rank, "device": str(self.device), "model": self.spec.name}
 
     def add(self, req_id: str, params: GenerationParams) -> None:
-        self.states[req_id] = self.runner.prepare(req_id, params)
+        encoded = self._encode(params)
+        self.states[req_id] = self.runner.prepare(req_id, params, encoded)
+
+    def _encode(self, params: GenerationParams) -> dict[str, Any]:
+        """The request's embeddings: computed here, or (``--encoder-placement first``) on rank 0 and
+        received. An encoder error on rank 0 travels too, so every rank raises it and none waits."""
+        if not self.sends_embeddings:
+            return self.runner.encode(params)
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                box[0] = ("ok", _to_device(self.runner.encode(params), torch.device("cpu")))
+            except Exception as exc:  # noqa: BLE001 - sent to the other ranks, raised everywhere below
+                box[0] = ("error", exc)
+        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
+        status, value = box[0]
+        if status == "error":
+            raise value
+        return _to_device(value, self.device)
 
     def step(self, req_ids: list[str]) -> dict[str, int]:
         """One denoising step for ``req_ids`` (one bucket); returns each request's completed step count."""
@@ -175,10 +222,9 @@ class RankWorker:
         return {s.req_id: s.step_index for s in states}
 
     def finish(self, req_id: str) -> np.ndarray | None:
-        """Decode and forget a finished request; only rank 0 returns the pixels."""
+        """Forget a finished request; rank 0 decodes it (once per replica) and returns the pixels."""
         state = self.states.pop(req_id)
-        pixels = self.runner.decode(state)
-        return pixels if self.rank == 0 else None
+        return self.runner.decode(state) if self.rank == 0 else None
 
     def latents(self, req_id: str) -> np.ndarray | None:
         """The request's current (packed) latents, float32 on host; rank 0 only (others return None)."""

@@ -307,7 +307,7 @@ def runner_image(runner, size: int, steps: int) -> np.ndarray:
     params = GenerationParams(
         prompt=PROMPT, width=size, height=size, num_inference_steps=steps, guidance_scale=3.5, seed=SEED
     )
-    state = runner.prepare("bench", params)
+    state = runner.add("bench", params)
     while not state.done:
         runner.step([state])
     return runner.decode(state)[0]

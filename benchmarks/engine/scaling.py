@@ -72,7 +72,7 @@ def generate(runner, *, size: int, steps: int, true_cfg: bool, device, warmup_st
         seed=SEED,
     )
     timer = ForwardTimer(runner.pipe.transformer, device)
-    warm = runner.prepare("warm", params)
+    warm = runner.add("warm", params)
     for _ in range(warmup_steps):
         runner.step([warm])
     runner.decode(warm)
@@ -81,7 +81,7 @@ def generate(runner, *, size: int, steps: int, true_cfg: bool, device, warmup_st
     cuda = device.type == "cuda"
     sync()
     t0 = time.perf_counter()
-    state = runner.prepare("bench", params)
+    state = runner.add("bench", params)
     marks = []
     while not state.done:
         if cuda:

@@ -248,7 +248,7 @@ def runner_video(runner, args) -> np.ndarray:
         guidance_scale=args.guidance,
         seed=SEED,
     )
-    state = runner.prepare("bench", params)
+    state = runner.add("bench", params)
     while not state.done:
         runner.step([state])
     return runner.decode(state)[0]

@@ -11,15 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from ..families import Family, Folder, get_family, pipeline_families
 from .demo import DEMO_BUILDERS, ensure_demo_model
 
-Family = Literal["flux", "wan"]
 
-# diffusers pipeline class → (family, output kind)
-SUPPORTED_PIPELINES: dict[str, tuple[Family, Literal["image", "video"]]] = {
-    "FluxPipeline": ("flux", "image"),
-    "WanPipeline": ("wan", "video"),
-}
+def supported_pipelines() -> dict[str, tuple[str, Literal["image", "video"]]]:
+    """diffusers pipeline class → (family, output kind), from the family declarations (``families/``)."""
+    return {cls: (family.name, family.kind(cls)) for cls, family in pipeline_families().items()}
+
 
 DEFAULT_MODEL = "demo-scenes"
 
@@ -47,16 +46,30 @@ class ModelSpec:
 
     name: str
     path: Path
-    family: Family
+    family: str
     kind: Literal["image", "video"]
     pipeline_class: str
+
+    @property
+    def family_spec(self) -> Family:
+        """The family's declaration (``replica/families/<family>.py``)."""
+        return get_family(self.family)
+
+    @property
+    def folder(self) -> Folder:
+        return Folder(self.path, json.loads((self.path / "model_index.json").read_text()))
 
     def transformer_config(self) -> dict:
         return json.loads((self.path / "transformer" / "config.json").read_text())
 
     @property
     def num_attention_heads(self) -> int:
-        return int(self.transformer_config()["num_attention_heads"])
+        return self.family_spec.heads(self.transformer_config())
+
+    @property
+    def edits(self) -> bool:
+        """Whether the model takes reference images (POST /v1/images/edits without image-to-image)."""
+        return self.pipeline_class in self.family_spec.edit_pipelines
 
     @property
     def sampling(self) -> dict:
@@ -73,26 +86,20 @@ class ModelSpec:
             negative_prompt = sampling.get("negative_prompt")
             true_cfg_scale = sampling.get("true_cfg_scale")
         if true_cfg_scale is None:
-            true_cfg_scale = 4.0 if negative_prompt is not None and self.family == "flux" else 1.0
+            family = self.family_spec
+            true_cfg = negative_prompt is not None and family.guidance == "true_cfg"
+            true_cfg_scale = family.default_true_cfg if true_cfg else 1.0
         return negative_prompt, float(true_cfg_scale)
 
     @property
     def size_multiple(self) -> int:
-        """Width and height must be multiples of this: the VAE's spatial factor × the patch size."""
-        vae = json.loads((self.path / "vae" / "config.json").read_text())
-        patch = self.transformer_config().get("patch_size", 1)
-        if self.family == "flux":  # latents are packed in 2×2 patches
-            return 2 ** (len(vae["block_out_channels"]) - 1) * 2
-        spatial = 2 ** len(vae.get("temperal_downsample", [])) if "temperal_downsample" in vae else 8
-        return spatial * (patch[1] if isinstance(patch, list) else patch)
+        """Width and height must be multiples of this (the VAE's spatial factor × the patch size)."""
+        return self.family_spec.size_multiple(self.folder)
 
     @property
     def frame_multiple(self) -> int:
         """Video models take ``frame_multiple·k + 1`` frames (the VAE's temporal factor)."""
-        if self.kind != "video":
-            return 1
-        vae = json.loads((self.path / "vae" / "config.json").read_text())
-        return 2 ** sum(bool(x) for x in vae.get("temperal_downsample", []))
+        return self.family_spec.frame_multiple(self.folder) if self.kind == "video" else 1
 
 
 def resolve_model(model: str) -> ModelSpec:
@@ -117,40 +124,22 @@ def resolve_model(model: str) -> ModelSpec:
             found = sorted(p.name for p in path.iterdir())[:10] if path.is_dir() else "a file"
             raise ValueError(
                 f"--model {model!r}: found {found} but no model_index.json; expected a diffusers-format "
-                f"pipeline folder (FluxPipeline or WanPipeline, as written by save_pretrained)"
+                f"pipeline folder (one of {sorted(supported_pipelines())}, as written by save_pretrained)"
             )
     index = json.loads((path / "model_index.json").read_text())
     cls = index.get("_class_name", "<missing _class_name>")
-    if cls not in SUPPORTED_PIPELINES:
+    supported = pipeline_families()
+    if cls not in supported:
         raise ValueError(
-            f"--model {model!r}: found pipeline {cls}; supported pipelines are {sorted(SUPPORTED_PIPELINES)}"
+            f"--model {model!r}: found pipeline {cls}; supported pipelines are {sorted(supported)}"
         )
-    family, kind = SUPPORTED_PIPELINES[cls]
-    _refuse_unsupported_variant(model, cls, index)
-    return ModelSpec(name=name, path=path, family=family, kind=kind, pipeline_class=cls)
-
-
-def _component(index: dict, name: str) -> bool:
-    """Whether ``model_index.json`` holds component ``name`` (diffusers writes ``[null, null]`` when absent)."""
-    entry = index.get(name)
-    return isinstance(entry, list) and entry[:1] != [None]
-
-
-def _refuse_unsupported_variant(model: str, cls: str, index: dict) -> None:
-    """A folder of a supported pipeline class can still hold a variant the family does not run; serving it
-    as the base variant would give silently wrong output, so it is refused with what was found."""
-    if cls == "WanPipeline":
-        if _component(index, "transformer_2") or index.get("boundary_ratio") is not None:
-            raise ValueError(
-                f"--model {model!r}: a Wan 2.2 folder with two experts (transformer_2, boundary_ratio="
-                f"{index.get('boundary_ratio')}) is not supported yet; serving the first expert alone would "
-                "draw wrong videos. Supported: Wan 2.1 text-to-video folders (one transformer)."
-            )
-        if index.get("expand_timesteps"):
-            raise ValueError(
-                f"--model {model!r}: a Wan 2.2 TI2V folder (expand_timesteps: per-frame timesteps) is not "
-                "supported yet. Supported: Wan 2.1 text-to-video folders."
-            )
+    family = supported[cls]
+    # A folder of a served pipeline class can still hold a variant the family does not run; serving it as
+    # the base variant would give silently wrong output, so it is refused with what was found.
+    refused = family.refuse(Folder(path, index))
+    if refused:
+        raise ValueError(f"--model {model!r}: {refused}")
+    return ModelSpec(name=name, path=path, family=family.name, kind=family.kind(cls), pipeline_class=cls)
 
 
 def transformer_folder(path: str) -> str:

@@ -1,6 +1,7 @@
-"""`parallelize_flux`: Ulysses / ring / K/V-gather / TP on a diffusers FluxTransformer2DModel, in place.
+"""FLUX.1's parallel plan (`FLUX_PLAN`): Ulysses / ring / K/V-gather / TP on a diffusers
+FluxTransformer2DModel, applied in place by `parallelize` (``plan.py``).
 
-Order of steps (each one is undone by nothing, so build a fresh model per layout):
+What the plan does, in order:
 
 1. validate the layout against the model's heads;
 2. TP: swap q/k/v, ff-in, proj_mlp for column-parallel and out / ff-out / proj_out for row-parallel
@@ -20,11 +21,11 @@ import torch
 import torch.nn as nn
 from diffusers.models.embeddings import apply_rotary_emb
 
-from .hooks import ForwardState, begin_parallelize, bind_forward_args
+from .hooks import ForwardState
 from .mesh import ParallelMesh
-from .sequence import SequenceLayout, gather_sequence, shard_sequence
+from .plan import ParallelPlan, parallelize
 from .sp_attention import sequence_parallel_attention
-from .tp import RowParallelLinear, apply_tp_plan, fused_row_parallel
+from .tp import RowParallelLinear, fused_row_parallel
 
 FLUX_TP_PLAN: dict[str, str] = {
     # double-stream blocks: image and text streams, each column → row
@@ -115,38 +116,27 @@ def _flux_tp_plan(transformer: nn.Module) -> dict[str, Any]:
     return plan
 
 
+def _flux_on_forward(model: nn.Module, bound: dict[str, Any], state: ForwardState) -> None:
+    if bound.get("controlnet_block_samples") is not None or bound.get("controlnet_single_block_samples"):
+        raise NotImplementedError("ControlNet residuals are not sharded yet")
+    if bound["img_ids"].ndim == 3:  # deprecated batched ids: diffusers takes the first
+        bound["img_ids"] = bound["img_ids"][0]
+    state.num_text = bound["encoder_hidden_states"].shape[1]
+
+
+FLUX_PLAN = ParallelPlan(
+    family="flux",
+    tp=_flux_tp_plan,
+    attention=("transformer_blocks.*.attn", "single_transformer_blocks.*.attn"),
+    processor=FluxParallelAttnProcessor,
+    tokens=lambda model, bound: bound["hidden_states"].shape[1],
+    # The model builds rotary embeddings for [text; local image] itself from the split ids.
+    split_inputs={"hidden_states": 1, "img_ids": 0},
+    gather={"proj_out": 1},
+    on_forward=_flux_on_forward,
+)
+
+
 def parallelize_flux(transformer: nn.Module, *, mesh: ParallelMesh) -> nn.Module:
     """Shard a FluxTransformer2DModel over `mesh` in place; every rank then calls it with full inputs."""
-    handle = begin_parallelize(transformer, mesh, "flux")
-    state = handle.state
-
-    tp_group = mesh.get_group("tp")
-    if tp_group is not None:
-        handle.tp_modules = apply_tp_plan(transformer, _flux_tp_plan(transformer), group=tp_group)
-
-    processor = FluxParallelAttnProcessor(mesh, state)
-    for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
-        block.attn.set_processor(processor)
-
-    def split_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        bound = bind_forward_args(module.forward, args, kwargs)
-        if bound.get("controlnet_block_samples") is not None or bound.get("controlnet_single_block_samples"):
-            raise NotImplementedError("ControlNet residuals are not sharded yet")
-        hidden = bound["hidden_states"]
-        img_ids = bound["img_ids"]
-        if img_ids.ndim == 3:  # deprecated batched ids: diffusers takes the first
-            img_ids = img_ids[0]
-        layout = SequenceLayout.plan(hidden.shape[1], mesh)
-        state.layout = layout
-        state.num_text = bound["encoder_hidden_states"].shape[1]
-        bound["hidden_states"] = shard_sequence(hidden, layout, dim=1)
-        bound["img_ids"] = shard_sequence(img_ids, layout, dim=0)
-        return (), bound
-
-    def gather_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        return gather_sequence(output, state.require_layout(), mesh, dim=1)
-
-    # Always split (it is the identity at sp 1) so the state is set for the processors.
-    handle.hooks.append(transformer.register_forward_pre_hook(split_inputs, with_kwargs=True))
-    handle.hooks.append(transformer.proj_out.register_forward_hook(gather_output))
-    return transformer
+    return parallelize(transformer, FLUX_PLAN, mesh=mesh)

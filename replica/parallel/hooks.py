@@ -23,6 +23,8 @@ class ForwardState:
 
     layout: SequenceLayout | None = None
     num_text: int = 0
+    # Family bookkeeping written by a plan's ``on_forward`` (e.g. masks, replicated-token counts).
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def require_layout(self) -> SequenceLayout:
         assert self.layout is not None, "parallel forward state read before the model's pre-forward hook ran"
@@ -51,10 +53,13 @@ def claim(model: nn.Module, mesh: ParallelMesh, family: str) -> ParallelHandle:
     return handle
 
 
-def begin_parallelize(model: nn.Module, mesh: ParallelMesh, family: str) -> ParallelHandle:
-    """What every ``parallelize_<family>`` starts with: check the layout against the model, refuse fused
+def begin_parallelize(
+    model: nn.Module, mesh: ParallelMesh, family: str, *, num_heads: int | None = None
+) -> ParallelHandle:
+    """What every ``parallelize`` starts with: check the layout against the model's heads, refuse fused
     projections (they must be sharded unfused), then claim the model."""
-    mesh.dims.validate(num_heads=model.config.num_attention_heads, attention_supports_lse=True)
+    heads = num_heads if num_heads is not None else model.config.num_attention_heads
+    mesh.dims.validate(num_heads=heads, attention_supports_lse=True)
     for name, module in model.named_modules():
         if getattr(module, "fused_projections", False):
             raise ValueError(f"{name} has fused projections; parallelize before fuse_qkv_projections()")

@@ -1,4 +1,5 @@
-"""`parallelize_wan`: Ulysses / ring / K/V-gather / TP on a diffusers WanTransformer3DModel, in place.
+"""Wan's parallel plan (`WAN_PLAN`): Ulysses / ring / K/V-gather / TP on a diffusers
+WanTransformer3DModel, applied in place by `parallelize` (``plan.py``).
 
 Order of steps:
 
@@ -21,11 +22,11 @@ import torch
 import torch.nn as nn
 
 from .attention import attention
-from .hooks import ForwardState, begin_parallelize, bind_forward_args
+from .hooks import ForwardState
 from .mesh import ParallelMesh
-from .sequence import SequenceLayout, gather_sequence, shard_sequence
+from .plan import ParallelPlan, parallelize
 from .sp_attention import sequence_parallel_attention
-from .tp import ColumnParallelLinear, ShardedRMSNorm, apply_tp_plan, sharded_rms_norm_many
+from .tp import ColumnParallelLinear, ShardedRMSNorm, sharded_rms_norm_many
 
 WAN_TP_PLAN: dict[str, str] = {
     "blocks.*.attn1.to_[qkv]": "column",
@@ -125,51 +126,27 @@ def _shard_norms(transformer: nn.Module) -> None:
                 )
 
 
+def _wan_tokens(model: nn.Module, bound: dict) -> int:
+    _, _, frames, height, width = bound["hidden_states"].shape
+    patch = tuple(model.config.patch_size)
+    return math.prod(n // p for n, p in zip((frames, height, width), patch, strict=True))
+
+
+WAN_PLAN = ParallelPlan(
+    family="wan",
+    tp=WAN_TP_PLAN,
+    after_tp=_shard_norms,
+    attention=("blocks.*.attn1", "blocks.*.attn2"),
+    processor=WanParallelAttnProcessor,
+    tokens=_wan_tokens,
+    # Wan 2.2 TI2V: one timestep per token (2-D), sharded like the tokens; a per-request one stays whole.
+    split_inputs={"timestep": 1},
+    split_outputs={"rope": 1},  # built for the full sequence
+    split_block_inputs={"blocks.0": 1},  # the sequence first exists after the patch embedding
+    gather={"proj_out": 1},
+)
+
+
 def parallelize_wan(transformer: nn.Module, *, mesh: ParallelMesh) -> nn.Module:
     """Shard a WanTransformer3DModel over `mesh` in place; every rank then calls it with full inputs."""
-    handle = begin_parallelize(transformer, mesh, "wan")
-    state = handle.state
-
-    tp_group = mesh.get_group("tp")
-    if tp_group is not None:
-        handle.tp_modules = apply_tp_plan(transformer, WAN_TP_PLAN, group=tp_group)
-        _shard_norms(transformer)
-
-    processor = WanParallelAttnProcessor(mesh, state)
-    for block in transformer.blocks:
-        block.attn1.set_processor(processor)
-        block.attn2.set_processor(processor)
-
-    patch = tuple(transformer.config.patch_size)
-
-    def plan(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        bound = bind_forward_args(module.forward, args, kwargs)
-        _, _, frames, height, width = bound["hidden_states"].shape
-        num_tokens = math.prod(n // p for n, p in zip((frames, height, width), patch, strict=True))
-        layout = SequenceLayout.plan(num_tokens, mesh)
-        state.layout = layout
-        timestep = bound["timestep"]
-        if timestep.ndim == 2:  # Wan 2.2 TI2V: one timestep per token, sharded like the tokens
-            bound["timestep"] = shard_sequence(timestep, layout, dim=1)
-        return (), bound
-
-    def split_rope(module: nn.Module, args: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> tuple:
-        layout = state.require_layout()
-        return tuple(shard_sequence(t, layout, dim=1) for t in output)
-
-    def split_hidden(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        layout = state.require_layout()
-        if args:
-            return (shard_sequence(args[0], layout, dim=1), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": shard_sequence(kwargs["hidden_states"], layout, dim=1)}
-
-    def gather_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        return gather_sequence(output, state.require_layout(), mesh, dim=1)
-
-    handle.hooks += [
-        transformer.register_forward_pre_hook(plan, with_kwargs=True),
-        transformer.rope.register_forward_hook(split_rope),
-        transformer.blocks[0].register_forward_pre_hook(split_hidden, with_kwargs=True),
-        transformer.proj_out.register_forward_hook(gather_output),
-    ]
-    return transformer
+    return parallelize(transformer, WAN_PLAN, mesh=mesh)

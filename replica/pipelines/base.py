@@ -138,7 +138,21 @@ class PipelineRunner(ABC):
         return 0 if self.mesh is None else self.mesh.cfg_rank
 
     @abstractmethod
-    def prepare(self, req_id: str, params: GenerationParams) -> RequestState: ...
+    def encode(self, params: GenerationParams) -> dict[str, Any]:
+        """Everything the encoders compute for one request (prompt embeddings, pooled vectors, negative
+        prompt's, reference images' latents): a dict of tensors (nested dicts/lists/None allowed).
+
+        Runs only where the encoders are (``--encoder-placement``: the replica's first rank, or every
+        rank); the result travels to the other ranks, so it holds nothing that needs the encoders again."""
+
+    @abstractmethod
+    def prepare(self, req_id: str, params: GenerationParams, encoded: dict[str, Any]) -> RequestState:
+        """The request's state from ``encode``'s result (on this rank's device): latents, scheduler,
+        per-row inputs. Runs on every rank, identically."""
+
+    def add(self, req_id: str, params: GenerationParams) -> RequestState:
+        """``prepare(encode(...))`` on one process (tests, benchmarks, a replica of one rank)."""
+        return self.prepare(req_id, params, self.encode(params))
 
     @abstractmethod
     def model_forward(

@@ -27,23 +27,25 @@ class FluxRunner(PipelineRunner):
         return embeds.to(self.dtype), pooled.to(self.dtype), text_ids
 
     @torch.no_grad()
-    def prepare(self, req_id: str, params: GenerationParams) -> RequestState:
+    def encode(self, params: GenerationParams) -> dict:
+        embeds, pooled, text_ids = self._encode(params.prompt, params.n)
+        out = {"cond": {"encoder_hidden_states": embeds, "pooled_projections": pooled}, "text_ids": text_ids}
+        if params.true_cfg_scale > 1 and params.negative_prompt is not None:
+            neg_embeds, neg_pooled, _ = self._encode(params.negative_prompt, params.n)
+            out["uncond"] = {"encoder_hidden_states": neg_embeds, "pooled_projections": neg_pooled}
+        return out
+
+    @torch.no_grad()
+    def prepare(self, req_id: str, params: GenerationParams, encoded: dict) -> RequestState:
         pipe, n = self.pipe, params.n
-        embeds, pooled, text_ids = self._encode(params.prompt, n)
-        true_cfg = params.true_cfg_scale > 1 and params.negative_prompt is not None
-        uncond = None
+        text_ids = encoded["text_ids"]
+        cond, uncond = dict(encoded["cond"]), encoded.get("uncond")
         guidance_value = params.guidance_scale if params.guidance_scale is not None else self.default_guidance
-        guidance = None
         if pipe.transformer.config.guidance_embeds:
             guidance = torch.full((n,), guidance_value, device=self.device, dtype=torch.float32)
-        cond = {"encoder_hidden_states": embeds, "pooled_projections": pooled}
-        if guidance is not None:
             cond["guidance"] = guidance
-        if true_cfg:
-            neg_embeds, neg_pooled, _ = self._encode(params.negative_prompt, n)
-            uncond = {"encoder_hidden_states": neg_embeds, "pooled_projections": neg_pooled}
-            if guidance is not None:
-                uncond["guidance"] = guidance
+            if uncond is not None:
+                uncond = {**uncond, "guidance": guidance}
         # Latents from a CPU generator: the same seed gives the same noise on every device and rank.
         generator = torch.Generator("cpu").manual_seed(params.seed)
         latents, image_ids = pipe.prepare_latents(

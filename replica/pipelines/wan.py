@@ -13,22 +13,32 @@ class WanRunner(PipelineRunner):
     cache_blocks = ("blocks",)
     default_guidance = 5.0
 
+    def _guidance(self, params: GenerationParams) -> float:
+        return params.guidance_scale if params.guidance_scale is not None else self.default_guidance
+
     @torch.no_grad()
-    def prepare(self, req_id: str, params: GenerationParams) -> RequestState:
-        pipe, n = self.pipe, params.n
-        guidance = params.guidance_scale if params.guidance_scale is not None else self.default_guidance
-        do_cfg = guidance > 1.0
+    def encode(self, params: GenerationParams) -> dict:
+        pipe = self.pipe
+        do_cfg = self._guidance(params) > 1.0
         max_len = min(self.max_sequence_length, pipe.tokenizer.model_max_length)
         embeds, neg_embeds = pipe.encode_prompt(
             prompt=params.prompt,
             negative_prompt=params.negative_prompt,
             do_classifier_free_guidance=do_cfg,
-            num_videos_per_prompt=n,
+            num_videos_per_prompt=params.n,
             max_sequence_length=max_len,
             device=self.device,
         )
-        cond = {"encoder_hidden_states": embeds.to(self.dtype)}
-        uncond = {"encoder_hidden_states": neg_embeds.to(self.dtype)} if do_cfg else None
+        out = {"cond": {"encoder_hidden_states": embeds.to(self.dtype)}}
+        if do_cfg:
+            out["uncond"] = {"encoder_hidden_states": neg_embeds.to(self.dtype)}
+        return out
+
+    @torch.no_grad()
+    def prepare(self, req_id: str, params: GenerationParams, encoded: dict) -> RequestState:
+        pipe, n = self.pipe, params.n
+        guidance = self._guidance(params)
+        cond, uncond = encoded["cond"], encoded.get("uncond")
         scheduler = request_scheduler(pipe)  # Wan2.1's UniPC with its flow shift, set up as WanPipeline does
         scheduler.set_timesteps(params.num_inference_steps, device=self.device)
         scheduler.set_begin_index(0)

@@ -228,8 +228,8 @@ def test_bad_flags_fail_with_a_clear_error_and_no_manifest(argv, message, capsys
 
 def test_unknown_model_kind_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["deploy", "kuberay", "--model", "x", "--model-kind", "sd3"])
-    assert exc.value.code == 2 and "invalid choice: 'sd3'" in capsys.readouterr().err
+        main(["deploy", "kuberay", "--model", "x", "--model-kind", "nosuchfamily"])
+    assert exc.value.code == 2 and "invalid choice: 'nosuchfamily'" in capsys.readouterr().err
 
 
 def test_cli_prints_a_manifest(tmp_path):

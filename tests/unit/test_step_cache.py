@@ -31,7 +31,7 @@ def tail_calls(pipe) -> list[int]:
 
 def run_ours(pipe, params_list: list[GenerationParams]) -> tuple[list[np.ndarray], list]:
     runner = FluxRunner(pipe, device=torch.device("cpu"), dtype=torch.float32, max_sequence_length=32)
-    states = [runner.prepare(f"r{i}", p) for i, p in enumerate(params_list)]
+    states = [runner.add(f"r{i}", p) for i, p in enumerate(params_list)]
     running = list(states)
     while running:
         runner.step(running)

@@ -87,7 +87,7 @@ def assert_matches(runner, state, want: tuple[np.ndarray, torch.Tensor]) -> None
 
 
 def test_alone_matches_wan_pipeline_with_unipc(pipe, runner, reference):
-    state = runner.prepare("a", REQUESTS[0])
+    state = runner.add("a", REQUESTS[0])
     assert type(state.scheduler) is UniPCMultistepScheduler and state.scheduler is not pipe.scheduler
     assert state.scheduler.config.flow_shift == 3.0
     assert state.uncond is not None  # true CFG: a negative branch every step
@@ -99,7 +99,7 @@ def test_alone_matches_wan_pipeline_with_unipc(pipe, runner, reference):
 
 
 def test_batched_requests_with_different_step_counts_each_match_alone(runner, reference):
-    states = [runner.prepare(f"r{i}", p) for i, p in enumerate(REQUESTS)]
+    states = [runner.add(f"r{i}", p) for i, p in enumerate(REQUESTS)]
     assert states[0].bucket == states[1].bucket
     assert states[0].scheduler is not states[1].scheduler  # multistep history is per request
     while not all(s.done for s in states):

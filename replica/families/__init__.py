@@ -1,0 +1,148 @@
+"""What a model family declares, and the families this replica serves.
+
+A *family* is one diffusers pipeline architecture served through the engine's own step loop (so
+continuous batching, per-request LoRA, sessions, streaming progress, CUDA graphs, ``--compile``, FP8 and
+the sharded layouts apply to it). Adding a family is three new files and no edit to generic code:
+
+- ``replica/families/<name>.py``: ``FAMILY = Family(...)``, this declaration. Pure data (no torch or
+  diffusers import): the ingress reads it to resolve ``--model`` and check requests.
+- ``replica/pipelines/<name>.py``: the runner (``prepare`` / ``model_forward`` / ``decode``), following
+  the diffusers pipeline's own arithmetic so that one request alone gives ``pipe(...)``'s output.
+- ``replica/parallel/<name>.py``: the parallel plan, a :class:`~ditserve.replica.parallel.plan.ParallelPlan`
+  (which linears are column/row-parallel, where sequence sharding starts and ends, which tokens stay
+  replicated, the attention processor).
+
+Families are discovered by listing this package, so a new file is all the registry needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+Kind = Literal["image", "video"]
+Guidance = Literal["distilled", "true_cfg", "cfg", "none"]
+
+
+@dataclass(frozen=True)
+class Folder:
+    """What a family's rules may read of a model folder: its ``model_index.json`` and component configs."""
+
+    path: Path
+    index: Mapping[str, Any]
+
+    def config(self, component: str) -> dict[str, Any]:
+        file = self.path / component / "config.json"
+        return json.loads(file.read_text()) if file.is_file() else {}
+
+    def has(self, component: str) -> bool:
+        """Whether ``model_index.json`` holds ``component`` (diffusers writes ``[null, null]`` when absent)."""
+        entry = self.index.get(component)
+        return isinstance(entry, list) and entry[:1] != [None]
+
+
+def vae_spatial_factor(folder: Folder) -> int:
+    """The spatial downsampling of a diffusers VAE folder (AutoencoderKL's blocks, Wan's/Hunyuan's ratios)."""
+    vae = folder.config("vae")
+    for key in ("spatial_compression_ratio", "scale_factor_spatial"):
+        if key in vae:
+            return int(vae[key])
+    if "temperal_downsample" in vae:  # AutoencoderKLWan
+        return 2 ** len(vae["temperal_downsample"])
+    return 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1)
+
+
+def transformer_patch(folder: Folder) -> int:
+    """The transformer's spatial patch size (an int, or Wan's (t, h, w))."""
+    patch = folder.config("transformer").get("patch_size", 1)
+    return int(patch[-1]) if isinstance(patch, list) else int(patch)
+
+
+def default_size_multiple(folder: Folder) -> int:
+    return vae_spatial_factor(folder) * transformer_patch(folder)
+
+
+def default_heads(transformer_config: Mapping[str, Any]) -> int:
+    return int(transformer_config["num_attention_heads"])
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family's declaration. Callables take a :class:`Folder` (or the transformer config)."""
+
+    name: str
+    # diffusers pipeline class (``model_index.json``'s ``_class_name``) → what it produces
+    pipelines: Mapping[str, Kind]
+    # "module:attr" relative to ``ditserve.replica``: the runner class and the parallel plan
+    runner: str
+    plan: str
+    # How guidance reaches the model: "distilled" (an embedding, no second branch), "true_cfg" (a second
+    # branch only with a negative prompt and true_cfg_scale > 1), "cfg" (a second branch when
+    # guidance_scale > 1), "none". CFG parallelism (--cfg 2) needs a second branch.
+    guidance: Guidance = "cfg"
+    # true_cfg_scale when the user gives a negative prompt but no scale ("true_cfg" families)
+    default_true_cfg: float = 4.0
+    negative_prompt: bool = True
+    # pipelines of ``pipelines`` that take reference images (POST /v1/images/edits), and how many at most
+    edit_pipelines: frozenset[str] = frozenset()
+    max_references: int = 0
+    # image-to-image from ``init_latents`` + ``strength`` (sessions, /v1/images/edits on non-edit families)
+    img2img: bool = False
+    # width/height multiple, (frames - 1) multiple, attention heads (for the layout check)
+    size_multiple: Callable[[Folder], int] = default_size_multiple
+    frame_multiple: Callable[[Folder], int] = lambda folder: 1
+    heads: Callable[[Mapping[str, Any]], int] = default_heads
+    # A variant of a listed pipeline the family does not run (a message naming what was found), or None.
+    refuse: Callable[[Folder], str | None] = lambda folder: None
+    # diffusers' ``lora_state_dict`` of this pipeline class returns network alphas
+    lora_alphas: bool = False
+    # ``ditserve deploy kuberay`` for folders that exist only in the image: public checkpoint folder names
+    # (regex on the folder name → attention heads), and the heads assumed for ``--model-kind <name>``
+    checkpoints: tuple[tuple[str, int], ...] = ()
+    typical_heads: int = 24
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def load(self, attr: Literal["runner", "plan"]) -> Any:
+        module, _, name = getattr(self, attr).partition(":")
+        return getattr(importlib.import_module(f"..{module}", __package__), name)
+
+    def kind(self, pipeline_class: str) -> Kind:
+        return self.pipelines[pipeline_class]
+
+
+@cache
+def families() -> dict[str, Family]:
+    """Every family declared in this package, by name."""
+    found: dict[str, Family] = {}
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f".{info.name}", __package__)
+        family = getattr(module, "FAMILY", None)
+        if isinstance(family, Family):
+            if family.name in found:
+                raise RuntimeError(f"two families named {family.name!r}")
+            found[family.name] = family
+    return found
+
+
+def pipeline_families() -> dict[str, Family]:
+    """diffusers pipeline class → the family that serves it."""
+    out: dict[str, Family] = {}
+    for family in families().values():
+        for cls in family.pipelines:
+            if cls in out:
+                raise RuntimeError(f"{cls} is claimed by {out[cls].name} and {family.name}")
+            out[cls] = family
+    return out
+
+
+def get_family(name: str) -> Family:
+    try:
+        return families()[name]
+    except KeyError:
+        raise ValueError(f"unknown model family {name!r}; known: {sorted(families())}") from None

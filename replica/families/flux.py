@@ -1,0 +1,17 @@
+"""FLUX.1 (dev / schnell): double- then single-stream joint attention over [text; image], packed 2×2
+latents, distilled guidance, optional true CFG with a negative prompt."""
+
+from . import Family, vae_spatial_factor
+
+FAMILY = Family(
+    name="flux",
+    pipelines={"FluxPipeline": "image"},
+    runner="pipelines.flux:FluxRunner",
+    plan="parallel.flux:FLUX_PLAN",
+    guidance="true_cfg",
+    img2img=True,
+    size_multiple=lambda folder: vae_spatial_factor(folder) * 2,  # latents packed in 2×2 patches
+    lora_alphas=True,
+    checkpoints=((r"(?<![a-z])flux\.?1(?![0-9])", 24),),
+    typical_heads=24,
+)
