@@ -192,6 +192,37 @@ class RankWorker:
     def ping(self) -> dict[str, Any]:
         return {"rank": self.rank, "device": str(self.device), "model": self.spec.name}
 
+    def memory(self) -> list[dict[str, Any]] | None:
+        """Per rank (rank 0 answers for all): bytes of parameters held by the transformer, the encoders and
+        the VAE, and the device's peak allocation (cuda). Shows where ``--encoder-placement`` put the
+        encoders."""
+
+        def param_bytes(module: Any) -> int:
+            if module is None or not hasattr(module, "parameters"):
+                return 0
+            return sum(p.numel() * p.element_size() for p in module.parameters())
+
+        mine = {
+            "rank": self.rank,
+            "transformer_bytes": sum(
+                param_bytes(getattr(self.pipe, n, None)) for n in ("transformer", "transformer_2")
+            ),
+            "encoder_bytes": sum(
+                param_bytes(getattr(self.pipe, n, None)) for n in encoder_components(self.spec)
+            ),
+            "vae_bytes": param_bytes(getattr(self.pipe, "vae", None)),
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device)
+            if self.device.type == "cuda"
+            else None,
+        }
+        if self.world_size == 1:
+            return [mine]
+        import torch.distributed as dist
+
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine)
+        return everyone if self.rank == 0 else None
+
     def add(self, req_id: str, params: GenerationParams) -> None:
         encoded = self._encode(params)
         self.states[req_id] = self.runner.prepare(req_id, params, encoded)

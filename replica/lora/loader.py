@@ -130,13 +130,17 @@ def _alpha_for(module: str, rank: int, alphas: dict, metadata: dict) -> float:
 
 
 def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
-    """Load and normalise one adapter for a pipeline family (``FluxPipeline``, ``WanPipeline``)."""
+    """Load and normalise one adapter for a served pipeline class, in any layout diffusers' own
+    ``lora_state_dict`` of that class reads (diffusers/PEFT, kohya and the other converted formats)."""
     import diffusers
+
+    from ..families import pipeline_families
 
     file, _ = _safetensors_file(path)
     loader = getattr(diffusers, pipeline_class)
+    alphas_returned = pipeline_families()[pipeline_class].lora_alphas
     kwargs = {"return_lora_metadata": True}
-    if pipeline_class == "FluxPipeline":
+    if alphas_returned:
         kwargs["return_alphas"] = True
     try:
         out = loader.lora_state_dict(str(file), **kwargs)
@@ -144,7 +148,7 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
         raise ValueError(
             f"path: {file} is not a LoRA layout diffusers can read for {pipeline_class}: {exc}"
         ) from exc
-    if pipeline_class == "FluxPipeline":
+    if alphas_returned:
         state, alphas, metadata = out
     else:
         state, metadata = out
