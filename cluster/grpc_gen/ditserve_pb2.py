@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64itserve/v1/ditserve.proto\x12\x0b\x64itserve.v1\"\x07\n\x05\x45mpty\"5\n\x07LoRARef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\x05scale\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_scale\"\xfd\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\x05model\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x0e\n\x01n\x18\x03 \x01(\x03H\x01\x88\x01\x01\x12\x11\n\x04size\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x1c\n\x0fnegative_prompt\x18\x05 \x01(\tH\x03\x88\x01\x01\x12 \n\x13num_inference_steps\x18\x06 \x01(\x03H\x04\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\x07 \x01(\x01H\x05\x88\x01\x01\x12\x1b\n\x0etrue_cfg_scale\x18\x08 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x07\x88\x01\x01\x12\"\n\x04lora\x18\n \x03(\x0b\x32\x14.ditserve.v1.LoRARefB\x08\n\x06_modelB\x04\n\x02_nB\x07\n\x05_sizeB\x12\n\x10_negative_promptB\x16\n\x14_num_inference_stepsB\x11\n\x0f_guidance_scaleB\x11\n\x0f_true_cfg_scaleB\x07\n\x05_seed\"`\n\x10GenerateResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x03\x12\x0e\n\x06images\x18\x02 \x03(\x0c\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12\x0c\n\x04size\x18\x04 \x01(\t\x12\x0f\n\x07replica\x18\x05 \x01(\t\"8\n\x08Progress\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05total\x18\x02 \x01(\x03\x12\x0f\n\x07preview\x18\x03 \x01(\x0c\"t\n\rGenerateEvent\x12)\n\x08progress\x18\x01 \x01(\x0b\x32\x15.ditserve.v1.ProgressH\x00\x12/\n\x06result\x18\x02 \x01(\x0b\x32\x1d.ditserve.v1.GenerateResponseH\x00\x42\x07\n\x05\x65vent\"\xfa\x02\n\x12\x43reateVideoRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\x05model\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x11\n\x04size\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x14\n\x07seconds\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x17\n\nnum_frames\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x10\n\x03\x66ps\x18\x06 \x01(\x03H\x04\x88\x01\x01\x12 \n\x13num_inference_steps\x18\x07 \x01(\x03H\x05\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\x08 \x01(\x01H\x06\x88\x01\x01\x12\x1c\n\x0fnegative_prompt\x18\t \x01(\tH\x07\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\x08\x88\x01\x01\x42\x08\n\x06_modelB\x07\n\x05_sizeB\n\n\x08_secondsB\r\n\x0b_num_framesB\x06\n\x04_fpsB\x16\n\x14_num_inference_stepsB\x11\n\x0f_guidance_scaleB\x12\n\x10_negative_promptB\x07\n\x05_seed\"\x16\n\x08VideoRef\x12\n\n\x02id\x18\x01 \x01(\t\"\xf8\x01\n\x08VideoJob\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06object\x18\x02 \x01(\t\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x10\n\x08progress\x18\x04 \x01(\x03\x12\x12\n\ncreated_at\x18\x05 \x01(\x03\x12\x14\n\x0c\x63ompleted_at\x18\x06 \x01(\x03\x12\x12\n\nexpires_at\x18\x07 \x01(\x03\x12\r\n\x05model\x18\x08 \x01(\t\x12\x0c\n\x04size\x18\t \x01(\t\x12\x0f\n\x07seconds\x18\n \x01(\t\x12\x12\n\nnum_frames\x18\x0b \x01(\x03\x12\x0e\n\x06prompt\x18\x0c \x01(\t\x12\r\n\x05\x65rror\x18\r \x01(\t\x12\x0f\n\x07\x64\x65leted\x18\x0e \x01(\x08\";\n\x0cVideoContent\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0b\n\x03mp4\x18\x02 \x01(\x0c\x12\x12\n\nmedia_type\x18\x03 \x01(\t\"N\n\x12OpenSessionRequest\x12\x11\n\x04size\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05model\x18\x02 \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05_sizeB\x08\n\x06_model\"3\n\x07Session\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\t\x12\x0e\n\x06\x63losed\x18\x03 \x01(\x08\"\x18\n\nSessionRef\x12\n\n\x02id\x18\x01 \x01(\t\"\xf7\x01\n\x16SessionGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x15\n\x08strength\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12 \n\x13num_inference_steps\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x0f\n\x07preview\x18\x07 \x01(\x08\x42\x0b\n\t_strengthB\x16\n\x14_num_inference_stepsB\x11\n\x0f_guidance_scaleB\x07\n\x05_seed\"6\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\":\n\x12ListModelsResponse\x12$\n\x04\x64\x61ta\x18\x01 \x03(\x0b\x32\x16.ditserve.v1.ModelCard\"K\n\x0fLoadLoRARequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\x05scale\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_scale\"!\n\x11UnloadLoRARequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"$\n\x14UpdateWeightsRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"5\n\x08LoRAInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\r\n\x05scale\x18\x03 \x01(\x01\"I\n\x11ListLoRAsResponse\x12#\n\x04\x64\x61ta\x18\x01 \x03(\x0b\x32\x15.ditserve.v1.LoRAInfo\x12\x0f\n\x07version\x18\x02 \x01(\x03\"@\n\nAdminReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08replicas\x18\x02 \x03(\t\x12\x0f\n\x07missing\x18\x03 \x01(\x03\x32\xdb\x08\n\x08\x44itServe\x12G\n\x08Generate\x12\x1c.ditserve.v1.GenerateRequest\x1a\x1d.ditserve.v1.GenerateResponse\x12L\n\x0eGenerateStream\x12\x1c.ditserve.v1.GenerateRequest\x1a\x1a.ditserve.v1.GenerateEvent0\x01\x12\x45\n\x0b\x43reateVideo\x12\x1f.ditserve.v1.CreateVideoRequest\x1a\x15.ditserve.v1.VideoJob\x12\x38\n\x08GetVideo\x12\x15.ditserve.v1.VideoRef\x1a\x15.ditserve.v1.VideoJob\x12\x43\n\x0fGetVideoContent\x12\x15.ditserve.v1.VideoRef\x1a\x19.ditserve.v1.VideoContent\x12;\n\x0b\x44\x65leteVideo\x12\x15.ditserve.v1.VideoRef\x1a\x15.ditserve.v1.VideoJob\x12\x44\n\x0bOpenSession\x12\x1f.ditserve.v1.OpenSessionRequest\x1a\x14.ditserve.v1.Session\x12Z\n\x15SessionGenerateStream\x12#.ditserve.v1.SessionGenerateRequest\x1a\x1a.ditserve.v1.GenerateEvent0\x01\x12=\n\x0c\x43loseSession\x12\x17.ditserve.v1.SessionRef\x1a\x14.ditserve.v1.Session\x12\x41\n\nListModels\x12\x12.ditserve.v1.Empty\x1a\x1f.ditserve.v1.ListModelsResponse\x12\x41\n\x08LoadLoRA\x12\x1c.ditserve.v1.LoadLoRARequest\x1a\x17.ditserve.v1.AdminReply\x12?\n\tListLoRAs\x12\x12.ditserve.v1.Empty\x1a\x1e.ditserve.v1.ListLoRAsResponse\x12\x45\n\nUnloadLoRA\x12\x1e.ditserve.v1.UnloadLoRARequest\x1a\x17.ditserve.v1.AdminReply\x12K\n\rUpdateWeights\x12!.ditserve.v1.UpdateWeightsRequest\x1a\x17.ditserve.v1.AdminReply\x12<\n\rReleaseMemory\x12\x12.ditserve.v1.Empty\x1a\x17.ditserve.v1.AdminReply\x12;\n\x0cResumeMemory\x12\x12.ditserve.v1.Empty\x1a\x17.ditserve.v1.AdminReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64itserve/v1/ditserve.proto\x12\x0b\x64itserve.v1\"\x07\n\x05\x45mpty\"5\n\x07LoRARef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\x05scale\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_scale\"\xfd\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\x05model\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x0e\n\x01n\x18\x03 \x01(\x03H\x01\x88\x01\x01\x12\x11\n\x04size\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x1c\n\x0fnegative_prompt\x18\x05 \x01(\tH\x03\x88\x01\x01\x12 \n\x13num_inference_steps\x18\x06 \x01(\x03H\x04\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\x07 \x01(\x01H\x05\x88\x01\x01\x12\x1b\n\x0etrue_cfg_scale\x18\x08 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x07\x88\x01\x01\x12\"\n\x04lora\x18\n \x03(\x0b\x32\x14.ditserve.v1.LoRARefB\x08\n\x06_modelB\x04\n\x02_nB\x07\n\x05_sizeB\x12\n\x10_negative_promptB\x16\n\x14_num_inference_stepsB\x11\n\x0f_guidance_scaleB\x11\n\x0f_true_cfg_scaleB\x07\n\x05_seed\"\xcd\x03\n\x10\x45\x64itImageRequest\x12\r\n\x05image\x18\x01 \x03(\x0c\x12\x11\n\x04mask\x18\x02 \x01(\x0cH\x00\x88\x01\x01\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x12\n\x05model\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x01n\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x11\n\x04size\x18\x06 \x01(\tH\x03\x88\x01\x01\x12\x1c\n\x0fnegative_prompt\x18\x07 \x01(\tH\x04\x88\x01\x01\x12 \n\x13num_inference_steps\x18\x08 \x01(\x03H\x05\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\t \x01(\x01H\x06\x88\x01\x01\x12\x1b\n\x0etrue_cfg_scale\x18\n \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x03H\x08\x88\x01\x01\x12\x15\n\x08strength\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\"\n\x04lora\x18\r \x03(\x0b\x32\x14.ditserve.v1.LoRARefB\x07\n\x05_maskB\x08\n\x06_modelB\x04\n\x02_nB\x07\n\x05_sizeB\x12\n\x10_negative_promptB\x16\n\x14_num_inference_stepsB\x11\n\x0f_guidance_scaleB\x11\n\x0f_true_cfg_scaleB\x07\n\x05_seedB\x0b\n\t_strength\"`\n\x10GenerateResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x03\x12\x0e\n\x06images\x18\x02 \x03(\x0c\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12\x0c\n\x04size\x18\x04 \x01(\t\x12\x0f\n\x07replica\x18\x05 \x01(\t\"8\n\x08Progress\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05total\x18\x02 \x01(\x03\x12\x0f\n\x07preview\x18\x03 \x01(\x0c\"t\n\rGenerateEvent\x12)\n\x08progress\x18\x01 \x01(\x0b\x32\x15.ditserve.v1.ProgressH\x00\x12/\n\x06result\x18\x02 \x01(\x0b\x32\x1d.ditserve.v1.GenerateResponseH\x00\x42\x07\n\x05\x65vent\"\xfa\x02\n\x12\x43reateVideoRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\x05model\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x11\n\x04size\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x14\n\x07seconds\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x17\n\nnum_frames\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x10\n\x03\x66ps\x18\x06 \x01(\x03H\x04\x88\x01\x01\x12 \n\x13num_inference_steps\x18\x07 \x01(\x03H\x05\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\x08 \x01(\x01H\x06\x88\x01\x01\x12\x1c\n\x0fnegative_prompt\x18\t \x01(\tH\x07\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\x08\x88\x01\x01\x42\x08\n\x06_modelB\x07\n\x05_sizeB\n\n\x08_secondsB\r\n\x0b_num_framesB\x06\n\x04_fpsB\x16\n\x14_num_inference_stepsB\x11\n\x0f_guidance_scaleB\x12\n\x10_negative_promptB\x07\n\x05_seed\"\x16\n\x08VideoRef\x12\n\n\x02id\x18\x01 \x01(\t\"\xf8\x01\n\x08VideoJob\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06object\x18\x02 \x01(\t\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x10\n\x08progress\x18\x04 \x01(\x03\x12\x12\n\ncreated_at\x18\x05 \x01(\x03\x12\x14\n\x0c\x63ompleted_at\x18\x06 \x01(\x03\x12\x12\n\nexpires_at\x18\x07 \x01(\x03\x12\r\n\x05model\x18\x08 \x01(\t\x12\x0c\n\x04size\x18\t \x01(\t\x12\x0f\n\x07seconds\x18\n \x01(\t\x12\x12\n\nnum_frames\x18\x0b \x01(\x03\x12\x0e\n\x06prompt\x18\x0c \x01(\t\x12\r\n\x05\x65rror\x18\r \x01(\t\x12\x0f\n\x07\x64\x65leted\x18\x0e \x01(\x08\";\n\x0cVideoContent\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0b\n\x03mp4\x18\x02 \x01(\x0c\x12\x12\n\nmedia_type\x18\x03 \x01(\t\"N\n\x12OpenSessionRequest\x12\x11\n\x04size\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05model\x18\x02 \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05_sizeB\x08\n\x06_model\"3\n\x07Session\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\t\x12\x0e\n\x06\x63losed\x18\x03 \x01(\x08\"\x18\n\nSessionRef\x12\n\n\x02id\x18\x01 \x01(\t\"\xf7\x01\n\x16SessionGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x15\n\x08strength\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12 \n\x13num_inference_steps\x18\x04 \x01(\x03H\x01\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x0f\n\x07preview\x18\x07 \x01(\x08\x42\x0b\n\t_strengthB\x16\n\x14_num_inference_stepsB\x11\n\x0f_guidance_scaleB\x07\n\x05_seed\"6\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\":\n\x12ListModelsResponse\x12$\n\x04\x64\x61ta\x18\x01 \x03(\x0b\x32\x16.ditserve.v1.ModelCard\"K\n\x0fLoadLoRARequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\x05scale\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_scale\"!\n\x11UnloadLoRARequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"$\n\x14UpdateWeightsRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"5\n\x08LoRAInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\r\n\x05scale\x18\x03 \x01(\x01\"I\n\x11ListLoRAsResponse\x12#\n\x04\x64\x61ta\x18\x01 \x03(\x0b\x32\x15.ditserve.v1.LoRAInfo\x12\x0f\n\x07version\x18\x02 \x01(\x03\"@\n\nAdminReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08replicas\x18\x02 \x03(\t\x12\x0f\n\x07missing\x18\x03 \x01(\x03\x32\xa6\t\n\x08\x44itServe\x12G\n\x08Generate\x12\x1c.ditserve.v1.GenerateRequest\x1a\x1d.ditserve.v1.GenerateResponse\x12L\n\x0eGenerateStream\x12\x1c.ditserve.v1.GenerateRequest\x1a\x1a.ditserve.v1.GenerateEvent0\x01\x12I\n\tEditImage\x12\x1d.ditserve.v1.EditImageRequest\x1a\x1d.ditserve.v1.GenerateResponse\x12\x45\n\x0b\x43reateVideo\x12\x1f.ditserve.v1.CreateVideoRequest\x1a\x15.ditserve.v1.VideoJob\x12\x38\n\x08GetVideo\x12\x15.ditserve.v1.VideoRef\x1a\x15.ditserve.v1.VideoJob\x12\x43\n\x0fGetVideoContent\x12\x15.ditserve.v1.VideoRef\x1a\x19.ditserve.v1.VideoContent\x12;\n\x0b\x44\x65leteVideo\x12\x15.ditserve.v1.VideoRef\x1a\x15.ditserve.v1.VideoJob\x12\x44\n\x0bOpenSession\x12\x1f.ditserve.v1.OpenSessionRequest\x1a\x14.ditserve.v1.Session\x12Z\n\x15SessionGenerateStream\x12#.ditserve.v1.SessionGenerateRequest\x1a\x1a.ditserve.v1.GenerateEvent0\x01\x12=\n\x0c\x43loseSession\x12\x17.ditserve.v1.SessionRef\x1a\x14.ditserve.v1.Session\x12\x41\n\nListModels\x12\x12.ditserve.v1.Empty\x1a\x1f.ditserve.v1.ListModelsResponse\x12\x41\n\x08LoadLoRA\x12\x1c.ditserve.v1.LoadLoRARequest\x1a\x17.ditserve.v1.AdminReply\x12?\n\tListLoRAs\x12\x12.ditserve.v1.Empty\x1a\x1e.ditserve.v1.ListLoRAsResponse\x12\x45\n\nUnloadLoRA\x12\x1e.ditserve.v1.UnloadLoRARequest\x1a\x17.ditserve.v1.AdminReply\x12K\n\rUpdateWeights\x12!.ditserve.v1.UpdateWeightsRequest\x1a\x17.ditserve.v1.AdminReply\x12<\n\rReleaseMemory\x12\x12.ditserve.v1.Empty\x1a\x17.ditserve.v1.AdminReply\x12;\n\x0cResumeMemory\x12\x12.ditserve.v1.Empty\x1a\x17.ditserve.v1.AdminReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,44 +37,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LORAREF']._serialized_end=105
   _globals['_GENERATEREQUEST']._serialized_start=108
   _globals['_GENERATEREQUEST']._serialized_end=489
-  _globals['_GENERATERESPONSE']._serialized_start=491
-  _globals['_GENERATERESPONSE']._serialized_end=587
-  _globals['_PROGRESS']._serialized_start=589
-  _globals['_PROGRESS']._serialized_end=645
-  _globals['_GENERATEEVENT']._serialized_start=647
-  _globals['_GENERATEEVENT']._serialized_end=763
-  _globals['_CREATEVIDEOREQUEST']._serialized_start=766
-  _globals['_CREATEVIDEOREQUEST']._serialized_end=1144
-  _globals['_VIDEOREF']._serialized_start=1146
-  _globals['_VIDEOREF']._serialized_end=1168
-  _globals['_VIDEOJOB']._serialized_start=1171
-  _globals['_VIDEOJOB']._serialized_end=1419
-  _globals['_VIDEOCONTENT']._serialized_start=1421
-  _globals['_VIDEOCONTENT']._serialized_end=1480
-  _globals['_OPENSESSIONREQUEST']._serialized_start=1482
-  _globals['_OPENSESSIONREQUEST']._serialized_end=1560
-  _globals['_SESSION']._serialized_start=1562
-  _globals['_SESSION']._serialized_end=1613
-  _globals['_SESSIONREF']._serialized_start=1615
-  _globals['_SESSIONREF']._serialized_end=1639
-  _globals['_SESSIONGENERATEREQUEST']._serialized_start=1642
-  _globals['_SESSIONGENERATEREQUEST']._serialized_end=1889
-  _globals['_MODELCARD']._serialized_start=1891
-  _globals['_MODELCARD']._serialized_end=1945
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1947
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2005
-  _globals['_LOADLORAREQUEST']._serialized_start=2007
-  _globals['_LOADLORAREQUEST']._serialized_end=2082
-  _globals['_UNLOADLORAREQUEST']._serialized_start=2084
-  _globals['_UNLOADLORAREQUEST']._serialized_end=2117
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=2119
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=2155
-  _globals['_LORAINFO']._serialized_start=2157
-  _globals['_LORAINFO']._serialized_end=2210
-  _globals['_LISTLORASRESPONSE']._serialized_start=2212
-  _globals['_LISTLORASRESPONSE']._serialized_end=2285
-  _globals['_ADMINREPLY']._serialized_start=2287
-  _globals['_ADMINREPLY']._serialized_end=2351
-  _globals['_DITSERVE']._serialized_start=2354
-  _globals['_DITSERVE']._serialized_end=3469
+  _globals['_EDITIMAGEREQUEST']._serialized_start=492
+  _globals['_EDITIMAGEREQUEST']._serialized_end=953
+  _globals['_GENERATERESPONSE']._serialized_start=955
+  _globals['_GENERATERESPONSE']._serialized_end=1051
+  _globals['_PROGRESS']._serialized_start=1053
+  _globals['_PROGRESS']._serialized_end=1109
+  _globals['_GENERATEEVENT']._serialized_start=1111
+  _globals['_GENERATEEVENT']._serialized_end=1227
+  _globals['_CREATEVIDEOREQUEST']._serialized_start=1230
+  _globals['_CREATEVIDEOREQUEST']._serialized_end=1608
+  _globals['_VIDEOREF']._serialized_start=1610
+  _globals['_VIDEOREF']._serialized_end=1632
+  _globals['_VIDEOJOB']._serialized_start=1635
+  _globals['_VIDEOJOB']._serialized_end=1883
+  _globals['_VIDEOCONTENT']._serialized_start=1885
+  _globals['_VIDEOCONTENT']._serialized_end=1944
+  _globals['_OPENSESSIONREQUEST']._serialized_start=1946
+  _globals['_OPENSESSIONREQUEST']._serialized_end=2024
+  _globals['_SESSION']._serialized_start=2026
+  _globals['_SESSION']._serialized_end=2077
+  _globals['_SESSIONREF']._serialized_start=2079
+  _globals['_SESSIONREF']._serialized_end=2103
+  _globals['_SESSIONGENERATEREQUEST']._serialized_start=2106
+  _globals['_SESSIONGENERATEREQUEST']._serialized_end=2353
+  _globals['_MODELCARD']._serialized_start=2355
+  _globals['_MODELCARD']._serialized_end=2409
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2411
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2469
+  _globals['_LOADLORAREQUEST']._serialized_start=2471
+  _globals['_LOADLORAREQUEST']._serialized_end=2546
+  _globals['_UNLOADLORAREQUEST']._serialized_start=2548
+  _globals['_UNLOADLORAREQUEST']._serialized_end=2581
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=2583
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=2619
+  _globals['_LORAINFO']._serialized_start=2621
+  _globals['_LORAINFO']._serialized_end=2674
+  _globals['_LISTLORASRESPONSE']._serialized_start=2676
+  _globals['_LISTLORASRESPONSE']._serialized_end=2749
+  _globals['_ADMINREPLY']._serialized_start=2751
+  _globals['_ADMINREPLY']._serialized_end=2815
+  _globals['_DITSERVE']._serialized_start=2818
+  _globals['_DITSERVE']._serialized_end=4008
 # @@protoc_insertion_point(module_scope)

@@ -44,6 +44,11 @@ class DitServeStub:
                 request_serializer=ditserve_dot_v1_dot_ditserve__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=ditserve_dot_v1_dot_ditserve__pb2.GenerateEvent.FromString,
                 _registered_method=True)
+        self.EditImage = channel.unary_unary(
+                '/ditserve.v1.DitServe/EditImage',
+                request_serializer=ditserve_dot_v1_dot_ditserve__pb2.EditImageRequest.SerializeToString,
+                response_deserializer=ditserve_dot_v1_dot_ditserve__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.CreateVideo = channel.unary_unary(
                 '/ditserve.v1.DitServe/CreateVideo',
                 request_serializer=ditserve_dot_v1_dot_ditserve__pb2.CreateVideoRequest.SerializeToString,
@@ -128,6 +133,13 @@ class DitServeServicer:
 
     def GenerateStream(self, request, context):
         """Progress events (one per denoising step), then one event with the result.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EditImage(self, request, context):
+        """POST /v1/images/edits: reference images (edit models) or image-to-image from the first image.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -232,6 +244,11 @@ def add_DitServeServicer_to_server(servicer, server):
                     servicer.GenerateStream,
                     request_deserializer=ditserve_dot_v1_dot_ditserve__pb2.GenerateRequest.FromString,
                     response_serializer=ditserve_dot_v1_dot_ditserve__pb2.GenerateEvent.SerializeToString,
+            ),
+            'EditImage': grpc.unary_unary_rpc_method_handler(
+                    servicer.EditImage,
+                    request_deserializer=ditserve_dot_v1_dot_ditserve__pb2.EditImageRequest.FromString,
+                    response_serializer=ditserve_dot_v1_dot_ditserve__pb2.GenerateResponse.SerializeToString,
             ),
             'CreateVideo': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateVideo,
@@ -358,6 +375,33 @@ class DitServe:
             '/ditserve.v1.DitServe/GenerateStream',
             ditserve_dot_v1_dot_ditserve__pb2.GenerateRequest.SerializeToString,
             ditserve_dot_v1_dot_ditserve__pb2.GenerateEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EditImage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ditserve.v1.DitServe/EditImage',
+            ditserve_dot_v1_dot_ditserve__pb2.EditImageRequest.SerializeToString,
+            ditserve_dot_v1_dot_ditserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
