@@ -28,7 +28,15 @@ logger = logging.getLogger(__name__)
 
 def validate_layout(config: EngineConfig, spec: ModelSpec) -> int:
     """Check the parallel layout against the model before any process starts; returns the world size."""
-    return config.parallel.dims(num_heads=spec.num_attention_heads).world_size
+    world_size = config.parallel.dims(num_heads=spec.num_attention_heads).world_size
+    single_rank = spec.family_spec.extra.get("single_rank")
+    if single_rank and world_size > 1:
+        raise ValueError(
+            f"--cfg-parallel-size / --tp-size / --ulysses-degree / --ring-degree / --kv-gather-degree / "
+            f"--sp-degree: {spec.name} runs on one rank per replica ({single_rank}); this layout has "
+            f"{world_size} ranks per replica. Set them to 1 and scale with --dp-size instead."
+        )
+    return world_size
 
 
 class Engine:
@@ -153,6 +161,55 @@ class Engine:
         self.scheduler.submit(job)
         return job.future
 
+    # -- realtime video sessions (chunk-autoregressive families) -------------------------------------------
+    def check_chunk(self, params: GenerationParams) -> None:
+        """Model checks of a realtime session's chunk (``params.num_frames``: frames per chunk)."""
+        spec, limits = self.spec, self.config.limits
+        if not spec.family_spec.extra.get("realtime"):
+            raise ValueError(f"model: {spec.name} does not generate realtime video (no chunked family)")
+        multiple = spec.size_multiple
+        if params.width % multiple or params.height % multiple:
+            raise ValueError(
+                f"size: width and height must be multiples of {multiple} for {spec.name}, "
+                f"got {params.width}x{params.height}"
+            )
+        if params.width > limits.max_width or params.height > limits.max_height:
+            raise ValueError(
+                f"size: {params.width}x{params.height} is above the maximum {limits.max_width}x{limits.max_height}"
+            )
+        if params.num_frames % spec.frame_multiple or params.num_frames > limits.max_frames:
+            raise ValueError(
+                f"num_frames: frames per chunk must be a multiple of {spec.frame_multiple} up to "
+                f"{limits.max_frames} for {spec.name}, got {params.num_frames}"
+            )
+        if params.num_inference_steps > limits.max_steps:
+            raise ValueError(
+                f"num_inference_steps: {params.num_inference_steps} is above the maximum {limits.max_steps}"
+            )
+        if params.lora:
+            raise ValueError(f"lora: realtime sessions of {spec.name} take no adapters")
+
+    def submit_chunk(
+        self, session_id: str, chunk_index: int, params: GenerationParams, max_chunks: int | None
+    ) -> Future:
+        """Queue chunk ``chunk_index`` of realtime session ``session_id``; the future resolves to its frames,
+        uint8 [frames, H, W, 3]. The chunk joins the step loop like any request (its own shape bucket, so
+        its steps take turns with image/video batches); chunks of one session must be submitted in order,
+        each after the previous one resolved (the ranks keep the session's state in between)."""
+        if not self.running:
+            raise RuntimeError("engine is not running")
+        self.check_chunk(params)
+        bucket = ("realtime", params.height, params.width, params.num_frames)
+        job = Job(
+            req_id=uuid.uuid4().hex, params=params, bucket=bucket, chunk=(session_id, chunk_index, max_chunks)
+        )
+        self.scheduler.submit(job)
+        return job.future
+
+    def close_session(self, session_id: str) -> Future:
+        """Free a realtime session's state on the ranks (between two steps)."""
+        return self.run_control(lambda: self.launcher.call("close_session", session_id))
+
     def generate(self, params: GenerationParams, timeout: float | None = None) -> GenerationResult:
         return self.submit(params).result(timeout=timeout)
 
@@ -260,7 +317,13 @@ class Engine:
     def _step(self, admit: list[Job], running: list[Job]) -> None:
         for job in admit:
             try:
-                self.launcher.call("add", job.req_id, job.params)
+                if job.chunk is not None:
+                    total = self.launcher.call(
+                        "add_chunk", job.req_id, *job.chunk[:2], job.params, job.chunk[2]
+                    )
+                else:
+                    total = self.launcher.call("add", job.req_id, job.params)
+                job.total_steps = total if isinstance(total, int) else None
             except Exception as exc:
                 self._fail(job, exc)
                 continue
@@ -288,7 +351,7 @@ class Engine:
                 logger.exception("step listener failed")
         for job in running:
             job.steps_done = progress[job.req_id]
-            total = job.params.num_inference_steps
+            total = job.total_steps or job.params.num_inference_steps
             if job.on_progress is not None:
                 try:
                     job.on_progress(job.steps_done, total)
@@ -305,6 +368,16 @@ class Engine:
 
     def _complete(self, job: Job, step_s: float) -> None:
         self.scheduler.finish(job)
+        if job.chunk is not None:  # a realtime chunk: its frames, unencoded (the session encodes them)
+            try:
+                finished = self.launcher.call("finish", job.req_id)
+                pixels = finished["pixels"] if isinstance(finished, dict) else finished
+                if not job.future.done():
+                    job.future.set_result(pixels[0])
+            except Exception as exc:
+                if not job.future.done():
+                    job.future.set_exception(exc)
+            return
         try:
             p = job.params
             # ``latents`` before ``finish``: finish forgets the request's state.

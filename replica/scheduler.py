@@ -33,6 +33,9 @@ class Job:
     on_progress: Callable[[int, int], None] | None = None
     steps_done: int = 0
     admitted: bool = False
+    total_steps: int | None = None  # what the ranks said at admission (a chunked video: chunks × steps)
+    # A realtime video chunk: (session id, chunk index, the session's chunk count or None when endless).
+    chunk: tuple[str, int, int | None] | None = None
 
     @property
     def cancelled(self) -> bool:

@@ -223,9 +223,30 @@ class RankWorker:
         dist.all_gather_object(everyone, mine)
         return everyone if self.rank == 0 else None
 
-    def add(self, req_id: str, params: GenerationParams) -> None:
+    def add(self, req_id: str, params: GenerationParams) -> int:
+        """Start a request; returns its number of steps."""
         encoded = self._encode(params)
-        self.states[req_id] = self.runner.prepare(req_id, params, encoded)
+        state = self.states[req_id] = self.runner.prepare(req_id, params, encoded)
+        return state.num_steps
+
+    def add_chunk(
+        self, req_id: str, session_id: str, chunk_index: int, params: GenerationParams, max_chunks: int | None
+    ) -> int:
+        """Start chunk ``chunk_index`` of realtime video session ``session_id`` (its state stays on the ranks
+        between chunks, until ``close_session``); returns the chunk's number of steps."""
+        prepare_chunk = getattr(self.runner, "prepare_chunk", None)
+        if prepare_chunk is None:
+            raise ValueError(f"model: {self.spec.name} does not generate realtime video")
+        encoded = self._encode(params)
+        state = prepare_chunk(req_id, session_id, chunk_index, params, encoded, max_chunks)
+        self.states[req_id] = state
+        return state.num_steps
+
+    def close_session(self, session_id: str) -> None:
+        """Free a realtime session's state (its K/V cache)."""
+        close = getattr(self.runner, "close_session", None)
+        if close is not None:
+            close(session_id)
 
     def _encode(self, params: GenerationParams) -> dict[str, Any]:
         """The request's embeddings: computed here, or (``--encoder-placement first``) on rank 0 and

@@ -1,0 +1,422 @@
+"""AnyFlow-FAR: chunk-autoregressive video (a causal Wan 2.1), by ``AnyFlowFARPipeline``'s arithmetic.
+
+The video is a sequence of latent chunks (``chunk_partition``, e.g. 1, 3, 3, ... latent frames). Each chunk
+is denoised alone with flow-map steps (``FlowMapEulerDiscreteScheduler``: t → r per step), attending to the
+past chunks through a K/V cache; before a chunk starts, one "cache" forward re-encodes every finished chunk
+(the last ``full_chunk_limit - 1`` at full resolution, older ones through the compressed 4×4 patches) and
+writes their keys and values. :class:`FarRollout` is that state: noise, finished latents, the K/V cache, the
+streaming VAE decoder's cache.
+
+Two ways in, one loop:
+
+- a batch request (``POST /v1/videos``) is one rollout over all its chunks; a step is one flow-map step of
+  the current chunk (the cache forward rides on a chunk's first step), so its steps are chunks × steps;
+- a realtime session keeps one rollout on its owner replica (``prepare_chunk`` / ``close_session``); each
+  chunk is a job of ``num_inference_steps`` steps and its ``decode`` gives that chunk's frames only, through
+  the VAE decoder with its causal cache carried from the previous chunk, so the frames of all chunks equal
+  one decode of the whole video.
+
+Requests are stepped one by one (their caches differ in length); the engine still interleaves them with
+the other jobs at step granularity. A chunk's prompt may change between chunks (realtime prompt events):
+the cache forward before chunk k runs with chunk k's prompt.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..request import GenerationParams
+from .base import PipelineRunner, RequestState, request_scheduler, to_uint8
+
+
+def chunk_partition(latent_frames: int, default: tuple[int, ...]) -> list[int]:
+    """Latent frames per chunk of a whole video: the model's own partition when it fits, else a first chunk
+    of one frame then chunks of the model's usual length (the last one shorter)."""
+    if sum(default) == latent_frames:
+        return list(default)
+    size = max(default)
+    out, left = [1], latent_frames - 1
+    while left > 0:
+        out.append(min(size, left))
+        left -= out[-1]
+    return out
+
+
+def session_partition(frames_per_chunk: int, num_chunks: int, temporal: int) -> list[int]:
+    """A session's partition: one latent frame first (one video frame), then ``frames_per_chunk / 4``."""
+    return [1] + [frames_per_chunk // temporal] * (num_chunks - 1)
+
+
+def kv_cache_bytes(
+    config: Any, *, rows: int, partition: list[int], height: int, width: int, dtype_bytes: int
+) -> int:
+    """Bytes of the K/V cache of a rollout over ``partition`` (``height``/``width`` in latent pixels)."""
+    full = (height // config.patch_size[1]) * (width // config.patch_size[2])
+    compressed = (height // config.compressed_patch_size[1]) * (width // config.compressed_patch_size[2])
+    longest = max(partition)
+    tokens = config.full_chunk_limit * longest * full
+    tokens += max(1, len(partition) - config.full_chunk_limit + 1) * longest * compressed
+    per_layer = 2 * rows * config.num_attention_heads * config.attention_head_dim * tokens * dtype_bytes
+    return per_layer * config.num_layers
+
+
+@dataclass(eq=False)
+class FarRollout:
+    """One video's chunk-autoregressive state (identical on every rank)."""
+
+    partition: list[int]  # latent frames per chunk, known so far (a session grows it chunk by chunk)
+    rows: int  # videos (n)
+    guided: bool
+    height: int  # latent height and width
+    width: int
+    noise: torch.Tensor | None  # (rows, T, C, h, w) drawn up front when the length is known
+    generator: torch.Generator  # per-chunk draws otherwise
+    outputs: list[torch.Tensor] = field(default_factory=list)  # finished chunks (rows, f, C, h, w)
+    kv_cache: dict[int, dict[str, torch.Tensor]] | None = None
+    kv_flag: dict[str, Any] = field(default_factory=lambda: {"num_cached_chunks": 0, "is_cache_step": False})
+    feat_map: list | None = None  # the VAE decoder's causal cache (sessions)
+    decoded_frames: int = 0
+
+    @property
+    def next_chunk(self) -> int:
+        return len(self.outputs)
+
+
+class AnyFlowRunner(PipelineRunner):
+    default_guidance = 1.0  # released checkpoints fuse guidance into the weights
+
+    def __init__(self, pipe, **kwargs):
+        super().__init__(pipe, **kwargs)
+        self.sessions: dict[str, FarRollout] = {}
+        self._embeds: tuple[tuple, dict] | None = None  # the last prompt's embeddings (sessions reuse them)
+
+    # -- encoders ---------------------------------------------------------------------------------------
+    def _guidance(self, params: GenerationParams) -> float:
+        return params.guidance_scale if params.guidance_scale is not None else self.default_guidance
+
+    @torch.no_grad()
+    def encode(self, params: GenerationParams) -> dict:
+        pipe = self.pipe
+        do_cfg = self._guidance(params) > 1.0
+        key = (params.prompt, params.negative_prompt if do_cfg else None, do_cfg, params.n)
+        if self._embeds is not None and self._embeds[0] == key:
+            out = dict(self._embeds[1])
+        else:
+            embeds, neg_embeds = pipe.encode_prompt(
+                prompt=params.prompt,
+                negative_prompt=params.negative_prompt,
+                do_classifier_free_guidance=do_cfg,
+                num_videos_per_prompt=params.n,
+                max_sequence_length=min(self.max_sequence_length, pipe.tokenizer.model_max_length),
+                device=self.device,
+            )
+            out = {"cond": {"encoder_hidden_states": embeds.to(self.dtype)}}
+            if do_cfg:
+                out["uncond"] = {"encoder_hidden_states": neg_embeds.to(self.dtype)}
+            self._embeds = (key, dict(out))
+        out["context"] = self._first_frame(params) if params.images else None
+        return out
+
+    def _first_frame(self, params: GenerationParams) -> torch.Tensor:
+        """The first frame's latents (rows, 1, C, h, w), as the pipeline's ``video=`` path encodes them."""
+        from PIL import Image
+
+        image = Image.open(io.BytesIO(params.images[0])).convert("RGB")
+        latents = self.pipe.encode_video([image], height=params.height, width=params.width)
+        return latents.to(self.dtype).repeat(params.n, 1, 1, 1, 1)
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def _rollout(self, params: GenerationParams, partition: list[int], *, noise_up_front: bool) -> FarRollout:
+        pipe = self.pipe
+        generator = torch.Generator("cpu").manual_seed(params.seed)
+        latent_h = params.height // pipe.vae_scale_factor_spatial
+        latent_w = params.width // pipe.vae_scale_factor_spatial
+        noise = None
+        if noise_up_front:  # exactly the pipeline's draw: all frames at once, (B, C, T, h, w) in fp32
+            temporal = pipe.vae_scale_factor_temporal
+            num_frames = (sum(partition) - 1) * temporal + 1
+            channels = pipe.transformer.config.in_channels
+            noise = pipe.prepare_latents(
+                params.n,
+                channels,
+                params.height,
+                params.width,
+                num_frames,
+                torch.float32,
+                self.device,
+                generator,
+            )
+            noise = noise.to(self.dtype).permute(0, 2, 1, 3, 4)
+        return FarRollout(
+            partition=list(partition),
+            rows=params.n,
+            guided=self._guidance(params) > 1.0,
+            height=latent_h,
+            width=latent_w,
+            noise=noise,
+            generator=generator,
+        )
+
+    def _state(
+        self, req_id, params, encoded, rollout: FarRollout, num_steps: int, bucket: tuple
+    ) -> RequestState:
+        scheduler = request_scheduler(self.pipe)
+        state = RequestState(
+            req_id=req_id,
+            params=params,
+            latents=torch.empty(0),
+            scheduler=scheduler,
+            timesteps=torch.zeros(num_steps),  # the step count; each chunk sets its own schedule
+            cond=encoded["cond"],
+            uncond=encoded.get("uncond"),
+            cfg_scale=self._guidance(params),
+            bucket=bucket,
+            # chunk_step: the next flow-map step of the current chunk, -1 before the chunk began
+            extra={"rollout": rollout, "context": encoded.get("context"), "chunk_step": -1, "shared": {}},
+        )
+        return state
+
+    @torch.no_grad()
+    def prepare(self, req_id: str, params: GenerationParams, encoded: dict) -> RequestState:
+        """A whole video: every chunk of its partition, one after the other."""
+        temporal = self.pipe.vae_scale_factor_temporal
+        latent_frames = (params.num_frames - 1) // temporal + 1
+        partition = chunk_partition(latent_frames, tuple(self.pipe.transformer.config.chunk_partition))
+        rollout = self._rollout(params, partition, noise_up_front=True)
+        context = 1 if encoded.get("context") is not None else 0
+        steps = context + (len(partition) - context) * params.num_inference_steps
+        bucket = ("anyflow", params.height, params.width, params.num_frames)
+        state = self._state(req_id, params, encoded, rollout, steps, bucket)
+        state.extra["whole"] = True
+        return state
+
+    @torch.no_grad()
+    def prepare_chunk(
+        self,
+        req_id: str,
+        session_id: str,
+        chunk_index: int,
+        params: GenerationParams,
+        encoded: dict,
+        max_chunks: int | None,
+    ) -> RequestState:
+        """Chunk ``chunk_index`` of realtime session ``session_id`` (``params.num_frames``: frames per chunk;
+        ``max_chunks``: the session's length when known, so its noise is the pipeline's draw)."""
+        temporal = self.pipe.vae_scale_factor_temporal
+        rollout = self.sessions.get(session_id)
+        if rollout is None:
+            if chunk_index != 0:
+                raise ValueError(f"chunk_index: session {session_id} holds no state (closed or expired)")
+            known = max_chunks is not None
+            partition = session_partition(params.num_frames, max_chunks or 1, temporal)
+            rollout = self._rollout(params, partition, noise_up_front=known)
+            self.sessions[session_id] = rollout
+        if chunk_index != rollout.next_chunk:
+            raise ValueError(
+                f"chunk_index: expected chunk {rollout.next_chunk} of {session_id}, got {chunk_index}"
+            )
+        if chunk_index >= len(rollout.partition):
+            rollout.partition.append(params.num_frames // temporal)
+        context = chunk_index == 0 and encoded.get("context") is not None
+        steps = 1 if context else params.num_inference_steps
+        bucket = ("realtime", params.height, params.width, params.num_frames)
+        state = self._state(req_id, params, encoded, rollout, steps, bucket)
+        state.extra["session"] = session_id
+        return state
+
+    def close_session(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
+
+    # -- the chunk loop ---------------------------------------------------------------------------------
+    def _chunk_noise(self, rollout: FarRollout, index: int) -> torch.Tensor:
+        start, size = sum(rollout.partition[:index]), rollout.partition[index]
+        if rollout.noise is not None:
+            return rollout.noise[:, start : start + size]
+        from diffusers.utils.torch_utils import randn_tensor
+
+        channels = self.pipe.transformer.config.in_channels
+        shape = (rollout.rows, channels, size, rollout.height, rollout.width)
+        noise = randn_tensor(shape, generator=rollout.generator, device=self.device, dtype=torch.float32)
+        return noise.to(self.dtype).permute(0, 2, 1, 3, 4)
+
+    def _encoder_states(self, state: RequestState) -> torch.Tensor:
+        cond = state.cond["encoder_hidden_states"]
+        if state.uncond is None:
+            return cond
+        return torch.cat([state.uncond["encoder_hidden_states"], cond])
+
+    def _allocate_cache(self, rollout: FarRollout, num_chunks: int) -> None:
+        """K/V buffers for a rollout of ``num_chunks`` chunks (grown, keeping what is cached, when a session
+        outgrows them)."""
+        config = self.pipe.transformer.config
+        full = (rollout.height // config.patch_size[1]) * (rollout.width // config.patch_size[2])
+        compressed = (rollout.height // config.compressed_patch_size[1]) * (
+            rollout.width // config.compressed_patch_size[2]
+        )
+        longest = max(rollout.partition)
+        rows = rollout.rows * (2 if rollout.guided else 1)
+        heads, dim = config.num_attention_heads, config.attention_head_dim
+        full_len = config.full_chunk_limit * longest * full
+        compressed_len = (num_chunks - config.full_chunk_limit + 1) * longest * compressed
+        old = rollout.kv_cache
+        if old is not None and old[0]["compressed_cache"].shape[3] >= compressed_len:
+            if old[0]["full_cache"].shape[3] >= full_len:
+                return
+        cache = {}
+        for layer in range(config.num_layers):
+            cache[layer] = {
+                "full_cache": torch.zeros(
+                    (2, rows, heads, full_len, dim), device=self.device, dtype=self.dtype
+                ),
+                "compressed_cache": torch.zeros(
+                    (2, rows, heads, max(compressed_len, 0), dim), device=self.device, dtype=self.dtype
+                ),
+            }
+            if old is not None:
+                for key in ("full_cache", "compressed_cache"):
+                    kept = old[layer][key].shape[3]
+                    cache[layer][key][:, :, :, :kept] = old[layer][key]
+        rollout.kv_cache = cache
+
+    def _cache_chunks(self, state: RequestState, upto: int) -> None:
+        """The pipeline's ``encode_kv_cache`` after chunk ``upto - 1``: one forward over chunks < ``upto``."""
+        rollout: FarRollout = state.extra["rollout"]
+        transformer = self.pipe.transformer
+        partition = rollout.partition[:upto]
+        flag = rollout.kv_flag
+        flag["is_cache_step"] = True
+        latents = torch.cat(rollout.outputs[:upto], dim=1)
+        inputs = torch.cat([latents] * 2) if rollout.guided else latents
+        inputs = inputs.to(self.dtype)
+        zeros = torch.zeros((inputs.shape[0], inputs.shape[1]), device=self.device, dtype=torch.long)
+        mask = transformer.build_attention_mask(
+            chunk_partition=partition,
+            height=inputs.shape[-2],
+            width=inputs.shape[-1],
+            device=inputs.device,
+            mode="cache",
+        )
+        transformer(
+            hidden_states=inputs,
+            chunk_partition=partition,
+            timestep=zeros,
+            r_timestep=zeros,
+            encoder_hidden_states=self._encoder_states(state),
+            attention_mask=mask,
+            return_dict=False,
+            kv_cache=rollout.kv_cache,
+            kv_cache_flag=copy.deepcopy(flag),
+        )
+        flag["num_cached_chunks"] += 1
+        flag["is_cache_step"] = False
+
+    def _begin_chunk(self, state: RequestState) -> None:
+        rollout: FarRollout = state.extra["rollout"]
+        index = rollout.next_chunk
+        if index > 0:
+            self._allocate_cache(rollout, max(len(rollout.partition), index + 1))
+            while rollout.kv_flag["num_cached_chunks"] < index:
+                self._cache_chunks(state, rollout.kv_flag["num_cached_chunks"] + 1)
+        elif rollout.kv_cache is None:
+            self._allocate_cache(rollout, len(rollout.partition))
+        state.latents = self._chunk_noise(rollout, index)
+        state.scheduler.set_timesteps(state.params.num_inference_steps, device=self.device)
+        state.extra["chunk_step"] = 0
+
+    def _end_chunk(self, state: RequestState) -> None:
+        rollout: FarRollout = state.extra["rollout"]
+        rollout.outputs.append(state.latents)
+        state.extra["chunk_step"] = -1
+
+    def _flow_step(self, state: RequestState) -> None:
+        rollout: FarRollout = state.extra["rollout"]
+        scheduler, i = state.scheduler, state.extra["chunk_step"]
+        t = scheduler.timesteps[i]
+        r = scheduler.sigmas[i + 1] * scheduler.config.num_train_timesteps
+        state.extra["chunk_step"] = i + 1
+        if t == r:
+            return
+        chunk = state.latents
+        inputs = torch.cat([chunk] * 2) if rollout.guided else chunk
+        frames = inputs.shape[1]
+        timestep = t.expand(inputs.shape[0]).unsqueeze(-1).repeat((1, frames))
+        r_timestep = r.expand(inputs.shape[0]).unsqueeze(-1).repeat((1, frames))
+        partition = rollout.partition[: rollout.next_chunk + 1]
+        pred, _ = self.pipe.transformer(
+            hidden_states=inputs,
+            timestep=timestep,
+            r_timestep=r_timestep,
+            encoder_hidden_states=self._encoder_states(state),
+            return_dict=False,
+            chunk_partition=partition,
+            kv_cache=rollout.kv_cache,
+            kv_cache_flag=copy.deepcopy(rollout.kv_flag),
+        )
+        if rollout.guided:
+            uncond, cond = pred.chunk(2)
+            pred = uncond + state.cfg_scale * (cond - uncond)
+        state.latents = scheduler.step(pred, t, chunk, return_dict=False)[0]
+
+    @torch.no_grad()
+    def step(self, states: list[RequestState]) -> None:
+        for state in states:
+            rollout: FarRollout = state.extra["rollout"]
+            context = state.extra["context"]
+            if rollout.next_chunk == 0 and context is not None:
+                # Image-to-video: the first chunk is the given frame, encoded (no denoising).
+                rollout.outputs.append(context)
+                state.step_index += 1
+                continue
+            if state.extra["chunk_step"] < 0:
+                self._begin_chunk(state)
+            self._flow_step(state)
+            state.step_index += 1
+            if state.extra["chunk_step"] >= state.params.num_inference_steps:
+                self._end_chunk(state)
+
+    def model_forward(self, latents, timesteps, inputs, shared):  # steps run through ``step``
+        raise NotImplementedError("AnyFlow-FAR runs its own chunk loop (AnyFlowRunner.step)")
+
+    # -- decode ---------------------------------------------------------------------------------------
+    def _unscale(self, latents: torch.Tensor) -> torch.Tensor:
+        """(rows, f, C, h, w) transformer latents → the VAE's (rows, C, f, h, w), as the pipeline does."""
+        vae = self.pipe.vae
+        latents = latents.permute(0, 2, 1, 3, 4).to(vae.dtype)
+        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
+        return latents / inv_std + mean
+
+    @torch.no_grad()
+    def decode(self, state: RequestState) -> np.ndarray:
+        rollout: FarRollout = state.extra["rollout"]
+        processor = self.pipe.video_processor
+        if state.extra.get("whole"):
+            video = self.pipe.vae.decode(self._unscale(torch.cat(rollout.outputs, dim=1)), return_dict=False)[
+                0
+            ]
+            return to_uint8(processor.postprocess_video(video, output_type="np"))
+        # A session's last chunk, through the decoder with the causal cache of the chunks before it.
+        vae = self.pipe.vae
+        if rollout.feat_map is None:
+            vae.clear_cache()
+            rollout.feat_map = [None] * vae._conv_num
+        x = vae.post_quant_conv(self._unscale(rollout.outputs[-1]))
+        pieces = []
+        for i in range(x.shape[2]):
+            pieces.append(
+                vae.decoder(
+                    x[:, :, i : i + 1],
+                    feat_cache=rollout.feat_map,
+                    feat_idx=[0],
+                    first_chunk=rollout.decoded_frames == 0,
+                )
+            )
+            rollout.decoded_frames += 1
+        video = torch.clamp(torch.cat(pieces, dim=2), min=-1.0, max=1.0)
+        return to_uint8(processor.postprocess_video(video, output_type="np"))

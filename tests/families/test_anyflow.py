@@ -1,0 +1,126 @@
+"""AnyFlow-FAR on CPU: the engine's chunks (a realtime session, one chunk at a time through the step loop)
+and its whole videos equal diffusers' ``AnyFlowFARPipeline`` for the same seed and chunk partition; a prompt
+change moves only the chunks after it; sharded layouts are refused naming the flags."""
+
+import numpy as np
+import pytest
+import torch
+from diffusers import AnyFlowFARPipeline
+
+from ditserve.replica.config import EngineConfig, ParallelFlags
+from ditserve.replica.engine import Engine, validate_layout
+from ditserve.replica.models.registry import resolve_model
+from ditserve.replica.pipelines.base import to_uint8
+from ditserve.replica.request import GenerationParams
+from tests.families.anyflow import build_folder
+from tests.helpers import psnr
+
+MAX_LEN = 32
+FRAMES_PER_CHUNK = 8  # 2 latent frames per chunk after the first chunk's one frame
+CHUNKS = 4  # past full_chunk_limit (3): the oldest chunk goes through the compressed patches
+SETTINGS = dict(prompt="a red fox running", width=64, height=64, num_inference_steps=2, seed=7)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return build_folder(tmp_path_factory.mktemp("anyflow") / "tiny-anyflow-far")
+
+
+@pytest.fixture(scope="module")
+def pipe(folder):
+    pipe = AnyFlowFARPipeline.from_pretrained(folder, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def engine(folder):
+    config = EngineConfig(model=str(folder), device="cpu", dtype="float32", max_sequence_length=MAX_LEN)
+    engine = Engine(config).start()
+    yield engine
+    engine.shutdown()
+
+
+def diffusers_frames(pipe, prompt: str, chunks: int, guidance_scale: float = 1.0) -> np.ndarray:
+    partition = [1] + [FRAMES_PER_CHUNK // 4] * (chunks - 1)
+    out = pipe(
+        prompt=prompt,
+        height=SETTINGS["height"],
+        width=SETTINGS["width"],
+        num_frames=(sum(partition) - 1) * 4 + 1,
+        num_inference_steps=SETTINGS["num_inference_steps"],
+        guidance_scale=guidance_scale,
+        negative_prompt="blurry" if guidance_scale > 1 else None,
+        generator=torch.Generator("cpu").manual_seed(SETTINGS["seed"]),
+        max_sequence_length=MAX_LEN,
+        chunk_partition=partition,
+        output_type="np",
+    )
+    return to_uint8(np.asarray(out.frames))[0]
+
+
+def session(engine, sid: str, prompts: list[str], max_chunks: int | None, **extra) -> list[np.ndarray]:
+    """A realtime session's chunks, one after the other (chunk k uses ``prompts[k]``)."""
+    out = []
+    for k, prompt in enumerate(prompts):
+        params = GenerationParams(**{**SETTINGS, "prompt": prompt, **extra}, num_frames=FRAMES_PER_CHUNK)
+        out.append(engine.submit_chunk(sid, k, params, max_chunks).result(timeout=120))
+    engine.close_session(sid).result(timeout=30)
+    return out
+
+
+def test_session_chunks_equal_the_pipeline(engine, pipe):
+    want = diffusers_frames(pipe, SETTINGS["prompt"], CHUNKS)
+    chunks = session(engine, "r1.a", [SETTINGS["prompt"]] * CHUNKS, max_chunks=CHUNKS)
+    assert [c.shape[0] for c in chunks] == [1] + [FRAMES_PER_CHUNK] * (CHUNKS - 1)
+    assert all(c.shape[1:] == (64, 64, 3) and c.dtype == np.uint8 for c in chunks)
+    got = np.concatenate(chunks)
+    assert got.shape == want.shape
+    assert psnr(got, want) >= 40, psnr(got, want)
+
+
+def test_whole_video_with_cfg_equals_the_pipeline(engine, pipe):
+    """A batch request (POST /v1/videos): every chunk in one job, guided (an uncond branch)."""
+    want = diffusers_frames(pipe, SETTINGS["prompt"], 3, guidance_scale=3.0)
+    runner = engine.launcher.worker.runner
+    params = GenerationParams(
+        **SETTINGS, num_frames=want.shape[0], guidance_scale=3.0, negative_prompt="blurry"
+    )
+    state = runner.add("whole", params)
+    steps = 0
+    while not state.done:
+        runner.step([state])
+        steps += 1
+    assert steps == 3 * SETTINGS["num_inference_steps"]
+    got = runner.decode(state)[0]
+    assert got.shape == want.shape and psnr(got, want) >= 40, psnr(got, want)
+
+
+def test_prompt_change_moves_only_later_chunks_and_endless_sessions_repeat(engine):
+    base = session(engine, "r1.b", ["a red fox"] * 3, max_chunks=None)
+    again = session(engine, "r2.c", ["a red fox"] * 3, max_chunks=None)
+    changed = session(engine, "r1.d", ["a red fox", "a red fox", "a blue whale at night"], max_chunks=None)
+    for a, b in zip(base, again, strict=True):
+        np.testing.assert_array_equal(a, b)  # the same init on another session (or replica): the same frames
+    np.testing.assert_array_equal(changed[0], base[0])
+    np.testing.assert_array_equal(changed[1], base[1])
+    assert not np.array_equal(changed[2], base[2])  # (a tiny random model: the text moves pixels a little)
+
+
+def test_chunk_out_of_order_and_bad_sizes_are_refused(engine):
+    params = GenerationParams(**SETTINGS, num_frames=FRAMES_PER_CHUNK)
+    with pytest.raises(ValueError, match="^chunk_index"):
+        engine.submit_chunk("r1.e", 1, params, None).result(timeout=60)
+    with pytest.raises(ValueError, match="^size"):
+        engine.submit_chunk("r1.e", 0, params.model_copy(update={"width": 72}), None)
+    with pytest.raises(ValueError, match="^num_frames"):
+        engine.submit_chunk("r1.e", 0, params.model_copy(update={"num_frames": 6}), None)
+
+
+def test_sharded_layouts_are_refused_naming_the_flags(folder):
+    spec = resolve_model(str(folder))
+    for flags in ({"ulysses_degree": 2}, {"ring_degree": 2}, {"tp_size": 2}):
+        config = EngineConfig(model=str(folder), device="cpu", dtype="float32", parallel=ParallelFlags(**flags))
+        with pytest.raises(ValueError, match="--ulysses-degree / --ring-degree") as err:
+            validate_layout(config, spec)
+        assert "--dp-size" in str(err.value)
