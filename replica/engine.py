@@ -131,6 +131,16 @@ class Engine:
             raise ValueError(f"n: {params.n} is above the maximum {limits.max_n}")
         if params.init_latents is not None and not spec.family_spec.img2img:
             raise ValueError(f"init_latents: image-to-image is not supported for {spec.name}")
+        if spec.kind == "video":
+            first_frame = spec.first_frame
+            if params.images and first_frame == "none":
+                raise ValueError(
+                    f"input_reference: {spec.name} is a text-to-video model and takes no reference image"
+                )
+            if not params.images and first_frame == "required":
+                raise ValueError(f"input_reference: {spec.name} is an image-to-video model; give the first frame")
+            if len(params.images) > 1:
+                raise ValueError(f"input_reference: one first frame, got {len(params.images)} images")
         if self.spec.kind == "video" and params.num_frames > limits.max_frames:
             raise ValueError(f"num_frames: {params.num_frames} is above the maximum {limits.max_frames}")
 

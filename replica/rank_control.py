@@ -37,6 +37,11 @@ class ServingRankWorker(RankWorker):
         """Load ``path``'s transformer, prepare it like the current one, keep it aside under ``tag``."""
         import diffusers
 
+        if getattr(self.pipe, "transformer_2", None) is not None:
+            raise ValueError(
+                f"path: {path}: updating the weights of a two-expert model (transformer_2) is not supported; "
+                "restart the replica on the new folder"
+            )
         folder = transformer_folder(path)
         current = self.pipe.transformer
         cls = getattr(diffusers, type(current).__name__)

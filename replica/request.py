@@ -42,6 +42,10 @@ class GenerationParams(BaseModel):
     guidance_scale: float | None = Field(
         default=None, description="Distilled guidance (Flux) or CFG scale (Wan)."
     )
+    guidance_scale_2: float | None = Field(
+        default=None,
+        description="Two-expert models (Wan 2.2 A14B): the low-noise expert's CFG scale (None: guidance_scale).",
+    )
     true_cfg_scale: float = Field(
         default=1.0, ge=0.0, description="Flux true CFG with a negative prompt when > 1."
     )

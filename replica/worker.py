@@ -159,6 +159,8 @@ class RankWorker:
             pipe = load_pipeline(self.spec, config.torch_dtype, self.device, encoders=self.encodes)
         self.pipe = pipe
         self.prepare_transformer(self.pipe.transformer)
+        if getattr(self.pipe, "transformer_2", None) is not None:  # a second expert (Wan 2.2 A14B): the same
+            self.prepare_transformer(self.pipe.transformer_2)
         self.runner = build_runner(self.spec, self.pipe, config, self.device, self.mesh)
         self.lora = self._build_lora()
         self.runner.before_forward = lambda groups: self.lora.set_batch(

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 Kind = Literal["image", "video"]
 Guidance = Literal["distilled", "true_cfg", "cfg", "none"]
+FirstFrame = Literal["none", "optional", "required"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,9 @@ class Family:
     size_multiple: Callable[[Folder], int] = default_size_multiple
     frame_multiple: Callable[[Folder], int] = lambda folder: 1
     heads: Callable[[Mapping[str, Any]], int] = default_heads
+    # Video families: whether a request gives the first frame (POST /v1/videos input_reference): "none" (text
+    # to video only), "optional" (text or text+image, e.g. Wan 2.2 TI2V), "required" (image-to-video).
+    first_frame: Callable[[Folder], FirstFrame] = lambda folder: "none"
     # A variant of a listed pipeline the family does not run (a message naming what was found), or None.
     refuse: Callable[[Folder], str | None] = lambda folder: None
     # diffusers' ``lora_state_dict`` of this pipeline class returns network alphas

@@ -1,26 +1,38 @@
-"""Wan 2.1 text-to-video: one transformer, self-attention over the video tokens, cross-attention to the
-text, classifier-free guidance whenever guidance_scale > 1."""
+"""Wan text-to-video (``WanPipeline``): Wan 2.1 (one transformer), Wan 2.2 A14B (two experts switching at
+``boundary_ratio``, each with its own CFG scale) and Wan 2.2 TI2V-5B (per-token timesteps, its own VAE,
+text or text + first frame). Self-attention over the video tokens, cross-attention to the text,
+classifier-free guidance whenever guidance_scale > 1."""
 
-from . import Family, Folder
+from . import Family, FirstFrame, Folder
 
 
-def _frame_multiple(folder: Folder) -> int:
+def frame_multiple(folder: Folder) -> int:
     return 2 ** sum(bool(x) for x in folder.config("vae").get("temperal_downsample", []))
 
 
-def _refuse(folder: Folder) -> str | None:
-    if folder.has("transformer_2") or folder.index.get("boundary_ratio") is not None:
+def refuse_experts(folder: Folder) -> str | None:
+    """A two-expert folder needs both experts and the boundary between them."""
+    if not folder.has("transformer"):
         return (
-            f"a Wan 2.2 folder with two experts (transformer_2, boundary_ratio="
-            f"{folder.index.get('boundary_ratio')}) is not supported yet; serving the first expert alone would "
-            "draw wrong videos. Supported: Wan 2.1 text-to-video folders (one transformer)."
+            "a Wan folder without `transformer` (only transformer_2) is not supported; give a folder with "
+            "both experts (Wan 2.2 A14B) or one transformer (Wan 2.1, TI2V-5B)."
         )
-    if folder.index.get("expand_timesteps"):
+    two, ratio = folder.has("transformer_2"), folder.index.get("boundary_ratio")
+    if two != (ratio is not None):
         return (
-            "a Wan 2.2 TI2V folder (expand_timesteps: per-frame timesteps) is not supported yet. "
-            "Supported: Wan 2.1 text-to-video folders."
+            f"transformer_2 and boundary_ratio come together (found transformer_2: {two}, boundary_ratio: "
+            f"{ratio}); a Wan 2.2 A14B folder has both, a Wan 2.1 folder neither."
         )
+    if two and folder.config("transformer_2").get("num_attention_heads") != folder.config("transformer").get(
+        "num_attention_heads"
+    ):
+        return "the two experts have different attention heads; both are sharded by one layout"
     return None
+
+
+def _first_frame(folder: Folder) -> FirstFrame:
+    # TI2V-5B takes a first frame as WanImageToVideoPipeline does for it; Wan 2.1 / 2.2 A14B T2V do not.
+    return "optional" if folder.index.get("expand_timesteps") else "none"
 
 
 FAMILY = Family(
@@ -29,11 +41,15 @@ FAMILY = Family(
     runner="pipelines.wan:WanRunner",
     plan="parallel.wan:WAN_PLAN",
     guidance="cfg",
-    frame_multiple=_frame_multiple,
-    refuse=_refuse,
+    frame_multiple=frame_multiple,
+    first_frame=_first_frame,
+    refuse=refuse_experts,
     checkpoints=(
-        (r"(?<![a-z])wan-?2\.1.*(?<![0-9.])1\.3b", 12),
-        (r"(?<![a-z])wan-?2\.1(?![0-9])", 40),
+        # image-to-video folders (i2v, not ti2v) are wan_i2v's
+        (r"(?<![a-z])wan-?2\.1(?!.*(?<!t)i2v).*(?<![0-9.])1\.3b", 12),
+        (r"(?<![a-z])wan-?2\.1(?![0-9])(?!.*(?<!t)i2v)", 40),
+        (r"(?<![a-z])wan-?2\.2(?!.*(?<!t)i2v).*(?<![0-9.])5b", 24),
+        (r"(?<![a-z])wan-?2\.2(?![0-9])(?!.*(?<!t)i2v)", 40),
     ),
     typical_heads=40,
 )

@@ -162,6 +162,13 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
     for key, a in state.items():
         if ".lora_A." not in key:
             continue
+        if key.startswith("transformer_2."):
+            # Wan 2.2's second expert: adapters apply to the first expert only (diffusers' default,
+            # load_into_transformer_2=False); a file for the second one would be silently half-applied.
+            raise ValueError(
+                f"path: {file} holds adapters for the second expert (transformer_2); adapters apply to the "
+                "first expert only"
+            )
         if not key.startswith("transformer."):
             ignored += 1
             continue

@@ -72,6 +72,12 @@ class ModelSpec:
         return self.pipeline_class in self.family_spec.edit_pipelines
 
     @property
+    def first_frame(self) -> str:
+        """Video models: whether a request's first frame (``input_reference``) is "none", "optional" or
+        "required" (image-to-video)."""
+        return self.family_spec.first_frame(self.folder) if self.kind == "video" else "none"
+
+    @property
     def sampling(self) -> dict:
         """Recommended sampling settings shipped beside the weights (``ditserve.json``), if any."""
         extra = self.path / "ditserve.json"
