@@ -105,6 +105,18 @@ class AppArgs(EngineArgs):
     max_video_jobs_per_replica: int = Field(
         default=64, ge=1, description="Video jobs (running or kept) per replica before 429."
     )
+    max_realtime_sessions: int = Field(
+        default=4,
+        ge=1,
+        description="Realtime video sessions per replica (ws /v1/realtime_video/generate) before 429; each "
+        "holds its K/V cache on the ranks (its size is logged and answered at open).",
+    )
+    realtime_max_chunks: int = Field(
+        default=64,
+        ge=2,
+        description="Most chunks of one realtime video session (an init without max_chunks runs until then, "
+        "then closes 1000); bounds the session's K/V cache.",
+    )
 
 
 # -- argparse from the pydantic fields ------------------------------------------------------------------

@@ -33,6 +33,7 @@ from .control_state import get_or_create_state_actor, initial_state, parse_lora_
 from .errors import param_of
 from .metrics import ReplicaMetrics
 from .ranks import build_launcher, node_info
+from .replica_realtime import ReplicaRealtime
 from .replica_streams import ReplicaStreams
 
 logger = logging.getLogger("ditserve")
@@ -80,7 +81,7 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
-class EngineReplica(ReplicaStreams):
+class EngineReplica(ReplicaStreams, ReplicaRealtime):
     """Serve replica wrapping one engine; its ranks start in the constructor (inside the placement group).
 
     ``engine_cls`` is injectable (Ray LLM's ``engine_cls`` pattern) so benchmarks can drive the real
@@ -253,6 +254,7 @@ class EngineReplica(ReplicaStreams):
         ]:
             if not self.sessions[sid].lock.locked():
                 del self.sessions[sid]
+        self._expire_realtime()
 
     def _session_missing(self, session_id: str) -> dict[str, Any]:
         return error_dict(

@@ -1,0 +1,423 @@
+"""Realtime video over WebSocket, compatible with SGLang Diffusion's ``/v1/realtime_video``:
+``ws://HOST/v1/realtime_video/generate``. Every message, both ways, is a msgpack map in a binary frame.
+
+Client → server::
+
+    {"type": "init", "prompt", "model"?, "size"? ("WxH"), "num_frames"? (frames per chunk), "fps"?, "seed"?,
+     "num_inference_steps"?, "guidance_scale"?, "negative_prompt"?, "max_chunks"? (absent: until the socket
+     closes, at most --realtime-max-chunks), "first_frame"? (image bytes), "realtime_output_format"?
+     ("raw" | "jpeg" | "webp")}
+    {"type": "event", "kind": "prompt", "payload": "<new prompt>", "event_id": n}   (also kind "heartbeat")
+
+Server → client, per chunk (``chunk_index`` from 0, in order)::
+
+    {"type": "frame_batch", "session_id", "replica", "chunk_index", "frame_batch_index",
+     "num_frame_batches", "is_final_frame_batch", "num_frames", "content_type", "width", "height",
+     "channels", "bytes_per_frame", "total_size", "payload", "event_id"?, "payload_lengths"? (jpeg/webp)}
+    (a payload of 64 KiB or more: the same map as "frame_batch_header" without "payload", then the payload
+     as its own binary frame)
+    {"type": "chunk_stats", "session_id", "replica", "chunk_index", "event_id", "request_prepare_ms",
+     "scheduler_forward_ms", "frame_encode_ms", "ws_write_ms", "chunk_total_ms", "num_frames", ...}
+    {"type": "error", "content": <message naming the field>, "code"?}
+
+The first chunk is the first latent frame (one video frame); every later chunk carries ``num_frames`` frames.
+A prompt event applies from the next chunk not yet queued on the replica; that chunk's messages echo its
+``event_id``. The session lives on one replica (``session_id`` = ``<replica_id>.<token>``, named in every
+message as ``replica``); the next chunk is queued there as soon as the previous one's frames arrive, so the
+replica works while this frontend sends. Closes: 1000 "generation complete" after ``max_chunks``; 1000 with
+the reason at the idle (``session_idle_timeout_s``) or lifetime (``session_max_lifetime_s``) limit;
+an error with ``code`` ``session_gone`` then 4410 when the owner replica is gone; 1008 past
+``max_realtime_sessions`` (after an error). A bad init answers an error and waits for another init; a bad
+event answers an error and the session goes on. The client ends a session by closing the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import time
+from typing import Any, Literal
+
+import msgpack
+from fastapi import APIRouter, Depends, WebSocket, WebSocketDisconnect
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ditserve.replica.request import GenerationParams
+
+from .http_base import frontend
+from .replica_realtime import CONTENT_TYPES
+from .schemas import APIError, parse_size
+
+router = APIRouter(tags=["realtime"])
+logger = logging.getLogger("ditserve")
+
+PAYLOAD_INLINE_BYTES = 64 * 1024  # larger payloads travel as a header map then a binary frame
+FRAMES_PER_MESSAGE = {"raw": 16, "jpeg": 6, "webp": 6}
+DEFAULT_SIZE = "832x480"
+DEFAULT_SEED = 42  # the same init gives the same video; a client wanting variety sends a seed
+GONE_CLOSE = 4410
+
+
+class RealtimeInit(BaseModel):
+    """The first message of a session (fields SGLang clients send that do not apply here are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["init"]
+    prompt: str = Field(min_length=1)
+    model: str | None = None
+    size: str | None = None
+    num_frames: int | None = Field(default=None, strict=True, ge=1)
+    fps: int = Field(default=16, strict=True, ge=1, le=120)
+    seed: int = Field(default=DEFAULT_SEED, strict=True, ge=0, lt=2**63)
+    num_inference_steps: int = Field(default=4, strict=True, ge=1)
+    guidance_scale: float | None = Field(default=None, ge=0, le=100)
+    negative_prompt: str | None = None
+    max_chunks: int | None = Field(default=None, strict=True, ge=1)
+    first_frame: bytes | None = None
+    realtime_output_format: Literal["raw", "jpeg", "webp"] = "raw"
+
+
+class RealtimeEvent(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["event"]
+    kind: str
+    payload: Any = None
+    event_id: int | None = None
+
+
+def _validation_message(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    field = ".".join(str(p) for p in first.get("loc", ())) or "message"
+    return f"{field}: {first.get('msg')}"
+
+
+def _default_frames(fe: Any) -> int:
+    """Frames per chunk when the init gives none: the model's usual chunk (released: 3 latent frames)."""
+    config = fe.spec.transformer_config()
+    return fe.spec.frame_multiple * max(config.get("chunk_partition") or [3])
+
+
+def init_params(fe: Any, init: RealtimeInit) -> GenerationParams:
+    """Frontend checks of an init (model, size, prompt, limits) → the session's engine parameters."""
+    fe.check_model(init.model)
+    if not fe.spec.family_spec.extra.get("realtime"):
+        raise APIError(
+            400, f"model: {fe.model_name!r} does not generate realtime video (serve an AnyFlow-FAR model)"
+        )
+    if len(init.prompt) > fe.args.max_prompt_chars:
+        raise APIError(400, f"prompt: longer than {fe.args.max_prompt_chars} characters", param="prompt")
+    width, height = parse_size(init.size or DEFAULT_SIZE)
+    if init.num_inference_steps > fe.args.max_steps:
+        raise APIError(
+            400, f"num_inference_steps: {init.num_inference_steps} is above the maximum {fe.args.max_steps}"
+        )
+    images = () if init.first_frame is None else (init.first_frame,)
+    if init.first_frame is not None:
+        from PIL import Image
+
+        try:
+            with Image.open(io.BytesIO(init.first_frame)) as image:
+                image.verify()
+        except Exception:
+            raise APIError(400, "first_frame: not a decodable image (PNG, JPEG or WebP bytes)") from None
+    return GenerationParams(
+        prompt=init.prompt,
+        negative_prompt=init.negative_prompt,
+        width=width,
+        height=height,
+        num_frames=init.num_frames or _default_frames(fe),
+        num_inference_steps=init.num_inference_steps,
+        guidance_scale=init.guidance_scale,
+        seed=init.seed,
+        fps=init.fps,
+        images=images,
+    )
+
+
+class _Socket:
+    """Sends msgpack maps (and raw payload frames) one message group at a time."""
+
+    def __init__(self, websocket: WebSocket):
+        self.ws = websocket
+        self.lock = asyncio.Lock()
+        self.closed = False
+
+    async def send(self, *messages: dict[str, Any] | bytes) -> int:
+        sent = 0
+        async with self.lock:
+            for message in messages:
+                data = message if isinstance(message, bytes) else msgpack.packb(message, use_bin_type=True)
+                await self.ws.send_bytes(data)
+                sent += len(data)
+        return sent
+
+    async def error(self, content: str, **extra: Any) -> None:
+        await self.send({"type": "error", "content": content, **extra})
+
+    async def close(self, code: int, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        async with self.lock:
+            with contextlib.suppress(RuntimeError, WebSocketDisconnect):
+                await self.ws.close(code=code, reason=reason.encode()[:120].decode(errors="ignore"))
+
+
+async def _receive_map(ws: WebSocket) -> dict[str, Any] | str:
+    """The next client message as a map, or an error message saying why it is not one."""
+    message = await ws.receive()
+    if message["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(message.get("code", 1000))
+    data = message.get("bytes")
+    if data is None:
+        return "message: send msgpack maps in binary frames"
+    try:
+        value = msgpack.unpackb(data, raw=False)
+    except Exception:
+        return "message: not valid msgpack"
+    if not isinstance(value, dict):
+        return "message: must be a msgpack map"
+    return value
+
+
+class _Session:
+    """One open session: the current prompt and the chunk loop."""
+
+    def __init__(self, fe: Any, sock: _Socket, init: RealtimeInit, opened: dict[str, Any]):
+        self.fe = fe
+        self.sock = sock
+        self.init = init
+        self.session_id: str = opened["session_id"]
+        self.replica: str = opened["replica"]
+        self.limit: int = init.max_chunks or opened["chunk_limit"]
+        self.pinned = fe.engine.options(session_id=self.session_id)
+        self.prompt = init.prompt
+        self.pending_event: int | None = None  # the prompt event not yet applied to a queued chunk
+        self.created = self.last_activity = time.monotonic()
+        self.gone = False
+
+    def _chunk_call(self, index: int) -> asyncio.Task:
+        event, self.pending_event = self.pending_event, None
+        call = self.pinned.realtime_chunk.remote(self.session_id, index, self.prompt, event)
+        started = time.perf_counter()
+
+        async def run() -> tuple[dict[str, Any], float]:
+            return await self.fe.call_engine(call), started
+
+        return asyncio.create_task(run())
+
+    async def generate(self) -> str:
+        """The chunk loop; returns why it ended."""
+        task = self._chunk_call(0)
+        index = 0
+        while True:
+            try:
+                answer, started = await task
+            except APIError as exc:
+                if exc.status in (410, 503):
+                    self.gone = True
+                    message = (
+                        f"session {self.session_id} was lost: its replica {self.replica} is gone "
+                        f"({exc.message}); open a new session"
+                    )
+                    await self.sock.error(message, code="session_gone", replica=self.replica)
+                    await self.sock.close(GONE_CLOSE, f"session gone: replica {self.replica} is gone")
+                    return "gone"
+                await self.sock.error(exc.message, code=exc.type)
+                await self.sock.close(1011, f"chunk {index} failed")
+                return "failed"
+            forward_ms = (time.perf_counter() - started) * 1000.0
+            last = index + 1 >= self.limit
+            if not last:  # the replica starts the next chunk while this one is sent
+                task = self._chunk_call(index + 1)
+            await self._send_chunk(answer, forward_ms, started)
+            if last:
+                reason = "generation complete"
+                if self.init.max_chunks is None:
+                    reason = f"generation complete: chunk limit {self.limit} reached (--realtime-max-chunks)"
+                await self.sock.close(1000, reason)
+                return "complete"
+            index += 1
+
+    async def _send_chunk(self, answer: dict[str, Any], forward_ms: float, started: float) -> None:
+        fmt = self.init.realtime_output_format
+        payloads: list[bytes] = answer["payloads"]
+        width, height = answer["width"], answer["height"]
+        per = FRAMES_PER_MESSAGE[fmt]
+        batches = [payloads[i : i + per] for i in range(0, len(payloads), per)] or [[]]
+        common: dict[str, Any] = {
+            "session_id": self.session_id,
+            "replica": answer["replica"],
+            "chunk_index": answer["chunk_index"],
+            "content_type": CONTENT_TYPES[fmt],
+            "width": width,
+            "height": height,
+            "channels": 3,
+            "bytes_per_frame": width * height * 3,
+            "format": "rgb24" if fmt == "raw" else fmt,
+            "num_frame_batches": len(batches),
+        }
+        if answer.get("event_id") is not None:
+            common["event_id"] = answer["event_id"]
+        t0 = time.perf_counter()
+        sent = 0
+        for i, frames in enumerate(batches):
+            payload = b"".join(frames)
+            header = {
+                **common,
+                "frame_batch_index": i,
+                "is_final_frame_batch": i == len(batches) - 1,
+                "num_frames": len(frames),
+                "total_size": len(payload),
+            }
+            if fmt != "raw":
+                header["payload_lengths"] = [len(f) for f in frames]
+            if len(payload) >= PAYLOAD_INLINE_BYTES:
+                sent += await self.sock.send({"type": "frame_batch_header", **header}, payload)
+            else:
+                sent += await self.sock.send({"type": "frame_batch", **header, "payload": payload})
+        write_ms = (time.perf_counter() - t0) * 1000.0
+        stats = {
+            "type": "chunk_stats",
+            "session_id": self.session_id,
+            "replica": answer["replica"],
+            "chunk_index": answer["chunk_index"],
+            "event_id": answer.get("event_id"),
+            "request_prepare_ms": 0,
+            "scheduler_forward_ms": round(answer["generate_ms"]),
+            "frame_encode_ms": round(answer["encode_ms"]),
+            "queue_and_transfer_ms": round(
+                max(0.0, forward_ms - answer["generate_ms"] - answer["encode_ms"])
+            ),
+            "ws_write_ms": round(write_ms),
+            "chunk_total_ms": round((time.perf_counter() - started) * 1000.0),
+            "num_batches": len(batches),
+            "num_frames": answer["num_frames"],
+            "raw_bytes": answer["num_frames"] * width * height * 3,
+            "ws_payload_bytes": sent,
+            "content_type": CONTENT_TYPES[fmt],
+        }
+        await self.sock.send(stats)
+
+    async def listen(self) -> str:
+        """Client events until the socket closes; returns why it ended."""
+        while True:
+            try:
+                data = await _receive_map(self.sock.ws)
+            except (WebSocketDisconnect, RuntimeError):
+                return "client closed"
+            self.last_activity = time.monotonic()
+            if isinstance(data, str):
+                await self.sock.error(data)
+                continue
+            if data.get("type") == "init":
+                await self.sock.error(
+                    "type: this session is already running; close the socket to start another"
+                )
+                continue
+            try:
+                event = RealtimeEvent.model_validate(data)
+            except ValidationError as exc:
+                await self.sock.error(_validation_message(exc))
+                continue
+            if event.kind in ("heartbeat", "client_trace"):
+                continue
+            if event.kind != "prompt":
+                await self.sock.error(
+                    f"kind: unknown event kind {event.kind!r}; expected prompt or heartbeat"
+                )
+                continue
+            if not isinstance(event.payload, str) or not event.payload.strip():
+                await self.sock.error("payload: a prompt event carries the new prompt as a non-empty string")
+                continue
+            if len(event.payload) > self.fe.args.max_prompt_chars:
+                await self.sock.error(f"payload: longer than {self.fe.args.max_prompt_chars} characters")
+                continue
+            self.prompt = event.payload
+            self.pending_event = event.event_id
+
+    async def watchdog(self) -> str:
+        idle, lifetime = self.fe.args.session_idle_timeout_s, self.fe.args.session_max_lifetime_s
+        while True:
+            now = time.monotonic()
+            if now - self.created >= lifetime:
+                await self.sock.close(
+                    1000, f"maximum session lifetime reached (session_max_lifetime_s={lifetime:g})"
+                )
+                return "lifetime"
+            if now - self.last_activity >= idle:
+                await self.sock.close(1000, f"session idle timeout (session_idle_timeout_s={idle:g})")
+                return "idle"
+            await asyncio.sleep(min(1.0, idle / 4, lifetime / 4))
+
+    async def release(self) -> None:
+        if self.gone:
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.pinned.realtime_close.remote(self.session_id), timeout=30)
+
+
+@router.websocket("/v1/realtime_video/generate")
+async def realtime_video(websocket: WebSocket, fe: Any = Depends(frontend)):
+    await websocket.accept()
+    sock = _Socket(websocket)
+    try:
+        fe.check_auth(websocket, admin=False)
+    except APIError as exc:
+        await sock.error(exc.message, code=exc.type)
+        return await sock.close(4401, exc.message)
+    try:
+        init, opened = await _open(fe, sock)
+    except (WebSocketDisconnect, RuntimeError):
+        return
+    if opened is None:
+        return
+    session = _Session(fe, sock, init, opened)
+    tasks = [asyncio.create_task(c) for c in (session.generate(), session.listen(), session.watchdog())]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await session.release()
+        await sock.close(1000, "session closed")
+
+
+async def _open(fe: Any, sock: _Socket) -> tuple[RealtimeInit | None, dict[str, Any] | None]:
+    """Wait for a valid init and open the session on a replica (round-robin). A bad init answers an error
+    and waits for the next; the replicas' session cap answers an error and closes (1008)."""
+    while True:
+        data = await _receive_map(sock.ws)
+        if isinstance(data, str):
+            await sock.error(data)
+            continue
+        try:
+            init = RealtimeInit.model_validate(data)
+            params = init_params(fe, init)
+        except ValidationError as exc:
+            await sock.error(_validation_message(exc))
+            continue
+        except APIError as exc:
+            await sock.error(exc.message)
+            continue
+        try:
+            opened = await fe.call_engine(
+                fe.engine.realtime_open.remote(params, init.max_chunks, init.realtime_output_format)
+            )
+        except APIError as exc:
+            if exc.status == 429:
+                await sock.error(exc.message, code="rate_limit_error")
+                await sock.close(1008, "max_realtime_sessions reached; retry later")
+                return init, None
+            if exc.status == 400:
+                await sock.error(exc.message)
+                continue
+            await sock.error(exc.message, code=exc.type)
+            await sock.close(1011, "could not open a session")
+            return init, None
+        return init, opened

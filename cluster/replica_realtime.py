@@ -1,0 +1,287 @@
+"""Realtime video sessions on an engine replica (a mixin of ``EngineReplica``).
+
+A session (``ws /v1/realtime_video/generate``, ``api_realtime``) is opened on a replica chosen round-robin;
+its id ``<replica_id>.<token>`` pins every later call to that replica (``router.SessionRouter``), because
+the ranks there hold its rollout: the K/V cache of the finished chunks, their latents and the VAE decoder's
+causal cache. Each ``realtime_chunk`` call queues one chunk as a job of the engine's step loop (the
+realtime bucket takes turns, step by step, with the image/video batches of the other buckets), waits for
+its frames and encodes them for the wire (raw RGB, JPEG or WebP). ``realtime_close`` frees the ranks'
+state; sessions the frontend forgot (it crashed) expire after ``session_idle_timeout_s``.
+
+Memory: a session holds its K/V cache on the ranks, ``2 × rows × heads × head_dim × layers × tokens``
+values with ``tokens = full_chunk_limit × L × t_full + (chunks - full_chunk_limit + 1) × L × t_compressed``
+(L latent frames per chunk, t_full / t_compressed tokens per latent frame at full and FAR-compressed
+resolution): the open answer states it for the session's cap (``max_chunks`` or ``realtime_max_chunks``),
+and at most ``max_realtime_sessions`` sessions are open per replica (429 past it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+from ray.serve.metrics import Gauge, Histogram
+
+from ditserve.replica.launcher import RankDied, RankError
+from ditserve.replica.request import GenerationParams
+from ditserve.replica.scheduler import QueueFullError
+
+from .errors import param_of
+
+logger = logging.getLogger("ditserve")
+
+CONTENT_TYPES = {"raw": "application/x-raw-rgb", "jpeg": "image/jpeg", "webp": "image/webp"}
+CHUNK_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60]
+
+
+def _error(status: int, message: str, replica: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "error": {
+            "status": status,
+            "message": message,
+            "param": param_of(message),
+            "replica": replica,
+            **extra,
+        }
+    }
+
+
+def encode_frames(frames: np.ndarray, output_format: str) -> list[bytes]:
+    """uint8 [F, H, W, 3] → one payload per frame: raw RGB rows, or a JPEG / WebP file."""
+    if output_format == "raw":
+        return [np.ascontiguousarray(f).tobytes() for f in frames]
+    from PIL import Image
+
+    out = []
+    for frame in frames:
+        buffer = io.BytesIO()
+        if output_format == "jpeg":
+            Image.fromarray(frame).save(buffer, format="JPEG", quality=95, subsampling=0)
+        else:
+            Image.fromarray(frame).save(buffer, format="WEBP", quality=90, method=0)
+        out.append(buffer.getvalue())
+    return out
+
+
+def session_kv_bytes(spec: Any, params: GenerationParams, chunks: int, dtype_bytes: int) -> int:
+    """The K/V cache a session of ``chunks`` chunks holds at its longest (see the module docstring)."""
+    from ditserve.replica.families import vae_spatial_factor
+    from ditserve.replica.pipelines.anyflow import kv_cache_bytes, session_partition
+
+    config = SimpleNamespace(**spec.transformer_config())
+    rows = params.n * (2 if (params.guidance_scale or 1.0) > 1.0 else 1)
+    spatial = vae_spatial_factor(spec.folder)
+    return kv_cache_bytes(
+        config,
+        rows=rows,
+        partition=session_partition(params.num_frames, max(chunks, 2), spec.frame_multiple),
+        height=params.height // spatial,
+        width=params.width // spatial,
+        dtype_bytes=dtype_bytes,
+    )
+
+
+@dataclass(eq=False)
+class RealtimeSession:
+    session_id: str
+    params: GenerationParams  # the init's settings; each chunk replaces the prompt
+    max_chunks: int | None
+    output_format: str
+    next_chunk: int = 0
+    created: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class RealtimeMetrics:
+    def __init__(self, model: str):
+        self.sessions = Gauge(
+            "ditserve_realtime_sessions",
+            description="Open realtime video sessions held by this replica.",
+            tag_keys=("model",),
+        )
+        self.sessions.set_default_tags({"model": model})
+        self.chunk_latency = Histogram(
+            "ditserve_realtime_chunk_latency_seconds",
+            description="From queueing a realtime video chunk to its frames, encoded (tag status).",
+            boundaries=CHUNK_BUCKETS,
+            tag_keys=("model", "status"),
+        )
+        self.chunk_latency.set_default_tags({"model": model})
+
+
+class ReplicaRealtime:
+    """Realtime video sessions of one replica (``self.engine``, ``self.args``, ``self.replica_id`` are
+    ``EngineReplica``'s)."""
+
+    @property
+    def realtime(self) -> dict[str, RealtimeSession]:
+        if "_realtime" not in self.__dict__:
+            self._realtime: dict[str, RealtimeSession] = {}
+            self._realtime_metrics = RealtimeMetrics(self.engine.spec.name)
+        return self._realtime
+
+    def _realtime_count(self) -> None:
+        self._realtime_metrics.sessions.set(len(self.realtime))
+
+    def _expire_realtime(self) -> None:
+        now = time.monotonic()
+        idle, lifetime = self.args.session_idle_timeout_s, self.args.session_max_lifetime_s
+        for session in list(self.realtime.values()):
+            if session.lock.locked():
+                continue
+            if now - session.last_used > idle or now - session.created > lifetime:
+                self._forget_realtime(session.session_id)
+
+    def _forget_realtime(self, session_id: str) -> None:
+        if self.realtime.pop(session_id, None) is not None:
+            self.engine.close_session(session_id)  # frees the ranks' state between two steps
+            self._realtime_count()
+
+    async def realtime_open(
+        self, params: GenerationParams, max_chunks: int | None, output_format: str
+    ) -> dict[str, Any]:
+        unavailable = self._unavailable()
+        if unavailable is not None:
+            return unavailable
+        self._expire_realtime()
+        cap = self.args.max_realtime_sessions
+        if len(self.realtime) >= cap:
+            return _error(
+                429,
+                f"max_realtime_sessions: this replica holds {len(self.realtime)} realtime sessions, its maximum "
+                f"({cap}); retry later",
+                self.replica_id,
+                retry_after=5,
+            )
+        try:
+            self.engine.check_chunk(params)
+        except ValueError as exc:
+            return _error(400, str(exc), self.replica_id)
+        # Chunks a session may run: --realtime-max-chunks, and the model's temporal positions (rope).
+        config = self.engine.spec.transformer_config()
+        per_chunk = params.num_frames // self.engine.spec.frame_multiple
+        limit = min(
+            self.args.realtime_max_chunks, (int(config.get("rope_max_seq_len", 1024)) - 1) // per_chunk + 1
+        )
+        if max_chunks is not None and max_chunks > limit:
+            return _error(
+                400,
+                f"max_chunks: {max_chunks} is above the maximum {limit} (--realtime-max-chunks "
+                f"{self.args.realtime_max_chunks}, and the model's positions at {params.num_frames} frames per chunk)",
+                self.replica_id,
+            )
+        session = RealtimeSession(
+            f"{self.replica_id}.{secrets.token_hex(16)}", params, max_chunks, output_format
+        )
+        self.realtime[session.session_id] = session
+        self._realtime_count()
+        chunks = max_chunks or limit
+        dtype_bytes = 4 if self.config.dtype == "float32" else 2
+        kv = session_kv_bytes(self.engine.spec, params, chunks, dtype_bytes)
+        logger.info(
+            "realtime session %s opened: up to %d chunks, K/V cache %.1f MiB",
+            session.session_id,
+            chunks,
+            kv / 2**20,
+        )
+        return {
+            "replica": self.replica_id,
+            "session_id": session.session_id,
+            "kv_cache_bytes": kv,
+            "chunk_limit": chunks,
+        }
+
+    async def realtime_chunk(
+        self, session_id: str, chunk_index: int, prompt: str, event_id: int | None
+    ) -> dict[str, Any]:
+        """Generate chunk ``chunk_index`` of the session with ``prompt``; its frames, encoded."""
+        session = self.realtime.get(session_id)
+        if session is None:
+            return _error(
+                404, f"session_id: {session_id} does not exist (closed or expired)", self.replica_id
+            )
+        async with session.lock:
+            session.last_used = time.monotonic()
+            if chunk_index != session.next_chunk:
+                return _error(
+                    400,
+                    f"chunk_index: expected chunk {session.next_chunk}, got {chunk_index}",
+                    self.replica_id,
+                )
+            update: dict[str, Any] = {"prompt": prompt}
+            if chunk_index > 0:
+                update["images"] = ()  # the first frame is chunk 0's
+            params = session.params.model_copy(update=update)
+            t0 = time.perf_counter()
+            answer = await self._realtime_run(session, chunk_index, params)
+            if "error" in answer:
+                status = str(answer["error"]["status"])
+                self._realtime_metrics.chunk_latency.observe(
+                    time.perf_counter() - t0, tags={"status": status}
+                )
+                return answer
+            frames, generate_s = answer["frames"], answer["generate_s"]
+            t1 = time.perf_counter()
+            payloads = await asyncio.to_thread(encode_frames, frames, session.output_format)
+            encode_s = time.perf_counter() - t1
+            session.next_chunk += 1
+            session.last_used = time.monotonic()
+            self._realtime_metrics.chunk_latency.observe(time.perf_counter() - t0, tags={"status": "ok"})
+            return {
+                "replica": self.replica_id,
+                "session_id": session_id,
+                "chunk_index": chunk_index,
+                "event_id": event_id,
+                "payloads": payloads,
+                "num_frames": int(frames.shape[0]),
+                "height": int(frames.shape[1]),
+                "width": int(frames.shape[2]),
+                "generate_ms": generate_s * 1000.0,
+                "encode_ms": encode_s * 1000.0,
+            }
+
+    async def _realtime_run(self, session: RealtimeSession, chunk_index: int, params: GenerationParams):
+        unavailable = self._unavailable()
+        if unavailable is not None:
+            return unavailable
+        t0 = time.perf_counter()
+        try:
+            future = self.engine.submit_chunk(session.session_id, chunk_index, params, session.max_chunks)
+        except ValueError as exc:
+            return _error(400, str(exc), self.replica_id)
+        except QueueFullError as exc:
+            return _error(429, str(exc), self.replica_id, retry_after=exc.retry_after_s)
+        try:
+            frames = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            future.cancel()  # the client left: the chunk's slot is freed at the next step
+            raise
+        except ValueError as exc:
+            return _error(400, str(exc), self.replica_id)
+        except RankDied as exc:
+            return self._rank_failed(exc)
+        except RankError as exc:
+            if self.launcher.dead:
+                return self._rank_failed(exc)
+            raise
+        return {"frames": frames, "generate_s": time.perf_counter() - t0}
+
+    async def realtime_close(self, session_id: str) -> dict[str, Any]:
+        session = self.realtime.get(session_id)
+        if session is None:
+            return _error(
+                404, f"session_id: {session_id} does not exist (closed or expired)", self.replica_id
+            )
+        async with session.lock:
+            self.realtime.pop(session_id, None)
+            self._realtime_count()
+            await asyncio.wrap_future(self.engine.close_session(session_id))
+        return {"replica": self.replica_id, "session_id": session_id, "closed": True}
