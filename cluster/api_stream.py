@@ -39,6 +39,7 @@ from ray.serve.exceptions import DeploymentUnavailableError
 
 from ditserve.replica.request import GenerationParams
 
+from .api_edits import EDITS_PATH, upload_allowance
 from .api_sessions import SessionGenerateRequest
 from .errors import SessionGoneError
 from .http_base import ERROR_TYPES, REPLICA_HEADER, frontend
@@ -61,9 +62,12 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         try:
-            limit = frontend().args.max_body_bytes
+            fe = frontend()
         except IndexError:  # no Frontend in this process (the app used alone)
             return await self.app(scope, receive, send)
+        limit = fe.args.max_body_bytes
+        if scope.get("path") == EDITS_PATH:  # image files on top (each checked against max_image_bytes)
+            limit += upload_allowance(fe)
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
         if length is not None:

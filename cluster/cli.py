@@ -43,7 +43,36 @@ def _add_generate(sub) -> None:
     p.add_argument("--num-frames", type=int, default=9, help="Video frames (video models).")
     p.add_argument("--fps", type=int, default=16, help="Video frame rate.")
     p.add_argument("--lora", action="append", default=[], help="Adapter NAME=PATH[:SCALE] (repeatable).")
+    p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        help="Input image file (PNG/JPEG/WebP; repeatable): an edit model's reference, else image-to-image "
+        "from it (size: the image's unless --width/--height).",
+    )
+    p.add_argument(
+        "--strength", type=float, default=None, help="Image-to-image: 1 = from noise, small = keep (0.6)."
+    )
     add_model_arguments(p, EngineArgs)
+
+
+def _read_images(paths: list[str], engine) -> tuple[bytes, ...]:
+    """--image files, each checked as the API checks uploads (ValueError naming --image)."""
+    from ditserve.replica.media import check_image
+
+    images = []
+    limits = engine.config.limits
+    for path in paths:
+        try:
+            data = Path(path).expanduser().read_bytes()
+        except OSError as exc:
+            raise ValueError(f"--image {path}: {exc.strerror or exc}") from None
+        try:
+            check_image(data, "image", max_bytes=limits.max_image_bytes, max_pixels=limits.max_image_pixels)
+        except ValueError as exc:
+            raise ValueError(f"--image {path}: {str(exc).removeprefix('image: ')}") from None
+        images.append(data)
+    return tuple(images)
 
 
 def _output_paths(output: str, n: int) -> list[Path]:
@@ -77,11 +106,28 @@ def run_generate(ns: argparse.Namespace) -> int:
     small = engine.spec.name.startswith("demo-")
     size = 64 if small else 1024
     try:
+        images = _read_images(ns.image, engine)
+    except ValueError as exc:
+        return _fail(str(exc))
+    width, height = ns.width or size, ns.height or size
+    if images and not video and not (ns.width or ns.height):  # the first image's size, as the API
+        from ditserve.replica.media import image_size
+
+        multiple = engine.spec.size_multiple
+        first = image_size(images[0])
+        width, height = (
+            max(multiple, first[0] // multiple * multiple),
+            max(multiple, first[1] // multiple * multiple),
+        )
+    extra = {} if ns.strength is None else {"strength": ns.strength}
+    if images and not video and not engine.spec.edits and ns.strength is None:
+        extra["strength"] = 0.6  # FluxImg2ImgPipeline's default
+    try:
         params = GenerationParams(
             prompt=ns.prompt,
             negative_prompt=negative,
-            width=ns.width or size,
-            height=ns.height or size,
+            width=width,
+            height=height,
             num_frames=ns.num_frames if video else 1,
             num_inference_steps=ns.num_inference_steps,
             guidance_scale=ns.guidance_scale,
@@ -89,6 +135,8 @@ def run_generate(ns: argparse.Namespace) -> int:
             seed=ns.seed,
             n=ns.n,
             fps=ns.fps,
+            images=images,
+            **extra,
         )
         engine.check(params)
     except ValidationError as exc:

@@ -31,7 +31,7 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from ditserve.replica.models.registry import resolve_model
 from ditserve.replica.request import GenerationParams
 
-from . import api_admin, api_realtime, api_sessions, api_stream, api_videos
+from . import api_admin, api_edits, api_realtime, api_sessions, api_stream, api_videos
 from .config import AppArgs
 from .control_state import (
     delete_state_actors,
@@ -57,6 +57,7 @@ fastapi_app = build_fastapi()
 fastapi_app.include_router(api_sessions.router)
 fastapi_app.include_router(api_admin.router)
 fastapi_app.include_router(api_videos.router)
+fastapi_app.include_router(api_edits.router)
 fastapi_app.include_router(api_stream.router)
 fastapi_app.include_router(api_realtime.router)
 # Over --max-body-bytes → 413 before the body is read or parsed.

@@ -163,8 +163,12 @@ class GrpcMethods:
     """The RPCs of ``ditserve.v1.DitServe``, mixed into the Frontend ingress (``self`` is the Frontend)."""
 
     def check_message_size(self, request: Any) -> None:
-        size = request.ByteSize()
-        if size > self.args.max_body_bytes:
+        size, limit = request.ByteSize(), self.args.max_body_bytes
+        if isinstance(request, pb.EditImageRequest):  # image files on top, as POST /v1/images/edits
+            from .api_edits import upload_allowance
+
+            limit += upload_allowance(self)
+        if size > limit:
             raise APIError(
                 413,
                 f"message is {size} bytes; the limit is max_body_bytes={self.args.max_body_bytes}",
@@ -189,6 +193,19 @@ class GrpcMethods:
             self, self.engine.options(stream=True).generate_stream.remote(params)
         ):
             yield _event_message(event)
+
+    @unary
+    async def EditImage(self, request, grpc_context=None):
+        from .api_edits import edit_params, validate_edit
+
+        self.check_auth(_Metadata(grpc_context), admin=False)
+        data = fields(request)
+        data.pop("image", None)  # the files as bytes, not as the JSON mapping's base64
+        data.pop("mask", None)
+        mask = request.mask if request.HasField("mask") else None
+        params, _, _ = edit_params(self, validate_edit(data), list(request.image), mask)
+        answer = await self.call_engine(self.engine.generate.remote(params))
+        return _result_message(answer["result"], answer["replica"])
 
     # -- videos ------------------------------------------------------------------------------------------
     @unary

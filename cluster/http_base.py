@@ -172,6 +172,7 @@ PUBLIC_PATHS = ("/health", "/v1/models", "/v1/replicas")
 # Routes that generate (they queue on a replica, so a full queue answers 429).
 GENERATION_ROUTES = {
     ("post", "/v1/images/generations"),
+    ("post", "/v1/images/edits"),
     ("post", "/v1/videos"),
     ("post", "/v1/sessions"),
     ("post", "/v1/sessions/{session_id}/generate"),
@@ -244,6 +245,7 @@ def _apply_limits(
     model = {"type": "string", "enum": [model_name]}
     for name in (
         "ImageGenerationRequest",
+        "ImageEditRequest",
         "SessionGenerateRequest",
         "SessionOpenRequest",
         "VideoCreateRequest",
@@ -264,10 +266,14 @@ def _apply_limits(
             props["seed"] = _nullable(
                 {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}, props["seed"].get("description")
             )
-    image = components.get("ImageGenerationRequest", {}).get("properties", {})
-    if image:
-        image["n"]["maximum"] = args.max_n
-        image["response_format"]["enum"] = ["b64_json"]
+    for name in ("ImageGenerationRequest", "ImageEditRequest"):
+        image = components.get(name, {}).get("properties", {})
+        if image:
+            image["n"]["maximum"] = args.max_n
+            image["response_format"]["enum"] = ["b64_json"]
+    edit = components.get("ImageEditRequest", {}).get("properties", {})
+    if edit:  # "auto": the first image's size
+        edit["size"]["anyOf"][0]["pattern"] = edit["size"]["anyOf"][0]["pattern"].replace(")?$", "|auto)?$")
     video = components.get("VideoCreateRequest", {}).get("properties", {})
     if video and "num_frames" in video:
         video["num_frames"] = _nullable(

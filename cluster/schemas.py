@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+)
 
 from ditserve.replica.caching import CacheSettings
 from ditserve.replica.models.registry import ModelSpec
@@ -160,3 +169,101 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "ditserve"
     kind: Literal["image", "video"]
+
+
+# -- POST /v1/images/edits ---------------------------------------------------------------------------------
+
+# FluxImg2ImgPipeline's default strength: image-to-image keeps this much of the noise schedule.
+DEFAULT_STRENGTH = 0.6
+
+
+def _json_field(value: Any, info: ValidationInfo) -> Any:
+    """A multipart form sends ``lora`` / ``cache`` as JSON text; gRPC and JSON send the value itself."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise ValueError(
+                f"{info.field_name} must be JSON, e.g. {_JSON_EXAMPLES[info.field_name]}"
+            ) from None
+    return value
+
+
+_JSON_EXAMPLES = {"lora": '{"name": "style", "scale": 0.8}', "cache": '{"policy": "fbcache"}'}
+
+
+class ImageEditRequest(BaseModel):
+    """``POST /v1/images/edits`` (multipart/form-data, as OpenAI's client sends it): the form's text fields.
+    The files (``image`` or ``image[]``, ``mask``) travel beside them. Values arrive as form text, so numbers
+    are read from their text; ``lora`` and ``cache`` are JSON text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: Prompt = Field(description="What the edited image shows.")
+    model: str | None = Field(
+        default=None, description="Model name (GET /v1/models); default: the served one."
+    )
+    n: int = Field(default=1, ge=1, description="Number of images.")
+    size: str | None = Field(
+        default=None,
+        description="WIDTHxHEIGHT, multiples of the model's size multiple; 'auto' or absent: the first image's "
+        "size (rounded down to the multiple, scaled down to the server's maximum).",
+    )
+    response_format: Literal["b64_json", "url"] = Field(
+        default="b64_json", description="Only b64_json is served."
+    )
+    negative_prompt: str | None = Field(default=None, description="What not to draw (true CFG with Flux).")
+    num_inference_steps: int = Field(default=20, ge=1, description="Denoising steps.")
+    guidance_scale: float | None = Field(default=None, ge=0, le=100, description="Guidance (model default).")
+    true_cfg_scale: float | None = Field(default=None, ge=0, le=100, description="True-CFG scale (Flux).")
+    seed: int | None = Field(default=None, ge=0, lt=2**63, description="Random seed (random when absent).")
+    strength: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description=f"Image-to-image (models without reference images): how much of the noise schedule runs, "
+        f"1 = from noise, small = keep the image (default {DEFAULT_STRENGTH}). Edit models refuse it.",
+    )
+    lora: LoRARef | list[LoRARef] | None = Field(
+        default=None, description='Adapter(s) as JSON text, e.g. {"name": "style", "scale": 0.8} or a list.'
+    )
+    cache: CacheSettings | None = Field(
+        default=None, description='Step cache as JSON text, e.g. {"policy": "fbcache", "threshold": 0.1}.'
+    )
+    # OpenAI's fields, accepted; the output is always an opaque PNG.
+    user: str | None = None
+    safety_identifier: str | None = None
+    quality: str | None = None
+    input_fidelity: Literal["high", "low"] | None = None
+    background: Literal["auto", "opaque"] | None = None
+    output_format: Literal["png"] | None = None
+    output_compression: int | None = Field(default=None, ge=0, le=100)
+    stream: bool = Field(default=False, description="Streaming is not served for edits (false only).")
+
+    _lora_json = field_validator("lora", "cache", mode="before")(_json_field)
+
+    def to_params(
+        self, width: int, height: int, spec: ModelSpec, images: tuple[bytes, ...], mask: bytes | None
+    ) -> GenerationParams:
+        loras = () if self.lora is None else tuple(self.lora if isinstance(self.lora, list) else [self.lora])
+        kwargs: dict[str, Any] = {}
+        if self.seed is not None:
+            kwargs["seed"] = self.seed
+        if not spec.edits:
+            kwargs["strength"] = self.strength if self.strength is not None else DEFAULT_STRENGTH
+        negative, true_cfg = spec.guidance_defaults(self.negative_prompt, self.true_cfg_scale)
+        return GenerationParams(
+            prompt=self.prompt,
+            negative_prompt=negative,
+            width=width,
+            height=height,
+            num_inference_steps=self.num_inference_steps,
+            guidance_scale=self.guidance_scale,
+            true_cfg_scale=true_cfg,
+            n=self.n,
+            cache=self.cache,
+            lora=loras,
+            images=images,
+            mask=mask,
+            **kwargs,
+        )

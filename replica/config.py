@@ -80,6 +80,12 @@ class Limits(BaseModel):
     max_steps: int = Field(default=100, ge=1, description="Most denoising steps per request.")
     max_n: int = Field(default=4, ge=1, description="Most images per request (n).")
     max_prompt_chars: int = Field(default=4000, ge=1, description="Longest prompt, in characters.")
+    max_image_bytes: int = Field(
+        default=16 << 20, ge=1024, description="Largest uploaded image (POST /v1/images/edits), in bytes."
+    )
+    max_image_pixels: int = Field(
+        default=4096 * 4096, ge=256, description="Largest uploaded image, in pixels (width × height)."
+    )
 
 
 class EngineConfig(BaseModel):

@@ -18,7 +18,7 @@ from typing import Any
 
 from .config import EngineConfig
 from .launcher import RankLauncher, default_launcher
-from .media import encode_mp4, encode_png
+from .media import encode_mp4, encode_png, image_size
 from .models.registry import ModelSpec, resolve_model
 from .request import GenerationParams, GenerationResult
 from .scheduler import Job, StepScheduler
@@ -129,6 +129,7 @@ class Engine:
                 raise ValueError(f"lora: adapter {ref.name!r} is not loaded; loaded: {loaded}")
         if params.n > limits.max_n:
             raise ValueError(f"n: {params.n} is above the maximum {limits.max_n}")
+        self.check_images(params)
         if params.init_latents is not None and not spec.family_spec.img2img:
             raise ValueError(f"init_latents: image-to-image is not supported for {spec.name}")
         if spec.kind == "video":
@@ -144,6 +145,34 @@ class Engine:
         if self.spec.kind == "video" and params.num_frames > limits.max_frames:
             raise ValueError(f"num_frames: {params.num_frames} is above the maximum {limits.max_frames}")
 
+    def check_images(self, params: GenerationParams) -> None:
+        """An image model's uploaded images (POST /v1/images/edits, ``generate --image``; decoded and sized
+        at the ingress): references up to the edit model's count, one start image for image-to-image, a
+        mask only where the family inpaints."""
+        spec = self.spec
+        family = spec.family_spec
+        if spec.kind != "image":
+            return
+        if params.mask is not None and not family.inpainting:
+            raise ValueError(f"mask: {spec.name} does not inpaint; send the image without a mask")
+        if not params.images:
+            if params.mask is not None:
+                raise ValueError("image: a mask needs the image it masks")
+            return
+        count = len(params.images)
+        if spec.edits:
+            if count > family.max_references:
+                raise ValueError(
+                    f"image: {spec.name} takes at most {family.max_references} reference image(s), got {count}"
+                )
+        elif family.img2img:
+            if count > 1:
+                raise ValueError(f"image: image-to-image with {spec.name} starts from one image, got {count}")
+            if params.init_latents is not None:
+                raise ValueError("image: give a start image or init_latents, not both")
+        else:
+            raise ValueError(f"image: {spec.name} takes no input images")
+
     def submit(
         self,
         params: GenerationParams,
@@ -158,6 +187,9 @@ class Engine:
             raise RuntimeError("engine is not running")
         self.check(params)
         bucket = (params.height, params.width, params.num_frames if self.spec.kind == "video" else 1)
+        if params.images and self.spec.edits:
+            # References of other sizes may give other sequence lengths: rows of one forward share one.
+            bucket += tuple(image_size(data) for data in params.images)
         job = Job(req_id=uuid.uuid4().hex, params=params, bucket=bucket, on_progress=on_progress)
         if on_preview is not None:
 

@@ -1,4 +1,5 @@
-"""Encoding outputs: PNG for images, H.264 MP4 (PyAV, FFmpeg inside its wheel) for videos."""
+"""Encoding outputs: PNG for images, H.264 MP4 (PyAV, FFmpeg inside its wheel) for videos; checking
+uploaded images."""
 
 from __future__ import annotations
 
@@ -6,6 +7,46 @@ import io
 
 import numpy as np
 from PIL import Image
+
+# What an upload may be (the formats OpenAI's image edits take).
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+
+
+def check_image(data: bytes, field: str, *, max_bytes: int, max_pixels: int) -> tuple[int, int]:
+    """An uploaded image's (width, height) once it is known to decode; ``ValueError`` naming ``field``
+    otherwise (too many bytes, too many pixels, not a PNG / JPEG / WebP, truncated or corrupt). The pixel
+    count is read from the header before anything is decoded."""
+    if len(data) > max_bytes:
+        raise ValueError(f"{field}: {len(data)} bytes is above the maximum {max_bytes} (max_image_bytes)")
+    unreadable = f"{field}: not a readable PNG, JPEG or WebP image"
+    try:
+        image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:
+        raise ValueError(
+            f"{field}: too many pixels (above the maximum {max_pixels}, max_image_pixels)"
+        ) from None
+    except Exception as exc:  # PIL raises many kinds for bytes that are not an image
+        raise ValueError(f"{unreadable} ({type(exc).__name__})") from None
+    with image:
+        width, height = image.size
+        if image.format not in IMAGE_FORMATS:
+            raise ValueError(f"{field}: {image.format} images are not taken; send PNG, JPEG or WebP")
+        if width * height > max_pixels:
+            raise ValueError(
+                f"{field}: {width}x{height} is {width * height} pixels, above the maximum {max_pixels} "
+                "(max_image_pixels)"
+            )
+        try:
+            image.load()
+        except Exception as exc:  # truncated or corrupt data after a valid header
+            raise ValueError(f"{unreadable} ({type(exc).__name__})") from None
+    return width, height
+
+
+def image_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from an image's header (an upload already checked)."""
+    with Image.open(io.BytesIO(data)) as image:
+        return image.size
 
 
 def encode_png(pixels: np.ndarray) -> bytes:

@@ -95,6 +95,8 @@ class Family:
     max_references: int = 0
     # image-to-image from ``init_latents`` + ``strength`` (sessions, /v1/images/edits on non-edit families)
     img2img: bool = False
+    # takes an inpainting ``mask`` with its image (POST /v1/images/edits ``mask``); refused otherwise
+    inpainting: bool = False
     # width/height multiple, (frames - 1) multiple, attention heads (for the layout check)
     size_multiple: Callable[[Folder], int] = default_size_multiple
     frame_multiple: Callable[[Folder], int] = lambda folder: 1

@@ -60,6 +60,17 @@ def request_scheduler(pipe):
     return type(pipe.scheduler).from_config(pipe.scheduler.config)
 
 
+def open_image(data: bytes):
+    """An uploaded image (PNG / JPEG / WebP bytes, checked at the ingress) as diffusers' ``load_image`` gives
+    it: EXIF orientation applied, RGB."""
+    import io
+
+    from diffusers.utils import load_image
+    from PIL import Image
+
+    return load_image(Image.open(io.BytesIO(data)))
+
+
 def to_uint8(images: np.ndarray) -> np.ndarray:
     """[0, 1] floats → uint8, rounding as diffusers' ``numpy_to_pil`` does."""
     return (images * 255).round().clip(0, 255).astype("uint8")

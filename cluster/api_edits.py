@@ -1,0 +1,207 @@
+"""``POST /v1/images/edits`` in the shape of OpenAI's images API (an ``APIRouter`` included by ``frontend``),
+and the checks the gRPC ``EditImage`` shares.
+
+The body is ``multipart/form-data`` as OpenAI's client sends it: the image file once as ``image``, or
+several as ``image[]``; ``mask``; the text fields of :class:`~ditserve.cluster.schemas.ImageEditRequest`
+(``lora`` and ``cache`` as JSON text). What the model does with the images depends on its family: an edit
+model (``Family.edit_pipelines``, e.g. FLUX.1 Kontext) takes them as references; another image family with
+``Family.img2img`` starts from the first image noised to ``strength`` (image-to-image).
+
+Every upload is decoded here once, only to check it (a PNG / JPEG / WebP within ``max_image_bytes`` and
+``max_image_pixels``); the engine receives the encoded bytes, and how many images the model takes (and
+whether it takes a mask) is checked by the engine, where the model is known. Each refusal is a 400
+naming the field. The answer is the images response of ``POST /v1/images/generations``.
+"""
+
+from __future__ import annotations
+
+import base64
+import email.parser
+import email.policy
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from ditserve.replica.media import check_image
+from ditserve.replica.request import GenerationParams
+
+from .http_base import REPLICA_HEADER, check_size, frontend
+from .schemas import APIError, ImageData, ImageEditRequest, ImagesResponse
+
+EDITS_PATH = "/v1/images/edits"
+IMAGE_FIELDS = ("image", "image[]")
+
+router = APIRouter(tags=["images"])
+
+
+def upload_allowance(fe: Any) -> int:
+    """Bytes an edit request may carry beyond ``max_body_bytes``: its image files (the model's reference
+    count, or one start image) and a mask where the family inpaints."""
+    family = fe.spec.family_spec
+    files = max(1, family.max_references) + (1 if family.inpainting else 0)
+    return files * fe.args.max_image_bytes
+
+
+def _edit_size(fe: Any, size: str | None, first: tuple[int, int]) -> tuple[int, int]:
+    """The requested size, or (absent / "auto") the first image's, scaled down to the server's maximum and
+    rounded down to the model's size multiple."""
+    limits, multiple = fe.args, fe.spec.size_multiple
+    if size not in (None, "", "auto"):
+        return check_size(size, limits.max_width, limits.max_height, multiple)
+    width, height = first
+    scale = min(1.0, limits.max_width / width, limits.max_height / height)
+    width, height = int(width * scale) // multiple * multiple, int(height * scale) // multiple * multiple
+    if not width or not height:
+        raise APIError(
+            400,
+            f"size: the image ({first[0]}x{first[1]}) is smaller than {multiple} pixels on a side; give size",
+            param="size",
+        )
+    return width, height
+
+
+def edit_params(
+    fe: Any, body: ImageEditRequest, images: list[bytes], mask: bytes | None
+) -> tuple[GenerationParams, int, int]:
+    """Checks shared by HTTP and gRPC (limits, model kind, the uploads) → engine parameters, width, height."""
+    fe.check_model(body.model)
+    if fe.model_kind != "image":
+        raise APIError(400, f"model {fe.model_name!r} makes videos; use POST /v1/videos", param="model")
+    if body.stream:
+        raise APIError(400, "stream: edits answer with the whole result; leave stream out", param="stream")
+    if body.response_format != "b64_json":
+        raise APIError(400, "response_format: only 'b64_json' is supported", param="response_format")
+    limits = fe.args
+    if body.n > limits.max_n:
+        raise APIError(400, f"n: {body.n} is above the maximum {limits.max_n}", param="n")
+    body = fe.check_prompt_and_steps(body)
+    if not images:
+        raise APIError(
+            400, "image: at least one image file is required (image, or image[] for several)", param="image"
+        )
+    sizes = []
+    for data in images:
+        try:
+            sizes.append(
+                check_image(
+                    data, "image", max_bytes=limits.max_image_bytes, max_pixels=limits.max_image_pixels
+                )
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="image") from None
+    if mask is not None:
+        if not fe.spec.family_spec.inpainting:  # said before the mask is read: it is not used
+            raise APIError(
+                400, f"mask: {fe.model_name} does not inpaint; send the image without a mask", param="mask"
+            )
+        try:
+            check_image(mask, "mask", max_bytes=limits.max_image_bytes, max_pixels=limits.max_image_pixels)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="mask") from None
+    if body.strength is not None and fe.spec.edits:
+        raise APIError(
+            400,
+            f"strength: {fe.model_name} takes the images as references and does not noise them; leave it out",
+            param="strength",
+        )
+    width, height = _edit_size(fe, body.size, sizes[0])
+    return body.to_params(width, height, fe.spec, tuple(images), mask), width, height
+
+
+def _read_form(content_type: str, raw: bytes) -> tuple[dict[str, str], list[bytes], bytes | None]:
+    """multipart/form-data → (text fields, image files in order, mask), with the standard library's MIME
+    parser (binary parts come back byte for byte)."""
+    if not content_type.startswith("multipart/form-data"):
+        raise APIError(400, "request body must be multipart/form-data (image files and text fields)")
+    head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode()
+    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + raw)
+    if not message.is_multipart():
+        raise APIError(400, "request body is not valid multipart/form-data")
+    fields: dict[str, str] = {}
+    images: list[bytes] = []
+    mask: bytes | None = None
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if not name:
+            continue
+        data = part.get_payload(decode=True) or b""
+        if name in IMAGE_FIELDS:
+            images.append(data)
+        elif name == "mask":
+            if mask is not None:
+                raise APIError(400, "mask: one mask per request", param="mask")
+            mask = data
+        elif part.get_filename():
+            raise APIError(400, f"{name}: files are taken only as image, image[] and mask", param=name)
+        elif name in fields:
+            raise APIError(400, f"{name}: given more than once", param=name)
+        else:
+            try:
+                fields[name] = data.decode("utf-8")
+            except UnicodeDecodeError:
+                raise APIError(400, f"{name}: not UTF-8 text", param=name) from None
+    return fields, images, mask
+
+
+def validate_edit(data: dict[str, Any]) -> ImageEditRequest:
+    try:
+        return ImageEditRequest.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        message = str(first.get("msg")).removeprefix("Value error, ")
+        raise APIError(400, f"{param or 'body'}: {message}", param=param) from None
+
+
+def images_response(result: Any) -> dict[str, Any]:
+    """The images response of ``POST /v1/images/generations``."""
+    response = ImagesResponse(
+        created=int(time.time()),
+        data=[ImageData(b64_json=base64.b64encode(png).decode()) for png in result.outputs],
+        seed=result.seed,
+        size=f"{result.width}x{result.height}",
+    )
+    return response.model_dump(exclude_none=True)
+
+
+def _binary(description: str) -> dict[str, Any]:
+    return {"type": "string", "format": "binary", "description": description}
+
+
+def _form_schema() -> dict[str, Any]:
+    """The multipart body's schema: the files beside the text fields."""
+    schema = ImageEditRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    properties = schema["properties"]
+    for name in ("lora", "cache"):  # JSON text in a form
+        properties[name] = {"type": "string", "description": properties[name]["description"]}
+    schema.pop("$defs", None)
+    schema["properties"] = {
+        "image": _binary("The image to edit (PNG, JPEG or WebP); several as image[]."),
+        "image[]": {
+            "type": "array",
+            "items": _binary("A reference image."),
+            "description": "Several images.",
+        },
+        "mask": _binary("Inpainting mask (models that inpaint only)."),
+        **schema["properties"],
+    }
+    return schema
+
+
+@router.post(
+    EDITS_PATH,
+    response_model=ImagesResponse,
+    openapi_extra={
+        "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": _form_schema()}}}
+    },
+)
+async def images_edits(request: Request, fe: Any = Depends(frontend)) -> JSONResponse:
+    """Edit (reference images) or image-to-image, by the served model's family."""
+    fe.check_auth(request, admin=False)
+    fields, images, mask = _read_form(request.headers.get("content-type", ""), await request.body())
+    params, _, _ = edit_params(fe, validate_edit(fields), images, mask)
+    answer = await fe.call_engine(fe.engine.generate.remote(params))
+    return JSONResponse(images_response(answer["result"]), headers={REPLICA_HEADER: answer["replica"]})

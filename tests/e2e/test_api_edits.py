@@ -1,0 +1,217 @@
+"""POST /v1/images/edits and gRPC EditImage as a user runs them against one real ``ditserve serve --model
+demo-scenes`` (a FLUX.1 folder: image-to-image), and FLUX.1 Kontext folders (reference images) on the
+engine at one rank and at Ulysses 2, each against the diffusers pipeline run in this process."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import torch
+from diffusers import FluxImg2ImgPipeline, FluxKontextPipeline
+from openai import OpenAI
+from PIL import Image, ImageDraw
+
+from ditserve.cluster.grpc_gen import ditserve_pb2 as pb
+from ditserve.cluster.grpc_gen import ditserve_pb2_grpc as pb_grpc
+from ditserve.replica.config import EngineConfig, ParallelFlags
+from ditserve.replica.engine import Engine
+from ditserve.replica.models.registry import resolve_model
+from ditserve.replica.pipelines.base import to_uint8
+from ditserve.replica.request import GenerationParams
+from tests.families.flux_kontext import build_folder
+from tests.helpers import ServeProcess, png_pixels, psnr
+
+MAX_IMAGE_BYTES = 40_000
+MAX_IMAGE_PIXELS = 256 * 256
+
+
+def png(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def scene(size: tuple[int, int] = (64, 64)) -> Image.Image:
+    """A red circle on a blue background (a demo-scenes caption's picture)."""
+    image = Image.new("RGB", size, (30, 60, 210))
+    ImageDraw.Draw(image).ellipse((12, 16, 44, 48), fill=(220, 30, 30))
+    return image
+
+
+SOURCE = png(scene())
+NOISE = png(Image.fromarray(np.random.default_rng(0).integers(0, 256, (128, 128, 3), dtype=np.uint8)))
+HUGE = png(Image.new("RGB", (512, 300), (0, 0, 0)))  # few bytes, too many pixels
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = ServeProcess(
+        "--model", "demo-scenes", "--max-n", "2", "--max-width", "128", "--max-height", "128",
+        "--max-image-bytes", str(MAX_IMAGE_BYTES), "--max-image-pixels", str(MAX_IMAGE_PIXELS),
+    )  # fmt: skip
+    yield proc
+    assert proc.stop() == 0, proc.output()
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        grpc.channel_ready_future(channel).result(timeout=30)
+        yield pb_grpc.DitServeStub(channel)
+
+
+# -- FLUX.1: image-to-image -----------------------------------------------------------------------------
+def test_openai_edit_is_diffusers_img2img(server):
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    settings = {"seed": 7, "num_inference_steps": 4, "strength": 0.6, "guidance_scale": 3.5}
+    cfg = {"negative_prompt": "", "true_cfg_scale": 3.0}  # demo-scenes' recommended sampling, given here
+    result = client.images.edit(
+        model="demo-scenes",
+        image=("scene.png", SOURCE, "image/png"),
+        prompt="a red square on a green background",
+        size="64x64",
+        n=2,
+        response_format="b64_json",
+        extra_body=settings | cfg,
+    )
+    ours = [png_pixels(base64.b64decode(d.b64_json)) for d in result.data]
+
+    spec = resolve_model("demo-scenes")
+    pipe = FluxImg2ImgPipeline.from_pretrained(spec.path, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    reference = pipe(
+        image=Image.open(io.BytesIO(SOURCE)).convert("RGB"),
+        prompt="a red square on a green background",
+        height=64,
+        width=64,
+        num_images_per_prompt=2,
+        generator=torch.Generator("cpu").manual_seed(settings["seed"]),
+        num_inference_steps=settings["num_inference_steps"],
+        strength=settings["strength"],
+        guidance_scale=settings["guidance_scale"],
+        max_sequence_length=min(512, pipe.tokenizer_2.model_max_length),
+        output_type="np",
+        **cfg,
+    ).images
+    for i, ref in enumerate(to_uint8(reference)):
+        assert ours[i].shape == ref.shape == (64, 64, 3)
+        assert psnr(ours[i], ref) >= 40, f"image {i}"
+
+
+# -- bad uploads, HTTP and gRPC ---------------------------------------------------------------------------
+HTTP_CASES = [
+    ("not an image", {"image": ("a.png", b"not an image", "image/png")}, {}, "image"),
+    ("truncated", {"image": ("a.png", SOURCE[: len(SOURCE) // 2], "image/png")}, {}, "image"),
+    ("too many bytes", {"image": ("a.png", NOISE, "image/png")}, {}, "image"),
+    ("too many pixels", {"image": ("a.png", HUGE, "image/png")}, {}, "image"),
+    ("no image", {}, {}, "image"),
+    ("two images", [("image[]", ("a.png", SOURCE)), ("image[]", ("b.png", SOURCE))], {}, "image"),
+    ("a mask", {"image": ("a.png", SOURCE), "mask": ("m.png", SOURCE)}, {}, "mask"),
+    ("size", {"image": ("a.png", SOURCE)}, {"size": "65x64"}, "size"),
+    ("unknown field", {"image": ("a.png", SOURCE)}, {"colour": "red"}, "colour"),
+    ("strength", {"image": ("a.png", SOURCE)}, {"strength": "1.5"}, "strength"),
+    ("lora not JSON", {"image": ("a.png", SOURCE)}, {"lora": "{name"}, "lora"),
+]
+
+
+def http_edit(server, files, data) -> httpx.Response:
+    form = {"prompt": "a red circle on a blue background", "num_inference_steps": "1", "seed": "1", **data}
+    if not files:  # multipart with text fields only
+        files = [("prompt", (None, form.pop("prompt")))]
+    return httpx.post(f"{server.base_url}/v1/images/edits", data=form, files=files, timeout=120)
+
+
+def test_bad_uploads_are_400_naming_the_field(server):
+    for name, files, data, param in HTTP_CASES:
+        r = http_edit(server, files, data)
+        assert r.status_code == 400, (name, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param, (name, error)
+        assert error["message"].startswith(param), (name, error)
+        ok = http_edit(server, {"image": ("a.png", SOURCE, "image/png")}, {"size": "32x48"})
+        assert ok.status_code == 200, (name, ok.text)
+        assert png_pixels(base64.b64decode(ok.json()["data"][0]["b64_json"])).shape == (48, 32, 3)
+
+
+def test_grpc_edit_and_its_bad_uploads(stub):
+    good = pb.EditImageRequest(image=[SOURCE], prompt="a red circle", num_inference_steps=1, seed=1)
+    reply = stub.EditImage(good, timeout=120)
+    assert reply.size == "64x64"  # the image's own size
+    assert png_pixels(reply.images[0]).shape == (64, 64, 3)
+    cases = [
+        (dict(image=[b"not an image"]), "image"),
+        (dict(image=[NOISE]), "image"),
+        (dict(image=[HUGE]), "image"),
+        (dict(image=[]), "image"),
+        (dict(image=[SOURCE, SOURCE]), "image"),
+        (dict(image=[SOURCE], mask=SOURCE), "mask"),
+        (dict(image=[SOURCE], size="64x65"), "size"),
+    ]
+    for fields, param in cases:
+        request = pb.EditImageRequest(prompt="a red circle", num_inference_steps=1, **fields)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.EditImage(request, timeout=120)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (param, info.value.details())
+        assert info.value.details().startswith(param), (param, info.value.details())
+        assert png_pixels(stub.EditImage(good, timeout=120).images[0]).shape == (64, 64, 3)
+
+
+# -- FLUX.1 Kontext: reference images -----------------------------------------------------------------------
+KONTEXT = GenerationParams(
+    prompt="make the circle green",
+    width=64,
+    height=48,
+    num_inference_steps=2,
+    guidance_scale=2.5,
+    seed=3,
+    images=(png(scene((80, 48))),),
+)
+
+
+def kontext_engine(folder, flags: dict) -> np.ndarray:
+    engine = Engine(EngineConfig(model=str(folder), parallel=ParallelFlags(**flags))).start()
+    try:
+        result = engine.generate(KONTEXT, timeout=300)
+    finally:
+        engine.shutdown()
+    return png_pixels(result.outputs[0])
+
+
+@pytest.fixture(scope="module")
+def kontext_folder(tmp_path_factory):
+    return build_folder(tmp_path_factory.mktemp("kontext") / "flux-kontext-tiny")
+
+
+@pytest.fixture(scope="module")
+def kontext_one_rank(kontext_folder):
+    return kontext_engine(kontext_folder, {})
+
+
+def test_kontext_one_rank_is_diffusers(kontext_folder, kontext_one_rank):
+    pipe = FluxKontextPipeline.from_pretrained(kontext_folder, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    p = KONTEXT
+    reference = pipe(
+        image=Image.open(io.BytesIO(p.images[0])).convert("RGB"),
+        prompt=p.prompt,
+        height=p.height,
+        width=p.width,
+        max_area=p.height * p.width,  # the requested size as is
+        num_inference_steps=p.num_inference_steps,
+        guidance_scale=p.guidance_scale,
+        generator=torch.Generator("cpu").manual_seed(p.seed),
+        max_sequence_length=min(512, pipe.tokenizer_2.model_max_length),
+        output_type="np",
+    ).images
+    assert kontext_one_rank.shape == (48, 64, 3)
+    assert psnr(kontext_one_rank, to_uint8(reference)[0]) >= 40
+
+
+def test_kontext_ulysses2_is_one_rank(kontext_folder, kontext_one_rank):
+    sharded = kontext_engine(kontext_folder, {"ulysses_degree": 2})
+    assert psnr(sharded, kontext_one_rank) >= 40
