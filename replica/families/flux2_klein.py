@@ -1,0 +1,19 @@
+"""FLUX.2 Klein (``Flux2KleinPipeline``): FLUX.2's transformer without a guidance embedding, a Qwen3 text
+encoder, true classifier-free guidance against the empty prompt (no user negative prompt) unless the
+folder is step-distilled, and the same reference-image editing as FLUX.2 dev."""
+
+from . import Family, vae_spatial_factor
+
+FAMILY = Family(
+    name="flux2_klein",
+    pipelines={"Flux2KleinPipeline": "image"},
+    runner="pipelines.flux2:Flux2KleinRunner",
+    plan="parallel.flux2:FLUX2_PLAN",
+    guidance="cfg",
+    negative_prompt=False,
+    edit_pipelines=frozenset({"Flux2KleinPipeline"}),
+    max_references=10,
+    size_multiple=lambda folder: vae_spatial_factor(folder) * 2,
+    checkpoints=((r"(?<![a-z])flux\.?2.*klein.*9b", 32), (r"(?<![a-z])flux\.?2.*klein", 24)),
+    typical_heads=24,
+)

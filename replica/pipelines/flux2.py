@@ -1,0 +1,212 @@
+"""FLUX.2: text-to-image and multi-reference editing with packed latents (the VAE's 2×2 patches as
+channels, batch-norm normalised), 4-axis rotary ids and Flux2Transformer2DModel.
+
+Two pipelines, one step loop:
+
+- ``Flux2Pipeline`` (FLUX.2 dev): Mistral3 text encoder, distilled guidance as an embedding (one branch).
+- ``Flux2KleinPipeline``: Qwen3 text encoder, no guidance embedding; true classifier-free guidance with
+  the empty prompt as negative when ``guidance_scale > 1`` and the folder is not step-distilled
+  (``is_distilled``), no user negative prompt.
+
+Reference images (``GenerationParams.images``) are encoded by the VAE in ``encode`` (on the encoder rank)
+and their packed tokens are appended after the image tokens every step, with their own ids (time
+coordinate 10, 20, …), as the diffusers pipelines do; the prediction keeps the image tokens only.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import PIL.Image
+import torch
+from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu, retrieve_timesteps
+
+from ..request import GenerationParams
+from .base import PipelineRunner, RequestState, request_scheduler, to_uint8
+
+# Reference images above this area are resized down to it first (both pipelines' rule).
+MAX_REFERENCE_AREA = 1024 * 1024
+
+
+class Flux2Runner(PipelineRunner):
+    """``Flux2Pipeline`` (FLUX.2 dev)."""
+
+    default_guidance = 4.0
+    # Double blocks carry (text, image) streams and single blocks one joined stream, so one cached run
+    # spans the single blocks only: the first single block decides, the others (47 of 56 blocks in
+    # FLUX.2 dev) are skipped on a hit.
+    cache_blocks = ("single_transformer_blocks",)
+    cache_outputs = ("hidden_states",)
+
+    def _max_length(self) -> int:
+        tokenizer = getattr(self.pipe.tokenizer, "tokenizer", self.pipe.tokenizer)  # a processor holds one
+        return min(self.max_sequence_length, self.pipe.tokenizer_max_length, tokenizer.model_max_length)
+
+    def _encode_prompt(self, prompt: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, text_ids = self.pipe.encode_prompt(
+            prompt=prompt, device=self.device, num_images_per_prompt=n, max_sequence_length=self._max_length()
+        )
+        return embeds.to(self.dtype), text_ids
+
+    def _check(self, params: GenerationParams) -> None:
+        if params.negative_prompt is not None or params.true_cfg_scale > 1:
+            raise ValueError(
+                f"negative_prompt: {type(self.pipe).__name__} takes no negative prompt or true_cfg_scale "
+                "(FLUX.2 dev's guidance is distilled: set guidance_scale)"
+            )
+
+    def _references(self, params: GenerationParams) -> dict[str, torch.Tensor] | None:
+        """The reference images' packed VAE latents [n, R, C], their ids [R, 4] (as the pipeline makes them)
+        and their token grids [(h, w), ...]."""
+        if not params.images:
+            return None
+        pipe = self.pipe
+        images, sizes = [], []
+        multiple = pipe.vae_scale_factor * 2
+        for i, data in enumerate(params.images):
+            try:
+                img = PIL.Image.open(io.BytesIO(data))
+                img.load()
+                pipe.image_processor.check_image_input(img)
+            except ValueError as exc:
+                raise ValueError(f"images: reference {i}: {exc}") from None
+            except (OSError, PIL.Image.DecompressionBombError) as exc:
+                raise ValueError(f"images: reference {i} is not a readable image ({exc})") from None
+            width, height = img.size
+            if width * height > MAX_REFERENCE_AREA:
+                img = pipe.image_processor._resize_to_target_area(img, MAX_REFERENCE_AREA)
+                width, height = img.size
+            width, height = width // multiple * multiple, height // multiple * multiple
+            images.append(
+                pipe.image_processor.preprocess(img, height=height, width=width, resize_mode="crop")
+            )
+            sizes.append((height // multiple, width // multiple))  # packed tokens per side
+        # VAE modes (no sampling): the generator is not drawn from.
+        latents, ids = pipe.prepare_image_latents(
+            images=images, batch_size=params.n, generator=None, device=self.device, dtype=pipe.vae.dtype
+        )
+        return {"latents": latents, "ids": ids[0], "sizes": sizes}
+
+    def _guidance(self, params: GenerationParams) -> float:
+        return params.guidance_scale if params.guidance_scale is not None else self.default_guidance
+
+    @torch.no_grad()
+    def encode(self, params: GenerationParams) -> dict:
+        self._check(params)
+        embeds, text_ids = self._encode_prompt(params.prompt, params.n)
+        return {
+            "cond": {"encoder_hidden_states": embeds},
+            "text_ids": text_ids[0],
+            "references": self._references(params),
+        }
+
+    def _branches(self, params: GenerationParams, encoded: dict) -> tuple[dict, dict | None, float]:
+        """(cond inputs, uncond inputs or None, CFG scale) without the reference latents."""
+        cond = dict(encoded["cond"])
+        if self.pipe.transformer.config.guidance_embeds:
+            cond["guidance"] = torch.full((params.n,), self._guidance(params), device=self.device)
+        return cond, None, 1.0
+
+    @torch.no_grad()
+    def prepare(self, req_id: str, params: GenerationParams, encoded: dict) -> RequestState:
+        pipe, n = self.pipe, params.n
+        cond, uncond, cfg_scale = self._branches(params, encoded)
+        # Latents from a CPU generator: the same seed gives the same noise on every device and rank.
+        generator = torch.Generator("cpu").manual_seed(params.seed)
+        latents, latent_ids = pipe.prepare_latents(
+            batch_size=n,
+            num_latents_channels=pipe.transformer.config.in_channels // 4,
+            height=params.height,
+            width=params.width,
+            dtype=self.dtype,
+            device=self.device,
+            generator=generator,
+        )
+        image_ids = latent_ids[0]
+        references = encoded.get("references")
+        if references is not None:
+            cond["image_latents"] = references["latents"]
+            if uncond is not None:
+                uncond["image_latents"] = references["latents"]
+            image_ids = torch.cat([image_ids, references["ids"]])
+        scheduler = request_scheduler(pipe)  # timesteps below as Flux2Pipeline sets them
+        steps = params.num_inference_steps
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        if getattr(scheduler.config, "use_flow_sigmas", False):
+            sigmas = None
+        mu = compute_empirical_mu(image_seq_len=latents.shape[1], num_steps=steps)
+        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        return RequestState(
+            req_id=req_id,
+            params=params,
+            latents=latents,
+            scheduler=scheduler,
+            timesteps=timesteps,
+            cond=cond,
+            uncond=uncond,
+            cfg_scale=cfg_scale,
+            # rows share the ids: requests batch only with the same reference sizes (the ids follow from them)
+            bucket=("flux2", params.height, params.width, tuple(references["sizes"]) if references else ()),
+            extra={
+                "shared": {"txt_ids": encoded["text_ids"], "img_ids": image_ids},
+                "latent_ids": latent_ids,
+            },
+        )
+
+    def model_forward(self, latents, timesteps, inputs, shared):
+        hidden = latents
+        if "image_latents" in inputs:
+            hidden = torch.cat([latents, inputs["image_latents"].to(latents.dtype)], dim=1)
+        out = self.pipe.transformer(
+            hidden_states=hidden.to(self.dtype),
+            timestep=timesteps / 1000,
+            guidance=inputs.get("guidance"),
+            encoder_hidden_states=inputs["encoder_hidden_states"],
+            txt_ids=shared["txt_ids"],
+            img_ids=shared["img_ids"],
+            return_dict=False,
+        )[0]
+        return out[:, : latents.shape[1]]
+
+    @torch.no_grad()
+    def decode(self, state: RequestState) -> np.ndarray:
+        pipe = self.pipe
+        latents = pipe._unpack_latents_with_ids(state.latents, state.extra["latent_ids"])
+        bn = pipe.vae.bn
+        mean = bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
+        std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps).to(
+            latents.device, latents.dtype
+        )
+        latents = pipe._unpatchify_latents(latents * std + mean)
+        image = pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)[0]
+        return to_uint8(pipe.image_processor.postprocess(image, output_type="np"))
+
+
+class Flux2KleinRunner(Flux2Runner):
+    """``Flux2KleinPipeline``: true CFG against the empty prompt (no user negative prompt)."""
+
+    def _check(self, params: GenerationParams) -> None:
+        if params.negative_prompt is not None or params.true_cfg_scale > 1:
+            raise ValueError(
+                "negative_prompt: FLUX.2 Klein takes no negative prompt (its guidance runs against the empty "
+                "prompt when guidance_scale > 1)"
+            )
+
+    def _cfg(self, params: GenerationParams) -> bool:
+        return self._guidance(params) > 1 and not self.pipe.config.is_distilled
+
+    @torch.no_grad()
+    def encode(self, params: GenerationParams) -> dict:
+        out = super().encode(params)
+        if self._cfg(params):
+            neg, _ = self._encode_prompt("", params.n)
+            out["uncond"] = {"encoder_hidden_states": neg}
+        return out
+
+    def _branches(self, params: GenerationParams, encoded: dict) -> tuple[dict, dict | None, float]:
+        cond = dict(encoded["cond"])
+        if "uncond" not in encoded:
+            return cond, None, 1.0
+        return cond, dict(encoded["uncond"]), self._guidance(params)
