@@ -198,7 +198,8 @@ class _Session:
         self.prompt = init.prompt
         self.pending_event: int | None = None  # the prompt event not yet applied to a queued chunk
         self.created = self.last_activity = time.monotonic()
-        self.gone = False
+        self.gone = self.released = False
+        self.pending: asyncio.Task | None = None
 
     def _chunk_call(self, index: int) -> asyncio.Task:
         event, self.pending_event = self.pending_event, None
@@ -212,8 +213,14 @@ class _Session:
 
     async def generate(self) -> str:
         """The chunk loop; returns why it ended."""
-        task = self._chunk_call(0)
-        index = 0
+        self.pending = self._chunk_call(0)
+        try:
+            return await self._chunks()
+        finally:
+            self.pending.cancel()  # the client left (or a limit closed the socket): stop the replica's chunk
+
+    async def _chunks(self) -> str:
+        task, index = self.pending, 0
         while True:
             try:
                 answer, started = await task
@@ -233,12 +240,13 @@ class _Session:
             forward_ms = (time.perf_counter() - started) * 1000.0
             last = index + 1 >= self.limit
             if not last:  # the replica starts the next chunk while this one is sent
-                task = self._chunk_call(index + 1)
+                task = self.pending = self._chunk_call(index + 1)
             await self._send_chunk(answer, forward_ms, started)
             if last:
                 reason = "generation complete"
                 if self.init.max_chunks is None:
                     reason = f"generation complete: chunk limit {self.limit} reached (--realtime-max-chunks)"
+                await self.release()  # the replica's slot is free before the client hears the close
                 await self.sock.close(1000, reason)
                 return "complete"
             index += 1
@@ -355,8 +363,9 @@ class _Session:
             await asyncio.sleep(min(1.0, idle / 4, lifetime / 4))
 
     async def release(self) -> None:
-        if self.gone:
+        if self.gone or self.released:
             return
+        self.released = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.pinned.realtime_close.remote(self.session_id), timeout=30)
 

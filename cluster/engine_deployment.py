@@ -156,6 +156,7 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
             "control_state": self.applied,
             "refused": self.refused,
             "sessions": len(self.sessions),
+            "realtime_sessions": len(self.realtime),
             "stats": self.engine.stats(),
         }
 

@@ -32,7 +32,7 @@ INIT = {
 def server(tmp_path_factory):
     folder = build_folder(tmp_path_factory.mktemp("anyflow") / "tiny-anyflow-far")
     proc = ServeProcess(
-        "--model", str(folder), "--dp-size", "2", "--api-key", KEY, "--max-realtime-sessions", "2",
+        "--model", str(folder), "--dp-size", "2", "--api-key", KEY, "--max-realtime-sessions", "1",
         timeout_s=300,
     )  # fmt: skip
     yield proc
@@ -129,6 +129,15 @@ def replicas(server) -> list[dict]:
     return r.json()["data"]
 
 
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
+
+
 def test_ordered_chunks_a_prompt_event_and_the_same_init_on_the_other_replica(server):
     init = {**INIT, "max_chunks": 4}
     sent = {}
@@ -192,6 +201,23 @@ def test_bad_inits_and_events_answer_errors_and_the_socket_keeps_serving(server)
     assert sorted(e.split(":")[0] for e in errors) == ["kind", "payload"]
     assert sorted(set(indexes)) == [0, 1, 2] and set(kinds) == {"image/jpeg"}
     assert client.close_code == 1000
+
+
+def test_a_session_past_the_replicas_cap_gets_an_error_and_1008(server):
+    """--max-realtime-sessions 1 and two replicas: a third open session is refused; closing frees the slots."""
+    first, second = Client(server), Client(server)
+    first.send({**INIT, "prompt": "a lighthouse"})  # no max_chunks: both run until closed
+    second.send({**INIT, "prompt": "a forest"})
+    owners = {first.chunk()["replica"], second.chunk()["replica"]}
+    assert len(owners) == 2
+    third = Client(server)
+    third.send(INIT)
+    refused = third.error()
+    assert refused["content"].startswith("max_realtime_sessions") and refused["code"] == "rate_limit_error"
+    assert third.recv() is None and third.close_code == 1008
+    first.close()
+    second.close()
+    wait_for(lambda: all(r["realtime_sessions"] == 0 for r in replicas(server)), 60, "sessions released")
 
 
 def test_killing_the_owner_replica_ends_the_session_with_session_gone(server):

@@ -2,10 +2,13 @@
 and its whole videos equal diffusers' ``AnyFlowFARPipeline`` for the same seed and chunk partition; a prompt
 change moves only the chunks after it; sharded layouts are refused naming the flags."""
 
+import io
+
 import numpy as np
 import pytest
 import torch
 from diffusers import AnyFlowFARPipeline
+from PIL import Image
 
 from ditserve.replica.config import EngineConfig, ParallelFlags
 from ditserve.replica.engine import Engine, validate_layout
@@ -41,10 +44,11 @@ def engine(folder):
     engine.shutdown()
 
 
-def diffusers_frames(pipe, prompt: str, chunks: int, guidance_scale: float = 1.0) -> np.ndarray:
+def diffusers_frames(pipe, prompt: str, chunks: int, guidance_scale: float = 1.0, video=None) -> np.ndarray:
     partition = [1] + [FRAMES_PER_CHUNK // 4] * (chunks - 1)
     out = pipe(
         prompt=prompt,
+        video=video,
         height=SETTINGS["height"],
         width=SETTINGS["width"],
         num_frames=(sum(partition) - 1) * 4 + 1,
@@ -69,9 +73,15 @@ def session(engine, sid: str, prompts: list[str], max_chunks: int | None, **extr
     return out
 
 
-def test_session_chunks_equal_the_pipeline(engine, pipe):
+@pytest.fixture(scope="module")
+def solo(engine):
+    """A session's chunks with the engine doing nothing else."""
+    return session(engine, "r1.a", [SETTINGS["prompt"]] * CHUNKS, max_chunks=CHUNKS)
+
+
+def test_session_chunks_equal_the_pipeline(solo, pipe):
     want = diffusers_frames(pipe, SETTINGS["prompt"], CHUNKS)
-    chunks = session(engine, "r1.a", [SETTINGS["prompt"]] * CHUNKS, max_chunks=CHUNKS)
+    chunks = solo
     assert [c.shape[0] for c in chunks] == [1] + [FRAMES_PER_CHUNK] * (CHUNKS - 1)
     assert all(c.shape[1:] == (64, 64, 3) and c.dtype == np.uint8 for c in chunks)
     got = np.concatenate(chunks)
@@ -120,7 +130,31 @@ def test_chunk_out_of_order_and_bad_sizes_are_refused(engine):
 def test_sharded_layouts_are_refused_naming_the_flags(folder):
     spec = resolve_model(str(folder))
     for flags in ({"ulysses_degree": 2}, {"ring_degree": 2}, {"tp_size": 2}):
-        config = EngineConfig(model=str(folder), device="cpu", dtype="float32", parallel=ParallelFlags(**flags))
+        config = EngineConfig(
+            model=str(folder), device="cpu", dtype="float32", parallel=ParallelFlags(**flags)
+        )
         with pytest.raises(ValueError, match="--ulysses-degree / --ring-degree") as err:
             validate_layout(config, spec)
         assert "--dp-size" in str(err.value)
+
+
+def test_chunks_interleaved_with_a_batch_video_are_unchanged(engine, solo):
+    """A whole video (POST /v1/videos) and a session's chunks share the step loop: the realtime bucket and
+    the video's bucket take turns step by step; neither changes the other's output."""
+    video = engine.submit(GenerationParams(**SETTINGS, num_frames=17))
+    chunks = session(engine, "r2.f", [SETTINGS["prompt"]] * CHUNKS, max_chunks=CHUNKS)
+    result = video.result(timeout=120)
+    assert result.media_type == "video/mp4" and result.num_frames == 17
+    for got, want in zip(chunks, solo, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_first_frame_session_equals_the_pipeline_image_to_video(engine, pipe):
+    pixels = (np.random.default_rng(3).random((64, 64, 3)) * 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    video = torch.from_numpy(pixels / 255.0).float().permute(2, 0, 1)[None, None]
+    want = diffusers_frames(pipe, SETTINGS["prompt"], 3, video=video)
+    chunks = session(engine, "r1.g", [SETTINGS["prompt"]] * 3, max_chunks=3, images=(buffer.getvalue(),))
+    got = np.concatenate(chunks)
+    assert got.shape == want.shape and psnr(got, want) >= 40, psnr(got, want)
