@@ -60,7 +60,8 @@ def load_pipeline(spec: ModelSpec, dtype: torch.dtype, device: torch.device, *, 
     transformers.utils.logging.set_verbosity_error()
     cls = getattr(diffusers, spec.pipeline_class)
     skipped = {} if encoders else dict.fromkeys(encoder_components(spec))
-    pipe = cls.from_pretrained(spec.path, dtype=dtype, **skipped)
+    components = spec.family_spec.load("runner").pipeline_components(spec.path)
+    pipe = cls.from_pretrained(spec.path, dtype=dtype, **skipped, **components)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 

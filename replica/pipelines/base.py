@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -179,6 +180,21 @@ class PipelineRunner(ABC):
     def decode(self, state: RequestState) -> np.ndarray:
         """uint8 images [n, H, W, 3] or videos [n, F, H, W, 3]."""
 
+    @classmethod
+    def pipeline_components(cls, folder: Path) -> dict[str, Any]:
+        """Components to pass to the pipeline's ``from_pretrained`` instead of loading them from ``folder``
+        (e.g. a processor that must be built differently on this machine). Default: none."""
+        return {}
+
+    def concat_inputs(self, inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """One forward's per-row inputs from every request's (same keys); a family whose rows differ in
+        length (padded prompts) overrides it."""
+        return {k: torch.cat([x[k] for x in inputs]) for k in inputs[0]}
+
+    def guide(self, state: RequestState, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
+        """One request's guided prediction from its two branches: the pipeline's CFG arithmetic."""
+        return uncond + state.cfg_scale * (cond - uncond)
+
     def timestep_rows(self, state: RequestState) -> torch.Tensor:
         t = state.timesteps[state.step_index]
         return t.expand(state.rows).to(state.latents.dtype)
@@ -189,7 +205,7 @@ class PipelineRunner(ABC):
         rows = [(s, getattr(s, branch) if getattr(s, branch) is not None else s.cond) for s in states]
         latents = torch.cat([s.latents for s, _ in rows])
         timesteps = torch.cat([self.timestep_rows(s) for s, _ in rows])
-        inputs = {k: torch.cat([c[k] for _, c in rows]) for k in rows[0][1]}
+        inputs = self.concat_inputs([c for _, c in rows])
         if self.before_forward is not None:
             self.before_forward([(s, s.rows) for s, _ in rows])
         shared = states[0].extra["shared"]
@@ -242,7 +258,7 @@ class PipelineRunner(ABC):
                 else:
                     neg = uncond_pred[uoffset : uoffset + s.rows]
                     uoffset += s.rows
-                pred = neg + s.cfg_scale * (pred - neg)
+                pred = self.guide(s, pred, neg)
             offset += s.rows
             t = s.timesteps[s.step_index]
             s.latents = s.scheduler.step(pred, t, s.latents, return_dict=False)[0]

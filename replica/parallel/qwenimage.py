@@ -1,0 +1,189 @@
+"""Qwen-Image's parallel plan (`QWENIMAGE_PLAN`): Ulysses / ring / K/V-gather / TP on a diffusers
+QwenImageTransformer2DModel, applied in place by `parallelize` (``plan.py``).
+
+What the plan does, in order:
+
+1. validate the layout against the model's heads;
+2. TP: column-parallel q/k/v and add_q/k/v_proj (both streams), img/txt MLP in; row-parallel to_out,
+   to_add_out and the MLP outs (`QWENIMAGE_TP_PLAN`, the same split diffusers' ``_tp_plan`` names). The
+   q/k RMSNorms are per head, so they need nothing under TP;
+3. swap every block's attention processor for `QwenImageParallelAttnProcessor`;
+4. pre-forward hook on the model: pad + split ``hidden_states`` along the image sequence. For edits that
+   sequence is [generated tokens; reference tokens], and the references are sharded with it (they are
+   image tokens like the others: they attend and are attended jointly, and the model gives them rotary
+   positions of their own; replicating them would repeat ~4096 tokens per reference on every rank). The
+   text stream stays replicated; the processor takes its rank's slice of the image rotary table;
+5. forward hook on the final ``proj_out``: all-gather the image sequence and cut the padding (the runner
+   then drops the reference tokens' predictions, as the pipelines do).
+
+Text masks: rows of one forward may carry prompts of different lengths, padded and marked by
+``encoder_hidden_states_mask``. `sequence_parallel_attention` takes replicated text without a mask, so the
+processor runs it once per distinct mask with only that mask's valid text tokens (padding text keys get no
+weight, exactly as the masked softmax gives them; the padding text queries' outputs are never read by an
+unpadded token, and are returned as zeros). One forward of equal-length prompts is one call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+from .hooks import ForwardState
+from .mesh import ParallelMesh
+from .plan import ParallelPlan, parallelize
+from .sequence import shard_sequence
+from .sp_attention import sequence_parallel_attention
+from .tp import RowParallelLinear, fused_row_parallel
+
+QWENIMAGE_TP_PLAN: dict[str, str] = {
+    "transformer_blocks.*.attn.to_[qkv]": "column",
+    "transformer_blocks.*.attn.add_[qkv]_proj": "column",
+    "transformer_blocks.*.attn.to_out.0": "row",
+    "transformer_blocks.*.attn.to_add_out": "row",
+    "transformer_blocks.*.img_mlp.net.0.proj": "column",
+    "transformer_blocks.*.img_mlp.net.2": "row",
+    "transformer_blocks.*.txt_mlp.net.0.proj": "column",
+    "transformer_blocks.*.txt_mlp.net.2": "row",
+}
+
+
+class QwenImageParallelAttnProcessor:
+    """Joint [text; image] attention with the image sequence sharded and the text replicated. Heads are read
+    as ``-1`` so TP's local head count just works."""
+
+    def __init__(self, mesh: ParallelMesh, state: ForwardState) -> None:
+        self.mesh = mesh
+        self.state = state
+
+    def _local_freqs(self, freqs: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the image rotary table (built by the model for the whole sequence), once per
+        forward."""
+        cached = self.state.extra.get("qwen_freqs")
+        if cached is None or cached[0] is not freqs:
+            cached = (freqs, shard_sequence(freqs, self.state.require_layout(), dim=0))
+            self.state.extra["qwen_freqs"] = cached
+        return cached[1]
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_hidden_states_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if encoder_hidden_states is None or attention_mask is not None:
+            raise NotImplementedError(
+                "QwenImageParallelAttnProcessor needs the text stream and no attention_mask"
+            )
+        head_dim = attn.inner_dim // attn.heads
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.unflatten(-1, (-1, head_dim))
+
+        q, k, v = (
+            heads(attn.to_q(hidden_states)),
+            heads(attn.to_k(hidden_states)),
+            heads(attn.to_v(hidden_states)),
+        )
+        tq = heads(attn.add_q_proj(encoder_hidden_states))
+        tk = heads(attn.add_k_proj(encoder_hidden_states))
+        tv = heads(attn.add_v_proj(encoder_hidden_states))
+        if attn.norm_q is not None:
+            q = attn.norm_q(q)
+        if attn.norm_k is not None:
+            k = attn.norm_k(k)
+        if attn.norm_added_q is not None:
+            tq = attn.norm_added_q(tq)
+        if attn.norm_added_k is not None:
+            tk = attn.norm_added_k(tk)
+        if image_rotary_emb is not None:
+            img_freqs, txt_freqs = image_rotary_emb
+            img_freqs = self._local_freqs(img_freqs)
+            q = apply_rotary_emb_qwen(q, img_freqs, use_real=False)
+            k = apply_rotary_emb_qwen(k, img_freqs, use_real=False)
+            tq = apply_rotary_emb_qwen(tq, txt_freqs, use_real=False)
+            tk = apply_rotary_emb_qwen(tk, txt_freqs, use_real=False)
+
+        layout = self.state.require_layout()
+        if encoder_hidden_states_mask is None:
+            img, text = sequence_parallel_attention(q, k, v, mesh=self.mesh, layout=layout, text=(tq, tk, tv))
+        else:
+            img, text = self._masked(q, k, v, (tq, tk, tv), encoder_hidden_states_mask.bool())
+        assert text is not None
+        img = img.flatten(2).to(q.dtype)
+        text = text.flatten(2).to(q.dtype)
+        out, add_out = attn.to_out[0], attn.to_add_out
+        if isinstance(out, RowParallelLinear) and isinstance(add_out, RowParallelLinear):
+            img, text = fused_row_parallel([out, add_out], [img.contiguous(), text.contiguous()])
+        else:
+            img, text = out(img.contiguous()), add_out(text.contiguous())
+        if len(attn.to_out) > 1:
+            img = attn.to_out[1](img)
+        return img, text
+
+    def _masked(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        text: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence-parallel call per distinct text mask, with that mask's valid text tokens only. Every
+        rank holds the same rows and masks, so every rank makes the same calls (same collectives)."""
+        layout = self.state.require_layout()
+        patterns, which = torch.unique(mask, dim=0, return_inverse=True)
+        img_out = q.new_empty(q.shape)
+        text_out = text[0].new_zeros(text[0].shape)
+        for index in range(patterns.shape[0]):
+            rows = (which == index).nonzero().flatten()
+            keep = patterns[index].nonzero().flatten()
+            part = tuple(t[rows][:, keep] for t in text)
+            img, txt = sequence_parallel_attention(
+                q[rows],
+                k[rows],
+                v[rows],
+                mesh=self.mesh,
+                layout=layout,
+                text=part,  # type: ignore[arg-type]
+            )
+            assert txt is not None
+            img_out[rows] = img.to(img_out.dtype)
+            text_out[rows[:, None], keep[None, :]] = txt.to(text_out.dtype)
+        return img_out, text_out
+
+
+def _qwen_on_forward(model: nn.Module, bound: dict[str, Any], state: ForwardState) -> None:
+    if bound.get("controlnet_block_samples") is not None:
+        raise NotImplementedError("ControlNet residuals are not sharded yet")
+    state.extra.pop("qwen_freqs", None)
+    if getattr(model, "zero_cond_t", False):
+        # modulate_index (which tokens are references) is built inside the model for the whole sequence.
+        if model._ditserve_parallel.mesh.sp_size > 1:
+            raise ValueError(
+                "model: this Qwen-Image-Edit transformer (zero_cond_t: per-token modulation of the reference "
+                "tokens) is not supported with sequence parallelism yet; use --tp-size / --cfg-parallel-size"
+            )
+
+
+QWENIMAGE_PLAN = ParallelPlan(
+    family="qwenimage",
+    tp=QWENIMAGE_TP_PLAN,
+    attention="transformer_blocks.*.attn",
+    processor=QwenImageParallelAttnProcessor,
+    tokens=lambda model, bound: bound["hidden_states"].shape[1],
+    # The rotary table is built for the whole image sequence; the processor takes its rank's rows.
+    split_inputs={"hidden_states": 1},
+    gather={"proj_out": 1},
+    on_forward=_qwen_on_forward,
+)
+
+
+def parallelize_qwenimage(transformer: nn.Module, *, mesh: ParallelMesh) -> nn.Module:
+    """Shard a QwenImageTransformer2DModel over `mesh` in place; every rank then calls it with full inputs."""
+    return parallelize(transformer, QWENIMAGE_PLAN, mesh=mesh)
