@@ -15,11 +15,12 @@ from fastapi import APIRouter, Body, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from ditserve.replica.caching import CacheSettings
 from ditserve.replica.request import GenerationParams
 
 from .http_base import REPLICA_HEADER, check_size, frontend
 from .router import session_owner
-from .schemas import APIError, Prompt
+from .schemas import APIError, Prompt, usage_of
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
@@ -47,6 +48,9 @@ class SessionGenerateRequest(BaseModel):
     )
     guidance_scale: float | None = Field(strict=True, default=None, ge=0, le=100)
     seed: int | None = Field(strict=True, default=None, ge=0, lt=2**63)
+    cache: CacheSettings | None = Field(
+        default=None, description="Step cache of this step (as on /v1/images/generations)."
+    )
 
 
 def _pinned(fe: Any, session_id: str):
@@ -102,6 +106,7 @@ async def session_generate(
         prompt=body.prompt,
         num_inference_steps=body.num_inference_steps,
         guidance_scale=body.guidance_scale,
+        cache=body.cache,
         **kwargs,
     )
     call = _pinned(fe, session_id).session_generate.remote(session_id, params, body.strength)
@@ -114,6 +119,7 @@ async def session_generate(
             "step": answer["step"],
             "seed": result.seed,
             "data": [{"b64_json": base64.b64encode(png).decode()} for png in result.outputs],
+            "usage": usage_of(result),
         },
         headers={REPLICA_HEADER: answer["replica"]},
     )

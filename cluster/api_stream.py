@@ -44,7 +44,7 @@ from .api_sessions import SessionGenerateRequest
 from .errors import SessionGoneError
 from .http_base import ERROR_TYPES, REPLICA_HEADER, frontend
 from .router import session_owner
-from .schemas import APIError
+from .schemas import APIError, usage_of
 
 router = APIRouter(tags=["streaming"])
 logger = logging.getLogger("ditserve")
@@ -179,6 +179,7 @@ async def image_events(fe: Any, params: GenerationParams) -> StreamingResponse:
                             "output_format": "png",
                             "background": "opaque",
                             "quality": "auto",
+                            "usage": usage_of(result),
                         }
                         yield _sse("image_generation.completed", data)
                 event = await anext(events, None)
@@ -215,6 +216,7 @@ def step_params(fe: Any, step: SessionGenerateRequest) -> GenerationParams:
         prompt=step.prompt,
         num_inference_steps=step.num_inference_steps,
         guidance_scale=step.guidance_scale,
+        cache=step.cache,
         **kwargs,
     )
 
@@ -329,4 +331,5 @@ def _ws_event(event: dict[str, Any]) -> dict[str, Any]:
         "size": f"{result.width}x{result.height}",
         "b64_json": base64.b64encode(result.outputs[0]).decode(),
         "replica": event["replica"],
+        "usage": usage_of(result),
     }

@@ -18,6 +18,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ditserve.replica.caching import CacheSettings
+from ditserve.replica.media import check_image
 from ditserve.replica.request import GenerationParams
 
 from .http_base import REPLICA_HEADER, check_size, frontend
@@ -25,6 +27,18 @@ from .router import session_owner
 from .schemas import APIError, Prompt
 
 router = APIRouter(prefix="/v1/videos", tags=["videos"])
+VIDEOS_PATH = "/v1/videos"
+REF = "#/components/schemas/{model}"  # nested models (cache) point into the OpenAPI components
+
+
+class ImageReference(BaseModel):
+    """OpenAI's reference object: ``{"image_url": "data:image/png;base64,..."}`` (``file_id`` is refused:
+    there is no files API here)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image_url: str | None = Field(default=None, description="A base64 data URL of a PNG / JPEG / WebP image.")
+    file_id: str | None = Field(default=None, description="Not supported (no files API): a 400.")
 
 
 class VideoCreateRequest(BaseModel):
@@ -47,10 +61,65 @@ class VideoCreateRequest(BaseModel):
     guidance_scale: float | None = Field(default=None, ge=0, le=100, description="CFG scale (model default).")
     negative_prompt: str | None = Field(default=None, description="What not to film.")
     seed: int | None = Field(default=None, ge=0, lt=2**63, description="Random seed (random when absent).")
+    guidance_scale_2: float | None = Field(
+        default=None,
+        ge=0,
+        le=100,
+        description="Two-expert models (Wan 2.2 A14B): the low-noise expert's CFG scale (default: guidance_scale).",
+    )
+    input_reference: str | ImageReference | None = Field(
+        default=None,
+        description="The first frame of an image-to-video model, resized to size: a file part (multipart, as "
+        'OpenAI\'s client sends it), or a base64 data URL (a string or {"image_url": ...}).',
+    )
+    cache: CacheSettings | None = Field(
+        default=None, description="Step cache of this video (as on /v1/images/generations)."
+    )
 
 
-def video_params(fe: Any, body: VideoCreateRequest) -> GenerationParams:
-    """Checks shared by HTTP and gRPC → engine parameters."""
+def _data_url(value: str) -> bytes:
+    """``data:<type>;base64,<data>`` → the bytes (the server fetches nothing, so other URLs are refused)."""
+    head, sep, data = value.partition(",")
+    if not value.startswith("data:") or not sep or not head.endswith(";base64"):
+        raise APIError(
+            400,
+            "input_reference: give an image file, or a base64 data URL (data:image/png;base64,...); "
+            "the server fetches no URLs",
+            param="input_reference",
+        )
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(
+            400, "input_reference: the data URL is not valid base64", param="input_reference"
+        ) from None
+
+
+def reference_bytes(body: VideoCreateRequest, upload: bytes | None) -> bytes | None:
+    """The first frame as encoded bytes: an uploaded file, or the body's data URL (not both)."""
+    given = body.input_reference
+    if upload is not None and given is not None:
+        raise APIError(400, "input_reference: given twice (a file and a URL)", param="input_reference")
+    if upload is not None:
+        return upload
+    if isinstance(given, ImageReference):
+        if given.file_id is not None or given.image_url is None:
+            raise APIError(
+                400,
+                "input_reference: file_id is not supported (no files API); give image_url as a data URL",
+                param="input_reference",
+            )
+        given = given.image_url
+    return None if given is None else _data_url(given)
+
+
+def reference_allowance(fe: Any) -> int:
+    """Bytes a video request may carry beyond ``max_body_bytes``: the first frame, where the model takes one."""
+    return fe.args.max_image_bytes if fe.spec.first_frame != "none" else 0
+
+
+def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None) -> GenerationParams:
+    """Checks shared by HTTP and gRPC → engine parameters (``upload``: the input_reference file)."""
     fe.check_model(body.model)
     if fe.model_kind != "video":
         raise APIError(
@@ -85,6 +154,8 @@ def video_params(fe: Any, body: VideoCreateRequest) -> GenerationParams:
         fps=body.fps,
         num_inference_steps=body.num_inference_steps,
         guidance_scale=body.guidance_scale,
+        guidance_scale_2=body.guidance_scale_2,
+        cache=body.cache,
         **kwargs,
     )
 
@@ -172,8 +243,8 @@ async def call_job(fe: Any, video_id: str, call) -> dict[str, Any]:
         "requestBody": {
             "required": True,
             "content": {
-                "application/json": {"schema": VideoCreateRequest.model_json_schema()},
-                "multipart/form-data": {"schema": VideoCreateRequest.model_json_schema()},
+                "application/json": {"schema": VideoCreateRequest.model_json_schema(ref_template=REF)},
+                "multipart/form-data": {"schema": VideoCreateRequest.model_json_schema(ref_template=REF)},
             },
         }
     },

@@ -237,6 +237,7 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
             if self.launcher.dead:
                 return self._rank_failed(exc)
             raise
+        self.metrics.observe_usage(result.usage)
         return {"replica": self.replica_id, "result": result}
 
     async def generate(self, params: GenerationParams) -> dict[str, Any]:

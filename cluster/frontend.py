@@ -50,7 +50,7 @@ from .http_base import (
     check_size,
     register_frontend,
 )
-from .schemas import APIError, ImageData, ImageGenerationRequest, ImagesResponse, ModelCard
+from .schemas import APIError, ImageData, ImageGenerationRequest, ImagesResponse, ModelCard, usage_of
 
 fastapi_app = build_fastapi()
 # Route groups live in their own modules; include them before @serve.ingress freezes the app.
@@ -286,6 +286,7 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
             data=[ImageData(b64_json=base64.b64encode(png).decode()) for png in result.outputs],
             seed=result.seed,
             size=f"{width}x{height}",
+            usage=usage_of(result),
         )
         return JSONResponse(
             response.model_dump(exclude_none=True), headers={REPLICA_HEADER: answer["replica"]}

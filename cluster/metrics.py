@@ -46,6 +46,7 @@ EXPORTED = (
     "ray_ditserve_lora_slots",
     "ray_ditserve_control_state_version",
     "ray_ditserve_device_memory_bytes",
+    "ray_ditserve_cache_forwards_total",
 )
 HISTOGRAMS = ("ray_ditserve_step_latency_seconds", "ray_ditserve_request_latency_seconds")
 # Seconds; a step of a small image is milliseconds, a video step on 8 GPUs can take many seconds.
@@ -105,6 +106,13 @@ class ReplicaMetrics:
             tag_keys=("model", "status"),
         )
         self.requests.set_default_tags(dict(tags))  # Serve adds its tags into the dict it gets
+        self.cache_forwards = Counter(
+            "ditserve_cache_forwards_total",
+            description="Transformer forwards of finished requests by step-cache policy; cached=true: the "
+            "step cache answered them (blocks after the first skipped).",
+            tag_keys=("model", "policy", "cached"),
+        )
+        self.cache_forwards.set_default_tags(dict(tags))
         self.lora_slots.set(max_loras)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -113,6 +121,18 @@ class ReplicaMetrics:
     def observe_request(self, latency_s: float, status: str = "ok") -> None:
         self.request_latency.observe(latency_s, tags={"status": status})
         self.requests.inc(tags={"status": status})
+
+    def observe_usage(self, usage: dict[str, Any]) -> None:
+        """A finished request's usage: its forwards, computed and cached, under its cache policy."""
+        if not usage:
+            return
+        policy = str(usage.get("cache_policy", "none"))
+        cached = int(usage.get("cached_forwards", 0))
+        computed = int(usage.get("transformer_forwards", 0)) - cached
+        if computed > 0:
+            self.cache_forwards.inc(computed, tags={"policy": policy, "cached": "false"})
+        if cached > 0:
+            self.cache_forwards.inc(cached, tags={"policy": policy, "cached": "true"})
 
     def observe_step(self, batch_size: int, latency_s: float) -> None:
         """Engine step listener (called in the engine loop thread after every step)."""

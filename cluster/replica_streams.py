@@ -69,6 +69,7 @@ class VideoJob:
     error: dict[str, Any] | None = None
     mp4: bytes | None = None
     future: Future | None = None
+    usage: dict[str, Any] | None = None  # transformer_forwards, cached_forwards, cache_policy once completed
 
     def public(self, ttl_s: float) -> dict[str, Any]:
         """The job in OpenAI's ``video`` shape (plus ``num_frames`` and ``fps``)."""
@@ -87,6 +88,7 @@ class VideoJob:
             "fps": self.fps,
             "prompt": self.prompt,
             "error": self.error,
+            "usage": self.usage,
         }
 
 
@@ -148,6 +150,7 @@ class ReplicaStreams:
             except Exception as exc:
                 yield _error(503, f"generation failed: {exc}", replica=self.replica_id)
                 return
+            self.metrics.observe_usage(result.usage)
             yield {"type": "result", "result": result, "replica": self.replica_id}
         finally:
             if not future.done():
@@ -243,7 +246,9 @@ class ReplicaStreams:
             if exc is not None:
                 job.status, job.error = "failed", {"code": "generation_failed", "message": str(exc)}
                 return
-            job.mp4 = future.result().outputs[0]
+            result = future.result()
+            job.mp4, job.usage = result.outputs[0], result.usage or None
+            self.metrics.observe_usage(result.usage)
             job.status, job.progress = "completed", 100
 
         try:

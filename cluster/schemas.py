@@ -125,8 +125,10 @@ class ImageGenerationRequest(BaseModel):
 
     cache: CacheSettings | None = Field(
         default=None,
-        description='Step cache for this request, e.g. {"policy": "fbcache", "threshold": 0.1}: steps whose '
-        "first-block residual barely changed reuse the rest of the model's last output. Absent: no caching.",
+        description='Step cache for this request, e.g. {"policy": "fbcache", "threshold": 0.1} (steps whose '
+        "first-block residual barely changed reuse the rest of the model's last output) or "
+        '{"policy": "taylorseer", "interval": 3} (forecast between computed steps). Absent: the server\'s '
+        'default (--cache-policy); {"policy": "none"} turns it off.',
     )
 
     def to_params(self, width: int, height: int, spec: ModelSpec) -> GenerationParams:
@@ -155,9 +157,27 @@ class ImageData(BaseModel):
     revised_prompt: str | None = None
 
 
+class Usage(BaseModel):
+    """What a request cost (ditserve's ``usage``): transformer forwards and how many the step cache answered."""
+
+    transformer_forwards: int = Field(
+        description="Transformer forwards of the request (one per CFG branch and step)."
+    )
+    cached_forwards: int = Field(
+        description="Of those, forwards whose blocks after the first the step cache skipped."
+    )
+    cache_policy: str = Field(default="none", description="The step cache policy the request ran with.")
+
+
+def usage_of(result: Any) -> dict[str, Any] | None:
+    """A result's usage as the API returns it (None when the engine reported none)."""
+    return Usage(**result.usage).model_dump() if getattr(result, "usage", None) else None
+
+
 class ImagesResponse(BaseModel):
     created: int
     data: list[ImageData]
+    usage: Usage | None = Field(default=None, description="What the request cost (step cache included).")
     seed: int | None = Field(default=None, description="Seed used (ditserve extension).")
     size: str | None = None
     output_format: str = "png"

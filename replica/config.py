@@ -132,6 +132,18 @@ class EngineConfig(BaseModel):
     )
     max_loras: int = Field(default=8, ge=1, description="Adapter slots per replica.")
     max_lora_rank: int = Field(default=128, ge=1, le=128, description="Largest adapter rank.")
+    cache_policy: Literal["recommended", "none", "fbcache", "taylorseer"] = Field(
+        default="recommended",
+        description="Step cache of requests that do not ask for one: none, fbcache, taylorseer, or recommended (what "
+        'the model folder\'s ditserve.json recommends under "cache", else none). A request\'s own "cache" '
+        'wins, {"policy": "none"} included.',
+    )
+    cache_threshold: float | None = Field(
+        default=None, ge=0.0, le=10.0, description="fbcache threshold of the server's default (default 0.1)."
+    )
+    cache_interval: int | None = Field(
+        default=None, ge=1, le=100, description="taylorseer interval of the server's default (default 3)."
+    )
     encoder_placement: Literal["first", "all"] = Field(
         default="first",
         description="Where the text/image encoders run in a replica of several ranks: first (one copy, on the "
@@ -157,6 +169,14 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 f"--quantization fp8 writes bfloat16 GEMM outputs on GPUs; --dtype {self.dtype} cannot hold "
                 "them: use --dtype bfloat16 (the default on cuda)"
+            )
+        if self.cache_threshold is not None and self.cache_policy != "fbcache":
+            raise ValueError(
+                f"--cache-threshold is an fbcache setting; --cache-policy is {self.cache_policy}"
+            )
+        if self.cache_interval is not None and self.cache_policy != "taylorseer":
+            raise ValueError(
+                f"--cache-interval is a taylorseer setting; --cache-policy is {self.cache_policy}"
             )
         if self.cuda_graphs and self.device != "cuda":  # auto never turns them on off cuda
             raise ValueError("--cuda-graphs needs --device cuda; drop it or pass --no-cuda-graphs")

@@ -16,6 +16,7 @@ from pathlib import Path
 from queue import Empty, SimpleQueue
 from typing import Any
 
+from .caching.settings import CacheSettings
 from .config import EngineConfig
 from .launcher import RankLauncher, default_launcher
 from .media import encode_mp4, encode_png, image_size
@@ -39,6 +40,16 @@ def validate_layout(config: EngineConfig, spec: ModelSpec) -> int:
     return world_size
 
 
+def default_cache(config: EngineConfig, spec: ModelSpec) -> CacheSettings | None:
+    """The step cache of requests that ask for none: ``--cache-policy`` (recommended: the model's)."""
+    if config.cache_policy == "recommended":
+        return spec.recommended_cache
+    if config.cache_policy == "none":
+        return None
+    extra = {"threshold": config.cache_threshold, "interval": config.cache_interval}
+    return CacheSettings(policy=config.cache_policy, **{k: v for k, v in extra.items() if v is not None})
+
+
 class Engine:
     """Owns a replica's ranks and its step loop.
 
@@ -50,6 +61,7 @@ class Engine:
         self.config = config
         self.spec = resolve_model(config.model)
         self.world_size = validate_layout(config, self.spec)
+        self.default_cache = default_cache(config, self.spec)
         self.launcher = launcher or default_launcher(self.world_size)
         self.scheduler = StepScheduler(config.max_batch_size, config.max_queue)
         self._controls: SimpleQueue[tuple[Callable[[], Any], Future]] = SimpleQueue()
@@ -186,6 +198,8 @@ class Engine:
         if not self.running:
             raise RuntimeError("engine is not running")
         self.check(params)
+        if params.cache is None and self.default_cache is not None:
+            params = params.model_copy(update={"cache": self.default_cache})
         bucket = (params.height, params.width, params.num_frames if self.spec.kind == "video" else 1)
         if params.images and self.spec.edits:
             # References of other sizes may give other sequence lengths: rows of one forward share one.
@@ -424,7 +438,8 @@ class Engine:
             p = job.params
             # ``latents`` before ``finish``: finish forgets the request's state.
             latents = self.launcher.call("latents", job.req_id) if p.return_latents else None
-            pixels = self.launcher.call("finish", job.req_id)
+            finished = self.launcher.call("finish", job.req_id)
+            pixels = finished["pixels"]
             if self.spec.kind == "video":
                 outputs, media = [encode_mp4(v, fps=p.fps) for v in pixels], "video/mp4"
             else:
@@ -438,6 +453,7 @@ class Engine:
                 num_frames=p.num_frames if self.spec.kind == "video" else 1,
                 timings={"last_step_s": step_s},
                 latents=latents,
+                usage={**finished["usage"], "cache_policy": p.cache.policy if p.cache else "none"},
             )
         except Exception as exc:
             if not job.future.done():

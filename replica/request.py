@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -86,3 +87,5 @@ class GenerationResult:
     num_frames: int = 1
     timings: dict[str, float] = field(default_factory=dict)
     latents: np.ndarray | None = None  # final latents when params.return_latents
+    # transformer_forwards, cached_forwards (ints) and cache_policy: what the request cost
+    usage: dict[str, Any] = field(default_factory=dict)

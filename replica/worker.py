@@ -16,7 +16,7 @@ import torch
 
 from .config import EngineConfig
 from .models.registry import ModelSpec, resolve_model
-from .pipelines.base import PipelineRunner, RequestState
+from .pipelines.base import PipelineRunner, RequestState, usage
 from .request import GenerationParams
 
 logger = logging.getLogger(__name__)
@@ -276,10 +276,13 @@ class RankWorker:
         self.runner.step(states)
         return {s.req_id: s.step_index for s in states}
 
-    def finish(self, req_id: str) -> np.ndarray | None:
-        """Forget a finished request; rank 0 decodes it (once per replica) and returns the pixels."""
+    def finish(self, req_id: str) -> dict[str, Any] | None:
+        """Forget a finished request; rank 0 decodes it (once per replica) and returns its pixels and
+        usage."""
         state = self.states.pop(req_id)
-        return self.runner.decode(state) if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        return {"pixels": self.runner.decode(state), "usage": usage(state)}
 
     def latents(self, req_id: str) -> np.ndarray | None:
         """The request's current (packed) latents, float32 on host; rank 0 only (others return None)."""

@@ -73,7 +73,9 @@ def apply_step_cache(
     blocks = [b for name in block_lists for b in getattr(model, name, [])]
     assert len(blocks) >= 2, "step caching needs at least two transformer blocks"
     handle = StepCacheModel(blocks=blocks, forwards=[b.forward for b in blocks], outputs=outputs, group=group)
-    hidden_index = outputs.index("hidden_states")
+    # The hidden stream: ``hidden_states``, or a block's only output under another name (Z-Image's ``x``).
+    hidden_name = "hidden_states" if "hidden_states" in outputs else outputs[0]
+    hidden_index = outputs.index(hidden_name)
     # The class forward's signature: an instance forward left by another wrapper may take (*args, **kwargs).
     signatures = [inspect.signature(type(b).forward.__get__(b)) for b in blocks]
 
@@ -86,7 +88,7 @@ def apply_step_cache(
         bound.apply_defaults()
         inputs = dict(bound.arguments)
         head = _as_tuple(out)
-        residual = head[hidden_index] - inputs["hidden_states"]
+        residual = head[hidden_index] - inputs[hidden_name]
         # Per request: its partial sums over its rows on this rank, then one all-reduce for all requests.
         sums, offset = [], 0
         for cache, rows in plan.groups:
@@ -122,7 +124,9 @@ def apply_step_cache(
             for forward in handle.forwards[1:]:
                 step_in = dict(state)
                 step_in.update(zip(outputs, current, strict=True))
-                current = _as_tuple(forward(**step_in))
+                new = _as_tuple(forward(**step_in))
+                # A block may end a stream (SD3's last block returns no text): its last value passes on.
+                current = tuple(c if n is None else n for c, n in zip(current, new, strict=True))
             if index is None:
                 result = list(current)
             else:
@@ -132,20 +136,22 @@ def apply_step_cache(
             position = 0
             for cache, offset, rows in compute_rows:
                 if cache is not None:
-                    cache.head_residual = residual[offset : offset + rows].detach().clone()
                     sl = (
                         slice(position, position + rows)
                         if index is not None
                         else slice(offset, offset + rows)
                     )
-                    cache.tail_residuals = tuple(
-                        (c[sl] - f[sl]).detach().clone() for c, f in zip(current, first_out, strict=True)
+                    cache.store(
+                        residual[offset : offset + rows].detach().clone(),
+                        tuple(
+                            (c[sl] - f[sl]).detach().clone() for c, f in zip(current, first_out, strict=True)
+                        ),
                     )
                 position += rows
             if index is not None and handle.relayout is not None:
                 handle.relayout(None, None)
         for cache, offset, rows in hits:
-            for i, kept in enumerate(cache.tail_residuals):
+            for i, kept in enumerate(cache.reuse()):
                 result[i][offset : offset + rows] = head[i][offset : offset + rows] + kept
         plan.ran = True
         result = tuple(result)

@@ -1,40 +1,91 @@
-"""What a request asks of the step cache, and what its cache keeps between steps.
+"""What a request asks of the step cache.
 
-``fbcache`` (first-block residual): after the first transformer block, the relative L1 distance between
-this step's first-block residual (output minus input, image stream) and the one of the request's last
-*computed* step is ``mean|r - r_prev| / mean|r_prev|``. Above ``threshold`` the remaining blocks run and
-their residual (last block's output minus first block's output, per stream) is kept; at or below it the
-kept residual is added to the first block's output instead. The first step always computes. This is the
-rule of diffusers' ``FirstBlockCache`` applied to one request's rows only.
+Two policies with different mechanisms, each applied to one request's rows inside a shared forward (the
+first transformer block always runs; the policy decides whether the *remaining* blocks run):
+
+``fbcache`` (first-block residual, a measured decision): the relative L1 distance between this step's
+first-block residual (output minus input, image stream) and the one of the request's last *computed*
+step is ``mean|r - r_prev| / mean|r_prev|``. Above ``threshold`` the remaining blocks run and their
+residual (last block's output minus first block's output, per stream) is kept; at or below it the kept
+residual is added to the first block's output instead. The first step always computes. This is the rule
+of diffusers' ``FirstBlockCache`` applied to one request's rows only.
+
+``taylorseer`` (a forecast on a schedule): the first ``warmup`` forwards compute, then one forward in
+every ``interval``; in between, the remaining blocks' residual is *predicted* by a Taylor expansion of
+order ``order`` around the last computed forward, its derivatives estimated by finite differences of the
+residuals of the last computed forwards (TaylorSeer, Liu et al. 2025, applied to the tail residual as a
+whole). The schedule depends only on the forward count, so every rank decides the same with no metric.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-CachePolicy = Literal["none", "fbcache"]
+CachePolicy = Literal["none", "fbcache", "taylorseer"]
+
+# Each setting belongs to one policy (a setting of another policy is refused, naming it).
+POLICY_OF = {"threshold": "fbcache", "interval": "taylorseer", "warmup": "taylorseer", "order": "taylorseer"}
+DEFAULTS = {"threshold": 0.1, "interval": 3, "warmup": 2, "order": 1}
 
 
 class CacheSettings(BaseModel):
-    """A request's step cache: ``{"policy": "fbcache", "threshold": 0.1}``."""
+    """A request's step cache: ``{"policy": "fbcache", "threshold": 0.1}`` or
+    ``{"policy": "taylorseer", "interval": 3, "warmup": 2, "order": 1}``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     policy: CachePolicy = Field(
         default="none",
-        description="Step cache: 'none' (every step runs every block) or 'fbcache' (skip the blocks after the "
-        "first when its residual changed by at most `threshold` since the request's last computed step).",
+        description="Step cache: 'none' (every step runs every block), 'fbcache' (skip the blocks after the "
+        "first when its residual changed by at most `threshold` since the request's last computed step) or "
+        "'taylorseer' (compute one step in `interval` after `warmup`, forecast the others).",
     )
-    threshold: float = Field(
+    threshold: float | None = Field(
         strict=True,  # a JSON true is not a threshold
-        default=0.1,
+        default=None,
         ge=0.0,
         le=10.0,
         description="fbcache: largest relative L1 change of the first block's residual that reuses the cache "
-        "(0 never reuses; diffusers uses 0.05 to 0.2).",
+        "(default 0.1; 0 never reuses; diffusers uses 0.05 to 0.2).",
     )
+    interval: int | None = Field(
+        strict=True,
+        default=None,
+        ge=1,
+        le=100,
+        description="taylorseer: one forward in `interval` computes after the warmup (default 3; 1 never "
+        "forecasts).",
+    )
+    warmup: int | None = Field(
+        strict=True,
+        default=None,
+        ge=1,
+        le=1000,
+        description="taylorseer: forwards computed first (default 2).",
+    )
+    order: int | None = Field(
+        strict=True,
+        default=None,
+        ge=0,
+        le=2,
+        description="taylorseer: Taylor order of the forecast (default 1).",
+    )
+
+    @field_validator("threshold", "interval", "warmup", "order")
+    @classmethod
+    def _belongs_to_policy(cls, value, info: ValidationInfo):
+        policy = info.data.get("policy")
+        owner = POLICY_OF[info.field_name]
+        if value is not None and policy is not None and policy != owner:
+            raise ValueError(f"{info.field_name} is a {owner} setting; policy is {policy!r}")
+        return value
+
+    def value(self, name: str):
+        """A setting, or its default when the request left it out."""
+        given = getattr(self, name)
+        return DEFAULTS[name] if given is None else given
 
     @property
     def enabled(self) -> bool:

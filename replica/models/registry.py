@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from ..caching.settings import CacheSettings
 from ..families import Family, Folder, get_family, pipeline_families
 from .demo import DEMO_BUILDERS, ensure_demo_model
 
@@ -82,6 +83,20 @@ class ModelSpec:
         """Recommended sampling settings shipped beside the weights (``ditserve.json``), if any."""
         extra = self.path / "ditserve.json"
         return json.loads(extra.read_text()).get("sampling", {}) if extra.is_file() else {}
+
+    @property
+    def recommended_cache(self) -> CacheSettings | None:
+        """The step cache the folder's ``ditserve.json`` recommends (``"cache": {...}``), if any."""
+        extra = self.path / "ditserve.json"
+        if not extra.is_file():
+            return None
+        value = json.loads(extra.read_text()).get("cache")
+        if value is None:
+            return None
+        try:
+            return CacheSettings.model_validate(value)
+        except ValueError as exc:
+            raise ValueError(f'--model {self.name}: ditserve.json\'s "cache" is not valid: {exc}') from None
 
     def guidance_defaults(
         self, negative_prompt: str | None, true_cfg_scale: float | None

@@ -55,6 +55,21 @@ class RequestState:
         return self.latents.shape[0]
 
 
+def count_forwards(state: RequestState) -> None:
+    """One step's transformer forwards of a request (one per CFG branch), for its ``usage``."""
+    state.extra["forwards"] = state.extra.get("forwards", 0) + (1 if state.uncond is None else 2)
+
+
+def usage(state: RequestState) -> dict[str, int]:
+    """What a request cost: the transformer forwards it took part in (one per CFG branch and step) and how
+    many of them its step cache answered (the blocks after the first skipped)."""
+    caches = state.extra.get("cache", {}).values()
+    return {
+        "transformer_forwards": int(state.extra.get("forwards", 0)),
+        "cached_forwards": sum(c.cached for c in caches),
+    }
+
+
 def request_scheduler(pipe):
     """A fresh instance of the pipeline's own scheduler class and config, for one request: multistep
     schedulers (Wan2.1's UniPC) keep per-request history, so requests never share one."""
@@ -263,3 +278,4 @@ class PipelineRunner(ABC):
             t = s.timesteps[s.step_index]
             s.latents = s.scheduler.step(pred, t, s.latents, return_dict=False)[0]
             s.step_index += 1
+            count_forwards(s)

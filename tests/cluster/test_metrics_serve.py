@@ -103,6 +103,8 @@ def _samples(text: str) -> dict[str, list[float]]:
 def test_every_replica_metric_is_exported(served, metrics_port):
     for seed in range(4):  # requests and steps on both replicas (round-robin)
         body = {"prompt": "a fox", "size": "64x64", "num_inference_steps": 2, "seed": seed}
+        if seed % 2:  # step-cache counters too (one forecast forward each)
+            body["cache"] = {"policy": "taylorseer", "warmup": 1, "interval": 2}
         assert httpx.post(f"{served}/v1/images/generations", json=body, timeout=120).status_code == 200
     session = httpx.post(f"{served}/v1/sessions", json={"size": "64x64"}, timeout=60)
     assert session.status_code == 200, session.text

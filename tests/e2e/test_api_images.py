@@ -72,6 +72,22 @@ def test_openai_client_image(client):
     assert png_pixels(base64.b64decode(result.data[0].b64_json)).shape == (64, 64, 3)
 
 
+def test_step_cache_usage_and_settings_naming_the_field(server):
+    """A request's ``usage`` says how many transformer forwards ran and how many its step cache answered."""
+    body = {"prompt": "a red fox", "size": "64x64", "num_inference_steps": 6, "seed": 2}
+    plain = httpx.post(f"{server.base_url}/v1/images/generations", json=body, timeout=120)
+    assert plain.json()["usage"] == {"transformer_forwards": 6, "cached_forwards": 0, "cache_policy": "none"}
+    cached = body | {"cache": {"policy": "taylorseer", "warmup": 2, "interval": 3}}
+    r = httpx.post(f"{server.base_url}/v1/images/generations", json=cached, timeout=120)
+    assert r.status_code == 200, r.text
+    # forwards 0, 1 (warmup), 2 and 5 compute; 3 and 4 are forecast
+    assert r.json()["usage"] == {"transformer_forwards": 6, "cached_forwards": 2, "cache_policy": "taylorseer"}
+    bad = body | {"cache": {"policy": "fbcache", "interval": 3}}
+    r = httpx.post(f"{server.base_url}/v1/images/generations", json=bad, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache.interval", r.text
+    http_valid(server)
+
+
 def test_openai_client_streams_progress_then_the_image(client):
     events = list(
         client.images.generate(

@@ -144,3 +144,46 @@ def test_engine_batch_with_lora_and_cached_requests_equals_solo_runs(tmp_path):
             assert psnr(got, want) >= 40
     finally:
         engine.shutdown()
+
+
+def test_a_setting_of_another_policy_is_refused_naming_it():
+    with pytest.raises(ValidationError) as exc:
+        CacheSettings(policy="fbcache", interval=3)
+    assert exc.value.errors()[0]["loc"] == ("interval",)
+    with pytest.raises(ValidationError) as exc:
+        CacheSettings.model_validate({"policy": "taylorseer", "threshold": 0.2})
+    assert exc.value.errors()[0]["loc"] == ("threshold",)
+    assert CacheSettings(policy="taylorseer").value("interval") == 3
+
+
+def test_taylorseer_forecasts_on_its_schedule_inside_a_batch(pipe):
+    """taylorseer: warmup forwards compute, then one in `interval`; the others are forecast. In a batch with an
+    uncached request (and a cached one at another interval) each request equals its solo run, and the forecast
+    (order 1) is not the plain reuse of the last residual (order 0)."""
+    base = dict(height=64, width=64, guidance_scale=3.5, num_inference_steps=STEPS)
+    ts = CacheSettings(policy="taylorseer", interval=3, warmup=2, order=1)
+    params = [
+        GenerationParams(prompt="a red fox", seed=1, cache=ts, **base),
+        GenerationParams(prompt="a blue cat", seed=2, **base),
+        GenerationParams(
+            prompt="a green dog", seed=3, cache=CacheSettings(policy="taylorseer", interval=2), **base
+        ),
+    ]
+    together, states = run_ours(pipe, params)
+    for p, image, state in zip(params, together, states, strict=True):
+        (solo,), (solo_state,) = run_ours(pipe, [p])
+        assert psnr(image, solo) >= 40
+        if p.cache is not None:
+            assert state.extra["cache"]["cond"].decisions == solo_state.extra["cache"]["cond"].decisions
+    decisions = states[0].extra["cache"]["cond"].decisions
+    # forwards 0, 1 (warmup) and 2, 5 (every 3rd after it) compute; the rest are forecast
+    assert decisions == [False, False, False, True, True, False, True, True]
+    from ditserve.replica.pipelines.base import usage
+
+    assert usage(states[0]) == {"transformer_forwards": STEPS, "cached_forwards": 4}
+    assert usage(states[1]) == {"transformer_forwards": STEPS, "cached_forwards": 0}
+    (order0,), _ = run_ours(
+        pipe, [params[0].model_copy(update={"cache": ts.model_copy(update={"order": 0})})]
+    )
+    uncached = run_ours(pipe, [params[0].model_copy(update={"cache": None})])[0][0]
+    assert (order0 != together[0]).any() and (uncached != together[0]).any()
