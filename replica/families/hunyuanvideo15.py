@@ -1,0 +1,47 @@
+"""HunyuanVideo 1.5 (text-to-video and image-to-video): dual-stream blocks with joint attention over
+[video; image, glyph, text tokens], the text tokens masked (only valid ones attend and are attended),
+Qwen2.5-VL + byT5 text encoders (+ SigLIP for the first frame), classifier-free guidance through the
+pipeline's guider whenever its scale is not 1 (the CFG-distilled checkpoints ship guidance_scale 1)."""
+
+from . import Family, Folder
+
+
+def _frame_multiple(folder: Folder) -> int:
+    return int(folder.config("vae").get("temporal_compression_ratio", 4))
+
+
+_I2V = "HunyuanVideo15ImageToVideoPipeline"
+
+# The pipeline's ClassifierFreeGuidance knobs the engine's step (uncond + scale · (cond - uncond)) follows.
+_GUIDER_DEFAULTS = {"guidance_rescale": 0.0, "use_original_formulation": False, "start": 0.0, "stop": 1.0}
+
+
+def _refuse(folder: Folder) -> str | None:
+    guider = folder.config("guider")
+    for key, default in _GUIDER_DEFAULTS.items():
+        if key in guider and guider[key] != default:
+            return (
+                f"the guider sets {key}={guider[key]!r}; only plain classifier-free guidance is served "
+                f"({', '.join(f'{k}={v!r}' for k, v in _GUIDER_DEFAULTS.items())})"
+            )
+    if folder.config("transformer").get("use_meanflow"):
+        return (
+            "a MeanFlow transformer (use_meanflow: true, a second timestep per step) is not supported yet. "
+            "Supported: HunyuanVideo 1.5 text-to-video and image-to-video folders without MeanFlow."
+        )
+    return None
+
+
+FAMILY = Family(
+    name="hunyuanvideo15",
+    pipelines={"HunyuanVideo15Pipeline": "video", _I2V: "video"},
+    runner="pipelines.hunyuanvideo15:HunyuanVideo15Runner",
+    plan="parallel.hunyuanvideo15:HUNYUANVIDEO15_PLAN",
+    guidance="cfg",
+    # the VAE's spatial factor (16) × patch 1; frames are (temporal factor)·k + 1
+    frame_multiple=_frame_multiple,
+    first_frame=lambda folder: "required" if folder.index.get("_class_name") == _I2V else "none",
+    refuse=_refuse,
+    checkpoints=((r"(?<![a-z])hunyuan-?video-?1\.5", 16),),
+    typical_heads=16,
+)

@@ -1,0 +1,160 @@
+"""HunyuanVideo 1.5's parallel plan (`HUNYUANVIDEO15_PLAN`): Ulysses / ring / K/V-gather / TP on a
+diffusers HunyuanVideo15Transformer3DModel, applied in place by `parallelize` (``plan.py``).
+
+The model's dual-stream blocks attend jointly over [video; context], where the context is the image
+(SigLIP), glyph (byT5) and text (Qwen) tokens, reordered by the model so that each row's valid tokens come
+first and its padding after, with a key/query mask (padding neither attends nor is attended). So:
+
+1. validate the layout against the model's heads;
+2. TP (`HUNYUANVIDEO15_TP_PLAN`): column-parallel q/k/v of both streams and the ff inputs, row-parallel
+   to_out / to_add_out (one all-reduce for both) and the ff outputs; q/k RMSNorms are per head, so they
+   need nothing. The token refiner (a few blocks over the text alone) stays replicated;
+3. every block's attention runs `HunyuanVideo15ParallelAttnProcessor`: the video sequence is sharded, the
+   context replicated, and only each row's *valid* context tokens take part (rows grouped by their valid
+   length), which is exactly what the mask computes for the video and the valid context tokens. Padding
+   context tokens get zeros: they never reach a video token (masked as keys), and the last block's
+   context output is discarded;
+4. hooks: the `rope` output (built for the full sequence) and `transformer_blocks.0`'s hidden_states are
+   padded + split; the final `proj_out` output is all-gathered and unpadded before the unpatchify.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from diffusers.models.embeddings import apply_rotary_emb
+
+from .hooks import ForwardState
+from .mesh import ParallelMesh
+from .plan import ParallelPlan, parallelize
+from .sp_attention import sequence_parallel_attention
+from .tp import RowParallelLinear, fused_row_parallel
+
+HUNYUANVIDEO15_TP_PLAN: dict[str, str] = {
+    "transformer_blocks.*.attn.to_[qkv]": "column",
+    "transformer_blocks.*.attn.add_[qkv]_proj": "column",
+    "transformer_blocks.*.attn.to_out.0": "row",
+    "transformer_blocks.*.attn.to_add_out": "row",
+    "transformer_blocks.*.ff.net.0.proj": "column",
+    "transformer_blocks.*.ff.net.2": "row",
+    "transformer_blocks.*.ff_context.net.0.proj": "column",
+    "transformer_blocks.*.ff_context.net.2": "row",
+}
+
+
+class HunyuanVideo15ParallelAttnProcessor:
+    """Joint [video; valid context] attention with the video sharded and the context replicated.
+
+    Heads are read as `-1` so TP's local head count just works."""
+
+    def __init__(self, mesh: ParallelMesh, state: ForwardState) -> None:
+        self.mesh = mesh
+        self.state = state
+        # The model passes one mask tensor to every block of a forward: its rows' valid lengths are read
+        # to the host once per mask, not once per block.
+        self._mask: torch.Tensor | None = None
+        self._lengths: list[int] = []
+
+    def _valid_lengths(self, mask: torch.Tensor) -> list[int]:
+        if mask is not self._mask:
+            lengths = mask.bool().sum(dim=1)
+            # The model puts each row's valid tokens first; anything else would need a real mask.
+            positions = torch.arange(mask.shape[1], device=mask.device)
+            prefix = (positions[None, :] < lengths[:, None]) == mask.bool()
+            if not bool(prefix.all()):
+                raise NotImplementedError("context mask is not a prefix of valid tokens per row")
+            self._mask, self._lengths = mask, lengths.tolist()
+        return self._lengths
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if encoder_hidden_states is None or attention_mask is None:
+            raise NotImplementedError("HunyuanVideo15ParallelAttnProcessor expects the context and its mask")
+        head_dim = attn.inner_dim // attn.heads
+
+        def split_heads(x: torch.Tensor) -> torch.Tensor:
+            return x.unflatten(-1, (-1, head_dim))
+
+        q = attn.norm_q(split_heads(attn.to_q(hidden_states)))
+        k = attn.norm_k(split_heads(attn.to_k(hidden_states)))
+        v = split_heads(attn.to_v(hidden_states))
+        if image_rotary_emb is not None:  # video tokens only; split with them
+            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
+            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        tq = split_heads(attn.add_q_proj(encoder_hidden_states))
+        tk = split_heads(attn.add_k_proj(encoder_hidden_states))
+        tv = split_heads(attn.add_v_proj(encoder_hidden_states))
+        if attn.norm_added_q is not None:
+            tq = attn.norm_added_q(tq)
+        if attn.norm_added_k is not None:
+            tk = attn.norm_added_k(tk)
+
+        lengths = self._valid_lengths(attention_mask)
+        layout = self.state.require_layout()
+        img = torch.empty_like(q)
+        text = torch.zeros_like(tq)
+        # One sequence-parallel attention per distinct valid length (every rank holds the same masks, so
+        # every rank makes the same calls in the same order).
+        for length in sorted(set(lengths)):
+            rows = [i for i, n in enumerate(lengths) if n == length]
+            index = torch.tensor(rows, device=q.device) if len(rows) < len(lengths) else None
+
+            def take(x: torch.Tensor, index=index) -> torch.Tensor:
+                return x if index is None else x.index_select(0, index)
+
+            part_img, part_text = sequence_parallel_attention(
+                take(q),
+                take(k),
+                take(v),
+                mesh=self.mesh,
+                layout=layout,
+                text=(take(tq)[:, :length], take(tk)[:, :length], take(tv)[:, :length]),
+            )
+            assert part_text is not None
+            if index is None:
+                img = part_img.to(q.dtype)
+                text[:, :length] = part_text.to(q.dtype)
+            else:
+                img[index] = part_img.to(q.dtype)
+                text[index, :length] = part_text.to(q.dtype)
+
+        img, text = img.flatten(2), text.flatten(2)
+        out, add_out = attn.to_out[0], attn.to_add_out
+        if isinstance(out, RowParallelLinear) and isinstance(add_out, RowParallelLinear):
+            img, text = fused_row_parallel([out, add_out], [img, text])  # one all-reduce for both streams
+        else:
+            img, text = out(img), add_out(text)
+        return attn.to_out[1](img), text
+
+
+def _tokens(model: nn.Module, bound: dict) -> int:
+    _, _, frames, height, width = bound["hidden_states"].shape
+    config = model.config
+    patch = (config.patch_size_t, config.patch_size, config.patch_size)
+    return math.prod(n // p for n, p in zip((frames, height, width), patch, strict=True))
+
+
+HUNYUANVIDEO15_PLAN = ParallelPlan(
+    family="hunyuanvideo15",
+    tp=HUNYUANVIDEO15_TP_PLAN,
+    attention="transformer_blocks.*.attn",
+    processor=HunyuanVideo15ParallelAttnProcessor,
+    tokens=_tokens,
+    split_outputs={"rope": 0},  # (cos, sin), each (tokens, head_dim), built for the full sequence
+    split_block_inputs={"transformer_blocks.0": 1},  # the sequence first exists after the patch embedding
+    gather={"proj_out": 1},
+)
+
+
+def parallelize_hunyuanvideo15(transformer: nn.Module, *, mesh: ParallelMesh) -> nn.Module:
+    """Shard a HunyuanVideo15Transformer3DModel over `mesh` in place; every rank then calls it with full
+    inputs and gets the full output."""
+    return parallelize(transformer, HUNYUANVIDEO15_PLAN, mesh=mesh)
