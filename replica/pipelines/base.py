@@ -195,6 +195,11 @@ class PipelineRunner(ABC):
     def decode(self, state: RequestState) -> np.ndarray:
         """uint8 images [n, H, W, 3] or videos [n, F, H, W, 3]."""
 
+    def needs_uncond(self, state: RequestState) -> bool:
+        """Whether the request's uncond branch runs at this step (a family may switch guidance off for
+        some steps, e.g. Z-Image's CFG truncation)."""
+        return state.uncond is not None
+
     @classmethod
     def pipeline_components(cls, folder: Path) -> dict[str, Any]:
         """Components to pass to the pipeline's ``from_pretrained`` instead of loading them from ``folder``
@@ -252,7 +257,7 @@ class PipelineRunner(ABC):
     def step(self, states: list[RequestState]) -> None:
         """Advance every request of ``states`` (one bucket) by one denoising step."""
         assert states and all(s.bucket == states[0].bucket and not s.done for s in states)
-        guided = [s for s in states if s.uncond is not None]
+        guided = [s for s in states if self.needs_uncond(s)]
         if self.cfg_size == 2:
             # Branch per cfg rank; rank 1 runs uncond rows where a request has them, cond rows otherwise
             # (same shapes on both ranks for the all-gather; those extra rows are discarded).
@@ -267,7 +272,7 @@ class PipelineRunner(ABC):
         offset, uoffset = 0, 0
         for s in states:
             pred = cond_pred[offset : offset + s.rows]
-            if s.uncond is not None:
+            if self.needs_uncond(s):
                 if self.cfg_size == 2:
                     neg = uncond_pred[offset : offset + s.rows]
                 else:

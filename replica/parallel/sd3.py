@@ -1,0 +1,120 @@
+"""Stable Diffusion 3 / 3.5's parallel plan (`SD3_PLAN`): Ulysses / ring / K/V-gather / TP on a diffusers
+SD3Transformer2DModel, applied in place by `parallelize` (``plan.py``).
+
+What the plan does, in order:
+
+1. validate the layout against the model's heads;
+2. TP: column-parallel q/k/v of both streams (image ``to_*``, text ``add_*_proj``), the image-only
+   ``attn2`` of SD3.5 medium's dual-attention blocks and the MLPs' up-projections; row-parallel outputs
+   (``to_out.0``, ``to_add_out``, the MLPs' down-projections). The last block is ``context_pre_only``: it
+   has no text output projection nor text MLP, so those patterns simply match nothing there. q/k RMSNorms
+   are per head (``qk_norm="rms_norm"``), so TP leaves them whole;
+3. swap every attention processor for `SD3ParallelAttnProcessor`;
+4. split the image tokens after ``pos_embed`` (patches + learned positions); the text stays replicated;
+5. all-gather the image tokens after the final ``proj_out`` and cut the padding (before the unpatchify).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .hooks import ForwardState
+from .mesh import ParallelMesh
+from .plan import ParallelPlan, parallelize
+from .sp_attention import sequence_parallel_attention
+from .tp import RowParallelLinear, fused_row_parallel
+
+SD3_TP_PLAN: dict[str, str] = {
+    "transformer_blocks.*.attn.to_[qkv]": "column",
+    "transformer_blocks.*.attn.add_[qkv]_proj": "column",
+    "transformer_blocks.*.attn.to_out.0": "row",
+    "transformer_blocks.*.attn.to_add_out": "row",
+    "transformer_blocks.*.attn2.to_[qkv]": "column",
+    "transformer_blocks.*.attn2.to_out.0": "row",
+    "transformer_blocks.*.ff.net.0.proj": "column",
+    "transformer_blocks.*.ff.net.2": "row",
+    "transformer_blocks.*.ff_context.net.0.proj": "column",
+    "transformer_blocks.*.ff_context.net.2": "row",
+}
+
+
+class SD3ParallelAttnProcessor:
+    """Joint attention (``attn``: image sharded, text replicated and attended once) and SD3.5's image-only
+    self-attention (``attn2``) over the sharded sequence. Heads are read as ``-1`` so TP's local heads work."""
+
+    def __init__(self, mesh: ParallelMesh, state: ForwardState) -> None:
+        self.mesh = mesh
+        self.state = state
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if attention_mask is not None or kwargs:
+            raise NotImplementedError(
+                "SD3ParallelAttnProcessor takes no attention_mask nor IP-adapter inputs"
+            )
+        head_dim = attn.inner_dim // attn.heads
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.unflatten(-1, (-1, head_dim))
+
+        def norm(module: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+            return x if module is None else module(x)
+
+        q = norm(attn.norm_q, heads(attn.to_q(hidden_states)))
+        k = norm(attn.norm_k, heads(attn.to_k(hidden_states)))
+        v = heads(attn.to_v(hidden_states))
+        layout = self.state.require_layout()
+        if encoder_hidden_states is None:  # attn2: image-only self-attention
+            img, _ = sequence_parallel_attention(q, k, v, mesh=self.mesh, layout=layout)
+            return attn.to_out[1](attn.to_out[0](img.flatten(2).to(q.dtype)))
+
+        tq = norm(attn.norm_added_q, heads(attn.add_q_proj(encoder_hidden_states)))
+        tk = norm(attn.norm_added_k, heads(attn.add_k_proj(encoder_hidden_states)))
+        tv = heads(attn.add_v_proj(encoder_hidden_states))
+        img, text = sequence_parallel_attention(q, k, v, mesh=self.mesh, layout=layout, text=(tq, tk, tv))
+        assert text is not None
+        img, text = img.flatten(2).to(q.dtype), text.flatten(2).to(q.dtype)
+        if attn.context_pre_only:  # the last block: the text stream ends here (its output is unused)
+            return attn.to_out[1](attn.to_out[0](img)), text
+        out, add_out = attn.to_out[0], attn.to_add_out
+        if isinstance(out, RowParallelLinear) and isinstance(add_out, RowParallelLinear):
+            img, text = fused_row_parallel([out, add_out], [img, text])  # one all-reduce for both streams
+        else:
+            img, text = out(img), add_out(text)
+        return attn.to_out[1](img), text
+
+
+def _sd3_tokens(model: nn.Module, bound: dict) -> int:
+    height, width = bound["hidden_states"].shape[-2:]
+    patch = model.config.patch_size
+    return (height // patch) * (width // patch)
+
+
+def _sd3_on_forward(model: nn.Module, bound: dict, state: ForwardState) -> None:
+    if bound.get("block_controlnet_hidden_states") is not None or bound.get("skip_layers") is not None:
+        raise NotImplementedError("ControlNet residuals and skip-layer guidance are not sharded")
+    state.num_text = bound["encoder_hidden_states"].shape[1]
+
+
+SD3_PLAN = ParallelPlan(
+    family="sd3",
+    tp=SD3_TP_PLAN,
+    attention=("transformer_blocks.*.attn", "transformer_blocks.*.attn2"),
+    processor=SD3ParallelAttnProcessor,
+    tokens=_sd3_tokens,
+    split_outputs={"pos_embed": 1},  # patch embedding + positions for the full image, then split
+    gather={"proj_out": 1},
+    on_forward=_sd3_on_forward,
+)
+
+
+def parallelize_sd3(transformer: nn.Module, *, mesh: ParallelMesh) -> nn.Module:
+    """Shard an SD3Transformer2DModel over `mesh` in place; every rank then calls it with full inputs."""
+    return parallelize(transformer, SD3_PLAN, mesh=mesh)

@@ -1,0 +1,125 @@
+"""Stable Diffusion 3 / 3.5: text-to-image with classifier-free guidance (an uncond branch whenever
+guidance_scale > 1, as StableDiffusion3Pipeline decides), FlowMatchEuler with the scheduler's shift."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
+    calculate_shift,
+    retrieve_timesteps,
+)
+
+from ..request import GenerationParams
+from .base import PipelineRunner, RequestState, request_scheduler, to_uint8
+
+
+class SD3Runner(PipelineRunner):
+    default_guidance = 7.0  # StableDiffusion3Pipeline's default guidance_scale
+    # T5 tokens per prompt: the pipeline's default (SD3 was trained with 256; the pipeline allows 512).
+    text_length = 256
+    cache_blocks = ("transformer_blocks",)
+    cache_outputs = ("encoder_hidden_states", "hidden_states")
+
+    def _guidance(self, params: GenerationParams) -> float:
+        return params.guidance_scale if params.guidance_scale is not None else self.default_guidance
+
+    @torch.no_grad()
+    def encode(self, params: GenerationParams) -> dict:
+        do_cfg = self._guidance(params) > 1.0
+        embeds, neg_embeds, pooled, neg_pooled = self.pipe.encode_prompt(
+            prompt=params.prompt,
+            prompt_2=None,
+            prompt_3=None,
+            negative_prompt=params.negative_prompt,
+            do_classifier_free_guidance=do_cfg,
+            num_images_per_prompt=params.n,
+            max_sequence_length=min(self.max_sequence_length, self.text_length),
+            device=self.device,
+        )
+        out = {
+            "cond": {
+                "encoder_hidden_states": embeds.to(self.dtype),
+                "pooled_projections": pooled.to(self.dtype),
+            }
+        }
+        if do_cfg:
+            out["uncond"] = {
+                "encoder_hidden_states": neg_embeds.to(self.dtype),
+                "pooled_projections": neg_pooled.to(self.dtype),
+            }
+        return out
+
+    def _check_size(self, params: GenerationParams) -> None:
+        """PatchEmbed crops a learned position table: larger latents have no positions (checked here, per
+        request, rather than failing the batch's forward)."""
+        config = self.pipe.transformer.config
+        largest = config.pos_embed_max_size
+        if largest is None:
+            return
+        px = largest * config.patch_size * self.pipe.vae_scale_factor
+        if params.height > px or params.width > px:
+            raise ValueError(f"size: {params.width}x{params.height} is above this model's largest side {px}")
+
+    @torch.no_grad()
+    def prepare(self, req_id: str, params: GenerationParams, encoded: dict) -> RequestState:
+        pipe, n = self.pipe, params.n
+        self._check_size(params)
+        # Latents from a CPU generator in the model's dtype, as the pipeline draws them.
+        generator = torch.Generator("cpu").manual_seed(params.seed)
+        latents = pipe.prepare_latents(
+            n,
+            pipe.transformer.config.in_channels,
+            params.height,
+            params.width,
+            self.dtype,
+            self.device,
+            generator,
+        )
+        scheduler = request_scheduler(pipe)
+        kwargs = {}
+        config = scheduler.config
+        if config.get("use_dynamic_shifting", None):
+            patch = pipe.transformer.config.patch_size
+            seq_len = (latents.shape[2] // patch) * (latents.shape[3] // patch)
+            kwargs["mu"] = calculate_shift(
+                seq_len,
+                config.get("base_image_seq_len", 256),
+                config.get("max_image_seq_len", 4096),
+                config.get("base_shift", 0.5),
+                config.get("max_shift", 1.16),  # the SD3 pipeline's default, not Flux's 1.15
+            )
+        timesteps, _ = retrieve_timesteps(scheduler, params.num_inference_steps, self.device, **kwargs)
+        scheduler.set_begin_index(0)
+        return RequestState(
+            req_id=req_id,
+            params=params,
+            latents=latents,
+            scheduler=scheduler,
+            timesteps=timesteps,
+            cond=encoded["cond"],
+            uncond=encoded.get("uncond"),
+            cfg_scale=self._guidance(params),
+            bucket=("sd3", params.height, params.width, 1),
+            extra={"shared": {}},
+        )
+
+    def timestep_rows(self, state: RequestState) -> torch.Tensor:
+        # fp32 timesteps as the pipeline passes them (bf16 would round 1000-scale timesteps)
+        return state.timesteps[state.step_index].expand(state.rows)
+
+    def model_forward(self, latents, timesteps, inputs, shared):
+        return self.pipe.transformer(
+            hidden_states=latents,
+            timestep=timesteps,
+            encoder_hidden_states=inputs["encoder_hidden_states"],
+            pooled_projections=inputs["pooled_projections"],
+            return_dict=False,
+        )[0]
+
+    @torch.no_grad()
+    def decode(self, state: RequestState) -> np.ndarray:
+        vae = self.pipe.vae
+        latents = state.latents / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        return to_uint8(self.pipe.image_processor.postprocess(image, output_type="np"))

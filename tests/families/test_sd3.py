@@ -1,0 +1,167 @@
+"""Stable Diffusion 3.5 through the engine's own step loop, on a tiny random folder: the CLI and one rank
+give diffusers' StableDiffusion3Pipeline image; ulysses 2, ring 2, tp 2 and cfg 2 give the one-rank images;
+a LoRA applied per request gives diffusers' ``load_lora_weights`` image while the same request without it,
+in the same batch, is unchanged; ``ditserve serve`` answers the openai client with the image."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import StableDiffusion3Pipeline
+from openai import OpenAI
+
+from ditserve.replica.config import EngineConfig, ParallelFlags
+from ditserve.replica.engine import Engine
+from ditserve.replica.pipelines.base import to_uint8
+from ditserve.replica.request import GenerationParams, LoRARef
+from tests.families.lora import save_random_lora
+from tests.families.sd3 import build_folder
+from tests.helpers import ServeProcess, png_pixels, psnr
+
+MAX_LEN = 16  # T5 tokens
+# 80×48: 5×3 = 15 image tokens, padded for every 2-way split; one request with CFG, one without.
+FOX = GenerationParams(
+    prompt="a red fox", negative_prompt="blurry", guidance_scale=4.0, width=80, height=48,
+    num_inference_steps=3, seed=3,
+)  # fmt: skip
+CAT = GenerationParams(
+    prompt="a blue cat", guidance_scale=1.0, width=80, height=48, num_inference_steps=2, seed=4
+)
+FOX_LORA = FOX.model_copy(update={"lora": (LoRARef(name="style"),)})
+BATCH = [FOX, CAT, FOX_LORA]  # submitted together: one batch, the same request with and without the LoRA
+TARGETS = [
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+    "ff.net.2",
+]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return build_folder(tmp_path_factory.mktemp("sd3") / "stable-diffusion-3.5-tiny")
+
+
+def diffusers_image(pipe, p: GenerationParams) -> np.ndarray:
+    out = pipe(
+        prompt=p.prompt,
+        negative_prompt=p.negative_prompt,
+        guidance_scale=p.guidance_scale,
+        width=p.width,
+        height=p.height,
+        num_inference_steps=p.num_inference_steps,
+        generator=torch.Generator("cpu").manual_seed(p.seed),
+        max_sequence_length=MAX_LEN,
+        output_type="np",
+    )
+    return to_uint8(out.images)[0]
+
+
+@pytest.fixture(scope="module")
+def lora_file(folder, tmp_path_factory) -> Path:
+    transformer = StableDiffusion3Pipeline.from_pretrained(folder).transformer
+    return save_random_lora(
+        StableDiffusion3Pipeline, transformer, TARGETS, tmp_path_factory.mktemp("sd3-lora")
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(folder, lora_file) -> list[np.ndarray]:
+    """diffusers' images for BATCH (the LoRA one through ``load_lora_weights``)."""
+    pipe = StableDiffusion3Pipeline.from_pretrained(folder, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    plain = [diffusers_image(pipe, p) for p in (FOX, CAT)]
+    pipe.load_lora_weights(str(lora_file))
+    return [*plain, diffusers_image(pipe, FOX)]
+
+
+def engine_images(folder: Path, lora_file: Path, flags: dict) -> list[np.ndarray]:
+    config = EngineConfig(model=str(folder), parallel=ParallelFlags(**flags), max_sequence_length=MAX_LEN)
+    engine = Engine(config).start()
+    try:
+        engine.load_lora("style", str(lora_file))
+        futures = [engine.submit(p) for p in BATCH]
+        return [png_pixels(f.result(timeout=300).outputs[0]) for f in futures]
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one_rank(folder, lora_file) -> list[np.ndarray]:
+    return engine_images(folder, lora_file, {})
+
+
+def test_one_rank_equals_diffusers_with_and_without_lora_in_one_batch(one_rank, reference):
+    for ours, ref in zip(one_rank, reference, strict=True):
+        assert ours.shape == ref.shape == (48, 80, 3)
+        assert psnr(ours, ref) >= 40
+    assert psnr(reference[2], reference[0]) < 30  # the adapter changes the image
+
+
+def test_cli_generate_equals_diffusers(folder, reference, tmp_path):
+    out = tmp_path / "fox.png"
+    cmd = [str(Path(sys.executable).with_name("ditserve")), "generate", FOX.prompt, "--model", str(folder)]
+    cmd += [
+        "--negative-prompt",
+        FOX.negative_prompt,
+        "--guidance-scale",
+        "4",
+        "--width",
+        "80",
+        "--height",
+        "48",
+    ]
+    cmd += [
+        "--num-inference-steps",
+        "3",
+        "--seed",
+        "3",
+        "--max-sequence-length",
+        str(MAX_LEN),
+        "-o",
+        str(out),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert psnr(png_pixels(out.read_bytes()), reference[0]) >= 40
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{"ulysses_degree": 2}, {"ring_degree": 2}, {"tp_size": 2}, {"cfg_parallel_size": 2}],
+    ids=lambda f: "-".join(f"{k.split('_')[0]}{v}" for k, v in f.items()),
+)
+def test_layouts_equal_one_rank(folder, lora_file, one_rank, flags):
+    for ours, ref in zip(engine_images(folder, lora_file, flags), one_rank, strict=True):
+        assert psnr(ours, ref) >= 40
+
+
+def test_serve_openai_client(folder, reference):
+    server = ServeProcess("--model", str(folder), "--max-sequence-length", str(MAX_LEN))
+    try:
+        client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        result = client.images.generate(
+            model=folder.name,
+            prompt=FOX.prompt,
+            size="80x48",
+            extra_body={
+                "negative_prompt": "blurry",
+                "guidance_scale": 4.0,
+                "num_inference_steps": 3,
+                "seed": 3,
+            },
+        )
+        assert psnr(png_pixels(base64.b64decode(result.data[0].b64_json)), reference[0]) >= 40
+    finally:
+        assert server.stop() == 0, server.output()
