@@ -221,10 +221,14 @@ def lora_file(dev_folder, tmp_path_factory):
     transformer = Flux2Transformer2DModel.from_pretrained(dev_folder / "transformer")
     torch.manual_seed(7)
     transformer.add_adapter(
-        LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
+        LoraConfig(r=4, lora_alpha=64, target_modules=LORA_TARGETS, init_lora_weights=False)
     )
     folder = tmp_path_factory.mktemp("lora")
-    Flux2Pipeline.save_lora_weights(folder, transformer_lora_layers=get_peft_model_state_dict(transformer))
+    Flux2Pipeline.save_lora_weights(
+        folder,
+        transformer_lora_layers=get_peft_model_state_dict(transformer),
+        transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),  # lora_alpha: scale 16
+    )
     return folder / "pytorch_lora_weights.safetensors"
 
 
