@@ -35,6 +35,12 @@ include-name = "POST /v1/videos"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "404", "409", "429", "5xx"]
 
 [[operations]]
+# image must be a PNG/JPEG/WebP that decodes (a generated binary is not; 400 naming image), lora and cache
+# JSON text (400 naming them otherwise).
+include-name = "POST /v1/images/edits"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "404", "409", "429", "5xx"]
+
+[[operations]]
 # lora names adapters loaded at run time (GET /v1/loras); a generated name is not loaded (400 naming lora).
 include-name = "POST /v1/images/generations"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "404", "409", "429", "5xx"]
