@@ -16,6 +16,7 @@ import torch
 from diffusers import Flux2KleinPipeline, Flux2Pipeline
 from PIL import Image
 
+from ditserve.replica.caching.settings import CacheSettings
 from ditserve.replica.config import EngineConfig, ParallelFlags
 from ditserve.replica.engine import Engine
 from ditserve.replica.pipelines.flux2 import Flux2KleinRunner, Flux2Runner
@@ -123,6 +124,14 @@ def test_dev_one_rank_equals_flux2_pipeline_with_and_without_reference(dev_pipe,
     # The reference image changes the picture (its tokens take part in attention; little, with random weights).
     alone = run_runner(runner, [EDIT.model_copy(update={"images": ()})])[0]
     assert not np.array_equal(alone, ours[1])
+    # Step cache (first single block decides): hits skip the other blocks, beside an uncached request.
+    cached = EDIT.model_copy(update={"cache": CacheSettings(policy="fbcache", threshold=5.0)})
+    states = [runner.add("cached", cached), runner.add("plain", EDIT.model_copy(update={"seed": 9}))]
+    while not states[0].done:
+        runner.step(states)
+    assert states[0].extra["cache"]["cond"].cached == 2  # steps 2 and 3 reused step 1's residual
+    image = runner.decode(states[0])[0]
+    assert 30 <= psnr(image, ours[1]) < 100
 
 
 def test_klein_one_rank_equals_klein_pipeline_with_cfg_and_reference(klein_folder):
@@ -227,7 +236,9 @@ def lora_file(dev_folder, tmp_path_factory):
     Flux2Pipeline.save_lora_weights(
         folder,
         transformer_lora_layers=get_peft_model_state_dict(transformer),
-        transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),  # lora_alpha: scale 16
+        transformer_lora_adapter_metadata=transformer.peft_config[
+            "default"
+        ].to_dict(),  # lora_alpha: scale 16
     )
     return folder / "pytorch_lora_weights.safetensors"
 
