@@ -22,6 +22,7 @@ from ditserve.replica.config import EngineConfig, ParallelFlags
 from ditserve.replica.engine import Engine
 from ditserve.replica.models.registry import resolve_model
 from ditserve.replica.pipelines.base import to_uint8
+from ditserve.replica.pipelines.flux import FluxRunner
 from ditserve.replica.request import GenerationParams
 from tests.families.flux_kontext import build_folder
 from tests.helpers import ServeProcess, png_pixels, psnr
@@ -173,28 +174,25 @@ KONTEXT = GenerationParams(
 )
 
 
-def kontext_engine(folder, flags: dict) -> np.ndarray:
-    engine = Engine(EngineConfig(model=str(folder), parallel=ParallelFlags(**flags))).start()
-    try:
-        result = engine.generate(KONTEXT, timeout=300)
-    finally:
-        engine.shutdown()
-    return png_pixels(result.outputs[0])
-
-
 @pytest.fixture(scope="module")
 def kontext_folder(tmp_path_factory):
     return build_folder(tmp_path_factory.mktemp("kontext") / "flux-kontext-tiny")
 
 
 @pytest.fixture(scope="module")
-def kontext_one_rank(kontext_folder):
-    return kontext_engine(kontext_folder, {})
-
-
-def test_kontext_one_rank_is_diffusers(kontext_folder, kontext_one_rank):
+def kontext_one_rank(kontext_folder) -> tuple[np.ndarray, FluxKontextPipeline]:
+    """The FLUX.1 runner on one rank in this process (no engine start), and the pipeline it ran on."""
     pipe = FluxKontextPipeline.from_pretrained(kontext_folder, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
+    runner = FluxRunner(pipe, device=torch.device("cpu"), dtype=torch.float32, max_sequence_length=512)
+    state = runner.add("kontext", KONTEXT)
+    while not state.done:
+        runner.step([state])
+    return runner.decode(state)[0], pipe
+
+
+def test_kontext_one_rank_is_diffusers(kontext_one_rank):
+    ours, pipe = kontext_one_rank
     p = KONTEXT
     reference = pipe(
         image=Image.open(io.BytesIO(p.images[0])).convert("RGB"),
@@ -208,10 +206,15 @@ def test_kontext_one_rank_is_diffusers(kontext_folder, kontext_one_rank):
         max_sequence_length=min(512, pipe.tokenizer_2.model_max_length),
         output_type="np",
     ).images
-    assert kontext_one_rank.shape == (48, 64, 3)
-    assert psnr(kontext_one_rank, to_uint8(reference)[0]) >= 40
+    assert ours.shape == (48, 64, 3)
+    assert psnr(ours, to_uint8(reference)[0]) >= 40
 
 
-def test_kontext_ulysses2_is_one_rank(kontext_folder, kontext_one_rank):
-    sharded = kontext_engine(kontext_folder, {"ulysses_degree": 2})
-    assert psnr(sharded, kontext_one_rank) >= 40
+def test_kontext_engine_ulysses2_is_one_rank(kontext_folder, kontext_one_rank):
+    """Reference tokens sharded with the generated ones over two ranks (gloo), the output gathered."""
+    engine = Engine(EngineConfig(model=str(kontext_folder), parallel=ParallelFlags(ulysses_degree=2))).start()
+    try:
+        result = engine.generate(KONTEXT, timeout=300)
+    finally:
+        engine.shutdown()
+    assert psnr(png_pixels(result.outputs[0]), kontext_one_rank[0]) >= 40
