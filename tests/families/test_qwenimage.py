@@ -1,0 +1,277 @@
+"""Qwen-Image (text-to-image, Edit, Edit-Plus) through the engine's own step loop: one rank gives diffusers'
+own images (prompts of different lengths batched with their padding masks, true CFG with its norm
+rescaling, one and two reference images), through ``ditserve generate --image`` too; ulysses 2, ring 2,
+tp 2 and cfg 2 give the same images, ulysses 2 with a reference too; ``ditserve serve`` answers the openai
+client; a PEFT LoRA per request gives what diffusers' ``load_lora_weights`` gives."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
+from PIL import Image
+
+from ditserve.replica.config import EngineConfig, ParallelFlags
+from ditserve.replica.engine import Engine
+from ditserve.replica.pipelines.qwenimage import QwenImageRunner
+from ditserve.replica.request import GenerationParams, LoRARef
+from tests.families.qwenimage import build_folder
+from tests.helpers import ServeProcess, png_pixels, psnr
+
+
+def picture(width: int, height: int, seed: int) -> bytes:
+    """Smooth colours plus noise, as PNG bytes."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    pixels = np.stack([x / width, y / height, 1 - x * y / (width * height)], -1) * 200
+    pixels = pixels + rng.integers(0, 55, (height, width, 3))
+    buf = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+REF, REF2 = picture(80, 48, 0), picture(48, 64, 1)
+# Two prompts of different lengths: batched, the shorter one's embeddings are padded and masked.
+CFG = GenerationParams(
+    prompt="a red fox on a hill at dawn",
+    negative_prompt="blurry",
+    true_cfg_scale=3.0,
+    width=96,
+    height=64,
+    num_inference_steps=2,
+    seed=3,
+)
+PLAIN = GenerationParams(prompt="a cat", width=96, height=64, num_inference_steps=2, seed=4)
+EDIT = GenerationParams(
+    prompt="make the sky blue",
+    negative_prompt="dark",
+    true_cfg_scale=2.5,
+    width=64,
+    height=64,
+    num_inference_steps=2,
+    seed=5,
+    images=(REF,),
+)
+PLUS = EDIT.model_copy(update={"images": (REF, REF2), "prompt": "the cat of picture 2 in picture 1"})
+MAX_LEN = 512
+
+
+def load(cls, folder):
+    pipe = cls.from_pretrained(folder, dtype=torch.float32, **QwenImageRunner.pipeline_components(folder))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def diffusers_image(pipe, p: GenerationParams) -> np.ndarray:
+    images = [Image.open(io.BytesIO(b)).convert("RGB") for b in p.images]
+    kwargs = {}
+    if images:
+        kwargs["image"] = images if len(images) > 1 else images[0]
+    out = pipe(
+        prompt=p.prompt,
+        negative_prompt=p.negative_prompt,
+        true_cfg_scale=p.true_cfg_scale,
+        height=p.height,
+        width=p.width,
+        num_inference_steps=p.num_inference_steps,
+        generator=torch.Generator("cpu").manual_seed(p.seed),
+        max_sequence_length=MAX_LEN,
+        output_type="np",
+        **kwargs,
+    )
+    return (out.images[0] * 255).round().clip(0, 255).astype(np.uint8)
+
+
+def run_runner(runner, requests: list[GenerationParams]) -> list[np.ndarray]:
+    """The requests stepped to the end together (as the engine batches one output size)."""
+    states = [runner.add(f"r{i}", p) for i, p in enumerate(requests)]
+    while not all(s.done for s in states):
+        runner.step([s for s in states if not s.done])
+    return [runner.decode(s)[0] for s in states]
+
+
+def runner_for(pipe):
+    return QwenImageRunner(pipe, device=torch.device("cpu"), dtype=torch.float32, max_sequence_length=MAX_LEN)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread here and in the ranks and servers started from here (tiny models on a shared
+    2-core machine: more threads only contend)."""
+    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    yield
+    torch.set_num_threads(threads)
+    if env is None:
+        os.environ.pop("OMP_NUM_THREADS")
+    else:
+        os.environ["OMP_NUM_THREADS"] = env
+
+
+@pytest.fixture(scope="module")
+def t2i_folder(tmp_path_factory):
+    return build_folder(tmp_path_factory.mktemp("models") / "qwen-image-tiny")
+
+
+@pytest.fixture(scope="module")
+def edit_folder(tmp_path_factory):
+    return build_folder(tmp_path_factory.mktemp("models") / "qwen-image-edit-tiny", edit=True)
+
+
+@pytest.fixture(scope="module")
+def t2i_pipe(t2i_folder):
+    return load(QwenImagePipeline, t2i_folder)
+
+
+@pytest.fixture(scope="module")
+def t2i_expected(t2i_pipe):
+    return [diffusers_image(t2i_pipe, p) for p in (CFG, PLAIN)]
+
+
+@pytest.fixture(scope="module")
+def edit_expected(edit_folder):
+    return diffusers_image(load(QwenImageEditPipeline, edit_folder), EDIT)
+
+
+def test_one_rank_batch_equals_qwenimage_pipeline(t2i_pipe, t2i_expected):
+    runner = runner_for(t2i_pipe)
+    states = [runner.add("a", CFG), runner.add("b", PLAIN)]
+    # diffusers drops an all-valid mask; batched, the shorter prompt is padded and masked
+    assert (
+        states[0].cond["encoder_hidden_states"].shape[1] != states[1].cond["encoder_hidden_states"].shape[1]
+    )
+    assert states[0].uncond is not None and states[1].uncond is None
+    ours = run_runner(runner, [CFG, PLAIN])
+    for got, want in zip(ours, t2i_expected, strict=True):
+        assert got.shape == want.shape == (64, 96, 3)
+        assert psnr(got, want) >= 40
+    assert psnr(ours[0], ours[1]) < 30
+    with pytest.raises(ValueError, match="^image: "):
+        runner.encode(PLAIN.model_copy(update={"images": (REF,)}))
+
+
+def test_edit_plus_two_references_equal_pipeline_and_counts_are_checked(tmp_path):
+    folder = build_folder(tmp_path / "qwen-image-edit-plus-tiny", edit="plus")
+    pipe = load(QwenImageEditPlusPipeline, folder)
+    runner = runner_for(pipe)
+    ours = run_runner(runner, [PLUS])[0]
+    assert psnr(ours, diffusers_image(pipe, PLUS)) >= 40
+    with pytest.raises(ValueError, match="^image: .*edits a reference image"):
+        runner.encode(PLUS.model_copy(update={"images": ()}))
+    with pytest.raises(ValueError, match="^image: .*at most 3"):
+        runner.encode(PLUS.model_copy(update={"images": (REF,) * 4}))
+    with pytest.raises(ValueError, match="^image: .*at most 1"):
+        runner_for(load(QwenImageEditPipeline, build_folder(tmp_path / "edit", edit=True))).encode(PLUS)
+
+
+def test_generate_cli_edit_equals_pipeline(edit_folder, edit_expected, tmp_path):
+    ref = tmp_path / "ref.png"
+    ref.write_bytes(REF)
+    out = tmp_path / "out.png"
+    cmd = [sys.executable, "-m", "ditserve.cluster.cli", "generate", EDIT.prompt, "--model", str(edit_folder)]
+    cmd += ["--width", "64", "--height", "64", "--num-inference-steps", "2", "--seed", "5"]
+    cmd += ["--negative-prompt", "dark", "--true-cfg-scale", "2.5", "--image", str(ref), "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert psnr(np.array(Image.open(out).convert("RGB")), edit_expected) >= 40
+
+
+def engine_images(folder, flags: dict, requests: list[GenerationParams]) -> list[np.ndarray]:
+    engine = Engine(EngineConfig(model=str(folder), parallel=ParallelFlags(**flags))).start()
+    try:
+        futures = [engine.submit(p) for p in requests]  # submitted together: they share steps
+        return [png_pixels(f.result(timeout=180).outputs[0]) for f in futures]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{"ulysses_degree": 2}, {"ring_degree": 2}, {"tp_size": 2}, {"cfg_parallel_size": 2}],
+    ids=lambda f: "-".join(f"{k.split('_')[0]}{v}" for k, v in f.items()),
+)
+def test_layouts_equal_one_rank(t2i_folder, t2i_expected, flags):
+    # One rank equals the pipeline (above), so each layout is checked against the pipeline's images.
+    for got, want in zip(engine_images(t2i_folder, flags, [CFG, PLAIN]), t2i_expected, strict=True):
+        assert got.shape == want.shape
+        assert psnr(got, want) >= 40
+
+
+def test_edit_ulysses_equals_one_rank(edit_folder, edit_expected):
+    got = engine_images(edit_folder, {"ulysses_degree": 2}, [EDIT])[0]
+    assert psnr(got, edit_expected) >= 40
+
+
+def test_serve_and_openai_client(t2i_folder, t2i_expected):
+    from openai import OpenAI
+
+    server = ServeProcess("--model", str(t2i_folder))
+    try:
+        client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        result = client.images.generate(
+            model=t2i_folder.name,
+            prompt=CFG.prompt,
+            size="96x64",
+            response_format="b64_json",
+            extra_body={
+                "num_inference_steps": 2,
+                "seed": 3,
+                "negative_prompt": "blurry",
+                "true_cfg_scale": 3.0,
+            },
+        )
+        got = png_pixels(base64.b64decode(result.data[0].b64_json))
+        assert got.shape == (64, 96, 3)
+        assert psnr(got, t2i_expected[0]) >= 40
+    finally:
+        assert server.stop() == 0, server.output()
+
+
+LORA_TARGETS = [
+    "transformer_blocks.0.attn.to_q",
+    "transformer_blocks.0.attn.add_v_proj",
+    "transformer_blocks.0.img_mlp.net.0.proj",
+    "transformer_blocks.1.attn.to_add_out",
+    "transformer_blocks.1.txt_mlp.net.2",
+]
+
+
+def test_lora_per_request_equals_load_lora_weights(t2i_folder, t2i_expected, tmp_path):
+    from diffusers import QwenImageTransformer2DModel
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    transformer = QwenImageTransformer2DModel.from_pretrained(t2i_folder / "transformer")
+    torch.manual_seed(7)
+    transformer.add_adapter(
+        LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
+    )
+    QwenImagePipeline.save_lora_weights(
+        tmp_path, transformer_lora_layers=get_peft_model_state_dict(transformer)
+    )
+    lora_file = tmp_path / "pytorch_lora_weights.safetensors"
+
+    pipe = load(QwenImagePipeline, t2i_folder)
+    pipe.load_lora_weights(str(lora_file))
+    want = diffusers_image(pipe, CFG)
+    assert psnr(want, t2i_expected[0]) < 30  # the adapter changes the image
+    engine = Engine(EngineConfig(model=str(t2i_folder))).start()
+    try:
+        engine.load_lora("style", str(lora_file))
+        futures = [
+            engine.submit(CFG.model_copy(update={"lora": (LoRARef(name="style"),)})),
+            engine.submit(PLAIN),
+        ]
+        with_lora, without = (png_pixels(f.result(timeout=120).outputs[0]) for f in futures)
+    finally:
+        engine.shutdown()
+    assert psnr(with_lora, want) >= 40
+    assert psnr(without, t2i_expected[1]) >= 40  # the same batch, no adapter
