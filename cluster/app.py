@@ -84,7 +84,8 @@ def engine_deployment_options(args: AppArgs, strategy: str = "PACK") -> dict[str
         "request_router_config": RequestRouterConfig(request_router_class=ROUTER_PATH),
         # Headroom above what the engine admits, so a full engine queue answers 429 (Retry-After) at once
         # instead of requests waiting unseen in Serve's router; control and info calls use the rest.
-        "max_ongoing_requests": 2 * (args.max_queue + args.max_batch_size + args.max_sessions_per_replica)
+        "max_ongoing_requests": 2
+        * (args.max_queue + args.max_batch_size + args.max_sessions_per_replica + args.max_realtime_sessions)
         + 16,
         "health_check_period_s": 2,
         "health_check_timeout_s": 60,

@@ -19,6 +19,10 @@ has one panel per metric.
 | ray_ditserve_control_state_version        | gauge     | the control state this replica has applied  |
 | ray_ditserve_device_memory_bytes          | gauge     | NVML per GPU of the ranks (tag ``device``), |
 |                                           |           | on CPU the replica's resident memory        |
+
+Realtime video sessions (``replica_realtime``, created with a replica's first session):
+``ray_ditserve_realtime_sessions`` (gauge: open sessions) and ``ray_ditserve_realtime_chunk_latency_seconds``
+(histogram, tag ``status``: from queueing a chunk to its encoded frames).
 """
 
 from __future__ import annotations
