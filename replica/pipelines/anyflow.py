@@ -182,9 +182,18 @@ class AnyFlowRunner(PipelineRunner):
         )
         return state
 
+    @staticmethod
+    def _refuse(params: GenerationParams) -> None:
+        """What this runner's own chunk loop does not apply: refused rather than silently dropped."""
+        if params.lora:
+            raise ValueError("lora: AnyFlow-FAR does not take adapters yet")
+        if params.cache is not None and params.cache.enabled:
+            raise ValueError(f"cache: step caching ({params.cache.policy}) is not supported for AnyFlow-FAR")
+
     @torch.no_grad()
     def prepare(self, req_id: str, params: GenerationParams, encoded: dict) -> RequestState:
         """A whole video: every chunk of its partition, one after the other."""
+        self._refuse(params)
         temporal = self.pipe.vae_scale_factor_temporal
         latent_frames = (params.num_frames - 1) // temporal + 1
         partition = chunk_partition(latent_frames, tuple(self.pipe.transformer.config.chunk_partition))
@@ -208,6 +217,7 @@ class AnyFlowRunner(PipelineRunner):
     ) -> RequestState:
         """Chunk ``chunk_index`` of realtime session ``session_id`` (``params.num_frames``: frames per chunk;
         ``max_chunks``: the session's length when known, so its noise is the pipeline's draw)."""
+        self._refuse(params)
         temporal = self.pipe.vae_scale_factor_temporal
         rollout = self.sessions.get(session_id)
         if rollout is None:

@@ -125,6 +125,9 @@ def test_chunk_out_of_order_and_bad_sizes_are_refused(engine):
         engine.submit_chunk("r1.e", 0, params.model_copy(update={"width": 72}), None)
     with pytest.raises(ValueError, match="^num_frames"):
         engine.submit_chunk("r1.e", 0, params.model_copy(update={"num_frames": 6}), None)
+    runner = engine.launcher.worker.runner
+    with pytest.raises(ValueError, match="^cache"):  # not silently ignored by the chunk loop
+        runner.add("cached", GenerationParams(**SETTINGS, num_frames=9, cache={"policy": "fbcache"}))
 
 
 def test_sharded_layouts_are_refused_naming_the_flags(folder):
