@@ -41,6 +41,7 @@ from ditserve.replica.request import GenerationParams
 
 from .api_edits import EDITS_PATH, upload_allowance
 from .api_sessions import SessionGenerateRequest
+from .api_videos import VIDEOS_PATH, reference_allowance
 from .errors import SessionGoneError
 from .http_base import ERROR_TYPES, REPLICA_HEADER, frontend
 from .router import session_owner
@@ -68,6 +69,8 @@ class BodyLimitMiddleware:
         limit = fe.args.max_body_bytes
         if scope.get("path") == EDITS_PATH:  # image files on top (each checked against max_image_bytes)
             limit += upload_allowance(fe)
+        elif scope.get("path") == VIDEOS_PATH:  # an image-to-video model's first frame (input_reference)
+            limit += reference_allowance(fe)
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
         if length is not None:

@@ -9,6 +9,8 @@ routed like a session id, so any frontend, including a restarted one, reaches it
 
 from __future__ import annotations
 
+import base64
+import binascii
 import email.parser
 import email.policy
 import json
@@ -20,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ditserve.replica.caching import CacheSettings
 from ditserve.replica.media import check_image
+from ditserve.replica.media import check_image
 from ditserve.replica.request import GenerationParams
 
 from .http_base import REPLICA_HEADER, check_size, frontend
@@ -28,7 +31,18 @@ from .schemas import APIError, Prompt
 
 router = APIRouter(prefix="/v1/videos", tags=["videos"])
 VIDEOS_PATH = "/v1/videos"
+VIDEOS_PATH = "/v1/videos"
 REF = "#/components/schemas/{model}"  # nested models (cache) point into the OpenAPI components
+
+
+class ImageReference(BaseModel):
+    """OpenAI's reference object: ``{"image_url": "data:image/png;base64,..."}`` (``file_id`` is refused:
+    there is no files API here)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image_url: str | None = Field(default=None, description="A base64 data URL of a PNG / JPEG / WebP image.")
+    file_id: str | None = Field(default=None, description="Not supported (no files API): a 400.")
 
 
 class ImageReference(BaseModel):
@@ -61,6 +75,17 @@ class VideoCreateRequest(BaseModel):
     guidance_scale: float | None = Field(default=None, ge=0, le=100, description="CFG scale (model default).")
     negative_prompt: str | None = Field(default=None, description="What not to film.")
     seed: int | None = Field(default=None, ge=0, lt=2**63, description="Random seed (random when absent).")
+    guidance_scale_2: float | None = Field(
+        default=None,
+        ge=0,
+        le=100,
+        description="Two-expert models (Wan 2.2 A14B): the low-noise expert's CFG scale (default: guidance_scale).",
+    )
+    input_reference: str | ImageReference | None = Field(
+        default=None,
+        description="The first frame of an image-to-video model, resized to size: a file part (multipart, as "
+        'OpenAI\'s client sends it), or a base64 data URL (a string or {"image_url": ...}).',
+    )
     guidance_scale_2: float | None = Field(
         default=None,
         ge=0,
@@ -145,6 +170,31 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
         raise APIError(400, f"{param}: {frames} frames is above the maximum {limits.max_frames}", param=param)
     width, height = check_size(body.size or fe.default_size, limits.max_width, limits.max_height)
     kwargs: dict[str, Any] = {} if body.seed is None else {"seed": body.seed}
+    reference = reference_bytes(body, upload)
+    first_frame = fe.spec.first_frame
+    if reference is not None:
+        if first_frame == "none":
+            raise APIError(
+                400,
+                f"input_reference: {fe.model_name} is a text-to-video model and takes no reference image",
+                param="input_reference",
+            )
+        try:
+            check_image(
+                reference,
+                "input_reference",
+                max_bytes=limits.max_image_bytes,
+                max_pixels=limits.max_image_pixels,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="input_reference") from None
+        kwargs["images"] = (reference,)  # resized to width x height by the model's own video processor
+    elif first_frame == "required":
+        raise APIError(
+            400,
+            f"input_reference: {fe.model_name} is an image-to-video model; give the first frame",
+            param="input_reference",
+        )
     return GenerationParams(
         prompt=body.prompt,
         negative_prompt=body.negative_prompt,
@@ -155,34 +205,50 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
         num_inference_steps=body.num_inference_steps,
         guidance_scale=body.guidance_scale,
         guidance_scale_2=body.guidance_scale_2,
+        guidance_scale_2=body.guidance_scale_2,
         cache=body.cache,
         **kwargs,
     )
 
 
-def _form_fields(content_type: str, raw: bytes) -> dict[str, str]:
-    """multipart/form-data → {name: value} with the standard library's MIME parser (text fields only)."""
+def _form_fields(content_type: str, raw: bytes) -> tuple[dict[str, Any], bytes | None]:
+    """multipart/form-data → ({name: value}, the input_reference file) with the standard library's MIME
+    parser (binary parts come back byte for byte); a text ``input_reference`` is a data URL."""
     head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode()
     message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + raw)
     if not message.is_multipart():
         raise APIError(400, "request body is not valid multipart/form-data")
-    fields = {}
+    fields: dict[str, Any] = {}
+    upload = None
     for part in message.iter_parts():
         name = part.get_param("name", header="content-disposition")
         if not name:
             continue
+        data = part.get_payload(decode=True) or b""
+        if name == "input_reference" and part.get_filename() is not None:
+            if upload is not None:
+                raise APIError(400, "input_reference: one first frame per video", param="input_reference")
+            upload = data
+            continue
         if part.get_filename():
-            raise APIError(400, f"{name}: file uploads (input_reference) are not supported", param=name)
-        fields[name] = part.get_content() if part.get_content_maintype() == "text" else part.get_payload()
-    return fields
+            raise APIError(400, f"{name}: files are taken only as input_reference", param=name)
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise APIError(400, f"{name}: not UTF-8 text", param=name) from None
+        if name in fields:
+            raise APIError(400, f"{name}: given more than once", param=name)
+        fields[name] = text
+    return fields, upload
 
 
-async def _read_create(request: Request) -> VideoCreateRequest:
+async def _read_create(request: Request) -> tuple[VideoCreateRequest, bytes | None]:
     content_type = request.headers.get("content-type", "")
     raw = await request.body()
+    upload = None
     try:
         if content_type.startswith("multipart/form-data"):
-            data: Any = _form_fields(content_type, raw)
+            data, upload = _form_fields(content_type, raw)
         else:
             try:
                 data = json.loads(raw)
@@ -190,7 +256,7 @@ async def _read_create(request: Request) -> VideoCreateRequest:
                 raise APIError(400, "request body is not valid JSON") from None
             if not isinstance(data, dict):
                 raise APIError(400, "request body must be a JSON object")
-        return VideoCreateRequest.model_validate(data)
+        return VideoCreateRequest.model_validate(data), upload
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first.get("loc", ())) or None
@@ -251,8 +317,8 @@ async def call_job(fe: Any, video_id: str, call) -> dict[str, Any]:
 )
 async def create_video(request: Request, fe: Any = Depends(frontend)):
     fe.check_auth(request, admin=False)
-    body = await _read_create(request)
-    params = video_params(fe, body)
+    body, upload = await _read_create(request)
+    params = video_params(fe, body, upload)
     answer = await fe.call_engine(fe.engine.create_video.remote(params, fe.model_name, body.prompt))
     return JSONResponse(answer["video"], headers={REPLICA_HEADER: answer["replica"]})
 

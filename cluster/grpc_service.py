@@ -168,6 +168,10 @@ class GrpcMethods:
             from .api_edits import upload_allowance
 
             limit += upload_allowance(self)
+        elif isinstance(request, pb.CreateVideoRequest):  # the first frame, as POST /v1/videos
+            from .api_videos import reference_allowance
+
+            limit += reference_allowance(self)
         if size > limit:
             raise APIError(
                 413,
@@ -213,8 +217,11 @@ class GrpcMethods:
         from .api_videos import VideoCreateRequest, video_params
 
         self.check_auth(_Metadata(grpc_context), admin=False)
-        body = _validate(VideoCreateRequest, fields(request))
-        params = video_params(self, body)
+        data = fields(request)
+        data.pop("input_reference", None)  # the file as bytes, not as the JSON mapping's base64
+        upload = request.input_reference if request.HasField("input_reference") else None
+        body = _validate(VideoCreateRequest, data)
+        params = video_params(self, body, upload)
         answer = await self.call_engine(self.engine.create_video.remote(params, self.model_name, body.prompt))
         return _video_job(answer["video"])
 

@@ -105,7 +105,7 @@ class GenerateEvent(_message.Message):
     def __init__(self, progress: _Optional[_Union[Progress, _Mapping]] = ..., result: _Optional[_Union[GenerateResponse, _Mapping]] = ...) -> None: ...
 
 class CreateVideoRequest(_message.Message):
-    __slots__ = ("prompt", "model", "size", "seconds", "num_frames", "fps", "num_inference_steps", "guidance_scale", "negative_prompt", "seed")
+    __slots__ = ("prompt", "model", "size", "seconds", "num_frames", "fps", "num_inference_steps", "guidance_scale", "negative_prompt", "seed", "input_reference", "guidance_scale_2")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,8 @@ class CreateVideoRequest(_message.Message):
     GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    INPUT_REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_SCALE_2_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     model: str
     size: str
@@ -126,7 +128,9 @@ class CreateVideoRequest(_message.Message):
     guidance_scale: float
     negative_prompt: str
     seed: int
-    def __init__(self, prompt: _Optional[str] = ..., model: _Optional[str] = ..., size: _Optional[str] = ..., seconds: _Optional[str] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., negative_prompt: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
+    input_reference: bytes
+    guidance_scale_2: float
+    def __init__(self, prompt: _Optional[str] = ..., model: _Optional[str] = ..., size: _Optional[str] = ..., seconds: _Optional[str] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., negative_prompt: _Optional[str] = ..., seed: _Optional[int] = ..., input_reference: _Optional[bytes] = ..., guidance_scale_2: _Optional[float] = ...) -> None: ...
 
 class VideoRef(_message.Message):
     __slots__ = ("id",)
