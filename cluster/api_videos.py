@@ -22,7 +22,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ditserve.replica.caching import CacheSettings
 from ditserve.replica.media import check_image
-from ditserve.replica.media import check_image
 from ditserve.replica.request import GenerationParams
 
 from .http_base import REPLICA_HEADER, check_size, frontend
@@ -31,18 +30,7 @@ from .schemas import APIError, Prompt
 
 router = APIRouter(prefix="/v1/videos", tags=["videos"])
 VIDEOS_PATH = "/v1/videos"
-VIDEOS_PATH = "/v1/videos"
 REF = "#/components/schemas/{model}"  # nested models (cache) point into the OpenAPI components
-
-
-class ImageReference(BaseModel):
-    """OpenAI's reference object: ``{"image_url": "data:image/png;base64,..."}`` (``file_id`` is refused:
-    there is no files API here)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    image_url: str | None = Field(default=None, description="A base64 data URL of a PNG / JPEG / WebP image.")
-    file_id: str | None = Field(default=None, description="Not supported (no files API): a 400.")
 
 
 class ImageReference(BaseModel):
@@ -75,17 +63,6 @@ class VideoCreateRequest(BaseModel):
     guidance_scale: float | None = Field(default=None, ge=0, le=100, description="CFG scale (model default).")
     negative_prompt: str | None = Field(default=None, description="What not to film.")
     seed: int | None = Field(default=None, ge=0, lt=2**63, description="Random seed (random when absent).")
-    guidance_scale_2: float | None = Field(
-        default=None,
-        ge=0,
-        le=100,
-        description="Two-expert models (Wan 2.2 A14B): the low-noise expert's CFG scale (default: guidance_scale).",
-    )
-    input_reference: str | ImageReference | None = Field(
-        default=None,
-        description="The first frame of an image-to-video model, resized to size: a file part (multipart, as "
-        'OpenAI\'s client sends it), or a base64 data URL (a string or {"image_url": ...}).',
-    )
     guidance_scale_2: float | None = Field(
         default=None,
         ge=0,
@@ -204,7 +181,6 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
         fps=body.fps,
         num_inference_steps=body.num_inference_steps,
         guidance_scale=body.guidance_scale,
-        guidance_scale_2=body.guidance_scale_2,
         guidance_scale_2=body.guidance_scale_2,
         cache=body.cache,
         **kwargs,
