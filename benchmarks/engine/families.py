@@ -1,0 +1,235 @@
+"""Every served family at its real transformer size (random bf16 weights) against compiled diffusers, one GPU.
+
+For each family named (a builder module ``tests/families/<name>.py`` with ``build_pipeline(size="real", dtype,
+device)`` and ``REAL_SETTINGS``), in one process and on the same weights, in this order:
+
+1. **diffusers, compiled**: the family's own pipeline after ``transformer.compile_repeated_blocks()`` (the
+   baseline of the run); step times from ``callback_on_step_end`` with a device sync;
+2. **ditserve bf16**: the family's runner on the same (compiled) transformer, as a one-GPU replica runs it with
+   ``--compile`` and its defaults (CUDA graphs where the family's inputs allow them);
+3. **ditserve FP8**: after ``--quantization fp8`` (row-wise FP8 GEMMs), compiled again.
+
+Per row: median step time over ``--steps`` denoising steps (after a warm-up call that compiles), the image
+time extrapolated to the settings' usual step count (steps × step time + the measured encode/decode), peak
+memory, and PSNR of the output against diffusers' (``--steps`` steps, same seed).
+
+    python benchmarks/engine/families.py --family flux2 --family qwenimage --steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+from report import write_results  # noqa: E402
+
+PROMPT = "a red fox in the snow, photograph"
+SEED = 0
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def to_uint8(x: np.ndarray) -> np.ndarray:
+    return (np.asarray(x) * 255).round().clip(0, 255).astype("uint8")
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def diffusers_run(pipe, settings: dict, steps: int) -> tuple[np.ndarray, list[float], float]:
+    """(uint8 output, per-step seconds, whole call seconds)."""
+    marks: list[float] = []
+
+    def on_step(pipe_, index, t, kwargs):
+        sync()
+        marks.append(time.perf_counter())
+        return kwargs
+
+    sync()
+    start = time.perf_counter()
+    settings = dict(settings)
+    out = pipe(
+        prompt=settings.pop("prompt", PROMPT),
+        generator=torch.Generator("cpu").manual_seed(SEED),
+        callback_on_step_end=on_step,
+        output_type="np",
+        **{**settings, "num_inference_steps": steps},
+    )
+    sync()
+    total = time.perf_counter() - start
+    frames = out.frames if hasattr(out, "frames") else out.images
+    return to_uint8(frames)[0], list(np.diff(marks)), total
+
+
+def runner_run(runner, settings: dict, steps: int) -> tuple[np.ndarray, list[float], float]:
+    from ditserve.replica.request import GenerationParams
+
+    fields = set(GenerationParams.model_fields)
+    kwargs = {k: v for k, v in settings.items() if k in fields} | {"num_inference_steps": steps}
+    kwargs.setdefault("prompt", PROMPT)
+    params = GenerationParams(seed=SEED, **kwargs)
+    sync()
+    start = time.perf_counter()
+    state = runner.add("bench", params)
+    times = []
+    while not state.done:
+        sync()
+        t0 = time.perf_counter()
+        runner.step([state])
+        sync()
+        times.append(time.perf_counter() - t0)
+    out = runner.decode(state)
+    sync()
+    return np.asarray(out)[0], times[1:], time.perf_counter() - start
+
+
+def make_runner(pipe, cuda_graphs: bool, device: torch.device, dtype: torch.dtype):
+    from ditserve.replica.families import pipeline_families
+
+    family = pipeline_families()[type(pipe).__name__]
+    cls = family.load("runner")
+    runner = cls(
+        pipe,
+        device=device,
+        dtype=dtype,
+        max_sequence_length=512,
+        mesh=None,
+        cuda_graphs=cuda_graphs,
+    )
+    return family, runner
+
+
+def transformers_of(pipe) -> list[torch.nn.Module]:
+    return [
+        m for m in (getattr(pipe, "transformer", None), getattr(pipe, "transformer_2", None)) if m is not None
+    ]
+
+
+def measure(name: str, steps: int, graphs: bool, size: str = "real", device: str = "cuda") -> list[dict]:
+    """The three rows of one family (``size="tiny", device="cpu"``: a smoke run of this script, bf16 → fp32,
+    no compile, no FP8)."""
+    from ditserve.replica.worker import apply_speed_switches
+
+    module = importlib.import_module(f"tests.families.{name}")
+    settings = dict(module.REAL_SETTINGS)
+    if size == "tiny":  # a smoke run of this script: the tiny models' sizes
+        settings |= {"width": 64, "height": 64} | ({"num_frames": 5} if "num_frames" in settings else {})
+    usual = settings.get("num_inference_steps", steps)
+    torch.manual_seed(0)
+    on_gpu = device == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    dev = torch.device(device)
+    pipe = module.build_pipeline(size=size, dtype=dtype, device=device)
+    pipe.set_progress_bar_config(disable=True)
+    params_b = sum(p.numel() for m in transformers_of(pipe) for p in m.parameters()) / 1e9
+    rows = []
+
+    def row(label: str, run, ref=None) -> np.ndarray:
+        run(2)  # warm-up: compiles, captures
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        out, step_s, total = run(steps)
+        step = statistics.median(step_s)
+        overhead = max(total - step * steps, 0.0)
+        rows.append(
+            {
+                "family": name,
+                "config": label,
+                "transformer_params_b": round(params_b, 2),
+                "step_ms": step * 1e3,
+                "image_s": overhead + step * usual,
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else float("nan"),
+                "psnr_vs_diffusers": None if ref is None else psnr(out, ref),
+                "usual_steps": usual,
+            }
+        )
+        print(rows[-1], flush=True)
+        return out
+
+    if on_gpu:
+        for m in transformers_of(pipe):
+            m.compile_repeated_blocks(fullgraph=False)
+    ref = row("diffusers compiled (baseline)", lambda n: diffusers_run(pipe, settings, n))
+    family, runner = make_runner(pipe, graphs and on_gpu, dev, dtype)
+    row("ditserve bf16 --compile", lambda n: runner_run(runner, settings, n), ref)
+    if not on_gpu:
+        return rows
+    torch._dynamo.reset()
+    for m in transformers_of(pipe):
+        apply_speed_switches(
+            m, family=family.name, device=torch.device("cuda"), dtype=torch.bfloat16, quantization="fp8"
+        )
+        m.compile_repeated_blocks(fullgraph=False)
+    runner.model_changed()
+    row("ditserve fp8 --compile", lambda n: runner_run(runner, settings, n), ref)
+    torch._dynamo.reset()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--family", action="append", required=True, help="builder module in tests/families")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--no-graphs", action="store_true", help="ditserve rows without CUDA graphs")
+    parser.add_argument("--size", choices=["real", "tiny"], default="real")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rows, failed = [], []
+    for name in args.family:
+        try:
+            rows += measure(name, args.steps, not args.no_graphs, args.size, args.device)
+        except Exception as exc:  # one family failing leaves the others' rows
+            traceback.print_exc()
+            failed.append(f"{name}: {type(exc).__name__}: {str(exc)[-300:]}")
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+        write_results(
+            "families",
+            table(rows, failed),
+            {"rows": rows, "failed": failed},
+            out=args.out,
+            baseline="compiled diffusers pipeline, same weights, same run",
+        )
+
+
+def table(rows: list[dict], failed: list[str]) -> str:
+    lines = [
+        "| family | config | params (B) | step (ms) | image (s, usual steps) | peak (GiB) | PSNR vs diffusers | × baseline |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    base = {}
+    for r in rows:
+        if r["psnr_vs_diffusers"] is None:
+            base[r["family"]] = r["step_ms"]
+        ratio = r["step_ms"] / base[r["family"]] if r["family"] in base else float("nan")
+        p = r["psnr_vs_diffusers"]
+        lines.append(
+            f"| {r['family']} | {r['config']} | {r['transformer_params_b']} | {r['step_ms']:.1f} | {r['image_s']:.1f} "
+            f"({r['usual_steps']}) | {r['peak_gib']:.1f} | {'—' if p is None else f'{p:.1f}'} | {ratio:.3f} |"
+        )
+    if failed:
+        lines += ["", "Not measured:", *[f"- {f}" for f in failed]]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
