@@ -211,10 +211,13 @@ def test_kontext_one_rank_is_diffusers(kontext_one_rank):
 
 
 def test_kontext_engine_ulysses2_is_one_rank(kontext_folder, kontext_one_rank):
-    """Reference tokens sharded with the generated ones over two ranks (gloo), the output gathered."""
+    """Reference tokens sharded with the generated ones over two ranks (gloo), the output gathered; batched
+    with a request of the same reference (their rows share the forward)."""
     engine = Engine(EngineConfig(model=str(kontext_folder), parallel=ParallelFlags(ulysses_degree=2))).start()
     try:
-        result = engine.generate(KONTEXT, timeout=300)
+        futures = [engine.submit(KONTEXT), engine.submit(KONTEXT.model_copy(update={"seed": 4}))]
+        results = [f.result(timeout=300) for f in futures]
     finally:
         engine.shutdown()
-    assert psnr(png_pixels(result.outputs[0]), kontext_one_rank[0]) >= 40
+    assert psnr(png_pixels(results[0].outputs[0]), kontext_one_rank[0]) >= 40
+    assert psnr(png_pixels(results[1].outputs[0]), kontext_one_rank[0]) < 40  # its own seed
