@@ -45,12 +45,15 @@ def upload_allowance(fe: Any) -> int:
     return files * fe.args.max_image_bytes
 
 
-def _edit_size(fe: Any, size: str | None, first: tuple[int, int]) -> tuple[int, int]:
-    """The requested size, or (absent / "auto") the first image's, scaled down to the server's maximum and
-    rounded down to the model's size multiple."""
+def _edit_size(fe: Any, size: str | None, sizes: list[tuple[int, int]]) -> tuple[int, int]:
+    """The requested size, or (absent / "auto") the edit pipeline's own choice from the references
+    (``Family.edit_size``) or else the first image's, scaled down to the server's maximum and rounded down
+    to the model's size multiple."""
     limits, multiple = fe.args, fe.spec.size_multiple
     if size not in (None, "", "auto"):
         return check_size(size, limits.max_width, limits.max_height, multiple)
+    rule = fe.spec.family_spec.edit_size if fe.spec.edits else None
+    first = rule(fe.spec.folder, list(sizes)) if rule is not None else sizes[0]
     width, height = first
     scale = min(1.0, limits.max_width / width, limits.max_height / height)
     width, height = int(width * scale) // multiple * multiple, int(height * scale) // multiple * multiple
@@ -107,7 +110,7 @@ def edit_params(
             f"strength: {fe.model_name} takes the images as references and does not noise them; leave it out",
             param="strength",
         )
-    width, height = _edit_size(fe, body.size, sizes[0])
+    width, height = _edit_size(fe, body.size, sizes)
     return body.to_params(width, height, fe.spec, tuple(images), mask), width, height
 
 

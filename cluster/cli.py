@@ -115,6 +115,9 @@ def run_generate(ns: argparse.Namespace) -> int:
 
         multiple = engine.spec.size_multiple
         first = image_size(images[0])
+        rule = engine.spec.family_spec.edit_size if engine.spec.edits else None
+        if rule is not None:  # the edit pipeline's own choice (Qwen-Image-Edit: the references' ~1024²)
+            first = rule(engine.spec.folder, [image_size(data) for data in images])
         width, height = (
             max(multiple, first[0] // multiple * multiple),
             max(multiple, first[1] // multiple * multiple),

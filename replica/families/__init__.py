@@ -93,6 +93,10 @@ class Family:
     # pipelines of ``pipelines`` that take reference images (POST /v1/images/edits), and how many at most
     edit_pipelines: frozenset[str] = frozenset()
     max_references: int = 0
+    # The output (width, height) of an edit request that names no size, from its references' (width,
+    # height) in order, where the edit pipeline has its own rule (Qwen-Image-Edit: the last reference's
+    # aspect at about 1024² pixels); None: the first reference's size.
+    edit_size: Callable[[Folder, list[tuple[int, int]]], tuple[int, int]] | None = None
     # image-to-image from ``init_latents`` + ``strength`` (sessions, /v1/images/edits on non-edit families)
     img2img: bool = False
     # takes an inpainting ``mask`` with its image (POST /v1/images/edits ``mask``); refused otherwise

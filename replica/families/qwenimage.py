@@ -56,8 +56,5 @@ FAMILY = Family(
     refuse=_refuse,
     checkpoints=((r"(?<![a-z])qwen-?image", 24),),
     typical_heads=24,
-    extra={
-        "edit_size": edit_size,
-        "max_references": {"QwenImageEditPipeline": 1, "QwenImageEditPlusPipeline": MAX_PLUS_REFERENCES},
-    },
+    edit_size=lambda folder, sizes: edit_size(folder, sizes[-1]),  # Edit: one reference; Plus: the last
 )

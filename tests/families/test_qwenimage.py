@@ -172,6 +172,20 @@ def test_edit_plus_two_references_equal_pipeline_and_counts_are_checked(tmp_path
         runner_for(load(QwenImageEditPipeline, build_folder(tmp_path / "edit", edit=True))).encode(PLUS)
 
 
+def test_edit_size_without_size_follows_the_pipelines(edit_folder):
+    """An edit that names no size gets the edit pipelines' own size: the (last) reference's aspect at about
+    1024² (diffusers' ``calculate_dimensions``), floored to the size multiple as the pipelines do."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
+
+    from ditserve.replica.models.registry import resolve_model
+
+    spec = resolve_model(str(edit_folder))
+    assert spec.edits and spec.size_multiple == 32
+    for sizes in ([(80, 48)], [(80, 48), (48, 64)], [(1000, 333)]):
+        w, h = calculate_dimensions(1024 * 1024, sizes[-1][0] / sizes[-1][1])
+        assert spec.family_spec.edit_size(spec.folder, sizes) == (w // 32 * 32, h // 32 * 32)
+
+
 def test_generate_cli_edit_equals_pipeline(edit_folder, edit_expected, tmp_path):
     ref = tmp_path / "ref.png"
     ref.write_bytes(REF)
