@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 from diffusers.models.embeddings import apply_rotary_emb
 
+from .attention import attention
 from .hooks import ForwardState
 from .mesh import ParallelMesh
 from .plan import ParallelPlan, parallelize
@@ -68,6 +69,16 @@ class HunyuanVideo15ParallelAttnProcessor:
             self._mask, self._lengths = mask, lengths.tolist()
         return self._lengths
 
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(video out, context out) of joint attention, video sharded over the sp axis."""
+        img, out = sequence_parallel_attention(
+            q, k, v, mesh=self.mesh, layout=self.state.require_layout(), text=text
+        )
+        assert out is not None
+        return img, out
+
     def __call__(
         self,
         attn: nn.Module,
@@ -98,7 +109,6 @@ class HunyuanVideo15ParallelAttnProcessor:
             tk = attn.norm_added_k(tk)
 
         lengths = self._valid_lengths(attention_mask)
-        layout = self.state.require_layout()
         img = torch.empty_like(q)
         text = torch.zeros_like(tq)
         # One sequence-parallel attention per distinct valid length (every rank holds the same masks, so
@@ -110,15 +120,9 @@ class HunyuanVideo15ParallelAttnProcessor:
             def take(x: torch.Tensor, index=index) -> torch.Tensor:
                 return x if index is None else x.index_select(0, index)
 
-            part_img, part_text = sequence_parallel_attention(
-                take(q),
-                take(k),
-                take(v),
-                mesh=self.mesh,
-                layout=layout,
-                text=(take(tq)[:, :length], take(tk)[:, :length], take(tv)[:, :length]),
+            part_img, part_text = self._attend(
+                take(q), take(k), take(v), (take(tq)[:, :length], take(tk)[:, :length], take(tv)[:, :length])
             )
-            assert part_text is not None
             if index is None:
                 img = part_img.to(q.dtype)
                 text[:, :length] = part_text.to(q.dtype)
@@ -133,6 +137,23 @@ class HunyuanVideo15ParallelAttnProcessor:
         else:
             img, text = out(img), add_out(text)
         return attn.to_out[1](img), text
+
+
+class HunyuanVideo15ValidContextAttnProcessor(HunyuanVideo15ParallelAttnProcessor):
+    """One rank: the same valid-context attention, local. Spares the model's own processor's per-block
+    (rows, 1, S, S) boolean mask and lets attention take its mask-free kernels."""
+
+    def __init__(self) -> None:
+        super().__init__(mesh=None, state=None)  # type: ignore[arg-type]
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        num_video = q.shape[1]
+        q, k, v = (torch.cat([x, t], dim=1).transpose(1, 2) for x, t in zip((q, k, v), text, strict=True))
+        out, _ = attention(q, k, v, need_lse=False)
+        out = out.transpose(1, 2)
+        return out[:, :num_video], out[:, num_video:]
 
 
 def _tokens(model: nn.Module, bound: dict) -> int:

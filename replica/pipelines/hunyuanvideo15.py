@@ -61,14 +61,35 @@ class ContextTrim:
         return (), values
 
 
-def apply_context_trim(transformer) -> None:
-    """Install `ContextTrim` on ``transformer``'s blocks (once per model object)."""
-    if getattr(transformer, "_ditserve_context_trim", False):
+def apply_valid_context(transformer) -> None:
+    """Install `ContextTrim` on ``transformer``'s blocks and, where the model is not sharded (a sharded
+    one has the parallel plan's processor already), the one-rank valid-context attention processor.
+    Once per model object (a weights update brings a new one)."""
+    if getattr(transformer, "_ditserve_valid_context", False):
         return
+    from ..parallel.hunyuanvideo15 import HunyuanVideo15ValidContextAttnProcessor
+
     trim = ContextTrim()
+    sharded = getattr(transformer, "_ditserve_parallel", None) is not None
+    processor = HunyuanVideo15ValidContextAttnProcessor()  # one for all blocks: one length read per forward
     for block in transformer.transformer_blocks:
         block.register_forward_pre_hook(trim, with_kwargs=True)
-    transformer._ditserve_context_trim = True
+        if not sharded:
+            block.attn.set_processor(processor)
+    transformer._ditserve_valid_context = True
+
+
+def _drop_padding(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``inputs`` with the text and glyph columns after the last one any row uses cut off."""
+    out = dict(inputs)
+    for embeds, mask in (
+        ("encoder_hidden_states", "encoder_attention_mask"),
+        ("encoder_hidden_states_2", "encoder_attention_mask_2"),
+    ):
+        used = inputs[mask].bool().any(dim=0)
+        keep = max(1, int(used.nonzero().max()) + 1) if bool(used.any()) else 1
+        out[embeds], out[mask] = inputs[embeds][:, :keep], inputs[mask][:, :keep]
+    return out
 
 
 class HunyuanVideo15Runner(PipelineRunner):
@@ -178,17 +199,21 @@ class HunyuanVideo15Runner(PipelineRunner):
 
     def model_forward(self, latents, timesteps, inputs, shared):
         pipe = self.pipe
-        if self.graphs is None:  # the trim reads a length to the host: not inside a captured graph
-            apply_context_trim(pipe.transformer)
         rows = latents.shape[0]
+        # Text-to-video: all-zero image tokens, which the model recognises and masks out (as padding).
+        num_image = pipe.vision_num_semantic_tokens
+        if self.graphs is None:
+            # Padding is masked wherever the model reads it (the refiner's attention and pooled mean, the
+            # blocks' joint attention), so it is dropped: the trailing columns no row uses and the unused
+            # image slots here, the rest inside (`ContextTrim`). These read lengths to the host, which a
+            # captured graph cannot.
+            apply_valid_context(pipe.transformer)
+            inputs = _drop_padding(inputs)
+            num_image = 1
         image_embeds = inputs.get("image_embeds")
-        if image_embeds is None:  # text-to-video: all-zero image tokens, which the model masks out
+        if image_embeds is None:
             image_embeds = torch.zeros(
-                rows,
-                pipe.vision_num_semantic_tokens,
-                pipe.vision_states_dim,
-                device=latents.device,
-                dtype=self.dtype,
+                rows, num_image, pipe.vision_states_dim, device=latents.device, dtype=self.dtype
             )
         hidden = torch.cat([latents.to(self.dtype), inputs["cond_latents"]], dim=1)
         return pipe.transformer(
