@@ -29,7 +29,7 @@ from ditserve.replica.media import check_image
 from ditserve.replica.request import GenerationParams
 
 from .http_base import REPLICA_HEADER, check_size, frontend
-from .schemas import APIError, ImageData, ImageEditRequest, ImagesResponse
+from .schemas import APIError, ImageData, ImageEditRequest, ImagesResponse, usage_of
 
 EDITS_PATH = "/v1/images/edits"
 IMAGE_FIELDS = ("image", "image[]")
@@ -166,6 +166,7 @@ def images_response(result: Any) -> dict[str, Any]:
         data=[ImageData(b64_json=base64.b64encode(png).decode()) for png in result.outputs],
         seed=result.seed,
         size=f"{result.width}x{result.height}",
+        usage=usage_of(result),
     )
     return response.model_dump(exclude_none=True)
 

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ditserve.replica.caching import CacheSettings
+from ditserve.replica.jsonfields import JsonInt
 from ditserve.replica.request import GenerationParams
 
 from .http_base import REPLICA_HEADER, check_size, frontend
@@ -43,11 +44,11 @@ class SessionGenerateRequest(BaseModel):
         le=1.0,
         description="How far this step may move from the previous image.",
     )
-    num_inference_steps: int = Field(
+    num_inference_steps: JsonInt = Field(
         strict=True, default=4, ge=1, description="Steps of a full (strength 1) schedule."
     )
     guidance_scale: float | None = Field(strict=True, default=None, ge=0, le=100)
-    seed: int | None = Field(strict=True, default=None, ge=0, lt=2**63)
+    seed: JsonInt | None = Field(strict=True, default=None, ge=0, lt=2**63)
     cache: CacheSettings | None = Field(
         default=None, description="Step cache of this step (as on /v1/images/generations)."
     )

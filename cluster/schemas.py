@@ -17,6 +17,7 @@ from pydantic import (
 )
 
 from ditserve.replica.caching import CacheSettings
+from ditserve.replica.jsonfields import JsonInt
 from ditserve.replica.models.registry import ModelSpec
 from ditserve.replica.request import GenerationParams, LoRARef
 
@@ -90,7 +91,7 @@ class ImageGenerationRequest(BaseModel):
     model: str | None = Field(
         default=None, description="Model name (GET /v1/models); default: the served one."
     )
-    n: int = Field(strict=True, default=1, ge=1, description="Number of images.")
+    n: JsonInt = Field(strict=True, default=1, ge=1, description="Number of images.")
     size: str | None = Field(
         default=None, description="WIDTHxHEIGHT, each a multiple of 16 (default: the model's native size)."
     )
@@ -98,14 +99,14 @@ class ImageGenerationRequest(BaseModel):
         default="b64_json", description="Only b64_json is served."
     )
     negative_prompt: str | None = Field(default=None, description="What not to draw (true CFG with Flux).")
-    num_inference_steps: int = Field(strict=True, default=20, ge=1, description="Denoising steps.")
+    num_inference_steps: JsonInt = Field(strict=True, default=20, ge=1, description="Denoising steps.")
     guidance_scale: float | None = Field(
         strict=True, default=None, ge=0, le=100, description="Guidance (model default)."
     )
     true_cfg_scale: float | None = Field(
         strict=True, default=None, ge=0, le=100, description="True-CFG scale (Flux)."
     )
-    seed: int | None = Field(
+    seed: JsonInt | None = Field(
         strict=True, default=None, ge=0, lt=2**63, description="Random seed (random when absent)."
     )
     lora: LoRARef | list[LoRARef] | None = Field(

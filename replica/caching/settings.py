@@ -23,6 +23,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from ..jsonfields import JsonInt
+
 CachePolicy = Literal["none", "fbcache", "taylorseer"]
 
 # Each setting belongs to one policy (a setting of another policy is refused, naming it).
@@ -50,7 +52,7 @@ class CacheSettings(BaseModel):
         description="fbcache: largest relative L1 change of the first block's residual that reuses the cache "
         "(default 0.1; 0 never reuses; diffusers uses 0.05 to 0.2).",
     )
-    interval: int | None = Field(
+    interval: JsonInt | None = Field(
         strict=True,
         default=None,
         ge=1,
@@ -58,14 +60,14 @@ class CacheSettings(BaseModel):
         description="taylorseer: one forward in `interval` computes after the warmup (default 3; 1 never "
         "forecasts).",
     )
-    warmup: int | None = Field(
+    warmup: JsonInt | None = Field(
         strict=True,
         default=None,
         ge=1,
         le=1000,
         description="taylorseer: forwards computed first (default 2).",
     )
-    order: int | None = Field(
+    order: JsonInt | None = Field(
         strict=True,
         default=None,
         ge=0,

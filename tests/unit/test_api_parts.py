@@ -178,3 +178,18 @@ def test_method_not_allowed_names_every_allowed_method():
     assert answer.status_code == 405
     assert answer.headers["allow"] == "GET, POST"
     assert answer.json()["error"]["message"] == "PUT is not allowed on /things; allowed: GET, POST"
+
+
+def test_json_integers_are_what_the_schema_calls_integer():
+    """An integer field takes 3 and 3.0 (JSON Schema integers) and refuses true, "3" and 2.5, naming the field."""
+    from pydantic import ValidationError
+
+    from ditserve.cluster.schemas import ImageGenerationRequest
+    from ditserve.replica.caching import CacheSettings
+
+    assert ImageGenerationRequest(prompt="a", num_inference_steps=3.0, seed=7.0).num_inference_steps == 3
+    for bad in (True, "3", 2.5):
+        with pytest.raises(ValidationError) as exc:
+            ImageGenerationRequest(prompt="a", num_inference_steps=bad)
+        assert exc.value.errors()[0]["loc"] == ("num_inference_steps",)
+    assert CacheSettings.model_validate({"policy": "taylorseer", "interval": 2.0}).interval == 2
