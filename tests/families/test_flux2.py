@@ -134,15 +134,23 @@ def test_dev_one_rank_equals_flux2_pipeline_with_and_without_reference(dev_pipe,
     assert 30 <= psnr(image, ours[1]) < 100
 
 
-def test_klein_one_rank_equals_klein_pipeline_with_cfg_and_reference(klein_folder):
-    pipe = load(Flux2KleinPipeline, klein_folder)
-    runner = runner_for(Flux2KleinRunner, pipe)
-    requests = [TEXT, EDIT]  # guidance 4 (default) and 2.5: true CFG against the empty prompt
-    states = [runner.add(f"k{i}", p) for i, p in enumerate(requests)]
+@pytest.fixture(scope="module")
+def klein_pipe(klein_folder):
+    return load(Flux2KleinPipeline, klein_folder)
+
+
+@pytest.fixture(scope="module")
+def klein_expected(klein_pipe):
+    # guidance 4 (the pipeline's default) and 2.5: true CFG against the empty prompt
+    return [diffusers_image(klein_pipe, p) for p in (TEXT, EDIT)]
+
+
+def test_klein_one_rank_equals_klein_pipeline_with_cfg_and_reference(klein_pipe, klein_expected):
+    runner = runner_for(Flux2KleinRunner, klein_pipe)
+    states = [runner.add(f"k{i}", p) for i, p in enumerate((TEXT, EDIT))]
     assert all(s.uncond is not None for s in states)
-    ours = run_runner(runner, requests)
-    for got, p in zip(ours, requests, strict=True):
-        assert psnr(got, diffusers_image(pipe, p)) >= 40
+    for got, want in zip(run_runner(runner, [TEXT, EDIT]), klein_expected, strict=True):
+        assert psnr(got, want) >= 40
     with pytest.raises(ValueError, match="negative_prompt"):
         runner.encode(TEXT.model_copy(update={"negative_prompt": "blurry"}))
 
@@ -163,9 +171,11 @@ def test_generate_cli_with_reference_image(dev_folder, dev_expected, tmp_path):
 LAYOUTS = [{"ulysses_degree": 2}, pytest.param({"ring_degree": 2}, marks=pytest.mark.slow), {"tp_size": 2}]
 
 
-def engine_images(folder, flags: dict, requests: list[GenerationParams]) -> list[np.ndarray]:
+def engine_images(folder, flags: dict, requests: list[GenerationParams], lora=None) -> list[np.ndarray]:
     engine = Engine(EngineConfig(model=str(folder), parallel=ParallelFlags(**flags))).start()
     try:
+        if lora is not None:
+            engine.load_lora(lora[0], str(lora[1]))
         futures = [engine.submit(p) for p in requests]  # submitted together: they share steps
         return [png_pixels(f.result(timeout=120).outputs[0]) for f in futures]
     finally:
@@ -185,10 +195,23 @@ def test_one_rank_engine_equals_diffusers(one_rank, dev_expected):
 @pytest.mark.parametrize(
     "flags", LAYOUTS, ids=lambda f: "-".join(f"{k.split('_')[0]}{v}" for k, v in f.items())
 )
-def test_layouts_equal_one_rank(dev_folder, one_rank, flags):
-    for got, want in zip(engine_images(dev_folder, flags, [TEXT, EDIT]), one_rank, strict=True):
-        assert got.shape == want.shape
-        assert psnr(got, want) >= 40
+def test_layouts_equal_one_rank(dev_folder, one_rank, flags, lora_file, lora_expected):
+    requests, lora = [TEXT, EDIT], None
+    if "tp_size" in flags:  # and an adapter on the packed linears, sliced per rank
+        requests.append(TEXT.model_copy(update={"lora": (LoRARef(name="style"),)}))
+        lora = ("style", lora_file)
+    got = engine_images(dev_folder, flags, requests, lora=lora)
+    for image, want in zip(got, [*one_rank, lora_expected][: len(got)], strict=True):
+        assert image.shape == want.shape
+        assert psnr(image, want) >= 40
+
+
+@pytest.mark.slow
+def test_klein_cfg_parallel_equals_pipeline(klein_folder, klein_expected):
+    """Klein's two branches on two ranks (cfg 2): the empty-prompt branch runs on rank 1."""
+    got = engine_images(klein_folder, {"cfg_parallel_size": 2}, [TEXT, EDIT])
+    for image, want in zip(got, klein_expected, strict=True):
+        assert psnr(image, want) >= 40
 
 
 def test_serve_and_openai_client(dev_folder, dev_expected):
@@ -234,20 +257,24 @@ def lora_file(dev_folder, tmp_path_factory):
         LoraConfig(r=4, lora_alpha=64, target_modules=LORA_TARGETS, init_lora_weights=False)
     )
     folder = tmp_path_factory.mktemp("lora")
+    metadata = transformer.peft_config["default"].to_dict()  # lora_alpha / r: both sides scale by 16
     Flux2Pipeline.save_lora_weights(
         folder,
         transformer_lora_layers=get_peft_model_state_dict(transformer),
-        transformer_lora_adapter_metadata=transformer.peft_config[
-            "default"
-        ].to_dict(),  # lora_alpha: scale 16
+        transformer_lora_adapter_metadata=metadata,
     )
     return folder / "pytorch_lora_weights.safetensors"
 
 
-def test_lora_per_request_equals_load_lora_weights(dev_folder, lora_file, dev_expected):
+@pytest.fixture(scope="module")
+def lora_expected(dev_folder, lora_file):
     pipe = load(Flux2Pipeline, dev_folder)
     pipe.load_lora_weights(str(lora_file))
-    want = diffusers_image(pipe, TEXT)
+    return diffusers_image(pipe, TEXT)
+
+
+def test_lora_per_request_equals_load_lora_weights(dev_folder, lora_file, lora_expected, dev_expected):
+    want = lora_expected
     assert psnr(want, dev_expected[0]) < 30  # the adapter changes the image
     engine = Engine(EngineConfig(model=str(dev_folder))).start()
     try:
