@@ -13,7 +13,9 @@ What the plan does, in order:
    image tokens like the others: they attend and are attended jointly, and the model gives them rotary
    positions of their own; replicating them would repeat ~4096 tokens per reference on every rank). The
    text stream stays replicated; the processor takes its rank's slice of the image rotary table;
-5. forward hook on the final ``proj_out``: all-gather the image sequence and cut the padding (the runner
+5. zero_cond_t transformers (Qwen-Image-Edit-2511: reference tokens modulated at t = 0): a pre-hook on
+   every block takes this rank's columns of the per-token ``modulate_index`` the model builds;
+6. forward hook on the final ``proj_out``: all-gather the image sequence and cut the padding (the runner
    then drops the reference tokens' predictions, as the pipelines do).
 
 Text masks: rows of one forward may carry prompts of different lengths, padded and marked by
@@ -158,17 +160,30 @@ class QwenImageParallelAttnProcessor:
         return img_out, text_out
 
 
+def _split_modulate_index(state: ForwardState):
+    """A block pre-hook: this rank's columns of ``modulate_index`` (zero_cond_t models: 0 for generated
+    tokens, 1 for reference tokens), which the model builds for the whole image sequence."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        index = kwargs.get("modulate_index")
+        layout = state.require_layout()
+        if index is not None and layout.num_shards > 1 and index.shape[1] == layout.num_tokens:
+            kwargs = {**kwargs, "modulate_index": shard_sequence(index, layout, dim=1)}
+        return args, kwargs
+
+    return hook
+
+
 def _qwen_on_forward(model: nn.Module, bound: dict[str, Any], state: ForwardState) -> None:
     if bound.get("controlnet_block_samples") is not None:
         raise NotImplementedError("ControlNet residuals are not sharded yet")
     state.extra.pop("qwen_freqs", None)
-    if getattr(model, "zero_cond_t", False):
-        # modulate_index (which tokens are references) is built inside the model for the whole sequence.
-        if model._ditserve_parallel.mesh.sp_size > 1:
-            raise ValueError(
-                "model: this Qwen-Image-Edit transformer (zero_cond_t: per-token modulation of the reference "
-                "tokens) is not supported with sequence parallelism yet; use --tp-size / --cfg-parallel-size"
-            )
+    if getattr(model, "zero_cond_t", False) and "qwen_modulate_hooks" not in state.extra:
+        # Qwen-Image-Edit-2511: per-token modulation, split like the tokens (hooks added once, on first use).
+        hook = _split_modulate_index(state)
+        state.extra["qwen_modulate_hooks"] = [
+            block.register_forward_pre_hook(hook, with_kwargs=True) for block in model.transformer_blocks
+        ]
 
 
 QWENIMAGE_PLAN = ParallelPlan(

@@ -192,8 +192,10 @@ def build_pipeline(
     device: str | torch.device = "cpu",
     edit: Edit = False,
     seed: int = 0,
+    zero_cond_t: bool = False,
 ):
-    """The pipeline in memory, random weights from ``seed``."""
+    """The pipeline in memory, random weights from ``seed``; ``zero_cond_t`` as Qwen-Image-Edit-2511's
+    transformer (reference tokens modulated at t = 0)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
     real = size == "real"
@@ -204,7 +206,8 @@ def build_pipeline(
     )
     vae = build_vae(real)
     with torch.device(device):
-        transformer = QwenImageTransformer2DModel(**(REAL_TRANSFORMER if real else TINY_TRANSFORMER))
+        config = REAL_TRANSFORMER if real else TINY_TRANSFORMER
+        transformer = QwenImageTransformer2DModel(**config, zero_cond_t=zero_cond_t)
     parts = dict(
         transformer=transformer.to(dtype),
         vae=vae.to(device, dtype),
@@ -221,12 +224,12 @@ def build_pipeline(
     return pipe
 
 
-def build_folder(path: str | Path, edit: Edit = False) -> Path:
+def build_folder(path: str | Path, edit: Edit = False, zero_cond_t: bool = False) -> Path:
     """Write a tiny random pipeline folder (diffusers format) to ``path``; returns it. An edit folder's
     ``processor/`` is written as a real checkpoint's is (tokenizer + ``preprocessor_config.json`` naming
     ``Qwen2VLImageProcessor``): a processor without a video processor cannot save itself."""
     path = Path(path)
-    pipe = build_pipeline("tiny", edit=edit)
+    pipe = build_pipeline("tiny", edit=edit, zero_cond_t=zero_cond_t)
     processor = getattr(pipe, "processor", None)
     if processor is not None:
         pipe.register_modules(processor=None)

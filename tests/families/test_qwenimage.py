@@ -158,18 +158,34 @@ def test_one_rank_batch_equals_qwenimage_pipeline(t2i_pipe, t2i_expected):
         runner.encode(PLAIN.model_copy(update={"images": (REF,)}))
 
 
-def test_edit_plus_two_references_equal_pipeline_and_counts_are_checked(tmp_path):
-    folder = build_folder(tmp_path / "qwen-image-edit-plus-tiny", edit="plus")
-    pipe = load(QwenImageEditPlusPipeline, folder)
-    runner = runner_for(pipe)
-    ours = run_runner(runner, [PLUS])[0]
-    assert psnr(ours, diffusers_image(pipe, PLUS)) >= 40
+@pytest.fixture(scope="module")
+def plus_folder(tmp_path_factory):
+    # zero_cond_t as Qwen-Image-Edit-2511's transformer (per-token modulation of the reference tokens)
+    folder = tmp_path_factory.mktemp("models") / "qwen-image-edit-2511-tiny"
+    return build_folder(folder, edit="plus", zero_cond_t=True)
+
+
+@pytest.fixture(scope="module")
+def plus_pipe(plus_folder):
+    return load(QwenImageEditPlusPipeline, plus_folder)
+
+
+@pytest.fixture(scope="module")
+def plus_expected(plus_pipe):
+    return diffusers_image(plus_pipe, PLUS)
+
+
+def test_edit_plus_two_references_equal_pipeline_and_counts_are_checked(
+    plus_pipe, plus_expected, edit_folder
+):
+    runner = runner_for(plus_pipe)
+    assert psnr(run_runner(runner, [PLUS])[0], plus_expected) >= 40
     with pytest.raises(ValueError, match="^image: .*edits a reference image"):
         runner.encode(PLUS.model_copy(update={"images": ()}))
     with pytest.raises(ValueError, match="^image: .*at most 3"):
         runner.encode(PLUS.model_copy(update={"images": (REF,) * 4}))
     with pytest.raises(ValueError, match="^image: .*at most 1"):
-        runner_for(load(QwenImageEditPipeline, build_folder(tmp_path / "edit", edit=True))).encode(PLUS)
+        runner_for(load(QwenImageEditPipeline, edit_folder)).encode(PLUS)
 
 
 def test_edit_size_without_size_follows_the_pipelines(edit_folder):
@@ -219,9 +235,26 @@ def test_layouts_equal_one_rank(t2i_folder, t2i_expected, flags):
         assert psnr(got, want) >= 40
 
 
-def test_edit_ulysses_equals_one_rank(edit_folder, edit_expected):
-    got = engine_images(edit_folder, {"ulysses_degree": 2}, [EDIT])[0]
-    assert psnr(got, edit_expected) >= 40
+@pytest.mark.parametrize(
+    "which",
+    ["edit", pytest.param("plus-2511", marks=pytest.mark.slow)],
+)
+def test_edit_ulysses_equals_one_rank(request, which):
+    # The generated and reference tokens are sharded together; one rank equals the pipelines (above).
+    if which == "edit":
+        folder, p, want = (
+            request.getfixturevalue("edit_folder"),
+            EDIT,
+            request.getfixturevalue("edit_expected"),
+        )
+    else:
+        folder, p, want = (
+            request.getfixturevalue("plus_folder"),
+            PLUS,
+            request.getfixturevalue("plus_expected"),
+        )
+    got = engine_images(folder, {"ulysses_degree": 2}, [p])[0]
+    assert psnr(got, want) >= 40
 
 
 def test_serve_and_openai_client(t2i_folder, t2i_expected):
