@@ -16,6 +16,9 @@ coordinate 10, 20, …), as the diffusers pipelines do; the prediction keeps the
 from __future__ import annotations
 
 import io
+import json
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import PIL.Image
@@ -29,6 +32,62 @@ from .base import PipelineRunner, RequestState, request_scheduler, to_uint8
 MAX_REFERENCE_AREA = 1024 * 1024
 
 
+def _torchvision_loads() -> bool:
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # noqa: BLE001 - a build that does not match torch fails with several types
+        return False
+    return True
+
+
+class TextProcessor:
+    """What Flux2Pipeline asks of its ``PixtralProcessor`` (the folder's ``tokenizer``): the chat template
+    applied to text-only conversations (system message + prompt), done as transformers' processors do it:
+    render, then tokenize, adding special tokens only when the rendered text does not start with BOS.
+
+    transformers builds PixtralProcessor only with torchvision; this needs its tokenizer alone."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def apply_chat_template(
+        self,
+        conversations,
+        *,
+        tokenize: bool = True,
+        return_dict: bool = False,
+        return_tensors: str | None = None,
+        add_generation_prompt: bool = False,
+        **kwargs: Any,
+    ):
+        text = self.tokenizer.apply_chat_template(
+            conversations, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        if not tokenize:
+            return text
+        first = text[0] if isinstance(text, list) else text
+        bos = self.tokenizer.bos_token
+        out = self.tokenizer(
+            text,
+            add_special_tokens=not (bos is not None and first.startswith(bos)),
+            return_tensors=return_tensors,
+            **kwargs,
+        )
+        return out if return_dict else out["input_ids"]
+
+
+def text_processor(folder: Path) -> TextProcessor:
+    """A processor folder's tokenizer (and its chat template) as a :class:`TextProcessor`."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if tokenizer.chat_template is None:  # a processor may keep it in chat_template.json only
+        saved = folder / "chat_template.json"
+        if saved.is_file():
+            tokenizer.chat_template = json.loads(saved.read_text())["chat_template"]
+    return TextProcessor(tokenizer)
+
+
 class Flux2Runner(PipelineRunner):
     """``Flux2Pipeline`` (FLUX.2 dev)."""
 
@@ -38,6 +97,22 @@ class Flux2Runner(PipelineRunner):
     # FLUX.2 dev) are skipped on a hit.
     cache_blocks = ("single_transformer_blocks",)
     cache_outputs = ("hidden_states",)
+
+    def __init__(self, pipe, **kwargs: Any) -> None:
+        super().__init__(pipe, **kwargs)
+        if pipe.tokenizer is None:  # left out by pipeline_components: the processor's tokenizer instead
+            pipe.tokenizer = text_processor(Path(pipe.config._name_or_path) / "tokenizer")
+
+    @classmethod
+    def pipeline_components(cls, folder: Path) -> dict[str, Any]:
+        """FLUX.2 dev's tokenizer is a PixtralProcessor, which transformers builds only with torchvision
+        (and diffusers refuses any other object in its place): without torchvision it is not loaded, and
+        ``__init__`` puts its tokenizer in a :class:`TextProcessor` there (the pipeline never gives the
+        processor images)."""
+        entry = json.loads((Path(folder) / "model_index.json").read_text()).get("tokenizer")
+        if isinstance(entry, list) and entry[-1] == "PixtralProcessor" and not _torchvision_loads():
+            return {"tokenizer": None}
+        return {}
 
     def _max_length(self) -> int:
         tokenizer = getattr(self.pipe.tokenizer, "tokenizer", self.pipe.tokenizer)  # a processor holds one

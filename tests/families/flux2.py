@@ -11,6 +11,7 @@ its ``apply_chat_template``, which a tokenizer has too (and the processor needs 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -208,6 +209,18 @@ def build_folder(path: str | Path, klein: bool = False) -> Path:
     path = Path(path)
     if not (path / "model_index.json").is_file():
         build_tiny(klein).save_pretrained(path)
+    return path
+
+
+def as_pixtral_folder(path: str | Path) -> Path:
+    """Turn a saved tiny FLUX.2 dev folder's tokenizer into what FLUX.2 dev ships: a ``PixtralProcessor``
+    (``model_index.json`` and ``processor_config.json``) around the same tokenizer files."""
+    path = Path(path)
+    index = json.loads((path / "model_index.json").read_text())
+    index["tokenizer"] = ["transformers", "PixtralProcessor"]
+    (path / "model_index.json").write_text(json.dumps(index, indent=2))
+    config = {"processor_class": "PixtralProcessor", "patch_size": 16, "spatial_merge_size": 2}
+    (path / "tokenizer" / "processor_config.json").write_text(json.dumps(config, indent=2))
     return path
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import subprocess
 import sys
 
@@ -19,9 +20,9 @@ from PIL import Image
 from ditserve.replica.caching.settings import CacheSettings
 from ditserve.replica.config import EngineConfig, ParallelFlags
 from ditserve.replica.engine import Engine
-from ditserve.replica.pipelines.flux2 import Flux2KleinRunner, Flux2Runner
+from ditserve.replica.pipelines.flux2 import Flux2KleinRunner, Flux2Runner, TextProcessor
 from ditserve.replica.request import GenerationParams, LoRARef
-from tests.families.flux2 import MAX_TEXT_TOKENS, build_folder
+from tests.families.flux2 import MAX_TEXT_TOKENS, as_pixtral_folder, build_folder
 from tests.helpers import ServeProcess, png_pixels, psnr
 
 
@@ -153,6 +154,20 @@ def test_klein_one_rank_equals_klein_pipeline_with_cfg_and_reference(klein_pipe,
         assert psnr(got, want) >= 40
     with pytest.raises(ValueError, match="negative_prompt"):
         runner.encode(TEXT.model_copy(update={"negative_prompt": "blurry"}))
+
+
+def test_pixtral_processor_folder_loads_without_torchvision(dev_folder, dev_expected, tmp_path):
+    """FLUX.2 dev ships a PixtralProcessor as its tokenizer (transformers needs torchvision for it, absent
+    here): the engine passes the processor's tokenizer in its place and draws the same image."""
+    folder = as_pixtral_folder(shutil.copytree(dev_folder, tmp_path / "flux2-dev-pixtral"))
+    assert Flux2Runner.pipeline_components(folder) == {"tokenizer": None}
+    engine = Engine(EngineConfig(model=str(folder))).start()
+    try:
+        assert isinstance(engine.launcher.worker.pipe.tokenizer, TextProcessor)
+        image = png_pixels(engine.generate(TEXT, timeout=120).outputs[0])
+    finally:
+        engine.shutdown()
+    assert psnr(image, dev_expected[0]) >= 40
 
 
 def test_generate_cli_with_reference_image(dev_folder, dev_expected, tmp_path):
