@@ -30,13 +30,19 @@ logger = logging.getLogger(__name__)
 def validate_layout(config: EngineConfig, spec: ModelSpec) -> int:
     """Check the parallel layout against the model before any process starts; returns the world size."""
     world_size = config.parallel.dims(num_heads=spec.num_attention_heads).world_size
-    single_rank = spec.family_spec.extra.get("single_rank")
-    if single_rank and world_size > 1:
-        raise ValueError(
-            f"--cfg-parallel-size / --tp-size / --ulysses-degree / --ring-degree / --kv-gather-degree / "
-            f"--sp-degree: {spec.name} runs on one rank per replica ({single_rank}); this layout has "
-            f"{world_size} ranks per replica. Set them to 1 and scale with --dp-size instead."
-        )
+    # A family may shard over only some axes (its plan declares which; e.g. AnyFlow-FAR: Ulysses).
+    axes = spec.family_spec.extra.get("parallel_axes")
+    if axes is not None:
+        dims = config.parallel.dims(num_heads=spec.num_attention_heads)
+        flags = {"cfg": "--cfg-parallel-size", "tp": "--tp-size", "ulysses": "--ulysses-degree"}
+        flags |= {"ring": "--ring-degree", "kv_gather": "--kv-gather-degree (or --sp-degree 2)"}
+        refused = [f"{flags[a]} {getattr(dims, a)}" for a in flags if a not in axes and getattr(dims, a) > 1]
+        if refused:
+            allowed = ", ".join(flags[a] for a in axes) or "none"
+            raise ValueError(
+                f"{', '.join(refused)}: {spec.name} shards over {allowed} only; set the others to 1 "
+                "(and scale with --dp-size)"
+            )
     return world_size
 
 

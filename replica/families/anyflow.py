@@ -3,10 +3,9 @@ block-causal attention to the past chunks through a K/V cache). Text-to-video, i
 frame, and realtime video sessions (``ws /v1/realtime_video/generate``: one chunk at a time, the prompt may
 change between chunks).
 
-One rank per replica: the K/V cache of a session would have to be sharded like the chunk's tokens (Ulysses
-by heads, ring by tokens) and the diffusers processor attends through flex attention with a block mask;
-neither is sharded here yet, so a sharded layout is refused (naming the flags) rather than served wrong.
-Scale sessions with --dp-size."""
+Sharding: Ulysses (``--ulysses-degree``) over each forward's tokens, the K/V cache sharded by heads the
+same way (``parallel/anyflow.py``). TP, ring, K/V-gather and CFG-parallel are refused naming the flags
+(the cache and the flex block mask are not sharded for them); scale sessions with --dp-size."""
 
 from . import Family, Folder
 
@@ -30,7 +29,7 @@ FAMILY = Family(
     typical_heads=12,
     extra={
         "realtime": True,
-        "single_rank": "its K/V cache across chunks is not sharded yet",
+        "parallel_axes": ("ulysses",),  # the K/V cache is sharded by heads (parallel/anyflow.py)
     },
     **_FIRST_FRAME,
 )

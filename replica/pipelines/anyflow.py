@@ -271,7 +271,9 @@ class AnyFlowRunner(PipelineRunner):
         )
         longest = max(rollout.partition)
         rows = rollout.rows * (2 if rollout.guided else 1)
-        heads, dim = config.num_attention_heads, config.attention_head_dim
+        # Under Ulysses each rank caches its slice of the heads (``parallel/anyflow.py``).
+        ulysses = 1 if self.mesh is None else self.mesh.ulysses_size
+        heads, dim = config.num_attention_heads // ulysses, config.attention_head_dim
         full_len = config.full_chunk_limit * longest * full
         compressed_len = (num_chunks - config.full_chunk_limit + 1) * longest * compressed
         old = rollout.kv_cache

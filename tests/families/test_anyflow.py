@@ -130,15 +130,43 @@ def test_chunk_out_of_order_and_bad_sizes_are_refused(engine):
         runner.add("cached", GenerationParams(**SETTINGS, num_frames=9, cache={"policy": "fbcache"}))
 
 
-def test_sharded_layouts_are_refused_naming_the_flags(folder):
+def test_layouts_other_than_ulysses_are_refused_naming_the_flags(folder):
     spec = resolve_model(str(folder))
-    for flags in ({"ulysses_degree": 2}, {"ring_degree": 2}, {"tp_size": 2}):
+    for flags, named in (
+        ({"ring_degree": 2}, "--ring-degree 2"),
+        ({"tp_size": 2}, "--tp-size 2"),
+        ({"cfg_parallel_size": 2}, "--cfg-parallel-size 2"),
+        ({"sp_degree": 2}, "--kv-gather-degree"),
+    ):
         config = EngineConfig(
             model=str(folder), device="cpu", dtype="float32", parallel=ParallelFlags(**flags)
         )
-        with pytest.raises(ValueError, match="--ulysses-degree / --ring-degree") as err:
+        with pytest.raises(ValueError, match=f"^{named}.*shards over --ulysses-degree only") as err:
             validate_layout(config, spec)
         assert "--dp-size" in str(err.value)
+    ulysses = EngineConfig(
+        model=str(folder), device="cpu", dtype="float32", parallel=ParallelFlags(ulysses_degree=2)
+    )
+    assert validate_layout(ulysses, spec) == 2
+
+
+def test_ulysses_2_session_equals_one_rank(folder, solo):
+    """Ranks in processes (gloo): each forward's tokens split over 2 ranks, each rank caching half the
+    heads; the chunks (past full_chunk_limit: the compressed cache too) equal the one-rank chunks."""
+    config = EngineConfig(
+        model=str(folder),
+        device="cpu",
+        dtype="float32",
+        max_sequence_length=MAX_LEN,
+        parallel=ParallelFlags(ulysses_degree=2),
+    )
+    engine = Engine(config).start()
+    try:
+        chunks = session(engine, "r3.u", [SETTINGS["prompt"]] * CHUNKS, max_chunks=CHUNKS)
+    finally:
+        engine.shutdown()
+    for got, want in zip(chunks, solo, strict=True):
+        assert got.shape == want.shape and psnr(got, want) >= 40, psnr(got, want)
 
 
 def test_chunks_interleaved_with_a_batch_video_are_unchanged(engine, solo):
