@@ -34,8 +34,34 @@ def _byte_alphabet() -> tuple[str, ...]:
     return tuple(chars[b] for b in range(256))
 
 
+def _bpe_merges(words: list[str]) -> list[tuple[str, str]]:
+    """Merges learned as BPE learns them (most frequent adjacent pair first, ties in order of appearance)
+    until every word is one symbol. Applying merges by rank then rebuilds each word whole; one chain per word
+    does not (an earlier word's merge such as ``a n`` splits ``orange`` into ``or an g e``)."""
+    symbols = [list(w[:-1]) + [w[-1] + "</w>"] for w in words]
+    merges: list[tuple[str, str]] = []
+    while any(len(s) > 1 for s in symbols):
+        counts: dict[tuple[str, str], int] = {}
+        for s in symbols:
+            for pair in zip(s, s[1:], strict=False):
+                counts[pair] = counts.get(pair, 0) + 1
+        best = max(counts, key=counts.__getitem__)  # first of the most frequent, in order of appearance
+        merges.append(best)
+        for i, s in enumerate(symbols):
+            out, j = [], 0
+            while j < len(s):
+                if j + 1 < len(s) and (s[j], s[j + 1]) == best:
+                    out.append(s[j] + s[j + 1])
+                    j += 2
+                else:
+                    out.append(s[j])
+                    j += 1
+            symbols[i] = out
+    return merges
+
+
 def build_clip_tokenizer(model_max_length: int = 77) -> CLIPTokenizer:
-    """A CLIP tokenizer: byte-level alphabet + one merge chain per demo word."""
+    """A CLIP tokenizer: byte-level alphabet + BPE merges that make every demo word one token."""
     vocab: dict[str, int] = {}
 
     def add(token: str) -> None:
@@ -45,15 +71,9 @@ def build_clip_tokenizer(model_max_length: int = 77) -> CLIPTokenizer:
         add(ch)
     for ch in _byte_alphabet():
         add(ch + "</w>")
-    merges: list[tuple[str, str]] = []
-    for word in DEMO_WORDS:
-        parts = list(word[:-1]) + [word[-1] + "</w>"]
-        merged = parts[0]
-        for part in parts[1:]:
-            if (merged, part) not in merges:
-                merges.append((merged, part))
-            merged = merged + part
-            add(merged)
+    merges = _bpe_merges(list(dict.fromkeys(DEMO_WORDS)))
+    for left, right in merges:
+        add(left + right)
     add("<|startoftext|>")
     add("<|endoftext|>")
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)

@@ -20,6 +20,11 @@ def test_tokenizers_handle_any_prompt():
     # Known words are single tokens, so different captions give different token sequences.
     assert len(clip("a red circle").input_ids) == 5
     assert clip("a red circle").input_ids != clip("a blue circle").input_ids
+    # Every demo word (colours such as "orange" too, whose letters overlap earlier words) is one token.
+    from ditserve.replica.models.tokenizers import DEMO_WORDS
+
+    for word in DEMO_WORDS:
+        assert len(clip.tokenize(word)) == len(t5.tokenize(word)) == 1, word
 
 
 def test_demo_flux_folder_is_diffusers_format_and_legal_for_8_ranks():
