@@ -3,7 +3,7 @@
 For each family named (a builder module ``tests/families/<name>.py`` with ``build_pipeline(size="real", dtype,
 device)`` and ``REAL_SETTINGS``), in one process and on the same weights, in this order:
 
-1. **diffusers, compiled**: the family's own pipeline after ``transformer.compile_repeated_blocks()`` (the
+1. **diffusers, compiled**: the family's own pipeline after regional compilation of its blocks (``compile_blocks``, as ``--compile`` does; the
    baseline of the run); step times from ``callback_on_step_end`` with a device sync;
 2. **ditserve bf16**: the family's runner on the same (compiled) transformer, as a one-GPU replica runs it with
    ``--compile`` and its defaults (CUDA graphs where the family's inputs allow them);
@@ -140,7 +140,7 @@ def transformers_of(pipe) -> list[torch.nn.Module]:
 def measure(name: str, steps: int, graphs: bool, size: str = "real", device: str = "cuda") -> list[dict]:
     """The three rows of one family (``size="tiny", device="cpu"``: a smoke run of this script, bf16 → fp32,
     no compile, no FP8)."""
-    from ditserve.replica.worker import apply_speed_switches
+    from ditserve.replica.worker import apply_speed_switches, compile_blocks
 
     module = importlib.import_module(f"tests.families.{name}")
     settings = dict(module.REAL_SETTINGS)
@@ -180,7 +180,7 @@ def measure(name: str, steps: int, graphs: bool, size: str = "real", device: str
 
     if on_gpu:
         for m in transformers_of(pipe):
-            m.compile_repeated_blocks(fullgraph=False)
+            compile_blocks(m)
     ref = row("diffusers compiled (baseline)", lambda n: diffusers_run(pipe, settings, n))
     family, runner = make_runner(pipe, graphs and on_gpu, dev, dtype)
     row("ditserve bf16 --compile", lambda n: runner_run(runner, settings, n), ref)
@@ -191,7 +191,7 @@ def measure(name: str, steps: int, graphs: bool, size: str = "real", device: str
         apply_speed_switches(
             m, family=family.name, device=torch.device("cuda"), dtype=torch.bfloat16, quantization="fp8"
         )
-        m.compile_repeated_blocks(fullgraph=False)
+        compile_blocks(m)
     runner.model_changed()
     row("ditserve fp8 --compile", lambda n: runner_run(runner, settings, n), ref)
     torch._dynamo.reset()
