@@ -135,6 +135,22 @@ def test_a14b_second_expert_guidance_changes_the_video(a14b):
     assert not torch.allclose(other.latents, reference[0][1], atol=1e-3)
 
 
+def test_a14b_step_cache_is_per_expert(a14b):
+    from ditserve.replica.caching import CacheSettings
+    from ditserve.replica.pipelines.base import usage
+
+    _, runner, _ = a14b
+    params = A14B[1].model_copy(
+        update={"cache": CacheSettings(policy="fbcache", threshold=0.5), "num_inference_steps": 6}
+    )
+    state = run_alone(runner, params)
+    # one cache per branch and expert: the low-noise expert never reuses the high-noise one's residuals
+    assert sorted(state.extra["cache"]) == ["cond", "cond:expert1", "uncond", "uncond:expert1"]
+    # each expert's first forward computes (nothing of its own to reuse yet)
+    assert all(c.decisions[0] is False for c in state.extra["cache"].values())
+    assert 0 < usage(state)["cached_forwards"] < usage(state)["transformer_forwards"] == 12
+
+
 @pytest.fixture(scope="module")
 def ti2v():
     pipe = build_tiny("ti2v")
@@ -203,6 +219,24 @@ def test_inconsistent_two_expert_folders_are_refused(tmp_path):
         resolve_model(str(broken))
 
 
+def test_adapter_for_the_second_expert_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    from ditserve.replica.lora.loader import read_lora_file
+
+    # LoRA applies to the first expert (diffusers' default, load_into_transformer_2=False); a file that
+    # also holds transformer_2 weights is refused rather than half-applied.
+    a, b = torch.randn(4, 64), torch.randn(64, 4)
+    state = {
+        f"{m}.blocks.0.attn1.to_q.lora_{x}.weight": w.clone()
+        for m in ("transformer", "transformer_2")
+        for x, w in zip("AB", (a, b), strict=True)
+    }
+    save_file(state, tmp_path / "both.safetensors")
+    with pytest.raises(ValueError, match="second expert"):
+        read_lora_file(tmp_path / "both.safetensors", "WanPipeline")
+
+
 # -- the engine: sharded layouts against one rank, two experts, a batch on both ----------------------------
 @pytest.fixture(scope="module")
 def a14b_folder(tmp_path_factory):
@@ -214,6 +248,9 @@ def engine_latents(folder, flags: dict) -> list[np.ndarray]:
         EngineConfig(model=str(folder), parallel=ParallelFlags(**flags), max_sequence_length=TEXT_LENGTH)
     ).start()
     try:
+        if not flags:  # a text-to-video model takes no first frame
+            with pytest.raises(ValueError, match="^input_reference: .* text-to-video"):
+                engine.submit(A14B[0].model_copy(update={"images": (b"png",)}))
         futures = [engine.submit(p.model_copy(update={"return_latents": True})) for p in A14B]
         return [f.result(timeout=300).latents for f in futures]
     finally:
@@ -233,7 +270,15 @@ def test_engine_one_rank_matches_runner(a14b, one_rank):
 
 @pytest.mark.parametrize(
     "flags",
-    [{"ulysses_degree": 2}, {"ring_degree": 2}, {"cfg_parallel_size": 2}, {"tp_size": 2}],
+    [
+        # every axis in two 4-rank runs; each axis alone with -m slow
+        {"cfg_parallel_size": 2, "ulysses_degree": 2},
+        {"ring_degree": 2, "tp_size": 2},
+        pytest.param({"ulysses_degree": 2}, marks=pytest.mark.slow),
+        pytest.param({"ring_degree": 2}, marks=pytest.mark.slow),
+        pytest.param({"cfg_parallel_size": 2}, marks=pytest.mark.slow),
+        pytest.param({"tp_size": 2}, marks=pytest.mark.slow),
+    ],
     ids=lambda f: "-".join(f"{k.split('_')[0]}{v}" for k, v in f.items()),
 )
 def test_a14b_layouts_match_one_rank(a14b_folder, one_rank, flags):

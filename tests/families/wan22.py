@@ -171,7 +171,7 @@ def build_pipeline(size: Literal["tiny", "real"], dtype: torch.dtype, device: st
         torch.manual_seed(0)
         experts = [WanTransformer3DModel(**A14B_TRANSFORMER).to(dtype).eval() for _ in range(2)]
         text_encoder = tiny_text_encoder(tokenizer, d_model=A14B_TRANSFORMER["text_dim"]).to(dtype)
-        vae = AutoencoderKLWan().to(dtype).eval()  # Wan 2.1's VAE (A14B uses it), diffusers' defaults
+        vae = AutoencoderKLWan().eval()  # Wan 2.1 VAE (A14B uses it) in fp32, as the model cards load it
     return WanPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,

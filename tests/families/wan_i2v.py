@@ -99,7 +99,7 @@ def build_pipeline(size: Literal["tiny", "real"], dtype: torch.dtype, device: st
         torch.manual_seed(0)
         experts = [WanTransformer3DModel(**config).to(dtype).eval() for _ in range(2)]
         text_encoder = tiny_text_encoder(tokenizer, d_model=config["text_dim"]).to(dtype)
-        vae = AutoencoderKLWan().to(dtype).eval()
+        vae = AutoencoderKLWan().eval()  # Wan 2.1 VAE (A14B uses it) in fp32, as the model cards load it
     return WanImageToVideoPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
