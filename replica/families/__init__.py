@@ -112,6 +112,8 @@ class Family:
     refuse: Callable[[Folder], str | None] = lambda folder: None
     # diffusers' ``lora_state_dict`` of this pipeline class returns network alphas
     lora_alphas: bool = False
+    # An adapter's transformer modules (names) the family cannot apply per request (a message), or None.
+    lora_refuse: Callable[[list[str]], str | None] = lambda modules: None
     # ``ditserve deploy kuberay`` for folders that exist only in the image: public checkpoint folder names
     # (regex on the folder name → attention heads), and the heads assumed for ``--model-kind <name>``
     checkpoints: tuple[tuple[str, int], ...] = ()

@@ -184,4 +184,7 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
         )
     if not modules:
         raise ValueError(f"path: {file} has no LoRA weights for the transformer")
+    refused = pipeline_families()[pipeline_class].lora_refuse(sorted(modules))
+    if refused:
+        raise ValueError(f"path: {file}: {refused}")
     return LoRAFile(modules=modules, rank=max(m.a.shape[0] for m in modules.values()), ignored=ignored)

@@ -13,6 +13,7 @@ A plan says, for one diffusers transformer class:
   sequence); ``split_block_inputs`` are submodules whose first input is split (where the sequence first
   exists inside the model);
 - where it ends: ``gather`` submodules whose output is all-gathered and unpadded (the final projection);
+- ``extra_hooks``: hooks a family registers itself (what the fields above cannot express);
 - ``on_forward``: family bookkeeping at the start of every forward (e.g. the text length a single-stream
   block needs; refusing inputs the plan does not shard).
 
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 from .hooks import ForwardState, begin_parallelize, bind_forward_args
 from .mesh import ParallelMesh
@@ -52,6 +54,9 @@ class ParallelPlan:
     after_tp: Callable[[nn.Module], None] | None = None
     on_forward: Callable[[nn.Module, dict[str, Any], ForwardState], None] | None = None
     heads: Callable[[nn.Module], int] = _default_heads
+    # Hooks a family registers itself after the generic ones, for what the fields above cannot say (e.g.
+    # Z-Image gathers only the image part of a final layer whose output also holds the caption tokens).
+    extra_hooks: Callable[[nn.Module, ParallelMesh, ForwardState], list[RemovableHandle]] | None = None
 
     def tp_map(self, model: nn.Module) -> Mapping[str, Any]:
         return self.tp(model) if callable(self.tp) else self.tp
@@ -129,4 +134,6 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, mesh: ParallelMesh) -> 
             return gather_sequence(output, state.require_layout(), mesh, dim=dim)
 
         handle.hooks.append(model.get_submodule(name).register_forward_hook(gather_output))
+    if plan.extra_hooks is not None:
+        handle.hooks.extend(plan.extra_hooks(model, mesh, state))
     return model

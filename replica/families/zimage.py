@@ -1,0 +1,47 @@
+"""Z-Image (base, Turbo): a single-stream DiT over [image; caption] tokens (each padded to a multiple of
+32, 3-axis rotary positions, refiner blocks per stream first), a Qwen3 text encoder whose masked hidden
+states give each prompt its own length, classifier-free guidance whenever guidance_scale > 0 with
+ZImagePipeline's arithmetic (cond + scale·(cond − uncond), optional norm cap and truncation)."""
+
+from . import Family, Folder, vae_spatial_factor
+
+
+def _refuse(folder: Folder) -> str | None:
+    config = folder.config("transformer")
+    if config.get("siglip_feat_dim") is not None:
+        return (
+            "a ZImagePipeline folder whose transformer has SigLIP inputs (siglip_feat_dim: Z-Image Omni) is not "
+            "supported; supported: Z-Image and Z-Image-Turbo text-to-image folders."
+        )
+    patches = list(zip(config.get("all_patch_size", [2]), config.get("all_f_patch_size", [1]), strict=False))
+    if (2, 1) not in [tuple(p) for p in patches]:
+        return (
+            f"a ZImagePipeline folder whose transformer has no 2×2 patch embedding (all_patch_size "
+            f"{config.get('all_patch_size')}, all_f_patch_size {config.get('all_f_patch_size')}) cannot run "
+            "the pipeline's default patch size; supported: Z-Image / Z-Image-Turbo folders."
+        )
+    return None
+
+
+def _lora_refuse(modules: list[str]) -> str | None:
+    # The caption embedder runs on every row's caption concatenated, rows of different lengths: per-request
+    # adapter segments (equal tokens per row) cannot describe it.
+    caption = [m for m in modules if m.startswith("cap_embedder.")]
+    if caption:
+        return f"adapters on the caption embedder ({caption}) are not supported; the blocks' linears are"
+    return None
+
+
+FAMILY = Family(
+    name="zimage",
+    pipelines={"ZImagePipeline": "image"},
+    runner="pipelines.zimage:ZImageRunner",
+    plan="parallel.zimage:ZIMAGE_PLAN",
+    guidance="cfg",
+    size_multiple=lambda folder: vae_spatial_factor(folder) * 2,  # 2×2 patches of the 8× VAE's latents
+    heads=lambda config: int(config["n_heads"]),
+    refuse=_refuse,
+    lora_refuse=_lora_refuse,
+    checkpoints=((r"(?<![a-z])z-?image", 30),),
+    typical_heads=30,
+)

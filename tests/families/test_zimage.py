@@ -1,0 +1,208 @@
+"""Z-Image through the engine's own step loop, on a tiny random folder: the CLI and one rank give diffusers'
+ZImagePipeline image (guidance's norm cap and truncation included); ulysses 2, ring 2, tp 2 and cfg 2 give
+the one-rank images for a batch whose captions differ in padded length (the masked path); a LoRA applied
+per request gives diffusers' ``load_lora_weights`` image while the same request without it, in the same
+batch, is unchanged; ``ditserve serve`` answers the openai client with the image; Omni folders are refused."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import ZImagePipeline
+from openai import OpenAI
+
+from ditserve.replica.config import EngineConfig, ParallelFlags
+from ditserve.replica.engine import Engine
+from ditserve.replica.models.registry import resolve_model
+from ditserve.replica.pipelines.base import to_uint8
+from ditserve.replica.pipelines.zimage import ZImageRunner
+from ditserve.replica.request import GenerationParams, LoRARef
+from tests.families.lora import save_random_lora
+from tests.families.zimage import build_folder
+from tests.helpers import ServeProcess, png_pixels, psnr
+
+MAX_LEN = 64  # caption tokens
+LONG = "a red fox on a green hill with a white cat and a black dog in the background of a yellow and blue day"
+# Captions of 2×32 and 1×32 padded tokens in one batch (the masked path); CFG (guidance > 0) and none.
+FOX = GenerationParams(
+    prompt=LONG,
+    negative_prompt="blurry",
+    guidance_scale=4.0,
+    width=80,
+    height=48,
+    num_inference_steps=3,
+    seed=3,
+)
+CAT = GenerationParams(
+    prompt="a blue cat", guidance_scale=0.0, width=80, height=48, num_inference_steps=2, seed=4
+)
+FOX_LORA = FOX.model_copy(update={"lora": (LoRARef(name="style"),)})
+BATCH = [FOX, CAT, FOX_LORA]  # submitted together: one batch, the same request with and without the LoRA
+TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "w1", "w2", "w3"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return build_folder(tmp_path_factory.mktemp("zimage") / "Z-Image-tiny")
+
+
+def diffusers_image(pipe, p: GenerationParams, **kwargs) -> np.ndarray:
+    out = pipe(
+        prompt=p.prompt,
+        negative_prompt=p.negative_prompt,
+        guidance_scale=p.guidance_scale,
+        width=p.width,
+        height=p.height,
+        num_inference_steps=p.num_inference_steps,
+        generator=torch.Generator("cpu").manual_seed(p.seed),
+        max_sequence_length=MAX_LEN,
+        output_type="np",
+        **kwargs,
+    )
+    return to_uint8(out.images)[0]
+
+
+@pytest.fixture(scope="module")
+def pipe(folder):
+    pipe = ZImagePipeline.from_pretrained(folder, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def lora_file(pipe, tmp_path_factory) -> Path:
+    return save_random_lora(ZImagePipeline, pipe.transformer, TARGETS, tmp_path_factory.mktemp("zimage-lora"))
+
+
+@pytest.fixture(scope="module")
+def reference(folder, lora_file) -> list[np.ndarray]:
+    """diffusers' images for BATCH (the LoRA one through ``load_lora_weights``)."""
+    pipe = ZImagePipeline.from_pretrained(folder, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    plain = [diffusers_image(pipe, p) for p in (FOX, CAT)]
+    pipe.load_lora_weights(str(lora_file))
+    return [*plain, diffusers_image(pipe, FOX)]
+
+
+def engine_images(folder: Path, lora_file: Path, flags: dict) -> list[np.ndarray]:
+    config = EngineConfig(model=str(folder), parallel=ParallelFlags(**flags), max_sequence_length=MAX_LEN)
+    engine = Engine(config).start()
+    try:
+        engine.load_lora("style", str(lora_file))
+        futures = [engine.submit(p) for p in BATCH]
+        return [png_pixels(f.result(timeout=300).outputs[0]) for f in futures]
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one_rank(folder, lora_file) -> list[np.ndarray]:
+    return engine_images(folder, lora_file, {})
+
+
+def test_one_rank_equals_diffusers_with_and_without_lora_in_one_batch(one_rank, reference):
+    for ours, ref in zip(one_rank, reference, strict=True):
+        assert ours.shape == ref.shape == (48, 80, 3)
+        assert psnr(ours, ref) >= 40
+    assert psnr(reference[2], reference[0]) < 30  # the adapter changes the image
+
+
+def test_cfg_normalization_and_truncation_follow_the_pipeline(pipe):
+    """The norm cap and the truncation (guidance off at the last of 4 steps) as ZImagePipeline applies them."""
+    fox = FOX.model_copy(update={"num_inference_steps": 4})
+    runner = ZImageRunner(pipe, device=torch.device("cpu"), dtype=torch.float32, max_sequence_length=MAX_LEN)
+    runner.cfg_normalization, runner.cfg_truncation = 1.0, 0.3
+    state = runner.add("fox", fox)
+    assert state.extra["guided_steps"] == [True, True, True, False]
+    while not state.done:
+        runner.step([state])
+    ours = runner.decode(state)[0]
+    ref = diffusers_image(pipe, fox, cfg_normalization=1.0, cfg_truncation=0.3)
+    assert psnr(ours, ref) >= 40
+    assert psnr(ref, diffusers_image(pipe, fox)) < 35  # the settings change the image
+
+
+def test_cli_generate_equals_diffusers(folder, reference, tmp_path):
+    out = tmp_path / "fox.png"
+    cmd = [str(Path(sys.executable).with_name("ditserve")), "generate", FOX.prompt, "--model", str(folder)]
+    cmd += [
+        "--negative-prompt",
+        FOX.negative_prompt,
+        "--guidance-scale",
+        "4",
+        "--width",
+        "80",
+        "--height",
+        "48",
+    ]
+    cmd += [
+        "--num-inference-steps",
+        "3",
+        "--seed",
+        "3",
+        "--max-sequence-length",
+        str(MAX_LEN),
+        "-o",
+        str(out),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert psnr(png_pixels(out.read_bytes()), reference[0]) >= 40
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{"ulysses_degree": 2}, {"ring_degree": 2}, {"tp_size": 2}, {"cfg_parallel_size": 2}],
+    ids=lambda f: "-".join(f"{k.split('_')[0]}{v}" for k, v in f.items()),
+)
+def test_layouts_equal_one_rank(folder, lora_file, one_rank, flags):
+    for ours, ref in zip(engine_images(folder, lora_file, flags), one_rank, strict=True):
+        assert psnr(ours, ref) >= 40
+
+
+def test_serve_openai_client(folder, reference):
+    server = ServeProcess("--model", str(folder), "--max-sequence-length", str(MAX_LEN))
+    try:
+        client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        result = client.images.generate(
+            model=folder.name,
+            prompt=FOX.prompt,
+            size="80x48",
+            extra_body={
+                "negative_prompt": "blurry",
+                "guidance_scale": 4.0,
+                "num_inference_steps": 3,
+                "seed": 3,
+            },
+        )
+        assert psnr(png_pixels(base64.b64decode(result.data[0].b64_json)), reference[0]) >= 40
+    finally:
+        assert server.stop() == 0, server.output()
+
+
+def test_omni_folder_is_refused(folder, tmp_path):
+    omni = tmp_path / "Z-Image-Omni"
+    (omni / "transformer").mkdir(parents=True)
+    shutil.copy(folder / "model_index.json", omni / "model_index.json")
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    (omni / "transformer" / "config.json").write_text(json.dumps(config | {"siglip_feat_dim": 1152}))
+    with pytest.raises(ValueError, match="siglip_feat_dim"):
+        resolve_model(str(omni))
+
+
+def test_caption_embedder_adapter_is_refused(pipe, tmp_path):
+    """The caption embedder sees every row's caption concatenated (rows of different lengths): an adapter
+    there could not be applied per request, so loading it is refused naming the module."""
+    from ditserve.replica.lora.loader import read_lora_file
+
+    file = save_random_lora(ZImagePipeline, pipe.transformer, ["cap_embedder.1", "to_q"], tmp_path)
+    with pytest.raises(ValueError, match=r"path: .*caption embedder \(\['cap_embedder.1'\]\)"):
+        read_lora_file(file, "ZImagePipeline")
