@@ -15,7 +15,6 @@ coordinate 10, 20, …), as the diffusers pipelines do; the prediction keeps the
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import torch
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu, retrieve_timesteps
 
 from ..request import GenerationParams
-from .base import PipelineRunner, RequestState, request_scheduler, to_uint8
+from .base import PipelineRunner, RequestState, open_image, request_scheduler, to_uint8
 
 # Reference images above this area are resized down to it first (both pipelines' rule).
 MAX_REFERENCE_AREA = 1024 * 1024
@@ -141,13 +140,13 @@ class Flux2Runner(PipelineRunner):
         multiple = pipe.vae_scale_factor * 2
         for i, data in enumerate(params.images):
             try:
-                img = PIL.Image.open(io.BytesIO(data))
-                img.load()
-                pipe.image_processor.check_image_input(img)
+                img = open_image(data)  # as diffusers' load_image gives it: upright, RGB
+            except (OSError, ValueError, PIL.Image.DecompressionBombError) as exc:
+                raise ValueError(f"image: reference {i + 1} is not a readable image ({exc})") from None
+            try:
+                pipe.image_processor.check_image_input(img)  # at least 64 px a side, aspect up to 8:1
             except ValueError as exc:
-                raise ValueError(f"images: reference {i}: {exc}") from None
-            except (OSError, PIL.Image.DecompressionBombError) as exc:
-                raise ValueError(f"images: reference {i} is not a readable image ({exc})") from None
+                raise ValueError(f"image: reference {i + 1}: {exc}") from None
             width, height = img.size
             if width * height > MAX_REFERENCE_AREA:
                 img = pipe.image_processor._resize_to_target_area(img, MAX_REFERENCE_AREA)

@@ -133,6 +133,13 @@ def test_dev_one_rank_equals_flux2_pipeline_with_and_without_reference(dev_pipe,
     assert states[0].extra["cache"]["cond"].cached == 2  # steps 2 and 3 reused step 1's residual
     image = runner.decode(states[0])[0]
     assert 30 <= psnr(image, ours[1]) < 100
+    # Refusals name the field: a reference below the pipeline's 64 px minimum, a negative prompt.
+    small = io.BytesIO()
+    Image.new("RGB", (48, 64)).save(small, format="PNG")
+    with pytest.raises(ValueError, match=r"image: reference 2: .*48×64"):
+        runner.encode(EDIT.model_copy(update={"images": (REF, small.getvalue())}))
+    with pytest.raises(ValueError, match="negative_prompt"):
+        runner.encode(TEXT.model_copy(update={"negative_prompt": "blurry"}))
 
 
 @pytest.fixture(scope="module")
