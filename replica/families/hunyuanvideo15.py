@@ -3,6 +3,8 @@
 Qwen2.5-VL + byT5 text encoders (+ SigLIP for the first frame), classifier-free guidance through the
 pipeline's guider whenever its scale is not 1 (the CFG-distilled checkpoints ship guidance_scale 1)."""
 
+import json
+
 from . import Family, Folder
 
 
@@ -16,8 +18,14 @@ _I2V = "HunyuanVideo15ImageToVideoPipeline"
 _GUIDER_DEFAULTS = {"guidance_rescale": 0.0, "use_original_formulation": False, "start": 0.0, "stop": 1.0}
 
 
+def _guider_config(folder: Folder) -> dict:
+    """The guider's saved config (diffusers writes ``guider/guider_config.json``)."""
+    file = folder.path / "guider" / "guider_config.json"
+    return json.loads(file.read_text()) if file.is_file() else folder.config("guider")
+
+
 def _refuse(folder: Folder) -> str | None:
-    guider = folder.config("guider")
+    guider = _guider_config(folder)
     for key, default in _GUIDER_DEFAULTS.items():
         if key in guider and guider[key] != default:
             return (

@@ -96,6 +96,15 @@ class HunyuanVideo15Runner(PipelineRunner):
     cache_blocks = ("transformer_blocks",)
     cache_outputs = ("hidden_states", "encoder_hidden_states")
 
+    def __init__(self, pipe, **kwargs) -> None:
+        super().__init__(pipe, **kwargs)
+        if self.graphs is not None and self.mesh is not None:
+            raise ValueError(
+                "--cuda-graphs: HunyuanVideo 1.5 under a sharded layout attends only each row's valid text "
+                "tokens, whose count is read on the host every forward, which a captured graph cannot do; "
+                "drop --cuda-graphs or serve it on one rank per replica"
+            )
+
     @property
     def image_to_video(self) -> bool:
         return type(self.pipe).__name__ == I2V_PIPELINE

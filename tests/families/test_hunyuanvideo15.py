@@ -187,3 +187,23 @@ def test_serve_videos_api(t2v_folder):
         assert frames.shape == (9, 48, 64, 3) and frames.std() > 0
     finally:
         assert server.stop() == 0, server.output()
+
+
+def test_refuses_what_it_would_serve_wrong(t2v_folder, tmp_path):
+    """Guider knobs the engine's CFG step does not apply, and MeanFlow transformers, are refused by name."""
+    import json
+    import shutil
+
+    from ditserve.replica.models.registry import resolve_model
+
+    for file, change, message in [
+        ("guider/guider_config.json", {"guidance_rescale": 0.7}, "guidance_rescale=0.7"),
+        ("transformer/config.json", {"use_meanflow": True}, "MeanFlow"),
+    ]:
+        folder = tmp_path / file.split("/")[0]
+        (folder / file).parent.mkdir(parents=True)
+        shutil.copy(t2v_folder / "model_index.json", folder)
+        config = json.loads((t2v_folder / file).read_text())
+        (folder / file).write_text(json.dumps({**config, **change}))
+        with pytest.raises(ValueError, match=message):
+            resolve_model(str(folder))
