@@ -13,6 +13,10 @@ Follows ``HunyuanVideo15Pipeline`` / ``HunyuanVideo15ImageToVideoPipeline`` (dif
 - flow-matching Euler with sigmas ``linspace(1, 0, steps + 1)[:-1]`` and the scheduler's shift;
 - the VAE decodes ``latents / scaling_factor``.
 
+Not diffusers' arithmetic to the letter but exactly its result: the context padding (masked as query and
+key everywhere, so it never reaches a video token) is cut before the model and inside it, and attention
+takes only each row's valid context tokens without building the model's per-block S×S mask.
+
 Image-to-video: diffusers picks the output size from the image's aspect ratio (a bucket near the model's
 ``target_size``); here the request's width × height is the size and the image is resized and
 centre-cropped to it as the pipeline does, so both agree whenever the request asks for that bucket.
@@ -98,12 +102,10 @@ class HunyuanVideo15Runner(PipelineRunner):
 
     def __init__(self, pipe, **kwargs) -> None:
         super().__init__(pipe, **kwargs)
-        if self.graphs is not None and self.mesh is not None:
-            raise ValueError(
-                "--cuda-graphs: HunyuanVideo 1.5 under a sharded layout attends only each row's valid text "
-                "tokens, whose count is read on the host every forward, which a captured graph cannot do; "
-                "drop --cuda-graphs or serve it on one rank per replica"
-            )
+        # No CUDA graphs: the model's own forward reads its inputs on the host (whether the image tokens
+        # are all zero, boolean-mask reordering of the context), so no capture could succeed; and without
+        # graphs the padding is dropped and only valid context attends (below), which reads lengths too.
+        self.graphs = None
 
     @property
     def image_to_video(self) -> bool:
@@ -209,20 +211,15 @@ class HunyuanVideo15Runner(PipelineRunner):
     def model_forward(self, latents, timesteps, inputs, shared):
         pipe = self.pipe
         rows = latents.shape[0]
-        # Text-to-video: all-zero image tokens, which the model recognises and masks out (as padding).
-        num_image = pipe.vision_num_semantic_tokens
-        if self.graphs is None:
-            # Padding is masked wherever the model reads it (the refiner's attention and pooled mean, the
-            # blocks' joint attention), so it is dropped: the trailing columns no row uses and the unused
-            # image slots here, the rest inside (`ContextTrim`). These read lengths to the host, which a
-            # captured graph cannot.
-            apply_valid_context(pipe.transformer)
-            inputs = _drop_padding(inputs)
-            num_image = 1
+        # Padding is masked wherever the model reads it (the refiner's attention and pooled mean, the
+        # blocks' joint attention), so it is dropped: the trailing columns no row uses and the unused image
+        # slots here, the rest inside (`ContextTrim`).
+        apply_valid_context(pipe.transformer)
+        inputs = _drop_padding(inputs)
         image_embeds = inputs.get("image_embeds")
-        if image_embeds is None:
+        if image_embeds is None:  # text-to-video: one all-zero image slot, masked out as padding
             image_embeds = torch.zeros(
-                rows, num_image, pipe.vision_states_dim, device=latents.device, dtype=self.dtype
+                rows, 1, pipe.vision_states_dim, device=latents.device, dtype=self.dtype
             )
         hidden = torch.cat([latents.to(self.dtype), inputs["cond_latents"]], dim=1)
         return pipe.transformer(
