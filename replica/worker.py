@@ -96,6 +96,10 @@ def apply_speed_switches(
 
         check_fp8_device(device, dtype)
         changed["fp8_linears"] = quantize_fp8(model)
+        if not changed["fp8_linears"]:
+            raise ValueError(
+                f"--quantization fp8: {type(model).__name__} has no block linears FP8 GEMMs can take"
+            )
     if fused_epilogues and family == "flux":
         from .models.flux_fused import fuse_flux_epilogues
 
@@ -116,26 +120,20 @@ def _to_device(value: Any, device: torch.device) -> Any:
 
 def compile_blocks(model: torch.nn.Module) -> int:
     """``--compile``: regional compilation, one compiled graph reused by every transformer block (compiles in
-    seconds). diffusers' ``compile_repeated_blocks`` where the class names its blocks; otherwise every block
-    of the model's block lists (ModuleLists of two or more modules of one class) is compiled alike. Not
-    fullgraph: a step with LoRA calls the (untraced) LoRA path at each adapted linear. Returns the blocks
-    compiled (0 when diffusers did it)."""
+    seconds): diffusers' ``compile_repeated_blocks`` where the class names its blocks, else each block of
+    ``repeated_blocks`` compiled alike. Not fullgraph: a step with LoRA calls the (untraced) LoRA path at
+    each adapted linear. Returns the blocks compiled here (0 when diffusers did it)."""
+    from .models.blocks import repeated_blocks
+
     if getattr(model, "_repeated_blocks", None):
         model.compile_repeated_blocks(fullgraph=False)
         return 0
-    count = 0
-    for blocks in model.children():
-        if (
-            isinstance(blocks, torch.nn.ModuleList)
-            and len(blocks) >= 2
-            and len({type(b) for b in blocks}) == 1
-        ):
-            for block in blocks:
-                block.compile(fullgraph=False)
-                count += 1
-    if not count:
+    blocks = repeated_blocks(model)
+    if not blocks:
         raise ValueError(f"--compile: {type(model).__name__} has no repeated blocks to compile")
-    return count
+    for block in blocks:
+        block.compile(fullgraph=False)
+    return len(blocks)
 
 
 class RankWorker:

@@ -6,7 +6,7 @@ the bias fused, written in the compute dtype. On Hopper an FP8 GEMM has twice th
 under ``--compile`` the activation quantization fuses into the kernel that produces the activation.
 
 Only what the repeated blocks spend their time in is converted: ``nn.Linear`` layers inside the model's
-``_repeated_blocks`` (attention projections, MLPs), not the per-block modulation linears (one row per
+repeated blocks (``models/blocks.py``: attention projections, MLPs), not the per-block modulation linears (one row per
 request: nothing to gain, and they set every activation's scale and shift) nor the embedders and the final
 projection. Tensor-parallel linears keep their own classes and stay in the compute dtype. An adapter on a
 converted linear adds its delta after the FP8 GEMM (the fused LoRA GEMM reads bf16 weights).
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+from .blocks import repeated_blocks
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
@@ -76,9 +78,8 @@ def check_fp8_device(device: torch.device, dtype: torch.dtype) -> None:
 
 def quantize_fp8(transformer: nn.Module) -> int:
     """Swap the repeated blocks' linears for :class:`Float8Linear` in place; returns how many."""
-    block_classes = set(getattr(transformer, "_repeated_blocks", ()))
     count = 0
-    for block in [m for m in transformer.modules() if type(m).__name__ in block_classes]:
+    for block in repeated_blocks(transformer):
         for name, child in list(block.named_modules()):
             if type(child) is not nn.Linear or "norm" in name.split(".")[0]:
                 continue

@@ -1,4 +1,4 @@
-"""--compile on every family: diffusers' regional compilation where the class names its repeated blocks,
+"""--compile and --quantization fp8 on every family: diffusers' regional compilation where the class names its repeated blocks,
 else each block of the model's block lists compiled alike (SD3's transformer names none, and
 ``compile_repeated_blocks`` refuses it)."""
 
@@ -26,3 +26,15 @@ def test_diffusers_regional_compilation_where_the_class_names_blocks():
     )  # fmt: skip
     assert compile_blocks(model) == 0
     assert all(getattr(b, "_compiled_call_impl", None) is not None for b in model.single_transformer_blocks)
+
+
+def test_fp8_takes_the_block_linears_where_diffusers_names_no_blocks():
+    from ditserve.replica.models.fp8 import Float8Linear, quantize_fp8
+
+    model = SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=16, out_channels=4,
+    )  # fmt: skip
+    count = quantize_fp8(model)
+    converted = [m for b in model.transformer_blocks for m in b.modules() if isinstance(m, Float8Linear)]
+    assert count == len(converted) > 0
