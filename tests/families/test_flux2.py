@@ -1,7 +1,7 @@
 """FLUX.2 dev and Klein through the engine's own step loop: one rank gives diffusers' own images (text
-only and with a reference image, alone and batched), through ``ditserve generate --image`` too; ulysses 2,
-ring 2 and tp 2 give the one-rank images; ``ditserve serve`` answers the openai client; a PEFT LoRA per
-request gives what diffusers' ``load_lora_weights`` gives."""
+only and with a reference image), through ``ditserve generate --image`` too; ulysses 2, ring 2 and tp 2
+(with a LoRA) give the one-rank images, Klein's cfg 2 its pipeline's; ``ditserve serve`` answers the openai
+client's generate and edit; a PEFT LoRA per request gives what diffusers' ``load_lora_weights`` gives."""
 
 from __future__ import annotations
 
@@ -254,6 +254,16 @@ def test_serve_and_openai_client(dev_folder, dev_expected):
         got = png_pixels(base64.b64decode(result.data[0].b64_json))
         assert got.shape == (64, 64, 3)
         assert psnr(got, dev_expected[0]) >= 40
+        # POST /v1/images/edits: the uploaded file is the reference image.
+        edited = client.images.edit(
+            model=dev_folder.name,
+            image=("ref.png", REF, "image/png"),
+            prompt=EDIT.prompt,
+            size="64x64",
+            response_format="b64_json",
+            extra_body={"num_inference_steps": 3, "seed": 4, "guidance_scale": 2.5},
+        )
+        assert psnr(png_pixels(base64.b64decode(edited.data[0].b64_json)), dev_expected[1]) >= 40
     finally:
         assert server.stop() == 0, server.output()
 
