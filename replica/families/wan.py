@@ -23,6 +23,8 @@ def refuse_experts(folder: Folder) -> str | None:
             f"transformer_2 and boundary_ratio come together (found transformer_2: {two}, boundary_ratio: "
             f"{ratio}); a Wan 2.2 A14B folder has both, a Wan 2.1 folder neither."
         )
+    if two and not folder.config("transformer_2"):
+        return "model_index.json lists transformer_2 but the folder has no transformer_2/config.json"
     if two and folder.config("transformer_2").get("num_attention_heads") != folder.config("transformer").get(
         "num_attention_heads"
     ):

@@ -1,5 +1,6 @@
-"""A folder of a supported pipeline class that holds a variant the family does not run is refused with a
-message naming what was found, before anything starts (not served wrong)."""
+"""A folder of a supported pipeline class that holds a variant the family does not run (here: Wan folders
+whose two experts are half there) is refused with a message naming what was found, before anything starts
+(not served wrong)."""
 
 from __future__ import annotations
 
@@ -26,15 +27,21 @@ def rewrite_index(folder, **changes) -> None:
 
 
 def test_wan21_folder_is_served(wan_folder):
-    assert resolve_model(str(wan_folder)).family == "wan"
+    spec = resolve_model(str(wan_folder))
+    assert spec.family == "wan" and spec.first_frame == "none"
+    rewrite_index(wan_folder, expand_timesteps=True)  # TI2V-5B's per-token timesteps: text or first frame
+    assert resolve_model(str(wan_folder)).first_frame == "optional"
+
+
+EXPERT = ["diffusers", "WanTransformer3DModel"]
 
 
 @pytest.mark.parametrize(
     "changes, needle",
     [
-        ({"transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875}, "two experts"),
-        ({"boundary_ratio": 0.9}, "two experts"),
-        ({"expand_timesteps": True}, "TI2V"),
+        ({"transformer_2": EXPERT}, "transformer_2 and boundary_ratio come together"),
+        ({"boundary_ratio": 0.9}, "transformer_2 and boundary_ratio come together"),
+        ({"transformer_2": EXPERT, "boundary_ratio": 0.875}, "no transformer_2/config.json"),
     ],
 )
 def test_wan22_variants_are_refused(wan_folder, changes, needle):
