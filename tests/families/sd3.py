@@ -17,7 +17,7 @@ from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, 
 from ditserve.replica.models.tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
 SEED = 0
-CLIP_TOKENS = 16  # the tiny CLIP tokenizers' model_max_length (77 in the real ones)
+CLIP_TOKENS = {"tiny": 16, "real": 77}  # the CLIP tokenizers' model_max_length (the real ones: 77)
 
 # stabilityai/stable-diffusion-3.5-large transformer/config.json (38 heads × 64)
 LARGE_TRANSFORMER = {
@@ -62,7 +62,7 @@ def _clip(tokenizer, hidden: int, projection: int) -> CLIPTextModelWithProjectio
         intermediate_size=32,
         num_hidden_layers=2,
         num_attention_heads=2,
-        max_position_embeddings=CLIP_TOKENS,
+        max_position_embeddings=tokenizer.model_max_length,
         projection_dim=projection,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -128,7 +128,7 @@ def build_pipeline(size: str = "tiny", dtype: torch.dtype = torch.float32, devic
     # pooled vector: widths that add up to the transformer's joint and pooled dims.
     pooled = config["pooled_projection_dim"]
     clip_1, clip_2 = (16, 16) if size == "tiny" else (768, 1280)
-    tokenizer, tokenizer_2 = build_clip_tokenizer(CLIP_TOKENS), build_clip_tokenizer(CLIP_TOKENS)
+    tokenizer, tokenizer_2 = (build_clip_tokenizer(CLIP_TOKENS[size]) for _ in range(2))
     tokenizer_3 = build_t5_tokenizer(model_max_length=256)
     pipe = StableDiffusion3Pipeline(
         transformer=transformer,

@@ -16,12 +16,14 @@ import torch
 from diffusers import StableDiffusion3Pipeline
 from openai import OpenAI
 
+from ditserve.replica.caching.settings import CacheSettings
 from ditserve.replica.config import EngineConfig, ParallelFlags
 from ditserve.replica.engine import Engine
 from ditserve.replica.pipelines.base import to_uint8
+from ditserve.replica.pipelines.sd3 import SD3Runner
 from ditserve.replica.request import GenerationParams, LoRARef
 from tests.families.lora import save_random_lora
-from tests.families.sd3 import build_folder
+from tests.families.sd3 import LARGE_TRANSFORMER, build_folder, build_pipeline
 from tests.helpers import ServeProcess, png_pixels, psnr
 
 MAX_LEN = 16  # T5 tokens
@@ -165,3 +167,34 @@ def test_serve_openai_client(folder, reference):
         assert psnr(png_pixels(base64.b64decode(result.data[0].b64_json)), reference[0]) >= 40
     finally:
         assert server.stop() == 0, server.output()
+
+
+@pytest.fixture(scope="module")
+def pipe(folder):
+    pipe = StableDiffusion3Pipeline.from_pretrained(folder, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_step_cache_skips_blocks_of_its_request_only(pipe, reference):
+    """fbcache over the transformer's blocks: the cached request reuses its kept residual at every step after
+    the first (both CFG branches); the uncached request beside it still gives diffusers' image."""
+    runner = SD3Runner(pipe, device=torch.device("cpu"), dtype=torch.float32, max_sequence_length=MAX_LEN)
+    cached = FOX.model_copy(update={"cache": CacheSettings(policy="fbcache", threshold=10.0)})
+    states = [runner.add("plain", FOX), runner.add("cached", cached)]
+    while not all(s.done for s in states):
+        runner.step(states)
+    plain, ours = (runner.decode(s)[0] for s in states)
+    assert psnr(plain, reference[0]) >= 40
+    assert {branch: (c.forwards, c.cached) for branch, c in states[1].extra["cache"].items()} == {
+        "cond": (3, 2),
+        "uncond": (3, 2),
+    }
+    assert ours.shape == plain.shape
+
+
+def test_real_pipeline_has_the_public_transformer():
+    """The benchmark's pipeline (built on the meta device here: no memory) has the public transformer."""
+    real = build_pipeline("real", torch.bfloat16, "meta")
+    assert real.transformer.config.num_attention_heads == LARGE_TRANSFORMER["num_attention_heads"] == 38
+    assert f"{sum(p.numel() for p in real.transformer.parameters()) / 1e9:.1f}" == "8.1"

@@ -19,6 +19,7 @@ import torch
 from diffusers import ZImagePipeline
 from openai import OpenAI
 
+from ditserve.replica.caching.settings import CacheSettings
 from ditserve.replica.config import EngineConfig, ParallelFlags
 from ditserve.replica.engine import Engine
 from ditserve.replica.models.registry import resolve_model
@@ -26,7 +27,7 @@ from ditserve.replica.pipelines.base import to_uint8
 from ditserve.replica.pipelines.zimage import ZImageRunner
 from ditserve.replica.request import GenerationParams, LoRARef
 from tests.families.lora import save_random_lora
-from tests.families.zimage import build_folder
+from tests.families.zimage import TURBO_TRANSFORMER, build_folder, build_pipeline
 from tests.helpers import ServeProcess, png_pixels, psnr
 
 MAX_LEN = 64  # caption tokens
@@ -206,3 +207,27 @@ def test_caption_embedder_adapter_is_refused(pipe, tmp_path):
     file = save_random_lora(ZImagePipeline, pipe.transformer, ["cap_embedder.1", "to_q"], tmp_path)
     with pytest.raises(ValueError, match=r"path: .*caption embedder \(\['cap_embedder.1'\]\)"):
         read_lora_file(file, "ZImagePipeline")
+
+
+def test_step_cache_skips_blocks_of_its_request_only(pipe, reference):
+    """fbcache over the transformer's blocks: the cached request reuses its kept residual at every step after
+    the first (both CFG branches); the uncached request beside it still gives diffusers' image."""
+    runner = ZImageRunner(pipe, device=torch.device("cpu"), dtype=torch.float32, max_sequence_length=MAX_LEN)
+    cached = FOX.model_copy(update={"cache": CacheSettings(policy="fbcache", threshold=10.0)})
+    states = [runner.add("plain", FOX), runner.add("cached", cached)]
+    while not all(s.done for s in states):
+        runner.step(states)
+    plain, ours = (runner.decode(s)[0] for s in states)
+    assert psnr(plain, reference[0]) >= 40
+    assert {branch: (c.forwards, c.cached) for branch, c in states[1].extra["cache"].items()} == {
+        "cond": (3, 2),
+        "uncond": (3, 2),
+    }
+    assert ours.shape == plain.shape
+
+
+def test_real_pipeline_has_the_public_transformer():
+    """The benchmark's pipeline (built on the meta device here: no memory) has the public transformer."""
+    real = build_pipeline("real", torch.bfloat16, "meta")
+    assert real.transformer.config.n_heads == TURBO_TRANSFORMER["n_heads"] == 30
+    assert f"{sum(p.numel() for p in real.transformer.parameters()) / 1e9:.1f}" == "6.2"
