@@ -284,3 +284,21 @@ def test_engine_one_rank_matches_runner(a14b, one_rank):
 def test_a14b_layouts_match_one_rank(a14b_folder, one_rank, flags):
     for got, want in zip(engine_latents(a14b_folder, flags), one_rank, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_ti2v_ulysses2_matches_one_rank(tmp_path):
+    # per-token timesteps (2-D) are split with the video tokens; a text and a first-frame request together
+    folder = build_folder(tmp_path / "ti2v", "ti2v")
+    requests = [TI2V.model_copy(update={"images": (red_square_png(),)}), TI2V]
+
+    def run(flags):
+        engine = Engine(EngineConfig(model=str(folder), parallel=ParallelFlags(**flags))).start()
+        try:
+            futures = [engine.submit(p.model_copy(update={"return_latents": True})) for p in requests]
+            return [f.result(timeout=300).latents for f in futures]
+        finally:
+            engine.shutdown()
+
+    for got, want in zip(run({"ulysses_degree": 2}), run({}), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4)
