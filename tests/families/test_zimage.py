@@ -116,16 +116,27 @@ def test_one_rank_equals_diffusers_with_and_without_lora_in_one_batch(one_rank, 
     assert psnr(reference[2], reference[0]) < 30  # the adapter changes the image
 
 
-def test_cfg_normalization_and_truncation_follow_the_pipeline(pipe):
-    """The norm cap and the truncation (guidance off at the last of 4 steps) as ZImagePipeline applies them."""
-    fox = FOX.model_copy(update={"num_inference_steps": 4})
-    runner = ZImageRunner(pipe, device=torch.device("cpu"), dtype=torch.float32, max_sequence_length=MAX_LEN)
-    runner.cfg_normalization, runner.cfg_truncation = 1.0, 0.3
+def test_cfg_normalization_and_truncation_follow_the_pipeline(folder, pipe, tmp_path):
+    """The norm cap and the truncation (guidance off at the last of 4 steps), recommended by the folder's
+    ditserve.json, as ZImagePipeline applies them."""
+    recommended = tmp_path / "Z-Image-recommended"
+    shutil.copytree(folder, recommended)
+    sampling = {"guidance_scale": 4.0, "cfg_normalization": 1.0, "cfg_truncation": 0.3}
+    (recommended / "ditserve.json").write_text(json.dumps({"sampling": sampling}))
+    runner = ZImageRunner(
+        ZImagePipeline.from_pretrained(recommended, dtype=torch.float32),
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        max_sequence_length=MAX_LEN,
+    )
+    fox = FOX.model_copy(update={"num_inference_steps": 4, "guidance_scale": None})
     state = runner.add("fox", fox)
+    assert state.cfg_scale == 4.0
     assert state.extra["guided_steps"] == [True, True, True, False]
     while not state.done:
         runner.step([state])
     ours = runner.decode(state)[0]
+    fox = fox.model_copy(update={"guidance_scale": 4.0})
     ref = diffusers_image(pipe, fox, cfg_normalization=1.0, cfg_truncation=0.3)
     assert psnr(ours, ref) >= 40
     assert psnr(ref, diffusers_image(pipe, fox)) < 35  # the settings change the image
