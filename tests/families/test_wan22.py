@@ -271,9 +271,9 @@ def test_engine_one_rank_matches_runner(a14b, one_rank):
 @pytest.mark.parametrize(
     "flags",
     [
-        # every axis in two 4-rank runs; each axis alone with -m slow
+        # CFG and Ulysses in one 4-rank run; ring + TP and each axis alone with -m slow (test budget)
         {"cfg_parallel_size": 2, "ulysses_degree": 2},
-        {"ring_degree": 2, "tp_size": 2},
+        pytest.param({"ring_degree": 2, "tp_size": 2}, marks=pytest.mark.slow),
         pytest.param({"ulysses_degree": 2}, marks=pytest.mark.slow),
         pytest.param({"ring_degree": 2}, marks=pytest.mark.slow),
         pytest.param({"cfg_parallel_size": 2}, marks=pytest.mark.slow),

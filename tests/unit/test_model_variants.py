@@ -48,6 +48,8 @@ def test_wan22_variants_are_refused(wan_folder, changes, needle):
     rewrite_index(wan_folder, **changes)
     with pytest.raises(ValueError, match=needle):
         resolve_model(str(wan_folder))
+    if "boundary_ratio" in changes:
+        return  # the CLI path is the same for every refusal: shown once
     # As a user meets it: the CLI exits 2 with the message, nothing generated.
     cmd = [sys.executable, "-m", "ditserve.cluster.cli", "generate", "a fox", "--model", str(wan_folder)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
