@@ -99,6 +99,27 @@ def main() -> None:
         model=str(folder), device=device, dtype="float32" if args.tiny else "bfloat16", compile=not args.tiny,
         max_batch_size=8, cuda_graphs=False,
     )  # fmt: skip
+
+    def report(rows: list[dict]) -> str:
+        """Write this run's results file (again after each row, so a time limit keeps what was measured)."""
+        lines = [
+            f"AnyFlow-FAR-size transformer ({params_b:.2f} B parameters, random {'fp32' if args.tiny else 'bf16'}), "
+            f"{width}x{height}, {frames} frames per chunk, {steps} steps per chunk, {args.chunks} chunks per session; "
+            f"diffusers (same run, compiled alike): {base_chunk:.3f} s per chunk ({base_total:.2f} s for the "
+            f"{args.chunks} chunks in one call).",
+            "",
+            "| sessions | first chunk (s) | steady chunk (s) | playback of a chunk (s) | steady / playback | steady / diffusers chunk |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['sessions']} | {r['first_chunk_s']:.3f} | {r['steady_chunk_s']:.3f} | {r['playback_s']:.3f} | "
+                f"{r['steady_chunk_s'] / r['playback_s']:.2f} | {r['steady_chunk_s'] / base_chunk:.2f} |"
+            )
+        text = "\n".join(lines)
+        write_results("realtime_chunks", text, rows, out=args.out, baseline="diffusers AnyFlowFARPipeline")
+        return text
+
     engine = Engine(config).start()
     rows = []
 
@@ -134,26 +155,10 @@ def main() -> None:
                 }
             )
             print(rows[-1], flush=True)
+            report(rows)
     finally:
         engine.shutdown()
-    lines = [
-        f"AnyFlow-FAR-size transformer ({params_b:.2f} B parameters, random {'fp32' if args.tiny else 'bf16'}), "
-        f"{width}x{height}, {frames} frames per chunk, {steps} steps per chunk, {args.chunks} chunks per session; "
-        f"diffusers (same run, compiled alike): {base_chunk:.3f} s per chunk ({base_total:.2f} s for the "
-        f"{args.chunks} chunks in one call).",
-        "",
-        "| sessions | first chunk (s) | steady chunk (s) | playback of a chunk (s) | steady / playback | steady / diffusers chunk |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['sessions']} | {r['first_chunk_s']:.3f} | {r['steady_chunk_s']:.3f} | {r['playback_s']:.3f} | "
-            f"{r['steady_chunk_s'] / r['playback_s']:.2f} | {r['steady_chunk_s'] / base_chunk:.2f} |"
-        )
-    write_results(
-        "realtime_chunks", "\n".join(lines), rows, out=args.out, baseline="diffusers AnyFlowFARPipeline"
-    )
-    print("\n".join(lines))
+    print(report(rows))
 
 
 if __name__ == "__main__":
