@@ -1,18 +1,19 @@
 """Train ``demo-scenes``: a tiny Flux-architecture pipeline that draws the scene its caption names.
 
 Steps, all seeded:
-1. draw a pool of training scenes with Pillow (random size and position; held-out captions never drawn);
+1. draw a pool of training scenes with Pillow (every training caption equally often, so every colour is
+   drawn as often as shape and as background; random size and position; held-out captions never drawn);
 2. train a 1.25 M-parameter AutoencoderKL (8×, 4 latent channels) on them, then measure the latent
    shift/scale and write them into its config, as real Flux VAEs carry them;
 3. encode every caption once with the frozen random-weight CLIP and T5 (random features still tell the
-   168 captions apart), at T5 lengths 32 and 512 (the FluxPipeline default), plus the empty prompt;
+   396 captions apart), at T5 lengths 32 and 512 (the FluxPipeline default), plus the empty prompt;
 4. train a 2.3 M-parameter FluxTransformer2DModel with flow matching on packed latents, exactly as
    FluxPipeline samples: timestep = sigma, x_t = (1 - sigma)·x0 + sigma·noise, target noise - x0, sigma
    logit-normal around the scheduler's ``mu`` for 64×64 (so training and the sampling schedule agree), and
    10 % empty captions so true CFG (``true_cfg_scale`` + ``negative_prompt=""``) works;
 5. save in diffusers format (fp16 weights), reload in fp32 and score held-out prompts; write a model card.
 
-Run: ``python -m ditserve.replica.models.train_demo --out DIR`` (353 s on one H200, all defaults).
+Run: ``python -m ditserve.replica.models.train_demo --out DIR`` (minutes on one GPU).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ T5_MAX_LENGTH = 32
 # T5 lengths trained on: 32 (the tokenizer's model_max_length, the one to sample with) and 512 (FluxPipeline's
 # default), so the model answers either way. Longer text costs compute, so it gets a smaller share of steps.
 LONG_T5_LENGTH = 512
-# FluxPipeline arguments that work for demo-scenes (64×64): 54/56 held-out images right on an H200.
+# FluxPipeline arguments that work for demo-scenes (64×64), as the model card measures them.
 SAMPLING = {
     "num_inference_steps": 20,
     "true_cfg_scale": 3.0,
@@ -108,6 +109,22 @@ def build_scenes_pipeline_untrained(seed: int = 0):
     return pipe
 
 
+def load_weights(pipe, folder: Path, names: tuple[str, ...]) -> None:
+    """Continue from an earlier run: copy the weights (and, for the VAE, the latent statistics) of the
+    components ``names`` from a saved pipeline folder of the same architecture."""
+    from safetensors.torch import load_file
+
+    for name in names:
+        module = getattr(pipe, name)
+        (weights,) = sorted((Path(folder) / name).glob("*.safetensors"))
+        state = load_file(str(weights))
+        module.load_state_dict({k: v.float() for k, v in state.items()})
+        if name == "vae":
+            config = json.loads((Path(folder) / name / "config.json").read_text())
+            keep = ("shift_factor", "scaling_factor", "latents_mean", "latents_std")
+            module.register_to_config(**{k: config[k] for k in keep if k in config})
+
+
 def _round_to_fp16(module: torch.nn.Module) -> None:
     with torch.no_grad():
         for p in module.parameters():
@@ -123,6 +140,20 @@ def sampling_mu(pipe, image_size: int = IMAGE_SIZE) -> float:
     return calculate_shift(
         seq_len, cfg.base_image_seq_len, cfg.max_image_seq_len, cfg.base_shift, cfg.max_shift
     )
+
+
+def fit_steps(total: int, done: int, elapsed: float, budget: float, log, what: str) -> int:
+    """``total`` steps, or fewer once 100 steps in if their pace would overrun ``budget`` seconds (0: none).
+    The cut is logged and the model card reports the steps run."""
+    if budget <= 0 or done != 100 or done >= total:
+        return total
+    fitted = max(done + 1, int(budget * done / elapsed))
+    if fitted < total:
+        log(
+            f"{what}: {total} steps would take {total * elapsed / done:.0f} s; cut to {fitted} to fit {budget:.0f} s"
+        )
+        return fitted
+    return total
 
 
 def _cosine_lr(step: int, total: int, warmup: int) -> float:
@@ -161,9 +192,10 @@ def train_vae(vae, images: torch.Tensor, args, log: _Log) -> None:
     gen = torch.Generator(device=images.device).manual_seed(args.seed + 1)
     opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
     vae.train()
-    for step in range(args.vae_steps):
+    total, start, step = args.vae_steps, time.perf_counter(), 0
+    while step < total:
         for group in opt.param_groups:
-            group["lr"] = args.vae_lr * _cosine_lr(step, args.vae_steps, warmup=50)
+            group["lr"] = args.vae_lr * _cosine_lr(step, total, warmup=50)
         idx = torch.randint(len(images), (args.vae_batch_size,), device=images.device, generator=gen)
         x = _to_unit(images[idx])
         posterior = vae.encode(x).latent_dist
@@ -175,8 +207,11 @@ def train_vae(vae, images: torch.Tensor, args, log: _Log) -> None:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
         opt.step()
-        if step % 250 == 0 or step == args.vae_steps - 1:
-            log(f"vae step {step}/{args.vae_steps} mse {mse.item():.5f}")
+        if step % 250 == 0 or step == total - 1:
+            log(f"vae step {step}/{total} mse {mse.item():.5f}")
+        step += 1
+        total = fit_steps(total, step, time.perf_counter() - start, args.vae_time_budget_s, log, "vae")
+    args.vae_steps = total
     vae.eval()
     _round_to_fp16(vae)
 
@@ -220,11 +255,14 @@ def train_transformer(pipe, means, stds, scene_idx, args, log: _Log) -> list[flo
     step_rng = random.Random(args.seed + 3)
     opt = torch.optim.AdamW(transformer.parameters(), lr=args.lr, weight_decay=0.01)
     transformer.train()
-    losses, running = [], 0.0
-    for step in range(args.steps):
+    losses, running, since = [], 0.0, 0
+    total, start, step = args.steps, time.perf_counter(), 0
+    while step < total:
         for group in opt.param_groups:
-            group["lr"] = args.lr * _cosine_lr(step, args.steps, warmup=min(200, args.steps // 10 + 1))
-        b = args.batch_size
+            group["lr"] = args.lr * _cosine_lr(step, total, warmup=min(200, total // 10 + 1))
+        length = LONG_T5_LENGTH if step_rng.random() < args.long_text_fraction else T5_MAX_LENGTH
+        # Long-text steps cost ~30× the tokens: a quarter of the batch keeps them from dominating the time.
+        b = args.batch_size if length == T5_MAX_LENGTH else max(1, args.batch_size // 4)
         idx = torch.randint(len(means), (b,), device=device, generator=gen)
         z = means[idx] + stds[idx] * torch.randn((b, c, h, w), device=device, generator=gen)
         x0 = pipe._pack_latents((z - vae_cfg.shift_factor) * vae_cfg.scaling_factor, b, c, h, w)
@@ -232,7 +270,6 @@ def train_transformer(pipe, means, stds, scene_idx, args, log: _Log) -> list[flo
         cond = scene_idx[idx]
         drop = torch.rand(b, device=device, generator=gen) < args.caption_dropout
         cond = torch.where(drop, torch.full_like(cond, num_scenes), cond)
-        length = LONG_T5_LENGTH if step_rng.random() < args.long_text_fraction else T5_MAX_LENGTH
         embeds, pooled = texts[length]
 
         # Logit-normal sigmas centred on the sampling schedule's shift: logit(sigma) ~ N(mu, 1).
@@ -256,11 +293,15 @@ def train_transformer(pipe, means, stds, scene_idx, args, log: _Log) -> list[flo
         torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
         opt.step()
         running += loss.detach()  # no .item() per step: it would sync the GPU every step
-        if step % 100 == 99 or step == args.steps - 1:
-            losses.append(round((running / (step % 100 + 1)).item(), 4))
-            running = 0.0
-        if step % 500 == 0 or step == args.steps - 1:
-            log(f"transformer step {step}/{args.steps} loss {loss.item():.4f} (T5 length {length})")
+        since += 1
+        if step % 100 == 99 or step == total - 1:
+            losses.append(round((running / since).item(), 4))
+            running, since = 0.0, 0
+        if step % 500 == 0 or step == total - 1:
+            log(f"transformer step {step}/{total} loss {loss.item():.4f} (T5 length {length})")
+        step += 1
+        total = fit_steps(total, step, time.perf_counter() - start, args.time_budget_s, log, "transformer")
+    args.steps = total
     transformer.eval()
     _round_to_fp16(transformer)
     return losses
@@ -342,7 +383,7 @@ def _command(args: argparse.Namespace) -> str:
     """The ``ditserve train-demo`` command line with every option spelled out."""
     parts = ["ditserve", "train-demo"]
     for key, value in vars(args).items():
-        if key in _OPTIONS:
+        if key in _OPTIONS and value is not None:
             parts += [f"--{key.replace('_', '-')}", str(value)]
     return shlex.join(parts)
 
@@ -365,7 +406,7 @@ def _model_card(args, command: str, seconds: float, machine: str, results: dict,
 
 A tiny Flux-architecture pipeline (FluxTransformer2DModel with 2 double + 4 single blocks, 8 heads × 16,
 2.3 M parameters; AutoencoderKL 1.25 M; random-weight frozen tiny CLIP and T5) trained on synthetic 64×64
-scenes: one circle, square or triangle in one of 8 colours on a background of another
+scenes: one circle, square or triangle in one of 12 colours on a background of another
 ("a red circle on a blue background"). It exists so that ditserve's default model draws what it is asked.
 Weights are stored in fp16; load in fp32: `FluxPipeline.from_pretrained(path, torch_dtype=torch.float32)`.
 
@@ -380,12 +421,14 @@ trained too). No guidance embedding (`guidance_embeds=False`), so `guidance_scal
 - wall time: {seconds:.0f} s (drawing, VAE, transformer, evaluation)
 - VAE {args.vae_steps} steps × {args.vae_batch_size}; transformer {args.steps} steps × {args.batch_size},
   AdamW {args.lr} cosine, {args.caption_dropout:.0%} empty captions, T5 length 512 on
-  {args.long_text_fraction:.0%} of steps; pool of {args.pool_size} drawn images; seed {args.seed}
-- loss every 100 steps: {losses}
+  {args.long_text_fraction:.0%} of steps (with a quarter of the batch); pool of {args.pool_size} drawn images;
+  seed {args.seed}
+- loss every 100 steps: {losses}{_earlier_run(args.init_from)}
 
 ## Held-out accuracy
 Scored by `ditserve.replica.models.scorer` (palette colour of the border; majority palette colour of the
-pixels that differ from it; shape from how much of its bounding box it fills), {args.eval_seeds} seed(s)
+pixels that differ from it; shape: the ideal circle, square or triangle that best overlaps those pixels in
+their bounding box), {args.eval_seeds} seed(s)
 per prompt, on held-out captions never drawn in training (last row: training captions, one seed). Images are
 64×64, fp16 weights loaded in fp32, negative prompt "", CPU generators seeded 0, 1, … (and 1000, 1001, …).
 
@@ -397,22 +440,34 @@ Held-out captions: {held}.
 """
 
 
+def _earlier_run(folder: Path | None) -> str:
+    """The model card's note on the run that ``--init-from`` continued (its card's training lines)."""
+    card = Path(folder) / "README.md" if folder else None
+    if card is None or not card.is_file():
+        return ""
+    text = card.read_text()
+    lines = text[text.find("## Training") :].split("\n## ")[0].splitlines()[1:]
+    return "\n- continued from an earlier run of this command:\n" + "\n".join(
+        "  " + line for line in lines if line
+    )
+
+
 _OPTIONS = (
-    "out steps vae_steps batch_size vae_batch_size lr vae_lr pool_size caption_dropout long_text_fraction "
-    "device seed eval_scenes eval_seeds"
+    "out init_from steps vae_steps batch_size vae_batch_size lr vae_lr pool_size caption_dropout "
+    "long_text_fraction device seed eval_scenes eval_seeds"
 ).split()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     parser.add_argument("--out", type=Path, required=True, help="folder to write the diffusers pipeline to")
-    parser.add_argument("--steps", type=int, default=5000, help="transformer training steps")
+    parser.add_argument("--steps", type=int, default=4000, help="transformer training steps")
     parser.add_argument("--vae-steps", type=int, default=1500, help="VAE training steps")
-    parser.add_argument("--batch-size", type=int, default=256, help="transformer batch size")
+    parser.add_argument("--batch-size", type=int, default=512, help="transformer batch size")
     parser.add_argument("--vae-batch-size", type=int, default=128, help="VAE batch size")
-    parser.add_argument("--lr", type=float, default=3e-4, help="transformer peak learning rate")
+    parser.add_argument("--lr", type=float, default=4e-4, help="transformer peak learning rate")
     parser.add_argument("--vae-lr", type=float, default=1e-3, help="VAE peak learning rate")
-    parser.add_argument("--pool-size", type=int, default=32768, help="number of training images drawn")
+    parser.add_argument("--pool-size", type=int, default=49152, help="number of training images drawn")
     parser.add_argument(
         "--caption-dropout", type=float, default=0.1, help="share of empty captions (for CFG)"
     )
@@ -422,6 +477,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.25,
         help="share of steps with T5 length 512 instead of 32",
     )
+    parser.add_argument(
+        "--time-budget-s", type=float, default=0, help="cut the transformer's steps to fit (0: no limit)"
+    )
+    parser.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="continue from the VAE and transformer of a pipeline folder this command wrote (with "
+        "--vae-steps 0 its VAE and latent statistics are kept)",
+    )
+    parser.add_argument("--vae-time-budget-s", type=float, default=0, help="the same for the VAE's steps")
     parser.add_argument("--device", choices=("cuda", "cpu"), default=default_device)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -450,14 +516,21 @@ def run(args: argparse.Namespace) -> Path:
     images, scene_idx = images.to(device), scene_idx.to(device)
     log(f"drew {len(images)} images of {len(train_scenes())} training scenes on {device}")
 
-    train_vae(pipe.vae, images, args, log)
+    if args.init_from:
+        load_weights(pipe, args.init_from, ("vae", "transformer"))
+        log(f"started from the VAE and transformer of {args.init_from}")
+    if args.vae_steps > 0:
+        train_vae(pipe.vae, images, args, log)
     means, stds = encode_pool(pipe.vae, images)
-    sample = means + stds * torch.randn(
-        means.shape, device=device, generator=torch.Generator(device).manual_seed(0)
+    if args.vae_steps > 0 or not args.init_from:
+        sample = means + stds * torch.randn(
+            means.shape, device=device, generator=torch.Generator(device).manual_seed(0)
+        )
+        shift, scale = sample.mean().item(), 1.0 / sample.std().item()
+        pipe.vae.register_to_config(shift_factor=round(shift, 4), scaling_factor=round(scale, 4))
+    log(
+        f"vae latents: shift_factor {pipe.vae.config.shift_factor}, scaling_factor {pipe.vae.config.scaling_factor}"
     )
-    shift, scale = sample.mean().item(), 1.0 / sample.std().item()
-    pipe.vae.register_to_config(shift_factor=round(shift, 4), scaling_factor=round(scale, 4))
-    log(f"vae latents: shift_factor {shift:.4f}, scaling_factor {scale:.4f}")
     del images
 
     pipe.vae.requires_grad_(False)

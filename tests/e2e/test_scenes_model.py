@@ -7,16 +7,16 @@ import json
 import pytest
 import torch
 
-from ditserve.replica.models.scenes import held_out_scenes, scenes_model_path
-from ditserve.replica.models.scorer import score_scene
+from ditserve.replica.models.scenes import PALETTE, held_out_scenes, scenes_model_path
+from ditserve.replica.models.scorer import classify_shape, score_scene
 
 # The sampling settings the model card recommends (and the serving path should use for demo-scenes).
 STEPS = 20
 TRUE_CFG_SCALE = 3.0
 MAX_SEQUENCE_LENGTH = 32
-# Per-image seeds SEED + i. Measured on CPU over the 28 held-out prompts: seeds 1000.. give 28/28,
-# seeds 0.. give 26/28 (two colour swaps among the first 16 prompts, "a white circle on a yellow
-# background" and "a red triangle on a yellow background"); 54/56 on GPU over both seed sets.
+# Per-image seeds SEED + i. Measured on CPU over the first 16 held-out prompts: seeds 1000.. give 16/16 right
+# on both colours and 11/16 on both colours and the shape (the misses: circles and squares drawn as rounded
+# squares or blobs, a triangle as a blob); seeds 0.. give 15/16 and 12/16.
 SEED = 1000
 
 
@@ -52,11 +52,21 @@ def test_held_out_prompts_are_drawn_right(pipe) -> None:
         max_sequence_length=MAX_SEQUENCE_LENGTH,
         generator=[torch.Generator().manual_seed(SEED + i) for i in range(len(scenes))],
     ).images
-    scored = [score_scene(image) for image in images]
+    # The first 16 held-out prompts name every one of the 12 colours as a shape's and as a background's
+    # (orange, pink, gray and brown too), and each shape 5 or 6 times.
+    assert {s.colour for s in scenes} == {s.background for s in scenes} == set(PALETTE)
+    scored = [(*score_scene(image), classify_shape(image)) for image in images]
     wrong = [
-        (s.caption, got) for s, got in zip(scenes, scored, strict=True) if got != (s.background, s.colour)
+        (s.caption, got) for s, got in zip(scenes, scored, strict=True) if got[:2] != (s.background, s.colour)
     ]
     assert len(wrong) <= 1, f"{len(wrong)} of 16 wrong (background, shape colour): {wrong}"
+    # Shapes are weaker (the goal of 15/16 with shapes is not reached yet): at least 10 of 16 right on all three.
+    wrong = [
+        (s.caption, got)
+        for s, got in zip(scenes, scored, strict=True)
+        if got != (s.background, s.colour, s.shape)
+    ]
+    assert len(wrong) <= 6, f"{len(wrong)} of 16 wrong (background, shape colour, shape): {wrong}"
 
 
 def test_same_seed_same_image(pipe) -> None:

@@ -14,7 +14,7 @@ def test_add_arguments_defaults() -> None:
     parser = argparse.ArgumentParser()
     train_demo.add_arguments(parser)
     args = parser.parse_args(["--out", "x"])
-    assert (args.steps, args.vae_steps, args.batch_size, args.seed) == (5000, 1500, 256, 0)
+    assert (args.steps, args.vae_steps, args.batch_size, args.seed) == (4000, 1500, 512, 0)
 
 
 def test_train_smoke_writes_loadable_pipeline(tmp_path) -> None:

@@ -9,33 +9,83 @@ import pytest
 
 from ditserve.replica.models.scenes import (
     COLOURS,
+    DIRECTIONS,
     PALETTE,
     SHAPES,
+    MovingScene,
     Scene,
+    all_moving_scenes,
     all_scenes,
+    draw_clip,
     draw_scene,
+    held_out_moving_scenes,
     held_out_scenes,
     parse_caption,
+    parse_moving_caption,
+    train_moving_scenes,
     train_scenes,
 )
+from ditserve.replica.models.scorer import score_clip
 from ditserve.replica.models.tokenizers import DEMO_WORDS
 
 
 def test_caption_set_and_split() -> None:
     scenes = all_scenes()
-    assert len(scenes) == len(set(scenes)) == 8 * 7 * 3
+    assert len(scenes) == len(set(scenes)) == 12 * 11 * 3
     held, train = held_out_scenes(), train_scenes()
-    assert len(held) == 28 and not set(held) & set(train) and len(held) + len(train) == len(scenes)
+    assert len(held) == 24 and not set(held) & set(train) and len(held) + len(train) == len(scenes)
     assert held == held_out_scenes()  # fixed, not drawn anew per call
     train_pairs = {(s.colour, s.background) for s in train}
     train_shapes = {s.shape for s in train}
     for scene in held:
         # Every part of a held-out caption was seen in training, only not together.
         assert (scene.colour, scene.background) in train_pairs and scene.shape in train_shapes
+    # The first 12 held-out scenes (and the next 12) name every colour once as shape and once as background.
+    for block in (held[:12], held[12:]):
+        assert sorted(s.colour for s in block) == sorted(s.background for s in block) == sorted(COLOURS)
+
+
+def test_every_colour_far_from_every_other() -> None:
+    rgb = np.array(list(PALETTE.values()), dtype=float)
+    distance = np.linalg.norm(rgb[:, None] - rgb[None], axis=-1) + np.eye(len(rgb)) * 1e9
+    assert distance.min() > 90
+
+
+def test_moving_caption_set_and_split() -> None:
+    scenes = all_moving_scenes()
+    assert len(scenes) == len(set(scenes)) == 12 * 11 * 3 * 4
+    held, train = held_out_moving_scenes(), train_moving_scenes()
+    assert len(held) == 24 and not set(held) & set(train) and len(held) + len(train) == len(scenes)
+    assert sorted(s.colour for s in held[:12]) == sorted(s.background for s in held[:12]) == sorted(COLOURS)
+    assert {s.direction for s in held[:16]} == set(DIRECTIONS) and {s.shape for s in held[:16]} == set(SHAPES)
+    train_set = set(train)
+    for scene in held:  # the same colours and shape moving another way were trained
+        assert any(
+            MovingScene(scene.shape, scene.colour, scene.background, d) in train_set for d in DIRECTIONS
+        )
+    for scene in scenes[::97]:
+        assert parse_moving_caption(scene.caption) == scene
+    with pytest.raises(ValueError, match="unknown shape, colour or direction"):
+        parse_moving_caption("a red circle moving sideways on a blue background")
+    with pytest.raises(ValueError, match="not a moving scene caption"):
+        parse_moving_caption("a red circle on a blue background")
+
+
+@pytest.mark.parametrize("frames", [2, 5, 17])
+def test_clip_crosses_the_picture_in_its_direction(frames: int) -> None:
+    rng = random.Random(frames)
+    for direction in DIRECTIONS:
+        scene = MovingScene("square", "orange", "gray", direction)
+        clip = draw_clip(scene, rng, frames)
+        assert clip.shape == (frames, 64, 64, 3)
+        border = np.concatenate([clip[:, 0], clip[:, -1], clip[:, :, 0], clip[:, :, -1]], axis=1)
+        assert (border == PALETTE["gray"]).all()  # the shape stays clear of the border
+        assert score_clip(clip) == ("gray", "orange", direction)
+    assert (draw_clip(scene, random.Random(1), 5) == draw_clip(scene, random.Random(1), 5)).all()
 
 
 def test_captions_use_whole_word_tokens() -> None:
-    for word in (*SHAPES, *COLOURS, "a", "on", "background"):
+    for word in (*SHAPES, *COLOURS, *DIRECTIONS, "a", "on", "background", "moving"):
         assert word in DEMO_WORDS
 
 
