@@ -7,6 +7,9 @@ Progress comes from the replica: the engine's per-step callback feeds ``EngineRe
 SSE events (``text/event-stream``), then ``data: [DONE]``::
 
     event: image_generation.progress   data: {"type", "step", "total"}
+    event: image_generation.partial_image  (request "preview": true; after each step but the last)
+                                       data: {"type", "partial_image_b64", "partial_image_index", "step",
+                                              "total", "created_at", "output_format", ...}
     event: image_generation.completed  data: {"type", "b64_json", "index", "created_at", "size", "seed", ...}
     event: error                       data: {"error": {"message", "type", "param", "code"}}
 
@@ -147,19 +150,37 @@ async def engine_events(fe: Any, stream) -> AsyncIterator[dict[str, Any]]:
             pass
 
 
+def _partial(event: dict[str, Any], index: int) -> dict[str, Any]:
+    """OpenAI's ``image_generation.partial_image`` shape, plus the step it shows; the picture is the
+    latents' own (1/8 of the image size), not a decoded image."""
+    return {
+        "type": "image_generation.partial_image",
+        "partial_image_index": index,
+        "partial_image_b64": base64.b64encode(event["preview"]).decode(),
+        "step": event["step"],
+        "total": event["total"],
+        "created_at": int(time.time()),
+        "output_format": "png",
+        "background": "opaque",
+        "quality": "low",
+    }
+
+
 def _sse(event: str, data: dict[str, Any] | str) -> str:
     payload = data if isinstance(data, str) else json.dumps(data)
     return f"event: {event}\ndata: {payload}\n\n"
 
 
-async def image_events(fe: Any, params: GenerationParams) -> StreamingResponse:
+async def image_events(fe: Any, params: GenerationParams, preview: bool = False) -> StreamingResponse:
     """``stream: true`` images: the first event is awaited here, so errors known before the first step
-    (bad adapter, full queue, no replica) get their status code instead of a 200 stream."""
-    events = engine_events(fe, fe.engine.options(stream=True).generate_stream.remote(params))
+    (bad adapter, full queue, no replica) get their status code instead of a 200 stream. With
+    ``preview``, each step but the last is followed by an ``image_generation.partial_image`` event."""
+    events = engine_events(fe, fe.engine.options(stream=True).generate_stream.remote(params, preview))
     first = await anext(events)
 
     async def body() -> AsyncIterator[str]:
         event: dict[str, Any] | None = first
+        partial_index = 0
         try:
             while event is not None:
                 if event["type"] == "progress":
@@ -169,6 +190,9 @@ async def image_events(fe: Any, params: GenerationParams) -> StreamingResponse:
                         "total": event["total"],
                     }
                     yield _sse("image_generation.progress", data)
+                    if event.get("preview"):
+                        yield _sse("image_generation.partial_image", _partial(event, partial_index))
+                        partial_index += 1
                 else:
                     result = event["result"]
                     for index, png in enumerate(result.outputs):

@@ -278,7 +278,9 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         await self.check_body_size(request)
         params, width, height = self.image_params(body)
         if body.stream:
-            return await api_stream.image_events(self, params)
+            return await api_stream.image_events(self, params, preview=body.preview)
+        if body.preview:
+            raise APIError(400, "preview: previews come with stream: true", param="preview")
         answer = await self.call_engine(self.engine.generate.remote(params))
         result = answer["result"]
         response = ImagesResponse(

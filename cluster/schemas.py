@@ -118,6 +118,13 @@ class ImageGenerationRequest(BaseModel):
     stream: bool = Field(
         default=False, strict=True, description="Server-sent progress events before the image."
     )
+    preview: bool = Field(
+        default=False,
+        strict=True,
+        description="With stream: an image_generation.partial_image event after each step but the last, "
+        "carrying a small PNG of the current latents (partial_image_b64; 1/8 of the image size, no VAE "
+        "decode).",
+    )
     # Accepted for OpenAI compatibility, ignored.
     user: str | None = None
     quality: str | None = None

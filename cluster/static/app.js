@@ -176,15 +176,65 @@ async function* sseEvents(res) {
   }
 }
 
+// The step cache fields: only the chosen policy's setting shows.
+const cachePolicy = byId("cache-policy");
+function showCacheOptions() {
+  for (const el of $$(".cache-opt")) el.hidden = el.dataset.policy !== cachePolicy.value;
+}
+cachePolicy.addEventListener("change", showCacheOptions);
+showCacheOptions();
+
+function cacheSetting(form) {
+  const policy = cachePolicy.value;
+  if (!policy) return undefined;  // the server's default (--cache-policy)
+  const cache = { policy };
+  const threshold = form.elements.cache_threshold.value.trim();
+  const interval = form.elements.cache_interval.value.trim();
+  if (policy === "fbcache" && threshold !== "") cache.threshold = Number(threshold);
+  if (policy === "taylorseer" && interval !== "") cache.interval = Number(interval);
+  return cache;
+}
+
+$("#image-clear").addEventListener("click", () => {
+  byId("image").value = "";
+});
+
+function showUsage(usage) {
+  byId("transformer-forwards").textContent = usage ? usage.transformer_forwards : "";
+  byId("cached-forwards").textContent = usage ? usage.cached_forwards : "";
+  byId("cache-used").textContent = usage ? usage.cache_policy || "none" : "";
+}
+
+// An uploaded image: POST /v1/images/edits (multipart, as OpenAI's client sends it; the answer is whole).
+async function generateFromImage(form, body, files) {
+  const data = new FormData();
+  for (const [k, v] of Object.entries(body)) {
+    if (k === "stream" || k === "preview") continue;
+    data.append(k, typeof v === "object" ? JSON.stringify(v) : String(v));
+  }
+  numberField(form, "strength", body);
+  if (body.strength !== undefined) data.append("strength", String(body.strength));
+  const name = files.length > 1 ? "image[]" : "image";
+  for (const f of files) data.append(name, f, f.name);
+  const res = await fetch("/v1/images/edits", { method: "POST", headers: headers(false), body: data });
+  if (!res.ok) throw await apiError(res);
+  byId("replica").textContent = res.headers.get("x-ditserve-replica") || "";
+  return res.json();
+}
+
 $("#gen-form").addEventListener("submit", (e) => {
   e.preventDefault();
   const form = e.target;
   const progress = byId("progress");
   const status = byId("status");
   const steps = byId("previews");
+  const partials = byId("partials");
+  const live = byId("preview-image");
   const img = byId("result");
   busy(form, async () => {
+    const files = Array.from(byId("image").files);
     const body = { prompt: form.elements.prompt.value, stream: true };
+    if (form.elements.preview.checked) body.preview = true;
     textField(form, "negative_prompt", body);
     textField(form, "model", body);
     textField(form, "size", body);
@@ -196,12 +246,35 @@ $("#gen-form").addEventListener("submit", (e) => {
       scale: Number(byId(`lora-scale-${c.dataset.name}`).value),
     }));
     if (chosen.length) body.lora = chosen;
+    const cache = cacheSetting(form);
+    if (cache) body.cache = cache;
     progress.value = 0;
     progress.removeAttribute("data-done");
     steps.innerHTML = "";
+    partials.innerHTML = "";
+    live.hidden = true;
+    live.removeAttribute("src");
+    showUsage(null);
     status.textContent = "queued";
     byId("replica").textContent = "";
+    const finish = (b64, seed, size, usage) => {
+      live.hidden = true;
+      img.src = `data:image/png;base64,${b64}`;
+      img.hidden = false;
+      byId("result-seed").textContent = seed;
+      showUsage(usage);
+      progress.value = progress.max;
+      progress.dataset.done = "1";
+      status.textContent = `done (${size})`;
+      remember({ prompt: body.prompt, seed, src: img.src, replica: byId("replica").textContent });
+    };
     try {
+      if (files.length) {
+        status.textContent = `editing ${files.length} image${files.length > 1 ? "s" : ""}`;
+        const answer = await generateFromImage(form, body, files);
+        finish(answer.data[0].b64_json, answer.seed, answer.size, answer.usage);
+        return;
+      }
       const res = await api("POST", "/v1/images/generations", body);
       byId("replica").textContent = res.headers.get("x-ditserve-replica") || "";
       for await (const { event, data } of sseEvents(res)) {
@@ -215,18 +288,23 @@ $("#gen-form").addEventListener("submit", (e) => {
           tick.dataset.step = data.step;
           tick.textContent = "▮";
           steps.append(tick);
+        } else if (event === "image_generation.partial_image") {
+          const src = `data:image/png;base64,${data.partial_image_b64}`;
+          const thumb = Object.assign(document.createElement("img"), { src, alt: `step ${data.step}` });
+          thumb.dataset.step = data.step;
+          thumb.dataset.index = data.partial_image_index;
+          thumb.title = `step ${data.step} / ${data.total} (latents)`;
+          partials.append(thumb);
+          live.src = src;
+          live.dataset.step = data.step;
+          live.hidden = false;
         } else if (event === "image_generation.completed") {
-          img.src = `data:image/png;base64,${data.b64_json}`;
-          img.hidden = false;
-          byId("result-seed").textContent = data.seed;
-          progress.value = progress.max;
-          progress.dataset.done = "1";
-          status.textContent = `done (${data.size})`;
-          remember({ prompt: body.prompt, seed: data.seed, src: img.src, replica: byId("replica").textContent });
+          finish(data.b64_json, data.seed, data.size, data.usage);
         }
       }
     } catch (err) {
       status.textContent = "failed";
+      live.hidden = true;
       throw err;
     }
   });
@@ -348,6 +426,132 @@ $("#session-form").addEventListener("submit", (e) => {
     img.hidden = false;
     byId("session-step-no").textContent = answer.step;
   });
+});
+
+// -- realtime video (WebSocket, msgpack maps in binary frames) ------------------------------------------
+// The browser's WebSocket cannot send an Authorization header: a server that requires the key for
+// generation (--api-key-for-generation) refuses the socket, and the page shows why.
+const rt = { ws: null, header: null, frames: [], timer: null, eventId: 0, chunks: 0, shown: 0 };
+
+function rtSetState(state) {
+  byId("rt-state").textContent = state;
+  const open = rt.ws !== null;
+  byId("rt-start").disabled = open;
+  byId("rt-stop").disabled = !open;
+  byId("rt-send").disabled = !open;
+}
+
+function rtError(message) {
+  const slot = $('#rt-form .err[data-param=""]');
+  slot.textContent = message;
+  slot.setAttribute("data-testid", "error");
+}
+
+function rtSend(map) {
+  rt.ws.send(msgpack.encode(map));
+}
+
+// Frames are drawn at the session's fps, in order, as their batches arrive.
+function rtDraw() {
+  const next = rt.frames.shift();
+  if (!next) return;
+  const canvas = byId("rt-canvas");
+  if (canvas.width !== next.width || canvas.height !== next.height) {
+    canvas.width = next.width;
+    canvas.height = next.height;
+  }
+  canvas.getContext("2d").drawImage(next, 0, 0);
+  next.close();
+  rt.shown += 1;
+  byId("rt-frames-done").textContent = rt.shown;
+  canvas.dataset.frames = rt.shown;
+}
+
+async function rtFrameBatch(header, payload) {
+  byId("rt-replica").textContent = header.replica;
+  const lengths = header.payload_lengths || [];
+  let at = 0;
+  for (const n of lengths) {
+    const blob = new Blob([payload.subarray(at, at + n)], { type: header.content_type });
+    at += n;
+    rt.frames.push(await createImageBitmap(blob));
+  }
+}
+
+function rtMessage(data) {
+  const bytes = new Uint8Array(data);
+  if (rt.header) {  // the payload of a "frame_batch_header": raw bytes, not msgpack
+    const header = rt.header;
+    rt.header = null;
+    return rtFrameBatch(header, bytes);
+  }
+  const m = msgpack.decode(bytes);
+  if (m.type === "frame_batch") return rtFrameBatch(m, m.payload);
+  if (m.type === "frame_batch_header") rt.header = m;
+  else if (m.type === "chunk_stats") {
+    rt.chunks += 1;
+    byId("rt-chunks-done").textContent = rt.chunks;
+    byId("rt-replica").textContent = m.replica;
+    const echo = m.event_id === null || m.event_id === undefined ? "" : ` · event ${m.event_id}`;
+    byId("rt-stats").textContent =
+      `#${m.chunk_index}: ${m.num_frames} frames in ${m.chunk_total_ms} ms ` +
+      `(forward ${m.scheduler_forward_ms} ms, encode ${m.frame_encode_ms} ms, ${m.ws_payload_bytes} bytes)${echo}`;
+    rtSetState("streaming");
+  } else if (m.type === "error") rtError(m.content);
+}
+
+$("#rt-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  const form = e.target;
+  clearErrors(form);
+  const init = { type: "init", prompt: form.elements.prompt.value, realtime_output_format: "jpeg" };
+  const model = $('#gen-form [name="model"]').value;
+  if (model) init.model = model;
+  textField(form, "size", init);
+  for (const name of ["num_frames", "num_inference_steps", "seed", "fps", "max_chunks"]) numberField(form, name, init);
+  Object.assign(rt, { header: null, frames: [], eventId: 0, chunks: 0, shown: 0 });
+  byId("rt-chunks-done").textContent = "0";
+  byId("rt-frames-done").textContent = "0";
+  byId("rt-stats").textContent = "";
+  byId("rt-replica").textContent = "";
+  const scheme = location.protocol === "https:" ? "wss" : "ws";
+  const ws = new WebSocket(`${scheme}://${location.host}/v1/realtime_video/generate`);
+  ws.binaryType = "arraybuffer";
+  rt.ws = ws;
+  rtSetState("connecting");
+  let chain = Promise.resolve();  // frame batches decode in order
+  ws.onopen = () => {
+    rtSend(init);
+    rtSetState("waiting for the first chunk");
+    rt.timer = setInterval(rtDraw, 1000 / (init.fps || 16));
+  };
+  ws.onmessage = (ev) => {
+    chain = chain.then(() => rtMessage(ev.data)).catch((err) => rtError(String(err)));
+  };
+  ws.onclose = (ev) => {
+    rt.ws = null;
+    chain.then(() => {
+      const drain = setInterval(() => {  // show what arrived, then stop the clock
+        if (!rt.frames.length) {
+          clearInterval(drain);
+          clearInterval(rt.timer);
+        }
+      }, 50);
+    });
+    rtSetState(`closed (${ev.code}${ev.reason ? `: ${ev.reason}` : ""})`);
+  };
+});
+
+$("#rt-stop").addEventListener("click", () => {
+  if (rt.ws) rt.ws.close(1000, "stopped by the user");
+});
+
+$("#rt-send").addEventListener("click", () => {
+  const text = $('#rt-form [name="event_prompt"]').value.trim();
+  if (!rt.ws || !text) return;
+  rt.eventId += 1;
+  rtSend({ type: "event", kind: "prompt", payload: text, event_id: rt.eventId });
+  byId("rt-state").textContent = `prompt event ${rt.eventId} sent`;
 });
 
 // -- cluster (admin) ------------------------------------------------------------------------------------

@@ -119,6 +119,29 @@ def test_sse_over_httpx_is_event_stream_with_done(server):
     assert final["b64_json"] == plain["data"][0]["b64_json"]
 
 
+def test_sse_preview_sends_partial_images_between_steps(server):
+    """``"preview": true``: OpenAI's ``image_generation.partial_image`` after each step but the last (a PNG
+    of the latents at 1/8 size); the final image is the one without previews."""
+    body = {"prompt": "a red fox", "size": "64x64", "num_inference_steps": 3, "seed": 9, "stream": True}
+    url = f"{server.base_url}/v1/images/generations"
+    with httpx.stream("POST", url, json={**body, "preview": True}, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    events = [json.loads(line.split(": ", 1)[1]) for line in lines[:-1] if line.startswith("data:")]
+    assert [(e["type"].rsplit(".", 1)[1], e.get("step")) for e in events] == [
+        ("progress", 1), ("partial_image", 1), ("progress", 2), ("partial_image", 2), ("progress", 3),
+        ("completed", None),
+    ]  # fmt: skip
+    partials = [e for e in events if e["type"] == "image_generation.partial_image"]
+    assert [e["partial_image_index"] for e in partials] == [0, 1]
+    pictures = [png_pixels(base64.b64decode(e["partial_image_b64"])) for e in partials]
+    assert all(p.shape == (8, 8, 3) for p in pictures) and (pictures[0] != pictures[1]).any()
+    plain = httpx.post(url, json={**body, "stream": False}, timeout=120).json()
+    assert events[-1]["b64_json"] == plain["data"][0]["b64_json"]
+    refused = httpx.post(url, json={**body, "stream": False, "preview": True}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "preview"
+
+
 def test_grpc_generate_and_stream(stub):
     reply = stub.Generate(pb.GenerateRequest(prompt="a red fox", size="64x64", num_inference_steps=2, seed=4))
     assert reply.seed == 4 and reply.size == "64x64" and reply.replica

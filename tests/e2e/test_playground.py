@@ -205,3 +205,137 @@ def test_video_job_plays_inline(browser, video_server, shots):
     )
     assert browser.execute_script("return arguments[0].videoWidth", video) == 64
     shots(browser, "video-playing")
+
+
+# -- previews, edits, step cache, realtime (one page load each, on the shared demo-scenes server) --------
+ORDER_OBSERVER = """
+window.__seen = [];
+const partials = document.querySelector('[data-testid="partials"]');
+const result = document.querySelector('[data-testid="result"]');
+new MutationObserver((records) => {
+  for (const r of records) for (const n of r.addedNodes) window.__seen.push('partial:' + n.dataset.step);
+}).observe(partials, {childList: true});
+new MutationObserver(() => window.__seen.push('result')).observe(result, {attributeFilter: ['src']});
+"""
+
+
+def png_of(src: str) -> Image.Image:
+    assert src.startswith("data:image/png;base64,")
+    return Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1])))
+
+
+def test_step_previews_appear_before_the_image(browser, server, shots):
+    browser.get(server.base_url + "/")
+    wait(browser, lambda: hook(browser, "model").get_attribute("value") == "demo-scenes")
+    assert hook(browser, "preview").is_selected(), "previews are on by default"
+    fill(hook(browser, "prompt"), "a red circle on a blue background")
+    fill(hook(browser, "size"), "64x64")
+    fill(hook(browser, "steps"), "4")
+    fill(hook(browser, "seed"), "3")
+    browser.execute_script(ORDER_OBSERVER)
+    hook(browser, "generate").click()
+    wait(browser, lambda: hook(browser, "preview-image").is_displayed())
+    shots(browser, "generate-previewing")
+    result = hook(browser, "result")
+    wait(browser, lambda: hook(browser, "progress").get_attribute("data-done") == "1")
+    shots(browser, "generate-previews-done")
+
+    # one latent preview per step but the last, each shown before the final image replaced them
+    assert browser.execute_script("return window.__seen") == ["partial:1", "partial:2", "partial:3", "result"]
+    thumbs = browser.find_elements(By.CSS_SELECTOR, '[data-testid="partials"] img')
+    assert [t.get_attribute("data-index") for t in thumbs] == ["0", "1", "2"]
+    assert all(png_of(t.get_attribute("src")).size == (8, 8) for t in thumbs)  # the latents: 1/8 size
+    assert len({t.get_attribute("src") for t in thumbs}) == 3, "each step's latents differ"
+    assert png_of(result.get_attribute("src")).size == (64, 64)
+    assert not hook(browser, "preview-image").is_displayed()
+    assert not browser.find_elements(By.CSS_SELECTOR, '[data-testid="error"]')
+
+
+def test_uploaded_image_goes_through_edits(browser, server, shots, tmp_path):
+    """The page's image-to-image result is the one POST /v1/images/edits gives for the same fields."""
+    import httpx
+
+    from ditserve.replica.models.scenes import Scene, draw_scene
+
+    source = tmp_path / "source.png"
+    draw_scene(Scene("circle", "red", "blue"), __import__("random").Random(0)).save(source)
+    browser.get(server.base_url + "/")
+    wait(browser, lambda: hook(browser, "model").get_attribute("value") == "demo-scenes")
+    fill(hook(browser, "prompt"), "a red square on a blue background")
+    fill(hook(browser, "steps"), "4")
+    fill(hook(browser, "seed"), "11")
+    fill(hook(browser, "strength"), "0.75")
+    hook(browser, "image").send_keys(str(source))
+    hook(browser, "generate").click()
+    result = hook(browser, "result")
+    wait(browser, lambda: hook(browser, "progress").get_attribute("data-done") == "1")
+    shots(browser, "edit-done")
+    assert not browser.find_elements(By.CSS_SELECTOR, '[data-testid="error"]')
+    assert hook(browser, "status").text == "done (64x64)"  # the upload's size (no size given)
+    assert hook(browser, "result-seed").text == "11" and hook(browser, "replica").text.strip()
+    assert not browser.find_elements(By.CSS_SELECTOR, '[data-testid="partials"] img')
+
+    fields = {"prompt": "a red square on a blue background", "model": "demo-scenes"}
+    fields |= {"num_inference_steps": "4", "seed": "11", "strength": "0.75"}
+    answer = httpx.post(
+        server.base_url + "/v1/images/edits",
+        data=fields,
+        files={"image": ("source.png", source.read_bytes(), "image/png")},
+        timeout=120,
+    )
+    assert answer.status_code == 200, answer.text
+    page = base64.b64decode(result.get_attribute("src").split(",", 1)[1])
+    assert page == base64.b64decode(answer.json()["data"][0]["b64_json"])
+    # removing the upload goes back to text-to-image
+    hook(browser, "image-clear").click()
+    assert hook(browser, "image").get_attribute("value") == ""
+
+
+def test_taylorseer_shows_cached_forwards(browser, server, shots):
+    from selenium.webdriver.support.ui import Select
+
+    browser.get(server.base_url + "/")
+    wait(browser, lambda: hook(browser, "model").get_attribute("value") == "demo-scenes")
+    policy = Select(hook(browser, "cache-policy"))
+    policy.select_by_value("fbcache")
+    assert (
+        hook(browser, "cache-threshold").is_displayed() and not hook(browser, "cache-interval").is_displayed()
+    )
+    fill(hook(browser, "prompt"), "a green square on a white background")
+    fill(hook(browser, "size"), "64x64")
+    fill(hook(browser, "steps"), "8")
+    usage = {}
+    for name in ("none", "taylorseer"):
+        policy.select_by_value(name)
+        if name == "taylorseer":
+            assert hook(browser, "cache-interval").is_displayed()
+            assert not hook(browser, "cache-threshold").is_displayed()
+            fill(hook(browser, "cache-interval"), "3")
+        hook(browser, "generate").click()
+        wait(browser, lambda: hook(browser, "progress").get_attribute("data-done") == "1")
+        assert hook(browser, "cache-used").text == name
+        usage[name] = (
+            int(hook(browser, "transformer-forwards").text),
+            int(hook(browser, "cached-forwards").text),
+        )
+    shots(browser, "generate-taylorseer")
+    assert not browser.find_elements(By.CSS_SELECTOR, '[data-testid="error"]')
+    forwards = usage["none"][0]
+    assert forwards % 8 == 0 and usage["none"] == (forwards, 0)  # one (or one per CFG branch) a step
+    assert usage["taylorseer"][0] == forwards and 0 < usage["taylorseer"][1] < forwards
+
+
+def test_realtime_tab_shows_the_servers_refusal_of_an_image_model(browser, server, shots):
+    """The tab's msgpack init reaches the server, whose msgpack error is decoded and shown."""
+    browser.get(server.base_url + "/")
+    wait(browser, lambda: hook(browser, "model").get_attribute("value") == "demo-scenes")
+    hook(browser, "tab-realtime").click()
+    fill(hook(browser, "rt-prompt"), "a red fox running")
+    fill(hook(browser, "rt-size"), "64x64")
+    hook(browser, "rt-start").click()
+    error = wait(browser, lambda: hook(browser, "error"), timeout=30)
+    shots(browser, "realtime-refused")
+    assert "realtime" in error.text and "demo-scenes" in error.text
+    hook(browser, "rt-stop").click()
+    wait(browser, lambda: hook(browser, "rt-state").text.startswith("closed"))
+    assert hook(browser, "rt-start").is_enabled()
