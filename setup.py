@@ -18,8 +18,10 @@ setup(
     package_dir={f"ditserve.{root}": root for root in ROOTS},
     package_data={
         "": ["*.json", "*.txt", "*.md", "*.safetensors", "*.proto", "*.yaml"],
-        # the trained demo model's folders are data, not packages
-        "ditserve.replica.models": ["demo_scenes/*", "demo_scenes/*/*"],
+        # the trained demo models' folders are data, not packages
+        "ditserve.replica.models": [
+            f"{d}/{glob}" for d in ("demo_scenes", "demo_scenes_video") for glob in ("*", "*/*")
+        ],
         # the web playground served at GET / (plain files, no build step)
         "ditserve.cluster": ["static/*"],
     },

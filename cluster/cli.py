@@ -23,8 +23,13 @@ from .usage import validation_message as _validation_message
 
 # -- generate -------------------------------------------------------------------------------------------
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="Generate one image or video locally (no Ray).")
-    p.add_argument("prompt", help="What to draw.")
+    p = sub.add_parser("generate", help="Generate images or videos locally (no Ray).")
+    p.add_argument(
+        "prompt",
+        nargs="+",
+        help="What to draw; several prompts run as one batch, prompt k with seed --seed + k "
+        "(files get a suffix).",
+    )
     p.add_argument("-o", "--output", default="out.png", help="Output file: .png (image) or .mp4 (video).")
     p.add_argument(
         "--width", type=int, default=None, help="Width in pixels (default 64 on demo models, else 1024)."
@@ -75,11 +80,14 @@ def _read_images(paths: list[str], engine) -> tuple[bytes, ...]:
     return tuple(images)
 
 
-def _output_paths(output: str, n: int) -> list[Path]:
+def _output_paths(output: str, n: int, prompts: int = 1) -> list[Path]:
+    """Files for ``n`` outputs of each of ``prompts`` prompts: OUT, OUT-<i>, OUT-<k> or OUT-<k>-<i>."""
     path = Path(output)
-    if n == 1:
-        return [path]
-    return [path.with_name(f"{path.stem}-{i}{path.suffix}") for i in range(n)]
+    if prompts == 1:
+        names = [""] if n == 1 else [f"-{i}" for i in range(n)]
+    else:
+        names = [f"-{k}" if n == 1 else f"-{k}-{i}" for k in range(prompts) for i in range(n)]
+    return [path.with_name(f"{path.stem}{name}{path.suffix}") for name in names]
 
 
 def run_generate(ns: argparse.Namespace) -> int:
@@ -127,7 +135,7 @@ def run_generate(ns: argparse.Namespace) -> int:
         extra["strength"] = 0.6  # FluxImg2ImgPipeline's default
     try:
         params = GenerationParams(
-            prompt=ns.prompt,
+            prompt=ns.prompt[0],
             negative_prompt=negative,
             width=width,
             height=height,
@@ -141,7 +149,9 @@ def run_generate(ns: argparse.Namespace) -> int:
             images=images,
             **extra,
         )
-        engine.check(params)
+        jobs = [params.model_copy(update={"prompt": p, "seed": ns.seed + k}) for k, p in enumerate(ns.prompt)]
+        for job in jobs:
+            engine.check(job)
     except ValidationError as exc:
         return _fail(_validation_message(exc))
     except ValueError as exc:
@@ -159,15 +169,25 @@ def run_generate(ns: argparse.Namespace) -> int:
             engine.load_lora(name, path)
         if adapters:
             refs = tuple(LoRARef(name=name, scale=scale) for name, _, scale in adapters)
-            params = params.model_copy(update={"lora": refs})
-        with tqdm(total=params.num_inference_steps, desc="denoising", unit="step") as bar:
-            future = engine.submit(params, on_progress=lambda done, total: bar.update(done - bar.n))
-            result = future.result()
+            jobs = [job.model_copy(update={"lora": refs}) for job in jobs]
+        steps = [0] * len(jobs)
+        with tqdm(total=params.num_inference_steps * len(jobs), desc="denoising", unit="step") as bar:
+
+            def progress(k: int, done: int) -> None:
+                steps[k] = done
+                bar.update(sum(steps) - bar.n)
+
+            futures = [
+                engine.submit(job, on_progress=lambda done, total, k=k: progress(k, done))
+                for k, job in enumerate(jobs)
+            ]
+            results = [future.result() for future in futures]
     except ValueError as exc:
         return _fail(str(exc))
     finally:
         engine.shutdown()
-    for path, data in zip(_output_paths(ns.output, params.n), result.outputs, strict=True):
+    outputs = [(data, result) for result in results for data in result.outputs]
+    for path, (data, result) in zip(_output_paths(ns.output, params.n, len(jobs)), outputs, strict=True):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
         print(f"wrote {path} ({result.width}x{result.height}, seed {result.seed})")
@@ -324,6 +344,24 @@ def run_train_demo(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _add_train_demo_video(sub) -> None:
+    p = sub.add_parser(
+        "train-demo-video", help="Train the demo-scenes-video model (a tiny Wan; minutes on one GPU)."
+    )
+    try:
+        from ditserve.replica.models.train_demo_video import add_arguments
+    except ImportError:
+        return
+    add_arguments(p)
+
+
+def run_train_demo_video(ns: argparse.Namespace) -> int:
+    from ditserve.replica.models.train_demo_video import run
+
+    print(f"wrote {run(ns)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ditserve", description="Serve diffusion transformers on Ray.")
     parser.add_argument("-v", "--verbose", action="store_true", help="Debug logging.")
@@ -331,11 +369,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_serve(sub)
     _add_train_demo(sub)
+    _add_train_demo_video(sub)
     _add_deploy(sub)
     return parser
 
 
-COMMANDS = {"generate": run_generate, "serve": run_serve, "train-demo": run_train_demo, "deploy": run_deploy}
+COMMANDS = {
+    "generate": run_generate,
+    "serve": run_serve,
+    "train-demo": run_train_demo,
+    "train-demo-video": run_train_demo_video,
+    "deploy": run_deploy,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

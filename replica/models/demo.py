@@ -1,4 +1,5 @@
-"""Demo models: tiny Flux and Wan pipelines with random weights, built offline.
+"""Demo models: tiny Flux and Wan pipelines with random weights, built offline (the trained demo models,
+``demo-scenes`` and ``demo-scenes-video``, ship as folders instead: ``scenes.py``).
 
 They are the embedded default (no download, no GPU). Each is built once from a fixed seed, written in
 diffusers format to ``$DITSERVE_HOME/models/<name>`` and then loaded through ``from_pretrained`` — the same
@@ -109,7 +110,9 @@ def build_demo_flux():
 
 
 def build_demo_wan():
-    """A WanPipeline: 2 blocks, 8 heads × 12, tiny Wan VAE (4× temporal, 8× spatial), tiny UMT5."""
+    """A WanPipeline with random weights (its videos are noise): 2 blocks, 8 heads × 12, tiny Wan VAE
+    (4× temporal, 8× spatial), tiny UMT5. It exercises the Wan code paths (parity tests, layouts); the video
+    model that films what it is asked is the trained ``demo-scenes-video`` (``train_demo_video.py``)."""
     from diffusers import (
         AutoencoderKLWan,
         FlowMatchEulerDiscreteScheduler,

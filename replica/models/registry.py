@@ -22,16 +22,22 @@ def supported_pipelines() -> dict[str, tuple[str, Literal["image", "video"]]]:
 
 
 DEFAULT_MODEL = "demo-scenes"
+# The video model to name where one is suggested: trained (films what it is asked), unlike demo-wan (random
+# weights, noise; kept for parity tests of the Wan code paths).
+DEFAULT_VIDEO_MODEL = "demo-scenes-video"
 
 
 def _embedded_paths() -> dict[str, Path]:
     paths: dict[str, Path] = {}
     try:
-        from .scenes import scenes_model_path
+        from .scenes import scenes_model_path, scenes_video_model_path
 
-        path = scenes_model_path()
-        if (path / "model_index.json").is_file():
-            paths["demo-scenes"] = path
+        for name, path in (
+            ("demo-scenes", scenes_model_path()),
+            (DEFAULT_VIDEO_MODEL, scenes_video_model_path()),
+        ):
+            if (path / "model_index.json").is_file():
+                paths[name] = path
     except ImportError:
         pass
     return paths

@@ -8,6 +8,7 @@ import pytest
 from PIL import Image
 
 from ditserve.replica.media import decode_mp4
+from tests.helpers import psnr
 
 
 def generate(*args: str) -> subprocess.CompletedProcess:
@@ -67,6 +68,19 @@ def test_video_mp4_frames_and_size(tmp_path):
 
     with av.open(str(out)) as container:
         assert container.streams.video[0].codec_context.name == "h264"
+
+
+def test_several_prompts_one_batch_one_file_each(tmp_path):
+    """Prompt k gets seed --seed + k and file OUT-<k>; each equals that prompt generated alone."""
+    common = ["--model", "demo-flux", "--num-inference-steps", "2"]
+    done = generate("a red fox", "a blue square", *common, "--seed", "7", "-o", str(tmp_path / "b.png"))
+    assert done.returncode == 0, done.stderr
+    assert "b-0.png (64x64, seed 7)" in done.stdout and "b-1.png (64x64, seed 8)" in done.stdout
+    alone = generate("a blue square", *common, "--seed", "8", "-o", str(tmp_path / "alone.png"))
+    assert alone.returncode == 0, alone.stderr
+    second = np.array(Image.open(tmp_path / "b-1.png"))
+    assert psnr(second, np.array(Image.open(tmp_path / "alone.png"))) >= 40  # batched as alone
+    assert psnr(second, np.array(Image.open(tmp_path / "b-0.png"))) < 30
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,530 @@
+"""Train ``demo-scenes-video``: a tiny Wan-architecture pipeline that films the moving scene its caption names.
+
+"a red circle moving left on a blue background": one circle, square or triangle in one of 12 colours crossing
+a background of another colour in one of four directions (``scenes.draw_clip``). Steps, all seeded:
+
+1. draw pools of training clips with Pillow (random size, position and travel; held-out captions never
+   drawn) at 5, 9 and 17 frames;
+2. train a 2.4 M-parameter AutoencoderKLWan (8× spatial, no temporal compression, 4 latent channels) on
+   9-frame clips, then measure each latent channel's mean and std and write them into its config
+   (``latents_mean`` / ``latents_std``, as real Wan VAEs carry them);
+3. encode every caption once with the frozen random-weight tiny UMT5 (random features still tell the 1584
+   captions apart), at lengths 32 (the tokenizer's ``model_max_length``, what ``ditserve`` uses) and 512
+   (WanPipeline's default), plus the empty prompt;
+4. train a WanTransformer3DModel with flow matching exactly as WanPipeline samples with its
+   FlowMatchEulerDiscreteScheduler: timestep = 1000·sigma, x_t = (1 - sigma)·x0 + sigma·noise, target
+   noise - x0, sigma logit-normal then shifted as the scheduler shifts, 10 % empty captions so
+   classifier-free guidance (``guidance_scale`` > 1, the negative prompt "") works;
+5. save in diffusers format (fp16 weights), reload in fp32, score held-out prompts; write a model card.
+
+Run: ``ditserve train-demo-video --out DIR`` (about 8 minutes on one H200, estimated: the VAE took ~0.1 s and
+the transformer ~40 ms a step there; runs cut to 330 VAE and 2500 transformer steps drew blurry clips that
+were mostly wrong).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .demo import _tiny_t5
+from .scenes import (
+    IMAGE_SIZE,
+    MovingScene,
+    all_moving_scenes,
+    draw_clip,
+    held_out_moving_scenes,
+    train_moving_scenes,
+)
+from .scorer import clip_shape, score_clip
+from .tokenizers import build_t5_tokenizer
+from .train_demo import _cosine_lr, _Log, _machine, _round_to_fp16, _to_unit, fit_steps
+
+T5_MAX_LENGTH = 32
+LONG_T5_LENGTH = 512  # WanPipeline's default max_sequence_length
+SHIFT = 2.0  # the scheduler's flow shift (64×64 clips have few tokens: a small shift)
+LATENT_CHANNELS = 4
+# Frame counts trained on, with their share of transformer steps and pool sizes (clips).
+FRAME_COUNTS = {5: (0.4, 4096), 9: (0.45, 6144), 17: (0.15, 2048)}
+# What ditserve and the tests sample with (ditserve's Wan default guidance is 5).
+SAMPLING = {"num_frames": 9, "num_inference_steps": 20, "guidance_scale": 5.0, "max_sequence_length": 32}
+
+
+def build_video_pipeline_untrained(seed: int = 0):
+    """The ``demo-scenes-video`` WanPipeline with random weights: 6 blocks of 8 heads × 16, an
+    AutoencoderKLWan (16/32/64/64, 4 latent channels, 8× spatial, 1× temporal), the tiny UMT5.
+
+    Every weight is rounded to fp16 precision, so the fp16 files that ship hold exactly the frozen text
+    encoder the transformer was trained against.
+    """
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+
+    torch.manual_seed(seed)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=8,
+        attention_head_dim=16,
+        in_channels=LATENT_CHANNELS,
+        out_channels=LATENT_CHANNELS,
+        text_dim=32,
+        freq_dim=64,
+        ffn_dim=384,
+        num_layers=6,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=1024,
+    )
+    vae = AutoencoderKLWan(
+        base_dim=16,
+        z_dim=LATENT_CHANNELS,
+        dim_mult=[1, 2, 4, 4],
+        num_res_blocks=1,
+        temperal_downsample=[False, False, False],
+        latents_mean=[0.0] * LATENT_CHANNELS,  # measured after VAE training
+        latents_std=[1.0] * LATENT_CHANNELS,
+        scale_factor_temporal=1,
+        scale_factor_spatial=8,
+    )
+    tokenizer = build_t5_tokenizer(model_max_length=T5_MAX_LENGTH)
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=_tiny_t5(tokenizer, "UMT5EncoderModel"),
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=SHIFT),
+        transformer=transformer,
+    )
+    for module in (pipe.transformer, pipe.vae, pipe.text_encoder):
+        _round_to_fp16(module)
+    return pipe
+
+
+def draw_clip_pool(num_clips: int, num_frames: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(clips uint8 (N, 3, F, H, W), index into ``all_moving_scenes()`` (N,)), training scenes cycled evenly
+    (every colour, background, shape and direction equally often) in a seeded shuffled order."""
+    index = {s: i for i, s in enumerate(all_moving_scenes())}
+    train = train_moving_scenes()
+    rng = random.Random(seed)
+    order = list(range(len(train)))
+    scenes = []
+    while len(scenes) < num_clips:
+        rng.shuffle(order)
+        scenes += [train[i] for i in order]
+    scenes = scenes[:num_clips]
+    clips = np.stack([draw_clip(s, rng, num_frames) for s in scenes])  # (N, F, H, W, 3)
+    return (
+        torch.from_numpy(clips).permute(0, 4, 1, 2, 3).contiguous(),
+        torch.tensor([index[s] for s in scenes]),
+    )
+
+
+def _posterior(vae, x: torch.Tensor):
+    """The VAE's latent distribution of whole clips in one pass. AutoencoderKLWan.encode runs the encoder
+    chunk by chunk (1 frame, then 4) with a cache of the causal convolutions' last frames; without temporal
+    downsampling one pass over all frames computes the same (causal padding = the empty cache) and is
+    far faster to train through."""
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    return DiagonalGaussianDistribution(vae.quant_conv(vae.encoder(x)))
+
+
+def _decode(vae, z: torch.Tensor) -> torch.Tensor:
+    """AutoencoderKLWan.decode in one pass (the same as its frame-by-frame decode here), unclamped."""
+    return vae.decoder(vae.post_quant_conv(z))
+
+
+def train_vae(vae, clips: torch.Tensor, args, log: _Log) -> None:
+    """MSE plus a tiny KL term on whole clips (the causal convolutions see real previous frames), AdamW
+    with a cosine schedule."""
+    gen = torch.Generator(device=clips.device).manual_seed(args.seed + 1)
+    opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
+    vae.train()
+    total, start = args.vae_steps, time.perf_counter()
+    step = 0
+    while step < total:
+        for group in opt.param_groups:
+            group["lr"] = args.vae_lr * _cosine_lr(step, total, warmup=50)
+        idx = torch.randint(len(clips), (args.vae_batch_size,), device=clips.device, generator=gen)
+        x = _to_unit(clips[idx])
+        posterior = _posterior(vae, x)
+        z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, device=x.device, generator=gen)
+        recon = _decode(vae, z)
+        mse = F.mse_loss(recon, x)
+        loss = mse + 1e-6 * posterior.kl().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        if step % 250 == 0 or step == total - 1:
+            log(f"vae step {step}/{total} mse {mse.item():.5f}")
+        step += 1
+        total = fit_steps(total, step, time.perf_counter() - start, args.vae_time_budget_s, log, "vae")
+    args.vae_steps = total
+    vae.eval()
+    _round_to_fp16(vae)
+
+
+@torch.no_grad()
+def encode_clips(vae, clips: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Posterior mean and std of every clip, (N, C, F, h, w) each."""
+    means, stds = [], []
+    for i in range(0, len(clips), chunk):
+        posterior = _posterior(vae, _to_unit(clips[i : i + chunk]))
+        means.append(posterior.mean)
+        stds.append(posterior.std)
+    return torch.cat(means), torch.cat(stds)
+
+
+@torch.no_grad()
+def encode_captions(pipe, captions: list[str], max_sequence_length: int, device) -> torch.Tensor:
+    """UMT5 embeddings (N, L, 32) as WanPipeline makes them (zeros past each caption's tokens); the
+    captions need no cleaning, so the pipeline's ftfy-based prompt cleaning is skipped."""
+    out = []
+    for i in range(0, len(captions), 512):
+        tokens = pipe.tokenizer(
+            captions[i : i + 512],
+            padding="max_length",
+            max_length=max_sequence_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        ids, mask = tokens.input_ids.to(device), tokens.attention_mask.to(device)
+        hidden = pipe.text_encoder(ids, mask).last_hidden_state.float()
+        out.append(hidden * mask[..., None])
+    return torch.cat(out)
+
+
+def sample_sigmas(batch: int, device, gen: torch.Generator, shift: float = SHIFT) -> torch.Tensor:
+    """Logit-normal sigmas, shifted as FlowMatchEulerDiscreteScheduler(shift) shifts its schedule."""
+    u = torch.sigmoid(torch.randn(batch, device=device, generator=gen))
+    return shift * u / (1.0 + (shift - 1.0) * u)
+
+
+def train_transformer(pipe, pools: dict, args, log: _Log) -> list[float]:
+    """Flow matching on normalised latents, a frame count drawn per step; returns the loss every 100 steps."""
+    device = next(iter(pools.values()))[0].device
+    transformer = pipe.transformer
+    vae_cfg = pipe.vae.config
+    num_scenes = len(all_moving_scenes())
+    captions = [s.caption for s in all_moving_scenes()] + [""]  # index num_scenes = the empty prompt
+    lengths = (T5_MAX_LENGTH, LONG_T5_LENGTH) if args.long_text_fraction > 0 else (T5_MAX_LENGTH,)
+    texts = {length: encode_captions(pipe, captions, length, device) for length in lengths}
+    shape = (1, LATENT_CHANNELS, 1, 1, 1)
+    mean = torch.tensor(vae_cfg.latents_mean, device=device).view(shape)
+    std = torch.tensor(vae_cfg.latents_std, device=device).view(shape)
+    log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f} M params")
+
+    gen = torch.Generator(device=device).manual_seed(args.seed + 2)
+    step_rng = random.Random(args.seed + 3)
+    frame_counts = sorted(pools)
+    weights = [FRAME_COUNTS.get(f, (1.0, 0))[0] for f in frame_counts]
+    opt = torch.optim.AdamW(transformer.parameters(), lr=args.lr, weight_decay=0.01)
+    transformer.train()
+    losses, running, since = [], 0.0, 0
+    total, start, step = args.steps, time.perf_counter(), 0
+    while step < total:
+        for group in opt.param_groups:
+            group["lr"] = args.lr * _cosine_lr(step, total, warmup=min(200, total // 10 + 1))
+        frames = step_rng.choices(frame_counts, weights)[0]
+        means, stds, scene_idx = pools[frames]
+        b = args.batch_size
+        idx = torch.randint(len(means), (b,), device=device, generator=gen)
+        z = means[idx] + stds[idx] * torch.randn(means[idx].shape, device=device, generator=gen)
+        x0 = (z - mean) / std
+        cond = scene_idx[idx]
+        drop = torch.rand(b, device=device, generator=gen) < args.caption_dropout
+        cond = torch.where(drop, torch.full_like(cond, num_scenes), cond)
+        length = LONG_T5_LENGTH if step_rng.random() < args.long_text_fraction else T5_MAX_LENGTH
+        sigma = sample_sigmas(b, device, gen)
+        noise = torch.randn(x0.shape, device=device, generator=gen)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        x_t = (1.0 - s) * x0 + s * noise
+        pred = transformer(
+            hidden_states=x_t,
+            timestep=sigma * 1000.0,  # WanPipeline passes the scheduler's timesteps, 1000·sigma
+            encoder_hidden_states=texts[length][cond],
+            return_dict=False,
+        )[0]
+        loss = F.mse_loss(pred, noise - x0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        opt.step()
+        running += loss.detach()  # no .item() per step: it would sync the GPU every step
+        since += 1
+        if step % 100 == 99 or step == total - 1:
+            losses.append(round((running / since).item(), 4))
+            running, since = 0.0, 0
+        if step % 500 == 0 or step == total - 1:
+            log(
+                f"transformer step {step}/{total} loss {loss.item():.4f} ({frames} frames, T5 length {length})"
+            )
+        step += 1
+        total = fit_steps(total, step, time.perf_counter() - start, args.time_budget_s, log, "transformer")
+    args.steps = total
+    transformer.eval()
+    _round_to_fp16(transformer)
+    return losses
+
+
+@torch.no_grad()
+def generate_clips(
+    pipe,
+    scenes: list[MovingScene],
+    *,
+    seed: int = 0,
+    num_frames: int = SAMPLING["num_frames"],
+    num_inference_steps: int = SAMPLING["num_inference_steps"],
+    guidance_scale: float = SAMPLING["guidance_scale"],
+    max_sequence_length: int = SAMPLING["max_sequence_length"],
+    batch_size: int = 32,
+) -> list[np.ndarray]:
+    """One uint8 clip (F, H, W, 3) per scene (seed + i for the i-th, CPU generators as ditserve seeds)."""
+    device = pipe.transformer.device
+    negative = encode_captions(pipe, [""], max_sequence_length, device)
+    clips = []
+    for start in range(0, len(scenes), batch_size):
+        chunk = scenes[start : start + batch_size]
+        embeds = encode_captions(pipe, [s.caption for s in chunk], max_sequence_length, device)
+        video = pipe(
+            prompt_embeds=embeds,
+            negative_prompt_embeds=negative.expand(len(chunk), -1, -1),
+            height=IMAGE_SIZE,
+            width=IMAGE_SIZE,
+            # WanPipeline makes num_frames "factor·k + 1" by adding one frame whenever num_frames % factor != 1,
+            # which with this VAE's factor 1 is always; ditserve's runner makes exactly num_frames.
+            num_frames=num_frames - 1,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            generator=[torch.Generator().manual_seed(seed + start + i) for i in range(len(chunk))],
+            output_type="np",
+        ).frames
+        clips += [(np.asarray(v) * 255).round().clip(0, 255).astype(np.uint8) for v in video]
+    return clips
+
+
+def evaluate(pipe, scenes: list[MovingScene], *, seeds: int, **sampling) -> dict:
+    """Fractions of clips whose background, shape colour, direction (all three) and shape are right."""
+    counts = {"all_three": 0, "background": 0, "shape_colour": 0, "direction": 0, "shape": 0}
+    total = 0
+    for k in range(seeds):
+        for scene, clip in zip(scenes, generate_clips(pipe, scenes, seed=1000 * k, **sampling), strict=True):
+            background, colour, direction = score_clip(clip)
+            counts["background"] += background == scene.background
+            counts["shape_colour"] += colour == scene.colour
+            counts["direction"] += direction == scene.direction
+            counts["all_three"] += (background, colour, direction) == (
+                scene.background,
+                scene.colour,
+                scene.direction,
+            )
+            counts["shape"] += clip_shape(clip) == scene.shape
+            total += 1
+    return {"clips": total, **{k: f"{v}/{total}" for k, v in counts.items()}}
+
+
+EVAL_SETTINGS: tuple[tuple[str, dict], ...] = (
+    ("9 frames, 20 steps, CFG 5", {}),
+    ("5 frames, 8 steps, CFG 5", {"num_frames": 5, "num_inference_steps": 8}),
+    ("17 frames, 20 steps, CFG 5", {"num_frames": 17}),
+    ("9 frames, 20 steps, no CFG", {"guidance_scale": 1.0}),
+    ("9 frames, 20 steps, CFG 5, T5 length 512", {"max_sequence_length": 512}),
+)
+
+
+def evaluate_settings(pipe, args: argparse.Namespace, log: _Log) -> dict[str, dict]:
+    scenes = held_out_moving_scenes()[: args.eval_scenes]
+    settings = EVAL_SETTINGS if args.device == "cuda" else EVAL_SETTINGS[:2]
+    results = {}
+    for name, overrides in settings:
+        results[f"held-out, {name}"] = evaluate(pipe, scenes, seeds=args.eval_seeds, **overrides)
+        log(f"held-out, {name}: {json.dumps(results[f'held-out, {name}'])}")
+    train = train_moving_scenes()
+    sample = train[:: max(1, len(train) // len(scenes))][: len(scenes)]
+    name = f"training captions, {EVAL_SETTINGS[0][0]}"
+    results[name] = evaluate(pipe, sample, seeds=1)
+    log(f"{name}: {json.dumps(results[name])}")
+    return results
+
+
+_OPTIONS = (
+    "out steps vae_steps batch_size vae_batch_size lr vae_lr caption_dropout long_text_fraction device seed "
+    "eval_scenes eval_seeds"
+).split()
+
+
+def _command(args: argparse.Namespace) -> str:
+    parts = ["ditserve", "train-demo-video"]
+    for key, value in vars(args).items():
+        if key in _OPTIONS:
+            parts += [f"--{key.replace('_', '-')}", str(value)]
+    return shlex.join(parts)
+
+
+def _model_card(args, command: str, seconds: float, machine: str, results: dict, losses: list[float]) -> str:
+    import diffusers
+
+    held = ", ".join(f'"{s.caption}"' for s in held_out_moving_scenes())
+    rows = "\n".join(
+        f"| {name} | {r['clips']} | {r['all_three']} | {r['background']} | {r['shape_colour']} | "
+        f"{r['direction']} | {r['shape']} |"
+        for name, r in results.items()
+    )
+    pools = ", ".join(f"{n} clips of {f} frames" for f, (_, n) in FRAME_COUNTS.items())
+    return f"""# demo-scenes-video
+
+A tiny Wan-architecture text-to-video pipeline (WanPipeline: WanTransformer3DModel with 6 blocks of
+8 heads × 16; AutoencoderKLWan with 4 latent channels, 8× spatial and no temporal compression; the
+random-weight frozen tiny UMT5) trained on synthetic 64×64 clips: one circle, square or triangle in one of
+12 colours crossing a background of another colour, left, right, up or down
+("a red circle moving left on a blue background"). It exists so that ditserve's default video model films
+what it is asked. Weights are stored in fp16; load in fp32:
+`WanPipeline.from_pretrained(path, torch_dtype=torch.float32)`.
+
+## Sampling that works
+64×64, any number of frames (trained on 5, 9 and 17; the shape crosses the picture over the clip),
+`num_inference_steps={SAMPLING["num_inference_steps"]}` (8 is enough), `guidance_scale={SAMPLING["guidance_scale"]}`
+(ditserve's default for Wan) with the negative prompt "", `max_sequence_length={SAMPLING["max_sequence_length"]}`
+(what ditserve uses; WanPipeline's default 512 was trained on {args.long_text_fraction:.0%} of steps).
+
+## Training
+- command: `{command}`
+- machine: {machine}; diffusers {diffusers.__version__}
+- wall time: {seconds:.0f} s (drawing, VAE, transformer, evaluation)
+- VAE {args.vae_steps} steps × {args.vae_batch_size} clips of 9 frames; transformer {args.steps} steps ×
+  {args.batch_size}, AdamW {args.lr} cosine, {args.caption_dropout:.0%} empty captions, T5 length 512 on
+  {args.long_text_fraction:.0%} of steps; pools of {pools}; flow shift {SHIFT}; seed {args.seed}
+- loss every 100 steps: {losses}
+
+## Held-out accuracy
+Scored by `ditserve.replica.models.scorer.score_clip` (background and shape colour from the first and last
+frames, direction from how the shape's centre moved between them; shape from the first frame),
+{args.eval_seeds} seed(s) per prompt, on held-out captions never drawn in training (last row: training
+captions, one seed). fp16 weights loaded in fp32, CPU generators seeded 0, 1, … (and 1000, 1001, …).
+
+| setting | clips | all three | background | shape colour | direction | shape |
+|---|---|---|---|---|---|---|
+{rows or "| not evaluated (--eval-scenes 0) | | | | | | |"}
+
+Held-out captions: {held}.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    parser.add_argument("--out", type=Path, required=True, help="folder to write the diffusers pipeline to")
+    parser.add_argument("--steps", type=int, default=6000, help="transformer training steps")
+    parser.add_argument("--vae-steps", type=int, default=2000, help="VAE training steps")
+    parser.add_argument("--batch-size", type=int, default=128, help="transformer batch size (clips)")
+    parser.add_argument("--vae-batch-size", type=int, default=24, help="VAE batch size (9-frame clips)")
+    parser.add_argument("--lr", type=float, default=5e-4, help="transformer peak learning rate")
+    parser.add_argument("--vae-lr", type=float, default=1e-3, help="VAE peak learning rate")
+    parser.add_argument("--pool-scale", type=float, default=1.0, help="scale of the clip pools (smoke runs)")
+    parser.add_argument(
+        "--caption-dropout", type=float, default=0.1, help="share of empty captions (for CFG)"
+    )
+    parser.add_argument(
+        "--long-text-fraction",
+        type=float,
+        default=0.0,
+        help="share of steps with T5 length 512 instead of 32",
+    )
+    parser.add_argument(
+        "--time-budget-s", type=float, default=0, help="cut the transformer's steps to fit (0: no limit)"
+    )
+    parser.add_argument("--vae-time-budget-s", type=float, default=0, help="the same for the VAE's steps")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=default_device)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--eval-scenes",
+        type=int,
+        default=len(held_out_moving_scenes()),
+        help="held-out prompts scored (0: none)",
+    )
+    parser.add_argument("--eval-seeds", type=int, default=1, help="clips per held-out prompt")
+
+
+def run(args: argparse.Namespace) -> Path:
+    """Train, save to ``args.out`` (diffusers format, fp16), evaluate held-out prompts, write README.md."""
+    from diffusers import WanPipeline
+
+    log = _Log()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device here; pass --device cpu")
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+
+    pipe = build_video_pipeline_untrained(args.seed).to(device)
+    pipe.text_encoder.requires_grad_(False)
+    sizes = {f: max(8, int(n * args.pool_scale)) for f, (_, n) in FRAME_COUNTS.items()}
+    clips = {f: draw_clip_pool(n, f, args.seed + f) for f, n in sizes.items()}
+    log(f"drew {sizes} clips of {len(train_moving_scenes())} training scenes")
+
+    vae_clips = clips[9][0].to(device)
+    train_vae(pipe.vae, vae_clips, args, log)
+    del vae_clips
+    pipe.vae.requires_grad_(False)
+    pools = {}
+    for f, (pixels, scene_idx) in clips.items():
+        means, stds = encode_clips(pipe.vae, pixels.to(device))
+        pools[f] = (means, stds, scene_idx.to(device))
+    means, stds = pools[9][0], pools[9][1]
+    sample = means + stds * torch.randn(
+        means.shape, device=device, generator=torch.Generator(device).manual_seed(0)
+    )
+    channel_mean = sample.mean(dim=(0, 2, 3, 4))
+    channel_std = sample.std(dim=(0, 2, 3, 4))
+    pipe.vae.register_to_config(
+        latents_mean=[round(v, 4) for v in channel_mean.tolist()],
+        latents_std=[round(v, 4) for v in channel_std.tolist()],
+    )
+    log(f"vae latents: mean {pipe.vae.config.latents_mean}, std {pipe.vae.config.latents_std}")
+    del clips
+
+    losses = train_transformer(pipe, pools, args, log)
+    del pools
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    pipe.to(torch.float16).save_pretrained(out)
+    log(f"saved {out} ({sum(f.stat().st_size for f in out.rglob('*') if f.is_file()) / 1e6:.1f} MB)")
+
+    results: dict[str, dict] = {}
+    if args.eval_scenes > 0:
+        pipe = WanPipeline.from_pretrained(out, dtype=torch.float32).to(device)
+        pipe.set_progress_bar_config(disable=True)
+        results = evaluate_settings(pipe, args, log)
+    seconds = time.perf_counter() - log.start
+    card = _model_card(args, _command(args), seconds, _machine(device), results, losses)
+    (out / "README.md").write_text(card)
+    log(f"done in {seconds:.0f} s")
+    return out
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(
+        prog="python -m ditserve.replica.models.train_demo_video", description=__doc__
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
