@@ -39,14 +39,23 @@ def lora_root(tmp_path_factory) -> Path:
     return root
 
 
+def _realtime_server(root: Path) -> ServeProcess:
+    from tests.families.anyflow import build_folder  # a tiny chunk-autoregressive (realtime) video model
+
+    return ServeProcess("--model", str(build_folder(root / "tiny-anyflow-far")), timeout_s=300)
+
+
 @pytest.fixture(scope="module")
-def servers(lora_root):
-    """The default model (demo-scenes) with an admin key, and demo-wan for the video tab, started side by
-    side (starting is most of this module's time)."""
-    with ThreadPoolExecutor(2) as pool:
-        images = pool.submit(ServeProcess, "--api-key", KEY, "--lora-root", str(lora_root))
-        videos = pool.submit(ServeProcess, "--model", "demo-wan")
-        started = [f.result() if f.exception() is None else f.exception() for f in (images, videos)]
+def servers(lora_root, tmp_path_factory):
+    """The default model (demo-scenes) with an admin key, demo-wan for the video tab and a tiny realtime
+    model for the realtime tab, started side by side (starting is most of this module's time)."""
+    with ThreadPoolExecutor(3) as pool:
+        futures = [
+            pool.submit(ServeProcess, "--api-key", KEY, "--lora-root", str(lora_root)),
+            pool.submit(ServeProcess, "--model", "demo-wan"),
+            pool.submit(_realtime_server, tmp_path_factory.mktemp("realtime")),
+        ]
+        started = [f.result() if f.exception() is None else f.exception() for f in futures]
     failed = [s for s in started if isinstance(s, BaseException)]
     if failed:
         for s in started:
@@ -54,7 +63,7 @@ def servers(lora_root):
                 s.stop()
         raise failed[0]
     yield started
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(3) as pool:
         list(pool.map(ServeProcess.stop, started))
 
 
@@ -66,6 +75,11 @@ def server(servers):
 @pytest.fixture(scope="module")
 def video_server(servers):
     return servers[1]
+
+
+@pytest.fixture(scope="module")
+def realtime_server(servers):
+    return servers[2]
 
 
 @pytest.fixture(scope="module")
@@ -339,3 +353,37 @@ def test_realtime_tab_shows_the_servers_refusal_of_an_image_model(browser, serve
     hook(browser, "rt-stop").click()
     wait(browser, lambda: hook(browser, "rt-state").text.startswith("closed"))
     assert hook(browser, "rt-start").is_enabled()
+
+
+def test_realtime_tab_plays_chunks_and_sends_a_prompt_event(browser, realtime_server, shots):
+    """A realtime model: JPEG frame batches are drawn as they arrive, the replica and each chunk's stats
+    show, and a prompt event sent mid-session is echoed by a later chunk."""
+    browser.get(realtime_server.base_url + "/")
+    hook(browser, "tab-realtime").click()
+    fill(hook(browser, "rt-prompt"), "a red fox running")
+    fill(hook(browser, "rt-size"), "64x64")
+    fill(hook(browser, "rt-frames"), "8")
+    fill(hook(browser, "rt-steps"), "2")
+    fill(hook(browser, "rt-seed"), "5")
+    hook(browser, "rt-start").click()
+    wait(browser, lambda: int(hook(browser, "rt-chunks-done").text) >= 1)
+    fill(hook(browser, "rt-event-prompt"), "a blue fox swimming")
+    hook(browser, "rt-send").click()
+    wait(browser, lambda: "event 1" in hook(browser, "rt-stats").text)
+    wait(browser, lambda: int(hook(browser, "rt-frames-done").text) >= 9)  # the first frame, then a chunk
+    shots(browser, "realtime-playing")
+    canvas = hook(browser, "rt-canvas")
+    assert (canvas.get_attribute("width"), canvas.get_attribute("height")) == ("64", "64")
+    # the canvas shows a picture, not the blank it started as
+    spread = browser.execute_script(
+        "const d = arguments[0].getContext('2d').getImageData(0, 0, 64, 64).data;"
+        "let lo = 255, hi = 0; for (let i = 0; i < d.length; i += 4) { lo = Math.min(lo, d[i]); hi = Math.max(hi, d[i]); }"
+        "return hi - lo;",
+        canvas,
+    )
+    assert spread > 0
+    assert hook(browser, "rt-replica").text.strip()
+    assert "frames in" in hook(browser, "rt-stats").text
+    assert not browser.find_elements(By.CSS_SELECTOR, '[data-testid="error"]')
+    hook(browser, "rt-stop").click()
+    wait(browser, lambda: hook(browser, "rt-state").text.startswith("closed"))
