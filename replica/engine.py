@@ -157,7 +157,9 @@ class Engine:
                     f"input_reference: {spec.name} is a text-to-video model and takes no reference image"
                 )
             if not params.images and first_frame == "required":
-                raise ValueError(f"input_reference: {spec.name} is an image-to-video model; give the first frame")
+                raise ValueError(
+                    f"input_reference: {spec.name} is an image-to-video model; give the first frame"
+                )
             if len(params.images) > 1:
                 raise ValueError(f"input_reference: one first frame, got {len(params.images)} images")
         if self.spec.kind == "video" and params.num_frames > limits.max_frames:
