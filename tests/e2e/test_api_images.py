@@ -81,7 +81,11 @@ def test_step_cache_usage_and_settings_naming_the_field(server):
     r = httpx.post(f"{server.base_url}/v1/images/generations", json=cached, timeout=120)
     assert r.status_code == 200, r.text
     # forwards 0, 1 (warmup), 2 and 5 compute; 3 and 4 are forecast
-    assert r.json()["usage"] == {"transformer_forwards": 6, "cached_forwards": 2, "cache_policy": "taylorseer"}
+    assert r.json()["usage"] == {
+        "transformer_forwards": 6,
+        "cached_forwards": 2,
+        "cache_policy": "taylorseer",
+    }
     bad = body | {"cache": {"policy": "fbcache", "interval": 3}}
     r = httpx.post(f"{server.base_url}/v1/images/generations", json=bad, timeout=120)
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache.interval", r.text
