@@ -509,6 +509,8 @@ $("#rt-form").addEventListener("submit", (e) => {
   if (model) init.model = model;
   textField(form, "size", init);
   for (const name of ["num_frames", "num_inference_steps", "seed", "fps", "max_chunks"]) numberField(form, name, init);
+  clearInterval(rt.timer);
+  rt.frames.forEach((f) => f.close());
   Object.assign(rt, { header: null, frames: [], eventId: 0, chunks: 0, shown: 0 });
   byId("rt-chunks-done").textContent = "0";
   byId("rt-frames-done").textContent = "0";
@@ -520,10 +522,12 @@ $("#rt-form").addEventListener("submit", (e) => {
   rt.ws = ws;
   rtSetState("connecting");
   let chain = Promise.resolve();  // frame batches decode in order
+  let timer = null;  // this session's drawing clock
   ws.onopen = () => {
     rtSend(init);
     rtSetState("waiting for the first chunk");
-    rt.timer = setInterval(rtDraw, 1000 / (init.fps || 16));
+    timer = setInterval(rtDraw, 1000 / (init.fps || 16));
+    rt.timer = timer;
   };
   ws.onmessage = (ev) => {
     chain = chain.then(() => rtMessage(ev.data)).catch((err) => rtError(String(err)));
@@ -532,9 +536,9 @@ $("#rt-form").addEventListener("submit", (e) => {
     rt.ws = null;
     chain.then(() => {
       const drain = setInterval(() => {  // show what arrived, then stop the clock
-        if (!rt.frames.length) {
+        if (!rt.frames.length || rt.ws !== null) {  // drawn, or a new session took over
           clearInterval(drain);
-          clearInterval(rt.timer);
+          clearInterval(timer);
         }
       }, 50);
     });

@@ -248,8 +248,6 @@ def test_step_previews_appear_before_the_image(browser, server, shots):
     fill(hook(browser, "seed"), "3")
     browser.execute_script(ORDER_OBSERVER)
     hook(browser, "generate").click()
-    wait(browser, lambda: hook(browser, "preview-image").is_displayed())
-    shots(browser, "generate-previewing")
     result = hook(browser, "result")
     wait(browser, lambda: hook(browser, "progress").get_attribute("data-done") == "1")
     shots(browser, "generate-previews-done")
