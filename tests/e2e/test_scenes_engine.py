@@ -41,33 +41,53 @@ def held_out_requests() -> list[tuple]:
     ]
 
 
-def count_right(flags: dict, **config) -> tuple[int, list]:
+def count_right(flags: dict, **config) -> tuple[int, list, float]:
+    """(prompts drawn right of 16, the wrong ones, the share of transformer forwards the step cache answered)."""
     engine = Engine(EngineConfig(model="demo-scenes", parallel=ParallelFlags(**flags), **config)).start()
     try:
         requests = held_out_requests()
         futures = [engine.submit(p) for _, p in requests]
-        images = [Image.fromarray(png_pixels(f.result(timeout=600).outputs[0])) for f in futures]
+        results = [f.result(timeout=600) for f in futures]
     finally:
         engine.shutdown()
+    images = [Image.fromarray(png_pixels(r.outputs[0])) for r in results]
     wrong = [
         (s.caption, score_scene(img))
         for (s, _), img in zip(requests, images, strict=True)
         if score_scene(img) != (s.background, s.colour)
     ]
-    return 16 - len(wrong), wrong
+    forwards = sum(r.usage["transformer_forwards"] for r in results)
+    cached = sum(r.usage["cached_forwards"] for r in results)
+    return 16 - len(wrong), wrong, cached / forwards
 
 
-@pytest.mark.parametrize(
-    "flags", [{}, {"cfg_parallel_size": 2, "ulysses_degree": 2}], ids=["1rank", "cfg2-ulysses2"]
-)
-def test_held_out_prompts_drawn_right(flags):
-    right, wrong = count_right(flags)
+@pytest.fixture(scope="module")
+def uncached():
+    return count_right({}, cache_policy="none")
+
+
+def test_held_out_prompts_drawn_right(uncached):
+    right, wrong, share = uncached
+    assert right >= 15 and share == 0, wrong
+
+
+def test_recommended_step_cache_skips_a_third_and_keeps_the_prompts(uncached):
+    """demo-scenes' ditserve.json recommends a step cache, which the server applies to requests that ask for
+    none: at least 30 % of the forwards are answered by the cache and at most one more prompt goes wrong."""
+    assert resolve_model("demo-scenes").recommended_cache is not None
+    right, wrong, share = count_right({})
+    assert share >= 0.30, share
+    assert right >= uncached[0] - 1, wrong
+
+
+def test_held_out_prompts_drawn_right_at_cfg2_ulysses2():
+    right, wrong, _ = count_right({"cfg_parallel_size": 2, "ulysses_degree": 2}, cache_policy="none")
     assert right >= 15, wrong
 
 
 def test_held_out_prompts_drawn_right_with_fp8_gemms():
     """--quantization fp8: every block linear an FP8 GEMM, and the model still draws what it is asked."""
-    right, wrong = count_right({}, quantization="fp8")
+    right, wrong, _ = count_right({}, quantization="fp8", cache_policy="none")
     assert right >= 15, wrong
 
 
