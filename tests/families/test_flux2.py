@@ -1,15 +1,13 @@
 """FLUX.2 dev and Klein through the engine's own step loop: one rank gives diffusers' own images (text
-only and with a reference image), through ``ditserve generate --image`` too; ulysses 2, ring 2 and tp 2
-(with a LoRA) give the one-rank images, Klein's cfg 2 its pipeline's; ``ditserve serve`` answers the openai
-client's generate and edit; a PEFT LoRA per request gives what diffusers' ``load_lora_weights`` gives."""
+only and with a reference image); tp 2 × ulysses 2 (with a LoRA) gives the one-rank images (ulysses 2,
+ring 2, tp 2 alone, Klein's cfg 2 and ``ditserve generate --image`` with -m slow); ``ditserve serve`` answers
+the openai client's generate and edit; a PEFT LoRA per request gives what diffusers' ``load_lora_weights``
+gives, beside the same request without it in one batch."""
 
 from __future__ import annotations
 
 import io
-import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,12 +16,25 @@ from diffusers import Flux2KleinPipeline, Flux2Pipeline
 from PIL import Image
 
 from ditserve.replica.caching.settings import CacheSettings
-from ditserve.replica.config import EngineConfig, ParallelFlags
-from ditserve.replica.engine import Engine
 from ditserve.replica.pipelines.flux2 import Flux2KleinRunner, Flux2Runner, TextProcessor
 from ditserve.replica.request import GenerationParams, LoRARef
 from tests.families.flux2 import MAX_TEXT_TOKENS, as_pixtral_folder, build_folder
-from tests.helpers import ServeProcess, png_pixels, psnr
+from tests.families.harness import (
+    b64_pixels,
+    cli_generate,
+    engine_images,
+    images,
+    layout_id,
+    load_pipeline,
+    openai_client,
+    run_runner,
+    running_engine,
+    served,
+    single_thread,  # noqa: F401 (a fixture, used by pytestmark)
+)
+from tests.helpers import psnr
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def reference_png() -> bytes:
@@ -42,12 +53,8 @@ TEXT = GenerationParams(prompt="a red fox on a hill", width=64, height=64, num_i
 EDIT = GenerationParams(
     prompt="a blue cat", width=64, height=64, num_inference_steps=3, guidance_scale=2.5, seed=4, images=(REF,)
 )
-
-
-def load(cls, folder):
-    pipe = cls.from_pretrained(folder, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+TEXT_LORA = TEXT.model_copy(update={"lora": (LoRARef(name="style"),)})
+BATCH = [TEXT, EDIT, TEXT_LORA]  # submitted together: the same request with and without the adapter
 
 
 def diffusers_image(pipe, p: GenerationParams) -> np.ndarray:
@@ -67,30 +74,6 @@ def diffusers_image(pipe, p: GenerationParams) -> np.ndarray:
     return (out.images[0] * 255).round().clip(0, 255).astype(np.uint8)
 
 
-def run_runner(runner, requests: list[GenerationParams]) -> list[np.ndarray]:
-    """The requests stepped to the end, those of one bucket (size and reference sizes) batched together."""
-    states = [runner.add(f"r{i}", p) for i, p in enumerate(requests)]
-    while not all(s.done for s in states):
-        for bucket in dict.fromkeys(s.bucket for s in states):
-            runner.step([s for s in states if s.bucket == bucket and not s.done])
-    return [runner.decode(s)[0] for s in states]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread here and in the ranks and servers started from here: these models are a few
-    kilobytes wide, and on a shared 2-core machine more threads only contend (10× slower measured)."""
-    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    yield
-    torch.set_num_threads(threads)
-    if env is None:
-        os.environ.pop("OMP_NUM_THREADS")
-    else:
-        os.environ["OMP_NUM_THREADS"] = env
-
-
 @pytest.fixture(scope="module")
 def dev_folder(tmp_path_factory):
     return build_folder(tmp_path_factory.mktemp("models") / "flux2-dev-tiny")
@@ -103,7 +86,7 @@ def klein_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dev_pipe(dev_folder):
-    return load(Flux2Pipeline, dev_folder)
+    return load_pipeline(Flux2Pipeline, dev_folder)
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +127,7 @@ def test_dev_one_rank_equals_flux2_pipeline_with_and_without_reference(dev_pipe,
 
 @pytest.fixture(scope="module")
 def klein_pipe(klein_folder):
-    return load(Flux2KleinPipeline, klein_folder)
+    return load_pipeline(Flux2KleinPipeline, klein_folder)
 
 
 @pytest.fixture(scope="module")
@@ -168,62 +151,47 @@ def test_pixtral_processor_folder_loads_without_torchvision(dev_folder, dev_expe
     here): the engine passes the processor's tokenizer in its place and draws the same image."""
     folder = as_pixtral_folder(shutil.copytree(dev_folder, tmp_path / "flux2-dev-pixtral"))
     assert Flux2Runner.pipeline_components(folder) == {"tokenizer": None}
-    engine = Engine(EngineConfig(model=str(folder))).start()
-    try:
+    with running_engine(folder) as engine:
         assert isinstance(engine.launcher.worker.pipe.tokenizer, TextProcessor)
-        image = png_pixels(engine.generate(TEXT, timeout=120).outputs[0])
-    finally:
-        engine.shutdown()
+        image = images(engine, [TEXT], timeout=120)[0]
     assert psnr(image, dev_expected[0]) >= 40
 
 
+@pytest.mark.slow  # the same reference image through the engine: serve's images.edit (default)
 def test_generate_cli_with_reference_image(dev_folder, dev_expected, tmp_path):
     ref = tmp_path / "ref.png"
     ref.write_bytes(REF)
-    out = tmp_path / "out.png"
-    cmd = [sys.executable, "-m", "ditserve.cluster.cli", "generate", EDIT.prompt, "--model", str(dev_folder)]
-    cmd += ["--width", "64", "--height", "64", "--num-inference-steps", "3", "--guidance-scale", "2.5"]
-    cmd += ["--seed", "4", "--image", str(ref), "--max-sequence-length", "512", "-o", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert psnr(np.array(Image.open(out)), dev_expected[1]) >= 40
+    args = ["--width", "64", "--height", "64", "--num-inference-steps", "3", "--guidance-scale", "2.5"]
+    args += ["--seed", "4", "--image", str(ref), "--max-sequence-length", "512"]
+    assert psnr(cli_generate(EDIT.prompt, dev_folder, tmp_path / "out.png", *args), dev_expected[1]) >= 40
 
 
-# Ring shares sequence_parallel_attention with Ulysses (the family code is the same): in the slow matrix.
-LAYOUTS = [{"ulysses_degree": 2}, pytest.param({"ring_degree": 2}, marks=pytest.mark.slow), {"tp_size": 2}]
-
-
-def engine_images(folder, flags: dict, requests: list[GenerationParams], lora=None) -> list[np.ndarray]:
-    engine = Engine(EngineConfig(model=str(folder), parallel=ParallelFlags(**flags))).start()
-    try:
-        if lora is not None:
-            engine.load_lora(lora[0], str(lora[1]))
-        futures = [engine.submit(p) for p in requests]  # submitted together: they share steps
-        return [png_pixels(f.result(timeout=120).outputs[0]) for f in futures]
-    finally:
-        engine.shutdown()
+# tp 2 × ulysses 2 by default (dev distils guidance: no CFG branch to split); each axis alone with -m slow.
+# Ring shares sequence_parallel_attention with Ulysses (the family code is the same).
+LAYOUTS = [
+    {"tp_size": 2, "ulysses_degree": 2},
+    pytest.param({"ulysses_degree": 2}, marks=pytest.mark.slow),
+    pytest.param({"ring_degree": 2}, marks=pytest.mark.slow),
+    pytest.param({"tp_size": 2}, marks=pytest.mark.slow),
+]
 
 
 @pytest.fixture(scope="module")
-def one_rank(dev_folder):
-    return engine_images(dev_folder, {}, [TEXT, EDIT])
+def one_rank(dev_folder, lora_file):
+    """One rank's images for BATCH (the adapter applied to the last request only)."""
+    return engine_images(dev_folder, {}, BATCH, {"style": lora_file})
 
 
 def test_one_rank_engine_equals_diffusers(one_rank, dev_expected):
-    for got, want in zip(one_rank, dev_expected, strict=True):
+    for got, want in zip(one_rank[:2], dev_expected, strict=True):
         assert psnr(got, want) >= 40
 
 
-@pytest.mark.parametrize(
-    "flags", LAYOUTS, ids=lambda f: "-".join(f"{k.split('_')[0]}{v}" for k, v in f.items())
-)
-def test_layouts_equal_one_rank(dev_folder, one_rank, flags, lora_file, lora_expected):
-    requests, lora = [TEXT, EDIT], None
-    if "tp_size" in flags:  # and an adapter on the packed linears, sliced per rank
-        requests.append(TEXT.model_copy(update={"lora": (LoRARef(name="style"),)}))
-        lora = ("style", lora_file)
-    got = engine_images(dev_folder, flags, requests, lora=lora)
-    for image, want in zip(got, [*one_rank, lora_expected][: len(got)], strict=True):
+@pytest.mark.parametrize("flags", LAYOUTS, ids=layout_id)
+def test_layouts_equal_one_rank(dev_folder, one_rank, flags, lora_file):
+    # With an adapter on the packed linears (sliced per rank under tp).
+    got = engine_images(dev_folder, flags, BATCH, {"style": lora_file})
+    for image, want in zip(got, one_rank, strict=True):
         assert image.shape == want.shape
         assert psnr(image, want) >= 40
 
@@ -237,13 +205,8 @@ def test_klein_cfg_parallel_equals_pipeline(klein_folder, klein_expected):
 
 
 def test_serve_and_openai_client(dev_folder, dev_expected):
-    import base64
-
-    from openai import OpenAI
-
-    server = ServeProcess("--model", str(dev_folder))
-    try:
-        client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    with served("--model", str(dev_folder)) as server:
+        client = openai_client(server)
         result = client.images.generate(
             model=dev_folder.name,
             prompt=TEXT.prompt,
@@ -251,9 +214,6 @@ def test_serve_and_openai_client(dev_folder, dev_expected):
             response_format="b64_json",
             extra_body={"num_inference_steps": 3, "seed": 3, "guidance_scale": 4.0},
         )
-        got = png_pixels(base64.b64decode(result.data[0].b64_json))
-        assert got.shape == (64, 64, 3)
-        assert psnr(got, dev_expected[0]) >= 40
         # POST /v1/images/edits: the uploaded file is the reference image.
         edited = client.images.edit(
             model=dev_folder.name,
@@ -263,9 +223,10 @@ def test_serve_and_openai_client(dev_folder, dev_expected):
             response_format="b64_json",
             extra_body={"num_inference_steps": 3, "seed": 4, "guidance_scale": 2.5},
         )
-        assert psnr(png_pixels(base64.b64decode(edited.data[0].b64_json)), dev_expected[1]) >= 40
-    finally:
-        assert server.stop() == 0, server.output()
+    got = b64_pixels(result)
+    assert got.shape == (64, 64, 3)
+    assert psnr(got, dev_expected[0]) >= 40
+    assert psnr(b64_pixels(edited), dev_expected[1]) >= 40
 
 
 LORA_TARGETS = [
@@ -300,23 +261,13 @@ def lora_file(dev_folder, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lora_expected(dev_folder, lora_file):
-    pipe = load(Flux2Pipeline, dev_folder)
+    pipe = load_pipeline(Flux2Pipeline, dev_folder)
     pipe.load_lora_weights(str(lora_file))
     return diffusers_image(pipe, TEXT)
 
 
-def test_lora_per_request_equals_load_lora_weights(dev_folder, lora_file, lora_expected, dev_expected):
-    want = lora_expected
-    assert psnr(want, dev_expected[0]) < 30  # the adapter changes the image
-    engine = Engine(EngineConfig(model=str(dev_folder))).start()
-    try:
-        engine.load_lora("style", str(lora_file))
-        futures = [
-            engine.submit(TEXT.model_copy(update={"lora": (LoRARef(name="style"),)})),
-            engine.submit(TEXT),
-        ]
-        with_lora, without = (png_pixels(f.result(timeout=120).outputs[0]) for f in futures)
-    finally:
-        engine.shutdown()
-    assert psnr(with_lora, want) >= 40
+def test_lora_per_request_equals_load_lora_weights(one_rank, lora_expected, dev_expected):
+    assert psnr(lora_expected, dev_expected[0]) < 30  # the adapter changes the image
+    without, with_lora = one_rank[0], one_rank[2]  # one batch
+    assert psnr(with_lora, lora_expected) >= 40
     assert psnr(without, dev_expected[0]) >= 40  # the same batch, no adapter
