@@ -157,7 +157,7 @@ def test_pixtral_processor_folder_loads_without_torchvision(dev_folder, dev_expe
     assert psnr(image, dev_expected[0]) >= 40
 
 
-@pytest.mark.slow  # the same reference image through the engine: serve's images.edit (default)
+@pytest.mark.slow  # serve's images.edit sends this reference (default); --image: test_qwenimage.py
 def test_generate_cli_with_reference_image(dev_folder, dev_expected, tmp_path):
     ref = tmp_path / "ref.png"
     ref.write_bytes(REF)
