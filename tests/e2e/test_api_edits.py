@@ -54,6 +54,7 @@ def server():
     proc = ServeProcess(
         "--model", "demo-scenes", "--max-n", "2", "--max-width", "128", "--max-height", "128",
         "--max-image-bytes", str(MAX_IMAGE_BYTES), "--max-image-pixels", str(MAX_IMAGE_PIXELS),
+        "--cache-policy", "none",  # compared with diffusers' image: demo-scenes' recommended step cache off
     )  # fmt: skip
     yield proc
     assert proc.stop() == 0, proc.output()
