@@ -132,6 +132,18 @@ def _result_message(result: Any, replica: str) -> pb.GenerateResponse:
         seed=result.seed,
         size=f"{result.width}x{result.height}",
         replica=replica,
+        usage=_usage(getattr(result, "usage", None)),
+    )
+
+
+def _usage(usage: dict[str, Any] | None) -> pb.Usage | None:
+    """A request's usage (transformer forwards, cached forwards, cache policy) as the proto's message."""
+    if not usage:
+        return None
+    return pb.Usage(
+        transformer_forwards=int(usage.get("transformer_forwards", 0)),
+        cached_forwards=int(usage.get("cached_forwards", 0)),
+        cache_policy=str(usage.get("cache_policy", "none")),
     )
 
 
@@ -152,6 +164,7 @@ def _video_job(data: dict[str, Any]) -> pb.VideoJob:
         prompt=data.get("prompt") or "",
         error=error.get("message", "") if isinstance(error, dict) else str(error),
         deleted=bool(data.get("deleted", False)),
+        usage=_usage(data.get("usage")),
     )
 
 

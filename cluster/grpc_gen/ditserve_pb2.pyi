@@ -10,6 +10,30 @@ class Empty(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class StepCache(_message.Message):
+    __slots__ = ("policy", "threshold", "interval", "warmup", "order")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    threshold: float
+    interval: int
+    warmup: int
+    order: int
+    def __init__(self, policy: _Optional[str] = ..., threshold: _Optional[float] = ..., interval: _Optional[int] = ..., warmup: _Optional[int] = ..., order: _Optional[int] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("transformer_forwards", "cached_forwards", "cache_policy")
+    TRANSFORMER_FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    transformer_forwards: int
+    cached_forwards: int
+    cache_policy: str
+    def __init__(self, transformer_forwards: _Optional[int] = ..., cached_forwards: _Optional[int] = ..., cache_policy: _Optional[str] = ...) -> None: ...
+
 class LoRARef(_message.Message):
     __slots__ = ("name", "scale")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -19,7 +43,7 @@ class LoRARef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "model", "n", "size", "negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale", "seed", "lora")
+    __slots__ = ("prompt", "model", "n", "size", "negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale", "seed", "lora", "cache")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +54,7 @@ class GenerateRequest(_message.Message):
     TRUE_CFG_SCALE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     model: str
     n: int
@@ -40,10 +65,11 @@ class GenerateRequest(_message.Message):
     true_cfg_scale: float
     seed: int
     lora: _containers.RepeatedCompositeFieldContainer[LoRARef]
-    def __init__(self, prompt: _Optional[str] = ..., model: _Optional[str] = ..., n: _Optional[int] = ..., size: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., lora: _Optional[_Iterable[_Union[LoRARef, _Mapping]]] = ...) -> None: ...
+    cache: StepCache
+    def __init__(self, prompt: _Optional[str] = ..., model: _Optional[str] = ..., n: _Optional[int] = ..., size: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., lora: _Optional[_Iterable[_Union[LoRARef, _Mapping]]] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ...) -> None: ...
 
 class EditImageRequest(_message.Message):
-    __slots__ = ("image", "mask", "prompt", "model", "n", "size", "negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale", "seed", "strength", "lora")
+    __slots__ = ("image", "mask", "prompt", "model", "n", "size", "negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale", "seed", "strength", "lora", "cache")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     MASK_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +83,7 @@ class EditImageRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STRENGTH_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     image: _containers.RepeatedScalarFieldContainer[bytes]
     mask: bytes
     prompt: str
@@ -70,21 +97,24 @@ class EditImageRequest(_message.Message):
     seed: int
     strength: float
     lora: _containers.RepeatedCompositeFieldContainer[LoRARef]
-    def __init__(self, image: _Optional[_Iterable[bytes]] = ..., mask: _Optional[bytes] = ..., prompt: _Optional[str] = ..., model: _Optional[str] = ..., n: _Optional[int] = ..., size: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., strength: _Optional[float] = ..., lora: _Optional[_Iterable[_Union[LoRARef, _Mapping]]] = ...) -> None: ...
+    cache: StepCache
+    def __init__(self, image: _Optional[_Iterable[bytes]] = ..., mask: _Optional[bytes] = ..., prompt: _Optional[str] = ..., model: _Optional[str] = ..., n: _Optional[int] = ..., size: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., strength: _Optional[float] = ..., lora: _Optional[_Iterable[_Union[LoRARef, _Mapping]]] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("created", "images", "seed", "size", "replica")
+    __slots__ = ("created", "images", "seed", "size", "replica", "usage")
     CREATED_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     created: int
     images: _containers.RepeatedScalarFieldContainer[bytes]
     seed: int
     size: str
     replica: str
-    def __init__(self, created: _Optional[int] = ..., images: _Optional[_Iterable[bytes]] = ..., seed: _Optional[int] = ..., size: _Optional[str] = ..., replica: _Optional[str] = ...) -> None: ...
+    usage: Usage
+    def __init__(self, created: _Optional[int] = ..., images: _Optional[_Iterable[bytes]] = ..., seed: _Optional[int] = ..., size: _Optional[str] = ..., replica: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("step", "total", "preview")
@@ -105,7 +135,7 @@ class GenerateEvent(_message.Message):
     def __init__(self, progress: _Optional[_Union[Progress, _Mapping]] = ..., result: _Optional[_Union[GenerateResponse, _Mapping]] = ...) -> None: ...
 
 class CreateVideoRequest(_message.Message):
-    __slots__ = ("prompt", "model", "size", "seconds", "num_frames", "fps", "num_inference_steps", "guidance_scale", "negative_prompt", "seed", "input_reference", "guidance_scale_2")
+    __slots__ = ("prompt", "model", "size", "seconds", "num_frames", "fps", "num_inference_steps", "guidance_scale", "negative_prompt", "seed", "input_reference", "guidance_scale_2", "cache")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +148,7 @@ class CreateVideoRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     INPUT_REFERENCE_FIELD_NUMBER: _ClassVar[int]
     GUIDANCE_SCALE_2_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     model: str
     size: str
@@ -130,7 +161,8 @@ class CreateVideoRequest(_message.Message):
     seed: int
     input_reference: bytes
     guidance_scale_2: float
-    def __init__(self, prompt: _Optional[str] = ..., model: _Optional[str] = ..., size: _Optional[str] = ..., seconds: _Optional[str] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., negative_prompt: _Optional[str] = ..., seed: _Optional[int] = ..., input_reference: _Optional[bytes] = ..., guidance_scale_2: _Optional[float] = ...) -> None: ...
+    cache: StepCache
+    def __init__(self, prompt: _Optional[str] = ..., model: _Optional[str] = ..., size: _Optional[str] = ..., seconds: _Optional[str] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., negative_prompt: _Optional[str] = ..., seed: _Optional[int] = ..., input_reference: _Optional[bytes] = ..., guidance_scale_2: _Optional[float] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ...) -> None: ...
 
 class VideoRef(_message.Message):
     __slots__ = ("id",)
@@ -139,7 +171,7 @@ class VideoRef(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class VideoJob(_message.Message):
-    __slots__ = ("id", "object", "status", "progress", "created_at", "completed_at", "expires_at", "model", "size", "seconds", "num_frames", "prompt", "error", "deleted")
+    __slots__ = ("id", "object", "status", "progress", "created_at", "completed_at", "expires_at", "model", "size", "seconds", "num_frames", "prompt", "error", "deleted", "usage")
     ID_FIELD_NUMBER: _ClassVar[int]
     OBJECT_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +186,7 @@ class VideoJob(_message.Message):
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DELETED_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     id: str
     object: str
     status: str
@@ -168,7 +201,8 @@ class VideoJob(_message.Message):
     prompt: str
     error: str
     deleted: bool
-    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., status: _Optional[str] = ..., progress: _Optional[int] = ..., created_at: _Optional[int] = ..., completed_at: _Optional[int] = ..., expires_at: _Optional[int] = ..., model: _Optional[str] = ..., size: _Optional[str] = ..., seconds: _Optional[str] = ..., num_frames: _Optional[int] = ..., prompt: _Optional[str] = ..., error: _Optional[str] = ..., deleted: _Optional[bool] = ...) -> None: ...
+    usage: Usage
+    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., status: _Optional[str] = ..., progress: _Optional[int] = ..., created_at: _Optional[int] = ..., completed_at: _Optional[int] = ..., expires_at: _Optional[int] = ..., model: _Optional[str] = ..., size: _Optional[str] = ..., seconds: _Optional[str] = ..., num_frames: _Optional[int] = ..., prompt: _Optional[str] = ..., error: _Optional[str] = ..., deleted: _Optional[bool] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class VideoContent(_message.Message):
     __slots__ = ("id", "mp4", "media_type")
@@ -205,7 +239,7 @@ class SessionRef(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class SessionGenerateRequest(_message.Message):
-    __slots__ = ("session_id", "prompt", "strength", "num_inference_steps", "guidance_scale", "seed", "preview")
+    __slots__ = ("session_id", "prompt", "strength", "num_inference_steps", "guidance_scale", "seed", "preview", "cache")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     STRENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +247,7 @@ class SessionGenerateRequest(_message.Message):
     GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     PREVIEW_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt: str
     strength: float
@@ -220,7 +255,8 @@ class SessionGenerateRequest(_message.Message):
     guidance_scale: float
     seed: int
     preview: bool
-    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., strength: _Optional[float] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., preview: _Optional[bool] = ...) -> None: ...
+    cache: StepCache
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., strength: _Optional[float] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., preview: _Optional[bool] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ...) -> None: ...
 
 class ModelCard(_message.Message):
     __slots__ = ("id", "kind", "created")

@@ -160,6 +160,25 @@ def test_grpc_generate_and_stream(stub):
     assert [m.id for m in stub.ListModels(pb.Empty()).data] == ["demo-flux"]
 
 
+def test_grpc_step_cache_and_usage(stub):
+    """The request's step cache over gRPC, and the usage it reports, as over HTTP; a bad setting is
+    INVALID_ARGUMENT naming the field."""
+    cache = pb.StepCache(policy="taylorseer", warmup=2, interval=3)
+    reply = stub.Generate(
+        pb.GenerateRequest(prompt="a red fox", size="64x64", num_inference_steps=6, seed=2, cache=cache)
+    )
+    assert (reply.usage.transformer_forwards, reply.usage.cached_forwards) == (6, 2)
+    assert reply.usage.cache_policy == "taylorseer"
+    plain = stub.Generate(pb.GenerateRequest(prompt="a red fox", size="64x64", num_inference_steps=6, seed=2))
+    assert (plain.usage.cached_forwards, plain.usage.cache_policy) == (0, "none")
+    with pytest.raises(grpc.RpcError) as exc:
+        stub.Generate(
+            pb.GenerateRequest(prompt="a fox", size="64x64", cache=pb.StepCache(policy="fbcache", interval=3))
+        )
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "interval" in exc.value.details()
+    grpc_valid(stub)
+
+
 def test_grpc_reflection_lists_the_service(server):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
