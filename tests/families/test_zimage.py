@@ -6,29 +6,36 @@ batch, is unchanged; ``ditserve serve`` answers the openai client with the image
 
 from __future__ import annotations
 
-import base64
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from diffusers import ZImagePipeline
-from openai import OpenAI
 
 from ditserve.replica.caching.settings import CacheSettings
-from ditserve.replica.config import EngineConfig, ParallelFlags
-from ditserve.replica.engine import Engine
 from ditserve.replica.models.registry import resolve_model
 from ditserve.replica.pipelines.base import to_uint8
 from ditserve.replica.pipelines.zimage import ZImageRunner
 from ditserve.replica.request import GenerationParams, LoRARef
+from tests.families.harness import (
+    LAYOUTS,
+    b64_pixels,
+    cli_generate,
+    engine_images,
+    layout_id,
+    load_pipeline,
+    openai_client,
+    served,
+    single_thread,  # noqa: F401 (a fixture, used by pytestmark)
+)
 from tests.families.lora import save_random_lora
 from tests.families.zimage import TURBO_TRANSFORMER, build_folder, build_pipeline
-from tests.helpers import ServeProcess, png_pixels, psnr
+from tests.helpers import psnr
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 MAX_LEN = 64  # caption tokens
 LONG = "a red fox on a green hill with a white cat and a black dog in the background of a yellow and blue day"
@@ -73,9 +80,7 @@ def diffusers_image(pipe, p: GenerationParams, **kwargs) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def pipe(folder):
-    pipe = ZImagePipeline.from_pretrained(folder, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return load_pipeline(ZImagePipeline, folder)
 
 
 @pytest.fixture(scope="module")
@@ -86,27 +91,15 @@ def lora_file(pipe, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(folder, lora_file) -> list[np.ndarray]:
     """diffusers' images for BATCH (the LoRA one through ``load_lora_weights``)."""
-    pipe = ZImagePipeline.from_pretrained(folder, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = load_pipeline(ZImagePipeline, folder)
     plain = [diffusers_image(pipe, p) for p in (FOX, CAT)]
     pipe.load_lora_weights(str(lora_file))
     return [*plain, diffusers_image(pipe, FOX)]
 
 
-def engine_images(folder: Path, lora_file: Path, flags: dict) -> list[np.ndarray]:
-    config = EngineConfig(model=str(folder), parallel=ParallelFlags(**flags), max_sequence_length=MAX_LEN)
-    engine = Engine(config).start()
-    try:
-        engine.load_lora("style", str(lora_file))
-        futures = [engine.submit(p) for p in BATCH]
-        return [png_pixels(f.result(timeout=300).outputs[0]) for f in futures]
-    finally:
-        engine.shutdown()
-
-
 @pytest.fixture(scope="module")
 def one_rank(folder, lora_file) -> list[np.ndarray]:
-    return engine_images(folder, lora_file, {})
+    return engine_images(folder, {}, BATCH, {"style": lora_file}, max_sequence_length=MAX_LEN)
 
 
 def test_one_rank_equals_diffusers_with_and_without_lora_in_one_batch(one_rank, reference):
@@ -142,10 +135,9 @@ def test_cfg_normalization_and_truncation_follow_the_pipeline(folder, pipe, tmp_
     assert psnr(ref, diffusers_image(pipe, fox)) < 35  # the settings change the image
 
 
+@pytest.mark.slow  # one rank's engine (default) behind the CLI; the CLI in tests/e2e
 def test_cli_generate_equals_diffusers(folder, reference, tmp_path):
-    out = tmp_path / "fox.png"
-    cmd = [str(Path(sys.executable).with_name("ditserve")), "generate", FOX.prompt, "--model", str(folder)]
-    cmd += [
+    args = [
         "--negative-prompt",
         FOX.negative_prompt,
         "--guidance-scale",
@@ -155,36 +147,20 @@ def test_cli_generate_equals_diffusers(folder, reference, tmp_path):
         "--height",
         "48",
     ]
-    cmd += [
-        "--num-inference-steps",
-        "3",
-        "--seed",
-        "3",
-        "--max-sequence-length",
-        str(MAX_LEN),
-        "-o",
-        str(out),
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert psnr(png_pixels(out.read_bytes()), reference[0]) >= 40
+    args += ["--num-inference-steps", "3", "--seed", "3", "--max-sequence-length", str(MAX_LEN)]
+    assert psnr(cli_generate(FOX.prompt, folder, tmp_path / "fox.png", *args), reference[0]) >= 40
 
 
-@pytest.mark.parametrize(
-    "flags",
-    [{"ulysses_degree": 2}, {"ring_degree": 2}, {"tp_size": 2}, {"cfg_parallel_size": 2}],
-    ids=lambda f: "-".join(f"{k.split('_')[0]}{v}" for k, v in f.items()),
-)
+@pytest.mark.parametrize("flags", LAYOUTS, ids=layout_id)
 def test_layouts_equal_one_rank(folder, lora_file, one_rank, flags):
-    for ours, ref in zip(engine_images(folder, lora_file, flags), one_rank, strict=True):
+    got = engine_images(folder, flags, BATCH, {"style": lora_file}, max_sequence_length=MAX_LEN)
+    for ours, ref in zip(got, one_rank, strict=True):
         assert psnr(ours, ref) >= 40
 
 
 def test_serve_openai_client(folder, reference):
-    server = ServeProcess("--model", str(folder), "--max-sequence-length", str(MAX_LEN))
-    try:
-        client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-        result = client.images.generate(
+    with served("--model", str(folder), "--max-sequence-length", str(MAX_LEN)) as server:
+        result = openai_client(server).images.generate(
             model=folder.name,
             prompt=FOX.prompt,
             size="80x48",
@@ -195,9 +171,7 @@ def test_serve_openai_client(folder, reference):
                 "seed": 3,
             },
         )
-        assert psnr(png_pixels(base64.b64decode(result.data[0].b64_json)), reference[0]) >= 40
-    finally:
-        assert server.stop() == 0, server.output()
+    assert psnr(b64_pixels(result), reference[0]) >= 40
 
 
 def test_omni_folder_is_refused(folder, tmp_path):
