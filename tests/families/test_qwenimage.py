@@ -1,16 +1,13 @@
 """Qwen-Image (text-to-image, Edit, Edit-Plus) through the engine's own step loop: one rank gives diffusers'
 own images (prompts of different lengths batched with their padding masks, true CFG with its norm
 rescaling, one and two reference images), through ``ditserve generate --image`` too; ulysses 2, ring 2,
-tp 2 and cfg 2 give the same images, ulysses 2 with a reference too; ``ditserve serve`` answers the openai
+tp 2 and cfg 2 give the same images (ulysses 2 × ring 2 and tp 2 × cfg 2; each axis alone with -m slow),
+ulysses 2 with a reference too; ``ditserve serve`` answers the openai
 client; a PEFT LoRA per request gives what diffusers' ``load_lora_weights`` gives."""
 
 from __future__ import annotations
 
-import base64
 import io
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,12 +15,24 @@ import torch
 from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
 from PIL import Image
 
-from ditserve.replica.config import EngineConfig, ParallelFlags
-from ditserve.replica.engine import Engine
 from ditserve.replica.pipelines.qwenimage import QwenImageRunner
 from ditserve.replica.request import GenerationParams, LoRARef
+from tests.families.harness import (
+    LAYOUTS,
+    b64_pixels,
+    cli_generate,
+    engine_images,
+    layout_id,
+    load_pipeline,
+    openai_client,
+    run_runner,
+    served,
+    single_thread,  # noqa: F401 (a fixture, used by pytestmark)
+)
 from tests.families.qwenimage import build_folder
-from tests.helpers import ServeProcess, png_pixels, psnr
+from tests.helpers import psnr
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def picture(width: int, height: int, seed: int) -> bytes:
@@ -64,9 +73,7 @@ MAX_LEN = 512
 
 
 def load(cls, folder):
-    pipe = cls.from_pretrained(folder, dtype=torch.float32, **QwenImageRunner.pipeline_components(folder))
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return load_pipeline(cls, folder, **QwenImageRunner.pipeline_components(folder))
 
 
 def diffusers_image(pipe, p: GenerationParams) -> np.ndarray:
@@ -89,31 +96,8 @@ def diffusers_image(pipe, p: GenerationParams) -> np.ndarray:
     return (out.images[0] * 255).round().clip(0, 255).astype(np.uint8)
 
 
-def run_runner(runner, requests: list[GenerationParams]) -> list[np.ndarray]:
-    """The requests stepped to the end together (as the engine batches one output size)."""
-    states = [runner.add(f"r{i}", p) for i, p in enumerate(requests)]
-    while not all(s.done for s in states):
-        runner.step([s for s in states if not s.done])
-    return [runner.decode(s)[0] for s in states]
-
-
 def runner_for(pipe):
     return QwenImageRunner(pipe, device=torch.device("cpu"), dtype=torch.float32, max_sequence_length=MAX_LEN)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread here and in the ranks and servers started from here (tiny models on a shared
-    2-core machine: more threads only contend)."""
-    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    yield
-    torch.set_num_threads(threads)
-    if env is None:
-        os.environ.pop("OMP_NUM_THREADS")
-    else:
-        os.environ["OMP_NUM_THREADS"] = env
 
 
 @pytest.fixture(scope="module")
@@ -205,29 +189,12 @@ def test_edit_size_without_size_follows_the_pipelines(edit_folder):
 def test_generate_cli_edit_equals_pipeline(edit_folder, edit_expected, tmp_path):
     ref = tmp_path / "ref.png"
     ref.write_bytes(REF)
-    out = tmp_path / "out.png"
-    cmd = [sys.executable, "-m", "ditserve.cluster.cli", "generate", EDIT.prompt, "--model", str(edit_folder)]
-    cmd += ["--width", "64", "--height", "64", "--num-inference-steps", "2", "--seed", "5"]
-    cmd += ["--negative-prompt", "dark", "--true-cfg-scale", "2.5", "--image", str(ref), "-o", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr
-    assert psnr(np.array(Image.open(out).convert("RGB")), edit_expected) >= 40
+    args = ["--width", "64", "--height", "64", "--num-inference-steps", "2", "--seed", "5"]
+    args += ["--negative-prompt", "dark", "--true-cfg-scale", "2.5", "--image", str(ref)]
+    assert psnr(cli_generate(EDIT.prompt, edit_folder, tmp_path / "out.png", *args), edit_expected) >= 40
 
 
-def engine_images(folder, flags: dict, requests: list[GenerationParams]) -> list[np.ndarray]:
-    engine = Engine(EngineConfig(model=str(folder), parallel=ParallelFlags(**flags))).start()
-    try:
-        futures = [engine.submit(p) for p in requests]  # submitted together: they share steps
-        return [png_pixels(f.result(timeout=180).outputs[0]) for f in futures]
-    finally:
-        engine.shutdown()
-
-
-@pytest.mark.parametrize(
-    "flags",
-    [{"ulysses_degree": 2}, {"ring_degree": 2}, {"tp_size": 2}, {"cfg_parallel_size": 2}],
-    ids=lambda f: "-".join(f"{k.split('_')[0]}{v}" for k, v in f.items()),
-)
+@pytest.mark.parametrize("flags", LAYOUTS, ids=layout_id)
 def test_layouts_equal_one_rank(t2i_folder, t2i_expected, flags):
     # One rank equals the pipeline (above), so each layout is checked against the pipeline's images.
     for got, want in zip(engine_images(t2i_folder, flags, [CFG, PLAIN]), t2i_expected, strict=True):
@@ -258,12 +225,8 @@ def test_edit_ulysses_equals_one_rank(request, which):
 
 
 def test_serve_and_openai_client(t2i_folder, t2i_expected):
-    from openai import OpenAI
-
-    server = ServeProcess("--model", str(t2i_folder))
-    try:
-        client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-        result = client.images.generate(
+    with served("--model", str(t2i_folder)) as server:
+        result = openai_client(server).images.generate(
             model=t2i_folder.name,
             prompt=CFG.prompt,
             size="96x64",
@@ -275,11 +238,9 @@ def test_serve_and_openai_client(t2i_folder, t2i_expected):
                 "true_cfg_scale": 3.0,
             },
         )
-        got = png_pixels(base64.b64decode(result.data[0].b64_json))
-        assert got.shape == (64, 96, 3)
-        assert psnr(got, t2i_expected[0]) >= 40
-    finally:
-        assert server.stop() == 0, server.output()
+    got = b64_pixels(result)
+    assert got.shape == (64, 96, 3)
+    assert psnr(got, t2i_expected[0]) >= 40
 
 
 LORA_TARGETS = [
@@ -313,15 +274,7 @@ def test_lora_per_request_equals_load_lora_weights(t2i_folder, t2i_expected, tmp
     pipe.load_lora_weights(str(lora_file))
     want = diffusers_image(pipe, CFG)
     assert psnr(want, t2i_expected[0]) < 36  # the adapter changes the image (well past the 40 dB bar)
-    engine = Engine(EngineConfig(model=str(t2i_folder))).start()
-    try:
-        engine.load_lora("style", str(lora_file))
-        futures = [
-            engine.submit(CFG.model_copy(update={"lora": (LoRARef(name="style"),)})),
-            engine.submit(PLAIN),
-        ]
-        with_lora, without = (png_pixels(f.result(timeout=120).outputs[0]) for f in futures)
-    finally:
-        engine.shutdown()
+    lora = CFG.model_copy(update={"lora": (LoRARef(name="style"),)})
+    with_lora, without = engine_images(t2i_folder, {}, [lora, PLAIN], {"style": lora_file})  # one batch
     assert psnr(with_lora, want) >= 40
     assert psnr(without, t2i_expected[1]) >= 40  # the same batch, no adapter
