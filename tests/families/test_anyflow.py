@@ -11,12 +11,19 @@ from diffusers import AnyFlowFARPipeline
 from PIL import Image
 
 from ditserve.replica.config import EngineConfig, ParallelFlags
-from ditserve.replica.engine import Engine, validate_layout
+from ditserve.replica.engine import validate_layout
 from ditserve.replica.models.registry import resolve_model
 from ditserve.replica.pipelines.base import to_uint8
 from ditserve.replica.request import GenerationParams
 from tests.families.anyflow import build_folder
+from tests.families.harness import (
+    load_pipeline,
+    running_engine,
+    single_thread,  # noqa: F401 (a fixture, used by pytestmark)
+)
 from tests.helpers import psnr
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 MAX_LEN = 32
 FRAMES_PER_CHUNK = 8  # 2 latent frames per chunk after the first chunk's one frame
@@ -31,17 +38,13 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pipe(folder):
-    pipe = AnyFlowFARPipeline.from_pretrained(folder, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return load_pipeline(AnyFlowFARPipeline, folder)
 
 
 @pytest.fixture(scope="module")
 def engine(folder):
-    config = EngineConfig(model=str(folder), device="cpu", dtype="float32", max_sequence_length=MAX_LEN)
-    engine = Engine(config).start()
-    yield engine
-    engine.shutdown()
+    with running_engine(folder, device="cpu", dtype="float32", max_sequence_length=MAX_LEN) as engine:
+        yield engine
 
 
 def diffusers_frames(pipe, prompt: str, chunks: int, guidance_scale: float = 1.0, video=None) -> np.ndarray:
@@ -153,18 +156,9 @@ def test_layouts_other_than_ulysses_are_refused_naming_the_flags(folder):
 def test_ulysses_2_session_equals_one_rank(folder, solo):
     """Ranks in processes (gloo): each forward's tokens split over 2 ranks, each rank caching half the
     heads; the chunks (past full_chunk_limit: the compressed cache too) equal the one-rank chunks."""
-    config = EngineConfig(
-        model=str(folder),
-        device="cpu",
-        dtype="float32",
-        max_sequence_length=MAX_LEN,
-        parallel=ParallelFlags(ulysses_degree=2),
-    )
-    engine = Engine(config).start()
-    try:
+    flags = {"ulysses_degree": 2}
+    with running_engine(folder, flags, device="cpu", dtype="float32", max_sequence_length=MAX_LEN) as engine:
         chunks = session(engine, "r3.u", [SETTINGS["prompt"]] * CHUNKS, max_chunks=CHUNKS)
-    finally:
-        engine.shutdown()
     for got, want in zip(chunks, solo, strict=True):
         assert got.shape == want.shape and psnr(got, want) >= 40, psnr(got, want)
 

@@ -2,7 +2,8 @@
 
 - one rank equals diffusers' ``HunyuanVideo15Pipeline`` / ``HunyuanVideo15ImageToVideoPipeline`` frames
   (before MP4) for the same seed, with requests of different text lengths batched in one forward;
-- Ulysses 2, ring 2, TP 2 and CFG 2 engines (gloo ranks) equal the one-rank engine;
+- Ulysses 2 × ring 2 and TP 2 × CFG 2 engines (gloo ranks) equal the one-rank engine (each axis alone
+  with -m slow);
 - ``ditserve serve --model <folder>`` answers the openai client's ``videos.create`` with an MP4 of the
   asked frames and size.
 """
@@ -17,14 +18,24 @@ import pytest
 import torch
 from PIL import Image
 
-from ditserve.replica.config import EngineConfig, ParallelFlags
-from ditserve.replica.engine import Engine
+from ditserve.replica.config import EngineConfig
 from ditserve.replica.media import decode_mp4
 from ditserve.replica.pipelines.base import to_uint8
 from ditserve.replica.request import GenerationParams
 from ditserve.replica.worker import RankWorker
+from tests.families.harness import (
+    LAYOUTS,
+    frames,
+    layout_id,
+    openai_client,
+    running_engine,
+    served,
+    single_thread,  # noqa: F401 (a fixture, used by pytestmark)
+)
 from tests.families.hunyuanvideo15 import build_folder
-from tests.helpers import ServeProcess, psnr
+from tests.helpers import psnr
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _png(seed: int, width: int, height: int) -> bytes:
@@ -134,14 +145,8 @@ def test_image_to_video_equals_diffusers(i2v_folder):
 
 
 def _engine_frames(folder, flags: dict) -> list[np.ndarray]:
-    engine = Engine(
-        EngineConfig(model=str(folder), device="cpu", dtype="float32", parallel=ParallelFlags(**flags))
-    ).start()
-    try:
-        futures = [engine.submit(p) for p in LAYOUT_REQUESTS]  # submitted together: they share steps
-        return [decode_mp4(f.result(timeout=300).outputs[0]) for f in futures]
-    finally:
-        engine.shutdown()
+    with running_engine(folder, flags, device="cpu", dtype="float32") as engine:
+        return frames(engine, LAYOUT_REQUESTS)
 
 
 @pytest.fixture(scope="module")
@@ -149,19 +154,7 @@ def one_rank_frames(t2v_folder):
     return _engine_frames(t2v_folder, {})
 
 
-# Every axis in two 4-rank engines by default; each axis alone with -m slow.
-@pytest.mark.parametrize(
-    "flags",
-    [
-        {"ulysses_degree": 2, "ring_degree": 2},
-        {"tp_size": 2, "cfg_parallel_size": 2},
-        pytest.param({"ulysses_degree": 2}, marks=pytest.mark.slow),
-        pytest.param({"ring_degree": 2}, marks=pytest.mark.slow),
-        pytest.param({"tp_size": 2}, marks=pytest.mark.slow),
-        pytest.param({"cfg_parallel_size": 2}, marks=pytest.mark.slow),
-    ],
-    ids=lambda f: "-".join(f"{k.split('_')[0]}{v}" for k, v in f.items()),
-)
+@pytest.mark.parametrize("flags", LAYOUTS, ids=layout_id)
 def test_layouts_equal_one_rank(t2v_folder, one_rank_frames, flags):
     for ours, ref in zip(_engine_frames(t2v_folder, flags), one_rank_frames, strict=True):
         assert ours.shape == ref.shape == (5, 52, 68, 3)
@@ -170,23 +163,17 @@ def test_layouts_equal_one_rank(t2v_folder, one_rank_frames, flags):
 
 @pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 def test_serve_videos_api(t2v_folder):
-    from openai import OpenAI
-
-    server = ServeProcess(
-        "--model", str(t2v_folder), "--max-frames", "9", "--max-width", "64", "--max-height", "64"
-    )
-    try:
-        client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    limits = ["--max-frames", "9", "--max-width", "64", "--max-height", "64"]
+    with served("--model", str(t2v_folder), *limits) as server:
+        client = openai_client(server)
         job = client.videos.create(
             prompt="a red fox", model=t2v_folder.name, size="64x48",
             extra_body={"num_frames": 9, "num_inference_steps": 2, "seed": 1, "fps": 8},
         )  # fmt: skip
         job = client.videos.poll(job.id, poll_interval_ms=200)
         assert job.status == "completed", job
-        frames = decode_mp4(client.videos.download_content(job.id).read())
-        assert frames.shape == (9, 48, 64, 3) and frames.std() > 0
-    finally:
-        assert server.stop() == 0, server.output()
+        video = decode_mp4(client.videos.download_content(job.id).read())
+    assert video.shape == (9, 48, 64, 3) and video.std() > 0
 
 
 def test_refuses_what_it_would_serve_wrong(t2v_folder, tmp_path):
