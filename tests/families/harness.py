@@ -117,6 +117,20 @@ def run_runner(runner, requests: Sequence[GenerationParams]) -> list[np.ndarray]
     return [runner.decode(s)[0] for s in states]
 
 
+SAMPLING = ("negative_prompt", "guidance_scale", "true_cfg_scale", "num_inference_steps", "seed")
+
+
+def sampling_body(p: GenerationParams) -> dict:
+    """``p``'s sampling fields that are set, as the openai client's ``extra_body``."""
+    return {k: getattr(p, k) for k in SAMPLING if k in p.model_fields_set}
+
+
+def generate_args(p: GenerationParams) -> list[str]:
+    """``p``'s size and set sampling fields as ``ditserve generate`` flags (the prompt not included)."""
+    body = {"width": p.width, "height": p.height, **sampling_body(p)}
+    return [arg for k, v in body.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
+
+
 def cli_generate(prompt: str, folder: Path, out: Path, *args: str, timeout: float = 300) -> np.ndarray:
     """``ditserve generate PROMPT --model FOLDER ARGS -o OUT``; the written image's pixels."""
     cmd = [str(Path(sys.executable).with_name("ditserve")), "generate", prompt, "--model", str(folder)]

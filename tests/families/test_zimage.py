@@ -25,9 +25,11 @@ from tests.families.harness import (
     b64_pixels,
     cli_generate,
     engine_images,
+    generate_args,
     layout_id,
     load_pipeline,
     openai_client,
+    sampling_body,
     served,
     single_thread,  # noqa: F401 (a fixture, used by pytestmark)
 )
@@ -137,17 +139,7 @@ def test_cfg_normalization_and_truncation_follow_the_pipeline(folder, pipe, tmp_
 
 @pytest.mark.slow  # one rank's engine (default) behind the CLI; the CLI in tests/e2e
 def test_cli_generate_equals_diffusers(folder, reference, tmp_path):
-    args = [
-        "--negative-prompt",
-        FOX.negative_prompt,
-        "--guidance-scale",
-        "4",
-        "--width",
-        "80",
-        "--height",
-        "48",
-    ]
-    args += ["--num-inference-steps", "3", "--seed", "3", "--max-sequence-length", str(MAX_LEN)]
+    args = [*generate_args(FOX), "--max-sequence-length", str(MAX_LEN)]
     assert psnr(cli_generate(FOX.prompt, folder, tmp_path / "fox.png", *args), reference[0]) >= 40
 
 
@@ -163,13 +155,8 @@ def test_serve_openai_client(folder, reference):
         result = openai_client(server).images.generate(
             model=folder.name,
             prompt=FOX.prompt,
-            size="80x48",
-            extra_body={
-                "negative_prompt": "blurry",
-                "guidance_scale": 4.0,
-                "num_inference_steps": 3,
-                "seed": 3,
-            },
+            size=f"{FOX.width}x{FOX.height}",
+            extra_body=sampling_body(FOX),
         )
     assert psnr(b64_pixels(result), reference[0]) >= 40
 
