@@ -96,7 +96,8 @@ def apply_speed_switches(
 
         check_fp8_device(device, dtype)
         changed["fp8_linears"] = quantize_fp8(model)
-        if not changed["fp8_linears"]:
+        already = any(type(m).__name__ == "Float8Linear" for m in model.modules())  # applied before
+        if not changed["fp8_linears"] and not already:
             raise ValueError(
                 f"--quantization fp8: {type(model).__name__} has no block linears FP8 GEMMs can take"
             )

@@ -37,8 +37,8 @@ def test_multipart_form_fields_as_openai_sends_them():
         f'--{boundary}\r\nContent-Disposition: form-data; name="prompt"\r\n\r\nwaves, at dusk\r\n'
         f'--{boundary}\r\nContent-Disposition: form-data; name="num_frames"\r\n\r\n5\r\n--{boundary}--\r\n'
     ).encode()
-    data = _form_fields(f"multipart/form-data; boundary={boundary}", raw)
-    assert data == {"prompt": "waves, at dusk", "num_frames": "5"}
+    data, upload = _form_fields(f"multipart/form-data; boundary={boundary}", raw)
+    assert data == {"prompt": "waves, at dusk", "num_frames": "5"} and upload is None
     assert VideoCreateRequest.model_validate(data).num_frames == 5
     with pytest.raises(APIError, match="multipart"):
         _form_fields("multipart/form-data; boundary=zz", b"garbage")

@@ -319,8 +319,9 @@ def test_deploy_does_not_import_the_cli():
         ("/models/Wan2.1-T2V-14B-Diffusers", ("wan", 40)),
         ("/models/Wan2.1-T2V-1.3B-Diffusers", ("wan", 12)),
         ("/models/swan-2.1", None),  # not a word boundary
-        ("/models/FLUX.2-dev", None),  # another family: not guessed
-        ("/models/Wan2.2-TI2V-5B", None),
+        ("/models/FLUX.2-dev", ("flux2", 48)),  # each family declares its public checkpoint names
+        ("/models/Wan2.2-TI2V-5B", ("wan", 24)),
+        ("/models/HiDream-I1-Full", None),  # a family not served: not guessed
     ],
 )
 def test_folder_names_give_the_family_and_heads(model, kind):
