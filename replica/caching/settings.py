@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..jsonfields import JsonInt
 
 CachePolicy = Literal["none", "fbcache", "taylorseer"]
 
-# Each setting belongs to one policy (a setting of another policy is refused, naming it).
+# Each setting belongs to one policy; a setting of another policy has no effect (the schema allows every
+# field with every policy, so refusing it would refuse schema-valid requests).
 POLICY_OF = {"threshold": "fbcache", "interval": "taylorseer", "warmup": "taylorseer", "order": "taylorseer"}
 DEFAULTS = {"threshold": 0.1, "interval": 3, "warmup": 2, "order": 1}
 
@@ -74,15 +75,6 @@ class CacheSettings(BaseModel):
         le=2,
         description="taylorseer: Taylor order of the forecast (default 1).",
     )
-
-    @field_validator("threshold", "interval", "warmup", "order")
-    @classmethod
-    def _belongs_to_policy(cls, value, info: ValidationInfo):
-        policy = info.data.get("policy")
-        owner = POLICY_OF[info.field_name]
-        if value is not None and policy is not None and policy != owner:
-            raise ValueError(f"{info.field_name} is a {owner} setting; policy is {policy!r}")
-        return value
 
     def value(self, name: str):
         """A setting, or its default when the request left it out."""

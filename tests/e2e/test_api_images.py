@@ -86,7 +86,7 @@ def test_step_cache_usage_and_settings_naming_the_field(server):
         "cached_forwards": 2,
         "cache_policy": "taylorseer",
     }
-    bad = body | {"cache": {"policy": "fbcache", "interval": 3}}
+    bad = body | {"cache": {"policy": "taylorseer", "interval": 0}}
     r = httpx.post(f"{server.base_url}/v1/images/generations", json=bad, timeout=120)
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache.interval", r.text
     http_valid(server)
@@ -173,7 +173,9 @@ def test_grpc_step_cache_and_usage(stub):
     assert (plain.usage.cached_forwards, plain.usage.cache_policy) == (0, "none")
     with pytest.raises(grpc.RpcError) as exc:
         stub.Generate(
-            pb.GenerateRequest(prompt="a fox", size="64x64", cache=pb.StepCache(policy="fbcache", interval=3))
+            pb.GenerateRequest(
+                prompt="a fox", size="64x64", cache=pb.StepCache(policy="taylorseer", interval=0)
+            )
         )
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "interval" in exc.value.details()
     grpc_valid(stub)
