@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ditserve.replica.caching import CacheSettings
-from ditserve.replica.jsonfields import JsonInt
+from ditserve.replica.jsonfields import JsonInt, json_int
 from ditserve.replica.request import GenerationParams
 
 from .http_base import REPLICA_HEADER, check_size, frontend
@@ -48,7 +48,7 @@ class SessionGenerateRequest(BaseModel):
         strict=True, default=4, ge=1, description="Steps of a full (strength 1) schedule."
     )
     guidance_scale: float | None = Field(strict=True, default=None, ge=0, le=100)
-    seed: JsonInt | None = Field(strict=True, default=None, ge=0, lt=2**63)
+    seed: json_int(ge=0, lt=2**63) | None = Field(default=None)
     cache: CacheSettings | None = Field(
         default=None, description="Step cache of this step (as on /v1/images/generations)."
     )

@@ -17,7 +17,7 @@ from pydantic import (
 )
 
 from ditserve.replica.caching import CacheSettings
-from ditserve.replica.jsonfields import JsonInt
+from ditserve.replica.jsonfields import JsonInt, json_int
 from ditserve.replica.models.registry import ModelSpec
 from ditserve.replica.request import GenerationParams, LoRARef
 
@@ -106,8 +106,8 @@ class ImageGenerationRequest(BaseModel):
     true_cfg_scale: float | None = Field(
         strict=True, default=None, ge=0, le=100, description="True-CFG scale (Flux)."
     )
-    seed: JsonInt | None = Field(
-        strict=True, default=None, ge=0, lt=2**63, description="Random seed (random when absent)."
+    seed: json_int(ge=0, lt=2**63) | None = Field(
+        default=None, description="Random seed (random when absent)."
     )
     lora: LoRARef | list[LoRARef] | None = Field(
         default=None,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator
+from pydantic import BeforeValidator, Field
 
 
 def _integral(value: Any) -> Any:
@@ -19,3 +19,9 @@ def _integral(value: Any) -> Any:
 
 
 JsonInt = Annotated[int, BeforeValidator(_integral)]
+
+
+def json_int(**constraints: Any) -> Any:
+    """:data:`JsonInt` with bounds, for optional fields (``json_int(ge=1) | None``): the bounds sit on the int
+    itself, so the JSON schema states them (``minimum``/``maximum``) inside the union."""
+    return Annotated[int, Field(strict=True, **constraints), BeforeValidator(_integral)]

@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..jsonfields import JsonInt
+from ..jsonfields import json_int
 
 CachePolicy = Literal["none", "fbcache", "taylorseer"]
 
@@ -53,26 +53,17 @@ class CacheSettings(BaseModel):
         description="fbcache: largest relative L1 change of the first block's residual that reuses the cache "
         "(default 0.1; 0 never reuses; diffusers uses 0.05 to 0.2).",
     )
-    interval: JsonInt | None = Field(
-        strict=True,
+    interval: json_int(ge=1, le=100) | None = Field(
         default=None,
-        ge=1,
-        le=100,
         description="taylorseer: one forward in `interval` computes after the warmup (default 3; 1 never "
         "forecasts).",
     )
-    warmup: JsonInt | None = Field(
-        strict=True,
+    warmup: json_int(ge=1, le=1000) | None = Field(
         default=None,
-        ge=1,
-        le=1000,
         description="taylorseer: forwards computed first (default 2).",
     )
-    order: JsonInt | None = Field(
-        strict=True,
+    order: json_int(ge=0, le=2) | None = Field(
         default=None,
-        ge=0,
-        le=2,
         description="taylorseer: Taylor order of the forecast (default 1).",
     )
 
