@@ -92,11 +92,11 @@ def apply_speed_switches(
     what the engine runs. Returns how many modules each switch changed; applying it again is harmless."""
     changed = {"fp8_linears": 0, "fused_epilogues": 0}
     if quantization == "fp8":
-        from .models.fp8 import check_fp8_device, quantize_fp8
+        from .models.fp8 import Float8Linear, check_fp8_device, quantize_fp8
 
         check_fp8_device(device, dtype)
         changed["fp8_linears"] = quantize_fp8(model)
-        already = any(type(m).__name__ == "Float8Linear" for m in model.modules())  # applied before
+        already = any(isinstance(m, Float8Linear) for m in model.modules())  # applied before
         if not changed["fp8_linears"] and not already:
             raise ValueError(
                 f"--quantization fp8: {type(model).__name__} has no block linears FP8 GEMMs can take"

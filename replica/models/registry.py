@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
@@ -62,8 +63,9 @@ class ModelSpec:
         """The family's declaration (``replica/families/<family>.py``)."""
         return get_family(self.family)
 
-    @property
+    @cached_property
     def folder(self) -> Folder:
+        # Read once per spec (the engine checks every request against these; the folder does not change).
         return Folder(self.path, json.loads((self.path / "model_index.json").read_text()))
 
     def transformer_config(self) -> dict:
@@ -78,7 +80,7 @@ class ModelSpec:
         """Whether the model takes reference images (POST /v1/images/edits without image-to-image)."""
         return self.pipeline_class in self.family_spec.edit_pipelines
 
-    @property
+    @cached_property
     def first_frame(self) -> str:
         """Video models: whether a request's first frame (``input_reference``) is "none", "optional" or
         "required" (image-to-video)."""
@@ -118,12 +120,12 @@ class ModelSpec:
             true_cfg_scale = family.default_true_cfg if true_cfg else 1.0
         return negative_prompt, float(true_cfg_scale)
 
-    @property
+    @cached_property
     def size_multiple(self) -> int:
         """Width and height must be multiples of this (the VAE's spatial factor × the patch size)."""
         return self.family_spec.size_multiple(self.folder)
 
-    @property
+    @cached_property
     def frame_multiple(self) -> int:
         """Video models take ``frame_multiple·k + 1`` frames (the VAE's temporal factor)."""
         return self.family_spec.frame_multiple(self.folder) if self.kind == "video" else 1
