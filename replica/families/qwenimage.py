@@ -1,6 +1,7 @@
 """Qwen-Image: a dual-stream MM-DiT (separate text and image projections, one joint attention) with its own
 3-D rotary positions, Qwen2.5-VL prompt embeddings with a padding mask, packed 2×2 latents and true CFG
-(the pipelines rescale the guided prediction to the cond prediction's norm). Qwen-Image-Edit
+(the pipelines rescale the guided prediction to the cond prediction's norm); image-to-image from an
+uploaded image on a text-to-image folder (``QwenImageImg2ImgPipeline``'s arithmetic). Qwen-Image-Edit
 (``QwenImageEditPipeline``, one reference) and Qwen-Image-Edit-2509/2511 (``QwenImageEditPlusPipeline``,
 several) append the references' latent tokens after the generated ones and show the references to the VL
 encoder."""
@@ -51,6 +52,7 @@ FAMILY = Family(
     guidance="true_cfg",
     default_true_cfg=4.0,  # the pipelines' default true_cfg_scale
     edit_pipelines=frozenset({"QwenImageEditPipeline", "QwenImageEditPlusPipeline"}),
+    img2img=True,  # QwenImagePipeline folders; the edit folders take their images as references
     max_references=MAX_PLUS_REFERENCES,  # QwenImageEditPipeline: 1 (the runner refuses more)
     size_multiple=lambda folder: vae_spatial_factor(folder) * 2,  # latents packed in 2×2 patches
     refuse=_refuse,

@@ -1,7 +1,8 @@
 """Stable Diffusion 3 / 3.5 (medium, large, large turbo): MM-DiT joint attention over [image; text] with
 separate projections per stream (3.5 medium adds an image-only ``attn2`` to its first blocks), three text
 encoders (two CLIPs give the pooled vector, T5 the sequence), classifier-free guidance whenever
-guidance_scale > 1, FlowMatchEuler with the scheduler's own shift."""
+guidance_scale > 1, FlowMatchEuler with the scheduler's own shift; image-to-image from an uploaded image
+(``StableDiffusion3Img2ImgPipeline``'s arithmetic)."""
 
 from . import Family, Folder
 
@@ -22,6 +23,7 @@ FAMILY = Family(
     runner="pipelines.sd3:SD3Runner",
     plan="parallel.sd3:SD3_PLAN",
     guidance="cfg",
+    img2img=True,
     refuse=_refuse,
     # size multiple: the VAE's 8× times the transformer's patch_size 2 (the default rule reads both)
     checkpoints=(

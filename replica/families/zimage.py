@@ -1,7 +1,8 @@
 """Z-Image (base, Turbo): a single-stream DiT over [image; caption] tokens (each padded to a multiple of
 32, 3-axis rotary positions, refiner blocks per stream first), a Qwen3 text encoder whose masked hidden
 states give each prompt its own length, classifier-free guidance whenever guidance_scale > 0 with
-ZImagePipeline's arithmetic (cond + scale·(cond − uncond), optional norm cap and truncation)."""
+ZImagePipeline's arithmetic (cond + scale·(cond − uncond), optional norm cap and truncation); image-to-image
+from an uploaded image (``ZImageImg2ImgPipeline``'s arithmetic)."""
 
 from . import Family, Folder, vae_spatial_factor
 
@@ -38,6 +39,7 @@ FAMILY = Family(
     runner="pipelines.zimage:ZImageRunner",
     plan="parallel.zimage:ZIMAGE_PLAN",
     guidance="cfg",
+    img2img=True,
     size_multiple=lambda folder: vae_spatial_factor(folder) * 2,  # 2×2 patches of the 8× VAE's latents
     heads=lambda config: int(config["n_heads"]),
     refuse=_refuse,

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
-from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
 from ..request import GenerationParams
 from .base import PipelineRunner, RequestState, open_image, request_scheduler, to_uint8
+from .img2img import encode_start, noised_start, request_generator, scaled_vae_latents, start_pixels
 
 
 class FluxRunner(PipelineRunner):
@@ -49,28 +49,17 @@ class FluxRunner(PipelineRunner):
                 out |= self._encode_init_image(params)
         return out
 
-    def _vae_latents(self, image: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-        """Pixels in [-1, 1] → scaled, shifted VAE latents: a sample drawn with ``generator`` (img2img), or
-        the mode without one (Kontext's reference)."""
-        vae = self.pipe.vae
-        image = image.to(self.device, vae.dtype)
-        mode = "sample" if generator is not None else "argmax"
-        latents = retrieve_latents(vae.encode(image), generator=generator, sample_mode=mode)
-        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
-
     def _encode_init_image(self, params: GenerationParams) -> dict:
-        """Image-to-image as ``FluxImg2ImgPipeline``: the image resized to the requested size, VAE-encoded
-        with a sample from the request's generator, which then draws the noise (in ``prepare``, from the
-        generator state returned here)."""
+        """Image-to-image as ``FluxImg2ImgPipeline``: the image at the requested size, VAE-encoded with a
+        sample from the request's generator, packed (the noise is drawn in ``prepare``)."""
         pipe = self.pipe
-        image = pipe.image_processor.preprocess(
-            open_image(params.images[0]), height=params.height, width=params.width
-        ).to(torch.float32)
-        generator = torch.Generator("cpu").manual_seed(params.seed)
-        latents = self._vae_latents(image, generator).to(self.dtype)
-        _, channels, height, width = latents.shape
-        packed = pipe._pack_latents(latents, 1, channels, height, width)
-        return {"init_latents": packed, "generator_state": generator.get_state()}
+
+        def packed(generator: torch.Generator) -> torch.Tensor:
+            latents = scaled_vae_latents(pipe.vae, start_pixels(pipe, params), generator).to(self.dtype)
+            _, channels, height, width = latents.shape
+            return pipe._pack_latents(latents, 1, channels, height, width)
+
+        return encode_start(params, packed)
 
     def _encode_reference(self, image) -> dict:
         """Kontext's reference as ``FluxKontextPipeline`` prepares it: resized to the preferred Kontext
@@ -83,7 +72,7 @@ class FluxRunner(PipelineRunner):
         width, height = width // multiple * multiple, height // multiple * multiple
         image = pipe.image_processor.resize(image, height, width)
         pixels = pipe.image_processor.preprocess(image, height, width)
-        latents = self._vae_latents(pixels, None).to(self.dtype)
+        latents = scaled_vae_latents(pipe.vae, pixels, None).to(self.dtype)
         _, channels, lat_h, lat_w = latents.shape
         packed = pipe._pack_latents(latents, 1, channels, lat_h, lat_w)
         ids = pipe._prepare_latent_image_ids(1, lat_h // 2, lat_w // 2, self.device, self.dtype)
@@ -101,11 +90,9 @@ class FluxRunner(PipelineRunner):
             cond["guidance"] = guidance
             if uncond is not None:
                 uncond = {**uncond, "guidance": guidance}
-        # Latents from a CPU generator: the same seed gives the same noise on every device and rank. After an
-        # image-to-image encode, the generator goes on from where the VAE sample left it (as diffusers').
-        generator = torch.Generator("cpu").manual_seed(params.seed)
-        if "generator_state" in encoded:
-            generator.set_state(encoded["generator_state"].cpu())
+        # Latents from the request's CPU generator (after an image-to-image encode, from where the VAE
+        # sample left it, as diffusers').
+        generator = request_generator(params, encoded)
         latent_args = (n, pipe.transformer.config.in_channels // 4, params.height, params.width)
         if self.kontext:
             latents, _, image_ids, _ = pipe.prepare_latents(
@@ -133,29 +120,8 @@ class FluxRunner(PipelineRunner):
             scheduler.config.get("max_shift", 1.15),
         )
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
-        start = 0
-        init = encoded.get("init_latents")
-        if init is None and params.init_latents is not None:
-            init = torch.from_numpy(params.init_latents)
-        if init is not None:
-            # img2img (diffusers' FluxImg2ImgPipeline): skip the first (1 - strength) of the schedule and
-            # noise the given latents to the first remaining timestep.
-            init = init.to(self.device, self.dtype)
-            if init.shape[0] == 1 and n > 1:  # one uploaded image for n outputs
-                init = init.repeat(n, 1, 1)
-            if init.shape != latents.shape:
-                raise ValueError(f"init_latents: shape {tuple(init.shape)} != {tuple(latents.shape)}")
-            if not hasattr(scheduler, "scale_noise"):
-                raise ValueError(
-                    f"init_latents: image-to-image needs a flow-matching scheduler, not {type(scheduler).__name__}"
-                )
-            start = int(max(steps - min(steps * params.strength, steps), 0))
-            # At least one step runs; × order as diffusers' get_timesteps (1 for Euler).
-            start = min(start, steps - 1) * scheduler.order
-            scheduler.set_begin_index(start)
-            latents = scheduler.scale_noise(init, timesteps[start : start + 1].repeat(n), latents)
-        else:
-            scheduler.set_begin_index(0)
+        # img2img (FluxImg2ImgPipeline): the start latents noised to strength's first timestep.
+        latents, start = noised_start(scheduler, timesteps, latents, params, encoded)
         # Rows of one forward share the sequence: Kontext requests batch only with the same reference length.
         num_reference = 0 if reference is None else reference["latents"].shape[1]
         bucket = ("flux", params.height, params.width, 1, num_reference)

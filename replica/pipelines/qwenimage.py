@@ -1,5 +1,6 @@
-"""Qwen-Image: text-to-image (QwenImagePipeline) and editing with one (QwenImageEditPipeline) or several
-(QwenImageEditPlusPipeline) reference images.
+"""Qwen-Image: text-to-image (QwenImagePipeline), image-to-image from one start image and ``strength`` on
+the same folder (QwenImageImg2ImgPipeline's arithmetic), and editing with one (QwenImageEditPipeline) or
+several (QwenImageEditPlusPipeline) reference images.
 
 The arithmetic follows diffusers' pipelines: Qwen2.5-VL prompt embeddings with their padding mask, packed
 2×2 latents, FlowMatchEuler with the dynamic shift, true CFG with the pipelines' norm rescaling
@@ -22,9 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_img2img import retrieve_latents
 
 from ..request import GenerationParams
 from .base import PipelineRunner, RequestState, request_scheduler, to_uint8
+from .img2img import encode_start, noised_start, request_generator, start_pixels
 
 # QwenImageEditPlusPipeline's reference areas: the VL encoder's view and the VAE latents'.
 CONDITION_AREA = 384 * 384
@@ -112,9 +115,9 @@ class QwenImageRunner(PipelineRunner):
     def _references(self, params: GenerationParams) -> list:
         cls = type(self.pipe).__name__
         if not self.edit:
-            if params.images:
-                raise ValueError(f"image: {cls} draws from text alone and takes no reference image")
-            return []
+            if len(params.images) > 1:
+                raise ValueError(f"image: image-to-image starts from one image, got {len(params.images)}")
+            return []  # a start image is not a reference: ``_start_latents``
         limit = 3 if self.plus else 1
         if not params.images:
             raise ValueError(f"image: {cls} edits a reference image; give 1 to {limit}")
@@ -142,6 +145,24 @@ class QwenImageRunner(PipelineRunner):
         channels = pipe.transformer.config.in_channels // 4
         h, w = latents.shape[3:]
         return pipe._pack_latents(latents, 1, channels, h, w).to(self.dtype)
+
+    def _latent_norm(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The VAE's per-channel latent mean and 1 / std, shaped (1, z, 1, 1, 1) like ``like``."""
+        config = self.pipe.vae.config
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(like)
+        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(like)
+        return mean, inv_std
+
+    def _start_latents(self, params: GenerationParams, generator: torch.Generator) -> torch.Tensor:
+        """QwenImageImg2ImgPipeline's start latents: the image at the requested size, a VAE sample drawn
+        with ``generator``, normalised, packed (1, tokens, channels)."""
+        vae = self.pipe.vae
+        pixels = start_pixels(self.pipe, params).unsqueeze(2)  # (1, 3, 1, H, W): the VAE's frame axis
+        latents = retrieve_latents(vae.encode(pixels.to(self.device, vae.dtype)), generator=generator)
+        mean, inv_std = self._latent_norm(latents)
+        latents = (latents - mean) * inv_std
+        channels, h, w = latents.shape[1], *latents.shape[3:]
+        return self.pipe._pack_latents(latents, 1, channels, h, w).to(self.dtype)
 
     @torch.no_grad()
     def encode(self, params: GenerationParams) -> dict:
@@ -173,6 +194,8 @@ class QwenImageRunner(PipelineRunner):
         if params.true_cfg_scale > 1 and params.negative_prompt is not None:
             neg, neg_mask = self._prompt(params.negative_prompt, n, vl_image)
             out["uncond"] = {"encoder_hidden_states": neg, "mask": neg_mask}
+        if params.images and not self.edit:  # image-to-image, sampled with the request's generator
+            out |= encode_start(params, lambda generator: self._start_latents(params, generator))
         return out
 
     # -- request state ----------------------------------------------------------------------------------
@@ -188,7 +211,7 @@ class QwenImageRunner(PipelineRunner):
     def prepare(self, req_id: str, params: GenerationParams, encoded: dict) -> RequestState:
         pipe, n = self.pipe, params.n
         channels = pipe.transformer.config.in_channels // 4
-        generator = torch.Generator("cpu").manual_seed(params.seed)
+        generator = request_generator(params, encoded)
         args = (n, channels, params.height, params.width, self.dtype, self.device, generator)
         if self.edit:
             latents, _ = pipe.prepare_latents(None, *args)
@@ -216,7 +239,9 @@ class QwenImageRunner(PipelineRunner):
             scheduler.config.get("max_shift", 1.15),
         )
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
-        scheduler.set_begin_index(0)
+        # Image-to-image (QwenImageImg2ImgPipeline): the start latents noised to strength's timestep (the
+        # noise is elementwise, so packed latents give the pipeline's packed result).
+        latents, start = noised_start(scheduler, timesteps, latents, params, encoded)
         return RequestState(
             req_id=req_id,
             params=params,
@@ -227,6 +252,7 @@ class QwenImageRunner(PipelineRunner):
             uncond=uncond,
             cfg_scale=params.true_cfg_scale,
             bucket=("qwenimage", params.height, params.width, 1),
+            step_index=start,
             extra={"shared": {"img_shapes": img_shapes}, "group": tuple(img_shapes)},
         )
 
@@ -288,7 +314,6 @@ class QwenImageRunner(PipelineRunner):
         pipe, p = self.pipe, state.params
         vae = pipe.vae
         latents = pipe._unpack_latents(state.latents, p.height, p.width, pipe.vae_scale_factor).to(vae.dtype)
-        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
+        mean, inv_std = self._latent_norm(latents)
         image = vae.decode(latents / inv_std + mean, return_dict=False)[0][:, :, 0]
         return to_uint8(pipe.image_processor.postprocess(image, output_type="np"))

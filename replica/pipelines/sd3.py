@@ -1,5 +1,6 @@
 """Stable Diffusion 3 / 3.5: text-to-image with classifier-free guidance (an uncond branch whenever
-guidance_scale > 1, as StableDiffusion3Pipeline decides), FlowMatchEuler with the scheduler's shift."""
+guidance_scale > 1, as StableDiffusion3Pipeline decides), FlowMatchEuler with the scheduler's shift;
+image-to-image from ``params.images[0]`` and ``strength`` (``StableDiffusion3Img2ImgPipeline``'s arithmetic)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
 
 from ..request import GenerationParams
 from .base import PipelineRunner, RequestState, request_scheduler, to_uint8
+from .img2img import encode_start, noised_start, request_generator, scaled_vae_latents, start_pixels
 
 
 class SD3Runner(PipelineRunner):
@@ -48,6 +50,11 @@ class SD3Runner(PipelineRunner):
                 "encoder_hidden_states": neg_embeds.to(self.dtype),
                 "pooled_projections": neg_pooled.to(self.dtype),
             }
+        if params.images:  # image-to-image: the start image's latents, sampled with the request's generator
+            vae = self.pipe.vae
+            out |= encode_start(
+                params, lambda g: scaled_vae_latents(vae, start_pixels(self.pipe, params), g).to(self.dtype)
+            )
         return out
 
     def _check_size(self, params: GenerationParams) -> None:
@@ -65,8 +72,8 @@ class SD3Runner(PipelineRunner):
     def prepare(self, req_id: str, params: GenerationParams, encoded: dict) -> RequestState:
         pipe, n = self.pipe, params.n
         self._check_size(params)
-        # Latents from a CPU generator in the model's dtype, as the pipeline draws them.
-        generator = torch.Generator("cpu").manual_seed(params.seed)
+        # Noise from the request's CPU generator in the model's dtype, as the pipelines draw it.
+        generator = request_generator(params, encoded)
         latents = pipe.prepare_latents(
             n,
             pipe.transformer.config.in_channels,
@@ -90,7 +97,8 @@ class SD3Runner(PipelineRunner):
                 config.get("max_shift", 1.16),  # the SD3 pipeline's default, not Flux's 1.15
             )
         timesteps, _ = retrieve_timesteps(scheduler, params.num_inference_steps, self.device, **kwargs)
-        scheduler.set_begin_index(0)
+        # Image-to-image (StableDiffusion3Img2ImgPipeline): the start latents noised to strength's timestep.
+        latents, start = noised_start(scheduler, timesteps, latents, params, encoded)
         return RequestState(
             req_id=req_id,
             params=params,
@@ -101,6 +109,7 @@ class SD3Runner(PipelineRunner):
             uncond=encoded.get("uncond"),
             cfg_scale=self._guidance(params),
             bucket=("sd3", params.height, params.width, 1),
+            step_index=start,
             extra={"shared": {}},
         )
 

@@ -1,6 +1,8 @@
 """Z-Image: text-to-image from a Qwen3 caption of its own length per prompt, guidance as ZImagePipeline
 does it (an uncond branch whenever guidance_scale > 0; ``cond + scale·(cond − uncond)``, optionally capped
-in norm and switched off late in the schedule), FlowMatchEuler with the pipeline's sigmas and shift."""
+in norm and switched off late in the schedule), FlowMatchEuler with the pipeline's sigmas and shift;
+image-to-image from ``params.images[0]`` and ``strength`` (``ZImageImg2ImgPipeline``'s arithmetic, the start
+image resized to the requested size)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,14 @@ from diffusers.pipelines.z_image.pipeline_z_image import (
 
 from ..request import GenerationParams
 from .base import PipelineRunner, RequestState, request_scheduler, to_uint8
+from .img2img import (
+    encode_start,
+    noised_start,
+    request_generator,
+    scaled_vae_latents,
+    start_latents,
+    start_pixels,
+)
 
 
 class ZImageRunner(PipelineRunner):
@@ -60,18 +70,25 @@ class ZImageRunner(PipelineRunner):
         out = {"cond": self._captions(embeds, params.n)}
         if do_cfg:
             out["uncond"] = self._captions(neg_embeds, params.n)
+        if params.images:  # image-to-image: the start image's latents, sampled with the request's generator
+            vae = self.pipe.vae
+            out |= encode_start(
+                params, lambda g: scaled_vae_latents(vae, start_pixels(self.pipe, params), g).to(self.dtype)
+            )
         return out
 
     @torch.no_grad()
     def prepare(self, req_id: str, params: GenerationParams, encoded: dict) -> RequestState:
         pipe, n = self.pipe, params.n
-        generator = torch.Generator("cpu").manual_seed(params.seed)
+        generator = request_generator(params, encoded)
+        # ZImagePipeline draws its noise in fp32, ZImageImg2ImgPipeline in the model's dtype.
+        noise_dtype = torch.float32 if start_latents(params, encoded) is None else self.dtype
         latents = pipe.prepare_latents(
             n,
             pipe.transformer.in_channels,
             params.height,
             params.width,
-            torch.float32,
+            noise_dtype,
             self.device,
             generator,
         )
@@ -88,7 +105,9 @@ class ZImageRunner(PipelineRunner):
         timesteps, _ = retrieve_timesteps(
             scheduler, params.num_inference_steps, self.device, sigmas=sigmas, mu=mu
         )
-        scheduler.set_begin_index(0)
+        # Image-to-image: the start latents noised to strength's timestep; the pipelines step in fp32.
+        latents, start = noised_start(scheduler, timesteps, latents, params, encoded)
+        latents = latents.float()
         uncond = encoded.get("uncond")
         # CFG truncation: guidance off at the steps whose normalised time (1000 - t) / 1000 is past it.
         guided_steps = [uncond is not None] * len(timesteps)
@@ -104,6 +123,7 @@ class ZImageRunner(PipelineRunner):
             uncond=uncond,
             cfg_scale=self._guidance(params),
             bucket=("zimage", params.height, params.width, 1),
+            step_index=start,
             extra={"shared": {}, "guided_steps": guided_steps},
         )
 
