@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import torch
 from ditserve.replica.config import EngineConfig, ParallelFlags
 from ditserve.replica.engine import Engine
 from ditserve.replica.media import decode_mp4
+from ditserve.replica.pipelines.base import to_uint8
 from ditserve.replica.request import GenerationParams, GenerationResult
 from tests.helpers import ServeProcess, png_pixels
 
@@ -117,7 +119,43 @@ def run_runner(runner, requests: Sequence[GenerationParams]) -> list[np.ndarray]
     return [runner.decode(s)[0] for s in states]
 
 
-SAMPLING = ("negative_prompt", "guidance_scale", "true_cfg_scale", "num_inference_steps", "seed")
+SAMPLING = ("negative_prompt", "guidance_scale", "true_cfg_scale", "num_inference_steps", "seed", "strength")
+
+
+def picture(width: int, height: int, seed: int) -> bytes:
+    """Smooth colours plus noise, as PNG bytes (an uploaded image)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    pixels = np.stack([x / width, y / height, 1 - x * y / (width * height)], -1) * 200
+    pixels = pixels + rng.integers(0, 55, (height, width, 3))
+    buf = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def img2img_image(pipe_cls, pipe, p: GenerationParams, **kwargs) -> np.ndarray:
+    """diffusers' image-to-image pipeline ``pipe_cls`` (on ``pipe``'s components) for ``p``: its start image
+    ``p.images[0]``, strength, size, steps, seed and the guidance fields it sets."""
+    from PIL import Image
+
+    i2i = pipe_cls.from_pipe(pipe)
+    i2i.set_progress_bar_config(disable=True)
+    guidance = {k: getattr(p, k) for k in ("negative_prompt", "guidance_scale", "true_cfg_scale")}
+    out = i2i(
+        prompt=p.prompt,
+        image=Image.open(io.BytesIO(p.images[0])).convert("RGB"),
+        strength=p.strength,
+        width=p.width,
+        height=p.height,
+        num_inference_steps=p.num_inference_steps,
+        generator=torch.Generator("cpu").manual_seed(p.seed),
+        output_type="np",
+        **{k: v for k, v in guidance.items() if k in p.model_fields_set},
+        **kwargs,
+    )
+    return to_uint8(out.images)[0]
 
 
 def sampling_body(p: GenerationParams) -> dict:

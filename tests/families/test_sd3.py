@@ -2,16 +2,19 @@
 give diffusers' StableDiffusion3Pipeline image; ulysses 2 × ring 2 and tp 2 × cfg 2 give the one-rank images
 (each axis alone with -m slow);
 a LoRA applied per request gives diffusers' ``load_lora_weights`` image while the same request without it,
-in the same batch, is unchanged; ``ditserve serve`` answers the openai client with the image."""
+in the same batch, is unchanged; an uploaded image with ``strength`` gives StableDiffusion3Img2ImgPipeline's
+image (in that batch, through ``ditserve generate --image`` and the openai client's ``images.edit``);
+``ditserve serve`` answers the openai client with the image."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+import openai
 import pytest
 import torch
-from diffusers import StableDiffusion3Pipeline
+from diffusers import StableDiffusion3Img2ImgPipeline, StableDiffusion3Pipeline
 
 from ditserve.replica.caching.settings import CacheSettings
 from ditserve.replica.pipelines.base import to_uint8
@@ -23,9 +26,11 @@ from tests.families.harness import (
     cli_generate,
     engine_images,
     generate_args,
+    img2img_image,
     layout_id,
     load_pipeline,
     openai_client,
+    picture,
     sampling_body,
     served,
     single_thread,  # noqa: F401 (a fixture, used by pytestmark)
@@ -47,6 +52,12 @@ CAT = GenerationParams(
 )
 FOX_LORA = FOX.model_copy(update={"lora": (LoRARef(name="style"),)})
 BATCH = [FOX, CAT, FOX_LORA]  # submitted together: one batch, the same request with and without the LoRA
+# Image-to-image: 3 steps at strength 0.5 skip the first (diffusers' get_timesteps), in BATCH's batch.
+START = picture(80, 48, 0)
+FOX_I2I = GenerationParams(
+    prompt="a red fox in the snow", negative_prompt="blurry", guidance_scale=4.0, width=80, height=48,
+    num_inference_steps=3, strength=0.5, seed=5, images=(START,),
+)  # fmt: skip
 TARGETS = [
     "to_q",
     "to_k",
@@ -98,8 +109,25 @@ def reference(folder, lora_file) -> list[np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def one_rank(folder, lora_file) -> list[np.ndarray]:
-    return engine_images(folder, {}, BATCH, {"style": lora_file}, max_sequence_length=MAX_LEN)
+def one_rank_all(folder, lora_file) -> list[np.ndarray]:
+    """One engine's images for BATCH and FOX_I2I, submitted together."""
+    requests = [*BATCH, FOX_I2I]
+    return engine_images(folder, {}, requests, {"style": lora_file}, max_sequence_length=MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def one_rank(one_rank_all) -> list[np.ndarray]:
+    return one_rank_all[: len(BATCH)]
+
+
+@pytest.fixture(scope="module")
+def pipe(folder):
+    return load_pipeline(StableDiffusion3Pipeline, folder)
+
+
+@pytest.fixture(scope="module")
+def img2img_reference(pipe) -> np.ndarray:
+    return img2img_image(StableDiffusion3Img2ImgPipeline, pipe, FOX_I2I, max_sequence_length=MAX_LEN)
 
 
 def test_one_rank_equals_diffusers_with_and_without_lora_in_one_batch(one_rank, reference):
@@ -109,10 +137,26 @@ def test_one_rank_equals_diffusers_with_and_without_lora_in_one_batch(one_rank, 
     assert psnr(reference[2], reference[0]) < 30  # the adapter changes the image
 
 
+def test_one_rank_image_to_image_equals_diffusers_img2img(one_rank_all, img2img_reference, reference):
+    ours = one_rank_all[-1]
+    assert ours.shape == img2img_reference.shape == (48, 80, 3)
+    assert psnr(ours, img2img_reference) >= 40
+    assert psnr(img2img_reference, reference[0]) < 30  # not the text-to-image picture
+
+
 @pytest.mark.slow  # one rank's engine (default) behind the CLI; the CLI in tests/e2e
 def test_cli_generate_equals_diffusers(folder, reference, tmp_path):
     args = [*generate_args(FOX), "--max-sequence-length", str(MAX_LEN)]
     assert psnr(cli_generate(FOX.prompt, folder, tmp_path / "fox.png", *args), reference[0]) >= 40
+
+
+@pytest.mark.slow  # the image-to-image request runs by default in one rank's engine (above)
+def test_cli_generate_image_to_image_equals_diffusers(folder, img2img_reference, tmp_path):
+    start = tmp_path / "start.png"
+    start.write_bytes(START)
+    args = [*generate_args(FOX_I2I), "--image", str(start), "--max-sequence-length", str(MAX_LEN)]
+    out = cli_generate(FOX_I2I.prompt, folder, tmp_path / "fox.png", *args)
+    assert psnr(out, img2img_reference) >= 40
 
 
 @pytest.mark.parametrize("flags", LAYOUTS, ids=layout_id)
@@ -122,20 +166,38 @@ def test_layouts_equal_one_rank(folder, lora_file, one_rank, flags):
         assert psnr(ours, ref) >= 40
 
 
-def test_serve_openai_client(folder, reference):
+def edit(client, model: str, p: GenerationParams):
+    """``client.images.edit`` with ``p``'s start image, prompt, size and sampling fields (``strength``)."""
+    return client.images.edit(
+        model=model,
+        image=("start.png", p.images[0], "image/png"),
+        prompt=p.prompt,
+        size=f"{p.width}x{p.height}",
+        extra_body=sampling_body(p),
+    )
+
+
+def test_serve_openai_client(folder, reference, img2img_reference):
+    """images.generate gives the pipeline's image; images.edit (SD3 is no edit model: image-to-image) gives
+    the img2img pipeline's, after a strength outside (0, 1] was a 400 naming it."""
     with served("--model", str(folder), "--max-sequence-length", str(MAX_LEN)) as server:
-        result = openai_client(server).images.generate(
+        client = openai_client(server)
+        result = client.images.generate(
             model=folder.name,
             prompt=FOX.prompt,
             size=f"{FOX.width}x{FOX.height}",
             extra_body=sampling_body(FOX),
         )
+        refused = []
+        for strength in (0.0, 1.5):
+            with pytest.raises(openai.BadRequestError) as error:
+                edit(client, folder.name, FOX_I2I.model_copy(update={"strength": strength}))
+            refused.append(error.value)
+        edited = edit(client, folder.name, FOX_I2I)
     assert psnr(b64_pixels(result), reference[0]) >= 40
-
-
-@pytest.fixture(scope="module")
-def pipe(folder):
-    return load_pipeline(StableDiffusion3Pipeline, folder)
+    assert [(e.status_code, e.param) for e in refused] == [(400, "strength")] * 2
+    assert all(e.body["message"].startswith("strength: ") for e in refused), [e.body for e in refused]
+    assert psnr(b64_pixels(edited), img2img_reference) >= 40
 
 
 def test_step_cache_skips_blocks_of_its_request_only(pipe, reference):
