@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
+import os
 import socket
 import threading
 import time
@@ -108,8 +109,55 @@ def _rank_main(conn, config: EngineConfig, rank: int, world_size: int, init_meth
             conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
+# Rank processes fork from one fork server per process that imported torch, diffusers and the first model's
+# pipeline once: each rank then starts without paying those imports again (seconds per rank, more when the
+# ranks of a replica import at once on few cores). The server's environment and imports are fixed when it
+# starts, so a launch from a different environment (a changed variable) spawns fresh interpreters instead.
+_FORK_SERVER: dict[str, Any] = {}
+_IGNORED_ENV = ("PYTEST_CURRENT_TEST",)
+
+
+def _environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _IGNORED_ENV}
+
+
+def _preload(config: EngineConfig) -> list[str]:
+    """Modules a rank of ``config`` imports: the worker, the family's runner and plan, the pipeline's module."""
+    modules = [f"{__package__}.worker"]
+    try:
+        from .models.registry import resolve_model
+
+        spec = resolve_model(config.model)
+        family = spec.family_spec
+        for attr in ("runner", "plan"):
+            target = getattr(family, attr, None)
+            if target:
+                modules.append(f"{__package__}.{target.split(':')[0]}")
+        import diffusers
+
+        modules.append(getattr(diffusers, spec.pipeline_class).__module__)
+    except Exception:  # noqa: BLE001 - a preload is an optimisation; the rank reports real errors itself
+        pass
+    return modules
+
+
+def rank_context(config: EngineConfig):
+    """The multiprocessing context to start ``config``'s ranks with: the fork server when this process's
+    environment is the one it started with, else spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    if not _FORK_SERVER:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_preload(config))
+        _FORK_SERVER["env"] = _environment()
+        return ctx
+    if _FORK_SERVER["env"] == _environment():
+        return mp.get_context("forkserver")
+    return mp.get_context("spawn")
+
+
 class LocalProcessLauncher(RankLauncher):
-    """``world_size`` local processes (spawned), gloo on CPU, NCCL on GPUs, rendezvous on localhost."""
+    """``world_size`` local processes, gloo on CPU, NCCL on GPUs, rendezvous on localhost."""
 
     def __init__(self, world_size: int, start_timeout_s: float = 300.0):
         self.world_size = world_size
@@ -120,7 +168,7 @@ class LocalProcessLauncher(RankLauncher):
         self.dead: list[int] = []
 
     def start(self, config: EngineConfig) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = rank_context(config)
         init_method = f"tcp://127.0.0.1:{free_port()}"
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
