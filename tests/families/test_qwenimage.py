@@ -3,7 +3,8 @@ own images (prompts of different lengths batched with their padding masks, true 
 rescaling, one and two reference images), through ``ditserve generate --image`` too; ulysses 2, ring 2,
 tp 2 and cfg 2 give the same images (ulysses 2 × ring 2 and tp 2 × cfg 2; each axis alone with -m slow),
 ulysses 2 with a reference too; ``ditserve serve`` answers the openai
-client; a PEFT LoRA per request gives what diffusers' ``load_lora_weights`` gives."""
+client; a PEFT LoRA per request gives what diffusers' ``load_lora_weights`` gives, and an uploaded image with
+``strength`` in the same batch gives QwenImageImg2ImgPipeline's image."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ import io
 import numpy as np
 import pytest
 import torch
-from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
+from diffusers import (
+    QwenImageEditPipeline,
+    QwenImageEditPlusPipeline,
+    QwenImageImg2ImgPipeline,
+    QwenImagePipeline,
+)
 from PIL import Image
 
 from ditserve.replica.pipelines.qwenimage import QwenImageRunner
@@ -22,9 +28,11 @@ from tests.families.harness import (
     b64_pixels,
     cli_generate,
     engine_images,
+    img2img_image,
     layout_id,
     load_pipeline,
     openai_client,
+    picture,
     run_runner,
     served,
     single_thread,  # noqa: F401 (a fixture, used by pytestmark)
@@ -33,17 +41,6 @@ from tests.families.qwenimage import build_folder
 from tests.helpers import psnr
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-def picture(width: int, height: int, seed: int) -> bytes:
-    """Smooth colours plus noise, as PNG bytes."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    pixels = np.stack([x / width, y / height, 1 - x * y / (width * height)], -1) * 200
-    pixels = pixels + rng.integers(0, 55, (height, width, 3))
-    buf = io.BytesIO()
-    Image.fromarray(pixels.astype(np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 REF, REF2 = picture(80, 48, 0), picture(48, 64, 1)
@@ -69,6 +66,10 @@ EDIT = GenerationParams(
     images=(REF,),
 )
 PLUS = EDIT.model_copy(update={"images": (REF, REF2), "prompt": "the cat of picture 2 in picture 1"})
+# Image-to-image on the text-to-image folder: 3 steps at strength 0.5 skip the first (get_timesteps).
+I2I = CFG.model_copy(
+    update={"num_inference_steps": 3, "strength": 0.5, "seed": 6, "images": (picture(96, 64, 2),)}
+)
 MAX_LEN = 512
 
 
@@ -138,8 +139,8 @@ def test_one_rank_batch_equals_qwenimage_pipeline(t2i_pipe, t2i_expected):
         assert got.shape == want.shape == (64, 96, 3)
         assert psnr(got, want) >= 40
     assert psnr(ours[0], ours[1]) < 30
-    with pytest.raises(ValueError, match="^image: "):
-        runner.encode(PLAIN.model_copy(update={"images": (REF,)}))
+    with pytest.raises(ValueError, match="^image: image-to-image starts from one image, got 2"):
+        runner.encode(PLAIN.model_copy(update={"images": (REF, REF)}))
 
 
 @pytest.fixture(scope="module")
@@ -255,7 +256,8 @@ LORA_TARGETS = [
 ]
 
 
-def test_lora_per_request_equals_load_lora_weights(t2i_folder, t2i_expected, tmp_path):
+@pytest.fixture(scope="module")
+def lora_file(t2i_folder, tmp_path_factory):
     from diffusers import QwenImageTransformer2DModel
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
@@ -267,14 +269,30 @@ def test_lora_per_request_equals_load_lora_weights(t2i_folder, t2i_expected, tmp
     )
     # B scaled up: random tiny weights over two steps otherwise change the image too little to see.
     state = {k: v * 40 if "lora_B" in k else v for k, v in get_peft_model_state_dict(transformer).items()}
-    QwenImagePipeline.save_lora_weights(tmp_path, transformer_lora_layers=state)
-    lora_file = tmp_path / "pytorch_lora_weights.safetensors"
+    out = tmp_path_factory.mktemp("qwen-lora")
+    QwenImagePipeline.save_lora_weights(out, transformer_lora_layers=state)
+    return out / "pytorch_lora_weights.safetensors"
 
+
+@pytest.fixture(scope="module")
+def one_rank(t2i_folder, lora_file) -> list[np.ndarray]:
+    """One engine's images for CFG with the adapter, PLAIN and I2I, submitted together (one batch)."""
+    lora = CFG.model_copy(update={"lora": (LoRARef(name="style"),)})
+    return engine_images(t2i_folder, {}, [lora, PLAIN, I2I], {"style": lora_file})
+
+
+def test_lora_per_request_equals_load_lora_weights(t2i_folder, t2i_expected, lora_file, one_rank):
     pipe = load(QwenImagePipeline, t2i_folder)
     pipe.load_lora_weights(str(lora_file))
     want = diffusers_image(pipe, CFG)
     assert psnr(want, t2i_expected[0]) < 36  # the adapter changes the image (well past the 40 dB bar)
-    lora = CFG.model_copy(update={"lora": (LoRARef(name="style"),)})
-    with_lora, without = engine_images(t2i_folder, {}, [lora, PLAIN], {"style": lora_file})  # one batch
+    with_lora, without, _ = one_rank
     assert psnr(with_lora, want) >= 40
     assert psnr(without, t2i_expected[1]) >= 40  # the same batch, no adapter
+
+
+def test_one_rank_image_to_image_equals_img2img_pipeline(t2i_pipe, t2i_expected, one_rank):
+    want = img2img_image(QwenImageImg2ImgPipeline, t2i_pipe, I2I, max_sequence_length=MAX_LEN)
+    assert one_rank[2].shape == want.shape == (64, 96, 3)
+    assert psnr(one_rank[2], want) >= 40
+    assert psnr(want, t2i_expected[0]) < 30  # not the text-to-image picture

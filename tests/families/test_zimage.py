@@ -2,7 +2,8 @@
 ZImagePipeline image (guidance's norm cap and truncation included); ulysses 2, ring 2, tp 2 and cfg 2 give
 the one-rank images for a batch whose captions differ in padded length (the masked path); a LoRA applied
 per request gives diffusers' ``load_lora_weights`` image while the same request without it, in the same
-batch, is unchanged; ``ditserve serve`` answers the openai client with the image; Omni folders are refused."""
+batch, is unchanged; an uploaded image with ``strength`` in that batch gives ZImageImg2ImgPipeline's image;
+``ditserve serve`` answers the openai client with the image; Omni folders are refused."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from diffusers import ZImagePipeline
+from diffusers import ZImageImg2ImgPipeline, ZImagePipeline
 
 from ditserve.replica.caching.settings import CacheSettings
 from ditserve.replica.models.registry import resolve_model
@@ -26,9 +27,11 @@ from tests.families.harness import (
     cli_generate,
     engine_images,
     generate_args,
+    img2img_image,
     layout_id,
     load_pipeline,
     openai_client,
+    picture,
     sampling_body,
     served,
     single_thread,  # noqa: F401 (a fixture, used by pytestmark)
@@ -56,6 +59,10 @@ CAT = GenerationParams(
 )
 FOX_LORA = FOX.model_copy(update={"lora": (LoRARef(name="style"),)})
 BATCH = [FOX, CAT, FOX_LORA]  # submitted together: one batch, the same request with and without the LoRA
+# Image-to-image: 4 steps at strength 0.6 skip the first (diffusers' get_timesteps), in BATCH's batch.
+FOX_I2I = FOX.model_copy(
+    update={"num_inference_steps": 4, "strength": 0.6, "seed": 5, "images": (picture(80, 48, 0),)}
+)
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "w1", "w2", "w3"]
 
 
@@ -100,8 +107,15 @@ def reference(folder, lora_file) -> list[np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def one_rank(folder, lora_file) -> list[np.ndarray]:
-    return engine_images(folder, {}, BATCH, {"style": lora_file}, max_sequence_length=MAX_LEN)
+def one_rank_all(folder, lora_file) -> list[np.ndarray]:
+    """One engine's images for BATCH and FOX_I2I, submitted together."""
+    requests = [*BATCH, FOX_I2I]
+    return engine_images(folder, {}, requests, {"style": lora_file}, max_sequence_length=MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def one_rank(one_rank_all) -> list[np.ndarray]:
+    return one_rank_all[: len(BATCH)]
 
 
 def test_one_rank_equals_diffusers_with_and_without_lora_in_one_batch(one_rank, reference):
@@ -109,6 +123,13 @@ def test_one_rank_equals_diffusers_with_and_without_lora_in_one_batch(one_rank, 
         assert ours.shape == ref.shape == (48, 80, 3)
         assert psnr(ours, ref) >= 40
     assert psnr(reference[2], reference[0]) < 30  # the adapter changes the image
+
+
+def test_one_rank_image_to_image_equals_diffusers_img2img(one_rank_all, pipe, reference):
+    want = img2img_image(ZImageImg2ImgPipeline, pipe, FOX_I2I, max_sequence_length=MAX_LEN)
+    assert one_rank_all[-1].shape == want.shape == (48, 80, 3)
+    assert psnr(one_rank_all[-1], want) >= 40
+    assert psnr(want, reference[0]) < 30  # not the text-to-image picture
 
 
 def test_cfg_normalization_and_truncation_follow_the_pipeline(folder, pipe, tmp_path):
