@@ -191,6 +191,7 @@ class RankWorker:
             [(rows, s.params.lora) for s, rows in groups]
         )
         self.runner.graph_key = lambda: self.lora.graph_key()
+        self.runner.relayout = lambda rows, offsets: self.lora.relayout(rows, offsets)
         self.states: dict[str, RequestState] = {}
 
     def prepare_transformer(self, model: torch.nn.Module) -> None:

@@ -9,12 +9,26 @@ their inputs through for this forward. So the work saved in the blocks is the hi
 Under sequence parallelism a request's rows are split over the sp group: the two sums of its metric are
 all-reduced over that group before the comparison, so every rank decides the same (tensor-parallel ranks
 hold the same activations after each block's all-reduce and decide the same without a collective).
+
+Per-row state of the forward outside the block inputs (the LoRA manager's adapter segments) follows the
+rows through ``relayout``: called with the computing rows before the remaining blocks, and with
+``(None, None)`` after them.
+
+The wrappers take each block's call slot (``Module.__call__`` runs ``_compiled_call_impl`` when it is set),
+and run the block's own call inside: its compiled call under ``--compile`` (regional compilation sets that
+slot first), else its eager one. So the decisions and the row bookkeeping never run inside a compiled
+region (traced, they became guards on every request's cache state: a recompile per forward until dynamo's
+recompile limit sent the block back to eager), and the blocks run compiled with caching too. The remaining
+blocks see a row count that changes from forward to forward: their gathered inputs have the row dim marked
+dynamic (``maybe_mark_dynamic``), so one graph per block class serves every count from 2 up and a single row
+gets dynamo's own size-1 specialisation: caching adds at most two graphs per block class (and LoRA mode),
+whatever the hit pattern.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -42,18 +56,26 @@ class StepCacheModel:
     """Left on the transformer as ``model._ditserve_step_cache``."""
 
     blocks: list[nn.Module]
-    forwards: list  # the blocks' original bound forwards
+    calls: list  # each block's own call: its compiled call (--compile) or its eager one (hooks included)
+    compiled: list[bool]  # whether that call is compiled (its row-gathered inputs get a dynamic row dim)
+    entries: list  # the wrappers now in the blocks' call slots
     outputs: tuple[
         str, ...
     ]  # names of a block's outputs in order, e.g. ("encoder_hidden_states", "hidden_states")
     group: dist.ProcessGroup | None = None  # the sp group whose ranks split each row's tokens
     plan: ForwardPlan | None = None
-    # Set by the LoRA manager's owner: called with the computing rows' layout before the remaining blocks.
-    relayout: object | None = None
+    # Set by the runner (from the LoRA manager's owner): ``relayout(rows, offsets)`` with the computing rows
+    # (row counts and their first rows in the forward) before the remaining blocks, ``(None, None)`` after.
+    relayout: Callable[[list[int] | None, list[int] | None], None] | None = None
     names: list[str] = field(default_factory=list)
 
     def set_plan(self, groups: list[tuple[RequestCache | None, int]] | None, *, shrink: bool = True) -> None:
         active = groups is not None and any(c is not None for c, _ in groups)
+        if active:
+            # Module.compile() after apply_step_cache would take the slot back: the cache would do nothing
+            assert all(b._compiled_call_impl is e for b, e in zip(self.blocks, self.entries, strict=True)), (
+                "the blocks were compiled after step caching was applied to them"
+            )
         self.plan = ForwardPlan(groups, shrink=shrink) if active else None
 
 
@@ -72,7 +94,15 @@ def apply_step_cache(
     names what a block returns, in order; each name is also the keyword of that input."""
     blocks = [b for name in block_lists for b in getattr(model, name, [])]
     assert len(blocks) >= 2, "step caching needs at least two transformer blocks"
-    handle = StepCacheModel(blocks=blocks, forwards=[b.forward for b in blocks], outputs=outputs, group=group)
+    compiled = [b._compiled_call_impl is not None for b in blocks]
+    handle = StepCacheModel(
+        blocks=blocks,
+        calls=[b._compiled_call_impl or b._call_impl for b in blocks],
+        compiled=compiled,
+        entries=[],
+        outputs=outputs,
+        group=group,
+    )
     # The hidden stream: ``hidden_states``, or a block's only output under another name (Z-Image's ``x``).
     hidden_name = "hidden_states" if "hidden_states" in outputs else outputs[0]
     hidden_index = outputs.index(hidden_name)
@@ -81,7 +111,7 @@ def apply_step_cache(
 
     def head_forward(*args, **kwargs):
         plan = handle.plan
-        out = handle.forwards[0](*args, **kwargs)
+        out = handle.calls[0](*args, **kwargs)
         if plan is None:
             return out
         bound = signatures[0].bind(*args, **kwargs)
@@ -110,23 +140,32 @@ def apply_step_cache(
         # The remaining blocks on the computing rows only.
         result = [t.clone() for t in head] if hits and plan.shrink else list(head)
         if compute_rows:
-            if hits and plan.shrink:
+            shrunk = bool(hits) and plan.shrink
+            if shrunk:
                 index = torch.cat(
                     [torch.arange(o, o + r, device=residual.device) for _, o, r in compute_rows]
                 )
                 state = {k: _take_rows(v, index, total) for k, v in inputs.items()}
-                if handle.relayout is not None:
-                    handle.relayout([rows for _, _, rows in compute_rows], [o for _, o, _ in compute_rows])
+                gathered = {k for k, v in inputs.items() if _is_rows(v, total)} | set(outputs)
+                current = tuple(t[index] for t in head)
             else:
-                index, state = None, inputs
-            current = _as_tuple(out) if index is None else tuple(t[index] for t in head)
+                index, state, gathered, current = None, inputs, set(), _as_tuple(out)
             first_out = current
-            for forward in handle.forwards[1:]:
-                step_in = dict(state)
-                step_in.update(zip(outputs, current, strict=True))
-                new = _as_tuple(forward(**step_in))
-                # A block may end a stream (SD3's last block returns no text): its last value passes on.
-                current = tuple(c if n is None else n for c, n in zip(current, new, strict=True))
+            if shrunk and handle.relayout is not None:
+                handle.relayout([rows for _, _, rows in compute_rows], [o for _, o, _ in compute_rows])
+            try:
+                for call, dynamic in zip(handle.calls[1:], handle.compiled[1:], strict=True):
+                    step_in = dict(state)
+                    step_in.update(zip(outputs, current, strict=True))
+                    if dynamic:
+                        for name in gathered:
+                            _rows_dynamic(step_in[name])
+                    new = _as_tuple(call(**step_in))
+                    # A block may end a stream (SD3's last block returns no text): its last value passes on.
+                    current = tuple(c if n is None else n for c, n in zip(current, new, strict=True))
+            finally:
+                if shrunk and handle.relayout is not None:
+                    handle.relayout(None, None)
             if index is None:
                 result = list(current)
             else:
@@ -148,8 +187,6 @@ def apply_step_cache(
                         ),
                     )
                 position += rows
-            if index is not None and handle.relayout is not None:
-                handle.relayout(None, None)
         for cache, offset, rows in hits:
             for i, kept in enumerate(cache.reuse()):
                 result[i][offset : offset + rows] = head[i][offset : offset + rows] + kept
@@ -160,23 +197,33 @@ def apply_step_cache(
     def make_pass(i: int):
         def passthrough(*args, **kwargs):
             if handle.plan is None:
-                return handle.forwards[i](*args, **kwargs)
+                return handle.calls[i](*args, **kwargs)
             bound = signatures[i].bind(*args, **kwargs)
             values = tuple(bound.arguments[name] for name in outputs)
             return values if len(values) > 1 else values[0]
 
         return passthrough
 
-    blocks[0].forward = head_forward
-    for i in range(1, len(blocks)):
-        blocks[i].forward = make_pass(i)
+    handle.entries = [head_forward] + [make_pass(i) for i in range(1, len(blocks))]
+    for block, entry in zip(blocks, handle.entries, strict=True):
+        block._compiled_call_impl = entry
     setattr(model, ATTR, handle)
     return handle
 
 
-def _take_rows(value, index: torch.Tensor, total: int):
-    """The computing rows of a block input: tensors with one entry per row are gathered, others (rotary
+def _is_rows(value, total: int) -> bool:
+    """Whether a block input has one entry per row (gathered for the computing rows); others (rotary
     embeddings, shared ids, kwargs dicts) pass unchanged."""
-    if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == total and total > 1:
-        return value[index]
-    return value
+    return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == total and total > 1
+
+
+def _take_rows(value, index: torch.Tensor, total: int):
+    """The computing rows of a block input."""
+    return value[index] if _is_rows(value, total) else value
+
+
+def _rows_dynamic(value) -> None:
+    """A compiled block's input with a row dim that changes between forwards: dynamic in that dim (a
+    no-op on one row, which dynamo specialises)."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 1:
+        torch._dynamo.maybe_mark_dynamic(value, 0)

@@ -25,6 +25,12 @@ same, unmodified tensor, and otherwise shrink on their own.
 CUDA graphs (``--cuda-graphs``): ``graph_key`` gives the runner a forward's adapter layout as part of the
 graph key, from the second forward with adapters after a load or unload on (the first learns the groups,
 which moves A buffers that a captured graph would read); no group forms while a graph is captured.
+
+Step caching (``relayout``): when some requests of a forward reuse their cache, the blocks after the first
+run on the other requests' rows only; for those blocks the layout is narrowed to those rows (each keeps its
+adapters and scales), then the forward's full layout comes back. A narrowed forward is still one forward:
+it neither counts towards the settling that ``graph_key`` waits for (its later blocks saw only some
+adapters, so groups of the others may still be unlearned) nor changes any key.
 """
 
 from __future__ import annotations
@@ -233,6 +239,21 @@ class BatchLayout:
     def positions(self) -> range:
         return range(max((len(a) for _, a in self.groups), default=0))
 
+    def select(self, rows: list[int], offsets: list[int]) -> BatchLayout:
+        """The layout of some of these rows, in order: ``rows[i]`` rows from row ``offsets[i]``; every row
+        keeps its request's adapters and scales."""
+        picked, start = [], 0
+        bounds = []
+        for count, adapters in self.groups:
+            bounds.append((start, start + count, adapters))
+            start += count
+        for count, offset in zip(rows, offsets, strict=True):
+            for lo, hi, adapters in bounds:
+                a, b = max(lo, offset), min(hi, offset + count)
+                if a < b:
+                    picked.append((b - a, adapters))
+        return BatchLayout(picked, self.slot_ranks, self.device)
+
     def meta(self, position: int, tokens_per_row: int):
         key = (position, tokens_per_row)
         if key not in self._cache:
@@ -287,6 +308,10 @@ class LoRAManager:
         # its layers' A buffers, which a captured graph would still read; groups are only ever added, so their
         # count tells the generations apart in the key)
         self._settled = 0
+        # step caching (relayout): the forward's own (batch, active) while its later blocks run on some rows,
+        # and whether this forward was narrowed (then it does not count towards _settled)
+        self._full: tuple[BatchLayout | None, bool] | None = None
+        self._narrowed = False
 
     def _layer(self, name: str) -> LoRALayer:
         if name not in self.layers:
@@ -436,11 +461,36 @@ class LoRAManager:
         for rows, refs in groups:
             layout.append((rows, [(self.slots[r.name], self.strength(r)) for r in refs]))
         has_lora = any(adapters for _, adapters in layout)
-        ran_lora = self.active  # the previous call was a forward with adapters
+        # the previous call was a forward with adapters (its own layout, even if it ended narrowed)
+        ran_lora = self.active if self._full is None else self._full[1]
+        narrowed, self._full, self._narrowed = self._narrowed, None, False
         self.batch = BatchLayout(layout, list(self.ranks), self.device) if has_lora else None
         self.active = has_lora
-        if not self._close_run() and ran_lora:  # the previous call's last run of linears on one input
+        # the previous call's last run of linears on one input
+        if not self._close_run() and ran_lora and not narrowed:
             self._settled += 1
+        self._shared = (_dead, 0, {})
+
+    def relayout(self, rows: list[int] | None, offsets: list[int] | None) -> None:
+        """Step caching, inside one forward: from now on only ``rows[i]`` rows from row ``offsets[i]`` of
+        this forward's layout (in order) reach the linears, each with its request's adapters; ``(None,
+        None)`` gives the forward's full layout back (the layers after the blocks see every row again).
+
+        Every rank of a tensor- or sequence-parallel group takes the same decisions, hence the same
+        narrowed layout; a narrowed layout's tokens per row are counted as the full one's are (rows ×
+        this rank's tokens), so sequence-sharded rows need nothing more."""
+        if rows is None:
+            if self._full is not None:
+                self.batch, self.active = self._full
+                self._full = None
+        else:
+            assert offsets is not None and self._full is None, "relayout: the full layout first"
+            self._full = (self.batch, self.active)
+            self._narrowed = True
+            sub = None if self.batch is None else self.batch.select(rows, offsets)
+            self.batch = sub if sub is not None and sub.slots else None
+            self.active = self.batch is not None  # no adapter on those rows: the linears' plain path
+        # a shared shrink's slices belong to the rows they were computed for
         self._shared = (_dead, 0, {})
 
     def graph_key(self) -> tuple[tuple, BatchLayout] | None:

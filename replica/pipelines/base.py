@@ -127,6 +127,9 @@ class PipelineRunner(ABC):
         # Set by the LoRA manager: for a forward with adapters, (its layout as part of a graph key, what a
         # graph captured for it must keep alive), or None when it must run without a graph.
         self.graph_key: Callable[[], tuple[tuple, object] | None] | None = None
+        # Set by the LoRA manager: step caching narrows the forward's adapter layout to the computing rows for
+        # the blocks after the first (rows, their first rows), and restores it with (None, None).
+        self.relayout: Callable[[list[int] | None, list[int] | None], None] | None = None
         self._step_cache = None  # built on the first forward with a caching request
 
     def step_cache(self):
@@ -231,11 +234,15 @@ class PipelineRunner(ABC):
         shared = states[0].extra["shared"]
         caches = [(self.request_cache(s, branch), s.rows) for s, _ in rows]
         if any(c is not None for c, _ in caches):
-            # Caching forwards run eagerly: which rows compute changes from step to step, and a captured
-            # graph would freeze one decision.
+            # Caching forwards run without CUDA graphs: which rows compute changes from step to step, and a
+            # captured graph would freeze one decision (--compile still runs each block compiled).
             cache = self.step_cache()
-            # LoRA segments describe every row of the forward: with adapters the batch is not shrunk.
-            cache.set_plan(caches, shrink=not any(s.params.lora for s, _ in rows))
+            # The remaining blocks run on the computing rows only; the LoRA manager narrows its adapter
+            # segments to them (without it, rows with adapters keep the whole batch in every block).
+            cache.relayout = self.relayout
+            cache.set_plan(
+                caches, shrink=self.relayout is not None or not any(s.params.lora for s, _ in rows)
+            )
             try:
                 return self.model_forward(latents, timesteps, inputs, shared)
             finally:

@@ -185,3 +185,132 @@ def test_taylorseer_forecasts_on_its_schedule_inside_a_batch(pipe):
     )
     uncached = run_ours(pipe, [params[0].model_copy(update={"cache": None})])[0][0]
     assert (order0 != together[0]).any() and (uncached != together[0]).any()
+
+
+# -- per-request LoRA in a batch whose hits leave the remaining blocks --------------------------------------
+TAIL_LORA = "single_transformer_blocks.0.proj_out"  # demo-flux's last block, targeted by weights() adapters
+
+
+def lora_batch(steps_scale: int = 1) -> list[GenerationParams]:
+    """Four requests of one bucket: a taylorseer one with adapter a (hits by schedule: forwards 3, 5, 7),
+    an uncached one with adapter b at 0.7, an fbcache one without adapter, and an fbcache one with true CFG
+    and both adapters (two adapter positions)."""
+    from ditserve.replica.request import LoRARef
+
+    base = dict(height=64, width=64, guidance_scale=3.5)
+    return [
+        GenerationParams(
+            prompt="a red fox",
+            num_inference_steps=8,
+            seed=1,
+            cache=CacheSettings(policy="taylorseer", interval=2, warmup=2),
+            lora=(LoRARef(name="a"),),
+            **base,
+        ),
+        GenerationParams(
+            prompt="a blue cat",
+            num_inference_steps=5,
+            seed=2,
+            lora=(LoRARef(name="b", scale=0.7),),
+            **base,
+        ),
+        GenerationParams(
+            prompt="a green dog",
+            num_inference_steps=6,
+            seed=3,
+            cache=CacheSettings(policy="fbcache", threshold=0.45),
+            **base,
+        ),
+        GenerationParams(
+            prompt="a grey owl",
+            negative_prompt="red",
+            true_cfg_scale=2.0,
+            num_inference_steps=7,
+            seed=4,
+            cache=CacheSettings(policy="fbcache", threshold=0.45),
+            lora=(LoRARef(name="a", scale=0.5), LoRARef(name="b")),
+            **base,
+        ),
+    ]
+
+
+def lora_worker(root, **config):
+    """A one-rank worker (the engine's per-rank object: runner, LoRA manager and their wiring) with
+    adapters a and b loaded."""
+    from ditserve.replica.config import EngineConfig
+    from ditserve.replica.worker import RankWorker
+    from tests.unit.test_lora_engine import weights, write_kohya
+
+    config = EngineConfig(model="demo-flux", max_loras=2, max_lora_rank=8, lora_roots=(str(root),), **config)
+    worker = RankWorker(config)
+    for name, seed in (("a", 1), ("b", 2)):
+        worker.lora_load(name, str(write_kohya(root / f"{name}.safetensors", weights(seed))))
+    return worker
+
+
+def drive(worker, params: list[GenerationParams], tag: str = "") -> tuple[list, list[dict], list[int]]:
+    """The requests in one continuous batch, as the engine steps them (all join at the first step, each
+    leaves when done): (images, each request's decisions per CFG branch, the rows that reached the last
+    block's adapted linear, one entry per forward that ran it). Rank 0 returns the images, others None."""
+    rows_seen: list[int] = []
+    module = worker.pipe.transformer.get_submodule(TAIL_LORA)
+    hook = module.register_forward_pre_hook(lambda _, args: rows_seen.append(args[0].shape[0]))
+    ids = [f"{tag}r{i}" for i in range(len(params))]
+    try:
+        for rid, p in zip(ids, params, strict=True):
+            worker.add(rid, p)
+        running, images, decisions = list(ids), {}, {}
+        while running:
+            worker.step(running)
+            for rid in [r for r in running if worker.states[r].done]:
+                caches = worker.states[rid].extra.get("cache", {})
+                decisions[rid] = {branch: list(c.decisions) for branch, c in caches.items()}
+                done = worker.finish(rid)
+                images[rid] = None if done is None else done["pixels"][0]
+                running.remove(rid)
+    finally:
+        hook.remove()
+    return [images[r] for r in ids], [decisions[r] for r in ids], rows_seen
+
+
+def computing_rows(params: list[GenerationParams], decisions: list[dict]) -> tuple[list[int], list[int]]:
+    """From the decisions: per forward that runs the remaining blocks, (the rows that compute, all rows),
+    in the runner's order (each step: the cond forward, then the uncond one of the requests with true CFG)."""
+    computing, total = [], []
+    for k in range(max(p.num_inference_steps for p in params)):
+        running = [(p, d) for p, d in zip(params, decisions, strict=True) if k < p.num_inference_steps]
+        for branch in ("cond", "uncond"):
+            rows = [d for p, d in running if branch == "cond" or p.negative_prompt]
+            hit = [bool(d.get(branch, [False] * (k + 1))[k]) for d in rows]
+            if rows and not all(hit):
+                computing.append(hit.count(False))
+                total.append(len(rows))
+    return computing, total
+
+
+@pytest.fixture(scope="module")
+def eager_lora(tmp_path_factory):
+    """The LoRA batch through an eager worker, and each request alone through it."""
+    worker = lora_worker(tmp_path_factory.mktemp("loras"))
+    try:
+        params = lora_batch()
+        together = drive(worker, params, "batch")
+        alone = [drive(worker, [p], f"solo{i}") for i, p in enumerate(params)]
+        yield params, together, alone
+    finally:
+        worker.shutdown()
+
+
+def test_lora_batch_with_hits_runs_the_remaining_blocks_on_the_computing_rows_only(eager_lora):
+    """Hits leave the batch for the remaining blocks with LoRA too: the last block's adapted linear gets
+    only the computing rows (each with its own adapters), and every request equals its solo run."""
+    params, (images, decisions, rows_seen), alone = eager_lora
+    for image, decided, (solo_image, solo_decided, _) in zip(images, decisions, alone, strict=True):
+        assert psnr(image, solo_image[0]) >= 40
+        assert decided == solo_decided[0]
+    computing, total = computing_rows(params, decisions)
+    assert rows_seen == computing
+    # a forward where a request with an adapter hit while others with adapters computed
+    assert any(c < t for c, t in zip(computing, total, strict=True))
+    assert decisions[0]["cond"] == [False, False, False, True, False, True, False, True]
+    assert any(any(d) for d in decisions[3].values())  # the CFG request with two adapters hit too
