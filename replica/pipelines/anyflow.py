@@ -23,7 +23,6 @@ the cache forward before chunk k runs with chunk k's prompt.
 
 from __future__ import annotations
 
-import copy
 import io
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,8 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..parallel.anyflow import FarCall, FarCausalAttnProcessor, FarLayerCache, FarRope
 from ..request import GenerationParams
-from .base import PipelineRunner, RequestState, request_scheduler, to_uint8
+from .base import PipelineRunner, RequestState, request_scheduler
 
 
 def chunk_partition(latent_frames: int, default: tuple[int, ...]) -> list[int]:
@@ -53,15 +53,23 @@ def session_partition(frames_per_chunk: int, num_chunks: int, temporal: int) -> 
     return [1] + [frames_per_chunk // temporal] * (num_chunks - 1)
 
 
+def cache_tokens(config: Any, *, num_chunks: int, longest: int, height: int, width: int) -> int:
+    """Positions of one layer's K/V buffer for a rollout of ``num_chunks`` chunks of at most ``longest``
+    latent frames (``height``/``width`` in latent pixels): the compressed chunks, the full ones, the chunk
+    being denoised and the zero keys that pad it to a multiple of 128 (``parallel/anyflow.far_attention``)."""
+    full = (height // config.patch_size[1]) * (width // config.patch_size[2])
+    compressed = (height // config.compressed_patch_size[1]) * (width // config.compressed_patch_size[2])
+    tokens = config.full_chunk_limit * longest * full + 128
+    return tokens + max(0, num_chunks - config.full_chunk_limit + 1) * longest * compressed
+
+
 def kv_cache_bytes(
     config: Any, *, rows: int, partition: list[int], height: int, width: int, dtype_bytes: int
 ) -> int:
     """Bytes of the K/V cache of a rollout over ``partition`` (``height``/``width`` in latent pixels)."""
-    full = (height // config.patch_size[1]) * (width // config.patch_size[2])
-    compressed = (height // config.compressed_patch_size[1]) * (width // config.compressed_patch_size[2])
-    longest = max(partition)
-    tokens = config.full_chunk_limit * longest * full
-    tokens += max(1, len(partition) - config.full_chunk_limit + 1) * longest * compressed
+    tokens = cache_tokens(
+        config, num_chunks=max(len(partition), 2), longest=max(partition), height=height, width=width
+    )
     per_layer = 2 * rows * config.num_attention_heads * config.attention_head_dim * tokens * dtype_bytes
     return per_layer * config.num_layers
 
@@ -78,7 +86,8 @@ class FarRollout:
     noise: torch.Tensor | None  # (rows, T, C, h, w) drawn up front when the length is known
     generator: torch.Generator  # per-chunk draws otherwise
     outputs: list[torch.Tensor] = field(default_factory=list)  # finished chunks (rows, f, C, h, w)
-    kv_cache: dict[int, dict[str, torch.Tensor]] | None = None
+    kv_cache: dict[int, FarLayerCache] | None = None
+    cache_chunks: int = 0  # the chunks ``kv_cache`` has room for
     kv_flag: dict[str, Any] = field(default_factory=lambda: {"num_cached_chunks": 0, "is_cache_step": False})
     feat_map: list | None = None  # the VAE decoder's causal cache (sessions)
     decoded_frames: int = 0
@@ -86,6 +95,11 @@ class FarRollout:
     @property
     def next_chunk(self) -> int:
         return len(self.outputs)
+
+
+# The cache forward's attention follows the chunk spans in its ``FarCall``; a non-None mask stops diffusers
+# from building a flex block mask nobody reads.
+_SPANS_IN_FLAG = object()
 
 
 class AnyFlowRunner(PipelineRunner):
@@ -262,44 +276,52 @@ class AnyFlowRunner(PipelineRunner):
         return torch.cat([state.uncond["encoder_hidden_states"], cond])
 
     def _allocate_cache(self, rollout: FarRollout, num_chunks: int) -> None:
-        """K/V buffers for a rollout of ``num_chunks`` chunks (grown, keeping what is cached, when a session
-        outgrows them)."""
+        """K/V buffers for a rollout of ``num_chunks`` chunks. A session that outgrows them gets larger ones
+        (half as large again, so an endless session reallocates rarely) and nothing is copied: the cache
+        forward before every chunk rewrites all of it."""
+        if rollout.kv_cache is not None and rollout.cache_chunks >= num_chunks:
+            return
+        if rollout.kv_cache is not None:
+            num_chunks = max(num_chunks, rollout.cache_chunks * 3 // 2)
         config = self.pipe.transformer.config
-        full = (rollout.height // config.patch_size[1]) * (rollout.width // config.patch_size[2])
-        compressed = (rollout.height // config.compressed_patch_size[1]) * (
-            rollout.width // config.compressed_patch_size[2]
+        tokens = cache_tokens(
+            config,
+            num_chunks=num_chunks,
+            longest=max(rollout.partition),
+            height=rollout.height,
+            width=rollout.width,
         )
-        longest = max(rollout.partition)
         rows = rollout.rows * (2 if rollout.guided else 1)
         # Under Ulysses each rank caches its slice of the heads (``parallel/anyflow.py``).
         ulysses = 1 if self.mesh is None else self.mesh.ulysses_size
         heads, dim = config.num_attention_heads // ulysses, config.attention_head_dim
-        full_len = config.full_chunk_limit * longest * full
-        compressed_len = (num_chunks - config.full_chunk_limit + 1) * longest * compressed
-        old = rollout.kv_cache
-        if old is not None and old[0]["compressed_cache"].shape[3] >= compressed_len:
-            if old[0]["full_cache"].shape[3] >= full_len:
-                return
-        cache = {}
-        for layer in range(config.num_layers):
-            cache[layer] = {
-                "full_cache": torch.zeros(
-                    (2, rows, heads, full_len, dim), device=self.device, dtype=self.dtype
-                ),
-                "compressed_cache": torch.zeros(
-                    (2, rows, heads, max(compressed_len, 0), dim), device=self.device, dtype=self.dtype
-                ),
-            }
-            if old is not None:
-                for key in ("full_cache", "compressed_cache"):
-                    kept = old[layer][key].shape[3]
-                    cache[layer][key][:, :, :, :kept] = old[layer][key]
-        rollout.kv_cache = cache
+        rollout.kv_cache = None  # free the old buffers first
+        rollout.kv_cache = {
+            layer: FarLayerCache(
+                torch.zeros((2, rows, heads, tokens, dim), device=self.device, dtype=self.dtype)
+            )
+            for layer in range(config.num_layers)
+        }
+        rollout.cache_chunks = num_chunks
+
+    def _transformer(self):
+        """The transformer with :class:`FarCausalAttnProcessor` in every block (the Ulysses plan installs
+        its sharded one; a freshly loaded or one-rank model gets the one-rank one here) and its rotary
+        table handed to the blocks as a :class:`FarRope`."""
+        transformer = self.pipe.transformer
+        if not isinstance(transformer.blocks[0].attn1.processor, FarCausalAttnProcessor):
+            for block in transformer.blocks:
+                block.attn1.set_processor(FarCausalAttnProcessor())
+        if not getattr(transformer.rope, "_far_rope_hook", False):
+            transformer.rope.register_forward_hook(lambda module, args, out: FarRope(out))
+            transformer.rope._far_rope_hook = True
+        return transformer
 
     def _cache_chunks(self, state: RequestState, upto: int) -> None:
         """The pipeline's ``encode_kv_cache`` after chunk ``upto - 1``: one forward over chunks < ``upto``."""
         rollout: FarRollout = state.extra["rollout"]
-        transformer = self.pipe.transformer
+        transformer = self._transformer()
+        config = transformer.config
         partition = rollout.partition[:upto]
         flag = rollout.kv_flag
         flag["is_cache_step"] = True
@@ -307,23 +329,26 @@ class AnyFlowRunner(PipelineRunner):
         inputs = torch.cat([latents] * 2) if rollout.guided else latents
         inputs = inputs.to(self.dtype)
         zeros = torch.zeros((inputs.shape[0], inputs.shape[1]), device=self.device, dtype=torch.long)
-        mask = transformer.build_attention_mask(
-            chunk_partition=partition,
-            height=inputs.shape[-2],
-            width=inputs.shape[-1],
-            device=inputs.device,
-            mode="cache",
-        )
+        # The cache forward's tokens: the oldest chunks compressed (all but the last full_chunk_limit - 1),
+        # then the full ones; a chunk attends to every chunk up to its own (diffusers' "cache" block mask).
+        h, w = inputs.shape[-2:]
+        full = (h // config.patch_size[1]) * (w // config.patch_size[2])
+        compressed = (h // config.compressed_patch_size[1]) * (w // config.compressed_patch_size[2])
+        num_compressed = max(0, len(partition) - (config.full_chunk_limit - 1))
+        ends, end = [], 0
+        for j, frames in enumerate(partition):
+            end += frames * (compressed if j < num_compressed else full)
+            ends.append(end)
         transformer(
             hidden_states=inputs,
             chunk_partition=partition,
             timestep=zeros,
             r_timestep=zeros,
             encoder_hidden_states=self._encoder_states(state),
-            attention_mask=mask,
+            attention_mask=_SPANS_IN_FLAG,  # not None: diffusers would build its block mask
             return_dict=False,
             kv_cache=rollout.kv_cache,
-            kv_cache_flag=copy.deepcopy(flag),
+            kv_cache_flag=FarCall(flag, ends=tuple(ends)),
         )
         flag["num_cached_chunks"] += 1
         flag["is_cache_step"] = False
@@ -360,7 +385,7 @@ class AnyFlowRunner(PipelineRunner):
         timestep = t.expand(inputs.shape[0]).unsqueeze(-1).repeat((1, frames))
         r_timestep = r.expand(inputs.shape[0]).unsqueeze(-1).repeat((1, frames))
         partition = rollout.partition[: rollout.next_chunk + 1]
-        pred, _ = self.pipe.transformer(
+        pred, _ = self._transformer()(
             hidden_states=inputs,
             timestep=timestep,
             r_timestep=r_timestep,
@@ -368,7 +393,7 @@ class AnyFlowRunner(PipelineRunner):
             return_dict=False,
             chunk_partition=partition,
             kv_cache=rollout.kv_cache,
-            kv_cache_flag=copy.deepcopy(rollout.kv_flag),
+            kv_cache_flag=FarCall(rollout.kv_flag),
         )
         if rollout.guided:
             uncond, cond = pred.chunk(2)
@@ -404,31 +429,45 @@ class AnyFlowRunner(PipelineRunner):
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
         return latents / inv_std + mean
 
+    @staticmethod
+    def _frames(video: torch.Tensor) -> np.ndarray:
+        """(rows, 3, f, H, W) decoded video → uint8 (rows, f, H, W, 3): the arithmetic of the pipeline's
+        ``postprocess_video(output_type="np")`` and ``to_uint8``, done on the device (one uint8 copy to the
+        host instead of a float one and four passes over it in numpy)."""
+        video = (video * 0.5 + 0.5).clamp(0, 1)  # ``denormalize``, in the VAE's dtype as the pipeline
+        video = (video.permute(0, 2, 3, 4, 1).float() * 255).round().clamp(0, 255)
+        return video.to(torch.uint8).cpu().numpy()
+
     @torch.no_grad()
     def decode(self, state: RequestState) -> np.ndarray:
         rollout: FarRollout = state.extra["rollout"]
-        processor = self.pipe.video_processor
-        if state.extra.get("whole"):
-            video = self.pipe.vae.decode(self._unscale(torch.cat(rollout.outputs, dim=1)), return_dict=False)[
-                0
-            ]
-            return to_uint8(processor.postprocess_video(video, output_type="np"))
-        # A session's last chunk, through the decoder with the causal cache of the chunks before it.
         vae = self.pipe.vae
-        if rollout.feat_map is None:
-            vae.clear_cache()
-            rollout.feat_map = [None] * vae._conv_num
-        x = vae.post_quant_conv(self._unscale(rollout.outputs[-1]))
-        pieces = []
-        for i in range(x.shape[2]):
-            pieces.append(
-                vae.decoder(
-                    x[:, :, i : i + 1],
-                    feat_cache=rollout.feat_map,
-                    feat_idx=[0],
-                    first_chunk=rollout.decoded_frames == 0,
+        # cuDNN picks its 3D convolution algorithms by timing them (once per shape: a session's chunks
+        # repeat the shapes); only inside the decode, which is where the 3D convolutions are.
+        cudnn = torch.backends.cudnn
+        with cudnn.flags(
+            enabled=cudnn.enabled,
+            benchmark=True,
+            deterministic=cudnn.deterministic,
+            allow_tf32=cudnn.allow_tf32,
+        ):
+            if state.extra.get("whole"):
+                latents = self._unscale(torch.cat(rollout.outputs, dim=1))
+                return self._frames(vae.decode(latents, return_dict=False)[0])
+            # A session's last chunk, through the decoder with the causal cache of the chunks before it.
+            if rollout.feat_map is None:
+                vae.clear_cache()
+                rollout.feat_map = [None] * vae._conv_num
+            x = vae.post_quant_conv(self._unscale(rollout.outputs[-1]))
+            pieces = []
+            for i in range(x.shape[2]):
+                pieces.append(
+                    vae.decoder(
+                        x[:, :, i : i + 1],
+                        feat_cache=rollout.feat_map,
+                        feat_idx=[0],
+                        first_chunk=rollout.decoded_frames == 0,
+                    )
                 )
-            )
-            rollout.decoded_frames += 1
-        video = torch.clamp(torch.cat(pieces, dim=2), min=-1.0, max=1.0)
-        return to_uint8(processor.postprocess_video(video, output_type="np"))
+                rollout.decoded_frames += 1
+            return self._frames(torch.clamp(torch.cat(pieces, dim=2), min=-1.0, max=1.0))
