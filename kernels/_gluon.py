@@ -1,9 +1,22 @@
 """Gluon pieces the Hopper kernels share: TMA copy names across Triton versions, a row block's adapter, the
-store of shrink results."""
+store of shrink results (`SOut`)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import tma
+from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401 (the kernels import them from here)
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+# Gluon state bundled for helpers (Triton 3.6 and 3.9 both have it here; 3.9 also exports it as gl.aggregate).
+# An aggregate is immutable once built (3.9 refuses later writes): a helper returns new values instead.
+from triton.language.core import _aggregate as aggregate  # noqa: E402
+
+# a runtime scalar, or one the launch specialised to a constant (an integer argument equal to 1)
+Scalar = gl.tensor | gl.constexpr
 
 # names that newer Triton changed (3.9: the old ones raise or are gone): the TMA copies (async_load /
 # async_store, before async_copy_global_to_shared / async_copy_shared_to_global) and the CTA barrier
@@ -11,6 +24,12 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+
+@gluon.constexpr_function
+def _mma_layout(N, num_warps):
+    """The accumulator layout of a warpgroup MMA N columns wide over num_warps warps (warpgroups along M)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N, 16])
 
 
 @gluon.jit
@@ -30,19 +49,45 @@ def _block_segment(rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr
     return _segment_adapter(gl.load(token_seg_ptr + rb * ROWS), seg_slot_ptr, slot_rank_ptr, seg_scale_ptr)
 
 
-@gluon.jit
-def _store_s(acc, g0, m0, num_tokens, rank, s_cols, stride_ss, stride_st, s_ptr, N: gl.constexpr,
-             SHRINK_G: gl.constexpr, SHRINK_R: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-    """s[g0 + c // SHRINK_R, rows, c % SHRINK_R] = acc[:, c] for the columns of real slices within s_cols."""
-    layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N, 16]
-    )
-    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, N, layout=gl.SliceLayout(0, layout))
-    g = g0 + cols // SHRINK_R
-    r = cols % SHRINK_R
-    # A rows past the slot's rank belong to the next slot (or are zeros): drop them
-    acc = gl.where((r < rank)[None, :], acc, 0.0)
-    ptrs = s_ptr + g.to(gl.int64)[None, :] * stride_ss + rows.to(gl.int64)[:, None] * stride_st + r[None, :]
-    mask = (rows < num_tokens)[:, None] & ((r < s_cols) & (g < SHRINK_G))[None, :]
-    gl.store(ptrs, acc.to(s_ptr.dtype.element_ty), mask=mask)
+@aggregate
+class SOut:
+    """Where shrink results go: s [slices, tokens, s_cols] at s_ptr (strides stride_ss, stride_st), SHRINK_G real
+    slices of SHRINK_R rank columns each, from MMAs over BLOCK_M rows and num_warps warps."""
+
+    s_ptr: gl.tensor
+    s_cols: Scalar
+    stride_ss: Scalar
+    stride_st: Scalar
+    SHRINK_G: gl.constexpr
+    SHRINK_R: gl.constexpr
+    BLOCK_M: gl.constexpr
+    num_warps: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, s_ptr, s_cols, stride_ss, stride_st, SHRINK_G, SHRINK_R, BLOCK_M, num_warps):
+        self.s_ptr = s_ptr
+        self.s_cols = s_cols
+        self.stride_ss = stride_ss
+        self.stride_st = stride_st
+        self.SHRINK_G = gl.constexpr(SHRINK_G)
+        self.SHRINK_R = gl.constexpr(SHRINK_R)
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.num_warps = gl.constexpr(num_warps)
+
+    @gluon.jit
+    def store(self, acc, g0, m0, num_tokens, rank, N: gl.constexpr):
+        """s[g0 + c // SHRINK_R, rows, c % SHRINK_R] = acc[:, c] (N columns) for the columns of real slices within
+        s_cols, rows m0.. below num_tokens."""
+        layout: gl.constexpr = _mma_layout(N, self.num_warps)
+        rows = m0 + gl.arange(0, self.BLOCK_M, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, N, layout=gl.SliceLayout(0, layout))
+        g = g0 + cols // self.SHRINK_R
+        r = cols % self.SHRINK_R
+        # A rows past the slot's rank belong to the next slot (or are zeros): drop them
+        acc = gl.where((r < rank)[None, :], acc, 0.0)
+        ptrs = (
+            self.s_ptr + g.to(gl.int64)[None, :] * self.stride_ss + rows.to(gl.int64)[:, None] * self.stride_st
+            + r[None, :]
+        )  # fmt: skip
+        mask = (rows < num_tokens)[:, None] & ((r < self.s_cols) & (g < self.SHRINK_G))[None, :]
+        gl.store(ptrs, acc.to(self.s_ptr.dtype.element_ty), mask=mask)

@@ -28,7 +28,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from ditserve.kernels._gluon import _segment_adapter, _store_s, _tma_load
+from ditserve.kernels._gluon import SOut, _segment_adapter, _tma_load
 
 
 @gluon.jit
@@ -149,12 +149,11 @@ def _shrink_mmas(x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg
         if SCALED:
             out_a = out_a * scale
             out_b = out_b * scale
-        # rank 0 (no adapter, nothing loaded): _store_s drops every column, so the piece's s is zeros
-        _store_s(out_a, 0, m0, end, rank, s_cols, stride_ss, stride_st, s_ptr, N_A, G, R, BLOCK_M, num_warps)
+        # rank 0 (no adapter, nothing loaded): SOut.store drops every column, so the piece's s is zeros
+        so = SOut(s_ptr, s_cols, stride_ss, stride_st, G, R, BLOCK_M, num_warps)
+        so.store(out_a, 0, m0, end, rank, N_A)
         if SPLIT:
-            _store_s(
-                out_b, 2, m0, end, rank, s_cols, stride_ss, stride_st, s_ptr, N_B, G, R, BLOCK_M, num_warps
-            )
+            so.store(out_b, 2, m0, end, rank, N_B)
         r = end
 
 
