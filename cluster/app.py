@@ -15,8 +15,7 @@ from ditserve.replica.engine import validate_layout
 from ditserve.replica.models.registry import resolve_model
 
 from .config import AppArgs
-from .engine_deployment import EngineReplica
-from .frontend import Frontend
+from .ingress import EngineIngress
 from .router import ROUTER_PATH
 
 APP_NAME = "ditserve"
@@ -94,7 +93,8 @@ def engine_deployment_options(args: AppArgs, strategy: str = "PACK") -> dict[str
 
 
 def build_app(args: dict[str, Any]) -> Application:
-    """Validate ``args`` (raises ValueError naming the flag) and bind the deployments.
+    """Validate ``args`` (raises ValueError naming the flag) and bind the engine deployment, which is also
+    the HTTP/gRPC ingress (``ingress.EngineIngress``).
 
     Serve requires a builder of exactly one parameter; ``build_app_with_engine`` injects an engine."""
     return build_app_with_engine(args, None)
@@ -113,12 +113,11 @@ def build_app_with_engine(args: dict[str, Any], engine_cls: type | None) -> Appl
     # replicas with the arguments bound here, so the desired control state is scoped to this deploy.
     deploy_id = uuid.uuid4().hex[:12]
     extra = {} if engine_cls is None else {"engine_cls": engine_cls}
-    engine = (
-        serve_deployment(EngineReplica)
+    return (
+        serve_deployment(EngineIngress)
         .options(**engine_deployment_options(app_args, strategy))
         .bind(plain, deploy_id=deploy_id, **extra)
     )
-    return Frontend.bind(engine, plain, deploy_id)
 
 
 def serve_deployment(cls):

@@ -1,17 +1,25 @@
-"""Latency the HTTP frontend + session/round-robin router add over a direct handle call, and the balance
-across replicas (CPU; local Ray).
+"""Latency the HTTP path (Serve's proxy, the ingress routes, the session/round-robin router) adds over a
+direct handle call, and the balance across replicas (CPU; local Ray).
 
-    python benchmarks/serving/router_overhead.py [--dp-size 3] [--requests 1000] [--out DIR]
+    python benchmarks/serving/router_overhead.py [--dp-size 3] [--requests 1000] [--rounds 5] [--out DIR]
 
-The engine deployment runs with a trivial engine (``engine_cls`` injection: answers each request at once
-with a 1×1 PNG), so what is timed is the serving path alone:
+The engine deployment (also the HTTP ingress) runs with a trivial engine (``engine_cls`` injection:
+answers each request at once with a 1×1 PNG), so what is timed is the serving path alone. Paths, one
+keep-alive httpx client, one request at a time, interleaved in ``--rounds`` rounds so a load change on a
+shared machine hits every path alike:
 
-- direct: ``handle.generate.remote(params)`` from this driver (Serve router + replica, no HTTP);
-- http: ``POST /v1/images/generations`` through Serve's proxy → Frontend (validation, its own handle and
-  router) → replica, with one keep-alive httpx client, one request at a time.
+- direct: ``handle.generate.remote(params)`` from this driver (Serve router + replica, no HTTP): the
+  baseline;
+- http: ``POST /v1/images/generations`` through Serve's proxy → an engine replica (routes + engine in one
+  process);
+- models: ``GET /v1/models`` (proxy → replica, no body, no engine call): the floor of an HTTP request;
+- session: ``POST /v1/sessions/{id}/generate`` on sessions opened round-robin: the proxy cannot read the
+  id in the path, so a step that lands on another replica is forwarded to the owner (one more hop);
+- session+header: the same with ``x-session-id: {id}``: the proxy routes it to the owner at once.
 
-Added latency = http − direct at each percentile. Balance = max/min requests per replica over the HTTP
-run (from the ``x-ditserve-replica`` header).
+Balance = max/min requests per replica (the ``x-ditserve-replica`` header) over the http path, and over a
+mixed run where each image is followed by a varying number of status requests (the router keeps work and
+other requests on separate round-robin cursors).
 """
 
 from __future__ import annotations
@@ -87,11 +95,27 @@ def percentiles(samples_s: list[float]) -> dict[str, float]:
     return {"p50": statistics.median(ms), "p90": q[89], "p99": q[98], "mean": statistics.fmean(ms)}
 
 
+def balance_of(served: Counter, dp_size: int) -> float:
+    return max(served.values()) / min(served.values()) if len(served) == dp_size else float("inf")
+
+
+PATHS = ("direct", "http", "models", "session", "session+header")
+LABELS = {
+    "direct": "direct handle call (baseline)",
+    "http": "HTTP image: proxy → replica (routes + engine)",
+    "models": "HTTP GET /v1/models (proxy → replica, no engine)",
+    "session": "HTTP session step, id in the path only",
+    "session+header": "HTTP session step + x-session-id header",
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp-size", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--requests", type=int, default=1000, help="timed requests per path")
+    parser.add_argument("--warmup", type=int, default=100, help="untimed requests per path")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds the paths are interleaved in")
+    parser.add_argument("--mixed", type=int, default=300, help="images in the mixed-traffic balance run")
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--out", default=None, help="results folder (default: benchmarks/results)")
     ns = parser.parse_args()
@@ -105,38 +129,62 @@ def main() -> None:
 
     ray.init(include_dashboard=False, log_to_driver=False)
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": ns.port})
-    args = {"model": "demo-flux", "dp_size": ns.dp_size, "max_queue": 64}
+    args = {"model": "demo-flux", "dp_size": ns.dp_size, "max_queue": 64, "max_sessions_per_replica": 64}
     serve.run(build_app_with_engine(args, engine_cls=TrivialEngine), name=APP_NAME, route_prefix="/")
     handle = serve.get_deployment_handle("DiffusionEngine", APP_NAME)
     params = GenerationParams(prompt="a red fox", width=64, height=64, num_inference_steps=2, seed=1)
     body = {"prompt": "a red fox", "size": "64x64", "num_inference_steps": 2, "seed": 1}
+    base = f"http://127.0.0.1:{ns.port}"
+    samples: dict[str, list[float]] = {p: [] for p in PATHS}
+    served, mixed = Counter(), Counter()
     try:
-        for _ in range(ns.warmup):
-            handle.generate.remote(params).result()
-        direct = []
-        for _ in range(ns.requests):
-            t0 = time.perf_counter()
-            handle.generate.remote(params).result()
-            direct.append(time.perf_counter() - t0)
-
-        url = f"http://127.0.0.1:{ns.port}/v1/images/generations"
         with httpx.Client(timeout=30) as client:
-            for _ in range(ns.warmup):
-                client.post(url, json=body).raise_for_status()
-            http, served = [], Counter()
-            for _ in range(ns.requests):
-                t0 = time.perf_counter()
-                r = client.post(url, json=body)
-                http.append(time.perf_counter() - t0)
+            # One session per replica (opened round-robin), stepped in turn.
+            sessions = [client.post(f"{base}/v1/sessions", json={"size": "64x64"}).json()["id"]
+                        for _ in range(ns.dp_size)]  # fmt: skip
+            step = {"prompt": "a red fox", "num_inference_steps": 2, "seed": 1}
+            turn = iter(range(1 << 62))
+
+            def session_step(header: bool) -> httpx.Response:
+                sid = sessions[next(turn) % len(sessions)]
+                headers = {"x-session-id": sid} if header else {}
+                return client.post(f"{base}/v1/sessions/{sid}/generate", json=step, headers=headers)
+
+            calls = {
+                "direct": lambda: handle.generate.remote(params).result(),
+                "http": lambda: client.post(f"{base}/v1/images/generations", json=body),
+                "models": lambda: client.get(f"{base}/v1/models"),
+                "session": lambda: session_step(False),
+                "session+header": lambda: session_step(True),
+            }
+            for path in PATHS:
+                for _ in range(ns.warmup):
+                    calls[path]()
+            per_round = max(1, ns.requests // ns.rounds)
+            for _ in range(ns.rounds):
+                for path in PATHS:
+                    for _ in range(per_round):
+                        t0 = time.perf_counter()
+                        answer = calls[path]()
+                        samples[path].append(time.perf_counter() - t0)
+                        if isinstance(answer, httpx.Response):
+                            answer.raise_for_status()
+                            if path == "http":
+                                served[answer.headers["x-ditserve-replica"]] += 1
+            # Mixed traffic: each image followed by 0..3 status requests (as a client polling a job).
+            for i in range(ns.mixed):
+                r = client.post(f"{base}/v1/images/generations", json=body)
                 r.raise_for_status()
-                served[r.headers["x-ditserve-replica"]] += 1
+                mixed[r.headers["x-ditserve-replica"]] += 1
+                for _ in range(i % 4):
+                    client.get(f"{base}/v1/models").raise_for_status()
     finally:
         serve.shutdown()
         ray.shutdown()
 
-    d, h = percentiles(direct), percentiles(http)
-    added = {k: h[k] - d[k] for k in ("p50", "p90", "p99")}
-    balance = max(served.values()) / min(served.values()) if len(served) == ns.dp_size else float("inf")
+    stats = {path: percentiles(samples[path]) for path in PATHS}
+    d = stats["direct"]
+    balance, mixed_balance = balance_of(served, ns.dp_size), balance_of(mixed, ns.dp_size)
     try:
         commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
     except Exception:
@@ -145,21 +193,31 @@ def main() -> None:
         f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_version()}, commit {commit}"
     )
     rows = [
-        "| path | p50 ms | p90 ms | p99 ms | mean ms |",
-        "|---|---|---|---|---|",
-        f"| direct handle call | {d['p50']:.2f} | {d['p90']:.2f} | {d['p99']:.2f} | {d['mean']:.2f} |",
-        f"| HTTP → frontend → router → replica | {h['p50']:.2f} | {h['p90']:.2f} | {h['p99']:.2f} "
-        f"| {h['mean']:.2f} |",
-        f"| **added by frontend + router** | **{added['p50']:.2f}** | {added['p90']:.2f} "
-        f"| **{added['p99']:.2f}** | |",
+        "| path | p50 ms | p90 ms | p99 ms | mean ms | p50 / direct p50 | added p50 ms | added p99 ms |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    for path in PATHS:
+        s = stats[path]
+        rows.append(
+            f"| {LABELS[path]} | {s['p50']:.2f} | {s['p90']:.2f} | {s['p99']:.2f} | {s['mean']:.2f} "
+            f"| {s['p50'] / d['p50']:.2f}× | {s['p50'] - d['p50']:.2f} | {s['p99'] - d['p99']:.2f} |"
+        )
     summary = (
-        f"{ns.requests} sequential requests per path after {ns.warmup} warm-up, dp_size {ns.dp_size}; "
-        f"requests per replica {sorted(served.values())}, max/min {balance:.3f}; machine: {machine}"
+        f"{len(samples['direct'])} timed requests per path in {ns.rounds} interleaved rounds after "
+        f"{ns.warmup} warm-up each, dp_size {ns.dp_size}. Image requests per replica {sorted(served.values())}, "
+        f"max/min {balance:.3f}; mixed traffic ({ns.mixed} images, 0–3 GETs after each) "
+        f"{sorted(mixed.values())}, max/min {mixed_balance:.3f}. Machine: {machine}"
     )
     table = "\n".join(rows) + "\n\n" + summary
     print(table)
-    payload = {"direct": d, "http": h, "added": added, "served": dict(served), "balance": balance}
+    payload = {
+        "paths": stats,
+        "ratio_p50": {p: stats[p]["p50"] / d["p50"] for p in PATHS},
+        "served": dict(served),
+        "balance": balance,
+        "mixed_served": dict(mixed),
+        "mixed_balance": mixed_balance,
+    }
     write_results("router_overhead", table, payload | {"machine": machine}, out=ns.out,
                   baseline="direct handle calls")  # fmt: skip
 
