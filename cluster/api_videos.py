@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ditserve.replica.caching import CacheSettings
 from ditserve.replica.media import check_image
+from ditserve.replica.models.registry import video_model_hint
 from ditserve.replica.request import GenerationParams
 
 from .http_base import REPLICA_HEADER, check_size, frontend
@@ -126,7 +127,8 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
     if fe.model_kind != "video":
         raise APIError(
             400,
-            f"model: {fe.model_name!r} makes images; videos need a video model (e.g. --model demo-wan)",
+            f"model: {fe.model_name!r} makes images; videos need a video model "
+            f"(e.g. --model {video_model_hint()})",
             param="model",
         )
     limits = fe.args

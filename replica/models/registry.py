@@ -44,6 +44,12 @@ def _embedded_paths() -> dict[str, Path]:
     return paths
 
 
+def video_model_hint() -> str:
+    """The video model to suggest to a user: the trained one where its weights ship, else ``demo-wan``
+    (random weights: it runs the Wan code paths but films noise)."""
+    return DEFAULT_VIDEO_MODEL if DEFAULT_VIDEO_MODEL in _embedded_paths() else "demo-wan"
+
+
 def embedded_model_names() -> list[str]:
     return sorted(set(DEMO_BUILDERS) | set(_embedded_paths()))
 

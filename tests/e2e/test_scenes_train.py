@@ -23,7 +23,7 @@ def test_train_smoke_writes_loadable_pipeline(tmp_path) -> None:
     out = train_demo.main(
         [
             "--out", str(tmp_path / "scenes"),
-            "--steps", "3", "--vae-steps", "2", "--batch-size", "2", "--vae-batch-size", "2",
+            "--steps", "3", "--vae-steps", "2", "--decoder-steps", "2", "--batch-size", "2", "--vae-batch-size", "2",
             "--pool-size", "8", "--device", "cpu", "--eval-scenes", "0",
         ]
     )  # fmt: skip

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Train both embedded demo models on one GPU at once: demo-scenes continues from the shipped weights (its
+# VAE decoder sharpened, then more transformer steps), demo-scenes-video from scratch. The two tiny models
+# leave the GPU mostly idle, so they run side by side; every phase has a wall-clock budget (the trainers cut
+# their step counts after 100 steps to fit it), so the whole run takes about 8 minutes on one H200.
+#
+#   bash benchmarks/probes/train_demos.sh OUT            # GPU: OUT/demo_scenes, OUT/demo_scenes_video
+#   SMOKE=1 bash benchmarks/probes/train_demos.sh OUT    # CPU, a few steps: checks the commands run
+#
+# Each folder gets its model card (README.md, with the held-out table) and train.log; both tables are
+# printed at the end. Needs torch and diffusers; the repository is imported as `ditserve` through a link.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+OUT=$(mkdir -p "${1:?usage: train_demos.sh OUT}" && cd "$1" && pwd)
+PKG=$(mktemp -d)
+ln -s "$ROOT" "$PKG/ditserve"
+export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
+
+if [[ "${SMOKE:-0}" == 1 ]]; then
+    image=(--device cpu --decoder-steps 3 --steps 3 --batch-size 4 --vae-batch-size 4 --pool-size 64
+           --eval-scenes 2 --eval-seeds 1)
+    video=(--device cpu --vae-steps 3 --steps 3 --batch-size 2 --vae-batch-size 2 --pool-scale 0.002
+           --eval-scenes 2 --eval-seeds 1)
+else
+    # Budgets (s): image decoder 60 + transformer 300; video VAE 110 + transformer 290; the rest is drawing,
+    # encoding and the held-out evaluation (~30-60 s each).
+    image=(--device cuda --decoder-steps 4000 --vae-time-budget-s 60 --steps 20000 --time-budget-s 300
+           --batch-size 512 --vae-batch-size 128 --lr 0.0002 --pool-size 49152 --eval-scenes 24 --eval-seeds 2)
+    video=(--device cuda --vae-steps 5000 --vae-time-budget-s 110 --steps 30000 --time-budget-s 290
+           --batch-size 128 --vae-batch-size 24 --lr 0.0005 --eval-scenes 24 --eval-seeds 1)
+fi
+
+start=$SECONDS
+mkdir -p "$OUT/demo_scenes" "$OUT/demo_scenes_video"
+python3 -m ditserve.replica.models.train_demo --out "$OUT/demo_scenes" \
+    --init-from "$ROOT/replica/models/demo_scenes" --vae-steps 0 --seed 1 \
+    --caption-dropout 0.1 --long-text-fraction 0.25 "${image[@]}" \
+    > "$OUT/demo_scenes/train.log" 2>&1 &
+image_pid=$!
+python3 -m ditserve.replica.models.train_demo_video --out "$OUT/demo_scenes_video" --seed 0 \
+    --caption-dropout 0.1 "${video[@]}" \
+    > "$OUT/demo_scenes_video/train.log" 2>&1 &
+video_pid=$!
+
+status=0
+wait "$image_pid" || { status=1; echo "demo-scenes training failed:"; tail -n 30 "$OUT/demo_scenes/train.log"; }
+wait "$video_pid" || { status=1; echo "demo-scenes-video training failed:"; tail -n 30 "$OUT/demo_scenes_video/train.log"; }
+rm -rf "$PKG"
+
+for name in demo_scenes demo_scenes_video; do
+    echo "== $name ($((SECONDS - start)) s so far)"
+    grep -E "VAE reconstructions|cut to|held-out|training captions|done in" "$OUT/$name/train.log" || true
+    if [[ -f "$OUT/$name/README.md" ]]; then
+        sed -n '/^## Held-out/,/^Held-out captions/p' "$OUT/$name/README.md" | grep '^|' || true
+    fi
+done
+echo "total $((SECONDS - start)) s"
+exit "$status"
