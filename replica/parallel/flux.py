@@ -19,40 +19,36 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from diffusers.models.embeddings import apply_rotary_emb
 
 from .hooks import ForwardState
 from .mesh import ParallelMesh
-from .plan import ParallelPlan, parallelize
-from .sp_attention import sequence_parallel_attention
-from .tp import RowParallelLinear, fused_row_parallel
+from .plan import ParallelPlan, feed_forward_tp, joint_attention_tp, parallelize
+from .processor import (
+    ParallelAttnProcessor,
+    image_qkv,
+    joint_out,
+    rotate_qk,
+    split_text,
+    text_image_attention,
+    text_qkv,
+)
 
 FLUX_TP_PLAN: dict[str, str] = {
     # double-stream blocks: image and text streams, each column → row
-    "transformer_blocks.*.attn.to_[qkv]": "column",
-    "transformer_blocks.*.attn.add_[qkv]_proj": "column",
-    "transformer_blocks.*.attn.to_out.0": "row",
-    "transformer_blocks.*.attn.to_add_out": "row",
-    "transformer_blocks.*.ff.net.0.proj": "column",
-    "transformer_blocks.*.ff.net.2": "row",
-    "transformer_blocks.*.ff_context.net.0.proj": "column",
-    "transformer_blocks.*.ff_context.net.2": "row",
+    **joint_attention_tp("transformer_blocks.*.attn"),
+    **feed_forward_tp("transformer_blocks.*.ff", "transformer_blocks.*.ff_context"),
     # single-stream blocks: attention and MLP side by side, one row-parallel proj_out (see below)
     "single_transformer_blocks.*.attn.to_[qkv]": "column",
     "single_transformer_blocks.*.proj_mlp": "column",
 }
 
 
-class FluxParallelAttnProcessor:
+class FluxParallelAttnProcessor(ParallelAttnProcessor):
     """Joint text+image attention with the image sequence sharded and the text replicated.
 
     Double blocks get (image, text) separately; single blocks get [text; image] concatenated and learn
-    the text length from the forward state. Heads are read as `-1` so TP's local head count just works.
+    the text length from the forward state.
     """
-
-    def __init__(self, mesh: ParallelMesh, state: ForwardState) -> None:
-        self.mesh = mesh
-        self.state = state
 
     def __call__(
         self,
@@ -64,44 +60,19 @@ class FluxParallelAttnProcessor:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if attention_mask is not None:
             raise NotImplementedError("FluxParallelAttnProcessor does not take an attention_mask")
-
-        def split_heads(x: torch.Tensor) -> torch.Tensor:
-            return x.unflatten(-1, (-1, attn.head_dim))
-
-        q = attn.norm_q(split_heads(attn.to_q(hidden_states)))
-        k = attn.norm_k(split_heads(attn.to_k(hidden_states)))
-        v = split_heads(attn.to_v(hidden_states))
+        q, k, v = image_qkv(attn, hidden_states)
         if encoder_hidden_states is not None:  # double block: text has its own projections
-            tq = attn.norm_added_q(split_heads(attn.add_q_proj(encoder_hidden_states)))
-            tk = attn.norm_added_k(split_heads(attn.add_k_proj(encoder_hidden_states)))
-            tv = split_heads(attn.add_v_proj(encoder_hidden_states))
+            tq, tk, tv = text_qkv(attn, encoder_hidden_states)
             num_text = tq.shape[1]
             q, k, v = torch.cat([tq, q], 1), torch.cat([tk, k], 1), torch.cat([tv, v], 1)
         else:  # single block: [text; image] already
             num_text = self.state.num_text
-        if image_rotary_emb is not None:  # built for [text; local image] by the model
-            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
-            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
-
-        img, text = sequence_parallel_attention(
-            q[:, num_text:],
-            k[:, num_text:],
-            v[:, num_text:],
-            mesh=self.mesh,
-            layout=self.state.require_layout(),
-            text=(q[:, :num_text], k[:, :num_text], v[:, :num_text]),
-        )
-        assert text is not None
-        img = img.flatten(2).to(q.dtype)
-        text = text.flatten(2).to(q.dtype)
+        q, k = rotate_qk(q, k, image_rotary_emb)  # built for [text; local image] by the model
+        image, text = split_text((q, k, v), num_text)
+        img, text_out = text_image_attention(image, text, mesh=self.mesh, layout=self.state.require_layout())
         if encoder_hidden_states is None:
-            return torch.cat([text, img], dim=1)
-        out, add_out = attn.to_out[0], attn.to_add_out
-        if isinstance(out, RowParallelLinear) and isinstance(add_out, RowParallelLinear):
-            img, text = fused_row_parallel([out, add_out], [img, text])  # one all-reduce for both streams
-        else:
-            img, text = out(img), add_out(text)
-        return attn.to_out[1](img), text
+            return torch.cat([text_out, img], dim=1)
+        return joint_out(attn, img, text_out)
 
 
 def _flux_tp_plan(transformer: nn.Module) -> dict[str, Any]:

@@ -21,19 +21,15 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from diffusers.models.embeddings import apply_rotary_emb
 
 from .flux import FluxParallelAttnProcessor
 from .hooks import ForwardState
 from .mesh import ParallelMesh
-from .plan import ParallelPlan, parallelize
-from .sp_attention import sequence_parallel_attention
+from .plan import ParallelPlan, joint_attention_tp, parallelize
+from .processor import ParallelAttnProcessor, rotate_qk, split_text, text_image_attention
 
 FLUX2_TP_PLAN: dict[str, Any] = {
-    "transformer_blocks.*.attn.to_[qkv]": "column",
-    "transformer_blocks.*.attn.add_[qkv]_proj": "column",
-    "transformer_blocks.*.attn.to_out.0": "row",
-    "transformer_blocks.*.attn.to_add_out": "row",
+    **joint_attention_tp("transformer_blocks.*.attn"),
     "transformer_blocks.*.ff.linear_out": "row",
     "transformer_blocks.*.ff_context.linear_out": "row",
 }
@@ -53,15 +49,11 @@ def _flux2_tp_plan(transformer: nn.Module) -> dict[str, Any]:
     return plan
 
 
-class Flux2ParallelSingleAttnProcessor:
+class Flux2ParallelSingleAttnProcessor(ParallelAttnProcessor):
     """A single block's fused attention + MLP with the image sequence sharded and the text replicated.
 
     The fused projection's local output is [q; k; v; gate; value] of this rank's share (TP) or all of it;
-    the q/k/v part is the same fraction of it either way. Heads are read as ``-1`` so TP just works."""
-
-    def __init__(self, mesh: ParallelMesh, state: ForwardState) -> None:
-        self.mesh = mesh
-        self.state = state
+    the q/k/v part is the same fraction of it either way."""
 
     def __call__(
         self,
@@ -78,21 +70,10 @@ class Flux2ParallelSingleAttnProcessor:
         local_qkv = projected.shape[-1] * qkv_dim // (qkv_dim + mlp_dim)
         qkv, mlp = projected.split([local_qkv, projected.shape[-1] - local_qkv], dim=-1)
         q, k, v = (x.unflatten(-1, (-1, attn.head_dim)) for x in qkv.chunk(3, dim=-1))
-        q, k = attn.norm_q(q), attn.norm_k(k)
-        if image_rotary_emb is not None:  # built for [text; local tokens] by the model
-            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
-            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
-        num_text = self.state.num_text
-        img, text = sequence_parallel_attention(
-            q[:, num_text:],
-            k[:, num_text:],
-            v[:, num_text:],
-            mesh=self.mesh,
-            layout=self.state.require_layout(),
-            text=(q[:, :num_text], k[:, :num_text], v[:, :num_text]),
-        )
-        assert text is not None
-        out = torch.cat([text, img], dim=1).flatten(2).to(q.dtype)
+        q, k = rotate_qk(attn.norm_q(q), attn.norm_k(k), image_rotary_emb)  # for [text; local tokens]
+        image, text = split_text((q, k, v), self.state.num_text)
+        img, text_out = text_image_attention(image, text, mesh=self.mesh, layout=self.state.require_layout())
+        out = torch.cat([text_out, img], dim=1)
         return attn.to_out(torch.cat([out, attn.mlp_act_fn(mlp)], dim=-1))
 
 

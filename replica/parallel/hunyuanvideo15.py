@@ -24,35 +24,32 @@ import math
 
 import torch
 import torch.nn as nn
-from diffusers.models.embeddings import apply_rotary_emb
 
-from .attention import attention
 from .hooks import ForwardState
 from .mesh import ParallelMesh
-from .plan import ParallelPlan, parallelize
+from .plan import ParallelPlan, feed_forward_tp, joint_attention_tp, parallelize
+from .processor import (
+    ParallelAttnProcessor,
+    image_qkv,
+    joint_out,
+    local_attention,
+    rotate_qk,
+    rows_by_length,
+    text_qkv,
+)
 from .sp_attention import sequence_parallel_attention
-from .tp import RowParallelLinear, fused_row_parallel
 
 HUNYUANVIDEO15_TP_PLAN: dict[str, str] = {
-    "transformer_blocks.*.attn.to_[qkv]": "column",
-    "transformer_blocks.*.attn.add_[qkv]_proj": "column",
-    "transformer_blocks.*.attn.to_out.0": "row",
-    "transformer_blocks.*.attn.to_add_out": "row",
-    "transformer_blocks.*.ff.net.0.proj": "column",
-    "transformer_blocks.*.ff.net.2": "row",
-    "transformer_blocks.*.ff_context.net.0.proj": "column",
-    "transformer_blocks.*.ff_context.net.2": "row",
+    **joint_attention_tp("transformer_blocks.*.attn"),
+    **feed_forward_tp("transformer_blocks.*.ff", "transformer_blocks.*.ff_context"),
 }
 
 
-class HunyuanVideo15ParallelAttnProcessor:
-    """Joint [video; valid context] attention with the video sharded and the context replicated.
-
-    Heads are read as `-1` so TP's local head count just works."""
+class HunyuanVideo15ParallelAttnProcessor(ParallelAttnProcessor):
+    """Joint [video; valid context] attention with the video sharded and the context replicated."""
 
     def __init__(self, mesh: ParallelMesh, state: ForwardState) -> None:
-        self.mesh = mesh
-        self.state = state
+        super().__init__(mesh, state)
         # The model passes one mask tensor to every block of a forward: its rows' valid lengths are read
         # to the host once per mask, not once per block.
         self._mask: torch.Tensor | None = None
@@ -89,54 +86,24 @@ class HunyuanVideo15ParallelAttnProcessor:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if encoder_hidden_states is None or attention_mask is None:
             raise NotImplementedError("HunyuanVideo15ParallelAttnProcessor expects the context and its mask")
-        head_dim = attn.inner_dim // attn.heads
+        q, k, v = image_qkv(attn, hidden_states)
+        q, k = rotate_qk(q, k, image_rotary_emb)  # video tokens only; split with them
+        context = text_qkv(attn, encoder_hidden_states)
 
-        def split_heads(x: torch.Tensor) -> torch.Tensor:
-            return x.unflatten(-1, (-1, head_dim))
-
-        q = attn.norm_q(split_heads(attn.to_q(hidden_states)))
-        k = attn.norm_k(split_heads(attn.to_k(hidden_states)))
-        v = split_heads(attn.to_v(hidden_states))
-        if image_rotary_emb is not None:  # video tokens only; split with them
-            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
-            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
-        tq = split_heads(attn.add_q_proj(encoder_hidden_states))
-        tk = split_heads(attn.add_k_proj(encoder_hidden_states))
-        tv = split_heads(attn.add_v_proj(encoder_hidden_states))
-        if attn.norm_added_q is not None:
-            tq = attn.norm_added_q(tq)
-        if attn.norm_added_k is not None:
-            tk = attn.norm_added_k(tk)
-
-        lengths = self._valid_lengths(attention_mask)
         img = torch.empty_like(q)
-        text = torch.zeros_like(tq)
-        # One sequence-parallel attention per distinct valid length (every rank holds the same masks, so
-        # every rank makes the same calls in the same order).
-        for length in sorted(set(lengths)):
-            rows = [i for i, n in enumerate(lengths) if n == length]
-            index = torch.tensor(rows, device=q.device) if len(rows) < len(lengths) else None
-
-            def take(x: torch.Tensor, index=index) -> torch.Tensor:
-                return x if index is None else x.index_select(0, index)
-
+        text = torch.zeros_like(context[0])
+        # One sequence-parallel attention per distinct valid length.
+        for group in rows_by_length(self._valid_lengths(attention_mask), q.device):
+            n = group.length
             part_img, part_text = self._attend(
-                take(q), take(k), take(v), (take(tq)[:, :length], take(tk)[:, :length], take(tv)[:, :length])
+                *(group.take(x) for x in (q, k, v)), tuple(group.take(x)[:, :n] for x in context)
             )
-            if index is None:
+            if group.index is None:
                 img = part_img.to(q.dtype)
-                text[:, :length] = part_text.to(q.dtype)
             else:
-                img[index] = part_img.to(q.dtype)
-                text[index, :length] = part_text.to(q.dtype)
-
-        img, text = img.flatten(2), text.flatten(2)
-        out, add_out = attn.to_out[0], attn.to_add_out
-        if isinstance(out, RowParallelLinear) and isinstance(add_out, RowParallelLinear):
-            img, text = fused_row_parallel([out, add_out], [img, text])  # one all-reduce for both streams
-        else:
-            img, text = out(img), add_out(text)
-        return attn.to_out[1](img), text
+                img[group.index] = part_img.to(q.dtype)
+            text[group.rows, :n] = part_text.to(q.dtype)
+        return joint_out(attn, img.flatten(2), text.flatten(2))
 
 
 class HunyuanVideo15ValidContextAttnProcessor(HunyuanVideo15ParallelAttnProcessor):
@@ -150,9 +117,7 @@ class HunyuanVideo15ValidContextAttnProcessor(HunyuanVideo15ParallelAttnProcesso
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         num_video = q.shape[1]
-        q, k, v = (torch.cat([x, t], dim=1).transpose(1, 2) for x, t in zip((q, k, v), text, strict=True))
-        out, _ = attention(q, k, v, need_lse=False)
-        out = out.transpose(1, 2)
+        out = local_attention(*(torch.cat([x, t], dim=1) for x, t in zip((q, k, v), text, strict=True)))
         return out[:, :num_video], out[:, num_video:]
 
 

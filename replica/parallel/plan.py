@@ -62,6 +62,27 @@ class ParallelPlan:
         return self.tp(model) if callable(self.tp) else self.tp
 
 
+def joint_attention_tp(attn: str) -> dict[str, str]:
+    """TP of a dual-stream block's joint attention ``attn`` (a name glob): q/k/v of both streams
+    column-parallel, both output projections row-parallel (one column → row pair per stream)."""
+    return {
+        f"{attn}.to_[qkv]": "column",
+        f"{attn}.add_[qkv]_proj": "column",
+        f"{attn}.to_out.0": "row",
+        f"{attn}.to_add_out": "row",
+    }
+
+
+def feed_forward_tp(*ffs: str) -> dict[str, str]:
+    """TP of diffusers ``FeedForward`` modules (name globs): the input projection column-parallel, the
+    output row-parallel."""
+    plan = {}
+    for ff in ffs:
+        plan[f"{ff}.net.0.proj"] = "column"
+        plan[f"{ff}.net.2"] = "row"
+    return plan
+
+
 def _split(value: Any, layout: SequenceLayout, dim: int) -> Any:
     """Shard a tensor (or each tensor of a tuple) along ``dim``; tensors without that dim pass through
     (e.g. a per-request timestep where a per-token one would be split)."""

@@ -35,30 +35,19 @@ from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb
 
 from .hooks import ForwardState
 from .mesh import ParallelMesh
-from .plan import ParallelPlan, parallelize
+from .plan import ParallelPlan, feed_forward_tp, joint_attention_tp, parallelize
+from .processor import ParallelAttnProcessor, image_qkv, joint_out, text_image_attention, text_qkv
 from .sequence import shard_sequence
 from .sp_attention import sequence_parallel_attention
-from .tp import RowParallelLinear, fused_row_parallel
 
 QWENIMAGE_TP_PLAN: dict[str, str] = {
-    "transformer_blocks.*.attn.to_[qkv]": "column",
-    "transformer_blocks.*.attn.add_[qkv]_proj": "column",
-    "transformer_blocks.*.attn.to_out.0": "row",
-    "transformer_blocks.*.attn.to_add_out": "row",
-    "transformer_blocks.*.img_mlp.net.0.proj": "column",
-    "transformer_blocks.*.img_mlp.net.2": "row",
-    "transformer_blocks.*.txt_mlp.net.0.proj": "column",
-    "transformer_blocks.*.txt_mlp.net.2": "row",
+    **joint_attention_tp("transformer_blocks.*.attn"),
+    **feed_forward_tp("transformer_blocks.*.img_mlp", "transformer_blocks.*.txt_mlp"),
 }
 
 
-class QwenImageParallelAttnProcessor:
-    """Joint [text; image] attention with the image sequence sharded and the text replicated. Heads are read
-    as ``-1`` so TP's local head count just works."""
-
-    def __init__(self, mesh: ParallelMesh, state: ForwardState) -> None:
-        self.mesh = mesh
-        self.state = state
+class QwenImageParallelAttnProcessor(ParallelAttnProcessor):
+    """Joint [text; image] attention with the image sequence sharded and the text replicated."""
 
     def _local_freqs(self, freqs: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the image rotary table (built by the model for the whole sequence), once per
@@ -82,27 +71,8 @@ class QwenImageParallelAttnProcessor:
             raise NotImplementedError(
                 "QwenImageParallelAttnProcessor needs the text stream and no attention_mask"
             )
-        head_dim = attn.inner_dim // attn.heads
-
-        def heads(x: torch.Tensor) -> torch.Tensor:
-            return x.unflatten(-1, (-1, head_dim))
-
-        q, k, v = (
-            heads(attn.to_q(hidden_states)),
-            heads(attn.to_k(hidden_states)),
-            heads(attn.to_v(hidden_states)),
-        )
-        tq = heads(attn.add_q_proj(encoder_hidden_states))
-        tk = heads(attn.add_k_proj(encoder_hidden_states))
-        tv = heads(attn.add_v_proj(encoder_hidden_states))
-        if attn.norm_q is not None:
-            q = attn.norm_q(q)
-        if attn.norm_k is not None:
-            k = attn.norm_k(k)
-        if attn.norm_added_q is not None:
-            tq = attn.norm_added_q(tq)
-        if attn.norm_added_k is not None:
-            tk = attn.norm_added_k(tk)
+        q, k, v = image_qkv(attn, hidden_states)
+        tq, tk, tv = text_qkv(attn, encoder_hidden_states)
         if image_rotary_emb is not None:
             img_freqs, txt_freqs = image_rotary_emb
             img_freqs = self._local_freqs(img_freqs)
@@ -113,20 +83,11 @@ class QwenImageParallelAttnProcessor:
 
         layout = self.state.require_layout()
         if encoder_hidden_states_mask is None:
-            img, text = sequence_parallel_attention(q, k, v, mesh=self.mesh, layout=layout, text=(tq, tk, tv))
+            img, text = text_image_attention((q, k, v), (tq, tk, tv), mesh=self.mesh, layout=layout)
         else:
-            img, text = self._masked(q, k, v, (tq, tk, tv), encoder_hidden_states_mask.bool())
-        assert text is not None
-        img = img.flatten(2).to(q.dtype)
-        text = text.flatten(2).to(q.dtype)
-        out, add_out = attn.to_out[0], attn.to_add_out
-        if isinstance(out, RowParallelLinear) and isinstance(add_out, RowParallelLinear):
-            img, text = fused_row_parallel([out, add_out], [img.contiguous(), text.contiguous()])
-        else:
-            img, text = out(img.contiguous()), add_out(text.contiguous())
-        if len(attn.to_out) > 1:
-            img = attn.to_out[1](img)
-        return img, text
+            masked = self._masked(q, k, v, (tq, tk, tv), encoder_hidden_states_mask.bool())
+            img, text = (x.flatten(2).to(q.dtype) for x in masked)
+        return joint_out(attn, img, text)
 
     def _masked(
         self,

@@ -21,31 +21,21 @@ import torch.nn as nn
 
 from .hooks import ForwardState
 from .mesh import ParallelMesh
-from .plan import ParallelPlan, parallelize
+from .plan import ParallelPlan, feed_forward_tp, joint_attention_tp, parallelize
+from .processor import ParallelAttnProcessor, image_qkv, joint_out, text_image_attention, text_qkv
 from .sp_attention import sequence_parallel_attention
-from .tp import RowParallelLinear, fused_row_parallel
 
 SD3_TP_PLAN: dict[str, str] = {
-    "transformer_blocks.*.attn.to_[qkv]": "column",
-    "transformer_blocks.*.attn.add_[qkv]_proj": "column",
-    "transformer_blocks.*.attn.to_out.0": "row",
-    "transformer_blocks.*.attn.to_add_out": "row",
+    **joint_attention_tp("transformer_blocks.*.attn"),
     "transformer_blocks.*.attn2.to_[qkv]": "column",
     "transformer_blocks.*.attn2.to_out.0": "row",
-    "transformer_blocks.*.ff.net.0.proj": "column",
-    "transformer_blocks.*.ff.net.2": "row",
-    "transformer_blocks.*.ff_context.net.0.proj": "column",
-    "transformer_blocks.*.ff_context.net.2": "row",
+    **feed_forward_tp("transformer_blocks.*.ff", "transformer_blocks.*.ff_context"),
 }
 
 
-class SD3ParallelAttnProcessor:
+class SD3ParallelAttnProcessor(ParallelAttnProcessor):
     """Joint attention (``attn``: image sharded, text replicated and attended once) and SD3.5's image-only
-    self-attention (``attn2``) over the sharded sequence. Heads are read as ``-1`` so TP's local heads work."""
-
-    def __init__(self, mesh: ParallelMesh, state: ForwardState) -> None:
-        self.mesh = mesh
-        self.state = state
+    self-attention (``attn2``) over the sharded sequence."""
 
     def __call__(
         self,
@@ -59,36 +49,17 @@ class SD3ParallelAttnProcessor:
             raise NotImplementedError(
                 "SD3ParallelAttnProcessor takes no attention_mask nor IP-adapter inputs"
             )
-        head_dim = attn.inner_dim // attn.heads
-
-        def heads(x: torch.Tensor) -> torch.Tensor:
-            return x.unflatten(-1, (-1, head_dim))
-
-        def norm(module: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
-            return x if module is None else module(x)
-
-        q = norm(attn.norm_q, heads(attn.to_q(hidden_states)))
-        k = norm(attn.norm_k, heads(attn.to_k(hidden_states)))
-        v = heads(attn.to_v(hidden_states))
+        q, k, v = image_qkv(attn, hidden_states)
         layout = self.state.require_layout()
         if encoder_hidden_states is None:  # attn2: image-only self-attention
             img, _ = sequence_parallel_attention(q, k, v, mesh=self.mesh, layout=layout)
             return attn.to_out[1](attn.to_out[0](img.flatten(2).to(q.dtype)))
 
-        tq = norm(attn.norm_added_q, heads(attn.add_q_proj(encoder_hidden_states)))
-        tk = norm(attn.norm_added_k, heads(attn.add_k_proj(encoder_hidden_states)))
-        tv = heads(attn.add_v_proj(encoder_hidden_states))
-        img, text = sequence_parallel_attention(q, k, v, mesh=self.mesh, layout=layout, text=(tq, tk, tv))
-        assert text is not None
-        img, text = img.flatten(2).to(q.dtype), text.flatten(2).to(q.dtype)
+        text = text_qkv(attn, encoder_hidden_states)
+        img, text_out = text_image_attention((q, k, v), text, mesh=self.mesh, layout=layout)
         if attn.context_pre_only:  # the last block: the text stream ends here (its output is unused)
-            return attn.to_out[1](attn.to_out[0](img)), text
-        out, add_out = attn.to_out[0], attn.to_add_out
-        if isinstance(out, RowParallelLinear) and isinstance(add_out, RowParallelLinear):
-            img, text = fused_row_parallel([out, add_out], [img, text])  # one all-reduce for both streams
-        else:
-            img, text = out(img), add_out(text)
-        return attn.to_out[1](img), text
+            return attn.to_out[1](attn.to_out[0](img)), text_out
+        return joint_out(attn, img, text_out)
 
 
 def _sd3_tokens(model: nn.Module, bound: dict) -> int:

@@ -21,10 +21,9 @@ import math
 import torch
 import torch.nn as nn
 
-from .attention import attention
-from .hooks import ForwardState
 from .mesh import ParallelMesh
-from .plan import ParallelPlan, parallelize
+from .plan import ParallelPlan, feed_forward_tp, parallelize
+from .processor import ParallelAttnProcessor, local_attention
 from .sp_attention import sequence_parallel_attention
 from .tp import ColumnParallelLinear, ShardedRMSNorm, sharded_rms_norm_many
 
@@ -34,8 +33,7 @@ WAN_TP_PLAN: dict[str, str] = {
     "blocks.*.attn2.to_[qkv]": "column",
     "blocks.*.attn2.add_[kv]_proj": "column",
     "blocks.*.attn2.to_out.0": "row",
-    "blocks.*.ffn.net.0.proj": "column",
-    "blocks.*.ffn.net.2": "row",
+    **feed_forward_tp("blocks.*.ffn"),
 }
 
 # Wan's I2V processor treats everything before the last 512 context tokens as image context.
@@ -49,18 +47,8 @@ def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return torch.stack([even * c - odd * s, even * s + odd * c], dim=-1).flatten(-2).type_as(x)
 
 
-def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """(B, S, H, D) attention with every key local (cross-attention to replicated context)."""
-    out, _ = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), need_lse=False)
-    return out.transpose(1, 2)
-
-
-class WanParallelAttnProcessor:
-    """Wan self-attention over the sharded sequence; cross-attention local. Heads read as `-1` for TP."""
-
-    def __init__(self, mesh: ParallelMesh, state: ForwardState) -> None:
-        self.mesh = mesh
-        self.state = state
+class WanParallelAttnProcessor(ParallelAttnProcessor):
+    """Wan self-attention over the sharded sequence; cross-attention local."""
 
     @staticmethod
     def _norm_pair(
@@ -99,13 +87,13 @@ class WanParallelAttnProcessor:
         if encoder_hidden_states is None:  # self-attention over the sharded video sequence
             out, _ = sequence_parallel_attention(q, k, v, mesh=self.mesh, layout=self.state.require_layout())
         else:  # cross-attention: the context is replicated, nothing to communicate
-            out = _local_attention(q, k, v)
+            out = local_attention(q, k, v)
         out = out.flatten(2).type_as(q)
 
         if image_context is not None:  # Wan 2.1 I2V: a second, local cross-attention to image tokens
             k_img = attn.norm_added_k(attn.add_k_proj(image_context)).unflatten(2, (-1, head_dim))
             v_img = attn.add_v_proj(image_context).unflatten(2, (-1, head_dim))
-            out = out + _local_attention(q, k_img, v_img).flatten(2).type_as(q)
+            out = out + local_attention(q, k_img, v_img).flatten(2).type_as(q)
 
         return attn.to_out[1](attn.to_out[0](out))
 

@@ -28,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from .hooks import ForwardState
 from .mesh import ParallelMesh
 from .plan import ParallelPlan, parallelize
+from .processor import ParallelAttnProcessor, image_qkv, rows_by_length
 from .sequence import gather_sequence, shard_sequence
 from .sp_attention import sequence_parallel_attention
 
@@ -47,13 +48,8 @@ def _rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(pairs * freqs.unsqueeze(2)).flatten(3).type_as(x)
 
 
-class ZImageParallelAttnProcessor:
-    """One processor for the three kinds of blocks, told apart by the module (``state.extra["stage"]``).
-    Heads are read as ``-1`` so TP's local heads work."""
-
-    def __init__(self, mesh: ParallelMesh, state: ForwardState) -> None:
-        self.mesh = mesh
-        self.state = state
+class ZImageParallelAttnProcessor(ParallelAttnProcessor):
+    """One processor for the three kinds of blocks, told apart by the module (``state.extra["stage"]``)."""
 
     def __call__(
         self,
@@ -64,12 +60,7 @@ class ZImageParallelAttnProcessor:
         freqs_cis: torch.Tensor | None = None,
     ) -> torch.Tensor:
         stage = self.state.extra["stage"][id(attn)]
-        head_dim = attn.inner_dim // attn.heads
-        q, k, v = (
-            proj(hidden_states).unflatten(-1, (-1, head_dim)) for proj in (attn.to_q, attn.to_k, attn.to_v)
-        )
-        if attn.norm_q is not None:
-            q, k = attn.norm_q(q), attn.norm_k(k)
+        q, k, v = image_qkv(attn, hidden_states)
         layout = self.state.require_layout()
         num_image = self.state.extra["num_image"]  # the global image tokens (the model's own padding incl.)
 
@@ -108,31 +99,22 @@ class ZImageParallelAttnProcessor:
         """Image queries (sharded) and caption queries (replicated) against every image key and each row's
         real caption keys. Rows are grouped by caption length, so no padded caption key is attended."""
         layout = self.state.require_layout()
-        img, text = (
-            (q[:, :num_local], k[:, :num_local], v[:, :num_local]),
-            (q[:, num_local:], k[:, num_local:], v[:, num_local:]),
-        )
-        num_text = text[0].shape[1]
+        img = (q[:, :num_local], k[:, :num_local], v[:, :num_local])
+        tq, tk, tv = q[:, num_local:], k[:, num_local:], v[:, num_local:]
+        num_text = tq.shape[1]
         lengths = [num_text] * q.shape[0] if mask is None else mask[:, num_image:].sum(1).tolist()
         out = torch.empty_like(q)
-        for length in sorted(set(lengths)):
-            rows = [i for i, n in enumerate(lengths) if n == length]
-            index = None if len(rows) == q.shape[0] else torch.tensor(rows, device=q.device)
-
-            def take(x: torch.Tensor, index: torch.Tensor | None = index) -> torch.Tensor:
-                return x if index is None else x.index_select(0, index)
-
+        for group in rows_by_length(lengths, q.device):
             img_out, text_out = sequence_parallel_attention(
-                *(take(x) for x in img),
+                *(group.take(x) for x in img),
                 mesh=self.mesh,
                 layout=layout,
-                text=(take(text[0]), take(text[1])[:, :length], take(text[2])[:, :length]),
+                text=(group.take(tq), group.take(tk)[:, : group.length], group.take(tv)[:, : group.length]),
             )
             both = torch.cat([img_out, text_out], dim=1).to(q.dtype)
-            if index is None:
-                out = both
-            else:
-                out[index] = both
+            if group.index is None:  # one group of every row
+                return both
+            out[group.index] = both
         return out
 
 
