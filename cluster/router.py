@@ -10,7 +10,7 @@ polls between its jobs does not skew where the jobs land.
 
 A realtime session lives on one replica (its latents are there). Its id is ``<replica_id>.<random>`` and
 travels as Serve's ``session_id`` (``handle.options(session_id=...)``), so the owner is read off the id:
-no session map in the router, nothing to keep in sync between frontends. When the owner is not among the
+no session map in the router, nothing to keep in sync between proxies. When the owner is not among the
 running replicas, the request fails with :class:`SessionGoneError` (410 at the ingress) instead of being
 remapped to a replica that never saw the session.
 
@@ -31,7 +31,15 @@ ROUTER_PATH = "ditserve.cluster.router:SessionRouter"
 
 # Requests that start work on the replica they reach: HTTP by route pattern (Serve's proxy matches the
 # FastAPI routes), handle and gRPC calls by method name.
-WORK_ROUTES = frozenset({"/v1/images/generations", "/v1/images/edits", "/v1/videos", "/v1/sessions"})
+WORK_ROUTES = frozenset(
+    {
+        "/v1/images/generations",
+        "/v1/images/edits",
+        "/v1/videos",
+        "/v1/sessions",
+        "/v1/realtime_video/generate",
+    }
+)
 WORK_METHODS = frozenset(
     {
         "generate", "generate_stream", "open_session", "create_video", "realtime_open",

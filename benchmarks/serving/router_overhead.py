@@ -1,7 +1,7 @@
 """Latency the HTTP path (Serve's proxy, the ingress routes, the session/round-robin router) adds over a
 direct handle call, and the balance across replicas (CPU; local Ray).
 
-    python benchmarks/serving/router_overhead.py [--dp-size 3] [--requests 1000] [--rounds 5] [--out DIR]
+    python benchmarks/serving/router_overhead.py [--dp-size 3] [--requests 1000] [--rounds 5] [--proxy-grpc] [--out DIR]
 
 The engine deployment (also the HTTP ingress) runs with a trivial engine (``engine_cls`` injection:
 answers each request at once with a 1×1 PNG), so what is timed is the serving path alone. Paths, one
@@ -117,10 +117,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds the paths are interleaved in")
     parser.add_argument("--mixed", type=int, default=300, help="images in the mixed-traffic balance run")
     parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument(
+        "--proxy-grpc",
+        action="store_true",
+        help="Serve's proxy talks to replicas over gRPC (RAY_SERVE_PROXY_USE_GRPC=1) instead of Ray actor calls",
+    )
     parser.add_argument("--out", default=None, help="results folder (default: benchmarks/results)")
     ns = parser.parse_args()
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if ns.proxy_grpc:  # read by the proxy when it starts (in the cluster ray.init starts below)
+        os.environ["RAY_SERVE_PROXY_USE_GRPC"] = "1"
     import httpx
     import ray
     from ray import serve
@@ -204,7 +211,8 @@ def main() -> None:
         )
     summary = (
         f"{len(samples['direct'])} timed requests per path in {ns.rounds} interleaved rounds after "
-        f"{ns.warmup} warm-up each, dp_size {ns.dp_size}. Image requests per replica {sorted(served.values())}, "
+        f"{ns.warmup} warm-up each, dp_size {ns.dp_size}, proxy → replica over "
+        f"{'gRPC' if ns.proxy_grpc else 'Ray actor calls'}. Image requests per replica {sorted(served.values())}, "
         f"max/min {balance:.3f}; mixed traffic ({ns.mixed} images, 0–3 GETs after each) "
         f"{sorted(mixed.values())}, max/min {mixed_balance:.3f}. Machine: {machine}"
     )
