@@ -18,11 +18,17 @@ The wrappers take each block's call slot (``Module.__call__`` runs ``_compiled_c
 and run the block's own call inside: its compiled call under ``--compile`` (regional compilation sets that
 slot first), else its eager one. So the decisions and the row bookkeeping never run inside a compiled
 region (traced, they became guards on every request's cache state: a recompile per forward until dynamo's
-recompile limit sent the block back to eager), and the blocks run compiled with caching too. The remaining
-blocks see a row count that changes from forward to forward: their gathered inputs have the row dim marked
-dynamic (``maybe_mark_dynamic``), so one graph per block class serves every count from 2 up and a single row
-gets dynamo's own size-1 specialisation: caching adds at most two graphs per block class (and LoRA mode),
-whatever the hit pattern.
+recompile limit sent the block back to eager), and the blocks run compiled with caching too.
+
+The remaining blocks see a row count that changes from forward to forward. The recompiles are bounded by
+dynamo's automatic dynamic shapes, on purpose without marking the row dim ourselves: a frame compiles
+static for the first row count it sees, once more with the row dim dynamic at the second count (every count
+from 2 up then shares that graph) and once for a single row (dynamo specialises size 1): at most three
+graphs per compiled frame (a block class's forward, or a piece of it between the LoRA path's graph breaks)
+and LoRA mode, whatever the hit pattern, as continuous batching alone already gives the first block (its
+full batch changes as requests join and leave). ``maybe_mark_dynamic`` on the
+computing rows' inputs only would not save a graph: marked and unmarked inputs guard apart, so the full
+batch's calls and the computing rows' would each keep their own graphs.
 """
 
 from __future__ import annotations
@@ -57,7 +63,6 @@ class StepCacheModel:
 
     blocks: list[nn.Module]
     calls: list  # each block's own call: its compiled call (--compile) or its eager one (hooks included)
-    compiled: list[bool]  # whether that call is compiled (its row-gathered inputs get a dynamic row dim)
     entries: list  # the wrappers now in the blocks' call slots
     outputs: tuple[
         str, ...
@@ -94,11 +99,9 @@ def apply_step_cache(
     names what a block returns, in order; each name is also the keyword of that input."""
     blocks = [b for name in block_lists for b in getattr(model, name, [])]
     assert len(blocks) >= 2, "step caching needs at least two transformer blocks"
-    compiled = [b._compiled_call_impl is not None for b in blocks]
     handle = StepCacheModel(
         blocks=blocks,
         calls=[b._compiled_call_impl or b._call_impl for b in blocks],
-        compiled=compiled,
         entries=[],
         outputs=outputs,
         group=group,
@@ -146,20 +149,16 @@ def apply_step_cache(
                     [torch.arange(o, o + r, device=residual.device) for _, o, r in compute_rows]
                 )
                 state = {k: _take_rows(v, index, total) for k, v in inputs.items()}
-                gathered = {k for k, v in inputs.items() if _is_rows(v, total)} | set(outputs)
                 current = tuple(t[index] for t in head)
             else:
-                index, state, gathered, current = None, inputs, set(), _as_tuple(out)
+                index, state, current = None, inputs, _as_tuple(out)
             first_out = current
             if shrunk and handle.relayout is not None:
                 handle.relayout([rows for _, _, rows in compute_rows], [o for _, o, _ in compute_rows])
             try:
-                for call, dynamic in zip(handle.calls[1:], handle.compiled[1:], strict=True):
+                for call in handle.calls[1:]:
                     step_in = dict(state)
                     step_in.update(zip(outputs, current, strict=True))
-                    if dynamic:
-                        for name in gathered:
-                            _rows_dynamic(step_in[name])
                     new = _as_tuple(call(**step_in))
                     # A block may end a stream (SD3's last block returns no text): its last value passes on.
                     current = tuple(c if n is None else n for c, n in zip(current, new, strict=True))
@@ -211,19 +210,9 @@ def apply_step_cache(
     return handle
 
 
-def _is_rows(value, total: int) -> bool:
-    """Whether a block input has one entry per row (gathered for the computing rows); others (rotary
-    embeddings, shared ids, kwargs dicts) pass unchanged."""
-    return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == total and total > 1
-
-
 def _take_rows(value, index: torch.Tensor, total: int):
-    """The computing rows of a block input."""
-    return value[index] if _is_rows(value, total) else value
-
-
-def _rows_dynamic(value) -> None:
-    """A compiled block's input with a row dim that changes between forwards: dynamic in that dim (a
-    no-op on one row, which dynamo specialises)."""
-    if isinstance(value, torch.Tensor) and value.dim() >= 1:
-        torch._dynamo.maybe_mark_dynamic(value, 0)
+    """The computing rows of a block input: tensors with one entry per row are gathered, others (rotary
+    embeddings, shared ids, kwargs dicts) pass unchanged."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == total and total > 1:
+        return value[index]
+    return value

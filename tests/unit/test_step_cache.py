@@ -314,3 +314,30 @@ def test_lora_batch_with_hits_runs_the_remaining_blocks_on_the_computing_rows_on
     assert any(c < t for c, t in zip(computing, total, strict=True))
     assert decisions[0]["cond"] == [False, False, False, True, False, True, False, True]
     assert any(any(d) for d in decisions[3].values())  # the CFG request with two adapters hit too
+
+
+def test_compiled_blocks_with_lora_and_hits_compile_a_bounded_number_of_graphs(eager_lora, tmp_path):
+    """--compile: the remaining blocks see a row count that changes from forward to forward (and adapters
+    on some of those rows): the blocks run compiled, dynamo never reaches its recompile limit (it would
+    raise here rather than fall back to eager), a second batch with other row counts compiles nothing new,
+    and the images are the eager worker's."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    params, (eager_images, eager_decisions, _), _ = eager_lora
+    torch._dynamo.reset()  # graphs of other tests' compiled blocks do not count here
+    worker = lora_worker(tmp_path, compile=True)
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            images, decisions, rows_seen = drive(worker, params)
+            graphs = counters["stats"]["unique_graphs"]
+            assert graphs > 0  # the blocks did compile
+            # other requests, rows and hits: every row count was seen, so nothing compiles again
+            other = [p.model_copy(update={"seed": p.seed + 10}) for p in params[1:]]
+            drive(worker, other, "again")
+            assert counters["stats"]["unique_graphs"] == graphs
+    finally:
+        worker.shutdown()
+    assert rows_seen == computing_rows(params, decisions)[0]
+    for image, want in zip(images, eager_images, strict=True):
+        assert psnr(image, want) >= 40
