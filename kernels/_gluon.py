@@ -1,5 +1,5 @@
-"""Gluon pieces the Hopper kernels share: TMA copy names across Triton versions, a row block's adapter, the
-store of shrink results (`SOut`)."""
+"""Gluon pieces the Hopper kernels share: TMA copy names across Triton versions, a segment's adapter, the
+ring barriers of a loader warp and its consumers (`Slots`), the store of shrink results (`SOut`)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -42,11 +42,60 @@ def _segment_adapter(seg, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr):
     return slot, rank, scale
 
 
+@aggregate
+class Slots:
+    """The barriers of a ring of STAGES shared-memory slots that a loader warp fills for its consumer partitions:
+    step j goes into slot j % STAGES; ready[i] completes once the slot's loads have landed, empty[i] once its
+    consumers have freed it (as many arrivals as the count it was made with)."""
+
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+    STAGES: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, ready, empty, STAGES):
+        self.ready = ready
+        self.empty = empty
+        self.STAGES = gl.constexpr(STAGES)
+
+    @gluon.jit
+    def fill(self, j, nbytes: gl.constexpr):
+        """The loader's step j: wait until its slot is free, expect nbytes on it; (the slot, the barrier its loads
+        complete)."""
+        i = j % self.STAGES
+        mbarrier.wait(self.empty.index(i), ((j // self.STAGES) & 1) ^ 1)
+        bar = self.ready.index(i)
+        mbarrier.expect(bar, nbytes)
+        return i, bar
+
+    @gluon.jit
+    def wait(self, j):
+        """A consumer's step j: wait until its slot's loads have landed; the slot."""
+        i = j % self.STAGES
+        mbarrier.wait(self.ready.index(i), (j // self.STAGES) & 1)
+        return i
+
+    @gluon.jit
+    def free(self, j):
+        """A consumer is done with step j's slot."""
+        mbarrier.arrive(self.empty.index(j % self.STAGES))
+
+    @gluon.jit
+    def invalidate(self):
+        for i in gl.static_range(self.STAGES):
+            mbarrier.invalidate(self.ready.index(i))
+            mbarrier.invalidate(self.empty.index(i))
+
+
 @gluon.jit
-def _block_segment(rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, ROWS: gl.constexpr):
-    """Row block rb's (slot, rank, scale), from its first row's segment (the Gluon expand's blocks, which hold
-    one segment each)."""
-    return _segment_adapter(gl.load(token_seg_ptr + rb * ROWS), seg_slot_ptr, slot_rank_ptr, seg_scale_ptr)
+def _slots(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The barriers of a ring of STAGES slots, each freed by CONSUMERS arrivals."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    return Slots(ready, empty, STAGES)
 
 
 @aggregate

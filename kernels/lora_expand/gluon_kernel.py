@@ -24,55 +24,166 @@ out for TMA.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
+
+from ditserve.kernels._gluon import (
+    Scalar,
+    Slots,
+    _mma_layout,
+    _segment_adapter,
+    _slots,
+    _tma_load,
+    _tma_store,
+    aggregate,
     fence_async_shared,
-    mbarrier,
     tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
-from ditserve.kernels._gluon import _block_segment, _tma_load, _tma_store
+
+@aggregate
+class Tiles:
+    """The batch's num_tiles tiles (row block of BLOCK_M rows, column block), row-major over num_col_blocks
+    column blocks, cut into one equal span per program (the first num_tiles % programs one tile more); a tile's
+    adapter from its row block's segment. blk1..blk3: the first column block of slices 1..3 (num_col_blocks when
+    absent)."""
+
+    token_seg_ptr: gl.tensor
+    seg_slot_ptr: gl.tensor
+    slot_rank_ptr: gl.tensor
+    seg_scale_ptr: gl.tensor
+    num_col_blocks: Scalar
+    num_tiles: Scalar
+    blk1: Scalar
+    blk2: Scalar
+    blk3: Scalar
+    BLOCK_M: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, num_col_blocks, num_tiles, blk1,
+                 blk2, blk3, BLOCK_M):  # fmt: skip
+        self.token_seg_ptr = token_seg_ptr
+        self.seg_slot_ptr = seg_slot_ptr
+        self.slot_rank_ptr = slot_rank_ptr
+        self.seg_scale_ptr = seg_scale_ptr
+        self.num_col_blocks = num_col_blocks
+        self.num_tiles = num_tiles
+        self.blk1 = blk1
+        self.blk2 = blk2
+        self.blk3 = blk3
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+
+    @gluon.jit
+    def span(self):
+        """This program's tiles [lo, hi)."""
+        nprog = gl.num_programs(0)
+        pid = gl.program_id(0)
+        per = self.num_tiles // nprog
+        rem = self.num_tiles % nprog
+        lo = pid * per + gl.minimum(pid, rem)
+        return lo, lo + per + (pid < rem).to(gl.int32)
+
+    @gluon.jit
+    def at(self, t, prev_rb, slot, rank, scale):
+        """Tile t's (row block, column block) and its row block's (slot, rank, scale): loaded where the row block
+        is not prev_rb, else the ones given."""
+        rb = t // self.num_col_blocks
+        cb = t - rb * self.num_col_blocks
+        if rb != prev_rb:
+            # a row block holds one segment: its first row's
+            seg = gl.load(self.token_seg_ptr + rb * self.BLOCK_M)
+            slot, rank, scale = _segment_adapter(
+                seg, self.seg_slot_ptr, self.slot_rank_ptr, self.seg_scale_ptr
+            )
+        return rb, cb, slot, rank, scale
+
+    @gluon.jit
+    def slice(self, cb):
+        """Column block cb's output slice."""
+        return (cb >= self.blk1).to(gl.int32) + (cb >= self.blk2).to(gl.int32) + (cb >= self.blk3).to(gl.int32)  # fmt: skip
 
 
-@gluon.jit
-def _tile_span(num_tiles):
-    """This program's tiles [lo, hi): an equal share of all of them (the first num_tiles % programs one more)."""
-    nprog = gl.num_programs(0)
-    pid = gl.program_id(0)
-    per = num_tiles // nprog
-    rem = num_tiles % nprog
-    lo = pid * per + gl.minimum(pid, rem)
-    return lo, lo + per + (pid < rem).to(gl.int32)
+@aggregate
+class Ring:
+    """The ring's slots: a tile's y box in y_bufs and B box in b_bufs, filled and freed through slots."""
+
+    y_bufs: gl.shared_memory_descriptor
+    b_bufs: gl.shared_memory_descriptor
+    slots: Slots
+
+    @gluon.constexpr_function
+    def __init__(self, y_bufs, b_bufs, slots):
+        self.y_bufs = y_bufs
+        self.b_bufs = b_bufs
+        self.slots = slots
+
+    @gluon.jit
+    def wait(self, j):
+        """Step j's y and B boxes, once the slot's loads have landed."""
+        i = j % self.slots.STAGES
+        y_buf = self.y_bufs.index(i)
+        b_buf = self.b_bufs.index(i)
+        self.slots.wait(j)
+        return y_buf, b_buf
 
 
-@gluon.jit
-def _tile_slice(cb, blk1, blk2, blk3):
-    """Column block cb's output slice (blk1..blk3: the first column block of slices 1..3)."""
-    return (cb >= blk1).to(gl.int32) + (cb >= blk2).to(gl.int32) + (cb >= blk3).to(gl.int32)
+@aggregate
+class ScaledS:
+    """The MMAs' first operand: scale · s[g, rows, :R] of a row block and slice, loaded from s (fp32, rank_dim
+    columns, strides stride_ss, stride_st) by num_warps warps, TPW_N threads of a warp along its columns, into
+    compute partition p's s_smem[p] (x's dtype)."""
 
+    s_ptr: gl.tensor
+    s_smem: gl.shared_memory_descriptor
+    num_tokens: Scalar
+    rank_dim: Scalar
+    stride_ss: Scalar
+    stride_st: Scalar
+    R: gl.constexpr
+    TPW_N: gl.constexpr
+    num_warps: gl.constexpr
 
-@gluon.jit
-def _tile_segment(t, num_col_blocks, prev_rb, slot, rank, scale, token_seg_ptr, seg_slot_ptr, slot_rank_ptr,
-                  seg_scale_ptr, BLOCK_M: gl.constexpr):  # fmt: skip
-    """Tile t's (row block, column block) and its row block's (slot, rank, scale): loaded where the row block
-    is not prev_rb, else the ones given."""
-    rb = t // num_col_blocks
-    cb = t - rb * num_col_blocks
-    if rb != prev_rb:
-        slot, rank, scale = _block_segment(
-            rb, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, BLOCK_M
+    @gluon.constexpr_function
+    def __init__(self, s_ptr, s_smem, num_tokens, rank_dim, stride_ss, stride_st, R, TPW_N, num_warps):
+        self.s_ptr = s_ptr
+        self.s_smem = s_smem
+        self.num_tokens = num_tokens
+        self.rank_dim = rank_dim
+        self.stride_ss = stride_ss
+        self.stride_st = stride_st
+        self.R = gl.constexpr(R)
+        self.TPW_N = gl.constexpr(TPW_N)
+        self.num_warps = gl.constexpr(num_warps)
+
+    @gluon.jit
+    def load(self, s_own, g, m0, rank, scale, BLOCK_M: gl.constexpr):
+        """scale · s[g, m0:m0 + BLOCK_M, :R] into s_own (columns past the slot's rank and rows past the batch
+        zero)."""
+        layout: gl.constexpr = gl.BlockedLayout(
+            [1, 4], [32 // self.TPW_N, self.TPW_N], [self.num_warps, 1], [1, 0]
         )
-    return rb, cb, slot, rank, scale
+        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, self.R, layout=gl.SliceLayout(0, layout))
+        ptrs = (
+            self.s_ptr
+            + g.to(gl.int64) * self.stride_ss
+            + rows.to(gl.int64)[:, None] * self.stride_st
+            + cols[None, :]
+        )
+        mask = (rows < self.num_tokens)[:, None] & (cols < gl.minimum(rank, self.rank_dim))[None, :]
+        sv = gl.load(ptrs, mask=mask, other=0.0) * scale
+        s_own.store(sv.to(s_own.dtype))
+        fence_async_shared()
 
 
 @gluon.jit
-def _expand_loader(y_desc, b_desc, y_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr, slot_rank_ptr,
-                   seg_scale_ptr, n_total, num_col_blocks, num_tiles, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+def _expand_loader(ring, tiles, y_desc, b_desc, n_total):
     """The loader warp: the B and y boxes of every tile of this program's span with an adapter, in the compute
-    warps' order; tile j into ring slot j % STAGES once the compute warps have freed it."""
-    lo, hi = _tile_span(num_tiles)
+    warps' order; tile j into ring slot j % STAGES once the compute warps have freed it. B: n_total rows per
+    adapter slot."""
+    BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
+    lo, hi = tiles.span()
     step_bytes: gl.constexpr = y_desc.block_type.nbytes + b_desc.block_type.nbytes
     j = 0
     rb = -1
@@ -80,48 +191,25 @@ def _expand_loader(y_desc, b_desc, y_bufs, b_bufs, ready, empty, token_seg_ptr, 
     rank = 0
     scale = 0.0
     for t in range(lo, hi):
-        rb, cb, slot, rank, scale = _tile_segment(t, num_col_blocks, rb, slot, rank, scale, token_seg_ptr,
-                                                  seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, BLOCK_M)  # fmt: skip
+        rb, cb, slot, rank, scale = tiles.at(t, rb, slot, rank, scale)
         if rank > 0:
-            i = j % STAGES
-            mbarrier.wait(empty.index(i), ((j // STAGES) & 1) ^ 1)
-            bar = ready.index(i)
-            mbarrier.expect(bar, step_bytes)
-            _tma_load(b_desc, [slot * n_total + cb * BLOCK_N, 0], bar, b_bufs.index(i))
-            _tma_load(y_desc, [rb * BLOCK_M, cb * BLOCK_N], bar, y_bufs.index(i))
+            i, bar = ring.slots.fill(j, step_bytes)
+            _tma_load(b_desc, [slot * n_total + cb * BLOCK_N, 0], bar, ring.b_bufs.index(i))
+            _tma_load(y_desc, [rb * BLOCK_M, cb * BLOCK_N], bar, ring.y_bufs.index(i))
             j += 1
 
 
 @gluon.jit
-def _load_scaled_s(s_ptr, s_smem, g, m0, num_tokens, rank, rank_dim, scale, stride_ss, stride_st,
-                   R: gl.constexpr, BLOCK_M: gl.constexpr, TPW_N: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-    """scale · s[g, m0:m0 + BLOCK_M, :R] in s_smem's dtype (columns past the slot's rank and rows past the batch
-    zero), for the MMAs of the row block's tiles of slice g."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TPW_N, TPW_N], [num_warps, 1], [1, 0])
-    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, R, layout=gl.SliceLayout(0, layout))
-    ptrs = s_ptr + g.to(gl.int64) * stride_ss + rows.to(gl.int64)[:, None] * stride_st + cols[None, :]
-    mask = (rows < num_tokens)[:, None] & (cols < gl.minimum(rank, rank_dim))[None, :]
-    sv = gl.load(ptrs, mask=mask, other=0.0) * scale
-    s_smem.store(sv.to(s_smem.dtype))
-    fence_async_shared()
-
-
-@gluon.jit
-def _expand_compute(y_desc, y_bufs, b_bufs, s_smem, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr,
-                    slot_rank_ptr, seg_scale_ptr, num_tokens, rank_dim, stride_ss, stride_st, num_col_blocks,
-                    num_tiles, blk1, blk2, blk3, R: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, LAG: gl.constexpr, TPW_N: gl.constexpr, WG: gl.constexpr,
-                    PART: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+def _expand_compute(ring, tiles, s_in, y_desc, LAG: gl.constexpr, WG: gl.constexpr, PART: gl.constexpr):
     """Compute partition PART of WG: per row block and slice its scaled s into its s_smem; per tile of its
     own (the span's adapter tiles j ≡ PART mod WG) y + s · Bᵀ in the accumulator (y loaded into it from the
     slot), the sum back into the slot and out with TMA; the slot of its tile LAG before freed once at most LAG
     of its stores are still reading their slots."""
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    lo, hi = _tile_span(num_tiles)
-    s_own = s_smem.index(PART)
+    BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
+    mma_layout: gl.constexpr = _mma_layout(BLOCK_N, s_in.num_warps)
+    lo, hi = tiles.span()
+    s_own = s_in.s_smem.index(PART)
     j = 0  # the span's adapter tiles so far (every partition's)
     prev_rb = -1  # the row block of the tile before (for its segment)
     s_rb = -1  # the row block and slice s_own holds
@@ -130,21 +218,16 @@ def _expand_compute(y_desc, y_bufs, b_bufs, s_smem, ready, empty, s_ptr, token_s
     rank = 0
     scale = 0.0
     for t in range(lo, hi):
-        rb, cb, slot, rank, scale = _tile_segment(t, num_col_blocks, prev_rb, slot, rank, scale, token_seg_ptr,
-                                                  seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, BLOCK_M)  # fmt: skip
+        rb, cb, slot, rank, scale = tiles.at(t, prev_rb, slot, rank, scale)
         if rank > 0:
             if j % WG == PART:
-                g = _tile_slice(cb, blk1, blk2, blk3)
+                g = tiles.slice(cb)
                 if (rb != s_rb) | (g != s_g):
                     # the MMAs that read s_own are done (each tile waits for its own)
-                    _load_scaled_s(s_ptr, s_own, g, rb * BLOCK_M, num_tokens, rank, rank_dim, scale, stride_ss,
-                                   stride_st, R, BLOCK_M, TPW_N, num_warps)  # fmt: skip
+                    s_in.load(s_own, g, rb * BLOCK_M, rank, scale, BLOCK_M)
                     s_rb = rb
                     s_g = g
-                i = j % STAGES
-                y_buf = y_bufs.index(i)
-                b_buf = b_bufs.index(i)
-                mbarrier.wait(ready.index(i), (j // STAGES) & 1)
+                y_buf, b_buf = ring.wait(j)
                 acc = y_buf.load(mma_layout).to(gl.float32)
                 tok = warpgroup_mma(s_own, b_buf.permute((1, 0)), acc, is_async=True)
                 acc, _, _ = warpgroup_mma_wait(0, deps=(tok, s_own, b_buf))
@@ -154,7 +237,7 @@ def _expand_compute(y_desc, y_bufs, b_bufs, s_smem, ready, empty, s_ptr, token_s
                 # the stores of this partition's tiles up to j - LAG · WG have read their slots
                 tma.store_wait(pendings=LAG)
                 if j >= LAG * WG:
-                    mbarrier.arrive(empty.index((j - LAG * WG) % STAGES))
+                    ring.slots.free(j - LAG * WG)
             j += 1
         prev_rb = rb
     tma.store_wait(pendings=0)
@@ -193,44 +276,28 @@ def _gluon_lora_expand_kernel(
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, R], b_desc.layout)
     # the MMA's first operand: B's box layout fits it (the swizzle follows the R columns alone)
     s_smem = gl.allocate_shared_memory(b_desc.dtype, [WG, BLOCK_M, R], b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ring = Ring(y_bufs, b_bufs, _slots(STAGES, 1))
+    tiles = Tiles(token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, num_col_blocks, num_tiles, blk1, blk2,
+                  blk3, BLOCK_M)  # fmt: skip
+    s_in = ScaledS(s_ptr, s_smem, num_tokens, rank_dim, stride_ss, stride_st, R, TPW_N, num_warps)
     if WG == 1:
         gl.warp_specialize(
             [
-            (_expand_compute, (y_desc, y_bufs, b_bufs, s_smem, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr,
-                               slot_rank_ptr, seg_scale_ptr, num_tokens, rank_dim, stride_ss, stride_st,
-                               num_col_blocks, num_tiles, blk1, blk2, blk3, R, BLOCK_M, BLOCK_N, STAGES, LAG,
-                               TPW_N, WG, 0, num_warps)),
-            (_expand_loader, (y_desc, b_desc, y_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr,
-                              slot_rank_ptr, seg_scale_ptr, n_total, num_col_blocks, num_tiles, BLOCK_M, BLOCK_N,
-                              STAGES)),
+                (_expand_compute, (ring, tiles, s_in, y_desc, LAG, WG, 0)),
+                (_expand_loader, (ring, tiles, y_desc, b_desc, n_total)),
             ],
             [1],
             [40],
-        )  # fmt: skip
+        )
     else:
         gl.static_assert(WG == 2, "1-2 compute partitions")
         gl.warp_specialize(
             [
-            (_expand_compute, (y_desc, y_bufs, b_bufs, s_smem, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr,
-                               slot_rank_ptr, seg_scale_ptr, num_tokens, rank_dim, stride_ss, stride_st,
-                               num_col_blocks, num_tiles, blk1, blk2, blk3, R, BLOCK_M, BLOCK_N, STAGES, LAG,
-                               TPW_N, WG, 0, num_warps)),
-            (_expand_compute, (y_desc, y_bufs, b_bufs, s_smem, ready, empty, s_ptr, token_seg_ptr, seg_slot_ptr,
-                               slot_rank_ptr, seg_scale_ptr, num_tokens, rank_dim, stride_ss, stride_st,
-                               num_col_blocks, num_tiles, blk1, blk2, blk3, R, BLOCK_M, BLOCK_N, STAGES, LAG,
-                               TPW_N, WG, 1, num_warps)),
-            (_expand_loader, (y_desc, b_desc, y_bufs, b_bufs, ready, empty, token_seg_ptr, seg_slot_ptr,
-                              slot_rank_ptr, seg_scale_ptr, n_total, num_col_blocks, num_tiles, BLOCK_M, BLOCK_N,
-                              STAGES)),
+                (_expand_compute, (ring, tiles, s_in, y_desc, LAG, WG, 0)),
+                (_expand_compute, (ring, tiles, s_in, y_desc, LAG, WG, 1)),
+                (_expand_loader, (ring, tiles, y_desc, b_desc, n_total)),
             ],
             [num_warps, 1],
             [MMA_REGS, 40],
-        )  # fmt: skip
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+        )
+    ring.slots.invalidate()

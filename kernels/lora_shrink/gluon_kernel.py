@@ -26,64 +26,128 @@ x and A laid out for TMA. A piece without an adapter loads nothing and stores ze
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from ditserve.kernels._gluon import SOut, _segment_adapter, _tma_load
+from ditserve.kernels._gluon import (
+    Scalar,
+    Slots,
+    SOut,
+    _mma_layout,
+    _segment_adapter,
+    _slots,
+    _tma_load,
+    aggregate,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+
+@aggregate
+class Pieces:
+    """This program's rows and their pieces: its share of the batch's num_blocks row blocks of ROWS rows (blocks
+    floor(p · blocks / programs) on, so the programs' shares differ by at most one block), cut at the ends of the
+    segments (token_seg, seg_start, seg_len) and at most ROWS rows long; a piece's adapter from its segment."""
+
+    token_seg_ptr: gl.tensor
+    seg_start_ptr: gl.tensor
+    seg_len_ptr: gl.tensor
+    seg_slot_ptr: gl.tensor
+    slot_rank_ptr: gl.tensor
+    seg_scale_ptr: gl.tensor
+    num_tokens: Scalar
+    num_blocks: Scalar
+    ROWS: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr,
+                 num_tokens, num_blocks, ROWS):  # fmt: skip
+        self.token_seg_ptr = token_seg_ptr
+        self.seg_start_ptr = seg_start_ptr
+        self.seg_len_ptr = seg_len_ptr
+        self.seg_slot_ptr = seg_slot_ptr
+        self.slot_rank_ptr = slot_rank_ptr
+        self.seg_scale_ptr = seg_scale_ptr
+        self.num_tokens = num_tokens
+        self.num_blocks = num_blocks
+        self.ROWS = gl.constexpr(ROWS)
+
+    @gluon.jit
+    def rows(self):
+        """This program's rows [lo, hi)."""
+        pid = gl.program_id(0)
+        programs = gl.num_programs(0)
+        lo = gl.minimum(pid * self.num_blocks // programs * self.ROWS, self.num_tokens)
+        hi = gl.minimum((pid + 1) * self.num_blocks // programs * self.ROWS, self.num_tokens)
+        return lo, hi
+
+    @gluon.jit
+    def piece(self, r, hi):
+        """The piece starting at row r: its end (ROWS rows on, the program's end hi or the end of r's segment,
+        whichever comes first), its segment's adapter slot (-1: none), that slot's rank (0 without one) and the
+        segment's scale."""
+        seg = gl.load(self.token_seg_ptr + r)
+        end = gl.load(self.seg_start_ptr + seg) + gl.load(self.seg_len_ptr + seg)
+        end = gl.minimum(gl.minimum(end, hi), r + self.ROWS)
+        slot, rank, scale = _segment_adapter(seg, self.seg_slot_ptr, self.slot_rank_ptr, self.seg_scale_ptr)
+        return end, slot, rank, scale
+
+
+@aggregate
+class Ring:
+    """The ring's slots: per slot WG x boxes of BLOCK_M rows (slot i, partition w at x_bufs[i · WG + w]), every
+    slice's A box in a_bufs (3 slices: the third in b_bufs of its own, so no slot holds a padding slice; else
+    b_bufs is a_bufs), filled and freed through slots."""
+
+    x_bufs: gl.shared_memory_descriptor
+    a_bufs: gl.shared_memory_descriptor
+    b_bufs: gl.shared_memory_descriptor
+    slots: Slots
+    WG: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, x_bufs, a_bufs, b_bufs, slots, WG):
+        self.x_bufs = x_bufs
+        self.a_bufs = a_bufs
+        self.b_bufs = b_bufs
+        self.slots = slots
+        self.WG = gl.constexpr(WG)
+
+    @gluon.jit
+    def wait(self, j, wg: gl.constexpr):
+        """MMA partition wg's step j: its x box, the A box and the third slice's, once the slot's loads landed."""
+        i = j % self.slots.STAGES
+        x_buf = self.x_bufs.index(i * self.WG + wg)
+        a_buf = self.a_bufs.index(i)
+        b_buf = self.b_bufs.index(i)
+        self.slots.wait(j)
+        return x_buf, a_buf, b_buf
 
 
 @gluon.jit
-def _program_rows(num_tokens, num_blocks, ROWS: gl.constexpr):
-    """This program's rows [lo, hi): its share of the batch's row blocks of ROWS rows (blocks floor(p · blocks /
-    programs) on), so the programs' shares differ by at most one block."""
-    pid = gl.program_id(0)
-    programs = gl.num_programs(0)
-    lo = gl.minimum(pid * num_blocks // programs * ROWS, num_tokens)
-    hi = gl.minimum((pid + 1) * num_blocks // programs * ROWS, num_tokens)
-    return lo, hi
-
-
-@gluon.jit
-def _piece(r, hi, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr,
-           ROWS: gl.constexpr):  # fmt: skip
-    """The piece of rows starting at r: [r, end) with end at most ROWS rows on, the program's end hi or the end
-    of r's segment, whichever comes first; with its segment's adapter slot (-1: none), that slot's rank (0 without
-    one) and the segment's scale."""
-    seg = gl.load(token_seg_ptr + r)
-    end = gl.minimum(gl.minimum(gl.load(seg_start_ptr + seg) + gl.load(seg_len_ptr + seg), hi), r + ROWS)
-    slot, rank, scale = _segment_adapter(seg, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr)
-    return end, slot, rank, scale
-
-
-@gluon.jit
-def _shrink_loader(x_desc, x16_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr, seg_start_ptr,
-                   seg_len_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, max_rank, a_slice_rows, num_tokens,
-                   num_blocks, G: gl.constexpr, R: gl.constexpr, ROWS: gl.constexpr,
-                   BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+def _shrink_loader(ring, pieces, x_desc, x16_desc, a_desc, max_rank, a_slice_rows, G: gl.constexpr):
     """The loader warp: every K step of this program's pieces with an adapter, in the MMA warps' order; step j
     into ring slot j % STAGES once the MMAs of step j - STAGES have freed it. An MMA partition's rows of a piece
     come as one x box where the piece fills them, else as boxes of 16 rows up to the piece's end; a box the piece
     does not reach is placed wholly past x's last row (TMA fills it with zeros and reads nothing), so every step
-    brings the same bytes."""
-    lo, hi = _program_rows(num_tokens, num_blocks, ROWS)
+    brings the same bytes. A: G slices of a_slice_rows rows, max_rank per adapter slot."""
+    lo, hi = pieces.rows()
+    num_tokens = pieces.num_tokens
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    R: gl.constexpr = a_desc.block_type.shape[0]
     k_tiles = gl.cdiv(x_desc.shape[1], BLOCK_K)
     XM: gl.constexpr = x_desc.block_type.shape[0]  # rows of an x box: one per MMA partition
     XS: gl.constexpr = x16_desc.block_type.shape[0]  # rows of a box of a piece's last rows
-    WG: gl.constexpr = ROWS // XM
+    WG: gl.constexpr = ring.WG
     step_bytes: gl.constexpr = WG * x_desc.block_type.nbytes + G * a_desc.block_type.nbytes
     j = 0
     r = lo
     while r < hi:
-        end, slot, rank, _ = _piece(r, hi, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr,
-                                    seg_scale_ptr, ROWS)  # fmt: skip
+        end, slot, rank, _ = pieces.piece(r, hi)
         a_row = gl.maximum(slot, 0) * max_rank
         for ki in range(gl.where(rank > 0, k_tiles, 0)):
-            i = j % STAGES
-            mbarrier.wait(empty.index(i), ((j // STAGES) & 1) ^ 1)
-            bar = ready.index(i)
-            mbarrier.expect(bar, step_bytes)
+            i, bar = ring.slots.fill(j, step_bytes)
             for w in gl.static_range(WG):
                 m = r + w * XM
-                dst = x_bufs.index(i * WG + w)
+                dst = ring.x_bufs.index(i * WG + w)
                 if (end - m >= XM) | (end <= m):
                     _tma_load(x_desc, [gl.where(end > m, m, num_tokens), ki * BLOCK_K], bar, dst)
                 else:
@@ -92,65 +156,53 @@ def _shrink_loader(x_desc, x16_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empt
                         _tma_load(x16_desc, [row, ki * BLOCK_K], bar, dst.slice(q * XS, XS, dim=0))
             for g in gl.static_range(G):
                 if G == 3 and g == 2:
-                    dst_a = b_bufs.index(i)
+                    dst_a = ring.b_bufs.index(i)
                 else:
-                    dst_a = a_bufs.index(i).slice(g * R, R, dim=0)
+                    dst_a = ring.a_bufs.index(i).slice(g * R, R, dim=0)
                 _tma_load(a_desc, [g * a_slice_rows + a_row, ki * BLOCK_K], bar, dst_a)
             j += 1
         r = end
 
 
 @gluon.jit
-def _shrink_mmas(x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr,
-                 seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st, num_blocks,
-                 k_tiles, G: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
-                 STAGES: gl.constexpr, SCALED: gl.constexpr, WG: gl.constexpr, wg: gl.constexpr,
-                 num_warps: gl.constexpr):  # fmt: skip
+def _shrink_mmas(ring, pieces, so, k_tiles, wg: gl.constexpr, SCALED: gl.constexpr):
     """MMA partition wg (of WG): per step wait for its slot, issue its MMAs on its BLOCK_M rows of the slot's x
-    box, free the step before's slot once those MMAs are done; per piece store its rows of s up to the piece's
-    end (scaled; rows of the box past the end hold other rows or zeros and are dropped), zeros for a piece without
-    an adapter. Nothing but MMAs writes the accumulators: any other write makes ptxas serialize every MMA of the
-    kernel (C7515)."""
-    ROWS: gl.constexpr = WG * BLOCK_M
+    box, free the step before's slot once those MMAs are done; per piece store its rows of s through so up to the
+    piece's end (SCALED: times the segment's scale; rows of the box past the end hold other rows or zeros and are
+    dropped), zeros for a piece without an adapter. Nothing but MMAs writes the accumulators: any other write
+    makes ptxas serialize every MMA of the kernel (C7515)."""
+    G: gl.constexpr = so.SHRINK_G
+    R: gl.constexpr = so.SHRINK_R
+    BLOCK_M: gl.constexpr = so.BLOCK_M
     SPLIT: gl.constexpr = G == 3
     N_A: gl.constexpr = 2 * R if SPLIT else G * R
     N_B: gl.constexpr = R if SPLIT else 16
     GROUPS: gl.constexpr = 2 if SPLIT else 1  # MMAs a step commits
-    layout_a: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N_A, 16]
-    )
-    layout_b: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, N_B, 16]
-    )
-    lo, hi = _program_rows(num_tokens, num_blocks, ROWS)
+    layout_a: gl.constexpr = _mma_layout(N_A, so.num_warps)
+    layout_b: gl.constexpr = _mma_layout(N_B, so.num_warps)
+    lo, hi = pieces.rows()
     acc_a = gl.zeros((BLOCK_M, N_A), dtype=gl.float32, layout=layout_a)
     acc_b = gl.zeros((BLOCK_M, N_B), dtype=gl.float32, layout=layout_b)
     j = 0
     r = lo
     while r < hi:
-        end, slot, rank, scale = _piece(r, hi, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
-                                        slot_rank_ptr, seg_scale_ptr, ROWS)  # fmt: skip
+        end, slot, rank, scale = pieces.piece(r, hi)
         m0 = r + wg * BLOCK_M
         for ki in range(gl.where(rank > 0, k_tiles, 0)):
-            i = j % STAGES
-            x_buf = x_bufs.index(i * WG + wg)
-            a_buf = a_bufs.index(i)
-            b_buf = b_bufs.index(i)
-            mbarrier.wait(ready.index(i), (j // STAGES) & 1)
+            x_buf, a_buf, b_buf = ring.wait(j, wg)
             tok_a = warpgroup_mma(x_buf, a_buf.permute((1, 0)), acc_a, use_acc=ki > 0, is_async=True)
             tok_b = acc_b
             if SPLIT:
                 tok_b = warpgroup_mma(x_buf, b_buf.permute((1, 0)), acc_b, use_acc=ki > 0, is_async=True)
             acc_a, acc_b, _, _, _ = warpgroup_mma_wait(GROUPS, deps=(tok_a, tok_b, x_buf, a_buf, b_buf))
             if j > 0:
-                mbarrier.arrive(empty.index((j - 1) % STAGES))
+                ring.slots.free(j - 1)
             j += 1
         out_a, out_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
         if SCALED:
             out_a = out_a * scale
             out_b = out_b * scale
         # rank 0 (no adapter, nothing loaded): SOut.store drops every column, so the piece's s is zeros
-        so = SOut(s_ptr, s_cols, stride_ss, stride_st, G, R, BLOCK_M, num_warps)
         so.store(out_a, 0, m0, end, rank, N_A)
         if SPLIT:
             so.store(out_b, 2, m0, end, rank, N_B)
@@ -197,62 +249,41 @@ def _gluon_lora_shrink_kernel(
         b_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, R, BLOCK_K], a_desc.layout)
     else:
         b_bufs = a_bufs
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=WG)
+    ring = Ring(x_bufs, a_bufs, b_bufs, _slots(STAGES, WG), WG)
+    pieces = Pieces(token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr,
+                    num_tokens, num_blocks, WG * BLOCK_M)  # fmt: skip
+    so = SOut(s_ptr, s_cols, stride_ss, stride_st, G, R, BLOCK_M, num_warps)
     # MMA partition 0 (the default partition, num_warps warps), MMA partitions 1..WG-1, the loader warp; written
     # out per WG (a partition is a literal (function, arguments) pair)
     if WG == 1:
         gl.warp_specialize(
             [
-            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr,
-                            seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st,
-                            num_blocks, k_tiles, G, R, BLOCK_M, STAGES, SCALED, WG, 0, num_warps)),
-            (_shrink_loader, (x_desc, x16_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr,
-                              seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, max_rank,
-                              a_slice_rows, num_tokens, num_blocks, G, R, WG * BLOCK_M, BLOCK_K, STAGES)),
+                (_shrink_mmas, (ring, pieces, so, k_tiles, 0, SCALED)),
+                (_shrink_loader, (ring, pieces, x_desc, x16_desc, a_desc, max_rank, a_slice_rows, G)),
             ],
             [1],
             [40],
-        )  # fmt: skip
+        )
     elif WG == 2:
         gl.warp_specialize(
             [
-            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr,
-                            seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st,
-                            num_blocks, k_tiles, G, R, BLOCK_M, STAGES, SCALED, WG, 0, num_warps)),
-            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr,
-                            seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st,
-                            num_blocks, k_tiles, G, R, BLOCK_M, STAGES, SCALED, WG, 1, num_warps)),
-            (_shrink_loader, (x_desc, x16_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr,
-                              seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, max_rank,
-                              a_slice_rows, num_tokens, num_blocks, G, R, WG * BLOCK_M, BLOCK_K, STAGES)),
+                (_shrink_mmas, (ring, pieces, so, k_tiles, 0, SCALED)),
+                (_shrink_mmas, (ring, pieces, so, k_tiles, 1, SCALED)),
+                (_shrink_loader, (ring, pieces, x_desc, x16_desc, a_desc, max_rank, a_slice_rows, G)),
             ],
             [num_warps, 1],
             [MMA_REGS, 40],
-        )  # fmt: skip
+        )
     else:
         gl.static_assert(WG == 3, "1-3 MMA partitions")
         gl.warp_specialize(
             [
-            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr,
-                            seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st,
-                            num_blocks, k_tiles, G, R, BLOCK_M, STAGES, SCALED, WG, 0, num_warps)),
-            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr,
-                            seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st,
-                            num_blocks, k_tiles, G, R, BLOCK_M, STAGES, SCALED, WG, 1, num_warps)),
-            (_shrink_mmas, (x_bufs, a_bufs, b_bufs, ready, empty, s_ptr, token_seg_ptr, seg_start_ptr, seg_len_ptr,
-                            seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, num_tokens, s_cols, stride_ss, stride_st,
-                            num_blocks, k_tiles, G, R, BLOCK_M, STAGES, SCALED, WG, 2, num_warps)),
-            (_shrink_loader, (x_desc, x16_desc, a_desc, x_bufs, a_bufs, b_bufs, ready, empty, token_seg_ptr,
-                              seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, max_rank,
-                              a_slice_rows, num_tokens, num_blocks, G, R, WG * BLOCK_M, BLOCK_K, STAGES)),
+                (_shrink_mmas, (ring, pieces, so, k_tiles, 0, SCALED)),
+                (_shrink_mmas, (ring, pieces, so, k_tiles, 1, SCALED)),
+                (_shrink_mmas, (ring, pieces, so, k_tiles, 2, SCALED)),
+                (_shrink_loader, (ring, pieces, x_desc, x16_desc, a_desc, max_rank, a_slice_rows, G)),
             ],
             [num_warps, num_warps, 1],
             [MMA_REGS, MMA_REGS, 40],
-        )  # fmt: skip
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+        )
+    ring.slots.invalidate()
