@@ -7,7 +7,8 @@ does: the next chunk is asked when the previous one arrived) and per session the
 the median of the later chunks' times are recorded. The baseline of the same run: diffusers'
 ``AnyFlowFARPipeline`` (its processor compiled alike) making the same chunks in one call; its time per chunk
 is the call's time over the chunks. Goal: a steady chunk faster than its playback (frames / fps) for one
-session.
+session. "graphs compiled": dynamo graphs compiled while those sessions ran, after the warm-up session
+(0 in a steady state: no chunk index compiles new block graphs).
 
     python benchmarks/engine/realtime_chunks.py [--chunks 6 --sessions 1 2 4] [--tiny for a CPU smoke run]
 """
@@ -108,13 +109,14 @@ def main() -> None:
             f"diffusers (same run, compiled alike): {base_chunk:.3f} s per chunk ({base_total:.2f} s for the "
             f"{args.chunks} chunks in one call).",
             "",
-            "| sessions | first chunk (s) | steady chunk (s) | playback of a chunk (s) | steady / playback | steady / diffusers chunk |",
-            "|---|---|---|---|---|---|",
+            "| sessions | first chunk (s) | steady chunk (s) | playback of a chunk (s) | steady / playback | steady / diffusers chunk | graphs compiled |",
+            "|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             lines.append(
                 f"| {r['sessions']} | {r['first_chunk_s']:.3f} | {r['steady_chunk_s']:.3f} | {r['playback_s']:.3f} | "
-                f"{r['steady_chunk_s'] / r['playback_s']:.2f} | {r['steady_chunk_s'] / base_chunk:.2f} |"
+                f"{r['steady_chunk_s'] / r['playback_s']:.2f} | {r['steady_chunk_s'] / base_chunk:.2f} | "
+                f"{r['graphs_compiled']} |"
             )
         text = "\n".join(lines)
         write_results("realtime_chunks", text, rows, out=args.out, baseline="diffusers AnyFlowFARPipeline")
@@ -134,9 +136,15 @@ def main() -> None:
             out.append(time.perf_counter() - t0)
         engine.close_session(sid).result(timeout=120)
 
+    from torch._dynamo.utils import counters
+
+    def graphs() -> int:  # dynamo graphs compiled so far in this process (the ranks run in it)
+        return int(counters["stats"]["unique_graphs"])
+
     try:
         stream("warm.0", [])  # compile, allocator
         for n in args.sessions:
+            before = graphs()
             times: list[list[float]] = [[] for _ in range(n)]
             threads = [threading.Thread(target=stream, args=(f"s{n}.{i}", times[i])) for i in range(n)]
             for t in threads:
@@ -152,6 +160,7 @@ def main() -> None:
                     "steady_chunk_s": steady,
                     "playback_s": frames / fps,
                     "diffusers_chunk_s": base_chunk,
+                    "graphs_compiled": graphs() - before,  # 0 in a steady state
                 }
             )
             print(rows[-1], flush=True)

@@ -438,10 +438,23 @@ class AnyFlowRunner(PipelineRunner):
         video = (video.permute(0, 2, 3, 4, 1).float() * 255).round().clamp(0, 255)
         return video.to(torch.uint8).cpu().numpy()
 
+    def _vae(self):
+        """The VAE; with ``--compile`` (the transformer's blocks compiled) its decoder's RMS norms are compiled
+        too: in eager each is seven passes over the activations with an fp32 copy, the largest memory cost
+        of the decoder at 480p next to its 3D convolutions (``benchmarks/probes/realtime_profile.py``)."""
+        vae = self.pipe.vae
+        compiled = getattr(self.pipe.transformer.blocks[0], "_compiled_call_impl", None) is not None
+        if compiled and not getattr(vae, "_far_norms_compiled", False):
+            for module in vae.decoder.modules():
+                if type(module).__name__ == "WanRMS_norm":
+                    module.compile()
+            vae._far_norms_compiled = True
+        return vae
+
     @torch.no_grad()
     def decode(self, state: RequestState) -> np.ndarray:
         rollout: FarRollout = state.extra["rollout"]
-        vae = self.pipe.vae
+        vae = self._vae()
         # cuDNN picks its 3D convolution algorithms by timing them (once per shape: a session's chunks
         # repeat the shapes); only inside the decode, which is where the 3D convolutions are.
         cudnn = torch.backends.cudnn
