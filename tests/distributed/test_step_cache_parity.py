@@ -52,3 +52,58 @@ def reference():
 def test_cached_batch_under_layout_matches_one_rank(reference, flags):
     for ours, ref in zip(run(flags), reference, strict=True):
         assert psnr(ours, ref) >= 40
+
+
+def lora_batch_rank(rank: int, world_size: int, flags: dict, root: str, port: int):
+    """One rank of a layout: the worker the engine runs there, driving the LoRA batch of the step-cache
+    unit tests; its decisions, the rows its last block's adapted linear got, its images (rank 0)."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from ditserve.replica.config import ParallelFlags
+    from tests.unit.test_step_cache import drive, lora_batch, lora_worker
+
+    dist.destroy_process_group()  # the worker starts its own, as a replica's rank does
+    worker = lora_worker(
+        Path(root),
+        rank=rank,
+        world_size=world_size,
+        init_method=f"tcp://127.0.0.1:{port}",
+        parallel=ParallelFlags(**flags),
+    )
+    return drive(worker, lora_batch())
+
+
+@pytest.fixture(scope="module")
+def lora_reference(tmp_path_factory):
+    from tests.unit.test_step_cache import drive, lora_batch, lora_worker
+
+    root = tmp_path_factory.mktemp("loras")
+    worker = lora_worker(root)
+    try:
+        return root, drive(worker, lora_batch())
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{"ulysses_degree": 2}, {"tp_size": 2}],
+    ids=lambda f: "-".join(f"{k.split('_')[0]}{v}" for k, v in f.items()),
+)
+def test_lora_batch_with_hits_under_layout_shrinks_alike_on_every_rank(lora_reference, flags):
+    """Per-request LoRA with hits under sequence or tensor parallelism: every rank takes the same
+    decisions and gives the remaining blocks the same computing rows (fewer than the batch's, each with its
+    adapters), and the images equal one rank's."""
+    from ditserve.replica.parallel.testing import _free_port, run_distributed
+    from tests.unit.test_step_cache import computing_rows, lora_batch
+
+    root, (ref_images, _, _) = lora_reference
+    ranks = run_distributed(lora_batch_rank, 2, flags, str(root), _free_port(), timeout_s=300)
+    (images, decisions, rows_seen), (_, other_decisions, other_rows) = ranks
+    assert other_decisions == decisions and other_rows == rows_seen
+    computing, total = computing_rows(lora_batch(), decisions)
+    assert rows_seen == computing and any(c < t for c, t in zip(computing, total, strict=True))
+    for image, ref in zip(images, ref_images, strict=True):
+        assert psnr(image, ref) >= 40

@@ -234,17 +234,26 @@ def lora_batch(steps_scale: int = 1) -> list[GenerationParams]:
     ]
 
 
-def lora_worker(root, **config):
-    """A one-rank worker (the engine's per-rank object: runner, LoRA manager and their wiring) with
-    adapters a and b loaded."""
-    from ditserve.replica.config import EngineConfig
-    from ditserve.replica.worker import RankWorker
+def write_adapters(root) -> None:
+    """Adapters a and b (demo-flux linears of both blocks, the last block's proj_out among them)."""
     from tests.unit.test_lora_engine import weights, write_kohya
 
-    config = EngineConfig(model="demo-flux", max_loras=2, max_lora_rank=8, lora_roots=(str(root),), **config)
-    worker = RankWorker(config)
     for name, seed in (("a", 1), ("b", 2)):
-        worker.lora_load(name, str(write_kohya(root / f"{name}.safetensors", weights(seed))))
+        write_kohya(root / f"{name}.safetensors", weights(seed))
+
+
+def lora_worker(root, *, rank: int = 0, world_size: int = 1, init_method: str | None = None, **config):
+    """A worker (the engine's per-rank object: runner, LoRA manager and their wiring) with adapters a and
+    b of ``root`` loaded (written there first on one rank)."""
+    from ditserve.replica.config import EngineConfig
+    from ditserve.replica.worker import RankWorker
+
+    if world_size == 1:
+        write_adapters(root)
+    config = EngineConfig(model="demo-flux", max_loras=2, max_lora_rank=8, lora_roots=(str(root),), **config)
+    worker = RankWorker(config, rank=rank, world_size=world_size, init_method=init_method)
+    for name in ("a", "b"):
+        worker.lora_load(name, str(root / f"{name}.safetensors"))
     return worker
 
 
