@@ -350,3 +350,33 @@ def test_compiled_blocks_with_lora_and_hits_compile_a_bounded_number_of_graphs(e
     assert rows_seen == computing_rows(params, decisions)[0]
     for image, want in zip(images, eager_images, strict=True):
         assert psnr(image, want) >= 40
+
+
+def test_narrowed_layout_keeps_each_requests_adapters_and_is_no_settled_forward(tmp_path):
+    """The LoRA manager under relayout: the computing rows keep their adapters and scales (the rows of a
+    request without adapters switch the linears to their plain path), the full layout comes back after,
+    and a narrowed forward is not taken for a settled one (no CUDA graph key from it)."""
+    from ditserve.replica.lora.manager import LoRAManager
+    from ditserve.replica.request import LoRARef
+
+    transformer = FluxPipeline.from_pretrained(str(ensure_demo_model("demo-flux"))).transformer
+    manager = LoRAManager(transformer, "FluxPipeline", max_loras=2, max_rank=8)
+    write_adapters(tmp_path)
+    for name in ("a", "b"):
+        manager.load(name, str(tmp_path / f"{name}.safetensors"))
+    a, b = manager.slots["a"], manager.slots["b"]
+    layout = [(1, (LoRARef(name="a"),)), (2, ()), (1, (LoRARef(name="b", scale=0.5),))]
+    manager.set_batch(layout)
+    full = manager.batch.groups
+    manager.relayout([2, 1], [1, 3])  # the rows without adapters and b's row compute
+    assert manager.batch.groups == [(2, []), (1, [(b, 0.5)])] and manager.active
+    manager.relayout(None, None)
+    manager.relayout([2], [1])  # only the rows without adapters
+    assert manager.batch is None and not manager.active
+    manager.relayout(None, None)
+    assert manager.batch.groups == full == [(1, [(a, 1.0)]), (2, []), (1, [(b, 0.5)])] and manager.active
+    manager.set_batch(layout)  # after a narrowed forward: still not settled
+    assert manager.graph_key() is None
+    manager.set_batch(layout)  # after a full one
+    key, _ = manager.graph_key()
+    assert key[0] == tuple((rows, tuple(adapters)) for rows, adapters in full)
