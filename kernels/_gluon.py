@@ -12,8 +12,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401 (th
 )
 
 # Gluon state bundled for helpers (Triton 3.6 and 3.9 both have it here; 3.9 also exports it as gl.aggregate).
-# An aggregate is immutable once built (3.9 refuses later writes): a helper returns new values instead.
-from triton.language.core import _aggregate as aggregate  # noqa: E402
+from triton.language.core import _aggregate  # noqa: E402
 
 # a runtime scalar, or one the launch specialised to a constant (an integer argument equal to 1)
 Scalar = gl.tensor | gl.constexpr
@@ -24,6 +23,22 @@ Scalar = gl.tensor | gl.constexpr
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+
+def aggregate(cls):
+    """Triton's aggregate with the constructor 3.9 writes itself and 3.6 wants written out: the fields in the
+    order they are declared, the constexpr ones wrapped (a constexpr function gets its arguments unwrapped). An
+    aggregate is immutable once built (3.9 refuses later writes): a helper returns new values instead."""
+    names = tuple(cls.__annotations__)
+    constexprs = frozenset(name for name, kind in cls.__annotations__.items() if kind is gl.constexpr)
+
+    def __init__(self, *values):
+        for name, value in zip(names, values, strict=True):
+            setattr(self, name, gl.constexpr(value) if name in constexprs else value)
+
+    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    cls.__init__ = gluon.constexpr_function(__init__)
+    return _aggregate(cls)
 
 
 @gluon.constexpr_function
@@ -51,12 +66,6 @@ class Slots:
     ready: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
     STAGES: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, ready, empty, STAGES):
-        self.ready = ready
-        self.empty = empty
-        self.STAGES = gl.constexpr(STAGES)
 
     @gluon.jit
     def fill(self, j, nbytes: gl.constexpr):
@@ -111,17 +120,6 @@ class SOut:
     SHRINK_R: gl.constexpr
     BLOCK_M: gl.constexpr
     num_warps: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, s_ptr, s_cols, stride_ss, stride_st, SHRINK_G, SHRINK_R, BLOCK_M, num_warps):
-        self.s_ptr = s_ptr
-        self.s_cols = s_cols
-        self.stride_ss = stride_ss
-        self.stride_st = stride_st
-        self.SHRINK_G = gl.constexpr(SHRINK_G)
-        self.SHRINK_R = gl.constexpr(SHRINK_R)
-        self.BLOCK_M = gl.constexpr(BLOCK_M)
-        self.num_warps = gl.constexpr(num_warps)
 
     @gluon.jit
     def store(self, acc, g0, m0, num_tokens, rank, N: gl.constexpr):

@@ -59,20 +59,6 @@ class Tiles:
     blk3: Scalar
     BLOCK_M: gl.constexpr
 
-    @gluon.constexpr_function
-    def __init__(self, token_seg_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr, num_col_blocks, num_tiles, blk1,
-                 blk2, blk3, BLOCK_M):  # fmt: skip
-        self.token_seg_ptr = token_seg_ptr
-        self.seg_slot_ptr = seg_slot_ptr
-        self.slot_rank_ptr = slot_rank_ptr
-        self.seg_scale_ptr = seg_scale_ptr
-        self.num_col_blocks = num_col_blocks
-        self.num_tiles = num_tiles
-        self.blk1 = blk1
-        self.blk2 = blk2
-        self.blk3 = blk3
-        self.BLOCK_M = gl.constexpr(BLOCK_M)
-
     @gluon.jit
     def span(self):
         """This program's tiles [lo, hi)."""
@@ -111,12 +97,6 @@ class Ring:
     b_bufs: gl.shared_memory_descriptor
     slots: Slots
 
-    @gluon.constexpr_function
-    def __init__(self, y_bufs, b_bufs, slots):
-        self.y_bufs = y_bufs
-        self.b_bufs = b_bufs
-        self.slots = slots
-
     @gluon.jit
     def wait(self, j):
         """Step j's y and B boxes, once the slot's loads have landed."""
@@ -142,18 +122,6 @@ class ScaledS:
     R: gl.constexpr
     TPW_N: gl.constexpr
     num_warps: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, s_ptr, s_smem, num_tokens, rank_dim, stride_ss, stride_st, R, TPW_N, num_warps):
-        self.s_ptr = s_ptr
-        self.s_smem = s_smem
-        self.num_tokens = num_tokens
-        self.rank_dim = rank_dim
-        self.stride_ss = stride_ss
-        self.stride_st = stride_st
-        self.R = gl.constexpr(R)
-        self.TPW_N = gl.constexpr(TPW_N)
-        self.num_warps = gl.constexpr(num_warps)
 
     @gluon.jit
     def load(self, s_own, g, m0, rank, scale, BLOCK_M: gl.constexpr):

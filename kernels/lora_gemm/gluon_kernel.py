@@ -67,24 +67,6 @@ class TileOrder:
     BLOCK_N: gl.constexpr
     GROUP_M: gl.constexpr
 
-    @gluon.constexpr_function
-    def __init__(self, pid, nprog, num_tiles, num_pid_m, num_col_blocks, col1, col2, col3, blk1, blk2, blk3, BLOCK_M,
-                 BLOCK_N, GROUP_M):  # fmt: skip
-        self.pid = pid
-        self.nprog = nprog
-        self.num_tiles = num_tiles
-        self.num_pid_m = num_pid_m
-        self.num_col_blocks = num_col_blocks
-        self.col1 = col1
-        self.col2 = col2
-        self.col3 = col3
-        self.blk1 = blk1
-        self.blk2 = blk2
-        self.blk3 = blk3
-        self.BLOCK_M = gl.constexpr(BLOCK_M)
-        self.BLOCK_N = gl.constexpr(BLOCK_N)
-        self.GROUP_M = gl.constexpr(GROUP_M)
-
     @gluon.jit
     def origin(self, tile_id):
         """Tile tile_id → (its slice j, first row m0, first column n0)."""
@@ -139,29 +121,6 @@ class Ring:
     LORA_K: gl.constexpr
     NUM_BUFFERS: gl.constexpr
     HAS_LORA: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, x_desc, w_desc, s_desc, b_desc, a_bufs, w_bufs, bars, k_tiles, num_tokens, n_total,
-                 s_rows_total, b_rows_total, token_seg_ptr, seg_slot_ptr, BLOCK_K, LORA_K, NUM_BUFFERS,
-                 HAS_LORA):  # fmt: skip
-        self.x_desc = x_desc
-        self.w_desc = w_desc
-        self.s_desc = s_desc
-        self.b_desc = b_desc
-        self.a_bufs = a_bufs
-        self.w_bufs = w_bufs
-        self.bars = bars
-        self.k_tiles = k_tiles
-        self.num_tokens = num_tokens
-        self.n_total = n_total
-        self.s_rows_total = s_rows_total
-        self.b_rows_total = b_rows_total
-        self.token_seg_ptr = token_seg_ptr
-        self.seg_slot_ptr = seg_slot_ptr
-        self.BLOCK_K = gl.constexpr(BLOCK_K)
-        self.LORA_K = gl.constexpr(LORA_K)
-        self.NUM_BUFFERS = gl.constexpr(NUM_BUFFERS)
-        self.HAS_LORA = gl.constexpr(HAS_LORA)
 
     @gluon.jit
     def origin(self, order, tile_id):
@@ -239,15 +198,6 @@ class Fold:
     lbar: gl.shared_memory_descriptor
     FOLD: gl.constexpr
 
-    @gluon.constexpr_function
-    def __init__(self, s_desc, b_desc, l_s, l_b, lbar, FOLD):
-        self.s_desc = s_desc
-        self.b_desc = b_desc
-        self.l_s = l_s
-        self.l_b = l_b
-        self.lbar = lbar
-        self.FOLD = gl.constexpr(FOLD)
-
     @gluon.jit
     def load(self, s_row, b_row):
         """A tile's s and B boxes into their buffers, completed on lbar."""
@@ -293,18 +243,6 @@ class Out:
     EPI_SPLIT: gl.constexpr
     EPI_BUFS: gl.constexpr
     num_warps: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, y_desc, c_smem, bias_ptr, BLOCK_M, BLOCK_N, HAS_BIAS, EPI_SPLIT, EPI_BUFS, num_warps):
-        self.y_desc = y_desc
-        self.c_smem = c_smem
-        self.bias_ptr = bias_ptr
-        self.BLOCK_M = gl.constexpr(BLOCK_M)
-        self.BLOCK_N = gl.constexpr(BLOCK_N)
-        self.HAS_BIAS = gl.constexpr(HAS_BIAS)
-        self.EPI_SPLIT = gl.constexpr(EPI_SPLIT)
-        self.EPI_BUFS = gl.constexpr(EPI_BUFS)
-        self.num_warps = gl.constexpr(num_warps)
 
     @gluon.jit
     def with_bias(self, acc, n0):
@@ -772,21 +710,6 @@ class Units:
     seg_scale_ptr: gl.tensor
     slot_rank_ptr: gl.tensor
     SHRINK_GP: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, x_desc, a_desc, so, num_tokens, a_rows, a_slice_rows, token_seg_ptr, seg_slot_ptr,
-                 seg_scale_ptr, slot_rank_ptr, SHRINK_GP):  # fmt: skip
-        self.x_desc = x_desc
-        self.a_desc = a_desc
-        self.so = so
-        self.num_tokens = num_tokens
-        self.a_rows = a_rows
-        self.a_slice_rows = a_slice_rows
-        self.token_seg_ptr = token_seg_ptr
-        self.seg_slot_ptr = seg_slot_ptr
-        self.seg_scale_ptr = seg_scale_ptr
-        self.slot_rank_ptr = slot_rank_ptr
-        self.SHRINK_GP = gl.constexpr(SHRINK_GP)
 
     @gluon.jit
     def load(self, ring, p_step, kk, pred, m0, a_row, DOUBLE: gl.constexpr):

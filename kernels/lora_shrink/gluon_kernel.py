@@ -57,19 +57,6 @@ class Pieces:
     num_blocks: Scalar
     ROWS: gl.constexpr
 
-    @gluon.constexpr_function
-    def __init__(self, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, seg_scale_ptr,
-                 num_tokens, num_blocks, ROWS):  # fmt: skip
-        self.token_seg_ptr = token_seg_ptr
-        self.seg_start_ptr = seg_start_ptr
-        self.seg_len_ptr = seg_len_ptr
-        self.seg_slot_ptr = seg_slot_ptr
-        self.slot_rank_ptr = slot_rank_ptr
-        self.seg_scale_ptr = seg_scale_ptr
-        self.num_tokens = num_tokens
-        self.num_blocks = num_blocks
-        self.ROWS = gl.constexpr(ROWS)
-
     @gluon.jit
     def rows(self):
         """This program's rows [lo, hi)."""
@@ -102,14 +89,6 @@ class Ring:
     b_bufs: gl.shared_memory_descriptor
     slots: Slots
     WG: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, x_bufs, a_bufs, b_bufs, slots, WG):
-        self.x_bufs = x_bufs
-        self.a_bufs = a_bufs
-        self.b_bufs = b_bufs
-        self.slots = slots
-        self.WG = gl.constexpr(WG)
 
     @gluon.jit
     def wait(self, j, wg: gl.constexpr):
