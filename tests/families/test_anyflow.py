@@ -183,3 +183,44 @@ def test_first_frame_session_equals_the_pipeline_image_to_video(engine, pipe):
     chunks = session(engine, "r1.g", [SETTINGS["prompt"]] * 3, max_chunks=3, images=(buffer.getvalue(),))
     got = np.concatenate(chunks)
     assert got.shape == want.shape and psnr(got, want) >= 40, psnr(got, want)
+
+
+def worker_session(worker, sid: str, chunks: int) -> list[np.ndarray]:
+    """A session's chunks driven on one rank worker directly (as the engine's loop does)."""
+    out = []
+    for k in range(chunks):
+        params = GenerationParams(**SETTINGS, num_frames=FRAMES_PER_CHUNK)
+        steps = worker.add_chunk(f"{sid}.{k}", sid, k, params, chunks)
+        for _ in range(steps):
+            worker.step([f"{sid}.{k}"])
+        out.append(worker.finish(f"{sid}.{k}")["pixels"][0])
+    worker.close_session(sid)
+    return out
+
+
+def test_compiled_sessions_reach_a_steady_state_without_recompiling(folder, solo):
+    """--compile: what changes from chunk to chunk (cached lengths, the cache forward's chunk spans, the
+    rotary table's length) stays out of the compiled blocks, so a longer session after a first one compiles
+    no new graph (its later chunk indices were never seen) and dynamo never reaches its recompile limit;
+    the chunks are the eager engine's."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from ditserve.replica.worker import RankWorker
+
+    torch._dynamo.reset()  # graphs of other tests' compiled blocks do not count here
+    config = EngineConfig(
+        model=str(folder), device="cpu", dtype="float32", compile=True, max_sequence_length=MAX_LEN
+    )
+    worker = RankWorker(config)
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            first = worker_session(worker, "c.a", CHUNKS)
+            graphs = counters["stats"]["unique_graphs"]
+            assert graphs > 0  # the blocks did compile
+            worker_session(worker, "c.b", CHUNKS + 3)
+            assert counters["stats"]["unique_graphs"] == graphs
+    finally:
+        worker.shutdown()
+    for got, want in zip(first, solo, strict=True):
+        assert got.shape == want.shape and psnr(got, want) >= 40, psnr(got, want)
