@@ -15,7 +15,8 @@ from ditserve.replica.engine import validate_layout
 from ditserve.replica.models.registry import resolve_model
 
 from .config import AppArgs
-from .ingress import EngineIngress
+from .engine_deployment import EngineReplica
+from .frontend import Frontend
 from .router import ROUTER_PATH
 
 APP_NAME = "ditserve"
@@ -93,8 +94,7 @@ def engine_deployment_options(args: AppArgs, strategy: str = "PACK") -> dict[str
 
 
 def build_app(args: dict[str, Any]) -> Application:
-    """Validate ``args`` (raises ValueError naming the flag) and bind the engine deployment, which is also
-    the HTTP/gRPC ingress (``ingress.EngineIngress``).
+    """Validate ``args`` (raises ValueError naming the flag) and bind the deployments.
 
     Serve requires a builder of exactly one parameter; ``build_app_with_engine`` injects an engine."""
     return build_app_with_engine(args, None)
@@ -113,11 +113,12 @@ def build_app_with_engine(args: dict[str, Any], engine_cls: type | None) -> Appl
     # replicas with the arguments bound here, so the desired control state is scoped to this deploy.
     deploy_id = uuid.uuid4().hex[:12]
     extra = {} if engine_cls is None else {"engine_cls": engine_cls}
-    return (
-        serve_deployment(EngineIngress)
+    engine = (
+        serve_deployment(EngineReplica)
         .options(**engine_deployment_options(app_args, strategy))
         .bind(plain, deploy_id=deploy_id, **extra)
     )
+    return Frontend.bind(engine, plain, deploy_id)
 
 
 def serve_deployment(cls):

@@ -1,12 +1,11 @@
 """HTTP ingress (FastAPI inside a Serve deployment): validation, auth, error mapping, OpenAI shapes.
 
-The routes run in each engine replica's process (``ingress.EngineIngress`` mixes :class:`Frontend` with
-the engine): ``self.engine`` is an ``engine_client.EngineClient``, which runs a call on this replica or
-forwards it to the replica that owns a session or job. Status codes are chosen here and only here.
+Stateless: it holds a handle to the engine deployment and nothing else, so it can be scaled or restarted.
+Status codes are chosen here and only here.
 
 How the routes are organised (add new groups the same way):
 
-- This module builds the one FastAPI app, its exception handlers, and the :class:`Frontend` routes
+- This module builds the one FastAPI app, its exception handlers, and the :class:`Frontend` deployment
   with the helpers every route shares: auth (``check_auth``), engine calls with error mapping
   (``call_engine``), control broadcasts (``broadcast``), and the core routes (health, models, images).
 - Each further route group is a module with an ``APIRouter`` named ``router`` (``api_sessions``,
@@ -76,7 +75,9 @@ async def playground() -> FileResponse:
     return FileResponse(STATIC_DIR / "index.html")
 
 
-class Frontend(GrpcMethods):  # gRPC methods: see grpc_service; served by ingress.EngineIngress
+@serve.deployment(name="Frontend", ray_actor_options={"num_cpus": 0.1})
+@serve.ingress(fastapi_app)
+class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
     def __init__(self, engine, args: dict[str, Any], deploy_id: str = "local"):
         self.engine = engine
         self.args = AppArgs(**args)

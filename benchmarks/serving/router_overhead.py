@@ -1,25 +1,23 @@
-"""Latency the HTTP path (Serve's proxy, the ingress routes, the session/round-robin router) adds over a
-direct handle call, and the balance across replicas (CPU; local Ray).
+"""Latency the HTTP path (Serve's proxy, the frontend, the session/round-robin router) adds over a direct
+handle call, and the balance across replicas (CPU; local Ray).
 
     python benchmarks/serving/router_overhead.py [--dp-size 3] [--requests 1000] [--rounds 5] [--proxy-grpc] [--out DIR]
 
-The engine deployment (also the HTTP ingress) runs with a trivial engine (``engine_cls`` injection:
-answers each request at once with a 1×1 PNG), so what is timed is the serving path alone. Paths, one
-keep-alive httpx client, one request at a time, interleaved in ``--rounds`` rounds so a load change on a
-shared machine hits every path alike:
+The engine deployment runs with a trivial engine (``engine_cls`` injection: answers each request at once
+with a 1×1 PNG), so what is timed is the serving path alone. Paths, one keep-alive httpx client, one
+request at a time, interleaved in ``--rounds`` rounds so a load change on a shared machine hits every
+path alike:
 
 - direct: ``handle.generate.remote(params)`` from this driver (Serve router + replica, no HTTP): the
   baseline;
-- http: ``POST /v1/images/generations`` through Serve's proxy → an engine replica (routes + engine in one
-  process);
-- models: ``GET /v1/models`` (proxy → replica, no body, no engine call): the floor of an HTTP request;
-- session: ``POST /v1/sessions/{id}/generate`` on sessions opened round-robin: the proxy cannot read the
-  id in the path, so a step that lands on another replica is forwarded to the owner (one more hop);
-- session+header: the same with ``x-session-id: {id}``: the proxy routes it to the owner at once.
+- http: ``POST /v1/images/generations`` through Serve's proxy → Frontend (validation, its own handle and
+  router) → replica;
+- models: ``GET /v1/models`` (proxy → Frontend, no body, no engine call): the floor of an HTTP request;
+- session: ``POST /v1/sessions/{id}/generate`` on sessions opened round-robin (proxy → Frontend → the
+  owner replica).
 
 Balance = max/min requests per replica (the ``x-ditserve-replica`` header) over the http path, and over a
-mixed run where each image is followed by a varying number of status requests (the router keeps work and
-other requests on separate round-robin cursors).
+mixed run where each image is followed by a varying number of ``GET /v1/models``.
 """
 
 from __future__ import annotations
@@ -99,13 +97,12 @@ def balance_of(served: Counter, dp_size: int) -> float:
     return max(served.values()) / min(served.values()) if len(served) == dp_size else float("inf")
 
 
-PATHS = ("direct", "http", "models", "session", "session+header")
+PATHS = ("direct", "http", "models", "session")
 LABELS = {
     "direct": "direct handle call (baseline)",
-    "http": "HTTP image: proxy → replica (routes + engine)",
-    "models": "HTTP GET /v1/models (proxy → replica, no engine)",
-    "session": "HTTP session step, id in the path only",
-    "session+header": "HTTP session step + x-session-id header",
+    "http": "HTTP image: proxy → frontend → router → replica",
+    "models": "HTTP GET /v1/models: proxy → frontend (no engine)",
+    "session": "HTTP session step: proxy → frontend → owner replica",
 }
 
 
@@ -152,17 +149,15 @@ def main() -> None:
             step = {"prompt": "a red fox", "num_inference_steps": 2, "seed": 1}
             turn = iter(range(1 << 62))
 
-            def session_step(header: bool) -> httpx.Response:
+            def session_step() -> httpx.Response:
                 sid = sessions[next(turn) % len(sessions)]
-                headers = {"x-session-id": sid} if header else {}
-                return client.post(f"{base}/v1/sessions/{sid}/generate", json=step, headers=headers)
+                return client.post(f"{base}/v1/sessions/{sid}/generate", json=step)
 
             calls = {
                 "direct": lambda: handle.generate.remote(params).result(),
                 "http": lambda: client.post(f"{base}/v1/images/generations", json=body),
                 "models": lambda: client.get(f"{base}/v1/models"),
-                "session": lambda: session_step(False),
-                "session+header": lambda: session_step(True),
+                "session": session_step,
             }
             for path in PATHS:
                 for _ in range(ns.warmup):
