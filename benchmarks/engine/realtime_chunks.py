@@ -51,6 +51,10 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=6)
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument(
+        "--quantization", nargs="+", default=["none"], choices=["none", "fp8"],
+        help="one engine per value, in order (fp8: --quantization fp8, a GPU of compute capability 8.9+)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
@@ -96,11 +100,6 @@ def main() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
-    config = EngineConfig(
-        model=str(folder), device=device, dtype="float32" if args.tiny else "bfloat16", compile=not args.tiny,
-        max_batch_size=8, cuda_graphs=False,
-    )  # fmt: skip
-
     def report(rows: list[dict]) -> str:
         """Write this run's results file (again after each row, so a time limit keeps what was measured)."""
         lines = [
@@ -109,12 +108,12 @@ def main() -> None:
             f"diffusers (same run, compiled alike): {base_chunk:.3f} s per chunk ({base_total:.2f} s for the "
             f"{args.chunks} chunks in one call).",
             "",
-            "| sessions | first chunk (s) | steady chunk (s) | playback of a chunk (s) | steady / playback | steady / diffusers chunk | graphs compiled |",
-            "|---|---|---|---|---|---|---|",
+            "| engine | sessions | first chunk (s) | steady chunk (s) | playback of a chunk (s) | steady / playback | steady / diffusers chunk | graphs compiled |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             lines.append(
-                f"| {r['sessions']} | {r['first_chunk_s']:.3f} | {r['steady_chunk_s']:.3f} | {r['playback_s']:.3f} | "
+                f"| {r['engine']} | {r['sessions']} | {r['first_chunk_s']:.3f} | {r['steady_chunk_s']:.3f} | {r['playback_s']:.3f} | "
                 f"{r['steady_chunk_s'] / r['playback_s']:.2f} | {r['steady_chunk_s'] / base_chunk:.2f} | "
                 f"{r['graphs_compiled']} |"
             )
@@ -122,51 +121,63 @@ def main() -> None:
         write_results("realtime_chunks", text, rows, out=args.out, baseline="diffusers AnyFlowFARPipeline")
         return text
 
-    engine = Engine(config).start()
-    rows = []
-
-    def stream(sid: str, out: list[float]) -> None:
-        for k in range(args.chunks):
-            params = GenerationParams(
-                prompt=PROMPT, width=width, height=height, num_frames=frames, num_inference_steps=steps, seed=k,
-                guidance_scale=1.0,
-            )  # fmt: skip
-            t0 = time.perf_counter()
-            engine.submit_chunk(sid, k, params, args.chunks).result(timeout=600)
-            out.append(time.perf_counter() - t0)
-        engine.close_session(sid).result(timeout=120)
-
     from torch._dynamo.utils import counters
 
-    def graphs() -> int:  # dynamo graphs compiled so far in this process (the ranks run in it)
-        return int(counters["stats"]["unique_graphs"])
+    def run_engine(engine, label: str, rows: list[dict]) -> None:
+        """Stream the sessions of every row of ``args.sessions`` through ``engine``; one row each."""
 
-    try:
-        stream("warm.0", [])  # compile, allocator
-        for n in args.sessions:
-            before = graphs()
-            times: list[list[float]] = [[] for _ in range(n)]
-            threads = [threading.Thread(target=stream, args=(f"s{n}.{i}", times[i])) for i in range(n)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            first = statistics.median(t[0] for t in times)
-            steady = statistics.median(x for t in times for x in t[2:])
-            rows.append(
-                {
-                    "sessions": n,
-                    "first_chunk_s": first,
-                    "steady_chunk_s": steady,
-                    "playback_s": frames / fps,
-                    "diffusers_chunk_s": base_chunk,
-                    "graphs_compiled": graphs() - before,  # 0 in a steady state
-                }
-            )
-            print(rows[-1], flush=True)
-            report(rows)
-    finally:
-        engine.shutdown()
+        def stream(sid: str, out: list[float]) -> None:
+            for k in range(args.chunks):
+                params = GenerationParams(
+                    prompt=PROMPT, width=width, height=height, num_frames=frames, num_inference_steps=steps, seed=k,
+                    guidance_scale=1.0,
+                )  # fmt: skip
+                t0 = time.perf_counter()
+                engine.submit_chunk(sid, k, params, args.chunks).result(timeout=600)
+                out.append(time.perf_counter() - t0)
+            engine.close_session(sid).result(timeout=120)
+
+        def graphs() -> int:  # dynamo graphs compiled so far in this process (the ranks run in it)
+            return int(counters["stats"]["unique_graphs"])
+
+        try:
+            stream("warm.0", [])  # compile, allocator
+            for n in args.sessions:
+                before = graphs()
+                times: list[list[float]] = [[] for _ in range(n)]
+                threads = [threading.Thread(target=stream, args=(f"s{n}.{i}", times[i])) for i in range(n)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                first = statistics.median(t[0] for t in times)
+                steady = statistics.median(x for t in times for x in t[2:])
+                rows.append(
+                    {
+                        "engine": label,
+                        "sessions": n,
+                        "first_chunk_s": first,
+                        "steady_chunk_s": steady,
+                        "playback_s": frames / fps,
+                        "diffusers_chunk_s": base_chunk,
+                        "graphs_compiled": graphs() - before,  # 0 in a steady state
+                    }
+                )
+                print(rows[-1], flush=True)
+                report(rows)
+        finally:
+            engine.shutdown()
+
+    rows: list[dict] = []
+    for quantization in args.quantization:
+        config = EngineConfig(
+            model=str(folder), device=device, dtype="float32" if args.tiny else "bfloat16", compile=not args.tiny,
+            max_batch_size=8, cuda_graphs=False, quantization=quantization,
+        )  # fmt: skip
+        label = ("--compile" if not args.tiny else "eager") + (
+            f" --quantization {quantization}" if quantization != "none" else ""
+        )
+        run_engine(Engine(config).start(), label, rows)
     print(report(rows))
 
 
