@@ -21,33 +21,7 @@ one-tile-per-program kernel above reloads s for every y tile and waits for every
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def slice_columns(pid_n, col1, col2, col3, n_total, blk1, blk2, blk3, BLOCK_N: tl.constexpr):
-    """Column block pid_n → (its output slice j, its first column, the end of slice j).
-
-    Every slice is cut into its own column blocks (`op.column_blocks`), so a block never mixes slices;
-    col1..col3 / blk1..blk3 are the first column / first block of slices 1..3 (the end when absent)."""
-    j = (pid_n >= blk1).to(tl.int32) + (pid_n >= blk2).to(tl.int32) + (pid_n >= blk3).to(tl.int32)
-    col_lo = tl.where(j == 0, 0, tl.where(j == 1, col1, tl.where(j == 2, col2, col3)))
-    col_hi = tl.where(j == 0, col1, tl.where(j == 1, col2, tl.where(j == 2, col3, n_total)))
-    blk_lo = tl.where(j == 0, 0, tl.where(j == 1, blk1, tl.where(j == 2, blk2, blk3)))
-    return j, col_lo + (pid_n - blk_lo) * BLOCK_N, col_hi
-
-
-@triton.jit
-def chunk_columns(pid_c, col1, col2, col3, n_total, blk1, blk2, blk3, chk1, chk2, chk3, CHUNK: tl.constexpr,
-                  BLOCK_N: tl.constexpr):  # fmt: skip
-    """Column chunk pid_c → (its slice j, its first column, the end of slice j, its column blocks): chunks of
-    CHUNK column blocks cut per slice like the blocks (`_tiling.column_chunks`), chk1..chk3 the first chunk of
-    slices 1..3 (the number of chunks when absent); a slice's last chunk may be shorter."""
-    js = (pid_c >= chk1).to(tl.int32) + (pid_c >= chk2).to(tl.int32) + (pid_c >= chk3).to(tl.int32)
-    chk_lo = tl.where(js == 0, 0, tl.where(js == 1, chk1, tl.where(js == 2, chk2, chk3)))
-    blk_lo = tl.where(js == 0, 0, tl.where(js == 1, blk1, tl.where(js == 2, blk2, blk3)))
-    j, n_first, col_hi = slice_columns(
-        blk_lo + (pid_c - chk_lo) * CHUNK, col1, col2, col3, n_total, blk1, blk2, blk3, BLOCK_N
-    )
-    return j, n_first, col_hi, tl.minimum(CHUNK, tl.cdiv(col_hi - n_first, BLOCK_N))
+from ditserve.kernels._tiles import chunk_columns, slice_columns, slot_rank
 
 
 @triton.jit
@@ -102,8 +76,7 @@ def _lora_expand_kernel(
     any_lora = pid_n * 0  # int32 scalar, loop-carried
     for seg in range(seg_lo, seg_hi + 1):
         slot = tl.load(seg_slot_ptr + seg)
-        rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
-        rank = tl.where(slot >= 0, rank, 0)
+        rank = slot_rank(slot, slot_rank_ptr)
         any_lora = tl.maximum(any_lora, rank)
         if rank > 0:
             start = tl.load(seg_start_ptr + seg)

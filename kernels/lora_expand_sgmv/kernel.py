@@ -14,7 +14,7 @@ one dot, one scattered store; s is read once per column chunk. Chunks without Lo
 import triton
 import triton.language as tl
 
-from ditserve.kernels.lora_expand.kernel import chunk_columns, slice_columns
+from ditserve.kernels._tiles import chunk_columns, slice_columns, slot_rank
 
 
 @triton.jit
@@ -22,8 +22,7 @@ def _chunk_adapter(chunk, chunk_slot_ptr, chunk_start_ptr, chunk_len_ptr, slot_r
     """Chunk → (its slot, that slot's rank (0 without one), its first position in the sorted order, its
     length)."""
     slot = tl.load(chunk_slot_ptr + chunk)
-    rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
-    rank = tl.where(slot >= 0, rank, 0)
+    rank = slot_rank(slot, slot_rank_ptr)
     return slot, rank, tl.load(chunk_start_ptr + chunk), tl.load(chunk_len_ptr + chunk)
 
 

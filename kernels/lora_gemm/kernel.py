@@ -53,7 +53,7 @@ there: docs/notes/benchmarks-log.md).
 import triton
 import triton.language as tl
 
-from ditserve.kernels.lora_expand.kernel import slice_columns
+from ditserve.kernels._tiles import slice_columns
 
 
 @triton.jit

@@ -15,13 +15,14 @@ in one load and one dot. Which one a batch gets is op.py's `segmented_config`, f
 import triton
 import triton.language as tl
 
+from ditserve.kernels._tiles import shrink_k_steps, slot_rank, store_slices
+
 
 @triton.jit
 def _segment(seg, seg_slot_ptr, slot_rank_ptr, seg_start_ptr, seg_len_ptr):
     """Segment seg's adapter slot (-1: none), its rank (0 without a slot) and its rows [start, end)."""
     slot = tl.load(seg_slot_ptr + seg)
-    rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
-    rank = tl.where(slot >= 0, rank, 0)
+    rank = slot_rank(slot, slot_rank_ptr)
     start = tl.load(seg_start_ptr + seg)
     return slot, rank, start, start + tl.load(seg_len_ptr + seg)
 
@@ -44,14 +45,7 @@ def _scale_and_store(acc0, acc1, acc2, acc3, offs_m, offs_r, s_ptr, token_seg_pt
             acc3 *= row_scale
     s_ptrs = s_ptr + offs_m.to(tl.int64)[:, None] * stride_st + offs_r[None, :] * stride_sr
     s_mask = (offs_m < num_tokens)[:, None] & (offs_r < rank_dim)[None, :]
-    out_ty = s_ptr.dtype.element_ty
-    tl.store(s_ptrs, acc0.to(out_ty), mask=s_mask)
-    if NUM_SLICES > 1:
-        tl.store(s_ptrs + stride_ss, acc1.to(out_ty), mask=s_mask)
-    if NUM_SLICES > 2:
-        tl.store(s_ptrs + 2 * stride_ss, acc2.to(out_ty), mask=s_mask)
-    if NUM_SLICES > 3:
-        tl.store(s_ptrs + 3 * stride_ss, acc3.to(out_ty), mask=s_mask)
+    store_slices(s_ptrs, s_mask, stride_ss, acc0, acc1, acc2, acc3, NUM_SLICES)
 
 
 @triton.jit
@@ -117,23 +111,10 @@ def _lora_shrink_kernel(
             + offs_r[None, :] * stride_ar
             + offs_k[:, None] * stride_ah
         )
-        for ki in range(k_iters):
-            k_mask = offs_k + ki * BLOCK_K < hidden
-            x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            a_mask = k_mask[:, None] & r_mask[None, :]
-            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-            acc0 = tl.dot(x, a, acc0, input_precision=PRECISION)
-            if NUM_SLICES > 1:
-                a = tl.load(a_ptrs + stride_as, mask=a_mask, other=0.0)
-                acc1 = tl.dot(x, a, acc1, input_precision=PRECISION)
-            if NUM_SLICES > 2:
-                a = tl.load(a_ptrs + 2 * stride_as, mask=a_mask, other=0.0)
-                acc2 = tl.dot(x, a, acc2, input_precision=PRECISION)
-            if NUM_SLICES > 3:
-                a = tl.load(a_ptrs + 3 * stride_as, mask=a_mask, other=0.0)
-                acc3 = tl.dot(x, a, acc3, input_precision=PRECISION)
-            x_ptrs += BLOCK_K * stride_xh
-            a_ptrs += BLOCK_K * stride_ah
+        acc0, acc1, acc2, acc3 = shrink_k_steps(
+            acc0, acc1, acc2, acc3, x_ptrs, a_ptrs, row_mask, r_mask, k_iters, hidden, stride_xh, stride_as,
+            stride_ah, NUM_SLICES, BLOCK_K, PRECISION,
+        )  # fmt: skip
 
     _scale_and_store(acc0, acc1, acc2, acc3, offs_m, offs_r, s_ptr, token_seg_ptr, seg_scale_ptr, num_tokens,
                      rank_dim, stride_ss, stride_st, stride_sr, NUM_SLICES, SCALED)  # fmt: skip

@@ -11,6 +11,8 @@ tiles large), reading its chunk's x rows once per slice.
 import triton
 import triton.language as tl
 
+from ditserve.kernels._tiles import shrink_k_steps, slot_rank, store_slices
+
 
 @triton.jit
 def _lora_shrink_sgmv_kernel(
@@ -47,8 +49,7 @@ def _lora_shrink_sgmv_kernel(
     slot = tl.load(chunk_slot_ptr + chunk)
     start = tl.load(chunk_start_ptr + chunk)
     length = tl.load(chunk_len_ptr + chunk)
-    rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
-    rank = tl.where(slot >= 0, rank, 0)
+    rank = slot_rank(slot, slot_rank_ptr)
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
@@ -68,30 +69,10 @@ def _lora_shrink_sgmv_kernel(
         acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
-        a_ptrs = a_base
-        for ki in range(k_iters):
-            k_mask = offs_k + ki * BLOCK_K < hidden
-            x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            a_mask = k_mask[:, None] & r_mask[None, :]
-            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-            acc0 = tl.dot(x, a, acc0, input_precision=PRECISION)
-            if NUM_SLICES > 1:
-                a = tl.load(a_ptrs + stride_as, mask=a_mask, other=0.0)
-                acc1 = tl.dot(x, a, acc1, input_precision=PRECISION)
-            if NUM_SLICES > 2:
-                a = tl.load(a_ptrs + 2 * stride_as, mask=a_mask, other=0.0)
-                acc2 = tl.dot(x, a, acc2, input_precision=PRECISION)
-            if NUM_SLICES > 3:
-                a = tl.load(a_ptrs + 3 * stride_as, mask=a_mask, other=0.0)
-                acc3 = tl.dot(x, a, acc3, input_precision=PRECISION)
-            x_ptrs += BLOCK_K * stride_xh
-            a_ptrs += BLOCK_K * stride_ah
+        acc0, acc1, acc2, acc3 = shrink_k_steps(
+            acc0, acc1, acc2, acc3, x_ptrs, a_base, row_mask, r_mask, k_iters, hidden, stride_xh, stride_as,
+            stride_ah, NUM_SLICES, BLOCK_K, PRECISION,
+        )  # fmt: skip
         s_ptrs = s_ptr + tok[:, None] * stride_st + offs_r[None, :] * stride_sr
         s_mask = row_mask[:, None] & (offs_r < rank_dim)[None, :]
-        tl.store(s_ptrs, acc0, mask=s_mask)
-        if NUM_SLICES > 1:
-            tl.store(s_ptrs + stride_ss, acc1, mask=s_mask)
-        if NUM_SLICES > 2:
-            tl.store(s_ptrs + 2 * stride_ss, acc2, mask=s_mask)
-        if NUM_SLICES > 3:
-            tl.store(s_ptrs + 3 * stride_ss, acc3, mask=s_mask)
+        store_slices(s_ptrs, s_mask, stride_ss, acc0, acc1, acc2, acc3, NUM_SLICES)
