@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
 from ..request import GenerationParams
-from .base import PipelineRunner, RequestState, open_image, request_scheduler, to_uint8
+from .base import PipelineRunner, RequestState, open_image, request_scheduler
 from .img2img import encode_start, noised_start, request_generator, scaled_vae_latents, start_pixels
+from .schedule import flow_sigmas, image_seq_shift
+from .vae import decode_images, unscale_latents
 
 
 class FluxRunner(PipelineRunner):
@@ -109,16 +111,8 @@ class FluxRunner(PipelineRunner):
             image_ids = torch.cat([image_ids, reference["ids"].to(self.device, image_ids.dtype)])
         scheduler = request_scheduler(pipe)  # timesteps below as FluxPipeline sets them
         steps = params.num_inference_steps
-        sigmas = np.linspace(1.0, 1 / steps, steps)
-        if getattr(scheduler.config, "use_flow_sigmas", False):
-            sigmas = None
-        mu = calculate_shift(
-            latents.shape[1],
-            scheduler.config.get("base_image_seq_len", 256),
-            scheduler.config.get("max_image_seq_len", 4096),
-            scheduler.config.get("base_shift", 0.5),
-            scheduler.config.get("max_shift", 1.15),
-        )
+        sigmas = None if getattr(scheduler.config, "use_flow_sigmas", False) else flow_sigmas(steps)
+        mu = image_seq_shift(scheduler, latents.shape[1])
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
         # img2img (FluxImg2ImgPipeline): the start latents noised to strength's first timestep.
         latents, start = noised_start(scheduler, timesteps, latents, params, encoded)
@@ -159,6 +153,4 @@ class FluxRunner(PipelineRunner):
     def decode(self, state: RequestState) -> np.ndarray:
         pipe, p = self.pipe, state.params
         latents = pipe._unpack_latents(state.latents, p.height, p.width, pipe.vae_scale_factor)
-        latents = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
-        image = pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)[0]
-        return to_uint8(pipe.image_processor.postprocess(image, output_type="np"))
+        return decode_images(pipe, unscale_latents(pipe.vae, latents))

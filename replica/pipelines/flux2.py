@@ -25,7 +25,9 @@ import torch
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu, retrieve_timesteps
 
 from ..request import GenerationParams
-from .base import PipelineRunner, RequestState, open_image, request_scheduler, to_uint8
+from .base import PipelineRunner, RequestState, open_image, request_scheduler
+from .schedule import flow_sigmas
+from .vae import decode_images
 
 # Reference images above this area are resized down to it first (both pipelines' rule).
 MAX_REFERENCE_AREA = 1024 * 1024
@@ -206,9 +208,7 @@ class Flux2Runner(PipelineRunner):
             image_ids = torch.cat([image_ids, references["ids"]])
         scheduler = request_scheduler(pipe)  # timesteps below as Flux2Pipeline sets them
         steps = params.num_inference_steps
-        sigmas = np.linspace(1.0, 1 / steps, steps)
-        if getattr(scheduler.config, "use_flow_sigmas", False):
-            sigmas = None
+        sigmas = None if getattr(scheduler.config, "use_flow_sigmas", False) else flow_sigmas(steps)
         mu = compute_empirical_mu(image_seq_len=latents.shape[1], num_steps=steps)
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
         scheduler.set_begin_index(0)
@@ -253,9 +253,7 @@ class Flux2Runner(PipelineRunner):
         std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps).to(
             latents.device, latents.dtype
         )
-        latents = pipe._unpatchify_latents(latents * std + mean)
-        image = pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)[0]
-        return to_uint8(pipe.image_processor.postprocess(image, output_type="np"))
+        return decode_images(pipe, pipe._unpatchify_latents(latents * std + mean))
 
 
 class Flux2KleinRunner(Flux2Runner):

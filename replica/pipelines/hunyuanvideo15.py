@@ -31,7 +31,8 @@ import torch
 from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import retrieve_timesteps
 
 from ..request import GenerationParams
-from .base import PipelineRunner, RequestState, open_image, request_scheduler, to_uint8
+from .base import PipelineRunner, RequestState, open_image, request_scheduler
+from .vae import decode_video
 
 I2V_PIPELINE = "HunyuanVideo15ImageToVideoPipeline"
 _BLOCK_ARGS = ("hidden_states", "encoder_hidden_states", "temb", "attention_mask", "freqs_cis")
@@ -236,6 +237,4 @@ class HunyuanVideo15Runner(PipelineRunner):
     @torch.no_grad()
     def decode(self, state: RequestState) -> np.ndarray:
         vae = self.pipe.vae
-        latents = state.latents.to(vae.dtype) / vae.config.scaling_factor
-        video = vae.decode(latents, return_dict=False)[0]
-        return to_uint8(self.pipe.video_processor.postprocess_video(video, output_type="np"))
+        return decode_video(self.pipe, state.latents.to(vae.dtype) / vae.config.scaling_factor)

@@ -22,12 +22,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import retrieve_timesteps
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_img2img import retrieve_latents
 
 from ..request import GenerationParams
 from .base import PipelineRunner, RequestState, request_scheduler, to_uint8
 from .img2img import encode_start, noised_start, request_generator, start_pixels
+from .schedule import flow_sigmas, image_seq_shift
+from .vae import channel_normalization
 
 # QwenImageEditPlusPipeline's reference areas: the VL encoder's view and the VAE latents'.
 CONDITION_AREA = 384 * 384
@@ -146,20 +148,13 @@ class QwenImageRunner(PipelineRunner):
         h, w = latents.shape[3:]
         return pipe._pack_latents(latents, 1, channels, h, w).to(self.dtype)
 
-    def _latent_norm(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The VAE's per-channel latent mean and 1 / std, shaped (1, z, 1, 1, 1) like ``like``."""
-        config = self.pipe.vae.config
-        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(like)
-        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(like)
-        return mean, inv_std
-
     def _start_latents(self, params: GenerationParams, generator: torch.Generator) -> torch.Tensor:
         """QwenImageImg2ImgPipeline's start latents: the image at the requested size, a VAE sample drawn
         with ``generator``, normalised, packed (1, tokens, channels)."""
         vae = self.pipe.vae
         pixels = start_pixels(self.pipe, params).unsqueeze(2)  # (1, 3, 1, H, W): the VAE's frame axis
         latents = retrieve_latents(vae.encode(pixels.to(self.device, vae.dtype)), generator=generator)
-        mean, inv_std = self._latent_norm(latents)
+        mean, inv_std = channel_normalization(vae, latents)
         latents = (latents - mean) * inv_std
         channels, h, w = latents.shape[1], *latents.shape[3:]
         return self.pipe._pack_latents(latents, 1, channels, h, w).to(self.dtype)
@@ -230,15 +225,8 @@ class QwenImageRunner(PipelineRunner):
 
         scheduler = request_scheduler(pipe)  # timesteps as the pipelines set them
         steps = params.num_inference_steps
-        sigmas = np.linspace(1.0, 1 / steps, steps)
-        mu = calculate_shift(
-            latents.shape[1],
-            scheduler.config.get("base_image_seq_len", 256),
-            scheduler.config.get("max_image_seq_len", 4096),
-            scheduler.config.get("base_shift", 0.5),
-            scheduler.config.get("max_shift", 1.15),
-        )
-        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+        mu = image_seq_shift(scheduler, latents.shape[1])
+        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=flow_sigmas(steps), mu=mu)
         # Image-to-image (QwenImageImg2ImgPipeline): the start latents noised to strength's timestep (the
         # noise is elementwise, so packed latents give the pipeline's packed result).
         latents, start = noised_start(scheduler, timesteps, latents, params, encoded)
@@ -314,6 +302,6 @@ class QwenImageRunner(PipelineRunner):
         pipe, p = self.pipe, state.params
         vae = pipe.vae
         latents = pipe._unpack_latents(state.latents, p.height, p.width, pipe.vae_scale_factor).to(vae.dtype)
-        mean, inv_std = self._latent_norm(latents)
+        mean, inv_std = channel_normalization(vae, latents)
         image = vae.decode(latents / inv_std + mean, return_dict=False)[0][:, :, 0]
         return to_uint8(pipe.image_processor.postprocess(image, output_type="np"))

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
-    calculate_shift,
-    retrieve_timesteps,
-)
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import retrieve_timesteps
 
 from ..request import GenerationParams
-from .base import PipelineRunner, RequestState, request_scheduler, to_uint8
+from .base import PipelineRunner, RequestState, request_scheduler
 from .img2img import encode_start, noised_start, request_generator, scaled_vae_latents, start_pixels
+from .schedule import image_seq_shift
+from .vae import decode_images, unscale_latents
 
 
 class SD3Runner(PipelineRunner):
@@ -85,17 +84,11 @@ class SD3Runner(PipelineRunner):
         )
         scheduler = request_scheduler(pipe)
         kwargs = {}
-        config = scheduler.config
-        if config.get("use_dynamic_shifting", None):
+        if scheduler.config.get("use_dynamic_shifting", None):
             patch = pipe.transformer.config.patch_size
             seq_len = (latents.shape[2] // patch) * (latents.shape[3] // patch)
-            kwargs["mu"] = calculate_shift(
-                seq_len,
-                config.get("base_image_seq_len", 256),
-                config.get("max_image_seq_len", 4096),
-                config.get("base_shift", 0.5),
-                config.get("max_shift", 1.16),  # the SD3 pipeline's default, not Flux's 1.15
-            )
+            # the SD3 pipeline's default bound, not Flux's 1.15
+            kwargs["mu"] = image_seq_shift(scheduler, seq_len, max_shift=1.16)
         timesteps, _ = retrieve_timesteps(scheduler, params.num_inference_steps, self.device, **kwargs)
         # Image-to-image (StableDiffusion3Img2ImgPipeline): the start latents noised to strength's timestep.
         latents, start = noised_start(scheduler, timesteps, latents, params, encoded)
@@ -128,7 +121,4 @@ class SD3Runner(PipelineRunner):
 
     @torch.no_grad()
     def decode(self, state: RequestState) -> np.ndarray:
-        vae = self.pipe.vae
-        latents = state.latents / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
-        return to_uint8(self.pipe.image_processor.postprocess(image, output_type="np"))
+        return decode_images(self.pipe, unscale_latents(self.pipe.vae, state.latents))

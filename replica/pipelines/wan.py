@@ -19,7 +19,8 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from ..request import GenerationParams
-from .base import PipelineRunner, RequestState, request_scheduler, to_uint8
+from .base import PipelineRunner, RequestState, request_scheduler
+from .vae import channel_normalization, decode_video
 
 # Decoded frames above this many pixels decode in spatial tiles (diffusers' AutoencoderKLWan tiling:
 # 256-px tiles, blended overlaps): the activations of one latent frame's decoder pass then stay bounded.
@@ -291,12 +292,10 @@ class WanRunner(PipelineRunner):
     def decode(self, state: RequestState) -> np.ndarray:
         vae = self.pipe.vae
         latents = self.final_latents(state).to(vae.dtype)
-        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
+        mean, inv_std = channel_normalization(vae, latents)
         p = state.params
         if p.width * p.height > TILED_DECODE_PIXELS:
             vae.enable_tiling()
         else:
             vae.disable_tiling()
-        video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
-        return to_uint8(self.pipe.video_processor.postprocess_video(video, output_type="np"))
+        return decode_video(self.pipe, latents / inv_std + mean)

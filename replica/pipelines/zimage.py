@@ -12,14 +12,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from diffusers.pipelines.z_image.pipeline_z_image import (
-    calculate_shift,
-    get_default_z_image_sigmas,
-    retrieve_timesteps,
-)
+from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas, retrieve_timesteps
 
 from ..request import GenerationParams
-from .base import PipelineRunner, RequestState, request_scheduler, to_uint8
+from .base import PipelineRunner, RequestState, request_scheduler
 from .img2img import (
     encode_start,
     noised_start,
@@ -28,6 +24,8 @@ from .img2img import (
     start_latents,
     start_pixels,
 )
+from .schedule import image_seq_shift
+from .vae import decode_images, unscale_latents
 
 
 class ZImageRunner(PipelineRunner):
@@ -93,14 +91,7 @@ class ZImageRunner(PipelineRunner):
             generator,
         )
         scheduler = request_scheduler(pipe)
-        config = scheduler.config
-        mu = calculate_shift(
-            (latents.shape[2] // 2) * (latents.shape[3] // 2),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
+        mu = image_seq_shift(scheduler, (latents.shape[2] // 2) * (latents.shape[3] // 2))
         sigmas = get_default_z_image_sigmas(params.num_inference_steps)
         timesteps, _ = retrieve_timesteps(
             scheduler, params.num_inference_steps, self.device, sigmas=sigmas, mu=mu
@@ -160,6 +151,4 @@ class ZImageRunner(PipelineRunner):
     @torch.no_grad()
     def decode(self, state: RequestState) -> np.ndarray:
         vae = self.pipe.vae
-        latents = state.latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(latents, return_dict=False)[0]
-        return to_uint8(self.pipe.image_processor.postprocess(image, output_type="np"))
+        return decode_images(self.pipe, unscale_latents(vae, state.latents.to(vae.dtype)))
