@@ -130,20 +130,25 @@ class PipelineRunner(ABC):
         # Set by the LoRA manager: step caching narrows the forward's adapter layout to the computing rows for
         # the blocks after the first (rows, their first rows), and restores it with (None, None).
         self.relayout: Callable[[list[int] | None, list[int] | None], None] | None = None
-        self._step_cache = None  # built on the first forward with a caching request
 
     def step_cache(self):
-        """The transformer's step-cache wrapper (built once; a no-op for forwards without caching rows)."""
-        if self._step_cache is None:
-            from ..caching.blocks import apply_step_cache
+        """The served transformer's step-cache wrapper (a no-op for forwards without caching rows)."""
+        return self.step_cache_of(self.pipe.transformer)
 
+    def step_cache_of(self, model):
+        """``model``'s step-cache wrapper, applied on first use. It lives on the model, so a transformer that
+        replaces the served one (a weights update) gets its own on its first caching forward."""
+        from ..caching.blocks import ATTR, apply_step_cache
+
+        handle = getattr(model, ATTR, None)
+        if handle is None:
             group = None
             if self.mesh is not None and self.mesh.sp_size > 1:
                 group = self.mesh.sp_mesh.get_group()
-            self._step_cache = apply_step_cache(
-                self.pipe.transformer, block_lists=self.cache_blocks, outputs=self.cache_outputs, group=group
+            handle = apply_step_cache(
+                model, block_lists=self.cache_blocks, outputs=self.cache_outputs, group=group
             )
-        return self._step_cache
+        return handle
 
     def request_cache(self, state: RequestState, branch: str):
         """The request's cache for one CFG branch, or None when it does not cache (or the rows are padding)."""

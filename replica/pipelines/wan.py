@@ -73,7 +73,6 @@ class WanRunner(PipelineRunner):
     def __init__(self, pipe, **kwargs):
         super().__init__(pipe, **kwargs)
         self._expert = 0  # the expert of the forward being run (step caching reads it)
-        self._expert_caches: dict[int, object] = {}
 
     # -- what the folder is ---------------------------------------------------------------------------------
     @property
@@ -253,21 +252,7 @@ class WanRunner(PipelineRunner):
 
     # -- step caching: one cache per expert (one expert's residuals say nothing of the other's) -------------
     def step_cache(self):
-        if self._expert == 0:
-            return super().step_cache()
-        if self._expert not in self._expert_caches:
-            from ..caching.blocks import apply_step_cache
-
-            group = None
-            if self.mesh is not None and self.mesh.sp_size > 1:
-                group = self.mesh.sp_mesh.get_group()
-            self._expert_caches[self._expert] = apply_step_cache(
-                self.expert_model(self._expert),
-                block_lists=self.cache_blocks,
-                outputs=self.cache_outputs,
-                group=group,
-            )
-        return self._expert_caches[self._expert]
+        return self.step_cache_of(self.expert_model(self._expert))
 
     def request_cache(self, state: RequestState, branch: str):
         if self._expert == 0:

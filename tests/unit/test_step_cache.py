@@ -380,3 +380,37 @@ def test_narrowed_layout_keeps_each_requests_adapters_and_is_no_settled_forward(
     manager.set_batch(layout)  # after a full one
     key, _ = manager.graph_key()
     assert key[0] == tuple((rows, tuple(adapters)) for rows, adapters in full)
+
+
+def test_a_weights_update_keeps_caching_on_the_new_transformer():
+    """After a weights update the new transformer skips blocks on hits like the one it replaced."""
+    from ditserve.replica.config import EngineConfig
+    from ditserve.replica.rank_control import ServingRankWorker
+
+    worker = ServingRankWorker(EngineConfig(model="demo-flux"))
+    params = GenerationParams(
+        prompt="a red fox", width=64, height=64, num_inference_steps=STEPS, seed=3,
+        cache=CacheSettings(policy="taylorseer", interval=2, warmup=2),
+    )  # fmt: skip
+
+    def generate(tag: str):
+        calls, hook = tail_calls(worker.pipe)
+        try:
+            worker.add(tag, params)
+            while not worker.states[tag].done:
+                worker.step([tag])
+            done = worker.finish(tag)
+        finally:
+            hook.remove()
+        return done["pixels"][0], done["usage"], calls[0]
+
+    before, usage_before, tail_before = generate("before")
+    assert 0 < usage_before["cached_forwards"] and tail_before == STEPS - usage_before["cached_forwards"]
+    old = worker.pipe.transformer
+    worker.stage_weights(str(ensure_demo_model("demo-flux")), "v2")
+    worker.commit_weights("v2")
+    assert worker.pipe.transformer is not old
+    after, usage_after, tail_after = generate("after")
+    assert usage_after == usage_before
+    assert tail_after == tail_before  # the new transformer's remaining blocks ran only on computed steps
+    assert psnr(after, before) >= 40  # the same weights folder: the same image
