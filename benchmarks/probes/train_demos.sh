@@ -8,7 +8,7 @@
 #   SMOKE=1 bash benchmarks/probes/train_demos.sh OUT    # CPU, a few steps: checks the commands run
 #
 # Each folder gets its model card (README.md, with the held-out table) and train.log; both tables are
-# printed at the end. Needs torch and diffusers; the repository is imported as `ditserve` through a link.
+# printed at the end, and both folders are packed into OUT/demos.tar.gz. Needs torch and diffusers; the repository is imported as `ditserve` through a link.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -55,5 +55,7 @@ for name in demo_scenes demo_scenes_video; do
         sed -n '/^## Held-out/,/^Held-out captions/p' "$OUT/$name/README.md" | grep '^|' || true
     fi
 done
-echo "total $((SECONDS - start)) s"
+# One archive of both folders: a device run's output folder brings back only shallow files.
+tar -C "$OUT" -czf "$OUT/demos.tar.gz" demo_scenes demo_scenes_video
+echo "total $((SECONDS - start)) s; archive: $OUT/demos.tar.gz"
 exit "$status"
