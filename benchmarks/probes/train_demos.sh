@@ -8,7 +8,8 @@
 #   SMOKE=1 bash benchmarks/probes/train_demos.sh OUT    # CPU, a few steps: checks the commands run
 #
 # Each folder gets its model card (README.md, with the held-out table) and train.log; both tables are
-# printed at the end, and both folders are packed into OUT/demos.tar.gz. Needs torch and diffusers; the repository is imported as `ditserve` through a link.
+# printed at the end, and both folders are packed into OUT/demos.tar.gz. Needs torch and diffusers; the
+# repository is imported as `ditserve` through a link.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
