@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ditserve.kernels._checks import check_expand, check_segments
 from ditserve.kernels._dispatch import block_rank, num_programs_limit, tma_ok, use_triton
 from ditserve.kernels._tiling import b_descriptor, column_blocks, column_chunks
 from ditserve.kernels.lora_expand import gluon_op
@@ -11,7 +12,6 @@ from ditserve.kernels.lora_expand.configs import ExpandProblem, choose, triton_t
 from ditserve.kernels.lora_expand.reference import lora_expand_ref
 from ditserve.kernels.policy import KernelPolicy
 
-MAX_SLICES = 4
 # Row-stationary tiles (configs.py) may carry PER_SM: programs of the tile an SM holds (rank 64: 106 KB of shared memory, rank 128: 229 KB); with it the
 # launch chooses between CHUNK and ALT_CHUNK (`wave_chunk`)
 
@@ -41,24 +41,6 @@ def wave_chunk(
     return min(fits, key=steps)
 
 
-def _check(y, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank, sizes, bias):
-    assert y.dim() == 2 and s.dim() == 3 and b_stacked.dim() == 3, (y.shape, s.shape, b_stacked.shape)
-    assert 1 <= len(sizes) <= MAX_SLICES and len(sizes) == s.shape[0], (sizes, s.shape)
-    assert all(n > 0 for n in sizes), sizes
-    assert y.shape[1] == sum(sizes) == b_stacked.shape[1], (y.shape, sizes, b_stacked.shape)
-    assert s.shape[1] == y.shape[0] and s.dtype == torch.float32, (s.shape, s.dtype)
-    assert s.shape[2] <= b_stacked.shape[2] and s.shape[2] <= 128, (s.shape, b_stacked.shape)
-    assert b_stacked.dtype == y.dtype, (b_stacked.dtype, y.dtype)
-    for t in (token_seg, seg_start, seg_len, seg_slot, slot_rank):
-        assert t.dtype == torch.int32 and t.device == y.device, (t.dtype, t.device)
-    assert seg_scale.dtype == torch.float32 and seg_scale.shape == seg_start.shape
-    assert token_seg.shape[0] == y.shape[0], (token_seg.shape, y.shape)
-    assert seg_start.shape == seg_len.shape == seg_slot.shape
-    assert slot_rank.shape[0] == b_stacked.shape[0], (slot_rank.shape, b_stacked.shape)
-    if bias is not None:
-        assert bias.shape == (y.shape[1],) and bias.is_contiguous(), bias.shape
-
-
 def launch_lora_expand(
     y: torch.Tensor,  # [num_tokens, sum(out_slice_sizes)] fp16/bf16/fp32, updated in place
     s: torch.Tensor,  # [num_slices, num_tokens, rank_dim] fp32 (from lora_shrink)
@@ -78,9 +60,10 @@ def launch_lora_expand(
 ) -> None:
     from ditserve.kernels.lora_expand.kernel import _lora_expand_kernel, _lora_expand_rows_kernel
 
-    _check(
-        y, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank, out_slice_sizes, bias
-    )
+    check_expand(y, s, b_stacked, out_slice_sizes)
+    check_segments(y, b_stacked.shape[0], token_seg, seg_start, seg_len, seg_slot, slot_rank, seg_scale)
+    if bias is not None:
+        assert bias.shape == (y.shape[1],) and bias.is_contiguous(), bias.shape
     num_tokens, rank_dim = y.shape[0], s.shape[2]
     if num_tokens == 0:
         return

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from ditserve.kernels._checks import check_chunks, check_expand
 from ditserve.kernels._configs import tables
 from ditserve.kernels._dispatch import block_rank, use_triton
 from ditserve.kernels._tiling import b_descriptor, column_blocks, column_chunks
@@ -31,7 +32,6 @@ SGMV_ROWS_SWEEP: dict[str, dict[str, int]] = {
 }
 
 _DIR = Path(__file__).parent
-MAX_SLICES = 4
 
 
 def expand_sgmv_config(block_r: int, device: torch.device = torch.device("cpu")) -> dict[str, int]:
@@ -60,25 +60,10 @@ def launch_lora_expand_sgmv(
         _lora_expand_sgmv_rows_kernel,
     )
 
-    assert y.dim() == 2 and s.dim() == 3 and b_stacked.dim() == 3, (y.shape, s.shape, b_stacked.shape)
-    assert 1 <= len(out_slice_sizes) <= MAX_SLICES and len(out_slice_sizes) == s.shape[0]
-    assert all(n > 0 for n in out_slice_sizes), out_slice_sizes
-    assert y.shape[1] == sum(out_slice_sizes) == b_stacked.shape[1], (
-        y.shape,
-        out_slice_sizes,
-        b_stacked.shape,
-    )
-    assert (
-        s.shape[1] == y.shape[0] and s.dtype == torch.float32 and s.shape[2] <= min(b_stacked.shape[2], 128)
-    )
-    assert b_stacked.dtype == y.dtype, (b_stacked.dtype, y.dtype)
-    for t in (sorted_token_ids, chunk_slot, chunk_start, chunk_len, slot_rank):
-        assert t.dtype == torch.int32 and t.device == y.device, (t.dtype, t.device)
+    check_expand(y, s, b_stacked, out_slice_sizes)
+    ids = (sorted_token_ids, chunk_slot, chunk_start, chunk_len, slot_rank)
+    check_chunks(y, b_stacked.shape[0], *ids, chunk_size)
     assert token_scale.dtype == torch.float32 and token_scale.shape[0] == y.shape[0]
-    assert (
-        sorted_token_ids.shape[0] == y.shape[0] and chunk_slot.shape == chunk_start.shape == chunk_len.shape
-    )
-    assert slot_rank.shape[0] == b_stacked.shape[0] and chunk_size >= 1
     num_chunks, rank_dim = chunk_slot.shape[0], s.shape[2]
     if y.shape[0] == 0 or rank_dim == 0 or num_chunks == 0:
         return

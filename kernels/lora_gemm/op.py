@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from ditserve.kernels._checks import MAX_SLICES, check_segments
 from ditserve.kernels._dispatch import next_pow2, num_programs_limit, tma_ok, use_triton
 from ditserve.kernels._tiling import column_align, column_blocks
 from ditserve.kernels.lora_gemm import configs, gluon_op
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 
-MAX_SLICES = 4
 MAX_LORA_BK = 64  # LORA_LOOP=2: widest LoRA iteration (rank 128 takes two)
 MAX_WIDE_SHRINK = 256  # SHRINK_IN: widest shrink dot (slices × rank columns); wider ones go slice by slice
 SHRINK_SMEM = (
@@ -156,12 +156,7 @@ def _check(
     assert not s_scaled or s.dtype == x.dtype, "a pre-scaled s comes in x's dtype"
     # a scaled s may have zero columns past max_rank (padded to 16)
     assert s.shape[2] <= 128 and (s_scaled or s.shape[2] <= b_stacked.shape[2]), (s.shape, b_stacked.shape)
-    for t in (token_seg, seg_start, seg_len, seg_slot, slot_rank):
-        assert t.dtype == torch.int32 and t.device == x.device, (t.dtype, t.device)
-    assert seg_scale.dtype == torch.float32 and seg_scale.shape == seg_start.shape
-    assert token_seg.shape[0] == x.shape[0], (token_seg.shape, x.shape)
-    assert seg_start.shape == seg_len.shape == seg_slot.shape
-    assert slot_rank.shape[0] == b_stacked.shape[0], (slot_rank.shape, b_stacked.shape)
+    check_segments(x, b_stacked.shape[0], token_seg, seg_start, seg_len, seg_slot, slot_rank, seg_scale)
     if bias is not None:
         assert bias.shape == (weight.shape[0],) and bias.is_contiguous() and bias.dtype == x.dtype, bias.shape
 

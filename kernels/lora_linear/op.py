@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ditserve.kernels._checks import MAX_SLICES
 from ditserve.kernels._dispatch import num_programs_limit, use_triton
 from ditserve.kernels.lora_gemm import gluon_op
 from ditserve.kernels.lora_gemm.op import launch_lora_gemm, shrink_in_ok
@@ -21,7 +22,6 @@ from ditserve.kernels.lora_shrink.op import launch_lora_shrink, scaled_cols
 from ditserve.kernels.lora_shrink.reference import lora_shrink_scaled_ref
 from ditserve.kernels.policy import KernelPolicy, active_policy
 
-MAX_SLICES = 4
 # The one Gluon launch only where its shrink units are narrow enough to spread over the run (slices × rank
 # columns ≤ this: rank 16 with 3 or 4 slices); wider units run before the tiles, which costs more than the
 # shrink kernel on one request, so there the shrink kernel and the Gluon GEMM run

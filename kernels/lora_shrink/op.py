@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ditserve.kernels._checks import check_segments, check_shrink
 from ditserve.kernels._dispatch import (
     block_rank,
     next_pow2,
@@ -18,7 +19,6 @@ from ditserve.kernels.lora_shrink.gluon_op import GLUON_FORMS
 from ditserve.kernels.lora_shrink.reference import lora_shrink_ref, lora_shrink_scaled_ref
 from ditserve.kernels.policy import KernelPolicy
 
-MAX_SLICES = 4
 # sweep candidates (benchmarks/kernels/lora_shrink_tiles.py, lora_kernels.py --sweep-gemm; the GPU tests run each once):
 # the TMA kernel, one program per 128-row block and slice
 _TMA_SPLIT = dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=4, SPLIT=1, TMA=1)
@@ -79,20 +79,6 @@ SCALED_SWEEP: dict[str, dict[str, int]] = {
 }
 
 
-def _check(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, slot_rank, rank_dim):
-    assert x.dim() == 2 and a_stacked.dim() == 4, (x.shape, a_stacked.shape)
-    assert x.dtype == a_stacked.dtype, (x.dtype, a_stacked.dtype)
-    assert x.shape[1] == a_stacked.shape[3], f"hidden {x.shape[1]} != A hidden {a_stacked.shape[3]}"
-    assert 1 <= a_stacked.shape[0] <= MAX_SLICES, f"{a_stacked.shape[0]} slices; split into groups of 4"
-    assert 0 <= rank_dim <= a_stacked.shape[2] and rank_dim <= 128, (rank_dim, a_stacked.shape)
-    assert a_stacked.stride(3) == 1 and x.stride(1) == 1, "hidden dim must be contiguous"
-    for t in (token_seg, seg_start, seg_len, seg_slot, slot_rank):
-        assert t.dtype == torch.int32 and t.device == x.device, (t.dtype, t.device)
-    assert token_seg.shape[0] == x.shape[0], (token_seg.shape, x.shape)
-    assert seg_start.shape == seg_len.shape == seg_slot.shape
-    assert slot_rank.shape[0] == a_stacked.shape[1], (slot_rank.shape, a_stacked.shape)
-
-
 def scaled_cols(rank_dim: int) -> int:
     """Columns of a scaled s: rank_dim rounded up to 16 (TMA rows are 16-byte aligned; the fused GEMM
     reads whole 16-column groups), the extra columns zero."""
@@ -118,11 +104,11 @@ def launch_lora_shrink(
 ) -> torch.Tensor:  # [num_slices, num_tokens, rank_dim] fp32, or [.., scaled_cols(rank_dim)] x's dtype
     from ditserve.kernels.lora_shrink.kernel import _lora_shrink_kernel
 
-    _check(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, slot_rank, rank_dim)
+    check_shrink(x, a_stacked, rank_dim)
+    check_segments(x, a_stacked.shape[1], token_seg, seg_start, seg_len, seg_slot, slot_rank, seg_scale)
     num_slices, num_tokens = a_stacked.shape[0], x.shape[0]
     scaled = seg_scale is not None
     if scaled:
-        assert seg_scale.dtype == torch.float32 and seg_scale.shape == seg_start.shape, seg_scale.shape
         s = torch.empty(num_slices, num_tokens, scaled_cols(rank_dim), dtype=x.dtype, device=x.device)
     else:
         s = torch.empty(num_slices, num_tokens, rank_dim, dtype=torch.float32, device=x.device)

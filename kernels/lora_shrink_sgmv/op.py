@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from ditserve.kernels._checks import check_chunks, check_shrink
 from ditserve.kernels._dispatch import block_rank, use_triton
 from ditserve.kernels.lora_shrink.configs import triton_tiles
 from ditserve.kernels.lora_shrink_sgmv.reference import lora_shrink_sgmv_ref
-
-MAX_SLICES = 4
 
 
 def shrink_sgmv_config(num_slices: int, block_r: int) -> dict[str, int]:
@@ -39,15 +38,9 @@ def launch_lora_shrink_sgmv(
 ) -> torch.Tensor:  # [num_slices, num_tokens, rank_dim] fp32
     from ditserve.kernels.lora_shrink_sgmv.kernel import _lora_shrink_sgmv_kernel
 
-    assert x.dim() == 2 and a_stacked.dim() == 4 and x.dtype == a_stacked.dtype, (x.shape, a_stacked.shape)
-    assert x.shape[1] == a_stacked.shape[3] and x.stride(1) == 1 and a_stacked.stride(3) == 1
-    assert 1 <= a_stacked.shape[0] <= MAX_SLICES, a_stacked.shape
-    assert 0 <= rank_dim <= min(a_stacked.shape[2], 128), (rank_dim, a_stacked.shape)
-    for t in (sorted_token_ids, chunk_slot, chunk_start, chunk_len, slot_rank):
-        assert t.dtype == torch.int32 and t.device == x.device, (t.dtype, t.device)
-    assert sorted_token_ids.shape[0] == x.shape[0], (sorted_token_ids.shape, x.shape)
-    assert chunk_slot.shape == chunk_start.shape == chunk_len.shape and chunk_size >= 1
-    assert slot_rank.shape[0] == a_stacked.shape[1]
+    check_shrink(x, a_stacked, rank_dim)
+    ids = (sorted_token_ids, chunk_slot, chunk_start, chunk_len, slot_rank)
+    check_chunks(x, a_stacked.shape[1], *ids, chunk_size)
     num_slices, num_tokens, num_chunks = a_stacked.shape[0], x.shape[0], chunk_slot.shape[0]
     s = torch.empty(num_slices, num_tokens, rank_dim, dtype=torch.float32, device=x.device)
     if num_tokens == 0 or rank_dim == 0 or num_chunks == 0:

@@ -1,12 +1,15 @@
-"""Plain torch SGMV shrink: a loop over slots, each gathering its tokens. Also the CPU fallback."""
+"""Plain torch SGMV shrink: the segmented reference over the tokens in sorted order, whose chunks are its
+segments. Also the CPU fallback."""
 
 import torch
+
+from ditserve.kernels.lora_shrink.reference import lora_shrink_ref
 
 
 def lora_shrink_sgmv_ref(
     x: torch.Tensor,  # [num_tokens, hidden]
     a_stacked: torch.Tensor,  # [num_slices, max_loras, max_rank, hidden]
-    sorted_token_ids: torch.Tensor,  # [num_tokens] int32
+    sorted_token_ids: torch.Tensor,  # [num_tokens] int32, a permutation of range(num_tokens)
     chunk_slot: torch.Tensor,  # [num_chunks] int32
     chunk_start: torch.Tensor,  # [num_chunks] int32
     chunk_len: torch.Tensor,  # [num_chunks] int32
@@ -14,18 +17,8 @@ def lora_shrink_sgmv_ref(
     rank_dim: int,
 ) -> torch.Tensor:  # [num_slices, num_tokens, rank_dim] fp32, zero where no LoRA applies
     # reads num_tokens*hidden*x.itemsize + A of active slots, writes num_slices*num_tokens*rank_dim*4
-    num_slices = a_stacked.shape[0]
-    s = torch.zeros(num_slices, x.shape[0], rank_dim, dtype=torch.float32, device=x.device)
-    ranks = slot_rank.tolist()
     ids = sorted_token_ids.long()
-    tokens_of: dict[int, list[torch.Tensor]] = {}
-    for slot, start, n in zip(chunk_slot.tolist(), chunk_start.tolist(), chunk_len.tolist(), strict=True):
-        tokens_of.setdefault(slot, []).append(ids[start : start + n])
-    for slot, parts in tokens_of.items():
-        if slot < 0 or ranks[slot] == 0:
-            continue
-        tok = torch.cat(parts)
-        r = ranks[slot]
-        for j in range(num_slices):
-            s[j, tok, :r] = x[tok].float() @ a_stacked[j, slot, :r].float().T
+    s_sorted = lora_shrink_ref(x[ids], a_stacked, chunk_start, chunk_len, chunk_slot, slot_rank, rank_dim)
+    s = torch.zeros_like(s_sorted)
+    s[:, ids] = s_sorted
     return s
