@@ -17,6 +17,7 @@ from ditserve.replica.models.registry import resolve_model
 from .config import AppArgs
 from .engine_deployment import EngineReplica
 from .frontend import Frontend
+from .ingress import HEAD_NODE_RESOURCE, check_direct_ingress_env
 from .router import ROUTER_PATH
 
 APP_NAME = "ditserve"
@@ -118,7 +119,14 @@ def build_app_with_engine(args: dict[str, Any], engine_cls: type | None) -> Appl
         .options(**engine_deployment_options(app_args, strategy))
         .bind(plain, deploy_id=deploy_id, **extra)
     )
-    return Frontend.bind(engine, plain, deploy_id)
+    frontend = Frontend
+    if app_args.direct_ingress:
+        check_direct_ingress_env(app_args.port, app_args.grpc_port)
+        # The API's port is where the proxy listened: on the head node (the port range is per node).
+        frontend = Frontend.options(
+            ray_actor_options={"num_cpus": 0.1, "resources": {HEAD_NODE_RESOURCE: 0.001}}
+        )
+    return frontend.bind(engine, plain, deploy_id)
 
 
 def serve_deployment(cls):

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from .config import AppArgs, EngineArgs, add_model_arguments, model_kwargs
 from .deploy import GRPC_SERVICER_FUNCTIONS, run_deploy
 from .deploy import add_deploy_parser as _add_deploy
+from .ingress import direct_ingress_env, proxy_ports
 from .usage import fail as _fail
 from .usage import validation_message as _validation_message
 
@@ -251,6 +252,8 @@ def run_serve(ns: argparse.Namespace) -> int:
         args = AppArgs(**model_kwargs(ns, AppArgs))
         from .app import APP_NAME, build_app
 
+        if args.direct_ingress and not args.address:
+            os.environ.update(direct_ingress_env(args.port, args.grpc_port))  # what build_app checks
         build_app(args.model_dump(mode="json"))  # validate the layout before starting anything
     except ValidationError as exc:
         return _fail(_validation_message(exc))
@@ -258,8 +261,9 @@ def run_serve(ns: argparse.Namespace) -> int:
         return _fail(str(exc))
 
     # A fresh local cluster starts its own proxies here; one joined with --address may already run them.
-    ports = [] if args.address else [("--port", args.host, args.port)]
-    if args.grpc_port and not args.address:  # Serve's gRPC proxy listens on every interface
+    # With --direct-ingress the Frontend binds --port/--grpc-port, on a joined cluster too.
+    ports = [] if args.address and not args.direct_ingress else [("--port", args.host, args.port)]
+    if args.grpc_port and (args.direct_ingress or not args.address):  # gRPC listens on every interface
         ports.append(("--grpc-port", "0.0.0.0", args.grpc_port))
     for flag, host, port in ports:
         if (why := port_in_use(host, port)) is not None:
@@ -284,12 +288,15 @@ def run_serve(ns: argparse.Namespace) -> int:
     try:
         from ray.serve.config import gRPCOptions
 
+        proxy_http, proxy_grpc = args.port, args.grpc_port
+        if args.direct_ingress:  # Serve still starts a proxy on the head node: off the API's ports
+            proxy_http, proxy_grpc = proxy_ports(args.host, args.grpc_port)
         grpc_options = None
         if args.grpc_port:  # the gRPC API (grpc_service) on Serve's gRPC proxy; --grpc-port 0: off
-            grpc_options = gRPCOptions(port=args.grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS)
+            grpc_options = gRPCOptions(port=proxy_grpc, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS)
         serve.start(
             proxy_location="HeadOnly",
-            http_options={"host": args.host, "port": args.port},
+            http_options={"host": args.host, "port": proxy_http},
             grpc_options=grpc_options,
         )
         # serve.run reconnects to the controller serve.start made with our options, and logs that "new
@@ -300,7 +307,7 @@ def run_serve(ns: argparse.Namespace) -> int:
             serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         finally:
             serve_logger.removeFilter(_drop_reconnect_notice)
-        host, port = _serve_http_address(args.host, args.port)
+        host, port = (args.host, args.port) if args.direct_ingress else _serve_http_address(args.host, args.port)
         if (host, port) != (args.host, args.port):  # --address: Serve already ran there with its own options
             print(
                 f"ditserve: Serve already runs on this cluster with HTTP on {host}:{port}; "

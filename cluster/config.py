@@ -79,6 +79,11 @@ class AppArgs(EngineArgs):
     port: int = Field(default=8000, ge=1, le=65535, description="HTTP port.")
     grpc_port: int = Field(default=9000, ge=0, le=65535, description="gRPC port (0 disables gRPC).")
     address: str | None = Field(default=None, description="Join this Ray cluster instead of starting one.")
+    direct_ingress: bool = Field(
+        default=False,
+        description="The frontend replica takes HTTP/gRPC on --port/--grpc-port itself (Serve's direct "
+        "ingress; no proxy actor hop). A joined cluster's nodes need the RAY_SERVE_* variables it names.",
+    )
     api_key: str | None = Field(
         default_factory=lambda: os.environ.get("DITSERVE_API_KEY") or None,
         description="Bearer key for admin endpoints (also DITSERVE_API_KEY).",

@@ -1,7 +1,8 @@
 """Latency the HTTP path (Serve's proxy, the frontend, the session/round-robin router) adds over a direct
 handle call, and the balance across replicas (CPU; local Ray).
 
-    python benchmarks/serving/router_overhead.py [--dp-size 3] [--requests 1000] [--rounds 5] [--proxy-grpc] [--out DIR]
+    python benchmarks/serving/router_overhead.py [--dp-size 3] [--requests 1000] [--rounds 5] [--proxy-grpc]
+        [--direct-ingress] [--out DIR]
 
 The engine deployment runs with a trivial engine (``engine_cls`` injection: answers each request at once
 with a 1×1 PNG), so what is timed is the serving path alone. Paths, one keep-alive httpx client, one
@@ -14,7 +15,9 @@ path alike:
   router) → replica;
 - models: ``GET /v1/models`` (proxy → Frontend, no body, no engine call): the floor of an HTTP request;
 - session: ``POST /v1/sessions/{id}/generate`` on sessions opened round-robin (proxy → Frontend → the
-  owner replica).
+  owner replica);
+- with ``--direct-ingress`` (``ditserve serve --direct-ingress``): the same three HTTP paths sent to the
+  Frontend replica's own port (``--port`` + 1; Serve's proxy stays on ``--port``), without the proxy hop.
 
 Balance = max/min requests per replica (the ``x-ditserve-replica`` header) over the http path, and over a
 mixed run where each image is followed by a varying number of ``GET /v1/models``.
@@ -97,12 +100,16 @@ def balance_of(served: Counter, dp_size: int) -> float:
     return max(served.values()) / min(served.values()) if len(served) == dp_size else float("inf")
 
 
-PATHS = ("direct", "http", "models", "session")
+PROXY_PATHS = ("direct", "http", "models", "session")
+DIRECT_INGRESS_PATHS = ("di_http", "di_models", "di_session")
 LABELS = {
     "direct": "direct handle call (baseline)",
     "http": "HTTP image: proxy → frontend → router → replica",
     "models": "HTTP GET /v1/models: proxy → frontend (no engine)",
     "session": "HTTP session step: proxy → frontend → owner replica",
+    "di_http": "HTTP image, direct ingress: frontend → router → replica",
+    "di_models": "HTTP GET /v1/models, direct ingress: frontend (no engine)",
+    "di_session": "HTTP session step, direct ingress: frontend → owner replica",
 }
 
 
@@ -119,26 +126,41 @@ def main() -> None:
         action="store_true",
         help="Serve's proxy talks to replicas over gRPC (RAY_SERVE_PROXY_USE_GRPC=1) instead of Ray actor calls",
     )
+    parser.add_argument(
+        "--direct-ingress",
+        action="store_true",
+        help="the Frontend replica also takes HTTP itself on --port + 1 (Serve's direct ingress): its paths "
+        "are timed beside the proxy's, interleaved in the same rounds",
+    )
     parser.add_argument("--out", default=None, help="results folder (default: benchmarks/results)")
     ns = parser.parse_args()
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if ns.proxy_grpc:  # read by the proxy when it starts (in the cluster ray.init starts below)
         os.environ["RAY_SERVE_PROXY_USE_GRPC"] = "1"
+    if ns.direct_ingress:  # read by the controller and the replicas (workers of the cluster ray.init starts)
+        from ditserve.cluster.ingress import direct_ingress_env
+
+        os.environ.update(direct_ingress_env(ns.port + 1, 0))
+    PATHS = PROXY_PATHS + (DIRECT_INGRESS_PATHS if ns.direct_ingress else ())
     import httpx
     import ray
     from ray import serve
 
     from ditserve.cluster.app import APP_NAME, build_app_with_engine
 
-    ray.init(include_dashboard=False, log_to_driver=False)
+    # Always a fresh local cluster: never one that happens to run on this machine already.
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": ns.port})
     args = {"model": "demo-flux", "dp_size": ns.dp_size, "max_queue": 64, "max_sessions_per_replica": 64}
+    if ns.direct_ingress:  # as `ditserve serve --direct-ingress --port PORT+1`, Serve's proxy still on PORT
+        args |= {"direct_ingress": True, "port": ns.port + 1, "grpc_port": 0}
     serve.run(build_app_with_engine(args, engine_cls=TrivialEngine), name=APP_NAME, route_prefix="/")
     handle = serve.get_deployment_handle("DiffusionEngine", APP_NAME)
     params = GenerationParams(prompt="a red fox", width=64, height=64, num_inference_steps=2, seed=1)
     body = {"prompt": "a red fox", "size": "64x64", "num_inference_steps": 2, "seed": 1}
     base = f"http://127.0.0.1:{ns.port}"
+    di_base = f"http://127.0.0.1:{ns.port + 1}"
     samples: dict[str, list[float]] = {p: [] for p in PATHS}
     served, mixed = Counter(), Counter()
     try:
@@ -149,15 +171,18 @@ def main() -> None:
             step = {"prompt": "a red fox", "num_inference_steps": 2, "seed": 1}
             turn = iter(range(1 << 62))
 
-            def session_step() -> httpx.Response:
+            def session_step(url: str) -> httpx.Response:
                 sid = sessions[next(turn) % len(sessions)]
-                return client.post(f"{base}/v1/sessions/{sid}/generate", json=step)
+                return client.post(f"{url}/v1/sessions/{sid}/generate", json=step)
 
             calls = {
                 "direct": lambda: handle.generate.remote(params).result(),
                 "http": lambda: client.post(f"{base}/v1/images/generations", json=body),
                 "models": lambda: client.get(f"{base}/v1/models"),
-                "session": session_step,
+                "session": lambda: session_step(base),
+                "di_http": lambda: client.post(f"{di_base}/v1/images/generations", json=body),
+                "di_models": lambda: client.get(f"{di_base}/v1/models"),
+                "di_session": lambda: session_step(di_base),
             }
             for path in PATHS:
                 for _ in range(ns.warmup):
@@ -171,15 +196,16 @@ def main() -> None:
                         samples[path].append(time.perf_counter() - t0)
                         if isinstance(answer, httpx.Response):
                             answer.raise_for_status()
-                            if path == "http":
+                            if path in ("http", "di_http"):
                                 served[answer.headers["x-ditserve-replica"]] += 1
             # Mixed traffic: each image followed by 0..3 status requests (as a client polling a job).
+            mixed_base = di_base if ns.direct_ingress else base
             for i in range(ns.mixed):
-                r = client.post(f"{base}/v1/images/generations", json=body)
+                r = client.post(f"{mixed_base}/v1/images/generations", json=body)
                 r.raise_for_status()
                 mixed[r.headers["x-ditserve-replica"]] += 1
                 for _ in range(i % 4):
-                    client.get(f"{base}/v1/models").raise_for_status()
+                    client.get(f"{mixed_base}/v1/models").raise_for_status()
     finally:
         serve.shutdown()
         ray.shutdown()
