@@ -11,8 +11,8 @@ state; sessions the frontend forgot (it crashed) expire after ``session_idle_tim
 Memory: a session holds its K/V cache on the ranks, ``2 × rows × heads × head_dim × layers × tokens``
 values with ``tokens = full_chunk_limit × L × t_full + (chunks - full_chunk_limit + 1) × L × t_compressed``
 (L latent frames per chunk, t_full / t_compressed tokens per latent frame at full and FAR-compressed
-resolution): the open answer states it for the session's cap (``max_chunks`` or ``realtime_max_chunks``),
-and at most ``max_realtime_sessions`` sessions are open per replica (429 past it).
+resolution), per rank ``heads / ulysses`` of them and about ``tokens / ring``: the open answer states one
+rank's for the session's cap (``max_chunks`` or ``realtime_max_chunks``), and at most ``max_realtime_sessions`` sessions are open per replica (429 past it).
 """
 
 from __future__ import annotations
@@ -70,8 +70,11 @@ def encode_frames(frames: np.ndarray, output_format: str) -> list[bytes]:
     return out
 
 
-def session_kv_bytes(spec: Any, params: GenerationParams, chunks: int, dtype_bytes: int) -> int:
-    """The K/V cache a session of ``chunks`` chunks holds at its longest (see the module docstring)."""
+def session_kv_bytes(
+    spec: Any, params: GenerationParams, chunks: int, dtype_bytes: int, *, ring: int = 1, ulysses: int = 1
+) -> int:
+    """The K/V cache a session of ``chunks`` chunks holds at its longest on each rank of a replica sharded
+    over ring degree ``ring`` and Ulysses degree ``ulysses`` (see the module docstring)."""
     from ditserve.replica.families import vae_spatial_factor
     from ditserve.replica.pipelines.anyflow import kv_cache_bytes, session_partition
 
@@ -85,6 +88,8 @@ def session_kv_bytes(spec: Any, params: GenerationParams, chunks: int, dtype_byt
         height=params.height // spatial,
         width=params.width // spatial,
         dtype_bytes=dtype_bytes,
+        ring=ring,
+        ulysses=ulysses,
     )
 
 
@@ -185,7 +190,10 @@ class ReplicaRealtime:
         self._realtime_count()
         chunks = max_chunks or limit
         dtype_bytes = 4 if self.config.dtype == "float32" else 2
-        kv = session_kv_bytes(self.engine.spec, params, chunks, dtype_bytes)
+        dims = self.engine.config.parallel.dims(num_heads=self.engine.spec.num_attention_heads)
+        kv = session_kv_bytes(
+            self.engine.spec, params, chunks, dtype_bytes, ring=dims.ring, ulysses=dims.ulysses
+        )
         logger.info(
             "realtime session %s opened: up to %d chunks, K/V cache %.1f MiB",
             session.session_id,

@@ -3,9 +3,10 @@ block-causal attention to the past chunks through a K/V cache). Text-to-video, i
 frame, and realtime video sessions (``ws /v1/realtime_video/generate``: one chunk at a time, the prompt may
 change between chunks).
 
-Sharding: Ulysses (``--ulysses-degree``) over each forward's tokens, the K/V cache sharded by heads the
-same way (``parallel/anyflow.py``). TP, ring, K/V-gather and CFG-parallel are refused naming the flags
-(the cache and the flex block mask are not sharded for them); scale sessions with --dp-size."""
+Sharding: Ulysses (``--ulysses-degree``) and ring (``--ring-degree``) over each forward's tokens, the K/V
+cache sharded the same way (by heads, and by tokens over the ring: ``parallel/anyflow.py``). TP,
+K/V-gather and CFG-parallel are refused naming the flags (the runner's own chunk loop does not shard for
+them); scale sessions with --dp-size."""
 
 from . import Family, Folder
 
@@ -29,7 +30,8 @@ FAMILY = Family(
     typical_heads=12,
     extra={
         "realtime": True,
-        "parallel_axes": ("ulysses",),  # the K/V cache is sharded by heads (parallel/anyflow.py)
+        # The K/V cache is sharded by heads (Ulysses) and by tokens (ring): parallel/anyflow.py.
+        "parallel_axes": ("ulysses", "ring"),
     },
     **_FIRST_FRAME,
 )

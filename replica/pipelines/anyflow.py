@@ -53,24 +53,48 @@ def session_partition(frames_per_chunk: int, num_chunks: int, temporal: int) -> 
     return [1] + [frames_per_chunk // temporal] * (num_chunks - 1)
 
 
-def cache_tokens(config: Any, *, num_chunks: int, longest: int, height: int, width: int) -> int:
-    """Positions of one layer's K/V buffer for a rollout of ``num_chunks`` chunks of at most ``longest``
-    latent frames (``height``/``width`` in latent pixels): the compressed chunks, the full ones, the chunk
-    being denoised and the zero keys that pad it to a multiple of 128 (``parallel/anyflow.far_attention``)."""
+def cache_tokens(
+    config: Any, *, num_chunks: int, longest: int, height: int, width: int, ring: int = 1, ulysses: int = 1
+) -> int:
+    """Positions of one layer's K/V buffer on one rank for a rollout of ``num_chunks`` chunks of at most
+    ``longest`` latent frames (``height``/``width`` in latent pixels), under ring degree ``ring`` and
+    Ulysses degree ``ulysses``: the compressed chunks, the full ones and the chunk being denoised; on one
+    ring block, the zero keys that pad it to a multiple of 128 too; over a ring, about 1/``ring`` of the
+    tokens (each rank's block of the cached sequence and of the chunk, each padded by up to ``ulysses``
+    rows; the pad keys are counted without being stored: ``parallel/anyflow.far_attention``)."""
     full = (height // config.patch_size[1]) * (width // config.patch_size[2])
     compressed = (height // config.compressed_patch_size[1]) * (width // config.compressed_patch_size[2])
-    tokens = config.full_chunk_limit * longest * full + 128
-    return tokens + max(0, num_chunks - config.full_chunk_limit + 1) * longest * compressed
+    tokens = config.full_chunk_limit * longest * full
+    tokens += max(0, num_chunks - config.full_chunk_limit + 1) * longest * compressed
+    if ring == 1:
+        return tokens + max(128, ulysses)
+    return -(-tokens // ring) + 2 * ulysses
 
 
 def kv_cache_bytes(
-    config: Any, *, rows: int, partition: list[int], height: int, width: int, dtype_bytes: int
+    config: Any,
+    *,
+    rows: int,
+    partition: list[int],
+    height: int,
+    width: int,
+    dtype_bytes: int,
+    ring: int = 1,
+    ulysses: int = 1,
 ) -> int:
-    """Bytes of the K/V cache of a rollout over ``partition`` (``height``/``width`` in latent pixels)."""
+    """Bytes of the K/V cache one rank holds for a rollout over ``partition`` (``height``/``width`` in
+    latent pixels) under ring degree ``ring`` and Ulysses degree ``ulysses`` (H/U heads of its tokens)."""
     tokens = cache_tokens(
-        config, num_chunks=max(len(partition), 2), longest=max(partition), height=height, width=width
+        config,
+        num_chunks=max(len(partition), 2),
+        longest=max(partition),
+        height=height,
+        width=width,
+        ring=ring,
+        ulysses=ulysses,
     )
-    per_layer = 2 * rows * config.num_attention_heads * config.attention_head_dim * tokens * dtype_bytes
+    heads = config.num_attention_heads // ulysses
+    per_layer = 2 * rows * heads * config.attention_head_dim * tokens * dtype_bytes
     return per_layer * config.num_layers
 
 
@@ -284,16 +308,19 @@ class AnyFlowRunner(PipelineRunner):
         if rollout.kv_cache is not None:
             num_chunks = max(num_chunks, rollout.cache_chunks * 3 // 2)
         config = self.pipe.transformer.config
+        # Sharded, each rank caches its slice of the heads (Ulysses) and its block of the tokens (ring).
+        ring = 1 if self.mesh is None else self.mesh.ring_size
+        ulysses = 1 if self.mesh is None else self.mesh.ulysses_size
         tokens = cache_tokens(
             config,
             num_chunks=num_chunks,
             longest=max(rollout.partition),
             height=rollout.height,
             width=rollout.width,
+            ring=ring,
+            ulysses=ulysses,
         )
         rows = rollout.rows * (2 if rollout.guided else 1)
-        # Under Ulysses each rank caches its slice of the heads (``parallel/anyflow.py``).
-        ulysses = 1 if self.mesh is None else self.mesh.ulysses_size
         heads, dim = config.num_attention_heads // ulysses, config.attention_head_dim
         rollout.kv_cache = None  # free the old buffers first
         rollout.kv_cache = {
@@ -305,7 +332,7 @@ class AnyFlowRunner(PipelineRunner):
         rollout.cache_chunks = num_chunks
 
     def _transformer(self):
-        """The transformer with :class:`FarCausalAttnProcessor` in every block (the Ulysses plan installs
+        """The transformer with :class:`FarCausalAttnProcessor` in every block (the parallel plan installs
         its sharded one; a freshly loaded or one-rank model gets the one-rank one here) and its rotary
         table handed to the blocks as a :class:`FarRope`."""
         transformer = self.pipe.transformer

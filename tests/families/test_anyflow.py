@@ -1,8 +1,10 @@
 """AnyFlow-FAR on CPU: the engine's chunks (a realtime session, one chunk at a time through the step loop)
 and its whole videos equal diffusers' ``AnyFlowFARPipeline`` for the same seed and chunk partition; a prompt
-change moves only the chunks after it; sharded layouts are refused naming the flags."""
+change moves only the chunks after it; Ulysses, ring and both shard a session's forwards and its K/V cache
+and give the one-rank chunks and videos; the other layouts are refused naming the flags."""
 
 import io
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,12 +14,15 @@ from PIL import Image
 
 from ditserve.replica.config import EngineConfig, ParallelFlags
 from ditserve.replica.engine import validate_layout
+from ditserve.replica.media import decode_mp4
 from ditserve.replica.models.registry import resolve_model
+from ditserve.replica.pipelines.anyflow import kv_cache_bytes
 from ditserve.replica.pipelines.base import to_uint8
 from ditserve.replica.request import GenerationParams
 from tests.families.anyflow import build_folder
 from tests.families.harness import (
     load_pipeline,
+    results,
     running_engine,
     single_thread,  # noqa: F401 (a fixture, used by pytestmark)
 )
@@ -133,10 +138,9 @@ def test_chunk_out_of_order_and_bad_sizes_are_refused(engine):
         runner.add("cached", GenerationParams(**SETTINGS, num_frames=9, cache={"policy": "fbcache"}))
 
 
-def test_layouts_other_than_ulysses_are_refused_naming_the_flags(folder):
+def test_layouts_other_than_ulysses_and_ring_are_refused_naming_the_flags(folder):
     spec = resolve_model(str(folder))
     for flags, named in (
-        ({"ring_degree": 2}, "--ring-degree 2"),
         ({"tp_size": 2}, "--tp-size 2"),
         ({"cfg_parallel_size": 2}, "--cfg-parallel-size 2"),
         ({"sp_degree": 2}, "--kv-gather-degree"),
@@ -144,13 +148,20 @@ def test_layouts_other_than_ulysses_are_refused_naming_the_flags(folder):
         config = EngineConfig(
             model=str(folder), device="cpu", dtype="float32", parallel=ParallelFlags(**flags)
         )
-        with pytest.raises(ValueError, match=f"^{named}.*shards over --ulysses-degree only") as err:
+        with pytest.raises(
+            ValueError, match=f"^{named}.*shards over --ulysses-degree, --ring-degree only"
+        ) as err:
             validate_layout(config, spec)
         assert "--dp-size" in str(err.value)
-    ulysses = EngineConfig(
-        model=str(folder), device="cpu", dtype="float32", parallel=ParallelFlags(ulysses_degree=2)
-    )
-    assert validate_layout(ulysses, spec) == 2
+    for flags, world in (
+        ({"ulysses_degree": 2}, 2),
+        ({"ring_degree": 2}, 2),
+        ({"ulysses_degree": 2, "ring_degree": 2}, 4),
+    ):
+        config = EngineConfig(
+            model=str(folder), device="cpu", dtype="float32", parallel=ParallelFlags(**flags)
+        )
+        assert validate_layout(config, spec) == world
 
 
 def test_ulysses_2_session_equals_one_rank(folder, solo):
@@ -161,6 +172,92 @@ def test_ulysses_2_session_equals_one_rank(folder, solo):
         chunks = session(engine, "r3.u", [SETTINGS["prompt"]] * CHUNKS, max_chunks=CHUNKS)
     for got, want in zip(chunks, solo, strict=True):
         assert got.shape == want.shape and psnr(got, want) >= 40, psnr(got, want)
+
+
+def assert_same_chunks(chunks: list[np.ndarray], want: list[np.ndarray]) -> None:
+    """Chunk by chunk, the one-rank frames up to fp32 rounding (a pixel level here and there: 90 dB and up
+    here). The tiny random model moves pixels little when attention changes: a pad key counted twice
+    still gives 56-66 dB, so 40 dB would not tell."""
+    for got, ref in zip(chunks, want, strict=True):
+        assert got.shape == ref.shape and psnr(got, ref) >= 75, psnr(got, ref)
+
+
+# 80x48: 15 tokens per latent frame (2 compressed), so the first chunk (15 tokens), the others (30) and the
+# cache forwards (15, 45, 62 tokens) do not split evenly over 2 or 4 ranks: the sequence is padded.
+UNEVEN = {"width": 80, "height": 48}
+
+
+@pytest.fixture(scope="module")
+def solo_uneven(engine):
+    return session(engine, "r1.h", [SETTINGS["prompt"]] * CHUNKS, max_chunks=CHUNKS, **UNEVEN)
+
+
+@pytest.fixture(scope="module")
+def ring_engine(folder):
+    with running_engine(
+        folder, {"ring_degree": 2}, device="cpu", dtype="float32", max_sequence_length=MAX_LEN
+    ) as engine:
+        yield engine
+
+
+def test_ring_2_session_equals_one_rank_chunk_by_chunk(ring_engine, solo, solo_uneven):
+    """Ranks in processes (gloo): each forward's tokens in two contiguous halves, each rank caching its half
+    of every cached chunk (the cache forward sharded too), attention over [cache | chunk | pad keys] by ring
+    passes; over 4 chunks (the oldest through the compressed patches at the last one), at a size whose
+    token counts divide by 2 and at one whose first chunk has an odd count (padded)."""
+    chunks = session(ring_engine, "r4.a", [SETTINGS["prompt"]] * CHUNKS, max_chunks=CHUNKS)
+    uneven = session(ring_engine, "r4.b", [SETTINGS["prompt"]] * CHUNKS, max_chunks=CHUNKS, **UNEVEN)
+    assert_same_chunks(chunks + uneven, solo + solo_uneven)
+
+
+def test_ring_2_whole_video_with_cfg_equals_one_rank(ring_engine, engine):
+    """A batch request (every chunk in one job), guided (two rows in each forward)."""
+    params = GenerationParams(
+        **SETTINGS, num_frames=33, guidance_scale=3.0, negative_prompt="blurry", return_latents=True
+    )
+    [want] = results(engine, [params])
+    [got] = results(ring_engine, [params])
+    np.testing.assert_allclose(got.latents, want.latents, rtol=0, atol=1e-4)  # the last chunk's
+    want, got = decode_mp4(want.outputs[0]), decode_mp4(got.outputs[0])
+    assert want.shape[0] == 33  # 9 latent frames: chunks of 1, 3, 3, 2 (the first one compressed at the last)
+    assert got.shape == want.shape and psnr(got, want) >= 40, psnr(got, want)
+
+
+def test_ulysses_2_ring_2_session_equals_one_rank(folder, solo_uneven):
+    """4 ranks: Ulysses pairs inside ring pairs (each rank caches half the heads of half the tokens), at the
+    size whose token counts do not divide by 4."""
+    flags = {"ulysses_degree": 2, "ring_degree": 2}
+    with running_engine(folder, flags, device="cpu", dtype="float32", max_sequence_length=MAX_LEN) as engine:
+        chunks = session(engine, "r5.a", [SETTINGS["prompt"]] * CHUNKS, max_chunks=CHUNKS, **UNEVEN)
+    assert_same_chunks(chunks, solo_uneven)
+
+
+def test_kv_cache_bytes_are_what_a_rank_holds(engine, folder):
+    """The session's K/V memory (the realtime open answer's ``kv_cache_bytes``) is what one rank allocates:
+    exactly the one-rank runner's buffers; over ring 2 about half of them, and half again under Ulysses 2."""
+    params = GenerationParams(**SETTINGS, num_frames=FRAMES_PER_CHUNK)
+    engine.submit_chunk("r1.k", 0, params, CHUNKS).result(timeout=120)
+    rollout = engine.launcher.worker.runner.sessions["r1.k"]
+    held = sum(layer.kv.numel() * layer.kv.element_size() for layer in rollout.kv_cache.values())
+    engine.close_session("r1.k").result(timeout=30)
+    config = SimpleNamespace(**resolve_model(str(folder)).transformer_config())
+    sizes = dict(rows=1, partition=rollout.partition, height=8, width=8, dtype_bytes=4)
+    assert held == kv_cache_bytes(config, **sizes)
+    # The released 1.3B transformer at 480p, 3 latent frames per chunk, 8 chunks, bf16.
+    real = SimpleNamespace(
+        patch_size=(1, 2, 2),
+        compressed_patch_size=(1, 4, 4),
+        full_chunk_limit=3,
+        num_attention_heads=12,
+        attention_head_dim=128,
+        num_layers=30,
+    )
+    sizes = dict(rows=1, partition=[1] + [3] * 7, height=60, width=104, dtype_bytes=2)
+    one = kv_cache_bytes(real, **sizes)
+    ring = kv_cache_bytes(real, **sizes, ring=2)
+    both = kv_cache_bytes(real, **sizes, ring=2, ulysses=2)
+    assert 0.49 * one < ring <= 0.5 * one  # (and no room for the pad keys: they are not stored)
+    assert 0.5 * ring <= both < 0.51 * ring
 
 
 def test_chunks_interleaved_with_a_batch_video_are_unchanged(engine, solo):
