@@ -128,6 +128,14 @@ def load_weights(pipe, folder: Path, names: tuple[str, ...]) -> None:
             module.register_to_config(**{k: config[k] for k in keep if k in config})
 
 
+def _update(opt: torch.optim.Optimizer, loss: torch.Tensor, params) -> None:
+    """One optimizer step on ``loss``, gradients clipped to norm 1."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+
+
 def _round_to_fp16(module: torch.nn.Module) -> None:
     with torch.no_grad():
         for p in module.parameters():
@@ -206,10 +214,7 @@ def train_vae(vae, images: torch.Tensor, args, log: _Log) -> None:
         recon = vae.decode(z).sample
         mse = F.mse_loss(recon, x)
         loss = mse + 1e-6 * posterior.kl().mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
+        _update(opt, loss, vae.parameters())
         if step % 250 == 0 or step == total - 1:
             log(f"vae step {step}/{total} mse {mse.item():.5f}")
         step += 1
@@ -246,10 +251,7 @@ def train_decoder(vae, images: torch.Tensor, args, log: _Log) -> None:
         recon = vae.decode(z).sample
         l1 = F.l1_loss(recon, x)
         loss = l1 + F.mse_loss(recon, x)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        _update(opt, loss, params)
         if step % 250 == 0 or step == total - 1:
             log(f"decoder step {step}/{total} l1 {l1.item():.5f}")
         step += 1
@@ -350,10 +352,7 @@ def train_transformer(pipe, means, stds, scene_idx, args, log: _Log) -> list[flo
             return_dict=False,
         )[0]
         loss = F.mse_loss(pred, noise - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
-        opt.step()
+        _update(opt, loss, transformer.parameters())
         running += loss.detach()  # no .item() per step: it would sync the GPU every step
         since += 1
         if step % 100 == 99 or step == total - 1:

@@ -49,7 +49,7 @@ from .scenes import (
 )
 from .scorer import clip_shape, score_clip
 from .tokenizers import build_t5_tokenizer
-from .train_demo import _cosine_lr, _Log, _machine, _round_to_fp16, _to_unit, fit_steps
+from .train_demo import _cosine_lr, _Log, _machine, _round_to_fp16, _to_unit, _update, fit_steps
 
 T5_MAX_LENGTH = 32
 LONG_T5_LENGTH = 512  # WanPipeline's default max_sequence_length
@@ -166,10 +166,7 @@ def train_vae(vae, clips: torch.Tensor, args, log: _Log) -> None:
         recon = _decode(vae, z)
         mse = F.mse_loss(recon, x)
         loss = mse + 1e-6 * posterior.kl().mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
+        _update(opt, loss, vae.parameters())
         if step % 250 == 0 or step == total - 1:
             log(f"vae step {step}/{total} mse {mse.item():.5f}")
         step += 1
@@ -282,10 +279,7 @@ def train_transformer(pipe, pools: dict, args, log: _Log) -> list[float]:
             return_dict=False,
         )[0]
         loss = F.mse_loss(pred, noise - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
-        opt.step()
+        _update(opt, loss, transformer.parameters())
         running += loss.detach()  # no .item() per step: it would sync the GPU every step
         since += 1
         if step % 100 == 99 or step == total - 1:
