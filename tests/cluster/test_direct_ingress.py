@@ -14,9 +14,12 @@ import base64
 import concurrent.futures as cf
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
+from pathlib import Path
 
 import grpc
 import httpx
@@ -34,6 +37,16 @@ from ditserve.cluster.ingress import direct_ingress_env
 from tests.helpers import ServeProcess, free_port, png_pixels
 
 SMALL = {"prompt": "a red fox", "size": "64x64", "num_inference_steps": 2}
+
+
+def test_joined_cluster_without_the_variables_is_refused_naming_them():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
+    cmd = [str(Path(sys.executable).with_name("ditserve")), "serve", "--model", "demo-flux"]
+    cmd += ["--address", "127.0.0.1:1", "--direct-ingress", "--port", "8765"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "RAY_SERVE_ENABLE_DIRECT_INGRESS" in done.stderr + done.stdout
+    assert "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=8765" in done.stderr + done.stdout
 
 
 @pytest.fixture(scope="module")
