@@ -190,7 +190,7 @@ class ReplicaRealtime:
         self._realtime_count()
         chunks = max_chunks or limit
         dtype_bytes = 4 if self.config.dtype == "float32" else 2
-        dims = self.engine.config.parallel.dims(num_heads=self.engine.spec.num_attention_heads)
+        dims = self.config.parallel.dims(num_heads=self.engine.spec.num_attention_heads)
         kv = session_kv_bytes(
             self.engine.spec, params, chunks, dtype_bytes, ring=dims.ring, ulysses=dims.ulysses
         )

@@ -26,13 +26,12 @@ With Ulysses degree U and ring degree R (sp = U·R shards, numbered as in ``mesh
    block-causal mask is a key prefix per chunk and block: chunk j's queries see block s's keys before the
    end of chunk j.
 
-Ulysses 2 × ring 2, a cache forward of 62 tokens (padded to 64)::
+Ulysses 2 × ring 2 (ulysses pairs {0,1} {2,3}, ring pairs {0,2} {1,3}), a cache forward of 62 tokens::
 
-    rank:           0          1          2          3
-    ring block:     0          0          1          1       (ulysses pairs {0,1} {2,3}, ring pairs {0,2} {1,3})
-    tokens held:    0-15       16-31      32-47      48-61 + 2 padding
-    after all-to-all: tokens 0-31 (heads 0-1 | 2-3)        tokens 32-61 + 2 padding (heads 0-1 | 2-3)
-    K/V cache:      rank r caches its block's keys for its heads: 32 rows, 30 of them real on ranks 2, 3
+    rank:                      0             1             2              3
+    tokens (padded to 64):     0-15          16-31         32-47          48-61 + 2 padding
+    ring block, after a2a:     0-31, h 0-1   0-31, h 2-3   32-63, h 0-1   32-63, h 2-3
+    K/V cache rows written:    32            32            32 (30 real)   32 (30 real)
 
 TP, K/V-gather and CFG-parallel are refused for this family (``validate_layout``).
 """
@@ -115,22 +114,23 @@ class FarRing:
 
 def _ring_blocks(block: torch.Tensor, ring: FarRing) -> Iterator[tuple[int, torch.Tensor]]:
     """(source ring rank, its block) for each ring step, this rank's own first. The next block is sent and
-    received while the caller attends to the current one (double-buffered)."""
+    received while the caller attends to the current one; blocks arrive in two buffers of their own that
+    take turns (``block`` may be the cache itself: it is never written)."""
     send_to = dist.get_global_rank(ring.group, (ring.rank + 1) % ring.size)
     recv_from = dist.get_global_rank(ring.group, (ring.rank - 1) % ring.size)
-    buffers: list[torch.Tensor | None] = [block, None]
+    current, spare = block, []
     for step in range(ring.size):
-        current = buffers[step % 2]
-        assert current is not None
-        requests: list = []
+        nxt, requests = None, []
         if step < ring.size - 1:
-            nxt = buffers[(step + 1) % 2]
-            if nxt is None:
-                nxt = buffers[(step + 1) % 2] = torch.empty_like(current)
+            nxt = spare.pop() if spare else torch.empty_like(current)
             requests = _exchange(current, nxt, send_to=send_to, recv_from=recv_from, group=ring.group)
         yield (ring.rank - step) % ring.size, current
         for request in requests:
             request.wait()
+        if current is not block:  # sent: free for the block after next
+            spare.append(current)
+        if nxt is not None:
+            current = nxt
 
 
 def _rotate(x: torch.Tensor, freqs: torch.Tensor, start: int, valid: int) -> torch.Tensor:

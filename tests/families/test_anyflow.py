@@ -21,6 +21,7 @@ from ditserve.replica.pipelines.base import to_uint8
 from ditserve.replica.request import GenerationParams
 from tests.families.anyflow import build_folder
 from tests.families.harness import (
+    layout_id,
     load_pipeline,
     results,
     running_engine,
@@ -223,10 +224,13 @@ def test_ring_2_whole_video_with_cfg_equals_one_rank(ring_engine, engine):
     assert got.shape == want.shape and psnr(got, want) >= 40, psnr(got, want)
 
 
-def test_ulysses_2_ring_2_session_equals_one_rank(folder, solo_uneven):
-    """4 ranks: Ulysses pairs inside ring pairs (each rank caches half the heads of half the tokens), at the
-    size whose token counts do not divide by 4."""
-    flags = {"ulysses_degree": 2, "ring_degree": 2}
+@pytest.mark.parametrize(
+    "flags", [{"ulysses_degree": 2, "ring_degree": 2}, {"ring_degree": 4}], ids=layout_id
+)
+def test_4_rank_sessions_equal_one_rank(folder, solo_uneven, flags):
+    """4 ranks at the size whose token counts do not divide by 4: Ulysses pairs inside ring pairs (each rank
+    caches half the heads of half the tokens), and a ring of 4 (blocks pass through both receive buffers;
+    the first chunk's 15 tokens are blocks of 4, 4, 4 and 3)."""
     with running_engine(folder, flags, device="cpu", dtype="float32", max_sequence_length=MAX_LEN) as engine:
         chunks = session(engine, "r5.a", [SETTINGS["prompt"]] * CHUNKS, max_chunks=CHUNKS, **UNEVEN)
     assert_same_chunks(chunks, solo_uneven)
