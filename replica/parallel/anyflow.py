@@ -51,7 +51,7 @@ from .attention import attention, merge_partial
 from .hooks import ForwardState
 from .mesh import ParallelMesh
 from .plan import ParallelPlan
-from .ring import _exchange
+from .ring import exchange
 from .sequence import SequenceLayout, shard_sequence
 from .ulysses import gather_heads, scatter_heads
 
@@ -123,7 +123,7 @@ def _ring_blocks(block: torch.Tensor, ring: FarRing) -> Iterator[tuple[int, torc
         nxt, requests = None, []
         if step < ring.size - 1:
             nxt = spare.pop() if spare else torch.empty_like(current)
-            requests = _exchange(current, nxt, send_to=send_to, recv_from=recv_from, group=ring.group)
+            requests = exchange(current, nxt, send_to=send_to, recv_from=recv_from, group=ring.group)
         yield (ring.rank - step) % ring.size, current
         for request in requests:
             request.wait()

@@ -34,7 +34,7 @@ class _Staged:
         self.recv.copy_(self.host_recv)
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, *, send_to: int, recv_from: int, group) -> list:
+def exchange(send: torch.Tensor, recv: torch.Tensor, *, send_to: int, recv_from: int, group) -> list:
     """Send ``send`` to the next rank and receive the previous rank's block into ``recv``; returns handles
     to ``wait()`` on (the transfer overlaps the caller's attention)."""
     if send.is_cuda and dist.get_backend(group) == "gloo":
@@ -77,7 +77,7 @@ def ring_attention(
             nxt = buffers[(step + 1) % 2]
             if nxt is None:
                 nxt = buffers[(step + 1) % 2] = torch.empty_like(current)
-            requests = _exchange(current, nxt, send_to=send_to, recv_from=recv_from, group=group)
+            requests = exchange(current, nxt, send_to=send_to, recv_from=recv_from, group=group)
         source = (rank - step) % world  # whose block we hold at this step
         n = block_valid[source]
         kb, vb = current[0, :, :, :n], current[1, :, :, :n]
