@@ -43,7 +43,7 @@ from ditserve.kernels.lora_expand_sgmv.op import lora_expand_sgmv_op
 from ditserve.kernels.lora_gemm.op import lora_gemm_op
 from ditserve.kernels.lora_linear.op import lora_linear_op
 from ditserve.kernels.lora_meta import LoRABatchMeta, choose_chunk_size
-from ditserve.kernels.lora_shrink.op import lora_shrink_op, lora_shrink_scaled_op
+from ditserve.kernels.lora_shrink.op import lora_shrink_op
 from ditserve.kernels.lora_shrink_sgmv.op import lora_shrink_sgmv_op
 
 __all__ = [
@@ -77,12 +77,7 @@ def lora_shrink(
             for g in range(0, a_stacked.shape[0], _GROUP)
         ]
         return torch.cat(parts)
-    if scaled and method == "sgemm":
-        return lora_shrink_scaled_op(
-            x, a_stacked, meta.token_seg, meta.seg_start, meta.seg_len, meta.seg_slot, meta.seg_scale,
-            meta.slot_rank, meta.max_rank, meta.seg_align,
-        )  # fmt: skip
-    if scaled:
+    if scaled and method == "sgmv":
         s = lora_shrink(x, a_stacked, meta, method) * meta.token_scale[None, :, None]
         return torch.nn.functional.pad(s, (0, -meta.max_rank % 16)).to(x.dtype)
     if method == "sgmv":
@@ -91,16 +86,9 @@ def lora_shrink(
             meta.slot_rank, meta.max_rank, meta.chunk_size,
         )  # fmt: skip
     return lora_shrink_op(
-        x,
-        a_stacked,
-        meta.token_seg,
-        meta.seg_start,
-        meta.seg_len,
-        meta.seg_slot,
-        meta.slot_rank,
-        meta.max_rank,
-        meta.seg_align,
-    )
+        x, a_stacked, meta.token_seg, meta.seg_start, meta.seg_len, meta.seg_slot, meta.slot_rank, meta.max_rank,
+        meta.seg_align, seg_scale=meta.seg_scale if scaled else None,
+    )  # fmt: skip
 
 
 def lora_expand(

@@ -209,43 +209,25 @@ def lora_shrink_op(
     slot_rank: torch.Tensor,
     rank_dim: int,
     seg_align: int = 1,
+    seg_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Segmented shrink; Triton on CUDA (or TRITON_INTERPRET=1), else the torch reference."""
+    """Segmented shrink, [num_slices, num_tokens, rank_dim] fp32; with seg_scale scale(t) · x · Aᵀ in x's dtype,
+    [num_slices, num_tokens, scaled_cols(rank_dim)] (what the fused GEMM reads). Triton on CUDA (or
+    TRITON_INTERPRET=1), else the torch reference."""
+    seg = (token_seg, seg_start, seg_len, seg_slot)
     if use_triton(x):
-        return launch_lora_shrink(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, slot_rank, rank_dim,
-                                  seg_align=seg_align)  # fmt: skip
-    return lora_shrink_ref(x, a_stacked, seg_start, seg_len, seg_slot, slot_rank, rank_dim)
+        return launch_lora_shrink(
+            x, a_stacked, *seg, slot_rank, rank_dim, seg_scale=seg_scale, seg_align=seg_align
+        )
+    if seg_scale is not None:
+        return lora_shrink_scaled_ref(x, a_stacked, *seg, seg_scale, slot_rank, rank_dim)
+    return lora_shrink_ref(x, a_stacked, *seg[1:], slot_rank, rank_dim)
 
 
 @lora_shrink_op.register_fake
-def _(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, slot_rank, rank_dim, seg_align=1):
+def _(
+    x, a_stacked, token_seg, seg_start, seg_len, seg_slot, slot_rank, rank_dim, seg_align=1, seg_scale=None
+):
+    if seg_scale is not None:
+        return x.new_empty((a_stacked.shape[0], x.shape[0], scaled_cols(rank_dim)))
     return x.new_empty((a_stacked.shape[0], x.shape[0], rank_dim), dtype=torch.float32)
-
-
-@torch.library.custom_op("ditserve::lora_shrink_scaled", mutates_args=())
-def lora_shrink_scaled_op(
-    x: torch.Tensor,
-    a_stacked: torch.Tensor,
-    token_seg: torch.Tensor,
-    seg_start: torch.Tensor,
-    seg_len: torch.Tensor,
-    seg_slot: torch.Tensor,
-    seg_scale: torch.Tensor,
-    slot_rank: torch.Tensor,
-    rank_dim: int,
-    seg_align: int = 1,
-) -> torch.Tensor:
-    """scale(t) · x · Aᵀ in x's dtype, [num_slices, num_tokens, scaled_cols(rank_dim)] (what the fused GEMM
-    reads); Triton on CUDA (or TRITON_INTERPRET=1), else the torch reference."""
-    if use_triton(x):
-        return launch_lora_shrink(
-            x, a_stacked, token_seg, seg_start, seg_len, seg_slot, slot_rank, rank_dim, seg_scale=seg_scale,
-            seg_align=seg_align,
-        )  # fmt: skip
-    return lora_shrink_scaled_ref(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
-                                  rank_dim)  # fmt: skip
-
-
-@lora_shrink_scaled_op.register_fake
-def _(x, a_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank, rank_dim, seg_align=1):
-    return x.new_empty((a_stacked.shape[0], x.shape[0], scaled_cols(rank_dim)))

@@ -386,6 +386,9 @@ def test_custom_op_contracts():
     m = c.meta
     s = torch.ops.ditserve.lora_shrink(*shrink_args(c))
     torch.library.opcheck(torch.ops.ditserve.lora_shrink.default, shrink_args(c))
+    scaled = torch.ops.ditserve.lora_shrink(*shrink_args(c), seg_scale=m.seg_scale)
+    assert scaled.dtype == c.x.dtype and scaled.shape[2] == m.max_rank + -m.max_rank % 16
+    torch.library.opcheck(torch.ops.ditserve.lora_shrink.default, shrink_args(c), {"seg_scale": m.seg_scale})
     seg = (m.token_seg, m.seg_start, m.seg_len, m.seg_slot, m.seg_scale, m.slot_rank)
     torch.library.opcheck(torch.ops.ditserve.lora_expand.default, (c.y.clone(), s, c.b, *seg, [16, 24]))
     ids = (
