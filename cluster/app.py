@@ -122,9 +122,14 @@ def build_app_with_engine(args: dict[str, Any], engine_cls: type | None) -> Appl
     frontend = Frontend
     if app_args.direct_ingress:
         check_direct_ingress_env(app_args.port, app_args.grpc_port)
-        # The API's port is where the proxy listened: on the head node (the port range is per node).
+        # The API's port is where the proxy listened: on the head node (the port range is per node). No CPU
+        # asked, as Serve's proxy there: a KubeRay head starts with num-cpus 0 so that no engine lands on it.
         frontend = Frontend.options(
-            ray_actor_options={"num_cpus": 0.1, "resources": {HEAD_NODE_RESOURCE: 0.001}}
+            ray_actor_options={
+                "num_cpus": 0,
+                "resources": {HEAD_NODE_RESOURCE: 0.001},
+                "runtime_env": {"env_vars": FRONTEND_ENV},  # read by Serve when the replica starts
+            }
         )
     return frontend.bind(engine, plain, deploy_id)
 

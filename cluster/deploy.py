@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ditserve.replica.families import families
 
 from .config import AppArgs, add_model_arguments, model_kwargs
+from .ingress import direct_ingress_env
 from .usage import fail as _fail
 from .usage import validation_message as _validation_message
 
@@ -41,6 +42,8 @@ GRPC_SERVICER_FUNCTIONS: list[str] = [
 ]
 # AppArgs fields that are process- or Serve-level, not builder arguments (or secrets: never in a manifest).
 NOT_BUILDER_ARGS = ("host", "port", "grpc_port", "address", "api_key")
+# Ports the head pod already uses (GCS, dashboard, client, metrics): Serve's proxy is never moved onto one.
+HEAD_PORTS = (6379, 8265, 10001, METRICS_PORT)
 
 
 def _kind_heads() -> dict[str, int]:
@@ -196,6 +199,8 @@ def plan(app_kwargs: dict[str, Any], deploy_kwargs: dict[str, Any]) -> Plan:
     }
     # The builder may run on a pod without GPUs (the head): the device is written, not left to a probe there.
     builder_args = {"model": app.model, "device": device, **builder_args}
+    if app.direct_ingress:  # the builder checks the nodes' variables against the ports the Frontend takes
+        builder_args |= {"port": app.port, "grpc_port": app.grpc_port}
     return Plan(
         app=app,
         deploy=deploy,
@@ -213,12 +218,28 @@ def _json_default(value: Any) -> Any:
 
 
 # -- documents ------------------------------------------------------------------------------------------
+def proxy_ports(app: AppArgs) -> tuple[int, int]:
+    """(HTTP, gRPC) ports of Serve's proxy on the head node. With --direct-ingress the Frontend replica
+    listens on --port / --grpc-port there itself, and the proxy Serve still starts moves to the next ports
+    above them that no head process uses."""
+    if not app.direct_ingress:
+        return app.port, app.grpc_port
+    taken = {*HEAD_PORTS, app.port, app.grpc_port}
+    free = (port for port in range(app.port + 1, 65536) if port not in taken)
+    http = next(free)
+    if not app.grpc_port:
+        return http, 0
+    taken.add(http)
+    return http, next(port for port in range(app.grpc_port + 1, 65536) if port not in taken)
+
+
 def serve_config(p: Plan) -> dict[str, Any]:
     """The Serve config (``serve run`` / ``serve deploy`` / ``serveConfigV2``)."""
+    http_port, grpc_port = proxy_ports(p.app)
     return {
         "proxy_location": "HeadOnly",
-        "http_options": {"host": "0.0.0.0", "port": p.app.port},
-        "grpc_options": {"port": p.app.grpc_port, "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS)},
+        "http_options": {"host": "0.0.0.0", "port": http_port},
+        "grpc_options": {"port": grpc_port, "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS)},
         "applications": [
             {
                 "name": APP_NAME,
@@ -242,6 +263,8 @@ def _container(p: Plan, name: str, resources: dict[str, Any], ports: list[dict[s
             },
         }
     ]
+    if p.app.direct_ingress:  # Serve reads direct ingress from every node: the controller and the replicas
+        env += [{"name": k, "value": v} for k, v in direct_ingress_env(p.app.port, p.app.grpc_port).items()]
     return {
         "name": name,
         "image": p.deploy.image,
@@ -420,7 +443,11 @@ def _render(ns: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
     """(the document, notes for the operator)."""
     p = plan(model_kwargs(ns, AppArgs), model_kwargs(ns, DeployArgs))
     doc = rayservice(p) if ns.deploy_command == "kuberay" else serve_config(p)
-    return header(_command_of(ns)) + dump_yaml(doc), p.notes
+    notes = p.notes
+    if p.app.direct_ingress and ns.deploy_command != "kuberay":  # the manifest sets them on its pods
+        assignments = " ".join(f"{k}={v}" for k, v in direct_ingress_env(p.app.port, p.app.grpc_port).items())
+        notes += (f"--direct-ingress: start every Ray node (ray start) with {assignments}",)
+    return header(_command_of(ns)) + dump_yaml(doc), notes
 
 
 def write_examples(out_dir: Path, check: bool = False) -> list[str]:

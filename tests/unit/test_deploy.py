@@ -188,6 +188,38 @@ def test_generated_manifests_validate(argv, gpus_per_pod, hosts):
     assert ports["serve"] == config["http_options"]["port"] and ports["grpc"] == 9000
 
 
+def test_direct_ingress_sets_serves_variables_on_every_pod_and_moves_the_proxy():
+    argv = [*FLUX, "--dp-size", "2", "--direct-ingress", "--port", "8100", "--grpc-port", "9100"]
+    text = render(["kuberay", *argv])
+    config = check_rayservice(text)
+    spec = yaml.safe_load(text)["spec"]["rayClusterConfig"]
+    head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
+    (group,) = spec["workerGroupSpecs"]
+    wanted = {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "8100",
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "8101",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "9100",
+        "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": "9101",
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+    }
+    for container in (head, group["template"]["spec"]["containers"][0]):
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert {k: env.get(k) for k in wanted} == wanted, container["name"]
+    # The Frontend listens on the API's ports on the head; Serve's proxy there moves off them (and off the
+    # head's other ports); the builder gets the ports it checks the variables against.
+    ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+    assert ports["serve"] == 8100 and ports["grpc"] == 9100
+    assert (config["http_options"]["port"], config["grpc_options"]["port"]) == (8101, 9101)
+    args = config["applications"][0]["args"]
+    assert (args["direct_ingress"], args["port"], args["grpc_port"]) == (True, 8100, 9100)
+    # The default path sets none of them.
+    plain = yaml.safe_load(render(["kuberay", *FLUX]))["spec"]["rayClusterConfig"]
+    env = plain["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    assert not [e for e in env if e["name"].startswith("RAY_SERVE_")]
+
+
 def test_serve_config_args_are_the_cli_flags():
     config = yaml.safe_load(
         render(["serve-config", "--model", "demo-flux", "--max-n", "2", "--max-queue", "64"])
