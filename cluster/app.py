@@ -17,7 +17,7 @@ from ditserve.replica.models.registry import resolve_model
 from .config import AppArgs
 from .engine_deployment import EngineReplica
 from .frontend import Frontend
-from .ingress import HEAD_NODE_RESOURCE, check_direct_ingress_env
+from .ingress import FRONTEND_ENV, HEAD_NODE_RESOURCE, check_direct_ingress_env
 from .router import ROUTER_PATH
 
 APP_NAME = "ditserve"

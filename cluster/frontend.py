@@ -93,6 +93,7 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
             self.app_name = serve.get_replica_context().app_name
         except Exception:
             self.app_name = "ditserve"
+        self._state_actor = None
         register_frontend(self)  # route modules reach this instance through http_base.frontend()
         try:  # this deploy's state exists from now on; earlier deploys' states are forgotten
             delete_state_actors(self.app_name, keep=state_actor_name(self.app_name, deploy_id))
@@ -205,9 +206,14 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         )
 
     def state_actor(self):
-        return get_or_create_state_actor(
-            self.app_name, self.deploy_id, initial_state(parse_lora_paths(self.args.lora_path))
-        )
+        """This deploy's control-state actor. The handle is kept: finding it by name is a blocking call to
+        Ray's GCS, which would stall this replica's event loop (and its HTTP server under direct ingress)
+        on every health probe and admin call. A health probe that finds it dead looks it up again."""
+        if self._state_actor is None:
+            self._state_actor = get_or_create_state_actor(
+                self.app_name, self.deploy_id, initial_state(parse_lora_paths(self.args.lora_path))
+            )
+        return self._state_actor
 
     # -- routes -----------------------------------------------------------------------------------------
     @fastapi_app.get("/health")
@@ -217,6 +223,8 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         try:  # a health probe must answer, even when the state actor does not
             desired = await asyncio.wait_for(self.state_actor().get.remote(), timeout=10)
         except (asyncio.TimeoutError, RayActorError) as exc:
+            if isinstance(exc, RayActorError):
+                self._state_actor = None
             raise APIError(
                 503,
                 f"the control state did not answer ({type(exc).__name__}); see the Ray dashboard",

@@ -81,3 +81,13 @@ def proxy_ports(host: str, grpc_port: int) -> tuple[int, int]:
 
 
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource (amount 1)
+
+# The Frontend replica's own environment under direct ingress. Serve runs a replica's user code on an event
+# loop of its own thread and a handle's router on a third, so each request crossed threads four times (HTTP
+# server → routes → router → routes → HTTP server), each a wake-up and a GIL hand-off. One loop for all
+# three is measurably quicker (router_overhead, BENCHMARKS.md). It is safe because no route blocks its loop:
+# the routes await their engine calls, and the control-state handle is looked up once (Frontend).
+FRONTEND_ENV = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+}
