@@ -307,7 +307,9 @@ def run_serve(ns: argparse.Namespace) -> int:
             serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         finally:
             serve_logger.removeFilter(_drop_reconnect_notice)
-        host, port = (args.host, args.port) if args.direct_ingress else _serve_http_address(args.host, args.port)
+        host, port = (
+            (args.host, args.port) if args.direct_ingress else _serve_http_address(args.host, args.port)
+        )
         if (host, port) != (args.host, args.port):  # --address: Serve already ran there with its own options
             print(
                 f"ditserve: Serve already runs on this cluster with HTTP on {host}:{port}; "
