@@ -92,19 +92,21 @@ class ModelSpec:
         "required" (image-to-video)."""
         return self.family_spec.first_frame(self.folder) if self.kind == "video" else "none"
 
+    @cached_property
+    def recommendations(self) -> dict:
+        """The folder's ``ditserve.json`` (read once: requests consult it on the serving event loop)."""
+        extra = self.path / "ditserve.json"
+        return json.loads(extra.read_text()) if extra.is_file() else {}
+
     @property
     def sampling(self) -> dict:
         """Recommended sampling settings shipped beside the weights (``ditserve.json``), if any."""
-        extra = self.path / "ditserve.json"
-        return json.loads(extra.read_text()).get("sampling", {}) if extra.is_file() else {}
+        return self.recommendations.get("sampling", {})
 
     @property
     def recommended_cache(self) -> CacheSettings | None:
         """The step cache the folder's ``ditserve.json`` recommends (``"cache": {...}``), if any."""
-        extra = self.path / "ditserve.json"
-        if not extra.is_file():
-            return None
-        value = json.loads(extra.read_text()).get("cache")
+        value = self.recommendations.get("cache")
         if value is None:
             return None
         try:
