@@ -23,8 +23,8 @@ Server → client, per chunk (``chunk_index`` from 0, in order)::
 The first chunk is the first latent frame (one video frame); every later chunk carries ``num_frames`` frames.
 A prompt event applies from the next chunk not yet queued on the replica; that chunk's messages echo its
 ``event_id``. The session lives on one replica (``session_id`` = ``<replica_id>.<token>``, named in every
-message as ``replica``); the next chunk is queued there as soon as the previous one's frames arrive, so the
-replica works while this frontend sends. Closes: 1000 "generation complete" after ``max_chunks``; 1000 with
+message as ``replica``); the next chunk is queued there as soon as the previous one is denoised, so the
+replica denoises it while the previous one's frames decode and this frontend sends them. Closes: 1000 "generation complete" after ``max_chunks``; 1000 with
 the reason at the idle (``session_idle_timeout_s``) or lifetime (``session_max_lifetime_s``) limit;
 an error with ``code`` ``session_gone`` then 4410 when the owner replica is gone; 1008 past
 ``max_realtime_sessions`` (after an error). A bad init answers an error and waits for another init; a bad
@@ -199,49 +199,59 @@ class _Session:
         self.pending_event: int | None = None  # the prompt event not yet applied to a queued chunk
         self.created = self.last_activity = time.monotonic()
         self.gone = self.released = False
-        self.pending: asyncio.Task | None = None
+        self.calls: set[asyncio.Task] = set()  # replica calls in flight (cancelled when the session ends)
 
-    def _chunk_call(self, index: int) -> asyncio.Task:
+    def _call(self, response) -> asyncio.Task:
+        task = asyncio.create_task(self.fe.call_engine(response))
+        self.calls.add(task)
+        task.add_done_callback(self.calls.discard)
+        return task
+
+    def _chunk_call(self, index: int) -> tuple[asyncio.Task, float]:
         event, self.pending_event = self.pending_event, None
         call = self.pinned.realtime_chunk.remote(self.session_id, index, self.prompt, event)
-        started = time.perf_counter()
-
-        async def run() -> tuple[dict[str, Any], float]:
-            return await self.fe.call_engine(call), started
-
-        return asyncio.create_task(run())
+        return self._call(call), time.perf_counter()
 
     async def generate(self) -> str:
         """The chunk loop; returns why it ended."""
-        self.pending = self._chunk_call(0)
         try:
             return await self._chunks()
         finally:
-            self.pending.cancel()  # the client left (or a limit closed the socket): stop the replica's chunk
+            for task in list(
+                self.calls
+            ):  # the client left (or a limit closed the socket): stop the replica's chunk
+                task.cancel()
+
+    async def _failed(self, exc: APIError, index: int) -> str:
+        if exc.status in (410, 503):
+            self.gone = True
+            message = (
+                f"session {self.session_id} was lost: its replica {self.replica} is gone "
+                f"({exc.message}); open a new session"
+            )
+            await self.sock.error(message, code="session_gone", replica=self.replica)
+            await self.sock.close(GONE_CLOSE, f"session gone: replica {self.replica} is gone")
+            return "gone"
+        await self.sock.error(exc.message, code=exc.type)
+        await self.sock.close(1011, f"chunk {index} failed")
+        return "failed"
 
     async def _chunks(self) -> str:
-        task, index = self.pending, 0
+        (task, started), index = self._chunk_call(0), 0
         while True:
             try:
-                answer, started = await task
+                denoised = await task  # chunk ``index`` is denoised; its frames are being decoded
+                frames = self._call(self.pinned.realtime_frames.remote(self.session_id, index))
+                last = index + 1 >= self.limit
+                if not last:  # the replica denoises the next chunk while this one decodes and is sent
+                    task, next_started = self._chunk_call(index + 1)
+                answer = {**await frames, "event_id": denoised.get("event_id")}
             except APIError as exc:
-                if exc.status in (410, 503):
-                    self.gone = True
-                    message = (
-                        f"session {self.session_id} was lost: its replica {self.replica} is gone "
-                        f"({exc.message}); open a new session"
-                    )
-                    await self.sock.error(message, code="session_gone", replica=self.replica)
-                    await self.sock.close(GONE_CLOSE, f"session gone: replica {self.replica} is gone")
-                    return "gone"
-                await self.sock.error(exc.message, code=exc.type)
-                await self.sock.close(1011, f"chunk {index} failed")
-                return "failed"
+                return await self._failed(exc, index)
             forward_ms = (time.perf_counter() - started) * 1000.0
-            last = index + 1 >= self.limit
-            if not last:  # the replica starts the next chunk while this one is sent
-                task = self.pending = self._chunk_call(index + 1)
             await self._send_chunk(answer, forward_ms, started)
+            if not last:
+                started = next_started
             if last:
                 reason = "generation complete"
                 if self.init.max_chunks is None:

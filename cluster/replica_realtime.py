@@ -4,9 +4,12 @@ A session (``ws /v1/realtime_video/generate``, ``api_realtime``) is opened on a 
 its id ``<replica_id>.<token>`` pins every later call to that replica (``router.SessionRouter``), because
 the ranks there hold its rollout: the K/V cache of the finished chunks, their latents and the VAE decoder's
 causal cache. Each ``realtime_chunk`` call queues one chunk as a job of the engine's step loop (the
-realtime bucket takes turns, step by step, with the image/video batches of the other buckets), waits for
-its frames and encodes them for the wire (raw RGB, JPEG or WebP). ``realtime_close`` frees the ranks'
-state; sessions the frontend forgot (it crashed) expire after ``session_idle_timeout_s``.
+realtime bucket takes turns, step by step, with the image/video batches of the other buckets) and answers
+when the chunk is denoised; its VAE decode then runs on rank 0 beside the steps that follow, and
+``realtime_frames`` waits for its frames and encodes them for the wire (raw RGB, JPEG or WebP). So the
+frontend queues chunk k + 1 while chunk k decodes: a steady chunk costs about its steps, not its steps plus
+its decode. ``realtime_close`` frees the ranks' state; sessions the frontend forgot (it crashed) expire
+after ``session_idle_timeout_s``.
 
 Memory: a session holds its K/V cache on the ranks, ``2 × rows × heads × head_dim × layers × tokens``
 values with ``tokens = full_chunk_limit × L × t_full + (chunks - full_chunk_limit + 1) × L × t_compressed``
@@ -100,6 +103,8 @@ class RealtimeSession:
     max_chunks: int | None
     output_format: str
     next_chunk: int = 0
+    # Denoised chunks whose frames are being decoded: chunk index → (frames future, when it was queued).
+    decoding: dict[int, tuple[Any, float]] = field(default_factory=dict)
     created: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -210,7 +215,8 @@ class ReplicaRealtime:
     async def realtime_chunk(
         self, session_id: str, chunk_index: int, prompt: str, event_id: int | None
     ) -> dict[str, Any]:
-        """Generate chunk ``chunk_index`` of the session with ``prompt``; its frames, encoded."""
+        """Denoise chunk ``chunk_index`` of the session with ``prompt``; answers when it is denoised (the next
+        chunk may be queued then), while its frames decode: ``realtime_frames`` gives them."""
         session = self.realtime.get(session_id)
         if session is None:
             return _error(
@@ -229,48 +235,78 @@ class ReplicaRealtime:
                 update["images"] = ()  # the first frame is chunk 0's
             params = session.params.model_copy(update=update)
             t0 = time.perf_counter()
-            answer = await self._realtime_run(session, chunk_index, params)
-            if "error" in answer:
-                status = str(answer["error"]["status"])
+            unavailable = self._unavailable()
+            if unavailable is not None:
+                return unavailable
+            try:
+                chunk = self.engine.submit_chunk(session_id, chunk_index, params, session.max_chunks)
+            except ValueError as exc:
+                return _error(400, str(exc), self.replica_id)
+            except QueueFullError as exc:
+                return _error(429, str(exc), self.replica_id, retry_after=exc.retry_after_s)
+            failed = await self._realtime_wait(chunk.denoised, chunk.frames)
+            if failed is not None:
                 self._realtime_metrics.chunk_latency.observe(
-                    time.perf_counter() - t0, tags={"status": status}
+                    time.perf_counter() - t0, tags={"status": str(failed["error"]["status"])}
                 )
-                return answer
-            frames, generate_s = answer["frames"], answer["generate_s"]
-            t1 = time.perf_counter()
-            payloads = await asyncio.to_thread(encode_frames, frames, session.output_format)
-            encode_s = time.perf_counter() - t1
+                return failed
+            session.decoding[chunk_index] = (chunk.frames, t0)
             session.next_chunk += 1
             session.last_used = time.monotonic()
-            self._realtime_metrics.chunk_latency.observe(time.perf_counter() - t0, tags={"status": "ok"})
             return {
                 "replica": self.replica_id,
                 "session_id": session_id,
                 "chunk_index": chunk_index,
                 "event_id": event_id,
-                "payloads": payloads,
-                "num_frames": int(frames.shape[0]),
-                "height": int(frames.shape[1]),
-                "width": int(frames.shape[2]),
-                "generate_ms": generate_s * 1000.0,
-                "encode_ms": encode_s * 1000.0,
+                "denoise_ms": (time.perf_counter() - t0) * 1000.0,
             }
 
-    async def _realtime_run(self, session: RealtimeSession, chunk_index: int, params: GenerationParams):
-        unavailable = self._unavailable()
-        if unavailable is not None:
-            return unavailable
-        t0 = time.perf_counter()
+    async def realtime_frames(self, session_id: str, chunk_index: int) -> dict[str, Any]:
+        """The frames of a denoised chunk (``realtime_chunk`` answered), encoded, once decoded. Not under the
+        session's lock: the session's next chunk holds it while it is denoised."""
+        session = self.realtime.get(session_id)
+        if session is None:
+            return _error(
+                404, f"session_id: {session_id} does not exist (closed or expired)", self.replica_id
+            )
+        if chunk_index not in session.decoding:
+            return _error(
+                400, f"chunk_index: chunk {chunk_index} is not being decoded in {session_id}", self.replica_id
+            )
+        future, t0 = session.decoding[chunk_index]
+        failed = await self._realtime_wait(future, future)
+        session.decoding.pop(chunk_index, None)
+        if failed is not None:
+            self._realtime_metrics.chunk_latency.observe(
+                time.perf_counter() - t0, tags={"status": str(failed["error"]["status"])}
+            )
+            return failed
+        frames = future.result()
+        generate_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        payloads = await asyncio.to_thread(encode_frames, frames, session.output_format)
+        encode_s = time.perf_counter() - t1
+        session.last_used = time.monotonic()
+        self._realtime_metrics.chunk_latency.observe(time.perf_counter() - t0, tags={"status": "ok"})
+        return {
+            "replica": self.replica_id,
+            "session_id": session_id,
+            "chunk_index": chunk_index,
+            "payloads": payloads,
+            "num_frames": int(frames.shape[0]),
+            "height": int(frames.shape[1]),
+            "width": int(frames.shape[2]),
+            "generate_ms": generate_s * 1000.0,
+            "encode_ms": encode_s * 1000.0,
+        }
+
+    async def _realtime_wait(self, future, frames) -> dict[str, Any] | None:
+        """Await one of a chunk's futures; None, or the error answer. Cancelled (the client left), the
+        chunk is dropped: ``frames`` cancelled, its slot is freed at the next step."""
         try:
-            future = self.engine.submit_chunk(session.session_id, chunk_index, params, session.max_chunks)
-        except ValueError as exc:
-            return _error(400, str(exc), self.replica_id)
-        except QueueFullError as exc:
-            return _error(429, str(exc), self.replica_id, retry_after=exc.retry_after_s)
-        try:
-            frames = await asyncio.wrap_future(future)
+            await asyncio.wrap_future(future)
         except asyncio.CancelledError:
-            future.cancel()  # the client left: the chunk's slot is freed at the next step
+            frames.cancel()
             raise
         except ValueError as exc:
             return _error(400, str(exc), self.replica_id)
@@ -280,7 +316,7 @@ class ReplicaRealtime:
             if self.launcher.dead:
                 return self._rank_failed(exc)
             raise
-        return {"frames": frames, "generate_s": time.perf_counter() - t0}
+        return None
 
     async def realtime_close(self, session_id: str) -> dict[str, Any]:
         session = self.realtime.get(session_id)

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from queue import Empty, SimpleQueue
 from typing import Any
@@ -56,6 +57,21 @@ def default_cache(config: EngineConfig, spec: ModelSpec) -> CacheSettings | None
     return CacheSettings(policy=config.cache_policy, **{k: v for k, v in extra.items() if v is not None})
 
 
+@dataclass(frozen=True)
+class ChunkFutures:
+    """A queued realtime chunk: ``denoised`` resolves (to None) when its steps are done, the moment the
+    session's next chunk may be queued; ``frames`` to its frames, uint8 [frames, H, W, 3], once decoded.
+    Cancel ``frames`` to drop the chunk."""
+
+    denoised: Future
+    frames: Future
+
+
+# While chunk decodes run on rank 0 and nothing else is runnable, the loop checks for finished ones this
+# often (a new request waits at most this long to be picked up).
+DECODE_POLL_S = 0.005
+
+
 class Engine:
     """Owns a replica's ranks and its step loop.
 
@@ -74,6 +90,7 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.steps_run = 0
+        self._decoding: dict[str, Job] = {}  # realtime chunks whose frames rank 0 is decoding (loop thread)
         self.loras: dict[str, dict[str, Any]] = {}  # loaded adapters (the same on every rank)
         self.draining: set[str] = set()  # unloaded, waiting for the requests that use them to finish
         self.last_batch_size = 0
@@ -106,13 +123,13 @@ class Engine:
             pending = list(self.scheduler.pending)
             self.scheduler.pending.clear()
             running = [j for js in self.scheduler.running.values() for j in js]
-        for job in running:
+        decoding, self._decoding = list(self._decoding.values()), {}
+        for job in running + decoding:
             self._fail(job, exc)
             if drop:
                 self._drop_quietly(job)
         for job in pending:
-            if not job.future.done():
-                job.future.set_exception(exc)
+            self._fail_futures(job, exc)
 
     @property
     def running(self) -> bool:
@@ -255,20 +272,25 @@ class Engine:
 
     def submit_chunk(
         self, session_id: str, chunk_index: int, params: GenerationParams, max_chunks: int | None
-    ) -> Future:
-        """Queue chunk ``chunk_index`` of realtime session ``session_id``; the future resolves to its frames,
-        uint8 [frames, H, W, 3]. The chunk joins the step loop like any request (its own shape bucket, so
-        its steps take turns with image/video batches); chunks of one session must be submitted in order,
-        each after the previous one resolved (the ranks keep the session's state in between)."""
+    ) -> ChunkFutures:
+        """Queue chunk ``chunk_index`` of realtime session ``session_id``. The chunk joins the step loop like
+        any request (its own shape bucket, so its steps take turns with image/video batches); chunks of one
+        session must be submitted in order, each after the previous one is denoised (the ranks keep the
+        session's state in between). Its VAE decode then runs on rank 0 beside the steps that follow (the
+        next chunk's), and its frames come when decoded."""
         if not self.running:
             raise RuntimeError("engine is not running")
         self.check_chunk(params)
         bucket = ("realtime", params.height, params.width, params.num_frames)
         job = Job(
-            req_id=uuid.uuid4().hex, params=params, bucket=bucket, chunk=(session_id, chunk_index, max_chunks)
+            req_id=uuid.uuid4().hex,
+            params=params,
+            bucket=bucket,
+            chunk=(session_id, chunk_index, max_chunks),
+            denoised=Future(),
         )
         self.scheduler.submit(job)
-        return job.future
+        return ChunkFutures(denoised=job.denoised, frames=job.future)
 
     def close_session(self, session_id: str) -> Future:
         """Free a realtime session's state on the ranks (between two steps)."""
@@ -366,17 +388,45 @@ class Engine:
                     self._unload_drained()
                 picked = self.scheduler.next_batch()
                 if picked is None:
-                    self.scheduler.wait_for_work(timeout=0.1)
+                    if self._decoding:
+                        self._collect_decodes(DECODE_POLL_S)
+                    else:
+                        self.scheduler.wait_for_work(timeout=0.1)
                     continue
                 self._step(*picked)
+                if self._decoding:
+                    self._collect_decodes(0.0)
             except Exception:
                 logger.exception("engine loop error")
                 time.sleep(0.05)
 
     def _fail(self, job: Job, exc: BaseException) -> None:
         self.scheduler.finish(job)
-        if not job.future.done():
-            job.future.set_exception(exc)
+        self._fail_futures(job, exc)
+
+    @staticmethod
+    def _fail_futures(job: Job, exc: BaseException) -> None:
+        for future in (job.denoised, job.future):
+            if future is not None and not future.done():
+                future.set_exception(exc)
+
+    def _collect_decodes(self, wait_s: float) -> None:
+        """Hand out the frames of the realtime chunks rank 0 finished decoding (waiting up to ``wait_s``)."""
+        try:
+            done = self.launcher.call("decoded", wait_s) or {}
+        except Exception as exc:  # a rank died: the chunks being decoded are lost with it
+            decoding, self._decoding = list(self._decoding.values()), {}
+            for job in decoding:
+                self._fail_futures(job, exc)
+            return
+        for req_id, (status, value) in done.items():
+            job = self._decoding.pop(req_id, None)
+            if job is None or job.future.done():
+                continue
+            if status == "ok":
+                job.future.set_result(value[0])
+            else:
+                job.future.set_exception(value)
 
     def _step(self, admit: list[Job], running: list[Job]) -> None:
         for job in admit:
@@ -432,15 +482,15 @@ class Engine:
 
     def _complete(self, job: Job, step_s: float) -> None:
         self.scheduler.finish(job)
-        if job.chunk is not None:  # a realtime chunk: its frames, unencoded (the session encodes them)
+        if job.chunk is not None:  # a realtime chunk: decoded beside the next steps, its frames unencoded
             try:
-                finished = self.launcher.call("finish", job.req_id)
-                pixels = finished["pixels"] if isinstance(finished, dict) else finished
-                if not job.future.done():
-                    job.future.set_result(pixels[0])
+                self.launcher.call("finish_chunk", job.req_id)
             except Exception as exc:
-                if not job.future.done():
-                    job.future.set_exception(exc)
+                self._fail_futures(job, exc)
+                return
+            self._decoding[job.req_id] = job
+            if not job.denoised.done():
+                job.denoised.set_result(None)
             return
         try:
             p = job.params

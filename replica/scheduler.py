@@ -36,6 +36,9 @@ class Job:
     total_steps: int | None = None  # what the ranks said at admission (a chunked video: chunks × steps)
     # A realtime video chunk: (session id, chunk index, the session's chunk count or None when endless).
     chunk: tuple[str, int, int | None] | None = None
+    # A realtime chunk's second future: resolved when its steps are done (its frames decode after that,
+    # while the session's next chunk may already run).
+    denoised: Future | None = None
 
     @property
     def cancelled(self) -> bool:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections import deque
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -137,6 +140,72 @@ def compile_blocks(model: torch.nn.Module) -> int:
     return len(blocks)
 
 
+class ChunkDecodes:
+    """Rank 0's VAE decodes of realtime chunks: one thread takes them in order, on a CUDA stream of its own,
+    so a chunk's decode overlaps the steps that follow it on the GPU (the step loop's stream never waits for
+    it). Results wait in ``done`` until the engine collects them (``RankWorker.decoded``)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.cond = threading.Condition()
+        self.queue: deque[tuple[str, Callable[[Any], Any], Any]] = deque()
+        self.done: dict[str, tuple[str, Any]] = {}
+        self.unfinished = 0  # submitted, not yet in ``done``
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name="ditserve-chunk-decode", daemon=True)
+        self.thread.start()
+
+    def submit(self, req_id: str, decode: Callable[[Any], Any]) -> None:
+        ready = None
+        if self.stream is not None:  # the latents are written by work queued on the step loop's stream
+            ready = torch.cuda.Event()
+            ready.record()
+        with self.cond:
+            self.queue.append((req_id, decode, ready))
+            self.unfinished += 1
+            self.cond.notify_all()
+
+    def _run(self) -> None:
+        if self.stream is not None:
+            torch.cuda.set_device(self.device)  # the current device is per thread
+        while True:
+            with self.cond:
+                while not self.queue and not self.closed:
+                    self.cond.wait()
+                if self.closed:
+                    return
+                req_id, decode, ready = self.queue.popleft()
+            try:
+                if self.stream is None:
+                    out = ("ok", decode(None))
+                else:
+                    with torch.cuda.stream(self.stream):
+                        self.stream.wait_event(ready)
+                        out = ("ok", decode(self.stream))
+            except Exception as exc:  # noqa: BLE001 - handed to the engine, which fails that chunk
+                logger.exception("chunk decode %s failed", req_id)
+                out = ("error", exc)
+            with self.cond:
+                self.done[req_id] = out
+                self.unfinished -= 1
+                self.cond.notify_all()
+
+    def collect(self, wait_s: float) -> dict[str, tuple[str, Any]]:
+        with self.cond:
+            if not self.done and self.unfinished and wait_s > 0:
+                self.cond.wait(wait_s)
+            done, self.done = self.done, {}
+        return done
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.queue.clear()
+            self.cond.notify_all()
+        self.thread.join(timeout=30)
+
+
 class RankWorker:
     """The per-rank engine. ``rank``/``world_size``/``init_method`` describe the replica's process group."""
 
@@ -193,6 +262,7 @@ class RankWorker:
         self.runner.graph_key = lambda: self.lora.graph_key()
         self.runner.relayout = lambda rows, offsets: self.lora.relayout(rows, offsets)
         self.states: dict[str, RequestState] = {}
+        self._decodes: ChunkDecodes | None = None  # realtime chunks' VAE decodes (rank 0, started lazily)
 
     def prepare_transformer(self, model: torch.nn.Module) -> None:
         """Everything the config does to a freshly loaded transformer, in order (at start and for every
@@ -308,6 +378,27 @@ class RankWorker:
             return None
         return {"pixels": self.runner.decode(state), "usage": usage(state)}
 
+    def finish_chunk(self, req_id: str) -> None:
+        """Forget a denoised realtime chunk and start its VAE decode, without waiting for it: rank 0 decodes
+        in a thread of its own, on a CUDA stream of its own, while the step loop goes on (the session's
+        next chunk, other requests); ``decoded`` hands the frames over. A session's chunks decode in order
+        (one thread): each continues the decoder's causal cache of the one before."""
+        state = self.states.pop(req_id)
+        if self.rank != 0:
+            return
+        # Bound to this chunk's latents now: the next chunk appends its own to the rollout.
+        decode = self.runner.chunk_decoder(state)
+        if self._decodes is None:
+            self._decodes = ChunkDecodes(self.device)
+        self._decodes.submit(req_id, decode)
+
+    def decoded(self, wait_s: float = 0.0) -> dict[str, tuple[str, Any]] | None:
+        """The chunk decodes finished since the last call, ``{req_id: ("ok", frames) | ("error", exc)}``;
+        waits up to ``wait_s`` for the first one while some are running. Rank 0 only (others: None)."""
+        if self.rank != 0 or self._decodes is None:
+            return None if self.rank != 0 else {}
+        return self._decodes.collect(wait_s)
+
     def latents(self, req_id: str) -> np.ndarray | None:
         """The request's current (packed) latents, float32 on host; rank 0 only (others return None)."""
         if self.rank != 0:
@@ -347,6 +438,8 @@ class RankWorker:
 
     def shutdown(self) -> None:
         self.states.clear()
+        if self._decodes is not None:
+            self._decodes.close()
         if self.mesh is not None:
             import torch.distributed as dist
 

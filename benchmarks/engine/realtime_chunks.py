@@ -2,9 +2,9 @@
 
 A folder of the real-size model with random weights is written once (``tests/families/anyflow.py``'s
 ``build_pipeline("real")``), then served by the engine a replica runs (in process, ``--compile``). For 1, 2
-and 4 concurrent sessions, each session streams ``--chunks`` chunks one after another (as a realtime client
-does: the next chunk is asked when the previous one arrived) and per session the first chunk's latency and
-the median of the later chunks' times are recorded. The baseline of the same run: diffusers'
+and 4 concurrent sessions, each session streams ``--chunks`` chunks as the server does (the next chunk is
+queued when the previous one is denoised, while that one's frames decode) and per session the first
+chunk's latency and the median interval between the later chunks' frames are recorded. The baseline of the same run: diffusers'
 ``AnyFlowFARPipeline`` (its processor compiled alike) making the same chunks in one call; its time per chunk
 is the call's time over the chunks. Goal: a steady chunk faster than its playback (frames / fps) for one
 session. "graphs compiled": dynamo graphs compiled while those sessions ran, after the warm-up session
@@ -127,14 +127,25 @@ def main() -> None:
         """Stream the sessions of every row of ``args.sessions`` through ``engine``; one row each."""
 
         def stream(sid: str, out: list[float]) -> None:
-            for k in range(args.chunks):
+            """One session as the frontend drives it; ``out``: the first chunk's latency, then the time
+            between one chunk's frames and the next's."""
+
+            def submit(k: int):
                 params = GenerationParams(
-                    prompt=PROMPT, width=width, height=height, num_frames=frames, num_inference_steps=steps, seed=k,
-                    guidance_scale=1.0,
+                    prompt=PROMPT, width=width, height=height, num_frames=frames, num_inference_steps=steps,
+                    seed=0, guidance_scale=1.0,
                 )  # fmt: skip
-                t0 = time.perf_counter()
-                engine.submit_chunk(sid, k, params, args.chunks).result(timeout=600)
-                out.append(time.perf_counter() - t0)
+                return engine.submit_chunk(sid, k, params, args.chunks)
+
+            last = time.perf_counter()
+            chunk = submit(0)
+            for k in range(args.chunks):
+                chunk.denoised.result(timeout=600)
+                after = submit(k + 1) if k + 1 < args.chunks else None
+                chunk.frames.result(timeout=600)
+                now = time.perf_counter()
+                out.append(now - last)
+                last, chunk = now, after
             engine.close_session(sid).result(timeout=120)
 
         def graphs() -> int:  # dynamo graphs compiled so far in this process (the ranks run in it)

@@ -495,10 +495,42 @@ class AnyFlowRunner(PipelineRunner):
                 latents = self._unscale(torch.cat(rollout.outputs, dim=1))
                 return self._frames(vae.decode(latents, return_dict=False)[0])
             # A session's last chunk, through the decoder with the causal cache of the chunks before it.
+            return self._decode_chunk(rollout, rollout.outputs[-1])
+
+    def chunk_decoder(self, state: RequestState):
+        """A session chunk's decode, bound now to its latents (the rollout's last chunk) and run later,
+        maybe in another thread while the next chunk is denoised: ``decode(stream)`` on CUDA stream
+        ``stream`` (None: the current one) gives its frames, uint8 (rows, f, H, W, 3)."""
+        rollout: FarRollout = state.extra["rollout"]
+        latents = rollout.outputs[-1]
+
+        def decode(stream: torch.cuda.Stream | None = None) -> np.ndarray:
+            if stream is not None:  # the step loop's stream may free the rollout (session closed) meanwhile
+                latents.record_stream(stream)
+            with torch.no_grad():
+                return self._decode_chunk(rollout, latents)
+
+        return decode
+
+    def _decode_chunk(self, rollout: FarRollout, latents: torch.Tensor) -> np.ndarray:
+        """One chunk's frames through the decoder with the causal cache its predecessors left
+        (``rollout.feat_map``): the frames of all chunks equal one decode of the whole video."""
+        vae = self._vae()
+        cudnn = torch.backends.cudnn
+        with cudnn.flags(
+            enabled=cudnn.enabled,
+            benchmark=True,
+            deterministic=cudnn.deterministic,
+            allow_tf32=cudnn.allow_tf32,
+        ):
             if rollout.feat_map is None:
-                vae.clear_cache()
-                rollout.feat_map = [None] * vae._conv_num
-            x = vae.post_quant_conv(self._unscale(rollout.outputs[-1]))
+                # The decoder's own count of cached convolutions, without ``clear_cache``: that resets the
+                # VAE's encoder state too, which the step loop may be using (a first frame's encode).
+                counts = getattr(vae, "_cached_conv_counts", None)
+                if counts is None:
+                    vae.clear_cache()
+                rollout.feat_map = [None] * (counts["decoder"] if counts is not None else vae._conv_num)
+            x = vae.post_quant_conv(self._unscale(latents))
             pieces = []
             for i in range(x.shape[2]):
                 pieces.append(

@@ -73,11 +73,15 @@ def diffusers_frames(pipe, prompt: str, chunks: int, guidance_scale: float = 1.0
 
 
 def session(engine, sid: str, prompts: list[str], max_chunks: int | None, **extra) -> list[np.ndarray]:
-    """A realtime session's chunks, one after the other (chunk k uses ``prompts[k]``)."""
-    out = []
+    """A realtime session's chunks as the server streams them (chunk k uses ``prompts[k]``): chunk k + 1 is
+    queued as soon as chunk k is denoised, while chunk k's frames are still being decoded."""
+    frames = []
     for k, prompt in enumerate(prompts):
         params = GenerationParams(**{**SETTINGS, "prompt": prompt, **extra}, num_frames=FRAMES_PER_CHUNK)
-        out.append(engine.submit_chunk(sid, k, params, max_chunks).result(timeout=120))
+        chunk = engine.submit_chunk(sid, k, params, max_chunks)
+        chunk.denoised.result(timeout=120)
+        frames.append(chunk.frames)
+    out = [f.result(timeout=120) for f in frames]
     engine.close_session(sid).result(timeout=30)
     return out
 
@@ -129,7 +133,7 @@ def test_prompt_change_moves_only_later_chunks_and_endless_sessions_repeat(engin
 def test_chunk_out_of_order_and_bad_sizes_are_refused(engine):
     params = GenerationParams(**SETTINGS, num_frames=FRAMES_PER_CHUNK)
     with pytest.raises(ValueError, match="^chunk_index"):
-        engine.submit_chunk("r1.e", 1, params, None).result(timeout=60)
+        engine.submit_chunk("r1.e", 1, params, None).frames.result(timeout=60)
     with pytest.raises(ValueError, match="^size"):
         engine.submit_chunk("r1.e", 0, params.model_copy(update={"width": 72}), None)
     with pytest.raises(ValueError, match="^num_frames"):
@@ -240,7 +244,7 @@ def test_kv_cache_bytes_are_what_a_rank_holds(engine, folder):
     """The session's K/V memory (the realtime open answer's ``kv_cache_bytes``) is what one rank allocates:
     exactly the one-rank runner's buffers; over ring 2 about half of them, and half again under Ulysses 2."""
     params = GenerationParams(**SETTINGS, num_frames=FRAMES_PER_CHUNK)
-    engine.submit_chunk("r1.k", 0, params, CHUNKS).result(timeout=120)
+    engine.submit_chunk("r1.k", 0, params, CHUNKS).frames.result(timeout=120)
     rollout = engine.launcher.worker.runner.sessions["r1.k"]
     held = sum(layer.kv.numel() * layer.kv.element_size() for layer in rollout.kv_cache.values())
     engine.close_session("r1.k").result(timeout=30)
