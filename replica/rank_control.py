@@ -67,6 +67,7 @@ class ServingRankWorker(RankWorker):
     # -- memory -------------------------------------------------------------------------------------------
     def release_memory(self) -> None:
         """Weights to host memory; on CPU they are already there and only the state changes."""
+        self.wait_decodes()  # a realtime chunk's decode may still be using the VAE on the device
         self.runner.model_changed()  # captured graphs hold device memory and the weights' old addresses
         if self.device.type == "cuda":
             self.pipe.to("cpu")

@@ -198,6 +198,12 @@ class ChunkDecodes:
             done, self.done = self.done, {}
         return done
 
+    def drain(self) -> None:
+        """Wait until every submitted decode is done (their frames stay for ``collect``)."""
+        with self.cond:
+            while self.unfinished:
+                self.cond.wait()
+
     def close(self) -> None:
         with self.cond:
             self.closed = True
@@ -391,6 +397,11 @@ class RankWorker:
         if self._decodes is None:
             self._decodes = ChunkDecodes(self.device)
         self._decodes.submit(req_id, decode)
+
+    def wait_decodes(self) -> None:
+        """Let the chunk decodes in flight finish (before the VAE moves: memory release)."""
+        if self._decodes is not None:
+            self._decodes.drain()
 
     def decoded(self, wait_s: float = 0.0) -> dict[str, tuple[str, Any]] | None:
         """The chunk decodes finished since the last call, ``{req_id: ("ok", frames) | ("error", exc)}``;
