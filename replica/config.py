@@ -150,6 +150,14 @@ class EngineConfig(BaseModel):
         "replica's first rank, which sends each request's embeddings to the others; the other ranks never "
         "load the encoders) or all (every rank loads them and encodes every prompt itself).",
     )
+    encoder_tp_size: int = Field(
+        default=1,
+        ge=1,
+        description="Tensor-parallel degree of the text encoders (LLaMA-like decoders such as FLUX.2's Mistral "
+        "and Qwen-Image's Qwen2.5-VL, and T5): N > 1 shards them over the replica's first N ranks, which "
+        "encode each request together; the first sends the embeddings on. Default 1: whole encoders where "
+        "--encoder-placement puts them.",
+    )
     lora_roots: tuple[str, ...] = Field(
         default=(), description="Folders adapters may be loaded from (empty: any local path)."
     )
@@ -177,6 +185,17 @@ class EngineConfig(BaseModel):
         if self.cache_interval is not None and self.cache_policy != "taylorseer":
             raise ValueError(
                 f"--cache-interval is a taylorseer setting; --cache-policy is {self.cache_policy}"
+            )
+        if self.encoder_tp_size > 1 and self.encoder_placement == "all":
+            raise ValueError(
+                f"--encoder-tp-size {self.encoder_tp_size} shards one copy of the encoders over the replica's "
+                "first ranks; --encoder-placement all keeps a whole copy on every rank: drop one of them"
+            )
+        ranks = _world_size(self.parallel)
+        if ranks is not None and self.encoder_tp_size > ranks:
+            raise ValueError(
+                f"--encoder-tp-size {self.encoder_tp_size} is larger than the replica's {ranks} rank(s); "
+                f"choose at most {ranks}"
             )
         if self.cuda_graphs and self.device != "cuda":  # auto never turns them on off cuda
             raise ValueError("--cuda-graphs needs --device cuda; drop it or pass --no-cuda-graphs")

@@ -44,6 +44,11 @@ def validate_layout(config: EngineConfig, spec: ModelSpec) -> int:
                 f"{', '.join(refused)}: {spec.name} shards over {allowed} only; set the others to 1 "
                 "(and scale with --dp-size)"
             )
+    if config.encoder_tp_size > 1:  # heads, KV heads and MLP features of each encoder divide the degree
+        from .parallel.encoder_tp import check_encoder_tp, encoder_components
+
+        for name in encoder_components(spec.folder.index):
+            check_encoder_tp(spec.folder.config(name), config.encoder_tp_size, name)
     return world_size
 
 

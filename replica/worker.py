@@ -43,18 +43,23 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=int(os.environ.get("DITSERVE_COLLECTIVE_T
 def encoder_components(spec: ModelSpec) -> list[str]:
     """The pipeline's encoder models: its ``transformers`` components that are models (text encoders, image
     encoders), not tokenizers or processors."""
-    skip = ("Tokenizer", "TokenizerFast", "Processor", "ImageProcessor", "FeatureExtractor")
-    out = []
-    for name, entry in spec.folder.index.items():
-        if isinstance(entry, list) and len(entry) == 2 and entry[0] == "transformers" and entry[1]:
-            if not entry[1].endswith(skip):
-                out.append(name)
-    return out
+    from .parallel.encoder_tp import encoder_components as components
+
+    return components(spec.folder.index)
 
 
-def load_pipeline(spec: ModelSpec, dtype: torch.dtype, device: torch.device, *, encoders: bool = True):
+def load_pipeline(
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    encoders: bool = True,
+    encoder_group: Any = None,
+):
     """``from_pretrained`` on the local folder: the same path for demo and real weights. Without
-    ``encoders`` the encoder models are not loaded at all (ranks that receive embeddings)."""
+    ``encoders`` the encoder models are not loaded at all (ranks that receive embeddings); with an
+    ``encoder_group`` (``--encoder-tp-size``) they are sharded over it on the host, before the move to
+    ``device``, so the device only ever holds this rank's shard."""
     import diffusers
     import transformers
 
@@ -66,6 +71,13 @@ def load_pipeline(spec: ModelSpec, dtype: torch.dtype, device: torch.device, *, 
     components = spec.family_spec.load("runner").pipeline_components(spec.path)
     pipe = cls.from_pretrained(spec.path, dtype=dtype, **skipped, **components)
     pipe.set_progress_bar_config(disable=True)
+    if encoders and encoder_group is not None:
+        from .parallel.encoder_tp import apply_encoder_tp
+
+        for name in encoder_components(spec):
+            model = getattr(pipe, name, None)
+            if model is not None:
+                apply_encoder_tp(model, group=encoder_group, component=name)
     return pipe.to(device)
 
 
@@ -250,12 +262,26 @@ class RankWorker:
             )
             self.mesh = build_mesh(dims, device_type=self.device.type)
             # ``pipe`` is injected by benchmarks that build weights in memory; serving always loads the folder.
-        # --encoder-placement first: one copy of the encoders, on rank 0, which sends the embeddings.
+        # --encoder-placement first: one copy of the encoders, on rank 0 (or sharded over ranks 0..N-1 with
+        # --encoder-tp-size N, which encode together), and rank 0 sends the embeddings.
         self.world_size = world_size
-        self.encodes = world_size == 1 or config.encoder_placement == "all" or rank == 0
+        encoder_ranks = config.encoder_tp_size
+        self.encodes = world_size == 1 or config.encoder_placement == "all" or rank < encoder_ranks
         self.sends_embeddings = world_size > 1 and config.encoder_placement == "first"
+        self.encoder_group = None
+        if world_size > 1 and encoder_ranks > 1:
+            import torch.distributed as dist
+
+            # every rank takes part in making a group, members or not
+            self.encoder_group = dist.new_group(list(range(encoder_ranks)), timeout=COLLECTIVE_TIMEOUT)
         if pipe is None:
-            pipe = load_pipeline(self.spec, config.torch_dtype, self.device, encoders=self.encodes)
+            pipe = load_pipeline(
+                self.spec,
+                config.torch_dtype,
+                self.device,
+                encoders=self.encodes,
+                encoder_group=self.encoder_group if self.encodes else None,
+            )
         self.pipe = pipe
         self.prepare_transformer(self.pipe.transformer)
         if getattr(self.pipe, "transformer_2", None) is not None:  # a second expert (Wan 2.2 A14B): the same
@@ -359,7 +385,7 @@ class RankWorker:
         import torch.distributed as dist
 
         box: list[Any] = [None]
-        if self.rank == 0:
+        if self.encodes:  # rank 0, or each rank of the encoders' TP group (they run the encoders together)
             try:
                 box[0] = ("ok", _to_device(self.runner.encode(params), torch.device("cpu")))
             except Exception as exc:  # noqa: BLE001 - sent to the other ranks, raised everywhere below
