@@ -8,6 +8,7 @@ and travels as Serve's ``session_id``; the router sends it there and nowhere els
 from __future__ import annotations
 
 import base64
+import functools
 import time
 from typing import Any
 
@@ -59,7 +60,13 @@ def _pinned(fe: Any, session_id: str):
         session_owner(session_id)
     except ValueError as exc:
         raise APIError(404, str(exc), type="not_found_error", param="session_id") from None
-    return fe.engine.options(session_id=session_id)
+    return _pinned_handle(fe.engine, session_id)
+
+
+# Each .options() of a handle makes a new handle: a session's steps reuse the one made for it.
+@functools.lru_cache(maxsize=1024)
+def _pinned_handle(engine: Any, session_id: str) -> Any:
+    return engine.options(session_id=session_id)
 
 
 @router.post("", name="open_session")

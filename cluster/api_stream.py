@@ -46,7 +46,7 @@ from .api_edits import EDITS_PATH, upload_allowance
 from .api_sessions import SessionGenerateRequest
 from .api_videos import VIDEOS_PATH, reference_allowance
 from .errors import SessionGoneError
-from .http_base import ERROR_TYPES, REPLICA_HEADER, frontend
+from .http_base import ERROR_TYPES, REPLICA_HEADER, frontend, registered_frontend
 from .router import session_owner
 from .schemas import APIError, usage_of
 
@@ -66,7 +66,7 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         try:
-            fe = frontend()
+            fe = registered_frontend()
         except IndexError:  # no Frontend in this process (the app used alone)
             return await self.app(scope, receive, send)
         limit = fe.args.max_body_bytes

@@ -16,13 +16,15 @@ How the routes are organised (add new groups the same way):
 
 import asyncio
 import base64
+import functools
 import hmac
+import json
 import time
 from pathlib import Path
 from typing import Any
 
-from fastapi import Request
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi import Depends, Request
+from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
@@ -48,11 +50,37 @@ from .http_base import (
     JSONBodyMiddleware,
     build_fastapi,
     check_size,
+    frontend,
     register_frontend,
 )
 from .schemas import APIError, ImageData, ImageGenerationRequest, ImagesResponse, ModelCard, usage_of
 
 fastapi_app = build_fastapi()
+
+
+# The busiest routes are registered first, as plain routes of the app. FastAPI tries routes in order, and an
+# included route group costs a match of each of its routes (twice for the group that holds the route);
+# the class's own routes would be included last by @serve.ingress. Their work lives in Frontend's methods.
+@fastapi_app.post("/v1/images/generations", response_model=ImagesResponse)
+async def images_generations(
+    body: ImageGenerationRequest, request: Request, fe: Any = Depends(frontend)
+) -> Response:
+    """With ``stream: true``: server-sent events, one per denoising step, then the images (api_stream)."""
+    return await fe.images_generations(body, request)
+
+
+@fastapi_app.get("/v1/models")
+async def models(fe: Any = Depends(frontend)) -> dict[str, Any]:
+    return Response(fe.models_body, media_type="application/json")
+
+
+@fastapi_app.get("/health")
+async def health(fe: Any = Depends(frontend)) -> dict[str, str]:
+    """200 ``{"status": "ok"}`` while the service takes work; 503 in the error shape once
+    ``POST /v1/admin/shutdown`` has shut it down (for good: the desired state says so)."""
+    return await fe.health()
+
+
 # Route groups live in their own modules; include them before @serve.ingress freezes the app.
 fastapi_app.include_router(api_sessions.router)
 fastapi_app.include_router(api_admin.router)
@@ -87,6 +115,11 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         self.model_name = spec.name
         self.model_kind = spec.kind
         self.created = int(time.time())
+        card = ModelCard(id=self.model_name, created=self.created, kind=self.model_kind)
+        # GET /v1/models answers the same bytes until this replica stops: encoded once.
+        self.models_body = json.dumps(
+            {"object": "list", "data": [card.model_dump()]}, separators=(",", ":")
+        ).encode()
         # Demo models are trained and tested at 64×64; real checkpoints at 1024².
         self.default_size = "64x64" if spec.name.startswith("demo-") else "1024x1024"
         try:
@@ -216,10 +249,7 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         return self._state_actor
 
     # -- routes -----------------------------------------------------------------------------------------
-    @fastapi_app.get("/health")
     async def health(self) -> dict[str, str]:
-        """200 ``{"status": "ok"}`` while the service takes work; 503 in the error shape once
-        ``POST /v1/admin/shutdown`` has shut it down (for good: the desired state says so)."""
         try:  # a health probe must answer, even when the state actor does not
             desired = await asyncio.wait_for(self.state_actor().get.remote(), timeout=10)
         except (asyncio.TimeoutError, RayActorError) as exc:
@@ -237,11 +267,6 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
                 type=ERROR_TYPES[503],
             )
         return {"status": "ok"}
-
-    @fastapi_app.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
-        card = ModelCard(id=self.model_name, created=self.created, kind=self.model_kind)
-        return {"object": "list", "data": [card.model_dump()]}
 
     def check_prompt_and_steps(self, body: Any) -> Any:
         """Limits every generation body shares (images, videos): prompt length and steps. A body that leaves
@@ -279,9 +304,7 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         width, height = check_size(body.size or self.default_size, limits.max_width, limits.max_height)
         return body.to_params(width, height, self.spec), width, height
 
-    @fastapi_app.post("/v1/images/generations", response_model=ImagesResponse)
     async def images_generations(self, body: ImageGenerationRequest, request: Request) -> Response:
-        """With ``stream: true``: server-sent events, one per denoising step, then the images (api_stream)."""
         self.check_auth(request, admin=False)
         await self.check_body_size(request)
         params, width, height = self.image_params(body)
@@ -289,7 +312,7 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
             return await api_stream.image_events(self, params, preview=body.preview)
         if body.preview:
             raise APIError(400, "preview: previews come with stream: true", param="preview")
-        answer = await self.call_engine(self.engine.generate.remote(params))
+        answer = await self.call_engine(self.generate.remote(params))
         result = answer["result"]
         response = ImagesResponse(
             created=int(time.time()),
@@ -298,6 +321,13 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
             size=f"{width}x{height}",
             usage=usage_of(result),
         )
-        return JSONResponse(
-            response.model_dump(exclude_none=True), headers={REPLICA_HEADER: answer["replica"]}
+        return Response(
+            response.model_dump_json(exclude_none=True),
+            media_type="application/json",
+            headers={REPLICA_HEADER: answer["replica"]},
         )
+
+    @functools.cached_property
+    def generate(self):
+        """The engine's ``generate`` method handle, made once: each attribute of a handle is a new handle."""
+        return self.engine.generate

@@ -36,11 +36,17 @@ def register_frontend(instance: Any) -> None:
     _instance[:] = [instance]
 
 
-def frontend() -> Any:
-    """FastAPI dependency for route modules: this process's Frontend instance.
+def registered_frontend() -> Any:
+    """This process's Frontend instance (IndexError when none was constructed here).
 
     (Serve freezes a copy of the FastAPI app at decoration time, so ``app.state`` set later would not be
     seen by the served copy; a module-level holder is.)"""
+    return _instance[0]
+
+
+async def frontend() -> Any:
+    """FastAPI dependency for route modules: this process's Frontend instance. A coroutine because FastAPI
+    runs a plain function dependency in its thread pool: a thread hand-off on every request."""
     return _instance[0]
 
 
