@@ -273,3 +273,17 @@ def test_generate_refuses_a_bad_degree_naming_the_flag(flux2_folder, tmp_path):
     assert done.returncode != 0
     assert "--encoder-tp-size 3 is larger than the replica's 2 rank" in done.stderr
     assert not (tmp_path / "out.png").exists()
+
+
+def test_flux1_t5_sharded_beside_a_whole_clip_gives_the_same_image():
+    # demo-flux: CLIP (kept whole on both encoder ranks) and a 4-head T5 (sharded), true CFG on
+    request = QWEN.model_copy(update={"seed": 7})
+    with running_engine("demo-flux", {"ulysses_degree": 2}) as engine:
+        (first,) = images(engine, [request])
+        placed = engine.run_control(lambda: engine.call_ranks("memory")).result(timeout=120)
+    with running_engine("demo-flux", {"ulysses_degree": 2}, encoder_tp_size=2) as engine:
+        (sharded,) = images(engine, [request])
+        memory = engine.run_control(lambda: engine.call_ranks("memory")).result(timeout=120)
+    assert psnr(sharded, first) >= 40
+    assert placed[1]["encoder_bytes"] == 0
+    assert memory[0]["encoder_bytes"] == memory[1]["encoder_bytes"] < placed[0]["encoder_bytes"]
