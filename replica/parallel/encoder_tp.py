@@ -105,9 +105,10 @@ def check_encoder_tp(config: Mapping[str, Any], degree: int, component: str) -> 
     kind = encoder_kind(config)
     if kind is None or degree == 1:
         return kind
-    for what, size in _sizes(config, kind).items():
+    sizes = _sizes(config, kind)
+    for what, size in sizes.items():
         if size % degree:
-            divisors = [d for d in range(1, size + 1) if size % d == 0 and d <= 8]
+            divisors = [d for d in range(1, 9) if all(s % d == 0 for s in sizes.values())]
             raise ValueError(
                 f"{FLAG} {degree} does not divide the {size} {what} of the {component} "
                 f"({config.get('model_type', '?')}); choose one of {divisors}"
