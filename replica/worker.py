@@ -378,8 +378,9 @@ class RankWorker:
             close(session_id)
 
     def _encode(self, params: GenerationParams) -> dict[str, Any]:
-        """The request's embeddings: computed here, or (``--encoder-placement first``) on rank 0 and
-        received. An encoder error on rank 0 travels too, so every rank raises it and none waits."""
+        """The request's embeddings: computed here, or (``--encoder-placement first``) on rank 0 (with
+        ``--encoder-tp-size N``: on ranks 0..N-1 together) and received from rank 0. An encoder error on
+        rank 0 travels too, so every rank raises it and none waits."""
         if not self.sends_embeddings:
             return self.runner.encode(params)
         import torch.distributed as dist
