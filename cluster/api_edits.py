@@ -207,5 +207,5 @@ async def images_edits(request: Request, fe: Any = Depends(frontend)) -> JSONRes
     fe.check_auth(request, admin=False)
     fields, images, mask = _read_form(request.headers.get("content-type", ""), await request.body())
     params, _, _ = edit_params(fe, validate_edit(fields), images, mask)
-    answer = await fe.call_engine(fe.engine.generate.remote(params))
+    answer = await fe.call_engine(fe.generate.remote(params))
     return JSONResponse(images_response(answer["result"]), headers={REPLICA_HEADER: answer["replica"]})

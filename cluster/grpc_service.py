@@ -197,7 +197,7 @@ class GrpcMethods:
     async def Generate(self, request, grpc_context=None):
         self.check_auth(_Metadata(grpc_context), admin=False)
         params, _, _ = self.image_params(_validate(ImageGenerationRequest, fields(request)))
-        answer = await self.call_engine(self.engine.generate.remote(params))
+        answer = await self.call_engine(self.generate.remote(params))
         return _result_message(answer["result"], answer["replica"])
 
     @streaming
@@ -221,7 +221,7 @@ class GrpcMethods:
         data.pop("mask", None)
         mask = request.mask if request.HasField("mask") else None
         params, _, _ = edit_params(self, validate_edit(data), list(request.image), mask)
-        answer = await self.call_engine(self.engine.generate.remote(params))
+        answer = await self.call_engine(self.generate.remote(params))
         return _result_message(answer["result"], answer["replica"])
 
     # -- videos ------------------------------------------------------------------------------------------
