@@ -176,6 +176,11 @@ def test_request_on_a_dying_replica_gets_503_with_retry_after(server):
     base = server.base_url
     listed = httpx.get(f"{base}/v1/replicas", timeout=60).json()["data"]
     victim = listed[0]["replica_id"]
+    # Found before the requests start: finding it takes a GCS round trip (a second on a loaded machine), as
+    # long as the requests themselves, and the kill must land while the victim runs one.
+    named = ray.util.list_named_actors(all_namespaces=True)
+    actor = next(a for a in named if a["name"].endswith(f"#{victim}"))
+    victim_actor = ray.get_actor(actor["name"], namespace=actor["namespace"])
     pool = cf.ThreadPoolExecutor(4)
     body = {**SMALL, "num_inference_steps": 50}
     inflight = [pool.submit(httpx.post, f"{base}/v1/images/generations", json={**body, "seed": i}, timeout=120)
@@ -186,9 +191,7 @@ def test_request_on_a_dying_replica_gets_503_with_retry_after(server):
         if next(r["stats"]["running"] for r in now if r["replica_id"] == victim):
             break
         time.sleep(0.2)
-    named = ray.util.list_named_actors(all_namespaces=True)
-    actor = next(a for a in named if a["name"].endswith(f"#{victim}"))
-    ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+    ray.kill(victim_actor, no_restart=True)
     results = [f.result(timeout=120) for f in inflight]
     statuses = Counter(r.status_code for r in results)
     assert set(statuses) <= {200, 503} and statuses[503] >= 1, statuses
