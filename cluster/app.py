@@ -14,13 +14,12 @@ from ray.serve import Application
 from ditserve.replica.engine import validate_layout
 from ditserve.replica.models.registry import resolve_model
 
+from .config import APP_NAME as APP_NAME  # the CLI, tests and benchmarks import it from here
 from .config import AppArgs
 from .engine_deployment import EngineReplica
 from .frontend import Frontend
 from .ingress import FRONTEND_ENV, HEAD_NODE_RESOURCE, check_direct_ingress_env
 from .router import ROUTER_PATH
-
-APP_NAME = "ditserve"
 
 
 def rank_bundles(args: AppArgs) -> list[dict[str, float]]:

@@ -18,6 +18,9 @@ from pydantic.fields import FieldInfo
 
 from ditserve.replica.config import AUTO, AUTO_FIELDS, EngineConfig, Limits, ParallelFlags, resolve_auto
 
+# The Serve application's name: ``serve.run``, the KubeRay serveConfigV2 and the control-state actors' names.
+APP_NAME = "ditserve"
+
 # Flat names of nested or plural EngineConfig fields: one flag per value, ``--lora-root`` repeated.
 FLAT_NAMES = {"lora_roots": "lora_root"}
 NESTED = {"parallel": ParallelFlags, "limits": Limits}

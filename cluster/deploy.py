@@ -24,13 +24,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ditserve.replica.families import families
 
-from .config import AppArgs, add_model_arguments, model_kwargs
+from .config import APP_NAME, AppArgs, add_model_arguments, model_kwargs
 from .ingress import direct_ingress_env
 from .usage import fail as _fail
 from .usage import validation_message as _validation_message
 
 IMPORT_PATH = "ditserve.cluster.app:build_app"
-APP_NAME = "ditserve"
 RAY_VERSION = "2.60.0"
 HTTP_PORT = 8000
 GRPC_PORT = 9000

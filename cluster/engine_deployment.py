@@ -28,7 +28,7 @@ from ditserve.replica.launcher import RankDied, RankError
 from ditserve.replica.request import GenerationParams
 from ditserve.replica.scheduler import QueueFullError
 
-from .config import AppArgs
+from .config import APP_NAME, AppArgs
 from .control_state import get_or_create_state_actor, initial_state, parse_lora_paths
 from .errors import param_of
 from .metrics import ReplicaMetrics
@@ -37,8 +37,6 @@ from .replica_realtime import ReplicaRealtime
 from .replica_streams import ReplicaStreams
 
 logger = logging.getLogger("ditserve")
-
-DEFAULT_APP_NAME = "ditserve"
 
 
 def error_dict(status: int, message: str, param: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -95,7 +93,7 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
             ctx = serve.get_replica_context()
             self.replica_id, self.app_name = ctx.replica_id.unique_id, ctx.app_name
         except Exception:  # constructed outside Serve (tools)
-            self.replica_id, self.app_name = "local", DEFAULT_APP_NAME
+            self.replica_id, self.app_name = "local", APP_NAME
         self.launcher = build_launcher(self.config, self.args.replica_num_cpus)
         self.engine = engine_cls(self.config, launcher=self.launcher).start()
         self.node = node_info()

@@ -34,7 +34,7 @@ from ditserve.replica.models.registry import resolve_model
 from ditserve.replica.request import GenerationParams
 
 from . import api_admin, api_edits, api_realtime, api_sessions, api_stream, api_videos
-from .config import AppArgs
+from .config import APP_NAME, AppArgs
 from .control_state import (
     delete_state_actors,
     get_or_create_state_actor,
@@ -125,7 +125,7 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         try:
             self.app_name = serve.get_replica_context().app_name
         except Exception:
-            self.app_name = "ditserve"
+            self.app_name = APP_NAME
         self._state_actor = None
         register_frontend(self)  # route modules reach this instance through http_base.frontend()
         try:  # this deploy's state exists from now on; earlier deploys' states are forgotten
