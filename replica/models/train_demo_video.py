@@ -6,7 +6,10 @@ a background of another colour in one of four directions (``scenes.draw_clip``).
 1. draw pools of training clips with Pillow (random size, position and travel; held-out captions never
    drawn) at 5, 9 and 17 frames;
 2. train a 2.4 M-parameter AutoencoderKLWan (8× spatial, no temporal compression, 4 latent channels) on
-   9-frame clips, then measure each latent channel's mean and std and write them into its config
+   single frames: its causal convolutions' taps on earlier frames are zero and stay zero, so it encodes and
+   decodes each frame on its own (exactly, through WanPipeline's chunked encode/decode too) and trains as a
+   2-D network on batches of frames from many clips; the reconstruction loss weighs the shape's pixels
+   more. Then measure each latent channel's mean and std and write them into its config
    (``latents_mean`` / ``latents_std``, as real Wan VAEs carry them);
 3. encode every caption once with the frozen random-weight tiny UMT5 (random features still tell the 1584
    captions apart), at lengths 32 (the tokenizer's ``model_max_length``, what ``ditserve`` uses) and 512
@@ -17,10 +20,12 @@ a background of another colour in one of four directions (``scenes.draw_clip``).
    classifier-free guidance (``guidance_scale`` > 1, the negative prompt "") works;
 5. save in diffusers format (fp16 weights), reload in fp32, score held-out prompts; write a model card.
 
-Run: ``ditserve train-demo-video --out DIR`` (about 8 minutes on one H200, estimated: the VAE took ~0.1 s and
-the transformer ~40 ms a step there; runs cut to 330 VAE and 2500 transformer steps drew blurry clips that
-were mostly wrong). After the VAE's steps the log says how many reconstructions of held-out clips the clip
-scorer reads right, the ceiling for the transformer's samples. On CPU the conventions were checked against
+Run: ``ditserve train-demo-video --out DIR`` (minutes on one H200; ``benchmarks/probes/train_demos.sh`` has
+the budgets). After the VAE's steps the log says how many reconstructions of held-out clips the clip
+scorer reads right, the ceiling for the transformer's samples. Why frame by frame: trained on whole 9-frame
+clips in 3-D (every 3×3×3 kernel over all frames), the VAE managed ~700 steps of 24 clips in 110 s on an
+H200 and the scorer read 13/48 of its held-out reconstructions right; per frame, a step costs a third of
+the convolution work, runs as 2-D convolutions, and its batch holds frames of as many different clips. On CPU the conventions were checked against
 WanPipeline: the one-pass encode/decode equal AutoencoderKLWan's chunked ones (1e-6), the caption embeddings
 equal ``encode_prompt``'s at lengths 32 and 512, timesteps are the scheduler's 1000·sigma with its shift.
 """
@@ -28,10 +33,12 @@ equal ``encode_prompt``'s at lengths 32 and 512, timesteps are the scheduler's 1
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import shlex
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -63,7 +70,8 @@ SAMPLING = {"num_frames": 9, "num_inference_steps": 20, "guidance_scale": 5.0, "
 
 def build_video_pipeline_untrained(seed: int = 0):
     """The ``demo-scenes-video`` WanPipeline with random weights: 6 blocks of 8 heads × 16, an
-    AutoencoderKLWan (16/32/64/64, 4 latent channels, 8× spatial, 1× temporal), the tiny UMT5.
+    AutoencoderKLWan (16/32/64/64, 4 latent channels, 8× spatial, 1× temporal, frame by frame: see
+    :func:`make_framewise`), the tiny UMT5.
 
     Every weight is rounded to fp16 precision, so the fp16 files that ship hold exactly the frozen text
     encoder the transformer was trained against.
@@ -101,6 +109,7 @@ def build_video_pipeline_untrained(seed: int = 0):
         scale_factor_temporal=1,
         scale_factor_spatial=8,
     )
+    make_framewise(vae)
     tokenizer = build_t5_tokenizer(model_max_length=T5_MAX_LENGTH)
     pipe = WanPipeline(
         tokenizer=tokenizer,
@@ -112,6 +121,62 @@ def build_video_pipeline_untrained(seed: int = 0):
     for module in (pipe.transformer, pipe.vae, pipe.text_encoder):
         _round_to_fp16(module)
     return pipe
+
+
+def _causal_convs(vae) -> list:
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+
+    return [m for m in vae.modules() if isinstance(m, WanCausalConv3d)]
+
+
+def make_framewise(vae) -> None:
+    """Zero every causal convolution's taps on earlier frames, keeping the current frame's (the last tap;
+    the 2-D kernel scaled by √(taps), so it starts at the 2-D fan-in's scale). Without temporal down- or
+    upsampling the rest of AutoencoderKLWan is per frame already (RMS norms over channels, attention within
+    a frame), so each frame is then encoded and decoded on its own, and :func:`framewise` computes it as
+    2-D convolutions. The zero taps get zero gradients there, so they stay zero through training."""
+    with torch.no_grad():
+        for conv in _causal_convs(vae):
+            taps = conv.kernel_size[0]
+            if taps > 1:
+                conv.weight[:, :, -1] *= taps**0.5
+                conv.weight[:, :, :-1].zero_()
+
+
+def _conv2d_forward(conv, x: torch.Tensor, cache_x=None) -> torch.Tensor:
+    """A frame-wise WanCausalConv3d as a 2-D convolution with its current-frame tap."""
+    b, c, t, h, w = x.shape
+    frames = x.squeeze(2) if t == 1 else x.transpose(1, 2).reshape(b * t, c, h, w)
+    pad = (conv._padding[2], conv._padding[0])  # (height, width); the time padding only met zero taps
+    y = F.conv2d(frames, conv.weight[:, :, -1], conv.bias, conv.stride[1:], pad)
+    return y.unsqueeze(2) if t == 1 else y.reshape(b, t, *y.shape[1:]).transpose(1, 2)
+
+
+@contextlib.contextmanager
+def framewise(vae):
+    """Within this block the VAE's causal convolutions run as 2-D convolutions of each frame (the same
+    result once :func:`make_framewise` has zeroed their earlier taps, a third of the work of 3×3×3 kernels;
+    pass frames as clips of one frame, (N, C, 1, H, W))."""
+    convs = _causal_convs(vae)
+    for conv in convs:
+        conv.forward = types.MethodType(_conv2d_forward, conv)
+    try:
+        yield
+    finally:
+        for conv in convs:
+            del conv.forward
+
+
+def _frames(clips: torch.Tensor) -> torch.Tensor:
+    """(N, C, F, H, W) -> (N·F, C, 1, H, W), frame by frame."""
+    n, c, f, h, w = clips.shape
+    return clips.transpose(1, 2).reshape(n * f, c, 1, h, w)
+
+
+def _clips(frames: torch.Tensor, num_frames: int) -> torch.Tensor:
+    """The inverse of :func:`_frames`."""
+    nf, c, _, h, w = frames.shape
+    return frames.reshape(nf // num_frames, num_frames, c, h, w).transpose(1, 2)
 
 
 def draw_clip_pool(num_clips: int, num_frames: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,29 +213,40 @@ def _decode(vae, z: torch.Tensor) -> torch.Tensor:
     return vae.decoder(vae.post_quant_conv(z))
 
 
-def train_vae(vae, clips: torch.Tensor, args, log: _Log) -> None:
-    """MSE plus a tiny KL term on whole clips (the causal convolutions see real previous frames), AdamW
-    with a cosine schedule."""
-    gen = torch.Generator(device=clips.device).manual_seed(args.seed + 1)
+def shape_weights(x: torch.Tensor, shape_weight: float) -> torch.Tensor:
+    """Per-pixel loss weights of frames ``x`` (N, 3, 1, H, W) in [-1, 1]: 1 + ``shape_weight`` where a pixel
+    differs from the frame's top-left pixel (always background: shapes stay clear of the border). The
+    shape is 6-20 % of a frame, and its colour and position are what the scorer reads."""
+    differs = (x - x[..., :1, :1]).abs().amax(dim=1, keepdim=True) > 0.05
+    return 1.0 + shape_weight * differs.float()
+
+
+def train_vae(vae, frames: torch.Tensor, args, log: _Log) -> None:
+    """Pixel MSE weighted on the shape (``--vae-shape-weight``) plus a tiny KL term on batches of single
+    frames (uint8 (N, 3, H, W), every frame of every pool clip), AdamW with a cosine schedule, the VAE
+    computed frame-wise in 2-D."""
+    gen = torch.Generator(device=frames.device).manual_seed(args.seed + 1)
     opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
     vae.train()
     total, start = args.vae_steps, time.perf_counter()
     step = 0
-    while step < total:
-        for group in opt.param_groups:
-            group["lr"] = args.vae_lr * _cosine_lr(step, total, warmup=50)
-        idx = torch.randint(len(clips), (args.vae_batch_size,), device=clips.device, generator=gen)
-        x = _to_unit(clips[idx])
-        posterior = _posterior(vae, x)
-        z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, device=x.device, generator=gen)
-        recon = _decode(vae, z)
-        mse = F.mse_loss(recon, x)
-        loss = mse + 1e-6 * posterior.kl().mean()
-        _update(opt, loss, vae.parameters())
-        if step % 250 == 0 or step == total - 1:
-            log(f"vae step {step}/{total} mse {mse.item():.5f}")
-        step += 1
-        total = fit_steps(total, step, time.perf_counter() - start, args.vae_time_budget_s, log, "vae")
+    with framewise(vae):
+        while step < total:
+            for group in opt.param_groups:
+                group["lr"] = args.vae_lr * _cosine_lr(step, total, warmup=50)
+            idx = torch.randint(len(frames), (args.vae_batch_size,), device=frames.device, generator=gen)
+            x = _to_unit(frames[idx]).unsqueeze(2)  # (B, 3, 1, H, W)
+            posterior = _posterior(vae, x)
+            noise = torch.randn(posterior.mean.shape, device=x.device, generator=gen)
+            recon = _decode(vae, posterior.mean + posterior.std * noise)
+            err = (recon - x).square()
+            weights = shape_weights(x, args.vae_shape_weight)
+            loss = (err * weights).mean() / weights.mean() + 1e-6 * posterior.kl().mean()
+            _update(opt, loss, vae.parameters())
+            if step % 250 == 0 or step == total - 1:
+                log(f"vae step {step}/{total} mse {err.mean().item():.5f}")
+            step += 1
+            total = fit_steps(total, step, time.perf_counter() - start, args.vae_time_budget_s, log, "vae")
     args.vae_steps = total
     vae.eval()
     _round_to_fp16(vae)
@@ -179,7 +255,7 @@ def train_vae(vae, clips: torch.Tensor, args, log: _Log) -> None:
 @torch.no_grad()
 def vae_report(vae, num: int = 48, num_frames: int = 9, seed: int = 7) -> str:
     """How many VAE reconstructions of fresh held-out clips the clip scorer reads right: the ceiling of
-    what the transformer's samples can score."""
+    what the transformer's samples can score. Computed as shipped, 3-D over whole clips."""
     held = held_out_moving_scenes()
     scenes = [held[i % len(held)] for i in range(num)]
     rng = random.Random(seed)
@@ -197,12 +273,14 @@ def vae_report(vae, num: int = 48, num_frames: int = 9, seed: int = 7) -> str:
 
 @torch.no_grad()
 def encode_clips(vae, clips: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """Posterior mean and std of every clip, (N, C, F, h, w) each."""
+    """Posterior mean and std of every clip, (N, C, F, h, w) each (frame-wise, as trained)."""
     means, stds = [], []
-    for i in range(0, len(clips), chunk):
-        posterior = _posterior(vae, _to_unit(clips[i : i + chunk]))
-        means.append(posterior.mean)
-        stds.append(posterior.std)
+    num_frames = clips.shape[2]
+    with framewise(vae):
+        for i in range(0, len(clips), chunk):
+            posterior = _posterior(vae, _frames(_to_unit(clips[i : i + chunk])))
+            means.append(_clips(posterior.mean, num_frames))
+            stds.append(_clips(posterior.std, num_frames))
     return torch.cat(means), torch.cat(stds)
 
 
@@ -378,7 +456,8 @@ def evaluate_settings(pipe, args: argparse.Namespace, log: _Log) -> dict[str, di
 
 
 _OPTIONS = (
-    "out steps vae_steps batch_size vae_batch_size lr vae_lr caption_dropout long_text_fraction device seed "
+    "out steps vae_steps batch_size vae_batch_size lr vae_lr vae_shape_weight caption_dropout "
+    "long_text_fraction device seed "
     "eval_scenes eval_seeds"
 ).split()
 
@@ -404,7 +483,7 @@ def _model_card(args, command: str, seconds: float, machine: str, results: dict,
     return f"""# demo-scenes-video
 
 A tiny Wan-architecture text-to-video pipeline (WanPipeline: WanTransformer3DModel with 6 blocks of
-8 heads × 16; AutoencoderKLWan with 4 latent channels, 8× spatial and no temporal compression; the
+8 heads × 16; AutoencoderKLWan with 4 latent channels, 8× spatial and no temporal compression, frame by frame; the
 random-weight frozen tiny UMT5) trained on synthetic 64×64 clips: one circle, square or triangle in one of
 12 colours crossing a background of another colour, left, right, up or down
 ("a red circle moving left on a blue background"). It exists so that ditserve's default video model films
@@ -421,7 +500,8 @@ what it is asked. Weights are stored in fp16; load in fp32:
 - command: `{command}`
 - machine: {machine}; diffusers {diffusers.__version__}
 - wall time: {seconds:.0f} s (drawing, VAE, transformer, evaluation)
-- VAE {args.vae_steps} steps × {args.vae_batch_size} clips of 9 frames; transformer {args.steps} steps ×
+- VAE {args.vae_steps} steps × {args.vae_batch_size} frames (frame-wise; shape pixels weighted
+  {1 + args.vae_shape_weight:g}×); transformer {args.steps} steps ×
   {args.batch_size}, AdamW {args.lr} cosine, {args.caption_dropout:.0%} empty captions, T5 length 512 on
   {args.long_text_fraction:.0%} of steps; pools of {pools}; flow shift {SHIFT}; seed {args.seed}
 - loss every 100 steps: {losses}
@@ -446,9 +526,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=6000, help="transformer training steps")
     parser.add_argument("--vae-steps", type=int, default=2000, help="VAE training steps")
     parser.add_argument("--batch-size", type=int, default=128, help="transformer batch size (clips)")
-    parser.add_argument("--vae-batch-size", type=int, default=24, help="VAE batch size (9-frame clips)")
+    parser.add_argument(
+        "--vae-batch-size", type=int, default=128, help="VAE batch size (single frames of different clips)"
+    )
     parser.add_argument("--lr", type=float, default=5e-4, help="transformer peak learning rate")
     parser.add_argument("--vae-lr", type=float, default=1e-3, help="VAE peak learning rate")
+    parser.add_argument(
+        "--vae-shape-weight",
+        type=float,
+        default=2.0,
+        help="extra weight of the shape's pixels in the VAE's reconstruction loss (0: plain MSE)",
+    )
     parser.add_argument("--pool-scale", type=float, default=1.0, help="scale of the clip pools (smoke runs)")
     parser.add_argument(
         "--caption-dropout", type=float, default=0.1, help="share of empty captions (for CFG)"
@@ -493,9 +581,11 @@ def run(args: argparse.Namespace) -> Path:
     clips = {f: draw_clip_pool(n, f, args.seed + f) for f, n in sizes.items()}
     log(f"drew {sizes} clips of {len(train_moving_scenes())} training scenes")
 
-    vae_clips = clips[9][0].to(device)
-    train_vae(pipe.vae, vae_clips, args, log)
-    del vae_clips
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick its fastest 2-D convolutions
+    vae_frames = torch.cat([_frames(pixels)[:, :, 0] for pixels, _ in clips.values()]).to(device)
+    train_vae(pipe.vae, vae_frames, args, log)
+    del vae_frames
     log(vae_report(pipe.vae))
     pipe.vae.requires_grad_(False)
     pools = {}
