@@ -21,9 +21,8 @@ from ditserve.replica.lora.loader import inspect_adapter
 from ditserve.replica.models.registry import transformer_folder
 
 from .engine_deployment import new_tag
-from .errors import param_of
+from .errors import BadRequest, NotFound, param_of
 from .http_base import REPLICA_HEADER, frontend
-from .schemas import APIError
 
 router = APIRouter(tags=["admin"])
 
@@ -105,9 +104,7 @@ async def memory(action: str, request: Request, fe: Any = Depends(frontend)):
     """``release``: weights to host memory, generation answers 503; ``resume``: back to serving."""
     fe.check_auth(request, admin=True)
     if action not in ("release", "resume"):
-        raise APIError(
-            404, f"unknown memory action {action!r}; use release or resume", type="not_found_error"
-        )
+        raise NotFound(f"unknown memory action {action!r}; use release or resume")
     desired = await fe.state_actor().set_memory.remote("released" if action == "release" else "resident")
     return await _converge(fe, desired)
 
@@ -123,8 +120,8 @@ async def shutdown(request: Request, fe: Any = Depends(frontend)):
     return _respond(report)
 
 
-def _bad_request(exc: ValueError) -> APIError:
-    return APIError(400, str(exc), param=param_of(str(exc)))
+def _bad_request(exc: ValueError) -> BadRequest:
+    return BadRequest(str(exc), param=param_of(str(exc)))
 
 
 @router.post("/v1/loras")
@@ -133,7 +130,7 @@ async def load_lora(body: LoRALoadRequest, request: Request, fe: Any = Depends(f
     loaded it (at least one must): a bad file never becomes state that replicas restart into."""
     fe.check_auth(request, admin=True)
     if not body.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise APIError(400, f"name: {body.name!r} must be letters, digits, '-', '_' or '.'", param="name")
+        raise BadRequest(f"name: {body.name!r} must be letters, digits, '-', '_' or '.'", param="name")
     try:  # what can be checked without the model, before any replica is asked
         source = str(inspect_adapter(body.path, fe.args.lora_root, fe.args.max_lora_rank))
     except ValueError as exc:
@@ -166,6 +163,6 @@ async def unload_lora(name: str, request: Request, fe: Any = Depends(frontend)):
     fe.check_auth(request, admin=True)
     desired = await fe.state_actor().get.remote()
     if name not in desired["loras"]:
-        raise APIError(404, f"no LoRA adapter named {name!r} is loaded", type="not_found_error", param="name")
+        raise NotFound(f"no LoRA adapter named {name!r} is loaded", param="name")
     desired = await fe.state_actor().remove_lora.remote(name)
     return await _converge(fe, desired)

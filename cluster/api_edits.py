@@ -28,8 +28,9 @@ from pydantic import ValidationError
 from ditserve.replica.media import check_image
 from ditserve.replica.request import GenerationParams
 
+from .errors import BadRequest
 from .http_base import REPLICA_HEADER, check_size, frontend
-from .schemas import APIError, ImageData, ImageEditRequest, ImagesResponse, usage_of
+from .schemas import ImageData, ImageEditRequest, ImagesResponse, usage_of
 
 EDITS_PATH = "/v1/images/edits"
 IMAGE_FIELDS = ("image", "image[]")
@@ -58,8 +59,7 @@ def _edit_size(fe: Any, size: str | None, sizes: list[tuple[int, int]]) -> tuple
     scale = min(1.0, limits.max_width / width, limits.max_height / height)
     width, height = int(width * scale) // multiple * multiple, int(height * scale) // multiple * multiple
     if not width or not height:
-        raise APIError(
-            400,
+        raise BadRequest(
             f"size: the image ({first[0]}x{first[1]}) is smaller than {multiple} pixels on a side; give size",
             param="size",
         )
@@ -72,18 +72,18 @@ def edit_params(
     """Checks shared by HTTP and gRPC (limits, model kind, the uploads) → engine parameters, width, height."""
     fe.check_model(body.model)
     if fe.model_kind != "image":
-        raise APIError(400, f"model {fe.model_name!r} makes videos; use POST /v1/videos", param="model")
+        raise BadRequest(f"model {fe.model_name!r} makes videos; use POST /v1/videos", param="model")
     if body.stream:
-        raise APIError(400, "stream: edits answer with the whole result; leave stream out", param="stream")
+        raise BadRequest("stream: edits answer with the whole result; leave stream out", param="stream")
     if body.response_format != "b64_json":
-        raise APIError(400, "response_format: only 'b64_json' is supported", param="response_format")
+        raise BadRequest("response_format: only 'b64_json' is supported", param="response_format")
     limits = fe.args
     if body.n > limits.max_n:
-        raise APIError(400, f"n: {body.n} is above the maximum {limits.max_n}", param="n")
+        raise BadRequest(f"n: {body.n} is above the maximum {limits.max_n}", param="n")
     body = fe.check_prompt_and_steps(body)
     if not images:
-        raise APIError(
-            400, "image: at least one image file is required (image, or image[] for several)", param="image"
+        raise BadRequest(
+            "image: at least one image file is required (image, or image[] for several)", param="image"
         )
     sizes = []
     for data in images:
@@ -94,19 +94,18 @@ def edit_params(
                 )
             )
         except ValueError as exc:
-            raise APIError(400, str(exc), param="image") from None
+            raise BadRequest(str(exc), param="image") from None
     if mask is not None:
         if not fe.spec.family_spec.inpainting:  # said before the mask is read: it is not used
-            raise APIError(
-                400, f"mask: {fe.model_name} does not inpaint; send the image without a mask", param="mask"
+            raise BadRequest(
+                f"mask: {fe.model_name} does not inpaint; send the image without a mask", param="mask"
             )
         try:
             check_image(mask, "mask", max_bytes=limits.max_image_bytes, max_pixels=limits.max_image_pixels)
         except ValueError as exc:
-            raise APIError(400, str(exc), param="mask") from None
+            raise BadRequest(str(exc), param="mask") from None
     if body.strength is not None and fe.spec.edits:
-        raise APIError(
-            400,
+        raise BadRequest(
             f"strength: {fe.model_name} takes the images as references and does not noise them; leave it out",
             param="strength",
         )
@@ -118,11 +117,11 @@ def _read_form(content_type: str, raw: bytes) -> tuple[dict[str, str], list[byte
     """multipart/form-data → (text fields, image files in order, mask), with the standard library's MIME
     parser (binary parts come back byte for byte)."""
     if not content_type.startswith("multipart/form-data"):
-        raise APIError(400, "request body must be multipart/form-data (image files and text fields)")
+        raise BadRequest("request body must be multipart/form-data (image files and text fields)")
     head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode()
     message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + raw)
     if not message.is_multipart():
-        raise APIError(400, "request body is not valid multipart/form-data")
+        raise BadRequest("request body is not valid multipart/form-data")
     fields: dict[str, str] = {}
     images: list[bytes] = []
     mask: bytes | None = None
@@ -135,17 +134,17 @@ def _read_form(content_type: str, raw: bytes) -> tuple[dict[str, str], list[byte
             images.append(data)
         elif name == "mask":
             if mask is not None:
-                raise APIError(400, "mask: one mask per request", param="mask")
+                raise BadRequest("mask: one mask per request", param="mask")
             mask = data
         elif part.get_filename():
-            raise APIError(400, f"{name}: files are taken only as image, image[] and mask", param=name)
+            raise BadRequest(f"{name}: files are taken only as image, image[] and mask", param=name)
         elif name in fields:
-            raise APIError(400, f"{name}: given more than once", param=name)
+            raise BadRequest(f"{name}: given more than once", param=name)
         else:
             try:
                 fields[name] = data.decode("utf-8")
             except UnicodeDecodeError:
-                raise APIError(400, f"{name}: not UTF-8 text", param=name) from None
+                raise BadRequest(f"{name}: not UTF-8 text", param=name) from None
     return fields, images, mask
 
 
@@ -156,7 +155,7 @@ def validate_edit(data: dict[str, Any]) -> ImageEditRequest:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first.get("loc", ())) or None
         message = str(first.get("msg")).removeprefix("Value error, ")
-        raise APIError(400, f"{param or 'body'}: {message}", param=param) from None
+        raise BadRequest(f"{param or 'body'}: {message}", param=param) from None
 
 
 def images_response(result: Any) -> dict[str, Any]:

@@ -46,9 +46,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ditserve.replica.request import GenerationParams
 
-from .http_base import frontend
+from .errors import BadRequest, QueueFull, ReplicaUnavailable, ServeError, SessionGone
+from .http_base import error_type, frontend
 from .replica_realtime import CONTENT_TYPES
-from .schemas import APIError, parse_size
+from .schemas import parse_size
 
 router = APIRouter(tags=["realtime"])
 logger = logging.getLogger("ditserve")
@@ -105,15 +106,15 @@ def init_params(fe: Any, init: RealtimeInit) -> GenerationParams:
     """Frontend checks of an init (model, size, prompt, limits) → the session's engine parameters."""
     fe.check_model(init.model)
     if not fe.spec.family_spec.extra.get("realtime"):
-        raise APIError(
-            400, f"model: {fe.model_name!r} does not generate realtime video (serve an AnyFlow-FAR model)"
+        raise BadRequest(
+            f"model: {fe.model_name!r} does not generate realtime video (serve an AnyFlow-FAR model)"
         )
     if len(init.prompt) > fe.args.max_prompt_chars:
-        raise APIError(400, f"prompt: longer than {fe.args.max_prompt_chars} characters", param="prompt")
+        raise BadRequest(f"prompt: longer than {fe.args.max_prompt_chars} characters", param="prompt")
     width, height = parse_size(init.size or DEFAULT_SIZE)
     if init.num_inference_steps > fe.args.max_steps:
-        raise APIError(
-            400, f"num_inference_steps: {init.num_inference_steps} is above the maximum {fe.args.max_steps}"
+        raise BadRequest(
+            f"num_inference_steps: {init.num_inference_steps} is above the maximum {fe.args.max_steps}"
         )
     images = () if init.first_frame is None else (init.first_frame,)
     if init.first_frame is not None:
@@ -123,7 +124,7 @@ def init_params(fe: Any, init: RealtimeInit) -> GenerationParams:
             with Image.open(io.BytesIO(init.first_frame)) as image:
                 image.verify()
         except Exception:
-            raise APIError(400, "first_frame: not a decodable image (PNG, JPEG or WebP bytes)") from None
+            raise BadRequest("first_frame: not a decodable image (PNG, JPEG or WebP bytes)") from None
     return GenerationParams(
         prompt=init.prompt,
         negative_prompt=init.negative_prompt,
@@ -222,8 +223,8 @@ class _Session:
             ):  # the client left (or a limit closed the socket): stop the replica's chunk
                 task.cancel()
 
-    async def _failed(self, exc: APIError, index: int) -> str:
-        if exc.status in (410, 503):
+    async def _failed(self, exc: ServeError, index: int) -> str:
+        if isinstance(exc, (SessionGone, ReplicaUnavailable)):
             self.gone = True
             message = (
                 f"session {self.session_id} was lost: its replica {self.replica} is gone "
@@ -232,7 +233,7 @@ class _Session:
             await self.sock.error(message, code="session_gone", replica=self.replica)
             await self.sock.close(GONE_CLOSE, f"session gone: replica {self.replica} is gone")
             return "gone"
-        await self.sock.error(exc.message, code=exc.type)
+        await self.sock.error(exc.message, code=error_type(exc))
         await self.sock.close(1011, f"chunk {index} failed")
         return "failed"
 
@@ -246,7 +247,7 @@ class _Session:
                 if not last:  # the replica denoises the next chunk while this one decodes and is sent
                     task, next_started = self._chunk_call(index + 1)
                 answer = {**await frames, "event_id": denoised.get("event_id")}
-            except APIError as exc:
+            except ServeError as exc:
                 return await self._failed(exc, index)
             forward_ms = (time.perf_counter() - started) * 1000.0
             await self._send_chunk(answer, forward_ms, started)
@@ -386,8 +387,8 @@ async def realtime_video(websocket: WebSocket, fe: Any = Depends(frontend)):
     sock = _Socket(websocket)
     try:
         fe.check_auth(websocket, admin=False)
-    except APIError as exc:
-        await sock.error(exc.message, code=exc.type)
+    except ServeError as exc:
+        await sock.error(exc.message, code=error_type(exc))
         return await sock.close(4401, exc.message)
     try:
         init, opened = await _open(fe, sock)
@@ -421,22 +422,22 @@ async def _open(fe: Any, sock: _Socket) -> tuple[RealtimeInit | None, dict[str, 
         except ValidationError as exc:
             await sock.error(_validation_message(exc))
             continue
-        except APIError as exc:
+        except ServeError as exc:
             await sock.error(exc.message)
             continue
         try:
             opened = await fe.call_engine(
                 fe.engine.realtime_open.remote(params, init.max_chunks, init.realtime_output_format)
             )
-        except APIError as exc:
-            if exc.status == 429:
-                await sock.error(exc.message, code="rate_limit_error")
+        except ServeError as exc:
+            if isinstance(exc, QueueFull):
+                await sock.error(exc.message, code=error_type(exc))
                 await sock.close(1008, "max_realtime_sessions reached; retry later")
                 return init, None
-            if exc.status == 400:
+            if isinstance(exc, BadRequest):
                 await sock.error(exc.message)
                 continue
-            await sock.error(exc.message, code=exc.type)
+            await sock.error(exc.message, code=error_type(exc))
             await sock.close(1011, "could not open a session")
             return init, None
         return init, opened

@@ -20,9 +20,10 @@ from ditserve.replica.caching import CacheSettings
 from ditserve.replica.jsonfields import JsonInt, json_int
 from ditserve.replica.request import GenerationParams
 
+from .errors import BadRequest, NotFound
 from .http_base import REPLICA_HEADER, check_size, frontend
 from .router import session_owner
-from .schemas import APIError, Prompt, usage_of
+from .schemas import Prompt, usage_of
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
@@ -59,7 +60,7 @@ def _pinned(fe: Any, session_id: str):
     try:
         session_owner(session_id)
     except ValueError as exc:
-        raise APIError(404, str(exc), type="not_found_error", param="session_id") from None
+        raise NotFound(str(exc), param="session_id") from None
     return _pinned_handle(fe.engine, session_id)
 
 
@@ -83,7 +84,7 @@ async def open_session(body: SessionOpenRequest, request: Any, fe: Any) -> JSONR
     fe.check_auth(request, admin=False)
     fe.check_model(body.model)
     if fe.model_kind != "image":
-        raise APIError(400, f"model {fe.model_name!r} makes videos; sessions are for images", param="model")
+        raise BadRequest(f"model {fe.model_name!r} makes videos; sessions are for images", param="model")
     width, height = check_size(body.size or fe.default_size, fe.args.max_width, fe.args.max_height)
     answer = await fe.call_engine(fe.engine.open_session.remote(width, height))
     return JSONResponse(
@@ -102,13 +103,12 @@ async def session_generate(
             update={"num_inference_steps": min(body.num_inference_steps, fe.args.max_steps)}
         )
     if body.num_inference_steps > fe.args.max_steps:
-        raise APIError(
-            400,
+        raise BadRequest(
             f"num_inference_steps: {body.num_inference_steps} is above the maximum {fe.args.max_steps}",
             param="num_inference_steps",
         )
     if len(body.prompt) > fe.args.max_prompt_chars:
-        raise APIError(400, f"prompt: longer than {fe.args.max_prompt_chars} characters", param="prompt")
+        raise BadRequest(f"prompt: longer than {fe.args.max_prompt_chars} characters", param="prompt")
     kwargs: dict[str, Any] = {} if body.seed is None else {"seed": body.seed}
     params = GenerationParams(
         prompt=body.prompt,

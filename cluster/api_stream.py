@@ -45,10 +45,18 @@ from ditserve.replica.request import GenerationParams
 from .api_edits import EDITS_PATH, upload_allowance
 from .api_sessions import SessionGenerateRequest
 from .api_videos import VIDEOS_PATH, reference_allowance
-from .errors import SessionGoneError
-from .http_base import ERROR_TYPES, REPLICA_HEADER, frontend, registered_frontend
+from .errors import (
+    BadRequest,
+    InternalError,
+    NotFound,
+    PayloadTooLarge,
+    ReplicaUnavailable,
+    ServeError,
+    SessionGone,
+)
+from .http_base import REPLICA_HEADER, error_body, frontend, http_status, registered_frontend
 from .router import session_owner
-from .schemas import APIError, usage_of
+from .schemas import usage_of
 
 router = APIRouter(tags=["streaming"])
 logger = logging.getLogger("ditserve")
@@ -100,8 +108,8 @@ class BodyLimitMiddleware:
 
 
 async def _too_large(send, what: str, limit: int) -> None:
-    err = APIError(413, f"{what}; the limit is max_body_bytes={limit}", param="max_body_bytes")
-    body = json.dumps(err.body()).encode()
+    err = PayloadTooLarge(f"{what}; the limit is max_body_bytes={limit}", param="max_body_bytes")
+    body = json.dumps(error_body(err)).encode()
     await send(
         {
             "type": "http.response.start",
@@ -114,35 +122,29 @@ async def _too_large(send, what: str, limit: int) -> None:
 
 # -- engine streams ----------------------------------------------------------------------------------------
 async def engine_events(fe: Any, stream) -> AsyncIterator[dict[str, Any]]:
-    """Iterate a Serve streaming response; failures become the same APIErrors as ``call_engine``."""
+    """Iterate a Serve streaming response; failures raise the same typed errors as ``call_engine``."""
     try:
         async for event in stream:
-            if "error" in event:
-                fe.raise_engine_error(event)
+            if isinstance(event, ServeError):
+                raise event
             yield event
-    except SessionGoneError as exc:
-        raise APIError(410, str(exc), type=ERROR_TYPES[410]) from None
     except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
-        raise APIError(
-            503,
-            f"the replica serving this request failed ({type(exc).__name__}); retry",
-            type=ERROR_TYPES[503],
+        raise ReplicaUnavailable(
+            f"the replica serving this request failed ({type(exc).__name__}); retry"
         ) from None
     except DeploymentUnavailableError:
-        raise APIError(503, "no engine replica is available", type=ERROR_TYPES[503]) from None
-    except APIError:
+        raise ReplicaUnavailable("no engine replica is available") from None
+    except ServeError:
         raise
     except Exception as exc:
-        # The router's SessionGoneError may arrive wrapped (RayTaskError): look inside.
+        # The router's SessionGone may arrive wrapped (RayTaskError): look inside.
         cause: BaseException | None = exc
-        while cause is not None and not isinstance(cause, SessionGoneError):
+        while cause is not None and not isinstance(cause, SessionGone):
             cause = getattr(cause, "cause", None) or cause.__cause__
         if cause is not None:
-            raise APIError(410, str(cause), type=ERROR_TYPES[410]) from None
+            raise SessionGone(cause.message) from None
         logger.exception("engine stream failed")
-        raise APIError(
-            500, f"internal error ({type(exc).__name__}); see the server log", type="server_error"
-        ) from None
+        raise InternalError(f"internal error ({type(exc).__name__}); see the server log") from None
     finally:
         try:
             stream.cancel()  # no-op when finished; stops the replica's generator when the client left
@@ -210,8 +212,8 @@ async def image_events(fe: Any, params: GenerationParams, preview: bool = False)
                         }
                         yield _sse("image_generation.completed", data)
                 event = await anext(events, None)
-        except APIError as exc:
-            yield _sse("error", exc.body())
+        except ServeError as exc:
+            yield _sse("error", error_body(exc))
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(
@@ -231,13 +233,12 @@ class StreamStep(SessionGenerateRequest):
 def step_params(fe: Any, step: SessionGenerateRequest) -> GenerationParams:
     """Limits shared by the session routes (HTTP, WebSocket, gRPC) → engine parameters."""
     if step.num_inference_steps > fe.args.max_steps:
-        raise APIError(
-            400,
+        raise BadRequest(
             f"num_inference_steps: {step.num_inference_steps} is above the maximum {fe.args.max_steps}",
             param="num_inference_steps",
         )
     if len(step.prompt) > fe.args.max_prompt_chars:
-        raise APIError(400, f"prompt: longer than {fe.args.max_prompt_chars} characters", param="prompt")
+        raise BadRequest(f"prompt: longer than {fe.args.max_prompt_chars} characters", param="prompt")
     kwargs: dict[str, Any] = {} if step.seed is None else {"seed": step.seed}
     return GenerationParams(
         prompt=step.prompt,
@@ -248,13 +249,15 @@ def step_params(fe: Any, step: SessionGenerateRequest) -> GenerationParams:
     )
 
 
-def _validation_error(exc: ValidationError) -> APIError:
+def _validation_error(exc: ValidationError) -> BadRequest:
     first = exc.errors()[0]
     param = ".".join(str(p) for p in first.get("loc", ())) or None
-    return APIError(400, f"{param or 'message'}: {first.get('msg')}", param=param)
+    return BadRequest(f"{param or 'message'}: {first.get('msg')}", param=param)
 
 
-def _close_code(status: int) -> int:
+def _close_code(exc: ServeError) -> int:
+    """The WebSocket close code: 4000 + the HTTP status (4404 unknown session, 4410 its replica is gone)."""
+    status = http_status(exc)
     return 4000 + status if 400 <= status < 1000 else 4500
 
 
@@ -268,15 +271,15 @@ async def session_socket(websocket: WebSocket, session_id: str, fe: Any = Depend
     try:
         fe.check_auth(websocket, admin=False)
         session_owner(session_id)
-    except APIError as exc:
-        return await close(_close_code(exc.status), exc.message)
+    except ServeError as exc:
+        return await close(_close_code(exc), exc.message)
     except ValueError as exc:
         return await close(4404, str(exc))
     pinned = fe.engine.options(session_id=session_id)
     try:
         info = await fe.call_engine(pinned.session_touch.remote(session_id))
-    except APIError as exc:
-        return await close(_close_code(exc.status), exc.message)
+    except ServeError as exc:
+        return await close(_close_code(exc), exc.message)
     expires = time.monotonic() + fe.args.session_max_lifetime_s - info["age_s"]
 
     inbox: asyncio.Queue[str | None] = asyncio.Queue()
@@ -314,14 +317,14 @@ async def session_socket(websocket: WebSocket, session_id: str, fe: Any = Depend
                 params = step_params(fe, step)
             except ValidationError as exc:
                 err = (
-                    APIError(400, "message is not valid JSON")
+                    BadRequest("message is not valid JSON")
                     if exc.errors()[0].get("type") == "json_invalid"
                     else _validation_error(exc)
                 )
-                await websocket.send_json({"type": "error", **err.body()})
+                await websocket.send_json({"type": "error", **error_body(err)})
                 continue
-            except APIError as exc:
-                await websocket.send_json({"type": "error", **exc.body()})
+            except ServeError as exc:
+                await websocket.send_json({"type": "error", **error_body(exc)})
                 continue
             stream = pinned.options(stream=True).session_stream.remote(
                 session_id, params, step.strength, step.preview
@@ -334,10 +337,10 @@ async def session_socket(websocket: WebSocket, session_id: str, fe: Any = Depend
                             await websocket.send_json({"type": "superseded"})
                         break
                     await websocket.send_json(_ws_event(event))
-            except APIError as exc:
-                if exc.status in (404, 410):
-                    return await close(_close_code(exc.status), exc.message)
-                await websocket.send_json({"type": "error", **exc.body()})
+            except ServeError as exc:
+                if isinstance(exc, (NotFound, SessionGone)):
+                    return await close(_close_code(exc), exc.message)
+                await websocket.send_json({"type": "error", **error_body(exc)})
     except (WebSocketDisconnect, RuntimeError):
         return  # the client went away mid-send
     finally:

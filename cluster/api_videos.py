@@ -25,9 +25,10 @@ from ditserve.replica.media import check_image
 from ditserve.replica.models.registry import video_model_hint
 from ditserve.replica.request import GenerationParams
 
+from .errors import BadRequest, Conflict, NotFound, SessionGone
 from .http_base import REPLICA_HEADER, check_size, frontend
 from .router import session_owner
-from .schemas import APIError, Prompt
+from .schemas import Prompt
 
 router = APIRouter(prefix="/v1/videos", tags=["videos"])
 VIDEOS_PATH = "/v1/videos"
@@ -84,8 +85,7 @@ def _data_url(value: str) -> bytes:
     """``data:<type>;base64,<data>`` → the bytes (the server fetches nothing, so other URLs are refused)."""
     head, sep, data = value.partition(",")
     if not value.startswith("data:") or not sep or not head.endswith(";base64"):
-        raise APIError(
-            400,
+        raise BadRequest(
             "input_reference: give an image file, or a base64 data URL (data:image/png;base64,...); "
             "the server fetches no URLs",
             param="input_reference",
@@ -93,8 +93,8 @@ def _data_url(value: str) -> bytes:
     try:
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
-        raise APIError(
-            400, "input_reference: the data URL is not valid base64", param="input_reference"
+        raise BadRequest(
+            "input_reference: the data URL is not valid base64", param="input_reference"
         ) from None
 
 
@@ -102,13 +102,12 @@ def reference_bytes(body: VideoCreateRequest, upload: bytes | None) -> bytes | N
     """The first frame as encoded bytes: an uploaded file, or the body's data URL (not both)."""
     given = body.input_reference
     if upload is not None and given is not None:
-        raise APIError(400, "input_reference: given twice (a file and a URL)", param="input_reference")
+        raise BadRequest("input_reference: given twice (a file and a URL)", param="input_reference")
     if upload is not None:
         return upload
     if isinstance(given, ImageReference):
         if given.file_id is not None or given.image_url is None:
-            raise APIError(
-                400,
+            raise BadRequest(
                 "input_reference: file_id is not supported (no files API); give image_url as a data URL",
                 param="input_reference",
             )
@@ -125,8 +124,7 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
     """Checks shared by HTTP and gRPC → engine parameters (``upload``: the input_reference file)."""
     fe.check_model(body.model)
     if fe.model_kind != "video":
-        raise APIError(
-            400,
+        raise BadRequest(
             f"model: {fe.model_name!r} makes images; videos need a video model "
             f"(e.g. --model {video_model_hint()})",
             param="model",
@@ -141,20 +139,19 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
         if body.seconds is None:  # the default (1 s) shrinks to what the server allows
             frames = min(frames, multiple * ((limits.max_frames - 1) // multiple) + 1)
     elif (frames - 1) % multiple:
-        raise APIError(
-            400, f"num_frames: must be {multiple}·k + 1 for {fe.model_name}, got {frames}", param="num_frames"
+        raise BadRequest(
+            f"num_frames: must be {multiple}·k + 1 for {fe.model_name}, got {frames}", param="num_frames"
         )
     if frames > limits.max_frames:
         param = "num_frames" if body.num_frames is not None else "seconds"
-        raise APIError(400, f"{param}: {frames} frames is above the maximum {limits.max_frames}", param=param)
+        raise BadRequest(f"{param}: {frames} frames is above the maximum {limits.max_frames}", param=param)
     width, height = check_size(body.size or fe.default_size, limits.max_width, limits.max_height)
     kwargs: dict[str, Any] = {} if body.seed is None else {"seed": body.seed}
     reference = reference_bytes(body, upload)
     first_frame = fe.spec.first_frame
     if reference is not None:
         if first_frame == "none":
-            raise APIError(
-                400,
+            raise BadRequest(
                 f"input_reference: {fe.model_name} is a text-to-video model and takes no reference image",
                 param="input_reference",
             )
@@ -166,11 +163,10 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
                 max_pixels=limits.max_image_pixels,
             )
         except ValueError as exc:
-            raise APIError(400, str(exc), param="input_reference") from None
+            raise BadRequest(str(exc), param="input_reference") from None
         kwargs["images"] = (reference,)  # resized to width x height by the model's own video processor
     elif first_frame == "required":
-        raise APIError(
-            400,
+        raise BadRequest(
             f"input_reference: {fe.model_name} is an image-to-video model; give the first frame",
             param="input_reference",
         )
@@ -195,7 +191,7 @@ def _form_fields(content_type: str, raw: bytes) -> tuple[dict[str, Any], bytes |
     head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode()
     message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + raw)
     if not message.is_multipart():
-        raise APIError(400, "request body is not valid multipart/form-data")
+        raise BadRequest("request body is not valid multipart/form-data")
     fields: dict[str, Any] = {}
     upload = None
     for part in message.iter_parts():
@@ -205,17 +201,17 @@ def _form_fields(content_type: str, raw: bytes) -> tuple[dict[str, Any], bytes |
         data = part.get_payload(decode=True) or b""
         if name == "input_reference" and part.get_filename() is not None:
             if upload is not None:
-                raise APIError(400, "input_reference: one first frame per video", param="input_reference")
+                raise BadRequest("input_reference: one first frame per video", param="input_reference")
             upload = data
             continue
         if part.get_filename():
-            raise APIError(400, f"{name}: files are taken only as input_reference", param=name)
+            raise BadRequest(f"{name}: files are taken only as input_reference", param=name)
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError:
-            raise APIError(400, f"{name}: not UTF-8 text", param=name) from None
+            raise BadRequest(f"{name}: not UTF-8 text", param=name) from None
         if name in fields:
-            raise APIError(400, f"{name}: given more than once", param=name)
+            raise BadRequest(f"{name}: given more than once", param=name)
         fields[name] = text
     return fields, upload
 
@@ -231,24 +227,22 @@ async def _read_create(request: Request) -> tuple[VideoCreateRequest, bytes | No
             try:
                 data = json.loads(raw)
             except ValueError:
-                raise APIError(400, "request body is not valid JSON") from None
+                raise BadRequest("request body is not valid JSON") from None
             if not isinstance(data, dict):
-                raise APIError(400, "request body must be a JSON object")
+                raise BadRequest("request body must be a JSON object")
         return VideoCreateRequest.model_validate(data), upload
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first.get("loc", ())) or None
-        raise APIError(400, f"{param or 'body'}: {first.get('msg')}", param=param) from None
+        raise BadRequest(f"{param or 'body'}: {first.get('msg')}", param=param) from None
 
 
 def pinned(fe: Any, video_id: str):
     try:
         session_owner(video_id)
     except ValueError:
-        raise APIError(
-            404,
+        raise NotFound(
             f"video {video_id!r} does not exist (ids look like <replica>.<token>)",
-            type="not_found_error",
             param="video_id",
         ) from None
     return fe.engine.options(session_id=video_id)
@@ -275,10 +269,8 @@ def lost_video(video_id: str) -> dict[str, Any]:
 async def call_job(fe: Any, video_id: str, call) -> dict[str, Any]:
     try:
         return await fe.call_engine(call)
-    except APIError as exc:
-        if exc.status == 410:  # the owner replica is gone, and the job with it
-            raise VideoLost(video_id) from None
-        raise
+    except SessionGone:  # the owner replica is gone, and the job with it
+        raise VideoLost(video_id) from None
 
 
 @router.post(
@@ -315,12 +307,12 @@ async def get_video(video_id: str, request: Request, fe: Any = Depends(frontend)
 async def video_content(video_id: str, request: Request, variant: str = "video", fe: Any = Depends(frontend)):
     fe.check_auth(request, admin=False)
     if variant != "video":
-        raise APIError(400, f"variant: only 'video' is served, got {variant!r}", param="variant")
+        raise BadRequest(f"variant: only 'video' is served, got {variant!r}", param="variant")
     try:
         answer = await call_job(fe, video_id, pinned(fe, video_id).video_content.remote(video_id))
     except VideoLost:
         message = lost_video(video_id)["error"]["message"]
-        raise APIError(409, f"video {video_id!r} failed: {message}", param="video_id") from None
+        raise Conflict(f"video {video_id!r} failed: {message}", param="video_id") from None
     return Response(answer["mp4"], media_type="video/mp4", headers={REPLICA_HEADER: answer["replica"]})
 
 

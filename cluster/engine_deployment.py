@@ -5,7 +5,8 @@ operations. Control state converges to the desired state kept by the app's state
 (``control_state``): at start, in the constructor, before Serve routes anything here; after every
 control op; and in the health check, which catches up a replica that missed a broadcast.
 
-Errors cross the handle as data (``error_dict``); the frontend owns the mapping to HTTP/gRPC codes.
+Errors cross the handle as values (typed, ``errors.py``): a refused request is an answer, not a Ray task
+failure; the frontend and the gRPC service own the mapping to HTTP/gRPC codes.
 """
 
 from __future__ import annotations
@@ -26,26 +27,26 @@ from ray import serve
 from ditserve.replica.engine import Engine
 from ditserve.replica.launcher import RankDied, RankError
 from ditserve.replica.request import GenerationParams
-from ditserve.replica.scheduler import QueueFullError
 
 from .config import APP_NAME, AppArgs
 from .control_state import get_or_create_state_actor, initial_state, parse_lora_paths
-from .errors import param_of
+from .errors import (
+    BadRequest,
+    InternalError,
+    NotFound,
+    QueueFull,
+    ReplicaUnavailable,
+    ServeError,
+    Unsupported,
+    engine_error,
+    param_of,
+)
 from .metrics import ReplicaMetrics
 from .ranks import build_launcher, node_info
 from .replica_realtime import ReplicaRealtime
 from .replica_streams import ReplicaStreams
 
 logger = logging.getLogger("ditserve")
-
-
-def error_dict(status: int, message: str, param: str | None = None, **extra: Any) -> dict[str, Any]:
-    """Errors cross the handle as data: the frontend owns the mapping to HTTP/gRPC codes."""
-    return {"error": {"status": status, "message": message, "param": param, **extra}}
-
-
-class ReplicaUnavailable(RuntimeError):
-    """Memory released or shut down: generation answers 503 until resumed."""
 
 
 def _rank_value_error(exc: BaseException) -> str | None:
@@ -57,14 +58,18 @@ def _rank_value_error(exc: BaseException) -> str | None:
     return lines[-1].removeprefix("ValueError: ") if lines else None
 
 
-def _status_of(exc: BaseException) -> int:
-    if isinstance(exc, ValueError) or _rank_value_error(exc) is not None:
-        return 400
+def _control_error(exc: BaseException) -> ServeError:
+    """A failed control op as the typed error the frontend passes on (the message names the exception,
+    except for bad input, whose message names the field)."""
+    message = _rank_value_error(exc) or (str(exc) if isinstance(exc, ValueError) else None)
+    if message is not None:
+        return BadRequest(message, param=param_of(message))
+    described = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, NotImplementedError):
-        return 501
+        return Unsupported(described)
     if isinstance(exc, ReplicaUnavailable):
-        return 503
-    return 500
+        return ReplicaUnavailable(described)
+    return InternalError(described)
 
 
 @dataclass(eq=False)
@@ -190,45 +195,43 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
             await self._converge(desired)
 
     # -- generation ---------------------------------------------------------------------------------------
-    def _rank_failed(self, exc: BaseException | None = None) -> dict[str, Any]:
+    def _rank_failed(self, exc: BaseException | None = None) -> ReplicaUnavailable:
         detail = f" ({str(exc).splitlines()[0]})" if exc is not None else ""
-        return error_dict(
-            503,
+        return ReplicaUnavailable(
             f"replica {self.replica_id} lost a rank{detail} and is being replaced; retry the request",
             retry_after=1,
             replica=self.replica_id,
         )
 
-    def _unavailable(self) -> dict[str, Any] | None:
+    def _unavailable(self) -> ReplicaUnavailable | None:
         if self.shut_down:
-            return error_dict(503, "replica is shut down", replica=self.replica_id)
+            return ReplicaUnavailable("replica is shut down", replica=self.replica_id)
         if self.launcher.dead:
             return self._rank_failed()
         if self.released:
-            return error_dict(
-                503, "replica memory is released; POST /v1/admin/memory/resume first", replica=self.replica_id
+            return ReplicaUnavailable(
+                "replica memory is released; POST /v1/admin/memory/resume first", replica=self.replica_id
             )
         return None
 
-    async def _run(self, params: GenerationParams) -> dict[str, Any]:
+    async def _run(self, params: GenerationParams) -> dict[str, Any] | ServeError:
         unavailable = self._unavailable()
         if unavailable is not None:
             return unavailable
         try:
             future = self.engine.submit(params)
-        except ValueError as exc:
-            return error_dict(400, str(exc), param_of(str(exc)), replica=self.replica_id)
-        except QueueFullError as exc:
-            return error_dict(429, str(exc), retry_after=exc.retry_after_s, replica=self.replica_id)
+        except Exception as exc:
+            refused = engine_error(exc, self.replica_id)
+            if refused is None:
+                raise
+            return refused
         try:
             result = await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             future.cancel()  # the client went away: free the slot at the next step
             raise
-        except ValueError as exc:
-            return error_dict(400, str(exc), param_of(str(exc)), replica=self.replica_id)
-        except ReplicaUnavailable as exc:
-            return error_dict(503, str(exc), replica=self.replica_id)
+        except (ValueError, ServeError) as exc:  # bad input the engine found, or released memory
+            return engine_error(exc, self.replica_id)
         except RankDied as exc:
             return self._rank_failed(exc)
         except RankError as exc:
@@ -238,10 +241,10 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
         self.metrics.observe_usage(result.usage)
         return {"replica": self.replica_id, "result": result}
 
-    async def generate(self, params: GenerationParams) -> dict[str, Any]:
+    async def generate(self, params: GenerationParams) -> dict[str, Any] | ServeError:
         t0 = time.perf_counter()
         answer = await self._run(params)
-        status = "ok" if "result" in answer else str(answer["error"]["status"])
+        status = type(answer).__name__ if isinstance(answer, ServeError) else "ok"
         self.metrics.observe_request(time.perf_counter() - t0, status)
         return answer
 
@@ -256,19 +259,16 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
                 del self.sessions[sid]
         self._expire_realtime()
 
-    def _session_missing(self, session_id: str) -> dict[str, Any]:
-        return error_dict(
-            404, f"session {session_id!r} does not exist (closed or expired)", replica=self.replica_id
-        )
+    def _session_missing(self, session_id: str) -> NotFound:
+        return NotFound(f"session {session_id!r} does not exist (closed or expired)", replica=self.replica_id)
 
-    async def open_session(self, width: int, height: int) -> dict[str, Any]:
+    async def open_session(self, width: int, height: int) -> dict[str, Any] | ServeError:
         unavailable = self._unavailable()
         if unavailable is not None:
             return unavailable
         self._expire_sessions()
         if len(self.sessions) >= self.args.max_sessions_per_replica:
-            return error_dict(
-                429,
+            return QueueFull(
                 f"this replica holds {len(self.sessions)} sessions, its maximum; close one or retry later",
                 retry_after=5,
                 replica=self.replica_id,
@@ -279,7 +279,7 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
 
     async def session_generate(
         self, session_id: str, params: GenerationParams, strength: float
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | ServeError:
         """One step of a session: refine its last image with ``params.prompt`` (the first step: txt2img)."""
         self._expire_sessions()
         session = self.sessions.get(session_id)
@@ -291,15 +291,15 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
             if session.latents is not None:
                 update |= {"init_latents": session.latents, "strength": strength}
             answer = await self._run(params.model_copy(update=update))
-            if "result" in answer:
-                result = answer["result"]
-                session.latents, result.latents = result.latents, None
-                session.steps += 1
-                answer["step"] = session.steps
             session.last_used = time.monotonic()
-            return answer | {"session_id": session_id}
+            if isinstance(answer, ServeError):
+                return answer
+            result = answer["result"]
+            session.latents, result.latents = result.latents, None
+            session.steps += 1
+            return answer | {"step": session.steps, "session_id": session_id}
 
-    async def close_session(self, session_id: str) -> dict[str, Any]:
+    async def close_session(self, session_id: str) -> dict[str, Any] | ServeError:
         if self.sessions.pop(session_id, None) is None:
             return self._session_missing(session_id)
         return {"replica": self.replica_id, "session_id": session_id, "closed": True}
@@ -314,8 +314,7 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
             logger.exception("control op %s failed", op["op"])
             return answer | {
                 "ok": False,
-                "status": _status_of(exc),
-                "error": _rank_value_error(exc) or f"{type(exc).__name__}: {exc}",
+                "error": _control_error(exc),
                 "version": self.applied["version"],
             }
         return answer | {"ok": True, "result": result, "version": self.applied["version"]}

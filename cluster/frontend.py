@@ -1,13 +1,13 @@
 """HTTP ingress (FastAPI inside a Serve deployment): validation, auth, error mapping, OpenAI shapes.
 
 Stateless: it holds a handle to the engine deployment and nothing else, so it can be scaled or restarted.
-Status codes are chosen here and only here.
+Typed errors (``errors.py``) become status codes here and only here (``http_base.HTTP_ERRORS``).
 
 How the routes are organised (add new groups the same way):
 
 - This module builds the one FastAPI app, its exception handlers, and the :class:`Frontend` deployment
-  with the helpers every route shares: auth (``check_auth``), engine calls with error mapping
-  (``call_engine``), control broadcasts (``broadcast``), and the core routes (health, models, images).
+  with the helpers every route shares: auth (``check_auth``), engine calls that raise the replica's typed
+  errors (``call_engine``), control broadcasts (``broadcast``), and the core routes (health, models, images).
 - Each further route group is a module with an ``APIRouter`` named ``router`` (``api_sessions``,
   ``api_admin``), included below. Its handlers are plain functions that reach the Frontend instance
   through ``Depends(http_base.frontend)`` (the instance registers itself at start), so they use
@@ -42,10 +42,15 @@ from .control_state import (
     parse_lora_paths,
     state_actor_name,
 )
-from .errors import SessionGoneError, param_of
+from .errors import (
+    BadRequest,
+    PayloadTooLarge,
+    ReplicaUnavailable,
+    ServeError,
+    Unauthorized,
+)
 from .grpc_service import GrpcMethods
 from .http_base import (
-    ERROR_TYPES,
     REPLICA_HEADER,
     JSONBodyMiddleware,
     build_fastapi,
@@ -53,7 +58,7 @@ from .http_base import (
     frontend,
     register_frontend,
 )
-from .schemas import APIError, ImageData, ImageGenerationRequest, ImagesResponse, ModelCard, usage_of
+from .schemas import ImageData, ImageGenerationRequest, ImagesResponse, ModelCard, usage_of
 
 fastapi_app = build_fastapi()
 
@@ -137,8 +142,8 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
     # -- helpers ----------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(
-                400, f"model {model!r} is not served here; available: [{self.model_name!r}]", param="model"
+            raise BadRequest(
+                f"model {model!r} is not served here; available: [{self.model_name!r}]", param="model"
             )
 
     def is_admin(self, request: Request) -> bool:
@@ -154,41 +159,27 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         if self.args.api_key is None or not (admin or self.args.api_key_for_generation):
             return
         if not self.is_admin(request):
-            raise APIError(
-                401, "missing or wrong API key (Authorization: Bearer <key>)", type="authentication_error"
-            )
+            raise Unauthorized("missing or wrong API key (Authorization: Bearer <key>)")
 
     async def check_body_size(self, request: Request) -> None:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.args.max_body_bytes:
-            raise APIError(413, f"request body is {length} bytes; the limit is {self.args.max_body_bytes}")
-
-    @staticmethod
-    def raise_engine_error(answer: dict[str, Any]) -> None:
-        err = answer["error"]
-        headers = {REPLICA_HEADER: str(err.get("replica", ""))}
-        if err["status"] in (429, 503) and err.get("retry_after") is not None:
-            headers["Retry-After"] = str(max(1, int(err["retry_after"])))
-        kind = ERROR_TYPES.get(err["status"], "invalid_request_error")
-        raise APIError(err["status"], err["message"], type=kind, param=err.get("param"), headers=headers)
+            raise PayloadTooLarge(f"request body is {length} bytes; the limit is {self.args.max_body_bytes}")
 
     async def call_engine(self, response) -> dict[str, Any]:
-        """Await one engine call (a DeploymentResponse) and map failures to the HTTP errors users see."""
+        """Await one engine call (a DeploymentResponse): its answer, or the typed error the replica answered
+        (or the router raised: ``SessionGone``), or ``ReplicaUnavailable`` when the call found no replica."""
         try:
             answer = await response
-        except SessionGoneError as exc:
-            raise APIError(410, str(exc), type=ERROR_TYPES[410]) from None
         except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
-            raise APIError(
-                503,
+            raise ReplicaUnavailable(
                 f"the replica serving this request failed ({type(exc).__name__}); retry the request",
-                type=ERROR_TYPES[503],
-                headers={"Retry-After": "1"},
+                retry_after=1,
             ) from None
         except DeploymentUnavailableError:
-            raise APIError(503, "no engine replica is available", type=ERROR_TYPES[503]) from None
-        if "error" in answer:
-            self.raise_engine_error(answer)
+            raise ReplicaUnavailable("no engine replica is available") from None
+        if isinstance(answer, ServeError):
+            raise answer
         return answer
 
     async def broadcast(self, op: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
@@ -219,23 +210,18 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
     @staticmethod
     def raise_broadcast_error(report: dict[str, Any]) -> None:
         if not report["replicas"]:  # nothing was checked or applied anywhere: retry once replicas run
-            raise APIError(
-                503,
+            raise ReplicaUnavailable(
                 f"{report['op']}: no engine replica answered ({report['missing']} starting or restarting); "
                 "nothing was changed, retry in a moment",
-                type=ERROR_TYPES[503],
-                headers={"Retry-After": "5"},
+                retry_after=5,
             )
         failed = [a for a in report["replicas"] if not a["ok"]]
         first = failed[0]
-        status = first.get("status", 500)
-        message = str(first["error"]).removeprefix("ValueError: ")
-        raise APIError(
-            status,
+        err: ServeError = first["error"]  # the replica's typed error (EngineReplica.control)
+        raise type(err)(
             f"{report['op']} failed on {len(failed)} of {report['answered']} replicas; "
-            f"replica {first['replica']}: {message}",
-            type=ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
-            param=param_of(message) if status < 500 else None,
+            f"replica {first['replica']}: {err.message}",
+            param=err.param,
         )
 
     def state_actor(self):
@@ -255,16 +241,12 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         except (asyncio.TimeoutError, RayActorError) as exc:
             if isinstance(exc, RayActorError):
                 self._state_actor = None
-            raise APIError(
-                503,
+            raise ReplicaUnavailable(
                 f"the control state did not answer ({type(exc).__name__}); see the Ray dashboard",
-                type=ERROR_TYPES[503],
             ) from None
         if desired.get("shutdown"):
-            raise APIError(
-                503,
+            raise ReplicaUnavailable(
                 "shut down by POST /v1/admin/shutdown; restart the service (ditserve serve) to serve again",
-                type=ERROR_TYPES[503],
             )
         return {"status": "ok"}
 
@@ -273,8 +255,7 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         the steps out gets the default capped by ``--max-steps``."""
         limits = self.args
         if len(body.prompt) > limits.max_prompt_chars:
-            raise APIError(
-                400,
+            raise BadRequest(
                 f"prompt: {len(body.prompt)} characters is above the maximum {limits.max_prompt_chars}",
                 param="prompt",
             )
@@ -283,8 +264,7 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
                 update={"num_inference_steps": min(body.num_inference_steps, limits.max_steps)}
             )
         if body.num_inference_steps > limits.max_steps:
-            raise APIError(
-                400,
+            raise BadRequest(
                 f"num_inference_steps: {body.num_inference_steps} is above the maximum {limits.max_steps}",
                 param="num_inference_steps",
             )
@@ -294,12 +274,12 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         """Checks shared by HTTP and gRPC (limits, model kind) → engine parameters, width, height."""
         self.check_model(body.model)
         if self.model_kind != "image":
-            raise APIError(400, f"model {self.model_name!r} makes videos; use POST /v1/videos", param="model")
+            raise BadRequest(f"model {self.model_name!r} makes videos; use POST /v1/videos", param="model")
         if body.response_format != "b64_json":
-            raise APIError(400, "response_format: only 'b64_json' is supported", param="response_format")
+            raise BadRequest("response_format: only 'b64_json' is supported", param="response_format")
         limits = self.args
         if body.n > limits.max_n:
-            raise APIError(400, f"n: {body.n} is above the maximum {limits.max_n}", param="n")
+            raise BadRequest(f"n: {body.n} is above the maximum {limits.max_n}", param="n")
         body = self.check_prompt_and_steps(body)
         width, height = check_size(body.size or self.default_size, limits.max_width, limits.max_height)
         return body.to_params(width, height, self.spec), width, height
@@ -311,7 +291,7 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         if body.stream:
             return await api_stream.image_events(self, params, preview=body.preview)
         if body.preview:
-            raise APIError(400, "preview: previews come with stream: true", param="preview")
+            raise BadRequest("preview: previews come with stream: true", param="preview")
         answer = await self.call_engine(self.generate.remote(params))
         result = answer["result"]
         response = ImagesResponse(

@@ -11,8 +11,7 @@ protocols with the same engine handle, limits and checks: requests are turned in
 models, so a bad field fails with the same message (INVALID_ARGUMENT naming it). Server reflection is on
 (Serve's proxy enables it for the registered services), so ``grpcurl`` needs no ``-proto``.
 
-Status codes: 400 → INVALID_ARGUMENT, 401 → UNAUTHENTICATED, 404/410 → NOT_FOUND, 409 →
-FAILED_PRECONDITION, 413/429 → RESOURCE_EXHAUSTED, 501 → UNIMPLEMENTED, 503 → UNAVAILABLE. The API key
+Status codes: each typed error (``errors.py``) has one (``GRPC_CODES``); the details are its message. The API key
 travels as metadata ``authorization: Bearer <key>``. Messages larger than ``max_body_bytes`` are refused
 (RESOURCE_EXHAUSTED). A message that is not valid protobuf is refused by Serve's proxy before it
 reaches this code (UNKNOWN, "Error parsing message with type 'ditserve.v1.…': Wire format was corrupt").
@@ -31,22 +30,42 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, ValidationError
 
+from .errors import (
+    BadRequest,
+    Conflict,
+    InternalError,
+    NotFound,
+    PayloadTooLarge,
+    QueueFull,
+    ReplicaUnavailable,
+    ServeError,
+    SessionGone,
+    Unauthorized,
+    Unsupported,
+)
 from .grpc_gen import ditserve_pb2 as pb
-from .schemas import APIError, ImageGenerationRequest
+from .schemas import ImageGenerationRequest
 
 logger = logging.getLogger("ditserve")
 
-CODES = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    404: grpc.StatusCode.NOT_FOUND,
-    409: grpc.StatusCode.FAILED_PRECONDITION,
-    410: grpc.StatusCode.NOT_FOUND,
-    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    501: grpc.StatusCode.UNIMPLEMENTED,
-    503: grpc.StatusCode.UNAVAILABLE,
+# Each typed error as gRPC answers it.
+GRPC_CODES: dict[type[ServeError], grpc.StatusCode] = {
+    BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    Unauthorized: grpc.StatusCode.UNAUTHENTICATED,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    Conflict: grpc.StatusCode.FAILED_PRECONDITION,
+    SessionGone: grpc.StatusCode.NOT_FOUND,
+    PayloadTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    InternalError: grpc.StatusCode.INTERNAL,
+    Unsupported: grpc.StatusCode.UNIMPLEMENTED,
+    ReplicaUnavailable: grpc.StatusCode.UNAVAILABLE,
 }
+
+
+def grpc_code(exc: ServeError) -> grpc.StatusCode:
+    # By the class hierarchy: an error re-raised by Ray may be a subclass that is also a RayTaskError.
+    return next(GRPC_CODES[cls] for cls in type(exc).__mro__ if cls in GRPC_CODES)
 
 
 class _Metadata:
@@ -57,20 +76,20 @@ class _Metadata:
         self.headers = {k.lower(): v for k, v in pairs if isinstance(v, str)}
 
 
-def _to_api_error(exc: Exception) -> APIError:
-    if isinstance(exc, APIError):
+def _typed(exc: Exception) -> ServeError:
+    if isinstance(exc, ServeError):
         return exc
     if isinstance(exc, ValidationError):
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first.get("loc", ())) or None
-        return APIError(400, f"{param or 'request'}: {first.get('msg')}", param=param)
+        return BadRequest(f"{param or 'request'}: {first.get('msg')}", param=param)
     logger.error("gRPC call failed", exc_info=exc)
-    return APIError(500, f"internal error ({type(exc).__name__}); see the server log")
+    return InternalError(f"internal error ({type(exc).__name__}); see the server log")
 
 
 def _fail(context: Any, exc: Exception) -> None:
-    err = _to_api_error(exc)
-    context.set_code(CODES.get(err.status, grpc.StatusCode.INTERNAL))
+    err = _typed(exc)
+    context.set_code(grpc_code(err))
     context.set_details(err.message)
 
 
@@ -186,8 +205,7 @@ class GrpcMethods:
 
             limit += reference_allowance(self)
         if size > limit:
-            raise APIError(
-                413,
+            raise PayloadTooLarge(
                 f"message is {size} bytes; the limit is max_body_bytes={self.args.max_body_bytes}",
                 param="max_body_bytes",
             )
@@ -243,7 +261,7 @@ class GrpcMethods:
 
         self.check_auth(_Metadata(grpc_context), admin=False)
         if not request.id:
-            raise APIError(400, "id: the video id is required", param="id")
+            raise BadRequest("id: the video id is required", param="id")
         handle = pinned(self, request.id)
         return await call_job(self, request.id, getattr(handle, method).remote(request.id))
 
@@ -278,7 +296,7 @@ class GrpcMethods:
         data = fields(request)
         session_id = data.pop("session_id", "")
         if not session_id:
-            raise APIError(400, "session_id: the session id is required", param="session_id")
+            raise BadRequest("session_id: the session id is required", param="session_id")
         step = _validate(StreamStep, data)
         params = step_params(self, step)
         handle = _pinned(self, session_id).options(stream=True)
@@ -291,7 +309,7 @@ class GrpcMethods:
         from .api_sessions import close_session
 
         if not request.id:
-            raise APIError(400, "id: the session id is required", param="id")
+            raise BadRequest("id: the session id is required", param="id")
         await close_session(request.id, _Metadata(grpc_context), self)
         return pb.Session(id=request.id, closed=True)
 
@@ -326,7 +344,7 @@ class GrpcMethods:
 
         self.check_auth(_Metadata(grpc_context), admin=True)
         if not request.name:
-            raise APIError(400, "name: the adapter name is required", param="name")
+            raise BadRequest("name: the adapter name is required", param="name")
         return _admin_reply(_json(await unload_lora(request.name, _Metadata(grpc_context), self)))
 
     @unary

@@ -1,5 +1,5 @@
-"""Shared parts of the HTTP ingress: the FastAPI app factory with the one error shape, the replica
-header, size checks, the JSON-body middleware, and the ``frontend`` dependency that route modules use
+"""Shared parts of the HTTP ingress: the typed errors as HTTP answers (``HTTP_ERRORS``, the one error
+shape), the FastAPI app factory, the replica header, size checks, the JSON-body middleware, and the ``frontend`` dependency that route modules use
 to reach the Frontend."""
 
 from __future__ import annotations
@@ -14,18 +14,74 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from .schemas import APIError, ErrorResponse, parse_size
+from .errors import (
+    BadRequest,
+    Conflict,
+    InternalError,
+    NotFound,
+    PayloadTooLarge,
+    QueueFull,
+    ReplicaUnavailable,
+    ServeError,
+    SessionGone,
+    Unauthorized,
+    Unsupported,
+)
+from .schemas import ErrorResponse, parse_size
 
 REPLICA_HEADER = "x-ditserve-replica"
 
-ERROR_TYPES = {
-    401: "authentication_error",
-    404: "not_found_error",
-    410: "session_gone_error",
-    429: "rate_limit_error",
-    501: "not_implemented_error",
-    503: "service_unavailable_error",
+# Each typed error as HTTP answers it: the status, and the body's ``type``.
+HTTP_ERRORS: dict[type[ServeError], tuple[int, str]] = {
+    BadRequest: (400, "invalid_request_error"),
+    Unauthorized: (401, "authentication_error"),
+    NotFound: (404, "not_found_error"),
+    Conflict: (409, "invalid_request_error"),
+    SessionGone: (410, "session_gone_error"),
+    PayloadTooLarge: (413, "invalid_request_error"),
+    QueueFull: (429, "rate_limit_error"),
+    InternalError: (500, "server_error"),
+    Unsupported: (501, "not_implemented_error"),
+    ReplicaUnavailable: (503, "service_unavailable_error"),
 }
+
+
+def _http_error(exc: ServeError) -> tuple[int, str]:
+    # By the class hierarchy: an error re-raised by Ray may be a subclass that is also a RayTaskError.
+    return next(HTTP_ERRORS[cls] for cls in type(exc).__mro__ if cls in HTTP_ERRORS)
+
+
+def http_status(exc: ServeError) -> int:
+    return _http_error(exc)[0]
+
+
+def error_type(exc: ServeError) -> str:
+    """The body's ``type`` (also a WebSocket error's ``code``)."""
+    return _http_error(exc)[1]
+
+
+def _body(status: int, kind: str, message: str, param: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_body(exc: ServeError) -> dict[str, Any]:
+    """The one error shape (``schemas.ErrorResponse``): also the data of SSE and WebSocket error events."""
+    status, kind = _http_error(exc)
+    return _body(status, kind, exc.message, exc.param)
+
+
+def error_headers(exc: ServeError) -> dict[str, str]:
+    """Retry-After (whole seconds, at least 1) when a retry may succeed; the replica that answered."""
+    headers = {}
+    if exc.replica is not None:
+        headers[REPLICA_HEADER] = exc.replica
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(max(1, int(exc.retry_after)))
+    return headers
+
+
+def error_response(exc: ServeError) -> JSONResponse:
+    return JSONResponse(error_body(exc), status_code=http_status(exc), headers=error_headers(exc))
 
 
 _instance: list[Any] = []
@@ -64,9 +120,9 @@ def build_fastapi() -> FastAPI:
         version="0.1.0",
     )
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    @app.exception_handler(ServeError)
+    async def _serve_error(request: Request, exc: ServeError):
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -81,8 +137,7 @@ def build_fastapi() -> FastAPI:
             message = "request body must be a JSON object (content-type: application/json)"
         else:
             message = f"{param or 'body'}: {first.get('msg')}"
-        err = APIError(400, message, param=param)
-        return JSONResponse(err.body(), status_code=400)
+        return error_response(BadRequest(message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -94,7 +149,7 @@ def build_fastapi() -> FastAPI:
             headers["Allow"] = ", ".join(allowed)
             message = f"{request.method} is not allowed on {request.url.path}; allowed: {', '.join(allowed)}"
         return JSONResponse(
-            APIError(exc.status_code, message, type=kind).body(), status_code=exc.status_code, headers=headers
+            _body(exc.status_code, kind, message, None), status_code=exc.status_code, headers=headers
         )
 
     # The served schema says what this server answers: its errors, its limits (see openapi_schema).
@@ -152,11 +207,11 @@ class JSONBodyMiddleware:
 def check_size(size: str, max_width: int, max_height: int, multiple: int = 16) -> tuple[int, int]:
     width, height = parse_size(size)
     if width % multiple or height % multiple or width == 0 or height == 0:
-        raise APIError(
-            400, f"size: {size} must have a width and height that are multiples of {multiple}", param="size"
+        raise BadRequest(
+            f"size: {size} must have a width and height that are multiples of {multiple}", param="size"
         )
     if width > max_width or height > max_height:
-        raise APIError(400, f"size: {size} is above the maximum {max_width}x{max_height}", param="size")
+        raise BadRequest(f"size: {size} is above the maximum {max_width}x{max_height}", param="size")
     return width, height
 
 

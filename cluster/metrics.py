@@ -23,6 +23,9 @@ has one panel per metric.
 Realtime video sessions (``replica_realtime``, created with a replica's first session):
 ``ray_ditserve_realtime_sessions`` (gauge: open sessions) and ``ray_ditserve_realtime_chunk_latency_seconds``
 (histogram, tag ``status``: from queueing a chunk to its encoded frames).
+
+Tag ``status``: ``ok``, or the kind of the typed error the replica answered (``QueueFull``, ``BadRequest``,
+``ReplicaUnavailable``, ... of ``errors.py``).
 """
 
 from __future__ import annotations

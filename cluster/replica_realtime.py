@@ -15,7 +15,7 @@ Memory: a session holds its K/V cache on the ranks, ``2 × rows × heads × head
 values with ``tokens = full_chunk_limit × L × t_full + (chunks - full_chunk_limit + 1) × L × t_compressed``
 (L latent frames per chunk, t_full / t_compressed tokens per latent frame at full and FAR-compressed
 resolution), per rank ``heads / ulysses`` of them and about ``tokens / ring``: the open answer states one
-rank's for the session's cap (``max_chunks`` or ``realtime_max_chunks``), and at most ``max_realtime_sessions`` sessions are open per replica (429 past it).
+rank's for the session's cap (``max_chunks`` or ``realtime_max_chunks``), and at most ``max_realtime_sessions`` sessions are open per replica (``QueueFull`` past it).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from ditserve.replica.launcher import RankDied, RankError
 from ditserve.replica.request import GenerationParams
 from ditserve.replica.scheduler import QueueFullError
 
-from .errors import param_of
+from .errors import BadRequest, NotFound, QueueFull, ServeError, engine_error, param_of
 
 logger = logging.getLogger("ditserve")
 
@@ -44,16 +44,14 @@ CONTENT_TYPES = {"raw": "application/x-raw-rgb", "jpeg": "image/jpeg", "webp": "
 CHUNK_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60]
 
 
-def _error(status: int, message: str, replica: str, **extra: Any) -> dict[str, Any]:
-    return {
-        "error": {
-            "status": status,
-            "message": message,
-            "param": param_of(message),
-            "replica": replica,
-            **extra,
-        }
-    }
+def _bad_request(message: str, replica: str) -> BadRequest:
+    return BadRequest(message, param=param_of(message), replica=replica)
+
+
+def _no_session(session_id: str, replica: str) -> NotFound:
+    return NotFound(
+        f"session_id: {session_id} does not exist (closed or expired)", param="session_id", replica=replica
+    )
 
 
 def encode_frames(frames: np.ndarray, output_format: str) -> list[bytes]:
@@ -157,24 +155,24 @@ class ReplicaRealtime:
 
     async def realtime_open(
         self, params: GenerationParams, max_chunks: int | None, output_format: str
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | ServeError:
         unavailable = self._unavailable()
         if unavailable is not None:
             return unavailable
         self._expire_realtime()
         cap = self.args.max_realtime_sessions
         if len(self.realtime) >= cap:
-            return _error(
-                429,
+            return QueueFull(
                 f"max_realtime_sessions: this replica holds {len(self.realtime)} realtime sessions, its maximum "
                 f"({cap}); retry later",
-                self.replica_id,
+                param="max_realtime_sessions",
                 retry_after=5,
+                replica=self.replica_id,
             )
         try:
             self.engine.check_chunk(params)
         except ValueError as exc:
-            return _error(400, str(exc), self.replica_id)
+            return _bad_request(str(exc), self.replica_id)
         # Chunks a session may run: --realtime-max-chunks, and the model's temporal positions (rope).
         config = self.engine.spec.transformer_config()
         per_chunk = params.num_frames // self.engine.spec.frame_multiple
@@ -182,8 +180,7 @@ class ReplicaRealtime:
             self.args.realtime_max_chunks, (int(config.get("rope_max_seq_len", 1024)) - 1) // per_chunk + 1
         )
         if max_chunks is not None and max_chunks > limit:
-            return _error(
-                400,
+            return _bad_request(
                 f"max_chunks: {max_chunks} is above the maximum {limit} (--realtime-max-chunks "
                 f"{self.args.realtime_max_chunks}, and the model's positions at {params.num_frames} frames per chunk)",
                 self.replica_id,
@@ -214,21 +211,17 @@ class ReplicaRealtime:
 
     async def realtime_chunk(
         self, session_id: str, chunk_index: int, prompt: str, event_id: int | None
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | ServeError:
         """Denoise chunk ``chunk_index`` of the session with ``prompt``; answers when it is denoised (the next
         chunk may be queued then), while its frames decode: ``realtime_frames`` gives them."""
         session = self.realtime.get(session_id)
         if session is None:
-            return _error(
-                404, f"session_id: {session_id} does not exist (closed or expired)", self.replica_id
-            )
+            return _no_session(session_id, self.replica_id)
         async with session.lock:
             session.last_used = time.monotonic()
             if chunk_index != session.next_chunk:
-                return _error(
-                    400,
-                    f"chunk_index: expected chunk {session.next_chunk}, got {chunk_index}",
-                    self.replica_id,
+                return _bad_request(
+                    f"chunk_index: expected chunk {session.next_chunk}, got {chunk_index}", self.replica_id
                 )
             update: dict[str, Any] = {"prompt": prompt}
             if chunk_index > 0:
@@ -240,14 +233,12 @@ class ReplicaRealtime:
                 return unavailable
             try:
                 chunk = self.engine.submit_chunk(session_id, chunk_index, params, session.max_chunks)
-            except ValueError as exc:
-                return _error(400, str(exc), self.replica_id)
-            except QueueFullError as exc:
-                return _error(429, str(exc), self.replica_id, retry_after=exc.retry_after_s)
+            except (ValueError, QueueFullError) as exc:
+                return engine_error(exc, self.replica_id)
             failed = await self._realtime_wait(chunk.denoised, chunk.frames)
             if failed is not None:
                 self._realtime_metrics.chunk_latency.observe(
-                    time.perf_counter() - t0, tags={"status": str(failed["error"]["status"])}
+                    time.perf_counter() - t0, tags={"status": type(failed).__name__}
                 )
                 return failed
             session.decoding[chunk_index] = (chunk.frames, t0)
@@ -261,24 +252,22 @@ class ReplicaRealtime:
                 "denoise_ms": (time.perf_counter() - t0) * 1000.0,
             }
 
-    async def realtime_frames(self, session_id: str, chunk_index: int) -> dict[str, Any]:
+    async def realtime_frames(self, session_id: str, chunk_index: int) -> dict[str, Any] | ServeError:
         """The frames of a denoised chunk (``realtime_chunk`` answered), encoded, once decoded. Not under the
         session's lock: the session's next chunk holds it while it is denoised."""
         session = self.realtime.get(session_id)
         if session is None:
-            return _error(
-                404, f"session_id: {session_id} does not exist (closed or expired)", self.replica_id
-            )
+            return _no_session(session_id, self.replica_id)
         if chunk_index not in session.decoding:
-            return _error(
-                400, f"chunk_index: chunk {chunk_index} is not being decoded in {session_id}", self.replica_id
+            return _bad_request(
+                f"chunk_index: chunk {chunk_index} is not being decoded in {session_id}", self.replica_id
             )
         future, t0 = session.decoding[chunk_index]
         failed = await self._realtime_wait(future, future)
         session.decoding.pop(chunk_index, None)
         if failed is not None:
             self._realtime_metrics.chunk_latency.observe(
-                time.perf_counter() - t0, tags={"status": str(failed["error"]["status"])}
+                time.perf_counter() - t0, tags={"status": type(failed).__name__}
             )
             return failed
         frames = future.result()
@@ -300,7 +289,7 @@ class ReplicaRealtime:
             "encode_ms": encode_s * 1000.0,
         }
 
-    async def _realtime_wait(self, future, frames) -> dict[str, Any] | None:
+    async def _realtime_wait(self, future, frames) -> ServeError | None:
         """Await one of a chunk's futures; None, or the error answer. Cancelled (the client left), the
         chunk is dropped: ``frames`` cancelled, its slot is freed at the next step."""
         try:
@@ -308,8 +297,8 @@ class ReplicaRealtime:
         except asyncio.CancelledError:
             frames.cancel()
             raise
-        except ValueError as exc:
-            return _error(400, str(exc), self.replica_id)
+        except (ValueError, ServeError) as exc:  # bad input the engine found, or released memory
+            return engine_error(exc, self.replica_id)
         except RankDied as exc:
             return self._rank_failed(exc)
         except RankError as exc:
@@ -318,12 +307,10 @@ class ReplicaRealtime:
             raise
         return None
 
-    async def realtime_close(self, session_id: str) -> dict[str, Any]:
+    async def realtime_close(self, session_id: str) -> dict[str, Any] | ServeError:
         session = self.realtime.get(session_id)
         if session is None:
-            return _error(
-                404, f"session_id: {session_id} does not exist (closed or expired)", self.replica_id
-            )
+            return _no_session(session_id, self.replica_id)
         async with session.lock:
             self.realtime.pop(session_id, None)
             self._realtime_count()

@@ -8,7 +8,8 @@
   it, so jobs survive a frontend restart). Finished jobs are kept ``video_ttl_s``, then forgotten.
 - ``session_stream``: one realtime-session step as a stream, optionally with low-res latent previews.
 
-Events and errors cross the handle as plain dicts, like the rest of the replica's answers.
+Events cross the handle as plain dicts, errors as typed values (``errors.py``), like the rest of the
+replica's answers.
 """
 
 from __future__ import annotations
@@ -28,11 +29,7 @@ from PIL import Image
 from ditserve.replica.request import GenerationParams, GenerationResult
 from ditserve.replica.scheduler import QueueFullError
 
-from .errors import param_of
-
-
-def _error(status: int, message: str, param: str | None = None, **extra: Any) -> dict[str, Any]:
-    return {"error": {"status": status, "message": message, "param": param, **extra}}
+from .errors import Conflict, NotFound, QueueFull, ReplicaUnavailable, ServeError, engine_error
 
 
 def latent_preview(latents: np.ndarray, width: int, height: int) -> bytes:
@@ -97,14 +94,11 @@ class ReplicaStreams:
     ``_unavailable``/``_expire_sessions``."""
 
     # -- streamed generation -----------------------------------------------------------------------------
-    def _submit_error(self, exc: Exception) -> dict[str, Any]:
-        if isinstance(exc, QueueFullError):
-            return _error(429, str(exc), retry_after=exc.retry_after_s, replica=self.replica_id)
-        return _error(400, str(exc), param_of(str(exc)), replica=self.replica_id)
-
-    async def generate_stream(self, params: GenerationParams, preview: bool = False) -> AsyncIterator[dict]:
+    async def generate_stream(
+        self, params: GenerationParams, preview: bool = False
+    ) -> AsyncIterator[dict[str, Any] | ServeError]:
         """Events: ``{"type": "progress", "step", "total"[, "preview"]}`` per step, then ``{"type":
-        "result", "result", "replica"}``, or a single ``{"error": ...}``."""
+        "result", "result", "replica"}``, or a single typed error."""
         unavailable = self._unavailable()
         if unavailable is not None:
             yield unavailable
@@ -128,7 +122,7 @@ class ReplicaStreams:
                 params, on_progress=on_progress, on_preview=on_preview if preview else None
             )
         except (ValueError, QueueFullError) as exc:
-            yield self._submit_error(exc)
+            yield engine_error(exc, self.replica_id)
             return
         finished = asyncio.ensure_future(asyncio.wrap_future(future))
         try:
@@ -145,10 +139,10 @@ class ReplicaStreams:
             try:
                 result: GenerationResult = finished.result()
             except ValueError as exc:
-                yield _error(400, str(exc), param_of(str(exc)), replica=self.replica_id)
+                yield engine_error(exc, self.replica_id)
                 return
             except Exception as exc:
-                yield _error(503, f"generation failed: {exc}", replica=self.replica_id)
+                yield ReplicaUnavailable(f"generation failed: {exc}", replica=self.replica_id)
                 return
             self.metrics.observe_usage(result.usage)
             yield {"type": "result", "result": result, "replica": self.replica_id}
@@ -158,13 +152,13 @@ class ReplicaStreams:
 
     async def session_stream(
         self, session_id: str, params: GenerationParams, strength: float, preview: bool = False
-    ) -> AsyncIterator[dict]:
+    ) -> AsyncIterator[dict[str, Any] | ServeError]:
         """One realtime-session step as a stream (see ``session_generate``); the result's latents become
         the session's next starting point."""
         self._expire_sessions()
         session = self.sessions.get(session_id)
         if session is None:
-            yield _error(404, f"session {session_id!r} does not exist (closed or expired)", "session_id")
+            yield self._no_session(session_id)
             return
         async with session.lock:
             session.last_used = time.monotonic()
@@ -172,7 +166,7 @@ class ReplicaStreams:
             if session.latents is not None:
                 update |= {"init_latents": session.latents, "strength": strength}
             async for event in self.generate_stream(params.model_copy(update=update), preview=preview):
-                if event.get("type") == "result":
+                if not isinstance(event, ServeError) and event["type"] == "result":
                     result = event["result"]
                     session.latents, result.latents = result.latents, None
                     session.steps += 1
@@ -180,12 +174,19 @@ class ReplicaStreams:
                 session.last_used = time.monotonic()
                 yield event
 
-    async def session_touch(self, session_id: str) -> dict[str, Any]:
+    def _no_session(self, session_id: str) -> NotFound:
+        return NotFound(
+            f"session {session_id!r} does not exist (closed or expired)",
+            param="session_id",
+            replica=self.replica_id,
+        )
+
+    async def session_touch(self, session_id: str) -> dict[str, Any] | ServeError:
         """Does the session exist here, and how old is it (a WebSocket's lifetime deadline)."""
         self._expire_sessions()
         session = self.sessions.get(session_id)
         if session is None:
-            return _error(404, f"session {session_id!r} does not exist (closed or expired)", "session_id")
+            return self._no_session(session_id)
         session.last_used = time.monotonic()
         return {"replica": self.replica_id, "age_s": time.monotonic() - session.created}
 
@@ -201,23 +202,26 @@ class ReplicaStreams:
         for job in [j for j in self._videos.values() if j.finished is not None and j.finished < deadline]:
             del self._videos[job.id]
 
-    def _video(self, video_id: str) -> VideoJob | dict[str, Any]:
+    def _video(self, video_id: str) -> VideoJob | NotFound:
         self._expire_videos()
         job = self._videos.get(video_id)
         if job is None:
-            return _error(
-                404, f"video {video_id!r} does not exist (deleted, expired or never created)", "video_id"
+            return NotFound(
+                f"video {video_id!r} does not exist (deleted, expired or never created)",
+                param="video_id",
+                replica=self.replica_id,
             )
         return job
 
-    async def create_video(self, params: GenerationParams, model: str, prompt: str) -> dict[str, Any]:
+    async def create_video(
+        self, params: GenerationParams, model: str, prompt: str
+    ) -> dict[str, Any] | ServeError:
         unavailable = self._unavailable()
         if unavailable is not None:
             return unavailable
         self._expire_videos()
         if len(self._videos) >= self.args.max_video_jobs_per_replica:
-            return _error(
-                429,
+            return QueueFull(
                 f"this replica holds {len(self._videos)} video jobs, its maximum; "
                 "delete finished ones or retry later",
                 retry_after=5,
@@ -254,32 +258,32 @@ class ReplicaStreams:
         try:
             job.future = self.engine.submit(params, on_progress=on_progress)
         except (ValueError, QueueFullError) as exc:
-            return self._submit_error(exc)
+            return engine_error(exc, self.replica_id)
         job.future.add_done_callback(on_done)
         self._videos[job.id] = job
         return {"replica": self.replica_id, "video": job.public(self.args.video_ttl_s)}
 
-    async def get_video(self, video_id: str) -> dict[str, Any]:
+    async def get_video(self, video_id: str) -> dict[str, Any] | ServeError:
         job = self._video(video_id)
-        if isinstance(job, dict):
-            return job | {"replica": self.replica_id}
+        if isinstance(job, ServeError):
+            return job
         return {"replica": self.replica_id, "video": job.public(self.args.video_ttl_s)}
 
-    async def video_content(self, video_id: str) -> dict[str, Any]:
+    async def video_content(self, video_id: str) -> dict[str, Any] | ServeError:
         job = self._video(video_id)
-        if isinstance(job, dict):
+        if isinstance(job, ServeError):
             return job
         if job.status != "completed":
-            return _error(
-                409,
+            return Conflict(
                 f"video {video_id!r} is {job.status}; its content exists once it is completed",
-                "video_id",
+                param="video_id",
+                replica=self.replica_id,
             )
         return {"replica": self.replica_id, "mp4": job.mp4}
 
-    async def delete_video(self, video_id: str) -> dict[str, Any]:
+    async def delete_video(self, video_id: str) -> dict[str, Any] | ServeError:
         job = self._video(video_id)
-        if isinstance(job, dict):
+        if isinstance(job, ServeError):
             return job
         if job.future is not None and not job.future.done():
             job.future.cancel()  # a running job stops at the next step

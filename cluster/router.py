@@ -6,7 +6,7 @@ every handle to the engine deployment (each frontend replica has one) routes wit
 A realtime session lives on one replica (its latents are there). Its id is ``<replica_id>.<random>`` and
 travels as Serve's ``session_id`` (``handle.options(session_id=...)``), so the owner is read off the id:
 no session map in the router, nothing to keep in sync between frontends. When the owner is not among the
-running replicas, the request fails with :class:`SessionGoneError` (410 at the ingress) instead of being
+running replicas, the request fails with :class:`SessionGone` (410 at the HTTP ingress) instead of being
 remapped to a replica that never saw the session.
 
 Serve pickles this module by value into every handle's router: keep it small, import by absolute names,
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from ray.serve.experimental.round_robin_router import RoundRobinRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
-from ditserve.cluster.errors import SessionGoneError  # absolute: this module is pickled by value
+from ditserve.cluster.errors import SessionGone  # absolute: this module is pickled by value
 
 ROUTER_PATH = "ditserve.cluster.router:SessionRouter"
 
@@ -50,5 +50,5 @@ class SessionRouter(RoundRobinRouter):
         # Owner gone: fail this request now. Returning a non-empty rank makes Serve's routing loop look at
         # the (now done) future and stop instead of polling for a replica that will never come back.
         if not pending_request.future.done():
-            pending_request.future.set_exception(SessionGoneError(session_id))
+            pending_request.future.set_exception(SessionGone.lost(session_id))
         return [candidate_replicas[:1]] if candidate_replicas else []

@@ -21,6 +21,8 @@ from ditserve.replica.jsonfields import JsonInt, json_int
 from ditserve.replica.models.registry import ModelSpec
 from ditserve.replica.request import GenerationParams, LoRARef
 
+from .errors import BadRequest
+
 
 def _non_blank(value: str) -> str:
     if not value.strip():
@@ -34,31 +36,6 @@ Prompt = Annotated[str, StringConstraints(min_length=1), AfterValidator(_non_bla
 SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 
 
-class APIError(Exception):
-    """An error a client caused or must know about; the ingress maps ``status`` to HTTP / gRPC codes."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
-        }
-
-
 class ErrorDetail(BaseModel):
     message: str = Field(description="What is wrong, naming the field or flag and the fix.")
     type: str = Field(description="Kind of error, e.g. invalid_request_error, authentication_error.")
@@ -67,18 +44,16 @@ class ErrorDetail(BaseModel):
 
 
 class ErrorResponse(BaseModel):
-    """The one error shape every 4xx/5xx answer carries (``APIError.body()``)."""
+    """The one error shape every 4xx/5xx answer carries (``http_base.error_body``)."""
 
     error: ErrorDetail
 
 
 def parse_size(size: str) -> tuple[int, int]:
-    """ "WxH" → (width, height); raises APIError naming ``size``."""
+    """ "WxH" → (width, height); raises BadRequest naming ``size``."""
     match = SIZE_RE.match(size)
     if not match:
-        raise APIError(
-            400, f"size must look like 'WIDTHxHEIGHT' (e.g. '512x512'), got {size!r}", param="size"
-        )
+        raise BadRequest(f"size must look like 'WIDTHxHEIGHT' (e.g. '512x512'), got {size!r}", param="size")
     return int(match.group(1)), int(match.group(2))
 
 

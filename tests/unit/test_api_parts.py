@@ -13,11 +13,12 @@ from pydantic import BaseModel, ConfigDict
 
 from ditserve.cluster.api_videos import VideoCreateRequest, _form_fields
 from ditserve.cluster.client import sse_events
+from ditserve.cluster.errors import BadRequest
 from ditserve.cluster.grpc_gen import build
 from ditserve.cluster.grpc_gen import ditserve_pb2 as pb
 from ditserve.cluster.grpc_service import fields
 from ditserve.cluster.replica_streams import latent_preview
-from ditserve.cluster.schemas import APIError, ImageGenerationRequest
+from ditserve.cluster.schemas import ImageGenerationRequest
 
 
 def test_committed_grpc_stubs_match_the_proto():
@@ -40,7 +41,7 @@ def test_multipart_form_fields_as_openai_sends_them():
     data, upload = _form_fields(f"multipart/form-data; boundary={boundary}", raw)
     assert data == {"prompt": "waves, at dusk", "num_frames": "5"} and upload is None
     assert VideoCreateRequest.model_validate(data).num_frames == 5
-    with pytest.raises(APIError, match="multipart"):
+    with pytest.raises(BadRequest, match="multipart"):
         _form_fields("multipart/form-data; boundary=zz", b"garbage")
 
 
@@ -159,7 +160,7 @@ def test_openapi_carries_the_servers_limits():
             try:
                 check_size(size, 64, 32)
                 taken = True
-            except APIError:
+            except BadRequest:
                 taken = False
             assert bool(pattern.match(size)) == taken, size
     session = schema["components"]["schemas"]["SessionGenerateRequest"]["properties"]
