@@ -478,24 +478,26 @@ class AnyFlowRunner(PipelineRunner):
             vae._far_norms_compiled = True
         return vae
 
-    @torch.no_grad()
-    def decode(self, state: RequestState) -> np.ndarray:
-        rollout: FarRollout = state.extra["rollout"]
-        vae = self._vae()
-        # cuDNN picks its 3D convolution algorithms by timing them (once per shape: a session's chunks
-        # repeat the shapes); only inside the decode, which is where the 3D convolutions are.
+    @staticmethod
+    def _tuned_convolutions():
+        """cuDNN picks its 3D convolution algorithms by timing them (once per shape: a session's chunks repeat
+        the shapes); only inside the decode, which is where the 3D convolutions are."""
         cudnn = torch.backends.cudnn
-        with cudnn.flags(
+        return cudnn.flags(
             enabled=cudnn.enabled,
             benchmark=True,
             deterministic=cudnn.deterministic,
             allow_tf32=cudnn.allow_tf32,
-        ):
-            if state.extra.get("whole"):
-                latents = self._unscale(torch.cat(rollout.outputs, dim=1))
-                return self._frames(vae.decode(latents, return_dict=False)[0])
-            # A session's last chunk, through the decoder with the causal cache of the chunks before it.
+        )
+
+    @torch.no_grad()
+    def decode(self, state: RequestState) -> np.ndarray:
+        rollout: FarRollout = state.extra["rollout"]
+        if not state.extra.get("whole"):  # a session's last chunk
             return self._decode_chunk(rollout, rollout.outputs[-1])
+        with self._tuned_convolutions():
+            latents = self._unscale(torch.cat(rollout.outputs, dim=1))
+            return self._frames(self._vae().decode(latents, return_dict=False)[0])
 
     def chunk_decoder(self, state: RequestState):
         """A session chunk's decode, bound now to its latents (the rollout's last chunk) and run later,
@@ -516,13 +518,7 @@ class AnyFlowRunner(PipelineRunner):
         """One chunk's frames through the decoder with the causal cache its predecessors left
         (``rollout.feat_map``): the frames of all chunks equal one decode of the whole video."""
         vae = self._vae()
-        cudnn = torch.backends.cudnn
-        with cudnn.flags(
-            enabled=cudnn.enabled,
-            benchmark=True,
-            deterministic=cudnn.deterministic,
-            allow_tf32=cudnn.allow_tf32,
-        ):
+        with self._tuned_convolutions():
             if rollout.feat_map is None:
                 # The decoder's own count of cached convolutions, without ``clear_cache``: that resets the
                 # VAE's encoder state too, which the step loop may be using (a first frame's encode).
