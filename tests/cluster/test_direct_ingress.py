@@ -182,7 +182,8 @@ def test_request_on_a_dying_replica_gets_503_with_retry_after(server):
     actor = next(a for a in named if a["name"].endswith(f"#{victim}"))
     victim_actor = ray.get_actor(actor["name"], namespace=actor["namespace"])
     pool = cf.ThreadPoolExecutor(4)
-    body = {**SMALL, "num_inference_steps": 50}
+    # Long enough (a second or more each) that the kill lands inside one even when polling is slow.
+    body = {**SMALL, "size": "128x128", "num_inference_steps": 100}
     inflight = [pool.submit(httpx.post, f"{base}/v1/images/generations", json={**body, "seed": i}, timeout=120)
                 for i in range(4)]  # fmt: skip
     deadline = time.monotonic() + 60
