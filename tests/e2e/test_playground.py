@@ -361,7 +361,9 @@ def test_realtime_tab_plays_chunks_and_sends_a_prompt_event(browser, realtime_se
     fill(hook(browser, "rt-prompt"), "a red fox running")
     fill(hook(browser, "rt-size"), "64x64")
     fill(hook(browser, "rt-frames"), "8")
-    fill(hook(browser, "rt-steps"), "2")
+    # 10 steps per chunk: the session (up to the tiny model's 32 chunks) is still running, seconds later, when
+    # the prompt event goes out (the next chunk is queued as soon as one is denoised).
+    fill(hook(browser, "rt-steps"), "10")
     fill(hook(browser, "rt-seed"), "5")
     hook(browser, "rt-start").click()
     wait(browser, lambda: int(hook(browser, "rt-chunks-done").text) >= 1)
