@@ -252,15 +252,14 @@ class _Session:
             forward_ms = (time.perf_counter() - started) * 1000.0
             await self._send_chunk(answer, forward_ms, started)
             if not last:
-                started = next_started
-            if last:
-                reason = "generation complete"
-                if self.init.max_chunks is None:
-                    reason = f"generation complete: chunk limit {self.limit} reached (--realtime-max-chunks)"
-                await self.release()  # the replica's slot is free before the client hears the close
-                await self.sock.close(1000, reason)
-                return "complete"
-            index += 1
+                started, index = next_started, index + 1
+                continue
+            reason = "generation complete"
+            if self.init.max_chunks is None:
+                reason = f"generation complete: chunk limit {self.limit} reached (--realtime-max-chunks)"
+            await self.release()  # the replica's slot is free before the client hears the close
+            await self.sock.close(1000, reason)
+            return "complete"
 
     async def _send_chunk(self, answer: dict[str, Any], forward_ms: float, started: float) -> None:
         fmt = self.init.realtime_output_format
