@@ -1,6 +1,9 @@
 """Videos as asynchronous jobs, in the shape of OpenAI's videos API (an ``APIRouter`` included by
-``frontend``): ``POST /v1/videos`` → a job, ``GET /v1/videos/{id}``, ``GET /v1/videos/{id}/content``
-(H.264 MP4), ``DELETE /v1/videos/{id}``.
+``frontend``): ``POST /v1/videos`` → a job, ``GET /v1/videos`` (the jobs of every replica, cursor pages),
+``GET /v1/videos/{id}``, ``GET /v1/videos/{id}/content`` (H.264 MP4; ``variant=thumbnail``: the first
+frame as WebP, ``variant=spritesheet``: a JPEG grid of frames), ``POST /v1/videos/{id}/remix`` (the same
+job with another prompt), ``DELETE /v1/videos/{id}``. OpenAI's video edits, extensions and characters
+answer 501.
 
 The job lives on the replica that runs it (``replica_streams``); its id ``<replica_id>.<random>`` is
 routed like a session id, so any frontend, including a restarted one, reaches it. ``POST`` takes JSON or
@@ -9,23 +12,28 @@ routed like a session id, so any frontend, including a restarted one, reaches it
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import email.parser
 import email.policy
+import io
 import json
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+import numpy as np
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
+from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from ray.serve.exceptions import DeploymentUnavailableError
 
 from ditserve.replica.caching import CacheSettings
 from ditserve.replica.media import check_image
 from ditserve.replica.models.registry import video_model_hint
 from ditserve.replica.request import GenerationParams
 
-from .errors import BadRequest, Conflict, NotFound, SessionGone
+from .errors import BadRequest, Conflict, NotFound, SessionGone, Unsupported
 from .http_base import REPLICA_HEADER, check_size, frontend
 from .router import session_owner
 from .schemas import Prompt
@@ -252,13 +260,18 @@ class VideoLost(Exception):
     """The replica that ran a video job is gone, and the job with it."""
 
 
-def lost_video(video_id: str) -> dict[str, Any]:
-    """A job whose replica died: failed, with the reason (an id this server issued is never a 404)."""
+def lost_video(video_id: str, model: str = "") -> dict[str, Any]:
+    """A job whose replica died: failed, with the reason (an id this server issued is never a 404). What
+    the job was went with the replica: the fields a client requires are there, zero."""
     return {
         "id": video_id,
         "object": "video",
         "status": "failed",
         "progress": 0,
+        "created_at": 0,
+        "model": model,
+        "size": "0x0",
+        "seconds": "0",
         "error": {
             "code": "replica_gone",
             "message": f"the replica that ran video {video_id!r} is gone, and the job with it; create it again",
@@ -293,27 +306,173 @@ async def create_video(request: Request, fe: Any = Depends(frontend)):
     return JSONResponse(answer["video"], headers={REPLICA_HEADER: answer["replica"]})
 
 
+@router.get("")
+async def list_videos(
+    request: Request,
+    after: str | None = Query(None, description="The id of the last video of the previous page."),
+    limit: int = Query(20, ge=1, le=100, description="Videos per page."),
+    order: Literal["asc", "desc"] = Query(
+        "desc", description="By created_at: newest first (desc) or oldest."
+    ),
+    fe: Any = Depends(frontend),
+):
+    """The video jobs of every running replica (a replica that is restarting has none to show)."""
+    fe.check_auth(request, admin=False)
+    try:
+        answers = await fe.engine.broadcast("list_videos").results_async(timeout_s=30, return_exceptions=True)
+    except DeploymentUnavailableError:
+        answers = []
+    videos = [v for a in answers if isinstance(a, dict) for v in a["videos"]]
+    videos.sort(key=lambda v: (v["created_at"], v["id"]), reverse=order == "desc")
+    start = 0
+    if after is not None:
+        ids = [v["id"] for v in videos]
+        if after not in ids:
+            raise BadRequest(
+                f"after: video {after!r} is not among this server's videos (deleted, expired or never "
+                "created); list again without after",
+                param="after",
+            )
+        start = ids.index(after) + 1
+    page = videos[start : start + limit]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": start + limit < len(videos),
+        }
+    )
+
+
 @router.get("/{video_id}")
 async def get_video(video_id: str, request: Request, fe: Any = Depends(frontend)):
     fe.check_auth(request, admin=False)
     try:
         answer = await call_job(fe, video_id, pinned(fe, video_id).get_video.remote(video_id))
     except VideoLost:
-        return JSONResponse(lost_video(video_id))
+        return JSONResponse(lost_video(video_id, fe.model_name))
     return JSONResponse(answer["video"], headers={REPLICA_HEADER: answer["replica"]})
 
 
-@router.get("/{video_id}/content", response_class=Response, responses={200: {"content": {"video/mp4": {}}}})
-async def video_content(video_id: str, request: Request, variant: str = "video", fe: Any = Depends(frontend)):
+MEDIA_TYPES = {"video": "video/mp4", "thumbnail": "image/webp", "spritesheet": "image/jpeg"}
+SPRITES = 16  # at most this many frames in a spritesheet, 4 a row
+SPRITE_SIDE = 256  # each scaled down to at most this on its longer side
+
+
+def _frames(mp4: bytes, count: int | None) -> list[np.ndarray]:
+    """The first ``count`` frames (all when None) of an MP4, RGB."""
+    import av
+
+    frames = []
+    with av.open(io.BytesIO(mp4)) as container:
+        for frame in container.decode(video=0):
+            frames.append(frame.to_ndarray(format="rgb24"))
+            if count is not None and len(frames) >= count:
+                break
+    return frames
+
+
+def thumbnail(mp4: bytes) -> bytes:
+    """The first frame as WebP."""
+    buf = io.BytesIO()
+    Image.fromarray(_frames(mp4, 1)[0]).save(buf, format="WEBP", quality=90)
+    return buf.getvalue()
+
+
+def spritesheet(mp4: bytes) -> bytes:
+    """Up to ``SPRITES`` frames spread evenly over the video, each at most ``SPRITE_SIDE`` pixels on its
+    longer side, in a JPEG grid of 4 a row (left to right, then down)."""
+    frames = _frames(mp4, None)
+    picks = np.unique(np.linspace(0, len(frames) - 1, min(SPRITES, len(frames))).round().astype(int))
+    height, width = frames[0].shape[:2]
+    scale = min(1.0, SPRITE_SIDE / max(width, height))
+    tile = (max(1, round(width * scale)), max(1, round(height * scale)))
+    columns = min(4, len(picks))
+    rows = -(-len(picks) // columns)
+    sheet = Image.new("RGB", (tile[0] * columns, tile[1] * rows))
+    for n, index in enumerate(picks):
+        sprite = Image.fromarray(frames[index]).resize(tile, Image.Resampling.BILINEAR)
+        sheet.paste(sprite, ((n % columns) * tile[0], (n // columns) * tile[1]))
+    buf = io.BytesIO()
+    sheet.save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def video_variant(mp4: bytes, variant: str) -> bytes:
+    """A completed video's downloadable asset: the MP4 itself, its thumbnail or its spritesheet."""
+    if variant == "thumbnail":
+        return thumbnail(mp4)
+    if variant == "spritesheet":
+        return spritesheet(mp4)
+    return mp4
+
+
+@router.get(
+    "/{video_id}/content",
+    response_class=Response,
+    responses={200: {"content": {media: {} for media in MEDIA_TYPES.values()}}},
+)
+async def video_content(
+    video_id: str,
+    request: Request,
+    variant: Literal["video", "thumbnail", "spritesheet"] = Query(
+        "video", description="video: the MP4; thumbnail: the first frame (WebP); spritesheet: frames (JPEG)."
+    ),
+    fe: Any = Depends(frontend),
+):
     fe.check_auth(request, admin=False)
-    if variant != "video":
-        raise BadRequest(f"variant: only 'video' is served, got {variant!r}", param="variant")
     try:
         answer = await call_job(fe, video_id, pinned(fe, video_id).video_content.remote(video_id))
     except VideoLost:
         message = lost_video(video_id)["error"]["message"]
         raise Conflict(f"video {video_id!r} failed: {message}", param="video_id") from None
-    return Response(answer["mp4"], media_type="video/mp4", headers={REPLICA_HEADER: answer["replica"]})
+    data = (
+        answer["mp4"]
+        if variant == "video"
+        else await asyncio.to_thread(video_variant, answer["mp4"], variant)
+    )
+    return Response(data, media_type=MEDIA_TYPES[variant], headers={REPLICA_HEADER: answer["replica"]})
+
+
+class VideoRemixRequest(BaseModel):
+    """``POST /v1/videos/{id}/remix``: the new prompt; everything else (size, frames, steps, seed, first
+    frame) is the completed video's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: Prompt = Field(description="What the remix films.")
+
+
+@router.post("/{video_id}/remix")
+async def remix_video(video_id: str, body: VideoRemixRequest, request: Request, fe: Any = Depends(frontend)):
+    fe.check_auth(request, admin=False)
+    await fe.check_body_size(request)
+    if len(body.prompt) > fe.args.max_prompt_chars:
+        raise BadRequest(
+            f"prompt: {len(body.prompt)} characters is above the maximum {fe.args.max_prompt_chars}",
+            param="prompt",
+        )
+    try:
+        call = pinned(fe, video_id).remix_video.remote(video_id, body.prompt)
+        answer = await call_job(fe, video_id, call)
+    except VideoLost:
+        message = lost_video(video_id)["error"]["message"]
+        raise Conflict(f"video {video_id!r} failed: {message}", param="video_id") from None
+    return JSONResponse(answer["video"], headers={REPLICA_HEADER: answer["replica"]})
+
+
+@router.post("/edits", include_in_schema=False)
+@router.post("/extensions", include_in_schema=False)
+@router.post("/characters", include_in_schema=False)
+@router.get("/characters/{character_id}", include_in_schema=False)
+async def not_served(request: Request):
+    """OpenAI's video edits, extensions and characters: said plainly, not a 404 or 405 of a path."""
+    raise Unsupported(
+        f"{request.method} {request.url.path} is not served by ditserve; videos are made with POST /v1/videos "
+        "and remixed with POST /v1/videos/{id}/remix"
+    )
 
 
 @router.delete("/{video_id}")

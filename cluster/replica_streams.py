@@ -67,6 +67,8 @@ class VideoJob:
     mp4: bytes | None = None
     future: Future | None = None
     usage: dict[str, Any] | None = None  # transformer_forwards, cached_forwards, cache_policy once completed
+    params: GenerationParams | None = None  # what ran (seed included): a remix reruns it with another prompt
+    remixed_from: str | None = None
 
     def public(self, ttl_s: float) -> dict[str, Any]:
         """The job in OpenAI's ``video`` shape (plus ``num_frames`` and ``fps``)."""
@@ -86,6 +88,7 @@ class VideoJob:
             "prompt": self.prompt,
             "error": self.error,
             "usage": self.usage,
+            "remixed_from_video_id": self.remixed_from,
         }
 
 
@@ -234,6 +237,7 @@ class ReplicaStreams:
             size=f"{params.width}x{params.height}",
             num_frames=params.num_frames,
             fps=params.fps,
+            params=params,
         )
 
         def on_progress(done: int, total: int) -> None:  # engine loop thread: plain attribute writes
@@ -268,6 +272,31 @@ class ReplicaStreams:
         if isinstance(job, ServeError):
             return job
         return {"replica": self.replica_id, "video": job.public(self.args.video_ttl_s)}
+
+    async def remix_video(self, video_id: str, prompt: str) -> dict[str, Any] | ServeError:
+        """A new job on this replica: the completed job's parameters and seed with another prompt."""
+        job = self._video(video_id)
+        if isinstance(job, ServeError):
+            return job
+        if job.status != "completed" or job.params is None:
+            return Conflict(
+                f"video {video_id!r} is {job.status}; only a completed video can be remixed",
+                param="video_id",
+                replica=self.replica_id,
+            )
+        params = job.params.model_copy(update={"prompt": prompt})
+        answer = await self.create_video(params, job.model, prompt)
+        if isinstance(answer, ServeError):
+            return answer
+        self._videos[answer["video"]["id"]].remixed_from = video_id
+        answer["video"]["remixed_from_video_id"] = video_id
+        return answer
+
+    async def list_videos(self) -> dict[str, Any]:
+        """Broadcast target of ``GET /v1/videos``: every job this replica holds."""
+        self._expire_videos()
+        ttl_s = self.args.video_ttl_s
+        return {"replica": self.replica_id, "videos": [j.public(ttl_s) for j in self._videos.values()]}
 
     async def video_content(self, video_id: str) -> dict[str, Any] | ServeError:
         job = self._video(video_id)

@@ -1,9 +1,10 @@
 """Videos as async jobs against a real ``ditserve serve --model demo-wan`` that requires the API key for
-generation too: the openai client's videos resource (multipart create, retrieve, download, delete), httpx,
-the gRPC client, limits, expiry."""
+generation too: the openai client's videos resource (multipart create, retrieve, list, download with its
+variants, remix, delete), httpx, the gRPC client, limits, expiry."""
 
 from __future__ import annotations
 
+import io
 import time
 
 import av
@@ -12,10 +13,11 @@ import httpx
 import openai
 import pytest
 from openai import OpenAI
+from PIL import Image
 
 from ditserve.cluster.client import Client
 from ditserve.replica.media import decode_mp4
-from tests.helpers import ServeProcess
+from tests.helpers import ServeProcess, png_pixels, psnr
 
 KEY = "video-key"
 TTL_S = 6
@@ -63,7 +65,7 @@ def test_openai_client_video_job(client):
     assert done.status == "completed" and done.progress == 100 and done.completed_at >= done.created_at
     assert all(0 <= p <= 100 for _, p in seen)
     data = client.videos.download_content(job.id).read()
-    with av.open(__import__("io").BytesIO(data)) as container:
+    with av.open(io.BytesIO(data)) as container:
         assert container.streams.video[0].codec_context.name == "h264"
     frames = decode_mp4(data)
     assert frames.shape == (5, 64, 64, 3) and frames.std() > 0
@@ -107,6 +109,70 @@ def test_grpc_video_job(server):
     with Client(f"127.0.0.1:{server.grpc_port}") as c, pytest.raises(grpc.RpcError) as info:
         c.create_video("waves")
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_list_pages_variants_and_remix(server, client):
+    """Two jobs listed oldest first one per page (the client follows the cursor), the first's thumbnail and
+    spritesheet, then a remix: the same video settings and seed with another prompt."""
+    settings = {"num_frames": 5, "num_inference_steps": 2, "seed": 5, "fps": 8}
+    first = client.videos.create(prompt="waves on a beach", size="64x48", extra_body=settings)
+    second = client.videos.create(prompt="a fox in snow", size="64x48", extra_body=settings)
+    first, _ = wait(client, first.id)
+    wait(client, second.id)
+    ours = [second.id, first.id]  # newest first
+    newest_first = [v.id for v in client.videos.list() if v.id in ours]
+    assert newest_first == ours
+    pages = client.videos.list(limit=1, order="asc")
+    assert len(pages.data) == 1 and pages.has_more
+    listed = [v for v in pages if v.id in ours]  # the client asks for the next page after last_id
+    assert [v.id for v in listed] == ours[::-1]
+    assert all(v.status == "completed" and v.size == "64x48" and v.model == "demo-wan" for v in listed)
+
+    frames = decode_mp4(client.videos.download_content(first.id).read())
+    thumb = client.videos.download_content(first.id, variant="thumbnail")
+    assert thumb.response.headers["content-type"] == "image/webp"
+    image = Image.open(io.BytesIO(thumb.read()))
+    assert image.format == "WEBP" and image.size == (64, 48)
+    assert psnr(png_pixels(thumb.read()), frames[0]) >= 25  # the first frame, lossy
+    sheet = client.videos.download_content(first.id, variant="spritesheet")
+    assert sheet.response.headers["content-type"] == "image/jpeg"
+    grid = png_pixels(sheet.read())
+    assert grid.shape == (2 * 48, 4 * 64, 3)  # 5 frames, 4 a row
+    assert psnr(grid[48:, :64], frames[4]) >= 25  # the last frame starts the second row
+
+    remix = client.videos.remix(first.id, prompt="waves at night")
+    assert remix.remixed_from_video_id == first.id and remix.id not in ours
+    assert remix.prompt == "waves at night" and remix.size == "64x48" and remix.seconds == first.seconds
+    done, _ = wait(client, remix.id)
+    assert done.status == "completed" and done.remixed_from_video_id == first.id
+    remixed = decode_mp4(client.videos.download_content(remix.id).read())
+    assert remixed.shape == frames.shape and not (remixed == frames).all()  # another prompt, same seed
+    for video_id in (*ours, remix.id):
+        client.videos.delete(video_id)
+    assert not [v for v in client.videos.list() if v.id in (*ours, remix.id)]
+
+
+def test_list_content_and_remix_bad_input(server, client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.videos.list(after="nosuch.cursor")
+    assert info.value.body["param"] == "after" and "after" in info.value.message
+    for query, param in (({"limit": 0}, "limit"), ({"limit": "ten"}, "limit"), ({"order": "up"}, "order")):
+        r = httpx.get(f"{server.base_url}/v1/videos", params=query, headers=AUTH)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (query, r.text)
+    job = client.videos.create(prompt="a", extra_body={"num_frames": 1, "num_inference_steps": 1})
+    with pytest.raises(openai.BadRequestError) as info:
+        client.videos.download_content(job.id, variant="poster")
+    assert info.value.body["param"] == "variant"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.videos.remix(job.id, prompt=" ")
+    assert info.value.body["param"] == "prompt"
+    with pytest.raises(openai.NotFoundError):
+        client.videos.remix(job.id.split(".")[0] + ".nosuch", prompt="a")
+    for path in ("/v1/videos/edits", "/v1/videos/extensions", "/v1/videos/characters"):
+        r = httpx.post(f"{server.base_url}{path}", data={"prompt": "a"}, headers=AUTH)
+        assert r.status_code == 501 and "POST /v1/videos" in r.json()["error"]["message"], (path, r.text)
+    done, _ = wait(client, job.id)  # the server kept serving
+    assert done.status == "completed"
 
 
 BAD = {
