@@ -1,39 +1,48 @@
 """Realtime video over WebSocket, compatible with SGLang Diffusion's ``/v1/realtime_video``:
 ``ws://HOST/v1/realtime_video/generate``. Every message, both ways, is a msgpack map in a binary frame.
 
-Client → server::
+Client → server (optional fields may be nil: their default)::
 
-    {"type": "init", "prompt", "model"?, "size"? ("WxH"), "num_frames"? (frames per chunk), "fps"?, "seed"?,
-     "num_inference_steps"?, "guidance_scale"?, "negative_prompt"?, "max_chunks"? (absent: until the socket
-     closes, at most --realtime-max-chunks), "first_frame"? (image bytes), "realtime_output_format"?
-     ("raw" | "jpeg" | "webp")}
-    {"type": "event", "kind": "prompt", "payload": "<new prompt>", "event_id": n}   (also kind "heartbeat")
+    {"type": "init", "prompt", "model"?, "size"? ("WxH", 832x480), "num_frames"? (frames per chunk), "fps"?
+     (16), "seed"? (42), "num_inference_steps"? (4), "guidance_scale"?, "negative_prompt"?, "max_chunks"?
+     (absent: until the socket closes, at most --realtime-max-chunks), "first_frame"? (image bytes, or their
+     base64 / data URL), "realtime_output_format"? ("raw" (default) | "jpeg" | "webp"), "output_compression"?
+     (JPEG / WebP quality, 95 / 90), "realtime_preview_max_width"? (JPEG / WebP narrowed to it), "trace_id"?}
+    {"type": "event", "kind": "prompt", "payload": "<new prompt>", "event_id": n}   (also kind "heartbeat",
+     which only counts as activity: no reply)
 
 Server → client, per chunk (``chunk_index`` from 0, in order)::
 
-    {"type": "frame_batch", "session_id", "replica", "chunk_index", "frame_batch_index",
-     "num_frame_batches", "is_final_frame_batch", "num_frames", "content_type", "width", "height",
-     "channels", "bytes_per_frame", "total_size", "payload", "event_id"?, "payload_lengths"? (jpeg/webp)}
-    (a payload of 64 KiB or more: the same map as "frame_batch_header" without "payload", then the payload
-     as its own binary frame)
-    {"type": "chunk_stats", "session_id", "replica", "chunk_index", "event_id", "request_prepare_ms",
-     "scheduler_forward_ms", "frame_encode_ms", "ws_write_ms", "chunk_total_ms", "num_frames", ...}
+    {"type": "frame_batch", "session_id", "replica", "request_id", "chunk_index", "frame_batch_index",
+     "num_frame_batches", "is_final_frame_batch", "num_frames", "content_type", "format", "encoding", "width",
+     "height", "channels", "bytes_per_frame", "total_size", "payload", "event_id"?, "raw_size"? (raw),
+     "payload_lengths", "source_width", "source_height", "preview_width", "preview_height"? (jpeg/webp)}
+    (at most 16 raw or 6 JPEG / WebP frames per message; a payload of 64 KiB or more: the same map as
+     "frame_batch_header" without "payload", then the payload as its own binary frame)
+    {"type": "chunk_stats", "trace_id", "session_id", "replica", "request_id", "chunk_index", "event_id",
+     "request_prepare_ms", "scheduler_forward_ms", "frame_encode_ms", "header_write_ms", "raw_write_ms",
+     "ws_write_ms", "chunk_total_ms", "num_batches", "num_frames", "raw_bytes", "ws_payload_bytes", ...}
     {"type": "error", "content": <message naming the field>, "code"?}
 
-The first chunk is the first latent frame (one video frame); every later chunk carries ``num_frames`` frames.
-A prompt event applies from the next chunk not yet queued on the replica; that chunk's messages echo its
-``event_id``. The session lives on one replica (``session_id`` = ``<replica_id>.<token>``, named in every
-message as ``replica``); the next chunk is queued there as soon as the previous one is denoised, so the
-replica denoises it while the previous one's frames decode and this frontend sends them. Closes: 1000 "generation complete" after ``max_chunks``; 1000 with
-the reason at the idle (``session_idle_timeout_s``) or lifetime (``session_max_lifetime_s``) limit;
-an error with ``code`` ``session_gone`` then 4410 when the owner replica is gone; 1008 past
-``max_realtime_sessions`` (after an error). A bad init answers an error and waits for another init; a bad
-event answers an error and the session goes on. The client ends a session by closing the socket.
+Raw frames are rows of RGB bytes (row-major, ``bytes_per_frame`` = width × height × 3 each). The first chunk is
+the first latent frame (one video frame); every later chunk carries ``num_frames`` frames. A prompt event
+applies from the next chunk not yet queued on the replica; as in SGLang, that chunk and every later one
+generated with that prompt echo its ``event_id``. The session lives on one replica (``session_id`` =
+``<replica_id>.<token>``, named in every message as ``replica``); the next chunk is queued there as soon as the
+previous one is denoised, so the replica denoises it while the previous one's frames decode and this frontend
+sends them. Closes: 1000 "generation complete" after ``max_chunks``; 1000 "session idle timeout"
+(``session_idle_timeout_s``) or "maximum session lifetime reached" (``session_max_lifetime_s``); an error
+with ``code`` ``session_gone`` then 4410 when the owner replica is gone; 1008 past ``max_realtime_sessions``
+(after an error). A bad message before the session opens (a bad init, an event, a text or non-msgpack frame)
+answers an error and the server waits for an init; a bad one during the session answers an error and the
+session goes on. The client ends a session by closing the socket.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import io
 import logging
@@ -48,7 +57,7 @@ from ditserve.replica.request import GenerationParams
 
 from .errors import BadRequest, QueueFull, ReplicaUnavailable, ServeError, SessionGone
 from .http_base import error_type, frontend
-from .replica_realtime import CONTENT_TYPES
+from .replica_realtime import CONTENT_TYPES, preview_size
 from .schemas import parse_size
 
 router = APIRouter(tags=["realtime"])
@@ -58,11 +67,13 @@ PAYLOAD_INLINE_BYTES = 64 * 1024  # larger payloads travel as a header map then 
 FRAMES_PER_MESSAGE = {"raw": 16, "jpeg": 6, "webp": 6}
 DEFAULT_SIZE = "832x480"
 DEFAULT_SEED = 42  # the same init gives the same video; a client wanting variety sends a seed
+DEFAULT_FPS, DEFAULT_STEPS = 16, 4
 GONE_CLOSE = 4410
 
 
 class RealtimeInit(BaseModel):
-    """The first message of a session (fields SGLang clients send that do not apply here are ignored)."""
+    """The first message of a session (fields SGLang clients send that do not apply here are ignored). As in
+    SGLang, every optional field may be sent as nil, meaning its default."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -71,14 +82,21 @@ class RealtimeInit(BaseModel):
     model: str | None = None
     size: str | None = None
     num_frames: int | None = Field(default=None, strict=True, ge=1)
-    fps: int = Field(default=16, strict=True, ge=1, le=120)
-    seed: int = Field(default=DEFAULT_SEED, strict=True, ge=0, lt=2**63)
-    num_inference_steps: int = Field(default=4, strict=True, ge=1)
+    fps: int | None = Field(default=None, strict=True, ge=1, le=120)
+    seed: int | None = Field(default=None, strict=True, ge=0, lt=2**63)
+    num_inference_steps: int | None = Field(default=None, strict=True, ge=1)
     guidance_scale: float | None = Field(default=None, ge=0, le=100)
     negative_prompt: str | None = None
     max_chunks: int | None = Field(default=None, strict=True, ge=1)
-    first_frame: bytes | None = None
-    realtime_output_format: Literal["raw", "jpeg", "webp"] = "raw"
+    first_frame: bytes | str | None = None  # image bytes, or a base64 string / data URL
+    realtime_output_format: Literal["raw", "jpeg", "webp"] | None = None
+    output_compression: int | None = Field(default=None, strict=True, ge=1, le=100)  # JPEG / WebP quality
+    realtime_preview_max_width: int | None = Field(default=None, strict=True)  # JPEG / WebP; <= 0: none
+    trace_id: str | None = Field(default=None, max_length=256)
+
+    @property
+    def output_format(self) -> str:
+        return self.realtime_output_format or "raw"
 
 
 class RealtimeEvent(BaseModel):
@@ -96,6 +114,25 @@ def _validation_message(exc: ValidationError) -> str:
     return f"{field}: {first.get('msg')}"
 
 
+def _first_frame(value: bytes | str) -> bytes:
+    """The init's ``first_frame``: image bytes, or a string holding them in base64 (plain or a data URL).
+    The server fetches nothing, so URLs and paths are refused."""
+    if isinstance(value, bytes):
+        return value
+    data = value
+    if value.startswith("data:"):
+        head, sep, data = value.partition(",")
+        if not sep or not head.endswith(";base64"):
+            raise BadRequest("first_frame: a data URL must be base64 (data:image/png;base64,...)")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest(
+            "first_frame: give image bytes, or a base64 string / data URL of them; the server fetches no "
+            "URLs or paths"
+        ) from None
+
+
 def _default_frames(fe: Any) -> int:
     """Frames per chunk when the init gives none: the model's usual chunk (released: 3 latent frames)."""
     config = fe.spec.transformer_config()
@@ -111,30 +148,36 @@ def init_params(fe: Any, init: RealtimeInit) -> GenerationParams:
         )
     if len(init.prompt) > fe.args.max_prompt_chars:
         raise BadRequest(f"prompt: longer than {fe.args.max_prompt_chars} characters", param="prompt")
-    width, height = parse_size(init.size or DEFAULT_SIZE)
-    if init.num_inference_steps > fe.args.max_steps:
-        raise BadRequest(
-            f"num_inference_steps: {init.num_inference_steps} is above the maximum {fe.args.max_steps}"
-        )
-    images = () if init.first_frame is None else (init.first_frame,)
+    try:
+        width, height = parse_size(init.size or DEFAULT_SIZE)
+    except BadRequest as exc:
+        raise BadRequest(f"size: {exc.message.removeprefix('size ')}") from None
+    if min(width, height) < 16:
+        raise BadRequest(f"size: width and height must be at least 16, got {init.size!r}")
+    steps = init.num_inference_steps or DEFAULT_STEPS
+    if steps > fe.args.max_steps:
+        raise BadRequest(f"num_inference_steps: {steps} is above the maximum {fe.args.max_steps}")
+    images: tuple[bytes, ...] = ()
     if init.first_frame is not None:
         from PIL import Image
 
+        first = _first_frame(init.first_frame)
         try:
-            with Image.open(io.BytesIO(init.first_frame)) as image:
+            with Image.open(io.BytesIO(first)) as image:
                 image.verify()
         except Exception:
             raise BadRequest("first_frame: not a decodable image (PNG, JPEG or WebP bytes)") from None
+        images = (first,)
     return GenerationParams(
         prompt=init.prompt,
         negative_prompt=init.negative_prompt,
         width=width,
         height=height,
         num_frames=init.num_frames or _default_frames(fe),
-        num_inference_steps=init.num_inference_steps,
+        num_inference_steps=steps,
         guidance_scale=init.guidance_scale,
-        seed=init.seed,
-        fps=init.fps,
+        seed=DEFAULT_SEED if init.seed is None else init.seed,
+        fps=init.fps or DEFAULT_FPS,
         images=images,
     )
 
@@ -147,12 +190,16 @@ class _Socket:
         self.lock = asyncio.Lock()
         self.closed = False
 
-    async def send(self, *messages: dict[str, Any] | bytes) -> int:
+    async def send(self, *messages: dict[str, Any] | bytes, write_ms: list[float] | None = None) -> int:
+        """Send the messages back to back; returns the bytes sent (``write_ms`` gets each write's time)."""
         sent = 0
         async with self.lock:
             for message in messages:
                 data = message if isinstance(message, bytes) else msgpack.packb(message, use_bin_type=True)
+                t0 = time.perf_counter()
                 await self.ws.send_bytes(data)
+                if write_ms is not None:
+                    write_ms.append((time.perf_counter() - t0) * 1000.0)
                 sent += len(data)
         return sent
 
@@ -188,16 +235,23 @@ async def _receive_map(ws: WebSocket) -> dict[str, Any] | str:
 class _Session:
     """One open session: the current prompt and the chunk loop."""
 
-    def __init__(self, fe: Any, sock: _Socket, init: RealtimeInit, opened: dict[str, Any]):
+    def __init__(
+        self, fe: Any, sock: _Socket, init: RealtimeInit, opened: dict[str, Any], trace_id: str | None
+    ):
         self.fe = fe
         self.sock = sock
         self.init = init
         self.session_id: str = opened["session_id"]
+        self.trace_id = trace_id or self.session_id
         self.replica: str = opened["replica"]
         self.limit: int = init.max_chunks or opened["chunk_limit"]
         self.pinned = fe.engine.options(session_id=self.session_id)
+        # As in SGLang, a chunk echoes the ``event_id`` of the latest prompt event it was generated with
+        # (every chunk from the one that applied it until the next prompt event), none before any event.
         self.prompt = init.prompt
-        self.pending_event: int | None = None  # the prompt event not yet applied to a queued chunk
+        self.event_id: int | None = None  # the event of ``self.prompt`` (None: the init's, or no event_id)
+        self.applied_event: int | None = None  # the event of the prompt of the last queued chunk
+        self.prompt_changed = False  # a prompt event arrived since the last chunk was queued
         self.created = self.last_activity = time.monotonic()
         self.gone = self.released = False
         self.calls: set[asyncio.Task] = set()  # replica calls in flight (cancelled when the session ends)
@@ -209,8 +263,9 @@ class _Session:
         return task
 
     def _chunk_call(self, index: int) -> tuple[asyncio.Task, float]:
-        event, self.pending_event = self.pending_event, None
-        call = self.pinned.realtime_chunk.remote(self.session_id, index, self.prompt, event)
+        if self.prompt_changed:
+            self.applied_event, self.prompt_changed = self.event_id, False
+        call = self.pinned.realtime_chunk.remote(self.session_id, index, self.prompt, self.applied_event)
         return self._call(call), time.perf_counter()
 
     async def generate(self) -> str:
@@ -262,26 +317,45 @@ class _Session:
             return "complete"
 
     async def _send_chunk(self, answer: dict[str, Any], forward_ms: float, started: float) -> None:
-        fmt = self.init.realtime_output_format
+        """One chunk as SGLang sends it: ``frame_batch`` messages of at most 16 raw or 6 JPEG / WebP
+        frames (the last one ``is_final_frame_batch``; a chunk with no frames still sends one, empty), each
+        inline or, from 64 KiB of payload, a ``frame_batch_header`` then the payload as a binary frame; then
+        ``chunk_stats``."""
+        fmt = self.init.output_format
         payloads: list[bytes] = answer["payloads"]
         width, height = answer["width"], answer["height"]
         per = FRAMES_PER_MESSAGE[fmt]
         batches = [payloads[i : i + per] for i in range(0, len(payloads), per)] or [[]]
+        request_id = f"{self.session_id}_{answer['chunk_index']}"
         common: dict[str, Any] = {
             "session_id": self.session_id,
             "replica": answer["replica"],
+            "request_id": request_id,
             "chunk_index": answer["chunk_index"],
             "content_type": CONTENT_TYPES[fmt],
+            "format": "rgb24",
             "width": width,
             "height": height,
             "channels": 3,
             "bytes_per_frame": width * height * 3,
-            "format": "rgb24" if fmt == "raw" else fmt,
             "num_frame_batches": len(batches),
         }
+        if fmt != "raw":  # SGLang's encoded frames: width / height are the sent (preview) size
+            shown = preview_size(width, height, self.init.realtime_preview_max_width)
+            common.update(
+                format=fmt,
+                encoding=fmt,
+                source_width=width,
+                source_height=height,
+                preview_width=shown[0],
+                preview_height=shown[1],
+                width=shown[0],
+                height=shown[1],
+            )
         if answer.get("event_id") is not None:
             common["event_id"] = answer["event_id"]
-        t0 = time.perf_counter()
+        header_ms: list[float] = []
+        payload_ms: list[float] = []
         sent = 0
         for i, frames in enumerate(batches):
             payload = b"".join(frames)
@@ -292,17 +366,23 @@ class _Session:
                 "num_frames": len(frames),
                 "total_size": len(payload),
             }
-            if fmt != "raw":
+            if fmt == "raw":
+                header.update(raw_size=len(payload), encoding="raw")
+            else:
                 header["payload_lengths"] = [len(f) for f in frames]
             if len(payload) >= PAYLOAD_INLINE_BYTES:
-                sent += await self.sock.send({"type": "frame_batch_header", **header}, payload)
+                sent += await self.sock.send({"type": "frame_batch_header", **header}, write_ms=header_ms)
+                sent += await self.sock.send(payload, write_ms=payload_ms)
             else:
-                sent += await self.sock.send({"type": "frame_batch", **header, "payload": payload})
-        write_ms = (time.perf_counter() - t0) * 1000.0
+                sent += await self.sock.send(
+                    {"type": "frame_batch", **header, "payload": payload}, write_ms=payload_ms
+                )
         stats = {
             "type": "chunk_stats",
+            "trace_id": self.trace_id,
             "session_id": self.session_id,
             "replica": answer["replica"],
+            "request_id": request_id,
             "chunk_index": answer["chunk_index"],
             "event_id": answer.get("event_id"),
             "request_prepare_ms": 0,
@@ -311,7 +391,11 @@ class _Session:
             "queue_and_transfer_ms": round(
                 max(0.0, forward_ms - answer["generate_ms"] - answer["encode_ms"])
             ),
-            "ws_write_ms": round(write_ms),
+            "pace_wait_ms": 0,
+            "header_write_ms": round(sum(header_ms)),
+            "raw_payload_build_ms": round(answer["encode_ms"]),
+            "raw_write_ms": round(sum(payload_ms)),
+            "ws_write_ms": round(sum(header_ms) + sum(payload_ms)),
             "chunk_total_ms": round((time.perf_counter() - started) * 1000.0),
             "num_batches": len(batches),
             "num_frames": answer["num_frames"],
@@ -355,20 +439,17 @@ class _Session:
             if len(event.payload) > self.fe.args.max_prompt_chars:
                 await self.sock.error(f"payload: longer than {self.fe.args.max_prompt_chars} characters")
                 continue
-            self.prompt = event.payload
-            self.pending_event = event.event_id
+            self.prompt, self.event_id, self.prompt_changed = event.payload, event.event_id, True
 
     async def watchdog(self) -> str:
         idle, lifetime = self.fe.args.session_idle_timeout_s, self.fe.args.session_max_lifetime_s
         while True:
             now = time.monotonic()
             if now - self.created >= lifetime:
-                await self.sock.close(
-                    1000, f"maximum session lifetime reached (session_max_lifetime_s={lifetime:g})"
-                )
+                await self.sock.close(1000, "maximum session lifetime reached")  # SGLang's reasons, verbatim
                 return "lifetime"
             if now - self.last_activity >= idle:
-                await self.sock.close(1000, f"session idle timeout (session_idle_timeout_s={idle:g})")
+                await self.sock.close(1000, "session idle timeout")
                 return "idle"
             await asyncio.sleep(min(1.0, idle / 4, lifetime / 4))
 
@@ -395,7 +476,7 @@ async def realtime_video(websocket: WebSocket, fe: Any = Depends(frontend)):
         return
     if opened is None:
         return
-    session = _Session(fe, sock, init, opened)
+    session = _Session(fe, sock, init, opened, init.trace_id or websocket.query_params.get("trace_id"))
     tasks = [asyncio.create_task(c) for c in (session.generate(), session.listen(), session.watchdog())]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -415,6 +496,9 @@ async def _open(fe: Any, sock: _Socket) -> tuple[RealtimeInit | None, dict[str, 
         if isinstance(data, str):
             await sock.error(data)
             continue
+        if data.get("type") == "event":
+            await sock.error("type: no session is open yet; send an init message first")
+            continue
         try:
             init = RealtimeInit.model_validate(data)
             params = init_params(fe, init)
@@ -426,7 +510,13 @@ async def _open(fe: Any, sock: _Socket) -> tuple[RealtimeInit | None, dict[str, 
             continue
         try:
             opened = await fe.call_engine(
-                fe.engine.realtime_open.remote(params, init.max_chunks, init.realtime_output_format)
+                fe.engine.realtime_open.remote(
+                    params,
+                    init.max_chunks,
+                    init.output_format,
+                    init.output_compression,
+                    init.realtime_preview_max_width,
+                )
             )
         except ServeError as exc:
             if isinstance(exc, QueueFull):

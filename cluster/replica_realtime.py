@@ -54,19 +54,36 @@ def _no_session(session_id: str, replica: str) -> NotFound:
     )
 
 
-def encode_frames(frames: np.ndarray, output_format: str) -> list[bytes]:
-    """uint8 [F, H, W, 3] → one payload per frame: raw RGB rows, or a JPEG / WebP file."""
+JPEG_QUALITY, WEBP_QUALITY = 95, 90  # SGLang's defaults when the init sets no output_compression
+
+
+def preview_size(width: int, height: int, max_width: int | None) -> tuple[int, int]:
+    """The size JPEG / WebP frames are sent at: narrowed to ``max_width`` (aspect kept), never widened."""
+    if not max_width or max_width <= 0 or width <= max_width:
+        return width, height
+    return max_width, max(1, round(height * max_width / width))
+
+
+def encode_frames(
+    frames: np.ndarray, output_format: str, quality: int | None = None, preview_max_width: int | None = None
+) -> list[bytes]:
+    """uint8 [F, H, W, 3] → one payload per frame: raw RGB rows (row-major, R G B per pixel), or a JPEG /
+    WebP file at ``quality`` (1-100), narrowed to ``preview_max_width``."""
     if output_format == "raw":
         return [np.ascontiguousarray(f).tobytes() for f in frames]
     from PIL import Image
 
+    size = preview_size(int(frames.shape[2]), int(frames.shape[1]), preview_max_width)
     out = []
     for frame in frames:
+        image = Image.fromarray(frame)
+        if image.size != size:
+            image = image.resize(size, Image.Resampling.BICUBIC)
         buffer = io.BytesIO()
         if output_format == "jpeg":
-            Image.fromarray(frame).save(buffer, format="JPEG", quality=95, subsampling=0)
+            image.save(buffer, format="JPEG", quality=quality or JPEG_QUALITY, subsampling=0)
         else:
-            Image.fromarray(frame).save(buffer, format="WEBP", quality=90, method=0)
+            image.save(buffer, format="WEBP", quality=quality or WEBP_QUALITY, method=0)
         out.append(buffer.getvalue())
     return out
 
@@ -100,6 +117,8 @@ class RealtimeSession:
     params: GenerationParams  # the init's settings; each chunk replaces the prompt
     max_chunks: int | None
     output_format: str
+    quality: int | None = None  # JPEG / WebP quality (the init's output_compression)
+    preview_max_width: int | None = None
     next_chunk: int = 0
     # Denoised chunks whose frames are being decoded: chunk index → (frames future, when it was queued).
     decoding: dict[int, tuple[Any, float]] = field(default_factory=dict)
@@ -154,21 +173,16 @@ class ReplicaRealtime:
             self._realtime_count()
 
     async def realtime_open(
-        self, params: GenerationParams, max_chunks: int | None, output_format: str
+        self,
+        params: GenerationParams,
+        max_chunks: int | None,
+        output_format: str,
+        quality: int | None = None,
+        preview_max_width: int | None = None,
     ) -> dict[str, Any] | ServeError:
         unavailable = self._unavailable()
         if unavailable is not None:
             return unavailable
-        self._expire_realtime()
-        cap = self.args.max_realtime_sessions
-        if len(self.realtime) >= cap:
-            return QueueFull(
-                f"max_realtime_sessions: this replica holds {len(self.realtime)} realtime sessions, its maximum "
-                f"({cap}); retry later",
-                param="max_realtime_sessions",
-                retry_after=5,
-                replica=self.replica_id,
-            )
         try:
             self.engine.check_chunk(params)
         except ValueError as exc:
@@ -185,8 +199,24 @@ class ReplicaRealtime:
                 f"{self.args.realtime_max_chunks}, and the model's positions at {params.num_frames} frames per chunk)",
                 self.replica_id,
             )
+        # The init is checked first: a bad one is told its field whichever replica it lands on.
+        self._expire_realtime()
+        cap = self.args.max_realtime_sessions
+        if len(self.realtime) >= cap:
+            return QueueFull(
+                f"max_realtime_sessions: this replica holds {len(self.realtime)} realtime sessions, its maximum "
+                f"({cap}); retry later",
+                param="max_realtime_sessions",
+                retry_after=5,
+                replica=self.replica_id,
+            )
         session = RealtimeSession(
-            f"{self.replica_id}.{secrets.token_hex(16)}", params, max_chunks, output_format
+            f"{self.replica_id}.{secrets.token_hex(16)}",
+            params,
+            max_chunks,
+            output_format,
+            quality=quality,
+            preview_max_width=preview_max_width,
         )
         self.realtime[session.session_id] = session
         self._realtime_count()
@@ -273,7 +303,9 @@ class ReplicaRealtime:
         frames = future.result()
         generate_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        payloads = await asyncio.to_thread(encode_frames, frames, session.output_format)
+        payloads = await asyncio.to_thread(
+            encode_frames, frames, session.output_format, session.quality, session.preview_max_width
+        )
         encode_s = time.perf_counter() - t1
         session.last_used = time.monotonic()
         self._realtime_metrics.chunk_latency.observe(time.perf_counter() - t0, tags={"status": "ok"})

@@ -6,6 +6,8 @@ the same frames on the other replica, errors for bad inits and events on a socke
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import signal
 import time
@@ -14,11 +16,12 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
+from PIL import Image
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from tests.families.anyflow import build_folder
-from tests.helpers import ServeProcess
+from tests.helpers import ServeProcess, png_pixels
 
 KEY = "realtime-key"
 ADMIN = {"Authorization": f"Bearer {KEY}"}
@@ -158,11 +161,11 @@ def test_ordered_chunks_a_prompt_event_and_the_same_init_on_the_other_replica(se
     assert owner in {r["replica_id"] for r in replicas(server)}
 
     # The event applies from the next chunk not yet queued (chunk 1 was queued as chunk 0's frames came;
-    # chunk 2 too when chunk 1 was done before the event arrived): that chunk echoes it, those before do not.
+    # chunk 2 too when chunk 1 was done before the event arrived): that chunk and the later ones echo it, those before do not.
     applied = next(c["index"] for c in changed if c["event_id"] == 7)
     assert applied in (1, 2, 3)
     assert all(c["event_id"] is None for c in changed[:applied])
-    assert all(c["event_id"] is None for c in changed[applied + 1 :])
+    assert all(c["event_id"] == 7 for c in changed[applied:])  # every chunk made with its prompt
 
     same, other = run_session(server, init)
     assert other.close_code == 1000
@@ -238,3 +241,212 @@ def test_killing_the_owner_replica_ends_the_session_with_session_gone(server):
     # The server keeps serving: a new session opens and streams (on the surviving replica or a new one).
     chunks, after = run_session(server, {**INIT, "max_chunks": 2})
     assert [c["index"] for c in chunks] == [0, 1] and after.close_code == 1000
+
+
+class SGLangStyleClient:
+    """Message handling of SGLang Diffusion's own realtime client (its test utilities and their users):
+    every message is decoded as a msgpack map and dispatched on ``type``; ``error`` fails the run,
+    ``chunk_stats`` is kept, ``frame_batch`` carries its payload inline, ``frame_batch_header`` announces
+    the next binary frame as its payload, and any other type is a protocol violation. Raw payloads are
+    decoded with the header's width, height, channels and bytes_per_frame, JPEG / WebP ones split by
+    payload_lengths; a chunk is complete at its ``is_final_frame_batch`` (default true), and the events
+    scheduled ``after_chunk`` n go out right then."""
+
+    def __init__(self, server: ServeProcess, query: str = ""):
+        url = f"ws://127.0.0.1:{server.port}/v1/realtime_video/generate{query}"
+        self._connection = connect(url, max_size=None)
+        self.ws = self._connection.__enter__()
+
+    def run(self, init: dict | None, *, num_chunks: int, events: list[dict] = ()) -> dict:
+        """Sends ``init`` (None: sent already), then reads ``num_chunks`` chunks and their stats."""
+        events = list(events)
+        sent: set[int] = set()
+
+        def send_events(after_chunk: int) -> None:
+            for i, event in enumerate(events):
+                if i not in sent and event.get("after_chunk", 0) == after_chunk:
+                    body = {k: v for k, v in event.items() if k != "after_chunk"}
+                    self.ws.send(msgpack.packb({"type": "event", **body}, use_bin_type=True))
+                    sent.add(i)
+
+        if init is not None:
+            self.ws.send(msgpack.packb(init, use_bin_type=True))
+        send_events(-1)
+        headers: list[dict] = []
+        frames: dict[int, list[np.ndarray]] = {}
+        stats: list[dict] = []
+        done: set[int] = set()
+        while len(done) < num_chunks or len(stats) < len(done):
+            header = msgpack.unpackb(self.ws.recv(120), raw=False)
+            kind = header.get("type")
+            if kind == "error":
+                raise AssertionError(f"realtime generation failed: {header.get('content')}")
+            if kind == "chunk_stats":
+                stats.append(header)
+                continue
+            if kind == "frame_batch":
+                payload = header.pop("payload")
+            elif kind == "frame_batch_header":
+                payload = self.ws.recv(120)
+            else:
+                raise AssertionError(f"unexpected realtime message: {header}")
+            assert isinstance(payload, bytes) and len(payload) == header["total_size"]
+            headers.append(header)
+            frames.setdefault(header["chunk_index"], []).extend(self._decode(header, payload))
+            if header.get("is_final_frame_batch", True):
+                done.add(header["chunk_index"])
+                send_events(header["chunk_index"])
+        return {"headers": headers, "frames": frames, "stats": stats}
+
+    @staticmethod
+    def _decode(header: dict, payload: bytes) -> list[np.ndarray]:
+        if header["content_type"] == "application/x-raw-rgb":
+            per = header["bytes_per_frame"]
+            assert len(payload) == header["num_frames"] * per, "raw frame payload size mismatch"
+            shape = (header["height"], header["width"], header["channels"])
+            return [
+                np.frombuffer(payload[i * per : (i + 1) * per], np.uint8).reshape(shape)
+                for i in range(header["num_frames"])
+            ]
+        out, offset = [], 0
+        for length in header["payload_lengths"]:
+            out.append(png_pixels(payload[offset : offset + length]))
+            offset += length
+        assert offset == len(payload) and len(out) == header["num_frames"]
+        return out
+
+    def closed(self) -> tuple[int | None, str]:
+        """Waits for the server's close; its code and reason."""
+        try:
+            while True:
+                self.ws.recv(120)
+        except ConnectionClosed as exc:
+            return (exc.rcvd.code, exc.rcvd.reason) if exc.rcvd else (None, "")
+
+    def close(self) -> None:
+        self._connection.__exit__(None, None, None)
+
+
+def test_an_sglang_client_with_nil_defaults_raw_frames_and_a_sticky_event_id(server):
+    """The init an SGLang client builds (unset options as nil, SGLang-only fields such as ``seconds``), a
+    prompt event after chunk 0: only the message types it knows, raw frames it can decode from the header
+    alone, SGLang's header and stats fields, and the event's id on every chunk made with its prompt."""
+    init = {
+        **INIT, "max_chunks": 4, "fps": None, "seed": None, "guidance_scale": None, "negative_prompt": None,
+        "realtime_output_format": None, "output_compression": None, "first_frame": None, "seconds": 4,
+        "realtime_output_pacing": False, "trace_id": "trace-7",
+    }  # fmt: skip
+    client = SGLangStyleClient(server)
+    run = client.run(
+        init,
+        num_chunks=4,
+        events=[{"kind": "prompt", "payload": "a blue whale at night", "event_id": 7, "after_chunk": 0}],
+    )
+    assert client.closed() == (1000, "generation complete")
+    client.close()
+    assert [len(run["frames"][i]) for i in range(4)] == [1, 8, 8, 8]
+    assert all(f.shape == (64, 64, 3) for chunk in run["frames"].values() for f in chunk)
+    for h in run["headers"]:
+        assert h["format"] == "rgb24" and h["encoding"] == "raw" and h["raw_size"] == h["total_size"]
+        assert h["request_id"] == f"{h['session_id']}_{h['chunk_index']}"
+    stats = {s["chunk_index"]: s for s in run["stats"]}
+    assert sorted(stats) == [0, 1, 2, 3]
+    for i, s in stats.items():
+        assert s["trace_id"] == "trace-7" and s["request_id"].endswith(f"_{i}")
+        assert s["num_frames"] == len(run["frames"][i]) and s["raw_bytes"] == s["num_frames"] * 64 * 64 * 3
+        for key in ("request_prepare_ms", "scheduler_forward_ms", "pace_wait_ms", "header_write_ms",
+                    "raw_payload_build_ms", "raw_write_ms", "ws_write_ms", "chunk_total_ms"):  # fmt: skip
+            assert isinstance(s[key], int) and s[key] >= 0, key
+    # As SGLang does: the chunk that applied the event and every later one (same prompt) carry its id.
+    echoed = [stats[i]["event_id"] for i in range(4)]
+    applied = echoed.index(7)
+    assert applied in (1, 2, 3) and echoed == [None] * applied + [7] * (4 - applied)
+    for h in run["headers"]:
+        assert h.get("event_id") == echoed[h["chunk_index"]]
+
+
+def test_an_sglang_client_gets_jpeg_previews_six_frames_a_message(server):
+    """``realtime_output_format`` jpeg with SGLang's ``output_compression`` and
+    ``realtime_preview_max_width``, and the first frame as a base64 data URL: 8-frame chunks come as 6 + 2
+    JPEG files at the preview size, the source size named beside it."""
+    first = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(first, format="PNG")
+    init = {
+        **INIT, "max_chunks": 2, "realtime_output_format": "jpeg", "output_compression": 40,
+        "realtime_preview_max_width": 32,
+        "first_frame": "data:image/png;base64," + base64.b64encode(first.getvalue()).decode(),
+    }  # fmt: skip
+    client = SGLangStyleClient(server, query="?trace_id=from-query")
+    run = client.run(init, num_chunks=2)
+    assert client.closed() == (1000, "generation complete")
+    client.close()
+    assert [len(run["frames"][i]) for i in (0, 1)] == [1, 8]
+    assert all(f.shape == (32, 32, 3) for chunk in run["frames"].values() for f in chunk)
+    later = [h for h in run["headers"] if h["chunk_index"] == 1]
+    assert [(h["frame_batch_index"], h["num_frames"]) for h in later] == [(0, 6), (1, 2)]
+    for h in run["headers"]:
+        assert h["content_type"] == "image/jpeg" and h["format"] == h["encoding"] == "jpeg"
+        assert (h["width"], h["height"], h["preview_width"], h["preview_height"]) == (32, 32, 32, 32)
+        assert (h["source_width"], h["source_height"]) == (64, 64)
+    assert {s["trace_id"] for s in run["stats"]} == {"from-query"}
+
+
+def test_bad_messages_answer_errors_naming_the_field_while_another_session_streams(server):
+    """Each bad message a user can send gets an ``error`` whose content starts with the field at fault,
+    before the session (the socket then still takes an init) and during it (the session goes on); a
+    second session streams meanwhile."""
+    other = SGLangStyleClient(server)
+    other.ws.send(msgpack.packb({**INIT, "prompt": "a quiet harbour", "max_chunks": 3}, use_bin_type=True))
+    client = Client(server)
+    before = [
+        ("message", "a text frame"),
+        ("message", b"\xc1\xc1 not msgpack"),
+        ("message", msgpack.packb([1, 2, 3])),
+        ("type", {"type": "event", "kind": "prompt", "payload": "too early", "event_id": 1}),
+        ("type", {"prompt": "no type"}),
+        ("size", {**INIT, "size": "abc"}),
+        ("size", {**INIT, "size": "8x8"}),
+        ("num_frames", {**INIT, "num_frames": 0}),
+        ("num_frames", {**INIT, "num_frames": 10**9}),
+        ("num_frames", {**INIT, "num_frames": "8"}),
+        ("fps", {**INIT, "fps": -5}),
+        ("seed", {**INIT, "seed": "5"}),
+        ("seed", {**INIT, "seed": -1}),
+        ("max_chunks", {**INIT, "max_chunks": 0}),
+        ("max_chunks", {**INIT, "max_chunks": 10**6}),
+        ("num_inference_steps", {**INIT, "num_inference_steps": True}),
+        ("realtime_output_format", {**INIT, "realtime_output_format": "png"}),
+        ("output_compression", {**INIT, "output_compression": 0}),
+        ("first_frame", {**INIT, "first_frame": "https://example.com/a.png"}),
+        ("first_frame", {**INIT, "first_frame": b"not an image"}),
+        ("prompt", {**INIT, "prompt": 5}),
+    ]
+    for field, message in before:
+        client.ws.send(message if isinstance(message, (str, bytes)) else msgpack.packb(message))
+        error = client.error()
+        assert error["content"].startswith(field + ":"), (message, error)
+    # The other session streamed on undisturbed (it holds one replica's only slot: it is done before this
+    # socket's own session opens, which round-robin may put on the same replica).
+    streamed = other.run(None, num_chunks=3)
+    assert [len(streamed["frames"][i]) for i in range(3)] == [1, 8, 8]
+    assert other.closed() == (1000, "generation complete")
+    other.close()
+    client.send({**INIT, "max_chunks": 3})
+    during = [
+        ("kind", {"type": "event", "kind": "teleport", "payload": 1, "event_id": 1}),
+        ("payload", {"type": "event", "kind": "prompt", "payload": 42, "event_id": 2}),
+        ("event_id", {"type": "event", "kind": "prompt", "payload": "x", "event_id": "two"}),
+        ("type", {**INIT}),
+        ("message", "a text frame"),
+        ("message", b"\xc1"),
+    ]
+    for _, message in during:
+        client.ws.send(message if isinstance(message, (str, bytes)) else msgpack.packb(message))
+    errors, chunks = [], set()
+    while (message := client.recv()) is not None:
+        if message["type"] == "error":
+            errors.append(message["content"].split(":")[0])
+        elif message["type"] == "chunk_stats":
+            chunks.add(message["chunk_index"])
+    assert errors == [field for field, _ in during]
+    assert chunks == {0, 1, 2} and client.close_code == 1000
