@@ -10,19 +10,23 @@ model (``Family.edit_pipelines``, e.g. FLUX.1 Kontext) takes them as references;
 Every upload is decoded here once, only to check it (a PNG / JPEG / WebP within ``max_image_bytes`` and
 ``max_image_pixels``); the engine receives the encoded bytes, and how many images the model takes (and
 whether it takes a mask) is checked by the engine, where the model is known. Each refusal is a 400
-naming the field. The answer is the images response of ``POST /v1/images/generations``.
+naming the field. The answer is the images response of ``POST /v1/images/generations``, in the asked
+``output_format`` (png, jpeg or webp).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import email.parser
 import email.policy
+import io
 import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
+from PIL import Image
 from pydantic import ValidationError
 
 from ditserve.replica.media import check_image
@@ -158,14 +162,32 @@ def validate_edit(data: dict[str, Any]) -> ImageEditRequest:
         raise BadRequest(f"{param or 'body'}: {message}", param=param) from None
 
 
-def images_response(result: Any) -> dict[str, Any]:
-    """The images response of ``POST /v1/images/generations``."""
+def encode_output(png: bytes, output_format: str, compression: int | None) -> bytes:
+    """The engine's PNG in the asked ``output_format`` (jpeg / webp at quality ``compression``, default 100)."""
+    if output_format == "png":
+        return png
+    buf = io.BytesIO()
+    with Image.open(io.BytesIO(png)) as image:
+        image.convert("RGB").save(
+            buf, format=output_format.upper(), quality=100 if compression is None else compression
+        )
+    return buf.getvalue()
+
+
+def images_response(
+    result: Any, output_format: str = "png", compression: int | None = None
+) -> dict[str, Any]:
+    """The images response of ``POST /v1/images/generations``, the images in ``output_format``."""
     response = ImagesResponse(
         created=int(time.time()),
-        data=[ImageData(b64_json=base64.b64encode(png).decode()) for png in result.outputs],
+        data=[
+            ImageData(b64_json=base64.b64encode(encode_output(png, output_format, compression)).decode())
+            for png in result.outputs
+        ],
         seed=result.seed,
         size=f"{result.width}x{result.height}",
         usage=usage_of(result),
+        output_format=output_format,
     )
     return response.model_dump(exclude_none=True)
 
@@ -205,6 +227,11 @@ async def images_edits(request: Request, fe: Any = Depends(frontend)) -> JSONRes
     """Edit (reference images) or image-to-image, by the served model's family."""
     fe.check_auth(request, admin=False)
     fields, images, mask = _read_form(request.headers.get("content-type", ""), await request.body())
-    params, _, _ = edit_params(fe, validate_edit(fields), images, mask)
+    body = validate_edit(fields)
+    params, _, _ = edit_params(fe, body, images, mask)
     answer = await fe.call_engine(fe.generate.remote(params))
-    return JSONResponse(images_response(answer["result"]), headers={REPLICA_HEADER: answer["replica"]})
+    # Re-encoding (jpeg / webp) is CPU work: off the event loop that serves every other request.
+    response = await asyncio.to_thread(
+        images_response, answer["result"], body.output_format, body.output_compression
+    )
+    return JSONResponse(response, headers={REPLICA_HEADER: answer["replica"]})

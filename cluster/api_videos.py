@@ -34,9 +34,9 @@ from ditserve.replica.models.registry import video_model_hint
 from ditserve.replica.request import GenerationParams
 
 from .errors import BadRequest, Conflict, NotFound, SessionGone, Unsupported
-from .http_base import REPLICA_HEADER, check_size, frontend
+from .http_base import ERROR_DESCRIPTIONS, REPLICA_HEADER, check_size, frontend
 from .router import session_owner
-from .schemas import Prompt
+from .schemas import ErrorResponse, Prompt
 
 router = APIRouter(prefix="/v1/videos", tags=["videos"])
 VIDEOS_PATH = "/v1/videos"
@@ -306,7 +306,12 @@ async def create_video(request: Request, fe: Any = Depends(frontend)):
     return JSONResponse(answer["video"], headers={REPLICA_HEADER: answer["replica"]})
 
 
-@router.get("")
+def _documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """Error answers a route gives beyond those ``http_base.error_statuses`` derives from its shape."""
+    return {s: {"description": ERROR_DESCRIPTIONS[s], "model": ErrorResponse} for s in statuses}
+
+
+@router.get("", responses=_documented(404))
 async def list_videos(
     request: Request,
     after: str | None = Query(None, description="The id of the last video of the previous page."),
@@ -328,7 +333,7 @@ async def list_videos(
     if after is not None:
         ids = [v["id"] for v in videos]
         if after not in ids:
-            raise BadRequest(
+            raise NotFound(
                 f"after: video {after!r} is not among this server's videos (deleted, expired or never "
                 "created); list again without after",
                 param="after",
@@ -445,7 +450,7 @@ class VideoRemixRequest(BaseModel):
     prompt: Prompt = Field(description="What the remix films.")
 
 
-@router.post("/{video_id}/remix")
+@router.post("/{video_id}/remix", responses=_documented(409, 429))
 async def remix_video(video_id: str, body: VideoRemixRequest, request: Request, fe: Any = Depends(frontend)):
     fe.check_auth(request, admin=False)
     await fe.check_body_size(request)

@@ -289,11 +289,21 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         await self.check_body_size(request)
         params, width, height = self.image_params(body)
         if body.stream:
+            if body.output_format != "png":
+                raise BadRequest(
+                    "output_format: streamed images are png; leave it out", param="output_format"
+                )
             return await api_stream.image_events(self, params, preview=body.preview)
         if body.preview:
             raise BadRequest("preview: previews come with stream: true", param="preview")
         answer = await self.call_engine(self.generate.remote(params))
         result = answer["result"]
+        if body.output_format != "png":  # re-encoded off the event loop
+            response = await asyncio.to_thread(
+                api_edits.images_response, result, body.output_format, body.output_compression
+            )
+            headers = {REPLICA_HEADER: answer["replica"]}
+            return Response(json.dumps(response), media_type="application/json", headers=headers)
         response = ImagesResponse(
             created=int(time.time()),
             data=[ImageData(b64_json=base64.b64encode(png).decode()) for png in result.outputs],

@@ -100,11 +100,20 @@ class ImageGenerationRequest(BaseModel):
         "carrying a small PNG of the current latents (partial_image_b64; 1/8 of the image size, no VAE "
         "decode).",
     )
-    # Accepted for OpenAI compatibility, ignored.
+    output_format: Literal["png", "jpeg", "webp"] = Field(
+        default="png", description="Encoding of the returned images (stream: png only)."
+    )
+    output_compression: json_int(ge=0, le=100) | None = Field(
+        default=None, description="jpeg / webp quality, 0-100 (default 100); png ignores it."
+    )
+    # Accepted for OpenAI compatibility, ignored: the images are opaque, one quality.
     user: str | None = None
+    safety_identifier: str | None = None
     quality: str | None = None
+    complexity: str | None = None
+    moderation: str | None = None
     style: str | None = None
-    output_format: Literal["png"] | None = None
+    background: Literal["auto", "opaque"] | None = None
 
     cache: CacheSettings | None = Field(
         default=None,
@@ -233,14 +242,20 @@ class ImageEditRequest(BaseModel):
     cache: CacheSettings | None = Field(
         default=None, description='Step cache as JSON text, e.g. {"policy": "fbcache", "threshold": 0.1}.'
     )
-    # OpenAI's fields, accepted; the output is always an opaque PNG.
+    output_format: Literal["png", "jpeg", "webp"] = Field(
+        default="png", description="Encoding of the returned images."
+    )
+    output_compression: int | None = Field(
+        default=None, ge=0, le=100, description="jpeg / webp quality, 0-100 (default 100); png ignores it."
+    )
+    # OpenAI's fields, accepted and ignored: the images are opaque, one quality, no partial images.
     user: str | None = None
     safety_identifier: str | None = None
     quality: str | None = None
+    complexity: str | None = None
     input_fidelity: Literal["high", "low"] | None = None
     background: Literal["auto", "opaque"] | None = None
-    output_format: Literal["png"] | None = None
-    output_compression: int | None = Field(default=None, ge=0, le=100)
+    partial_images: int | None = Field(default=None, ge=0, le=3)
     stream: bool = Field(default=False, description="Streaming is not served for edits (false only).")
 
     _lora_json = field_validator("lora", "cache", mode="before")(_json_field)

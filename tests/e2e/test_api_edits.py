@@ -105,6 +105,57 @@ def test_openai_edit_is_diffusers_img2img(server):
         assert psnr(ours[i], ref) >= 40, f"image {i}"
 
 
+def test_openai_edit_output_formats(server):
+    """jpeg and webp as asked (the PNG's pixels, lossy), OpenAI's harmless fields accepted."""
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    asked = {
+        "image": ("scene.png", SOURCE, "image/png"),
+        "prompt": "a red square on a green background",
+        "extra_body": {"seed": 7, "num_inference_steps": 2},
+    }
+    reference = client.images.edit(**asked)
+    assert reference.output_format == "png" and reference.size == "64x64"
+    pixels = png_pixels(base64.b64decode(reference.data[0].b64_json))
+    sizes = {}
+    for output_format, pil_format in (("jpeg", "JPEG"), ("webp", "WEBP")):
+        result = client.images.edit(
+            **asked,
+            output_format=output_format,
+            output_compression=90,
+            quality="high",
+            background="opaque",
+            input_fidelity="low",
+            user="u-1",
+            safety_identifier="s-1",
+        )
+        assert result.output_format == output_format
+        data = base64.b64decode(result.data[0].b64_json)
+        assert Image.open(io.BytesIO(data)).format == pil_format
+        assert psnr(png_pixels(data), pixels) >= 25, output_format
+        sizes[output_format] = len(data)
+    small = client.images.edit(**asked, output_format="jpeg", output_compression=5)
+    assert len(base64.b64decode(small.data[0].b64_json)) < sizes["jpeg"]
+
+
+def test_openai_generate_output_formats(server):
+    """POST /v1/images/generations takes the same output formats; a stream is png only."""
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    asked = {"prompt": "a red circle", "size": "64x48", "extra_body": {"seed": 2, "num_inference_steps": 2}}
+    pixels = png_pixels(base64.b64decode(client.images.generate(**asked).data[0].b64_json))
+    result = client.images.generate(**asked, output_format="webp", quality="high", moderation="low")
+    data = base64.b64decode(result.data[0].b64_json)
+    assert result.output_format == "webp" and Image.open(io.BytesIO(data)).format == "WEBP"
+    assert psnr(png_pixels(data), pixels) >= 25
+    for bad, param in (
+        ({"output_format": "gif"}, "output_format"),
+        ({"output_compression": 101}, "output_compression"),
+        ({"background": "transparent"}, "background"),
+        ({"output_format": "jpeg", "stream": True}, "output_format"),
+    ):
+        r = httpx.post(f"{server.base_url}/v1/images/generations", json={"prompt": "a", **bad}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+
+
 # -- bad uploads, HTTP and gRPC ---------------------------------------------------------------------------
 HTTP_CASES = [
     ("not an image", {"image": ("a.png", b"not an image", "image/png")}, {}, "image"),
@@ -118,6 +169,13 @@ HTTP_CASES = [
     ("unknown field", {"image": ("a.png", SOURCE)}, {"colour": "red"}, "colour"),
     ("strength", {"image": ("a.png", SOURCE)}, {"strength": "1.5"}, "strength"),
     ("lora not JSON", {"image": ("a.png", SOURCE)}, {"lora": "{name"}, "lora"),
+    ("n zero", {"image": ("a.png", SOURCE)}, {"n": "0"}, "n"),
+    ("n above max", {"image": ("a.png", SOURCE)}, {"n": "3"}, "n"),
+    ("n not a number", {"image": ("a.png", SOURCE)}, {"n": "two"}, "n"),
+    ("gif", {"image": ("a.png", SOURCE)}, {"output_format": "gif"}, "output_format"),
+    ("compression", {"image": ("a.png", SOURCE)}, {"output_compression": "101"}, "output_compression"),
+    ("transparent", {"image": ("a.png", SOURCE)}, {"background": "transparent"}, "background"),
+    ("markup file", {"image": ("a.png", SOURCE), "markup": ("m.png", SOURCE)}, {}, "markup"),
 ]
 
 

@@ -153,7 +153,7 @@ def test_list_pages_variants_and_remix(server, client):
 
 
 def test_list_content_and_remix_bad_input(server, client):
-    with pytest.raises(openai.BadRequestError) as info:
+    with pytest.raises(openai.NotFoundError) as info:
         client.videos.list(after="nosuch.cursor")
     assert info.value.body["param"] == "after" and "after" in info.value.message
     for query, param in (({"limit": 0}, "limit"), ({"limit": "ten"}, "limit"), ({"order": "up"}, "order")):
