@@ -311,6 +311,40 @@ def _documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"description": ERROR_DESCRIPTIONS[s], "model": ErrorResponse} for s in statuses}
 
 
+async def list_page(fe: Any, after: str | None, limit: int, order: str) -> dict[str, Any]:
+    """One page of the video jobs of every running replica (a replica that is restarting has none to show),
+    by created_at; ``after``: the last id of the previous page. Shared by HTTP and gRPC."""
+    if not 1 <= limit <= 100:
+        raise BadRequest(f"limit: {limit} is not within 1..100", param="limit")
+    if order not in ("asc", "desc"):
+        raise BadRequest(f"order: 'asc' or 'desc', got {order!r}", param="order")
+    try:
+        answers = await fe.engine.broadcast("list_videos").results_async(timeout_s=30, return_exceptions=True)
+    except DeploymentUnavailableError:
+        answers = []
+    listed = [v for a in answers if isinstance(a, dict) for v in a["videos"]]
+    listed.sort(key=lambda pair: (pair[0], pair[1]["id"]), reverse=order == "desc")
+    videos = [video for _, video in listed]
+    start = 0
+    if after:
+        ids = [v["id"] for v in videos]
+        if after not in ids:
+            raise NotFound(
+                f"after: video {after!r} is not among this server's videos (deleted, expired or never "
+                "created); list again without after",
+                param="after",
+            )
+        start = ids.index(after) + 1
+    page = videos[start : start + limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": start + limit < len(videos),
+    }
+
+
 @router.get("", responses=_documented(404))
 async def list_videos(
     request: Request,
@@ -321,34 +355,8 @@ async def list_videos(
     ),
     fe: Any = Depends(frontend),
 ):
-    """The video jobs of every running replica (a replica that is restarting has none to show)."""
     fe.check_auth(request, admin=False)
-    try:
-        answers = await fe.engine.broadcast("list_videos").results_async(timeout_s=30, return_exceptions=True)
-    except DeploymentUnavailableError:
-        answers = []
-    videos = [v for a in answers if isinstance(a, dict) for v in a["videos"]]
-    videos.sort(key=lambda v: (v["created_at"], v["id"]), reverse=order == "desc")
-    start = 0
-    if after is not None:
-        ids = [v["id"] for v in videos]
-        if after not in ids:
-            raise NotFound(
-                f"after: video {after!r} is not among this server's videos (deleted, expired or never "
-                "created); list again without after",
-                param="after",
-            )
-        start = ids.index(after) + 1
-    page = videos[start : start + limit]
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": start + limit < len(videos),
-        }
-    )
+    return JSONResponse(await list_page(fe, after, limit, order))
 
 
 @router.get("/{video_id}")
@@ -450,10 +458,9 @@ class VideoRemixRequest(BaseModel):
     prompt: Prompt = Field(description="What the remix films.")
 
 
-@router.post("/{video_id}/remix", responses=_documented(409, 429))
-async def remix_video(video_id: str, body: VideoRemixRequest, request: Request, fe: Any = Depends(frontend)):
-    fe.check_auth(request, admin=False)
-    await fe.check_body_size(request)
+async def remix(fe: Any, video_id: str, prompt: str) -> dict[str, Any]:
+    """A completed video's job again with another prompt, on its replica (HTTP and gRPC)."""
+    body = VideoRemixRequest.model_validate({"prompt": prompt})
     if len(body.prompt) > fe.args.max_prompt_chars:
         raise BadRequest(
             f"prompt: {len(body.prompt)} characters is above the maximum {fe.args.max_prompt_chars}",
@@ -461,10 +468,17 @@ async def remix_video(video_id: str, body: VideoRemixRequest, request: Request, 
         )
     try:
         call = pinned(fe, video_id).remix_video.remote(video_id, body.prompt)
-        answer = await call_job(fe, video_id, call)
+        return await call_job(fe, video_id, call)
     except VideoLost:
         message = lost_video(video_id)["error"]["message"]
         raise Conflict(f"video {video_id!r} failed: {message}", param="video_id") from None
+
+
+@router.post("/{video_id}/remix", responses=_documented(409, 429))
+async def remix_video(video_id: str, body: VideoRemixRequest, request: Request, fe: Any = Depends(frontend)):
+    fe.check_auth(request, admin=False)
+    await fe.check_body_size(request)
+    answer = await remix(fe, video_id, body.prompt)
     return JSONResponse(answer["video"], headers={REPLICA_HEADER: answer["replica"]})
 
 

@@ -19,6 +19,7 @@ reaches this code (UNKNOWN, "Error parsing message with type 'ditserve.v1.…': 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -144,15 +145,29 @@ def _admin_reply(data: dict[str, Any]) -> pb.AdminReply:
     )
 
 
-def _result_message(result: Any, replica: str) -> pb.GenerateResponse:
+def _result_message(
+    result: Any, replica: str, images: list[bytes] | None = None, output_format: str = "png"
+) -> pb.GenerateResponse:
     return pb.GenerateResponse(
         created=int(time.time()),
-        images=list(result.outputs),
+        images=list(result.outputs) if images is None else images,
         seed=result.seed,
         size=f"{result.width}x{result.height}",
         replica=replica,
         usage=_usage(getattr(result, "usage", None)),
+        output_format=output_format,
     )
+
+
+async def _encoded_result(result: Any, replica: str, body: Any) -> pb.GenerateResponse:
+    """The result with its images in the request's ``output_format`` (re-encoded off the event loop)."""
+    from .api_edits import encode_output
+
+    fmt, compression = body.output_format, body.output_compression
+    images = list(result.outputs)
+    if fmt != "png":
+        images = await asyncio.to_thread(lambda: [encode_output(png, fmt, compression) for png in images])
+    return _result_message(result, replica, images, fmt)
 
 
 def _usage(usage: dict[str, Any] | None) -> pb.Usage | None:
@@ -184,6 +199,7 @@ def _video_job(data: dict[str, Any]) -> pb.VideoJob:
         error=error.get("message", "") if isinstance(error, dict) else str(error),
         deleted=bool(data.get("deleted", False)),
         usage=_usage(data.get("usage")),
+        remixed_from_video_id=data.get("remixed_from_video_id") or "",
     )
 
 
@@ -214,16 +230,20 @@ class GrpcMethods:
     @unary
     async def Generate(self, request, grpc_context=None):
         self.check_auth(_Metadata(grpc_context), admin=False)
-        params, _, _ = self.image_params(_validate(ImageGenerationRequest, fields(request)))
+        body = _validate(ImageGenerationRequest, fields(request))
+        params, _, _ = self.image_params(body)
         answer = await self.call_engine(self.generate.remote(params))
-        return _result_message(answer["result"], answer["replica"])
+        return await _encoded_result(answer["result"], answer["replica"], body)
 
     @streaming
     async def GenerateStream(self, request, grpc_context=None):
         from .api_stream import engine_events
 
         self.check_auth(_Metadata(grpc_context), admin=False)
-        params, _, _ = self.image_params(_validate(ImageGenerationRequest, fields(request)))
+        body = _validate(ImageGenerationRequest, fields(request))
+        if body.output_format != "png":
+            raise BadRequest("output_format: streamed images are png; leave it out", param="output_format")
+        params, _, _ = self.image_params(body)
         async for event in engine_events(
             self, self.engine.options(stream=True).generate_stream.remote(params)
         ):
@@ -238,9 +258,10 @@ class GrpcMethods:
         data.pop("image", None)  # the files as bytes, not as the JSON mapping's base64
         data.pop("mask", None)
         mask = request.mask if request.HasField("mask") else None
-        params, _, _ = edit_params(self, validate_edit(data), list(request.image), mask)
+        body = validate_edit(data)
+        params, _, _ = edit_params(self, body, list(request.image), mask)
         answer = await self.call_engine(self.generate.remote(params))
-        return _result_message(answer["result"], answer["replica"])
+        return await _encoded_result(answer["result"], answer["replica"], body)
 
     # -- videos ------------------------------------------------------------------------------------------
     @unary
@@ -275,8 +296,43 @@ class GrpcMethods:
 
     @unary
     async def GetVideoContent(self, request, grpc_context=None):
+        from .api_videos import MEDIA_TYPES, video_variant
+
+        variant = request.variant if request.HasField("variant") else "video"
+        if variant not in MEDIA_TYPES:  # said before the job is asked
+            raise BadRequest(f"variant: one of {', '.join(MEDIA_TYPES)}, got {variant!r}", param="variant")
         answer = await self._video_call(request, grpc_context, "video_content")
-        return pb.VideoContent(id=request.id, mp4=answer["mp4"], media_type="video/mp4")
+        if variant == "video":
+            return pb.VideoContent(id=request.id, mp4=answer["mp4"], media_type=MEDIA_TYPES[variant])
+        image = await asyncio.to_thread(video_variant, answer["mp4"], variant)
+        return pb.VideoContent(id=request.id, image=image, media_type=MEDIA_TYPES[variant])
+
+    @unary
+    async def ListVideos(self, request, grpc_context=None):
+        from .api_videos import list_page
+
+        self.check_auth(_Metadata(grpc_context), admin=False)
+        page = await list_page(
+            self,
+            request.after if request.HasField("after") else None,
+            request.limit if request.HasField("limit") else 20,
+            request.order if request.HasField("order") else "desc",
+        )
+        return pb.VideoList(
+            data=[_video_job(v) for v in page["data"]],
+            first_id=page["first_id"] or "",
+            last_id=page["last_id"] or "",
+            has_more=page["has_more"],
+        )
+
+    @unary
+    async def RemixVideo(self, request, grpc_context=None):
+        from .api_videos import remix
+
+        self.check_auth(_Metadata(grpc_context), admin=False)
+        if not request.id:
+            raise BadRequest("id: the video id is required", param="id")
+        return _video_job((await remix(self, request.id, request.prompt))["video"])
 
     # -- sessions ----------------------------------------------------------------------------------------
     @unary

@@ -58,7 +58,7 @@ class VideoJob:
     size: str
     num_frames: int
     fps: int
-    created_at: int = field(default_factory=lambda: int(time.time()))
+    created: float = field(default_factory=time.time)  # orders a listing (created_at is whole seconds)
     status: str = "queued"
     progress: int = 0
     completed_at: int | None = None
@@ -77,7 +77,7 @@ class VideoJob:
             "object": "video",
             "status": self.status,
             "progress": self.progress,
-            "created_at": self.created_at,
+            "created_at": int(self.created),
             "completed_at": self.completed_at,
             "expires_at": None if self.completed_at is None else self.completed_at + int(ttl_s),
             "model": self.model,
@@ -293,10 +293,12 @@ class ReplicaStreams:
         return answer
 
     async def list_videos(self) -> dict[str, Any]:
-        """Broadcast target of ``GET /v1/videos``: every job this replica holds."""
+        """Broadcast target of ``GET /v1/videos``: every job this replica holds, each with its creation
+        time (``created``, to order jobs made within one second)."""
         self._expire_videos()
         ttl_s = self.args.video_ttl_s
-        return {"replica": self.replica_id, "videos": [j.public(ttl_s) for j in self._videos.values()]}
+        videos = [(j.created, j.public(ttl_s)) for j in self._videos.values()]
+        return {"replica": self.replica_id, "videos": videos}
 
     async def video_content(self, video_id: str) -> dict[str, Any] | ServeError:
         job = self._video(video_id)

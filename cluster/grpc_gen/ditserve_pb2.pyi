@@ -43,7 +43,7 @@ class LoRARef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "model", "n", "size", "negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale", "seed", "lora", "cache")
+    __slots__ = ("prompt", "model", "n", "size", "negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale", "seed", "lora", "cache", "output_format", "output_compression")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,8 @@ class GenerateRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     model: str
     n: int
@@ -66,10 +68,12 @@ class GenerateRequest(_message.Message):
     seed: int
     lora: _containers.RepeatedCompositeFieldContainer[LoRARef]
     cache: StepCache
-    def __init__(self, prompt: _Optional[str] = ..., model: _Optional[str] = ..., n: _Optional[int] = ..., size: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., lora: _Optional[_Iterable[_Union[LoRARef, _Mapping]]] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ...) -> None: ...
+    output_format: str
+    output_compression: int
+    def __init__(self, prompt: _Optional[str] = ..., model: _Optional[str] = ..., n: _Optional[int] = ..., size: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., lora: _Optional[_Iterable[_Union[LoRARef, _Mapping]]] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ..., output_format: _Optional[str] = ..., output_compression: _Optional[int] = ...) -> None: ...
 
 class EditImageRequest(_message.Message):
-    __slots__ = ("image", "mask", "prompt", "model", "n", "size", "negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale", "seed", "strength", "lora", "cache")
+    __slots__ = ("image", "mask", "prompt", "model", "n", "size", "negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale", "seed", "strength", "lora", "cache", "output_format", "output_compression")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     MASK_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +88,8 @@ class EditImageRequest(_message.Message):
     STRENGTH_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     image: _containers.RepeatedScalarFieldContainer[bytes]
     mask: bytes
     prompt: str
@@ -98,23 +104,27 @@ class EditImageRequest(_message.Message):
     strength: float
     lora: _containers.RepeatedCompositeFieldContainer[LoRARef]
     cache: StepCache
-    def __init__(self, image: _Optional[_Iterable[bytes]] = ..., mask: _Optional[bytes] = ..., prompt: _Optional[str] = ..., model: _Optional[str] = ..., n: _Optional[int] = ..., size: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., strength: _Optional[float] = ..., lora: _Optional[_Iterable[_Union[LoRARef, _Mapping]]] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ...) -> None: ...
+    output_format: str
+    output_compression: int
+    def __init__(self, image: _Optional[_Iterable[bytes]] = ..., mask: _Optional[bytes] = ..., prompt: _Optional[str] = ..., model: _Optional[str] = ..., n: _Optional[int] = ..., size: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., strength: _Optional[float] = ..., lora: _Optional[_Iterable[_Union[LoRARef, _Mapping]]] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ..., output_format: _Optional[str] = ..., output_compression: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("created", "images", "seed", "size", "replica", "usage")
+    __slots__ = ("created", "images", "seed", "size", "replica", "usage", "output_format")
     CREATED_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     created: int
     images: _containers.RepeatedScalarFieldContainer[bytes]
     seed: int
     size: str
     replica: str
     usage: Usage
-    def __init__(self, created: _Optional[int] = ..., images: _Optional[_Iterable[bytes]] = ..., seed: _Optional[int] = ..., size: _Optional[str] = ..., replica: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    output_format: str
+    def __init__(self, created: _Optional[int] = ..., images: _Optional[_Iterable[bytes]] = ..., seed: _Optional[int] = ..., size: _Optional[str] = ..., replica: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., output_format: _Optional[str] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("step", "total", "preview")
@@ -165,13 +175,45 @@ class CreateVideoRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., model: _Optional[str] = ..., size: _Optional[str] = ..., seconds: _Optional[str] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., negative_prompt: _Optional[str] = ..., seed: _Optional[int] = ..., input_reference: _Optional[bytes] = ..., guidance_scale_2: _Optional[float] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ...) -> None: ...
 
 class VideoRef(_message.Message):
-    __slots__ = ("id",)
+    __slots__ = ("id", "variant")
     ID_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_FIELD_NUMBER: _ClassVar[int]
     id: str
-    def __init__(self, id: _Optional[str] = ...) -> None: ...
+    variant: str
+    def __init__(self, id: _Optional[str] = ..., variant: _Optional[str] = ...) -> None: ...
+
+class ListVideosRequest(_message.Message):
+    __slots__ = ("after", "limit", "order")
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    after: str
+    limit: int
+    order: str
+    def __init__(self, after: _Optional[str] = ..., limit: _Optional[int] = ..., order: _Optional[str] = ...) -> None: ...
+
+class VideoList(_message.Message):
+    __slots__ = ("data", "first_id", "last_id", "has_more")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_ID_FIELD_NUMBER: _ClassVar[int]
+    HAS_MORE_FIELD_NUMBER: _ClassVar[int]
+    data: _containers.RepeatedCompositeFieldContainer[VideoJob]
+    first_id: str
+    last_id: str
+    has_more: bool
+    def __init__(self, data: _Optional[_Iterable[_Union[VideoJob, _Mapping]]] = ..., first_id: _Optional[str] = ..., last_id: _Optional[str] = ..., has_more: _Optional[bool] = ...) -> None: ...
+
+class RemixVideoRequest(_message.Message):
+    __slots__ = ("id", "prompt")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    prompt: str
+    def __init__(self, id: _Optional[str] = ..., prompt: _Optional[str] = ...) -> None: ...
 
 class VideoJob(_message.Message):
-    __slots__ = ("id", "object", "status", "progress", "created_at", "completed_at", "expires_at", "model", "size", "seconds", "num_frames", "prompt", "error", "deleted", "usage")
+    __slots__ = ("id", "object", "status", "progress", "created_at", "completed_at", "expires_at", "model", "size", "seconds", "num_frames", "prompt", "error", "deleted", "usage", "remixed_from_video_id")
     ID_FIELD_NUMBER: _ClassVar[int]
     OBJECT_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +229,7 @@ class VideoJob(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DELETED_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    REMIXED_FROM_VIDEO_ID_FIELD_NUMBER: _ClassVar[int]
     id: str
     object: str
     status: str
@@ -202,17 +245,20 @@ class VideoJob(_message.Message):
     error: str
     deleted: bool
     usage: Usage
-    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., status: _Optional[str] = ..., progress: _Optional[int] = ..., created_at: _Optional[int] = ..., completed_at: _Optional[int] = ..., expires_at: _Optional[int] = ..., model: _Optional[str] = ..., size: _Optional[str] = ..., seconds: _Optional[str] = ..., num_frames: _Optional[int] = ..., prompt: _Optional[str] = ..., error: _Optional[str] = ..., deleted: _Optional[bool] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    remixed_from_video_id: str
+    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., status: _Optional[str] = ..., progress: _Optional[int] = ..., created_at: _Optional[int] = ..., completed_at: _Optional[int] = ..., expires_at: _Optional[int] = ..., model: _Optional[str] = ..., size: _Optional[str] = ..., seconds: _Optional[str] = ..., num_frames: _Optional[int] = ..., prompt: _Optional[str] = ..., error: _Optional[str] = ..., deleted: _Optional[bool] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., remixed_from_video_id: _Optional[str] = ...) -> None: ...
 
 class VideoContent(_message.Message):
-    __slots__ = ("id", "mp4", "media_type")
+    __slots__ = ("id", "mp4", "media_type", "image")
     ID_FIELD_NUMBER: _ClassVar[int]
     MP4_FIELD_NUMBER: _ClassVar[int]
     MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
     id: str
     mp4: bytes
     media_type: str
-    def __init__(self, id: _Optional[str] = ..., mp4: _Optional[bytes] = ..., media_type: _Optional[str] = ...) -> None: ...
+    image: bytes
+    def __init__(self, id: _Optional[str] = ..., mp4: _Optional[bytes] = ..., media_type: _Optional[str] = ..., image: _Optional[bytes] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("size", "model")

@@ -69,6 +69,16 @@ class DitServeStub:
                 request_serializer=ditserve_dot_v1_dot_ditserve__pb2.VideoRef.SerializeToString,
                 response_deserializer=ditserve_dot_v1_dot_ditserve__pb2.VideoJob.FromString,
                 _registered_method=True)
+        self.ListVideos = channel.unary_unary(
+                '/ditserve.v1.DitServe/ListVideos',
+                request_serializer=ditserve_dot_v1_dot_ditserve__pb2.ListVideosRequest.SerializeToString,
+                response_deserializer=ditserve_dot_v1_dot_ditserve__pb2.VideoList.FromString,
+                _registered_method=True)
+        self.RemixVideo = channel.unary_unary(
+                '/ditserve.v1.DitServe/RemixVideo',
+                request_serializer=ditserve_dot_v1_dot_ditserve__pb2.RemixVideoRequest.SerializeToString,
+                response_deserializer=ditserve_dot_v1_dot_ditserve__pb2.VideoJob.FromString,
+                _registered_method=True)
         self.OpenSession = channel.unary_unary(
                 '/ditserve.v1.DitServe/OpenSession',
                 request_serializer=ditserve_dot_v1_dot_ditserve__pb2.OpenSessionRequest.SerializeToString,
@@ -166,6 +176,20 @@ class DitServeServicer:
 
     def DeleteVideo(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListVideos(self, request, context):
+        """GET /v1/videos: the jobs of every running replica, one page.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemixVideo(self, request, context):
+        """POST /v1/videos/{id}/remix: a completed job's settings and seed with another prompt.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -268,6 +292,16 @@ def add_DitServeServicer_to_server(servicer, server):
             'DeleteVideo': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteVideo,
                     request_deserializer=ditserve_dot_v1_dot_ditserve__pb2.VideoRef.FromString,
+                    response_serializer=ditserve_dot_v1_dot_ditserve__pb2.VideoJob.SerializeToString,
+            ),
+            'ListVideos': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListVideos,
+                    request_deserializer=ditserve_dot_v1_dot_ditserve__pb2.ListVideosRequest.FromString,
+                    response_serializer=ditserve_dot_v1_dot_ditserve__pb2.VideoList.SerializeToString,
+            ),
+            'RemixVideo': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemixVideo,
+                    request_deserializer=ditserve_dot_v1_dot_ditserve__pb2.RemixVideoRequest.FromString,
                     response_serializer=ditserve_dot_v1_dot_ditserve__pb2.VideoJob.SerializeToString,
             ),
             'OpenSession': grpc.unary_unary_rpc_method_handler(
@@ -509,6 +543,60 @@ class DitServe:
             target,
             '/ditserve.v1.DitServe/DeleteVideo',
             ditserve_dot_v1_dot_ditserve__pb2.VideoRef.SerializeToString,
+            ditserve_dot_v1_dot_ditserve__pb2.VideoJob.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListVideos(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ditserve.v1.DitServe/ListVideos',
+            ditserve_dot_v1_dot_ditserve__pb2.ListVideosRequest.SerializeToString,
+            ditserve_dot_v1_dot_ditserve__pb2.VideoList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemixVideo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ditserve.v1.DitServe/RemixVideo',
+            ditserve_dot_v1_dot_ditserve__pb2.RemixVideoRequest.SerializeToString,
             ditserve_dot_v1_dot_ditserve__pb2.VideoJob.FromString,
             options,
             channel_credentials,

@@ -198,12 +198,25 @@ def test_bad_uploads_are_400_naming_the_field(server):
         assert png_pixels(base64.b64decode(ok.json()["data"][0]["b64_json"])).shape == (48, 32, 3)
 
 
+def _fields(message) -> dict:
+    return {f.name: v for f, v in message.ListFields()}
+
+
 def test_grpc_edit_and_its_bad_uploads(stub):
     good = pb.EditImageRequest(image=[SOURCE], prompt="a red circle", num_inference_steps=1, seed=1)
     reply = stub.EditImage(good, timeout=120)
     assert reply.size == "64x64"  # the image's own size
-    assert png_pixels(reply.images[0]).shape == (64, 64, 3)
+    assert png_pixels(reply.images[0]).shape == (64, 64, 3) and reply.output_format == "png"
+    webp = stub.EditImage(pb.EditImageRequest(output_format="webp", **_fields(good)), timeout=120)
+    assert webp.output_format == "webp" and Image.open(io.BytesIO(webp.images[0])).format == "WEBP"
+    assert psnr(png_pixels(webp.images[0]), png_pixels(reply.images[0])) >= 25
+    generated = stub.Generate(pb.GenerateRequest(prompt="a", num_inference_steps=1, output_format="jpeg"))
+    assert generated.output_format == "jpeg" and Image.open(io.BytesIO(generated.images[0])).format == "JPEG"
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.GenerateStream(pb.GenerateRequest(prompt="a", output_format="jpeg"), timeout=120))
+    assert info.value.details().startswith("output_format"), info.value.details()
     cases = [
+        (dict(image=[SOURCE], output_format="gif"), "output_format"),
         (dict(image=[b"not an image"]), "image"),
         (dict(image=[NOISE]), "image"),
         (dict(image=[HUGE]), "image"),

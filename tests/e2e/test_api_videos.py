@@ -16,6 +16,7 @@ from openai import OpenAI
 from PIL import Image
 
 from ditserve.cluster.client import Client
+from ditserve.cluster.grpc_gen import ditserve_pb2 as pb
 from ditserve.replica.media import decode_mp4
 from tests.helpers import ServeProcess, png_pixels, psnr
 
@@ -86,7 +87,8 @@ def test_seconds_become_frames_and_json_works(server):
 
 
 def test_content_before_completion_then_expiry(server, client):
-    job = client.videos.create(prompt="a slow one", extra_body={"num_frames": 9, "num_inference_steps": 8})
+    # the server's most frames and steps: the content is asked long before the job can be done
+    job = client.videos.create(prompt="a slow one", extra_body={"num_frames": 9, "num_inference_steps": 20})
     r = httpx.get(f"{server.base_url}/v1/videos/{job.id}/content", headers=AUTH)
     assert r.status_code == 409 and "completed" in r.json()["error"]["message"]
     done, _ = wait(client, job.id)
@@ -173,6 +175,39 @@ def test_list_content_and_remix_bad_input(server, client):
         assert r.status_code == 501 and "POST /v1/videos" in r.json()["error"]["message"], (path, r.text)
     done, _ = wait(client, job.id)  # the server kept serving
     assert done.status == "completed"
+
+
+def test_grpc_list_variants_and_remix(server):
+    with Client(f"127.0.0.1:{server.grpc_port}", api_key=KEY) as c:
+        job = c.create_video("waves", num_frames=5, num_inference_steps=2, size="64x48", seed=1)
+        frames = decode_mp4(c.wait_video(job.id, poll_s=0.1))
+
+        def call(method: str, request):
+            return getattr(c.stub, method)(request, metadata=c.metadata, timeout=120)
+
+        page = call("ListVideos", pb.ListVideosRequest(limit=100))
+        assert job.id in [v.id for v in page.data] and page.last_id == page.data[-1].id
+        thumb = call("GetVideoContent", pb.VideoRef(id=job.id, variant="thumbnail"))
+        assert thumb.media_type == "image/webp" and not thumb.mp4
+        assert psnr(png_pixels(thumb.image), frames[0]) >= 25
+        sheet = call("GetVideoContent", pb.VideoRef(id=job.id, variant="spritesheet"))
+        assert sheet.media_type == "image/jpeg" and png_pixels(sheet.image).shape == (96, 256, 3)
+        remix = call("RemixVideo", pb.RemixVideoRequest(id=job.id, prompt="waves at night"))
+        assert remix.remixed_from_video_id == job.id and remix.size == "64x48"
+        assert decode_mp4(c.wait_video(remix.id, poll_s=0.1)).shape == frames.shape
+        for method, request, param in (
+            ("GetVideoContent", pb.VideoRef(id=job.id, variant="poster"), "variant"),
+            ("ListVideos", pb.ListVideosRequest(limit=0), "limit"),
+            ("ListVideos", pb.ListVideosRequest(order="up"), "order"),
+            ("ListVideos", pb.ListVideosRequest(after="nosuch.cursor"), "after"),
+            ("RemixVideo", pb.RemixVideoRequest(id=job.id, prompt=""), "prompt"),
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                call(method, request)
+            assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+            assert info.value.details().startswith(param), (method, info.value.details())
+        for video_id in (job.id, remix.id):
+            c.delete_video(video_id)
 
 
 BAD = {
