@@ -143,6 +143,132 @@ def make_framewise(vae) -> None:
                 conv.weight[:, :, :-1].zero_()
 
 
+# The analytic starting point (see :func:`analytic_init`).
+_BIG = 256.0  # the constant channel that makes each head's RMS norm a division by a (nearly) fixed number
+_LOGVAR = -8.0  # encoder's log-variance: posterior std e^-4 ≈ 0.018 (2.3/255 of a pixel)
+# Which of its three rows and columns each stride-2 downsampling convolution keeps (output i of level l
+# reads input rows 2i..2i+2): together they pick pixel 8k + 0 + 2·0 + 4·1 = 8k + 4 of each 8×8 block.
+_DOWN_TAPS = (0, 0, 1)
+
+
+def _set_eye(weight: torch.Tensor, scale: float = 1.0, tap: tuple[int, ...] | None = None) -> None:
+    """Zero ``weight`` (out, in, *kernel) and put ``scale`` on its channel diagonal at ``tap`` (default: the
+    kernel's centre in space, its last tap, the current frame, in time)."""
+    weight.zero_()
+    if tap is None:
+        kernel = weight.shape[2:]
+        tap = (
+            tuple(k // 2 for k in kernel)
+            if len(kernel) == 2
+            else (kernel[0] - 1, kernel[1] // 2, kernel[2] // 2)
+        )
+    n = min(weight.shape[0], weight.shape[1])
+    idx = torch.arange(n)
+    weight[(idx, idx, *(torch.full_like(idx, t) for t in tap))] = scale
+
+
+def _current_tap(conv) -> torch.Tensor:
+    """The current frame's spatial kernel (out, in, kh, kw) of a WanCausalConv3d, its other taps zeroed."""
+    conv.weight.zero_()
+    return conv.weight[:, :, -1]
+
+
+@torch.no_grad()
+def analytic_init(vae) -> None:
+    """Set a :func:`build_video_pipeline_untrained` AutoencoderKLWan's weights by hand so that, untrained, it
+    codes each frame as the colours of a grid of 8×8 blocks: latent channels 0-2 are the RGB (in [-1, 1])
+    of pixel (8i + 4, 8j + 4), channel 3 their mean (a luminance the decoder ignores at first); the decoder
+    paints each block in its latent's colour (nearest upsampling). A point sample, not the block's mean: a
+    mean blends shape and background where the shape's edge crosses a block, and those blends (the scorer
+    counts the pixels far from the background) often sit nearer a third palette colour than the shape's,
+    outvoting a small shape's few whole blocks; a point sample is always exactly one of the two colours.
+
+    How, module by module (classes and config untouched, every earlier causal tap zero):
+    - each residual block's last convolution zero, so the block passes its input on (a 1×1 shortcut where
+      the width changes embeds the channels); attention's output projection zero: the same;
+    - the trunk carries +RGB in channels 0-2 and -RGB in 3-5; the stride-2 downsampling convolutions each
+      keep one tap (``_DOWN_TAPS``), the upsampling ones are the identity after their nearest ×2;
+    - each head (RMS norm over channels → SiLU → convolution) is the only nonlinear step: the residual block
+      before it adds a constant ``_BIG`` channel (its last convolution's bias), so the norm divides by
+      ≈ ``_BIG``/√C whatever the colour (relative error |rest|²/(2·``_BIG``²) < 5e-5), the norm's gamma
+      ``_BIG``/√C undoes that, and the head's convolution takes SiLU(+c) - SiLU(-c), which is exactly c;
+    - encoder log-variance a constant ``_LOGVAR``; quant convolutions the identity.
+
+    All values are exact in fp16. Training then starts from a VAE whose colours are right (the residual
+    branches' first convolutions keep their random weights, so they learn once their last ones move)."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import (
+        WanAttentionBlock,
+        WanCausalConv3d,
+        WanResample,
+        WanResidualBlock,
+    )
+
+    enc, dec = vae.encoder, vae.decoder
+    for conv in _causal_convs(vae):  # every earlier-frame tap zero, whatever is set below
+        conv.weight[:, :, :-1].zero_()
+    for module in vae.modules():
+        if isinstance(module, WanResidualBlock):
+            module.conv2.weight.zero_()
+            module.conv2.bias.zero_()
+            if isinstance(module.conv_shortcut, WanCausalConv3d):
+                _set_eye(module.conv_shortcut.weight)
+                module.conv_shortcut.bias.zero_()
+        elif isinstance(module, WanAttentionBlock):
+            module.proj.weight.zero_()
+            module.proj.bias.zero_()
+    downs = [m for m in enc.down_blocks if isinstance(m, WanResample)]
+    assert [m.mode for m in downs] == ["downsample2d"] * len(_DOWN_TAPS), [m.mode for m in downs]
+    for resample, tap in zip(downs, _DOWN_TAPS, strict=True):
+        conv = resample.resample[1]
+        _set_eye(conv.weight, tap=(tap, tap))
+        conv.bias.zero_()
+    for block in dec.up_blocks:
+        if block.upsamplers is not None:
+            conv = block.upsamplers[0].resample[1]
+            assert block.upsamplers[0].mode == "upsample2d", block.upsamplers[0].mode
+            _set_eye(conv.weight)
+            conv.bias.zero_()
+
+    # Encoder: RGB -> (+RGB, -RGB) ... -> head -> (RGB, luminance, log-variances).
+    w = _current_tap(enc.conv_in)
+    enc.conv_in.bias.zero_()
+    for c in range(3):
+        w[c, c, 1, 1], w[3 + c, c, 1, 1] = 1.0, -1.0
+    _head(enc, enc.mid_block.resnets[-1])
+    w = _current_tap(enc.conv_out)
+    enc.conv_out.bias.zero_()
+    for c in range(3):
+        w[c, c, 1, 1], w[c, 3 + c, 1, 1] = 1.0, -1.0
+        w[3, c, 1, 1], w[3, 3 + c, 1, 1] = 1.0 / 3.0, -1.0 / 3.0
+    enc.conv_out.bias[vae.config.z_dim :] = _LOGVAR
+    _set_eye(vae.quant_conv.weight)
+    vae.quant_conv.bias.zero_()
+    _set_eye(vae.post_quant_conv.weight)
+    vae.post_quant_conv.bias.zero_()
+
+    # Decoder: (RGB, luminance) -> (+RGB, -RGB, luminance) ... -> head -> RGB.
+    w = _current_tap(dec.conv_in)
+    dec.conv_in.bias.zero_()
+    for c in range(3):
+        w[c, c, 1, 1], w[3 + c, c, 1, 1] = 1.0, -1.0
+    w[6, 3, 1, 1] = 1.0
+    _head(dec, dec.up_blocks[-1].resnets[-1])
+    w = _current_tap(dec.conv_out)
+    dec.conv_out.bias.zero_()
+    for c in range(3):
+        w[c, c, 1, 1], w[c, 3 + c, 1, 1] = 1.0, -1.0
+    _round_to_fp16(vae)
+
+
+def _head(coder, last_block) -> None:
+    """The constant channel (the last) added by the block before ``coder``'s head, and the head's norm
+    scaled back: x / ‖x‖ · √C · gamma ≈ x for the other channels, ≈ 1 for the constant one."""
+    width = coder.norm_out.gamma.shape[0]
+    last_block.conv2.bias[width - 1] = _BIG
+    coder.norm_out.gamma.fill_(_BIG / width**0.5)
+    coder.norm_out.gamma[width - 1] = 1.0 / width**0.5
+
+
 def _conv2d_forward(conv, x: torch.Tensor, cache_x=None) -> torch.Tensor:
     """A frame-wise WanCausalConv3d as a 2-D convolution with its current-frame tap."""
     b, c, t, h, w = x.shape
@@ -456,7 +582,7 @@ def evaluate_settings(pipe, args: argparse.Namespace, log: _Log) -> dict[str, di
 
 
 _OPTIONS = (
-    "out steps vae_steps batch_size vae_batch_size lr vae_lr vae_shape_weight caption_dropout "
+    "out steps vae_init vae_steps batch_size vae_batch_size lr vae_lr vae_shape_weight caption_dropout "
     "long_text_fraction device seed "
     "eval_scenes eval_seeds"
 ).split()
@@ -500,8 +626,8 @@ what it is asked. Weights are stored in fp16; load in fp32:
 - command: `{command}`
 - machine: {machine}; diffusers {diffusers.__version__}
 - wall time: {seconds:.0f} s (drawing, VAE, transformer, evaluation)
-- VAE {args.vae_steps} steps × {args.vae_batch_size} frames (frame-wise; shape pixels weighted
-  {1 + args.vae_shape_weight:g}×); transformer {args.steps} steps ×
+- VAE from its {args.vae_init} init, {args.vae_steps} steps × {args.vae_batch_size} frames (frame-wise; shape
+  pixels weighted {1 + args.vae_shape_weight:g}×); transformer {args.steps} steps ×
   {args.batch_size}, AdamW {args.lr} cosine, {args.caption_dropout:.0%} empty captions, T5 length 512 on
   {args.long_text_fraction:.0%} of steps; pools of {pools}; flow shift {SHIFT}; seed {args.seed}
 - loss every 100 steps: {losses}
@@ -524,7 +650,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     parser.add_argument("--out", type=Path, required=True, help="folder to write the diffusers pipeline to")
     parser.add_argument("--steps", type=int, default=6000, help="transformer training steps")
-    parser.add_argument("--vae-steps", type=int, default=2000, help="VAE training steps")
+    parser.add_argument(
+        "--vae-init",
+        choices=("analytic", "random"),
+        default="analytic",
+        help="the VAE's starting point: colours of 8×8 blocks set by hand (analytic_init) or random weights",
+    )
+    parser.add_argument("--vae-steps", type=int, default=2000, help="VAE training steps (0: keep the start)")
     parser.add_argument("--batch-size", type=int, default=128, help="transformer batch size (clips)")
     parser.add_argument(
         "--vae-batch-size", type=int, default=128, help="VAE batch size (single frames of different clips)"
@@ -575,7 +707,10 @@ def run(args: argparse.Namespace) -> Path:
     random.seed(args.seed)
     np.random.seed(args.seed)
 
-    pipe = build_video_pipeline_untrained(args.seed).to(device)
+    pipe = build_video_pipeline_untrained(args.seed)
+    if args.vae_init == "analytic":
+        analytic_init(pipe.vae)
+    pipe.to(device)
     pipe.text_encoder.requires_grad_(False)
     sizes = {f: max(8, int(n * args.pool_scale)) for f, (_, n) in FRAME_COUNTS.items()}
     clips = {f: draw_clip_pool(n, f, args.seed + f) for f, n in sizes.items()}
