@@ -190,47 +190,42 @@ def qwenimage_folder(tmp_path_factory) -> Path:
     return path
 
 
-def _with_encoder(pipe, name: str, **config):
-    """``pipe`` with its encoder ``name`` rebuilt at random from its own config changed by ``config`` (the
-    tiny family encoders have one KV head, which a degree of 2 cannot cut)."""
+def _saved_with_encoder(pipe, path: Path, name: str, **config) -> Path:
+    """``pipe`` saved to ``path`` with its encoder ``name`` rebuilt at random from its own config changed by
+    ``config`` and its vocabulary padded (the tiny family encoders have one KV head, which a degree of 2
+    cannot cut)."""
     model = getattr(pipe, name)
-    changed = type(model.config).from_dict({**model.config.to_dict(), **config})
+    tokenizer = getattr(pipe, name.replace("text_encoder", "tokenizer"))
+    config = {**model.config.to_dict(), **config, "vocab_size": _padded(len(tokenizer))}
     torch.manual_seed(2)
-    pipe.register_modules(**{name: type(model)(changed).eval()})
-    return pipe
+    pipe.register_modules(**{name: type(model)(type(model.config).from_dict(config)).eval()})
+    pipe.save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="module")
 def zimage_folder(tmp_path_factory) -> Path:
     from tests.families.zimage import build_pipeline
 
-    pipe = build_pipeline("tiny")
-    pipe = _with_encoder(pipe, "text_encoder", num_key_value_heads=2, vocab_size=_padded(len(pipe.tokenizer)))
     path = tmp_path_factory.mktemp("zimage-encoder-tp")
-    pipe.save_pretrained(path)
-    return path
+    return _saved_with_encoder(build_pipeline("tiny"), path, "text_encoder", num_key_value_heads=2)
 
 
 @pytest.fixture(scope="module")
 def klein_folder(tmp_path_factory) -> Path:
     from tests.families.flux2 import build_tiny
 
-    pipe = build_tiny(klein=True)
-    pipe = _with_encoder(pipe, "text_encoder", num_key_value_heads=2, vocab_size=_padded(len(pipe.tokenizer)))
     path = tmp_path_factory.mktemp("klein-encoder-tp")
-    pipe.save_pretrained(path)
-    return path
+    return _saved_with_encoder(build_tiny(klein=True), path, "text_encoder", num_key_value_heads=2)
 
 
 @pytest.fixture(scope="module")
 def sd3_folder(tmp_path_factory) -> Path:
     from tests.families.sd3 import build_pipeline
 
-    pipe = build_pipeline("tiny")  # T5 (2 heads) sharded, both CLIPs kept whole
-    pipe = _with_encoder(pipe, "text_encoder_3", vocab_size=_padded(len(pipe.tokenizer_3)))
+    # T5 (2 heads) sharded, both CLIPs kept whole
     path = tmp_path_factory.mktemp("sd3-encoder-tp")
-    pipe.save_pretrained(path)
-    return path
+    return _saved_with_encoder(build_pipeline("tiny"), path, "text_encoder_3")
 
 
 FAMILY_PARAMS = {
