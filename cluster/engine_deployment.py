@@ -321,13 +321,13 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
 
     async def _dispatch(self, op: dict[str, Any]) -> Any:
         kind = op["op"]
-        if kind == "converge":
-            return await self._converge(op["state"])
         if kind == "shutdown":
             await asyncio.to_thread(self._shut_down)
             return "shut down"
-        if self.shut_down:
+        if self.shut_down:  # its engine loop is gone: an op waiting for it would never be answered
             raise ReplicaUnavailable("replica is shut down")
+        if kind == "converge":
+            return await self._converge(op["state"])
         if kind == "stage_weights":
             return await self._on_loop(lambda: self._stage_weights(op["path"], op["tag"]))
         if kind == "discard_weights":

@@ -174,3 +174,7 @@ def test_shutdown_turns_health_and_generation_to_503(server):
         timeout=120,
     )
     assert generated.status_code == 503, generated.text
+    # Control ops find no engine to converge: answered at once, not after the broadcast's timeout.
+    for path in ("/v1/admin/memory/resume", "/v1/admin/memory/release"):
+        refused = httpx.post(f"{server.base_url}{path}", timeout=60)
+        assert refused.status_code == 503 and "shut down" in refused.json()["error"]["message"], refused.text
