@@ -41,6 +41,12 @@ def _add_generate(sub) -> None:
         "--guidance-scale", type=float, default=None, help="Distilled guidance (Flux) / CFG (Wan)."
     )
     p.add_argument(
+        "--guidance-scale-2",
+        type=float,
+        default=None,
+        help="Wan 2.2 A14B: the low-noise expert's CFG (default: --guidance-scale).",
+    )
+    p.add_argument(
         "--true-cfg-scale", type=float, default=None, help="Flux true CFG (with --negative-prompt)."
     )
     p.add_argument("--negative-prompt", default=None)
@@ -59,7 +65,41 @@ def _add_generate(sub) -> None:
     p.add_argument(
         "--strength", type=float, default=None, help="Image-to-image: 1 = from noise, small = keep (0.6)."
     )
-    add_model_arguments(p, EngineArgs)
+    add_model_arguments(p, EngineArgs, skip=("dp_size",))  # one engine in this process: no replicas
+
+
+GENERATE_FIELDS = {  # request fields that are generate's flags of the same name
+    "negative_prompt",
+    "num_inference_steps",
+    "guidance_scale",
+    "guidance_scale_2",
+    "true_cfg_scale",
+    "seed",
+    "n",
+    "num_frames",
+    "fps",
+    "strength",
+}
+
+# The engine's messages name request fields (as the API's do); generate says the flag that was typed.
+FIELD_FLAGS = {
+    "size": "--width/--height",
+    "input_reference": "--image",
+    "image": "--image",
+    "images": "--image",
+    "lora": "--lora",
+}
+
+
+def _as_flags(message: str) -> str:
+    """``num_frames: must be 4·k + 1`` → ``--num-frames: must be 4·k + 1``; other messages unchanged."""
+    field, sep, rest = message.partition(": ")
+    if not sep or not field.isidentifier():
+        return message
+    flag = FIELD_FLAGS.get(field)
+    if flag is None and field in GENERATE_FIELDS:
+        flag = "--" + field.replace("_", "-")
+    return f"{flag}: {rest}" if flag else message
 
 
 def _read_images(paths: list[str], engine) -> tuple[bytes, ...]:
@@ -143,6 +183,7 @@ def run_generate(ns: argparse.Namespace) -> int:
             num_frames=ns.num_frames if video else 1,
             num_inference_steps=ns.num_inference_steps,
             guidance_scale=ns.guidance_scale,
+            guidance_scale_2=ns.guidance_scale_2,
             true_cfg_scale=true_cfg,
             seed=ns.seed,
             n=ns.n,
@@ -156,7 +197,7 @@ def run_generate(ns: argparse.Namespace) -> int:
     except ValidationError as exc:
         return _fail(_validation_message(exc))
     except ValueError as exc:
-        return _fail(str(exc))
+        return _fail(_as_flags(str(exc)))
     try:
         adapters = [parse_lora_spec(spec) for spec in ns.lora]
     except ValueError as exc:
@@ -167,7 +208,10 @@ def run_generate(ns: argparse.Namespace) -> int:
     engine.start()
     try:
         for name, path, _ in adapters:
-            engine.load_lora(name, path)
+            try:
+                engine.load_lora(name, path)
+            except ValueError as exc:  # the loader names the API's field, path
+                raise ValueError(f"--lora {name}: {str(exc).removeprefix('path: ')}") from None
         if adapters:
             refs = tuple(LoRARef(name=name, scale=scale) for name, _, scale in adapters)
             jobs = [job.model_copy(update={"lora": refs}) for job in jobs]
@@ -184,7 +228,7 @@ def run_generate(ns: argparse.Namespace) -> int:
             ]
             results = [future.result() for future in futures]
     except ValueError as exc:
-        return _fail(str(exc))
+        return _fail(_as_flags(str(exc)))
     finally:
         engine.shutdown()
     outputs = [(data, result) for result in results for data in result.outputs]

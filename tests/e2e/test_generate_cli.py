@@ -87,10 +87,16 @@ def test_several_prompts_one_batch_one_file_each(tmp_path):
     "args, message",
     [
         (["--model", "/no/such/model"], "no such folder"),
-        (["--model", "demo-flux", "--width", "72"], "multiples of 16"),
+        (
+            ["--model", "demo-flux", "--width", "72"],
+            "--width/--height: width and height must be multiples of 16",
+        ),
         (["--model", "demo-flux", "-o", "x.mp4"], "makes images"),
-        (["--model", "demo-wan", "--num-frames", "8", "-o", "x.mp4"], "num_frames"),
+        (["--model", "demo-wan", "--num-frames", "8", "-o", "x.mp4"], "--num-frames: must be 4·k + 1"),
         (["--model", "demo-flux", "--ulysses-degree", "16"], "--ulysses-degree"),
+        (["--model", "demo-flux", "--n", "9"], "--n: 9 is above the maximum"),
+        (["--model", "demo-flux", "--lora", "style=missing.safetensors"], "--lora style: "),
+        (["--model", "demo-flux", "--dp-size", "2"], "unrecognized arguments: --dp-size"),  # one replica
     ],
 )
 def test_bad_arguments_exit_non_zero_with_a_message(tmp_path, args, message):
@@ -104,3 +110,21 @@ def test_serve_refuses_an_illegal_layout_before_starting():
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "--tp-size" in done.stderr and "Started a local Ray" not in done.stderr + done.stdout
+
+
+def test_wan22_second_expert_guidance_flag(tmp_path):
+    """--guidance-scale-2 is the low-noise expert's CFG (Wan 2.2 A14B), as the API's guidance_scale_2."""
+    from tests.families.wan22 import build_folder
+
+    folder = build_folder(tmp_path / "a14b")
+    common = ["a red fox", "--model", str(folder), "--num-frames", "5", "--num-inference-steps", "4"]
+    # CFG runs when --guidance-scale > 1 (WanPipeline: the first expert's scale decides).
+    common += ["--width", "32", "--height", "32", "--guidance-scale", "3", "--seed", "3"]
+    videos = []
+    for second in ("1", "6"):
+        out = tmp_path / f"g{second}.mp4"
+        done = generate(*common, "--guidance-scale-2", second, "-o", str(out))
+        assert done.returncode == 0, done.stderr
+        videos.append(decode_mp4(out.read_bytes()))
+    assert videos[0].shape == videos[1].shape == (5, 32, 32, 3)
+    assert not np.array_equal(videos[0], videos[1])
