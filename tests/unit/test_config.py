@@ -44,7 +44,9 @@ def test_unknown_field_is_refused():
     ],
 )
 def test_illegal_layouts_name_the_flags(flags, flag, capsys):
-    assert main(["generate", "a fox", "--model", "demo-flux", *flags, "-o", "x.png"]) == 2
+    # --dp-size is a serve flag (generate runs one replica); serve refuses the layout before starting Ray.
+    command = ["serve"] if "--dp-size" in flags else ["generate", "a fox", "-o", "x.png"]
+    assert main([*command, "--model", "demo-flux", *flags]) == 2
     err = capsys.readouterr().err
     assert flag in err and "Legal layouts: `--num-gpus" in err
 
