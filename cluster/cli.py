@@ -131,6 +131,20 @@ def _output_paths(output: str, n: int, prompts: int = 1) -> list[Path]:
     return [path.with_name(f"{path.stem}{name}{path.suffix}") for name in names]
 
 
+def _check_local_gpus(config) -> None:
+    """Generate runs its ranks on this machine: each needs a GPU here (ValueError naming the flags)."""
+    if config.device != "cuda":
+        return
+    import torch
+
+    ranks, gpus = config.parallel.dims().world_size, torch.cuda.device_count()
+    if not torch.cuda.is_available() or ranks > gpus:
+        raise ValueError(
+            f"--device cuda: {ranks} rank(s) need {ranks} GPU(s), torch sees {gpus} here; "
+            "use --device cpu (or auto), or lower --num-gpus and the degrees"
+        )
+
+
 def run_generate(ns: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -140,6 +154,7 @@ def run_generate(ns: argparse.Namespace) -> int:
 
     try:
         config = EngineArgs(**model_kwargs(ns, EngineArgs)).engine_config()
+        _check_local_gpus(config)
         engine = Engine(config)
     except ValidationError as exc:
         return _fail(_validation_message(exc))

@@ -5,6 +5,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from ditserve.replica.media import decode_mp4
@@ -103,6 +104,13 @@ def test_bad_arguments_exit_non_zero_with_a_message(tmp_path, args, message):
     done = generate("a fox", "-o", str(tmp_path / "x.png"), *args)
     assert done.returncode != 0
     assert message in done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_device_cuda_without_a_gpu_is_refused_naming_the_flag(tmp_path):
+    done = generate("a fox", "--model", "demo-flux", "--device", "cuda", "-o", str(tmp_path / "x.png"))
+    assert done.returncode == 2 and "--device cuda: 1 rank(s) need 1 GPU(s), torch sees 0" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_serve_refuses_an_illegal_layout_before_starting():
