@@ -7,11 +7,11 @@ a background of another colour in one of four directions (``scenes.draw_clip``).
    drawn) at 5, 9 and 17 frames;
 2. train a 2.4 M-parameter AutoencoderKLWan (8× spatial, no temporal compression, 4 latent channels),
    starting from :func:`analytic_init` (``--vae-init analytic``: weights set by hand so that, untrained, it
-   codes each 8×8 block of a frame as one colour), on single frames: its causal convolutions' taps on earlier frames are zero and stay zero, so it encodes and
-   decodes each frame on its own (exactly, through WanPipeline's chunked encode/decode too) and trains as a
-   2-D network on batches of frames from many clips; the reconstruction loss weighs the shape's pixels
-   more. Then measure each latent channel's mean and std and write them into its config
-   (``latents_mean`` / ``latents_std``, as real Wan VAEs carry them);
+   codes each 8×8 block of a frame as one colour), on single frames: its causal convolutions' taps on
+   earlier frames are zero and stay zero, so it encodes and decodes each frame on its own (exactly, through
+   WanPipeline's chunked encode/decode too) and trains as a 2-D network on batches of frames from many
+   clips; the reconstruction loss weighs the shape's pixels more. Then measure each latent channel's mean
+   and std and write them into its config (``latents_mean`` / ``latents_std``, as real Wan VAEs carry them);
 3. encode every caption once with the frozen random-weight tiny UMT5 (random features still tell the 1584
    captions apart), at lengths 32 (the tokenizer's ``model_max_length``, what ``ditserve`` uses) and 512
    (WanPipeline's default), plus the empty prompt;
@@ -201,8 +201,9 @@ def analytic_init(vae) -> None:
       ``_BIG``/√C undoes that, and the head's convolution takes SiLU(+c) - SiLU(-c), which is exactly c;
     - encoder log-variance a constant ``_LOGVAR``; quant convolutions the identity.
 
-    All values are exact in fp16. Training then starts from a VAE whose colours are right (the residual
-    branches' first convolutions keep their random weights, so they learn once their last ones move)."""
+    All values but the luminance's thirds are exact in fp16. Training then starts from a VAE whose colours
+    are right (the residual branches' first convolutions keep their random weights, so they learn once
+    their last ones move)."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import (
         WanAttentionBlock,
         WanCausalConv3d,
@@ -757,7 +758,8 @@ def run(args: argparse.Namespace) -> Path:
     if start is not None:
         trained_right = training_scenes_right(pipe.vae)
         log(
-            f"VAE reconstructions of 96 training-scene clips read right: start {start_right}, trained {trained_right}"
+            "VAE reconstructions of 96 training-scene clips read right: "
+            f"start {start_right}, trained {trained_right}"
         )
         if trained_right < start_right - 4:
             pipe.vae.load_state_dict(start)
