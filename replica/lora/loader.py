@@ -138,6 +138,10 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
 
     file, _ = _safetensors_file(path)
     loader = getattr(diffusers, pipeline_class)
+    if not hasattr(loader, "lora_state_dict"):
+        raise ValueError(
+            f"path: diffusers has no LoRA loader for {pipeline_class}; this model takes no adapters"
+        )
     alphas_returned = pipeline_families()[pipeline_class].lora_alphas
     kwargs = {"return_lora_metadata": True}
     if alphas_returned:

@@ -136,3 +136,17 @@ def test_wan22_second_expert_guidance_flag(tmp_path):
         videos.append(decode_mp4(out.read_bytes()))
     assert videos[0].shape == videos[1].shape == (5, 32, 32, 3)
     assert not np.array_equal(videos[0], videos[1])
+
+
+def test_hunyuanvideo_refuses_an_adapter_saying_why(tmp_path):
+    from tests.families.hunyuanvideo15 import build_folder
+    from tests.unit.test_lora_engine import weights, write_kohya
+
+    write_kohya(tmp_path / "style.safetensors", weights(1))
+    folder = build_folder(tmp_path / "hy")
+    lora = f"style={tmp_path / 'style.safetensors'}"
+    done = generate(
+        "a fox", "--model", str(folder), "--lora", lora, "--num-frames", "5", "-o", str(tmp_path / "x.mp4")
+    )
+    assert done.returncode == 2, done.stderr
+    assert "--lora style: diffusers has no LoRA loader for HunyuanVideo15Pipeline" in done.stderr
