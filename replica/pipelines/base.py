@@ -8,8 +8,10 @@ So a runner splits the pipeline into ``prepare`` (text encoding, latents, a priv
 ``pipe(...)`` gives.
 
 CFG: a request with guidance contributes a "cond" and an "uncond" row group. Without CFG parallelism
-both groups run in one forward; with ``cfg`` = 2 rank 0 runs every cond row and rank 1 every uncond row
-(padded to the same rows), and the predictions are all-gathered once per step.
+the two branches run as two forwards, one per branch (as most pipelines call their transformer), or as one
+forward of [uncond rows; cond rows] for a family whose pipeline batches them (``batch_cfg``); with ``cfg`` =
+2 rank 0 runs every cond row and rank 1 every uncond row (padded to the same rows), and the predictions are
+all-gathered once per step.
 """
 
 from __future__ import annotations
@@ -100,6 +102,10 @@ class PipelineRunner(ABC):
     # Step caching: the transformer's block lists in call order, and what one block returns (in order).
     cache_blocks: tuple[str, ...] = ()
     cache_outputs: tuple[str, ...] = ("hidden_states",)
+    # CFG on one rank: True runs both branches in one forward, [uncond rows; cond rows], as pipelines that
+    # batch them do (StableDiffusion3Pipeline): one launch of every kernel instead of two, and the GEMMs of
+    # the pipeline's shapes (a batch of one picks other kernels, so other roundings in bf16).
+    batch_cfg: bool = False
 
     def __init__(
         self,
@@ -228,16 +234,17 @@ class PipelineRunner(ABC):
         return t.expand(state.rows).to(state.latents.dtype)
 
     # -- one step for a batch of requests that share a bucket -------------------------------------------
-    def _run_rows(self, states: list[RequestState], branch: str) -> torch.Tensor:
-        """Concatenate one branch's rows of every request and run the model once."""
-        rows = [(s, getattr(s, branch) if getattr(s, branch) is not None else s.cond) for s in states]
+    def _run_rows(self, groups: list[tuple[RequestState, str]]) -> torch.Tensor:
+        """Run the model once on the rows of ``groups`` (a request and the branch of its rows, in row
+        order), concatenated."""
+        rows = [(s, getattr(s, branch) if getattr(s, branch) is not None else s.cond) for s, branch in groups]
         latents = torch.cat([s.latents for s, _ in rows])
         timesteps = torch.cat([self.timestep_rows(s) for s, _ in rows])
         inputs = self.concat_inputs([c for _, c in rows])
         if self.before_forward is not None:
             self.before_forward([(s, s.rows) for s, _ in rows])
-        shared = states[0].extra["shared"]
-        caches = [(self.request_cache(s, branch), s.rows) for s, _ in rows]
+        shared = groups[0][0].extra["shared"]
+        caches = [(self.request_cache(s, branch), s.rows) for s, branch in groups]
         if any(c is not None for c, _ in caches):
             # Caching forwards run without CUDA graphs: which rows compute changes from step to step, and a
             # captured graph would freeze one decision (--compile still runs each block compiled).
@@ -275,12 +282,17 @@ class PipelineRunner(ABC):
             # (same shapes on both ranks for the all-gather; those extra rows are discarded).
             from ..parallel import cfg_all_gather
 
-            local = self._run_rows(states, "cond" if self.cfg_rank == 0 else "uncond")
+            branch = "cond" if self.cfg_rank == 0 else "uncond"
+            local = self._run_rows([(s, branch) for s in states])
             both = cfg_all_gather(local.contiguous(), self.mesh)
             cond_pred, uncond_pred = both[0], both[1]
+        elif self.batch_cfg and guided:
+            pred = self._run_rows([(s, "uncond") for s in guided] + [(s, "cond") for s in states])
+            split = sum(s.rows for s in guided)
+            uncond_pred, cond_pred = pred[:split], pred[split:]
         else:
-            cond_pred = self._run_rows(states, "cond")
-            uncond_pred = self._run_rows(guided, "uncond") if guided else None
+            cond_pred = self._run_rows([(s, "cond") for s in states])
+            uncond_pred = self._run_rows([(s, "uncond") for s in guided]) if guided else None
         offset, uoffset = 0, 0
         for s in states:
             pred = cond_pred[offset : offset + s.rows]

@@ -137,6 +137,30 @@ def test_one_rank_equals_diffusers_with_and_without_lora_in_one_batch(one_rank, 
     assert psnr(reference[2], reference[0]) < 30  # the adapter changes the image
 
 
+def test_one_rank_bf16_steps_to_diffusers_latents_bit_for_bit(folder):
+    """In bf16 a guided request alone ends on the very latents StableDiffusion3Pipeline gives: the runner
+    batches the uncond and cond rows into one forward as the pipeline does (a forward per branch rounds
+    differently)."""
+    pipe = load_pipeline(StableDiffusion3Pipeline, folder).to(torch.bfloat16)
+    want = pipe(
+        prompt=FOX.prompt,
+        negative_prompt=FOX.negative_prompt,
+        guidance_scale=FOX.guidance_scale,
+        width=FOX.width,
+        height=FOX.height,
+        num_inference_steps=FOX.num_inference_steps,
+        generator=torch.Generator("cpu").manual_seed(FOX.seed),
+        max_sequence_length=MAX_LEN,
+        output_type="latent",
+    ).images
+    runner = SD3Runner(pipe, device=torch.device("cpu"), dtype=torch.bfloat16, max_sequence_length=MAX_LEN)
+    state = runner.add("fox", FOX)
+    while not state.done:
+        runner.step([state])
+    assert state.latents.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(state.latents, want)
+
+
 def test_one_rank_image_to_image_equals_diffusers_img2img(one_rank_all, img2img_reference, reference):
     ours = one_rank_all[-1]
     assert ours.shape == img2img_reference.shape == (48, 80, 3)
