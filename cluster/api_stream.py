@@ -108,7 +108,9 @@ class BodyLimitMiddleware:
 
 
 async def _too_large(send, what: str, limit: int) -> None:
-    err = PayloadTooLarge(f"{what}; the limit is max_body_bytes={limit}", param="max_body_bytes")
+    err = PayloadTooLarge(
+        f"{what}; the server's limit is {limit} bytes (--max-body-bytes)", param="max_body_bytes"
+    )
     body = json.dumps(error_body(err)).encode()
     await send(
         {

@@ -164,7 +164,11 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
     async def check_body_size(self, request: Request) -> None:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.args.max_body_bytes:
-            raise PayloadTooLarge(f"request body is {length} bytes; the limit is {self.args.max_body_bytes}")
+            raise PayloadTooLarge(
+                f"request body is {length} bytes; the server's limit is {self.args.max_body_bytes} bytes "
+                "(--max-body-bytes)",
+                param="max_body_bytes",
+            )
 
     async def call_engine(self, response) -> dict[str, Any]:
         """Await one engine call (a DeploymentResponse): its answer, or the typed error the replica answered

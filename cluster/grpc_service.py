@@ -222,7 +222,7 @@ class GrpcMethods:
             limit += reference_allowance(self)
         if size > limit:
             raise PayloadTooLarge(
-                f"message is {size} bytes; the limit is max_body_bytes={self.args.max_body_bytes}",
+                f"message is {size} bytes; the server's limit is {limit} bytes (--max-body-bytes)",
                 param="max_body_bytes",
             )
 

@@ -242,8 +242,14 @@ def _build(
             )
         per_replica = num_gpus // dp_size
         if per_replica != dims.world_size:
+            # one replica (generate, or serve's default): no --dp-size to speak of
+            share = (
+                f"--num-gpus {num_gpus} / --dp-size {dp_size} = {per_replica} GPUs per replica"
+                if dp_size > 1
+                else f"--num-gpus {num_gpus} GPUs in the replica"
+            )
             raise ValueError(
-                f"--num-gpus {num_gpus} / --dp-size {dp_size} = {per_replica} GPUs per replica, but "
+                f"{share}, but "
                 f"--cfg-parallel-size {dims.cfg} × --tp-size {dims.tp} × --ulysses-degree {dims.ulysses} "
                 f"× --ring-degree {dims.ring} × --kv-gather-degree {dims.kv_gather} = {dims.world_size}; "
                 f"change --num-gpus or the degrees so that they agree."

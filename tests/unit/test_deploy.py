@@ -237,7 +237,7 @@ def test_serve_config_args_are_the_cli_flags():
             ["--model", "demo-flux", "--num-gpus", "3", "--dp-size", "2"],
             "--num-gpus 3 is not divisible by --dp-size 2",
         ),
-        (["--model", "demo-flux", "--num-gpus", "4", "--ulysses-degree", "2"], "GPUs per replica"),
+        (["--model", "demo-flux", "--num-gpus", "4", "--ulysses-degree", "2"], "GPUs in the replica"),
         ([*FLUX, "--ulysses-degree", "16", "--num-gpus", "16"], "--ulysses-degree 16 does not divide"),
         ([*FLUX, "--ulysses-degree", "12", "--num-gpus", "12"], "--gpus-per-node 8"),
         (["--model", "/models/FLUX.1-dev", "--ulysses-degree", "16", "--num-gpus", "16"], "does not divide"),

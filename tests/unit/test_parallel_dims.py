@@ -63,8 +63,10 @@ def test_from_flags_num_gpus_counts_every_replica() -> None:
     with pytest.raises(ValueError) as info:
         ParallelDims.from_flags(num_gpus=8, dp_size=1, ulysses=2)
     message = str(info.value)
-    assert "--num-gpus 8 / --dp-size 1 = 8 GPUs per replica" in message
+    assert "--num-gpus 8 GPUs in the replica, but" in message and "--dp-size" not in message
     assert "--ulysses-degree 2" in message and "`--num-gpus 8 --ulysses-degree 8`" in message
+    with pytest.raises(ValueError, match=r"--num-gpus 8 / --dp-size 2 = 4 GPUs per replica"):
+        ParallelDims.from_flags(num_gpus=8, dp_size=2, ulysses=2)
 
 
 def test_from_flags_dp_must_divide_num_gpus() -> None:
