@@ -28,13 +28,13 @@ clips in 3-D (every 3×3×3 kernel over all frames), the VAE managed ~700 steps 
 H200 and the scorer read 13/48 of its held-out reconstructions right; per frame, a step costs a third of
 the convolution work, runs as 2-D convolutions, and its batch holds frames of as many different clips.
 Why the analytic start: from random weights this VAE learns colours slowly (on CPU, 100 steps of 16 frames
-leave reconstruction MSE 0.26 and 0/48 held-out clips read right); :func:`analytic_init` is read right on
-48/48 before any step (MSE 0.025, shape 24/48: blocky edges), and training only sharpens it (the same 100
-steps: MSE 0.017, 46/48; 300: MSE 0.008, 47/48, shape 38/48; at learning rate 1e-3; 3e-3 scrambled it, so
-the run keeps the start when training reads clearly fewer training-scene clips right). On CPU the
-conventions were checked against WanPipeline: the one-pass encode/decode equal AutoencoderKLWan's chunked
-ones (1e-6), the caption embeddings equal ``encode_prompt``'s at lengths 32 and 512, timesteps are the
-scheduler's 1000·sigma with its shift.
+at 1e-3 leave reconstruction MSE 0.26 and 0/48 held-out clips read right); :func:`analytic_init` is read
+right on 48/48 before any step (MSE 0.034, shape 24/48: blocky edges), and training sharpens it (300 steps
+of 16 frames at 3e-3: MSE 0.011, 48/48, shape 33/48; at 1e-3: 0.011, 46/48, 34/48). Should training still
+scramble it, the run keeps the start when training reads clearly fewer training-scene clips right. On CPU
+the conventions were checked against WanPipeline: the one-pass encode/decode equal AutoencoderKLWan's
+chunked ones (1e-6), the caption embeddings equal ``encode_prompt``'s at lengths 32 and 512, timesteps are
+the scheduler's 1000·sigma with its shift.
 """
 
 from __future__ import annotations
@@ -151,7 +151,8 @@ def make_framewise(vae) -> None:
 
 
 # The analytic starting point (see :func:`analytic_init`).
-_BIG = 256.0  # the constant channel that makes each head's RMS norm a division by a (nearly) fixed number
+_BIG = 2048.0  # the constant channel that makes each head's RMS norm a division by a (nearly) fixed number
+_TRUNK = 8.0  # the colours' scale between the convolutions in and out
 _LOGVAR = -8.0  # encoder's log-variance: posterior std e^-4 ≈ 0.018 (2.3/255 of a pixel)
 # Which of its three rows and columns each stride-2 downsampling convolution keeps (output i of level l
 # reads input rows 2i..2i+2): together they pick pixel 8k + 0 + 2·0 + 4·1 = 8k + 4 of each 8×8 block.
@@ -193,12 +194,18 @@ def analytic_init(vae) -> None:
     How, module by module (classes and config untouched, every earlier causal tap zero):
     - each residual block's last convolution zero, so the block passes its input on (a 1×1 shortcut where
       the width changes embeds the channels); attention's output projection zero: the same;
-    - the trunk carries +RGB in channels 0-2 and -RGB in 3-5; the stride-2 downsampling convolutions each
-      keep one tap (``_DOWN_TAPS``), the upsampling ones are the identity after their nearest ×2;
+    - the trunk carries +RGB in channels 0-2 and -RGB in 3-5, ``_TRUNK`` times larger than in the picture:
+      Adam's first steps move every weight of a residual branch's zero last convolution by about the
+      learning rate in step, so the branch soon adds O(0.1-1) to the trunk, which scrambled colours carried
+      at their own scale (100 steps of 16 frames at 3e-3: MSE 0.034 -> 0.26), not colours 8× larger (MSE
+      0.034 -> 0.022);
+    - the stride-2 downsampling convolutions each keep one tap (``_DOWN_TAPS``), the upsampling ones are the
+      identity after their nearest ×2;
     - each head (RMS norm over channels → SiLU → convolution) is the only nonlinear step: the residual block
       before it adds a constant ``_BIG`` channel (its last convolution's bias), so the norm divides by
       ≈ ``_BIG``/√C whatever the colour (relative error |rest|²/(2·``_BIG``²) < 5e-5), the norm's gamma
-      ``_BIG``/√C undoes that, and the head's convolution takes SiLU(+c) - SiLU(-c), which is exactly c;
+      ``_BIG``/(√C·``_TRUNK``) undoes that and the trunk's scale, and the head's convolution takes
+      SiLU(+c) - SiLU(-c), which is exactly c;
     - encoder log-variance a constant ``_LOGVAR``; quant convolutions the identity.
 
     All values but the luminance's thirds are exact in fp16. Training then starts from a VAE whose colours
@@ -241,7 +248,7 @@ def analytic_init(vae) -> None:
     w = _current_tap(enc.conv_in)
     enc.conv_in.bias.zero_()
     for c in range(3):
-        w[c, c, 1, 1], w[3 + c, c, 1, 1] = 1.0, -1.0
+        w[c, c, 1, 1], w[3 + c, c, 1, 1] = _TRUNK, -_TRUNK
     _head(enc, enc.mid_block.resnets[-1])
     w = _current_tap(enc.conv_out)
     enc.conv_out.bias.zero_()
@@ -258,8 +265,8 @@ def analytic_init(vae) -> None:
     w = _current_tap(dec.conv_in)
     dec.conv_in.bias.zero_()
     for c in range(3):
-        w[c, c, 1, 1], w[3 + c, c, 1, 1] = 1.0, -1.0
-    w[6, 3, 1, 1] = 1.0
+        w[c, c, 1, 1], w[3 + c, c, 1, 1] = _TRUNK, -_TRUNK
+    w[6, 3, 1, 1] = _TRUNK
     _head(dec, dec.up_blocks[-1].resnets[-1])
     w = _current_tap(dec.conv_out)
     dec.conv_out.bias.zero_()
@@ -273,7 +280,7 @@ def _head(coder, last_block) -> None:
     scaled back: x / ‖x‖ · √C · gamma ≈ x for the other channels, ≈ 1 for the constant one."""
     width = coder.norm_out.gamma.shape[0]
     last_block.conv2.bias[width - 1] = _BIG
-    coder.norm_out.gamma.fill_(_BIG / width**0.5)
+    coder.norm_out.gamma.fill_(_BIG / width**0.5 / _TRUNK)
     coder.norm_out.gamma[width - 1] = 1.0 / width**0.5
 
 
@@ -749,8 +756,8 @@ def run(args: argparse.Namespace) -> Path:
     vae_frames = torch.cat([_frames(pixels)[:, :, 0] for pixels, _ in clips.values()]).to(device)
     start = None
     if args.vae_init == "analytic" and args.vae_steps > 0:
-        # Too high a learning rate scrambles the hand-set start within ~100 steps (seen at 3e-3 with batches
-        # of 16): keep the start if training reads clearly fewer training clips right (1 in 24 is noise).
+        # A learning rate too high for the hand-set start scrambles it within ~100 steps: keep the start if
+        # training reads clearly fewer training clips right (1 in 24 is noise).
         start = {k: v.clone() for k, v in pipe.vae.state_dict().items()}
         start_right = training_scenes_right(pipe.vae)
     train_vae(pipe.vae, vae_frames, args, log)
