@@ -31,10 +31,10 @@ Why the analytic start: from random weights this VAE learns colours slowly (on C
 at 1e-3 leave reconstruction MSE 0.26 and 0/48 held-out clips read right); :func:`analytic_init` is read
 right on 48/48 before any step (MSE 0.034, shape 24/48: blocky edges), and training sharpens it (steps of
 16 frames at 3e-3: 300 steps MSE 0.011, 48/48, shape 33/48; 1000 steps MSE 0.004, 48/48, shape 43/48).
-Should training still scramble it, the run keeps the start when training reads clearly fewer training-scene clips right. On CPU
-the conventions were checked against WanPipeline: the one-pass encode/decode equal AutoencoderKLWan's
-chunked ones (1e-6), the caption embeddings equal ``encode_prompt``'s at lengths 32 and 512, timesteps are
-the scheduler's 1000·sigma with its shift.
+Should training still scramble it, the run keeps the start when training reads clearly fewer
+training-scene clips right. On CPU the conventions were checked against WanPipeline: the one-pass
+encode/decode equal AutoencoderKLWan's chunked ones (1e-6), the caption embeddings equal ``encode_prompt``'s
+at lengths 32 and 512, timesteps are the scheduler's 1000·sigma with its shift.
 """
 
 from __future__ import annotations
