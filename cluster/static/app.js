@@ -496,7 +496,8 @@ function rtMessage(data) {
     byId("rt-stats").textContent =
       `#${m.chunk_index}: ${m.num_frames} frames in ${m.chunk_total_ms} ms ` +
       `(forward ${m.scheduler_forward_ms} ms, encode ${m.frame_encode_ms} ms, ${m.ws_payload_bytes} bytes)${echo}`;
-    rtSetState("streaming");
+    // batches still decoding when the socket closed must not turn "closed" back into "streaming"
+    if (rt.ws) rtSetState("streaming");
   } else if (m.type === "error") rtError(m.content);
 }
 
