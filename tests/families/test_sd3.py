@@ -76,8 +76,8 @@ def folder(tmp_path_factory) -> Path:
     return build_folder(tmp_path_factory.mktemp("sd3") / "stable-diffusion-3.5-tiny")
 
 
-def diffusers_image(pipe, p: GenerationParams) -> np.ndarray:
-    out = pipe(
+def diffusers_call(pipe, p: GenerationParams, output_type: str):
+    return pipe(
         prompt=p.prompt,
         negative_prompt=p.negative_prompt,
         guidance_scale=p.guidance_scale,
@@ -86,9 +86,12 @@ def diffusers_image(pipe, p: GenerationParams) -> np.ndarray:
         num_inference_steps=p.num_inference_steps,
         generator=torch.Generator("cpu").manual_seed(p.seed),
         max_sequence_length=MAX_LEN,
-        output_type="np",
-    )
-    return to_uint8(out.images)[0]
+        output_type=output_type,
+    ).images
+
+
+def diffusers_image(pipe, p: GenerationParams) -> np.ndarray:
+    return to_uint8(diffusers_call(pipe, p, "np"))[0]
 
 
 @pytest.fixture(scope="module")
@@ -142,17 +145,7 @@ def test_one_rank_bf16_steps_to_diffusers_latents_bit_for_bit(folder):
     batches the uncond and cond rows into one forward as the pipeline does (a forward per branch rounds
     differently)."""
     pipe = load_pipeline(StableDiffusion3Pipeline, folder).to(torch.bfloat16)
-    want = pipe(
-        prompt=FOX.prompt,
-        negative_prompt=FOX.negative_prompt,
-        guidance_scale=FOX.guidance_scale,
-        width=FOX.width,
-        height=FOX.height,
-        num_inference_steps=FOX.num_inference_steps,
-        generator=torch.Generator("cpu").manual_seed(FOX.seed),
-        max_sequence_length=MAX_LEN,
-        output_type="latent",
-    ).images
+    want = diffusers_call(pipe, FOX, "latent")
     runner = SD3Runner(pipe, device=torch.device("cpu"), dtype=torch.bfloat16, max_sequence_length=MAX_LEN)
     state = runner.add("fox", FOX)
     while not state.done:
