@@ -5,8 +5,10 @@
     ...     png = c.generate("a red fox", size="64x64", num_inference_steps=4)[0]
     ...     for step, total, image in c.generate_stream("a red fox", size="64x64"):
     ...         print(step, total)               # image is None until the last event
+    ...     edited = c.edit_image([open("in.png", "rb").read()], "make it blue", strength=0.6)[0]
     ...     job = c.create_video("waves", num_frames=9)
     ...     mp4 = c.wait_video(job.id)           # polls GetVideo, then GetVideoContent
+    ...     page = c.list_videos(limit=10)       # newest first; page.has_more, page.last_id
 
 Errors are ``grpc.RpcError`` with the server's code (INVALID_ARGUMENT, NOT_FOUND, ...) and a message
 naming the field.
@@ -60,6 +62,14 @@ class Client:
             else:
                 yield total, total, event.result.images[0]
 
+    def edit_image(self, images: list[bytes], prompt: str, **fields: Any) -> list[bytes]:
+        """Images (encoded bytes) from one or more input images (PNG / JPEG / WebP bytes; several for
+        multi-reference models); ``fields`` are EditImageRequest's (mask, size, n, strength, seed, lora...)."""
+        loras = fields.pop("lora", [])
+        refs = [pb.LoRARef(**(r if isinstance(r, dict) else {"name": r})) for r in loras]
+        request = pb.EditImageRequest(image=list(images), prompt=prompt, lora=refs, **fields)
+        return list(self._call("EditImage", request).images)
+
     # -- videos ------------------------------------------------------------------------------------------
     def create_video(self, prompt: str, **fields: Any) -> pb.VideoJob:
         return self._call("CreateVideo", pb.CreateVideoRequest(prompt=prompt, **fields))
@@ -70,8 +80,23 @@ class Client:
     def delete_video(self, video_id: str) -> pb.VideoJob:
         return self._call("DeleteVideo", pb.VideoRef(id=video_id))
 
-    def video_content(self, video_id: str) -> bytes:
-        return self._call("GetVideoContent", pb.VideoRef(id=video_id)).mp4
+    def video_content(self, video_id: str, variant: str | None = None) -> bytes:
+        """The MP4; ``variant="thumbnail"`` (WebP) or ``"spritesheet"`` (JPEG) gives that image instead."""
+        if variant is None:
+            return self._call("GetVideoContent", pb.VideoRef(id=video_id)).mp4
+        return self._call("GetVideoContent", pb.VideoRef(id=video_id, variant=variant)).image
+
+    def list_videos(
+        self, after: str | None = None, limit: int | None = None, order: str | None = None
+    ) -> pb.VideoList:
+        """One page of video jobs (``order`` "desc", the default, or "asc" by creation; ``after`` = the previous
+        page's ``last_id``)."""
+        fields = {k: v for k, v in (("after", after), ("limit", limit), ("order", order)) if v is not None}
+        return self._call("ListVideos", pb.ListVideosRequest(**fields))
+
+    def remix_video(self, video_id: str, prompt: str) -> pb.VideoJob:
+        """A new job with a finished video's settings and a new prompt."""
+        return self._call("RemixVideo", pb.RemixVideoRequest(id=video_id, prompt=prompt))
 
     def wait_video(self, video_id: str, poll_s: float = 0.5, timeout_s: float = 600.0) -> bytes:
         """Poll until the job completes; its MP4 bytes (RuntimeError when it failed)."""
@@ -98,6 +123,9 @@ class Client:
 
     def list_loras(self) -> pb.ListLoRAsResponse:
         return self._call("ListLoRAs", pb.Empty())
+
+    def list_models(self) -> pb.ListModelsResponse:
+        return self._call("ListModels", pb.Empty())
 
 
 def _image_request(prompt: str, fields: dict[str, Any]) -> pb.GenerateRequest:

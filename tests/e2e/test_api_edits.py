@@ -16,6 +16,7 @@ from diffusers import FluxImg2ImgPipeline, FluxKontextPipeline
 from openai import OpenAI
 from PIL import Image, ImageDraw
 
+from ditserve.cluster.client import Client
 from ditserve.cluster.grpc_gen import ditserve_pb2 as pb
 from ditserve.cluster.grpc_gen import ditserve_pb2_grpc as pb_grpc
 from ditserve.replica.config import EngineConfig, ParallelFlags
@@ -202,7 +203,7 @@ def _fields(message) -> dict:
     return {f.name: v for f, v in message.ListFields()}
 
 
-def test_grpc_edit_and_its_bad_uploads(stub):
+def test_grpc_edit_and_its_bad_uploads(server, stub):
     good = pb.EditImageRequest(image=[SOURCE], prompt="a red circle", num_inference_steps=1, seed=1)
     reply = stub.EditImage(good, timeout=120)
     assert reply.size == "64x64"  # the image's own size
@@ -210,6 +211,10 @@ def test_grpc_edit_and_its_bad_uploads(stub):
     webp = stub.EditImage(pb.EditImageRequest(output_format="webp", **_fields(good)), timeout=120)
     assert webp.output_format == "webp" and Image.open(io.BytesIO(webp.images[0])).format == "WEBP"
     assert psnr(png_pixels(webp.images[0]), png_pixels(reply.images[0])) >= 25
+    with Client(f"127.0.0.1:{server.grpc_port}") as client:  # the package's own client, same request
+        assert client.edit_image([SOURCE], "a red circle", num_inference_steps=1, seed=1) == list(
+            reply.images
+        )
     generated = stub.Generate(pb.GenerateRequest(prompt="a", num_inference_steps=1, output_format="jpeg"))
     assert generated.output_format == "jpeg" and Image.open(io.BytesIO(generated.images[0])).format == "JPEG"
     with pytest.raises(grpc.RpcError) as info:

@@ -193,14 +193,15 @@ def test_grpc_list_variants_and_remix(server):
         def call(method: str, request):
             return getattr(c.stub, method)(request, metadata=c.metadata, timeout=120)
 
-        page = call("ListVideos", pb.ListVideosRequest(limit=100))
+        page = c.list_videos(limit=100)
         assert job.id in [v.id for v in page.data] and page.last_id == page.data[-1].id
         thumb = call("GetVideoContent", pb.VideoRef(id=job.id, variant="thumbnail"))
         assert thumb.media_type == "image/webp" and not thumb.mp4
         assert psnr(png_pixels(thumb.image), frames[0]) >= 25
+        assert c.video_content(job.id, variant="thumbnail") == thumb.image
         sheet = call("GetVideoContent", pb.VideoRef(id=job.id, variant="spritesheet"))
         assert sheet.media_type == "image/jpeg" and png_pixels(sheet.image).shape == (96, 256, 3)
-        remix = call("RemixVideo", pb.RemixVideoRequest(id=job.id, prompt="waves at night"))
+        remix = c.remix_video(job.id, "waves at night")
         assert remix.remixed_from_video_id == job.id and remix.size == "64x48"
         assert decode_mp4(c.wait_video(remix.id, poll_s=0.1)).shape == frames.shape
         for method, request, param in (
