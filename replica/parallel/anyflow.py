@@ -16,7 +16,8 @@ With Ulysses degree U and ring degree R (sp = U·R shards, numbered as in ``mesh
 2. in each self-attention, q/k/v are computed for the local tokens (q/k RMS-normalised over all heads, per
    token), then one all-to-all gives the Ulysses group's contiguous *ring block* of the sequence for H/U
    heads; q and k are rotated at the block's global positions (keys are cached rotated);
-3. the cache forward writes each rank's block of the cache sequence at the start of its buffer; a chunk step
+3. the cache forward writes each rank's block of the cache sequence at the start of its buffer (without a
+   ring: after the oldest chunks it keeps, ``FarCall.base``); a chunk step
    writes its block right after the rank's real cached keys, so every rank's keys are one prefix of its
    buffer (its cached block, then its chunk block). Memory per rank: H/U heads of about 1/R of the tokens;
 4. with R = 1 one SDPA per call (diffusers' arithmetic, the zero pad keys written after the prefix); with
@@ -59,10 +60,13 @@ from .ulysses import gather_heads, scatter_heads
 class FarCall:
     """``kv_cache_flag`` of one forward, as an object the compiled blocks only pass along (a dict of ints
     would be read by dynamo and guarded on, compiling new block graphs as the counts change from chunk to
-    chunk). ``ends``: the cache forward's chunk boundaries (see :func:`far_attention`)."""
+    chunk). ``ends``: the cache forward's chunk boundaries in the cache sequence; ``base``: the cache
+    positions it keeps (one rank: the oldest compressed chunks, whose keys and values the previous cache
+    forward wrote and no later chunk changes), its tokens being the ones after them (see
+    :func:`far_attention`)."""
 
-    def __init__(self, values: dict[str, Any], ends: tuple[int, ...] = ()) -> None:
-        self.values, self.ends = dict(values), ends
+    def __init__(self, values: dict[str, Any], ends: tuple[int, ...] = (), base: int = 0) -> None:
+        self.values, self.ends, self.base = dict(values), ends, base
 
     def __getitem__(self, key: str) -> Any:
         return self.values[key]
@@ -174,7 +178,16 @@ def far_attention(
     q = _rotate(q, rotary_emb["query"], start, valid)
     k = _rotate(k, rotary_emb["key"][:, :, -num_tokens:], start, valid)
     if kv_cache_flag["is_cache_step"]:
-        out = _cache_attention(q, k, v, kv_cache=kv_cache, ends=kv_cache_flag.ends, ring=ring, start=start)
+        out = _cache_attention(
+            q,
+            k,
+            v,
+            kv_cache=kv_cache,
+            ends=kv_cache_flag.ends,
+            base=kv_cache_flag.base,
+            ring=ring,
+            start=start,
+        )
     else:
         cached = kv_cache_flag["num_cached_compressed_tokens"] + kv_cache_flag["num_cached_full_tokens"]
         out = _chunk_attention(q, k, v, kv_cache=kv_cache, cached=cached, num_tokens=num_tokens, ring=ring)
@@ -188,26 +201,30 @@ def _cache_attention(
     *,
     kv_cache: FarLayerCache,
     ends: tuple[int, ...],
+    base: int,
     ring: FarRing | None,
     start: int,
 ) -> torch.Tensor:
-    """The cache forward: write this block's K/V, attend block-causally. Its tokens are ordered by chunk
-    (the compressed chunks, then the full ones; ``ends``: each chunk's end) and a query of chunk j attends
-    to every token of chunks <= j: a prefix of the sequence. That is diffusers' "cache" block mask exactly
-    (its padding is masked, so it changes no row)."""
+    """The cache forward: write this block's K/V, attend block-causally. The cache sequence is ordered by
+    chunk (the compressed chunks, then the full ones; ``ends``: each chunk's end in it) and a query of chunk
+    j attends to every token of chunks <= j: a prefix of the sequence. That is diffusers' "cache" block mask
+    exactly (its padding is masked, so it changes no row). One rank: the forward's tokens are the cache
+    positions from ``base`` on (before it: kept from the previous cache forward, keys only here)."""
     assert ends, ends
     cache, length = kv_cache.kv, k.shape[2]
-    cache[0, :, :, :length] = k
-    cache[1, :, :, :length] = v
+    cache[0, :, :, base : base + length] = k
+    cache[1, :, :, base : base + length] = v
     out = torch.zeros_like(q)  # padding rows (after the last chunk) stay zero
     if ring is None:  # one SDPA per chunk over its prefix
-        begin = 0
+        begin = base
         for end in ends:
-            out[:, :, begin:end] = F.scaled_dot_product_attention(
-                q[:, :, begin:end], k[:, :, :end], v[:, :, :end]
+            keys, values = (k, v) if base == 0 else (cache[0, :, :, :end], cache[1, :, :, :end])
+            out[:, :, begin - base : end - base] = F.scaled_dot_product_attention(
+                q[:, :, begin - base : end - base], keys[:, :, :end], values[:, :, :end]
             )
             begin = end
         return out
+    assert base == 0, "a ring's cache forward rewrites every chunk"
     # This block's rows of each chunk: (first row, past-the-last row, the chunk's global end).
     spans, begin = [], 0
     for end in ends:

@@ -113,6 +113,7 @@ class FarRollout:
     kv_cache: dict[int, FarLayerCache] | None = None
     cache_chunks: int = 0  # the chunks ``kv_cache`` has room for
     kv_flag: dict[str, Any] = field(default_factory=lambda: {"num_cached_chunks": 0, "is_cache_step": False})
+    cache_prompt: tuple | None = None  # the prompt the cached K/V were computed with (None: none valid)
     feat_map: list | None = None  # the VAE decoder's causal cache (sessions)
     decoded_frames: int = 0
 
@@ -126,6 +127,15 @@ class FarRollout:
 _SPANS_IN_FLAG = object()
 
 
+def flow_map_step(pred: torch.Tensor, sigmas: torch.Tensor, i: int, sample: torch.Tensor) -> torch.Tensor:
+    """``FlowMapEulerDiscreteScheduler.step(pred, timesteps[i], sample)``'s arithmetic (from sigma i to
+    sigma i + 1, in the schedule's dtype), without its look-up of the step index from the timestep's
+    value (three reads back from the device)."""
+    shape = [1] * pred.ndim
+    sigma_t, sigma_r = sigmas[i].view(shape), sigmas[i + 1].view(shape)
+    return (sample - (sigma_t - sigma_r) * pred).to(pred.dtype)
+
+
 class AnyFlowRunner(PipelineRunner):
     default_guidance = 1.0  # released checkpoints fuse guidance into the weights
 
@@ -133,6 +143,8 @@ class AnyFlowRunner(PipelineRunner):
         super().__init__(pipe, **kwargs)
         self.sessions: dict[str, FarRollout] = {}
         self._embeds: tuple[tuple, dict] | None = None  # the last prompt's embeddings (sessions reuse them)
+        self._rope_shift: tuple[int, int] | None = None  # see _rope_table
+        self._schedules: dict[int, tuple[torch.Tensor, torch.Tensor, list[bool]]] = {}
 
     # -- encoders ---------------------------------------------------------------------------------------
     def _guidance(self, params: GenerationParams) -> float:
@@ -301,8 +313,9 @@ class AnyFlowRunner(PipelineRunner):
 
     def _allocate_cache(self, rollout: FarRollout, num_chunks: int) -> None:
         """K/V buffers for a rollout of ``num_chunks`` chunks. A session that outgrows them gets larger ones
-        (half as large again, so an endless session reallocates rarely) and nothing is copied: the cache
-        forward before every chunk rewrites all of it."""
+        (half as large again, so an endless session reallocates rarely) holding what the old ones held (the
+        next cache forward keeps the oldest chunks' keys and values: ``_kept_chunks``), one layer at a time
+        (the old buffers freed as the new ones fill)."""
         if rollout.kv_cache is not None and rollout.cache_chunks >= num_chunks:
             return
         if rollout.kv_cache is not None:
@@ -322,13 +335,13 @@ class AnyFlowRunner(PipelineRunner):
         )
         rows = rollout.rows * (2 if rollout.guided else 1)
         heads, dim = config.num_attention_heads // ulysses, config.attention_head_dim
-        rollout.kv_cache = None  # free the old buffers first
-        rollout.kv_cache = {
-            layer: FarLayerCache(
-                torch.zeros((2, rows, heads, tokens, dim), device=self.device, dtype=self.dtype)
-            )
-            for layer in range(config.num_layers)
-        }
+        old, rollout.kv_cache = rollout.kv_cache or {}, {}
+        for layer in range(config.num_layers):
+            kv = torch.zeros((2, rows, heads, tokens, dim), device=self.device, dtype=self.dtype)
+            held = old.pop(layer, None)
+            if held is not None:
+                kv[:, :, :, : held.kv.shape[3]] = held.kv
+            rollout.kv_cache[layer] = FarLayerCache(kv)
         rollout.cache_chunks = num_chunks
 
     def _transformer(self):
@@ -340,24 +353,60 @@ class AnyFlowRunner(PipelineRunner):
             for block in transformer.blocks:
                 block.attn1.set_processor(FarCausalAttnProcessor())
         if not getattr(transformer.rope, "_far_rope_hook", False):
-            transformer.rope.register_forward_hook(lambda module, args, out: FarRope(out))
+            transformer.rope.register_forward_hook(self._rope_table, with_kwargs=True)
             transformer.rope._far_rope_hook = True
         return transformer
 
+    def _rope_table(self, module, args, kwargs, out) -> FarRope:
+        """The rotary table of a forward. A cache forward that keeps the oldest chunks (``_rope_shift``:
+        their frames and tokens) runs over the later chunks only, which sit that many frames further on:
+        their rows of the table over all chunks."""
+        if self._rope_shift is None:
+            return FarRope(out)
+        frames, tokens = self._rope_shift
+        far_cfg = dict(kwargs["far_cfg"])
+        far_cfg["total_frames"] += frames
+        far_cfg["num_compressed_frames"] += frames
+        whole = type(module).forward(module, far_cfg=far_cfg, device=kwargs["device"])
+        return FarRope({name: table[:, :, tokens:] for name, table in whole.items()})
+
+    def _kept_chunks(self, state: RequestState, upto: int) -> int:
+        """How many of the oldest chunks the cache forward over chunks < ``upto`` can keep as the previous
+        one wrote them: those compressed then and now (chunk j's keys and values depend only on chunks <= j,
+        their patches, positions and the prompt; the compressed chunks are a prefix that only grows), when
+        the previous cache forward (over chunks < ``upto - 1``) wrote these buffers with this prompt. One rank
+        or Ulysses; a ring's cache forward is sharded by its tokens and rewrites every chunk."""
+        rollout: FarRollout = state.extra["rollout"]
+        if self.mesh is not None and self.mesh.ring_size > 1:
+            return 0
+        if rollout.cache_prompt != self._prompt_key(state):  # none yet, new buffers or a new prompt
+            return 0
+        limit = self.pipe.transformer.config.full_chunk_limit - 1
+        return max(0, upto - 1 - limit)
+
+    @staticmethod
+    def _prompt_key(state: RequestState) -> tuple:
+        params = state.params
+        return (params.prompt, params.negative_prompt if state.uncond is not None else None, params.n)
+
     def _cache_chunks(self, state: RequestState, upto: int) -> None:
-        """The pipeline's ``encode_kv_cache`` after chunk ``upto - 1``: one forward over chunks < ``upto``."""
+        """The pipeline's ``encode_kv_cache`` after chunk ``upto - 1``: one forward over chunks < ``upto``
+        (diffusers re-encodes every finished chunk each time; the oldest ones whose keys and values cannot
+        have changed are kept instead, ``_kept_chunks``: the forward's tokens stay bounded in a long
+        session)."""
         rollout: FarRollout = state.extra["rollout"]
         transformer = self._transformer()
         config = transformer.config
         partition = rollout.partition[:upto]
+        kept = self._kept_chunks(state, upto)
         flag = rollout.kv_flag
         flag["is_cache_step"] = True
-        latents = torch.cat(rollout.outputs[:upto], dim=1)
+        latents = torch.cat(rollout.outputs[kept:upto], dim=1)
         inputs = torch.cat([latents] * 2) if rollout.guided else latents
         inputs = inputs.to(self.dtype)
         zeros = torch.zeros((inputs.shape[0], inputs.shape[1]), device=self.device, dtype=torch.long)
-        # The cache forward's tokens: the oldest chunks compressed (all but the last full_chunk_limit - 1),
-        # then the full ones; a chunk attends to every chunk up to its own (diffusers' "cache" block mask).
+        # The cache sequence: the oldest chunks compressed (all but the last full_chunk_limit - 1), then the
+        # full ones; a chunk attends to every chunk up to its own (diffusers' "cache" block mask).
         h, w = inputs.shape[-2:]
         full = (h // config.patch_size[1]) * (w // config.patch_size[2])
         compressed = (h // config.compressed_patch_size[1]) * (w // config.compressed_patch_size[2])
@@ -366,19 +415,25 @@ class AnyFlowRunner(PipelineRunner):
         for j, frames in enumerate(partition):
             end += frames * (compressed if j < num_compressed else full)
             ends.append(end)
-        transformer(
-            hidden_states=inputs,
-            chunk_partition=partition,
-            timestep=zeros,
-            r_timestep=zeros,
-            encoder_hidden_states=self._encoder_states(state),
-            attention_mask=_SPANS_IN_FLAG,  # not None: diffusers would build its block mask
-            return_dict=False,
-            kv_cache=rollout.kv_cache,
-            kv_cache_flag=FarCall(flag, ends=tuple(ends)),
-        )
+        base = ends[kept - 1] if kept else 0
+        self._rope_shift = (sum(partition[:kept]), base) if kept else None
+        try:
+            transformer(
+                hidden_states=inputs,
+                chunk_partition=partition[kept:],
+                timestep=zeros,
+                r_timestep=zeros,
+                encoder_hidden_states=self._encoder_states(state),
+                attention_mask=_SPANS_IN_FLAG,  # not None: diffusers would build its block mask
+                return_dict=False,
+                kv_cache=rollout.kv_cache,
+                kv_cache_flag=FarCall(flag, ends=tuple(ends[kept:]), base=base),
+            )
+        finally:
+            self._rope_shift = None
         flag["num_cached_chunks"] += 1
         flag["is_cache_step"] = False
+        rollout.cache_prompt = self._prompt_key(state)
 
     def _begin_chunk(self, state: RequestState) -> None:
         rollout: FarRollout = state.extra["rollout"]
@@ -390,8 +445,26 @@ class AnyFlowRunner(PipelineRunner):
         elif rollout.kv_cache is None:
             self._allocate_cache(rollout, len(rollout.partition))
         state.latents = self._chunk_noise(rollout, index)
-        state.scheduler.set_timesteps(state.params.num_inference_steps, device=self.device)
+        state.extra["schedule"] = self._schedule(state)
         state.extra["chunk_step"] = 0
+
+    def _schedule(self, state: RequestState) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+        """A chunk's flow-map schedule (the same for every chunk): the scheduler's timesteps and sigmas on
+        the device, and which steps the pipeline skips (t == r), known on the host: the steps never wait for
+        the device (``set_timesteps`` per chunk copies the schedule over and waits; ``scheduler.step`` reads
+        the timestep back, three times a call)."""
+        steps = state.params.num_inference_steps
+        if steps not in self._schedules:
+            scheduler = state.scheduler
+            scheduler.set_timesteps(steps, device="cpu")  # computed on the host, then moved
+            n = scheduler.config.num_train_timesteps
+            skips = [bool(scheduler.timesteps[i] == scheduler.sigmas[i + 1] * n) for i in range(steps)]
+            self._schedules[steps] = (
+                scheduler.timesteps.to(self.device),
+                scheduler.sigmas.to(self.device),
+                skips,
+            )
+        return self._schedules[steps]
 
     def _end_chunk(self, state: RequestState) -> None:
         rollout: FarRollout = state.extra["rollout"]
@@ -400,12 +473,13 @@ class AnyFlowRunner(PipelineRunner):
 
     def _flow_step(self, state: RequestState) -> None:
         rollout: FarRollout = state.extra["rollout"]
-        scheduler, i = state.scheduler, state.extra["chunk_step"]
-        t = scheduler.timesteps[i]
-        r = scheduler.sigmas[i + 1] * scheduler.config.num_train_timesteps
+        i = state.extra["chunk_step"]
+        timesteps, sigmas, skips = state.extra["schedule"]
         state.extra["chunk_step"] = i + 1
-        if t == r:
+        if skips[i]:  # the pipeline's ``t == r``
             return
+        t = timesteps[i]
+        r = sigmas[i + 1] * state.scheduler.config.num_train_timesteps
         chunk = state.latents
         inputs = torch.cat([chunk] * 2) if rollout.guided else chunk
         frames = inputs.shape[1]
@@ -425,7 +499,7 @@ class AnyFlowRunner(PipelineRunner):
         if rollout.guided:
             uncond, cond = pred.chunk(2)
             pred = uncond + state.cfg_scale * (cond - uncond)
-        state.latents = scheduler.step(pred, t, chunk, return_dict=False)[0]
+        state.latents = flow_map_step(pred, sigmas, i, chunk)
 
     @torch.no_grad()
     def step(self, states: list[RequestState]) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from diffusers import AnyFlowFARPipeline
 from PIL import Image
+from torch.overrides import TorchFunctionMode
 
 from ditserve.replica.config import EngineConfig, ParallelFlags
 from ditserve.replica.engine import validate_layout
@@ -329,3 +330,86 @@ def test_compiled_sessions_reach_a_steady_state_without_recompiling(folder, solo
         worker.shutdown()
     for got, want in zip(first, solo, strict=True):
         assert got.shape == want.shape and psnr(got, want) >= 40, psnr(got, want)
+
+
+def test_long_session_re_encodes_only_the_recent_chunks_and_equals_the_pipeline(engine, pipe):
+    """Before each chunk the cache forward re-encodes the finished chunks; the oldest ones, compressed
+    before and now with the same prompt, keep the keys and values the previous forward wrote, so its frames
+    stop growing with the session (diffusers: every finished chunk, every time) while the chunks still equal
+    the pipeline's; a prompt change re-encodes every chunk once."""
+    chunks = 7
+    cache_frames: list[int] = []
+
+    def count(module, args, kwargs):
+        if kwargs["kv_cache_flag"]["is_cache_step"]:
+            cache_frames.append(kwargs["hidden_states"].shape[1])
+
+    hook = engine.launcher.worker.runner.pipe.transformer.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        got = session(engine, "r1.long", [SETTINGS["prompt"]] * chunks, max_chunks=chunks)
+        steady = list(cache_frames)
+        cache_frames.clear()
+        session(engine, "r1.long2", [SETTINGS["prompt"]] * 5 + ["a blue whale at night"] * 2, max_chunks=None)
+        changed = list(cache_frames)
+    finally:
+        hook.remove()
+    # Latent frames per chunk: 1, 2, 2, ...; full_chunk_limit 3: the last two finished chunks stay full.
+    assert steady == [1, 3, 5, 6, 6, 6], steady  # diffusers: 1, 3, 5, 7, 9, 11
+    assert changed == [1, 3, 5, 6, 9, 6], changed  # chunk 5's new prompt: every finished chunk once
+    want = diffusers_frames(pipe, SETTINGS["prompt"], chunks)
+    assert_same_chunks_as(got, want)
+
+
+def assert_same_chunks_as(chunks: list[np.ndarray], want: np.ndarray) -> None:
+    got = np.concatenate(chunks)
+    assert got.shape == want.shape and psnr(got, want) >= 40, psnr(got, want)
+
+
+class DeviceReads(TorchFunctionMode):
+    """Counts the tensor methods that read a value back to the host (on a GPU, each waits for the device)."""
+
+    READS = {"item", "__bool__", "tolist", "__int__", "__float__", "cpu", "numpy"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_chunk_steps_never_read_back_from_the_device_and_step_as_the_scheduler(engine):
+    """A chunk's steps (its cache forward, its flow-map steps) queue work without waiting for the device:
+    no value is read back (the pipeline's ``t == r`` and ``scheduler.step`` read the timestep back four
+    times a step); the step is the scheduler's arithmetic exactly."""
+    from diffusers import FlowMapEulerDiscreteScheduler
+
+    from ditserve.replica.pipelines.anyflow import flow_map_step
+
+    worker = engine.launcher.worker
+    params = GenerationParams(**SETTINGS, num_frames=FRAMES_PER_CHUNK)
+    reads = []
+    for k in range(3):
+        steps = worker.add_chunk(f"reads.{k}", "reads", k, params, 3)
+        with DeviceReads() as mode:
+            for _ in range(steps):
+                worker.step([f"reads.{k}"])
+        reads.append(mode.reads)
+        worker.finish_chunk(f"reads.{k}")
+    worker.wait_decodes()
+    worker.decoded()
+    worker.close_session("reads")
+    assert reads == [[], [], []], reads
+
+    scheduler = FlowMapEulerDiscreteScheduler(shift=5.0)
+    scheduler.set_timesteps(4)
+    generator = torch.Generator().manual_seed(0)
+    sample = torch.randn((1, 2, 16, 8, 8), generator=generator).to(torch.bfloat16)
+    for i, t in enumerate(scheduler.timesteps):
+        pred = torch.randn(sample.shape, generator=generator).to(torch.bfloat16)
+        want = scheduler.step(pred, t, sample, return_dict=False)[0]
+        got = flow_map_step(pred, scheduler.sigmas, i, sample)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        sample = want
