@@ -23,6 +23,7 @@ the cache forward before chunk k runs with chunk k's prompt.
 
 from __future__ import annotations
 
+import functools
 import io
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,6 +135,28 @@ def flow_map_step(pred: torch.Tensor, sigmas: torch.Tensor, i: int, sample: torc
     shape = [1] * pred.ndim
     sigma_t, sigma_r = sigmas[i].view(shape), sigmas[i + 1].view(shape)
     return (sample - (sigma_t - sigma_r) * pred).to(pred.dtype)
+
+
+def rms_norm(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float, channel_first: bool):
+    """``WanRMS_norm.forward``'s arithmetic (its scale is the square root of gamma's length)."""
+    wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    normalized = torch.nn.functional.normalize(wide, dim=1 if channel_first else -1).to(x.dtype)
+    return normalized * gamma.shape[0] ** 0.5 * gamma + bias
+
+
+@functools.cache
+def compiled_rms_norm():
+    """:func:`rms_norm` compiled once for every norm of the decoder: sizes (channels, frames, pixels)
+    symbolic, so the norms of every stage share a few graphs. Compiled per module, each stage's channel
+    count (a parameter's, so static) and frame count made new graphs of the one forward until dynamo's
+    recompile limit (8), after which the later norms ran eagerly."""
+    return torch.compile(rms_norm, dynamic=True)
+
+
+def _norm_call(module, x: torch.Tensor) -> torch.Tensor:
+    bias = module.bias.detach() if isinstance(module.bias, torch.Tensor) else module.bias
+    # Detached: dynamo keeps a parameter's sizes static, a plain tensor's symbolic.
+    return compiled_rms_norm()(x, module.gamma.detach(), bias, module.channel_first)
 
 
 class AnyFlowRunner(PipelineRunner):
@@ -542,13 +565,14 @@ class AnyFlowRunner(PipelineRunner):
     def _vae(self):
         """The VAE; with ``--compile`` (the transformer's blocks compiled) its decoder's RMS norms are compiled
         too: in eager each is seven passes over the activations with an fp32 copy, the largest memory cost
-        of the decoder at 480p next to its 3D convolutions (``benchmarks/probes/realtime_profile.py``)."""
+        of the decoder at 480p next to its 3D convolutions (``benchmarks/probes/realtime_profile.py``). One
+        compiled function with dynamic shapes serves them all (:func:`compiled_rms_norm`)."""
         vae = self.pipe.vae
         compiled = getattr(self.pipe.transformer.blocks[0], "_compiled_call_impl", None) is not None
         if compiled and not getattr(vae, "_far_norms_compiled", False):
             for module in vae.decoder.modules():
                 if type(module).__name__ == "WanRMS_norm":
-                    module.compile()
+                    module._compiled_call_impl = functools.partial(_norm_call, module)
             vae._far_norms_compiled = True
         return vae
 

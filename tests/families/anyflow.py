@@ -58,8 +58,11 @@ def build_pipeline(
     size: Literal["tiny", "real"] = "tiny",
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    vae_stages: bool = False,
 ):
-    """An ``AnyFlowFARPipeline`` with random weights (seeded), on ``device`` in ``dtype``."""
+    """An ``AnyFlowFARPipeline`` with random weights (seeded), on ``device`` in ``dtype``; ``vae_stages``: the
+    tiny VAE with Wan 2.1's stages (channels 1, 2, 4, 4 times its base, two residual blocks each) instead of
+    one width throughout."""
     from diffusers import (
         AnyFlowFARPipeline,
         AnyFlowFARTransformer3DModel,
@@ -84,8 +87,8 @@ def build_pipeline(
         vae = AutoencoderKLWan(
             base_dim=8,
             z_dim=16,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
+            dim_mult=[1, 2, 4, 4] if vae_stages else [1, 1, 1, 1],
+            num_res_blocks=2 if vae_stages else 1,
             temperal_downsample=[False, True, True],
         )
     else:
@@ -110,9 +113,9 @@ def build_pipeline(
     return pipe.to(device=device, dtype=dtype)
 
 
-def build_folder(path: str | Path) -> Path:
+def build_folder(path: str | Path, vae_stages: bool = False) -> Path:
     """The tiny pipeline written in diffusers format to ``path`` (created); returns ``path``."""
     path = Path(path)
     if not (path / "model_index.json").is_file():
-        build_pipeline("tiny").save_pretrained(path)
+        build_pipeline("tiny", vae_stages=vae_stages).save_pretrained(path)
     return path
