@@ -342,38 +342,58 @@ def test_compiled_sessions_reach_a_steady_state_without_recompiling(tmp_path):
 
 
 def test_long_session_re_encodes_only_the_recent_chunks_and_equals_the_pipeline(engine, pipe):
-    """Before each chunk the cache forward re-encodes the finished chunks; the oldest ones, compressed
-    before and now with the same prompt, keep the keys and values the previous forward wrote, so its frames
-    stop growing with the session (diffusers: every finished chunk, every time) while the chunks' latents
-    still equal the pipeline's to fp32 rounding (keeping one chunk too many: off by 1e-2); a prompt change
-    re-encodes every chunk once."""
+    """A chunk runs one cache forward, its flow-map steps over its own frames and a decode of its own frames.
+    The cache forward re-encodes the finished chunks; the oldest ones, compressed before and now with the
+    same prompt, keep the keys and values the previous forward wrote, so its frames stop growing with the
+    session (diffusers: every finished chunk, every time) while the chunks' latents still equal the
+    pipeline's to fp32 rounding (keeping one chunk too many: off by 1e-2); a prompt change re-encodes every
+    chunk once."""
     chunks = 7
-    cache_frames: list[int] = []
+    forwards: list[tuple[str, int]] = []  # ("cache" | "step", latent frames) of each transformer forward
+    decoded: list[int] = []  # latent frames of each decoder call
 
     def count(module, args, kwargs):
-        if kwargs["kv_cache_flag"]["is_cache_step"]:
-            cache_frames.append(kwargs["hidden_states"].shape[1])
+        kind = "cache" if kwargs["kv_cache_flag"]["is_cache_step"] else "step"
+        forwards.append((kind, kwargs["hidden_states"].shape[1]))
 
     worker = engine.launcher.worker
-    hook = worker.runner.pipe.transformer.register_forward_pre_hook(count, with_kwargs=True)
+    runner = worker.runner
+    hooks = [
+        runner.pipe.transformer.register_forward_pre_hook(count, with_kwargs=True),
+        runner.pipe.vae.decoder.register_forward_pre_hook(
+            lambda module, args: decoded.append(args[0].shape[2])
+        ),
+    ]
+    census = []
     try:
         params = GenerationParams(**SETTINGS, num_frames=FRAMES_PER_CHUNK)
         for k in range(chunks):
+            forwards.clear()
+            decoded.clear()
             steps = worker.add_chunk(f"long.{k}", "long", k, params, chunks)
             for _ in range(steps):
                 worker.step([f"long.{k}"])
             worker.finish_chunk(f"long.{k}")
-        worker.wait_decodes()
+            worker.wait_decodes()
+            census.append((list(forwards), sum(decoded)))
         worker.decoded()
-        got = torch.cat(worker.runner.sessions["long"].outputs, dim=1)  # (1, frames, C, h, w)
+        got = torch.cat(runner.sessions["long"].outputs, dim=1)  # (1, frames, C, h, w)
         worker.close_session("long")
-        steady = list(cache_frames)
-        cache_frames.clear()
+        forwards.clear()
         session(engine, "r1.long", [SETTINGS["prompt"]] * 5 + ["a blue whale at night"] * 2, max_chunks=None)
-        changed = list(cache_frames)
+        changed = [frames for kind, frames in forwards if kind == "cache"]
     finally:
-        hook.remove()
-    # Latent frames per chunk: 1, 2, 2, ...; full_chunk_limit 3: the last two finished chunks stay full.
+        for hook in hooks:
+            hook.remove()
+    # Each chunk: one cache forward (none before the first), its flow-map steps over its own latent frames
+    # (1, then 2), and a decode of those frames only.
+    steps = [("step", 1)] * SETTINGS["num_inference_steps"]
+    assert census[0] == (steps, 1), census[0]
+    for k, (calls, frames) in enumerate(census[1:], start=1):
+        assert [kind for kind, _ in calls] == ["cache"] + ["step"] * SETTINGS["num_inference_steps"], calls
+        assert all(f == 2 for _, f in calls[1:]) and frames == 2, (k, calls, frames)
+    steady = [calls[0][1] for calls, _ in census[1:]]
+    # The cache forward's latent frames: full_chunk_limit 3, the last two finished chunks stay full.
     assert steady == [1, 3, 5, 6, 6, 6], steady  # diffusers: 1, 3, 5, 7, 9, 11
     assert changed == [1, 3, 5, 6, 9, 6], changed  # chunk 5's new prompt: every finished chunk once
     partition = [1] + [FRAMES_PER_CHUNK // 4] * (chunks - 1)
