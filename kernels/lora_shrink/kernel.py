@@ -15,16 +15,22 @@ in one load and one dot. Which one a batch gets is op.py's `segmented_config`, f
 import triton
 import triton.language as tl
 
-from ditserve.kernels._tiles import shrink_k_steps, slot_rank, store_slices
+from ditserve.kernels._tiles import (
+    a_tile_ptrs,
+    row_segments,
+    segment_rows,
+    segment_slot,
+    shrink_k_steps,
+    store_slices,
+    zero_slices,
+)
 
 
 @triton.jit
-def _segment(seg, seg_slot_ptr, slot_rank_ptr, seg_start_ptr, seg_len_ptr):
-    """Segment seg's adapter slot (-1: none), its rank (0 without a slot) and its rows [start, end)."""
-    slot = tl.load(seg_slot_ptr + seg)
-    rank = slot_rank(slot, slot_rank_ptr)
-    start = tl.load(seg_start_ptr + seg)
-    return slot, rank, start, start + tl.load(seg_len_ptr + seg)
+def _row_scales(token_seg_ptr, seg_scale_ptr, offs_m, num_tokens):
+    """The scale of each row's segment (rows past num_tokens take the last row's)."""
+    row_seg = tl.load(token_seg_ptr + tl.minimum(offs_m, num_tokens - 1))
+    return tl.load(seg_scale_ptr + row_seg)
 
 
 @triton.jit
@@ -34,8 +40,7 @@ def _scale_and_store(acc0, acc1, acc2, acc3, offs_m, offs_r, s_ptr, token_seg_pt
     """Each slice's accumulator (× its row's segment scale when SCALED) into s; every row of the tile is
     written: zeros where no LoRA applies or r >= rank."""
     if SCALED:
-        row_seg = tl.load(token_seg_ptr + tl.minimum(offs_m, num_tokens - 1))
-        row_scale = tl.load(seg_scale_ptr + row_seg)[:, None]
+        row_scale = _row_scales(token_seg_ptr, seg_scale_ptr, offs_m, num_tokens)[:, None]
         acc0 *= row_scale
         if NUM_SLICES > 1:
             acc1 *= row_scale
@@ -90,27 +95,17 @@ def _lora_shrink_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
-    seg_lo = tl.load(token_seg_ptr + m0)
-    seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
+    seg_lo, seg_hi = row_segments(token_seg_ptr, m0, num_tokens, BLOCK_M)
 
-    acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc0, acc1, acc2, acc3 = zero_slices(BLOCK_M, BLOCK_R)
     for seg in range(seg_lo, seg_hi + 1):
-        slot, rank, start, end = _segment(seg, seg_slot_ptr, slot_rank_ptr, seg_start_ptr, seg_len_ptr)
-        row_mask = (offs_m >= start) & (offs_m < end)
+        slot, rank = segment_slot(seg, seg_slot_ptr, slot_rank_ptr)
+        row_mask = segment_rows(seg, seg_start_ptr, seg_len_ptr, offs_m)
         r_mask = offs_r < rank
         # rank 0 / no LoRA: zero trips, nothing is loaded
         k_iters = tl.where(rank > 0, tl.cdiv(hidden, BLOCK_K), 0)
         x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xt + offs_k[None, :] * stride_xh
-        # A tile is [BLOCK_K, BLOCK_R]: the transpose of A[slot]'s [rank, hidden] rows
-        a_ptrs = (
-            a_ptr
-            + tl.maximum(slot, 0).to(tl.int64) * stride_al
-            + offs_r[None, :] * stride_ar
-            + offs_k[:, None] * stride_ah
-        )
+        a_ptrs = a_tile_ptrs(a_ptr, slot, offs_r, offs_k, stride_al, stride_ar, stride_ah)
         acc0, acc1, acc2, acc3 = shrink_k_steps(
             acc0, acc1, acc2, acc3, x_ptrs, a_ptrs, row_mask, r_mask, k_iters, hidden, stride_xh, stride_as,
             stride_ah, NUM_SLICES, BLOCK_K, PRECISION,
@@ -121,29 +116,26 @@ def _lora_shrink_kernel(
 
 
 @triton.jit
+def _tma_dot(x, a_desc, a_row, k0, acc, keep, MASK_A: tl.constexpr, PRECISION: tl.constexpr):
+    """acc += x · Aᵀ for the A tile at (a_row, k0); MASK_A: its rows outside keep read as zero."""
+    a = a_desc.load([a_row, k0])
+    if MASK_A:
+        a = tl.where(keep, a, 0.0)
+    return tl.dot(x, a.T, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _tma_dots(x, a_desc, a_row, slice_rows, k0, acc0, acc1, acc2, acc3, rank, MASK_A: tl.constexpr,
               NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """acc_j += x · A[j]ᵀ for the K tile at k0 of every slice j; MASK_A: A rows past rank read as zero."""
     keep = (tl.arange(0, BLOCK_R) < rank)[:, None]
-    a = a_desc.load([a_row, k0])
-    if MASK_A:
-        a = tl.where(keep, a, 0.0)
-    acc0 = tl.dot(x, a.T, acc0, input_precision=PRECISION)
+    acc0 = _tma_dot(x, a_desc, a_row, k0, acc0, keep, MASK_A, PRECISION)
     if NUM_SLICES > 1:
-        a = a_desc.load([a_row + slice_rows, k0])
-        if MASK_A:
-            a = tl.where(keep, a, 0.0)
-        acc1 = tl.dot(x, a.T, acc1, input_precision=PRECISION)
+        acc1 = _tma_dot(x, a_desc, a_row + slice_rows, k0, acc1, keep, MASK_A, PRECISION)
     if NUM_SLICES > 2:
-        a = a_desc.load([a_row + 2 * slice_rows, k0])
-        if MASK_A:
-            a = tl.where(keep, a, 0.0)
-        acc2 = tl.dot(x, a.T, acc2, input_precision=PRECISION)
+        acc2 = _tma_dot(x, a_desc, a_row + 2 * slice_rows, k0, acc2, keep, MASK_A, PRECISION)
     if NUM_SLICES > 3:
-        a = a_desc.load([a_row + 3 * slice_rows, k0])
-        if MASK_A:
-            a = tl.where(keep, a, 0.0)
-        acc3 = tl.dot(x, a.T, acc3, input_precision=PRECISION)
+        acc3 = _tma_dot(x, a_desc, a_row + 3 * slice_rows, k0, acc3, keep, MASK_A, PRECISION)
     return acc0, acc1, acc2, acc3
 
 
@@ -157,15 +149,11 @@ def _tma_partial(x_desc, a_desc, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_
     past the segment's rank zeroed in registers (A rows past a rank belong to the next slot)."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
-    seg_lo = tl.load(token_seg_ptr + m0)
-    seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
+    seg_lo, seg_hi = row_segments(token_seg_ptr, m0, num_tokens, BLOCK_M)
     slice_rows = max_loras * max_rank
-    acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    acc0, acc1, acc2, acc3 = zero_slices(BLOCK_M, BLOCK_R)
     if seg_lo == seg_hi:
-        slot, rank, _, _ = _segment(seg_lo, seg_slot_ptr, slot_rank_ptr, seg_start_ptr, seg_len_ptr)
+        slot, rank = segment_slot(seg_lo, seg_slot_ptr, slot_rank_ptr)
         a_row = (j0 * max_loras + tl.maximum(slot, 0)) * max_rank
         # rank 0 / no LoRA: zero trips, nothing is loaded
         for ki in range(k_lo, tl.where(rank > 0, k_hi, k_lo)):
@@ -180,9 +168,9 @@ def _tma_partial(x_desc, a_desc, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_
         acc3 = tl.where(keep, acc3, 0.0)
     else:
         for seg in range(seg_lo, seg_hi + 1):
-            slot, rank, start, end = _segment(seg, seg_slot_ptr, slot_rank_ptr, seg_start_ptr, seg_len_ptr)
+            slot, rank = segment_slot(seg, seg_slot_ptr, slot_rank_ptr)
             a_row = (j0 * max_loras + tl.maximum(slot, 0)) * max_rank
-            rows = ((offs_m >= start) & (offs_m < end))[:, None]
+            rows = segment_rows(seg, seg_start_ptr, seg_len_ptr, offs_m)[:, None]
             for ki in range(k_lo, tl.where(rank > 0, k_hi, k_lo)):
                 x = tl.where(rows, x_desc.load([m0, ki * BLOCK_K]), 0.0)
                 acc0, acc1, acc2, acc3 = _tma_dots(
@@ -257,6 +245,16 @@ def _tail_take(ws):
 
 
 @triton.jit
+def _stream_piece(it, it_end, k_tiles, BLOCK_M: tl.constexpr):
+    """A stream-K program at step it of its range [it, it_end): the row block u it is in, the K tiles [k_lo,
+    k_hi) of u the program takes there, and u's first row."""
+    u = it // k_tiles
+    k_lo = it - u * k_tiles
+    k_hi = tl.minimum(k_tiles, k_lo + it_end - it)
+    return u, k_lo, k_hi, u * BLOCK_M
+
+
+@triton.jit
 def _lora_shrink_streamk_kernel(
     x_desc,  # as in _lora_shrink_tma_kernel
     a_desc,
@@ -311,10 +309,7 @@ def _lora_shrink_streamk_kernel(
                          token_seg_ptr, seg_scale_ptr, num_tokens, rank_dim, stride_ss, stride_st, stride_sr,
                          NUM_SLICES, SCALED)  # fmt: skip
     while it < it_end:
-        u = it // k_tiles
-        k_lo = it - u * k_tiles
-        k_hi = tl.minimum(k_tiles, k_lo + it_end - it)
-        m0 = u * BLOCK_M
+        u, k_lo, k_hi, m0 = _stream_piece(it, it_end, k_tiles, BLOCK_M)
         acc0, acc1, acc2, acc3 = _tma_partial(
             x_desc, a_desc, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, num_tokens,
             m0, 0, k_lo, k_hi, max_loras, max_rank, NUM_SLICES, BLOCK_M, BLOCK_K, BLOCK_R, PRECISION,
@@ -361,11 +356,10 @@ def _wide_partial(x_desc, a_desc, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg
     N: tl.constexpr = SL * BLOCK_R
     offs_m = m0 + tl.arange(0, BLOCK_M)
     r_of_c = tl.arange(0, N) % BLOCK_R
-    seg_lo = tl.load(token_seg_ptr + m0)
-    seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
+    seg_lo, seg_hi = row_segments(token_seg_ptr, m0, num_tokens, BLOCK_M)
     acc = tl.zeros((BLOCK_M, N), dtype=tl.float32)
     if seg_lo == seg_hi:
-        slot, rank, _, _ = _segment(seg_lo, seg_slot_ptr, slot_rank_ptr, seg_start_ptr, seg_len_ptr)
+        slot, rank = segment_slot(seg_lo, seg_slot_ptr, slot_rank_ptr)
         a_row = tl.maximum(slot, 0) * max_rank
         # rank 0 / no LoRA: zero trips, nothing is loaded
         for ki in range(k_lo, tl.where(rank > 0, k_hi, k_lo)):
@@ -374,9 +368,9 @@ def _wide_partial(x_desc, a_desc, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg
         acc = tl.where((r_of_c < rank)[None, :], acc, 0.0)
     else:
         for seg in range(seg_lo, seg_hi + 1):
-            slot, rank, start, end = _segment(seg, seg_slot_ptr, slot_rank_ptr, seg_start_ptr, seg_len_ptr)
+            slot, rank = segment_slot(seg, seg_slot_ptr, slot_rank_ptr)
             a_row = tl.maximum(slot, 0) * max_rank
-            rows = ((offs_m >= start) & (offs_m < end))[:, None]
+            rows = segment_rows(seg, seg_start_ptr, seg_len_ptr, offs_m)[:, None]
             for ki in range(k_lo, tl.where(rank > 0, k_hi, k_lo)):
                 a = tl.reshape(a_desc.load([0, a_row, ki * BLOCK_K]), (N, BLOCK_K))
                 a = tl.where((r_of_c < rank)[:, None], a, 0.0)
@@ -430,10 +424,7 @@ def _lora_shrink_wide_kernel(
     offs_c = tl.arange(0, N)
     ws_offs = tl.arange(0, BLOCK_M)[:, None] * N + offs_c[None, :]
     while it < it_end:
-        u = it // k_tiles
-        k_lo = it - u * k_tiles
-        k_hi = tl.minimum(k_tiles, k_lo + it_end - it)
-        m0 = u * BLOCK_M
+        u, k_lo, k_hi, m0 = _stream_piece(it, it_end, k_tiles, BLOCK_M)
         acc = _wide_partial(
             x_desc, a_desc, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, slot_rank_ptr, num_tokens,
             m0, k_lo, k_hi, max_rank, SL, BLOCK_M, BLOCK_K, BLOCK_R, PRECISION,
@@ -456,8 +447,7 @@ def _lora_shrink_wide_kernel(
         if finish:
             offs_m = m0 + tl.arange(0, BLOCK_M)
             if SCALED:
-                row_seg = tl.load(token_seg_ptr + tl.minimum(offs_m, num_tokens - 1))
-                acc *= tl.load(seg_scale_ptr + row_seg)[:, None]
+                acc *= _row_scales(token_seg_ptr, seg_scale_ptr, offs_m, num_tokens)[:, None]
             j = offs_c // BLOCK_R
             r = offs_c % BLOCK_R
             s_ptrs = (
