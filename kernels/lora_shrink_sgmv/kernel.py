@@ -11,7 +11,7 @@ tiles large), reading its chunk's x rows once per slice.
 import triton
 import triton.language as tl
 
-from ditserve.kernels._tiles import shrink_k_steps, slot_rank, store_slices
+from ditserve.kernels._tiles import a_tile_ptrs, chunk_adapter, shrink_k_steps, store_slices, zero_slices
 
 
 @triton.jit
@@ -46,28 +46,19 @@ def _lora_shrink_sgmv_kernel(
     if SPLIT:
         a_ptr += tl.program_id(1).to(tl.int64) * stride_as
         s_ptr += tl.program_id(1).to(tl.int64) * stride_ss
-    slot = tl.load(chunk_slot_ptr + chunk)
-    start = tl.load(chunk_start_ptr + chunk)
-    length = tl.load(chunk_len_ptr + chunk)
-    rank = slot_rank(slot, slot_rank_ptr)
+    slot, rank, start, length = chunk_adapter(
+        chunk, chunk_slot_ptr, chunk_start_ptr, chunk_len_ptr, slot_rank_ptr
+    )
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     k_iters = tl.where(rank > 0, tl.cdiv(hidden, BLOCK_K), 0)
-    a_base = (
-        a_ptr
-        + tl.maximum(slot, 0).to(tl.int64) * stride_al
-        + offs_r[None, :] * stride_ar
-        + offs_k[:, None] * stride_ah
-    )
+    a_base = a_tile_ptrs(a_ptr, slot, offs_r, offs_k, stride_al, stride_ar, stride_ah)
     for m0 in range(0, length, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         row_mask = offs_m < length
         tok = tl.load(sorted_ids_ptr + start + offs_m, mask=row_mask, other=0).to(tl.int64)
-        acc0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        acc3 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        acc0, acc1, acc2, acc3 = zero_slices(BLOCK_M, BLOCK_R)
         x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh
         acc0, acc1, acc2, acc3 = shrink_k_steps(
             acc0, acc1, acc2, acc3, x_ptrs, a_base, row_mask, r_mask, k_iters, hidden, stride_xh, stride_as,
