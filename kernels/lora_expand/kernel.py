@@ -21,7 +21,15 @@ one-tile-per-program kernel above reloads s for every y tile and waits for every
 import triton
 import triton.language as tl
 
-from ditserve.kernels._tiles import chunk_columns, slice_columns, slot_rank
+from ditserve.kernels._tiles import (
+    b_block,
+    b_tile,
+    chunk_columns,
+    row_segments,
+    segment_rows,
+    segment_slot,
+    slice_columns,
+)
 
 
 @triton.jit
@@ -69,32 +77,22 @@ def _lora_expand_kernel(
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
-    seg_lo = tl.load(token_seg_ptr + m0)
-    seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
+    seg_lo, seg_hi = row_segments(token_seg_ptr, m0, num_tokens, BLOCK_M)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     any_lora = pid_n * 0  # int32 scalar, loop-carried
     for seg in range(seg_lo, seg_hi + 1):
-        slot = tl.load(seg_slot_ptr + seg)
-        rank = slot_rank(slot, slot_rank_ptr)
+        slot, rank = segment_slot(seg, seg_slot_ptr, slot_rank_ptr)
         any_lora = tl.maximum(any_lora, rank)
         if rank > 0:
-            start = tl.load(seg_start_ptr + seg)
-            end = start + tl.load(seg_len_ptr + seg)
+            row_mask = segment_rows(seg, seg_start_ptr, seg_len_ptr, offs_m)
             scale = tl.load(seg_scale_ptr + seg)
-            row_mask = (offs_m >= start) & (offs_m < end)
             r_mask = offs_r < rank
             s_ptrs = (
                 s_ptr + j * stride_ss + offs_m.to(tl.int64)[:, None] * stride_st + offs_r[None, :] * stride_sr
             )
             s = tl.load(s_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-            b_ptrs = (
-                b_ptr
-                + slot.to(tl.int64) * stride_bl
-                + offs_n[None, :] * stride_bn
-                + offs_r[:, None] * stride_br
-            )
-            b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+            b = b_tile(b_ptr, slot, offs_n, offs_r, n_mask, r_mask, stride_bl, stride_bn, stride_br)
             acc = tl.dot((s * scale).to(b.dtype), b, acc, input_precision=PRECISION)
 
     if ACCUMULATE:
@@ -173,17 +171,13 @@ def _lora_expand_rows_kernel(
         s_early = tl.load(
             s_rows, mask=(offs_m < num_tokens)[:, None] & (offs_r < rank_dim)[None, :], other=0.0
         )
-    seg_lo = tl.load(token_seg_ptr + m0)
-    seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
+    seg_lo, seg_hi = row_segments(token_seg_ptr, m0, num_tokens, BLOCK_M)
     for seg in range(seg_lo, seg_hi + 1):
-        slot = tl.load(seg_slot_ptr + seg)
-        rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
-        rank = tl.minimum(tl.where(slot >= 0, rank, 0), rank_dim)
+        slot, rank = segment_slot(seg, seg_slot_ptr, slot_rank_ptr)
+        rank = tl.minimum(rank, rank_dim)
         if rank > 0:
-            start = tl.load(seg_start_ptr + seg)
-            end = start + tl.load(seg_len_ptr + seg)
+            row_mask = segment_rows(seg, seg_start_ptr, seg_len_ptr, offs_m)
             scale = tl.load(seg_scale_ptr + seg)
-            row_mask = (offs_m >= start) & (offs_m < end)
             r_mask = offs_r < rank
             b_rows = b_ptr + slot.to(tl.int64) * stride_bl + offs_r[:, None] * stride_br
             b_first = slot * n_total + n_first
@@ -211,16 +205,7 @@ def _lora_expand_rows_kernel(
                 for i in tl.range(0, num_blocks, num_stages=STAGES):
                     cols = n_first + i * BLOCK_N + offs_n
                     c_mask = cols < col_hi
-                    if B_TMA:
-                        # rows past the slice (or the slot) only reach masked-off columns; columns past the rank
-                        # meet zeros in s
-                        b = b_desc.load([b_first + i * BLOCK_N, 0]).T
-                    else:
-                        b = tl.load(
-                            b_rows + cols[None, :] * stride_bn,
-                            mask=r_mask[:, None] & c_mask[None, :],
-                            other=0.0,
-                        )
+                    b = b_block(b_desc, b_first + i * BLOCK_N, b_rows, cols, c_mask, r_mask, stride_bn, B_TMA)
                     y_cur = y_next
                     nxt = cols + BLOCK_N
                     y_next = tl.load(

@@ -14,16 +14,7 @@ one dot, one scattered store; s is read once per column chunk. Chunks without Lo
 import triton
 import triton.language as tl
 
-from ditserve.kernels._tiles import chunk_columns, slice_columns, slot_rank
-
-
-@triton.jit
-def _chunk_adapter(chunk, chunk_slot_ptr, chunk_start_ptr, chunk_len_ptr, slot_rank_ptr):
-    """Chunk → (its slot, that slot's rank (0 without one), its first position in the sorted order, its
-    length)."""
-    slot = tl.load(chunk_slot_ptr + chunk)
-    rank = slot_rank(slot, slot_rank_ptr)
-    return slot, rank, tl.load(chunk_start_ptr + chunk), tl.load(chunk_len_ptr + chunk)
+from ditserve.kernels._tiles import b_block, b_tile, chunk_adapter, chunk_columns, slice_columns
 
 
 @triton.jit
@@ -74,7 +65,7 @@ def _lora_expand_sgmv_kernel(
     PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    slot, rank, start, length = _chunk_adapter(
+    slot, rank, start, length = chunk_adapter(
         tl.program_id(1), chunk_slot_ptr, chunk_start_ptr, chunk_len_ptr, slot_rank_ptr
     )
     if rank == 0:
@@ -84,8 +75,7 @@ def _lora_expand_sgmv_kernel(
     n_mask = offs_n < col_hi
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br
-    b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    b = b_tile(b_ptr, slot, offs_n, offs_r, n_mask, r_mask, stride_bl, stride_bn, stride_br)
 
     for m0 in range(0, length, BLOCK_M):
         tok, row_mask, a = _gathered_s(sorted_ids_ptr, token_scale_ptr, s_ptr, j, start, length, m0, rank,
@@ -137,7 +127,7 @@ def _lora_expand_sgmv_rows_kernel(
     PRECISION: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
-    slot, rank, start, length = _chunk_adapter(
+    slot, rank, start, length = chunk_adapter(
         tl.program_id(1), chunk_slot_ptr, chunk_start_ptr, chunk_len_ptr, slot_rank_ptr
     )
     if rank == 0:
@@ -157,14 +147,8 @@ def _lora_expand_sgmv_rows_kernel(
         for i in tl.range(0, num_blocks, num_stages=STAGES):
             cols = n_first + i * BLOCK_N + offs_n
             c_mask = cols < col_hi
-            if B_TMA:
-                # rows past the slice (or the slot) only reach masked-off columns; columns past the rank meet
-                # zeros in s
-                b = b_desc.load([slot * n_total + n_first + i * BLOCK_N, 0]).T
-            else:
-                b = tl.load(
-                    b_rows + cols[None, :] * stride_bn, mask=r_mask[:, None] & c_mask[None, :], other=0.0
-                )
+            b_row = slot * n_total + n_first + i * BLOCK_N
+            b = b_block(b_desc, b_row, b_rows, cols, c_mask, r_mask, stride_bn, B_TMA)
             y_mask = row_mask[:, None] & c_mask[None, :]
             y_t = tl.load(y_rows + cols[None, :] * stride_yn, mask=y_mask, other=0.0)
             acc = tl.dot(a, b, y_t.to(tl.float32), input_precision=PRECISION)
