@@ -53,7 +53,7 @@ there: docs/notes/benchmarks-log.md).
 import triton
 import triton.language as tl
 
-from ditserve.kernels._tiles import slice_columns
+from ditserve.kernels._tiles import row_segments, segment_rows, segment_slot, slice_columns
 
 
 @triton.jit
@@ -125,44 +125,19 @@ def _lora_loop(acc, s_desc, b_desc, s_row, b_row, lora_k, LORA_BK: tl.constexpr,
 
 
 @triton.jit
-def _lora_epilogue(
-    acc,
-    seg_lo,
-    seg_hi,
-    j,
-    offs_m,
-    offs_n,
-    n_mask,
-    s_ptr,
-    b_ptr,
-    seg_start_ptr,
-    seg_len_ptr,
-    seg_slot_ptr,
-    seg_scale_ptr,
-    slot_rank_ptr,
-    rank_dim,
-    stride_ss,
-    stride_st,
-    stride_sr,
-    stride_bl,
-    stride_bn,
-    stride_br,
-    R_CHUNK: tl.constexpr,
-    S_SCALED: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def _lora_epilogue(acc, seg_lo, seg_hi, j, offs_m, offs_n, n_mask, s_ptr, b_ptr, seg_start_ptr, seg_len_ptr,
+                   seg_slot_ptr, seg_scale_ptr, slot_rank_ptr, rank_dim, stride_ss, stride_st, stride_sr,
+                   stride_bl, stride_bn, stride_br, R_CHUNK: tl.constexpr, S_SCALED: tl.constexpr,
+                   PRECISION: tl.constexpr):  # fmt: skip
     """acc += scale · s[j, rows of seg, :rank] · B[slot, offs_n, :rank]ᵀ for every segment seg_lo..seg_hi;
     rows of other segments load as 0. R_CHUNK rank columns per dot keep the s and B tiles small (few
     registers next to the accumulator)."""
     offs_c = tl.arange(0, R_CHUNK)
     for seg in range(seg_lo, seg_hi + 1):
-        slot = tl.load(seg_slot_ptr + seg)
-        rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
-        rank = tl.minimum(tl.where(slot >= 0, rank, 0), rank_dim)
-        start = tl.load(seg_start_ptr + seg)
-        end = start + tl.load(seg_len_ptr + seg)
+        slot, rank = segment_slot(seg, seg_slot_ptr, slot_rank_ptr)
+        rank = tl.minimum(rank, rank_dim)
+        row_mask = segment_rows(seg, seg_start_ptr, seg_len_ptr, offs_m)
         scale = tl.load(seg_scale_ptr + seg)
-        row_mask = (offs_m >= start) & (offs_m < end)
         s_rows = s_ptr + j * stride_ss + offs_m.to(tl.int64)[:, None] * stride_st
         b_cols = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn
         # rank 0 / no LoRA: zero trips, nothing is loaded
@@ -221,9 +196,7 @@ def _shrink_unit(u, xs, a_desc, s_ptr, token_seg_ptr, seg_slot_ptr, seg_scale_pt
         g0 = u - rb * shrink_slices
     m0 = rb * SHRINK_M
     seg = tl.load(token_seg_ptr + m0)
-    slot = tl.load(seg_slot_ptr + seg)
-    rank = tl.load(slot_rank_ptr + tl.maximum(slot, 0))
-    rank = tl.where(slot >= 0, rank, 0)
+    slot, rank = segment_slot(seg, seg_slot_ptr, slot_rank_ptr)
     offs_m = m0 + tl.arange(0, SHRINK_M)
     offs_c = tl.arange(0, WIDE_G * SHRINK_R)
     acc = tl.zeros((SHRINK_M, WIDE_G * SHRINK_R), dtype=tl.float32)
@@ -434,11 +407,11 @@ def _lora_gemm_kernel(
         seg_hi = 0
         if HAS_LORA:
             # the segments touching this tile's rows: one on the common path (no row straddles)
-            seg_lo = tl.load(token_seg_ptr + m0)
             if LORA_IN_LOOP and not STRADDLE:
+                seg_lo = tl.load(token_seg_ptr + m0)
                 seg_hi = seg_lo  # no row block holds two segments
             else:
-                seg_hi = tl.load(token_seg_ptr + tl.minimum(m0 + BLOCK_M, num_tokens) - 1)
+                seg_lo, seg_hi = row_segments(token_seg_ptr, m0, num_tokens, BLOCK_M)
         # LoRA iterations of the K loop: only for a tile inside one segment with an adapter
         slot = 0
         lora_here = False
