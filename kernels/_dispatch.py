@@ -34,6 +34,12 @@ def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision for operands of dtype: exact fp32 products for fp32 (what the tests compare
+    against), else tf32 (a setting only fp32 operands feel)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def block_rank(max_rank: int) -> int:
     """Rank tile: power of two, ≥ 16 because tl.dot needs K, N ≥ 16 on the GPU."""
     return max(16, next_pow2(max_rank))

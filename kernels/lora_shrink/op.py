@@ -7,6 +7,7 @@ import torch
 from ditserve.kernels._checks import check_segments, check_shrink
 from ditserve.kernels._dispatch import (
     block_rank,
+    dot_precision,
     next_pow2,
     num_programs_limit,
     tma_ok,
@@ -126,8 +127,9 @@ def launch_lora_shrink(
     streamk = cfg.pop("STREAMK", 0)
     wide = cfg.pop("WIDE", 0)
     grid = (triton_cdiv(num_tokens, cfg["BLOCK_M"]) * split,)
-    common = dict(NUM_SLICES=num_slices // split, BLOCK_R=block_r, SCALED=scaled,
-                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32")  # fmt: skip
+    common = dict(
+        NUM_SLICES=num_slices // split, BLOCK_R=block_r, SCALED=scaled, PRECISION=dot_precision(x.dtype)
+    )
     _, max_loras, max_rank, hidden = a_stacked.shape
     a_rows = a_stacked.view(-1, hidden) if a_stacked.is_contiguous() else None  # [slices·loras·rank, hidden]
     if cfg.pop("TMA", 0) and a_rows is not None and tma_ok(x, a_rows):
@@ -144,7 +146,7 @@ def launch_lora_shrink(
             TensorDescriptor.from_tensor(a_rows, [block_r, cfg["BLOCK_K"]]),
         )
         seg = (token_seg, seg_start, seg_len, seg_slot, seg_scale if scaled else s, slot_rank)
-        sizes = (num_tokens, hidden, s.shape[2], max_loras, max_rank, s.stride(0), s.stride(1), s.stride(2))
+        sizes = (num_tokens, hidden, s.shape[2], max_loras, max_rank, *s.stride())
         # stream-K: the wide kernel cuts a row block between at most two programs, so it gets at most one
         # program per row block; the narrow one sums any number of pieces of a row block, so a batch of fewer
         # row blocks than programs still spreads its K steps over every SM
@@ -159,7 +161,7 @@ def launch_lora_shrink(
             _lora_shrink_wide_kernel[(programs,)](
                 descs[0], TensorDescriptor.from_tensor(a3, [sl, block_r, cfg["BLOCK_K"]]), s, *seg, ws,
                 _sync_counters(x.device, 2 * programs), num_tokens, hidden, s.shape[2], max_rank,
-                s.stride(0), s.stride(1), s.stride(2), programs, SL=sl, **common, **cfg,
+                *s.stride(), programs, SL=sl, **common, **cfg,
             )  # fmt: skip
         elif streamk and split == 1:
             ws, cnt = _tail_buffers(x.device, programs * num_slices * cfg["BLOCK_M"] * block_r, programs)
@@ -172,9 +174,7 @@ def launch_lora_shrink(
     _lora_shrink_kernel[grid](
         x, a_stacked, s, token_seg, seg_start, seg_len, seg_slot, seg_scale if scaled else s, slot_rank,
         num_tokens, x.shape[1], s.shape[2],
-        x.stride(0), x.stride(1),
-        a_stacked.stride(0), a_stacked.stride(1), a_stacked.stride(2), a_stacked.stride(3),
-        s.stride(0), s.stride(1), s.stride(2),
+        *x.stride(), *a_stacked.stride(), *s.stride(),
         SPLIT=split, **common, **cfg,
     )  # fmt: skip
     return s
