@@ -1,5 +1,5 @@
 """Column tiling of fused outputs (q, k, v side by side), shared by the expand (segmented and SGMV) and GEMM
-launchers."""
+launchers, and the row blocks the SGMV launchers walk a chunk in."""
 
 from __future__ import annotations
 
@@ -44,11 +44,18 @@ def column_chunks(blks: list[int], num_col_blocks: int, chunk: int) -> list[int]
 
 
 def b_descriptor(b_stacked: torch.Tensor, want: bool, block_n: int, block_r: int):
-    """B viewed as [max_loras · n_total, max_rank] through a TMA descriptor of [block_n, block_r] boxes, where
-    asked for and B's layout allows it; else None."""
+    """(B viewed as [max_loras · n_total, max_rank] through a TMA descriptor of [block_n, block_r] boxes,
+    True) where asked for and B's layout allows it; else (b_stacked, a placeholder for the kernel's unread
+    descriptor argument, False)."""
     b_rows = b_stacked.flatten(0, 1)
     if not (want and b_stacked.is_contiguous() and tma_ok(b_rows)):
-        return None
+        return b_stacked, False
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor.from_tensor(b_rows, [block_n, block_r])
+    return TensorDescriptor.from_tensor(b_rows, [block_n, block_r]), True
+
+
+def chunk_block_m(block_m: int, chunk_size: int) -> int:
+    """Rows of the sub-blocks an SGMV program walks its chunk in: the tile's, at most the longest chunk, ≥ 16
+    (tl.dot's smallest M)."""
+    return max(16, min(block_m, chunk_size))

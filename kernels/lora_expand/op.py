@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from ditserve.kernels._checks import check_expand, check_segments
-from ditserve.kernels._dispatch import block_rank, num_programs_limit, tma_ok, use_triton
+from ditserve.kernels._dispatch import block_rank, dot_precision, num_programs_limit, tma_ok, use_triton
 from ditserve.kernels._tiling import b_descriptor, column_blocks, column_chunks
 from ditserve.kernels.lora_expand import gluon_op
 from ditserve.kernels.lora_expand.configs import ExpandProblem, choose, triton_tiles
-from ditserve.kernels.lora_expand.reference import lora_expand_ref
+from ditserve.kernels.lora_expand.reference import fill_bias, lora_expand_ref
 from ditserve.kernels.policy import KernelPolicy
 
 # Row-stationary tiles (configs.py) may carry PER_SM: programs of the tile an SM holds (rank 64: 106 KB of shared memory, rank 128: 229 KB); with it the
@@ -69,7 +69,7 @@ def launch_lora_expand(
         return
     if rank_dim == 0:
         if not accumulate:
-            y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
+            fill_bias(y, bias)
         return
     block_r = block_rank(rank_dim)
     cfg = dict(
@@ -90,7 +90,7 @@ def launch_lora_expand(
             return
         cfg = dict(triton_tiles(block_r, accumulate, bias is not None, y.device))
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, cfg["BLOCK_N"])
-    precision = "ieee" if y.dtype == torch.float32 else "tf32"
+    precision = dot_precision(y.dtype)
     if cfg.pop("ROWS", 0) and accumulate and bias is None:
         chunk, stages = cfg.pop("CHUNK"), cfg.pop("STAGES")
         per_sm, alt_chunk = cfg.pop("PER_SM", 0), cfg.pop("ALT_CHUNK", 0)
@@ -101,8 +101,7 @@ def launch_lora_expand(
                 slice_blocks, row_blocks, (chunk, alt_chunk), per_sm, num_programs_limit(y.device)
             )
         chks = column_chunks(blks, num_col_blocks, chunk)
-        b_desc = b_descriptor(b_stacked, bool(cfg.pop("B_TMA", 0)), cfg["BLOCK_N"], block_r)
-        b_tma = b_desc is not None
+        b_desc, b_tma = b_descriptor(b_stacked, bool(cfg.pop("B_TMA", 0)), cfg["BLOCK_N"], block_r)
         # y's TMA store must not cross a slice: every slice whole column blocks
         y_tma = bool(cfg.pop("Y_TMA", 0)) and b_tma and tma_ok(y)
         y_tma = y_tma and all(n % cfg["BLOCK_N"] == 0 for n in out_slice_sizes)
@@ -112,13 +111,10 @@ def launch_lora_expand(
             from triton.tools.tensor_descriptor import TensorDescriptor
 
             y_desc = TensorDescriptor.from_tensor(y, [cfg["BLOCK_M"], cfg["BLOCK_N"]])
-        if not b_tma:
-            b_desc = b_stacked
         _lora_expand_rows_kernel[(chks[-1], -(-num_tokens // cfg["BLOCK_M"]))](
             y, s, b_stacked, token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
             num_tokens, rank_dim, *cols, y.shape[1], *blks, *chks[:3],
-            y.stride(0), y.stride(1), s.stride(0), s.stride(1), s.stride(2),
-            b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2), b_desc, y_desc,
+            *y.stride(), *s.stride(), *b_stacked.stride(), b_desc, y_desc,
             BLOCK_R=block_r, CHUNK=chunk, STAGES=stages, B_TMA=b_tma, Y_TMA=y_tma, S_EARLY=s_early,
             PRECISION=precision, **cfg,
         )  # fmt: skip
@@ -130,8 +126,7 @@ def launch_lora_expand(
         y, s, b_stacked, bias if bias is not None else y,
         token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
         num_tokens, rank_dim, *cols, y.shape[1], *blks,
-        y.stride(0), y.stride(1), s.stride(0), s.stride(1), s.stride(2),
-        b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2),
+        *y.stride(), *s.stride(), *b_stacked.stride(),
         BLOCK_R=block_r, ACCUMULATE=accumulate, HAS_BIAS=bias is not None, PRECISION=precision, **cfg,
     )  # fmt: skip
 

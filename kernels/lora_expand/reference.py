@@ -3,6 +3,11 @@
 import torch
 
 
+def fill_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y = bias in every row (zeros without a bias); returns y."""
+    return y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
+
+
 def lora_expand_ref(
     y: torch.Tensor,  # [num_tokens, sum(out_slice_sizes)], updated in place
     s: torch.Tensor,  # [num_slices, num_tokens, rank_dim] fp32
@@ -19,7 +24,7 @@ def lora_expand_ref(
     # accumulate: reads and writes num_tokens*n_total*y.itemsize bytes (writes only, when not accumulating),
     # reads num_slices*num_tokens*rank_dim*4 + (active slots)*n_total*rank*b.itemsize
     if not accumulate:
-        y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
+        fill_bias(y, bias)
     ranks = slot_rank.tolist()
     offsets = [0]
     for n in out_slice_sizes:

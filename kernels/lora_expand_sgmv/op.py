@@ -8,8 +8,8 @@ import torch
 
 from ditserve.kernels._checks import check_chunks, check_expand
 from ditserve.kernels._configs import tables
-from ditserve.kernels._dispatch import block_rank, use_triton
-from ditserve.kernels._tiling import b_descriptor, column_blocks, column_chunks
+from ditserve.kernels._dispatch import block_rank, dot_precision, use_triton
+from ditserve.kernels._tiling import b_descriptor, chunk_block_m, column_blocks, column_chunks
 from ditserve.kernels.lora_expand.configs import triton_tiles
 from ditserve.kernels.lora_expand_sgmv.reference import lora_expand_sgmv_ref
 
@@ -69,29 +69,24 @@ def launch_lora_expand_sgmv(
         return
     block_r = block_rank(rank_dim)
     cfg = dict(config or expand_sgmv_config(block_r, y.device))
-    cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], chunk_size))  # a chunk is walked in sub-blocks
+    cfg["BLOCK_M"] = chunk_block_m(cfg["BLOCK_M"], chunk_size)
     cols, blks, num_col_blocks = column_blocks(out_slice_sizes, cfg["BLOCK_N"])
-    precision = "ieee" if y.dtype == torch.float32 else "tf32"
+    precision = dot_precision(y.dtype)
     if cfg.pop("ROWS", 0):
         chunk, stages = cfg.pop("CHUNK"), cfg.pop("STAGES")
         chks = column_chunks(blks, num_col_blocks, chunk)
-        b_desc = b_descriptor(b_stacked, bool(cfg.pop("B_TMA", 0)), cfg["BLOCK_N"], block_r)
-        b_tma = b_desc is not None
-        if not b_tma:
-            b_desc = b_stacked  # a placeholder where the kernel reads no descriptor
+        b_desc, b_tma = b_descriptor(b_stacked, bool(cfg.pop("B_TMA", 0)), cfg["BLOCK_N"], block_r)
         _lora_expand_sgmv_rows_kernel[(chks[-1], num_chunks)](
             y, s, b_stacked, sorted_token_ids, token_scale, chunk_slot, chunk_start, chunk_len, slot_rank,
             *cols, y.shape[1], *blks, *chks[:3],
-            y.stride(0), y.stride(1), s.stride(0), s.stride(1), s.stride(2),
-            b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2), b_desc,
+            *y.stride(), *s.stride(), *b_stacked.stride(), b_desc,
             BLOCK_R=block_r, CHUNK=chunk, STAGES=stages, B_TMA=b_tma, PRECISION=precision, **cfg,
         )  # fmt: skip
         return
     _lora_expand_sgmv_kernel[(num_col_blocks, num_chunks)](
         y, s, b_stacked, sorted_token_ids, token_scale, chunk_slot, chunk_start, chunk_len, slot_rank,
         *cols, y.shape[1], *blks,
-        y.stride(0), y.stride(1), s.stride(0), s.stride(1), s.stride(2),
-        b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2),
+        *y.stride(), *s.stride(), *b_stacked.stride(),
         BLOCK_R=block_r, PRECISION=precision, **cfg,
     )  # fmt: skip
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from ditserve.kernels._checks import check_chunks, check_shrink
-from ditserve.kernels._dispatch import block_rank, use_triton
+from ditserve.kernels._dispatch import block_rank, dot_precision, use_triton
+from ditserve.kernels._tiling import chunk_block_m
 from ditserve.kernels.lora_shrink.configs import triton_tiles
 from ditserve.kernels.lora_shrink_sgmv.reference import lora_shrink_sgmv_ref
 
@@ -48,15 +49,12 @@ def launch_lora_shrink_sgmv(
     block_r = block_rank(rank_dim)
     cfg = dict(config or shrink_sgmv_config(num_slices, block_r))
     split = bool(cfg.pop("SPLIT", 0))
-    cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], chunk_size))  # a chunk is walked in sub-blocks
+    cfg["BLOCK_M"] = chunk_block_m(cfg["BLOCK_M"], chunk_size)
     _lora_shrink_sgmv_kernel[(num_chunks, num_slices if split else 1)](
         x, a_stacked, s, sorted_token_ids, chunk_slot, chunk_start, chunk_len, slot_rank,
         x.shape[1], rank_dim,
-        x.stride(0), x.stride(1),
-        a_stacked.stride(0), a_stacked.stride(1), a_stacked.stride(2), a_stacked.stride(3),
-        s.stride(0), s.stride(1), s.stride(2),
-        NUM_SLICES=1 if split else num_slices, SPLIT=split, BLOCK_R=block_r,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        *x.stride(), *a_stacked.stride(), *s.stride(),
+        NUM_SLICES=1 if split else num_slices, SPLIT=split, BLOCK_R=block_r, PRECISION=dot_precision(x.dtype),
         **cfg,
     )  # fmt: skip
     return s
