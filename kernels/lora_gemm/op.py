@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from ditserve.kernels._checks import MAX_SLICES, check_segments
-from ditserve.kernels._dispatch import next_pow2, num_programs_limit, tma_ok, use_triton
+from ditserve.kernels._dispatch import dot_precision, next_pow2, num_programs_limit, tma_ok, use_triton
 from ditserve.kernels._tiling import column_align, column_blocks
+from ditserve.kernels.lora_expand.reference import fill_bias
 from ditserve.kernels.lora_gemm import configs, gluon_op
 from ditserve.kernels.lora_gemm.reference import lora_gemm_ref
 
@@ -222,7 +223,7 @@ def launch_lora_gemm(
     if num_tokens == 0:
         return y
     if hidden == 0:  # x · Aᵀ is 0 as well
-        return y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
+        return fill_bias(y, bias)
     cfg = resolve_config(config, num_tokens, n_total, s.shape[2] > 0 and s_scaled, seg_align)
     if cfg["GLUON"] and not shrink_in and gluon_op.gluon_ok(x, weight, s, b_stacked, out_slice_sizes, s_scaled,
                                                               seg_align):  # fmt: skip
@@ -295,8 +296,7 @@ def launch_lora_gemm(
         token_seg, seg_start, seg_len, seg_slot, seg_scale, slot_rank,
         num_tokens, hidden, rank_dim, rank_dim, *cols, n_total, *blks, num_col_blocks, grid,
         s.shape[0] * num_tokens, b_stacked.shape[0] * n_total,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
-        s.stride(0), s.stride(1), s.stride(2), b_stacked.stride(0), b_stacked.stride(1), b_stacked.stride(2),
+        *x.stride(), *weight.stride(), *y.stride(), *s.stride(), *b_stacked.stride(),
         xs_desc, a_desc, sync, s.shape[0], b_stacked.shape[0], a_stacked.shape[2] if shrink_in else 0, s.shape[2],
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, R_CHUNK=cfg["R_CHUNK"], GROUP_M=cfg["GROUP_M"],
         USE_TMA=use_tma, FLATTEN=bool(cfg["FLATTEN"]),
@@ -305,7 +305,7 @@ def launch_lora_gemm(
         LORA_AFTER=lora_after, LORA_BK=lora_bk, S_SCALED=s_scaled, HAS_BIAS=bias is not None,
         TMA_STORE=tma_store, EPI_SUBTILE=subtile if tma_store else 1, SHRINK_IN=shrink_in, SHRINK_R=shrink_r,
         SHRINK_M=shrink_m, SHRINK_K=shrink_k, WIDE_G=wide_g, SHRINK_STAGES=shrink_stages,
-        FENCE=x.is_cuda, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        FENCE=x.is_cuda, PRECISION=dot_precision(x.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return y
