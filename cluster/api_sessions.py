@@ -21,7 +21,7 @@ from ditserve.replica.jsonfields import JsonInt, json_int
 from ditserve.replica.request import GenerationParams
 
 from .errors import BadRequest, NotFound
-from .http_base import REPLICA_HEADER, check_size, frontend
+from .http_base import REPLICA_HEADER, check_size, frontend, requested_size
 from .router import session_owner
 from .schemas import Prompt, usage_of
 
@@ -85,7 +85,9 @@ async def open_session(body: SessionOpenRequest, request: Any, fe: Any) -> JSONR
     fe.check_model(body.model)
     if fe.model_kind != "image":
         raise BadRequest(f"model {fe.model_name!r} makes videos; sessions are for images", param="model")
-    width, height = check_size(body.size or fe.default_size, fe.args.max_width, fe.args.max_height)
+    width, height = check_size(
+        requested_size(body.size, fe.default_size), fe.args.max_width, fe.args.max_height
+    )
     answer = await fe.call_engine(fe.engine.open_session.remote(width, height))
     return JSONResponse(
         {"id": answer["session_id"], "object": "session", "size": f"{width}x{height}"},

@@ -34,7 +34,7 @@ from ditserve.replica.models.registry import video_model_hint
 from ditserve.replica.request import GenerationParams
 
 from .errors import BadRequest, Conflict, NotFound, SessionGone, Unsupported
-from .http_base import ERROR_DESCRIPTIONS, REPLICA_HEADER, check_size, frontend
+from .http_base import ERROR_DESCRIPTIONS, REPLICA_HEADER, check_size, frontend, requested_size
 from .router import session_owner
 from .schemas import ErrorResponse, Prompt
 
@@ -153,7 +153,9 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
     if frames > limits.max_frames:
         param = "num_frames" if body.num_frames is not None else "seconds"
         raise BadRequest(f"{param}: {frames} frames is above the maximum {limits.max_frames}", param=param)
-    width, height = check_size(body.size or fe.default_size, limits.max_width, limits.max_height)
+    width, height = check_size(
+        requested_size(body.size, fe.default_size), limits.max_width, limits.max_height
+    )
     kwargs: dict[str, Any] = {} if body.seed is None else {"seed": body.seed}
     reference = reference_bytes(body, upload)
     first_frame = fe.spec.first_frame

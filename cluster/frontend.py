@@ -57,6 +57,7 @@ from .http_base import (
     check_size,
     frontend,
     register_frontend,
+    requested_size,
 )
 from .schemas import ImageData, ImageGenerationRequest, ImagesResponse, ModelCard, usage_of
 
@@ -285,7 +286,9 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         if body.n > limits.max_n:
             raise BadRequest(f"n: {body.n} is above the maximum {limits.max_n}", param="n")
         body = self.check_prompt_and_steps(body)
-        width, height = check_size(body.size or self.default_size, limits.max_width, limits.max_height)
+        width, height = check_size(
+            requested_size(body.size, self.default_size), limits.max_width, limits.max_height
+        )
         return body.to_params(width, height, self.spec), width, height
 
     async def images_generations(self, body: ImageGenerationRequest, request: Request) -> Response:

@@ -204,6 +204,11 @@ class JSONBodyMiddleware:
         return await self.app(scope, receive, send)
 
 
+def requested_size(size: str | None, default: str) -> str:
+    """The size a request asks for: absent, empty or OpenAI's ``"auto"`` mean the model's default."""
+    return default if size in (None, "", "auto") else size
+
+
 def check_size(size: str, max_width: int, max_height: int, multiple: int = 16) -> tuple[int, int]:
     width, height = parse_size(size)
     if width % multiple or height % multiple or width == 0 or height == 0:
@@ -286,7 +291,7 @@ def size_pattern(max_width: int, max_height: int) -> str:
     """A regex of the sizes ``check_size`` takes: WIDTHxHEIGHT, multiples of 16 up to the limits."""
     widths = "|".join(map(str, _steps(max_width)))
     heights = "|".join(map(str, _steps(max_height)))
-    return f"^(({widths})x({heights}))?$"  # empty: the model's default size, as when left out
+    return f"^(({widths})x({heights})|auto)?$"  # empty or auto: the model's default size, as when left out
 
 
 def _nullable(schema: dict[str, Any], description: str | None) -> dict[str, Any]:

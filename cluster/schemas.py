@@ -68,7 +68,8 @@ class ImageGenerationRequest(BaseModel):
     )
     n: JsonInt = Field(strict=True, default=1, ge=1, description="Number of images.")
     size: str | None = Field(
-        default=None, description="WIDTHxHEIGHT, each a multiple of 16 (default: the model's native size)."
+        default=None,
+        description="WIDTHxHEIGHT, each a multiple of 16; absent or 'auto': the model's native size.",
     )
     response_format: Literal["b64_json", "url"] = Field(
         default="b64_json", description="Only b64_json is served."

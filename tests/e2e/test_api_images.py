@@ -70,6 +70,12 @@ def test_openai_client_image(client):
         model="demo-flux", prompt="a red fox", size="64x64", extra_body={"num_inference_steps": 2, "seed": 4}
     )
     assert png_pixels(base64.b64decode(result.data[0].b64_json)).shape == (64, 64, 3)
+    # OpenAI's size "auto" is the model's own size, as when it is left out
+    auto, default = (
+        client.images.generate(model="demo-flux", prompt="a red fox", extra_body={"num_inference_steps": 1, "seed": 4}, **size)
+        for size in ({"size": "auto"}, {})
+    )  # fmt: skip
+    assert auto.size == default.size and auto.data[0].b64_json == default.data[0].b64_json
 
 
 def test_step_cache_usage_and_settings_naming_the_field(server):
