@@ -33,6 +33,12 @@ from ditserve.kernels._tiles import (
 
 
 @triton.jit
+def _s_tile_ptrs(s_ptr, j, offs_m, offs_r, stride_ss, stride_st, stride_sr):
+    """s[j]'s [BLOCK_M, BLOCK_R] tile: rows offs_m, rank columns offs_r."""
+    return s_ptr + j * stride_ss + offs_m.to(tl.int64)[:, None] * stride_st + offs_r[None, :] * stride_sr
+
+
+@triton.jit
 def _lora_expand_kernel(
     y_ptr,  # [num_tokens, n_total]
     s_ptr,  # [num_slices, num_tokens, rank_dim] fp32
@@ -88,9 +94,7 @@ def _lora_expand_kernel(
             row_mask = segment_rows(seg, seg_start_ptr, seg_len_ptr, offs_m)
             scale = tl.load(seg_scale_ptr + seg)
             r_mask = offs_r < rank
-            s_ptrs = (
-                s_ptr + j * stride_ss + offs_m.to(tl.int64)[:, None] * stride_st + offs_r[None, :] * stride_sr
-            )
+            s_ptrs = _s_tile_ptrs(s_ptr, j, offs_m, offs_r, stride_ss, stride_st, stride_sr)
             s = tl.load(s_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
             b = b_tile(b_ptr, slot, offs_n, offs_r, n_mask, r_mask, stride_bl, stride_bn, stride_br)
             acc = tl.dot((s * scale).to(b.dtype), b, acc, input_precision=PRECISION)
@@ -164,7 +168,7 @@ def _lora_expand_rows_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
     y_rows = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt
-    s_rows = s_ptr + j * stride_ss + offs_m.to(tl.int64)[:, None] * stride_st + offs_r[None, :] * stride_sr
+    s_rows = _s_tile_ptrs(s_ptr, j, offs_m, offs_r, stride_ss, stride_st, stride_sr)
     if S_EARLY:
         # every row's s, issued before the segment metadata: in a one-segment row block its latency overlaps the
         # chain of metadata loads (token -> segment -> slot -> rank) instead of following it
