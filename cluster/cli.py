@@ -167,13 +167,16 @@ def run_generate(ns: argparse.Namespace) -> int:
             f"-o {ns.output}: {engine.spec.name} makes {'videos (.mp4)' if video else 'images (.png)'}"
         )
     negative, true_cfg = engine.spec.guidance_defaults(ns.negative_prompt, ns.true_cfg_scale)
-    small = engine.spec.name.startswith("demo-")
-    size = 64 if small else 1024
+    from ditserve.replica.families import fit_size
+
     try:
         images = _read_images(ns.image, engine)
     except ValueError as exc:
         return _fail(str(exc))
-    width, height = ns.width or size, ns.height or size
+    # the model's own default size (the pipeline's), scaled down to --max-width/--max-height
+    limits = config.limits
+    size = fit_size(engine.spec.default_size, limits.max_width, limits.max_height, engine.spec.size_multiple)
+    width, height = ns.width or size[0], ns.height or size[1]
     if images and not video and not (ns.width or ns.height):  # the first image's size, as the API
         from ditserve.replica.media import image_size
 

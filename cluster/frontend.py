@@ -30,6 +30,7 @@ from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError
 
+from ditserve.replica.families import fit_size
 from ditserve.replica.models.registry import resolve_model
 from ditserve.replica.request import GenerationParams
 
@@ -126,8 +127,11 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         self.models_body = json.dumps(
             {"object": "list", "data": [card.model_dump()]}, separators=(",", ":")
         ).encode()
-        # Demo models are trained and tested at 64×64; real checkpoints at 1024².
-        self.default_size = "64x64" if spec.name.startswith("demo-") else "1024x1024"
+        # A request without a size gets the model's own default (the pipeline's), scaled down to the limits.
+        width, height = fit_size(
+            spec.default_size, self.args.max_width, self.args.max_height, spec.size_multiple
+        )
+        self.default_size = f"{width}x{height}"
         try:
             self.app_name = serve.get_replica_context().app_name
         except Exception:

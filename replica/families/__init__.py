@@ -69,6 +69,19 @@ def default_size_multiple(folder: Folder) -> int:
     return vae_spatial_factor(folder) * transformer_patch(folder)
 
 
+def fit_size(size: tuple[int, int], max_width: int, max_height: int, multiple: int) -> tuple[int, int]:
+    """``size`` (width, height), scaled down keeping its aspect to fit within the limits where it does not,
+    each side rounded down to ``multiple`` (at least one multiple)."""
+    width, height = size
+    scale = min(1.0, max_width / width, max_height / height)
+    if scale == 1.0:
+        return width, height
+    return (
+        max(multiple, int(width * scale) // multiple * multiple),
+        max(multiple, int(height * scale) // multiple * multiple),
+    )
+
+
 def default_heads(transformer_config: Mapping[str, Any]) -> int:
     return int(transformer_config["num_attention_heads"])
 
@@ -101,6 +114,8 @@ class Family:
     img2img: bool = False
     # takes an inpainting ``mask`` with its image (POST /v1/images/edits ``mask``); refused otherwise
     inpainting: bool = False
+    # (width, height) of a request that names no size: the pipeline's own default (its __call__'s)
+    default_size: Callable[[Folder], tuple[int, int]] = lambda folder: (1024, 1024)
     # width/height multiple, (frames - 1) multiple, attention heads (for the layout check)
     size_multiple: Callable[[Folder], int] = default_size_multiple
     frame_multiple: Callable[[Folder], int] = lambda folder: 1

@@ -21,6 +21,7 @@ _FIRST_FRAME = (
 
 FAMILY = Family(
     name="anyflow",
+    default_size=lambda folder: (832, 480),  # the pipeline's 480p default
     pipelines={"AnyFlowFARPipeline": "video"},
     runner="pipelines.anyflow:AnyFlowRunner",
     plan="parallel.anyflow:ANYFLOW_PLAN",

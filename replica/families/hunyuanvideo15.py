@@ -5,7 +5,7 @@ pipeline's guider whenever its scale is not 1 (the CFG-distilled checkpoints shi
 
 import json
 
-from . import Family, Folder
+from . import Family, Folder, vae_spatial_factor
 
 
 def _frame_multiple(folder: Folder) -> int:
@@ -40,6 +40,18 @@ def _refuse(folder: Folder) -> str | None:
     return None
 
 
+def _default_size(folder: Folder) -> tuple[int, int]:
+    """The pipeline's default: the crop bucket closest to 16:9 around the transformer's target_size (480p
+    checkpoints: 848×480), by diffusers' own image processor."""
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+    spatial = vae_spatial_factor(folder)
+    target = int(folder.config("transformer").get("target_size", 640))
+    processor = HunyuanVideo15ImageProcessor(vae_scale_factor=spatial)
+    height, width = processor.calculate_default_height_width(9, 16, target)
+    return int(width), int(height)
+
+
 FAMILY = Family(
     name="hunyuanvideo15",
     pipelines={"HunyuanVideo15Pipeline": "video", _I2V: "video"},
@@ -48,6 +60,7 @@ FAMILY = Family(
     guidance="cfg",
     # the VAE's spatial factor (16) × patch 1; frames are (temporal factor)·k + 1
     frame_multiple=_frame_multiple,
+    default_size=_default_size,
     first_frame=lambda folder: "required" if folder.index.get("_class_name") == _I2V else "none",
     refuse=_refuse,
     checkpoints=((r"(?<![a-z])hunyuan-?video-?1\.5", 16),),

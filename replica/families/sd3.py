@@ -4,7 +4,7 @@ encoders (two CLIPs give the pooled vector, T5 the sequence), classifier-free gu
 guidance_scale > 1, FlowMatchEuler with the scheduler's own shift; image-to-image from an uploaded image
 (``StableDiffusion3Img2ImgPipeline``'s arithmetic)."""
 
-from . import Family, Folder
+from . import Family, Folder, vae_spatial_factor
 
 
 def _refuse(folder: Folder) -> str | None:
@@ -17,6 +17,12 @@ def _refuse(folder: Folder) -> str | None:
     return None
 
 
+def _default_size(folder: Folder) -> tuple[int, int]:
+    """The pipeline's default: the transformer's sample_size in latents (128 for SD3/3.5: 1024²)."""
+    side = int(folder.config("transformer").get("sample_size", 128)) * vae_spatial_factor(folder)
+    return side, side
+
+
 FAMILY = Family(
     name="sd3",
     pipelines={"StableDiffusion3Pipeline": "image"},
@@ -25,6 +31,7 @@ FAMILY = Family(
     guidance="cfg",
     img2img=True,
     refuse=_refuse,
+    default_size=_default_size,
     # size multiple: the VAE's 8× times the transformer's patch_size 2 (the default rule reads both)
     checkpoints=(
         (r"(?<![a-z])(stable-diffusion-|sd)3\.5[-_]large", 38),

@@ -39,6 +39,7 @@ def _first_frame(folder: Folder) -> FirstFrame:
 
 FAMILY = Family(
     name="wan",
+    default_size=lambda folder: (832, 480),  # the pipeline's 480p default
     pipelines={"WanPipeline": "video"},
     runner="pipelines.wan:WanRunner",
     plan="parallel.wan:WAN_PLAN",

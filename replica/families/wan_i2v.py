@@ -20,6 +20,7 @@ def _refuse(folder: Folder) -> str | None:
 
 FAMILY = Family(
     name="wan_i2v",
+    default_size=lambda folder: (832, 480),  # the pipeline's 480p default
     pipelines={"WanImageToVideoPipeline": "video"},
     runner="pipelines.wan_i2v:WanI2VRunner",
     plan="parallel.wan:WAN_PLAN",

@@ -134,6 +134,14 @@ class ModelSpec:
         return self.family_spec.size_multiple(self.folder)
 
     @cached_property
+    def default_size(self) -> tuple[int, int]:
+        """(width, height) of a request that names none: 64×64 for the embedded demo models (trained and
+        tested there), else the family pipeline's own default (1024² for the image families, 832×480 for Wan)."""
+        if self.name.startswith("demo-"):
+            return 64, 64
+        return self.family_spec.default_size(self.folder)
+
+    @cached_property
     def frame_multiple(self) -> int:
         """Video models take ``frame_multiple·k + 1`` frames (the VAE's temporal factor)."""
         return self.family_spec.frame_multiple(self.folder) if self.kind == "video" else 1
