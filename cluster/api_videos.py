@@ -156,6 +156,9 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
     width, height = check_size(
         requested_size(body.size, fe.default_size), limits.max_width, limits.max_height
     )
+    refused = fe.spec.refusal(body.cache, body.guidance_scale_2)
+    if refused is not None:
+        raise BadRequest(refused[1], param=refused[0])
     kwargs: dict[str, Any] = {} if body.seed is None else {"seed": body.seed}
     reference = reference_bytes(body, upload)
     first_frame = fe.spec.first_frame

@@ -169,6 +169,9 @@ class Engine:
                 raise ValueError(f"lora: adapter {ref.name!r} is not loaded; loaded: {loaded}")
         if params.n > limits.max_n:
             raise ValueError(f"n: {params.n} is above the maximum {limits.max_n}")
+        refused = spec.refusal(params.cache, params.guidance_scale_2)
+        if refused is not None:
+            raise ValueError(refused[1])
         self.check_images(params)
         if params.init_latents is not None and not spec.family_spec.img2img:
             raise ValueError(f"init_latents: image-to-image is not supported for {spec.name}")

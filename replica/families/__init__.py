@@ -125,6 +125,8 @@ class Family:
     first_frame: Callable[[Folder], FirstFrame] = lambda folder: "none"
     # A variant of a listed pipeline the family does not run (a message naming what was found), or None.
     refuse: Callable[[Folder], str | None] = lambda folder: None
+    # applies a request's step cache (``cache``); refused with a 400 naming ``cache`` otherwise
+    step_cache: bool = True
     # diffusers' ``lora_state_dict`` of this pipeline class returns network alphas
     lora_alphas: bool = False
     # An adapter's transformer modules (names) the family cannot apply per request (a message), or None.

@@ -142,6 +142,22 @@ class ModelSpec:
         return self.family_spec.default_size(self.folder)
 
     @cached_property
+    def two_experts(self) -> bool:
+        """A two-expert model (Wan 2.2 A14B: ``transformer_2``), the only kind that takes ``guidance_scale_2``."""
+        return self.folder.has("transformer_2")
+
+    def refusal(self, cache: CacheSettings | None, guidance_scale_2: float | None) -> tuple[str, str] | None:
+        """(field, message) for request settings this model would not apply, else None."""
+        if cache is not None and cache.enabled and not self.family_spec.step_cache:
+            return "cache", f"cache: {self.name} does not take a step cache ({cache.policy}); leave it out"
+        if guidance_scale_2 is not None and not self.two_experts:
+            return "guidance_scale_2", (
+                f"guidance_scale_2: {self.name} has one transformer; only two-expert models (Wan 2.2 A14B) take "
+                "the second expert's scale"
+            )
+        return None
+
+    @cached_property
     def frame_multiple(self) -> int:
         """Video models take ``frame_multiple·k + 1`` frames (the VAE's temporal factor)."""
         return self.family_spec.frame_multiple(self.folder) if self.kind == "video" else 1
