@@ -86,7 +86,10 @@ async def open_session(body: SessionOpenRequest, request: Any, fe: Any) -> JSONR
     if fe.model_kind != "image":
         raise BadRequest(f"model {fe.model_name!r} makes videos; sessions are for images", param="model")
     width, height = check_size(
-        requested_size(body.size, fe.default_size), fe.args.max_width, fe.args.max_height
+        requested_size(body.size, fe.default_size),
+        fe.args.max_width,
+        fe.args.max_height,
+        fe.spec.size_multiple,
     )
     answer = await fe.call_engine(fe.engine.open_session.remote(width, height))
     return JSONResponse(

@@ -154,7 +154,7 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
         param = "num_frames" if body.num_frames is not None else "seconds"
         raise BadRequest(f"{param}: {frames} frames is above the maximum {limits.max_frames}", param=param)
     width, height = check_size(
-        requested_size(body.size, fe.default_size), limits.max_width, limits.max_height
+        requested_size(body.size, fe.default_size), limits.max_width, limits.max_height, fe.spec.size_multiple
     )
     refused = fe.spec.refusal(body.cache, body.guidance_scale_2)
     if refused is not None:

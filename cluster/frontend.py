@@ -291,7 +291,10 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
             raise BadRequest(f"n: {body.n} is above the maximum {limits.max_n}", param="n")
         body = self.check_prompt_and_steps(body)
         width, height = check_size(
-            requested_size(body.size, self.default_size), limits.max_width, limits.max_height
+            requested_size(body.size, self.default_size),
+            limits.max_width,
+            limits.max_height,
+            self.spec.size_multiple,
         )
         return body.to_params(width, height, self.spec), width, height
 

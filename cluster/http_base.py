@@ -164,7 +164,9 @@ def served_openapi(app: FastAPI) -> dict[str, Any]:
         return openapi_schema(app, None)
     if app.openapi_schema is None:
         fe = _instance[0]
-        app.openapi_schema = openapi_schema(app, fe.args, fe.model_name, fe.model_kind, fe.default_size)
+        app.openapi_schema = openapi_schema(
+            app, fe.args, fe.model_name, fe.model_kind, fe.default_size, fe.spec.size_multiple
+        )
     return app.openapi_schema
 
 
@@ -283,14 +285,15 @@ def _needs_key(path: str, args: Any | None) -> bool:
     return path.startswith(CONTROL_PREFIXES) or args.api_key_for_generation
 
 
-def _steps(limit: int) -> list[int]:
-    return list(range(16, limit + 1, 16))
+def _steps(limit: int, multiple: int) -> list[int]:
+    return list(range(multiple, limit + 1, multiple))
 
 
-def size_pattern(max_width: int, max_height: int) -> str:
-    """A regex of the sizes ``check_size`` takes: WIDTHxHEIGHT, multiples of 16 up to the limits."""
-    widths = "|".join(map(str, _steps(max_width)))
-    heights = "|".join(map(str, _steps(max_height)))
+def size_pattern(max_width: int, max_height: int, multiple: int = 16) -> str:
+    """A regex of the sizes ``check_size`` takes: WIDTHxHEIGHT, multiples of the model's size multiple up to
+    the limits."""
+    widths = "|".join(map(str, _steps(max_width, multiple)))
+    heights = "|".join(map(str, _steps(max_height, multiple)))
     return f"^(({widths})x({heights})|auto)?$"  # empty or auto: the model's default size, as when left out
 
 
@@ -302,11 +305,11 @@ def _nullable(schema: dict[str, Any], description: str | None) -> dict[str, Any]
 
 
 def _apply_limits(
-    components: dict[str, Any], args: Any, model_name: str, kind: str, default_size: str
+    components: dict[str, Any], args: Any, model_name: str, kind: str, default_size: str, multiple: int
 ) -> None:
     """The server's limits (--max-steps, --max-width, ...) as constraints of the request bodies, so a
     request the schema allows is one this server takes."""
-    size = {"type": "string", "pattern": size_pattern(args.max_width, args.max_height)}
+    size = {"type": "string", "pattern": size_pattern(args.max_width, args.max_height, multiple)}
     prompt = {"type": "string", "minLength": 1, "maxLength": args.max_prompt_chars, "pattern": "\\S"}
     model = {"type": "string", "enum": [model_name]}
     for name in (
@@ -354,6 +357,7 @@ def openapi_schema(
     model_name: str = "",
     kind: str = "",
     default_size: str = "",
+    size_multiple: int = 16,
 ) -> dict[str, Any]:
     """The app's OpenAPI schema as this server answers: each operation's error statuses with the one
     error model (validation errors are 400, so no 422), the limits of ``args`` as constraints, and on the
@@ -394,5 +398,5 @@ def openapi_schema(
                     components[title] = inline
                     media["schema"] = {"$ref": f"#/components/schemas/{title}"}
     if args is not None:
-        _apply_limits(components, args, model_name, kind, default_size)
+        _apply_limits(components, args, model_name, kind, default_size, size_multiple)
     return schema

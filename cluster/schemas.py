@@ -69,7 +69,7 @@ class ImageGenerationRequest(BaseModel):
     n: JsonInt = Field(strict=True, default=1, ge=1, description="Number of images.")
     size: str | None = Field(
         default=None,
-        description="WIDTHxHEIGHT, each a multiple of 16; absent or 'auto': the model's native size.",
+        description="WIDTHxHEIGHT, multiples of the model's size multiple (16 for most); absent or 'auto': the model's own default size.",
     )
     response_format: Literal["b64_json", "url"] = Field(
         default="b64_json", description="Only b64_json is served."

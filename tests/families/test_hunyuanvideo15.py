@@ -173,6 +173,12 @@ def test_serve_videos_api(t2v_folder):
         job = client.videos.poll(job.id, poll_interval_ms=200)
         assert job.status == "completed", job
         video = decode_mp4(client.videos.download_content(job.id).read())
+        # no size: the pipeline's default for this folder (84×48, multiples of its VAE's 4), fit to 64 wide
+        default = client.videos.create(
+            prompt="a red fox", extra_body={"num_frames": 5, "num_inference_steps": 1}
+        )
+        default = client.videos.poll(default.id, poll_interval_ms=200)
+        assert default.status == "completed" and default.size == "64x36", default
     assert video.shape == (9, 48, 64, 3) and video.std() > 0
 
 
