@@ -29,7 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray.serve.exceptions import DeploymentUnavailableError
 
 from ditserve.replica.caching import CacheSettings
-from ditserve.replica.media import check_image
+from ditserve.replica.families import fit_size
+from ditserve.replica.media import check_image, image_size
 from ditserve.replica.models.registry import video_model_hint
 from ditserve.replica.request import GenerationParams
 
@@ -153,9 +154,6 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
     if frames > limits.max_frames:
         param = "num_frames" if body.num_frames is not None else "seconds"
         raise BadRequest(f"{param}: {frames} frames is above the maximum {limits.max_frames}", param=param)
-    width, height = check_size(
-        requested_size(body.size, fe.default_size), limits.max_width, limits.max_height, fe.spec.size_multiple
-    )
     refused = fe.spec.refusal(body.cache, body.guidance_scale_2)
     if refused is not None:
         raise BadRequest(refused[1], param=refused[0])
@@ -183,6 +181,18 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
             f"input_reference: {fe.model_name} is an image-to-video model; give the first frame",
             param="input_reference",
         )
+    default = fe.default_size
+    if reference is not None:  # where the pipeline sizes image-to-video by the first frame (HunyuanVideo 1.5)
+        sized = fit_size(
+            fe.spec.request_size(image_size(reference)),
+            limits.max_width,
+            limits.max_height,
+            fe.spec.size_multiple,
+        )
+        default = f"{sized[0]}x{sized[1]}"
+    width, height = check_size(
+        requested_size(body.size, default), limits.max_width, limits.max_height, fe.spec.size_multiple
+    )
     return GenerationParams(
         prompt=body.prompt,
         negative_prompt=body.negative_prompt,

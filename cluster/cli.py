@@ -168,18 +168,21 @@ def run_generate(ns: argparse.Namespace) -> int:
         )
     negative, true_cfg = engine.spec.guidance_defaults(ns.negative_prompt, ns.true_cfg_scale)
     from ditserve.replica.families import fit_size
+    from ditserve.replica.media import image_size
 
     try:
         images = _read_images(ns.image, engine)
     except ValueError as exc:
         return _fail(str(exc))
-    # the model's own default size (the pipeline's), scaled down to --max-width/--max-height
+    # the model's own default size (the pipeline's; by the first frame where it sizes image-to-video so),
+    # scaled down to --max-width/--max-height
     limits = config.limits
-    size = fit_size(engine.spec.default_size, limits.max_width, limits.max_height, engine.spec.size_multiple)
+    first_frame = image_size(images[0]) if images and video else None
+    size = fit_size(
+        engine.spec.request_size(first_frame), limits.max_width, limits.max_height, engine.spec.size_multiple
+    )
     width, height = ns.width or size[0], ns.height or size[1]
     if images and not video and not (ns.width or ns.height):  # the first image's size, as the API
-        from ditserve.replica.media import image_size
-
         multiple = engine.spec.size_multiple
         first = image_size(images[0])
         rule = engine.spec.family_spec.edit_size if engine.spec.edits else None

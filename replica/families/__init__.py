@@ -116,6 +116,9 @@ class Family:
     inpainting: bool = False
     # (width, height) of a request that names no size: the pipeline's own default (its __call__'s)
     default_size: Callable[[Folder], tuple[int, int]] = lambda folder: (1024, 1024)
+    # Video families whose pipeline sizes an image-to-video request by its first frame: (width, height) from
+    # the frame's (width, height); None: ``default_size``
+    first_frame_size: Callable[[Folder, tuple[int, int]], tuple[int, int]] | None = None
     # width/height multiple, (frames - 1) multiple, attention heads (for the layout check)
     size_multiple: Callable[[Folder], int] = default_size_multiple
     frame_multiple: Callable[[Folder], int] = lambda folder: 1

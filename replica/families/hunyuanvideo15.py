@@ -40,16 +40,20 @@ def _refuse(folder: Folder) -> str | None:
     return None
 
 
-def _default_size(folder: Folder) -> tuple[int, int]:
-    """The pipeline's default: the crop bucket closest to 16:9 around the transformer's target_size (480p
-    checkpoints: 848×480), by diffusers' own image processor."""
+def _bucket(folder: Folder, width: int, height: int) -> tuple[int, int]:
+    """(width, height): the crop bucket around the transformer's target_size closest to width:height's aspect,
+    by diffusers' own image processor (what the pipelines draw when not given a size)."""
     from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
 
-    spatial = vae_spatial_factor(folder)
     target = int(folder.config("transformer").get("target_size", 640))
-    processor = HunyuanVideo15ImageProcessor(vae_scale_factor=spatial)
-    height, width = processor.calculate_default_height_width(9, 16, target)
-    return int(width), int(height)
+    processor = HunyuanVideo15ImageProcessor(vae_scale_factor=vae_spatial_factor(folder))
+    out_height, out_width = processor.calculate_default_height_width(height, width, target)
+    return int(out_width), int(out_height)
+
+
+def _default_size(folder: Folder) -> tuple[int, int]:
+    """Text-to-video's default: the bucket closest to 16:9 (480p checkpoints: 848×480)."""
+    return _bucket(folder, 16, 9)
 
 
 FAMILY = Family(
@@ -61,6 +65,8 @@ FAMILY = Family(
     # the VAE's spatial factor (16) × patch 1; frames are (temporal factor)·k + 1
     frame_multiple=_frame_multiple,
     default_size=_default_size,
+    # image-to-video: the pipeline takes no size and draws the bucket of the first frame's aspect
+    first_frame_size=lambda folder, size: _bucket(folder, *size),
     first_frame=lambda folder: "required" if folder.index.get("_class_name") == _I2V else "none",
     refuse=_refuse,
     checkpoints=((r"(?<![a-z])hunyuan-?video-?1\.5", 16),),

@@ -141,6 +141,14 @@ class ModelSpec:
             return 64, 64
         return self.family_spec.default_size(self.folder)
 
+    def request_size(self, first_frame: tuple[int, int] | None = None) -> tuple[int, int]:
+        """(width, height) of a request that names none: where the family's pipeline sizes image-to-video by
+        the first frame ((width, height) given), that; else ``default_size``."""
+        rule = self.family_spec.first_frame_size
+        if first_frame is not None and rule is not None and not self.name.startswith("demo-"):
+            return rule(self.folder, first_frame)
+        return self.default_size
+
     @cached_property
     def two_experts(self) -> bool:
         """A two-expert model (Wan 2.2 A14B: ``transformer_2``), the only kind that takes ``guidance_scale_2``."""

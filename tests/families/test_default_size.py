@@ -5,6 +5,7 @@ a 400 under smaller limits and the wrong shape for the video families)."""
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +72,34 @@ def test_cli_generate_without_a_size_draws_the_pipelines_default(folders, tmp_pa
     assert done.returncode == 0, done.stderr
     width, height = _pipeline_default(folder, video=True)
     assert decode_mp4(out.read_bytes()).shape == (5, height, width, 3)
+
+
+def test_image_to_video_without_a_size_takes_the_pipelines_first_frame_bucket(tmp_path):
+    """HunyuanVideo 1.5's image-to-video pipeline takes no size: it draws the bucket of the first frame's
+    aspect. A portrait first frame without --width/--height gives that bucket, not the 16:9 default."""
+    import numpy as np
+    from diffusers import DiffusionPipeline
+    from PIL import Image
+
+    folder = hunyuanvideo15.build_folder(tmp_path / "i2v", task="i2v")
+    frame = Image.fromarray((np.random.default_rng(0).random((96, 40, 3)) * 255).astype("uint8"))
+    (tmp_path / "first.png").write_bytes(_png_bytes(frame))
+    out = tmp_path / "v.mp4"
+    cmd = [str(Path(sys.executable).with_name("ditserve")), "generate", "a fox", "--model", str(folder)]
+    cmd += ["--image", str(tmp_path / "first.png"), "--num-frames", "5", "--num-inference-steps", "1"]
+    done = subprocess.run([*cmd, "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    pipe = DiffusionPipeline.from_pretrained(folder, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    ref = pipe(image=frame, prompt="a fox", num_frames=5, num_inference_steps=1, output_type="np").frames[0]
+    assert ref.shape[1] > ref.shape[2]  # a portrait bucket
+    assert decode_mp4(out.read_bytes()).shape == ref.shape
+
+
+def _png_bytes(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 @pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
