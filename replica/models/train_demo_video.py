@@ -18,7 +18,10 @@ a background of another colour in one of four directions (``scenes.draw_clip``).
 4. train a WanTransformer3DModel with flow matching exactly as WanPipeline samples with its
    FlowMatchEulerDiscreteScheduler: timestep = 1000·sigma, x_t = (1 - sigma)·x0 + sigma·noise, target
    noise - x0, sigma logit-normal then shifted as the scheduler shifts, 10 % empty captions so
-   classifier-free guidance (``guidance_scale`` > 1, the negative prompt "") works;
+   classifier-free guidance (``guidance_scale`` > 1, the negative prompt "") works; heads of 32 so that the
+   rotary encoding's time part tells frames apart (``TRANSFORMER_CONFIG``); afterwards the log compares the
+   loss with each clip's caption against the caption with its direction reversed (:func:`caption_use`): a
+   model that ignores the direction word pays nothing for it;
 5. save in diffusers format (fp16 weights), reload in fp32, score held-out prompts; write a model card.
 
 Run: ``ditserve train-demo-video --out DIR`` (minutes on one H200; ``benchmarks/probes/train_demos.sh`` has
@@ -54,6 +57,7 @@ import torch.nn.functional as F
 
 from .demo import _tiny_t5
 from .scenes import (
+    COLOURS,
     IMAGE_SIZE,
     MovingScene,
     all_moving_scenes,
@@ -63,7 +67,7 @@ from .scenes import (
 )
 from .scorer import clip_shape, score_clip
 from .tokenizers import build_t5_tokenizer
-from .train_demo import _cosine_lr, _Log, _machine, _round_to_fp16, _to_unit, _update, fit_steps
+from .train_demo import _cosine_lr, _Log, _machine, _round_to_fp16, _to_unit, _update
 
 T5_MAX_LENGTH = 32
 LONG_T5_LENGTH = 512  # WanPipeline's default max_sequence_length
@@ -72,11 +76,33 @@ LATENT_CHANNELS = 4
 # Frame counts trained on, with their share of transformer steps and pool sizes (clips).
 FRAME_COUNTS = {5: (0.4, 4096), 9: (0.45, 6144), 17: (0.15, 2048)}
 # What ditserve and the tests sample with (ditserve's Wan default guidance is 5).
+# The transformer. Its only positional signal is Wan's rotary encoding, which gives time
+# head_dim - 4·(head_dim // 6) of each head's dims with frequencies 10000^(-2i/dims) rad per frame. Heads of
+# 16 left time 8 dims: 1, 0.1, 0.01 and 0.001 rad a frame, of which only the first turns much over a clip
+# and it wraps after 2π frames, so frame i + 6 looked more like frame i than frame i + 1 did. Trained so, the
+# model drew the colours but ignored the direction word (its loss the same with the opposite direction in the
+# caption) and moved the shape at random. Heads of 32 (same width) give time 12 dims, 1, 0.22, 0.046, ...
+# rad a frame: adjacent frames are the nearest, and the shape's path can follow the caption.
+TRANSFORMER_CONFIG = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 4,
+    "attention_head_dim": 32,
+    "in_channels": LATENT_CHANNELS,
+    "out_channels": LATENT_CHANNELS,
+    "text_dim": 32,
+    "freq_dim": 64,
+    "ffn_dim": 384,
+    "num_layers": 6,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "rope_max_seq_len": 1024,
+}
 SAMPLING = {"num_frames": 9, "num_inference_steps": 20, "guidance_scale": 5.0, "max_sequence_length": 32}
 
 
 def build_video_pipeline_untrained(seed: int = 0):
-    """The ``demo-scenes-video`` WanPipeline with random weights: 6 blocks of 8 heads × 16, an
+    """The ``demo-scenes-video`` WanPipeline with random weights: 6 blocks of 4 heads × 32 (see
+    ``TRANSFORMER_CONFIG``), an
     AutoencoderKLWan (16/32/64/64, 4 latent channels, 8× spatial, 1× temporal, frame by frame: see
     :func:`make_framewise`), the tiny UMT5.
 
@@ -91,20 +117,7 @@ def build_video_pipeline_untrained(seed: int = 0):
     )
 
     torch.manual_seed(seed)
-    transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=8,
-        attention_head_dim=16,
-        in_channels=LATENT_CHANNELS,
-        out_channels=LATENT_CHANNELS,
-        text_dim=32,
-        freq_dim=64,
-        ffn_dim=384,
-        num_layers=6,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=1024,
-    )
+    transformer = WanTransformer3DModel(**TRANSFORMER_CONFIG)
     vae = AutoencoderKLWan(
         base_dim=16,
         z_dim=LATENT_CHANNELS,
@@ -128,6 +141,46 @@ def build_video_pipeline_untrained(seed: int = 0):
     for module in (pipe.transformer, pipe.vae, pipe.text_encoder):
         _round_to_fp16(module)
     return pipe
+
+
+class StepBudget:
+    """Cuts a phase's step count to fit a wall-clock budget from its measured pace.
+
+    The pace is measured from step ``WARMUP`` on, not from the start: the first steps of a phase pay for
+    cuDNN's and cuBLAS's algorithm search (tens of seconds for the VAE's first convolutions on an H200), and a
+    pace that counts them overestimates the cost of every later step (a fit at step 100 from the start ran the
+    VAE for 24 s of its 140 s and the transformer for 186 s of its 260 s). The fit is made at step
+    ``REFITS[0]`` and made again at the later ones (a longer measure; the other demo trainer running on the
+    same GPU makes the pace drift), only ever cutting below the steps asked for, and logged each time it
+    changes the count."""
+
+    WARMUP = 20
+    REFITS = (200, 1000, 3000)
+
+    def __init__(self, total: int, budget_s: float, log, what: str) -> None:
+        self.total, self.budget_s, self.log, self.what = total, budget_s, log, what
+        self.asked = total
+        self.start = time.perf_counter()
+        self.warm: float | None = None
+
+    def __call__(self, done: int) -> int:
+        """The step count after ``done`` steps."""
+        if self.budget_s <= 0:
+            return self.total
+        if done == self.WARMUP:
+            self.warm = time.perf_counter()
+        elif done in self.REFITS and self.warm is not None and done < self.total:
+            now = time.perf_counter()
+            pace = (now - self.warm) / (done - self.WARMUP)
+            left = self.budget_s - (now - self.start)
+            fitted = min(self.asked, max(done + 1, done + int(left / pace)))
+            if fitted != self.total:
+                self.log(
+                    f"{self.what}: {pace * 1000:.1f} ms/step after {done} steps; {fitted} steps fit "
+                    f"{self.budget_s:.0f} s (was {self.total})"
+                )
+                self.total = fitted
+        return self.total
 
 
 def _causal_convs(vae) -> list:
@@ -369,8 +422,8 @@ def train_vae(vae, frames: torch.Tensor, args, log: _Log) -> None:
     gen = torch.Generator(device=frames.device).manual_seed(args.seed + 1)
     opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
     vae.train()
-    total, start = args.vae_steps, time.perf_counter()
-    step = 0
+    budget = StepBudget(args.vae_steps, args.vae_time_budget_s, log, "vae")
+    total, step = args.vae_steps, 0
     with framewise(vae):
         while step < total:
             for group in opt.param_groups:
@@ -387,7 +440,7 @@ def train_vae(vae, frames: torch.Tensor, args, log: _Log) -> None:
             if step % 250 == 0 or step == total - 1:
                 log(f"vae step {step}/{total} mse {err.mean().item():.5f}")
             step += 1
-            total = fit_steps(total, step, time.perf_counter() - start, args.vae_time_budget_s, log, "vae")
+            total = budget(step)
     args.vae_steps = total
     vae.eval()
     _round_to_fp16(vae)
@@ -472,6 +525,67 @@ def sample_sigmas(batch: int, device, gen: torch.Generator, shift: float = SHIFT
     return shift * u / (1.0 + (shift - 1.0) * u)
 
 
+_OPPOSITE = {"left": "right", "right": "left", "up": "down", "down": "up"}
+
+
+def swapped_scenes(kind: str) -> torch.Tensor:
+    """For each scene of ``all_moving_scenes()``, the index of the same scene with the opposite direction
+    (``kind`` "direction") or the next palette colour that is neither its shape's nor its background's
+    (``kind`` "colour")."""
+    scenes = all_moving_scenes()
+    index = {s: i for i, s in enumerate(scenes)}
+    out = []
+    for s in scenes:
+        if kind == "direction":
+            other = MovingScene(s.shape, s.colour, s.background, _OPPOSITE[s.direction])
+        else:
+            k = COLOURS.index(s.colour)
+            colour = next(
+                COLOURS[(k + j) % len(COLOURS)]
+                for j in range(1, len(COLOURS))
+                if COLOURS[(k + j) % len(COLOURS)] != s.background
+            )
+            other = MovingScene(s.shape, colour, s.background, s.direction)
+        out.append(index[other])
+    return torch.tensor(out)
+
+
+@torch.no_grad()
+def caption_use(
+    transformer,
+    x0: torch.Tensor,
+    scene_idx: torch.Tensor,
+    texts: torch.Tensor,
+    sigmas=(0.8, 0.95),
+    seed: int = 0,
+) -> dict[str, float]:
+    """Flow-matching loss of normalised latents ``x0`` (N, C, F, h, w) with their own captions and with the
+    direction word, or the shape colour, swapped (``texts``: embeddings of ``all_moving_scenes()``). A model
+    that reads a word pays for getting it wrong: a model that films the colours but ignores the direction
+    has the same loss with the opposite direction. Same noise for all three, mean over ``sigmas``."""
+    was_training = transformer.training
+    transformer.eval()
+    gen = torch.Generator(device=x0.device).manual_seed(seed)
+    scene_idx = scene_idx.to(x0.device)
+    swaps = {
+        "caption": scene_idx,
+        "opposite direction": swapped_scenes("direction").to(x0.device)[scene_idx],
+        "other shape colour": swapped_scenes("colour").to(x0.device)[scene_idx],
+    }
+    totals = dict.fromkeys(swaps, 0.0)
+    for sigma in sigmas:
+        noise = torch.randn(x0.shape, device=x0.device, generator=gen)
+        x_t = (1.0 - sigma) * x0 + sigma * noise
+        t = torch.full((len(x0),), sigma * 1000.0, device=x0.device)
+        for name, idx in swaps.items():
+            pred = transformer(
+                hidden_states=x_t, timestep=t, encoder_hidden_states=texts[idx], return_dict=False
+            )[0]
+            totals[name] += F.mse_loss(pred.float(), noise - x0).item() / len(sigmas)
+    transformer.train(was_training)
+    return {k: round(v, 4) for k, v in totals.items()}
+
+
 def train_transformer(pipe, pools: dict, args, log: _Log) -> list[float]:
     """Flow matching on normalised latents, a frame count drawn per step; returns the loss every 100 steps."""
     device = next(iter(pools.values()))[0].device
@@ -493,7 +607,8 @@ def train_transformer(pipe, pools: dict, args, log: _Log) -> list[float]:
     opt = torch.optim.AdamW(transformer.parameters(), lr=args.lr, weight_decay=0.01)
     transformer.train()
     losses, running, since = [], 0.0, 0
-    total, start, step = args.steps, time.perf_counter(), 0
+    budget = StepBudget(args.steps, args.time_budget_s, log, "transformer")
+    total, step = args.steps, 0
     while step < total:
         for group in opt.param_groups:
             group["lr"] = args.lr * _cosine_lr(step, total, warmup=min(200, total // 10 + 1))
@@ -529,10 +644,18 @@ def train_transformer(pipe, pools: dict, args, log: _Log) -> list[float]:
                 f"transformer step {step}/{total} loss {loss.item():.4f} ({frames} frames, T5 length {length})"
             )
         step += 1
-        total = fit_steps(total, step, time.perf_counter() - start, args.time_budget_s, log, "transformer")
+        total = budget(step)
     args.steps = total
     transformer.eval()
     _round_to_fp16(transformer)
+    frames = 9 if 9 in pools else max(pools)
+    means, _, scene_idx = pools[frames]
+    args.caption_use = caption_use(
+        transformer, (means[:256] - mean) / std, scene_idx[:256], texts[T5_MAX_LENGTH]
+    )
+    log(
+        f"transformer loss on {frames}-frame training clips (sigma 0.8, 0.95) with: {json.dumps(args.caption_use)}"
+    )
     return losses
 
 
@@ -644,7 +767,7 @@ def _model_card(args, command: str, seconds: float, machine: str, results: dict,
     return f"""# demo-scenes-video
 
 A tiny Wan-architecture text-to-video pipeline (WanPipeline: WanTransformer3DModel with 6 blocks of
-8 heads × 16; AutoencoderKLWan with 4 latent channels, 8× spatial and no temporal compression, frame by frame; the
+{TRANSFORMER_CONFIG["num_attention_heads"]} heads × {TRANSFORMER_CONFIG["attention_head_dim"]}; AutoencoderKLWan with 4 latent channels, 8× spatial and no temporal compression, frame by frame; the
 random-weight frozen tiny UMT5) trained on synthetic 64×64 clips: one circle, square or triangle in one of
 12 colours crossing a background of another colour, left, right, up or down
 ("a red circle moving left on a blue background"). It exists so that ditserve's default video model films
@@ -666,6 +789,8 @@ what it is asked. Weights are stored in fp16; load in fp32:
   {args.batch_size}, AdamW {args.lr} cosine, {args.caption_dropout:.0%} empty captions, T5 length 512 on
   {args.long_text_fraction:.0%} of steps; pools of {pools}; flow shift {SHIFT}; seed {args.seed}
 - loss every 100 steps: {losses}
+- loss on training clips (sigma 0.8 and 0.95) with their caption, with the direction reversed and with
+  another shape colour (a word the model reads costs loss when wrong): {json.dumps(getattr(args, "caption_use", {}))}
 
 ## Held-out accuracy
 Scored by `ditserve.replica.models.scorer.score_clip` (background and shape colour from the first and last

@@ -1,0 +1,71 @@
+"""demo-scenes-video's WanTransformer3DModel can tell its latent frames apart, and its trainer spends the time
+budget it is given.
+
+Wan's rotary position encoding splits each attention head into a time, a height and a width part
+(``WanRotaryPosEmbed``: height and width 2·(head_dim // 6) dims each, time the rest) with frequencies
+10000^(-2i/dims). The model has no other positional signal, so which frame a key is in, relative to the
+query's, is all it has to make the shape's path continuous and to move it the way the caption says."""
+
+from __future__ import annotations
+
+import torch
+
+from ditserve.replica.models.train_demo_video import (
+    TRANSFORMER_CONFIG,
+    StepBudget,
+    build_video_pipeline_untrained,
+)
+
+
+def _frame_similarity(rope, frames: int) -> torch.Tensor:
+    """(frames, frames): the mean over the time part's rotary pairs of cos(ω·(i - j)), the dot product of two
+    isotropic query and key vectors rotated to frames i and j (1 on the diagonal)."""
+    t = rope.t_dim
+    cos, sin = rope.freqs_cos[:frames, :t].float(), rope.freqs_sin[:frames, :t].float()
+    return (cos @ cos.T + sin @ sin.T) / t
+
+
+def test_the_time_rotary_part_ranks_adjacent_frames_nearest() -> None:
+    """With 16-dim heads time got 8 dims, four frequencies 1, 0.1, 0.01, 0.001 rad/frame: the last two hardly
+    turn over a clip, the first wraps after 2π frames, so frame i + 6 looked more like frame i (similarity
+    0.95) than frame i + 1 did (0.88), and a query could barely prefer its own or the next frame over one
+    six frames away."""
+    transformer = build_video_pipeline_untrained(0).transformer
+    assert transformer.config.attention_head_dim == TRANSFORMER_CONFIG["attention_head_dim"]
+    rope = transformer.rope
+    frames = 17  # the longest clips trained on
+    sim = _frame_similarity(rope, frames)
+    assert torch.allclose(sim.diagonal(), torch.ones(frames), atol=1e-5)
+    for i in range(frames):
+        others = sim[i].clone()
+        others[i] = -2.0
+        nearest = int(others.argmax())
+        assert abs(nearest - i) == 1, (i, nearest, sim[i].tolist())
+        # the adjacent frame is clearly nearer than any farther one
+        far = torch.cat([others[: max(0, i - 1)], others[i + 2 :]])
+        assert others[nearest] - far.max() > 0.03, (i, others.tolist())
+    # and time keeps enough of the head: at least two frequencies that turn between 0.2 and 1 rad a frame
+    freqs = rope.freqs_sin[1, : rope.t_dim : 2].double().asin()
+    assert int(((freqs >= 0.2) & (freqs <= 1.0)).sum()) >= 2, freqs.tolist()
+
+
+def test_step_budget_measures_the_pace_after_warm_up(monkeypatch) -> None:
+    """The first steps pay for kernel autotuning: a pace measured from the start cut the VAE to 531 steps of
+    a 140 s budget that then took 24 s. Here 20 one-second warm-up steps, then 0.1 s a step, 100 s budget."""
+    import ditserve.replica.models.train_demo_video as module
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(module.time, "perf_counter", lambda: clock["now"])
+    logged: list[str] = []
+    budget = StepBudget(100_000, 100.0, logged.append, "transformer")
+    total, step = 100_000, 0
+    while step < total:
+        clock["now"] += 1.0 if step < StepBudget.WARMUP else 0.1
+        step += 1
+        total = budget(step)
+    assert 95.0 <= clock["now"] <= 100.0 + 1e-6, clock["now"]
+    assert total == step and total >= 790, total
+    assert logged and "steps fit 100 s" in logged[0]
+    # never more than asked, and no budget means no cut
+    assert StepBudget(300, 100.0, logged.append, "vae")(200) == 300
+    assert StepBudget(300, 0.0, logged.append, "vae")(200) == 300
