@@ -75,14 +75,17 @@ SHIFT = 2.0  # the scheduler's flow shift (64×64 clips have few tokens: a small
 LATENT_CHANNELS = 4
 # Frame counts trained on, with their share of transformer steps and pool sizes (clips).
 FRAME_COUNTS = {5: (0.4, 4096), 9: (0.45, 6144), 17: (0.15, 2048)}
-# What ditserve and the tests sample with (ditserve's Wan default guidance is 5).
-# The transformer. Its only positional signal is Wan's rotary encoding, which gives time
-# head_dim - 4·(head_dim // 6) of each head's dims with frequencies 10000^(-2i/dims) rad per frame. Heads of
-# 16 left time 8 dims: 1, 0.1, 0.01 and 0.001 rad a frame, of which only the first turns much over a clip
-# and it wraps after 2π frames, so frame i + 6 looked more like frame i than frame i + 1 did. Trained so, the
-# model drew the colours but ignored the direction word (its loss the same with the opposite direction in the
-# caption) and moved the shape at random. Heads of 32 (same width) give time 12 dims, 1, 0.22, 0.046, ...
-# rad a frame: adjacent frames are the nearest, and the shape's path can follow the caption.
+# The transformer. Its only positional signal is Wan's rotary encoding, relative in time: with nothing else a
+# token cannot tell the first frame from the last, where the caption's direction puts the shape on opposite
+# sides; it has to follow the shape from frame to frame, and find the clip's ends, through attention that
+# picks out the neighbouring frames. The rotary encoding gives time head_dim - 4·(head_dim // 6) of each
+# head's dims, frequencies 10000^(-2i/dims) rad per frame. Heads of 16 left time 8 dims: 1, 0.1, 0.01 and
+# 0.001 rad a frame, of which only the first turns much over a clip and it wraps after 2π frames, so frame
+# i + 6 looked more like frame i than frame i + 1 did. So trained, the model drew the colours but ignored the
+# direction word (its loss the same with the opposite direction in the caption) and the shape jumped about
+# between frames. Heads of 32 (same width; 4 heads: sequence-parallel degrees 2 and 4) give time 12 dims,
+# 1, 0.22, 0.046, ... rad a frame: adjacent frames are the nearest, and twice the margin a head can give its
+# own frame over any other.
 TRANSFORMER_CONFIG = {
     "patch_size": (1, 2, 2),
     "num_attention_heads": 4,
@@ -97,6 +100,7 @@ TRANSFORMER_CONFIG = {
     "qk_norm": "rms_norm_across_heads",
     "rope_max_seq_len": 1024,
 }
+# What ditserve and the tests sample with (ditserve's Wan default guidance is 5).
 SAMPLING = {"num_frames": 9, "num_inference_steps": 20, "guidance_scale": 5.0, "max_sequence_length": 32}
 
 
