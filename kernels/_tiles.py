@@ -40,10 +40,16 @@ def segment_slot(seg, seg_slot_ptr, slot_rank_ptr):
 
 
 @triton.jit
+def segment_span(seg, seg_start_ptr, seg_len_ptr):
+    """Segment seg's rows: start .. end."""
+    start = tl.load(seg_start_ptr + seg)
+    return start, start + tl.load(seg_len_ptr + seg)
+
+
+@triton.jit
 def segment_rows(seg, seg_start_ptr, seg_len_ptr, offs_m):
     """Which of the rows offs_m segment seg holds."""
-    start = tl.load(seg_start_ptr + seg)
-    end = start + tl.load(seg_len_ptr + seg)
+    start, end = segment_span(seg, seg_start_ptr, seg_len_ptr)
     return (offs_m >= start) & (offs_m < end)
 
 

@@ -26,8 +26,8 @@ from ditserve.kernels._tiles import (
     b_tile,
     chunk_columns,
     row_segments,
-    segment_rows,
     segment_slot,
+    segment_span,
     slice_columns,
 )
 
@@ -91,8 +91,9 @@ def _lora_expand_kernel(
         slot, rank = segment_slot(seg, seg_slot_ptr, slot_rank_ptr)
         any_lora = tl.maximum(any_lora, rank)
         if rank > 0:
-            row_mask = segment_rows(seg, seg_start_ptr, seg_len_ptr, offs_m)
+            start, end = segment_span(seg, seg_start_ptr, seg_len_ptr)
             scale = tl.load(seg_scale_ptr + seg)
+            row_mask = (offs_m >= start) & (offs_m < end)
             r_mask = offs_r < rank
             s_ptrs = _s_tile_ptrs(s_ptr, j, offs_m, offs_r, stride_ss, stride_st, stride_sr)
             s = tl.load(s_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
@@ -180,8 +181,9 @@ def _lora_expand_rows_kernel(
         slot, rank = segment_slot(seg, seg_slot_ptr, slot_rank_ptr)
         rank = tl.minimum(rank, rank_dim)
         if rank > 0:
-            row_mask = segment_rows(seg, seg_start_ptr, seg_len_ptr, offs_m)
+            start, end = segment_span(seg, seg_start_ptr, seg_len_ptr)
             scale = tl.load(seg_scale_ptr + seg)
+            row_mask = (offs_m >= start) & (offs_m < end)
             r_mask = offs_r < rank
             b_rows = b_ptr + slot.to(tl.int64) * stride_bl + offs_r[:, None] * stride_br
             b_first = slot * n_total + n_first

@@ -53,7 +53,7 @@ there: docs/notes/benchmarks-log.md).
 import triton
 import triton.language as tl
 
-from ditserve.kernels._tiles import row_segments, segment_rows, segment_slot, slice_columns
+from ditserve.kernels._tiles import row_segments, segment_slot, segment_span, slice_columns
 
 
 @triton.jit
@@ -136,8 +136,9 @@ def _lora_epilogue(acc, seg_lo, seg_hi, j, offs_m, offs_n, n_mask, s_ptr, b_ptr,
     for seg in range(seg_lo, seg_hi + 1):
         slot, rank = segment_slot(seg, seg_slot_ptr, slot_rank_ptr)
         rank = tl.minimum(rank, rank_dim)
-        row_mask = segment_rows(seg, seg_start_ptr, seg_len_ptr, offs_m)
+        start, end = segment_span(seg, seg_start_ptr, seg_len_ptr)
         scale = tl.load(seg_scale_ptr + seg)
+        row_mask = (offs_m >= start) & (offs_m < end)
         s_rows = s_ptr + j * stride_ss + offs_m.to(tl.int64)[:, None] * stride_st
         b_cols = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn
         # rank 0 / no LoRA: zero trips, nothing is loaded

@@ -169,8 +169,8 @@ def _tma_partial(x_desc, a_desc, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg_
     else:
         for seg in range(seg_lo, seg_hi + 1):
             slot, rank = segment_slot(seg, seg_slot_ptr, slot_rank_ptr)
-            a_row = (j0 * max_loras + tl.maximum(slot, 0)) * max_rank
             rows = segment_rows(seg, seg_start_ptr, seg_len_ptr, offs_m)[:, None]
+            a_row = (j0 * max_loras + tl.maximum(slot, 0)) * max_rank
             for ki in range(k_lo, tl.where(rank > 0, k_hi, k_lo)):
                 x = tl.where(rows, x_desc.load([m0, ki * BLOCK_K]), 0.0)
                 acc0, acc1, acc2, acc3 = _tma_dots(
@@ -369,8 +369,8 @@ def _wide_partial(x_desc, a_desc, token_seg_ptr, seg_start_ptr, seg_len_ptr, seg
     else:
         for seg in range(seg_lo, seg_hi + 1):
             slot, rank = segment_slot(seg, seg_slot_ptr, slot_rank_ptr)
-            a_row = tl.maximum(slot, 0) * max_rank
             rows = segment_rows(seg, seg_start_ptr, seg_len_ptr, offs_m)[:, None]
+            a_row = tl.maximum(slot, 0) * max_rank
             for ki in range(k_lo, tl.where(rank > 0, k_hi, k_lo)):
                 a = tl.reshape(a_desc.load([0, a_row, ki * BLOCK_K]), (N, BLOCK_K))
                 a = tl.where((r_of_c < rank)[:, None], a, 0.0)

@@ -11,7 +11,7 @@ tiles large), reading its chunk's x rows once per slice.
 import triton
 import triton.language as tl
 
-from ditserve.kernels._tiles import a_tile_ptrs, chunk_adapter, shrink_k_steps, store_slices, zero_slices
+from ditserve.kernels._tiles import a_tile_ptrs, shrink_k_steps, slot_rank, store_slices, zero_slices
 
 
 @triton.jit
@@ -46,9 +46,11 @@ def _lora_shrink_sgmv_kernel(
     if SPLIT:
         a_ptr += tl.program_id(1).to(tl.int64) * stride_as
         s_ptr += tl.program_id(1).to(tl.int64) * stride_ss
-    slot, rank, start, length = chunk_adapter(
-        chunk, chunk_slot_ptr, chunk_start_ptr, chunk_len_ptr, slot_rank_ptr
-    )
+    # the chunk's table entries loaded before the slot's rank (the order the expand's chunk_adapter differs in)
+    slot = tl.load(chunk_slot_ptr + chunk)
+    start = tl.load(chunk_start_ptr + chunk)
+    length = tl.load(chunk_len_ptr + chunk)
+    rank = slot_rank(slot, slot_rank_ptr)
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank

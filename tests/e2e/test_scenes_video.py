@@ -16,6 +16,7 @@ from ditserve.replica.media import decode_mp4
 from ditserve.replica.models.registry import resolve_model
 from ditserve.replica.models.scenes import held_out_moving_scenes, scenes_video_model_path
 from ditserve.replica.models.scorer import score_clip
+from ditserve.replica.models.train_demo_video import TRANSFORMER_CONFIG
 from tests.helpers import ServeProcess
 
 MODEL = "demo-scenes-video"
@@ -42,7 +43,9 @@ def test_shipped_folder_is_a_small_fp16_wan_pipeline() -> None:
     assert json.loads((root / "model_index.json").read_text())["_class_name"] == "WanPipeline"
     assert (root / "README.md").is_file()
     spec = resolve_model(MODEL)
-    assert (spec.kind, spec.family, spec.frame_multiple, spec.num_attention_heads) == ("video", "wan", 1, 8)
+    assert (spec.kind, spec.family, spec.frame_multiple) == ("video", "wan", 1)
+    # what train-demo-video builds (even, for the ulysses 2 test below)
+    assert spec.num_attention_heads == TRANSFORMER_CONFIG["num_attention_heads"]
 
 
 def test_generate_films_the_held_out_prompts(tmp_path) -> None:
