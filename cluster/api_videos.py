@@ -29,7 +29,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray.serve.exceptions import DeploymentUnavailableError
 
 from ditserve.replica.caching import CacheSettings
-from ditserve.replica.families import fit_size
 from ditserve.replica.media import check_image, image_size
 from ditserve.replica.models.registry import video_model_hint
 from ditserve.replica.request import GenerationParams
@@ -183,12 +182,7 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
         )
     default = fe.default_size
     if reference is not None:  # where the pipeline sizes image-to-video by the first frame (HunyuanVideo 1.5)
-        sized = fit_size(
-            fe.spec.request_size(image_size(reference)),
-            limits.max_width,
-            limits.max_height,
-            fe.spec.size_multiple,
-        )
+        sized = fe.spec.fitted_size(limits.max_width, limits.max_height, image_size(reference))
         default = f"{sized[0]}x{sized[1]}"
     width, height = check_size(
         requested_size(body.size, default), limits.max_width, limits.max_height, fe.spec.size_multiple

@@ -167,7 +167,6 @@ def run_generate(ns: argparse.Namespace) -> int:
             f"-o {ns.output}: {engine.spec.name} makes {'videos (.mp4)' if video else 'images (.png)'}"
         )
     negative, true_cfg = engine.spec.guidance_defaults(ns.negative_prompt, ns.true_cfg_scale)
-    from ditserve.replica.families import fit_size
     from ditserve.replica.media import image_size
 
     try:
@@ -178,9 +177,7 @@ def run_generate(ns: argparse.Namespace) -> int:
     # scaled down to --max-width/--max-height
     limits = config.limits
     first_frame = image_size(images[0]) if images and video else None
-    size = fit_size(
-        engine.spec.request_size(first_frame), limits.max_width, limits.max_height, engine.spec.size_multiple
-    )
+    size = engine.spec.fitted_size(limits.max_width, limits.max_height, first_frame)
     width, height = ns.width or size[0], ns.height or size[1]
     if images and not video and not (ns.width or ns.height):  # the first image's size, as the API
         multiple = engine.spec.size_multiple

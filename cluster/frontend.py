@@ -30,7 +30,6 @@ from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError
 
-from ditserve.replica.families import fit_size
 from ditserve.replica.models.registry import resolve_model
 from ditserve.replica.request import GenerationParams
 
@@ -128,9 +127,7 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
             {"object": "list", "data": [card.model_dump()]}, separators=(",", ":")
         ).encode()
         # A request without a size gets the model's own default (the pipeline's), scaled down to the limits.
-        width, height = fit_size(
-            spec.default_size, self.args.max_width, self.args.max_height, spec.size_multiple
-        )
+        width, height = spec.fitted_size(self.args.max_width, self.args.max_height)
         self.default_size = f"{width}x{height}"
         try:
             self.app_name = serve.get_replica_context().app_name

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..caching.settings import CacheSettings
-from ..families import Family, Folder, get_family, pipeline_families
+from ..families import Family, Folder, fit_size, get_family, pipeline_families
 from .demo import DEMO_BUILDERS, ensure_demo_model
 
 
@@ -148,6 +148,12 @@ class ModelSpec:
         if first_frame is not None and rule is not None and not self.name.startswith("demo-"):
             return rule(self.folder, first_frame)
         return self.default_size
+
+    def fitted_size(
+        self, max_width: int, max_height: int, first_frame: tuple[int, int] | None = None
+    ) -> tuple[int, int]:
+        """``request_size`` scaled down, keeping its aspect, to a server's limits."""
+        return fit_size(self.request_size(first_frame), max_width, max_height, self.size_multiple)
 
     @cached_property
     def two_experts(self) -> bool:
