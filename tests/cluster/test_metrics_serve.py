@@ -58,6 +58,10 @@ def served(metrics_port, tmp_path_factory):
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env=os.environ.copy(),
+            # Ctrl-C must reach it: a test run started in the background by a shell without job control
+            # (`pytest &` in a script, CI) ignores SIGINT, and that is inherited; `serve run` never sets a
+            # handler of its own, so it would ignore the SIGINT below and be killed after the timeout.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     base_url = f"http://127.0.0.1:{http_port}"
     deadline = time.monotonic() + 300
@@ -78,6 +82,7 @@ def served(metrics_port, tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            pytest.fail(f"serve run did not stop within 60 s of Ctrl-C:\n{log.read_text()[-4000:]}")
 
 
 def test_serve_run_of_the_cpu_demo_config_serves_an_image(served):
