@@ -15,7 +15,7 @@ from ditserve.replica.engine import validate_layout
 from ditserve.replica.models.registry import resolve_model
 
 from .config import APP_NAME as APP_NAME  # the CLI, tests and benchmarks import it from here
-from .config import AppArgs
+from .config import SHUTDOWN_WAIT_LOOP_S, AppArgs
 from .engine_deployment import EngineReplica
 from .frontend import Frontend
 from .ingress import FRONTEND_ENV, HEAD_NODE_RESOURCE, check_direct_ingress_env
@@ -90,6 +90,10 @@ def engine_deployment_options(args: AppArgs, strategy: str = "PACK") -> dict[str
         "health_check_period_s": 2,
         "health_check_timeout_s": 60,
         "graceful_shutdown_timeout_s": 20,
+        # A stopping replica checks for requests still running this often; it first waits one period even
+        # when idle, and Serve stops the Frontend before the engine replicas, so Serve's 2 s added 4 s to
+        # every Ctrl-C, redeploy and scale-down.
+        "graceful_shutdown_wait_loop_s": SHUTDOWN_WAIT_LOOP_S,
     }
 
 

@@ -20,6 +20,9 @@ from ditserve.replica.config import AUTO, AUTO_FIELDS, EngineConfig, Limits, Par
 
 # The Serve application's name: ``serve.run``, the KubeRay serveConfigV2 and the control-state actors' names.
 APP_NAME = "ditserve"
+# Serve's graceful_shutdown_wait_loop_s for both deployments: how often a stopping replica looks for
+# requests still running (Serve's default, 2 s, is also the least a stop takes; see app.py).
+SHUTDOWN_WAIT_LOOP_S = 0.2
 
 # Flat names of nested or plural EngineConfig fields: one flag per value, ``--lora-root`` repeated.
 FLAT_NAMES = {"lora_roots": "lora_root"}

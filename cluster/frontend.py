@@ -34,7 +34,7 @@ from ditserve.replica.models.registry import resolve_model
 from ditserve.replica.request import GenerationParams
 
 from . import api_admin, api_edits, api_realtime, api_sessions, api_stream, api_videos
-from .config import APP_NAME, AppArgs
+from .config import APP_NAME, SHUTDOWN_WAIT_LOOP_S, AppArgs
 from .control_state import (
     delete_state_actors,
     get_or_create_state_actor,
@@ -109,7 +109,11 @@ async def playground() -> FileResponse:
     return FileResponse(STATIC_DIR / "index.html")
 
 
-@serve.deployment(name="Frontend", ray_actor_options={"num_cpus": 0.1})
+@serve.deployment(
+    name="Frontend",
+    ray_actor_options={"num_cpus": 0.1},
+    graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,  # see app.engine_deployment_options
+)
 @serve.ingress(fastapi_app)
 class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
     def __init__(self, engine, args: dict[str, Any], deploy_id: str = "local"):
