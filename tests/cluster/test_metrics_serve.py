@@ -34,7 +34,14 @@ METRICS = [name + "_count" if name in HISTOGRAMS else name for name in EXPORTED]
 def metrics_port():
     port = free_port()
     # address="local": a private cluster even when another local one is running (no RAY_ADDRESS pickup)
-    ray.init(address="local", num_cpus=8, include_dashboard=False, _metrics_export_port=port)
+    # Metrics reach the export port every second (Ray's default, 10 s, is most of the scrape test's time).
+    ray.init(
+        address="local",
+        num_cpus=8,
+        include_dashboard=False,
+        _metrics_export_port=port,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
     yield port
     ray.shutdown()
 
@@ -114,7 +121,7 @@ def test_every_replica_metric_is_exported(served, metrics_port):
     session = httpx.post(f"{served}/v1/sessions", json={"size": "64x64"}, timeout=60)
     assert session.status_code == 200, session.text
     deadline, samples = time.monotonic() + 90, {}
-    while time.monotonic() < deadline:  # Ray exports metrics every few seconds
+    while time.monotonic() < deadline:  # Ray exports metrics every second (metrics_port)
         text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
         samples = _samples(text)
         # each replica flushes on its own schedule: wait until every replica's counts have arrived
@@ -125,7 +132,7 @@ def test_every_replica_metric_is_exported(served, metrics_port):
             and sum(samples["ray_ditserve_step_latency_seconds_count"]) >= 8
         ):
             break
-        time.sleep(2)
+        time.sleep(0.5)
     missing = [name for name in METRICS if name not in samples]
     assert not missing, f"not exported: {missing}; found {sorted(samples)}"
     assert sum(samples["ray_ditserve_requests_total"]) >= 4
