@@ -172,10 +172,21 @@ def served_openapi(app: FastAPI) -> dict[str, Any]:
 
 def _allowed_methods(request: Request) -> list[str]:
     methods: set[str] = set()
-    for route in request.app.routes:
-        match, _ = route.matches({**request.scope, "method": "GET"})
-        if match != Match.NONE and getattr(route, "methods", None):
-            methods |= set(route.methods)
+
+    def visit(routes: list[Any], scope: dict[str, Any]) -> None:
+        for route in routes:
+            included = getattr(route, "original_router", None)  # an include_router()'s routes, wrapped
+            if included is not None:
+                prefix = getattr(getattr(route, "include_context", None), "prefix", "") or ""
+                if scope["path"].startswith(prefix):
+                    visit(included.routes, {**scope, "path": scope["path"][len(prefix) :]})
+                continue
+            match, _ = route.matches({**scope, "method": "GET"})
+            if match != Match.NONE and getattr(route, "methods", None):
+                methods.update(route.methods)
+
+    # Without the routing state FastAPI left in the scope (the included router last matched).
+    visit(request.app.routes, {k: v for k, v in request.scope.items() if k != "fastapi"})
     return sorted(methods)
 
 

@@ -181,6 +181,34 @@ def test_method_not_allowed_names_every_allowed_method():
     assert answer.json()["error"]["message"] == "PUT is not allowed on /things; allowed: GET, POST"
 
 
+def test_method_not_allowed_names_the_methods_of_included_routers():
+    """Routes of an ``include_router`` (the sessions, videos and admin groups), with or without a prefix,
+    name their methods too."""
+    from fastapi import APIRouter
+    from fastapi.testclient import TestClient
+
+    from ditserve.cluster.http_base import build_fastapi
+
+    app = build_fastapi()
+    sessions = APIRouter(prefix="/v1/sessions")
+    sessions.post("")(lambda: {})
+    sessions.delete("/{session_id}")(lambda session_id: {})
+    app.include_router(sessions)
+    prefixed = APIRouter()
+    prefixed.get("/items")(lambda: {})
+    app.include_router(prefixed, prefix="/v2")
+    client = TestClient(app)
+    for method, path, allowed in [
+        ("put", "/v1/sessions", "POST"),
+        ("get", "/v1/sessions/abc.def", "DELETE"),
+        ("post", "/v2/items", "GET"),
+    ]:
+        answer = client.request(method, path)
+        assert answer.status_code == 405, (path, answer.text)
+        assert answer.headers["allow"] == allowed
+        assert answer.json()["error"]["message"].endswith(f"; allowed: {allowed}")
+
+
 def test_json_integers_are_what_the_schema_calls_integer():
     """An integer field takes 3 and 3.0 (JSON Schema integers) and refuses true, "3" and 2.5, naming the field."""
     from pydantic import ValidationError
