@@ -260,7 +260,11 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
         self._expire_realtime()
 
     def _session_missing(self, session_id: str) -> NotFound:
-        return NotFound(f"session {session_id!r} does not exist (closed or expired)", replica=self.replica_id)
+        return NotFound(
+            f"session_id: session {session_id!r} does not exist (closed or expired)",
+            param="session_id",
+            replica=self.replica_id,
+        )
 
     async def open_session(self, width: int, height: int) -> dict[str, Any] | ServeError:
         unavailable = self._unavailable()
@@ -269,7 +273,9 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
         self._expire_sessions()
         if len(self.sessions) >= self.args.max_sessions_per_replica:
             return QueueFull(
-                f"this replica holds {len(self.sessions)} sessions, its maximum; close one or retry later",
+                f"max_sessions_per_replica: this replica holds {len(self.sessions)} sessions, its maximum; "
+                "close one or retry later",
+                param="max_sessions_per_replica",
                 retry_after=5,
                 replica=self.replica_id,
             )

@@ -64,7 +64,9 @@ class SessionGone(ServeError):
     @classmethod
     def lost(cls, session_id: str) -> SessionGone:
         return cls(
-            f"session {session_id!r} was lost: the replica that held its state is gone; open a new session"
+            f"session_id: session {session_id!r} was lost: the replica that held its state is gone; open a "
+            "new session",
+            param="session_id",
         )
 
 

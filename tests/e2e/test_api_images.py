@@ -287,6 +287,25 @@ def test_python_client_generate_returns_one_png_per_image(server):
     assert all(png_pixels(png).shape == (64, 64, 3) for png in pngs)
 
 
+def test_session_ids_the_server_does_not_hold_answer_4xx_naming_session_id(server):
+    """A closed session (used or closed again), a token its replica never gave, an id of a replica that is
+    not serving and an id that is no session id: each a 4xx whose param is ``session_id``."""
+    sid = httpx.post(f"{server.base_url}/v1/sessions", json={"size": "64x64"}).json()["id"]
+    assert httpx.delete(f"{server.base_url}/v1/sessions/{sid}").status_code == 200
+    owner = sid.split(".")[0]
+    calls = {
+        "used after delete": (_post(server, f"/v1/sessions/{sid}/generate", {"prompt": "a fox"}), 404),
+        "deleted twice": (httpx.delete(f"{server.base_url}/v1/sessions/{sid}"), 404),
+        "unknown token": (_post(server, f"/v1/sessions/{owner}.feed/generate", {"prompt": "a fox"}), 404),
+        "unknown replica": (_post(server, "/v1/sessions/nosuchreplica.feed/generate", {"prompt": "a fox"}), 410),
+        "not a session id": (httpx.delete(f"{server.base_url}/v1/sessions/no-dot"), 404),
+    }  # fmt: skip
+    for case, (r, status) in calls.items():
+        assert r.status_code == status, (case, r.text)
+        error = r.json()["error"]
+        assert error["param"] == "session_id" and error["message"].startswith("session"), (case, error)
+
+
 @pytest.mark.parametrize("content", [None, b"{}"])
 def test_session_opens_without_a_body(server, content):
     headers = {} if content is None else {"content-type": "application/json"}
