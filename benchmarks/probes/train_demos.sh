@@ -6,6 +6,10 @@
 #
 #   bash benchmarks/probes/train_demos.sh OUT            # GPU: OUT/demo_scenes, OUT/demo_scenes_video
 #   SMOKE=1 bash benchmarks/probes/train_demos.sh OUT    # CPU, a few steps: checks the commands run
+#   VIDEO_VARIANTS=1 bash benchmarks/probes/train_demos.sh OUT
+#       # demo-scenes-video only, three recipes side by side (OUT/video_a, video_b, video_c):
+#       # a: the defaults; b: a token per latent pixel (--patch-size 1 1 1); c: the shape's latents weighted
+#       # 5x in the loss. b and c train on 5- and 9-frame clips only (the scored clips are 5 frames).
 #
 # Each folder gets its model card (README.md, with the held-out table) and train.log; both tables are
 # printed at the end, and both folders are packed into OUT/demos.tar.gz. Needs torch and diffusers; the
@@ -38,6 +42,31 @@ else
 fi
 
 start=$SECONDS
+if [[ "${VIDEO_VARIANTS:-0}" == 1 ]]; then
+    declare -A recipe=(
+        [video_a]=""
+        [video_b]="--patch-size 1 1 1 --frame-shares 5:0.6,9:0.4"
+        [video_c]="--shape-loss-weight 4 --frame-shares 5:0.6,9:0.4"
+    )
+    pids=()
+    for name in video_a video_b video_c; do
+        mkdir -p "$OUT/$name"
+        # shellcheck disable=SC2086  # the recipe's flags split on purpose
+        python3 -m ditserve.replica.models.train_demo_video --out "$OUT/$name" --seed 0 --caption-dropout 0.1 \
+            "${video[@]}" ${recipe[$name]} > "$OUT/$name/train.log" 2>&1 &
+        pids+=($!)
+    done
+    status=0
+    for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+    rm -rf "$PKG"
+    for name in video_a video_b video_c; do
+        echo "== $name: ${recipe[$name]:-defaults} ($((SECONDS - start)) s so far)"
+        grep -E "VAE reconstructions|fit|caption|held-out|training captions|done in|Error" "$OUT/$name/train.log" || true
+    done
+    tar -C "$OUT" -czf "$OUT/demos.tar.gz" video_a video_b video_c
+    echo "total $((SECONDS - start)) s; archive: $OUT/demos.tar.gz"
+    exit "$status"
+fi
 mkdir -p "$OUT/demo_scenes" "$OUT/demo_scenes_video"
 python3 -m ditserve.replica.models.train_demo --out "$OUT/demo_scenes" \
     --init-from "$ROOT/replica/models/demo_scenes" --vae-steps 0 --seed 1 \

@@ -75,6 +75,10 @@ SHIFT = 2.0  # the scheduler's flow shift (64×64 clips have few tokens: a small
 LATENT_CHANNELS = 4
 # Frame counts trained on, with their share of transformer steps and pool sizes (clips).
 FRAME_COUNTS = {5: (0.4, 4096), 9: (0.45, 6144), 17: (0.15, 2048)}
+# --shape-loss-weight: a latent is the shape's where some channel of the normalised latent is this far from
+# its frame's top-left (background) latent. Palette colours differ by >= 0.3 of the pixel range in some
+# channel, about 0.5 of a latent channel's std.
+LATENT_SHAPE_THRESHOLD = 0.25
 # The transformer. Its only positional signal is Wan's rotary encoding, relative in time: with nothing else a
 # token cannot tell the first frame from the last, where the caption's direction puts the shape on opposite
 # sides; it has to follow the shape from frame to frame, and find the clip's ends, through attention that
@@ -104,9 +108,9 @@ TRANSFORMER_CONFIG = {
 SAMPLING = {"num_frames": 9, "num_inference_steps": 20, "guidance_scale": 5.0, "max_sequence_length": 32}
 
 
-def build_video_pipeline_untrained(seed: int = 0):
+def build_video_pipeline_untrained(seed: int = 0, patch_size: tuple[int, int, int] | None = None):
     """The ``demo-scenes-video`` WanPipeline with random weights: 6 blocks of 4 heads × 32 (see
-    ``TRANSFORMER_CONFIG``), an
+    ``TRANSFORMER_CONFIG``; ``patch_size`` replaces its patch), an
     AutoencoderKLWan (16/32/64/64, 4 latent channels, 8× spatial, 1× temporal, frame by frame: see
     :func:`make_framewise`), the tiny UMT5.
 
@@ -121,7 +125,10 @@ def build_video_pipeline_untrained(seed: int = 0):
     )
 
     torch.manual_seed(seed)
-    transformer = WanTransformer3DModel(**TRANSFORMER_CONFIG)
+    config = dict(TRANSFORMER_CONFIG)
+    if patch_size is not None:
+        config["patch_size"] = tuple(patch_size)
+    transformer = WanTransformer3DModel(**config)
     vae = AutoencoderKLWan(
         base_dim=16,
         z_dim=LATENT_CHANNELS,
@@ -411,11 +418,12 @@ def _decode(vae, z: torch.Tensor) -> torch.Tensor:
     return vae.decoder(vae.post_quant_conv(z))
 
 
-def shape_weights(x: torch.Tensor, shape_weight: float) -> torch.Tensor:
-    """Per-pixel loss weights of frames ``x`` (N, 3, 1, H, W) in [-1, 1]: 1 + ``shape_weight`` where a pixel
-    differs from the frame's top-left pixel (always background: shapes stay clear of the border). The
+def shape_weights(x: torch.Tensor, shape_weight: float, threshold: float = 0.05) -> torch.Tensor:
+    """Per-pixel loss weights of frames ``x`` (N, C, F, H, W): 1 + ``shape_weight`` where a pixel differs
+    (by more than ``threshold`` in some channel) from its frame's top-left pixel (always background: shapes
+    stay clear of the border). Pixels in [-1, 1] for the VAE; normalised latents for the transformer. The
     shape is 6-20 % of a frame, and its colour and position are what the scorer reads."""
-    differs = (x - x[..., :1, :1]).abs().amax(dim=1, keepdim=True) > 0.05
+    differs = (x - x[..., :1, :1]).abs().amax(dim=1, keepdim=True) > threshold
     return 1.0 + shape_weight * differs.float()
 
 
@@ -590,6 +598,24 @@ def caption_use(
     return {k: round(v, 4) for k, v in totals.items()}
 
 
+def frame_shares(args: argparse.Namespace) -> dict[int, float]:
+    """Share of transformer steps per frame count: ``--frame-shares`` ("5:0.6,9:0.4") or FRAME_COUNTS'."""
+    text = getattr(args, "frame_shares", None)
+    if not text:
+        return {f: share for f, (share, _) in FRAME_COUNTS.items()}
+    shares = {}
+    for part in text.split(","):
+        frames, _, share = part.partition(":")
+        if int(frames) not in FRAME_COUNTS or float(share) < 0:
+            raise ValueError(
+                f"--frame-shares: {part!r}: frame counts are {sorted(FRAME_COUNTS)}, shares >= 0"
+            )
+        shares[int(frames)] = float(share)
+    if sum(shares.values()) <= 0:
+        raise ValueError("--frame-shares: some share must be positive")
+    return shares
+
+
 def train_transformer(pipe, pools: dict, args, log: _Log) -> list[float]:
     """Flow matching on normalised latents, a frame count drawn per step; returns the loss every 100 steps."""
     device = next(iter(pools.values()))[0].device
@@ -607,7 +633,8 @@ def train_transformer(pipe, pools: dict, args, log: _Log) -> list[float]:
     gen = torch.Generator(device=device).manual_seed(args.seed + 2)
     step_rng = random.Random(args.seed + 3)
     frame_counts = sorted(pools)
-    weights = [FRAME_COUNTS.get(f, (1.0, 0))[0] for f in frame_counts]
+    shares = frame_shares(args)
+    weights = [shares.get(f, 0.0) for f in frame_counts]
     opt = torch.optim.AdamW(transformer.parameters(), lr=args.lr, weight_decay=0.01)
     transformer.train()
     losses, running, since = [], 0.0, 0
@@ -636,7 +663,11 @@ def train_transformer(pipe, pools: dict, args, log: _Log) -> list[float]:
             encoder_hidden_states=texts[length][cond],
             return_dict=False,
         )[0]
-        loss = F.mse_loss(pred, noise - x0)
+        if args.shape_loss_weight > 0:
+            loss_weights = shape_weights(x0, args.shape_loss_weight, LATENT_SHAPE_THRESHOLD)
+            loss = ((pred - (noise - x0)).square() * loss_weights).mean() / loss_weights.mean()
+        else:
+            loss = F.mse_loss(pred, noise - x0)
         _update(opt, loss, transformer.parameters())
         running += loss.detach()  # no .item() per step: it would sync the GPU every step
         since += 1
@@ -745,7 +776,7 @@ def evaluate_settings(pipe, args: argparse.Namespace, log: _Log) -> dict[str, di
 
 _OPTIONS = (
     "out steps vae_init vae_steps batch_size vae_batch_size lr vae_lr vae_shape_weight caption_dropout "
-    "long_text_fraction device seed "
+    "long_text_fraction patch_size shape_loss_weight frame_shares device seed "
     "eval_scenes eval_seeds"
 ).split()
 
@@ -753,8 +784,9 @@ _OPTIONS = (
 def _command(args: argparse.Namespace) -> str:
     parts = ["ditserve", "train-demo-video"]
     for key, value in vars(args).items():
-        if key in _OPTIONS:
-            parts += [f"--{key.replace('_', '-')}", str(value)]
+        if key in _OPTIONS and value is not None:
+            values = value if isinstance(value, (list, tuple)) else [value]
+            parts += [f"--{key.replace('_', '-')}", *(str(v) for v in values)]
     return shlex.join(parts)
 
 
@@ -771,7 +803,7 @@ def _model_card(args, command: str, seconds: float, machine: str, results: dict,
     return f"""# demo-scenes-video
 
 A tiny Wan-architecture text-to-video pipeline (WanPipeline: WanTransformer3DModel with 6 blocks of
-{TRANSFORMER_CONFIG["num_attention_heads"]} heads × {TRANSFORMER_CONFIG["attention_head_dim"]}; AutoencoderKLWan with 4 latent channels, 8× spatial and no temporal compression, frame by frame; the
+{TRANSFORMER_CONFIG["num_attention_heads"]} heads × {TRANSFORMER_CONFIG["attention_head_dim"]}, patch {tuple(args.patch_size or TRANSFORMER_CONFIG["patch_size"])}; AutoencoderKLWan with 4 latent channels, 8× spatial and no temporal compression, frame by frame; the
 random-weight frozen tiny UMT5) trained on synthetic 64×64 clips: one circle, square or triangle in one of
 12 colours crossing a background of another colour, left, right, up or down
 ("a red circle moving left on a blue background"). It exists so that ditserve's default video model films
@@ -791,7 +823,8 @@ what it is asked. Weights are stored in fp16; load in fp32:
 - VAE from its {args.vae_init} init, {args.vae_steps} steps × {args.vae_batch_size} frames (frame-wise; shape
   pixels weighted {1 + args.vae_shape_weight:g}×); transformer {args.steps} steps ×
   {args.batch_size}, AdamW {args.lr} cosine, {args.caption_dropout:.0%} empty captions, T5 length 512 on
-  {args.long_text_fraction:.0%} of steps; pools of {pools}; flow shift {SHIFT}; seed {args.seed}
+  {args.long_text_fraction:.0%} of steps; pools of {pools}; steps per frame count {frame_shares(args)};
+  shape latents weighted {1 + args.shape_loss_weight:g}× in the loss; flow shift {SHIFT}; seed {args.seed}
 - loss every 100 steps: {losses}
 - loss on training clips (sigma 0.8 and 0.95) with their caption, with the direction reversed and with
   another shape colour (a word the model reads costs loss when wrong): {json.dumps(getattr(args, "caption_use", {}))}
@@ -835,6 +868,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--pool-scale", type=float, default=1.0, help="scale of the clip pools (smoke runs)")
     parser.add_argument(
+        "--patch-size",
+        type=int,
+        nargs=3,
+        metavar=("T", "H", "W"),
+        default=None,
+        help=f"the transformer's patch (default {TRANSFORMER_CONFIG['patch_size']}; 1 1 1: a token per latent "
+        "pixel, four times the tokens, the shape's motion a token or so a frame instead of half a token)",
+    )
+    parser.add_argument(
+        "--shape-loss-weight",
+        type=float,
+        default=0.0,
+        help="extra weight of the shape's latents in the transformer's flow-matching loss (0: plain MSE)",
+    )
+    parser.add_argument(
+        "--frame-shares",
+        default=None,
+        help='share of transformer steps per frame count, e.g. "5:0.6,9:0.4" (default: '
+        + ",".join(f"{f}:{share}" for f, (share, _) in FRAME_COUNTS.items())
+        + ")",
+    )
+    parser.add_argument(
         "--caption-dropout", type=float, default=0.1, help="share of empty captions (for CFG)"
     )
     parser.add_argument(
@@ -871,7 +926,7 @@ def run(args: argparse.Namespace) -> Path:
     random.seed(args.seed)
     np.random.seed(args.seed)
 
-    pipe = build_video_pipeline_untrained(args.seed)
+    pipe = build_video_pipeline_untrained(args.seed, args.patch_size)
     if args.vae_init == "analytic":
         analytic_init(pipe.vae)
     pipe.to(device)

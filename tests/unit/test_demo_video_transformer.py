@@ -69,3 +69,37 @@ def test_step_budget_measures_the_pace_after_warm_up(monkeypatch) -> None:
     # never more than asked, and no budget means no cut
     assert StepBudget(300, 100.0, logged.append, "vae")(200) == 300
     assert StepBudget(300, 0.0, logged.append, "vae")(200) == 300
+
+
+def test_recipe_options_patch_frame_shares_and_shape_loss_weights() -> None:
+    """The trainer's recipe switches: a token per latent pixel, the steps' frame counts, and the flow-matching
+    loss weighted on the shape's latents (background latents 1, the shape's 1 + weight)."""
+    import argparse
+
+    import pytest
+
+    from ditserve.replica.models.train_demo_video import (
+        FRAME_COUNTS,
+        LATENT_SHAPE_THRESHOLD,
+        frame_shares,
+        shape_weights,
+    )
+
+    transformer = build_video_pipeline_untrained(0, (1, 1, 1)).transformer
+    assert tuple(transformer.config.patch_size) == (1, 1, 1)
+    x = torch.zeros(1, 4, 8, 8, 8)  # (N, C, F, h, w): one 8-frame latent clip, 8×8 latents
+    assert (
+        transformer(x, torch.tensor([500.0]), torch.zeros(1, 32, 32), return_dict=False)[0].shape == x.shape
+    )
+
+    assert frame_shares(argparse.Namespace(frame_shares="5:0.6,9:0.4")) == {5: 0.6, 9: 0.4}
+    assert frame_shares(argparse.Namespace(frame_shares=None)) == {f: s for f, (s, _) in FRAME_COUNTS.items()}
+    for bad in ("7:1", "5:-1", "5:0"):
+        with pytest.raises(ValueError, match="--frame-shares"):
+            frame_shares(argparse.Namespace(frame_shares=bad))
+
+    latents = torch.full((2, 4, 5, 8, 8), -0.8)
+    latents[0, 2, :, 3:5, 2:6] = 0.9  # clip 0: a shape in channel 2
+    weights = shape_weights(latents, 4.0, LATENT_SHAPE_THRESHOLD)
+    assert weights.shape == (2, 1, 5, 8, 8)
+    assert int((weights == 5.0).sum()) == 5 * 2 * 4 and bool((weights[1] == 1.0).all())
