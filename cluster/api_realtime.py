@@ -3,10 +3,12 @@
 
 Client → server (optional fields may be nil: their default)::
 
-    {"type": "init", "prompt", "model"?, "size"? ("WxH", 832x480), "num_frames"? (frames per chunk), "fps"?
+    {"type": "init", "prompt", "model"?, "size"? ("WxH"; absent or "auto": the model's default, 832x480,
+     within --max-width / --max-height), "num_frames"? (frames per chunk), "fps"?
      (16), "seed"? (42), "num_inference_steps"? (4), "guidance_scale"?, "negative_prompt"?, "max_chunks"?
-     (absent: until the socket closes, at most --realtime-max-chunks), "first_frame"? (image bytes, or their
-     base64 / data URL), "realtime_output_format"? ("raw" (default) | "jpeg" | "webp"), "output_compression"?
+     (absent: until the socket closes, at most --realtime-max-chunks), "first_frame"? (PNG / JPEG / WebP bytes
+     within --max-image-bytes and --max-image-pixels, or their base64 / data URL),
+     "realtime_output_format"? ("raw" (default) | "jpeg" | "webp"), "output_compression"?
      (JPEG / WebP quality, 95 / 90), "realtime_preview_max_width"? (JPEG / WebP narrowed to it), "trace_id"?}
     {"type": "event", "kind": "prompt", "payload": "<new prompt>", "event_id": n}   (also kind "heartbeat",
      which only counts as activity: no reply)
@@ -44,7 +46,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import io
+import functools
 import logging
 import time
 from typing import Any, Literal
@@ -53,19 +55,19 @@ import msgpack
 from fastapi import APIRouter, Depends, WebSocket, WebSocketDisconnect
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ditserve.replica.media import check_image
 from ditserve.replica.request import GenerationParams
 
 from .errors import BadRequest, QueueFull, ReplicaUnavailable, ServeError, SessionGone
-from .http_base import error_type, frontend
+from .http_base import error_type, frontend, requested_size
 from .replica_realtime import CONTENT_TYPES, preview_size
-from .schemas import parse_size
+from .schemas import Prompt, parse_size
 
 router = APIRouter(tags=["realtime"])
 logger = logging.getLogger("ditserve")
 
 PAYLOAD_INLINE_BYTES = 64 * 1024  # larger payloads travel as a header map then a binary frame
 FRAMES_PER_MESSAGE = {"raw": 16, "jpeg": 6, "webp": 6}
-DEFAULT_SIZE = "832x480"
 DEFAULT_SEED = 42  # the same init gives the same video; a client wanting variety sends a seed
 DEFAULT_FPS, DEFAULT_STEPS = 16, 4
 GONE_CLOSE = 4410
@@ -78,7 +80,7 @@ class RealtimeInit(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["init"]
-    prompt: str = Field(min_length=1)
+    prompt: Prompt
     model: str | None = None
     size: str | None = None
     num_frames: int | None = Field(default=None, strict=True, ge=1)
@@ -148,26 +150,28 @@ def init_params(fe: Any, init: RealtimeInit) -> GenerationParams:
         )
     if len(init.prompt) > fe.args.max_prompt_chars:
         raise BadRequest(f"prompt: longer than {fe.args.max_prompt_chars} characters", param="prompt")
-    try:
-        width, height = parse_size(init.size or DEFAULT_SIZE)
-    except BadRequest as exc:
-        raise BadRequest(f"size: {exc.message.removeprefix('size ')}") from None
-    if min(width, height) < 16:
-        raise BadRequest(f"size: width and height must be at least 16, got {init.size!r}")
     steps = init.num_inference_steps or DEFAULT_STEPS
     if steps > fe.args.max_steps:
         raise BadRequest(f"num_inference_steps: {steps} is above the maximum {fe.args.max_steps}")
     images: tuple[bytes, ...] = ()
+    first_size = None
     if init.first_frame is not None:
-        from PIL import Image
-
         first = _first_frame(init.first_frame)
-        try:
-            with Image.open(io.BytesIO(first)) as image:
-                image.verify()
-        except Exception:
-            raise BadRequest("first_frame: not a decodable image (PNG, JPEG or WebP bytes)") from None
+        try:  # the limits and formats of every uploaded image, checked before anything decodes it
+            first_size = check_image(
+                first, "first_frame", max_bytes=fe.args.max_image_bytes, max_pixels=fe.args.max_image_pixels
+            )
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
         images = (first,)
+    # No size (or "auto"): the model's default fitted to the server's limits, as the videos API sizes it.
+    default = fe.spec.fitted_size(fe.args.max_width, fe.args.max_height, first_size)
+    try:
+        width, height = parse_size(requested_size(init.size, f"{default[0]}x{default[1]}"))
+    except BadRequest as exc:
+        raise BadRequest(f"size: {exc.message.removeprefix('size ')}") from None
+    if min(width, height) < 16:
+        raise BadRequest(f"size: width and height must be at least 16, got {init.size!r}")
     return GenerationParams(
         prompt=init.prompt,
         negative_prompt=init.negative_prompt,
@@ -253,7 +257,8 @@ class _Session:
         self.applied_event: int | None = None  # the event of the prompt of the last queued chunk
         self.prompt_changed = False  # a prompt event arrived since the last chunk was queued
         self.created = self.last_activity = time.monotonic()
-        self.gone = self.released = False
+        self.gone = False
+        self.released: asyncio.Task | None = None  # the replica's close, once asked
         self.calls: set[asyncio.Task] = set()  # replica calls in flight (cancelled when the session ends)
 
     def _call(self, response) -> asyncio.Task:
@@ -454,11 +459,38 @@ class _Session:
             await asyncio.sleep(min(1.0, idle / 4, lifetime / 4))
 
     async def release(self) -> None:
-        if self.gone or self.released:
+        """Close the session on its replica, once; the close runs to its end even when this wait is
+        cancelled (the client left while it was on its way)."""
+        if self.gone:
             return
-        self.released = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.pinned.realtime_close.remote(self.session_id), timeout=30)
+        if self.released is None:
+            self.released = _detached(_close_on_replica(self.fe, self.session_id))
+        await asyncio.shield(self.released)
+
+
+_detached_tasks: set[asyncio.Task] = set()
+
+
+def _detached(coro) -> asyncio.Task:
+    """``coro`` as a task that runs to its end even when whoever awaits it is cancelled (Serve cancels the
+    handler when the client disconnects): a session's open and close must reach the replica, or its slot
+    stays held there until the session expires."""
+    task = asyncio.create_task(coro)
+    _detached_tasks.add(task)
+    task.add_done_callback(_detached_tasks.discard)
+    return task
+
+
+async def _close_on_replica(fe: Any, session_id: str) -> None:
+    with contextlib.suppress(Exception):
+        call = fe.engine.options(session_id=session_id).realtime_close.remote(session_id)
+        await asyncio.wait_for(call, timeout=30)
+
+
+def _close_if_opened(fe: Any, opening: asyncio.Task) -> None:
+    """Done callback of an open whose client left meanwhile: the session it opened is closed again."""
+    if not opening.cancelled() and opening.exception() is None:
+        _detached(_close_on_replica(fe, opening.result()["session_id"]))
 
 
 @router.websocket("/v1/realtime_video/generate")
@@ -508,8 +540,8 @@ async def _open(fe: Any, sock: _Socket) -> tuple[RealtimeInit | None, dict[str, 
         except ServeError as exc:
             await sock.error(exc.message)
             continue
-        try:
-            opened = await fe.call_engine(
+        opening = _detached(
+            fe.call_engine(
                 fe.engine.realtime_open.remote(
                     params,
                     init.max_chunks,
@@ -518,6 +550,12 @@ async def _open(fe: Any, sock: _Socket) -> tuple[RealtimeInit | None, dict[str, 
                     init.realtime_preview_max_width,
                 )
             )
+        )
+        try:
+            opened = await asyncio.shield(opening)
+        except asyncio.CancelledError:  # the client left while the session opened
+            opening.add_done_callback(functools.partial(_close_if_opened, fe))
+            raise
         except ServeError as exc:
             if isinstance(exc, QueueFull):
                 await sock.error(exc.message, code=error_type(exc))

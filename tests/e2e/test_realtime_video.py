@@ -11,6 +11,7 @@ import io
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import msgpack
@@ -36,10 +37,17 @@ def server(tmp_path_factory):
     folder = build_folder(tmp_path_factory.mktemp("anyflow") / "tiny-anyflow-far")
     proc = ServeProcess(
         "--model", str(folder), "--dp-size", "2", "--api-key", KEY, "--max-realtime-sessions", "1",
+        "--max-width", "256", "--max-height", "256", "--max-image-pixels", str(128 * 128),
         timeout_s=300,
     )  # fmt: skip
     yield proc
     proc.stop()
+
+
+def image_bytes(width: int, height: int, fmt: str) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 30)).save(buffer, format=fmt)
+    return buffer.getvalue()
 
 
 class Client:
@@ -221,6 +229,34 @@ def test_a_session_past_the_replicas_cap_gets_an_error_and_1008(server):
     first.close()
     second.close()
     wait_for(lambda: all(r["realtime_sessions"] == 0 for r in replicas(server)), 60, "sessions released")
+
+
+def test_clients_closing_as_their_last_chunk_arrives_leave_no_session_held(server):
+    """Clients that close the moment their last chunk's stats arrive (the frontend is then closing the
+    session on the replica; the client's leaving cancels the socket's handler), just after sessions were
+    abandoned mid-chunk on busy replicas: every session is closed on its replica, and a replica's only
+    slot takes a new session again."""
+
+    def last_chunk_then_close():
+        client = Client(server)
+        client.send({**INIT, "max_chunks": 1})
+        while (message := client.recv()) is not None and message["type"] != "chunk_stats":
+            assert message["type"] != "error", message
+        client.close()
+
+    for _ in range(2):
+        busy = [Client(server) for _ in range(2)]
+        for client in busy:
+            client.send({**INIT, "prompt": "a lighthouse", "size": "128x128", "num_frames": 16})
+        for client in busy:
+            first = client.recv()
+            assert first["type"] == "frame_batch", first  # chunk 0 is here, chunk 1 is being denoised
+            client.close()
+        wait_for(lambda: all(r["realtime_sessions"] == 0 for r in replicas(server)), 60, "abandoned closed")
+        with ThreadPoolExecutor(2) as pool:  # both at once: one on each replica
+            for closed in [pool.submit(last_chunk_then_close) for _ in range(2)]:
+                closed.result()
+        wait_for(lambda: all(r["realtime_sessions"] == 0 for r in replicas(server)), 60, "sessions closed")
 
 
 def test_killing_the_owner_replica_ends_the_session_with_session_gone(server):
@@ -419,7 +455,11 @@ def test_bad_messages_answer_errors_naming_the_field_while_another_session_strea
         ("output_compression", {**INIT, "output_compression": 0}),
         ("first_frame", {**INIT, "first_frame": "https://example.com/a.png"}),
         ("first_frame", {**INIT, "first_frame": b"not an image"}),
+        ("first_frame", {**INIT, "first_frame": image_bytes(64, 64, "GIF")}),
+        ("first_frame", {**INIT, "first_frame": image_bytes(256, 256, "PNG")}),  # --max-image-pixels
+        ("size", {**INIT, "size": "512x256"}),  # --max-width
         ("prompt", {**INIT, "prompt": 5}),
+        ("prompt", {**INIT, "prompt": "   "}),
     ]
     for field, message in before:
         client.ws.send(message if isinstance(message, (str, bytes)) else msgpack.packb(message))
@@ -450,3 +490,20 @@ def test_bad_messages_answer_errors_naming_the_field_while_another_session_strea
             chunks.add(message["chunk_index"])
     assert errors == [field for field, _ in during]
     assert chunks == {0, 1, 2} and client.close_code == 1000
+
+
+def test_an_init_without_a_size_gets_the_model_default_within_the_server_limits(server):
+    """No size, nil, "" or "auto" (as the HTTP APIs take it): the model's 832x480 scaled to --max-width 256,
+    also with a first frame of another aspect (the model resizes it to the session's size)."""
+    no_size = {k: v for k, v in INIT.items() if k != "size"}
+    for init in (
+        no_size,
+        {**INIT, "size": None},
+        {**INIT, "size": ""},
+        {**INIT, "size": "auto", "first_frame": image_bytes(48, 96, "JPEG")},
+    ):
+        client = SGLangStyleClient(server)
+        run = client.run({**init, "max_chunks": 1}, num_chunks=1)
+        assert client.closed() == (1000, "generation complete")
+        client.close()
+        assert [f.shape for f in run["frames"][0]] == [(144, 256, 3)], init.get("size", "absent")
