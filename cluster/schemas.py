@@ -33,7 +33,7 @@ def _non_blank(value: str) -> str:
 # A prompt in every request body (images, videos, sessions): at least one non-blank character.
 Prompt = Annotated[str, StringConstraints(min_length=1), AfterValidator(_non_blank)]
 
-SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+SIZE_RE = re.compile(r"^(\d{1,9})x(\d{1,9})$")  # a side past 9 digits is no size at all
 
 
 class ErrorDetail(BaseModel):

@@ -396,6 +396,7 @@ HTTP_CASES = {
     "size malformed": (lambda s: _post(s, GEN, {"prompt": "a fox", "size": "big"}), 400, "size"),
     "size not a multiple": (lambda s: _post(s, GEN, {"prompt": "a fox", "size": "65x64"}), 400, "size"),
     "size above max": (lambda s: _post(s, GEN, {"prompt": "a fox", "size": "4096x64"}), 400, "size"),
+    "size far above max": (lambda s: _post(s, GEN, {"prompt": "a fox", "size": "100000x100000"}), 400, "is above the maximum 128x128"),
     "steps zero": (lambda s: _post(s, GEN, {"prompt": "a fox", "num_inference_steps": 0}), 400, "num_inference_steps"),
     "steps above max": (lambda s: _post(s, GEN, {"prompt": "a fox", "num_inference_steps": 50}), 400, "num_inference_steps"),
     "guidance negative": (lambda s: _post(s, GEN, {"prompt": "a fox", "guidance_scale": -1}), 400, "guidance_scale"),
