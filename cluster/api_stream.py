@@ -13,7 +13,7 @@ SSE events (``text/event-stream``), then ``data: [DONE]``::
     event: image_generation.completed  data: {"type", "b64_json", "index", "created_at", "size", "seed", ...}
     event: error                       data: {"error": {"message", "type", "param", "code"}}
 
-WebSocket protocol. The client sends JSON steps ``{"prompt", "strength"?, "num_inference_steps"?,
+WebSocket protocol. The client sends JSON steps (in text or binary frames) ``{"prompt", "strength"?, "num_inference_steps"?,
 "guidance_scale"?, "seed"?, "preview"?}``; the server answers ``{"type": "progress", "step", "total",
 "preview_b64"?}`` per denoising step (``preview``: a 1/8-size picture of the latents), then ``{"type":
 "image", "step", "b64_json", "seed"}``. A step sent while one runs supersedes it: the running one is
@@ -284,14 +284,20 @@ async def session_socket(websocket: WebSocket, session_id: str, fe: Any = Depend
         return await close(_close_code(exc), exc.message)
     expires = time.monotonic() + fe.args.session_max_lifetime_s - info["age_s"]
 
-    inbox: asyncio.Queue[str | None] = asyncio.Queue()
+    inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue()
 
     async def read() -> None:
+        """Client messages into ``inbox`` (None: the client left); a binary frame is read as JSON too."""
         try:
             while True:
-                await inbox.put(await websocket.receive_text())
+                message = await websocket.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                text = message.get("text")
+                await inbox.put(text if text is not None else message.get("bytes") or b"")
         except (WebSocketDisconnect, RuntimeError):
-            await inbox.put(None)
+            pass
+        await inbox.put(None)
 
     reader = asyncio.create_task(read())
     try:

@@ -499,8 +499,9 @@ async def _bad_step(server, session_id: str) -> list[dict]:
         answers = []
         for message in (
             "not json",
+            b"\x00 a binary frame",  # answered as text is: an error, and the socket reads on
             json.dumps({"prompt": "a fox", "strength": 3}),
-            json.dumps({"prompt": "a fox", "num_inference_steps": 1}),
+            json.dumps({"prompt": "a fox", "num_inference_steps": 1}).encode(),  # JSON in a binary frame
         ):
             await ws.send(message)
             while True:
@@ -517,8 +518,9 @@ def test_websocket_bad_input(server):
     http_valid(server)
     answers = asyncio.run(_bad_step(server, sid))  # bad messages answer errors; the socket stays open
     assert "not valid JSON" in answers[0]["error"]["message"]
-    assert answers[1]["error"]["param"] == "strength"
-    assert answers[2]["type"] == "image"
+    assert "not valid JSON" in answers[1]["error"]["message"]
+    assert answers[2]["error"]["param"] == "strength"
+    assert answers[3]["type"] == "image"
     code, reason = asyncio.run(_unknown_session(server, f"{_replica(server)}.0000"))
     assert code == 4404 and "does not exist" in reason
     httpx.delete(f"{server.base_url}/v1/sessions/{sid}")
