@@ -13,8 +13,8 @@ SSE events (``text/event-stream``), then ``data: [DONE]``::
     event: image_generation.completed  data: {"type", "b64_json", "index", "created_at", "size", "seed", ...}
     event: error                       data: {"error": {"message", "type", "param", "code"}}
 
-WebSocket protocol. The client sends JSON steps (in text or binary frames) ``{"prompt", "strength"?, "num_inference_steps"?,
-"guidance_scale"?, "seed"?, "preview"?}``; the server answers ``{"type": "progress", "step", "total",
+WebSocket protocol. The client sends JSON steps (in text or binary frames) ``{"prompt", "strength"?,
+"num_inference_steps"?, "guidance_scale"?, "seed"?, "preview"?}``; the server answers ``{"type": "progress", "step", "total",
 "preview_b64"?}`` per denoising step (``preview``: a 1/8-size picture of the latents), then ``{"type":
 "image", "step", "b64_json", "seed"}``. A step sent while one runs supersedes it: the running one is
 cancelled (``{"type": "superseded"}``) and the newest runs. A bad step answers ``{"type": "error"}`` and
