@@ -35,7 +35,8 @@ previous one is denoised, so the replica denoises it while the previous one's fr
 sends them. Closes: 1000 "generation complete" after ``max_chunks``; 1000 "session idle timeout"
 (``session_idle_timeout_s``) or "maximum session lifetime reached" (``session_max_lifetime_s``); an error
 with ``code`` ``session_gone`` then 4410 when the owner replica is gone; 1008 past ``max_realtime_sessions``
-(after an error). A bad message before the session opens (a bad init, an event, a text or non-msgpack frame)
+(after an error; the init is tried on each replica, the last one asked waiting ``REALTIME_SLOT_WAIT_S`` for
+a slot). A bad message before the session opens (a bad init, an event, a text or non-msgpack frame)
 answers an error and the server waits for an init; a bad one during the session answers an error and the
 session goes on. The client ends a session by closing the socket.
 """
@@ -71,6 +72,8 @@ FRAMES_PER_MESSAGE = {"raw": 16, "jpeg": 6, "webp": 6}
 DEFAULT_SEED = 42  # the same init gives the same video; a client wanting variety sends a seed
 DEFAULT_FPS, DEFAULT_STEPS = 16, 4
 GONE_CLOSE = 4410
+# How long an open waits for a slot on the last replica it asks before "max_realtime_sessions" is final.
+REALTIME_SLOT_WAIT_S = 5.0
 
 
 class RealtimeInit(BaseModel):
@@ -520,6 +523,38 @@ async def realtime_video(websocket: WebSocket, fe: Any = Depends(frontend)):
         await sock.close(1000, "session closed")
 
 
+async def _open_on_a_replica(fe: Any, init: RealtimeInit, params: GenerationParams) -> dict[str, Any]:
+    """Open the session on the next replica (round-robin) with a free slot: a replica at its
+    ``--max-realtime-sessions`` refuses at once and the next one is asked, ``--dp-size`` of them; when all
+    are full, each is asked once more and waits up to its share of ``REALTIME_SLOT_WAIT_S`` for a slot (a
+    client that closed a session and opens the next at once: its close may still be on its way, or wait for
+    the running chunk to stop) before the refusal is final."""
+    replicas = max(1, int(fe.args.dp_size))
+    tries = 2 * replicas
+    for attempt in range(tries):
+        opening = _detached(
+            fe.call_engine(
+                fe.engine.realtime_open.remote(
+                    params,
+                    init.max_chunks,
+                    init.output_format,
+                    init.output_compression,
+                    init.realtime_preview_max_width,
+                    wait_s=REALTIME_SLOT_WAIT_S / replicas if attempt >= replicas else 0.0,
+                )
+            )
+        )
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:  # the client left while the session opened
+            opening.add_done_callback(functools.partial(_close_if_opened, fe))
+            raise
+        except QueueFull:
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 async def _open(fe: Any, sock: _Socket) -> tuple[RealtimeInit | None, dict[str, Any] | None]:
     """Wait for a valid init and open the session on a replica (round-robin). A bad init answers an error
     and waits for the next; the replicas' session cap answers an error and closes (1008)."""
@@ -540,22 +575,8 @@ async def _open(fe: Any, sock: _Socket) -> tuple[RealtimeInit | None, dict[str, 
         except ServeError as exc:
             await sock.error(exc.message)
             continue
-        opening = _detached(
-            fe.call_engine(
-                fe.engine.realtime_open.remote(
-                    params,
-                    init.max_chunks,
-                    init.output_format,
-                    init.output_compression,
-                    init.realtime_preview_max_width,
-                )
-            )
-        )
         try:
-            opened = await asyncio.shield(opening)
-        except asyncio.CancelledError:  # the client left while the session opened
-            opening.add_done_callback(functools.partial(_close_if_opened, fe))
-            raise
+            opened = await _open_on_a_replica(fe, init, params)
         except ServeError as exc:
             if isinstance(exc, QueueFull):
                 await sock.error(exc.message, code=error_type(exc))

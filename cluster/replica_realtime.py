@@ -21,6 +21,7 @@ rank's for the session's cap (``max_chunks`` or ``realtime_max_chunks``), and at
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import logging
 import secrets
@@ -157,6 +158,28 @@ class ReplicaRealtime:
 
     def _realtime_count(self) -> None:
         self._realtime_metrics.sessions.set(len(self.realtime))
+        # Wake the opens waiting for a slot (``realtime_open``'s ``wait_s``); they count again.
+        changed = self.__dict__.get("_realtime_changed")
+        if changed is not None:
+            changed.set()
+        self._realtime_changed = asyncio.Event()
+
+    async def _wait_for_slot(self, cap: int, wait_s: float) -> bool:
+        """Whether a session slot is free, waiting up to ``wait_s`` for one to be released (a session
+        closing, or expiring)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            self._expire_realtime()
+            if len(self.realtime) < cap:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if "_realtime_changed" not in self.__dict__:
+                self._realtime_changed = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                # Bounded by the idle expiry's granularity too: expiring is checked here, not signalled.
+                await asyncio.wait_for(self._realtime_changed.wait(), min(left, 1.0))
 
     def _expire_realtime(self) -> None:
         now = time.monotonic()
@@ -179,7 +202,11 @@ class ReplicaRealtime:
         output_format: str,
         quality: int | None = None,
         preview_max_width: int | None = None,
+        wait_s: float = 0.0,
     ) -> dict[str, Any] | ServeError:
+        """Open a session. At ``--max-realtime-sessions`` it waits up to ``wait_s`` for a slot (a client
+        that closed one session and opens the next at once: its close may still be on its way, or waiting
+        for its running chunk to stop), then answers ``QueueFull``."""
         unavailable = self._unavailable()
         if unavailable is not None:
             return unavailable
@@ -200,9 +227,8 @@ class ReplicaRealtime:
                 self.replica_id,
             )
         # The init is checked first: a bad one is told its field whichever replica it lands on.
-        self._expire_realtime()
         cap = self.args.max_realtime_sessions
-        if len(self.realtime) >= cap:
+        if not await self._wait_for_slot(cap, wait_s):
             return QueueFull(
                 f"max_realtime_sessions: this replica holds {len(self.realtime)} realtime sessions, its maximum "
                 f"({cap}); retry later",

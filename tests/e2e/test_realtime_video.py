@@ -30,6 +30,9 @@ INIT = {
     "type": "init", "prompt": "a red fox running", "size": "64x64", "num_frames": 8, "seed": 5,
     "num_inference_steps": 2, "realtime_output_format": "raw",
 }  # fmt: skip
+# A session that outlasts what the tests do meanwhile (without max_chunks a session runs to the server's
+# chunk limit, which the tiny model's 64x64 chunks reach within seconds).
+HOLD = {**INIT, "size": "256x256", "num_frames": 16}
 
 
 @pytest.fixture(scope="module")
@@ -217,8 +220,8 @@ def test_bad_inits_and_events_answer_errors_and_the_socket_keeps_serving(server)
 def test_a_session_past_the_replicas_cap_gets_an_error_and_1008(server):
     """--max-realtime-sessions 1 and two replicas: a third open session is refused; closing frees the slots."""
     first, second = Client(server), Client(server)
-    first.send({**INIT, "prompt": "a lighthouse"})  # no max_chunks: both run until closed
-    second.send({**INIT, "prompt": "a forest"})
+    first.send({**HOLD, "prompt": "a lighthouse"})  # no max_chunks: both run until closed
+    second.send({**HOLD, "prompt": "a forest"})
     owners = {first.chunk()["replica"], second.chunk()["replica"]}
     assert len(owners) == 2
     third = Client(server)
@@ -228,6 +231,29 @@ def test_a_session_past_the_replicas_cap_gets_an_error_and_1008(server):
     assert third.recv() is None and third.close_code == 1008
     first.close()
     second.close()
+    wait_for(lambda: all(r["realtime_sessions"] == 0 for r in replicas(server)), 60, "sessions released")
+
+
+def test_an_init_goes_to_a_replica_with_a_free_slot_and_a_reopen_waits_for_the_close(server):
+    """--max-realtime-sessions 1 and two replicas, one of them held by a long session: every new session
+    opens on the other one, whichever replica round-robin asks first; and a client that drops a session
+    mid-chunk and opens the next at once gets it (the init waits for the close), not a refusal."""
+    held = Client(server)
+    held.send({**HOLD, "prompt": "a lighthouse"})  # no max_chunks: holds its replica's only slot
+    owner = held.chunk()["replica"]
+    for k in range(3):  # round-robin asks the held replica first for one of any two opens in a row
+        chunks, client = run_session(server, {**INIT, "max_chunks": 1, "seed": k})
+        assert client.close_code == 1000 and [c["index"] for c in chunks] == [0]
+        assert chunks[0]["replica"] != owner
+        wait_for(lambda: sum(r["realtime_sessions"] for r in replicas(server)) == 1, 60, "session closed")
+    for _ in range(2):
+        dropped = Client(server)
+        dropped.send({**INIT, "prompt": "a forest", "size": "128x128", "num_frames": 16})
+        assert dropped.chunk()["index"] == 0  # chunk 1 is being denoised now
+        dropped.close()
+        chunks, client = run_session(server, {**INIT, "max_chunks": 1})
+        assert client.close_code == 1000 and [c["index"] for c in chunks] == [0], client.close_reason
+    held.close()
     wait_for(lambda: all(r["realtime_sessions"] == 0 for r in replicas(server)), 60, "sessions released")
 
 
