@@ -20,7 +20,7 @@ from ditserve.replica.caching import CacheSettings
 from ditserve.replica.jsonfields import JsonInt, json_int
 from ditserve.replica.request import GenerationParams
 
-from .errors import BadRequest, NotFound
+from .errors import BadRequest, NotFound, QueueFull
 from .http_base import REPLICA_HEADER, check_size, frontend, requested_size
 from .router import session_owner
 from .schemas import Prompt, usage_of
@@ -80,7 +80,7 @@ async def open_session_route(
 
 
 async def open_session(body: SessionOpenRequest, request: Any, fe: Any) -> JSONResponse:
-    """Open a session on a replica chosen round-robin (HTTP, and gRPC's OpenSession)."""
+    """Open a session on a replica chosen round-robin with room for it (HTTP, and gRPC's OpenSession)."""
     fe.check_auth(request, admin=False)
     fe.check_model(body.model)
     if fe.model_kind != "image":
@@ -91,7 +91,16 @@ async def open_session(body: SessionOpenRequest, request: Any, fe: Any) -> JSONR
         fe.args.max_height,
         fe.spec.size_multiple,
     )
-    answer = await fe.call_engine(fe.engine.open_session.remote(width, height))
+    # A replica at --max-sessions-per-replica refuses; round-robin then asks the next one, so the open is
+    # refused only when every replica is full.
+    tries = max(1, int(fe.args.dp_size))
+    for attempt in range(tries):
+        try:
+            answer = await fe.call_engine(fe.engine.open_session.remote(width, height))
+            break
+        except QueueFull:
+            if attempt == tries - 1:
+                raise
     return JSONResponse(
         {"id": answer["session_id"], "object": "session", "size": f"{width}x{height}"},
         headers={REPLICA_HEADER: answer["replica"]},

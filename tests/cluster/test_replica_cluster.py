@@ -303,6 +303,28 @@ class TestShardedReplicas:
         assert r.status_code == 404
         httpx.delete(f"{url}/{reopened.json()['id']}", timeout=30)
 
+    def test_a_session_opens_on_a_replica_with_room(self, server):
+        """Two replicas of 2 sessions each, all taken; one closed: the next open gets its slot whichever
+        replica round-robin asks first (it asks the full one first for one of two opens in a row)."""
+        url = f"{server.base_url}/v1/sessions"
+        held: dict[str, list[str]] = {}
+        for _ in range(4):
+            r = httpx.post(url, json={}, timeout=60)
+            assert r.status_code == 200, r.text
+            held.setdefault(r.headers["x-ditserve-replica"], []).append(r.json()["id"])
+        assert sorted(len(ids) for ids in held.values()) == [2, 2]
+        roomy = sorted(held)[0]
+        for _ in range(2):
+            closed = httpx.delete(f"{url}/{held[roomy].pop()}", timeout=30)
+            assert closed.status_code in (200, 404), closed.text  # 404: it expired (idle 3 s) meanwhile
+            r = httpx.post(url, json={}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-ditserve-replica"] == roomy
+            held[roomy].append(r.json()["id"])
+        for ids in held.values():
+            for session_id in ids:
+                httpx.delete(f"{url}/{session_id}", timeout=30)
+
     def test_shutdown_stops_every_replica_and_a_replacement_stays_shut_down(self, server):
         base = server.base_url
         done = httpx.post(f"{base}/v1/admin/shutdown", timeout=120)
