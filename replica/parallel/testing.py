@@ -7,6 +7,7 @@ returns (or its traceback).
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -25,6 +26,15 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _to_bytes(value: Any) -> bytes:
+    """``value`` serialised with its tensors' data inline. Put on the queue as they are, tensors travel as
+    shared-memory file descriptors that the parent fetches from this process after it got the message, and a
+    rank that has exited by then resets the connection (ConnectionResetError in the parent)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
 
 
 def _entry(
@@ -46,7 +56,7 @@ def _entry(
             timeout=timedelta(seconds=timeout_s),
         )
         try:
-            results.put((rank, True, fn(rank, world_size, *args)))
+            results.put((rank, True, _to_bytes(fn(rank, world_size, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # report every failure to the parent, which raises it
@@ -79,7 +89,7 @@ def run_distributed(
     for _ in range(world_size):
         rank, ok, value = results.get()
         if ok:
-            out[rank] = value
+            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
         else:
             errors.append(f"rank {rank}:\n{value}")
             break  # the others will time out or fail too; do not wait for them
