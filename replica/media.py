@@ -6,14 +6,37 @@ from __future__ import annotations
 import io
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 # What an upload may be (the formats OpenAI's image edits take).
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+# EXIF orientations that turn the picture a quarter (the stored width is the shown height).
+_QUARTER_TURNS = (5, 6, 7, 8)
+
+
+def upright_size(image: Image.Image) -> tuple[int, int]:
+    """(width, height) as the picture is shown: its EXIF orientation applied (what :func:`to_rgb` gives)."""
+    width, height = image.size
+    return (
+        (height, width)
+        if image.getexif().get(ImageOps.ExifTags.Base.Orientation) in _QUARTER_TURNS
+        else (width, height)
+    )
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """An upload as the models take it: EXIF orientation applied, 8-bit RGB (diffusers' ``load_image``).
+    16-bit greyscale (PNG mode ``I;16`` / ``I``) is scaled to 8 bits first: Pillow's own conversion clips
+    it, turning all but the darkest pixels white."""
+    image = ImageOps.exif_transpose(image)
+    if image.mode.startswith("I"):
+        levels = np.asarray(image).astype(np.float64) / 257
+        image = Image.fromarray(levels.round().clip(0, 255).astype(np.uint8))
+    return image.convert("RGB")
 
 
 def check_image(data: bytes, field: str, *, max_bytes: int, max_pixels: int) -> tuple[int, int]:
-    """An uploaded image's (width, height) once it is known to decode; ``ValueError`` naming ``field``
+    """An uploaded image's upright (width, height) once it is known to decode; ``ValueError`` naming ``field``
     otherwise (too many bytes, too many pixels, not a PNG / JPEG / WebP, truncated or corrupt). The pixel
     count is read from the header before anything is decoded."""
     if len(data) > max_bytes:
@@ -38,15 +61,16 @@ def check_image(data: bytes, field: str, *, max_bytes: int, max_pixels: int) -> 
             )
         try:
             image.load()
+            # after the pixels: a PNG's EXIF chunk may follow them
+            return upright_size(image)
         except Exception as exc:  # truncated or corrupt data after a valid header
             raise ValueError(f"{unreadable} ({type(exc).__name__})") from None
-    return width, height
 
 
 def image_size(data: bytes) -> tuple[int, int]:
-    """(width, height) from an image's header (an upload already checked)."""
+    """(width, height) from an image's header (an upload already checked), its EXIF orientation applied."""
     with Image.open(io.BytesIO(data)) as image:
-        return image.size
+        return upright_size(image)
 
 
 def encode_png(pixels: np.ndarray) -> bytes:

@@ -80,13 +80,14 @@ def request_scheduler(pipe):
 
 def open_image(data: bytes):
     """An uploaded image (PNG / JPEG / WebP bytes, checked at the ingress) as diffusers' ``load_image`` gives
-    it: EXIF orientation applied, RGB."""
+    it: EXIF orientation applied, RGB (``media.to_rgb``)."""
     import io
 
-    from diffusers.utils import load_image
     from PIL import Image
 
-    return load_image(Image.open(io.BytesIO(data)))
+    from ditserve.replica.media import to_rgb
+
+    return to_rgb(Image.open(io.BytesIO(data)))
 
 
 def to_uint8(images: np.ndarray) -> np.ndarray:

@@ -25,6 +25,7 @@ import torch
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import retrieve_timesteps
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_img2img import retrieve_latents
 
+from ..media import to_rgb
 from ..request import GenerationParams
 from .base import PipelineRunner, RequestState, request_scheduler, to_uint8
 from .img2img import encode_start, noised_start, request_generator, start_pixels
@@ -89,7 +90,7 @@ def _decode_image(data: bytes, index: int):
         image.load()
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise ValueError(f"image: reference {index + 1} is not a readable image ({exc})") from None
-    return image.convert("RGB")
+    return to_rgb(image)  # upright, 8-bit RGB: the size the ingress read
 
 
 class QwenImageRunner(PipelineRunner):

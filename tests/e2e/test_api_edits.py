@@ -157,6 +157,30 @@ def test_openai_generate_output_formats(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
 
 
+def test_uploads_are_read_as_shown(server):
+    """A JPEG whose EXIF turns it a quarter is edited upright (its shown size, not its stored one); a 16-bit
+    greyscale PNG is the same picture as its 8-bit twin (not clipped to white)."""
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    asked = {"prompt": "a red circle", "extra_body": {"seed": 3, "num_inference_steps": 2, "strength": 0.2}}
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored 64x48, shown 48x64
+    buf = io.BytesIO()
+    scene((64, 48)).save(buf, format="JPEG", exif=exif.tobytes())
+    turned = client.images.edit(image=("turned.jpg", buf.getvalue(), "image/jpeg"), **asked)
+    assert turned.size == "48x64"
+    assert png_pixels(base64.b64decode(turned.data[0].b64_json)).shape == (64, 48, 3)
+
+    grey = np.array(scene().convert("L"))
+    deep = png(Image.fromarray(grey.astype(np.uint16) * 257))
+    assert Image.open(io.BytesIO(deep)).mode.startswith("I")  # 16 bits a pixel
+    results = [
+        client.images.edit(image=("g.png", data, "image/png"), **asked)
+        for data in (png(Image.fromarray(grey)), deep)
+    ]
+    eight, sixteen = (png_pixels(base64.b64decode(r.data[0].b64_json)) for r in results)
+    assert psnr(sixteen, eight) >= 40
+
+
 # -- bad uploads, HTTP and gRPC ---------------------------------------------------------------------------
 HTTP_CASES = [
     ("not an image", {"image": ("a.png", b"not an image", "image/png")}, {}, "image"),
