@@ -19,13 +19,14 @@ import email.parser
 import email.policy
 import io
 import json
+import re
 from typing import Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from ray.serve.exceptions import DeploymentUnavailableError
 
 from ditserve.replica.caching import CacheSettings
@@ -36,11 +37,12 @@ from ditserve.replica.request import GenerationParams
 from .errors import BadRequest, Conflict, NotFound, SessionGone, Unsupported
 from .http_base import ERROR_DESCRIPTIONS, REPLICA_HEADER, check_size, frontend, requested_size
 from .router import session_owner
-from .schemas import ErrorResponse, Prompt
+from .schemas import ErrorResponse, Prompt, json_field
 
 router = APIRouter(prefix="/v1/videos", tags=["videos"])
 VIDEOS_PATH = "/v1/videos"
 REF = "#/components/schemas/{model}"  # nested models (cache) point into the OpenAPI components
+FORM_KEY = re.compile(r"(\w+)\[(\w*)\].*")  # cache[policy]; lora[][name]
 
 
 class ImageReference(BaseModel):
@@ -85,8 +87,12 @@ class VideoCreateRequest(BaseModel):
         'OpenAI\'s client sends it), or a base64 data URL (a string or {"image_url": ...}).',
     )
     cache: CacheSettings | None = Field(
-        default=None, description="Step cache of this video (as on /v1/images/generations)."
+        default=None,
+        description="Step cache of this video (as on /v1/images/generations); in a multipart form: JSON text, "
+        "or cache[policy], cache[threshold], ... fields (as OpenAI's client sends extra_body).",
     )
+
+    _cache_json = field_validator("cache", mode="before")(json_field)
 
 
 def _data_url(value: str) -> bytes:
@@ -230,7 +236,34 @@ def _form_fields(content_type: str, raw: bytes) -> tuple[dict[str, Any], bytes |
         if name in fields:
             raise BadRequest(f"{name}: given more than once", param=name)
         fields[name] = text
-    return fields, upload
+    return _nested(fields), upload
+
+
+def _nested(fields: dict[str, str]) -> dict[str, Any]:
+    """Form names ``field[key]`` (how OpenAI's client sends a mapping given in ``extra_body``, e.g.
+    ``cache[policy]``) → ``{field: {key: value}}``, each value read as JSON where it is JSON (``0.1`` is a
+    number, ``fbcache`` stays text). A list (``field[]``) has no unambiguous form shape: JSON text is asked."""
+    data: dict[str, Any] = {}
+    for name, text in fields.items():
+        match = FORM_KEY.fullmatch(name)
+        if match is None:
+            if name in data:
+                raise BadRequest(f"{name}: given more than once", param=name)
+            data[name] = text
+            continue
+        field, key = match.groups()
+        if not key:
+            raise BadRequest(
+                f"{field}: a list cannot be sent as form fields; send it as JSON text in {field}", param=field
+            )
+        group = data.setdefault(field, {})
+        if not isinstance(group, dict) or key in group:
+            raise BadRequest(f"{field}: given more than once", param=field)
+        try:
+            group[key] = json.loads(text)
+        except ValueError:
+            group[key] = text
+    return data
 
 
 async def _read_create(request: Request) -> tuple[VideoCreateRequest, bytes | None]:

@@ -190,7 +190,7 @@ class ModelCard(BaseModel):
 DEFAULT_STRENGTH = 0.6
 
 
-def _json_field(value: Any, info: ValidationInfo) -> Any:
+def json_field(value: Any, info: ValidationInfo) -> Any:
     """A multipart form sends ``lora`` / ``cache`` as JSON text; gRPC and JSON send the value itself."""
     if isinstance(value, str):
         try:
@@ -259,7 +259,7 @@ class ImageEditRequest(BaseModel):
     partial_images: int | None = Field(default=None, ge=0, le=3)
     stream: bool = Field(default=False, description="Streaming is not served for edits (false only).")
 
-    _lora_json = field_validator("lora", "cache", mode="before")(_json_field)
+    _lora_json = field_validator("lora", "cache", mode="before")(json_field)
 
     def to_params(
         self, width: int, height: int, spec: ModelSpec, images: tuple[bytes, ...], mask: bytes | None

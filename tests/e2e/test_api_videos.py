@@ -255,3 +255,32 @@ def test_images_on_a_video_model_and_auth_for_generation(server, client):
         client.images.generate(model="demo-wan", prompt="a fox")
     r = httpx.post(f"{server.base_url}/v1/images/generations", json={"prompt": "a fox"})
     assert r.status_code == 401
+
+
+def test_step_cache_from_openai_client_and_form_json(server, client):
+    """OpenAI's client sends extra_body's cache mapping as form fields cache[policy], cache[threshold]; a form
+    may also carry it as JSON text. Both reach the job (its usage names the policy)."""
+    settings = {"num_frames": 5, "num_inference_steps": 4, "seed": 2}
+    job = client.videos.create(
+        prompt="waves",
+        size="64x64",
+        extra_body={**settings, "cache": {"policy": "fbcache", "threshold": 0.5}},
+    )
+    done, _ = wait(client, job.id)
+    assert done.status == "completed" and done.usage["cache_policy"] == "fbcache", done
+    form = {"prompt": "waves", "cache": '{"policy": "taylorseer", "interval": 2}'}
+    form |= {k: str(v) for k, v in settings.items()}
+    r = httpx.post(
+        f"{server.base_url}/v1/videos", files={k: (None, v) for k, v in form.items()}, headers=AUTH
+    )
+    assert r.status_code == 200, r.text
+    done, _ = wait(client, r.json()["id"])
+    assert done.status == "completed" and done.usage["cache_policy"] == "taylorseer", done
+    for extra, param in (
+        ({"cache": {"policy": "sometimes"}}, "cache"),
+        ({"cache": {"threshold": "high"}}, "cache"),
+        ({"lora": [{"name": "a"}]}, "lora"),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.videos.create(prompt="waves", extra_body=extra)
+        assert info.value.body["param"].startswith(param), (extra, info.value.body)
