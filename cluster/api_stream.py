@@ -40,6 +40,7 @@ from pydantic import Field, ValidationError
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError
 
+from ditserve.replica.media import image_size
 from ditserve.replica.request import GenerationParams
 
 from .api_edits import EDITS_PATH, upload_allowance
@@ -155,12 +156,17 @@ async def engine_events(fe: Any, stream) -> AsyncIterator[dict[str, Any]]:
 
 
 def _partial(event: dict[str, Any], index: int) -> dict[str, Any]:
-    """OpenAI's ``image_generation.partial_image`` shape, plus the step it shows; the picture is the
-    latents' own (1/8 of the image size), not a decoded image."""
+    """OpenAI's ``image_generation.partial_image`` shape (the picture in ``b64_json``, and under its first
+    name ``partial_image_b64``), plus the step it shows; the picture is the latents' own (1/8 of the image
+    size, ``size`` says), not a decoded image."""
+    picture = base64.b64encode(event["preview"]).decode()
+    width, height = image_size(event["preview"])
     return {
         "type": "image_generation.partial_image",
         "partial_image_index": index,
-        "partial_image_b64": base64.b64encode(event["preview"]).decode(),
+        "b64_json": picture,
+        "partial_image_b64": picture,
+        "size": f"{width}x{height}",
         "step": event["step"],
         "total": event["total"],
         "created_at": int(time.time()),
@@ -175,10 +181,15 @@ def _sse(event: str, data: dict[str, Any] | str) -> str:
     return f"event: {event}\ndata: {payload}\n\n"
 
 
-async def image_events(fe: Any, params: GenerationParams, preview: bool = False) -> StreamingResponse:
+async def image_events(
+    fe: Any, params: GenerationParams, preview: bool = False, partial_images: int | None = None
+) -> StreamingResponse:
     """``stream: true`` images: the first event is awaited here, so errors known before the first step
     (bad adapter, full queue, no replica) get their status code instead of a 200 stream. With
-    ``preview``, each step but the last is followed by an ``image_generation.partial_image`` event."""
+    ``preview``, each step but the last is followed by an ``image_generation.partial_image`` event;
+    ``partial_images`` (OpenAI's field) keeps only that many, the last steps' (0: none)."""
+    if partial_images is not None and not preview:
+        preview = partial_images > 0
     events = engine_events(fe, fe.engine.options(stream=True).generate_stream.remote(params, preview))
     first = await anext(events)
 
@@ -194,7 +205,9 @@ async def image_events(fe: Any, params: GenerationParams, preview: bool = False)
                         "total": event["total"],
                     }
                     yield _sse("image_generation.progress", data)
-                    if event.get("preview"):
+                    # steps 1 .. total-1 carry a preview; partial_images keeps the last ones
+                    shown = partial_images is None or event["step"] >= event["total"] - partial_images
+                    if event.get("preview") and shown:
                         yield _sse("image_generation.partial_image", _partial(event, partial_index))
                         partial_index += 1
                 else:

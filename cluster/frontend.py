@@ -308,7 +308,9 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
                 raise BadRequest(
                     "output_format: streamed images are png; leave it out", param="output_format"
                 )
-            return await api_stream.image_events(self, params, preview=body.preview)
+            return await api_stream.image_events(
+                self, params, preview=body.preview, partial_images=body.partial_images
+            )
         if body.preview:
             raise BadRequest("preview: previews come with stream: true", param="preview")
         answer = await self.call_engine(self.generate.remote(params))

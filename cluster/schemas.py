@@ -107,6 +107,11 @@ class ImageGenerationRequest(BaseModel):
     output_compression: json_int(ge=0, le=100) | None = Field(
         default=None, description="jpeg / webp quality, 0-100 (default 100); png ignores it."
     )
+    partial_images: json_int(ge=0, le=3) | None = Field(
+        default=None,
+        description="With stream: how many image_generation.partial_image events (the last steps' previews, "
+        "as with preview); 0: none. Without stream it is ignored.",
+    )
     # Accepted for OpenAI compatibility, ignored: the images are opaque, one quality.
     user: str | None = None
     safety_identifier: str | None = None

@@ -112,6 +112,23 @@ def test_openai_client_streams_progress_then_the_image(client):
     assert png_pixels(png).shape == (64, 64, 3)
 
 
+def test_openai_client_partial_images(client):
+    """OpenAI's partial_images: that many image_generation.partial_image events, the last steps' previews,
+    each with its picture in b64_json (the field the client reads) and the picture's size; 0: none."""
+    asked = {"prompt": "a red fox", "size": "64x64", "stream": True}
+    steps = {"num_inference_steps": 4, "seed": 4}
+    events = list(client.images.generate(**asked, partial_images=2, extra_body=steps))
+    partials = [e for e in events if e.type == "image_generation.partial_image"]
+    assert [(e.partial_image_index, e.step) for e in partials] == [(0, 2), (1, 3)]
+    for event in partials:
+        assert png_pixels(base64.b64decode(event.b64_json)).shape == (8, 8, 3) and event.size == "8x8"
+    assert events[-1].type == "image_generation.completed"
+    none = list(client.images.generate(**asked, partial_images=0, extra_body=steps))
+    assert [e.type for e in none] == ["image_generation.progress"] * 4 + ["image_generation.completed"]
+    plain = client.images.generate(prompt="a red fox", size="64x64", partial_images=1, extra_body=steps)
+    assert plain.data[0].b64_json == events[-1].b64_json
+
+
 def test_sse_over_httpx_is_event_stream_with_done(server):
     body = {"prompt": "a red fox", "size": "64x64", "num_inference_steps": 2, "seed": 9, "stream": True}
     with httpx.stream("POST", f"{server.base_url}/v1/images/generations", json=body, timeout=120) as r:
