@@ -3,7 +3,8 @@ and the checks the gRPC ``EditImage`` shares.
 
 The body is ``multipart/form-data`` as OpenAI's client sends it: the image file once as ``image``, or
 several as ``image[]``; ``mask``; the text fields of :class:`~ditserve.cluster.schemas.ImageEditRequest`
-(``lora`` and ``cache`` as JSON text). What the model does with the images depends on its family: an edit
+(``lora`` and ``cache`` as JSON text, or as the ``lora[name]`` / ``cache[policy]`` fields the client makes
+of a mapping in ``extra_body``). What the model does with the images depends on its family: an edit
 model (``Family.edit_pipelines``, e.g. FLUX.1 Kontext) takes them as references; another image family with
 ``Family.img2img`` starts from the first image noised to ``strength`` (image-to-image).
 
@@ -32,6 +33,7 @@ from pydantic import ValidationError
 from ditserve.replica.media import check_image
 from ditserve.replica.request import GenerationParams
 
+from .api_videos import _nested as nest_form_fields
 from .errors import BadRequest
 from .http_base import REPLICA_HEADER, check_size, frontend
 from .schemas import ImageData, ImageEditRequest, ImagesResponse, usage_of
@@ -62,9 +64,11 @@ def _edit_size(fe: Any, size: str | None, sizes: list[tuple[int, int]]) -> tuple
     width, height = first
     scale = min(1.0, limits.max_width / width, limits.max_height / height)
     width, height = int(width * scale) // multiple * multiple, int(height * scale) // multiple * multiple
-    if not width or not height:
+    if not width or not height:  # the image's own sides, not the pipeline's choice from them
+        shown = ", ".join(f"{w}x{h}" for w, h in sizes)
         raise BadRequest(
-            f"size: the image ({first[0]}x{first[1]}) is smaller than {multiple} pixels on a side; give size",
+            f"size: the image ({shown}) fitted within {limits.max_width}x{limits.max_height} is under "
+            f"{multiple} pixels on a side; give size",
             param="size",
         )
     return width, height
@@ -227,7 +231,8 @@ async def images_edits(request: Request, fe: Any = Depends(frontend)) -> JSONRes
     """Edit (reference images) or image-to-image, by the served model's family."""
     fe.check_auth(request, admin=False)
     fields, images, mask = _read_form(request.headers.get("content-type", ""), await request.body())
-    body = validate_edit(fields)
+    # lora[name], cache[policy]: a mapping OpenAI's client sent from extra_body, folded as videos fold it
+    body = validate_edit(nest_form_fields(fields))
     params, _, _ = edit_params(fe, body, images, mask)
     answer = await fe.call_engine(fe.generate.remote(params))
     # Re-encoding (jpeg / webp) is CPU work: off the event loop that serves every other request.

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import FluxImg2ImgPipeline, FluxKontextPipeline
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 from PIL import Image, ImageDraw
 
 from ditserve.cluster.client import Client
@@ -179,6 +179,25 @@ def test_uploads_are_read_as_shown(server):
     ]
     eight, sixteen = (png_pixels(base64.b64decode(r.data[0].b64_json)) for r in results)
     assert psnr(sixteen, eight) >= 40
+
+
+def test_openai_client_mappings_in_extra_body(server):
+    """A cache or lora mapping in extra_body (the client sends it as cache[policy], lora[name] fields) is
+    read as the mapping; a picture too narrow for the server's size says its own size."""
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    asked = {"image": ("scene.png", SOURCE, "image/png"), "prompt": "a red circle"}
+    steps = {"seed": 1, "num_inference_steps": 2}
+    cached = client.images.edit(
+        **asked, extra_body={**steps, "cache": {"policy": "fbcache", "threshold": 0.1}}
+    )
+    assert cached.usage.cache_policy == "fbcache"
+    with pytest.raises(BadRequestError) as info:
+        client.images.edit(**asked, extra_body={**steps, "lora": {"name": "style", "scale": 0.5}})
+    assert info.value.body["param"] == "lora" and "'style' is not loaded" in info.value.body["message"]
+    narrow = png(scene((512, 16)))
+    with pytest.raises(BadRequestError) as info:
+        client.images.edit(image=("narrow.png", narrow, "image/png"), prompt="a", extra_body=steps)
+    assert info.value.body["param"] == "size" and "(512x16)" in info.value.body["message"]
 
 
 # -- bad uploads, HTTP and gRPC ---------------------------------------------------------------------------
