@@ -32,7 +32,7 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from ditserve.replica.caching import CacheSettings
 from ditserve.replica.media import check_image, image_size
 from ditserve.replica.models.registry import video_model_hint
-from ditserve.replica.request import GenerationParams
+from ditserve.replica.request import GenerationParams, LoRARef
 
 from .errors import BadRequest, Conflict, NotFound, SessionGone, Unsupported
 from .http_base import ERROR_DESCRIPTIONS, REPLICA_HEADER, check_size, frontend, requested_size
@@ -56,7 +56,8 @@ class ImageReference(BaseModel):
 
 
 class VideoCreateRequest(BaseModel):
-    """``POST /v1/videos``: OpenAI's fields (prompt, model, size, seconds) plus frames, fps, steps, seed."""
+    """``POST /v1/videos``: OpenAI's fields (prompt, model, size, seconds) plus frames, fps, steps, seed,
+    adapters and the step cache."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -86,13 +87,18 @@ class VideoCreateRequest(BaseModel):
         description="The first frame of an image-to-video model, resized to size: a file part (multipart, as "
         'OpenAI\'s client sends it), or a base64 data URL (a string or {"image_url": ...}).',
     )
+    lora: LoRARef | list[LoRARef] | None = Field(
+        default=None,
+        description="Adapter(s) for this video, each {name, scale} (as on /v1/images/generations); in a "
+        "multipart form: JSON text, or lora[name] and lora[scale] fields for one adapter.",
+    )
     cache: CacheSettings | None = Field(
         default=None,
         description="Step cache of this video (as on /v1/images/generations); in a multipart form: JSON text, "
         "or cache[policy], cache[threshold], ... fields (as OpenAI's client sends extra_body).",
     )
 
-    _cache_json = field_validator("cache", mode="before")(json_field)
+    _json = field_validator("lora", "cache", mode="before")(json_field)
 
 
 def _data_url(value: str) -> bytes:
@@ -204,6 +210,7 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
         guidance_scale=body.guidance_scale,
         guidance_scale_2=body.guidance_scale_2,
         cache=body.cache,
+        lora=() if body.lora is None else tuple(body.lora if isinstance(body.lora, list) else [body.lora]),
         **kwargs,
     )
 

@@ -145,7 +145,7 @@ class GenerateEvent(_message.Message):
     def __init__(self, progress: _Optional[_Union[Progress, _Mapping]] = ..., result: _Optional[_Union[GenerateResponse, _Mapping]] = ...) -> None: ...
 
 class CreateVideoRequest(_message.Message):
-    __slots__ = ("prompt", "model", "size", "seconds", "num_frames", "fps", "num_inference_steps", "guidance_scale", "negative_prompt", "seed", "input_reference", "guidance_scale_2", "cache")
+    __slots__ = ("prompt", "model", "size", "seconds", "num_frames", "fps", "num_inference_steps", "guidance_scale", "negative_prompt", "seed", "input_reference", "guidance_scale_2", "cache", "lora")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,7 @@ class CreateVideoRequest(_message.Message):
     INPUT_REFERENCE_FIELD_NUMBER: _ClassVar[int]
     GUIDANCE_SCALE_2_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     model: str
     size: str
@@ -172,7 +173,8 @@ class CreateVideoRequest(_message.Message):
     input_reference: bytes
     guidance_scale_2: float
     cache: StepCache
-    def __init__(self, prompt: _Optional[str] = ..., model: _Optional[str] = ..., size: _Optional[str] = ..., seconds: _Optional[str] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., negative_prompt: _Optional[str] = ..., seed: _Optional[int] = ..., input_reference: _Optional[bytes] = ..., guidance_scale_2: _Optional[float] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ...) -> None: ...
+    lora: _containers.RepeatedCompositeFieldContainer[LoRARef]
+    def __init__(self, prompt: _Optional[str] = ..., model: _Optional[str] = ..., size: _Optional[str] = ..., seconds: _Optional[str] = ..., num_frames: _Optional[int] = ..., fps: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., negative_prompt: _Optional[str] = ..., seed: _Optional[int] = ..., input_reference: _Optional[bytes] = ..., guidance_scale_2: _Optional[float] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ..., lora: _Optional[_Iterable[_Union[LoRARef, _Mapping]]] = ...) -> None: ...
 
 class VideoRef(_message.Message):
     __slots__ = ("id", "variant")

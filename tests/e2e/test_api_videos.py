@@ -25,11 +25,14 @@ TTL_S = 6
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
+    from tests.unit.test_lora_wan import weights, write_original  # an adapter that fits demo-wan
+
+    style = write_original(tmp_path_factory.mktemp("loras") / "style.safetensors", weights(1))
     proc = ServeProcess(
         "--model", "demo-wan", "--api-key", KEY, "--api-key-for-generation",
         "--max-frames", "9", "--max-steps", "20", "--max-width", "64", "--max-height", "64",
-        "--video-ttl-s", str(TTL_S),
+        "--video-ttl-s", str(TTL_S), "--lora-path", f"style={style}",
     )  # fmt: skip
     yield proc
     assert proc.stop() == 0, proc.output()
@@ -279,8 +282,39 @@ def test_step_cache_from_openai_client_and_form_json(server, client):
     for extra, param in (
         ({"cache": {"policy": "sometimes"}}, "cache"),
         ({"cache": {"threshold": "high"}}, "cache"),
-        ({"lora": [{"name": "a"}]}, "lora"),
+        ({"lora": [{"name": "style"}]}, "lora"),
     ):
         with pytest.raises(openai.BadRequestError) as info:
             client.videos.create(prompt="waves", extra_body=extra)
         assert info.value.body["param"].startswith(param), (extra, info.value.body)
+
+
+def test_lora_per_video(server, client):
+    """An adapter named by a video request changes that video, from the openai client (lora[name] form
+    fields), JSON and gRPC alike; an adapter that is not loaded is a 400 naming lora."""
+    settings = {"num_frames": 5, "num_inference_steps": 2, "seed": 4}
+
+    def frames(extra: dict) -> object:
+        job = client.videos.create(prompt="a fox", size="64x64", extra_body={**settings, **extra})
+        done, _ = wait(client, job.id)
+        assert done.status == "completed", done
+        return decode_mp4(client.videos.download_content(job.id).read())
+
+    plain = frames({})
+    styled = frames({"lora": {"name": "style", "scale": 1.0}})
+    assert psnr(styled, plain) < 30
+    assert psnr(frames({"lora": {"name": "style", "scale": 0.0}}), plain) >= 40
+    r = httpx.post(
+        f"{server.base_url}/v1/videos",
+        json={"prompt": "a fox", "size": "64x64", **settings, "lora": [{"name": "style"}]},
+        headers=AUTH,
+    )
+    assert r.status_code == 200, r.text
+    done, _ = wait(client, r.json()["id"])
+    assert psnr(decode_mp4(client.videos.download_content(done.id).read()), styled) >= 40
+    with Client(f"127.0.0.1:{server.grpc_port}", api_key=KEY) as c:
+        job = c.create_video("a fox", size="64x64", **settings, lora=[pb.LoRARef(name="style")])
+        assert psnr(decode_mp4(c.wait_video(job.id, poll_s=0.1)), styled) >= 40
+    with pytest.raises(openai.BadRequestError) as info:
+        client.videos.create(prompt="a fox", extra_body={"lora": {"name": "nope"}})
+    assert info.value.body["param"] == "lora" and "nope" in info.value.message
