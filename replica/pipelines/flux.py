@@ -68,6 +68,11 @@ class FluxRunner(PipelineRunner):
         resolution nearest its aspect ratio, VAE-encoded (the mode), packed; ids with first coordinate 1."""
         pipe = self.pipe
         multiple = pipe.vae_scale_factor * 2
+        if min(image.size) < multiple:  # diffusers rounds its sides down to the multiple: nothing is left
+            raise ValueError(
+                f"image: the reference is {image.width}x{image.height}; FLUX.1 Kontext takes references of at "
+                f"least {multiple} pixels a side"
+            )
         height, width = pipe.image_processor.get_default_height_width(image)
         aspect = width / height
         _, width, height = min((abs(aspect - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)

@@ -330,6 +330,16 @@ def test_kontext_one_rank_is_diffusers(kontext_one_rank):
     assert psnr(ours, to_uint8(reference)[0]) >= 40
 
 
+def test_kontext_refuses_a_reference_under_its_multiple(kontext_one_rank):
+    """A reference with a side under 16 pixels (diffusers would divide by its rounded-down side, 0) is bad
+    input naming the image (a 400 at the server), not a ZeroDivisionError (a 500)."""
+    pipe = kontext_one_rank[1]
+    runner = FluxRunner(pipe, device=torch.device("cpu"), dtype=torch.float32, max_sequence_length=512)
+    tiny = KONTEXT.model_copy(update={"images": (png(scene((8, 8))),)})
+    with pytest.raises(ValueError, match=r"^image: the reference is 8x8; .* at least 16 pixels a side"):
+        runner.add("tiny", tiny)
+
+
 def test_kontext_engine_ulysses2_is_one_rank(kontext_folder, kontext_one_rank):
     """Reference tokens sharded with the generated ones over two ranks (gloo), the output gathered; batched
     with a request of the same reference (their rows share the forward)."""
