@@ -35,7 +35,7 @@ from ditserve.replica.request import GenerationParams
 
 from .api_videos import _nested as nest_form_fields
 from .errors import BadRequest
-from .http_base import REPLICA_HEADER, check_size, frontend
+from .http_base import MIN_SIDE, REPLICA_HEADER, check_size, frontend
 from .schemas import ImageData, ImageEditRequest, ImagesResponse, usage_of
 
 EDITS_PATH = "/v1/images/edits"
@@ -64,11 +64,12 @@ def _edit_size(fe: Any, size: str | None, sizes: list[tuple[int, int]]) -> tuple
     width, height = first
     scale = min(1.0, limits.max_width / width, limits.max_height / height)
     width, height = int(width * scale) // multiple * multiple, int(height * scale) // multiple * multiple
-    if not width or not height:  # the image's own sides, not the pipeline's choice from them
+    least = max(multiple, MIN_SIDE)
+    if min(width, height) < least:  # the image's own sides, not the pipeline's choice from them
         shown = ", ".join(f"{w}x{h}" for w, h in sizes)
         raise BadRequest(
             f"size: the image ({shown}) fitted within {limits.max_width}x{limits.max_height} is under "
-            f"{multiple} pixels on a side; give size",
+            f"{least} pixels on a side; give size",
             param="size",
         )
     return width, height

@@ -14,6 +14,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from ditserve.replica.request import GenerationParams
+
 from .errors import (
     BadRequest,
     Conflict,
@@ -222,12 +224,18 @@ def requested_size(size: str | None, default: str) -> str:
     return default if size in (None, "", "auto") else size
 
 
+# The least side a request may ask (GenerationParams' width / height bound), whatever the model's multiple.
+MIN_SIDE = next(m.ge for m in GenerationParams.model_fields["width"].metadata if hasattr(m, "ge"))
+
+
 def check_size(size: str, max_width: int, max_height: int, multiple: int = 16) -> tuple[int, int]:
     width, height = parse_size(size)
     if width % multiple or height % multiple or width == 0 or height == 0:
         raise BadRequest(
             f"size: {size} must have a width and height that are multiples of {multiple}", param="size"
         )
+    if min(width, height) < MIN_SIDE:  # a model whose multiple is under it (a small VAE)
+        raise BadRequest(f"size: {size} is below the minimum of {MIN_SIDE} pixels a side", param="size")
     if width > max_width or height > max_height:
         raise BadRequest(f"size: {size} is above the maximum {max_width}x{max_height}", param="size")
     return width, height

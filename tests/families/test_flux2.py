@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import Flux2KleinPipeline, Flux2Pipeline
+from openai import BadRequestError
 from PIL import Image
 
 from ditserve.replica.caching.settings import CacheSettings
@@ -223,6 +224,16 @@ def test_serve_and_openai_client(dev_folder, dev_expected):
             response_format="b64_json",
             extra_body={"num_inference_steps": 3, "seed": 4, "guidance_scale": 2.5},
         )
+        # The tiny VAE's size multiple is 8: 8 pixels a side is a multiple, still under every model's 16.
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 8)).save(buf, format="PNG")
+        for call in (
+            lambda: client.images.generate(prompt="a", size="8x8"),
+            lambda: client.images.edit(image=("tiny.png", buf.getvalue(), "image/png"), prompt="a"),
+        ):
+            with pytest.raises(BadRequestError) as info:
+                call()
+            assert info.value.body["param"] == "size" and "16 pixels" in info.value.body["message"]
     got = b64_pixels(result)
     assert got.shape == (64, 64, 3)
     assert psnr(got, dev_expected[0]) >= 40
