@@ -66,6 +66,7 @@ class VideoCreateRequest(BaseModel):
     size: str | None = Field(default=None, description="WIDTHxHEIGHT (default: the model's native size).")
     seconds: float | None = Field(
         default=None,
+        allow_inf_nan=False,
         gt=0,
         le=600,
         description="Duration (default 1, capped by max_frames); frames = seconds·fps, rounded to what the model takes.",
@@ -73,11 +74,14 @@ class VideoCreateRequest(BaseModel):
     num_frames: int | None = Field(default=None, ge=1, description="Frames (overrides seconds).")
     fps: int = Field(default=16, ge=1, le=120, description="Frame rate of the MP4.")
     num_inference_steps: int = Field(default=20, ge=1, description="Denoising steps.")
-    guidance_scale: float | None = Field(default=None, ge=0, le=100, description="CFG scale (model default).")
+    guidance_scale: float | None = Field(
+        default=None, allow_inf_nan=False, ge=0, le=100, description="CFG scale (model default)."
+    )
     negative_prompt: str | None = Field(default=None, description="What not to film.")
     seed: int | None = Field(default=None, ge=0, lt=2**63, description="Random seed (random when absent).")
     guidance_scale_2: float | None = Field(
         default=None,
+        allow_inf_nan=False,
         ge=0,
         le=100,
         description="Two-expert models (Wan 2.2 A14B): the low-noise expert's CFG scale (default: guidance_scale).",

@@ -228,6 +228,13 @@ BAD = {
     "frames above max": ({"prompt": "a", "num_frames": 13}, AUTH, 400, "num_frames"),
     "seconds above max": ({"prompt": "a", "seconds": 30}, AUTH, 400, "seconds"),
     "seconds not a number": ({"prompt": "a", "seconds": "long"}, AUTH, 400, "seconds"),
+    "seconds NaN": ({"prompt": "a", "seconds": "nan"}, AUTH, 400, "seconds: Input should be a finite number"),
+    "guidance NaN": (
+        {"prompt": "a", "guidance_scale": "NaN"},
+        AUTH,
+        400,
+        "guidance_scale: Input should be a finite",
+    ),
     "size above max": ({"prompt": "a", "size": "128x128"}, AUTH, 400, "size"),
     "unknown model": ({"prompt": "a", "model": "sora-2"}, AUTH, 400, "model"),
     "missing prompt": ({"seconds": 1}, AUTH, 400, "prompt"),
