@@ -10,6 +10,7 @@
 #       # demo-scenes-video only, three recipes side by side (OUT/video_a, video_b, video_c):
 #       # a: the defaults; b: a token per latent pixel (--patch-size 1 1 1); c: the shape's latents weighted
 #       # 5x in the loss. b and c train on 5- and 9-frame clips only (the scored clips are 5 frames).
+#   VIDEO_VAE_S / VIDEO_TRANSFORMER_S: the video budgets in seconds (default 60 / 360), for shorter runs.
 #
 # Each folder gets its model card (README.md, with the held-out table) and train.log; both tables are
 # printed at the end, and both folders are packed into OUT/demos.tar.gz. Needs torch and diffusers; the
@@ -37,7 +38,8 @@ else
     # a step: launch-bound, so a batch of 512 sees four times the clips at a small cost in steps.
     image=(--device cuda --decoder-steps 4000 --vae-time-budget-s 60 --steps 20000 --time-budget-s 300
            --batch-size 512 --vae-batch-size 128 --lr 0.0002 --pool-size 49152 --eval-scenes 24 --eval-seeds 2)
-    video=(--device cuda --vae-steps 20000 --vae-time-budget-s 60 --steps 30000 --time-budget-s 360
+    video=(--device cuda --vae-steps 20000 --vae-time-budget-s "${VIDEO_VAE_S:-60}" --steps 30000
+           --time-budget-s "${VIDEO_TRANSFORMER_S:-360}"
            --batch-size 512 --vae-batch-size 128 --vae-lr 0.003 --lr 0.0005 --eval-scenes 24 --eval-seeds 1)
 fi
 
