@@ -140,8 +140,9 @@ def reference_bytes(body: VideoCreateRequest, upload: bytes | None) -> bytes | N
 
 
 def reference_allowance(fe: Any) -> int:
-    """Bytes a video request may carry beyond ``max_body_bytes``: the first frame, where the model takes one."""
-    return fe.args.max_image_bytes if fe.spec.first_frame != "none" else 0
+    """Bytes a video request may carry beyond ``max_body_bytes``: the first frame, where the model takes one,
+    at its size as a JSON data URL (base64: 4 bytes for every 3; a file part is checked when decoded)."""
+    return 4 * -(-fe.args.max_image_bytes // 3) if fe.spec.first_frame != "none" else 0
 
 
 def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None) -> GenerationParams:

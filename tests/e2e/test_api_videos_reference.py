@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 from openai import OpenAI
+from PIL import Image
 
 from ditserve.cluster.client import Client
 from ditserve.replica.media import decode_mp4
@@ -23,6 +24,7 @@ from tests.families.wan_i2v import build_folder, reference_png
 from tests.helpers import ServeProcess
 
 MAX_IMAGE_BYTES = 50_000
+MAX_BODY_BYTES = 4096  # the fields; a first frame up to MAX_IMAGE_BYTES comes on top
 FIELDS = {"num_frames": 5, "num_inference_steps": 2, "seed": 3, "fps": 8}
 
 
@@ -31,7 +33,7 @@ def server(tmp_path_factory):
     folder = build_folder(tmp_path_factory.mktemp("i2v") / "wan-i2v-tiny")
     proc = ServeProcess(
         "--model", str(folder), "--max-frames", "9", "--max-steps", "4", "--max-width", "64",
-        "--max-height", "64", "--max-image-bytes", str(MAX_IMAGE_BYTES),
+        "--max-height", "64", "--max-image-bytes", str(MAX_IMAGE_BYTES), "--max-body-bytes", str(MAX_BODY_BYTES),
     )  # fmt: skip
     yield proc
     assert proc.stop() == 0, proc.output()
@@ -95,6 +97,19 @@ def test_data_urls_and_grpc_bytes(server, client):
     r = httpx.post(
         f"{server.base_url}/v1/videos",
         json={"prompt": "a square", "size": "64x48", "input_reference": url, **FIELDS},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    assert wait(client, r.json()["id"]).status == "completed"
+    # a first frame near --max-image-bytes: its data URL is a third larger, and still taken
+    noise = Image.frombytes("RGB", (120, 120), os.urandom(120 * 120 * 3))
+    buf = io.BytesIO()
+    noise.save(buf, format="PNG")
+    assert MAX_IMAGE_BYTES - 10_000 < len(buf.getvalue()) <= MAX_IMAGE_BYTES
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    r = httpx.post(
+        f"{server.base_url}/v1/videos",
+        json={"prompt": "noise", "size": "64x48", "input_reference": url, **FIELDS},
         timeout=60,
     )
     assert r.status_code == 200, r.text
