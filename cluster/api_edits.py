@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from PIL import Image
 from pydantic import ValidationError
 
@@ -82,8 +82,6 @@ def edit_params(
     fe.check_model(body.model)
     if fe.model_kind != "image":
         raise BadRequest(f"model {fe.model_name!r} makes videos; use POST /v1/videos", param="model")
-    if body.stream:
-        raise BadRequest("stream: edits answer with the whole result; leave stream out", param="stream")
     if body.response_format != "b64_json":
         raise BadRequest("response_format: only 'b64_json' is supported", param="response_format")
     limits = fe.args
@@ -228,13 +226,22 @@ def _form_schema() -> dict[str, Any]:
         "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": _form_schema()}}}
     },
 )
-async def images_edits(request: Request, fe: Any = Depends(frontend)) -> JSONResponse:
-    """Edit (reference images) or image-to-image, by the served model's family."""
+async def images_edits(request: Request, fe: Any = Depends(frontend)) -> Response:
+    """Edit (reference images) or image-to-image, by the served model's family. With ``stream: true``:
+    server-sent ``image_edit.*`` events (api_stream), ``partial_images`` of them previews."""
     fe.check_auth(request, admin=False)
     fields, images, mask = _read_form(request.headers.get("content-type", ""), await request.body())
     # lora[name], cache[policy]: a mapping OpenAI's client sent from extra_body, folded as videos fold it
     body = validate_edit(nest_form_fields(fields))
     params, _, _ = edit_params(fe, body, images, mask)
+    if body.stream:
+        from . import api_stream  # it imports this module
+
+        if body.output_format != "png":
+            raise BadRequest("output_format: streamed images are png; leave it out", param="output_format")
+        return await api_stream.image_events(
+            fe, params, partial_images=body.partial_images, kind="image_edit"
+        )
     answer = await fe.call_engine(fe.generate.remote(params))
     # Re-encoding (jpeg / webp) is CPU work: off the event loop that serves every other request.
     response = await asyncio.to_thread(

@@ -1,4 +1,5 @@
-"""Streaming over HTTP: server-sent events for ``POST /v1/images/generations`` with ``stream: true``,
+"""Streaming over HTTP: server-sent events for ``POST /v1/images/generations`` and ``/v1/images/edits``
+with ``stream: true``,
 the realtime-session WebSocket ``/v1/sessions/{id}/stream``, and the request-body limit (413).
 
 Progress comes from the replica: the engine's per-step callback feeds ``EngineReplica.generate_stream``
@@ -12,6 +13,8 @@ SSE events (``text/event-stream``), then ``data: [DONE]``::
                                               "total", "created_at", "output_format", ...}
     event: image_generation.completed  data: {"type", "b64_json", "index", "created_at", "size", "seed", ...}
     event: error                       data: {"error": {"message", "type", "param", "code"}}
+
+Edits send the same events named ``image_edit.*`` (OpenAI's), previews by ``partial_images`` only.
 
 WebSocket protocol. The client sends JSON steps (in text or binary frames) ``{"prompt", "strength"?,
 "num_inference_steps"?, "guidance_scale"?, "seed"?, "preview"?}``; the server answers ``{"type": "progress", "step", "total",
@@ -155,14 +158,14 @@ async def engine_events(fe: Any, stream) -> AsyncIterator[dict[str, Any]]:
             pass
 
 
-def _partial(event: dict[str, Any], index: int) -> dict[str, Any]:
+def _partial(event: dict[str, Any], index: int, kind: str) -> dict[str, Any]:
     """OpenAI's ``image_generation.partial_image`` shape (the picture in ``b64_json``, and under its first
     name ``partial_image_b64``), plus the step it shows; the picture is the latents' own (1/8 of the image
     size, ``size`` says), not a decoded image."""
     picture = base64.b64encode(event["preview"]).decode()
     width, height = image_size(event["preview"])
     return {
-        "type": "image_generation.partial_image",
+        "type": f"{kind}.partial_image",
         "partial_image_index": index,
         "b64_json": picture,
         "partial_image_b64": picture,
@@ -182,12 +185,17 @@ def _sse(event: str, data: dict[str, Any] | str) -> str:
 
 
 async def image_events(
-    fe: Any, params: GenerationParams, preview: bool = False, partial_images: int | None = None
+    fe: Any,
+    params: GenerationParams,
+    preview: bool = False,
+    partial_images: int | None = None,
+    kind: str = "image_generation",
 ) -> StreamingResponse:
     """``stream: true`` images: the first event is awaited here, so errors known before the first step
     (bad adapter, full queue, no replica) get their status code instead of a 200 stream. With
     ``preview``, each step but the last is followed by an ``image_generation.partial_image`` event;
-    ``partial_images`` (OpenAI's field) keeps only that many, the last steps' (0: none)."""
+    ``partial_images`` (OpenAI's field) keeps only that many, the last steps' (0: none). ``kind`` names
+    the events: ``image_generation`` (generations) or ``image_edit`` (edits), as OpenAI's."""
     if partial_images is not None and not preview:
         preview = partial_images > 0
     events = engine_events(fe, fe.engine.options(stream=True).generate_stream.remote(params, preview))
@@ -200,21 +208,21 @@ async def image_events(
             while event is not None:
                 if event["type"] == "progress":
                     data = {
-                        "type": "image_generation.progress",
+                        "type": f"{kind}.progress",
                         "step": event["step"],
                         "total": event["total"],
                     }
-                    yield _sse("image_generation.progress", data)
+                    yield _sse(f"{kind}.progress", data)
                     # steps 1 .. total-1 carry a preview; partial_images keeps the last ones
                     shown = partial_images is None or event["step"] >= event["total"] - partial_images
                     if event.get("preview") and shown:
-                        yield _sse("image_generation.partial_image", _partial(event, partial_index))
+                        yield _sse(f"{kind}.partial_image", _partial(event, partial_index, kind))
                         partial_index += 1
                 else:
                     result = event["result"]
                     for index, png in enumerate(result.outputs):
                         data = {
-                            "type": "image_generation.completed",
+                            "type": f"{kind}.completed",
                             "index": index,
                             "b64_json": base64.b64encode(png).decode(),
                             "created_at": int(time.time()),
@@ -225,7 +233,7 @@ async def image_events(
                             "quality": "auto",
                             "usage": usage_of(result),
                         }
-                        yield _sse("image_generation.completed", data)
+                        yield _sse(f"{kind}.completed", data)
                 event = await anext(events, None)
         except ServeError as exc:
             yield _sse("error", error_body(exc))

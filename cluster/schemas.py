@@ -254,15 +254,25 @@ class ImageEditRequest(BaseModel):
     output_compression: int | None = Field(
         default=None, ge=0, le=100, description="jpeg / webp quality, 0-100 (default 100); png ignores it."
     )
-    # OpenAI's fields, accepted and ignored: the images are opaque, one quality, no partial images.
+    # OpenAI's fields, accepted and ignored: the images are opaque, one quality.
     user: str | None = None
     safety_identifier: str | None = None
     quality: str | None = None
     complexity: str | None = None
     input_fidelity: Literal["high", "low"] | None = None
     background: Literal["auto", "opaque"] | None = None
-    partial_images: int | None = Field(default=None, ge=0, le=3)
-    stream: bool = Field(default=False, description="Streaming is not served for edits (false only).")
+    # OpenAI's streaming fields
+    partial_images: int | None = Field(
+        default=None,
+        ge=0,
+        le=3,
+        description="With stream: how many image_edit.partial_image events (the last steps' latent "
+        "previews); 0 or absent: none.",
+    )
+    stream: bool = Field(
+        default=False,
+        description="Server-sent events: image_edit.progress per step, image_edit.completed per image (png).",
+    )
 
     _lora_json = field_validator("lora", "cache", mode="before")(json_field)
 

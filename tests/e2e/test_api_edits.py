@@ -200,6 +200,26 @@ def test_openai_client_mappings_in_extra_body(server):
     assert info.value.body["param"] == "size" and "(512x16)" in info.value.body["message"]
 
 
+def test_openai_client_streams_an_edit(server):
+    """stream=True on an edit: image_edit.progress per step, partial_images previews (b64_json), then
+    image_edit.completed with the image the same edit answers unstreamed; a stream is png only."""
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    asked = {"image": ("scene.png", SOURCE, "image/png"), "prompt": "a red square"}
+    settings = {"seed": 5, "num_inference_steps": 4, "strength": 1.0}
+    events = list(client.images.edit(**asked, stream=True, partial_images=1, extra_body=settings))
+    kinds = [e.type for e in events]
+    assert kinds == ["image_edit.progress"] * 3 + ["image_edit.partial_image", "image_edit.progress"] + [
+        "image_edit.completed"
+    ]
+    assert png_pixels(base64.b64decode(events[3].b64_json)).shape == (8, 8, 3)
+    assert events[-1].size == "64x64" and events[-1].output_format == "png"
+    plain = client.images.edit(**asked, extra_body=settings)
+    assert events[-1].b64_json == plain.data[0].b64_json
+    with pytest.raises(BadRequestError) as info:
+        client.images.edit(**asked, stream=True, output_format="jpeg", extra_body=settings)
+    assert info.value.body["param"] == "output_format"
+
+
 # -- bad uploads, HTTP and gRPC ---------------------------------------------------------------------------
 HTTP_CASES = [
     ("not an image", {"image": ("a.png", b"not an image", "image/png")}, {}, "image"),
