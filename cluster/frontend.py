@@ -261,14 +261,16 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         return {"status": "ok"}
 
     def check_prompt_and_steps(self, body: Any) -> Any:
-        """Limits every generation body shares (images, videos): prompt length and steps. A body that leaves
-        the steps out gets the default capped by ``--max-steps``."""
+        """Limits every generation body shares (images, videos): prompt and negative prompt length, steps. A
+        body that leaves the steps out gets the default capped by ``--max-steps``."""
         limits = self.args
-        if len(body.prompt) > limits.max_prompt_chars:
-            raise BadRequest(
-                f"prompt: {len(body.prompt)} characters is above the maximum {limits.max_prompt_chars}",
-                param="prompt",
-            )
+        for name in ("prompt", "negative_prompt"):
+            text = getattr(body, name, None) or ""
+            if len(text) > limits.max_prompt_chars:
+                raise BadRequest(
+                    f"{name}: {len(text)} characters is above the maximum {limits.max_prompt_chars}",
+                    param=name,
+                )
         if "num_inference_steps" not in body.model_fields_set:
             body = body.model_copy(
                 update={"num_inference_steps": min(body.num_inference_steps, limits.max_steps)}

@@ -238,6 +238,12 @@ BAD = {
     "size above max": ({"prompt": "a", "size": "128x128"}, AUTH, 400, "size"),
     "unknown model": ({"prompt": "a", "model": "sora-2"}, AUTH, 400, "model"),
     "missing prompt": ({"seconds": 1}, AUTH, 400, "prompt"),
+    "negative prompt too long": (
+        {"prompt": "a", "negative_prompt": "b" * 5000},
+        AUTH,
+        400,
+        "negative_prompt: 5000",
+    ),
     "file upload": (None, AUTH, 400, "input_reference"),
 }
 
