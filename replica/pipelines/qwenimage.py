@@ -123,7 +123,10 @@ class QwenImageRunner(PipelineRunner):
             return []  # a start image is not a reference: ``_start_latents``
         limit = 3 if self.plus else 1
         if not params.images:
-            raise ValueError(f"image: {cls} edits a reference image; give 1 to {limit}")
+            raise ValueError(
+                f"image: {cls} edits a reference image; give 1 to {limit} (POST /v1/images/edits, not "
+                "/v1/images/generations)"
+            )
         if len(params.images) > limit:
             raise ValueError(
                 f"image: {cls} takes at most {limit} reference image(s), got {len(params.images)}"
