@@ -48,7 +48,7 @@ def upload_allowance(fe: Any) -> int:
     """Bytes an edit request may carry beyond ``max_body_bytes``: its image files (the model's reference
     count, or one start image) and a mask where the family inpaints."""
     family = fe.spec.family_spec
-    files = max(1, family.max_references) + (1 if family.inpainting else 0)
+    files = max(1, fe.spec.max_references) + (1 if family.inpainting else 0)
     return files * fe.args.max_image_bytes
 
 

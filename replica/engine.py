@@ -206,9 +206,9 @@ class Engine:
             return
         count = len(params.images)
         if spec.edits:
-            if count > family.max_references:
+            if count > spec.max_references:
                 raise ValueError(
-                    f"image: {spec.name} takes at most {family.max_references} reference image(s), got {count}"
+                    f"image: {spec.name} takes at most {spec.max_references} reference image(s), got {count}"
                 )
         elif family.img2img:
             if count > 1:

@@ -106,6 +106,8 @@ class Family:
     # pipelines of ``pipelines`` that take reference images (POST /v1/images/edits), and how many at most
     edit_pipelines: frozenset[str] = frozenset()
     max_references: int = 0
+    # fewer for some of those pipelines, by class name (QwenImageEditPipeline: 1 of the family's 3)
+    pipeline_references: Mapping[str, int] = field(default_factory=dict)
     # The output (width, height) of an edit request that names no size, from its references' (width,
     # height) in order, where the edit pipeline has its own rule (Qwen-Image-Edit: the last reference's
     # aspect at about 1024² pixels); None: the first reference's size.

@@ -82,6 +82,12 @@ class ModelSpec:
         return self.family_spec.heads(self.transformer_config())
 
     @property
+    def max_references(self) -> int:
+        """How many reference images this folder's pipeline takes (its family's count, or its own)."""
+        family = self.family_spec
+        return family.pipeline_references.get(self.pipeline_class, family.max_references)
+
+    @property
     def edits(self) -> bool:
         """Whether the model takes reference images (POST /v1/images/edits without image-to-image)."""
         return self.pipeline_class in self.family_spec.edit_pipelines

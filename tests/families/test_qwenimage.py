@@ -21,6 +21,8 @@ from diffusers import (
 )
 from PIL import Image
 
+from ditserve.replica.config import EngineConfig
+from ditserve.replica.engine import Engine
 from ditserve.replica.pipelines.qwenimage import QwenImageRunner
 from ditserve.replica.request import GenerationParams, LoRARef
 from tests.families.harness import (
@@ -161,7 +163,7 @@ def plus_expected(plus_pipe):
 
 
 def test_edit_plus_two_references_equal_pipeline_and_counts_are_checked(
-    plus_pipe, plus_expected, edit_folder
+    plus_pipe, plus_expected, edit_folder, plus_folder
 ):
     runner = runner_for(plus_pipe)
     assert psnr(run_runner(runner, [PLUS])[0], plus_expected) >= 40
@@ -171,6 +173,10 @@ def test_edit_plus_two_references_equal_pipeline_and_counts_are_checked(
         runner.encode(PLUS.model_copy(update={"images": (REF,) * 4}))
     with pytest.raises(ValueError, match="^image: .*at most 1"):
         runner_for(load(QwenImageEditPipeline, edit_folder)).encode(PLUS)
+    # The engine's check, before the runner: each folder's own count (Edit: 1, not the family's 3).
+    for folder, most in ((edit_folder, 1), (plus_folder, 3)):
+        with pytest.raises(ValueError, match=rf"^image: .* takes at most {most} reference image\(s\), got 4"):
+            Engine(EngineConfig(model=str(folder))).check(PLUS.model_copy(update={"images": (REF,) * 4}))
 
 
 def test_edit_size_without_size_follows_the_pipelines(edit_folder):
