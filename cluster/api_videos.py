@@ -42,6 +42,7 @@ from .schemas import ErrorResponse, Prompt, json_field
 router = APIRouter(prefix="/v1/videos", tags=["videos"])
 VIDEOS_PATH = "/v1/videos"
 REF = "#/components/schemas/{model}"  # nested models (cache) point into the OpenAPI components
+VIDEO_TOKEN = re.compile(r"[0-9a-f]{32}")  # the random part of a video id (replica_streams.create_video)
 FORM_KEY = re.compile(r"(\w+)\[(\w*)\].*")  # cache[policy]; lora[][name]
 
 
@@ -300,14 +301,19 @@ async def _read_create(request: Request) -> tuple[VideoCreateRequest, bytes | No
 
 
 def pinned(fe: Any, video_id: str):
+    """The engine handle that reaches the replica of ``video_id``. An id this server cannot have issued (a
+    replica makes ``<replica>.<32 hex digits>``) is a 404 here: sent on, an unknown replica reads as one
+    that died, and the job as failed (or deleted)."""
     try:
         session_owner(video_id)
     except ValueError:
-        raise NotFound(
-            f"video {video_id!r} does not exist (ids look like <replica>.<token>)",
-            param="video_id",
-        ) from None
-    return fe.engine.options(session_id=video_id)
+        pass
+    else:
+        if VIDEO_TOKEN.fullmatch(video_id.rpartition(".")[2]):
+            return fe.engine.options(session_id=video_id)
+    raise NotFound(
+        f"video {video_id!r} does not exist (ids look like <replica>.<32 hex digits>)", param="video_id"
+    )
 
 
 class VideoLost(Exception):

@@ -181,6 +181,12 @@ def test_list_content_and_remix_bad_input(server, client):
     assert info.value.body["param"] == "prompt"
     with pytest.raises(openai.NotFoundError):
         client.videos.remix(job.id.split(".")[0] + ".nosuch", prompt="a")
+    # ids this server never issued, of no replica: not found, never a failed job or a deletion
+    for video_id in ("my.video", "video_68d7", job.id.split(".")[0] + ".1f", job.id.upper()):
+        for call in (client.videos.retrieve, client.videos.delete, client.videos.download_content):
+            with pytest.raises(openai.NotFoundError) as info:
+                call(video_id)
+            assert info.value.body["param"] == "video_id", (video_id, call)
     for path in ("/v1/videos/edits", "/v1/videos/extensions", "/v1/videos/characters"):
         r = httpx.post(f"{server.base_url}{path}", data={"prompt": "a"}, headers=AUTH)
         assert r.status_code == 501 and "POST /v1/videos" in r.json()["error"]["message"], (path, r.text)
