@@ -179,6 +179,7 @@ class ImagesResponse(BaseModel):
     seed: int | None = Field(default=None, description="Seed used (ditserve extension).")
     size: str | None = None
     output_format: str = "png"
+    background: Literal["opaque"] = Field(default="opaque", description="The images have no transparency.")
 
 
 class ModelCard(BaseModel):

@@ -115,7 +115,7 @@ def test_openai_edit_output_formats(server):
         "extra_body": {"seed": 7, "num_inference_steps": 2},
     }
     reference = client.images.edit(**asked)
-    assert reference.output_format == "png" and reference.size == "64x64"
+    assert reference.output_format == "png" and reference.size == "64x64" and reference.background == "opaque"
     pixels = png_pixels(base64.b64decode(reference.data[0].b64_json))
     sizes = {}
     for output_format, pil_format in (("jpeg", "JPEG"), ("webp", "WEBP")):
@@ -146,6 +146,7 @@ def test_openai_generate_output_formats(server):
     result = client.images.generate(**asked, output_format="webp", quality="high", moderation="low")
     data = base64.b64decode(result.data[0].b64_json)
     assert result.output_format == "webp" and Image.open(io.BytesIO(data)).format == "WEBP"
+    assert result.background == "opaque"
     assert psnr(png_pixels(data), pixels) >= 25
     for bad, param in (
         ({"output_format": "gif"}, "output_format"),

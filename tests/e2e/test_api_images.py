@@ -70,6 +70,7 @@ def test_openai_client_image(client):
         model="demo-flux", prompt="a red fox", size="64x64", extra_body={"num_inference_steps": 2, "seed": 4}
     )
     assert png_pixels(base64.b64decode(result.data[0].b64_json)).shape == (64, 64, 3)
+    assert (result.size, result.output_format, result.background) == ("64x64", "png", "opaque")
     # OpenAI's size "auto" is the model's own size, as when it is left out
     auto, default = (
         client.images.generate(model="demo-flux", prompt="a red fox", extra_body={"num_inference_steps": 1, "seed": 4}, **size)
