@@ -284,7 +284,7 @@ async def _read_create(request: Request) -> tuple[VideoCreateRequest, bytes | No
     raw = await request.body()
     upload = None
     try:
-        if content_type.startswith("multipart/form-data"):
+        if content_type.lower().startswith("multipart/form-data"):  # media types are case-insensitive
             data, upload = _form_fields(content_type, raw)
         else:
             try:

@@ -87,6 +87,13 @@ def test_seconds_become_frames_and_json_works(server):
     )
     assert r.status_code == 200, r.text
     assert r.json()["num_frames"] == 5 and r.headers["x-ditserve-replica"] in r.json()["id"]
+    # a form whose media type is written in capitals (media types are case-insensitive)
+    form = {"prompt": (None, "a fox"), "num_frames": (None, "5"), "num_inference_steps": (None, "1")}
+    request = httpx.Request("POST", f"{server.base_url}/v1/videos", files=form, headers=AUTH)
+    content_type = request.headers["content-type"].replace("multipart/form-data", "Multipart/Form-Data")
+    r = httpx.post(request.url, content=request.read(), headers={**AUTH, "content-type": content_type})
+    assert r.status_code == 200, r.text
+    assert r.json()["num_frames"] == 5
 
 
 def test_content_before_completion_then_expiry(server, client):
