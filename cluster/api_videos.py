@@ -26,7 +26,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from ray.serve.exceptions import DeploymentUnavailableError
 
 from ditserve.replica.caching import CacheSettings
@@ -54,6 +54,17 @@ class ImageReference(BaseModel):
 
     image_url: str | None = Field(default=None, description="A base64 data URL of a PNG / JPEG / WebP image.")
     file_id: str | None = Field(default=None, description="Not supported (no files API): a 400.")
+
+
+NUMBER_FIELDS = (
+    "seconds",
+    "num_frames",
+    "fps",
+    "num_inference_steps",
+    "guidance_scale",
+    "guidance_scale_2",
+    "seed",
+)
 
 
 class VideoCreateRequest(BaseModel):
@@ -104,6 +115,15 @@ class VideoCreateRequest(BaseModel):
     )
 
     _json = field_validator("lora", "cache", mode="before")(json_field)
+
+    @field_validator(*NUMBER_FIELDS, mode="before")
+    @classmethod
+    def _not_a_boolean(cls, value: Any, info: ValidationInfo) -> Any:
+        """Numbers come as JSON numbers or as text (form fields, OpenAI's ``seconds``), never as true/false
+        (which lax parsing would read as 1 and 0)."""
+        if isinstance(value, bool):
+            raise ValueError(f"a number, not {str(value).lower()}")
+        return value
 
 
 def _data_url(value: str) -> bytes:
