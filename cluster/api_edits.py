@@ -235,13 +235,9 @@ async def images_edits(request: Request, fe: Any = Depends(frontend)) -> Respons
     body = validate_edit(nest_form_fields(fields))
     params, _, _ = edit_params(fe, body, images, mask)
     if body.stream:
-        from . import api_stream  # it imports this module
-
         if body.output_format != "png":
             raise BadRequest("output_format: streamed images are png; leave it out", param="output_format")
-        return await api_stream.image_events(
-            fe, params, partial_images=body.partial_images, kind="image_edit"
-        )
+        return await fe.stream_images(params, partial_images=body.partial_images, kind="image_edit")
     answer = await fe.call_engine(fe.generate.remote(params))
     # Re-encoding (jpeg / webp) is CPU work: off the event loop that serves every other request.
     response = await asyncio.to_thread(

@@ -310,9 +310,7 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
                 raise BadRequest(
                     "output_format: streamed images are png; leave it out", param="output_format"
                 )
-            return await api_stream.image_events(
-                self, params, preview=body.preview, partial_images=body.partial_images
-            )
+            return await self.stream_images(params, preview=body.preview, partial_images=body.partial_images)
         if body.preview:
             raise BadRequest("preview: previews come with stream: true", param="preview")
         answer = await self.call_engine(self.generate.remote(params))
@@ -334,6 +332,19 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
             response.model_dump_json(exclude_none=True),
             media_type="application/json",
             headers={REPLICA_HEADER: answer["replica"]},
+        )
+
+    async def stream_images(
+        self,
+        params: GenerationParams,
+        preview: bool = False,
+        partial_images: int | None = None,
+        kind: str = "image_generation",
+    ) -> Response:
+        """Server-sent events of an image request (``api_stream.image_events``), for the routes here and
+        in route modules that ``api_stream`` itself imports (edits)."""
+        return await api_stream.image_events(
+            self, params, preview=preview, partial_images=partial_images, kind=kind
         )
 
     @functools.cached_property
