@@ -14,7 +14,7 @@ from ditserve.replica.config import EngineConfig, ParallelFlags
 from ditserve.replica.engine import Engine
 from ditserve.replica.models.registry import resolve_model
 from ditserve.replica.models.scenes import held_out_scenes
-from ditserve.replica.models.scorer import score_scene
+from ditserve.replica.models.scorer import classify_shape, score_scene
 from ditserve.replica.request import GenerationParams
 from tests.helpers import png_pixels
 
@@ -42,7 +42,8 @@ def held_out_requests() -> list[tuple]:
 
 
 def count_right(flags: dict, **config) -> tuple[int, list, float]:
-    """(prompts drawn right of 16, the wrong ones, the share of transformer forwards the step cache answered)."""
+    """(prompts drawn right of 16 on background, shape colour and shape, the wrong ones, the share of
+    transformer forwards the step cache answered)."""
     engine = Engine(EngineConfig(model="demo-scenes", parallel=ParallelFlags(**flags), **config)).start()
     try:
         requests = held_out_requests()
@@ -51,10 +52,11 @@ def count_right(flags: dict, **config) -> tuple[int, list, float]:
     finally:
         engine.shutdown()
     images = [Image.fromarray(png_pixels(r.outputs[0])) for r in results]
+    scored = [(*score_scene(img), classify_shape(img)) for img in images]
     wrong = [
-        (s.caption, score_scene(img))
-        for (s, _), img in zip(requests, images, strict=True)
-        if score_scene(img) != (s.background, s.colour)
+        (s.caption, got)
+        for (s, _), got in zip(requests, scored, strict=True)
+        if got != (s.background, s.colour, s.shape)
     ]
     forwards = sum(r.usage["transformer_forwards"] for r in results)
     cached = sum(r.usage["cached_forwards"] for r in results)
@@ -103,4 +105,5 @@ def test_readme_prompt_through_generate(tmp_path):
         str(out),
     ]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
-    assert score_scene(Image.open(out)) == ("purple", "yellow")
+    image = Image.open(out)
+    assert (*score_scene(image), classify_shape(image)) == ("purple", "yellow", "triangle")
