@@ -80,7 +80,7 @@ class RealtimeInit(BaseModel):
     """The first message of a session (fields SGLang clients send that do not apply here are ignored). As in
     SGLang, every optional field may be sent as nil, meaning its default."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     type: Literal["init"]
     prompt: Prompt
@@ -105,7 +105,7 @@ class RealtimeInit(BaseModel):
 
 
 class RealtimeEvent(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     type: Literal["event"]
     kind: str

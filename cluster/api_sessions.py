@@ -36,7 +36,7 @@ class SessionOpenRequest(BaseModel):
 
 
 class SessionGenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     prompt: Prompt = Field(description="What to draw (this step).")
     strength: float = Field(

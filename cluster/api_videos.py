@@ -71,7 +71,7 @@ class VideoCreateRequest(BaseModel):
     """``POST /v1/videos``: OpenAI's fields (prompt, model, size, seconds) plus frames, fps, steps, seed,
     adapters and the step cache."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     prompt: Prompt = Field(description="What to film.")
     model: str | None = Field(default=None, description="Model name (default: the served one).")
@@ -533,7 +533,7 @@ class VideoRemixRequest(BaseModel):
     """``POST /v1/videos/{id}/remix``: the new prompt; everything else (size, frames, steps, seed, first
     frame) is the completed video's."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     prompt: Prompt = Field(description="What the remix films.")
 

@@ -60,7 +60,7 @@ def parse_size(size: str) -> tuple[int, int]:
 class ImageGenerationRequest(BaseModel):
     """``POST /v1/images/generations``: OpenAI's fields plus negative_prompt, steps, guidance, seed, lora."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     prompt: Prompt = Field(description="What to draw.")
     model: str | None = Field(
@@ -216,7 +216,7 @@ class ImageEditRequest(BaseModel):
     The files (``image`` or ``image[]``, ``mask``) travel beside them. Values arrive as form text, so numbers
     are read from their text; ``lora`` and ``cache`` are JSON text."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     prompt: Prompt = Field(description="What the edited image shows.")
     model: str | None = Field(

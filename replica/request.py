@@ -16,7 +16,7 @@ from .caching.settings import CacheSettings
 class LoRARef(BaseModel):
     """One adapter applied to a request: a loaded adapter's name and its strength."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str = Field(min_length=1, description="Name of a loaded LoRA adapter.")
     scale: float | None = Field(

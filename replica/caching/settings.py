@@ -37,7 +37,7 @@ class CacheSettings(BaseModel):
     """A request's step cache: ``{"policy": "fbcache", "threshold": 0.1}`` or
     ``{"policy": "taylorseer", "interval": 3, "warmup": 2, "order": 1}``."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     policy: CachePolicy = Field(
         default="none",

@@ -402,6 +402,7 @@ def _chunked(size: int):
 
 
 GEN = "/v1/images/generations"
+JSON = {"content-type": "application/json"}
 ADMIN = {"authorization": f"Bearer {KEY}"}
 HTTP_CASES = {
     "missing prompt": (lambda s: _post(s, GEN, {"size": "64x64"}), 400, "prompt"),
@@ -419,6 +420,10 @@ HTTP_CASES = {
     "steps above max": (lambda s: _post(s, GEN, {"prompt": "a fox", "num_inference_steps": 50}), 400, "num_inference_steps"),
     "guidance negative": (lambda s: _post(s, GEN, {"prompt": "a fox", "guidance_scale": -1}), 400, "guidance_scale"),
     "seed negative": (lambda s: _post(s, GEN, {"prompt": "a fox", "seed": -5}), 400, "seed"),
+    "guidance NaN": (lambda s: _post(s, GEN, content=b'{"prompt": "a fox", "guidance_scale": NaN}', headers=JSON), 400, "guidance_scale: Input should be a finite number"),
+    "true CFG infinite": (lambda s: _post(s, GEN, content=b'{"prompt": "a fox", "true_cfg_scale": Infinity}', headers=JSON), 400, "true_cfg_scale: Input should be a finite number"),
+    "adapter scale NaN": (lambda s: _post(s, GEN, content=b'{"prompt": "a fox", "lora": {"name": "style", "scale": NaN}}', headers=JSON), 400, "finite number"),
+    "cache threshold NaN": (lambda s: _post(s, GEN, content=b'{"prompt": "a fox", "cache": {"policy": "fbcache", "threshold": NaN}}', headers=JSON), 400, "finite number"),
     "unknown field": (lambda s: _post(s, GEN, {"prompt": "a fox", "colour": "red"}), 400, "colour"),
     "unknown model": (lambda s: _post(s, GEN, {"prompt": "a fox", "model": "dall-e-3"}), 400, "model"),
     "unknown adapter": (lambda s: _post(s, GEN, {"prompt": "a fox", "size": "64x64", "num_inference_steps": 1, "lora": {"name": "nope"}}), 400, "lora"),
