@@ -33,9 +33,8 @@ from pydantic import ValidationError
 from ditserve.replica.media import check_image
 from ditserve.replica.request import GenerationParams
 
-from .api_videos import _nested as nest_form_fields
 from .errors import BadRequest
-from .http_base import MIN_SIDE, REPLICA_HEADER, check_size, frontend
+from .http_base import MIN_SIDE, REPLICA_HEADER, check_size, frontend, nest_form_fields
 from .schemas import ImageData, ImageEditRequest, ImagesResponse, usage_of
 
 EDITS_PATH = "/v1/images/edits"

@@ -35,7 +35,14 @@ from ditserve.replica.models.registry import video_model_hint
 from ditserve.replica.request import GenerationParams, LoRARef
 
 from .errors import BadRequest, Conflict, NotFound, SessionGone, Unsupported
-from .http_base import ERROR_DESCRIPTIONS, REPLICA_HEADER, check_size, frontend, requested_size
+from .http_base import (
+    ERROR_DESCRIPTIONS,
+    REPLICA_HEADER,
+    check_size,
+    frontend,
+    nest_form_fields,
+    requested_size,
+)
 from .router import session_owner
 from .schemas import ErrorResponse, Prompt, json_field
 
@@ -43,7 +50,6 @@ router = APIRouter(prefix="/v1/videos", tags=["videos"])
 VIDEOS_PATH = "/v1/videos"
 REF = "#/components/schemas/{model}"  # nested models (cache) point into the OpenAPI components
 VIDEO_TOKEN = re.compile(r"[0-9a-f]{32}")  # the random part of a video id (replica_streams.create_video)
-FORM_KEY = re.compile(r"(\w+)\[(\w*)\].*")  # cache[policy]; lora[][name]
 
 
 class ImageReference(BaseModel):
@@ -269,34 +275,7 @@ def _form_fields(content_type: str, raw: bytes) -> tuple[dict[str, Any], bytes |
         if name in fields:
             raise BadRequest(f"{name}: given more than once", param=name)
         fields[name] = text
-    return _nested(fields), upload
-
-
-def _nested(fields: dict[str, str]) -> dict[str, Any]:
-    """Form names ``field[key]`` (how OpenAI's client sends a mapping given in ``extra_body``, e.g.
-    ``cache[policy]``) → ``{field: {key: value}}``, each value read as JSON where it is JSON (``0.1`` is a
-    number, ``fbcache`` stays text). A list (``field[]``) has no unambiguous form shape: JSON text is asked."""
-    data: dict[str, Any] = {}
-    for name, text in fields.items():
-        match = FORM_KEY.fullmatch(name)
-        if match is None:
-            if name in data:
-                raise BadRequest(f"{name}: given more than once", param=name)
-            data[name] = text
-            continue
-        field, key = match.groups()
-        if not key:
-            raise BadRequest(
-                f"{field}: a list cannot be sent as form fields; send it as JSON text in {field}", param=field
-            )
-        group = data.setdefault(field, {})
-        if not isinstance(group, dict) or key in group:
-            raise BadRequest(f"{field}: given more than once", param=field)
-        try:
-            group[key] = json.loads(text)
-        except ValueError:
-            group[key] = text
-    return data
+    return nest_form_fields(fields), upload
 
 
 async def _read_create(request: Request) -> tuple[VideoCreateRequest, bytes | None]:

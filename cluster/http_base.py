@@ -5,6 +5,8 @@ to reach the Frontend."""
 from __future__ import annotations
 
 import functools
+import json
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -419,3 +421,33 @@ def openapi_schema(
     if args is not None:
         _apply_limits(components, args, model_name, kind, default_size, size_multiple)
     return schema
+
+
+FORM_KEY = re.compile(r"(\w+)\[(\w*)\].*")  # cache[policy]; lora[][name]
+
+
+def nest_form_fields(fields: dict[str, str]) -> dict[str, Any]:
+    """Form names ``field[key]`` (how OpenAI's client sends a mapping given in ``extra_body``, e.g.
+    ``cache[policy]``) → ``{field: {key: value}}``, each value read as JSON where it is JSON (``0.1`` is a
+    number, ``fbcache`` stays text). A list (``field[]``) has no unambiguous form shape: JSON text is asked."""
+    data: dict[str, Any] = {}
+    for name, text in fields.items():
+        match = FORM_KEY.fullmatch(name)
+        if match is None:
+            if name in data:
+                raise BadRequest(f"{name}: given more than once", param=name)
+            data[name] = text
+            continue
+        field, key = match.groups()
+        if not key:
+            raise BadRequest(
+                f"{field}: a list cannot be sent as form fields; send it as JSON text in {field}", param=field
+            )
+        group = data.setdefault(field, {})
+        if not isinstance(group, dict) or key in group:
+            raise BadRequest(f"{field}: given more than once", param=field)
+        try:
+            group[key] = json.loads(text)
+        except ValueError:
+            group[key] = text
+    return data
