@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from ditserve.replica.media import check_image
 from ditserve.replica.request import GenerationParams
 
-from .errors import BadRequest
+from .errors import BadRequest, validation_error
 from .http_base import MIN_SIDE, REPLICA_HEADER, check_size, frontend, nest_form_fields
 from .schemas import ImageData, ImageEditRequest, ImagesResponse, usage_of
 
@@ -158,10 +158,7 @@ def validate_edit(data: dict[str, Any]) -> ImageEditRequest:
     try:
         return ImageEditRequest.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
-        message = str(first.get("msg")).removeprefix("Value error, ")
-        raise BadRequest(f"{param or 'body'}: {message}", param=param) from None
+        raise validation_error(exc.errors()) from None
 
 
 def encode_output(png: bytes, output_format: str, compression: int | None) -> bytes:

@@ -59,7 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ditserve.replica.media import check_image
 from ditserve.replica.request import GenerationParams
 
-from .errors import BadRequest, QueueFull, ReplicaUnavailable, ServeError, SessionGone
+from .errors import BadRequest, QueueFull, ReplicaUnavailable, ServeError, SessionGone, validation_error
 from .http_base import error_type, frontend, requested_size
 from .replica_realtime import CONTENT_TYPES, preview_size
 from .schemas import Prompt, parse_size
@@ -114,9 +114,7 @@ class RealtimeEvent(BaseModel):
 
 
 def _validation_message(exc: ValidationError) -> str:
-    first = exc.errors()[0]
-    field = ".".join(str(p) for p in first.get("loc", ())) or "message"
-    return f"{field}: {first.get('msg')}"
+    return validation_error(exc.errors(), whole="message").message
 
 
 def _first_frame(value: bytes | str) -> bytes:

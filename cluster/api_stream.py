@@ -57,6 +57,7 @@ from .errors import (
     ReplicaUnavailable,
     ServeError,
     SessionGone,
+    validation_error,
 )
 from .http_base import REPLICA_HEADER, error_body, frontend, http_status, registered_frontend
 from .router import session_owner
@@ -273,9 +274,7 @@ def step_params(fe: Any, step: SessionGenerateRequest) -> GenerationParams:
 
 
 def _validation_error(exc: ValidationError) -> BadRequest:
-    first = exc.errors()[0]
-    param = ".".join(str(p) for p in first.get("loc", ())) or None
-    return BadRequest(f"{param or 'message'}: {first.get('msg')}", param=param)
+    return validation_error(exc.errors(), whole="message")
 
 
 def _close_code(exc: ServeError) -> int:

@@ -34,7 +34,7 @@ from ditserve.replica.media import check_image, image_size
 from ditserve.replica.models.registry import video_model_hint
 from ditserve.replica.request import GenerationParams, LoRARef
 
-from .errors import BadRequest, Conflict, NotFound, SessionGone, Unsupported
+from .errors import BadRequest, Conflict, NotFound, SessionGone, Unsupported, validation_error
 from .http_base import (
     ERROR_DESCRIPTIONS,
     REPLICA_HEADER,
@@ -294,9 +294,7 @@ async def _read_create(request: Request) -> tuple[VideoCreateRequest, bytes | No
                 raise BadRequest("request body must be a JSON object")
         return VideoCreateRequest.model_validate(data), upload
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
-        raise BadRequest(f"{param or 'body'}: {first.get('msg')}", param=param) from None
+        raise validation_error(exc.errors()) from None
 
 
 def pinned(fe: Any, video_id: str):

@@ -90,6 +90,47 @@ class InternalError(ServeError):
     """A failure of ours, not the request's; the message says where to look."""
 
 
+_LOCATIONS = ("body", "query", "path", "header")  # where FastAPI found a field: not a field name
+
+
+def _union_tag(part: Any) -> bool:
+    """A step of a validation error's location that names a union member (``LoRARef``,
+    ``list[LoRARef]``), not a field or an index: field names are snake_case identifiers."""
+    return isinstance(part, str) and (not part.isidentifier() or part[:1].isupper())
+
+
+def error_param(loc: Any) -> str | None:
+    """The request field of a validation error's location: ``("body", "lora", "LoRARef", "scale")`` →
+    ``"lora.scale"``, ``("lora", "list[LoRARef]", 0, "scale")`` → ``"lora.0.scale"``."""
+    parts = [str(p) for p in loc if not _union_tag(p)]
+    if parts and parts[0] in _LOCATIONS:
+        parts = parts[1:]
+    return ".".join(parts) or None
+
+
+def first_error(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The validation error to report: the first one, except that for a field of several shapes (a
+    union: one error per member) the member the input got furthest into, i.e. the one it was meant as
+    (a list of adapters is told about its items, not that it is not one adapter)."""
+    first = errors[0]
+    if not any(_union_tag(p) for p in first.get("loc", ())):
+        return first
+    field = (error_param(first.get("loc", ())) or "").split(".")[0]
+    same = [e for e in errors if (error_param(e.get("loc", ())) or "").split(".")[0] == field]
+    return max(same, key=lambda e: len(e.get("loc", ())))
+
+
+def validation_error(errors: list[dict[str, Any]], whole: str = "body") -> BadRequest:
+    """A pydantic validation failure as the 400 a client reads: ``<field>: <what is wrong>`` naming the field
+    (``whole`` when it is about the request as a whole)."""
+    if not errors:
+        return BadRequest(f"{whole}: invalid request")
+    error = first_error(errors)
+    param = error_param(error.get("loc", ()))
+    message = str(error.get("msg")).removeprefix("Value error, ")
+    return BadRequest(f"{param or whole}: {message}", param=param)
+
+
 def param_of(message: str) -> str | None:
     """The request field a ``ValueError`` message names (``"path: ... does not exist"`` → ``"path"``)."""
     head = message.split(":", 1)[0].strip()

@@ -43,6 +43,7 @@ from .errors import (
     SessionGone,
     Unauthorized,
     Unsupported,
+    validation_error,
 )
 from .grpc_gen import ditserve_pb2 as pb
 from .schemas import ImageGenerationRequest
@@ -81,9 +82,7 @@ def _typed(exc: Exception) -> ServeError:
     if isinstance(exc, ServeError):
         return exc
     if isinstance(exc, ValidationError):
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
-        return BadRequest(f"{param or 'request'}: {first.get('msg')}", param=param)
+        return validation_error(exc.errors(), whole="request")
     logger.error("gRPC call failed", exc_info=exc)
     return InternalError(f"internal error ({type(exc).__name__}); see the server log")
 

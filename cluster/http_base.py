@@ -30,6 +30,8 @@ from .errors import (
     SessionGone,
     Unauthorized,
     Unsupported,
+    error_param,
+    first_error,
 )
 from .schemas import ErrorResponse, parse_size
 
@@ -110,13 +112,6 @@ async def frontend() -> Any:
     return _instance[0]
 
 
-def _loc_to_param(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc]
-    if parts and parts[0] in ("body", "query", "path", "header"):  # the location, not a field named "path"
-        parts = parts[1:]
-    return ".".join(parts) or None
-
-
 def build_fastapi() -> FastAPI:
     app = FastAPI(
         title="ditserve",
@@ -131,8 +126,8 @@ def build_fastapi() -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        param = _loc_to_param(tuple(first.get("loc", ())))
+        first = first_error(errors) if errors else {"loc": (), "msg": "invalid request"}
+        param = error_param(first.get("loc", ()))
         if first.get("type") == "json_invalid":
             message, param = "request body is not valid JSON", None
         elif first.get("type") == "missing" and param is None:
@@ -140,7 +135,7 @@ def build_fastapi() -> FastAPI:
         elif param is None and first.get("type") in ("model_attributes_type", "dict_type"):
             message = "request body must be a JSON object (content-type: application/json)"
         else:
-            message = f"{param or 'body'}: {first.get('msg')}"
+            message = f"{param or 'body'}: {str(first.get('msg')).removeprefix('Value error, ')}"
         return error_response(BadRequest(message, param=param))
 
     @app.exception_handler(StarletteHTTPException)

@@ -423,6 +423,8 @@ HTTP_CASES = {
     "guidance NaN": (lambda s: _post(s, GEN, content=b'{"prompt": "a fox", "guidance_scale": NaN}', headers=JSON), 400, "guidance_scale: Input should be a finite number"),
     "true CFG infinite": (lambda s: _post(s, GEN, content=b'{"prompt": "a fox", "true_cfg_scale": Infinity}', headers=JSON), 400, "true_cfg_scale: Input should be a finite number"),
     "adapter scale NaN": (lambda s: _post(s, GEN, content=b'{"prompt": "a fox", "lora": {"name": "style", "scale": NaN}}', headers=JSON), 400, "finite number"),
+    "adapter scale not a number": (lambda s: _post(s, GEN, {"prompt": "a fox", "lora": {"name": "style", "scale": "big"}}), 400, "lora.scale: Input should be a valid number"),
+    "adapter list item scale": (lambda s: _post(s, GEN, {"prompt": "a fox", "lora": [{"name": "style", "scale": "big"}]}), 400, "lora.0.scale: Input should be a valid number"),
     "cache threshold NaN": (lambda s: _post(s, GEN, content=b'{"prompt": "a fox", "cache": {"policy": "fbcache", "threshold": NaN}}', headers=JSON), 400, "finite number"),
     "unknown field": (lambda s: _post(s, GEN, {"prompt": "a fox", "colour": "red"}), 400, "colour"),
     "unknown model": (lambda s: _post(s, GEN, {"prompt": "a fox", "model": "dall-e-3"}), 400, "model"),

@@ -241,8 +241,8 @@ BAD = {
     "frames above max": ({"prompt": "a", "num_frames": 13}, AUTH, 400, "num_frames"),
     "seconds above max": ({"prompt": "a", "seconds": 30}, AUTH, 400, "seconds"),
     "seconds not a number": ({"prompt": "a", "seconds": "long"}, AUTH, 400, "seconds"),
-    "seconds true": ({"prompt": "a", "seconds": True}, AUTH, 400, "seconds: Value error, a number, not true"),
-    "frames true": ({"prompt": "a", "num_frames": True}, AUTH, 400, "num_frames: Value error, a number"),
+    "seconds true": ({"prompt": "a", "seconds": True}, AUTH, 400, "seconds: a number, not true"),
+    "frames true": ({"prompt": "a", "num_frames": True}, AUTH, 400, "num_frames: a number, not true"),
     "seconds NaN": ({"prompt": "a", "seconds": "nan"}, AUTH, 400, "seconds: Input should be a finite number"),
     "guidance NaN": (
         {"prompt": "a", "guidance_scale": "NaN"},
