@@ -82,38 +82,30 @@ def test_openai_client_without_input_reference_is_refused(client):
     assert "image-to-video" in err.value.body["message"]
 
 
+def _json_job_completes(server, client, body: dict) -> str:
+    """POST /v1/videos with a JSON ``body`` (plus FIELDS); the job's id once it completed."""
+    r = httpx.post(f"{server.base_url}/v1/videos", json={**body, **FIELDS}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert wait(client, r.json()["id"]).status == "completed"
+    return r.json()["id"]
+
+
 def test_data_urls_and_grpc_bytes(server, client):
     url = "data:image/png;base64," + base64.b64encode(reference_png(40, 40)).decode()
     # OpenAI's reference object in JSON (openai 2.x's client sends only files in its multipart body)
-    r = httpx.post(
-        f"{server.base_url}/v1/videos",
-        json={"prompt": "a square", "size": "64x64", "input_reference": {"image_url": url}, **FIELDS},
-        timeout=60,
+    job = _json_job_completes(
+        server, client, {"prompt": "a square", "size": "64x64", "input_reference": {"image_url": url}}
     )
-    assert r.status_code == 200, r.text
-    assert wait(client, r.json()["id"]).status == "completed"
-    assert_h264(client.videos.download_content(r.json()["id"]).read(), (5, 64, 64, 3))
+    assert_h264(client.videos.download_content(job).read(), (5, 64, 64, 3))
     # JSON: the data URL as a string
-    r = httpx.post(
-        f"{server.base_url}/v1/videos",
-        json={"prompt": "a square", "size": "64x48", "input_reference": url, **FIELDS},
-        timeout=60,
-    )
-    assert r.status_code == 200, r.text
-    assert wait(client, r.json()["id"]).status == "completed"
+    _json_job_completes(server, client, {"prompt": "a square", "size": "64x48", "input_reference": url})
     # a first frame near --max-image-bytes: its data URL is a third larger, and still taken
     noise = Image.frombytes("RGB", (120, 120), os.urandom(120 * 120 * 3))
     buf = io.BytesIO()
     noise.save(buf, format="PNG")
     assert MAX_IMAGE_BYTES - 10_000 < len(buf.getvalue()) <= MAX_IMAGE_BYTES
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    r = httpx.post(
-        f"{server.base_url}/v1/videos",
-        json={"prompt": "noise", "size": "64x48", "input_reference": url, **FIELDS},
-        timeout=60,
-    )
-    assert r.status_code == 200, r.text
-    assert wait(client, r.json()["id"]).status == "completed"
+    _json_job_completes(server, client, {"prompt": "noise", "size": "64x48", "input_reference": url})
     with Client(f"127.0.0.1:{server.grpc_port}") as c:
         job = c.create_video("a square", size="64x48", input_reference=reference_png(), num_frames=5)
         assert_h264(c.wait_video(job.id, poll_s=0.1, timeout_s=120), (5, 48, 64, 3))
