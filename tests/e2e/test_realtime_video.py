@@ -241,18 +241,17 @@ def test_an_init_goes_to_a_replica_with_a_free_slot_and_a_reopen_waits_for_the_c
     held = Client(server)
     held.send({**HOLD, "prompt": "a lighthouse"})  # no max_chunks: holds its replica's only slot
     owner = held.chunk()["replica"]
-    for k in range(3):  # round-robin asks the held replica first for one of any two opens in a row
+    for k in range(2):  # round-robin asks the held replica first for one of any two opens in a row
         chunks, client = run_session(server, {**INIT, "max_chunks": 1, "seed": k})
         assert client.close_code == 1000 and [c["index"] for c in chunks] == [0]
         assert chunks[0]["replica"] != owner
         wait_for(lambda: sum(r["realtime_sessions"] for r in replicas(server)) == 1, 60, "session closed")
-    for _ in range(2):
-        dropped = Client(server)
-        dropped.send({**INIT, "prompt": "a forest", "size": "128x128", "num_frames": 16})
-        assert dropped.chunk()["index"] == 0  # chunk 1 is being denoised now
-        dropped.close()
-        chunks, client = run_session(server, {**INIT, "max_chunks": 1})
-        assert client.close_code == 1000 and [c["index"] for c in chunks] == [0], client.close_reason
+    dropped = Client(server)
+    dropped.send({**INIT, "prompt": "a forest", "size": "128x128", "num_frames": 16})
+    assert dropped.chunk()["index"] == 0  # chunk 1 is being denoised now
+    dropped.close()
+    chunks, client = run_session(server, {**INIT, "max_chunks": 1})
+    assert client.close_code == 1000 and [c["index"] for c in chunks] == [0], client.close_reason
     held.close()
     wait_for(lambda: all(r["realtime_sessions"] == 0 for r in replicas(server)), 60, "sessions released")
 
