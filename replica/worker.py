@@ -69,7 +69,8 @@ def load_pipeline(
     cls = getattr(diffusers, spec.pipeline_class)
     skipped = {} if encoders else dict.fromkeys(encoder_components(spec))
     components = spec.family_spec.load("runner").pipeline_components(spec.path)
-    pipe = cls.from_pretrained(spec.path, dtype=dtype, **skipped, **components)
+    absent = {name: None for name in spec.family_spec.optional_components if not spec.folder.has(name)}
+    pipe = cls.from_pretrained(spec.path, dtype=dtype, **skipped, **absent, **components)
     pipe.set_progress_bar_config(disable=True)
     if encoders and encoder_group is not None:
         from .parallel.encoder_tp import apply_encoder_tp

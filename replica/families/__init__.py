@@ -128,6 +128,9 @@ class Family:
     # Video families: whether a request gives the first frame (POST /v1/videos input_reference): "none" (text
     # to video only), "optional" (text or text+image, e.g. Wan 2.2 TI2V), "required" (image-to-video).
     first_frame: Callable[[Folder], FirstFrame] = lambda folder: "none"
+    # Components the pipeline runs without when ``model_index.json`` has them as ``[null, null]`` (a folder
+    # saved without them): passed to ``from_pretrained`` as None, as diffusers asks (SD3 without its T5).
+    optional_components: frozenset[str] = frozenset()
     # A variant of a listed pipeline the family does not run (a message naming what was found), or None.
     refuse: Callable[[Folder], str | None] = lambda folder: None
     # applies a request's step cache (``cache``); refused with a 400 naming ``cache`` otherwise

@@ -30,6 +30,8 @@ FAMILY = Family(
     plan="parallel.sd3:SD3_PLAN",
     guidance="cfg",
     img2img=True,
+    # without T5 the pipeline conditions on zeros in its place (a common low-memory setup)
+    optional_components=frozenset({"text_encoder_3", "tokenizer_3"}),
     refuse=_refuse,
     default_size=_default_size,
     # size multiple: the VAE's 8× times the transformer's patch_size 2 (the default rule reads both)

@@ -145,8 +145,12 @@ def build_pipeline(size: str = "tiny", dtype: torch.dtype = torch.float32, devic
     return pipe.to(device=device, dtype=dtype)
 
 
-def build_folder(path: str | Path) -> Path:
-    """The tiny pipeline saved in diffusers format (what ``--model`` reads)."""
+def build_folder(path: str | Path, t5: bool = True) -> Path:
+    """The tiny pipeline saved in diffusers format (what ``--model`` reads); without ``t5`` saved as
+    ``StableDiffusion3Pipeline(..., text_encoder_3=None, tokenizer_3=None)`` saves it (a low-memory setup)."""
     path = Path(path)
-    build_pipeline("tiny").save_pretrained(path)
+    pipe = build_pipeline("tiny")
+    if not t5:
+        pipe = StableDiffusion3Pipeline(**(pipe.components | {"text_encoder_3": None, "tokenizer_3": None}))
+    pipe.save_pretrained(path)
     return path

@@ -140,6 +140,16 @@ def test_one_rank_equals_diffusers_with_and_without_lora_in_one_batch(one_rank, 
     assert psnr(reference[2], reference[0]) < 30  # the adapter changes the image
 
 
+def test_folder_saved_without_t5_equals_diffusers(tmp_path):
+    """A folder saved with ``text_encoder_3=None, tokenizer_3=None`` loads (it failed in ``from_pretrained``)
+    and gives the image diffusers' pipeline gives on it: zeros in T5's place, the CLIPs' embeddings."""
+    folder = build_folder(tmp_path / "sd3-no-t5", t5=False)
+    pipe = load_pipeline(StableDiffusion3Pipeline, folder, text_encoder_3=None, tokenizer_3=None)
+    assert pipe.text_encoder_3 is None
+    (ours,) = engine_images(folder, {}, [FOX], max_sequence_length=MAX_LEN)
+    assert psnr(ours, diffusers_image(pipe, FOX)) >= 40
+
+
 def test_one_rank_bf16_steps_to_diffusers_latents_bit_for_bit(folder):
     """In bf16 a guided request alone ends on the very latents StableDiffusion3Pipeline gives: the runner
     batches the uncond and cond rows into one forward as the pipeline does (a forward per branch rounds
