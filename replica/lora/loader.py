@@ -29,7 +29,7 @@ class LoRAModule:
 class LoRAFile:
     modules: dict[str, LoRAModule]  # transformer module name → weights
     rank: int
-    ignored: int  # tensors for other components (text encoders) that are not applied
+    ignored: int  # tensors for components other than the transformer and text encoders (not applied)
 
 
 def parse_lora_spec(spec: str, flag: str = "--lora") -> tuple[str, str, float]:
@@ -163,7 +163,13 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
         raise ValueError(f"path: {file} is a DoRA adapter; DoRA is not supported (plain LoRA only)")
     modules: dict[str, LoRAModule] = {}
     ignored = 0
+    encoders: set[str] = set()
     for key, a in state.items():
+        if key.startswith("text_encoder"):
+            # diffusers' load_lora_weights applies these to the text encoder; a request's adapter changes
+            # the transformer only, so serving the file would silently give another image.
+            encoders.add(key.split(".")[0])
+            continue
         if ".lora_A." not in key:
             continue
         if key.startswith("transformer_2."):
@@ -185,6 +191,11 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
         bias = state.get(f"transformer.{name}.lora_B.bias")
         modules[name] = LoRAModule(
             a=a.float(), b=b.float() * scale, bias=None if bias is None else bias.float() * scale
+        )
+    if encoders:
+        raise ValueError(
+            f"path: {file} holds LoRA weights for {', '.join(sorted(encoders))}; adapters apply to the "
+            "transformer only (per request), so save the file without the text encoder's weights"
         )
     if not modules:
         raise ValueError(f"path: {file} has no LoRA weights for the transformer")

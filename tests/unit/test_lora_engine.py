@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import FluxPipeline
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from ditserve.replica.config import EngineConfig
 from ditserve.replica.engine import Engine
@@ -289,6 +289,21 @@ def test_refusals_name_the_problem_and_leave_others_working(engine, files):
     assert np.array_equal(image(engine, LoRARef(name="keep")), want)  # unaffected by all of the above
     for name in ("keep", "s2", "s3"):
         engine.unload_lora(name)
+
+
+def test_a_kohya_file_with_text_encoder_weights_is_refused_naming_them(engine, files):
+    """kohya files trained with the text encoder hold ``lora_te1_*`` weights that diffusers' load_lora_weights
+    applies to CLIP; a per-request adapter changes the transformer only, so the file is refused (it loaded
+    and drew another image than diffusers, silently) and the engine keeps serving."""
+    path = files["root"] / "with_te.safetensors"
+    tensors = dict(load_file(str(files["a_kohya"])))
+    te = "lora_te1_text_model_encoder_layers_0_self_attn_q_proj"
+    tensors |= {f"{te}.lora_down.weight": torch.ones(RANK, 32), f"{te}.lora_up.weight": torch.ones(32, RANK)}
+    save_file(tensors | {f"{te}.alpha": torch.tensor(ALPHA)}, str(path))
+    with pytest.raises(ValueError, match=r"^path: .* holds LoRA weights for text_encoder; adapters apply to"):
+        engine.load_lora("te", str(path))
+    assert "te" not in [a["name"] for a in engine.lora_list()]
+    assert image(engine).shape == (64, 64, 3)  # still serving
 
 
 def test_a_request_scale_is_the_strength_and_the_load_scale_its_default(engine, files):
