@@ -54,7 +54,7 @@ from typing import Any, Literal
 
 import msgpack
 from fastapi import APIRouter, Depends, WebSocket, WebSocketDisconnect
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ditserve.replica.media import check_image
 from ditserve.replica.request import GenerationParams
@@ -98,6 +98,14 @@ class RealtimeInit(BaseModel):
     output_compression: int | None = Field(default=None, strict=True, ge=1, le=100)  # JPEG / WebP quality
     realtime_preview_max_width: int | None = Field(default=None, strict=True)  # JPEG / WebP; <= 0: none
     trace_id: str | None = Field(default=None, max_length=256)
+
+    @field_validator("first_frame", mode="before")
+    @classmethod
+    def _image_or_text(cls, value: Any) -> Any:
+        """Named as the field, not as a member of its union (``first_frame.bytes``)."""
+        if value is not None and not isinstance(value, (bytes, str)):
+            raise ValueError("give image bytes, or a base64 string / data URL of them")
+        return value
 
     @property
     def output_format(self) -> str:

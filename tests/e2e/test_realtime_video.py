@@ -480,6 +480,8 @@ def test_bad_messages_answer_errors_naming_the_field_while_another_session_strea
         ("output_compression", {**INIT, "output_compression": 0}),
         ("first_frame", {**INIT, "first_frame": "https://example.com/a.png"}),
         ("first_frame", {**INIT, "first_frame": b"not an image"}),
+        ("first_frame", {**INIT, "first_frame": 12345}),  # neither bytes nor text: no member tags
+        ("first_frame", {**INIT, "first_frame": ["a.png"]}),
         ("first_frame", {**INIT, "first_frame": image_bytes(64, 64, "GIF")}),
         ("first_frame", {**INIT, "first_frame": image_bytes(256, 256, "PNG")}),  # --max-image-pixels
         ("size", {**INIT, "size": "512x256"}),  # --max-width
