@@ -9,7 +9,9 @@ Client → server (optional fields may be nil: their default)::
      (absent: until the socket closes, at most --realtime-max-chunks), "first_frame"? (PNG / JPEG / WebP bytes
      within --max-image-bytes and --max-image-pixels, or their base64 / data URL),
      "realtime_output_format"? ("raw" (default) | "jpeg" | "webp"), "output_compression"?
-     (JPEG / WebP quality, 95 / 90), "realtime_preview_max_width"? (JPEG / WebP narrowed to it), "trace_id"?}
+     (JPEG / WebP quality, 95 / 90), "realtime_preview_max_width"? (JPEG / WebP narrowed to it),
+     "realtime_output_pacing"? (true: each chunk is sent once the previous one's frames have played at fps; a
+     chunk of a new prompt event at once), "trace_id"?}
     {"type": "event", "kind": "prompt", "payload": "<new prompt>", "event_id": n}   (also kind "heartbeat",
      which only counts as activity: no reply)
 
@@ -97,6 +99,7 @@ class RealtimeInit(BaseModel):
     realtime_output_format: Literal["raw", "jpeg", "webp"] | None = None
     output_compression: int | None = Field(default=None, strict=True, ge=1, le=100)  # JPEG / WebP quality
     realtime_preview_max_width: int | None = Field(default=None, strict=True)  # JPEG / WebP; <= 0: none
+    realtime_output_pacing: bool | None = Field(default=None, strict=True)
     trace_id: str | None = Field(default=None, max_length=256)
 
     @field_validator("first_frame", mode="before")
@@ -266,6 +269,8 @@ class _Session:
         self.applied_event: int | None = None  # the event of the prompt of the last queued chunk
         self.prompt_changed = False  # a prompt event arrived since the last chunk was queued
         self.created = self.last_activity = time.monotonic()
+        self.paced_until: float | None = None  # realtime_output_pacing: when the sent frames have played
+        self.paced_event: int | None = None
         self.gone = False
         self.released: asyncio.Task | None = None  # the replica's close, once asked
         self.calls: set[asyncio.Task] = set()  # replica calls in flight (cancelled when the session ends)
@@ -330,11 +335,29 @@ class _Session:
             await self.sock.close(1000, reason)
             return "complete"
 
+    async def _pace(self, answer: dict[str, Any]) -> float:
+        """With ``realtime_output_pacing``, as SGLang paces: wait until the frames sent so far have played at
+        ``fps`` (a chunk of a new prompt event goes at once); returns the wait in ms."""
+        if not self.init.realtime_output_pacing or not answer["num_frames"]:
+            return 0.0
+        now = time.perf_counter()
+        until = now if self.paced_until is None else self.paced_until
+        event = answer.get("event_id")
+        if event is not None and event != self.paced_event:
+            until, self.paced_event = min(until, now), event
+        wait = max(0.0, until - now)
+        if wait > 0:
+            await asyncio.sleep(wait)
+        fps = self.init.fps or DEFAULT_FPS
+        self.paced_until = max(until, time.perf_counter()) + answer["num_frames"] / fps
+        return wait * 1000.0
+
     async def _send_chunk(self, answer: dict[str, Any], forward_ms: float, started: float) -> None:
         """One chunk as SGLang sends it: ``frame_batch`` messages of at most 16 raw or 6 JPEG / WebP
         frames (the last one ``is_final_frame_batch``; a chunk with no frames still sends one, empty), each
         inline or, from 64 KiB of payload, a ``frame_batch_header`` then the payload as a binary frame; then
         ``chunk_stats``."""
+        pace_ms = await self._pace(answer)
         fmt = self.init.output_format
         payloads: list[bytes] = answer["payloads"]
         width, height = answer["width"], answer["height"]
@@ -405,7 +428,7 @@ class _Session:
             "queue_and_transfer_ms": round(
                 max(0.0, forward_ms - answer["generate_ms"] - answer["encode_ms"])
             ),
-            "pace_wait_ms": 0,
+            "pace_wait_ms": round(pace_ms),
             "header_write_ms": round(sum(header_ms)),
             "raw_payload_build_ms": round(answer["encode_ms"]),
             "raw_write_ms": round(sum(payload_ms)),

@@ -452,6 +452,21 @@ def test_an_sglang_client_gets_jpeg_previews_six_frames_a_message(server):
     assert {s["trace_id"] for s in run["stats"]} == {"from-query"}
 
 
+def test_an_sglang_client_asking_for_paced_output_gets_chunks_as_they_play(server):
+    """``realtime_output_pacing`` as SGLang paces: a chunk is sent once the frames sent before it have
+    played at ``fps`` (at fps 1: chunk 1 a second after chunk 0's one frame, chunk 2 four seconds after
+    chunk 1's four frames, far longer than the tiny model takes to denoise them); each chunk's stats say how
+    long it waited."""
+    init = {**INIT, "num_frames": 4, "fps": 1, "max_chunks": 3, "realtime_output_pacing": True}
+    client = SGLangStyleClient(server)
+    run = client.run(init, num_chunks=3)
+    assert client.closed() == (1000, "generation complete")
+    client.close()
+    assert [len(run["frames"][i]) for i in range(3)] == [1, 4, 4]
+    waits = {s["chunk_index"]: s["pace_wait_ms"] for s in run["stats"]}
+    assert waits[0] == 0 and waits[1] + waits[2] > 0, waits
+
+
 def test_bad_messages_answer_errors_naming_the_field_while_another_session_streams(server):
     """Each bad message a user can send gets an ``error`` whose content starts with the field at fault,
     before the session (the socket then still takes an init) and during it (the session goes on); a
