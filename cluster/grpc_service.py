@@ -287,20 +287,36 @@ class GrpcMethods:
 
     @unary
     async def GetVideo(self, request, grpc_context=None):
-        return _video_job((await self._video_call(request, grpc_context, "get_video"))["video"])
+        from .api_videos import VideoLost, lost_video
+
+        try:
+            answer = await self._video_call(request, grpc_context, "get_video")
+        except VideoLost:  # as GET /v1/videos/{id}: the job failed with the reason
+            return _video_job(lost_video(request.id, self.model_name))
+        return _video_job(answer["video"])
 
     @unary
     async def DeleteVideo(self, request, grpc_context=None):
-        return _video_job((await self._video_call(request, grpc_context, "delete_video"))["video"])
+        from .api_videos import VideoLost
+
+        try:
+            answer = await self._video_call(request, grpc_context, "delete_video")
+        except VideoLost:  # nothing is left of it anywhere: deleted
+            return pb.VideoJob(id=request.id, object="video.deleted", deleted=True)
+        return _video_job(answer["video"])
 
     @unary
     async def GetVideoContent(self, request, grpc_context=None):
-        from .api_videos import MEDIA_TYPES, video_variant
+        from .api_videos import MEDIA_TYPES, VideoLost, lost_video, video_variant
 
         variant = request.variant if request.HasField("variant") else "video"
         if variant not in MEDIA_TYPES:  # said before the job is asked
             raise BadRequest(f"variant: one of {', '.join(MEDIA_TYPES)}, got {variant!r}", param="variant")
-        answer = await self._video_call(request, grpc_context, "video_content")
+        try:
+            answer = await self._video_call(request, grpc_context, "video_content")
+        except VideoLost:
+            message = lost_video(request.id)["error"]["message"]
+            raise Conflict(f"video {request.id!r} failed: {message}", param="video_id") from None
         if variant == "video":
             return pb.VideoContent(id=request.id, mp4=answer["mp4"], media_type=MEDIA_TYPES[variant])
         image = await asyncio.to_thread(video_variant, answer["mp4"], variant)

@@ -231,6 +231,15 @@ def test_grpc_list_variants_and_remix(server):
                 call(method, request)
             assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
             assert info.value.details().startswith(param), (method, info.value.details())
+        # a well-formed id of a replica that is no longer there: a failed job (as over HTTP), never INTERNAL
+        gone = "gone." + job.id.rpartition(".")[2]
+        lost = call("GetVideo", pb.VideoRef(id=gone))
+        assert lost.status == "failed" and "gone" in lost.error, lost
+        with pytest.raises(grpc.RpcError) as info:
+            call("GetVideoContent", pb.VideoRef(id=gone))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert info.value.details().startswith(f"video {gone!r} failed") and "replica" in info.value.details()
+        assert call("DeleteVideo", pb.VideoRef(id=gone)).deleted
         for video_id in (job.id, remix.id):
             c.delete_video(video_id)
 
