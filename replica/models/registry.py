@@ -166,7 +166,9 @@ class ModelSpec:
         """A two-expert model (Wan 2.2 A14B: ``transformer_2``), the only kind that takes ``guidance_scale_2``."""
         return self.folder.has("transformer_2")
 
-    def refusal(self, cache: CacheSettings | None, guidance_scale_2: float | None) -> tuple[str, str] | None:
+    def refusal(
+        self, cache: CacheSettings | None, guidance_scale_2: float | None, true_cfg_scale: float | None = None
+    ) -> tuple[str, str] | None:
         """(field, message) for request settings this model would not apply, else None."""
         if cache is not None and cache.enabled and not self.family_spec.step_cache:
             return "cache", f"cache: {self.name} does not take a step cache ({cache.policy}); leave it out"
@@ -174,6 +176,11 @@ class ModelSpec:
             return "guidance_scale_2", (
                 f"guidance_scale_2: {self.name} has one transformer; only two-expert models (Wan 2.2 A14B) take "
                 "the second expert's scale"
+            )
+        if true_cfg_scale is not None and true_cfg_scale > 1 and self.family_spec.guidance != "true_cfg":
+            return "true_cfg_scale", (
+                f"true_cfg_scale: {self.name} does not take true CFG (FLUX.1 and Qwen-Image do); its guidance "
+                "is guidance_scale"
             )
         return None
 
