@@ -35,7 +35,8 @@ generated with that prompt echo its ``event_id``. The session lives on one repli
 ``<replica_id>.<token>``, named in every message as ``replica``); the next chunk is queued there as soon as the
 previous one is denoised, so the replica denoises it while the previous one's frames decode and this frontend
 sends them. Closes: 1000 "generation complete" after ``max_chunks``; 1000 "session idle timeout"
-(``session_idle_timeout_s``) or "maximum session lifetime reached" (``session_max_lifetime_s``); an error
+(``session_idle_timeout_s``) or "maximum session lifetime reached" (``session_max_lifetime_s``), also while
+no init has opened a session; an error
 with ``code`` ``session_gone`` then 4410 when the owner replica is gone; 1008 past ``max_realtime_sessions``
 (after an error; the init is tried on each replica, the last one asked waiting ``REALTIME_SLOT_WAIT_S`` for
 a slot). A bad message before the session opens (a bad init, an event, a text or non-msgpack frame)
@@ -586,9 +587,19 @@ async def _open_on_a_replica(fe: Any, init: RealtimeInit, params: GenerationPara
 
 async def _open(fe: Any, sock: _Socket) -> tuple[RealtimeInit | None, dict[str, Any] | None]:
     """Wait for a valid init and open the session on a replica (round-robin). A bad init answers an error
-    and waits for the next; the replicas' session cap answers an error and closes (1008)."""
+    and waits for the next; the replicas' session cap answers an error and closes (1008). The session's
+    limits hold from the socket's start: no message for ``session_idle_timeout_s``, or no session opened
+    within ``session_max_lifetime_s``, closes it (1000) with the reason."""
+    idle, deadline = fe.args.session_idle_timeout_s, time.monotonic() + fe.args.session_max_lifetime_s
     while True:
-        data = await _receive_map(sock.ws)
+        left = deadline - time.monotonic()
+        try:
+            data = await asyncio.wait_for(_receive_map(sock.ws), min(idle, max(left, 0.0)))
+        except TimeoutError:
+            await sock.close(
+                1000, "session idle timeout" if idle < left else "maximum session lifetime reached"
+            )
+            return None, None
         if isinstance(data, str):
             await sock.error(data)
             continue

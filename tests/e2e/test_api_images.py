@@ -11,6 +11,7 @@ import json
 
 import grpc
 import httpx
+import msgpack
 import pytest
 import websockets
 from openai import OpenAI
@@ -278,6 +279,24 @@ def test_websocket_session_previews_steps_and_idle_close(server):
     previews = [m for m in seen if m["type"] == "progress" and "preview_b64" in m]
     assert previews and png_pixels(base64.b64decode(previews[0]["preview_b64"])).shape == (8, 8, 3)
     assert seen[-1]["code"] == 4408 and "idle" in seen[-1]["reason"]
+
+
+def test_a_realtime_socket_that_opens_no_session_is_closed_when_idle(server):
+    """The realtime video route's idle limit holds before any init too: a socket that sends nothing, or only
+    messages that open no session, is closed 1000 "session idle timeout" after --session-idle-timeout-s
+    (3 s) instead of being held open for ever."""
+
+    async def closed(first: dict | None) -> tuple[int, str]:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/v1/realtime_video/generate") as ws:
+            if first is not None:
+                await ws.send(msgpack.packb(first))
+                assert msgpack.unpackb(await ws.recv())["type"] == "error"
+            with pytest.raises(websockets.ConnectionClosed) as info:
+                await asyncio.wait_for(ws.recv(), timeout=60)
+            return info.value.rcvd.code, info.value.rcvd.reason
+
+    assert asyncio.run(closed(None)) == (1000, "session idle timeout")
+    assert asyncio.run(closed({"type": "event", "kind": "heartbeat"})) == (1000, "session idle timeout")
 
 
 def test_session_admission_refuses_past_the_limit(server):
