@@ -178,8 +178,9 @@ def run_generate(ns: argparse.Namespace) -> int:
     limits = config.limits
     first_frame = image_size(images[0]) if images and video else None
     size = engine.spec.fitted_size(limits.max_width, limits.max_height, first_frame)
-    width, height = ns.width or size[0], ns.height or size[1]
-    if images and not video and not (ns.width or ns.height):  # the first image's size, as the API
+    width = size[0] if ns.width is None else ns.width
+    height = size[1] if ns.height is None else ns.height
+    if images and not video and ns.width is None and ns.height is None:  # the first image's size, as the API
         multiple = engine.spec.size_multiple
         first = image_size(images[0])
         rule = engine.spec.family_spec.edit_size if engine.spec.edits else None

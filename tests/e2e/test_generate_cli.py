@@ -92,6 +92,8 @@ def test_several_prompts_one_batch_one_file_each(tmp_path):
             ["--model", "demo-flux", "--width", "72"],
             "--width/--height: width and height must be multiples of 16",
         ),
+        # 0 is a size, not "the default size" (it made a 64×64 image)
+        (["--model", "demo-flux", "--width", "0"], "--width: Input should be greater than or equal to 16"),
         (["--model", "demo-flux", "-o", "x.mp4"], "makes images"),
         (["--model", "demo-wan", "--num-frames", "8", "-o", "x.mp4"], "--num-frames: must be 4·k + 1"),
         (["--model", "demo-flux", "--ulysses-degree", "16"], "--ulysses-degree"),
