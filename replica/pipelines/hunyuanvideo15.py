@@ -237,4 +237,7 @@ class HunyuanVideo15Runner(PipelineRunner):
     @torch.no_grad()
     def decode(self, state: RequestState) -> np.ndarray:
         vae = self.pipe.vae
-        return decode_video(self.pipe, state.latents.to(vae.dtype) / vae.config.scaling_factor)
+        latents = state.latents.to(vae.dtype) / vae.config.scaling_factor
+        # One video at a time: the VAE's causal attention mask (diffusers' AutoencoderKLHunyuanVideo15) is
+        # shaped for a batch of one and fails to broadcast against two or more videos.
+        return np.concatenate([decode_video(self.pipe, video[None]) for video in latents])

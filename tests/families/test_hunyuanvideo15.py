@@ -144,6 +144,33 @@ def test_image_to_video_equals_diffusers(i2v_folder):
     assert psnr(other, got) < 40  # the first frame conditions the video: another image, another video
 
 
+def test_two_videos_of_one_request(t2v_folder):
+    # n = 2 (generate --n 2): both videos, each as the pipeline's VAE decodes its latents alone (two at once
+    # fail in the VAE's causal attention mask; diffusers' own pipeline refuses n = 2 in its transformer)
+    params = GenerationParams(
+        prompt="a red fox",
+        width=32,
+        height=48,
+        num_frames=3,
+        num_inference_steps=2,
+        guidance_scale=3.0,
+        seed=9,
+        n=2,
+    )
+    worker = RankWorker(EngineConfig(model=str(t2v_folder), device="cpu", dtype="float32"))
+    worker.add("r", params)
+    while worker.step(["r"])["r"] < worker.states["r"].num_steps:
+        pass
+    latents = worker.states["r"].latents.clone()
+    got = worker.finish("r")["pixels"]
+    assert got.shape == (2, 3, 48, 32, 3) and psnr(got[0], got[1]) < 40
+    pipe = _load(t2v_folder)
+    for ours, row in zip(got, latents, strict=True):
+        with torch.no_grad():
+            video = pipe.vae.decode(row[None] / pipe.vae.config.scaling_factor, return_dict=False)[0]
+        assert psnr(ours, to_uint8(pipe.video_processor.postprocess_video(video, output_type="np"))[0]) >= 40
+
+
 def _engine_frames(folder, flags: dict) -> list[np.ndarray]:
     with running_engine(folder, flags, device="cpu", dtype="float32") as engine:
         return frames(engine, LAYOUT_REQUESTS)
