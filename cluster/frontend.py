@@ -149,7 +149,7 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise BadRequest(
-                f"model {model!r} is not served here; available: [{self.model_name!r}]", param="model"
+                f"model: {model!r} is not served here; available: [{self.model_name!r}]", param="model"
             )
 
     def is_admin(self, request: Request) -> bool:

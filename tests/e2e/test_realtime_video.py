@@ -500,6 +500,7 @@ def test_bad_messages_answer_errors_naming_the_field_while_another_session_strea
         ("first_frame", {**INIT, "first_frame": image_bytes(64, 64, "GIF")}),
         ("first_frame", {**INIT, "first_frame": image_bytes(256, 256, "PNG")}),  # --max-image-pixels
         ("size", {**INIT, "size": "512x256"}),  # --max-width
+        ("model", {**INIT, "model": "not-this-one"}),
         ("prompt", {**INIT, "prompt": 5}),
         ("prompt", {**INIT, "prompt": "   "}),
     ]
