@@ -224,7 +224,10 @@ def run_generate(ns: argparse.Namespace) -> int:
     # A path typed here is relative to where it is typed (with --lora-root: to the roots, as served).
     roots = engine.config.lora_roots
     adapters = [(n, path if roots else str(Path(path).expanduser().absolute()), s) for n, path, s in adapters]
-    engine.start()
+    try:
+        engine.start()
+    except ValueError as exc:  # what the ranks found loading the folder
+        return _fail(str(exc))
     try:
         for name, path, _ in adapters:
             try:

@@ -70,7 +70,21 @@ def load_pipeline(
     skipped = {} if encoders else dict.fromkeys(encoder_components(spec))
     components = spec.family_spec.load("runner").pipeline_components(spec.path)
     absent = {name: None for name in spec.family_spec.optional_components if not spec.folder.has(name)}
-    pipe = cls.from_pretrained(spec.path, dtype=dtype, **skipped, **absent, **components)
+    given = {**skipped, **absent, **components}
+    # save_pretrained writes [null, null] for a component that was None; from_pretrained then fails unless
+    # the pipeline runs without it (said here, before a traceback of diffusers' does).
+    missing = [
+        name
+        for name, entry in spec.folder.index.items()
+        if isinstance(entry, list) and entry[:1] == [None]
+        and name not in given and name not in getattr(cls, "_optional_components", ())
+    ]  # fmt: skip
+    if missing:
+        raise ValueError(
+            f"--model {spec.name}: the folder was saved without {', '.join(missing)} ([null, null] in "
+            f"model_index.json); {spec.pipeline_class} needs them: save it with every component"
+        )
+    pipe = cls.from_pretrained(spec.path, dtype=dtype, **given)
     pipe.set_progress_bar_config(disable=True)
     if encoders and encoder_group is not None:
         from .parallel.encoder_tp import apply_encoder_tp

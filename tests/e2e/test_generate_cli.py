@@ -152,3 +152,19 @@ def test_hunyuanvideo_refuses_an_adapter_saying_why(tmp_path):
     )
     assert done.returncode == 2, done.stderr
     assert "--lora style: diffusers has no LoRA loader for HunyuanVideo15Pipeline" in done.stderr
+
+
+def test_a_folder_saved_without_a_needed_component_is_refused_naming_it(tmp_path):
+    """FluxPipeline saved with text_encoder_2=None, tokenizer_2=None (diffusers writes them as [null, null];
+    FLUX.1 cannot run without T5): exit status 2 naming both, not a traceback of diffusers' from_pretrained."""
+    from diffusers import FluxPipeline
+
+    from ditserve.replica.models.demo import ensure_demo_model
+
+    pipe = FluxPipeline.from_pretrained(ensure_demo_model("demo-flux"))
+    folder = tmp_path / "flux-without-t5"
+    FluxPipeline(**(pipe.components | {"text_encoder_2": None, "tokenizer_2": None})).save_pretrained(folder)
+    done = generate("a fox", "--model", str(folder), "-o", str(tmp_path / "x.png"))
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert f"--model {folder.name}: the folder was saved without text_encoder_2, tokenizer_2" in done.stderr
