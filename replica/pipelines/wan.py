@@ -12,14 +12,12 @@
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from ..request import GenerationParams
-from .base import PipelineRunner, RequestState, request_scheduler
+from .base import PipelineRunner, RequestState, open_image, request_scheduler
 from .vae import channel_normalization, decode_video
 
 # Decoded frames above this many pixels decode in spatial tiles (diffusers' AutoencoderKLWan tiling:
@@ -30,11 +28,8 @@ TILED_DECODE_PIXELS = 1280 * 720
 
 def first_frame_image(params: GenerationParams):
     """The request's first frame (``images[0]``, checked at the ingress) as diffusers' ``load_image``
-    gives it: EXIF orientation applied, RGB."""
-    from diffusers.utils import load_image
-    from PIL import Image
-
-    return load_image(Image.open(io.BytesIO(params.images[0])))
+    gives it: EXIF orientation applied, RGB (a 16-bit greyscale PNG scaled to 8 bits, not clipped)."""
+    return open_image(params.images[0])
 
 
 def image_condition(pipe, params: GenerationParams, device: torch.device) -> dict[str, torch.Tensor]:

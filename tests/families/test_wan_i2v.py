@@ -79,6 +79,21 @@ def test_wan22_i2v_a14b_matches_image_to_video_pipeline():
     assert psnr(got, want) >= 40
 
 
+def test_16_bit_first_frame_is_its_8_bit_twin():
+    # A 16-bit greyscale PNG is scaled to 8 bits, not clipped by Pillow's RGB conversion (which turned it
+    # nearly white): its video is the one of the same picture saved with 8 bits.
+    levels = np.linspace(0, 65535, 60 * 80).reshape(60, 80).astype(np.uint16)
+    files = []
+    for image in (Image.fromarray(levels), Image.fromarray((levels / 257).round().astype(np.uint8))):
+        out = io.BytesIO()
+        image.save(out, format="PNG")
+        files.append(out.getvalue())
+    assert Image.open(io.BytesIO(files[0])).mode == "I;16"
+    pipe = build_tiny("a14b")
+    videos = [runner_video(pipe, PARAMS.model_copy(update={"images": (f,)}), 16)[0] for f in files]
+    np.testing.assert_array_equal(videos[0], videos[1])
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return build_folder(tmp_path_factory.mktemp("wan_i2v") / "i2v")
