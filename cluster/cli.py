@@ -285,6 +285,19 @@ def _drop_reconnect_notice(record: logging.LogRecord) -> bool:
     return "will not be applied" not in record.getMessage()
 
 
+def _replica_error(app_name: str) -> str | None:
+    """The ``ValueError`` a replica of ``app_name`` failed to start with (a model folder it cannot load), from
+    Serve's deployment status; None when it failed otherwise."""
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    for deployment in app.deployments.values() if app else ():
+        found = [line for line in deployment.message.splitlines() if line.startswith("ValueError: ")]
+        if found:
+            return found[-1].removeprefix("ValueError: ")
+    return None
+
+
 def _serve_http_address(host: str, port: int) -> tuple[str, int]:
     """Where Serve's HTTP proxies listen: the controller's options (a cluster joined with --address may have
     started Serve with its own before us; serve.start then keeps those)."""
@@ -371,6 +384,11 @@ def run_serve(ns: argparse.Namespace) -> int:
         serve_logger.addFilter(_drop_reconnect_notice)
         try:
             serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        except RuntimeError:
+            reason = _replica_error(APP_NAME)
+            if reason is None:
+                raise
+            return _fail(reason)
         finally:
             serve_logger.removeFilter(_drop_reconnect_notice)
         host, port = (

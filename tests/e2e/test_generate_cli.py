@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from ditserve.replica.media import decode_mp4
-from tests.helpers import psnr
+from tests.helpers import free_port, psnr
 
 
 def generate(*args: str) -> subprocess.CompletedProcess:
@@ -156,7 +156,8 @@ def test_hunyuanvideo_refuses_an_adapter_saying_why(tmp_path):
 
 def test_a_folder_saved_without_a_needed_component_is_refused_naming_it(tmp_path):
     """FluxPipeline saved with text_encoder_2=None, tokenizer_2=None (diffusers writes them as [null, null];
-    FLUX.1 cannot run without T5): exit status 2 naming both, not a traceback of diffusers' from_pretrained."""
+    FLUX.1 cannot run without T5): generate and serve exit with status 2 naming both, not with a traceback
+    of diffusers' from_pretrained (generate) or Serve's bare 'Failed to update the deployments' (serve)."""
     from diffusers import FluxPipeline
 
     from ditserve.replica.models.demo import ensure_demo_model
@@ -164,7 +165,13 @@ def test_a_folder_saved_without_a_needed_component_is_refused_naming_it(tmp_path
     pipe = FluxPipeline.from_pretrained(ensure_demo_model("demo-flux"))
     folder = tmp_path / "flux-without-t5"
     FluxPipeline(**(pipe.components | {"text_encoder_2": None, "tokenizer_2": None})).save_pretrained(folder)
+    want = f"--model {folder.name}: the folder was saved without text_encoder_2, tokenizer_2"
     done = generate("a fox", "--model", str(folder), "-o", str(tmp_path / "x.png"))
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
-    assert f"--model {folder.name}: the folder was saved without text_encoder_2, tokenizer_2" in done.stderr
+    assert want in done.stderr
+    ports = ["--port", str(free_port()), "--grpc-port", str(free_port())]
+    cmd = [sys.executable, "-m", "ditserve.cluster.cli", "serve", "--model", str(folder), *ports]
+    served = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert served.returncode == 2, served.stderr
+    assert f"ditserve: error: {want}" in served.stderr
