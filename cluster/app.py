@@ -65,6 +65,25 @@ def _alive_nodes() -> list[dict[str, float]] | None:
     return [n["Resources"] for n in ray.nodes() if n.get("Alive")]
 
 
+def engine_max_ongoing(args: AppArgs) -> int:
+    """Requests one engine replica takes at once: headroom above what the engine admits, so a full engine
+    queue answers 429 (Retry-After) at once instead of requests waiting unseen in Serve's router; control and
+    info calls use the rest."""
+    return (
+        2
+        * (args.max_queue + args.max_batch_size + args.max_sessions_per_replica + args.max_realtime_sessions)
+        + 16
+    )
+
+
+def frontend_max_ongoing(args: AppArgs) -> int:
+    """Requests the Frontend takes at once: all that the engine replicas take, and room for the info, admin
+    and refused ones. A WebSocket (a realtime video or step session) is one request for its whole life:
+    under Serve's default (5), five open sockets would keep every other request, HTTP ones too, waiting in
+    Serve's queue."""
+    return args.dp_size * engine_max_ongoing(args) + 16
+
+
 def engine_deployment_options(args: AppArgs, strategy: str = "PACK") -> dict[str, Any]:
     """Serve options of the engine deployment: dp_size replicas, one placement group per replica."""
     from ray.serve.config import RequestRouterConfig
@@ -82,11 +101,7 @@ def engine_deployment_options(args: AppArgs, strategy: str = "PACK") -> dict[str
         "placement_group_bundles": rank_bundles(args),
         "placement_group_strategy": strategy,
         "request_router_config": RequestRouterConfig(request_router_class=ROUTER_PATH),
-        # Headroom above what the engine admits, so a full engine queue answers 429 (Retry-After) at once
-        # instead of requests waiting unseen in Serve's router; control and info calls use the rest.
-        "max_ongoing_requests": 2
-        * (args.max_queue + args.max_batch_size + args.max_sessions_per_replica + args.max_realtime_sessions)
-        + 16,
+        "max_ongoing_requests": engine_max_ongoing(args),
         "health_check_period_s": 2,
         "health_check_timeout_s": 60,
         "graceful_shutdown_timeout_s": 20,
@@ -122,12 +137,12 @@ def build_app_with_engine(args: dict[str, Any], engine_cls: type | None) -> Appl
         .options(**engine_deployment_options(app_args, strategy))
         .bind(plain, deploy_id=deploy_id, **extra)
     )
-    frontend = Frontend
+    frontend = Frontend.options(max_ongoing_requests=frontend_max_ongoing(app_args))
     if app_args.direct_ingress:
         check_direct_ingress_env(app_args.port, app_args.grpc_port)
         # The API's port is where the proxy listened: on the head node (the port range is per node). No CPU
         # asked, as Serve's proxy there: a KubeRay head starts with num-cpus 0 so that no engine lands on it.
-        frontend = Frontend.options(
+        frontend = frontend.options(
             ray_actor_options={
                 "num_cpus": 0,
                 "resources": {HEAD_NODE_RESOURCE: 0.001},

@@ -284,6 +284,20 @@ def test_clients_closing_as_their_last_chunk_arrives_leave_no_session_held(serve
         wait_for(lambda: all(r["realtime_sessions"] == 0 for r in replicas(server)), 60, "sessions closed")
 
 
+def test_open_sockets_past_serves_default_request_limit_leave_the_server_serving(server):
+    """Six sockets open and idle (Serve takes five requests at once per replica by default, and a WebSocket
+    is one request for its whole life): a seventh still opens a session that streams, and the HTTP API
+    still answers."""
+    idle = [Client(server) for _ in range(6)]
+    try:
+        chunks, client = run_session(server, {**INIT, "max_chunks": 1})
+        assert client.close_code == 1000 and [c["index"] for c in chunks] == [0]
+        assert len(replicas(server)) == 2
+    finally:
+        for socket in idle:
+            socket.close()
+
+
 def test_killing_the_owner_replica_ends_the_session_with_session_gone(server):
     client = Client(server)
     client.send({**INIT, "prompt": "a lighthouse"})  # no max_chunks: runs until closed
