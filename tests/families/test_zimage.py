@@ -32,13 +32,14 @@ from tests.families.harness import (
     load_pipeline,
     openai_client,
     picture,
+    running_engine,
     sampling_body,
     served,
     single_thread,  # noqa: F401 (a fixture, used by pytestmark)
 )
 from tests.families.lora import save_random_lora
 from tests.families.zimage import TURBO_TRANSFORMER, build_folder, build_pipeline
-from tests.helpers import psnr
+from tests.helpers import png_pixels, psnr
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -180,6 +181,17 @@ def test_serve_openai_client(folder, reference):
             extra_body=sampling_body(FOX),
         )
     assert psnr(b64_pixels(result), reference[0]) >= 40
+
+
+def test_a_size_past_the_rotary_table_is_refused_and_its_batch_served(folder, reference):
+    """The tiny transformer's axes_lens (32 rows of 2×8 px) end at 512 px: a wider request is refused naming
+    size (it failed the shared forward with an IndexError); the request submitted beside it is served."""
+    wide = FOX.model_copy(update={"width": 528})
+    with running_engine(folder, max_sequence_length=MAX_LEN) as engine:
+        futures = [engine.submit(p) for p in (wide, FOX)]
+        with pytest.raises(ValueError, match=r"^size: 528x48 is above this model's largest 512x512$"):
+            futures[0].result(timeout=300)
+        assert psnr(png_pixels(futures[1].result(timeout=300).outputs[0]), reference[0]) >= 40
 
 
 def test_omni_folder_is_refused(folder, tmp_path):
