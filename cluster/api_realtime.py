@@ -59,10 +59,19 @@ import msgpack
 from fastapi import APIRouter, Depends, WebSocket, WebSocketDisconnect
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ditserve.replica.families import vae_spatial_factor
 from ditserve.replica.media import check_image
 from ditserve.replica.request import GenerationParams
 
-from .errors import BadRequest, QueueFull, ReplicaUnavailable, ServeError, SessionGone, validation_error
+from .errors import (
+    BadRequest,
+    InternalError,
+    QueueFull,
+    ReplicaUnavailable,
+    ServeError,
+    SessionGone,
+    validation_error,
+)
 from .http_base import error_type, frontend, requested_size
 from .replica_realtime import CONTENT_TYPES, preview_size
 from .schemas import Prompt, parse_size
@@ -154,6 +163,23 @@ def _default_frames(fe: Any) -> int:
     return fe.spec.frame_multiple * max(config.get("chunk_partition") or [3])
 
 
+def _check_compressed_size(fe: Any, width: int, height: int, max_chunks: int | None) -> None:
+    """AnyFlow-FAR keeps the chunks older than its last ``full_chunk_limit - 1`` as compressed latent patches:
+    a session that runs past ``full_chunk_limit`` chunks needs latents at least one patch wide and high (the
+    patch does not fit a smaller one, and the chunk after them fails)."""
+    config = fe.spec.transformer_config()
+    patch, full = config.get("compressed_patch_size"), config.get("full_chunk_limit")
+    if not patch or not full or (max_chunks is not None and max_chunks <= full):
+        return
+    least = vae_spatial_factor(fe.spec.folder) * max(patch[1:])
+    if min(width, height) < least:
+        raise BadRequest(
+            f"size: {width}x{height} is too small for sessions of {fe.model_name} past {full} chunks: width and "
+            f"height must be at least {least} (its older chunks are kept as {patch[1]}x{patch[2]} latent "
+            f"patches), or max_chunks at most {full}"
+        )
+
+
 def init_params(fe: Any, init: RealtimeInit) -> GenerationParams:
     """Frontend checks of an init (model, size, prompt, limits) → the session's engine parameters."""
     fe.check_model(init.model)
@@ -185,6 +211,7 @@ def init_params(fe: Any, init: RealtimeInit) -> GenerationParams:
         raise BadRequest(f"size: {exc.message.removeprefix('size ')}") from None
     if min(width, height) < 16:
         raise BadRequest(f"size: width and height must be at least 16, got {init.size!r}")
+    _check_compressed_size(fe, width, height, init.max_chunks)
     return GenerationParams(
         prompt=init.prompt,
         negative_prompt=init.negative_prompt,
@@ -324,6 +351,11 @@ class _Session:
                 answer = {**await frames, "event_id": denoised.get("event_id")}
             except ServeError as exc:
                 return await self._failed(exc, index)
+            except Exception as exc:
+                # The replica raised (a rank failed on the chunk): the client is told, not just closed.
+                logger.exception("realtime session %s: chunk %d failed", self.session_id, index)
+                failed = InternalError(f"internal error ({type(exc).__name__}); see the server log")
+                return await self._failed(failed, index)
             forward_ms = (time.perf_counter() - started) * 1000.0
             await self._send_chunk(answer, forward_ms, started)
             if not last:

@@ -496,6 +496,7 @@ def test_bad_messages_answer_errors_naming_the_field_while_another_session_strea
         ("type", {"prompt": "no type"}),
         ("size", {**INIT, "size": "abc"}),
         ("size", {**INIT, "size": "8x8"}),
+        ("size", {**INIT, "size": "32x16"}),  # under one 4x4 patch of 8x latents: chunk 3 would fail
         ("num_frames", {**INIT, "num_frames": 0}),
         ("num_frames", {**INIT, "num_frames": 10**9}),
         ("num_frames", {**INIT, "num_frames": "8"}),
