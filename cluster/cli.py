@@ -190,6 +190,8 @@ def run_generate(ns: argparse.Namespace) -> int:
             max(multiple, first[0] // multiple * multiple),
             max(multiple, first[1] // multiple * multiple),
         )
+    if ns.strength is not None and not images:  # it would be dropped: no start image to keep
+        return _fail("--strength: image-to-image needs the start image (--image FILE)")
     extra = {} if ns.strength is None else {"strength": ns.strength}
     if images and not video and not engine.spec.edits and ns.strength is None:
         extra["strength"] = 0.6  # FluxImg2ImgPipeline's default

@@ -95,6 +95,8 @@ def test_several_prompts_one_batch_one_file_each(tmp_path):
         # 0 is a size, not "the default size" (it made a 64×64 image)
         (["--model", "demo-flux", "--width", "0"], "--width: Input should be greater than or equal to 16"),
         (["--model", "demo-flux", "-o", "x.mp4"], "makes images"),
+        # without --image there is nothing to keep: it was dropped and a text-to-image made
+        (["--model", "demo-flux", "--strength", "0.5"], "--strength: image-to-image needs the start image"),
         (["--model", "demo-wan", "--num-frames", "8", "-o", "x.mp4"], "--num-frames: must be 4·k + 1"),
         (["--model", "demo-flux", "--ulysses-degree", "16"], "--ulysses-degree"),
         (["--model", "demo-flux", "--n", "9"], "--n: 9 is above the maximum"),
