@@ -29,7 +29,8 @@ from .grpc_gen import ditserve_pb2_grpc as pb_grpc
 
 class Client:
     def __init__(self, target: str = "localhost:9000", api_key: str | None = None, timeout_s: float = 600.0):
-        self.channel = grpc.insecure_channel(target)
+        # gRPC's own limit on a received message is 4 MiB: an ordinary video (640x480, 4 s) is larger
+        self.channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", -1)])
         self.stub = pb_grpc.DitServeStub(self.channel)
         self.metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
         self.timeout_s = timeout_s

@@ -131,6 +131,30 @@ def test_grpc_video_job(server):
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_grpc_client_takes_videos_above_grpc_default_message_limit():
+    """A 640x480 video of 4 s is about 5 MB, above gRPC's default 4 MiB for a received message; the client
+    failed with RESOURCE_EXHAUSTED. The limit is the client channel's, so a plain gRPC server answers here."""
+    from concurrent import futures
+
+    from ditserve.cluster.grpc_gen import ditserve_pb2_grpc as pb_grpc
+
+    mp4 = bytes(range(256)) * (5 * 2**20 // 256)
+
+    class Videos(pb_grpc.DitServeServicer):
+        def GetVideoContent(self, request, context):
+            return pb.VideoContent(id=request.id, mp4=mp4, media_type="video/mp4")
+
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    pb_grpc.add_DitServeServicer_to_server(Videos(), grpc_server)
+    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    grpc_server.start()
+    try:
+        with Client(f"127.0.0.1:{port}") as c:
+            assert c.video_content("r.1f") == mp4
+    finally:
+        grpc_server.stop(None)
+
+
 def test_list_pages_variants_and_remix(server, client):
     """Two jobs listed oldest first one per page (the client follows the cursor), the first's thumbnail and
     spritesheet, then a remix: the same video settings and seed with another prompt."""
