@@ -47,8 +47,6 @@ session goes on. The client ends a session by closing the socket.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import functools
 import logging
@@ -72,7 +70,7 @@ from .errors import (
     SessionGone,
     validation_error,
 )
-from .http_base import error_type, frontend, requested_size
+from .http_base import base64_bytes, error_type, frontend, requested_size
 from .replica_realtime import CONTENT_TYPES, preview_size
 from .schemas import Prompt, parse_size
 
@@ -148,13 +146,13 @@ def _first_frame(value: bytes | str) -> bytes:
         head, sep, data = value.partition(",")
         if not sep or not head.endswith(";base64"):
             raise BadRequest("first_frame: a data URL must be base64 (data:image/png;base64,...)")
-    try:
-        return base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
+    decoded = base64_bytes(data)
+    if decoded is None:
         raise BadRequest(
             "first_frame: give image bytes, or a base64 string / data URL of them; the server fetches no "
             "URLs or paths"
-        ) from None
+        )
+    return decoded
 
 
 def _default_frames(fe: Any) -> int:

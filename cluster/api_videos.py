@@ -13,8 +13,6 @@ routed like a session id, so any frontend, including a restarted one, reaches it
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import email.parser
 import email.policy
 import io
@@ -38,6 +36,7 @@ from .errors import BadRequest, Conflict, NotFound, SessionGone, Unsupported, va
 from .http_base import (
     ERROR_DESCRIPTIONS,
     REPLICA_HEADER,
+    base64_bytes,
     check_size,
     frontend,
     nest_form_fields,
@@ -141,12 +140,10 @@ def _data_url(value: str) -> bytes:
             "the server fetches no URLs",
             param="input_reference",
         )
-    try:
-        return base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise BadRequest(
-            "input_reference: the data URL is not valid base64", param="input_reference"
-        ) from None
+    decoded = base64_bytes(data)
+    if decoded is None:
+        raise BadRequest("input_reference: the data URL is not valid base64", param="input_reference")
+    return decoded
 
 
 def reference_bytes(body: VideoCreateRequest, upload: bytes | None) -> bytes | None:
@@ -168,8 +165,12 @@ def reference_bytes(body: VideoCreateRequest, upload: bytes | None) -> bytes | N
 
 def reference_allowance(fe: Any) -> int:
     """Bytes a video request may carry beyond ``max_body_bytes``: the first frame, where the model takes one,
-    at its size as a JSON data URL (base64: 4 bytes for every 3; a file part is checked when decoded)."""
-    return 4 * -(-fe.args.max_image_bytes // 3) if fe.spec.first_frame != "none" else 0
+    at its size as a JSON data URL (base64: 4 bytes for every 3, and a line break, up to 2 bytes, every 76
+    characters where it is wrapped as MIME wraps it; a file part is checked when decoded)."""
+    if fe.spec.first_frame == "none":
+        return 0
+    encoded = 4 * -(-fe.args.max_image_bytes // 3)
+    return encoded + 2 * -(-encoded // 76)
 
 
 def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None) -> GenerationParams:

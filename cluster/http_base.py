@@ -4,6 +4,8 @@ to reach the Frontend."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import json
 import re
@@ -446,3 +448,13 @@ def nest_form_fields(fields: dict[str, str]) -> dict[str, Any]:
         except ValueError:
             group[key] = text
     return data
+
+
+def base64_bytes(text: str) -> bytes | None:
+    """Base64 text → bytes, None where it is not base64. Line breaks and spaces are allowed, as MIME's
+    base64 (Python's ``base64.encodebytes``, ``openssl base64``) wraps its lines; anything else outside
+    the alphabet is refused rather than skipped."""
+    try:
+        return base64.b64decode("".join(text.split()), validate=True)
+    except (binascii.Error, ValueError):
+        return None

@@ -99,12 +99,13 @@ def test_data_urls_and_grpc_bytes(server, client):
     assert_h264(client.videos.download_content(job).read(), (5, 64, 64, 3))
     # JSON: the data URL as a string
     _json_job_completes(server, client, {"prompt": "a square", "size": "64x48", "input_reference": url})
-    # a first frame near --max-image-bytes: its data URL is a third larger, and still taken
+    # a first frame near --max-image-bytes: its data URL is a third larger, and still taken, wrapped in lines
+    # of 76 characters as MIME base64 is (Python's base64.encodebytes)
     noise = Image.frombytes("RGB", (120, 120), os.urandom(120 * 120 * 3))
     buf = io.BytesIO()
     noise.save(buf, format="PNG")
     assert MAX_IMAGE_BYTES - 10_000 < len(buf.getvalue()) <= MAX_IMAGE_BYTES
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    url = "data:image/png;base64," + base64.encodebytes(buf.getvalue()).decode()
     _json_job_completes(server, client, {"prompt": "noise", "size": "64x48", "input_reference": url})
     with Client(f"127.0.0.1:{server.grpc_port}") as c:
         job = c.create_video("a square", size="64x48", input_reference=reference_png(), num_frames=5)

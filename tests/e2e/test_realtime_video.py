@@ -442,15 +442,17 @@ def test_an_sglang_client_with_nil_defaults_raw_frames_and_a_sticky_event_id(ser
 
 def test_an_sglang_client_gets_jpeg_previews_six_frames_a_message(server):
     """``realtime_output_format`` jpeg with SGLang's ``output_compression`` and
-    ``realtime_preview_max_width``, and the first frame as a base64 data URL: 8-frame chunks come as 6 + 2
-    JPEG files at the preview size, the source size named beside it."""
+    ``realtime_preview_max_width``, and the first frame as a base64 data URL (in lines of 76 characters, as
+    MIME base64 wraps them): 8-frame chunks come as 6 + 2 JPEG files at the preview size, the source size
+    named beside it."""
     first = io.BytesIO()
     Image.new("RGB", (64, 64), (200, 30, 30)).save(first, format="PNG")
     init = {
         **INIT, "max_chunks": 2, "realtime_output_format": "jpeg", "output_compression": 40,
         "realtime_preview_max_width": 32,
-        "first_frame": "data:image/png;base64," + base64.b64encode(first.getvalue()).decode(),
+        "first_frame": "data:image/png;base64," + base64.encodebytes(first.getvalue()).decode(),
     }  # fmt: skip
+    assert "\n" in init["first_frame"].rstrip()
     client = SGLangStyleClient(server, query="?trace_id=from-query")
     run = client.run(init, num_chunks=2)
     assert client.closed() == (1000, "generation complete")
