@@ -57,7 +57,6 @@ import msgpack
 from fastapi import APIRouter, Depends, WebSocket, WebSocketDisconnect
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ditserve.replica.families import vae_spatial_factor
 from ditserve.replica.media import check_image
 from ditserve.replica.request import GenerationParams
 
@@ -161,23 +160,6 @@ def _default_frames(fe: Any) -> int:
     return fe.spec.frame_multiple * max(config.get("chunk_partition") or [3])
 
 
-def _check_compressed_size(fe: Any, width: int, height: int, max_chunks: int | None) -> None:
-    """AnyFlow-FAR keeps the chunks older than its last ``full_chunk_limit - 1`` as compressed latent patches:
-    a session that runs past ``full_chunk_limit`` chunks needs latents at least one patch wide and high (the
-    patch does not fit a smaller one, and the chunk after them fails)."""
-    config = fe.spec.transformer_config()
-    patch, full = config.get("compressed_patch_size"), config.get("full_chunk_limit")
-    if not patch or not full or (max_chunks is not None and max_chunks <= full):
-        return
-    least = vae_spatial_factor(fe.spec.folder) * max(patch[1:])
-    if min(width, height) < least:
-        raise BadRequest(
-            f"size: {width}x{height} is too small for sessions of {fe.model_name} past {full} chunks: width and "
-            f"height must be at least {least} (its older chunks are kept as {patch[1]}x{patch[2]} latent "
-            f"patches), or max_chunks at most {full}"
-        )
-
-
 def init_params(fe: Any, init: RealtimeInit) -> GenerationParams:
     """Frontend checks of an init (model, size, prompt, limits) → the session's engine parameters."""
     fe.check_model(init.model)
@@ -209,7 +191,9 @@ def init_params(fe: Any, init: RealtimeInit) -> GenerationParams:
         raise BadRequest(f"size: {exc.message.removeprefix('size ')}") from None
     if min(width, height) < 16:
         raise BadRequest(f"size: width and height must be at least 16, got {init.size!r}")
-    _check_compressed_size(fe, width, height, init.max_chunks)
+    refused = fe.spec.family_spec.refuse_size(fe.spec.folder, width, height, init.max_chunks)
+    if refused is not None:
+        raise BadRequest(refused)
     return GenerationParams(
         prompt=init.prompt,
         negative_prompt=init.negative_prompt,

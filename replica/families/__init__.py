@@ -133,6 +133,12 @@ class Family:
     optional_components: frozenset[str] = frozenset()
     # A variant of a listed pipeline the family does not run (a message naming what was found), or None.
     refuse: Callable[[Folder], str | None] = lambda folder: None
+    # A size the model cannot run beyond ``size_multiple`` (a message naming ``size``), or None: (folder,
+    # width, height, chunks) with ``chunks`` the chunks of a chunked video (a whole video's, or a realtime
+    # session's ``max_chunks``; None: a session without an end).
+    refuse_size: Callable[[Folder, int, int, int | None], str | None] = lambda folder, w, h, chunks: None
+    # The chunks a whole video of ``num_frames`` frames is generated in (chunk-autoregressive families).
+    video_chunks: Callable[[Folder, int], int] = lambda folder, num_frames: 1
     # applies a request's step cache (``cache``); refused with a 400 naming ``cache`` otherwise
     step_cache: bool = True
     # diffusers' ``lora_state_dict`` of this pipeline class returns network alphas

@@ -31,22 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..families.anyflow import chunk_partition
 from ..parallel.anyflow import FarCall, FarCausalAttnProcessor, FarLayerCache, FarRope
 from ..request import GenerationParams
 from .base import PipelineRunner, RequestState, request_scheduler
-
-
-def chunk_partition(latent_frames: int, default: tuple[int, ...]) -> list[int]:
-    """Latent frames per chunk of a whole video: the model's own partition when it fits, else a first chunk
-    of one frame then chunks of the model's usual length (the last one shorter)."""
-    if sum(default) == latent_frames:
-        return list(default)
-    size = max(default)
-    out, left = [1], latent_frames - 1
-    while left > 0:
-        out.append(min(size, left))
-        left -= out[-1]
-    return out
 
 
 def session_partition(frames_per_chunk: int, num_chunks: int, temporal: int) -> list[int]:

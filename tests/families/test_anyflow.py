@@ -144,6 +144,17 @@ def test_chunk_out_of_order_and_bad_sizes_are_refused(engine):
         runner.add("cached", GenerationParams(**SETTINGS, num_frames=9, cache={"policy": "fbcache"}))
 
 
+def test_a_video_too_small_for_its_compressed_chunks_is_refused_naming_size(engine):
+    """Past full_chunk_limit (3) chunks the oldest are kept as 4×4 latent patches, 32 px here: a 16x16 video
+    of 4 chunks (29 frames: latent chunks 1, 3, 3, 1) failed in the transformer after its third chunk; it is
+    refused before it is queued, naming size, and the same size in 3 chunks is made."""
+    small = GenerationParams(**{**SETTINGS, "width": 16, "height": 16}, num_frames=29)
+    with pytest.raises(ValueError, match="^size: 16x16 is too small past 3 chunks: .* at least 32"):
+        engine.submit(small)
+    video = engine.submit(small.model_copy(update={"num_frames": 21})).result(timeout=300).outputs[0]
+    assert decode_mp4(video).shape == (21, 16, 16, 3)
+
+
 def test_layouts_other_than_ulysses_and_ring_are_refused_naming_the_flags(folder):
     spec = resolve_model(str(folder))
     for flags, named in (
