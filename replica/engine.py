@@ -154,12 +154,11 @@ class Engine:
             raise ValueError(
                 f"num_frames: must be {spec.frame_multiple}·k + 1 for {spec.name}, got {params.num_frames}"
             )
-        if spec.kind == "video":
-            family = spec.family_spec
-            chunks = family.video_chunks(spec.folder, params.num_frames)
-            refused = family.refuse_size(spec.folder, params.width, params.height, chunks)
-            if refused is not None:
-                raise ValueError(refused)
+        family = spec.family_spec
+        chunks = family.video_chunks(spec.folder, params.num_frames) if spec.kind == "video" else 1
+        refused = family.refuse_size(spec.folder, params.width, params.height, chunks)
+        if refused is not None:
+            raise ValueError(refused)
         if params.width > limits.max_width or params.height > limits.max_height:
             raise ValueError(
                 f"size: {params.width}x{params.height} is above the maximum "

@@ -9,6 +9,7 @@ K/V-gather and CFG-parallel are refused naming the flags (the runner's own chunk
 them); scale sessions with --dp-size."""
 
 from . import Family, Folder, vae_spatial_factor
+from .wan import refuse_rope_size
 
 
 def _frame_multiple(folder: Folder) -> int:
@@ -35,9 +36,13 @@ def _video_chunks(folder: Folder, num_frames: int) -> int:
 
 
 def _refuse_size(folder: Folder, width: int, height: int, chunks: int | None) -> str | None:
-    """The chunks older than the last ``full_chunk_limit - 1`` are kept as compressed latent patches: a
-    rollout past ``full_chunk_limit`` chunks needs latents at least one such patch wide and high (a smaller
-    one does not fit the patch, and the chunk after them fails)."""
+    """Sizes past the rotary table (as Wan's); and, as the chunks older than the last ``full_chunk_limit -
+    1`` are kept as compressed latent patches, a rollout past ``full_chunk_limit`` chunks needs latents at
+    least one such patch wide and high (a smaller one does not fit the patch, and the chunk after them
+    fails)."""
+    refused = refuse_rope_size(folder, width, height)
+    if refused is not None:
+        return refused
     config = folder.config("transformer")
     patch, full = config.get("compressed_patch_size"), config.get("full_chunk_limit")
     if not patch or not full or (chunks is not None and chunks <= full):

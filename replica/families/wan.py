@@ -3,7 +3,7 @@
 text or text + first frame). Self-attention over the video tokens, cross-attention to the text,
 classifier-free guidance whenever guidance_scale > 1."""
 
-from . import Family, FirstFrame, Folder
+from . import Family, FirstFrame, Folder, vae_spatial_factor
 
 
 def frame_multiple(folder: Folder) -> int:
@@ -32,6 +32,21 @@ def refuse_experts(folder: Folder) -> str | None:
     return None
 
 
+def refuse_rope_size(folder: Folder, width: int, height: int, chunks: int | None = None) -> str | None:
+    """The transformer's rotary table has ``rope_max_seq_len`` positions per axis (rows and columns of
+    patches): a larger frame has no positions (it failed the whole batch's forward in the rotary
+    embedding)."""
+    config = folder.config("transformer")
+    limit, patch = config.get("rope_max_seq_len"), config.get("patch_size")
+    if not limit or not patch:
+        return None
+    factor = vae_spatial_factor(folder)
+    most_w, most_h = limit * patch[2] * factor, limit * patch[1] * factor
+    if width > most_w or height > most_h:
+        return f"size: {width}x{height} is above this model's largest {most_w}x{most_h}"
+    return None
+
+
 def _first_frame(folder: Folder) -> FirstFrame:
     # TI2V-5B takes a first frame as WanImageToVideoPipeline does for it; Wan 2.1 / 2.2 A14B T2V do not.
     return "optional" if folder.index.get("expand_timesteps") else "none"
@@ -47,6 +62,7 @@ FAMILY = Family(
     frame_multiple=frame_multiple,
     first_frame=_first_frame,
     refuse=refuse_experts,
+    refuse_size=refuse_rope_size,
     checkpoints=(
         # image-to-video folders (i2v, not ti2v) are wan_i2v's
         (r"(?<![a-z])wan-?2\.1(?!.*(?<!t)i2v).*(?<![0-9.])1\.3b", 12),

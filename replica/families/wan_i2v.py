@@ -3,7 +3,7 @@ Wan 2.2 I2V A14B (two experts). The first frame is required (POST /v1/videos ``i
 VAE-encoded into conditioning channels, and Wan 2.1's also into CLIP image tokens."""
 
 from . import Family, Folder
-from .wan import frame_multiple, refuse_experts
+from .wan import frame_multiple, refuse_experts, refuse_rope_size
 
 
 def _refuse(folder: Folder) -> str | None:
@@ -28,6 +28,7 @@ FAMILY = Family(
     frame_multiple=frame_multiple,
     first_frame=lambda folder: "required",
     refuse=_refuse,
+    refuse_size=refuse_rope_size,
     checkpoints=(
         (r"(?<![a-z])wan-?2\.1.*i2v", 40),
         (r"(?<![a-z])wan-?2\.2.*i2v", 40),

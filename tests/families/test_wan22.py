@@ -271,7 +271,8 @@ def test_engine_one_rank_matches_runner(a14b, one_rank):
 def test_a_video_past_the_rotary_table_is_refused_and_its_batch_served(a14b_folder, one_rank):
     """The tiny transformer's rope_max_seq_len (64 positions of 2×8 px, 64 latent frames) ends at 1024 px and
     253 frames: a larger request is refused naming size / num_frames (it failed the shared forward in the
-    rotary embedding); the request submitted beside it is served."""
+    rotary embedding), the size before it is queued (POST /v1/videos answers 400); the request submitted
+    beside them is served."""
     from ditserve.replica.config import Limits
 
     wide = A14B[0].model_copy(update={"width": 1040})
@@ -281,14 +282,12 @@ def test_a_video_past_the_rotary_table_is_refused_and_its_batch_served(a14b_fold
     )
     engine = Engine(config).start()
     try:
-        futures = [
-            engine.submit(p.model_copy(update={"return_latents": True})) for p in (wide, long, A14B[0])
-        ]
         with pytest.raises(ValueError, match=r"^size: 1040x48 is above this model's largest 1024x1024$"):
-            futures[0].result(timeout=300)
+            engine.submit(wide)
+        futures = [engine.submit(p.model_copy(update={"return_latents": True})) for p in (long, A14B[0])]
         with pytest.raises(ValueError, match=r"^num_frames: 257 is above this model's most 253$"):
-            futures[1].result(timeout=300)
-        np.testing.assert_allclose(futures[2].result(timeout=300).latents, one_rank[0], atol=1e-5)
+            futures[0].result(timeout=300)
+        np.testing.assert_allclose(futures[1].result(timeout=300).latents, one_rank[0], atol=1e-5)
     finally:
         engine.shutdown()
 
