@@ -35,6 +35,12 @@ from .base import PipelineRunner, RequestState, open_image, request_scheduler
 from .vae import decode_video
 
 I2V_PIPELINE = "HunyuanVideo15ImageToVideoPipeline"
+# Videos of more latent positions (frames × rows × columns) than this decode in spatial tiles, as diffusers'
+# HunyuanVideo 1.5 examples decode (``pipe.vae.enable_tiling()``): the VAE's mid-block attention builds a
+# causal mask of positions² entries (512 MiB in bf16 here; at 720p and 121 frames, 111,600 positions: 23 GiB)
+# and fills it one row at a time. Below it (480p and 33 frames: 14,310), the pipeline's default untiled decode.
+TILED_DECODE_POSITIONS = 16384
+
 _BLOCK_ARGS = ("hidden_states", "encoder_hidden_states", "temb", "attention_mask", "freqs_cis")
 
 
@@ -238,6 +244,10 @@ class HunyuanVideo15Runner(PipelineRunner):
     def decode(self, state: RequestState) -> np.ndarray:
         vae = self.pipe.vae
         latents = state.latents.to(vae.dtype) / vae.config.scaling_factor
+        if math.prod(latents.shape[2:]) > TILED_DECODE_POSITIONS:
+            vae.enable_tiling()
+        else:
+            vae.disable_tiling()
         # One video at a time: the VAE's causal attention mask (diffusers' AutoencoderKLHunyuanVideo15) is
         # shaped for a batch of one and fails to broadcast against two or more videos.
         return np.concatenate([decode_video(self.pipe, video[None]) for video in latents])

@@ -21,6 +21,7 @@ from PIL import Image
 from ditserve.replica.config import EngineConfig
 from ditserve.replica.media import decode_mp4
 from ditserve.replica.pipelines.base import to_uint8
+from ditserve.replica.pipelines.hunyuanvideo15 import TILED_DECODE_POSITIONS
 from ditserve.replica.request import GenerationParams
 from ditserve.replica.worker import RankWorker
 from tests.families.harness import (
@@ -179,6 +180,28 @@ def _engine_frames(folder, flags: dict) -> list[np.ndarray]:
 @pytest.fixture(scope="module")
 def one_rank_frames(t2v_folder):
     return _engine_frames(t2v_folder, {})
+
+
+def test_a_long_video_decodes_in_tiles_as_the_pipelines_examples_do(t2v_folder):
+    """Past TILED_DECODE_POSITIONS latent positions the VAE's causal attention mask (positions² entries) is
+    the memory cliff: such a video decodes in spatial tiles and equals diffusers' pipeline with
+    ``pipe.vae.enable_tiling()`` (its documented usage), not its untiled decode (about 54 dB apart here)."""
+    params = GenerationParams(
+        prompt="waves on a beach", width=512, height=64, num_frames=17, num_inference_steps=1,
+        guidance_scale=1.0, seed=4,
+    )  # fmt: skip
+    assert (
+        17 * 16 * 80 > TILED_DECODE_POSITIONS
+    )  # latent frames × rows × columns (VAE 2× in time, 4× in space)
+    ours = _one_rank(t2v_folder, [params])[0]
+    pipe = _load(t2v_folder)
+    pipe.vae.enable_tiling()
+    try:
+        tiled = _diffusers(t2v_folder, params)
+    finally:
+        pipe.vae.disable_tiling()
+    assert ours.shape == (17, 64, 512, 3)
+    assert psnr(ours, tiled) >= 80
 
 
 @pytest.mark.parametrize("flags", LAYOUTS, ids=layout_id)
