@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import io
+import math
 
 import numpy as np
 import pytest
@@ -184,22 +185,24 @@ def one_rank_frames(t2v_folder):
 
 def test_a_long_video_decodes_in_tiles_as_the_pipelines_examples_do(t2v_folder):
     """Past TILED_DECODE_POSITIONS latent positions the VAE's causal attention mask (positions² entries) is
-    the memory cliff: such a video decodes in spatial tiles and equals diffusers' pipeline with
+    the memory cliff: such a video's latents decode in spatial tiles, equal to diffusers' pipeline ending with
     ``pipe.vae.enable_tiling()`` (its documented usage), not its untiled decode (about 54 dB apart here)."""
-    params = GenerationParams(
-        prompt="waves on a beach", width=512, height=64, num_frames=17, num_inference_steps=1,
-        guidance_scale=1.0, seed=4,
-    )  # fmt: skip
+    params = GenerationParams(prompt="waves on a beach", width=512, height=64, num_frames=17, seed=4)
+    worker = RankWorker(EngineConfig(model=str(t2v_folder), device="cpu", dtype="float32"))
+    worker.add("long", params)
+    latents = worker.states["long"].latents.clone()  # the request's starting latents, decoded as they are
     assert (
-        17 * 16 * 80 > TILED_DECODE_POSITIONS
-    )  # latent frames × rows × columns (VAE 2× in time, 4× in space)
-    ours = _one_rank(t2v_folder, [params])[0]
+        math.prod(latents.shape[2:]) == 9 * 16 * 128 > TILED_DECODE_POSITIONS
+    )  # VAE: 2× in time, 4× in space
+    ours = worker.finish("long")["pixels"][0]
     pipe = _load(t2v_folder)
     pipe.vae.enable_tiling()
-    try:
-        tiled = _diffusers(t2v_folder, params)
+    try:  # the pipeline's last lines
+        with torch.no_grad():
+            video = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
     finally:
         pipe.vae.disable_tiling()
+    tiled = to_uint8(pipe.video_processor.postprocess_video(video, output_type="np"))[0]
     assert ours.shape == (17, 64, 512, 3)
     assert psnr(ours, tiled) >= 80
 
