@@ -1,7 +1,7 @@
 """Settings a model would not apply are refused where they are given, naming the field, instead of being
-dropped or failing the job later: a step cache for AnyFlow-FAR (its chunk loop has no cache hooks),
-``guidance_scale_2`` for a one-transformer model (only Wan 2.2 A14B's second expert takes it) and
-``true_cfg_scale`` for a model guided by ``guidance_scale`` (only FLUX.1 and Qwen-Image take true CFG)."""
+dropped or failing the job later: a step cache for AnyFlow-FAR (its chunk loop has no cache hooks) and
+``guidance_scale_2`` for a one-transformer model (only Wan 2.2 A14B's second expert takes it).
+(``true_cfg_scale`` for a model guided by ``guidance_scale``: ``test_sd3.py``'s served client.)"""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.families import anyflow, sd3, wan22
+from tests.families import anyflow, wan22
 from tests.families.harness import (
     served,
     single_thread,  # noqa: F401 (a fixture, used by pytestmark)
@@ -49,18 +49,3 @@ def test_generate_refuses_a_second_scale_for_one_transformer(tmp_path):
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode != 0 and not (tmp_path / "v.mp4").exists()
     assert "--guidance-scale-2: " in done.stderr and "two-expert" in done.stderr, done.stderr
-
-
-def test_images_api_refuses_true_cfg_for_a_cfg_model(tmp_path):
-    """SD3 guides with guidance_scale: a true_cfg_scale was accepted and dropped (the image came back as if it
-    were not there); now a 400 naming it, and the same request without it is served."""
-    folder = sd3.build_folder(tmp_path / "sd3")
-    body = {"prompt": "a red fox", "size": "32x32", "num_inference_steps": 1, "negative_prompt": "blurry"}
-    with served("--model", str(folder), "--max-sequence-length", "16") as server:
-        url = f"{server.base_url}/v1/images/generations"
-        r = httpx.post(url, json=body | {"true_cfg_scale": 4.0}, timeout=60)
-        assert r.status_code == 400, r.text
-        error = r.json()["error"]
-        assert error["param"] == "true_cfg_scale" and "guidance_scale" in error["message"], error
-        assert error["message"].startswith("true_cfg_scale: "), error
-        assert httpx.post(url, json=body, timeout=60).status_code == 200

@@ -206,9 +206,16 @@ def edit(client, model: str, p: GenerationParams):
 
 def test_serve_openai_client(folder, reference, img2img_reference):
     """images.generate gives the pipeline's image; images.edit (SD3 is no edit model: image-to-image) gives
-    the img2img pipeline's, after a strength outside (0, 1] was a 400 naming it."""
+    the img2img pipeline's, after a strength outside (0, 1] was a 400 naming it. SD3 guides with
+    guidance_scale: a true_cfg_scale (accepted and dropped once, the image made as if it were not there) is a
+    400 naming it."""
     with served("--model", str(folder), "--max-sequence-length", str(MAX_LEN)) as server:
         client = openai_client(server)
+        with pytest.raises(openai.BadRequestError) as true_cfg:
+            client.images.generate(
+                model=folder.name, prompt=FOX.prompt, size=f"{FOX.width}x{FOX.height}",
+                extra_body=sampling_body(FOX) | {"true_cfg_scale": 4.0},
+            )  # fmt: skip
         result = client.images.generate(
             model=folder.name,
             prompt=FOX.prompt,
@@ -221,6 +228,9 @@ def test_serve_openai_client(folder, reference, img2img_reference):
                 edit(client, folder.name, FOX_I2I.model_copy(update={"strength": strength}))
             refused.append(error.value)
         edited = edit(client, folder.name, FOX_I2I)
+    assert (true_cfg.value.status_code, true_cfg.value.param) == (400, "true_cfg_scale")
+    message = true_cfg.value.body["message"]
+    assert message.startswith("true_cfg_scale: ") and "guidance_scale" in message, message
     assert psnr(b64_pixels(result), reference[0]) >= 40
     assert [(e.status_code, e.param) for e in refused] == [(400, "strength")] * 2
     assert all(e.body["message"].startswith("strength: ") for e in refused), [e.body for e in refused]
