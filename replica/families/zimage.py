@@ -24,6 +24,17 @@ def _refuse(folder: Folder) -> str | None:
     return None
 
 
+def _refuse_size(folder: Folder, width: int, height: int, chunks: int | None) -> str | None:
+    """The rotary table has ``axes_lens`` rows per axis: a larger latent grid has no positions (it failed the
+    batch's forward with an IndexError)."""
+    config = folder.config("transformer")
+    side = list(config.get("all_patch_size", [2]))[0] * vae_spatial_factor(folder)
+    largest_h, largest_w = (rows * side for rows in list(config.get("axes_lens", [64, 128, 128]))[1:3])
+    if height > largest_h or width > largest_w:
+        return f"size: {width}x{height} is above this model's largest {largest_w}x{largest_h}"
+    return None
+
+
 def _lora_refuse(modules: list[str]) -> str | None:
     # The caption embedder runs on every row's caption concatenated, rows of different lengths: per-request
     # adapter segments (equal tokens per row) cannot describe it.
@@ -43,6 +54,7 @@ FAMILY = Family(
     size_multiple=lambda folder: vae_spatial_factor(folder) * 2,  # 2×2 patches of the 8× VAE's latents
     heads=lambda config: int(config["n_heads"]),
     refuse=_refuse,
+    refuse_size=_refuse_size,
     lora_refuse=_lora_refuse,
     checkpoints=((r"(?<![a-z])z-?image", 30),),
     typical_heads=30,

@@ -160,18 +160,13 @@ class WanRunner(PipelineRunner):
         )
 
     def _check_positions(self, params: GenerationParams) -> None:
-        """The transformer's rotary table has ``rope_max_seq_len`` positions per axis (latent frames, rows,
-        columns in patches): a larger video has none (refused per request rather than failing the batch's
-        forward in the rotary embedding)."""
+        """The transformer's rotary table has ``rope_max_seq_len`` positions per axis: a video of more latent
+        frames has none (refused per request rather than failing the batch's forward in the rotary embedding;
+        rows and columns: the family's ``refuse_size``, before queueing)."""
         config = self.pipe.transformer.config
-        limit, (p_t, p_h, p_w) = config.rope_max_seq_len, config.patch_size
-        spatial, temporal = self.pipe.vae_scale_factor_spatial, self.pipe.vae_scale_factor_temporal
-        lat_f, lat_h, lat_w = self._latent_shape(params)
-        if lat_h > limit * p_h or lat_w > limit * p_w:
-            raise ValueError(
-                f"size: {params.width}x{params.height} is above this model's largest "
-                f"{limit * p_w * spatial}x{limit * p_h * spatial}"
-            )
+        limit, p_t = config.rope_max_seq_len, config.patch_size[0]
+        temporal = self.pipe.vae_scale_factor_temporal
+        lat_f = self._latent_shape(params)[0]
         if lat_f > limit * p_t:
             raise ValueError(
                 f"num_frames: {params.num_frames} is above this model's most {(limit * p_t - 1) * temporal + 1}"

@@ -76,20 +76,8 @@ class ZImageRunner(PipelineRunner):
         return out
 
     @torch.no_grad()
-    def _check_size(self, params: GenerationParams) -> None:
-        """The rotary table has ``axes_lens`` rows per axis: a larger latent grid has no positions (checked here,
-        per request, rather than failing the batch's forward with an IndexError)."""
-        config = self.pipe.transformer.config
-        side = config.all_patch_size[0] * self.pipe.vae_scale_factor
-        largest_h, largest_w = (rows * side for rows in config.axes_lens[1:3])
-        if params.height > largest_h or params.width > largest_w:
-            raise ValueError(
-                f"size: {params.width}x{params.height} is above this model's largest {largest_w}x{largest_h}"
-            )
-
     def prepare(self, req_id: str, params: GenerationParams, encoded: dict) -> RequestState:
         pipe, n = self.pipe, params.n
-        self._check_size(params)
         generator = request_generator(params, encoded)
         # ZImagePipeline draws its noise in fp32, ZImageImg2ImgPipeline in the model's dtype.
         noise_dtype = torch.float32 if start_latents(params, encoded) is None else self.dtype
