@@ -37,10 +37,15 @@ class Folder:
 
     path: Path
     index: Mapping[str, Any]
+    # component → its config.json, read once (the engine checks every request against them)
+    _configs: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False, repr=False)
 
     def config(self, component: str) -> dict[str, Any]:
-        file = self.path / component / "config.json"
-        return json.loads(file.read_text()) if file.is_file() else {}
+        """``component/config.json`` (empty where there is none); shared: read it, do not change it."""
+        if component not in self._configs:
+            file = self.path / component / "config.json"
+            self._configs[component] = json.loads(file.read_text()) if file.is_file() else {}
+        return self._configs[component]
 
     def has(self, component: str) -> bool:
         """Whether ``model_index.json`` holds ``component`` (diffusers writes ``[null, null]`` when absent)."""
