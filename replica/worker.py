@@ -153,9 +153,16 @@ def compile_blocks(model: torch.nn.Module) -> int:
     """``--compile``: regional compilation, one compiled graph reused by every transformer block (compiles in
     seconds): diffusers' ``compile_repeated_blocks`` where the class names its blocks, else each block of
     ``repeated_blocks`` compiled alike. Not fullgraph: a step with LoRA calls the (untraced) LoRA path at
-    each adapted linear. Returns the blocks compiled here (0 when diffusers did it)."""
+    each adapted linear. Returns the blocks compiled here (0 when diffusers did it).
+
+    Compiled code runs in two threads of a replica (a realtime chunk's VAE decode, with its compiled norms,
+    beside the step loop). Tracing sets FX's process-wide "tracing" flag, and a compiled function called in
+    another thread meanwhile raised ("... symbolically trace a dynamo-optimized function"; torch 2.11 leaves
+    the flag visible to other threads while a graph compiles). With ``error_on_nested_fx_trace`` off, such a
+    call runs its function eagerly instead: the same arithmetic, during a compile only."""
     from .models.blocks import repeated_blocks
 
+    torch._dynamo.config.error_on_nested_fx_trace = False
     if getattr(model, "_repeated_blocks", None):
         model.compile_repeated_blocks(fullgraph=False)
         return 0
