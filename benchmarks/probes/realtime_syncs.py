@@ -47,7 +47,9 @@ def main() -> None:
     from ditserve.replica.request import GenerationParams
     from tests.families import anyflow
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--chunks", type=int, default=5)
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
@@ -66,8 +68,7 @@ def main() -> None:
     )  # fmt: skip
     engine = Engine(config).start()
 
-    chunk_of: dict[int, int] = {}  # thread id -> chunk index being served (approximate: the session's latest)
-    current = {"chunk": -1}
+    current = {"chunk": -1}  # the chunk last submitted (the sites are counted under it)
     sites: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     lock = threading.Lock()
     recording = threading.Event()

@@ -37,9 +37,13 @@ def timed(fn, repeats: int = 20) -> float:
 
 
 def main() -> None:
-    print(torch.__version__, torch.cuda.get_device_name(), "cudnn", torch.backends.cudnn.version(), flush=True)
+    print(
+        torch.__version__, torch.cuda.get_device_name(), "cudnn", torch.backends.cudnn.version(), flush=True
+    )
     for name, b, h, n, d in SHAPES:
-        q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+        q, k, v = (
+            torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)
+        )
         flops = 4 * b * h * n * n * d
         row = []
         for label, backends in (
@@ -48,7 +52,8 @@ def main() -> None:
             ("cudnn", [SDPBackend.CUDNN_ATTENTION]),
             ("efficient", [SDPBackend.EFFICIENT_ATTENTION]),
         ):
-            def call(backends=backends):
+
+            def call(backends=backends, q=q, k=k, v=v):
                 if backends is None:
                     return F.scaled_dot_product_attention(q, k, v)
                 with sdpa_kernel(backends):
