@@ -124,11 +124,16 @@ _INT64_TYPES = (FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64)
 
 
 def fields(message: Any, **rename: str) -> dict[str, Any]:
-    """The fields a client set (proto3 ``optional`` presence), named as in the HTTP API."""
+    """The fields a client set (proto3 ``optional`` presence) and its plain strings, named as in the HTTP API."""
     data = MessageToDict(message, preserving_proto_field_name=True)
     for field in message.DESCRIPTOR.fields:  # the JSON mapping writes 64-bit integers as strings
         if field.cpp_type in _INT64_TYPES and field.name in data and isinstance(data[field.name], str):
             data[field.name] = int(data[field.name])
+        # A string without ``optional`` has no presence: "" is what the client sent (the JSON mapping leaves
+        # it out), so an empty prompt is refused as HTTP refuses {"prompt": ""}, not as a missing field.
+        plain = field.type == FieldDescriptor.TYPE_STRING and not field.has_presence and not field.is_repeated
+        if plain and field.name not in data:
+            data[field.name] = ""
     return {rename.get(k, k): v for k, v in data.items()}
 
 

@@ -523,6 +523,22 @@ def test_grpc_bad_input(server, stub, case):
     grpc_valid(stub)
 
 
+def test_grpc_empty_prompt_is_refused_as_http_refuses_it(server, stub):
+    """proto3 sends an empty prompt as no field at all; the answer is HTTP's for ``{"prompt": ""}``, naming
+    the prompt, not "Field required"."""
+    http = _post(server, GEN, {"prompt": "", "size": "64x64"}).json()["error"]
+    assert http["param"] == "prompt" and http["message"].startswith("prompt: "), http
+    for call in (
+        lambda: stub.Generate(R(prompt="", size="64x64"), timeout=60),
+        lambda: list(stub.GenerateStream(R(size="64x64"), timeout=60)),
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details() == http["message"]
+    grpc_valid(stub)
+
+
 async def _close_mid_step(server, session_id: str) -> None:
     url = f"ws://127.0.0.1:{server.port}/v1/sessions/{session_id}/stream"
     async with websockets.connect(url) as ws:
