@@ -155,9 +155,30 @@ class ImageData(BaseModel):
     revised_prompt: str | None = None
 
 
-class Usage(BaseModel):
-    """What a request cost (ditserve's ``usage``): transformer forwards and how many the step cache answered."""
+class InputTokensDetails(BaseModel):
+    text_tokens: int = Field(
+        description="The prompt's tokens by the tokenizer of the text encoder the transformer attends (T5's "
+        "for Flux and SD3), without special tokens, chat template or padding, cut where the model cuts it."
+    )
+    image_tokens: int = Field(
+        default=0,
+        description="0: input images are not counted as tokens (an edit's image becomes the start latents or "
+        "reference latents, whose size depends on the model; transformer_forwards says what they cost).",
+    )
 
+
+class Usage(BaseModel):
+    """What a request cost: OpenAI's token fields (what ``openai``'s ``ImagesResponse.usage`` reads) and
+    ditserve's transformer forwards, with how many the step cache answered."""
+
+    input_tokens: int = Field(description="text_tokens + image_tokens.")
+    input_tokens_details: InputTokensDetails
+    output_tokens: int = Field(
+        default=0,
+        description="0: a diffusion model generates no tokens; its images are denoised latents, whose cost "
+        "is transformer_forwards.",
+    )
+    total_tokens: int = Field(description="input_tokens + output_tokens.")
     transformer_forwards: int = Field(
         description="Transformer forwards of the request (one per CFG branch and step)."
     )
@@ -169,7 +190,12 @@ class Usage(BaseModel):
 
 def usage_of(result: Any) -> dict[str, Any] | None:
     """A result's usage as the API returns it (None when the engine reported none)."""
-    return Usage(**result.usage).model_dump() if getattr(result, "usage", None) else None
+    if not getattr(result, "usage", None):
+        return None
+    cost = dict(result.usage)
+    text = int(cost.pop("text_tokens", 0))
+    details = InputTokensDetails(text_tokens=text)
+    return Usage(input_tokens=text, input_tokens_details=details, total_tokens=text, **cost).model_dump()
 
 
 class ImagesResponse(BaseModel):

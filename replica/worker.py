@@ -427,11 +427,12 @@ class RankWorker:
 
     def finish(self, req_id: str) -> dict[str, Any] | None:
         """Forget a finished request; rank 0 decodes it (once per replica) and returns its pixels and
-        usage."""
+        usage (its prompt's text tokens included)."""
         state = self.states.pop(req_id)
         if self.rank != 0:
             return None
-        return {"pixels": self.runner.decode(state), "usage": usage(state)}
+        text_tokens = self.runner.prompt_tokens(state.params.prompt)
+        return {"pixels": self.runner.decode(state), "usage": usage(state) | {"text_tokens": text_tokens}}
 
     def finish_chunk(self, req_id: str) -> None:
         """Forget a denoised realtime chunk and start its VAE decode, without waiting for it: rank 0 decodes

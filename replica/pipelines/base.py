@@ -107,6 +107,9 @@ class PipelineRunner(ABC):
     # batch them do (StableDiffusion3Pipeline): one launch of every kernel instead of two, and the GEMMs of
     # the pipeline's shapes (a batch of one picks other kernels, so other roundings in bf16).
     batch_cfg: bool = False
+    # The pipeline's tokenizer for the encoder whose states the transformer attends (Flux: T5's), by whose
+    # count a request's ``usage`` reports its text tokens.
+    prompt_tokenizer: str = "tokenizer"
 
     def __init__(
         self,
@@ -137,6 +140,21 @@ class PipelineRunner(ABC):
         # Set by the LoRA manager: step caching narrows the forward's adapter layout to the computing rows for
         # the blocks after the first (rows, their first rows), and restores it with (None, None).
         self.relayout: Callable[[list[int] | None, list[int] | None], None] | None = None
+
+    def text_token_limit(self) -> int:
+        """The most prompt tokens the family encodes (its prompts are cut there)."""
+        return self.max_sequence_length
+
+    def prompt_tokens(self, prompt: str) -> int:
+        """The prompt's tokens as :attr:`prompt_tokenizer` counts them, cut where the family cuts the prompt:
+        the text the request paid for, without special tokens, a chat template around it or padding."""
+        tokenizer = getattr(self.pipe, self.prompt_tokenizer, None) or getattr(self.pipe, "tokenizer", None)
+        if tokenizer is None:
+            return 0
+        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor holds one
+        limit = min(self.text_token_limit(), tokenizer.model_max_length)
+        ids = tokenizer(prompt, add_special_tokens=False, truncation=True, max_length=limit)["input_ids"]
+        return len(ids)
 
     def step_cache(self):
         """The served transformer's step-cache wrapper (a no-op for forwards without caching rows)."""

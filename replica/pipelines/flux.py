@@ -20,6 +20,7 @@ class FluxRunner(PipelineRunner):
     default_guidance = 3.5
     cache_blocks = ("transformer_blocks", "single_transformer_blocks")
     cache_outputs = ("encoder_hidden_states", "hidden_states")
+    prompt_tokenizer = "tokenizer_2"  # T5's sequence; CLIP gives only the pooled vector
 
     @property
     def kontext(self) -> bool:

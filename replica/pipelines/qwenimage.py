@@ -107,6 +107,9 @@ class QwenImageRunner(PipelineRunner):
             # the step cache's row bookkeeping does not follow it, so those requests run uncached.
             self.cache_blocks = ()
 
+    def text_token_limit(self) -> int:
+        return min(self.max_sequence_length, 1024)  # QwenImagePipeline refuses more
+
     @classmethod
     def pipeline_components(cls, folder: Path) -> dict:
         """Components passed to ``from_pretrained`` instead of the folder's own (see ``load_processor``)."""
@@ -139,7 +142,7 @@ class QwenImageRunner(PipelineRunner):
             prompt=prompt,
             device=self.device,
             num_images_per_prompt=n,
-            max_sequence_length=min(self.max_sequence_length, 1024),
+            max_sequence_length=self.text_token_limit(),
             **kwargs,
         )
         return embeds.to(self.dtype), None if mask is None else mask.bool()

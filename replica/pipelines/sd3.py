@@ -25,6 +25,10 @@ class SD3Runner(PipelineRunner):
     # StableDiffusion3Pipeline runs the uncond and cond rows as one batch: so do we (one launch of each
     # kernel per step, and the pipeline's GEMM shapes, hence its bf16 numbers).
     batch_cfg = True
+    prompt_tokenizer = "tokenizer_3"  # T5's (CLIP's when the folder has no T5)
+
+    def text_token_limit(self) -> int:
+        return min(self.max_sequence_length, self.text_length)
 
     def _guidance(self, params: GenerationParams) -> float:
         return params.guidance_scale if params.guidance_scale is not None else self.default_guidance

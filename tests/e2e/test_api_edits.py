@@ -184,7 +184,7 @@ def test_uploads_are_read_as_shown(server):
 
 def test_openai_client_mappings_in_extra_body(server):
     """A cache or lora mapping in extra_body (the client sends it as cache[policy], lora[name] fields) is
-    read as the mapping; a picture too narrow for the server's size says its own size."""
+    read as the mapping, and the usage it reports is read by the client's model; a picture too narrow for the server's size says its own size."""
     client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     asked = {"image": ("scene.png", SOURCE, "image/png"), "prompt": "a red circle"}
     steps = {"seed": 1, "num_inference_steps": 2}
@@ -192,6 +192,10 @@ def test_openai_client_mappings_in_extra_body(server):
         **asked, extra_body={**steps, "cache": {"policy": "fbcache", "threshold": 0.1}}
     )
     assert cached.usage.cache_policy == "fbcache"
+    # the prompt's three demo tokens; the input image is not counted as tokens, nothing is generated as tokens
+    usage = cached.usage
+    assert (usage.input_tokens_details.text_tokens, usage.input_tokens_details.image_tokens) == (3, 0)
+    assert (usage.input_tokens, usage.output_tokens, usage.total_tokens) == (3, 0, 3)
     with pytest.raises(BadRequestError) as info:
         client.images.edit(**asked, extra_body={**steps, "lora": {"name": "style", "scale": 0.5}})
     assert info.value.body["param"] == "lora" and "'style' is not loaded" in info.value.body["message"]

@@ -80,16 +80,35 @@ def test_openai_client_image(client):
     assert auto.size == default.size and auto.data[0].b64_json == default.data[0].b64_json
 
 
+def test_openai_client_reads_token_usage(client):
+    """``usage`` as the openai client models it: the prompt's T5 tokens (the demo tokenizer has one per scene
+    word), no input image or output tokens; ditserve's forwards beside them."""
+    for prompt, text_tokens in (("a red fox", 3), ("a red fox on the left of a blue square", 10)):
+        usage = client.images.generate(
+            model="demo-flux", prompt=prompt, size="64x64", extra_body={"num_inference_steps": 2, "seed": 4}
+        ).usage
+        assert usage.input_tokens_details.text_tokens == text_tokens
+        assert usage.input_tokens_details.image_tokens == 0
+        assert (usage.input_tokens, usage.output_tokens, usage.total_tokens) == (text_tokens, 0, text_tokens)
+        assert usage.transformer_forwards == 2
+
+
 def test_step_cache_usage_and_settings_naming_the_field(server):
     """A request's ``usage`` says how many transformer forwards ran and how many its step cache answered."""
     body = {"prompt": "a red fox", "size": "64x64", "num_inference_steps": 6, "seed": 2}
     plain = httpx.post(f"{server.base_url}/v1/images/generations", json=body, timeout=120)
-    assert plain.json()["usage"] == {"transformer_forwards": 6, "cached_forwards": 0, "cache_policy": "none"}
+    tokens = {"input_tokens": 3, "input_tokens_details": {"text_tokens": 3, "image_tokens": 0}, "output_tokens": 0,
+              "total_tokens": 3}  # fmt: skip
+    assert plain.json()["usage"] == tokens | {
+        "transformer_forwards": 6,
+        "cached_forwards": 0,
+        "cache_policy": "none",
+    }
     cached = body | {"cache": {"policy": "taylorseer", "warmup": 2, "interval": 3}}
     r = httpx.post(f"{server.base_url}/v1/images/generations", json=cached, timeout=120)
     assert r.status_code == 200, r.text
     # forwards 0, 1 (warmup), 2 and 5 compute; 3 and 4 are forecast
-    assert r.json()["usage"] == {
+    assert r.json()["usage"] == tokens | {
         "transformer_forwards": 6,
         "cached_forwards": 2,
         "cache_policy": "taylorseer",
