@@ -149,12 +149,19 @@ def run_generate(ns: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from ditserve.replica.engine import Engine
-    from ditserve.replica.lora.loader import parse_lora_spec
+    from ditserve.replica.lora.loader import inspect_adapter, parse_lora_spec
     from ditserve.replica.request import GenerationParams, LoRARef
 
     try:
         config = EngineArgs(**model_kwargs(ns, EngineArgs)).engine_config()
         _check_local_gpus(config)
+        for name, path, _ in [parse_lora_spec(spec) for spec in ns.lora]:  # before the model loads
+            if not config.lora_roots:
+                path = str(Path(path).expanduser().absolute())
+            try:
+                inspect_adapter(path, config.lora_roots, config.max_lora_rank)
+            except ValueError as exc:
+                raise ValueError(f"--lora {name}: {str(exc).removeprefix('path: ')}") from None
         engine = Engine(config)
     except ValidationError as exc:
         return _fail(_validation_message(exc))
@@ -326,11 +333,26 @@ def _absolute_lora_paths(specs: list[str] | None, roots: list[str] | None) -> li
     return out
 
 
+def _check_lora_paths(specs: tuple[str, ...], roots: tuple[str, ...], max_rank: int) -> None:
+    """What can be checked of the ``--lora-path`` files before anything starts (that they exist, are
+    adapters, their rank), as the API checks a runtime load; ValueError naming the entry. Their contents
+    against the model are checked by the replicas, which refuse to start on a file they cannot load."""
+    from ditserve.replica.lora.loader import inspect_adapter, parse_lora_spec
+
+    for spec in specs:
+        name, path, _ = parse_lora_spec(spec, flag="--lora-path")
+        try:
+            inspect_adapter(path, roots, max_rank)
+        except ValueError as exc:
+            raise ValueError(f"--lora-path {name}={path}: {str(exc).removeprefix('path: ')}") from None
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     try:
         if getattr(ns, "lora_path", None):
             ns.lora_path = _absolute_lora_paths(ns.lora_path, getattr(ns, "lora_root", None))
         args = AppArgs(**model_kwargs(ns, AppArgs))
+        _check_lora_paths(args.lora_path, args.lora_root, args.max_lora_rank)
         from .app import APP_NAME, build_app
 
         if args.direct_ingress and not args.address:

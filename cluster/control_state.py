@@ -42,6 +42,13 @@ class ControlState:
 
     def __init__(self, state: dict[str, Any]):
         self.state = copy.deepcopy(state)
+        self.started = False  # a replica of this deploy loaded the adapters given at start (not state)
+
+    def confirm_start(self) -> None:
+        self.started = True
+
+    def start_confirmed(self) -> bool:
+        return self.started
 
     def get(self) -> dict[str, Any]:
         return self.state

@@ -117,6 +117,7 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
             self._shut_down()  # the app was shut down before this replica started: stay so
         elif desired["version"] > self.applied["version"]:
             self.engine.run_control(lambda: self._apply(desired)).result()
+            self._check_start_adapters(desired)
         self.metrics = ReplicaMetrics(self.replica_id, self.engine.spec.name, self.args.max_loras)
         getattr(self.engine, "step_listeners", []).append(self.metrics.observe_step)
         self.metrics.start(self.engine, self)
@@ -399,9 +400,33 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
             applied["memory"] = desired["memory"]
         applied["version"] = desired["version"]
 
+    def _check_start_adapters(self, desired: dict[str, Any]) -> None:
+        """The deploy's own adapters (``--lora-path``) are its configuration: while no replica of this deploy
+        has loaded them all yet, one this replica refuses fails its start with a ValueError naming the entry
+        (``ditserve serve`` exits 2 with it, from Serve's status), instead of serving without the adapter.
+        Once a replica has, a refusal is this replica's (a file gone from a shared volume, say): reported
+        like any other item of the desired state, never a crash loop of the replicas Serve restarts."""
+        start = parse_lora_paths(self.args.lora_path)
+        refused = [
+            (name, spec["source"], self.refused[f"lora:{name}"])
+            for name, spec in start.items()
+            if f"lora:{name}" in self.refused and desired["loras"].get(name) == spec
+        ]
+        if not refused:
+            if start:
+                ray.get(self.state_actor.confirm_start.remote())
+            return
+        if ray.get(self.state_actor.start_confirmed.remote()):
+            return
+        self.engine.shutdown()
+        name, source, reason = refused[0]
+        reason = reason.removeprefix("ValueError: ").removeprefix("path: ")
+        raise ValueError(f"--lora-path {name}={source}: {reason}")
+
     def _refuse(self, item: str, exc: Exception) -> None:
         """An item of the desired state this replica cannot apply: reported (``/v1/replicas`` with the admin
-        key, the converge answer), never a reason to fail the constructor and crash-loop."""
+        key, the converge answer), never a reason to fail the constructor and crash-loop (but for the deploy's
+        own adapters before any replica loaded them: ``_check_start_adapters``)."""
         self.refused[item] = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         logger.error(
             "replica %s refuses %s of the desired state: %s", self.replica_id, item, self.refused[item]

@@ -1,6 +1,7 @@
 """A bad control request never poisons the cluster: it is refused (4xx naming the field, or 503 when no
 replica can answer) before it enters the desired state, and a replica that cannot apply an item of the
-desired state (an adapter file deleted after a good load) refuses that item and serves the rest.
+desired state (an adapter file deleted after a good load, one given at start with --lora-path too) refuses
+that item and serves the rest.
 
 CPU, real Ray, ``ditserve serve --dp-size 2 --lora-root ROOT``, one server for the module.
 """
@@ -28,6 +29,7 @@ def root(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("loras")
     write_kohya(root / "good.safetensors", weights(1))
+    write_kohya(root / "at_start.safetensors", weights(2))  # --lora-path, deleted by a test below
     (root / "notes.safetensors").write_text("not a safetensors file\n")
     (root / "empty").mkdir()
     # A valid LoRA layout whose shapes fit no module of the model.
@@ -47,7 +49,8 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(root):
     proc = ServeProcess(
-        "--model", "demo-flux", "--dp-size", "2", "--api-key", KEY, "--lora-root", str(root), timeout_s=300
+        "--model", "demo-flux", "--dp-size", "2", "--api-key", KEY, "--lora-root", str(root),
+        "--lora-path", "at_start=at_start.safetensors", timeout_s=300,
     )  # fmt: skip
     yield proc
     proc.stop()
@@ -150,6 +153,7 @@ def test_a_deleted_adapter_file_does_not_crash_loop_its_replacement(server, root
     r = httpx.post(f"{url}/v1/loras", json={"name": "doomed", "path": str(path)}, headers=ADMIN, timeout=120)
     assert r.status_code == 200, r.text
     path.unlink()  # the shared volume changed
+    (root / "at_start.safetensors").unlink()  # the adapter given at start too: no crash loop either
     victim = replicas(url)[0]
     os.kill(victim["ranks"][0]["pid"], signal.SIGKILL)
 
@@ -163,4 +167,5 @@ def test_a_deleted_adapter_file_does_not_crash_loop_its_replacement(server, root
         x for x in now if x["replica_id"] not in {victim["replica_id"]} and "lora:doomed" in x["refused"]
     )
     assert "does not exist" in new["refused"]["lora:doomed"]
+    assert "does not exist" in new["refused"]["lora:at_start"]
     assert len(both_serve(url)) == 2

@@ -1,5 +1,6 @@
 """`ditserve generate`: files a user can open, the same pixels for the same seed, clear errors."""
 
+import signal
 import subprocess
 import sys
 
@@ -177,3 +178,50 @@ def test_a_folder_saved_without_a_needed_component_is_refused_naming_it(tmp_path
     served = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert served.returncode == 2, served.stderr
     assert f"ditserve: error: {want}" in served.stderr
+
+
+def test_serve_refuses_a_lora_path_it_cannot_load_naming_the_entry(tmp_path):
+    """``serve --lora-path NAME=PATH`` with a file the replicas refuse (a kohya file with text-encoder
+    weights, as POST /v1/loras refuses it at run time) exits with status 2 naming the entry and the reason,
+    instead of serving without the adapter (listed as loaded); a file that does not exist is refused
+    before anything starts, by generate's --lora as well."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.unit.test_lora_engine import ALPHA, RANK, weights, write_kohya
+
+    te_file = tmp_path / "with_te.safetensors"
+    tensors = dict(load_file(str(write_kohya(tmp_path / "good.safetensors", weights(1)))))
+    te = "lora_te1_text_model_encoder_layers_0_self_attn_q_proj"
+    tensors |= {f"{te}.lora_down.weight": torch.ones(RANK, 32), f"{te}.lora_up.weight": torch.ones(32, RANK)}
+    save_file(tensors | {f"{te}.alpha": torch.tensor(ALPHA)}, str(te_file))
+    gone = tmp_path / "gone.safetensors"
+
+    def serve(lora: str) -> tuple[int, str]:
+        """Its exit status and output; a server that starts instead is stopped (Ctrl-C) and reported as -1."""
+        ports = ["--port", str(free_port()), "--grpc-port", str(free_port())]
+        cmd = [sys.executable, "-m", "ditserve.cluster.cli", "serve", "--model", "demo-flux", *ports]
+        proc = subprocess.Popen(
+            [*cmd, "--lora-path", lora], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        lines = []
+        for line in proc.stdout:  # until it exits, or says it serves
+            lines.append(line)
+            if line.startswith("ditserve: serving"):
+                proc.send_signal(signal.SIGINT)
+                lines += proc.stdout.readlines()
+                proc.wait(120)
+                return -1, "".join(lines)
+        return proc.wait(120), "".join(lines)
+
+    status, output = serve(f"gone={gone}")
+    assert status == 2, output
+    assert f"ditserve: error: --lora-path gone={gone}: {gone} does not exist" in output
+    assert "Started a local Ray instance" not in output  # refused before the cluster starts
+    status, output = serve(f"te={te_file}:0.5")
+    assert status == 2, output
+    assert "Traceback" not in output, output
+    assert (
+        f"ditserve: error: --lora-path te={te_file}: {te_file} holds LoRA weights for text_encoder" in output
+    )
+    done = generate("a fox", "--model", "demo-flux", "--lora", f"gone={gone}", "-o", str(tmp_path / "x.png"))
+    assert done.returncode == 2 and f"--lora gone: {gone} does not exist" in done.stderr, done.stderr
