@@ -156,6 +156,7 @@ class AnyFlowRunner(PipelineRunner):
         self._embeds: tuple[tuple, dict] | None = None  # the last prompt's embeddings (sessions reuse them)
         self._rope_shift: tuple[int, int] | None = None  # see _rope_table
         self._schedules: dict[int, tuple[torch.Tensor, torch.Tensor, list[bool]]] = {}
+        self._latent_stats: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # see _unscale
 
     # -- encoders ---------------------------------------------------------------------------------------
     def _guidance(self, params: GenerationParams) -> float:
@@ -537,8 +538,15 @@ class AnyFlowRunner(PipelineRunner):
         """(rows, f, C, h, w) transformer latents → the VAE's (rows, C, f, h, w), as the pipeline does."""
         vae = self.pipe.vae
         latents = latents.permute(0, 2, 1, 3, 4).to(vae.dtype)
-        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
+        key = (latents.device, latents.dtype)
+        stats = self._latent_stats.get(key)
+        if stats is None:  # made once: a host-to-device copy blocks the decode thread on its stream
+            mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
+            inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(
+                latents
+            )
+            stats = self._latent_stats[key] = (mean, inv_std)
+        mean, inv_std = stats
         return latents / inv_std + mean
 
     @staticmethod
