@@ -653,7 +653,7 @@ def train_transformer(pipe, pools: dict, args, log: _Log) -> list[float]:
         drop = torch.rand(b, device=device, generator=gen) < args.caption_dropout
         cond = torch.where(drop, torch.full_like(cond, num_scenes), cond)
         length = LONG_T5_LENGTH if step_rng.random() < args.long_text_fraction else T5_MAX_LENGTH
-        sigma = sample_sigmas(b, device, gen)
+        sigma = sample_sigmas(b, device, gen, shift=getattr(args, "sigma_shift", SHIFT))
         noise = torch.randn(x0.shape, device=device, generator=gen)
         s = sigma.view(-1, 1, 1, 1, 1)
         x_t = (1.0 - s) * x0 + s * noise
@@ -685,12 +685,14 @@ def train_transformer(pipe, pools: dict, args, log: _Log) -> list[float]:
     _round_to_fp16(transformer)
     frames = 9 if 9 in pools else max(pools)
     means, _, scene_idx = pools[frames]
-    args.caption_use = caption_use(
-        transformer, (means[:256] - mean) / std, scene_idx[:256], texts[T5_MAX_LENGTH]
-    )
+    x0_eval = (means[:256] - mean) / std
+    args.caption_use = caption_use(transformer, x0_eval, scene_idx[:256], texts[T5_MAX_LENGTH])
     log(
         f"transformer loss on {frames}-frame training clips (sigma 0.8, 0.95) with: {json.dumps(args.caption_use)}"
     )
+    for sigma in (0.5, 0.9, 0.99):
+        use = caption_use(transformer, x0_eval, scene_idx[:256], texts[T5_MAX_LENGTH], sigmas=(sigma,))
+        log(f"  at sigma {sigma}: {json.dumps(use)}")
     return losses
 
 
@@ -891,6 +893,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--caption-dropout", type=float, default=0.1, help="share of empty captions (for CFG)"
+    )
+    parser.add_argument(
+        "--sigma-shift",
+        type=float,
+        default=SHIFT,
+        help=f"shift of the training sigmas' logit-normal (default {SHIFT}, the sampler's): larger trains "
+        "more steps at high noise, where a clip's trajectory (and so the direction word) is decided",
     )
     parser.add_argument(
         "--long-text-fraction",
