@@ -174,13 +174,15 @@ class HunyuanVideo15Runner(PipelineRunner):
     def prepare(self, req_id: str, params: GenerationParams, encoded: dict) -> RequestState:
         pipe, n = self.pipe, params.n
         generator = torch.Generator("cpu").manual_seed(params.seed)
+        # The noise is drawn in the model's dtype, as the pipelines draw it (and they step in it): some torch
+        # versions' CPU bf16 normal sampler is not the fp32 one rounded (torch 2.11: other values altogether).
         latents = pipe.prepare_latents(
             n,
             pipe.num_channels_latents,
             params.height,
             params.width,
             params.num_frames,
-            torch.float32,
+            self.dtype,
             self.device,
             generator,
         )
