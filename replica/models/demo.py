@@ -22,8 +22,9 @@ DEMO_SEED = 0
 
 
 def ditserve_home() -> Path:
-    """Cache root: ``$DITSERVE_HOME`` or ``~/.cache/ditserve``."""
-    return Path(os.environ.get("DITSERVE_HOME", Path.home() / ".cache" / "ditserve"))
+    """Cache root: ``$DITSERVE_HOME`` or ``~/.cache/ditserve`` (also when the variable is set but empty: an
+    empty path would put the demo models under whatever folder the command ran in)."""
+    return Path(os.environ.get("DITSERVE_HOME") or Path.home() / ".cache" / "ditserve")
 
 
 def _tiny_clip(tokenizer):

@@ -45,3 +45,16 @@ def test_demo_flux_is_deterministic_through_from_pretrained():
     c = pipe("a red fox", generator=torch.Generator().manual_seed(2), **kwargs).images
     assert a.shape == (1, 64, 64, 3)
     assert np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+def test_an_empty_ditserve_home_means_the_default_cache(monkeypatch, tmp_path):
+    """``DITSERVE_HOME=`` (set, empty) wrote the demo models under the folder the command ran in."""
+    from pathlib import Path
+
+    from ditserve.replica.models.demo import ditserve_home
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("DITSERVE_HOME", "")
+    assert ditserve_home() == Path(tmp_path) / ".cache" / "ditserve"
+    monkeypatch.setenv("DITSERVE_HOME", str(tmp_path / "home"))
+    assert ditserve_home() == tmp_path / "home"
