@@ -33,9 +33,13 @@ def _add_generate(sub) -> None:
     )
     p.add_argument("-o", "--output", default="out.png", help="Output file: .png (image) or .mp4 (video).")
     p.add_argument(
-        "--width", type=int, default=None, help="Width in pixels (default 64 on demo models, else 1024)."
+        "--width",
+        type=int,
+        default=None,
+        help="Width in pixels (default: 64 on the demo models, else the family pipeline's own default, e.g. "
+        "1024 for the image families and 832x480 for Wan; image-to-video as its pipeline sizes the first frame).",
     )
-    p.add_argument("--height", type=int, default=None, help="Height in pixels.")
+    p.add_argument("--height", type=int, default=None, help="Height in pixels (default: as for --width).")
     p.add_argument("--num-inference-steps", type=int, default=20)
     p.add_argument(
         "--guidance-scale", type=float, default=None, help="Distilled guidance (Flux) / CFG (Wan)."
