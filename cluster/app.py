@@ -13,6 +13,7 @@ from ray.serve import Application
 
 from ditserve.replica.engine import validate_layout
 from ditserve.replica.models.registry import resolve_model
+from ditserve.replica.worker import refuse_missing_components
 
 from .config import APP_NAME as APP_NAME  # the CLI, tests and benchmarks import it from here
 from .config import SHUTDOWN_WAIT_LOOP_S, AppArgs
@@ -123,7 +124,10 @@ def build_app_with_engine(args: dict[str, Any], engine_cls: type | None) -> Appl
     """``build_app`` with another engine class (benchmarks of the serving path use a trivial one)."""
     app_args = AppArgs(**args)
     config = app_args.engine_config()  # auto values resolved, final values validated
-    validate_layout(config, resolve_model(config.model))  # the layout against the model's heads
+    spec = resolve_model(config.model)
+    validate_layout(config, spec)  # the layout against the model's heads
+    if engine_cls is None:  # a folder saved without a component its pipeline needs: said before any start
+        refuse_missing_components(spec)
     strategy, error = cluster_fit(app_args, _alive_nodes())
     if error is not None:
         raise ValueError(error)

@@ -48,6 +48,27 @@ def encoder_components(spec: ModelSpec) -> list[str]:
     return components(spec.folder.index)
 
 
+def refuse_missing_components(spec: ModelSpec, given: Any = ()) -> None:
+    """ValueError naming the components the folder was saved without (``save_pretrained`` writes [null,
+    null] for a component that was None) that its pipeline needs: not optional to the pipeline class or to
+    the family, nor ``given`` in their place. ``from_pretrained`` would fail on them with a traceback of its
+    own; ``serve`` says it before starting anything, a replica before loading."""
+    import diffusers
+
+    cls = getattr(diffusers, spec.pipeline_class)
+    optional = set(spec.family_spec.optional_components) | set(getattr(cls, "_optional_components", ()))
+    missing = [
+        name
+        for name, entry in spec.folder.index.items()
+        if isinstance(entry, list) and entry[:1] == [None] and name not in given and name not in optional
+    ]
+    if missing:
+        raise ValueError(
+            f"--model {spec.name}: the folder was saved without {', '.join(missing)} ([null, null] in "
+            f"model_index.json); {spec.pipeline_class} needs them: save it with every component"
+        )
+
+
 def load_pipeline(
     spec: ModelSpec,
     dtype: torch.dtype,
@@ -71,19 +92,7 @@ def load_pipeline(
     components = spec.family_spec.load("runner").pipeline_components(spec.path)
     absent = {name: None for name in spec.family_spec.optional_components if not spec.folder.has(name)}
     given = {**skipped, **absent, **components}
-    # save_pretrained writes [null, null] for a component that was None; from_pretrained then fails unless
-    # the pipeline runs without it (said here, before a traceback of diffusers' does).
-    missing = [
-        name
-        for name, entry in spec.folder.index.items()
-        if isinstance(entry, list) and entry[:1] == [None]
-        and name not in given and name not in getattr(cls, "_optional_components", ())
-    ]  # fmt: skip
-    if missing:
-        raise ValueError(
-            f"--model {spec.name}: the folder was saved without {', '.join(missing)} ([null, null] in "
-            f"model_index.json); {spec.pipeline_class} needs them: save it with every component"
-        )
+    refuse_missing_components(spec, given)
     pipe = cls.from_pretrained(spec.path, dtype=dtype, **given)
     pipe.set_progress_bar_config(disable=True)
     if encoders and encoder_group is not None:

@@ -160,7 +160,8 @@ def test_hunyuanvideo_refuses_an_adapter_saying_why(tmp_path):
 def test_a_folder_saved_without_a_needed_component_is_refused_naming_it(tmp_path):
     """FluxPipeline saved with text_encoder_2=None, tokenizer_2=None (diffusers writes them as [null, null];
     FLUX.1 cannot run without T5): generate and serve exit with status 2 naming both, not with a traceback
-    of diffusers' from_pretrained (generate) or Serve's bare 'Failed to update the deployments' (serve)."""
+    of diffusers' from_pretrained (generate) or Serve's bare 'Failed to update the deployments' (serve);
+    serve says it before starting Ray (a replica's refusal at start reaches serve too: the --lora-path test)."""
     from diffusers import FluxPipeline
 
     from ditserve.replica.models.demo import ensure_demo_model
@@ -178,6 +179,7 @@ def test_a_folder_saved_without_a_needed_component_is_refused_naming_it(tmp_path
     served = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert served.returncode == 2, served.stderr
     assert f"ditserve: error: {want}" in served.stderr
+    assert "Started a local Ray instance" not in served.stdout + served.stderr  # said before anything starts
 
 
 def test_serve_refuses_a_lora_path_it_cannot_load_naming_the_entry(tmp_path):
