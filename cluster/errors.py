@@ -101,9 +101,10 @@ def _union_tag(part: Any) -> bool:
 
 def error_param(loc: Any) -> str | None:
     """The request field of a validation error's location: ``("body", "lora", "LoRARef", "scale")`` →
-    ``"lora.scale"``, ``("lora", "list[LoRARef]", 0, "scale")`` → ``"lora.0.scale"``."""
+    ``"lora.scale"``, ``("lora", "list[LoRARef]", 0, "scale")`` → ``"lora.0.scale"``. A model validated
+    outside FastAPI (gRPC) gives the field alone: ``("path",)`` is the field ``path``, not a location."""
     parts = [str(p) for p in loc if not _union_tag(p)]
-    if parts and parts[0] in _LOCATIONS:
+    if parts and parts[0] in _LOCATIONS and (len(parts) > 1 or parts[0] == "body"):
         parts = parts[1:]
     return ".".join(parts) or None
 

@@ -158,7 +158,8 @@ class ImageData(BaseModel):
 class InputTokensDetails(BaseModel):
     text_tokens: int = Field(
         description="The prompt's tokens by the tokenizer of the text encoder the transformer attends (T5's "
-        "for Flux and SD3), without special tokens, chat template or padding, cut where the model cuts it."
+        "for Flux and SD3), without special tokens, chat template or padding, cut where the model cuts it; "
+        "plus the negative prompt's, counted alike, where the uncond branch read it."
     )
     image_tokens: int = Field(
         default=0,

@@ -436,11 +436,14 @@ class RankWorker:
 
     def finish(self, req_id: str) -> dict[str, Any] | None:
         """Forget a finished request; rank 0 decodes it (once per replica) and returns its pixels and
-        usage (its prompt's text tokens included)."""
+        usage (its prompt's text tokens included, and its negative prompt's where the uncond branch read it:
+        both are text the text encoder encoded and the transformer attended)."""
         state = self.states.pop(req_id)
         if self.rank != 0:
             return None
         text_tokens = self.runner.prompt_tokens(state.params.prompt)
+        if state.params.negative_prompt and state.uncond is not None:
+            text_tokens += self.runner.prompt_tokens(state.params.negative_prompt)
         return {"pixels": self.runner.decode(state), "usage": usage(state) | {"text_tokens": text_tokens}}
 
     def finish_chunk(self, req_id: str) -> None:

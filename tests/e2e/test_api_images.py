@@ -82,7 +82,8 @@ def test_openai_client_image(client):
 
 def test_openai_client_reads_token_usage(client):
     """``usage`` as the openai client models it: the prompt's T5 tokens (the demo tokenizer has one per scene
-    word), no input image or output tokens; ditserve's forwards beside them."""
+    word; a prompt given once for n images counts once), no input image or output tokens; ditserve's forwards
+    beside them."""
     for prompt, text_tokens in (("a red fox", 3), ("a red fox on the left of a blue square", 10)):
         usage = client.images.generate(
             model="demo-flux", prompt=prompt, size="64x64", extra_body={"num_inference_steps": 2, "seed": 4}
@@ -91,6 +92,15 @@ def test_openai_client_reads_token_usage(client):
         assert usage.input_tokens_details.image_tokens == 0
         assert (usage.input_tokens, usage.output_tokens, usage.total_tokens) == (text_tokens, 0, text_tokens)
         assert usage.transformer_forwards == 2
+    # a negative prompt is input text too where the uncond branch reads it (FLUX.1: true CFG, on by default
+    # with a negative prompt), not where true_cfg_scale 1 leaves it unread
+    for extra, text_tokens, forwards in (({}, 6, 4), ({"true_cfg_scale": 1.0}, 3, 2)):
+        usage = client.images.generate(
+            model="demo-flux", prompt="a red fox", size="64x64", n=2,
+            extra_body={"num_inference_steps": 2, "seed": 4, "negative_prompt": "a blue square", **extra},
+        ).usage  # fmt: skip
+        assert (usage.input_tokens_details.text_tokens, usage.total_tokens) == (text_tokens, text_tokens)
+        assert usage.transformer_forwards == forwards
 
 
 def test_step_cache_usage_and_settings_naming_the_field(server):
@@ -556,6 +566,30 @@ def test_grpc_empty_prompt_is_refused_as_http_refuses_it(server, stub):
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert info.value.details() == http["message"]
     grpc_valid(stub)
+
+
+def test_grpc_empty_admin_path_names_path_as_http_does(server, stub):
+    """A field called ``path`` is the field, not FastAPI's location of that name: an empty path to
+    UpdateWeights or LoadLoRA is refused naming ``path``, in HTTP's words."""
+    meta = list(ADMIN.items())
+    for route, body, call in (
+        (
+            "/v1/admin/weights",
+            {"path": ""},
+            lambda: stub.UpdateWeights(pb.UpdateWeightsRequest(), metadata=meta),
+        ),
+        (
+            "/v1/loras",
+            {"name": "a", "path": ""},
+            lambda: stub.LoadLoRA(pb.LoadLoRARequest(name="a"), metadata=meta),
+        ),
+    ):
+        http = _post(server, route, body, headers=ADMIN).json()["error"]
+        assert http["param"] == "path" and http["message"].startswith("path: "), http
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details() == http["message"]
 
 
 async def _close_mid_step(server, session_id: str) -> None:
