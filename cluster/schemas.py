@@ -53,7 +53,7 @@ def parse_size(size: str) -> tuple[int, int]:
     """ "WxH" → (width, height); raises BadRequest naming ``size``."""
     match = SIZE_RE.match(size)
     if not match:
-        raise BadRequest(f"size must look like 'WIDTHxHEIGHT' (e.g. '512x512'), got {size!r}", param="size")
+        raise BadRequest(f"size: must look like 'WIDTHxHEIGHT' (e.g. '512x512'), got {size!r}", param="size")
     return int(match.group(1)), int(match.group(2))
 
 
