@@ -104,6 +104,9 @@ TRANSFORMER_CONFIG = {
     "qk_norm": "rms_norm_across_heads",
     "rope_max_seq_len": 1024,
 }
+# --direction-contrast: the loss with the direction reversed should exceed the caption's by this much (the
+# flow-matching loss of a clip is 0.2-0.6 at the sigmas where its trajectory is decided).
+DIRECTION_MARGIN = 0.05
 # What ditserve and the tests sample with (ditserve's Wan default guidance is 5).
 SAMPLING = {"num_frames": 9, "num_inference_steps": 20, "guidance_scale": 5.0, "max_sequence_length": 32}
 
@@ -635,6 +638,7 @@ def train_transformer(pipe, pools: dict, args, log: _Log) -> list[float]:
     frame_counts = sorted(pools)
     shares = frame_shares(args)
     weights = [shares.get(f, 0.0) for f in frame_counts]
+    reversed_direction = swapped_scenes("direction").to(device)  # scene index -> its reversed twin
     opt = torch.optim.AdamW(transformer.parameters(), lr=args.lr, weight_decay=0.01)
     transformer.train()
     losses, running, since = [], 0.0, 0
@@ -668,6 +672,20 @@ def train_transformer(pipe, pools: dict, args, log: _Log) -> list[float]:
             loss = ((pred - (noise - x0)).square() * loss_weights).mean() / loss_weights.mean()
         else:
             loss = F.mse_loss(pred, noise - x0)
+        if getattr(args, "direction_contrast", 0.0) > 0 and bool((~drop).any()):
+            # The same noisy clips under their caption with the direction reversed: a hard negative, itself
+            # the caption of other clips, so the model cannot just make it draw badly.
+            keep = ~drop
+            pred_reversed = transformer(
+                hidden_states=x_t[keep],
+                timestep=sigma[keep] * 1000.0,
+                encoder_hidden_states=texts[length][reversed_direction[cond[keep]]],
+                return_dict=False,
+            )[0]
+            target = (noise - x0)[keep]
+            own = (pred[keep] - target).square().flatten(1).mean(1)
+            other = (pred_reversed - target).square().flatten(1).mean(1)
+            loss = loss + args.direction_contrast * F.relu(DIRECTION_MARGIN + own - other).mean()
         _update(opt, loss, transformer.parameters())
         running += loss.detach()  # no .item() per step: it would sync the GPU every step
         since += 1
@@ -778,7 +796,7 @@ def evaluate_settings(pipe, args: argparse.Namespace, log: _Log) -> dict[str, di
 
 _OPTIONS = (
     "out steps vae_init vae_steps batch_size vae_batch_size lr vae_lr vae_shape_weight caption_dropout "
-    "long_text_fraction patch_size shape_loss_weight frame_shares device seed "
+    "long_text_fraction patch_size shape_loss_weight frame_shares sigma_shift direction_contrast device seed "
     "eval_scenes eval_seeds"
 ).split()
 
@@ -826,7 +844,9 @@ what it is asked. Weights are stored in fp16; load in fp32:
   pixels weighted {1 + args.vae_shape_weight:g}×); transformer {args.steps} steps ×
   {args.batch_size}, AdamW {args.lr} cosine, {args.caption_dropout:.0%} empty captions, T5 length 512 on
   {args.long_text_fraction:.0%} of steps; pools of {pools}; steps per frame count {frame_shares(args)};
-  shape latents weighted {1 + args.shape_loss_weight:g}× in the loss; flow shift {SHIFT}; seed {args.seed}
+  shape latents weighted {1 + args.shape_loss_weight:g}× in the loss; training sigmas shifted by
+  {getattr(args, "sigma_shift", SHIFT):g} (the sampler's flow shift {SHIFT}); direction contrast
+  {getattr(args, "direction_contrast", 0.0):g} (margin {DIRECTION_MARGIN}); seed {args.seed}
 - loss every 100 steps: {losses}
 - loss on training clips (sigma 0.8 and 0.95) with their caption, with the direction reversed and with
   another shape colour (a word the model reads costs loss when wrong): {json.dumps(getattr(args, "caption_use", {}))}
@@ -893,6 +913,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--caption-dropout", type=float, default=0.1, help="share of empty captions (for CFG)"
+    )
+    parser.add_argument(
+        "--direction-contrast",
+        type=float,
+        default=0.0,
+        help="weight of a margin loss that asks each clip's loss with its caption to be DIRECTION_MARGIN below "
+        "its loss with the direction reversed (an extra forward of the captioned clips; 0: off)",
     )
     parser.add_argument(
         "--sigma-shift",

@@ -103,3 +103,28 @@ def test_recipe_options_patch_frame_shares_and_shape_loss_weights() -> None:
     weights = shape_weights(latents, 4.0, LATENT_SHAPE_THRESHOLD)
     assert weights.shape == (2, 1, 5, 8, 8)
     assert int((weights == 5.0).sum()) == 5 * 2 * 4 and bool((weights[1] == 1.0).all())
+
+
+def test_direction_contrast_adds_the_margin_an_untrained_model_misses() -> None:
+    """--direction-contrast W: a clip's loss under its caption should be DIRECTION_MARGIN below its loss under
+    the caption with the direction reversed. An untrained model reads neither word, so its first step pays
+    about W × DIRECTION_MARGIN on top of the flow-matching loss of the same step without the option."""
+    import argparse
+
+    from ditserve.replica.models.scenes import all_moving_scenes
+    from ditserve.replica.models.train_demo_video import DIRECTION_MARGIN, train_transformer
+
+    gen = torch.Generator().manual_seed(0)
+    means = torch.randn(8, 4, 5, 8, 8, generator=gen)
+    pools = {5: (means, torch.full_like(means, 0.1), torch.arange(8) * (len(all_moving_scenes()) // 8))}
+
+    def first_loss(weight: float) -> float:
+        pipe = build_video_pipeline_untrained(0)
+        args = argparse.Namespace(
+            steps=1, time_budget_s=0, lr=1e-4, batch_size=4, caption_dropout=0.0, long_text_fraction=0.0,
+            shape_loss_weight=0.0, seed=0, frame_shares=None, sigma_shift=6.0, direction_contrast=weight,
+        )  # fmt: skip
+        return train_transformer(pipe, pools, args, lambda message: None)[0]
+
+    extra = first_loss(2.0) - first_loss(0.0)
+    assert 1.5 * DIRECTION_MARGIN < extra < 2.5 * DIRECTION_MARGIN
