@@ -153,7 +153,10 @@ def wait_for(predicate, timeout_s: float, what: str):
 
 
 def test_ordered_chunks_a_prompt_event_and_the_same_init_on_the_other_replica(server):
-    init = {**INIT, "max_chunks": 4}
+    # Chunks of the tiny model take a fraction of a second: 8 of them leave a loaded machine time to deliver
+    # the event (with 4, a CI run under load saw the event reach the replica after the last chunk started,
+    # as the protocol allows: then no chunk was made with it).
+    init = {**INIT, "max_chunks": 8}
     sent = {}
 
     def change_prompt(client, chunk):
@@ -165,8 +168,8 @@ def test_ordered_chunks_a_prompt_event_and_the_same_init_on_the_other_replica(se
 
     changed, client = run_session(server, init, on_chunk=change_prompt)
     assert (client.close_code, client.close_reason) == (1000, "generation complete")
-    assert [c["index"] for c in changed] == [0, 1, 2, 3]
-    assert [c["frames"].shape for c in changed] == [(1, 64, 64, 3)] + [(8, 64, 64, 3)] * 3
+    assert [c["index"] for c in changed] == list(range(8))
+    assert [c["frames"].shape for c in changed] == [(1, 64, 64, 3)] + [(8, 64, 64, 3)] * 7
     owner = changed[0]["replica"]
     assert {c["replica"] for c in changed} == {owner}  # every chunk from the owner
     assert owner in {r["replica_id"] for r in replicas(server)}
@@ -174,7 +177,7 @@ def test_ordered_chunks_a_prompt_event_and_the_same_init_on_the_other_replica(se
     # The event applies from the next chunk not yet queued (chunk 1 was queued as chunk 0's frames came;
     # chunk 2 too when chunk 1 was done before the event arrived): that chunk and the later ones echo it, those before do not.
     applied = next(c["index"] for c in changed if c["event_id"] == 7)
-    assert applied in (1, 2, 3)
+    assert 1 <= applied < 8
     assert all(c["event_id"] is None for c in changed[:applied])
     assert all(c["event_id"] == 7 for c in changed[applied:])  # every chunk made with its prompt
 
