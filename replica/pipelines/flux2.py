@@ -115,16 +115,16 @@ class Flux2Runner(PipelineRunner):
             return {"tokenizer": None}
         return {}
 
-    def _max_length(self) -> int:
+    def text_token_limit(self) -> int:
         tokenizer = getattr(self.pipe.tokenizer, "tokenizer", self.pipe.tokenizer)  # a processor holds one
         return min(self.max_sequence_length, self.pipe.tokenizer_max_length, tokenizer.model_max_length)
 
-    def text_token_limit(self) -> int:
-        return self._max_length()
-
     def _encode_prompt(self, prompt: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         embeds, text_ids = self.pipe.encode_prompt(
-            prompt=prompt, device=self.device, num_images_per_prompt=n, max_sequence_length=self._max_length()
+            prompt=prompt,
+            device=self.device,
+            num_images_per_prompt=n,
+            max_sequence_length=self.text_token_limit(),
         )
         return embeds.to(self.dtype), text_ids
 
