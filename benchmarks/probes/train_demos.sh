@@ -7,11 +7,13 @@
 #   bash benchmarks/probes/train_demos.sh OUT            # GPU: OUT/demo_scenes, OUT/demo_scenes_video
 #   SMOKE=1 bash benchmarks/probes/train_demos.sh OUT    # CPU, a few steps: checks the commands run
 #   VIDEO_VARIANTS=1 bash benchmarks/probes/train_demos.sh OUT
-#       # demo-scenes-video only, three recipes side by side (OUT/video_a, video_b, video_c), all with more
-#       # training steps at high noise, where a clip's trajectory is decided (the defaults, sigma shift 2,
-#       # learned no direction word: its loss with the direction reversed within 0.005 at sigma 0.99 on CPU,
-#       # against 0.030 with shift 6): a: --sigma-shift 6; b: the same with a token per latent pixel
-#       # (--patch-size 1 1 1) on 5- and 9-frame clips; c: --sigma-shift 12.
+#       # demo-scenes-video only, six recipes side by side (OUT/video_<name>), all at sigma shift 6 (more
+#       # training steps at high noise, where a clip's trajectory is decided), compiled, on 5-frame clips
+#       # (what the shipped model's tests sample) from pools three times the default: control (a5); a token
+#       # per latent pixel, so the shape moves about a token a frame (p5); the shape crossing from near one
+#       # side to near the other (e5, pe5: where it starts tells the direction); pe5 with 9-frame clips too
+#       # (pe59) and with --direction-contrast 1 (pe5c). Earlier recipes at 5, 9 and 17 frames (shift 6 or
+#       # 12, patch 1 2 2 or 1 1 1, ~1,840 steps each) drew colours but no direction.
 #   VIDEO_VAE_S / VIDEO_TRANSFORMER_S: the video budgets in seconds (default 60 / 360), for shorter runs.
 #
 # Each folder gets its model card (README.md, with the held-out table) and train.log; both tables are
@@ -47,13 +49,18 @@ fi
 
 start=$SECONDS
 if [[ "${VIDEO_VARIANTS:-0}" == 1 ]]; then
+    common="--sigma-shift 6 --compile --pool-scale 3"
     declare -A recipe=(
-        [video_a]="--sigma-shift 6"
-        [video_b]="--sigma-shift 6 --patch-size 1 1 1 --frame-shares 5:0.6,9:0.4"
-        [video_c]="--sigma-shift 12"
+        [video_a5]="$common --frame-shares 5:1"
+        [video_p5]="$common --frame-shares 5:1 --patch-size 1 1 1"
+        [video_e5]="$common --frame-shares 5:1 --travel 0.95 1"
+        [video_pe5]="$common --frame-shares 5:1 --patch-size 1 1 1 --travel 0.95 1"
+        [video_pe59]="$common --frame-shares 5:0.6,9:0.4 --patch-size 1 1 1 --travel 0.95 1"
+        [video_pe5c]="$common --frame-shares 5:1 --patch-size 1 1 1 --travel 0.95 1 --direction-contrast 1"
     )
+    names=(video_a5 video_p5 video_e5 video_pe5 video_pe59 video_pe5c)
     pids=()
-    for name in video_a video_b video_c; do
+    for name in "${names[@]}"; do
         mkdir -p "$OUT/$name"
         # shellcheck disable=SC2086  # the recipe's flags split on purpose
         python3 -m ditserve.replica.models.train_demo_video --out "$OUT/$name" --seed 0 --caption-dropout 0.1 \
@@ -63,11 +70,11 @@ if [[ "${VIDEO_VARIANTS:-0}" == 1 ]]; then
     status=0
     for pid in "${pids[@]}"; do wait "$pid" || status=1; done
     rm -rf "$PKG"
-    for name in video_a video_b video_c; do
-        echo "== $name: ${recipe[$name]:-defaults} ($((SECONDS - start)) s so far)"
-        grep -E "VAE reconstructions|fit|caption|held-out|training captions|done in|Error" "$OUT/$name/train.log" || true
+    for name in "${names[@]}"; do
+        echo "== $name: ${recipe[$name]} ($((SECONDS - start)) s so far)"
+        grep -E "VAE reconstructions|fit|caption|held-out|training captions|done in|compile|Error" "$OUT/$name/train.log" || true
     done
-    tar -C "$OUT" -czf "$OUT/demos.tar.gz" video_a video_b video_c
+    tar -C "$OUT" -czf "$OUT/demos.tar.gz" "${names[@]}"
     echo "total $((SECONDS - start)) s; archive: $OUT/demos.tar.gz"
     exit "$status"
 fi

@@ -201,27 +201,36 @@ def parse_moving_caption(caption: str) -> MovingScene:
     return scene
 
 
-def draw_clip(scene: MovingScene, rng: random.Random, num_frames: int, size: int = IMAGE_SIZE) -> np.ndarray:
+def draw_clip(
+    scene: MovingScene,
+    rng: random.Random,
+    num_frames: int,
+    size: int = IMAGE_SIZE,
+    travel: tuple[float, float] = (0.6, 1.0),
+) -> np.ndarray:
     """``num_frames`` frames (uint8, (F, size, size, 3)) of the shape crossing the picture.
 
     The shape (25–45 % of the picture) moves at constant speed in ``scene.direction``, from near one side
-    (first frame) to near the other (last frame): it travels 60–100 % of the free room along that axis, so
-    the first and last frames tell the direction whatever the number of frames. The other coordinate is
-    random and fixed; the shape stays 3 px clear of the border.
+    (first frame) to near the other (last frame): it travels a share of the free room along that axis drawn
+    from ``travel`` (60–100 % by default; (1, 1): from one side to the other), so the first and last frames
+    tell the direction whatever the number of frames. The other coordinate is random and fixed; the shape
+    stays 3 px clear of the border.
     """
+    if not 0.0 < travel[0] <= travel[1] <= 1.0:
+        raise ValueError(f"travel: a share range within (0, 1], got {travel}")
     margin = max(2, size * 3 // 64)
     extent = rng.randint(int(size * 0.25), int(size * 0.45))
     room = size - 2 * margin - extent
-    travel = rng.uniform(0.6, 1.0) * room
-    start = margin + rng.uniform(0.0, room - travel)
+    distance = rng.uniform(*travel) * room
+    start = margin + rng.uniform(0.0, room - distance)
     across = rng.randint(margin, size - margin - extent)
     sign = 1.0 if scene.direction in ("right", "down") else -1.0
     if sign < 0:
-        start += travel
+        start += distance
     frames = np.empty((num_frames, size, size, 3), dtype=np.uint8)
     fill = PALETTE[scene.colour]
     for k in range(num_frames):
-        along = start + sign * travel * k / max(1, num_frames - 1)
+        along = start + sign * distance * k / max(1, num_frames - 1)
         x0, y0 = (along, across) if scene.direction in ("left", "right") else (across, along)
         image = Image.new("RGB", (size, size), PALETTE[scene.background])
         _draw_shape(ImageDraw.Draw(image), scene.shape, round(x0), round(y0), extent, fill)

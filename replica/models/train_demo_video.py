@@ -67,7 +67,7 @@ from .scenes import (
 )
 from .scorer import clip_shape, score_clip
 from .tokenizers import build_t5_tokenizer
-from .train_demo import _cosine_lr, _Log, _machine, _round_to_fp16, _to_unit, _update
+from .train_demo import _cosine_lr, _Log, _machine, _round_to_fp16, _to_unit, _update, load_weights
 
 T5_MAX_LENGTH = 32
 LONG_T5_LENGTH = 512  # WanPipeline's default max_sequence_length
@@ -111,9 +111,11 @@ DIRECTION_MARGIN = 0.05
 SAMPLING = {"num_frames": 9, "num_inference_steps": 20, "guidance_scale": 5.0, "max_sequence_length": 32}
 
 
-def build_video_pipeline_untrained(seed: int = 0, patch_size: tuple[int, int, int] | None = None):
+def build_video_pipeline_untrained(
+    seed: int = 0, patch_size: tuple[int, int, int] | None = None, num_layers: int | None = None
+):
     """The ``demo-scenes-video`` WanPipeline with random weights: 6 blocks of 4 heads × 32 (see
-    ``TRANSFORMER_CONFIG``; ``patch_size`` replaces its patch), an
+    ``TRANSFORMER_CONFIG``; ``patch_size`` and ``num_layers`` replace its patch and block count), an
     AutoencoderKLWan (16/32/64/64, 4 latent channels, 8× spatial, 1× temporal, frame by frame: see
     :func:`make_framewise`), the tiny UMT5.
 
@@ -131,6 +133,8 @@ def build_video_pipeline_untrained(seed: int = 0, patch_size: tuple[int, int, in
     config = dict(TRANSFORMER_CONFIG)
     if patch_size is not None:
         config["patch_size"] = tuple(patch_size)
+    if num_layers is not None:
+        config["num_layers"] = num_layers
     transformer = WanTransformer3DModel(**config)
     vae = AutoencoderKLWan(
         base_dim=16,
@@ -387,9 +391,12 @@ def _clips(frames: torch.Tensor, num_frames: int) -> torch.Tensor:
     return frames.reshape(nf // num_frames, num_frames, c, h, w).transpose(1, 2)
 
 
-def draw_clip_pool(num_clips: int, num_frames: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_clip_pool(
+    num_clips: int, num_frames: int, seed: int, travel: tuple[float, float] = (0.6, 1.0)
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(clips uint8 (N, 3, F, H, W), index into ``all_moving_scenes()`` (N,)), training scenes cycled evenly
-    (every colour, background, shape and direction equally often) in a seeded shuffled order."""
+    (every colour, background, shape and direction equally often) in a seeded shuffled order; ``travel``:
+    the share of the free room the shape crosses (``scenes.draw_clip``)."""
     index = {s: i for i, s in enumerate(all_moving_scenes())}
     train = train_moving_scenes()
     rng = random.Random(seed)
@@ -399,7 +406,7 @@ def draw_clip_pool(num_clips: int, num_frames: int, seed: int) -> tuple[torch.Te
         rng.shuffle(order)
         scenes += [train[i] for i in order]
     scenes = scenes[:num_clips]
-    clips = np.stack([draw_clip(s, rng, num_frames) for s in scenes])  # (N, F, H, W, 3)
+    clips = np.stack([draw_clip(s, rng, num_frames, travel=travel) for s in scenes])  # (N, F, H, W, 3)
     return (
         torch.from_numpy(clips).permute(0, 4, 1, 2, 3).contiguous(),
         torch.tensor([index[s] for s in scenes]),
@@ -635,12 +642,15 @@ def train_transformer(pipe, pools: dict, args, log: _Log) -> list[float]:
 
     gen = torch.Generator(device=device).manual_seed(args.seed + 2)
     step_rng = random.Random(args.seed + 3)
-    frame_counts = sorted(pools)
     shares = frame_shares(args)
-    weights = [shares.get(f, 0.0) for f in frame_counts]
+    frame_counts = sorted(f for f in pools if shares.get(f, 0.0) > 0)
+    weights = [shares[f] for f in frame_counts]
     reversed_direction = swapped_scenes("direction").to(device)  # scene index -> its reversed twin
     opt = torch.optim.AdamW(transformer.parameters(), lr=args.lr, weight_decay=0.01)
     transformer.train()
+    # --compile: the training forward through torch.compile (the tiny model's step is launch-bound; fused
+    # kernels cut its launches); it shares the module's parameters, so saving and evaluating are unchanged.
+    forward = torch.compile(transformer) if getattr(args, "compile", False) else transformer
     losses, running, since = [], 0.0, 0
     budget = StepBudget(args.steps, args.time_budget_s, log, "transformer")
     total, step = args.steps, 0
@@ -661,12 +671,24 @@ def train_transformer(pipe, pools: dict, args, log: _Log) -> list[float]:
         noise = torch.randn(x0.shape, device=device, generator=gen)
         s = sigma.view(-1, 1, 1, 1, 1)
         x_t = (1.0 - s) * x0 + s * noise
-        pred = transformer(
-            hidden_states=x_t,
-            timestep=sigma * 1000.0,  # WanPipeline passes the scheduler's timesteps, 1000·sigma
-            encoder_hidden_states=texts[length][cond],
-            return_dict=False,
-        )[0]
+        try:
+            pred = forward(
+                hidden_states=x_t,
+                timestep=sigma * 1000.0,  # WanPipeline passes the scheduler's timesteps, 1000·sigma
+                encoder_hidden_states=texts[length][cond],
+                return_dict=False,
+            )[0]
+        except Exception as exc:  # noqa: BLE001 - a compiler failure: train on, eagerly
+            if forward is transformer:
+                raise
+            log(f"--compile: the compiled forward failed ({type(exc).__name__}: {exc}); training eagerly")
+            forward = transformer
+            pred = forward(
+                hidden_states=x_t,
+                timestep=sigma * 1000.0,
+                encoder_hidden_states=texts[length][cond],
+                return_dict=False,
+            )[0]
         if args.shape_loss_weight > 0:
             loss_weights = shape_weights(x0, args.shape_loss_weight, LATENT_SHAPE_THRESHOLD)
             loss = ((pred - (noise - x0)).square() * loss_weights).mean() / loss_weights.mean()
@@ -676,7 +698,7 @@ def train_transformer(pipe, pools: dict, args, log: _Log) -> list[float]:
             # The same noisy clips under their caption with the direction reversed: a hard negative, itself
             # the caption of other clips, so the model cannot just make it draw badly.
             keep = ~drop
-            pred_reversed = transformer(
+            pred_reversed = forward(
                 hidden_states=x_t[keep],
                 timestep=sigma[keep] * 1000.0,
                 encoder_hidden_states=texts[length][reversed_direction[cond[keep]]],
@@ -795,8 +817,9 @@ def evaluate_settings(pipe, args: argparse.Namespace, log: _Log) -> dict[str, di
 
 
 _OPTIONS = (
-    "out steps vae_init vae_steps batch_size vae_batch_size lr vae_lr vae_shape_weight caption_dropout "
-    "long_text_fraction patch_size shape_loss_weight frame_shares sigma_shift direction_contrast device seed "
+    "out init_from steps vae_init vae_steps batch_size vae_batch_size lr vae_lr vae_shape_weight caption_dropout "
+    "long_text_fraction patch_size num_layers travel pool_scale shape_loss_weight frame_shares sigma_shift "
+    "direction_contrast compile device seed "
     "eval_scenes eval_seeds"
 ).split()
 
@@ -804,7 +827,9 @@ _OPTIONS = (
 def _command(args: argparse.Namespace) -> str:
     parts = ["ditserve", "train-demo-video"]
     for key, value in vars(args).items():
-        if key in _OPTIONS and value is not None:
+        if isinstance(value, bool):
+            parts += [f"--{key.replace('_', '-')}"] if key in _OPTIONS and value else []
+        elif key in _OPTIONS and value is not None:
             values = value if isinstance(value, (list, tuple)) else [value]
             parts += [f"--{key.replace('_', '-')}", *(str(v) for v in values)]
     return shlex.join(parts)
@@ -819,10 +844,18 @@ def _model_card(args, command: str, seconds: float, machine: str, results: dict,
         f"{r['direction']} | {r['shape']} |"
         for name, r in results.items()
     )
-    pools = ", ".join(f"{n} clips of {f} frames" for f, (_, n) in FRAME_COUNTS.items())
+    shares = frame_shares(args)
+    pools = ", ".join(
+        f"{max(8, int(n * args.pool_scale))} clips of {f} frames"
+        for f, (_, n) in FRAME_COUNTS.items()
+        if shares.get(f, 0.0) > 0
+    )
+    layers = getattr(args, "num_layers", None) or TRANSFORMER_CONFIG["num_layers"]
+    travel = tuple(getattr(args, "travel", None) or (0.6, 1.0))
+    earlier = f"; continued from {args.init_from}" if getattr(args, "init_from", None) else ""
     return f"""# demo-scenes-video
 
-A tiny Wan-architecture text-to-video pipeline (WanPipeline: WanTransformer3DModel with 6 blocks of
+A tiny Wan-architecture text-to-video pipeline (WanPipeline: WanTransformer3DModel with {layers} blocks of
 {TRANSFORMER_CONFIG["num_attention_heads"]} heads × {TRANSFORMER_CONFIG["attention_head_dim"]}, patch {tuple(args.patch_size or TRANSFORMER_CONFIG["patch_size"])}; AutoencoderKLWan with 4 latent channels, 8× spatial and no temporal compression, frame by frame; the
 random-weight frozen tiny UMT5) trained on synthetic 64×64 clips: one circle, square or triangle in one of
 12 colours crossing a background of another colour, left, right, up or down
@@ -831,7 +864,7 @@ what it is asked. Weights are stored in fp16; load in fp32:
 `WanPipeline.from_pretrained(path, torch_dtype=torch.float32)`.
 
 ## Sampling that works
-64×64, any number of frames (trained on 5, 9 and 17; the shape crosses the picture over the clip),
+64×64, the frame counts it was trained on ({", ".join(str(f) for f in sorted(shares) if shares[f] > 0)}; the shape crosses the picture over the clip),
 `num_inference_steps={SAMPLING["num_inference_steps"]}` (8 is enough), `guidance_scale={SAMPLING["guidance_scale"]}`
 (ditserve's default for Wan) with the negative prompt "", `max_sequence_length={SAMPLING["max_sequence_length"]}`
 (what ditserve uses; WanPipeline's default 512 was trained on {args.long_text_fraction:.0%} of steps).
@@ -843,10 +876,11 @@ what it is asked. Weights are stored in fp16; load in fp32:
 - VAE from its {args.vae_init} init, {args.vae_steps} steps × {args.vae_batch_size} frames (frame-wise; shape
   pixels weighted {1 + args.vae_shape_weight:g}×); transformer {args.steps} steps ×
   {args.batch_size}, AdamW {args.lr} cosine, {args.caption_dropout:.0%} empty captions, T5 length 512 on
-  {args.long_text_fraction:.0%} of steps; pools of {pools}; steps per frame count {frame_shares(args)};
+  {args.long_text_fraction:.0%} of steps; pools of {pools} (the shape crossing {travel[0]:.0%}-{travel[1]:.0%} of
+  the free room); steps per frame count {shares};
   shape latents weighted {1 + args.shape_loss_weight:g}× in the loss; training sigmas shifted by
   {getattr(args, "sigma_shift", SHIFT):g} (the sampler's flow shift {SHIFT}); direction contrast
-  {getattr(args, "direction_contrast", 0.0):g} (margin {DIRECTION_MARGIN}); seed {args.seed}
+  {getattr(args, "direction_contrast", 0.0):g} (margin {DIRECTION_MARGIN}); seed {args.seed}{earlier}
 - loss every 100 steps: {losses}
 - loss on training clips (sigma 0.8 and 0.95) with their caption, with the direction reversed and with
   another shape colour (a word the model reads costs loss when wrong): {json.dumps(getattr(args, "caption_use", {}))}
@@ -888,7 +922,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2.0,
         help="extra weight of the shape's pixels in the VAE's reconstruction loss (0: plain MSE)",
     )
-    parser.add_argument("--pool-scale", type=float, default=1.0, help="scale of the clip pools (smoke runs)")
+    parser.add_argument(
+        "--pool-scale", type=float, default=1.0, help="scale of the clip pools (smoke runs, or more clips)"
+    )
+    parser.add_argument(
+        "--travel",
+        type=float,
+        nargs=2,
+        metavar=("LO", "HI"),
+        default=None,
+        help="share of the free room the shape crosses in a training clip, drawn from [LO, HI] (default 0.6 "
+        "1.0; 0.95 1.0: from near one side to near the other, so where the shape starts tells the direction)",
+    )
+    parser.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        help=f"the transformer's blocks (default {TRANSFORMER_CONFIG['num_layers']})",
+    )
+    parser.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="continue from a saved demo-scenes-video folder: its VAE (not trained further) and transformer",
+    )
     parser.add_argument(
         "--patch-size",
         type=int,
@@ -938,6 +995,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--time-budget-s", type=float, default=0, help="cut the transformer's steps to fit (0: no limit)"
     )
     parser.add_argument("--vae-time-budget-s", type=float, default=0, help="the same for the VAE's steps")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="train the transformer through torch.compile (faster steps on a GPU; eager if it fails)",
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default=default_device)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -962,26 +1024,45 @@ def run(args: argparse.Namespace) -> Path:
     random.seed(args.seed)
     np.random.seed(args.seed)
 
-    pipe = build_video_pipeline_untrained(args.seed, args.patch_size)
-    if args.vae_init == "analytic":
+    init_from = getattr(args, "init_from", None)
+    if init_from is not None:
+        # The earlier run's transformer shape unless asked otherwise (its weights must then fit).
+        earlier = json.loads((Path(init_from) / "transformer" / "config.json").read_text())
+        args.patch_size = args.patch_size or list(earlier["patch_size"])
+        args.num_layers = args.num_layers or earlier["num_layers"]
+    pipe = build_video_pipeline_untrained(args.seed, args.patch_size, getattr(args, "num_layers", None))
+    if init_from is not None:
+        load_weights(pipe, init_from, ("vae", "transformer"))
+        log(f"started from the VAE and transformer of {init_from}")
+        args.vae_steps = 0
+    elif args.vae_init == "analytic":
         analytic_init(pipe.vae)
     pipe.to(device)
     pipe.text_encoder.requires_grad_(False)
-    sizes = {f: max(8, int(n * args.pool_scale)) for f, (_, n) in FRAME_COUNTS.items()}
-    clips = {f: draw_clip_pool(n, f, args.seed + f) for f, n in sizes.items()}
+    travel = tuple(getattr(args, "travel", None) or (0.6, 1.0))
+    # Pools for the frame counts trained on, and the 9-frame one the latent statistics and the loss report use.
+    shares = frame_shares(args)
+    sizes = {
+        f: max(8, int(n * args.pool_scale))
+        for f, (_, n) in FRAME_COUNTS.items()
+        if shares.get(f, 0.0) > 0 or f == 9
+    }
+    clips = {f: draw_clip_pool(n, f, args.seed + f, travel) for f, n in sizes.items()}
     log(f"drew {sizes} clips of {len(train_moving_scenes())} training scenes")
 
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick its fastest 2-D convolutions
-    vae_frames = torch.cat([_frames(pixels)[:, :, 0] for pixels, _ in clips.values()]).to(device)
+    if args.vae_steps > 0:
+        vae_frames = torch.cat([_frames(pixels)[:, :, 0] for pixels, _ in clips.values()]).to(device)
     start = None
     if args.vae_init == "analytic" and args.vae_steps > 0:
         # A learning rate too high for the hand-set start scrambles it within ~100 steps: keep the start if
         # training reads clearly fewer training clips right (1 in 24 is noise).
         start = {k: v.clone() for k, v in pipe.vae.state_dict().items()}
         start_right = training_scenes_right(pipe.vae)
-    train_vae(pipe.vae, vae_frames, args, log)
-    del vae_frames
+    if args.vae_steps > 0:
+        train_vae(pipe.vae, vae_frames, args, log)
+        del vae_frames
     if start is not None:
         trained_right = training_scenes_right(pipe.vae)
         log(
@@ -998,16 +1079,17 @@ def run(args: argparse.Namespace) -> Path:
     for f, (pixels, scene_idx) in clips.items():
         means, stds = encode_clips(pipe.vae, pixels.to(device))
         pools[f] = (means, stds, scene_idx.to(device))
-    means, stds = pools[9][0], pools[9][1]
-    sample = means + stds * torch.randn(
-        means.shape, device=device, generator=torch.Generator(device).manual_seed(0)
-    )
-    channel_mean = sample.mean(dim=(0, 2, 3, 4))
-    channel_std = sample.std(dim=(0, 2, 3, 4))
-    pipe.vae.register_to_config(
-        latents_mean=[round(v, 4) for v in channel_mean.tolist()],
-        latents_std=[round(v, 4) for v in channel_std.tolist()],
-    )
+    if init_from is None:
+        means, stds = pools[9][0], pools[9][1]
+        sample = means + stds * torch.randn(
+            means.shape, device=device, generator=torch.Generator(device).manual_seed(0)
+        )
+        channel_mean = sample.mean(dim=(0, 2, 3, 4))
+        channel_std = sample.std(dim=(0, 2, 3, 4))
+        pipe.vae.register_to_config(
+            latents_mean=[round(v, 4) for v in channel_mean.tolist()],
+            latents_std=[round(v, 4) for v in channel_std.tolist()],
+        )
     log(f"vae latents: mean {pipe.vae.config.latents_mean}, std {pipe.vae.config.latents_std}")
     del clips
 
