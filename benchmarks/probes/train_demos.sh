@@ -12,7 +12,7 @@
 #       # (what the shipped model's tests sample) from pools three times the default: control (a5); a token
 #       # per latent pixel, so the shape moves about a token a frame (p5); the shape crossing from near one
 #       # side to near the other (e5, pe5: where it starts tells the direction); pe5 with 9-frame clips too
-#       # (pe59) and with --direction-contrast 1 (pe5c). Earlier recipes at 5, 9 and 17 frames (shift 6 or
+#       # (pe59) and with --direction-contrast 1 (pe5c); VIDEO_RECIPES="name=flags;..." runs others. Earlier recipes at 5, 9 and 17 frames (shift 6 or
 #       # 12, patch 1 2 2 or 1 1 1, ~1,840 steps each) drew colours but no direction.
 #   VIDEO_VAE_S / VIDEO_TRANSFORMER_S: the video budgets in seconds (default 60 / 360), for shorter runs.
 #
@@ -49,16 +49,19 @@ fi
 
 start=$SECONDS
 if [[ "${VIDEO_VARIANTS:-0}" == 1 ]]; then
+    # VIDEO_RECIPES="name=flags;name=flags" replaces the sweep below (its flags added to the common ones).
     common="--sigma-shift 6 --compile --pool-scale 3"
-    declare -A recipe=(
-        [video_a5]="$common --frame-shares 5:1"
-        [video_p5]="$common --frame-shares 5:1 --patch-size 1 1 1"
-        [video_e5]="$common --frame-shares 5:1 --travel 0.95 1"
-        [video_pe5]="$common --frame-shares 5:1 --patch-size 1 1 1 --travel 0.95 1"
-        [video_pe59]="$common --frame-shares 5:0.6,9:0.4 --patch-size 1 1 1 --travel 0.95 1"
-        [video_pe5c]="$common --frame-shares 5:1 --patch-size 1 1 1 --travel 0.95 1 --direction-contrast 1"
-    )
-    names=(video_a5 video_p5 video_e5 video_pe5 video_pe59 video_pe5c)
+    recipes=${VIDEO_RECIPES:-"a5=--frame-shares 5:1;p5=--frame-shares 5:1 --patch-size 1 1 1;\
+e5=--frame-shares 5:1 --travel 0.95 1;pe5=--frame-shares 5:1 --patch-size 1 1 1 --travel 0.95 1;\
+pe59=--frame-shares 5:0.6,9:0.4 --patch-size 1 1 1 --travel 0.95 1;\
+pe5c=--frame-shares 5:1 --patch-size 1 1 1 --travel 0.95 1 --direction-contrast 1"}
+    declare -A recipe=()
+    names=()
+    IFS=';' read -ra parts <<< "$recipes"
+    for part in "${parts[@]}"; do
+        names+=("video_${part%%=*}")
+        recipe["video_${part%%=*}"]="$common ${part#*=}"
+    done
     pids=()
     for name in "${names[@]}"; do
         mkdir -p "$OUT/$name"
@@ -73,9 +76,11 @@ if [[ "${VIDEO_VARIANTS:-0}" == 1 ]]; then
     for name in "${names[@]}"; do
         echo "== $name: ${recipe[$name]} ($((SECONDS - start)) s so far)"
         grep -E "VAE reconstructions|fit|caption|held-out|training captions|done in|compile|Error" "$OUT/$name/train.log" || true
+        # One archive per recipe (a device run brings back a few files of a limited size).
+        cp "$OUT/$name/train.log" "$OUT/$name.log"
+        tar -C "$OUT" -czf "$OUT/$name.tar.gz" "$name" && rm -rf "${OUT:?}/$name"
     done
-    tar -C "$OUT" -czf "$OUT/demos.tar.gz" "${names[@]}"
-    echo "total $((SECONDS - start)) s; archive: $OUT/demos.tar.gz"
+    echo "total $((SECONDS - start)) s; archives: $OUT/video_*.tar.gz"
     exit "$status"
 fi
 mkdir -p "$OUT/demo_scenes" "$OUT/demo_scenes_video"
