@@ -48,6 +48,7 @@ def _entry(
 ) -> None:
     try:
         torch.set_num_threads(1)  # N ranks on a few cores: avoid oversubscription
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
@@ -77,7 +78,6 @@ def run_distributed(
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = _free_port()
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     procs = [
         ctx.Process(target=_entry, args=(r, world_size, port, timeout_s, fn, args, results), daemon=True)
         for r in range(world_size)

@@ -41,21 +41,51 @@ def layout_id(flags: dict) -> str:
     return "-".join(f"{k.split('_')[0]}{v}" for k, v in flags.items())
 
 
+# OMP_NUM_THREADS as it was outside each one_thread (innermost last)
+_OUTSIDE_ONE_THREAD: list[str | None] = []
+
+
+def _set_threads_env(value: str | None) -> None:
+    if value is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = value
+
+
 @contextlib.contextmanager
 def one_thread() -> Iterator[None]:
-    """One intra-op thread here and in the ranks and servers started meanwhile (they read OMP_NUM_THREADS):
-    the models are a few kilobytes wide, and on a shared 2-core machine more threads only contend."""
+    """One intra-op thread here and in the servers and CLI runs started meanwhile (they read OMP_NUM_THREADS):
+    the models are a few kilobytes wide, and on a shared 2-core machine more threads only contend. Engines
+    started by ``running_engine`` meanwhile see the environment as it was outside (see there)."""
     threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
+    _OUTSIDE_ONE_THREAD.append(env)
     try:
         yield
     finally:
+        _OUTSIDE_ONE_THREAD.pop()
         torch.set_num_threads(threads)
-        if env is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = env
+        _set_threads_env(env)
+
+
+@contextlib.contextmanager
+def _environment_outside_one_thread() -> Iterator[None]:
+    """The environment as it was outside ``one_thread`` while an engine starts. Local ranks fork from the
+    process's one fork server only while the environment is the one it started with; a launch from another
+    spawns fresh interpreters (seconds of imports per rank). With one_thread's variable in place, this
+    module's engines spawned whenever another test file had started the fork server in the same test
+    process first (and every later file's engines did when one of these started it). The ranks split the
+    fork server's threads over the world size: one each on a 2-core machine, as with the variable."""
+    if not _OUTSIDE_ONE_THREAD:
+        yield
+        return
+    inside = os.environ.get("OMP_NUM_THREADS")
+    _set_threads_env(_OUTSIDE_ONE_THREAD[0])
+    try:
+        yield
+    finally:
+        _set_threads_env(inside)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +101,8 @@ def running_engine(
 ) -> Iterator[Engine]:
     """An engine on ``folder`` with the layout ``flags`` and the named adapters loaded; shut down after."""
     parallel = ParallelFlags(**(flags or {}))
-    engine = Engine(EngineConfig(model=str(folder), parallel=parallel, **config)).start()
+    with _environment_outside_one_thread():
+        engine = Engine(EngineConfig(model=str(folder), parallel=parallel, **config)).start()
     try:
         for name, file in (loras or {}).items():
             engine.load_lora(name, str(file))
