@@ -47,12 +47,12 @@ def _realtime_server(root: Path) -> ServeProcess:
 
 @pytest.fixture(scope="module")
 def servers(lora_root, tmp_path_factory):
-    """The default model (demo-scenes) with an admin key, demo-wan for the video tab and a tiny realtime
-    model for the realtime tab, started side by side (starting is most of this module's time)."""
-    with ThreadPoolExecutor(3) as pool:
+    """The default model (demo-scenes) with an admin key, and a tiny realtime video model for the video and
+    realtime tabs (a realtime model serves /v1/videos jobs too), started side by side (starting is most of
+    this module's time)."""
+    with ThreadPoolExecutor(2) as pool:
         futures = [
             pool.submit(ServeProcess, "--api-key", KEY, "--lora-root", str(lora_root)),
-            pool.submit(ServeProcess, "--model", "demo-wan"),
             pool.submit(_realtime_server, tmp_path_factory.mktemp("realtime")),
         ]
         started = [f.result() if f.exception() is None else f.exception() for f in futures]
@@ -63,7 +63,7 @@ def servers(lora_root, tmp_path_factory):
                 s.stop()
         raise failed[0]
     yield started
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(2) as pool:
         list(pool.map(ServeProcess.stop, started))
 
 
@@ -79,7 +79,7 @@ def video_server(servers):
 
 @pytest.fixture(scope="module")
 def realtime_server(servers):
-    return servers[2]
+    return servers[1]
 
 
 @pytest.fixture(scope="module")
