@@ -67,7 +67,16 @@ from .scenes import (
 )
 from .scorer import clip_shape, score_clip
 from .tokenizers import build_t5_tokenizer
-from .train_demo import _cosine_lr, _Log, _machine, _round_to_fp16, _to_unit, _update, load_weights
+from .train_demo import (
+    _cosine_lr,
+    _earlier_run,
+    _Log,
+    _machine,
+    _round_to_fp16,
+    _to_unit,
+    _update,
+    load_weights,
+)
 
 T5_MAX_LENGTH = 32
 LONG_T5_LENGTH = 512  # WanPipeline's default max_sequence_length
@@ -852,7 +861,14 @@ def _model_card(args, command: str, seconds: float, machine: str, results: dict,
     )
     layers = getattr(args, "num_layers", None) or TRANSFORMER_CONFIG["num_layers"]
     travel = tuple(getattr(args, "travel", None) or (0.6, 1.0))
-    earlier = f"; continued from {args.init_from}" if getattr(args, "init_from", None) else ""
+    init_from = getattr(args, "init_from", None)
+    earlier = f"; continued from {init_from}" if init_from else ""
+    vae = (
+        "VAE from the run continued (not trained further)"
+        if init_from
+        else f"VAE from its {args.vae_init} init, {args.vae_steps} steps × {args.vae_batch_size} frames (frame-wise; "
+        f"shape pixels weighted {1 + args.vae_shape_weight:g}×)"
+    )
     return f"""# demo-scenes-video
 
 A tiny Wan-architecture text-to-video pipeline (WanPipeline: WanTransformer3DModel with {layers} blocks of
@@ -873,15 +889,14 @@ what it is asked. Weights are stored in fp16; load in fp32:
 - command: `{command}`
 - machine: {machine}; diffusers {diffusers.__version__}
 - wall time: {seconds:.0f} s (drawing, VAE, transformer, evaluation)
-- VAE from its {args.vae_init} init, {args.vae_steps} steps × {args.vae_batch_size} frames (frame-wise; shape
-  pixels weighted {1 + args.vae_shape_weight:g}×); transformer {args.steps} steps ×
+- {vae}; transformer {args.steps} steps ×
   {args.batch_size}, AdamW {args.lr} cosine, {args.caption_dropout:.0%} empty captions, T5 length 512 on
   {args.long_text_fraction:.0%} of steps; pools of {pools} (the shape crossing {travel[0]:.0%}-{travel[1]:.0%} of
   the free room); steps per frame count {shares};
   shape latents weighted {1 + args.shape_loss_weight:g}× in the loss; training sigmas shifted by
   {getattr(args, "sigma_shift", SHIFT):g} (the sampler's flow shift {SHIFT}); direction contrast
   {getattr(args, "direction_contrast", 0.0):g} (margin {DIRECTION_MARGIN}); seed {args.seed}{earlier}
-- loss every 100 steps: {losses}
+- loss every 100 steps: {losses}{_earlier_run(init_from)}
 - loss on training clips (sigma 0.8 and 0.95) with their caption, with the direction reversed and with
   another shape colour (a word the model reads costs loss when wrong): {json.dumps(getattr(args, "caption_use", {}))}
 

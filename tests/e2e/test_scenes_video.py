@@ -1,6 +1,7 @@
 """The shipped demo-scenes-video model films what held-out prompts ask for (background colour, shape colour,
-direction of motion), through `ditserve generate` and through `ditserve serve --ulysses-degree 2` with the
-openai client's videos API; CPU, fp32, small clips (64×64, 5 frames, 8 steps)."""
+direction of motion), through `ditserve generate` with its defaults (64×64, 9 frames, 20 steps) and through
+`ditserve serve --ulysses-degree 2` with the openai client's videos API; CPU, fp32. Both ask what the model card
+promises: at least 14 of the first 16 held-out prompts right on all three."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ pytestmark = pytest.mark.skipif(
     not (scenes_video_model_path() / "model_index.json").is_file(),
     reason="demo-scenes-video is not trained yet (ditserve train-demo-video --out replica/models/demo_scenes_video)",
 )
-FRAMES = 5
-STEPS = 8
+FRAMES = 9  # what `ditserve generate` makes by default
+STEPS = 20  # its default steps
+ALLOWED_WRONG = 2  # of 16
 SEED = 1000  # prompt k gets seed SEED + k (`generate` counts up per prompt; the API is given the same)
 
 
@@ -52,8 +54,7 @@ def test_generate_films_the_held_out_prompts(tmp_path) -> None:
     scenes = held_out_moving_scenes()[:16]
     out = tmp_path / "clip.mp4"
     cmd = [sys.executable, "-m", "ditserve.cluster.cli", "generate", *(s.caption for s in scenes)]
-    cmd += ["--model", MODEL, "--num-frames", str(FRAMES), "--num-inference-steps", str(STEPS)]
-    cmd += ["--seed", str(SEED), "-o", str(out)]
+    cmd += ["--model", MODEL, "--seed", str(SEED), "-o", str(out)]  # frames, steps, size: the defaults
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     wrong = []
@@ -63,7 +64,9 @@ def test_generate_films_the_held_out_prompts(tmp_path) -> None:
         assert f"clip-{k}.mp4 (64x64, seed {SEED + k})" in done.stdout
         if score_clip(frames) != expected(scene):
             wrong.append((scene.caption, score_clip(frames)))
-    assert len(wrong) <= 2, f"{len(wrong)} of 16 wrong (background, shape colour, direction): {wrong}"
+    assert len(wrong) <= ALLOWED_WRONG, (
+        f"{len(wrong)} of 16 wrong (background, shape colour, direction): {wrong}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +82,7 @@ def server():
 
 def test_served_with_ulysses_2_films_the_prompts(server) -> None:
     client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-    scenes = held_out_moving_scenes()[:4]
+    scenes = held_out_moving_scenes()[:16]
     jobs = [
         client.videos.create(
             prompt=scene.caption,
@@ -99,4 +102,7 @@ def test_served_with_ulysses_2_films_the_prompts(server) -> None:
         frames = decode_mp4(client.videos.download_content(job.id).read())
         assert frames.shape == (FRAMES, 64, 64, 3)
         got.append(score_clip(frames))
-    assert got == [expected(s) for s in scenes]
+    wrong = [(s.caption, g) for s, g in zip(scenes, got, strict=True) if g != expected(s)]
+    assert len(wrong) <= ALLOWED_WRONG, (
+        f"{len(wrong)} of 16 wrong (background, shape colour, direction): {wrong}"
+    )

@@ -8,6 +8,8 @@ query's, is all it has to make the shape's path continuous and to move it the wa
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from ditserve.replica.models.train_demo_video import (
@@ -128,3 +130,48 @@ def test_direction_contrast_adds_the_margin_an_untrained_model_misses() -> None:
 
     extra = first_loss(2.0) - first_loss(0.0)
     assert 1.5 * DIRECTION_MARGIN < extra < 2.5 * DIRECTION_MARGIN
+
+
+def test_init_from_continues_a_saved_model_keeping_its_vae_and_shape(tmp_path) -> None:
+    """--init-from: the saved folder's transformer (its block count, though the default differs) trains on, its
+    VAE and latent statistics are kept as they are, and the model card carries the earlier run's lines."""
+    from safetensors.torch import load_file
+
+    from ditserve.replica.models.train_demo_video import main
+
+    earlier = tmp_path / "earlier"
+    pipe = build_video_pipeline_untrained(0, num_layers=2)
+    pipe.vae.register_to_config(latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[0.5, 0.6, 0.7, 0.8])
+    pipe.to(torch.float16).save_pretrained(earlier)
+    (earlier / "README.md").write_text("# demo\n\n## Training\n- command: `the earlier run`\n\n## Held-out\n")
+
+    out = tmp_path / "out"
+    main(
+        [
+            "--out",
+            str(out),
+            "--init-from",
+            str(earlier),
+            "--device",
+            "cpu",
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+        ]
+        + ["--pool-scale", "0.002", "--frame-shares", "5:1", "--travel", "0.95", "1", "--eval-scenes", "0"]
+    )
+
+    def weights(folder, name):
+        return load_file(str(next((folder / name).glob("*.safetensors"))))
+
+    assert json.loads((out / "transformer" / "config.json").read_text())["num_layers"] == 2
+    vae_before, vae_after = weights(earlier, "vae"), weights(out, "vae")
+    assert all(torch.equal(vae_before[k], vae_after[k]) for k in vae_before)
+    config = json.loads((out / "vae" / "config.json").read_text())
+    assert config["latents_mean"] == [0.1, -0.2, 0.3, 0.0] and config["latents_std"] == [0.5, 0.6, 0.7, 0.8]
+    before, after = weights(earlier, "transformer"), weights(out, "transformer")
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # it trained
+    card = (out / "README.md").read_text()
+    assert "continued from an earlier run of this command" in card and "`the earlier run`" in card
+    assert "--init-from" in card and "--travel 0.95 1.0" in card

@@ -108,3 +108,26 @@ def test_drawing_is_seeded_and_varied() -> None:
     assert len(masks) == 10  # random size and position
     border = np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]])
     assert (border == PALETTE["black"]).all()  # the shape never touches the border
+
+
+def test_travel_sets_how_far_the_shape_crosses() -> None:
+    """travel=(1, 1): the shape goes from the margin on one side to the margin on the other, whatever its
+    size; the default (60-100 % of the room) starts some clips further in; a bad range is refused."""
+    margin = 3
+
+    def columns(frame: np.ndarray) -> np.ndarray:
+        return np.flatnonzero((frame != PALETTE["gray"]).any(axis=(0, 2)))
+
+    rng = random.Random(3)
+    for _ in range(8):
+        clip = draw_clip(MovingScene("square", "orange", "gray", "left"), rng, 5, travel=(1.0, 1.0))
+        first, last = columns(clip[0]), columns(clip[-1])
+        assert first.max() == 63 - margin and last.min() == margin  # right edge to left edge
+    starts = {
+        int(columns(draw_clip(MovingScene("square", "orange", "gray", "right"), rng, 5)[0]).min())
+        for _ in range(16)
+    }
+    assert max(starts) > margin  # the default travel leaves room to start further in
+    for bad in ((0.0, 1.0), (0.9, 0.8), (0.5, 1.5)):
+        with pytest.raises(ValueError, match="travel"):
+            draw_clip(MovingScene("square", "orange", "gray", "left"), rng, 5, travel=bad)
