@@ -959,7 +959,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--init-from",
         type=Path,
         default=None,
-        help="continue from a saved demo-scenes-video folder: its VAE (not trained further) and transformer",
+        help="continue from a saved demo-scenes-video folder: its VAE (not trained further), frozen text encoder "
+        "and transformer",
     )
     parser.add_argument(
         "--patch-size",
@@ -1047,8 +1048,13 @@ def run(args: argparse.Namespace) -> Path:
         args.num_layers = args.num_layers or earlier["num_layers"]
     pipe = build_video_pipeline_untrained(args.seed, args.patch_size, getattr(args, "num_layers", None))
     if init_from is not None:
+        # The frozen text encoder too: the transformer was trained on its embeddings, and a fresh one (its
+        # random weights follow --seed) would make it learn every caption again.
         load_weights(pipe, init_from, ("vae", "transformer"))
-        log(f"started from the VAE and transformer of {init_from}")
+        pipe.text_encoder = type(pipe.text_encoder).from_pretrained(
+            Path(init_from) / "text_encoder", dtype=torch.float32
+        )
+        log(f"started from the VAE, transformer and text encoder of {init_from}")
         args.vae_steps = 0
     elif args.vae_init == "analytic":
         analytic_init(pipe.vae)

@@ -134,13 +134,14 @@ def test_direction_contrast_adds_the_margin_an_untrained_model_misses() -> None:
 
 def test_init_from_continues_a_saved_model_keeping_its_vae_and_shape(tmp_path) -> None:
     """--init-from: the saved folder's transformer (its block count, though the default differs) trains on, its
-    VAE and latent statistics are kept as they are, and the model card carries the earlier run's lines."""
+    VAE, latent statistics and frozen text encoder are kept as they are, and the model card carries the earlier
+    run's lines."""
     from safetensors.torch import load_file
 
     from ditserve.replica.models.train_demo_video import main
 
     earlier = tmp_path / "earlier"
-    pipe = build_video_pipeline_untrained(0, num_layers=2)
+    pipe = build_video_pipeline_untrained(5, num_layers=2)  # another seed than the run's (0)
     pipe.vae.register_to_config(latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[0.5, 0.6, 0.7, 0.8])
     pipe.to(torch.float16).save_pretrained(earlier)
     (earlier / "README.md").write_text("# demo\n\n## Training\n- command: `the earlier run`\n\n## Held-out\n")
@@ -166,8 +167,9 @@ def test_init_from_continues_a_saved_model_keeping_its_vae_and_shape(tmp_path) -
         return load_file(str(next((folder / name).glob("*.safetensors"))))
 
     assert json.loads((out / "transformer" / "config.json").read_text())["num_layers"] == 2
-    vae_before, vae_after = weights(earlier, "vae"), weights(out, "vae")
-    assert all(torch.equal(vae_before[k], vae_after[k]) for k in vae_before)
+    for kept in ("vae", "text_encoder"):  # the text encoder's random weights would otherwise follow --seed
+        old, new = weights(earlier, kept), weights(out, kept)
+        assert all(torch.equal(old[k], new[k]) for k in old), kept
     config = json.loads((out / "vae" / "config.json").read_text())
     assert config["latents_mean"] == [0.1, -0.2, 0.3, 0.0] and config["latents_std"] == [0.5, 0.6, 0.7, 0.8]
     before, after = weights(earlier, "transformer"), weights(out, "transformer")
