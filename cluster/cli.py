@@ -31,7 +31,13 @@ def _add_generate(sub) -> None:
         help="What to draw; several prompts run as one batch, prompt k with seed --seed + k "
         "(files get a suffix).",
     )
-    p.add_argument("-o", "--output", default="out.png", help="Output file: .png (image) or .mp4 (video).")
+    p.add_argument(
+        "-o",
+        "--output",
+        default="out.png",
+        help="Output file: .png (image) or .mp4 (video; without --model, the default video model "
+        "demo-scenes-video).",
+    )
     p.add_argument(
         "--width",
         type=int,
@@ -156,6 +162,10 @@ def run_generate(ns: argparse.Namespace) -> int:
     from ditserve.replica.lora.loader import inspect_adapter, parse_lora_spec
     from ditserve.replica.request import GenerationParams, LoRARef
 
+    if "model" not in vars(ns) and Path(ns.output).suffix.lower() == ".mp4":
+        from ditserve.replica.models.registry import video_model_hint
+
+        ns.model = video_model_hint()  # no --model and a video file asked for: the default video model
     try:
         config = EngineArgs(**model_kwargs(ns, EngineArgs)).engine_config()
         _check_local_gpus(config)
