@@ -3,8 +3,9 @@
 "a red circle moving left on a blue background": one circle, square or triangle in one of 12 colours crossing
 a background of another colour in one of four directions (``scenes.draw_clip``). Steps, all seeded:
 
-1. draw pools of training clips with Pillow (random size, position and travel; held-out captions never
-   drawn) at 5, 9 and 17 frames;
+1. draw pools of training clips with Pillow (random size and position, the shape crossing from near one side
+   to near the other: ``TRAVEL``; held-out captions never drawn), of 5 frames (and 9 and 17 where
+   ``--frame-shares`` asks for them);
 2. train a 2.4 M-parameter AutoencoderKLWan (8× spatial, no temporal compression, 4 latent channels),
    starting from :func:`analytic_init` (``--vae-init analytic``: weights set by hand so that, untrained, it
    codes each 8×8 block of a frame as one colour), on single frames: its causal convolutions' taps on
@@ -17,15 +18,17 @@ a background of another colour in one of four directions (``scenes.draw_clip``).
    (WanPipeline's default), plus the empty prompt;
 4. train a WanTransformer3DModel with flow matching exactly as WanPipeline samples with its
    FlowMatchEulerDiscreteScheduler: timestep = 1000·sigma, x_t = (1 - sigma)·x0 + sigma·noise, target
-   noise - x0, sigma logit-normal then shifted as the scheduler shifts, 10 % empty captions so
+   noise - x0, sigma logit-normal then shifted (``--sigma-shift``, more than the sampler's), 10 % empty captions so
    classifier-free guidance (``guidance_scale`` > 1, the negative prompt "") works; heads of 32 so that the
    rotary encoding's time part tells frames apart (``TRANSFORMER_CONFIG``); afterwards the log compares the
    loss with each clip's caption against the caption with its direction reversed (:func:`caption_use`): a
    model that ignores the direction word pays nothing for it;
 5. save in diffusers format (fp16 weights), reload in fp32, score held-out prompts; write a model card.
 
-Run: ``ditserve train-demo-video --out DIR`` (minutes on one H200; ``benchmarks/probes/train_demos.sh`` has
-the budgets). After the VAE's steps the log says how many reconstructions of held-out clips the clip
+Run: ``ditserve train-demo-video --out DIR --compile`` (minutes on one GPU; ``benchmarks/probes/train_demos.sh``
+has the budgets), then, to carry it to 9 and 17 frames, ``ditserve train-demo-video --out DIR2 --init-from DIR
+--compile --frame-shares 5:0.5,9:0.35,17:0.15 --lr 0.0003 --seed 1`` (the shipped model: 492 s on one H100, then
+284 s on one H200; its model card has both commands). After the VAE's steps the log says how many reconstructions of held-out clips the clip
 scorer reads right, the ceiling for the transformer's samples. Why frame by frame: trained on whole 9-frame
 clips in 3-D (every 3×3×3 kernel over all frames), the VAE managed ~700 steps of 24 clips in 110 s on an
 H200 and the scorer read 13/48 of its held-out reconstructions right; per frame, a step costs a third of
@@ -81,9 +84,20 @@ from .train_demo import (
 T5_MAX_LENGTH = 32
 LONG_T5_LENGTH = 512  # WanPipeline's default max_sequence_length
 SHIFT = 2.0  # the scheduler's flow shift (64×64 clips have few tokens: a small shift)
+# Training sigmas are shifted further (--sigma-shift): more steps at high noise, where a clip's trajectory, and so
+# the direction word, is decided (at the sampler's shift the model learned colours but no direction).
+TRAIN_SIGMA_SHIFT = 6.0
+# The share of the free room the shape crosses in a training clip (--travel): from near one side to near the
+# other, so that where the shape sits in the first and last frames tells the direction. The transformer's only
+# positional signal is relative (Wan's rotary encoding) and the shape moves a fraction of a token per frame; with
+# a random start (60-100 % of the room) the direction was left at chance, with this it is learned in minutes.
+TRAVEL = (0.95, 1.0)
 LATENT_CHANNELS = 4
-# Frame counts trained on, with their share of transformer steps and pool sizes (clips).
-FRAME_COUNTS = {5: (0.4, 4096), 9: (0.45, 6144), 17: (0.15, 2048)}
+# Frame counts trained on, with their share of transformer steps and pool sizes (clips). From scratch, 5-frame
+# clips: their steps are the cheapest and the direction is learned on them first (a run with 9- and 17-frame
+# clips from the start learned none in its budget); the 9- and 17-frame pools are for a continuation
+# (--init-from ... --frame-shares 5:0.5,9:0.35,17:0.15), and the 9-frame one gives the latent statistics.
+FRAME_COUNTS = {5: (1.0, 12288), 9: (0.0, 18432), 17: (0.0, 6144)}
 # --shape-loss-weight: a latent is the shape's where some channel of the normalised latent is this far from
 # its frame's top-left (background) latent. Palette colours differ by >= 0.3 of the pixel range in some
 # channel, about 0.5 of a latent channel's std.
@@ -108,7 +122,7 @@ TRANSFORMER_CONFIG = {
     "text_dim": 32,
     "freq_dim": 64,
     "ffn_dim": 384,
-    "num_layers": 6,
+    "num_layers": 8,  # 6 learned the direction too, 8 carried it better to 9 and 17 frames
     "cross_attn_norm": True,
     "qk_norm": "rms_norm_across_heads",
     "rope_max_seq_len": 1024,
@@ -123,7 +137,7 @@ SAMPLING = {"num_frames": 9, "num_inference_steps": 20, "guidance_scale": 5.0, "
 def build_video_pipeline_untrained(
     seed: int = 0, patch_size: tuple[int, int, int] | None = None, num_layers: int | None = None
 ):
-    """The ``demo-scenes-video`` WanPipeline with random weights: 6 blocks of 4 heads × 32 (see
+    """The ``demo-scenes-video`` WanPipeline with random weights: 8 blocks of 4 heads × 32 (see
     ``TRANSFORMER_CONFIG``; ``patch_size`` and ``num_layers`` replace its patch and block count), an
     AutoencoderKLWan (16/32/64/64, 4 latent channels, 8× spatial, 1× temporal, frame by frame: see
     :func:`make_framewise`), the tiny UMT5.
@@ -401,7 +415,7 @@ def _clips(frames: torch.Tensor, num_frames: int) -> torch.Tensor:
 
 
 def draw_clip_pool(
-    num_clips: int, num_frames: int, seed: int, travel: tuple[float, float] = (0.6, 1.0)
+    num_clips: int, num_frames: int, seed: int, travel: tuple[float, float] = TRAVEL
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(clips uint8 (N, 3, F, H, W), index into ``all_moving_scenes()`` (N,)), training scenes cycled evenly
     (every colour, background, shape and direction equally often) in a seeded shuffled order; ``travel``:
@@ -860,7 +874,7 @@ def _model_card(args, command: str, seconds: float, machine: str, results: dict,
         if shares.get(f, 0.0) > 0
     )
     layers = getattr(args, "num_layers", None) or TRANSFORMER_CONFIG["num_layers"]
-    travel = tuple(getattr(args, "travel", None) or (0.6, 1.0))
+    travel = tuple(getattr(args, "travel", None) or TRAVEL)
     init_from = getattr(args, "init_from", None)
     earlier = f"; continued from {init_from}" if init_from else ""
     vae = (
@@ -946,8 +960,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs=2,
         metavar=("LO", "HI"),
         default=None,
-        help="share of the free room the shape crosses in a training clip, drawn from [LO, HI] (default 0.6 "
-        "1.0; 0.95 1.0: from near one side to near the other, so where the shape starts tells the direction)",
+        help=f"share of the free room the shape crosses in a training clip, drawn from [LO, HI] (default "
+        f"{TRAVEL[0]} {TRAVEL[1]}: from near one side to near the other, so where the shape starts tells the "
+        "direction; 0.6 1.0 starts some clips further in)",
     )
     parser.add_argument(
         "--num-layers",
@@ -997,8 +1012,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sigma-shift",
         type=float,
-        default=SHIFT,
-        help=f"shift of the training sigmas' logit-normal (default {SHIFT}, the sampler's): larger trains "
+        default=TRAIN_SIGMA_SHIFT,
+        help=f"shift of the training sigmas' logit-normal (default {TRAIN_SIGMA_SHIFT}; the sampler's is {SHIFT}): larger trains "
         "more steps at high noise, where a clip's trajectory (and so the direction word) is decided",
     )
     parser.add_argument(
@@ -1060,7 +1075,7 @@ def run(args: argparse.Namespace) -> Path:
         analytic_init(pipe.vae)
     pipe.to(device)
     pipe.text_encoder.requires_grad_(False)
-    travel = tuple(getattr(args, "travel", None) or (0.6, 1.0))
+    travel = tuple(getattr(args, "travel", None) or TRAVEL)
     # Pools for the frame counts trained on, and the 9-frame one the latent statistics and the loss report use.
     shares = frame_shares(args)
     sizes = {
