@@ -175,13 +175,24 @@ async def _encoded_result(result: Any, replica: str, body: Any) -> pb.GenerateRe
 
 
 def _usage(usage: dict[str, Any] | None) -> pb.Usage | None:
-    """A request's usage (transformer forwards, cached forwards, cache policy) as the proto's message."""
+    """A request's usage as HTTP reports it (token fields, transformer forwards, cached forwards, cache
+    policy) as the proto's message."""
     if not usage:
         return None
+    from .schemas import api_usage
+
+    api = api_usage(usage)
+    details = api["input_tokens_details"]
     return pb.Usage(
-        transformer_forwards=int(usage.get("transformer_forwards", 0)),
-        cached_forwards=int(usage.get("cached_forwards", 0)),
-        cache_policy=str(usage.get("cache_policy", "none")),
+        transformer_forwards=int(api["transformer_forwards"]),
+        cached_forwards=int(api["cached_forwards"]),
+        cache_policy=str(api["cache_policy"]),
+        input_tokens=int(api["input_tokens"]),
+        input_tokens_details=pb.InputTokensDetails(
+            text_tokens=int(details["text_tokens"]), image_tokens=int(details["image_tokens"])
+        ),
+        output_tokens=int(api["output_tokens"]),
+        total_tokens=int(api["total_tokens"]),
     )
 
 

@@ -193,7 +193,12 @@ def usage_of(result: Any) -> dict[str, Any] | None:
     """A result's usage as the API returns it (None when the engine reported none)."""
     if not getattr(result, "usage", None):
         return None
-    cost = dict(result.usage)
+    return api_usage(result.usage)
+
+
+def api_usage(engine_usage: dict[str, Any]) -> dict[str, Any]:
+    """The engine's usage (forwards, cache policy, ``text_tokens``) in the API's shape (:class:`Usage`)."""
+    cost = dict(engine_usage)
     text = int(cost.pop("text_tokens", 0))
     details = InputTokensDetails(text_tokens=text)
     return Usage(input_tokens=text, input_tokens_details=details, total_tokens=text, **cost).model_dump()

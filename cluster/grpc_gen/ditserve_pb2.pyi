@@ -25,14 +25,30 @@ class StepCache(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., threshold: _Optional[float] = ..., interval: _Optional[int] = ..., warmup: _Optional[int] = ..., order: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("transformer_forwards", "cached_forwards", "cache_policy")
+    __slots__ = ("transformer_forwards", "cached_forwards", "cache_policy", "input_tokens", "input_tokens_details", "output_tokens", "total_tokens")
     TRANSFORMER_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TOKENS_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     transformer_forwards: int
     cached_forwards: int
     cache_policy: str
-    def __init__(self, transformer_forwards: _Optional[int] = ..., cached_forwards: _Optional[int] = ..., cache_policy: _Optional[str] = ...) -> None: ...
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    total_tokens: int
+    def __init__(self, transformer_forwards: _Optional[int] = ..., cached_forwards: _Optional[int] = ..., cache_policy: _Optional[str] = ..., input_tokens: _Optional[int] = ..., input_tokens_details: _Optional[_Union[InputTokensDetails, _Mapping]] = ..., output_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+
+class InputTokensDetails(_message.Message):
+    __slots__ = ("text_tokens", "image_tokens")
+    TEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    text_tokens: int
+    image_tokens: int
+    def __init__(self, text_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ...) -> None: ...
 
 class LoRARef(_message.Message):
     __slots__ = ("name", "scale")

@@ -223,6 +223,10 @@ def test_grpc_step_cache_and_usage(stub):
     )
     assert (reply.usage.transformer_forwards, reply.usage.cached_forwards) == (6, 2)
     assert reply.usage.cache_policy == "taylorseer"
+    # OpenAI's token fields, as HTTP's usage: "a red fox" is 3 T5 tokens; no image or output tokens
+    details = reply.usage.input_tokens_details
+    assert (details.text_tokens, details.image_tokens) == (3, 0)
+    assert (reply.usage.input_tokens, reply.usage.output_tokens, reply.usage.total_tokens) == (3, 0, 3)
     plain = stub.Generate(pb.GenerateRequest(prompt="a red fox", size="64x64", num_inference_steps=6, seed=2))
     assert (plain.usage.cached_forwards, plain.usage.cache_policy) == (0, "none")
     with pytest.raises(grpc.RpcError) as exc:
