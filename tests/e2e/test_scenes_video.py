@@ -20,13 +20,7 @@ from ditserve.replica.models.scorer import score_clip
 from ditserve.replica.models.train_demo_video import TRANSFORMER_CONFIG
 from tests.helpers import ServeProcess
 
-MODEL = "demo-scenes-video"
-# The weights ship once `ditserve train-demo-video` has been run long enough to pass these tests (minutes on
-# one GPU); until then there is nothing to test here.
-pytestmark = pytest.mark.skipif(
-    not (scenes_video_model_path() / "model_index.json").is_file(),
-    reason="demo-scenes-video is not trained yet (ditserve train-demo-video --out replica/models/demo_scenes_video)",
-)
+MODEL = "demo-scenes-video"  # shipped in the package (trained by `ditserve train-demo-video`)
 FRAMES = 9  # what `ditserve generate` makes by default
 STEPS = 20  # its default steps
 ALLOWED_WRONG = 2  # of 16

@@ -125,13 +125,10 @@ def test_wheel_holds_every_module_and_the_demo_model(wheel):
     }
     assert repo_modules() <= in_wheel, sorted(repo_modules() - in_wheel)
     assert "ditserve/replica/models/demo_scenes/transformer/diffusion_pytorch_model.safetensors" in names
-    # The trained video model ships once its weights are in the checkout (ditserve train-demo-video).
-    if (REPO_ROOT / "replica/models/demo_scenes_video/model_index.json").is_file():
-        video = "ditserve/replica/models/demo_scenes_video"
-        assert {f"{video}/{c}/diffusion_pytorch_model.safetensors" for c in ("transformer", "vae")} <= set(
-            names
-        )
-        assert f"{video}/model_index.json" in names
+    # the trained video model (ditserve train-demo-video), the default video model
+    video = "ditserve/replica/models/demo_scenes_video"
+    assert {f"{video}/{c}/diffusion_pytorch_model.safetensors" for c in ("transformer", "vae")} <= set(names)
+    assert f"{video}/model_index.json" in names
     assert "ditserve/cluster/grpc_gen/ditserve_pb2.py" in names
     # the playground served at GET / works from an installed wheel
     assert {f"ditserve/cluster/static/{f}" for f in ("index.html", "app.js", "style.css")} <= set(names)
