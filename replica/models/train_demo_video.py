@@ -939,12 +939,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the VAE's starting point: colours of 8×8 blocks set by hand (analytic_init) or random weights",
     )
     parser.add_argument("--vae-steps", type=int, default=2000, help="VAE training steps (0: keep the start)")
-    parser.add_argument("--batch-size", type=int, default=128, help="transformer batch size (clips)")
+    parser.add_argument("--batch-size", type=int, default=512, help="transformer batch size (clips)")
     parser.add_argument(
         "--vae-batch-size", type=int, default=128, help="VAE batch size (single frames of different clips)"
     )
     parser.add_argument("--lr", type=float, default=5e-4, help="transformer peak learning rate")
-    parser.add_argument("--vae-lr", type=float, default=1e-3, help="VAE peak learning rate")
+    parser.add_argument("--vae-lr", type=float, default=3e-3, help="VAE peak learning rate")
     parser.add_argument(
         "--vae-shape-weight",
         type=float,
