@@ -20,8 +20,10 @@ WebSocket protocol. The client sends JSON steps (in text or binary frames) ``{"p
 "num_inference_steps"?, "guidance_scale"?, "seed"?, "preview"?}``; the server answers ``{"type": "progress", "step", "total",
 "preview_b64"?}`` per denoising step (``preview``: a 1/8-size picture of the latents), then ``{"type":
 "image", "step", "b64_json", "seed"}``. A step sent while one runs supersedes it: the running one is
-cancelled (``{"type": "superseded"}``) and the newest runs. A bad step answers ``{"type": "error"}`` and
-the socket stays open. The server closes with a reason: 4401 bad API key, 4404 unknown or expired
+cancelled (``{"type": "superseded"}``) and the newest runs; steps queued behind it are answered
+``superseded`` too. A bad step answers ``{"type": "error"}`` and the socket stays open. Each step gets
+exactly one of ``image``, ``superseded`` or ``error``, in the order sent; ``image`` means the session holds
+that step's latents (a running step that finished before its cancel reached the replica answers ``image``). The server closes with a reason: 4401 bad API key, 4404 unknown or expired
 session, 4410 its replica is gone, 4408 idle longer than ``session_idle_timeout_s``, 4409 session older
 than ``session_max_lifetime_s``. Admission control is at ``POST /v1/sessions`` (429 past
 ``max_sessions_per_replica``).
@@ -40,8 +42,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, WebSocket, WebSocketDisconnect
 from fastapi.responses import StreamingResponse
 from pydantic import Field, ValidationError
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-from ray.serve.exceptions import DeploymentUnavailableError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, TaskCancelledError
+from ray.serve.exceptions import DeploymentUnavailableError, RequestCancelledError
 
 from ditserve.replica.media import image_size
 from ditserve.replica.request import GenerationParams
@@ -141,6 +143,8 @@ async def engine_events(fe: Any, stream) -> AsyncIterator[dict[str, Any]]:
         ) from None
     except DeploymentUnavailableError:
         raise ReplicaUnavailable("no engine replica is available") from None
+    except (RequestCancelledError, TaskCancelledError):
+        return  # cancelled by the caller (stream.cancel()): the stream ends
     except ServeError:
         raise
     except Exception as exc:
@@ -335,10 +339,11 @@ async def session_socket(websocket: WebSocket, session_id: str, fe: Any = Depend
                 return await close(4408, f"idle for {idle:g}s (session_idle_timeout_s)")
             if text is None:
                 return  # the client closed
-            while not inbox.empty():  # only the newest prompt matters
+            while not inbox.empty():  # only the newest prompt runs; the ones it skips are answered
                 newer = inbox.get_nowait()
                 if newer is None:
                     return
+                await websocket.send_json({"type": "superseded"})
                 text = newer
             try:
                 step = StreamStep.model_validate_json(text)
@@ -357,14 +362,26 @@ async def session_socket(websocket: WebSocket, session_id: str, fe: Any = Depend
             stream = pinned.options(stream=True).session_stream.remote(
                 session_id, params, step.strength, step.preview
             )
+            cancelled = False
             try:
                 async for event in engine_events(fe, stream):
-                    if not inbox.empty():  # a newer step (or the client left): drop this one
-                        stream.cancel()
-                        if inbox._queue[-1] is not None:  # type: ignore[attr-defined]
-                            await websocket.send_json({"type": "superseded"})
+                    if event["type"] == "result":
+                        # The replica made it the session's state before sending it: it is answered even
+                        # when a newer step came meanwhile, so what the client saw is what the session holds.
+                        await websocket.send_json(_ws_event(event))
                         break
-                    await websocket.send_json(_ws_event(event))
+                    if cancelled:
+                        continue
+                    if inbox.empty():
+                        await websocket.send_json(_ws_event(event))
+                        continue
+                    # A newer step (or the client left): cancel this one. The stream then ends, or brings
+                    # the result that was made before the cancel reached the replica.
+                    stream.cancel()
+                    cancelled = True
+                else:
+                    if cancelled and inbox._queue[-1] is not None:  # type: ignore[attr-defined]
+                        await websocket.send_json({"type": "superseded"})
             except ServeError as exc:
                 if isinstance(exc, (NotFound, SessionGone)):
                     return await close(_close_code(exc), exc.message)

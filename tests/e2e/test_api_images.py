@@ -289,14 +289,17 @@ async def _ws_steps(server, session_id: str) -> list[dict]:
                 seen.append(message)
                 if message["type"] == "image":
                     break
-        # A newer step while one runs supersedes it; the newest one completes.
-        await ws.send(json.dumps({"prompt": "a green fox", "num_inference_steps": 4}))
-        await ws.send(json.dumps({"prompt": "a yellow fox", "num_inference_steps": 1}))
-        while True:
-            message = json.loads(await ws.recv())
+        # A newer step while one runs supersedes it; the newest one completes. Every step is answered
+        # (image, superseded or error) in the order sent: three sent at once get three answers.
+        for prompt, steps in (("a green fox", 4), ("a white fox", 4), ("a yellow fox", 1)):
+            await ws.send(json.dumps({"prompt": prompt, "num_inference_steps": steps}))
+        answers = []
+        while len(answers) < 3:
+            message = json.loads(await asyncio.wait_for(ws.recv(), timeout=60))
             seen.append(message)
-            if message["type"] == "image":
-                break
+            if message["type"] != "progress":
+                answers.append(message)
+        seen.append({"type": "answers", "types": [m["type"] for m in answers]})
         # Idle past --session-idle-timeout-s: the server closes with the reason.
         with pytest.raises(websockets.ConnectionClosed) as info:
             await asyncio.wait_for(ws.recv(), timeout=30)
@@ -308,7 +311,10 @@ def test_websocket_session_previews_steps_and_idle_close(server):
     session = httpx.post(f"{server.base_url}/v1/sessions", json={"size": "64x64"}).json()
     seen = asyncio.run(_ws_steps(server, session["id"]))
     images = [m for m in seen if m["type"] == "image"]
-    assert [m["step"] for m in images] == [1, 2, 3]  # each step refines the previous latents
+    # Each step that answered "image" refines the previous latents: the session counts exactly those.
+    assert [m["step"] for m in images] == list(range(1, len(images) + 1))
+    answers = next(m["types"] for m in seen if m["type"] == "answers")
+    assert set(answers) <= {"image", "superseded"} and answers[-1] == "image"
     previews = [m for m in seen if m["type"] == "progress" and "preview_b64" in m]
     assert previews and png_pixels(base64.b64decode(previews[0]["preview_b64"])).shape == (8, 8, 3)
     assert seen[-1]["code"] == 4408 and "idle" in seen[-1]["reason"]
