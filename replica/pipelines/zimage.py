@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from diffusers.models.transformers.transformer_z_image import SEQ_MULTI_OF
 from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas, retrieve_timesteps
 
 from ..request import GenerationParams
@@ -37,6 +38,12 @@ class ZImageRunner(PipelineRunner):
         # A forward turns each row's caption length into Python lists (the model pads per batch): a
         # captured graph would keep one batch's lengths for another with the same shapes.
         self.graphs = None
+        # A caption takes rotary rows 1..its length padded to SEQ_MULTI_OF on the first axis, the image the row
+        # after: a longer caption than the table holds failed the batch's forward with an IndexError. Prompts
+        # are cut there as at max_sequence_length (Z-Image's 1536 rows hold the pipeline's 512 tokens; a
+        # larger --max-sequence-length, or a folder with a shorter table, reaches the end).
+        rows = int(pipe.transformer.config.axes_lens[0])
+        self.max_sequence_length = min(self.max_sequence_length, (rows - 2) // SEQ_MULTI_OF * SEQ_MULTI_OF)
         # The pipeline's defaults, or the folder's recommendation (ditserve.json "sampling"): Z-Image-Turbo
         # is meant for guidance_scale 0.
         sampling = {}

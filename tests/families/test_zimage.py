@@ -193,6 +193,28 @@ def test_a_size_past_the_rotary_table_is_refused_and_its_batch_served(folder, re
         assert psnr(png_pixels(engine.submit(FOX).result(timeout=300).outputs[0]), reference[0]) >= 40
 
 
+def test_a_caption_past_the_rotary_table_is_cut_there(pipe):
+    """The tiny transformer's first rotary axis has 512 rows: a caption of the default 512 tokens (padded, with
+    the image's row after it) has no positions past row 511. The prompt is cut at 480 tokens, the most
+    that fit (it failed the batch's forward with an IndexError, a 500 over HTTP): diffusers' image at 480."""
+    runner = ZImageRunner(pipe, device=torch.device("cpu"), dtype=torch.float32, max_sequence_length=512)
+    wordy = CAT.model_copy(update={"prompt": "a red fox " * 200, "num_inference_steps": 1})
+    state = runner.add("wordy", wordy)
+    runner.step([state])
+    ours = runner.decode(state)[0]
+    ref = pipe(
+        prompt=wordy.prompt,
+        guidance_scale=0.0,
+        width=wordy.width,
+        height=wordy.height,
+        num_inference_steps=1,
+        generator=torch.Generator("cpu").manual_seed(wordy.seed),
+        max_sequence_length=480,
+        output_type="np",
+    )
+    assert psnr(ours, to_uint8(ref.images)[0]) >= 40
+
+
 def test_omni_folder_is_refused(folder, tmp_path):
     omni = tmp_path / "Z-Image-Omni"
     (omni / "transformer").mkdir(parents=True)
