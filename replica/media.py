@@ -8,8 +8,10 @@ import io
 import numpy as np
 from PIL import Image, ImageOps
 
-# What an upload may be (the formats OpenAI's image edits take).
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+# What an upload may be (the formats OpenAI's image edits take). Pillow names a JPEG that holds further
+# pictures after the first (a multi-picture camera file, a phone's HDR photo with its gain map) "MPO": it is a
+# JPEG all the same, read as its first picture.
+IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "WEBP")
 # EXIF orientations that turn the picture a quarter (the stored width is the shown height).
 _QUARTER_TURNS = (5, 6, 7, 8)
 

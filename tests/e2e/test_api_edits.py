@@ -182,6 +182,25 @@ def test_uploads_are_read_as_shown(server):
     assert psnr(sixteen, eight) >= 40
 
 
+def test_a_multi_picture_jpeg_is_its_first_picture(server):
+    """A JPEG that carries a second picture after the first (Pillow reads it as MPO: a camera's
+    multi-picture file, a phone's HDR photo with its gain map) is a JPEG: edited as its first picture, as the
+    plain JPEG of that picture is (it was refused as "MPO images are not taken; send PNG, JPEG or WebP")."""
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    asked = {"prompt": "a red circle", "extra_body": {"seed": 3, "num_inference_steps": 2, "strength": 0.2}}
+    plain, multi = io.BytesIO(), io.BytesIO()
+    scene().save(plain, format="JPEG")
+    scene().save(multi, format="MPO", save_all=True, append_images=[Image.new("RGB", (32, 32))])
+    assert Image.open(io.BytesIO(multi.getvalue())).format == "MPO"
+    results = [
+        client.images.edit(image=("photo.jpg", buf.getvalue(), "image/jpeg"), **asked)
+        for buf in (plain, multi)
+    ]
+    assert results[1].size == "64x64"
+    first, ours = (png_pixels(base64.b64decode(r.data[0].b64_json)) for r in results)
+    assert psnr(ours, first) >= 40
+
+
 def test_openai_client_mappings_in_extra_body(server):
     """A cache or lora mapping in extra_body (the client sends it as cache[policy], lora[name] fields) is
     read as the mapping, and the usage it reports is read by the client's model; a picture too narrow for the server's size says its own size."""
