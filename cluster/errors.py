@@ -93,10 +93,15 @@ class InternalError(ServeError):
 _LOCATIONS = ("body", "query", "path", "header")  # where FastAPI found a field: not a field name
 
 
+# pydantic's names of plain-type union members (``str | ImageReference`` fails as ``("input_reference",
+# "str")``): lower-case identifiers, as field names are, but no request model has a field of these names.
+_PLAIN_MEMBERS = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", "none"})
+
+
 def _union_tag(part: Any) -> bool:
     """A step of a validation error's location that names a union member (``LoRARef``,
-    ``list[LoRARef]``), not a field or an index: field names are snake_case identifiers."""
-    return isinstance(part, str) and (not part.isidentifier() or part[:1].isupper())
+    ``list[LoRARef]``, ``str``), not a field or an index: field names are snake_case identifiers."""
+    return isinstance(part, str) and (not part.isidentifier() or part[:1].isupper() or part in _PLAIN_MEMBERS)
 
 
 def error_param(loc: Any) -> str | None:

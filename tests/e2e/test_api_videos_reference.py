@@ -124,6 +124,7 @@ def test_data_urls_and_grpc_bytes(server, client):
         "http-url",
         "bad-base64",
         "file-id",
+        "a-number",
     ],
 )
 def test_bad_references_are_400_naming_input_reference(server, case):
@@ -137,8 +138,10 @@ def test_bad_references_are_400_naming_input_reference(server, case):
         data["input_reference"] = "https://example.com/first.png"
     elif case == "bad-base64":
         data["input_reference"] = "data:image/png;base64,@@@"
-    else:
+    elif case == "file-id":
         data["input_reference"] = {"file_id": "file-123"}
+    else:  # neither member of the union (a data URL or a reference object): the field, not "input_reference.str"
+        data["input_reference"] = 5
     if files is None:
         r = httpx.post(f"{server.base_url}/v1/videos", json=data, timeout=30)
     else:
