@@ -211,6 +211,11 @@ def run_generate(ns: argparse.Namespace) -> int:
             max(multiple, first[0] // multiple * multiple),
             max(multiple, first[1] // multiple * multiple),
         )
+    if ns.strength is not None and video:  # it would be dropped: a video's --image is its first frame, kept
+        return _fail(
+            f"--strength: {engine.spec.name} makes videos; strength is image-to-image's (an image-to-video "
+            "model starts from --image as its first frame)"
+        )
     if ns.strength is not None and not images:  # it would be dropped: no start image to keep
         return _fail("--strength: image-to-image needs the start image (--image FILE)")
     extra = {} if ns.strength is None else {"strength": ns.strength}

@@ -40,15 +40,27 @@ class GenerationParams(BaseModel):
     height: int = Field(default=64, ge=16)
     num_frames: int = Field(default=1, ge=1, description="Video frames (video models only).")
     num_inference_steps: int = Field(default=20, ge=1)
+    # Guidance bounds are the API's (0..100, finite), so that every caller (generate too) is refused alike.
     guidance_scale: float | None = Field(
-        default=None, description="Distilled guidance (Flux) or CFG scale (Wan)."
+        default=None,
+        ge=0,
+        le=100,
+        allow_inf_nan=False,
+        description="Distilled guidance (Flux) or CFG scale (Wan).",
     )
     guidance_scale_2: float | None = Field(
         default=None,
+        ge=0,
+        le=100,
+        allow_inf_nan=False,
         description="Two-expert models (Wan 2.2 A14B): the low-noise expert's CFG scale (None: guidance_scale).",
     )
     true_cfg_scale: float = Field(
-        default=1.0, ge=0.0, description="Flux true CFG with a negative prompt when > 1."
+        default=1.0,
+        ge=0.0,
+        le=100,
+        allow_inf_nan=False,
+        description="Flux true CFG with a negative prompt when > 1.",
     )
     seed: int = Field(default_factory=lambda: secrets.randbits(31), ge=0, lt=2**63)
     n: int = Field(default=1, ge=1, description="Outputs per request.")

@@ -99,6 +99,11 @@ def test_several_prompts_one_batch_one_file_each(tmp_path):
         # without --image there is nothing to keep: it was dropped and a text-to-image made
         (["--model", "demo-flux", "--strength", "0.5"], "--strength: image-to-image needs the start image"),
         (["--model", "demo-wan", "--num-frames", "8", "-o", "x.mp4"], "--num-frames: must be 4·k + 1"),
+        # the API's guidance bounds, 0..100 and finite (a NaN, infinite or negative scale made a video)
+        (
+            ["--model", "demo-wan", "--guidance-scale", "nan", "-o", "x.mp4"],
+            "--guidance-scale: Input should be a finite",
+        ),
         (["--model", "demo-flux", "--ulysses-degree", "16"], "--ulysses-degree"),
         (["--model", "demo-flux", "--n", "9"], "--n: 9 is above the maximum"),
         (["--model", "demo-flux", "--lora", "style=missing.safetensors"], "--lora style: "),
@@ -109,6 +114,23 @@ def test_bad_arguments_exit_non_zero_with_a_message(tmp_path, args, message):
     done = generate("a fox", "-o", str(tmp_path / "x.png"), *args)
     assert done.returncode != 0
     assert message in done.stderr
+
+
+def test_strength_on_an_image_to_video_model_is_refused(tmp_path):
+    """--strength is image-to-image's: an image-to-video model starts from its --image as the first frame,
+    and the strength was dropped (the video made as without it)."""
+    from tests.families.wan_i2v import build_folder, reference_png
+
+    folder = build_folder(tmp_path / "wan-i2v-tiny")
+    first = tmp_path / "first.png"
+    first.write_bytes(reference_png())
+    out = tmp_path / "clip.mp4"
+    done = generate(
+        "a fox", "--model", str(folder), "--image", str(first), "--strength", "0.5",
+        "--num-frames", "5", "--num-inference-steps", "1", "--width", "32", "--height", "32", "-o", str(out),
+    )  # fmt: skip
+    assert done.returncode == 2 and "--strength: wan-i2v-tiny makes videos" in done.stderr, done.stderr
+    assert not out.exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
