@@ -19,6 +19,7 @@ import base64
 import functools
 import hmac
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-from ray.serve.exceptions import DeploymentUnavailableError
+from ray.serve.exceptions import DeploymentUnavailableError, RequestCancelledError
 
 from ditserve.replica.models.registry import resolve_model
 from ditserve.replica.request import GenerationParams
@@ -44,6 +45,7 @@ from .control_state import (
 )
 from .errors import (
     BadRequest,
+    InternalError,
     PayloadTooLarge,
     ReplicaUnavailable,
     ServeError,
@@ -60,6 +62,8 @@ from .http_base import (
     requested_size,
 )
 from .schemas import ImageData, ImageGenerationRequest, ImagesResponse, ModelCard, usage_of
+
+logger = logging.getLogger("ditserve")
 
 fastapi_app = build_fastapi()
 
@@ -188,6 +192,18 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
             ) from None
         except DeploymentUnavailableError:
             raise ReplicaUnavailable("no engine replica is available") from None
+        except (ServeError, RequestCancelledError):
+            raise
+        except Exception as exc:
+            # A typed error may arrive wrapped (RayTaskError); any other failure of the replica (its model
+            # raised) is ours: answered in the error shape, as gRPC and streams answer it, not a bare text 500.
+            cause: BaseException | None = exc
+            while cause is not None and not isinstance(cause, ServeError):
+                cause = getattr(cause, "cause", None) or cause.__cause__
+            if cause is not None:
+                raise cause from None
+            logger.error("engine call failed", exc_info=exc)
+            raise InternalError(f"internal error ({type(exc).__name__}); see the server log") from None
         if isinstance(answer, ServeError):
             raise answer
         return answer
