@@ -89,7 +89,13 @@ class VideoCreateRequest(BaseModel):
         description="Duration (default 1, capped by max_frames); frames = seconds·fps, rounded to what the model takes.",
     )
     num_frames: int | None = Field(default=None, ge=1, description="Frames (overrides seconds).")
-    fps: int = Field(default=16, ge=1, le=120, description="Frame rate of the MP4.")
+    fps: int | None = Field(
+        default=None,
+        ge=1,
+        le=120,
+        description="Frame rate of the MP4 (default: the model's, 16 for Wan 2.1 / 2.2 A14B, 24 for Wan 2.2 "
+        "TI2V-5B and HunyuanVideo 1.5).",
+    )
     num_inference_steps: int = Field(default=20, ge=1, description="Denoising steps.")
     guidance_scale: float | None = Field(
         default=None, allow_inf_nan=False, ge=0, le=100, description="CFG scale (model default)."
@@ -185,9 +191,10 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
     limits = fe.args
     body = fe.check_prompt_and_steps(body)
     multiple = fe.spec.frame_multiple
+    fps = fe.spec.fps if body.fps is None else body.fps
     frames = body.num_frames
     if frames is None:
-        wanted = round((body.seconds if body.seconds is not None else 1.0) * body.fps)
+        wanted = round((body.seconds if body.seconds is not None else 1.0) * fps)
         frames = multiple * max(1, round((wanted - 1) / multiple)) + 1
         if body.seconds is None:  # the default (1 s) shrinks to what the server allows
             frames = min(frames, multiple * ((limits.max_frames - 1) // multiple) + 1)
@@ -238,7 +245,7 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
         width=width,
         height=height,
         num_frames=frames,
-        fps=body.fps,
+        fps=fps,
         num_inference_steps=body.num_inference_steps,
         guidance_scale=body.guidance_scale,
         guidance_scale_2=body.guidance_scale_2,

@@ -63,7 +63,13 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n", type=int, default=1, help="Number of outputs (files get a suffix).")
     p.add_argument("--num-frames", type=int, default=9, help="Video frames (video models).")
-    p.add_argument("--fps", type=int, default=16, help="Video frame rate.")
+    p.add_argument(
+        "--fps",
+        type=int,
+        default=None,
+        help="Video frame rate (default: the model's, 16 for Wan 2.1 / 2.2 A14B, 24 for Wan 2.2 TI2V-5B and "
+        "HunyuanVideo 1.5).",
+    )
     p.add_argument("--lora", action="append", default=[], help="Adapter NAME=PATH[:SCALE] (repeatable).")
     p.add_argument(
         "--image",
@@ -234,7 +240,7 @@ def run_generate(ns: argparse.Namespace) -> int:
             true_cfg_scale=true_cfg,
             seed=ns.seed,
             n=ns.n,
-            fps=ns.fps,
+            fps=engine.spec.fps if ns.fps is None else ns.fps,
             images=images,
             **extra,
         )

@@ -129,6 +129,9 @@ class Family:
     # width/height multiple, (frames - 1) multiple, attention heads (for the layout check)
     size_multiple: Callable[[Folder], int] = default_size_multiple
     frame_multiple: Callable[[Folder], int] = lambda folder: 1
+    # Video families: the frame rate the model films at (its model card's export_to_video fps), a request's
+    # default: its MP4's rate and how many frames its seconds are
+    fps: Callable[[Folder], int] = lambda folder: 16
     heads: Callable[[Mapping[str, Any]], int] = default_heads
     # Video families: whether a request gives the first frame (POST /v1/videos input_reference): "none" (text
     # to video only), "optional" (text or text+image, e.g. Wan 2.2 TI2V), "required" (image-to-video).

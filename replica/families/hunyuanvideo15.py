@@ -68,6 +68,7 @@ FAMILY = Family(
     # image-to-video: the pipeline takes no size and draws the bucket of the first frame's aspect
     first_frame_size=lambda folder, size: _bucket(folder, *size),
     first_frame=lambda folder: "required" if folder.index.get("_class_name") == _I2V else "none",
+    fps=lambda folder: 24,
     refuse=_refuse,
     checkpoints=((r"(?<![a-z])hunyuan-?video-?1\.5", 16),),
     typical_heads=16,

@@ -61,6 +61,7 @@ FAMILY = Family(
     guidance="cfg",
     frame_multiple=frame_multiple,
     first_frame=_first_frame,
+    fps=lambda folder: 24 if folder.index.get("expand_timesteps") else 16,  # TI2V-5B: 24; 2.1, A14B: 16
     refuse=refuse_experts,
     refuse_size=refuse_rope_size,
     checkpoints=(

@@ -185,6 +185,12 @@ class ModelSpec:
         return None
 
     @cached_property
+    def fps(self) -> int:
+        """The frame rate a video request that names none gets (the family's: 16 for Wan 2.1 / 2.2 A14B, 24
+        for Wan 2.2 TI2V-5B and HunyuanVideo 1.5)."""
+        return self.family_spec.fps(self.folder) if self.kind == "video" else 16
+
+    @cached_property
     def frame_multiple(self) -> int:
         """Video models take ``frame_multiple·k + 1`` frames (the VAE's temporal factor)."""
         return self.family_spec.frame_multiple(self.folder) if self.kind == "video" else 1

@@ -273,7 +273,18 @@ def test_serve_videos_api(t2v_folder):
         )
         default = client.videos.poll(default.id, poll_interval_ms=200)
         assert default.status == "completed" and default.size == "64x36", default
+        # no fps: the model's 24 (HunyuanVideo 1.5 films at 24 fps; the MP4 played it at 16, slowed down)
+        assert default.to_dict()["fps"] == 24 and default.seconds == f"{5 / 24:g}", default
+        rates = [mp4_rate(client.videos.download_content(j.id).read()) for j in (job, default)]
     assert video.shape == (9, 48, 64, 3) and video.std() > 0
+    assert rates == [8, 24]
+
+
+def mp4_rate(data: bytes) -> float:
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        return float(container.streams.video[0].average_rate)
 
 
 def test_refuses_what_it_would_serve_wrong(t2v_folder, tmp_path):
