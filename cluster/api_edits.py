@@ -34,7 +34,15 @@ from ditserve.replica.media import check_image
 from ditserve.replica.request import GenerationParams
 
 from .errors import BadRequest, validation_error
-from .http_base import MIN_SIDE, REPLICA_HEADER, check_size, frontend, nest_form_fields
+from .http_base import (
+    MIN_SIDE,
+    REPLICA_HEADER,
+    check_size,
+    form_list,
+    frontend,
+    list_in_form,
+    nest_form_fields,
+)
 from .schemas import ImageData, ImageEditRequest, ImagesResponse, usage_of
 
 EDITS_PATH = "/v1/images/edits"
@@ -145,6 +153,8 @@ def _read_form(content_type: str, raw: bytes) -> tuple[dict[str, str], list[byte
         elif part.get_filename():
             raise BadRequest(f"{name}: files are taken only as image, image[] and mask", param=name)
         elif name in fields:
+            if (listed := form_list(name)) is not None:  # a second item's lora[][name]: a list
+                raise list_in_form(listed)
             raise BadRequest(f"{name}: given more than once", param=name)
         else:
             try:

@@ -423,6 +423,19 @@ def openapi_schema(
 FORM_KEY = re.compile(r"(\w+)\[(\w*)\].*")  # cache[policy]; lora[][name]
 
 
+def list_in_form(field: str) -> BadRequest:
+    """The refusal of a list sent as form fields (``field[]`` / ``field[][key]``, one set per item)."""
+    return BadRequest(
+        f"{field}: a list cannot be sent as form fields; send it as JSON text in {field}", param=field
+    )
+
+
+def form_list(name: str) -> str | None:
+    """The field a form name sends a list item of (``lora`` for ``lora[][name]``), else None."""
+    match = FORM_KEY.fullmatch(name)
+    return match.group(1) if match is not None and not match.group(2) else None
+
+
 def nest_form_fields(fields: dict[str, str]) -> dict[str, Any]:
     """Form names ``field[key]`` (how OpenAI's client sends a mapping given in ``extra_body``, e.g.
     ``cache[policy]``) → ``{field: {key: value}}``, each value read as JSON where it is JSON (``0.1`` is a
@@ -437,9 +450,7 @@ def nest_form_fields(fields: dict[str, str]) -> dict[str, Any]:
             continue
         field, key = match.groups()
         if not key:
-            raise BadRequest(
-                f"{field}: a list cannot be sent as form fields; send it as JSON text in {field}", param=field
-            )
+            raise list_in_form(field)
         group = data.setdefault(field, {})
         if not isinstance(group, dict) or key in group:
             raise BadRequest(f"{field}: given more than once", param=field)

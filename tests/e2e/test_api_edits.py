@@ -203,7 +203,8 @@ def test_a_multi_picture_jpeg_is_its_first_picture(server):
 
 def test_openai_client_mappings_in_extra_body(server):
     """A cache or lora mapping in extra_body (the client sends it as cache[policy], lora[name] fields) is
-    read as the mapping, and the usage it reports is read by the client's model; a picture too narrow for the server's size says its own size."""
+    read as the mapping, and the usage it reports is read by the client's model; a list of adapters is asked
+    as JSON text; a picture too narrow for the server's size says its own size."""
     client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     asked = {"image": ("scene.png", SOURCE, "image/png"), "prompt": "a red circle"}
     steps = {"seed": 1, "num_inference_steps": 2}
@@ -218,6 +219,13 @@ def test_openai_client_mappings_in_extra_body(server):
     with pytest.raises(BadRequestError) as info:
         client.images.edit(**asked, extra_body={**steps, "lora": {"name": "style", "scale": 0.5}})
     assert info.value.body["param"] == "lora" and "'style' is not loaded" in info.value.body["message"]
+    # A list of adapters has no form shape: one item or several (lora[][name] sent twice, which was refused
+    # as the field "lora[][name]" given more than once), JSON text is asked for.
+    for adapters in ([{"name": "style"}], [{"name": "style"}, {"name": "ink", "scale": 0.5}]):
+        with pytest.raises(BadRequestError) as info:
+            client.images.edit(**asked, extra_body={**steps, "lora": adapters})
+        assert info.value.body["param"] == "lora", adapters
+        assert "send it as JSON text in lora" in info.value.body["message"], adapters
     narrow = png(scene((512, 16)))
     with pytest.raises(BadRequestError) as info:
         client.images.edit(image=("narrow.png", narrow, "image/png"), prompt="a", extra_body=steps)
