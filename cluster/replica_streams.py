@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -26,10 +27,20 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from ditserve.replica.launcher import RankDied
 from ditserve.replica.request import GenerationParams, GenerationResult
 from ditserve.replica.scheduler import QueueFullError
 
-from .errors import Conflict, NotFound, QueueFull, ReplicaUnavailable, ServeError, engine_error
+from .errors import (
+    Conflict,
+    InternalError,
+    NotFound,
+    QueueFull,
+    ServeError,
+    engine_error,
+)
+
+logger = logging.getLogger("ditserve")
 
 
 def latent_preview(latents: np.ndarray, width: int, height: int) -> bytes:
@@ -93,8 +104,8 @@ class VideoJob:
 
 
 class ReplicaStreams:
-    """Mixin of ``EngineReplica``: uses its ``engine``, ``args``, ``replica_id``, ``sessions`` and
-    ``_unavailable``/``_expire_sessions``."""
+    """Mixin of ``EngineReplica``: uses its ``engine``, ``args``, ``replica_id``, ``sessions``, ``launcher`` and
+    ``_unavailable``/``_expire_sessions``/``_rank_failed``."""
 
     # -- streamed generation -----------------------------------------------------------------------------
     async def generate_stream(
@@ -141,11 +152,17 @@ class ReplicaStreams:
                 yield events.get_nowait()
             try:
                 result: GenerationResult = finished.result()
-            except ValueError as exc:
+            except (ValueError, ServeError) as exc:  # bad input the engine found, or released memory
                 yield engine_error(exc, self.replica_id)
                 return
             except Exception as exc:
-                yield ReplicaUnavailable(f"generation failed: {exc}", replica=self.replica_id)
+                if isinstance(exc, RankDied) or self.launcher.dead:  # retried elsewhere, as unary answers it
+                    yield self._rank_failed(exc)
+                else:  # the model failed this request: ours, not a replica to retry (as unary answers it)
+                    logger.error("streamed generation failed", exc_info=exc)
+                    yield InternalError(
+                        f"internal error ({type(exc).__name__}); see the server log", replica=self.replica_id
+                    )
                 return
             self.metrics.observe_usage(result.usage)
             yield {"type": "result", "result": result, "replica": self.replica_id}
