@@ -210,6 +210,7 @@ def _video_job(data: dict[str, Any]) -> pb.VideoJob:
         size=data.get("size", ""),
         seconds=str(data.get("seconds", "")),
         num_frames=int(data.get("num_frames", 0)),
+        fps=int(data.get("fps", 0)),
         prompt=data.get("prompt") or "",
         error=error.get("message", "") if isinstance(error, dict) else str(error),
         deleted=bool(data.get("deleted", False)),

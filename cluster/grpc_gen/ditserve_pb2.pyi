@@ -231,7 +231,7 @@ class RemixVideoRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., prompt: _Optional[str] = ...) -> None: ...
 
 class VideoJob(_message.Message):
-    __slots__ = ("id", "object", "status", "progress", "created_at", "completed_at", "expires_at", "model", "size", "seconds", "num_frames", "prompt", "error", "deleted", "usage", "remixed_from_video_id")
+    __slots__ = ("id", "object", "status", "progress", "created_at", "completed_at", "expires_at", "model", "size", "seconds", "num_frames", "prompt", "error", "deleted", "usage", "remixed_from_video_id", "fps")
     ID_FIELD_NUMBER: _ClassVar[int]
     OBJECT_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +248,7 @@ class VideoJob(_message.Message):
     DELETED_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     REMIXED_FROM_VIDEO_ID_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
     id: str
     object: str
     status: str
@@ -264,7 +265,8 @@ class VideoJob(_message.Message):
     deleted: bool
     usage: Usage
     remixed_from_video_id: str
-    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., status: _Optional[str] = ..., progress: _Optional[int] = ..., created_at: _Optional[int] = ..., completed_at: _Optional[int] = ..., expires_at: _Optional[int] = ..., model: _Optional[str] = ..., size: _Optional[str] = ..., seconds: _Optional[str] = ..., num_frames: _Optional[int] = ..., prompt: _Optional[str] = ..., error: _Optional[str] = ..., deleted: _Optional[bool] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., remixed_from_video_id: _Optional[str] = ...) -> None: ...
+    fps: int
+    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., status: _Optional[str] = ..., progress: _Optional[int] = ..., created_at: _Optional[int] = ..., completed_at: _Optional[int] = ..., expires_at: _Optional[int] = ..., model: _Optional[str] = ..., size: _Optional[str] = ..., seconds: _Optional[str] = ..., num_frames: _Optional[int] = ..., prompt: _Optional[str] = ..., error: _Optional[str] = ..., deleted: _Optional[bool] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., remixed_from_video_id: _Optional[str] = ..., fps: _Optional[int] = ...) -> None: ...
 
 class VideoContent(_message.Message):
     __slots__ = ("id", "mp4", "media_type", "image")

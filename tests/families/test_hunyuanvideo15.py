@@ -19,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
+from ditserve.cluster.client import Client
 from ditserve.replica.config import EngineConfig
 from ditserve.replica.media import decode_mp4
 from ditserve.replica.pipelines.base import to_uint8
@@ -276,6 +277,11 @@ def test_serve_videos_api(t2v_folder):
         # no fps: the model's 24 (HunyuanVideo 1.5 films at 24 fps; the MP4 played it at 16, slowed down)
         assert default.to_dict()["fps"] == 24 and default.seconds == f"{5 / 24:g}", default
         rates = [mp4_rate(client.videos.download_content(j.id).read()) for j in (job, default)]
+        with Client(f"127.0.0.1:{server.grpc_port}") as grpc_client:  # gRPC's job says its frame rate too
+            grpc_job = grpc_client.create_video(
+                "a red fox", num_frames=3, num_inference_steps=1, size="32x32"
+            )
+            assert grpc_job.fps == 24 and grpc_client.delete_video(grpc_job.id).deleted
     assert video.shape == (9, 48, 64, 3) and video.std() > 0
     assert rates == [8, 24]
 
