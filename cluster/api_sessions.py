@@ -85,6 +85,12 @@ async def open_session(body: SessionOpenRequest, request: Any, fe: Any) -> JSONR
     fe.check_model(body.model)
     if fe.model_kind != "image":
         raise BadRequest(f"model {fe.model_name!r} makes videos; sessions are for images", param="model")
+    if not fe.spec.family_spec.img2img:  # each step after the first starts from the last one's latents
+        raise BadRequest(
+            f"model: {fe.model_name} has no image-to-image (it takes images as references), and a session "
+            "refines each image from the last; use POST /v1/images/edits",
+            param="model",
+        )
     width, height = check_size(
         requested_size(body.size, fe.default_size),
         fe.args.max_width,

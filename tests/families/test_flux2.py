@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import shutil
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -234,6 +235,11 @@ def test_serve_and_openai_client(dev_folder, dev_expected):
             with pytest.raises(BadRequestError) as info:
                 call()
             assert info.value.body["param"] == "size" and "16 pixels" in info.value.body["message"]
+        # A session refines each image from the last (image-to-image), which FLUX.2 does not do: refused as
+        # it opens, naming model (it opened, and its second step was refused naming init_latents).
+        r = httpx.post(f"{server.base_url}/v1/sessions", json={"size": "64x64"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+        assert "no image-to-image" in r.json()["error"]["message"]
     got = b64_pixels(result)
     assert got.shape == (64, 64, 3)
     assert psnr(got, dev_expected[0]) >= 40
