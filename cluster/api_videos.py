@@ -269,6 +269,8 @@ def _form_fields(content_type: str, raw: bytes) -> tuple[dict[str, Any], bytes |
         if not name:
             continue
         data = part.get_payload(decode=True) or b""
+        if name == "input_reference" and part.get_filename() == "" and not data:
+            continue  # an HTML form's file input left empty (filename "", no bytes): no file given
         if name == "input_reference" and part.get_filename() is not None:
             if upload is not None:
                 raise BadRequest("input_reference: one first frame per video", param="input_reference")

@@ -96,6 +96,21 @@ def test_seconds_become_frames_and_json_works(server):
     assert r.json()["num_frames"] == 5
 
 
+def test_form_with_its_file_input_left_empty(server):
+    """An HTML form whose file input was left empty sends the part with filename "" and no bytes: no first
+    frame (it was refused as a reference on this text-to-video model)."""
+    fields = {"prompt": "a fox", "num_frames": "1", "num_inference_steps": "1"}
+    parts = [f'Content-Disposition: form-data; name="{k}"\r\n\r\n{v}' for k, v in fields.items()]
+    parts.append(
+        'Content-Disposition: form-data; name="input_reference"; filename=""\r\n'
+        "Content-Type: application/octet-stream\r\n\r\n"
+    )  # as a browser sends it (httpx leaves an empty filename out)
+    body = "".join(f"--XX\r\n{part}\r\n" for part in parts) + "--XX--\r\n"
+    form = {**AUTH, "content-type": "multipart/form-data; boundary=XX"}
+    r = httpx.post(f"{server.base_url}/v1/videos", content=body.encode(), headers=form)
+    assert r.status_code == 200, r.text
+
+
 def test_content_before_completion_then_expiry(server, client):
     # the server's most frames and steps, the content asked at once: on a loaded machine the job can still
     # win the race, so a job done first (its content then served) is followed by another, until one is asked
