@@ -144,6 +144,8 @@ def _read_form(content_type: str, raw: bytes) -> tuple[dict[str, str], list[byte
         if not name:
             continue
         data = part.get_payload(decode=True) or b""
+        if name in (*IMAGE_FIELDS, "mask") and part.get_filename() == "" and not data:
+            continue  # an HTML form's file input left empty (filename "", no bytes): no file given
         if name in IMAGE_FIELDS:
             images.append(data)
         elif name == "mask":

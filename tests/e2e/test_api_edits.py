@@ -294,6 +294,35 @@ def test_bad_uploads_are_400_naming_the_field(server):
         assert png_pixels(base64.b64decode(ok.json()["data"][0]["b64_json"])).shape == (48, 32, 3)
 
 
+def test_empty_file_inputs_of_an_html_form_are_no_files(server):
+    """A browser sends a file input left empty as a part with filename "" and no bytes: an optional mask and a
+    second image[] slot left empty are no files (they were a mask the model does not take and an unreadable
+    image); a zero-byte file that has a name is still refused naming the field."""
+    boundary = "form-boundary"
+
+    def part(name: str, data: bytes, filename: str | None = None) -> bytes:
+        disposition = f'form-data; name="{name}"' + (
+            f'; filename="{filename}"' if filename is not None else ""
+        )
+        kind = "Content-Type: application/octet-stream\r\n" if filename is not None else ""
+        return f"--{boundary}\r\nContent-Disposition: {disposition}\r\n{kind}\r\n".encode() + data + b"\r\n"
+
+    def post(*files: tuple[str, bytes, str]) -> httpx.Response:
+        fields = [part("prompt", b"a red circle"), part("num_inference_steps", b"1"), part("seed", b"1")]
+        body = b"".join([*fields, *(part(name, data, filename) for name, data, filename in files)])
+        headers = {"content-type": f"multipart/form-data; boundary={boundary}"}
+        return httpx.post(
+            f"{server.base_url}/v1/images/edits", content=body + f"--{boundary}--\r\n".encode(), headers=headers,
+            timeout=120,
+        )  # fmt: skip
+
+    r = post(("image[]", SOURCE, "scene.png"), ("image[]", b"", ""), ("mask", b"", ""))
+    assert r.status_code == 200, r.text
+    assert r.json()["size"] == "64x64"
+    named = post(("image", SOURCE, "scene.png"), ("mask", b"", "mask.png"))
+    assert named.status_code == 400 and named.json()["error"]["param"] == "mask", named.text
+
+
 def _fields(message) -> dict:
     return {f.name: v for f, v in message.ListFields()}
 
