@@ -42,13 +42,14 @@ from .http_base import (
     nest_form_fields,
     requested_size,
 )
+from .replica_streams import token_ms
 from .router import session_owner
 from .schemas import ErrorResponse, Prompt, json_field
 
 router = APIRouter(prefix="/v1/videos", tags=["videos"])
 VIDEOS_PATH = "/v1/videos"
 REF = "#/components/schemas/{model}"  # nested models (cache) point into the OpenAPI components
-VIDEO_TOKEN = re.compile(r"[0-9a-f]{32}")  # the random part of a video id (replica_streams.create_video)
+VIDEO_TOKEN = re.compile(r"[0-9a-f]{32}")  # a video id's part after the replica (replica_streams.video_token)
 
 
 class ImageReference(BaseModel):
@@ -307,6 +308,12 @@ async def _read_create(request: Request) -> tuple[VideoCreateRequest, bytes | No
         raise validation_error(exc.errors()) from None
 
 
+def video_token_of(video_id: str) -> str | None:
+    """The part of ``video_id`` after its replica where it is one this server could have issued, else None."""
+    token = video_id.rpartition(".")[2]
+    return token if "." in video_id and VIDEO_TOKEN.fullmatch(token) else None
+
+
 def pinned(fe: Any, video_id: str):
     """The engine handle that reaches the replica of ``video_id``. An id this server cannot have issued (a
     replica makes ``<replica>.<32 hex digits>``) is a 404 here: sent on, an unknown replica reads as one
@@ -389,19 +396,27 @@ async def list_page(fe: Any, after: str | None, limit: int, order: str) -> dict[
         answers = await fe.engine.broadcast("list_videos").results_async(timeout_s=30, return_exceptions=True)
     except DeploymentUnavailableError:
         answers = []
-    listed = [v for a in answers if isinstance(a, dict) for v in a["videos"]]
-    listed.sort(key=lambda pair: (pair[0], pair[1]["id"]), reverse=order == "desc")
-    videos = [video for _, video in listed]
+    # by creation time in milliseconds, as an id carries it: a cursor whose job was deleted or expired since
+    # still says where the next page starts
+    listed = [
+        (token_ms(video_token_of(v["id"])), v["id"], v)
+        for a in answers
+        if isinstance(a, dict)
+        for _, v in a["videos"]
+    ]
+    listed.sort(key=lambda item: item[:2], reverse=order == "desc")
+    videos = [video for *_, video in listed]
     start = 0
     if after:
-        ids = [v["id"] for v in videos]
-        if after not in ids:
+        token = video_token_of(after)
+        if token is None:
             raise NotFound(
-                f"after: video {after!r} is not among this server's videos (deleted, expired or never "
-                "created); list again without after",
+                f"after: {after!r} is not a video id of this server (ids look like <replica>.<32 hex digits>); "
+                "list again without after",
                 param="after",
             )
-        start = ids.index(after) + 1
+        cursor = (token_ms(token), after)
+        start = sum(1 for item in listed if (item[:2] <= cursor if order == "asc" else item[:2] >= cursor))
     page = videos[start : start + limit]
     return {
         "object": "list",

@@ -61,6 +61,17 @@ def latent_preview(latents: np.ndarray, width: int, height: int) -> bytes:
     return buf.getvalue()
 
 
+def video_token(created: float) -> str:
+    """The part of a video id after ``<replica>.``: 32 hex digits, the job's creation time in milliseconds (12)
+    then 20 random ones, so that an id keeps its place in a listing once its job is gone (a page cursor)."""
+    return f"{int(created * 1000):012x}{secrets.token_hex(10)}"
+
+
+def token_ms(token: str) -> int:
+    """The creation time in milliseconds a :func:`video_token` carries."""
+    return int(token[:12], 16)
+
+
 @dataclass(eq=False)
 class VideoJob:
     id: str
@@ -247,8 +258,10 @@ class ReplicaStreams:
                 retry_after=5,
                 replica=self.replica_id,
             )
+        created = time.time()
         job = VideoJob(
-            id=f"{self.replica_id}.{secrets.token_hex(16)}",
+            id=f"{self.replica_id}.{video_token(created)}",
+            created=created,
             prompt=prompt,
             model=model,
             size=f"{params.width}x{params.height}",

@@ -211,6 +211,24 @@ def test_list_pages_variants_and_remix(server, client):
     assert not [v for v in client.videos.list() if v.id in (*ours, remix.id)]
 
 
+def test_list_pages_past_a_deleted_cursor(server, client):
+    """Deleting each video as the client's pages yield it (one a page, so each is the next page's cursor):
+    the page after a deleted video's id is the rest, as after a live one; it was a 404 that ended the loop."""
+    ours = []
+    for _ in range(3):
+        job = client.videos.create(prompt="a", extra_body={"num_frames": 1, "num_inference_steps": 1})
+        ours.append(wait(client, job.id)[0].id)
+    seen = []
+    for video in client.videos.list(limit=1, order="asc"):
+        if video.id in ours:
+            seen.append(video.id)
+            client.videos.delete(video.id)
+    assert seen == ours
+    with pytest.raises(openai.NotFoundError) as info:  # not an id: no place in the listing
+        client.videos.list(after="nosuch.cursor")
+    assert info.value.body["param"] == "after"
+
+
 def test_list_content_and_remix_bad_input(server, client):
     with pytest.raises(openai.NotFoundError) as info:
         client.videos.list(after="nosuch.cursor")
