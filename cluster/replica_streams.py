@@ -270,6 +270,9 @@ class ReplicaStreams:
             params=params,
         )
 
+        def on_start() -> None:  # engine loop thread: taken from the queue, its inputs encoded next
+            job.status = "in_progress"
+
         def on_progress(done: int, total: int) -> None:  # engine loop thread: plain attribute writes
             job.status = "in_progress"
             job.progress = min(99, int(100 * done / total))
@@ -290,7 +293,7 @@ class ReplicaStreams:
             job.status, job.progress = "completed", 100
 
         try:
-            job.future = self.engine.submit(params, on_progress=on_progress)
+            job.future = self.engine.submit(params, on_progress=on_progress, on_start=on_start)
         except (ValueError, QueueFullError) as exc:
             return engine_error(exc, self.replica_id)
         job.future.add_done_callback(on_done)

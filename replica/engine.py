@@ -228,11 +228,14 @@ class Engine:
         params: GenerationParams,
         on_progress: Callable[[int, int], None] | None = None,
         on_preview: Callable[[int, int, Any], None] | None = None,
+        on_start: Callable[[], None] | None = None,
     ) -> Future:
         """Queue a request; the future resolves to a :class:`GenerationResult`. Cancel it to free the slot.
 
         ``on_progress(done, total)`` runs in the loop thread after every step; ``on_preview(done, total,
-        latents)`` too, before the last step, with the current latents (a served rank's ``latents``)."""
+        latents)`` too, before the last step, with the current latents (a served rank's ``latents``);
+        ``on_start()`` once, when the loop takes the request from the queue (its prompt and images are encoded
+        after it, then its first step runs)."""
         if not self.running:
             raise RuntimeError("engine is not running")
         self.check(params)
@@ -242,7 +245,9 @@ class Engine:
         if params.images and self.spec.edits:
             # References of other sizes may give other sequence lengths: rows of one forward share one.
             bucket += tuple(image_size(data) for data in params.images)
-        job = Job(req_id=uuid.uuid4().hex, params=params, bucket=bucket, on_progress=on_progress)
+        job = Job(
+            req_id=uuid.uuid4().hex, params=params, bucket=bucket, on_progress=on_progress, on_start=on_start
+        )
         if on_preview is not None:
 
             def progress_and_preview(done: int, total: int) -> None:
@@ -443,6 +448,11 @@ class Engine:
 
     def _step(self, admit: list[Job], running: list[Job]) -> None:
         for job in admit:
+            if job.on_start is not None:
+                try:
+                    job.on_start()
+                except Exception:
+                    logger.exception("start callback failed")
             try:
                 if job.chunk is not None:
                     total = self.launcher.call(

@@ -31,6 +31,7 @@ class Job:
     bucket: tuple
     future: Future = field(default_factory=Future)
     on_progress: Callable[[int, int], None] | None = None
+    on_start: Callable[[], None] | None = None  # when the loop admits it, before its inputs are encoded
     steps_done: int = 0
     admitted: bool = False
     total_steps: int | None = None  # what the ranks said at admission (a chunked video: chunks × steps)

@@ -89,6 +89,18 @@ def test_cancel_frees_the_slot_at_the_next_step(engine):
     assert engine.generate(params.model_copy(update={"num_inference_steps": 2}), timeout=60).outputs
 
 
+def test_start_callback_runs_once_when_the_request_leaves_the_queue(engine):
+    """on_start comes before the request's inputs are encoded and its first step runs (a video job is
+    in_progress from then; it read queued until its first step was done)."""
+    events = []
+    params = GenerationParams(prompt="a fox", width=64, height=64, num_inference_steps=3, seed=0)
+    future = engine.submit(
+        params, on_progress=lambda done, total: events.append(done), on_start=lambda: events.append("start")
+    )
+    assert future.result(timeout=60).outputs
+    assert events == ["start", 1, 2, 3]
+
+
 def test_fifty_concurrent_clients_each_get_their_own_image_once(engine):
     params = [
         GenerationParams(prompt=f"a fox number {i}", width=64, height=64, num_inference_steps=2, seed=i)
