@@ -79,18 +79,31 @@ async def open_session_route(
     return await open_session(body or SessionOpenRequest(), request, fe)
 
 
+def session_refusal(spec: Any, name: str) -> str | None:
+    """Why an image model cannot hold a session (its message, naming ``model``), else None. Each step after
+    the first starts from the last one's latents (image-to-image), and a step sends a prompt only."""
+    if not spec.family_spec.img2img:
+        return (
+            f"model: {name} has no image-to-image (it takes images as references), and a session refines "
+            "each image from the last; use POST /v1/images/edits"
+        )
+    if spec.needs_references:
+        return (
+            f"model: {name} edits reference images and draws nothing from a prompt alone, and a session's "
+            "steps send prompts only; use POST /v1/images/edits"
+        )
+    return None
+
+
 async def open_session(body: SessionOpenRequest, request: Any, fe: Any) -> JSONResponse:
     """Open a session on a replica chosen round-robin with room for it (HTTP, and gRPC's OpenSession)."""
     fe.check_auth(request, admin=False)
     fe.check_model(body.model)
     if fe.model_kind != "image":
         raise BadRequest(f"model {fe.model_name!r} makes videos; sessions are for images", param="model")
-    if not fe.spec.family_spec.img2img:  # each step after the first starts from the last one's latents
-        raise BadRequest(
-            f"model: {fe.model_name} has no image-to-image (it takes images as references), and a session "
-            "refines each image from the last; use POST /v1/images/edits",
-            param="model",
-        )
+    refused = session_refusal(fe.spec, fe.model_name)
+    if refused is not None:
+        raise BadRequest(refused, param="model")
     width, height = check_size(
         requested_size(body.size, fe.default_size),
         fe.args.max_width,

@@ -113,6 +113,9 @@ class Family:
     max_references: int = 0
     # fewer for some of those pipelines, by class name (QwenImageEditPipeline: 1 of the family's 3)
     pipeline_references: Mapping[str, int] = field(default_factory=dict)
+    # pipelines of ``edit_pipelines`` that cannot make an image without a reference (Qwen-Image-Edit); the
+    # others also draw from the prompt alone (FLUX.1 Kontext, FLUX.2)
+    references_required: frozenset[str] = frozenset()
     # The output (width, height) of an edit request that names no size, from its references' (width,
     # height) in order, where the edit pipeline has its own rule (Qwen-Image-Edit: the last reference's
     # aspect at about 1024² pixels); None: the first reference's size.

@@ -55,6 +55,7 @@ FAMILY = Family(
     img2img=True,  # QwenImagePipeline folders; the edit folders take their images as references
     max_references=MAX_PLUS_REFERENCES,
     pipeline_references={"QwenImageEditPipeline": 1},
+    references_required=frozenset({"QwenImageEditPipeline", "QwenImageEditPlusPipeline"}),
     size_multiple=lambda folder: vae_spatial_factor(folder) * 2,  # latents packed in 2×2 patches
     refuse=_refuse,
     checkpoints=((r"(?<![a-z])qwen-?image", 24),),

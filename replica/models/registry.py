@@ -92,6 +92,11 @@ class ModelSpec:
         """Whether the model takes reference images (POST /v1/images/edits without image-to-image)."""
         return self.pipeline_class in self.family_spec.edit_pipelines
 
+    @property
+    def needs_references(self) -> bool:
+        """Whether every request must bring a reference image (Qwen-Image-Edit: no image from text alone)."""
+        return self.pipeline_class in self.family_spec.references_required
+
     @cached_property
     def first_frame(self) -> str:
         """Video models: whether a request's first frame (``input_reference``) is "none", "optional" or

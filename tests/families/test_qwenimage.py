@@ -302,3 +302,17 @@ def test_one_rank_image_to_image_equals_img2img_pipeline(t2i_pipe, t2i_expected,
     assert one_rank[2].shape == want.shape == (64, 96, 3)
     assert psnr(one_rank[2], want) >= 40
     assert psnr(want, t2i_expected[0]) < 30  # not the text-to-image picture
+
+
+def test_sessions_are_refused_where_a_step_would_be(t2i_folder, edit_folder, plus_folder):
+    """A session's steps send prompts only, each from the last step's latents: Qwen-Image holds one, the edit
+    models (a reference image in every request) are refused at POST /v1/sessions naming model, instead of
+    opening a session whose every step is refused naming image."""
+    from ditserve.cluster.api_sessions import session_refusal
+    from ditserve.replica.models.registry import resolve_model
+
+    assert session_refusal(resolve_model(str(t2i_folder)), "qwen") is None
+    for folder in (edit_folder, plus_folder):
+        refused = session_refusal(resolve_model(str(folder)), folder.name)
+        assert refused is not None and refused.startswith(f"model: {folder.name} edits reference images")
+        assert "POST /v1/images/edits" in refused
