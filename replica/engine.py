@@ -168,6 +168,12 @@ class Engine:
             raise ValueError(
                 f"num_inference_steps: {params.num_inference_steps} is above the maximum {limits.max_steps}"
             )
+        names = [ref.name for ref in params.lora]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(
+                f"lora: adapter(s) {twice} given more than once; give each adapter once, with the scale wanted"
+            )
         for ref in params.lora:
             if ref.name not in self.loras or ref.name in self.draining:
                 loaded = sorted(set(self.loras) - self.draining)

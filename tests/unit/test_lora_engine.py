@@ -259,6 +259,9 @@ def test_refusals_name_the_problem_and_leave_others_working(engine, files):
     want = image(engine, LoRARef(name="keep"))
     with pytest.raises(ValueError, match="'ghost' is not loaded"):
         engine.submit(GenerationParams(**REQ, lora=(LoRARef(name="ghost"),)))
+    # one adapter twice would add its scales (1.0 + 0.5 drew as 1.5): refused, naming it
+    with pytest.raises(ValueError, match=r"^lora: adapter\(s\) \['keep'\] given more than once"):
+        engine.submit(GenerationParams(**REQ, lora=(LoRARef(name="keep"), LoRARef(name="keep", scale=0.5))))
     (root / "junk.safetensors").write_bytes(b"this is not a tensor file at all")
     with pytest.raises(ValueError, match="not a safetensors file"):
         engine.load_lora("junk", str(root / "junk.safetensors"))
