@@ -21,8 +21,18 @@ from ditserve.replica.lora.loader import inspect_adapter
 from ditserve.replica.models.registry import transformer_folder
 
 from .engine_deployment import new_tag
-from .errors import BadRequest, NotFound, param_of
-from .http_base import REPLICA_HEADER, frontend
+from .errors import BadRequest, NotFound, ReplicaUnavailable, param_of
+from .http_base import REPLICA_HEADER, frontend, registered_frontend
+
+
+async def _admin_key(request: Request) -> None:
+    """The admin key, checked before the body is read and validated: a caller without it learns nothing
+    of what the routes take (a body it got wrong answers 401, not 400 naming the field)."""
+    registered_frontend().check_auth(request, admin=True)
+
+
+# Every route here but GET /v1/replicas (anyone may list replicas; the key shows more).
+ADMIN = [Depends(_admin_key)]
 
 router = APIRouter(tags=["admin"])
 
@@ -46,6 +56,16 @@ class LoRALoadRequest(BaseModel):
 def _respond(report: dict[str, Any], **extra: Any) -> JSONResponse:
     ids = ",".join(str(a["replica"]) for a in report["replicas"])
     return JSONResponse({**extra, **report}, headers={REPLICA_HEADER: ids})
+
+
+async def _check_not_shut_down(fe: Any, what: str) -> None:
+    """After POST /v1/admin/shutdown no replica serves again in this deploy: an op that changes the state is
+    refused before it is recorded (the desired state stays what the replicas last applied)."""
+    if (await fe.state_actor().get.remote())["shutdown"]:
+        raise ReplicaUnavailable(
+            f"{what}: the cluster was shut down by POST /v1/admin/shutdown and nothing was changed; "
+            "restart the service (ditserve serve) to serve again"
+        )
 
 
 async def _converge(fe: Any, desired: dict[str, Any]) -> JSONResponse:
@@ -82,14 +102,18 @@ async def replicas(request: Request, fe: Any = Depends(frontend)) -> JSONRespons
     )
 
 
-@router.post("/v1/admin/weights")
+@router.post("/v1/admin/weights", dependencies=ADMIN)
 async def update_weights(body: WeightsRequest, request: Request, fe: Any = Depends(frontend)):
     """Load new transformer weights on every replica: all replicas (and all their ranks) or none."""
     fe.check_auth(request, admin=True)
+    _check_path(body.path)
     try:
         transformer_folder(body.path)  # a folder that holds no model is refused before any replica loads it
     except ValueError as exc:
         raise _bad_request(exc) from None
+    except OSError as exc:  # a name longer than the file system takes, a folder it may not read
+        raise _unreadable(body.path, exc) from None
+    await _check_not_shut_down(fe, "weights")
     tag = new_tag()
     staged = await fe.broadcast({"op": "stage_weights", "path": body.path, "tag": tag})
     if not staged["ok"]:
@@ -99,17 +123,18 @@ async def update_weights(body: WeightsRequest, request: Request, fe: Any = Depen
     return await _converge(fe, desired)
 
 
-@router.post("/v1/admin/memory/{action}")
+@router.post("/v1/admin/memory/{action}", dependencies=ADMIN)
 async def memory(action: str, request: Request, fe: Any = Depends(frontend)):
     """``release``: weights to host memory, generation answers 503; ``resume``: back to serving."""
     fe.check_auth(request, admin=True)
     if action not in ("release", "resume"):
         raise NotFound(f"unknown memory action {action!r}; use release or resume")
+    await _check_not_shut_down(fe, f"memory {action}")
     desired = await fe.state_actor().set_memory.remote("released" if action == "release" else "resident")
     return await _converge(fe, desired)
 
 
-@router.post("/v1/admin/shutdown")
+@router.post("/v1/admin/shutdown", dependencies=ADMIN)
 async def shutdown(request: Request, fe: Any = Depends(frontend)):
     """Free every replica's engine; they stop accepting work (removing replicas is Serve's job)."""
     fe.check_auth(request, admin=True)
@@ -124,17 +149,31 @@ def _bad_request(exc: ValueError) -> BadRequest:
     return BadRequest(str(exc), param=param_of(str(exc)))
 
 
-@router.post("/v1/loras")
+def _unreadable(path: str, exc: OSError) -> BadRequest:
+    shown = path if len(path) <= 200 else f"{path[:200]}... ({len(path)} characters)"
+    return BadRequest(f"path: {shown} cannot be read: {exc.strerror or exc}", param="path")
+
+
+def _check_path(path: str) -> None:
+    if "\x00" in path:  # the OS takes no such name; Python refuses it with an error naming no field
+        raise BadRequest("path: contains a NUL character", param="path")
+
+
+@router.post("/v1/loras", dependencies=ADMIN)
 async def load_lora(body: LoRALoadRequest, request: Request, fe: Any = Depends(frontend)):
     """Load an adapter on every replica; it enters the desired state only when every replica that answered
     loaded it (at least one must): a bad file never becomes state that replicas restart into."""
     fe.check_auth(request, admin=True)
     if not body.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise BadRequest(f"name: {body.name!r} must be letters, digits, '-', '_' or '.'", param="name")
+    _check_path(body.path)
     try:  # what can be checked without the model, before any replica is asked
         source = str(inspect_adapter(body.path, fe.args.lora_root, fe.args.max_lora_rank))
     except ValueError as exc:
         raise _bad_request(exc) from None
+    except OSError as exc:
+        raise _unreadable(body.path, exc) from None
+    await _check_not_shut_down(fe, "lora_load")
     prepared = await fe.broadcast(
         {"op": "lora_load", "name": body.name, "source": source, "scale": body.scale}
     )
@@ -150,7 +189,7 @@ async def load_lora(body: LoRALoadRequest, request: Request, fe: Any = Depends(f
     return await _converge(fe, desired)
 
 
-@router.get("/v1/loras")
+@router.get("/v1/loras", dependencies=ADMIN)
 async def list_loras(request: Request, fe: Any = Depends(frontend)):
     fe.check_auth(request, admin=True)
     desired = await fe.state_actor().get.remote()
@@ -158,11 +197,12 @@ async def list_loras(request: Request, fe: Any = Depends(frontend)):
     return {"object": "list", "data": data, "version": desired["version"]}
 
 
-@router.delete("/v1/loras/{name}")
+@router.delete("/v1/loras/{name}", dependencies=ADMIN)
 async def unload_lora(name: str, request: Request, fe: Any = Depends(frontend)):
     fe.check_auth(request, admin=True)
     desired = await fe.state_actor().get.remote()
     if name not in desired["loras"]:
         raise NotFound(f"no LoRA adapter named {name!r} is loaded", param="name")
+    await _check_not_shut_down(fe, "lora_unload")
     desired = await fe.state_actor().remove_lora.remote(name)
     return await _converge(fe, desired)

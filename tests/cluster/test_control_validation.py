@@ -97,6 +97,11 @@ def bad_requests(root) -> dict[str, tuple[str, dict]]:
         "system file": (lora, {"name": "x", "path": "/etc/passwd"}),
         "outside the root": (lora, {"name": "x", "path": "/tmp/../etc/hostname"}),
         "weights without a model": ("/v1/admin/weights", {"path": str(root / "no-model")}),
+        # Names the OS refuses: over its length limit (a 500 before), with a NUL (no field was named).
+        "a name too long": (lora, {"name": "x", "path": "x" * 5000}),
+        "weights under a name too long": ("/v1/admin/weights", {"path": "/" + "x" * 5000}),
+        "a NUL character": (lora, {"name": "x", "path": "good.safetensors\x00"}),
+        "weights with a NUL character": ("/v1/admin/weights", {"path": str(root) + "\x00"}),
     }
 
 
@@ -113,6 +118,20 @@ def test_bad_control_requests_are_refused_and_change_nothing(server, root):
         assert loras(url) == before, case
     assert len(both_serve(url)) == 2
     assert all(r["control_state"]["weights"]["version"] == 0 for r in replicas(url))
+
+
+def test_without_the_key_every_admin_route_answers_401_whatever_the_body(server):
+    """The key is checked before the body: a caller without it is not told which fields a route takes."""
+    url = server.base_url
+    routes = [("POST", "/v1/admin/weights", {}), ("POST", "/v1/loras", {"name": 5}),
+              ("POST", "/v1/admin/memory/release", {}), ("POST", "/v1/admin/shutdown", {}),
+              ("GET", "/v1/loras", None), ("DELETE", "/v1/loras/nope", None)]  # fmt: skip
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for method, route, body in routes:
+            r = httpx.request(method, f"{url}{route}", json=body, headers=headers, timeout=60)
+            assert r.status_code == 401, (method, route, headers, r.text)
+            assert r.json()["error"]["type"] == "authentication_error"
+    assert all(x["health"] == "ok" for x in replicas(url))
 
 
 def test_a_relative_path_is_read_under_the_root(server):

@@ -174,7 +174,12 @@ def test_shutdown_turns_health_and_generation_to_503(server):
         timeout=120,
     )
     assert generated.status_code == 503, generated.text
-    # Control ops find no engine to converge: answered at once, not after the broadcast's timeout.
+    # Control ops find no engine to converge: answered at once, not after the broadcast's timeout, and not
+    # recorded (the desired state's version stays: the cluster was not told to resume).
+    version = httpx.get(f"{server.base_url}/v1/replicas", timeout=60).json()["desired_version"]
     for path in ("/v1/admin/memory/resume", "/v1/admin/memory/release"):
         refused = httpx.post(f"{server.base_url}{path}", timeout=60)
-        assert refused.status_code == 503 and "shut down" in refused.json()["error"]["message"], refused.text
+        message = refused.json()["error"]["message"]
+        assert refused.status_code == 503 and "shut down" in message and "restart" in message, refused.text
+    after = httpx.get(f"{server.base_url}/v1/replicas", timeout=60).json()["desired_version"]
+    assert after == version
