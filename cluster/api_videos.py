@@ -38,7 +38,9 @@ from .http_base import (
     REPLICA_HEADER,
     base64_bytes,
     check_size,
+    form_list,
     frontend,
+    list_in_form,
     nest_form_fields,
     requested_size,
 )
@@ -284,6 +286,8 @@ def _form_fields(content_type: str, raw: bytes) -> tuple[dict[str, Any], bytes |
         except UnicodeDecodeError:
             raise BadRequest(f"{name}: not UTF-8 text", param=name) from None
         if name in fields:
+            if (listed := form_list(name)) is not None:  # a second item's lora[][name]: a list
+                raise list_in_form(listed)
             raise BadRequest(f"{name}: given more than once", param=name)
         fields[name] = text
     return nest_form_fields(fields), upload

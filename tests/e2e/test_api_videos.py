@@ -377,10 +377,14 @@ def test_step_cache_from_openai_client_and_form_json(server, client):
         ({"cache": {"policy": "sometimes"}}, "cache"),
         ({"cache": {"threshold": "high"}}, "cache"),
         ({"lora": [{"name": "style"}]}, "lora"),
+        # two items: lora[][name] twice, which was refused as the field "lora[][name]" given more than once
+        ({"lora": [{"name": "style"}, {"name": "style", "scale": 0.5}]}, "lora"),
     ):
         with pytest.raises(openai.BadRequestError) as info:
             client.videos.create(prompt="waves", extra_body=extra)
         assert info.value.body["param"].startswith(param), (extra, info.value.body)
+        if param == "lora":
+            assert "send it as JSON text in lora" in info.value.body["message"], info.value.body
 
 
 def test_lora_per_video(server, client):
