@@ -37,7 +37,8 @@ previous one is denoised, so the replica denoises it while the previous one's fr
 sends them. Closes: 1000 "generation complete" after ``max_chunks``; 1000 "session idle timeout"
 (``session_idle_timeout_s``) or "maximum session lifetime reached" (``session_max_lifetime_s``), also while
 no init has opened a session; an error
-with ``code`` ``session_gone`` then 4410 when the owner replica is gone; 1008 past ``max_realtime_sessions``
+with ``code`` ``session_gone`` then 4410 when the owner replica is gone (or its memory is released, which
+ends its sessions); 1008 past ``max_realtime_sessions``
 (after an error; the init is tried on each replica, the last one asked waiting ``REALTIME_SLOT_WAIT_S`` for
 a slot). A bad message before the session opens (a bad init, an event, a text or non-msgpack frame)
 answers an error and the server waits for an init; a bad one during the session answers an error and the
@@ -310,12 +311,13 @@ class _Session:
     async def _failed(self, exc: ServeError, index: int) -> str:
         if isinstance(exc, (SessionGone, ReplicaUnavailable)):
             self.gone = True
+            # The replica is gone, or lives on without the session's state (its memory was released).
             message = (
-                f"session {self.session_id} was lost: its replica {self.replica} is gone "
-                f"({exc.message}); open a new session"
+                f"session {self.session_id} was lost on replica {self.replica} ({exc.message}); "
+                "open a new session"
             )
             await self.sock.error(message, code="session_gone", replica=self.replica)
-            await self.sock.close(GONE_CLOSE, f"session gone: replica {self.replica} is gone")
+            await self.sock.close(GONE_CLOSE, f"session gone: its state on replica {self.replica} is lost")
             return "gone"
         await self.sock.error(exc.message, code=error_type(exc))
         await self.sock.close(1011, f"chunk {index} failed")

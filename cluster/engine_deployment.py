@@ -359,6 +359,9 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
 
     async def _converge(self, desired: dict[str, Any]) -> dict[str, Any]:
         await self._on_loop(lambda: self._apply(desired))
+        if self.released and self.realtime:  # their ranks' state was freed: a resume starts with free slots
+            self.realtime.clear()
+            self._realtime_count()
         return {"version": self.applied["version"], "refused": dict(self.refused)}
 
     def _apply(self, desired: dict[str, Any]) -> None:
@@ -393,6 +396,10 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
             if desired["memory"] == "released":
                 self.released = True
                 self.engine.abort_all(ReplicaUnavailable("replica memory was released"), drop=True)
+                # Realtime sessions end here (their chunks were just failed): their state on the ranks (K/V
+                # caches on the device) is freed with the weights, their slots in ``_converge``.
+                for session_id in list(self.realtime):
+                    self.engine.call_ranks("close_session", session_id)
                 self.engine.call_ranks("release_memory")
             else:
                 self.engine.call_ranks("resume_memory")

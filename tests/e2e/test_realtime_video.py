@@ -301,6 +301,32 @@ def test_open_sockets_past_serves_default_request_limit_leave_the_server_serving
             socket.close()
 
 
+def test_releasing_memory_ends_running_sessions_and_frees_their_slots(server):
+    """A release fails the running session's chunks (session_gone, 4410); after the resume its replica has
+    its slot again (--max-realtime-sessions 1): it was held until the idle timeout, refusing new sessions."""
+    wait_for(lambda: [r["health"] for r in replicas(server)] == ["ok", "ok"], 150, "both replicas serving")
+    client = Client(server)
+    client.send({**INIT, "prompt": "a lighthouse"})  # no max_chunks: runs until closed
+    assert client.chunk() is not None
+    released = httpx.post(f"{server.base_url}/v1/admin/memory/release", headers=ADMIN, timeout=120)
+    assert released.status_code == 200, released.text
+    errors = []
+    while (message := client.recv()) is not None:
+        if message["type"] == "error":
+            errors.append(message)
+    assert [e["code"] for e in errors] == ["session_gone"] and "released" in errors[0]["content"]
+    assert client.close_code == 4410
+    resumed = httpx.post(f"{server.base_url}/v1/admin/memory/resume", headers=ADMIN, timeout=120)
+    assert resumed.status_code == 200, resumed.text
+    assert [r["realtime_sessions"] for r in replicas(server)] == [0, 0]
+    both = [Client(server), Client(server)]  # one slot on each replica: both open
+    for each in both:
+        each.send({**HOLD, "max_chunks": 2})
+    assert {each.chunk()["replica"] for each in both} == {r["replica_id"] for r in replicas(server)}
+    for each in both:
+        each.close()
+
+
 def test_killing_the_owner_replica_ends_the_session_with_session_gone(server):
     client = Client(server)
     client.send({**INIT, "prompt": "a lighthouse"})  # no max_chunks: runs until closed
