@@ -24,7 +24,7 @@ import numpy as np
 import ray
 from ray import serve
 
-from ditserve.replica.engine import Engine
+from ditserve.replica.engine import AdapterDraining, Engine
 from ditserve.replica.launcher import RankDied, RankError
 from ditserve.replica.request import GenerationParams
 
@@ -32,6 +32,7 @@ from .config import APP_NAME, AppArgs
 from .control_state import get_or_create_state_actor, initial_state, parse_lora_paths
 from .errors import (
     BadRequest,
+    Conflict,
     InternalError,
     NotFound,
     QueueFull,
@@ -61,6 +62,8 @@ def _rank_value_error(exc: BaseException) -> str | None:
 def _control_error(exc: BaseException) -> ServeError:
     """A failed control op as the typed error the frontend passes on (the message names the exception,
     except for bad input, whose message names the field)."""
+    if isinstance(exc, AdapterDraining):  # not bad input: the same request succeeds in a moment
+        return Conflict(str(exc), param=param_of(str(exc)))
     message = _rank_value_error(exc) or (str(exc) if isinstance(exc, ValueError) else None)
     if message is not None:
         return BadRequest(message, param=param_of(message))

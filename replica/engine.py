@@ -77,6 +77,11 @@ class ChunkFutures:
 DECODE_POLL_S = 0.005
 
 
+class AdapterDraining(ValueError):
+    """A load of a name whose adapter is still being unloaded (queued or running requests use it): the same
+    load succeeds once they are done."""
+
+
 class Engine:
     """Owns a replica's ranks and its step loop.
 
@@ -341,7 +346,7 @@ class Engine:
         if not name or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
             raise ValueError(f"name: {name!r} must be letters, digits, '-', '_' or '.'")
         if name in self.draining:
-            raise ValueError(
+            raise AdapterDraining(
                 f"name: adapter {name!r} is still being unloaded (requests use it); retry shortly"
             )
         resolved = str(check_allowed(Path(source), self.config.lora_roots))

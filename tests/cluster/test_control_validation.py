@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -143,6 +144,37 @@ def test_a_relative_path_is_read_under_the_root(server):
     assert "rel" in loras(url)
     r = httpx.delete(f"{url}/v1/loras/rel", headers=ADMIN, timeout=120)
     assert r.status_code == 200, r.text
+
+
+def test_loading_a_name_whose_adapter_still_drains_is_409_and_changes_nothing(server):
+    """An unload waits for the requests that use the adapter; loading that name meanwhile is a conflict to
+    retry (409), not bad input (it was 400); the accepted requests are served, and the retry succeeds."""
+    url = server.base_url
+
+    def load():
+        body = {"name": "busy", "path": "good.safetensors"}
+        return httpx.post(f"{url}/v1/loras", json=body, headers=ADMIN, timeout=120)
+
+    assert load().status_code == 200
+    body = {"prompt": "a red fox", "size": "128x128", "num_inference_steps": 20, "lora": {"name": "busy"}}
+    with ThreadPoolExecutor(4) as pool:
+        answers = [
+            pool.submit(httpx.post, f"{url}/v1/images/generations", json={**body, "seed": s}, timeout=300)
+            for s in range(4)
+        ]
+        wait_for(
+            lambda: all(r["stats"]["queue_depth"] + r["stats"]["running"] > 0 for r in replicas(url)),
+            60,
+            "requests queued or running on both replicas",
+        )
+        assert httpx.delete(f"{url}/v1/loras/busy", headers=ADMIN, timeout=120).status_code == 200
+        refused = load()
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["error"]["param"] == "name" and "retry" in refused.json()["error"]["message"]
+        assert "busy" not in loras(url)
+        assert all(a.result().status_code == 200 for a in answers)
+    assert wait_for(lambda: load().status_code == 200, 60, "the load once the requests are done")
+    assert httpx.delete(f"{url}/v1/loras/busy", headers=ADMIN, timeout=120).status_code == 200
 
 
 def test_an_op_no_replica_answers_is_503_and_not_recorded(server, root):
