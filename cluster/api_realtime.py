@@ -168,8 +168,9 @@ def init_params(fe: Any, init: RealtimeInit) -> GenerationParams:
         raise BadRequest(
             f"model: {fe.model_name!r} does not generate realtime video (serve an AnyFlow-FAR model)"
         )
-    if len(init.prompt) > fe.args.max_prompt_chars:
-        raise BadRequest(f"prompt: longer than {fe.args.max_prompt_chars} characters", param="prompt")
+    for name in ("prompt", "negative_prompt"):  # the HTTP APIs' limit on both (a negative prompt had none)
+        if len(getattr(init, name) or "") > fe.args.max_prompt_chars:
+            raise BadRequest(f"{name}: longer than {fe.args.max_prompt_chars} characters", param=name)
     steps = init.num_inference_steps or DEFAULT_STEPS
     if steps > fe.args.max_steps:
         raise BadRequest(f"num_inference_steps: {steps} is above the maximum {fe.args.max_steps}")

@@ -549,6 +549,7 @@ def test_bad_messages_answer_errors_naming_the_field_while_another_session_strea
         ("model", {**INIT, "model": "not-this-one"}),
         ("prompt", {**INIT, "prompt": 5}),
         ("prompt", {**INIT, "prompt": "   "}),
+        ("negative_prompt", {**INIT, "negative_prompt": "x" * 4001}),  # --max-prompt-chars, as prompt
     ]
     for field, message in before:
         client.ws.send(message if isinstance(message, (str, bytes)) else msgpack.packb(message))
