@@ -187,11 +187,17 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
         if b is None:
             raise ValueError(f"path: {file}: {name} has lora_A but no lora_B")
         rank = a.shape[0]
+        if rank == 0:
+            raise ValueError(f"path: {file}: {name} has rank 0 (an empty lora_A)")
         scale = _alpha_for(name, rank, alphas, metadata) / rank
         bias = state.get(f"transformer.{name}.lora_B.bias")
-        modules[name] = LoRAModule(
+        module = LoRAModule(
             a=a.float(), b=b.float() * scale, bias=None if bias is None else bias.float() * scale
         )
+        # A NaN or infinite weight makes every image drawn with the adapter NaN (served as black).
+        if not all(t.isfinite().all() for t in (module.a, module.b, module.bias) if t is not None):
+            raise ValueError(f"path: {file}: {name} holds NaN or infinite weights (or an infinite alpha)")
+        modules[name] = module
     if encoders:
         raise ValueError(
             f"path: {file} holds LoRA weights for {', '.join(sorted(encoders))}; adapters apply to the "

@@ -281,6 +281,13 @@ def test_refusals_name_the_problem_and_leave_others_working(engine, files):
     )
     with pytest.raises(ValueError, match="DoRA"):
         engine.load_lora("dora", str(dora))
+    # NaN weights drew every image of the adapter black; a rank-0 file failed with ZeroDivisionError (500)
+    nan = {m: (torch.full((RANK, i), float("nan")), torch.zeros(o, RANK)) for _, m, i, o in TARGETS}
+    with pytest.raises(ValueError, match="^path: .*NaN or infinite weights"):
+        engine.load_lora("nan", str(write_peft(root / "nan.safetensors", nan)))
+    empty = {m: (torch.zeros(0, i), torch.zeros(o, 0)) for _, m, i, o in TARGETS}
+    with pytest.raises(ValueError, match="^path: .*rank 0"):
+        engine.load_lora("empty", str(write_peft(root / "empty.safetensors", empty)))
     with pytest.raises(ValueError, match="home directory that does not exist"):
         engine.load_lora("tilde", "~no-such-user-here/adapter.safetensors")
     with pytest.raises(ValueError, match="outside the allowed LoRA roots"):
