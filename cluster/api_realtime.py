@@ -252,11 +252,13 @@ async def _receive_map(ws: WebSocket) -> dict[str, Any] | str:
     if data is None:
         return "message: send msgpack maps in binary frames"
     try:
-        value = msgpack.unpackb(data, raw=False)
+        value = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception:
         return "message: not valid msgpack"
     if not isinstance(value, dict):
         return "message: must be a msgpack map"
+    if not all(isinstance(key, str) for key in value):  # valid msgpack, but no field has such a name
+        return "message: the map's keys must be strings (the field names)"
     return value
 
 

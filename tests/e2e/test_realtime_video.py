@@ -555,6 +555,8 @@ def test_bad_messages_answer_errors_naming_the_field_while_another_session_strea
         client.ws.send(message if isinstance(message, (str, bytes)) else msgpack.packb(message))
         error = client.error()
         assert error["content"].startswith(field + ":"), (message, error)
+    client.ws.send(msgpack.packb({1: "init", "prompt": "a fox"}))  # valid msgpack: was "not valid msgpack"
+    assert client.error()["content"] == "message: the map's keys must be strings (the field names)"
     # The other session streamed on undisturbed (it holds one replica's only slot: it is done before this
     # socket's own session opens, which round-robin may put on the same replica).
     streamed = other.run(None, num_chunks=3)
