@@ -354,6 +354,14 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
         self.shut_down = True
         self.applied["shutdown"] = True
         self.sessions.clear()
+        if getattr(self.engine, "running", True):
+            # The requests in flight end as the ones that come later are answered (503, shut down), not with
+            # the engine's RuntimeError (a 500 "see the server log", a realtime session's internal error).
+            stopped = ReplicaUnavailable("replica is shut down", replica=self.replica_id)
+            try:
+                self.engine.run_control(lambda: self.engine.abort_all(stopped)).result(timeout=60)
+            except TimeoutError:  # a step that does not end: shutdown() below stops the loop anyway
+                logger.warning("replica %s: in-flight requests not failed before shutdown", self.replica_id)
         self.engine.shutdown()
 
     async def _on_loop(self, fn) -> Any:

@@ -4,6 +4,8 @@ import base64
 import os
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -162,8 +164,19 @@ def test_served_images_draw_the_held_out_prompts(client):
 def test_shutdown_turns_health_and_generation_to_503(server):
     """Last in this module: it shuts the module's server down for good."""
     assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
-    r = httpx.post(f"{server.base_url}/v1/admin/shutdown", timeout=120)
-    assert r.status_code == 200 and r.json()["ok"], r.text
+    long = {"prompt": "a fox", "size": "256x256", "num_inference_steps": 100}
+    with ThreadPoolExecutor(1) as pool:  # a request running when the shutdown comes
+        running = pool.submit(httpx.post, f"{server.base_url}/v1/images/generations", json=long, timeout=120)
+        while not any(
+            r["stats"]["running"] for r in httpx.get(f"{server.base_url}/v1/replicas").json()["data"]
+        ):
+            assert not running.done(), running.result().text
+            time.sleep(0.05)
+        r = httpx.post(f"{server.base_url}/v1/admin/shutdown", timeout=120)
+        assert r.status_code == 200 and r.json()["ok"], r.text
+        ended = running.result()
+    # It ends as requests after the shutdown do (it was a 500 "see the server log").
+    assert ended.status_code == 503 and "shut down" in ended.json()["error"]["message"], ended.text
     health = httpx.get(f"{server.base_url}/health")
     assert health.status_code == 503, health.text
     error = health.json()["error"]
