@@ -121,14 +121,37 @@ def streaming(fn):
 
 
 _INT64_TYPES = (FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64)
+_FLOAT_TYPES = (FieldDescriptor.CPPTYPE_DOUBLE, FieldDescriptor.CPPTYPE_FLOAT)
+
+
+def _numbers(descriptor: Any, data: dict[str, Any]) -> None:
+    """Numbers as the client sent them, in ``data`` (the JSON mapping of a message of ``descriptor``) and its
+    nested messages: the mapping writes 64-bit integers as strings, and NaN and the infinities as "NaN",
+    "Infinity", "-Infinity", which the HTTP models would refuse as not numbers rather than as not finite."""
+    for field in descriptor.fields:
+        if field.name not in data:
+            continue
+        values = data[field.name] if field.is_repeated else [data[field.name]]
+        if field.message_type is not None:
+            for value in values:
+                if isinstance(value, dict):
+                    _numbers(field.message_type, value)
+            continue
+        if field.cpp_type in _INT64_TYPES:
+            convert: Any = int
+        elif field.cpp_type in _FLOAT_TYPES:
+            convert = float
+        else:
+            continue
+        converted = [convert(v) if isinstance(v, str) else v for v in values]
+        data[field.name] = converted if field.is_repeated else converted[0]
 
 
 def fields(message: Any, **rename: str) -> dict[str, Any]:
     """The fields a client set (proto3 ``optional`` presence) and its plain strings, named as in the HTTP API."""
     data = MessageToDict(message, preserving_proto_field_name=True)
-    for field in message.DESCRIPTOR.fields:  # the JSON mapping writes 64-bit integers as strings
-        if field.cpp_type in _INT64_TYPES and field.name in data and isinstance(data[field.name], str):
-            data[field.name] = int(data[field.name])
+    _numbers(message.DESCRIPTOR, data)
+    for field in message.DESCRIPTOR.fields:
         # A string without ``optional`` has no presence: "" is what the client sent (the JSON mapping leaves
         # it out), so an empty prompt is refused as HTTP refuses {"prompt": ""}, not as a missing field.
         plain = field.type == FieldDescriptor.TYPE_STRING and not field.has_presence and not field.is_repeated

@@ -531,6 +531,7 @@ def _raw_call(server, method: str, payload: bytes):
 
 R = pb.GenerateRequest
 WRONG = [("authorization", "Bearer wrong")]
+NAN, INF = float("nan"), float("inf")
 GRPC_CASES = {
     "missing prompt": (lambda st, s: st.Generate(R(size="64x64")), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
     "size malformed": (lambda st, s: st.Generate(R(prompt="a fox", size="big")), grpc.StatusCode.INVALID_ARGUMENT, "size: "),
@@ -600,6 +601,31 @@ def test_grpc_empty_admin_path_names_path_as_http_does(server, stub):
             call()
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert info.value.details() == http["message"]
+
+
+def test_grpc_nan_and_infinite_numbers_are_refused_as_http_refuses_them(server, stub):
+    """A double set to NaN or an infinity (top level, in an adapter, in the step cache, in a session step or
+    an adapter load) is refused in HTTP's words for the same JSON, naming the field; it was "Input should be
+    a valid number", as if the client had sent text."""
+    session = stub.OpenSession(pb.OpenSessionRequest(size="64x64"), timeout=60).id
+    meta = list(ADMIN.items())
+    cases = [
+        (GEN, '{"prompt": "a", "guidance_scale": NaN}', lambda: stub.Generate(R(prompt="a", guidance_scale=NAN))),
+        (GEN, '{"prompt": "a", "true_cfg_scale": Infinity}', lambda: list(stub.GenerateStream(R(prompt="a", true_cfg_scale=INF)))),
+        (GEN, '{"prompt": "a", "lora": [{"name": "x", "scale": -Infinity}]}', lambda: stub.Generate(R(prompt="a", lora=[pb.LoRARef(name="x", scale=-INF)]))),
+        (GEN, '{"prompt": "a", "cache": {"policy": "fbcache", "threshold": NaN}}', lambda: stub.Generate(R(prompt="a", cache=pb.StepCache(policy="fbcache", threshold=NAN)))),
+        (f"/v1/sessions/{session}/generate", '{"prompt": "a", "strength": NaN}', lambda: list(stub.SessionGenerateStream(pb.SessionGenerateRequest(session_id=session, prompt="a", strength=NAN)))),
+        ("/v1/loras", '{"name": "a", "path": "/x", "scale": NaN}', lambda: stub.LoadLoRA(pb.LoadLoRARequest(name="a", path="/x", scale=NAN), metadata=meta)),
+    ]  # fmt: skip
+    for path, text, call in cases:
+        http = _post(server, path, content=text.encode(), headers={**JSON, **ADMIN}).json()["error"]
+        assert http["param"] and http["message"].startswith(f"{http['param']}: "), (text, http)
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, text
+        assert info.value.details() == http["message"], text
+    stub.CloseSession(pb.SessionRef(id=session), timeout=60)
+    grpc_valid(stub)
 
 
 async def _close_mid_step(server, session_id: str) -> None:
