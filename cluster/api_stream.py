@@ -59,6 +59,7 @@ from .errors import (
     ReplicaUnavailable,
     ServeError,
     SessionGone,
+    typed_cause,
     validation_error,
 )
 from .http_base import REPLICA_HEADER, error_body, frontend, http_status, registered_frontend
@@ -148,12 +149,9 @@ async def engine_events(fe: Any, stream) -> AsyncIterator[dict[str, Any]]:
     except ServeError:
         raise
     except Exception as exc:
-        # The router's SessionGone may arrive wrapped (RayTaskError): look inside.
-        cause: BaseException | None = exc
-        while cause is not None and not isinstance(cause, SessionGone):
-            cause = getattr(cause, "cause", None) or cause.__cause__
-        if cause is not None:
-            raise SessionGone(cause.message) from None
+        # A typed error (the router's SessionGone, a replica's refusal) may arrive wrapped (RayTaskError).
+        if (typed := typed_cause(exc)) is not None:
+            raise typed from None
         logger.exception("engine stream failed")
         raise InternalError(f"internal error ({type(exc).__name__}); see the server log") from None
     finally:

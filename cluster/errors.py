@@ -157,3 +157,12 @@ def engine_error(exc: BaseException, replica: str | None = None) -> ServeError |
     if replica is not None:
         err.replica = replica
     return err
+
+
+def typed_cause(exc: BaseException) -> ServeError | None:
+    """The typed error inside ``exc``: ``exc`` itself, or one it wraps (Ray hands a replica's or the router's
+    exception to the caller inside a ``RayTaskError``, whose ``cause`` is the original); None if none is."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, ServeError):
+        cause = getattr(cause, "cause", None) or cause.__cause__
+    return cause

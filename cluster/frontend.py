@@ -50,6 +50,7 @@ from .errors import (
     ReplicaUnavailable,
     ServeError,
     Unauthorized,
+    typed_cause,
 )
 from .grpc_service import GrpcMethods
 from .http_base import (
@@ -197,11 +198,8 @@ class Frontend(GrpcMethods):  # gRPC methods: see grpc_service
         except Exception as exc:
             # A typed error may arrive wrapped (RayTaskError); any other failure of the replica (its model
             # raised) is ours: answered in the error shape, as gRPC and streams answer it, not a bare text 500.
-            cause: BaseException | None = exc
-            while cause is not None and not isinstance(cause, ServeError):
-                cause = getattr(cause, "cause", None) or cause.__cause__
-            if cause is not None:
-                raise cause from None
+            if (typed := typed_cause(exc)) is not None:
+                raise typed from None
             logger.error("engine call failed", exc_info=exc)
             raise InternalError(f"internal error ({type(exc).__name__}); see the server log") from None
         if isinstance(answer, ServeError):

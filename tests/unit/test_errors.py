@@ -25,6 +25,7 @@ from ditserve.cluster.errors import (
     Unauthorized,
     Unsupported,
     engine_error,
+    typed_cause,
 )
 from ditserve.cluster.grpc_service import GRPC_CODES, grpc_code
 from ditserve.cluster.http_base import HTTP_ERRORS, build_fastapi, error_body, http_status
@@ -82,6 +83,24 @@ def test_a_replica_answer_crosses_pickling_and_ray_wrapping(kind):
     wrapped = RayTaskError("method", "Traceback ...", sent).as_instanceof_cause()
     assert isinstance(wrapped, kind) and type(wrapped) is not kind
     assert (http_status(wrapped), grpc_code(wrapped)) == (SEEN[kind][0], SEEN[kind][2])
+
+
+def test_the_typed_error_inside_a_wrapped_failure_is_found():
+    """What the frontend's unary calls and streams answer for a replica's (or the router's) typed error that
+    Ray hands back wrapped: the error itself, found through ``cause`` and ``__cause__``; None for a failure
+    with no typed error in it (answered as an internal error)."""
+    gone = SessionGone("session s1 is gone")
+    wrapped = RayTaskError("method", "Traceback ...", gone)
+    assert typed_cause(wrapped) is gone
+    bad = BadRequest("lora: no adapter named 'x' is loaded", param="lora")
+    try:
+        try:
+            raise bad
+        except BadRequest as inner:
+            raise RuntimeError("stream failed") from inner
+    except RuntimeError as outer:
+        assert typed_cause(RayTaskError("method", "Traceback ...", outer)) is bad
+    assert typed_cause(RayTaskError("method", "Traceback ...", RuntimeError("rank 1 died"))) is None
 
 
 def test_engine_errors_become_typed():
