@@ -270,26 +270,38 @@ class GrpcMethods:
     async def Generate(self, request, grpc_context=None):
         self.check_auth(_Metadata(grpc_context), admin=False)
         body = _validate(ImageGenerationRequest, fields(request))
+        if body.preview:  # as HTTP refuses it without stream (partial_images is ignored, as OpenAI's)
+            raise BadRequest("preview: previews come with GenerateStream", param="preview")
         params, _, _ = self.image_params(body)
         answer = await self.call_engine(self.generate.remote(params))
         return await _encoded_result(answer["result"], answer["replica"], body)
 
-    @streaming
-    async def GenerateStream(self, request, grpc_context=None):
+    async def _image_events(self, params: Any, preview: bool, partial_images: int | None):
+        """A streamed image's events as HTTP's SSE stream sends them: a preview with each step but the last
+        when asked (``partial_images``: with the last N steps only)."""
         from .api_stream import engine_events
 
+        if partial_images is not None and not preview:
+            preview = partial_images > 0
+        stream = self.engine.options(stream=True).generate_stream.remote(params, preview)
+        async for event in engine_events(self, stream):
+            if event["type"] == "progress" and partial_images is not None:
+                if event["step"] < event["total"] - partial_images:
+                    event = {k: v for k, v in event.items() if k != "preview"}
+            yield _event_message(event)
+
+    @streaming
+    async def GenerateStream(self, request, grpc_context=None):
         self.check_auth(_Metadata(grpc_context), admin=False)
         body = _validate(ImageGenerationRequest, fields(request))
         if body.output_format != "png":
             raise BadRequest("output_format: streamed images are png; leave it out", param="output_format")
         params, _, _ = self.image_params(body)
-        async for event in engine_events(
-            self, self.engine.options(stream=True).generate_stream.remote(params)
-        ):
-            yield _event_message(event)
+        async for message in self._image_events(params, body.preview, body.partial_images):
+            yield message
 
-    @unary
-    async def EditImage(self, request, grpc_context=None):
+    def _edit(self, request, grpc_context) -> tuple[Any, Any]:
+        """EditImage's request as POST /v1/images/edits checks it → (the validated fields, engine params)."""
         from .api_edits import edit_params, validate_edit
 
         self.check_auth(_Metadata(grpc_context), admin=False)
@@ -299,8 +311,21 @@ class GrpcMethods:
         mask = request.mask if request.HasField("mask") else None
         body = validate_edit(data)
         params, _, _ = edit_params(self, body, list(request.image), mask)
+        return body, params
+
+    @unary
+    async def EditImage(self, request, grpc_context=None):
+        body, params = self._edit(request, grpc_context)
         answer = await self.call_engine(self.generate.remote(params))
         return await _encoded_result(answer["result"], answer["replica"], body)
+
+    @streaming
+    async def EditImageStream(self, request, grpc_context=None):
+        body, params = self._edit(request, grpc_context)
+        if body.output_format != "png":
+            raise BadRequest("output_format: streamed images are png; leave it out", param="output_format")
+        async for message in self._image_events(params, False, body.partial_images):
+            yield message
 
     # -- videos ------------------------------------------------------------------------------------------
     @unary

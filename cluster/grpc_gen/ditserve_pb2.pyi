@@ -59,7 +59,7 @@ class LoRARef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "model", "n", "size", "negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale", "seed", "lora", "cache", "output_format", "output_compression")
+    __slots__ = ("prompt", "model", "n", "size", "negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale", "seed", "lora", "cache", "output_format", "output_compression", "preview", "partial_images")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,8 @@ class GenerateRequest(_message.Message):
     CACHE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    PREVIEW_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_IMAGES_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     model: str
     n: int
@@ -86,10 +88,12 @@ class GenerateRequest(_message.Message):
     cache: StepCache
     output_format: str
     output_compression: int
-    def __init__(self, prompt: _Optional[str] = ..., model: _Optional[str] = ..., n: _Optional[int] = ..., size: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., lora: _Optional[_Iterable[_Union[LoRARef, _Mapping]]] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ..., output_format: _Optional[str] = ..., output_compression: _Optional[int] = ...) -> None: ...
+    preview: bool
+    partial_images: int
+    def __init__(self, prompt: _Optional[str] = ..., model: _Optional[str] = ..., n: _Optional[int] = ..., size: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., lora: _Optional[_Iterable[_Union[LoRARef, _Mapping]]] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ..., output_format: _Optional[str] = ..., output_compression: _Optional[int] = ..., preview: _Optional[bool] = ..., partial_images: _Optional[int] = ...) -> None: ...
 
 class EditImageRequest(_message.Message):
-    __slots__ = ("image", "mask", "prompt", "model", "n", "size", "negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale", "seed", "strength", "lora", "cache", "output_format", "output_compression")
+    __slots__ = ("image", "mask", "prompt", "model", "n", "size", "negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale", "seed", "strength", "lora", "cache", "output_format", "output_compression", "partial_images")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     MASK_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +110,7 @@ class EditImageRequest(_message.Message):
     CACHE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_IMAGES_FIELD_NUMBER: _ClassVar[int]
     image: _containers.RepeatedScalarFieldContainer[bytes]
     mask: bytes
     prompt: str
@@ -122,7 +127,8 @@ class EditImageRequest(_message.Message):
     cache: StepCache
     output_format: str
     output_compression: int
-    def __init__(self, image: _Optional[_Iterable[bytes]] = ..., mask: _Optional[bytes] = ..., prompt: _Optional[str] = ..., model: _Optional[str] = ..., n: _Optional[int] = ..., size: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., strength: _Optional[float] = ..., lora: _Optional[_Iterable[_Union[LoRARef, _Mapping]]] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ..., output_format: _Optional[str] = ..., output_compression: _Optional[int] = ...) -> None: ...
+    partial_images: int
+    def __init__(self, image: _Optional[_Iterable[bytes]] = ..., mask: _Optional[bytes] = ..., prompt: _Optional[str] = ..., model: _Optional[str] = ..., n: _Optional[int] = ..., size: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., strength: _Optional[float] = ..., lora: _Optional[_Iterable[_Union[LoRARef, _Mapping]]] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ..., output_format: _Optional[str] = ..., output_compression: _Optional[int] = ..., partial_images: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("created", "images", "seed", "size", "replica", "usage", "output_format")

@@ -49,6 +49,11 @@ class DitServeStub:
                 request_serializer=ditserve_dot_v1_dot_ditserve__pb2.EditImageRequest.SerializeToString,
                 response_deserializer=ditserve_dot_v1_dot_ditserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.EditImageStream = channel.unary_stream(
+                '/ditserve.v1.DitServe/EditImageStream',
+                request_serializer=ditserve_dot_v1_dot_ditserve__pb2.EditImageRequest.SerializeToString,
+                response_deserializer=ditserve_dot_v1_dot_ditserve__pb2.GenerateEvent.FromString,
+                _registered_method=True)
         self.CreateVideo = channel.unary_unary(
                 '/ditserve.v1.DitServe/CreateVideo',
                 request_serializer=ditserve_dot_v1_dot_ditserve__pb2.CreateVideoRequest.SerializeToString,
@@ -150,6 +155,13 @@ class DitServeServicer:
 
     def EditImage(self, request, context):
         """POST /v1/images/edits: reference images (edit models) or image-to-image from the first image.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EditImageStream(self, request, context):
+        """EditImage with progress events (POST /v1/images/edits with stream), then one event with the result.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -273,6 +285,11 @@ def add_DitServeServicer_to_server(servicer, server):
                     servicer.EditImage,
                     request_deserializer=ditserve_dot_v1_dot_ditserve__pb2.EditImageRequest.FromString,
                     response_serializer=ditserve_dot_v1_dot_ditserve__pb2.GenerateResponse.SerializeToString,
+            ),
+            'EditImageStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.EditImageStream,
+                    request_deserializer=ditserve_dot_v1_dot_ditserve__pb2.EditImageRequest.FromString,
+                    response_serializer=ditserve_dot_v1_dot_ditserve__pb2.GenerateEvent.SerializeToString,
             ),
             'CreateVideo': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateVideo,
@@ -436,6 +453,33 @@ class DitServe:
             '/ditserve.v1.DitServe/EditImage',
             ditserve_dot_v1_dot_ditserve__pb2.EditImageRequest.SerializeToString,
             ditserve_dot_v1_dot_ditserve__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EditImageStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ditserve.v1.DitServe/EditImageStream',
+            ditserve_dot_v1_dot_ditserve__pb2.EditImageRequest.SerializeToString,
+            ditserve_dot_v1_dot_ditserve__pb2.GenerateEvent.FromString,
             options,
             channel_credentials,
             insecure,

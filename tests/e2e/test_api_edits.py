@@ -252,6 +252,24 @@ def test_openai_client_streams_an_edit(server):
     assert info.value.body["param"] == "output_format"
 
 
+def test_grpc_streams_an_edit_as_http_does(server, stub):
+    """EditImageStream: a progress event per step (partial_images: a latent preview with the last N steps),
+    then the image EditImage answers for the same request; png only, and the uploads are checked as
+    EditImage checks them."""
+    asked = dict(image=[SOURCE], prompt="a red square", seed=5, num_inference_steps=4, strength=1.0)
+    events = list(stub.EditImageStream(pb.EditImageRequest(partial_images=1, **asked), timeout=120))
+    assert [e.WhichOneof("event") for e in events] == ["progress"] * 4 + ["result"]
+    assert [e.progress.step for e in events[:-1] if e.progress.preview] == [3]
+    assert png_pixels(events[2].progress.preview).shape == (8, 8, 3)
+    assert events[-1].result.size == "64x64"
+    assert events[-1].result.images[0] == stub.EditImage(pb.EditImageRequest(**asked), timeout=120).images[0]
+    for fields, param in ((dict(output_format="jpeg"), "output_format"), (dict(image=[b"x"]), "image")):
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.EditImageStream(pb.EditImageRequest(**{**asked, **fields}), timeout=120))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith(f"{param}: "), info.value.details()
+
+
 # -- bad uploads, HTTP and gRPC ---------------------------------------------------------------------------
 HTTP_CASES = [
     ("not an image", {"image": ("a.png", b"not an image", "image/png")}, {}, "image"),

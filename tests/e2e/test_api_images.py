@@ -214,6 +214,34 @@ def test_grpc_generate_and_stream(stub):
     assert [m.id for m in stub.ListModels(pb.Empty()).data] == ["demo-flux"]
 
 
+def test_grpc_stream_previews_as_http_sends_partial_images(stub):
+    """GenerateStream with preview: a PNG of the latents (1/8 of the image size) with each step but the last,
+    as HTTP's image_generation.partial_image events; partial_images: with the last N steps only (0: none).
+    Previews do not change the image; Generate refuses preview, as HTTP does without stream."""
+    asked = dict(prompt="a red fox", size="64x64", num_inference_steps=4, seed=4)
+
+    def previews(**extra) -> tuple[list[int], bytes]:
+        """The steps that came with a preview, and the image."""
+        events = list(stub.GenerateStream(pb.GenerateRequest(**asked, **extra), timeout=120))
+        assert [e.WhichOneof("event") for e in events] == ["progress"] * 4 + ["result"]
+        shown = [e.progress for e in events[:-1] if e.progress.preview]
+        assert all(png_pixels(p.preview).shape == (8, 8, 3) for p in shown)
+        return [p.step for p in shown], events[-1].result.images[0]
+
+    image = stub.Generate(pb.GenerateRequest(**asked), timeout=120).images[0]
+    assert previews(preview=True) == ([1, 2, 3], image)
+    assert previews(partial_images=2) == ([2, 3], image)
+    assert previews(partial_images=0) == ([], image) and previews() == ([], image)
+    for request, param in (
+        (lambda: stub.Generate(pb.GenerateRequest(**asked, preview=True), timeout=120), "preview"),
+        (lambda: list(stub.GenerateStream(pb.GenerateRequest(**asked, partial_images=4))), "partial_images"),
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            request()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith(f"{param}: "), info.value.details()
+
+
 def test_grpc_step_cache_and_usage(stub):
     """The request's step cache over gRPC, and the usage it reports, as over HTTP; a bad setting is
     INVALID_ARGUMENT naming the field."""
