@@ -2,14 +2,15 @@
 
 diffusers' ``<Pipeline>.lora_state_dict`` turns kohya (``lora_down/lora_up/alpha``), XLabs, PEFT and the
 common Wan formats into one PEFT-style layout (``transformer.<module>.lora_A/B.weight``) with alphas or
-PEFT metadata beside it. We read that and fold each module's ``alpha / rank`` into B, so at run time a
-request's strength is the only scale left.
+PEFT metadata beside it. We read that and fold each module's ``alpha / rank`` (``alpha / sqrt(rank)`` for
+rsLoRA) into B, so at run time a request's strength is the only scale left.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,7 +190,10 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
         rank = a.shape[0]
         if rank == 0:
             raise ValueError(f"path: {file}: {name} has rank 0 (an empty lora_A)")
-        scale = _alpha_for(name, rank, alphas, metadata) / rank
+        # PEFT's scaling: alpha / rank, or alpha / sqrt(rank) for a file saved from a config with use_rslora
+        scale = _alpha_for(name, rank, alphas, metadata) / (
+            math.sqrt(rank) if metadata.get("use_rslora") else rank
+        )
         bias = state.get(f"transformer.{name}.lora_B.bias")
         module = LoRAModule(
             a=a.float(), b=b.float() * scale, bias=None if bias is None else bias.float() * scale

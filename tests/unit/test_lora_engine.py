@@ -174,6 +174,40 @@ def test_peft_metadata_rank_and_alpha_patterns(engine, files):
     assert psnr(ours, diffusers_image(path)) >= 40
 
 
+def test_rslora_metadata_scales_by_the_square_root_of_the_rank(engine, files):
+    """A file saved from a LoraConfig with ``use_rslora`` (its metadata says so): PEFT scales each module by
+    alpha / sqrt(rank), as diffusers' load_lora_weights does. The engine scaled by alpha / rank, drawing it at
+    half its strength here (rank 4)."""
+    layers = {}
+    for module, (a, b) in weights(5).items():
+        layers[f"{module}.lora_A.weight"] = a
+        layers[f"{module}.lora_B.weight"] = b * 0.5
+    metadata = {
+        "r": RANK,
+        "lora_alpha": 4.0,
+        "use_rslora": True,
+        "target_modules": [m for _, m, _, _ in TARGETS],
+    }
+    FluxPipeline.save_lora_weights(
+        str(files["root"]),
+        transformer_lora_layers=layers,
+        transformer_lora_adapter_metadata=metadata,
+        weight_name="rslora.safetensors",
+    )
+    path = files["root"] / "rslora.safetensors"
+    engine.load_lora("rslora", str(path))
+    try:
+        ours, at_half = (
+            image(engine, LoRARef(name="rslora")),
+            image(engine, LoRARef(name="rslora", scale=0.5)),
+        )
+    finally:
+        engine.unload_lora("rslora")
+    want = diffusers_image(path)
+    assert psnr(ours, want) >= 40
+    assert psnr(at_half, want) < 35  # alpha / rank: half the strength, another image
+
+
 def test_mixed_batch_gives_each_request_its_own_image(engine, files):
     engine.load_lora("a", str(files["a_kohya"]))
     engine.load_lora("b", str(files["b"]))
