@@ -19,7 +19,7 @@ import torch
 
 from .config import EngineConfig
 from .models.registry import ModelSpec, resolve_model
-from .pipelines.base import PipelineRunner, RequestState, usage
+from .pipelines.base import PipelineRunner, RequestState
 from .request import GenerationParams
 
 logger = logging.getLogger(__name__)
@@ -439,12 +439,13 @@ class RankWorker:
         usage (its prompt's text tokens included, and its negative prompt's where the uncond branch read it:
         both are text the text encoder encoded and the transformer attended)."""
         state = self.states.pop(req_id)
+        cost = self.runner.usage(state)  # on every rank: a collective under CFG parallelism
         if self.rank != 0:
             return None
         text_tokens = self.runner.prompt_tokens(state.params.prompt)
         if state.params.negative_prompt and state.uncond is not None:
             text_tokens += self.runner.prompt_tokens(state.params.negative_prompt)
-        return {"pixels": self.runner.decode(state), "usage": usage(state) | {"text_tokens": text_tokens}}
+        return {"pixels": self.runner.decode(state), "usage": cost | {"text_tokens": text_tokens}}
 
     def finish_chunk(self, req_id: str) -> None:
         """Forget a denoised realtime chunk and start its VAE decode, without waiting for it: rank 0 decodes

@@ -189,6 +189,20 @@ class PipelineRunner(ABC):
             caches[branch] = RequestCache(settings)
         return caches[branch]
 
+    def usage(self, state: RequestState) -> dict[str, int]:
+        """The request's :func:`usage`, called on every rank. Under CFG parallelism each cfg rank keeps the
+        cache of its own branch, so the cached forwards of a guided request are summed over the cfg group
+        (a collective: every rank holds the same states, so every rank takes this path or none does)."""
+        cost = usage(state)
+        cache = state.params.cache
+        if self.cfg_size > 1 and state.uncond is not None and cache is not None and cache.enabled:
+            import torch.distributed as dist
+
+            cached = torch.tensor([cost["cached_forwards"]], dtype=torch.int64, device=state.latents.device)
+            dist.all_reduce(cached, group=self.mesh.get_group("cfg"))
+            cost["cached_forwards"] = int(cached.item())
+        return cost
+
     @property
     def cfg_size(self) -> int:
         return 1 if self.mesh is None else self.mesh.cfg_size

@@ -26,22 +26,26 @@ REQUESTS = [
 ]
 
 
-def run(flags: dict, requests: list[GenerationParams] = REQUESTS) -> list:
+def run(flags: dict, requests: list[GenerationParams] = REQUESTS) -> tuple[list, list]:
+    """Each request's image and its usage (forwards, cached forwards)."""
     engine = Engine(EngineConfig(model="demo-flux", parallel=ParallelFlags(**flags))).start()
     try:
         futures = [engine.submit(p) for p in requests]  # submitted together: they share steps
-        return [png_pixels(f.result(timeout=300).outputs[0]) for f in futures]
+        results = [f.result(timeout=300) for f in futures]
     finally:
         engine.shutdown()
+    usage = [(r.usage["transformer_forwards"], r.usage["cached_forwards"]) for r in results]
+    return [png_pixels(r.outputs[0]) for r in results], usage
 
 
 @pytest.fixture(scope="module")
 def reference():
     uncached = REQUESTS[0].model_copy(update={"cache": None})
-    *images, plain = run({}, [*REQUESTS, uncached])
-    # The cache did skip blocks for the first request (its image is not the uncached one).
+    (*images, plain), (*usage, _) = run({}, [*REQUESTS, uncached])
+    # The cache did skip blocks for the first request (its image is not the uncached one) and the guided one.
     assert (images[0] != plain).any()
-    return images
+    assert usage[0][1] > 0 and usage[2][1] > 0, usage
+    return images, usage
 
 
 @pytest.mark.parametrize(
@@ -50,8 +54,13 @@ def reference():
     ids=lambda f: "-".join(f"{k.split('_')[0]}{v}" for k, v in f.items()),
 )
 def test_cached_batch_under_layout_matches_one_rank(reference, flags):
-    for ours, ref in zip(run(flags), reference, strict=True):
+    """The images, and the usage each request reports: under CFG parallelism each cfg rank keeps its own
+    branch's cache, and the guided request's cached forwards are both branches' (they were the cond
+    branch's alone)."""
+    images, usage = run(flags)
+    for ours, ref in zip(images, reference[0], strict=True):
         assert psnr(ours, ref) >= 40
+    assert usage == reference[1]
 
 
 def lora_batch_rank(rank: int, world_size: int, flags: dict, root: str, port: int):
