@@ -57,9 +57,10 @@ class RequestState:
         return self.latents.shape[0]
 
 
-def count_forwards(state: RequestState) -> None:
-    """One step's transformer forwards of a request (one per CFG branch), for its ``usage``."""
-    state.extra["forwards"] = state.extra.get("forwards", 0) + (1 if state.uncond is None else 2)
+def count_forwards(state: RequestState, guided: bool) -> None:
+    """One step's transformer forwards of a request (one per CFG branch that ran: ``guided``, the uncond
+    branch's too), for its ``usage``."""
+    state.extra["forwards"] = state.extra.get("forwards", 0) + (2 if guided else 1)
 
 
 def usage(state: RequestState) -> dict[str, int]:
@@ -180,8 +181,9 @@ class PipelineRunner(ABC):
         settings = state.params.cache
         if settings is None or not settings.enabled or not self.cache_blocks:
             return None
-        if branch == "uncond" and state.uncond is None:
-            return None  # cfg-parallel padding rows: computed and discarded
+        if branch == "uncond" and not self.needs_uncond(state):
+            # cfg-parallel padding rows (no uncond branch, or none at this step): computed and discarded
+            return None
         from ..caching.state import RequestCache
 
         caches = state.extra.setdefault("cache", {})
@@ -329,7 +331,8 @@ class PipelineRunner(ABC):
         offset, uoffset = 0, 0
         for s in states:
             pred = cond_pred[offset : offset + s.rows]
-            if self.needs_uncond(s):
+            needs_uncond = self.needs_uncond(s)  # at this step (before it advances)
+            if needs_uncond:
                 if self.cfg_size == 2:
                     neg = uncond_pred[offset : offset + s.rows]
                 else:
@@ -340,4 +343,4 @@ class PipelineRunner(ABC):
             t = s.timesteps[s.step_index]
             s.latents = s.scheduler.step(pred, t, s.latents, return_dict=False)[0]
             s.step_index += 1
-            count_forwards(s)
+            count_forwards(s, needs_uncond)

@@ -32,6 +32,7 @@ from tests.families.harness import (
     load_pipeline,
     openai_client,
     picture,
+    results,
     running_engine,
     sampling_body,
     served,
@@ -157,6 +158,24 @@ def test_cfg_normalization_and_truncation_follow_the_pipeline(folder, pipe, tmp_
     ref = diffusers_image(pipe, fox, cfg_normalization=1.0, cfg_truncation=0.3)
     assert psnr(ours, ref) >= 40
     assert psnr(ref, diffusers_image(pipe, fox)) < 35  # the settings change the image
+
+
+def test_truncated_guidance_reports_the_forwards_that_ran(folder, tmp_path):
+    """usage under CFG truncation (guidance off at the last of 4 steps): that step runs one forward, not two,
+    and its uncond cache is not consulted, on one rank and with the branches on two cfg ranks alike (cfg
+    rank 1 runs uncond rows there and discards them). Taylorseer's schedule: the cond branch forecasts its
+    fourth forward, the uncond branch's three all compute."""
+    recommended = tmp_path / "Z-Image-truncated"
+    shutil.copytree(folder, recommended)
+    sampling = {"guidance_scale": 4.0, "cfg_truncation": 0.3}
+    (recommended / "ditserve.json").write_text(json.dumps({"sampling": sampling}))
+    fox = FOX.model_copy(
+        update={"num_inference_steps": 4, "guidance_scale": None, "cache": CacheSettings(policy="taylorseer")}
+    )
+    for flags in ({}, {"cfg_parallel_size": 2}):
+        with running_engine(recommended, flags, max_sequence_length=MAX_LEN) as engine:
+            usage = results(engine, [fox])[0].usage
+        assert (usage["transformer_forwards"], usage["cached_forwards"]) == (7, 1), (flags, usage)
 
 
 @pytest.mark.slow  # one rank's engine (default) behind the CLI; the CLI in tests/e2e
