@@ -32,7 +32,7 @@ from .config import APP_NAME, AppArgs
 from .control_state import get_or_create_state_actor, initial_state, parse_lora_paths
 from .errors import (
     BadRequest,
-    Conflict,
+    Contended,
     InternalError,
     NotFound,
     QueueFull,
@@ -63,7 +63,7 @@ def _control_error(exc: BaseException) -> ServeError:
     """A failed control op as the typed error the frontend passes on (the message names the exception,
     except for bad input, whose message names the field)."""
     if isinstance(exc, AdapterDraining):  # not bad input: the same request succeeds in a moment
-        return Conflict(str(exc), param=param_of(str(exc)))
+        return Contended(str(exc), param=param_of(str(exc)))
     message = _rank_value_error(exc) or (str(exc) if isinstance(exc, ValueError) else None)
     if message is not None:
         return BadRequest(message, param=param_of(message))

@@ -58,6 +58,11 @@ class Conflict(ServeError):
     """The resource is in a state that cannot answer this (a video that is not completed)."""
 
 
+class Contended(Conflict):
+    """Another operation on the same resource is under way (loading an adapter name whose adapter is still
+    being unloaded); the same request succeeds once it is done, with nothing for the client to change."""
+
+
 class SessionGone(ServeError):
     """The replica that held a session is gone, and the session's state with it."""
 

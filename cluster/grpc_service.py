@@ -34,6 +34,7 @@ from pydantic import BaseModel, ValidationError
 from .errors import (
     BadRequest,
     Conflict,
+    Contended,
     InternalError,
     NotFound,
     PayloadTooLarge,
@@ -55,7 +56,11 @@ GRPC_CODES: dict[type[ServeError], grpc.StatusCode] = {
     BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
     Unauthorized: grpc.StatusCode.UNAUTHENTICATED,
     NotFound: grpc.StatusCode.NOT_FOUND,
+    # gRPC's guide: FAILED_PRECONDITION when the client should not retry until the state is fixed (a video
+    # that is not completed, or failed), ABORTED for a concurrency conflict that a retry of the same call
+    # resolves (the adapter being unloaded is gone once its requests are done).
     Conflict: grpc.StatusCode.FAILED_PRECONDITION,
+    Contended: grpc.StatusCode.ABORTED,
     SessionGone: grpc.StatusCode.NOT_FOUND,
     PayloadTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,

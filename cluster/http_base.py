@@ -23,6 +23,7 @@ from ditserve.replica.request import GenerationParams
 from .errors import (
     BadRequest,
     Conflict,
+    Contended,
     InternalError,
     NotFound,
     PayloadTooLarge,
@@ -45,6 +46,7 @@ HTTP_ERRORS: dict[type[ServeError], tuple[int, str]] = {
     Unauthorized: (401, "authentication_error"),
     NotFound: (404, "not_found_error"),
     Conflict: (409, "invalid_request_error"),
+    Contended: (409, "invalid_request_error"),
     SessionGone: (410, "session_gone_error"),
     PayloadTooLarge: (413, "invalid_request_error"),
     QueueFull: (429, "rate_limit_error"),

@@ -13,11 +13,14 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from ditserve.cluster.grpc_gen import ditserve_pb2 as pb
+from ditserve.cluster.grpc_gen import ditserve_pb2_grpc as pb_grpc
 from tests.helpers import ServeProcess
 
 KEY = "control-key"
@@ -148,7 +151,8 @@ def test_a_relative_path_is_read_under_the_root(server):
 
 def test_loading_a_name_whose_adapter_still_drains_is_409_and_changes_nothing(server):
     """An unload waits for the requests that use the adapter; loading that name meanwhile is a conflict to
-    retry (409), not bad input (it was 400); the accepted requests are served, and the retry succeeds."""
+    retry (409; gRPC ABORTED, which tells a client to retry, where FAILED_PRECONDITION told it to fix the
+    state first), not bad input (it was 400); the accepted requests are served, and the retry succeeds."""
     url = server.base_url
 
     def load():
@@ -157,7 +161,10 @@ def test_loading_a_name_whose_adapter_still_drains_is_409_and_changes_nothing(se
 
     assert load().status_code == 200
     body = {"prompt": "a red fox", "size": "128x128", "num_inference_steps": 20, "lora": {"name": "busy"}}
-    with ThreadPoolExecutor(4) as pool:
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+    grpc.channel_ready_future(channel).result(timeout=30)
+    stub = pb_grpc.DitServeStub(channel)
+    with channel, ThreadPoolExecutor(4) as pool:
         answers = [
             pool.submit(httpx.post, f"{url}/v1/images/generations", json={**body, "seed": s}, timeout=300)
             for s in range(4)
@@ -171,6 +178,14 @@ def test_loading_a_name_whose_adapter_still_drains_is_409_and_changes_nothing(se
         refused = load()
         assert refused.status_code == 409, refused.text
         assert refused.json()["error"]["param"] == "name" and "retry" in refused.json()["error"]["message"]
+        with pytest.raises(grpc.RpcError) as info:
+            stub.LoadLoRA(
+                pb.LoadLoRARequest(name="busy", path="good.safetensors"),
+                metadata=[("authorization", f"Bearer {KEY}")],
+                timeout=120,
+            )
+        assert info.value.code() == grpc.StatusCode.ABORTED, info.value.details()
+        assert info.value.details() == refused.json()["error"]["message"]
         assert "busy" not in loras(url)
         assert all(a.result().status_code == 200 for a in answers)
     assert wait_for(lambda: load().status_code == 200, 60, "the load once the requests are done")

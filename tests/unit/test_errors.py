@@ -15,6 +15,7 @@ from ditserve.cluster import errors
 from ditserve.cluster.errors import (
     BadRequest,
     Conflict,
+    Contended,
     InternalError,
     NotFound,
     PayloadTooLarge,
@@ -37,6 +38,8 @@ SEEN = {
     Unauthorized: (401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED),
     NotFound: (404, "not_found_error", grpc.StatusCode.NOT_FOUND),
     Conflict: (409, "invalid_request_error", grpc.StatusCode.FAILED_PRECONDITION),
+    # a retry of the same call succeeds once the other operation is done: ABORTED, not FAILED_PRECONDITION
+    Contended: (409, "invalid_request_error", grpc.StatusCode.ABORTED),
     SessionGone: (410, "session_gone_error", grpc.StatusCode.NOT_FOUND),
     PayloadTooLarge: (413, "invalid_request_error", grpc.StatusCode.RESOURCE_EXHAUSTED),
     QueueFull: (429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED),
