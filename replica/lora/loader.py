@@ -93,6 +93,9 @@ def _safetensors_file(path: Path) -> tuple[Path, dict]:
     return path, keys
 
 
+# The tensors of a converted file that an adapter applies (or reads its scale from).
+_LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_B.bias", ".alpha")
+
 # Down-projection keys of the layouts diffusers converts: PEFT/diffusers, kohya, XLabs.
 _DOWN_MARKERS = (".lora_A.", ".lora_down.", ".down.")
 
@@ -165,11 +168,16 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
     modules: dict[str, LoRAModule] = {}
     ignored = 0
     encoders: set[str] = set()
+    full: list[str] = []  # transformer tensors that are no LoRA factors
     for key, a in state.items():
         if key.startswith("text_encoder"):
             # diffusers' load_lora_weights applies these to the text encoder; a request's adapter changes
             # the transformer only, so serving the file would silently give another image.
             encoders.add(key.split(".")[0])
+            continue
+        if key.startswith("transformer.") and not key.endswith(_LORA_SUFFIXES):
+            # e.g. the norm scales of a FLUX Control LoRA, which load_lora_weights writes into the model
+            full.append(key.removeprefix("transformer."))
             continue
         if ".lora_A." not in key:
             continue
@@ -206,6 +214,12 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
         raise ValueError(
             f"path: {file} holds LoRA weights for {', '.join(sorted(encoders))}; adapters apply to the "
             "transformer only (per request), so save the file without the text encoder's weights"
+        )
+    if full:
+        raise ValueError(
+            f"path: {file} holds tensors for the transformer that are no LoRA weights ({', '.join(full[:4])}"
+            f"{', ...' if len(full) > 4 else ''}); an adapter applies lora_A / lora_B pairs (and lora_B biases) "
+            "per request and cannot change the model's own weights"
         )
     if not modules:
         raise ValueError(f"path: {file} has no LoRA weights for the transformer")

@@ -350,6 +350,25 @@ def test_a_kohya_file_with_text_encoder_weights_is_refused_naming_them(engine, f
     assert image(engine).shape == (64, 64, 3)  # still serving
 
 
+def test_a_file_with_norm_weights_is_refused_naming_them(engine, files):
+    """A FLUX Control LoRA carries the attention norms' scales (``norm_q.weight`` ...) beside its LoRA pairs;
+    diffusers' load_lora_weights writes them into the model. A per-request adapter cannot, so the file is
+    refused: it loaded, its norms were dropped and every image differed from diffusers'."""
+    path = files["root"] / "with_norms.safetensors"
+    tensors = dict(load_file(str(files["a_peft"])))
+    tensors["transformer.transformer_blocks.0.attn.norm_q.weight"] = torch.full((16,), 5.0)
+    save_file(tensors, str(path))
+    pipe = FluxPipeline.from_pretrained(ensure_demo_model("demo-flux"))
+    pipe.load_lora_weights(str(path))
+    assert pipe.transformer.transformer_blocks[0].attn.norm_q.weight[0] == 5.0  # diffusers applies it
+    with pytest.raises(
+        ValueError, match=r"^path: .* no LoRA weights \(transformer_blocks.0.attn.norm_q.weight\)"
+    ):
+        engine.load_lora("norms", str(path))
+    assert "norms" not in [a["name"] for a in engine.lora_list()]
+    assert image(engine).shape == (64, 64, 3)  # still serving
+
+
 def test_a_request_scale_is_the_strength_and_the_load_scale_its_default(engine, files):
     engine.load_lora("at08", str(files["b"]), 0.8)
     engine.load_lora("at10", str(files["b"]), 1.0)
