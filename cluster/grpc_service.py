@@ -241,6 +241,7 @@ def _video_job(data: dict[str, Any]) -> pb.VideoJob:
         fps=int(data.get("fps", 0)),
         prompt=data.get("prompt") or "",
         error=error.get("message", "") if isinstance(error, dict) else str(error),
+        error_code=error.get("code", "") if isinstance(error, dict) else "",
         deleted=bool(data.get("deleted", False)),
         usage=_usage(data.get("usage")),
         remixed_from_video_id=data.get("remixed_from_video_id") or "",

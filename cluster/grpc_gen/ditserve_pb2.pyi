@@ -237,7 +237,7 @@ class RemixVideoRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., prompt: _Optional[str] = ...) -> None: ...
 
 class VideoJob(_message.Message):
-    __slots__ = ("id", "object", "status", "progress", "created_at", "completed_at", "expires_at", "model", "size", "seconds", "num_frames", "prompt", "error", "deleted", "usage", "remixed_from_video_id", "fps")
+    __slots__ = ("id", "object", "status", "progress", "created_at", "completed_at", "expires_at", "model", "size", "seconds", "num_frames", "prompt", "error", "deleted", "usage", "remixed_from_video_id", "fps", "error_code")
     ID_FIELD_NUMBER: _ClassVar[int]
     OBJECT_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +255,7 @@ class VideoJob(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     REMIXED_FROM_VIDEO_ID_FIELD_NUMBER: _ClassVar[int]
     FPS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     id: str
     object: str
     status: str
@@ -272,7 +273,8 @@ class VideoJob(_message.Message):
     usage: Usage
     remixed_from_video_id: str
     fps: int
-    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., status: _Optional[str] = ..., progress: _Optional[int] = ..., created_at: _Optional[int] = ..., completed_at: _Optional[int] = ..., expires_at: _Optional[int] = ..., model: _Optional[str] = ..., size: _Optional[str] = ..., seconds: _Optional[str] = ..., num_frames: _Optional[int] = ..., prompt: _Optional[str] = ..., error: _Optional[str] = ..., deleted: _Optional[bool] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., remixed_from_video_id: _Optional[str] = ..., fps: _Optional[int] = ...) -> None: ...
+    error_code: str
+    def __init__(self, id: _Optional[str] = ..., object: _Optional[str] = ..., status: _Optional[str] = ..., progress: _Optional[int] = ..., created_at: _Optional[int] = ..., completed_at: _Optional[int] = ..., expires_at: _Optional[int] = ..., model: _Optional[str] = ..., size: _Optional[str] = ..., seconds: _Optional[str] = ..., num_frames: _Optional[int] = ..., prompt: _Optional[str] = ..., error: _Optional[str] = ..., deleted: _Optional[bool] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., remixed_from_video_id: _Optional[str] = ..., fps: _Optional[int] = ..., error_code: _Optional[str] = ...) -> None: ...
 
 class VideoContent(_message.Message):
     __slots__ = ("id", "mp4", "media_type", "image")

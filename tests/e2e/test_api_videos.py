@@ -292,6 +292,10 @@ def test_grpc_list_variants_and_remix(server):
         gone = "gone." + job.id.rpartition(".")[2]
         lost = call("GetVideo", pb.VideoRef(id=gone))
         assert lost.status == "failed" and "gone" in lost.error, lost
+        http = httpx.get(f"{server.base_url}/v1/videos/{gone}", headers=AUTH).json()["error"]
+        assert (
+            (lost.error_code, lost.error) == (http["code"], http["message"]) == ("replica_gone", lost.error)
+        )
         with pytest.raises(grpc.RpcError) as info:
             call("GetVideoContent", pb.VideoRef(id=gone))
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
