@@ -55,6 +55,11 @@ def _take(t: torch.Tensor, ranges, dim: int) -> torch.Tensor:
     return torch.cat([t.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
 
 
+def _is_linear(module: nn.Module) -> bool:
+    """A linear layer (plain, tensor-parallel or FP8): what LoRALayer can wrap."""
+    return hasattr(module, "weight") and hasattr(module, "in_features")
+
+
 def _dead() -> None:
     """A weak reference to nothing."""
     return None
@@ -316,8 +321,8 @@ class LoRAManager:
     def _layer(self, name: str) -> LoRALayer:
         if name not in self.layers:
             module = self.transformer.get_submodule(name)
-            if not hasattr(module, "weight") or not hasattr(module, "in_features"):
-                raise ValueError(f"{name} is not a linear layer of the model")
+            if not _is_linear(module):
+                raise ValueError(f"path: {name} is not a linear layer of the model")
             self.layers[name] = LoRALayer(name, module, self)
         return self.layers[name]
 
@@ -348,6 +353,12 @@ class LoRAManager:
         missing = [m for m in lora.modules if not self._has_module(m)]
         if missing:
             raise ValueError(f"path: adapter {name!r} targets modules the model does not have: {missing[:5]}")
+        not_linear = [m for m in lora.modules if not _is_linear(self.transformer.get_submodule(m))]
+        if not_linear:  # a convolution (a patch embedding), a norm: the slots and kernels are for linears
+            raise ValueError(
+                f"path: adapter {name!r} targets layers that are not linear: {not_linear[:5]}; adapters apply "
+                "to the model's linear layers only"
+            )
         layers = {m: self._layer(m) for m in lora.modules}
         for module_name, weights in lora.modules.items():
             layers[module_name].check(weights)  # every check before any write: all or nothing

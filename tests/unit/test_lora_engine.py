@@ -302,6 +302,10 @@ def test_refusals_name_the_problem_and_leave_others_working(engine, files):
     bad = {m: (torch.zeros(RANK, 7), torch.zeros(o, RANK)) for _, m, _, o in TARGETS}
     with pytest.raises(ValueError, match="do not match the model"):
         engine.load_lora("bad", str(write_peft(root / "bad.safetensors", bad)))
+    # a layer that is no linear (here a norm) was refused naming no field: a 400 without param "path"
+    norm = {"transformer_blocks.0.attn.norm_q": (torch.zeros(RANK, 16), torch.zeros(16, RANK))}
+    with pytest.raises(ValueError, match=r"^path: .* not linear: \['transformer_blocks.0.attn.norm_q'\]"):
+        engine.load_lora("norm", str(write_peft(root / "norm.safetensors", norm)))
     big = {m: (torch.zeros(16, i), torch.zeros(o, 16)) for _, m, i, o in TARGETS}
     with pytest.raises(ValueError, match="above --max-lora-rank 8"):
         engine.load_lora("big", str(write_peft(root / "big.safetensors", big, rank=16)))
