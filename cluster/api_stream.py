@@ -257,7 +257,12 @@ class StreamStep(SessionGenerateRequest):
 
 
 def step_params(fe: Any, step: SessionGenerateRequest) -> GenerationParams:
-    """Limits shared by the session routes (HTTP, WebSocket, gRPC) → engine parameters."""
+    """Limits shared by the session routes (HTTP, WebSocket, gRPC) → engine parameters. A step that leaves
+    the steps out gets the default capped by ``--max-steps``."""
+    if "num_inference_steps" not in step.model_fields_set:
+        step = step.model_copy(
+            update={"num_inference_steps": min(step.num_inference_steps, fe.args.max_steps)}
+        )
     if step.num_inference_steps > fe.args.max_steps:
         raise BadRequest(
             f"num_inference_steps: {step.num_inference_steps} is above the maximum {fe.args.max_steps}",

@@ -1,10 +1,13 @@
 """The served OpenAPI schema is a contract the API keeps: schemathesis generates requests from
 ``/openapi.json`` of a real ``ditserve serve`` (demo model, small limits, an admin key) and checks every
 answer against it (``--checks all``: status codes and bodies documented, schema-valid requests taken,
-invalid ones refused, 405 with ``Allow``, no 5xx), stateful phase included."""
+invalid ones refused, 405 with ``Allow``, no 5xx), stateful phase included. The server's small limits
+also show a default every API caps alike (a session step's steps)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import re
 import shutil
@@ -12,8 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
+import httpx
 import pytest
+import websockets
 
+from ditserve.cluster.grpc_gen import ditserve_pb2 as pb
+from ditserve.cluster.grpc_gen import ditserve_pb2_grpc as pb_grpc
 from tests.helpers import ServeProcess
 
 KEY = "contract-key"
@@ -56,6 +64,37 @@ def server():
     )  # fmt: skip
     yield proc
     proc.stop()
+
+
+def test_session_steps_default_to_what_the_server_allows(server):
+    """A session step that leaves num_inference_steps out runs the default (4) capped by --max-steps (2
+    here), over gRPC and the WebSocket as over POST /v1/sessions/{id}/generate; those two refused it as
+    above the maximum."""
+    session = httpx.post(f"{server.base_url}/v1/sessions", json={"size": "64x64"}).json()["id"]
+    r = httpx.post(f"{server.base_url}/v1/sessions/{session}/generate", json={"prompt": "a fox"})
+    assert r.status_code == 200 and r.json()["usage"]["transformer_forwards"] <= 2, r.text
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        request = pb.SessionGenerateRequest(session_id=session, prompt="a fox", strength=1.0)
+        stub = pb_grpc.DitServeStub(channel)
+        events = list(stub.SessionGenerateStream(request, timeout=120))
+    assert [(e.progress.step, e.progress.total) for e in events[:-1]] == [(1, 2), (2, 2)]
+    assert events[-1].HasField("result")
+
+    async def socket_step() -> list[dict]:
+        url = f"ws://127.0.0.1:{server.port}/v1/sessions/{session}/stream"
+        async with websockets.connect(url) as ws:
+            await ws.send(json.dumps({"prompt": "a fox", "strength": 1.0}))
+            messages = [json.loads(await ws.recv())]
+            while messages[-1]["type"] == "progress":
+                messages.append(json.loads(await ws.recv()))
+        return messages
+
+    messages = asyncio.run(socket_step())
+    assert [(m["type"], m.get("total")) for m in messages] == [
+        ("progress", 2),
+        ("progress", 2),
+        ("image", None),
+    ]
 
 
 def test_schemathesis_finds_no_contract_failure(server, tmp_path: Path):
