@@ -93,6 +93,9 @@ def _safetensors_file(path: Path) -> tuple[Path, dict]:
     return path, keys
 
 
+# The pipeline components diffusers' converters name in a LoRA state dict's keys.
+_COMPONENTS = ("transformer.", "transformer_2.", "text_encoder")
+
 # The tensors of a converted file that an adapter applies (or reads its scale from).
 _LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_B.bias", ".alpha")
 
@@ -163,6 +166,13 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
         alphas = None
     alphas = alphas or {}
     metadata = {k.removeprefix("transformer."): v for k, v in (metadata or {}).items()}
+    if not any(k.startswith(_COMPONENTS) for k in state):
+        # A file saved from the transformer itself (peft's get_peft_model_state_dict, or PEFT's save_pretrained
+        # with its base_model.model. prefix): module names without the pipeline's component prefix, which
+        # load_lora_weights skips (it loads nothing and draws the plain image). Read as the transformer's, as
+        # diffusers' ``transformer.load_lora_adapter(file, prefix=None)`` reads it; the module names are
+        # checked against the model when it loads.
+        state = {"transformer." + k.removeprefix("base_model.model."): v for k, v in state.items()}
     if any(marker in k for k in state for marker in DORA_MARKERS):
         raise ValueError(f"path: {file} is a DoRA adapter; DoRA is not supported (plain LoRA only)")
     modules: dict[str, LoRAModule] = {}

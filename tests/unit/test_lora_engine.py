@@ -105,6 +105,11 @@ def diffusers_image(path, *more) -> np.ndarray:
         pipe.set_adapters(names, adapter_weights=[1.0, *(w for _, w in more)])
     else:
         pipe.load_lora_weights(str(path))
+    return draw(pipe)
+
+
+def draw(pipe) -> np.ndarray:
+    """The pipeline's image for REQ."""
     out = pipe(
         REQ["prompt"],
         height=64,
@@ -206,6 +211,27 @@ def test_rslora_metadata_scales_by_the_square_root_of_the_rank(engine, files):
     want = diffusers_image(path)
     assert psnr(ours, want) >= 40
     assert psnr(at_half, want) < 35  # alpha / rank: half the strength, another image
+
+
+def test_a_peft_file_without_the_transformer_prefix_is_the_transformers(engine, files):
+    """A file saved from the transformer itself (peft's get_peft_model_state_dict and save_file): module names
+    without ``transformer.``. diffusers' load_lora_weights loads nothing from it (the plain image); the engine
+    refused it as holding no LoRA weights for the transformer. It is read as diffusers'
+    ``transformer.load_lora_adapter(file, prefix=None)`` reads it."""
+    path = files["root"] / "unprefixed.safetensors"
+    tensors = {}
+    for module, (a, b) in weights(6).items():
+        tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"] = a, b
+    save_file(tensors, str(path))
+    engine.load_lora("unprefixed", str(path))
+    try:
+        ours = image(engine, LoRARef(name="unprefixed"))
+    finally:
+        engine.unload_lora("unprefixed")
+    pipe = FluxPipeline.from_pretrained(ensure_demo_model("demo-flux"))
+    pipe.transformer.load_lora_adapter(str(path), prefix=None)
+    assert psnr(ours, draw(pipe)) >= 40
+    assert psnr(ours, image(engine)) < 30  # the adapter visibly changes the picture
 
 
 def test_mixed_batch_gives_each_request_its_own_image(engine, files):
