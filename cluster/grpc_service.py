@@ -463,6 +463,10 @@ class GrpcMethods:
         )
 
     @unary
+    async def Health(self, request, grpc_context=None):
+        return pb.HealthReply(**await self.health())
+
+    @unary
     async def LoadLoRA(self, request, grpc_context=None):
         from .api_admin import LoRALoadRequest, load_lora
 
@@ -508,6 +512,12 @@ class GrpcMethods:
         from .api_admin import memory
 
         return _admin_reply(_json(await memory("resume", _Metadata(grpc_context), self)))
+
+    @unary
+    async def Shutdown(self, request, grpc_context=None):
+        from .api_admin import shutdown
+
+        return _admin_reply(_json(await shutdown(_Metadata(grpc_context), self)))
 
 
 def _event_message(event: dict[str, Any]) -> pb.GenerateEvent:

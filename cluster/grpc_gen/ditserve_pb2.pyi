@@ -348,6 +348,12 @@ class ListModelsResponse(_message.Message):
     data: _containers.RepeatedCompositeFieldContainer[ModelCard]
     def __init__(self, data: _Optional[_Iterable[_Union[ModelCard, _Mapping]]] = ...) -> None: ...
 
+class HealthReply(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    def __init__(self, status: _Optional[str] = ...) -> None: ...
+
 class LoadLoRARequest(_message.Message):
     __slots__ = ("name", "path", "scale")
     NAME_FIELD_NUMBER: _ClassVar[int]

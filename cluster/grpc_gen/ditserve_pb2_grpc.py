@@ -104,6 +104,11 @@ class DitServeStub:
                 request_serializer=ditserve_dot_v1_dot_ditserve__pb2.Empty.SerializeToString,
                 response_deserializer=ditserve_dot_v1_dot_ditserve__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Health = channel.unary_unary(
+                '/ditserve.v1.DitServe/Health',
+                request_serializer=ditserve_dot_v1_dot_ditserve__pb2.Empty.SerializeToString,
+                response_deserializer=ditserve_dot_v1_dot_ditserve__pb2.HealthReply.FromString,
+                _registered_method=True)
         self.LoadLoRA = channel.unary_unary(
                 '/ditserve.v1.DitServe/LoadLoRA',
                 request_serializer=ditserve_dot_v1_dot_ditserve__pb2.LoadLoRARequest.SerializeToString,
@@ -131,6 +136,11 @@ class DitServeStub:
                 _registered_method=True)
         self.ResumeMemory = channel.unary_unary(
                 '/ditserve.v1.DitServe/ResumeMemory',
+                request_serializer=ditserve_dot_v1_dot_ditserve__pb2.Empty.SerializeToString,
+                response_deserializer=ditserve_dot_v1_dot_ditserve__pb2.AdminReply.FromString,
+                _registered_method=True)
+        self.Shutdown = channel.unary_unary(
+                '/ditserve.v1.DitServe/Shutdown',
                 request_serializer=ditserve_dot_v1_dot_ditserve__pb2.Empty.SerializeToString,
                 response_deserializer=ditserve_dot_v1_dot_ditserve__pb2.AdminReply.FromString,
                 _registered_method=True)
@@ -231,6 +241,13 @@ class DitServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Health(self, request, context):
+        """GET /health: status "ok" while the service takes work; UNAVAILABLE once Shutdown has shut it down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def LoadLoRA(self, request, context):
         """Admin (the API key is required when the server has one).
         """
@@ -264,6 +281,14 @@ class DitServeServicer:
 
     def ResumeMemory(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Shutdown(self, request, context):
+        """POST /v1/admin/shutdown: every replica frees its engine and takes no more work, for good (restart the
+        service to serve again).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -341,6 +366,11 @@ def add_DitServeServicer_to_server(servicer, server):
                     request_deserializer=ditserve_dot_v1_dot_ditserve__pb2.Empty.FromString,
                     response_serializer=ditserve_dot_v1_dot_ditserve__pb2.ListModelsResponse.SerializeToString,
             ),
+            'Health': grpc.unary_unary_rpc_method_handler(
+                    servicer.Health,
+                    request_deserializer=ditserve_dot_v1_dot_ditserve__pb2.Empty.FromString,
+                    response_serializer=ditserve_dot_v1_dot_ditserve__pb2.HealthReply.SerializeToString,
+            ),
             'LoadLoRA': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadLoRA,
                     request_deserializer=ditserve_dot_v1_dot_ditserve__pb2.LoadLoRARequest.FromString,
@@ -368,6 +398,11 @@ def add_DitServeServicer_to_server(servicer, server):
             ),
             'ResumeMemory': grpc.unary_unary_rpc_method_handler(
                     servicer.ResumeMemory,
+                    request_deserializer=ditserve_dot_v1_dot_ditserve__pb2.Empty.FromString,
+                    response_serializer=ditserve_dot_v1_dot_ditserve__pb2.AdminReply.SerializeToString,
+            ),
+            'Shutdown': grpc.unary_unary_rpc_method_handler(
+                    servicer.Shutdown,
                     request_deserializer=ditserve_dot_v1_dot_ditserve__pb2.Empty.FromString,
                     response_serializer=ditserve_dot_v1_dot_ditserve__pb2.AdminReply.SerializeToString,
             ),
@@ -761,6 +796,33 @@ class DitServe:
             _registered_method=True)
 
     @staticmethod
+    def Health(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ditserve.v1.DitServe/Health',
+            ditserve_dot_v1_dot_ditserve__pb2.Empty.SerializeToString,
+            ditserve_dot_v1_dot_ditserve__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def LoadLoRA(request,
             target,
             options=(),
@@ -910,6 +972,33 @@ class DitServe:
             request,
             target,
             '/ditserve.v1.DitServe/ResumeMemory',
+            ditserve_dot_v1_dot_ditserve__pb2.Empty.SerializeToString,
+            ditserve_dot_v1_dot_ditserve__pb2.AdminReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Shutdown(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ditserve.v1.DitServe/Shutdown',
             ditserve_dot_v1_dot_ditserve__pb2.Empty.SerializeToString,
             ditserve_dot_v1_dot_ditserve__pb2.AdminReply.FromString,
             options,

@@ -7,12 +7,15 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import numpy as np
 import psutil
 import pytest
 from openai import BadRequestError, OpenAI
 
+from ditserve.cluster.grpc_gen import ditserve_pb2 as pb
+from ditserve.cluster.grpc_gen import ditserve_pb2_grpc as pb_grpc
 from tests.helpers import ServeProcess, png_pixels
 
 
@@ -162,8 +165,13 @@ def test_served_images_draw_the_held_out_prompts(client):
 
 
 def test_shutdown_turns_health_and_generation_to_503(server):
-    """Last in this module: it shuts the module's server down for good."""
+    """Last in this module: it shuts the module's server down for good, here through gRPC's Shutdown (POST
+    /v1/admin/shutdown is the README's last block, run by tests/e2e/test_docs.py); gRPC's Health answers as
+    GET /health does."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+    stub = pb_grpc.DitServeStub(channel)
     assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
+    assert stub.Health(pb.Empty(), timeout=60).status == "ok"
     long = {"prompt": "a fox", "size": "256x256", "num_inference_steps": 100}
     with ThreadPoolExecutor(1) as pool:  # a request running when the shutdown comes
         running = pool.submit(httpx.post, f"{server.base_url}/v1/images/generations", json=long, timeout=120)
@@ -172,8 +180,7 @@ def test_shutdown_turns_health_and_generation_to_503(server):
         ):
             assert not running.done(), running.result().text
             time.sleep(0.05)
-        r = httpx.post(f"{server.base_url}/v1/admin/shutdown", timeout=120)
-        assert r.status_code == 200 and r.json()["ok"], r.text
+        assert stub.Shutdown(pb.Empty(), timeout=120).replicas
         ended = running.result()
     # It ends as requests after the shutdown do (it was a 500 "see the server log").
     assert ended.status_code == 503 and "shut down" in ended.json()["error"]["message"], ended.text
@@ -181,6 +188,14 @@ def test_shutdown_turns_health_and_generation_to_503(server):
     assert health.status_code == 503, health.text
     error = health.json()["error"]
     assert "shut down" in error["message"] and error["type"] == "service_unavailable_error"
+    for call in (
+        lambda: stub.Health(pb.Empty(), timeout=60),
+        lambda: stub.Generate(pb.GenerateRequest(prompt="a fox", size="64x64"), timeout=60),
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "shut down" in info.value.details()
+    channel.close()
     generated = httpx.post(
         f"{server.base_url}/v1/images/generations",
         json={"prompt": "a fox", "size": "64x64", "num_inference_steps": 1},
