@@ -26,13 +26,26 @@ import grpc
 from .grpc_gen import ditserve_pb2 as pb
 from .grpc_gen import ditserve_pb2_grpc as pb_grpc
 
+# The Serve application ditserve deploys (config.APP_NAME, not imported: that module loads torch).
+APPLICATION = "ditserve"
+
 
 class Client:
-    def __init__(self, target: str = "localhost:9000", api_key: str | None = None, timeout_s: float = 600.0):
+    def __init__(
+        self,
+        target: str = "localhost:9000",
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        application: str = APPLICATION,
+    ):
         # gRPC's own limit on a received message is 4 MiB: an ordinary video (640x480, 4 s) is larger
         self.channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", -1)])
         self.stub = pb_grpc.DitServeStub(self.channel)
-        self.metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
+        # Serve's gRPC proxy picks the application by this metadata; without it, a cluster that serves other
+        # applications too (ditserve serve --address) answers NOT_FOUND "Application metadata not set".
+        self.metadata = [("application", application)]
+        if api_key:
+            self.metadata.append(("authorization", f"Bearer {api_key}"))
         self.timeout_s = timeout_s
 
     def __enter__(self) -> Client:
