@@ -166,7 +166,7 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
         alphas = None
     alphas = alphas or {}
     metadata = {k.removeprefix("transformer."): v for k, v in (metadata or {}).items()}
-    if not any(k.startswith(_COMPONENTS) for k in state):
+    if not any(k.startswith(_COMPONENTS) for k in state) and any(".lora_A." in k for k in state):
         # A file saved from the transformer itself (peft's get_peft_model_state_dict, or PEFT's save_pretrained
         # with its base_model.model. prefix): module names without the pipeline's component prefix, which
         # load_lora_weights skips (it loads nothing and draws the plain image). Read as the transformer's, as
@@ -232,7 +232,10 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
             "per request and cannot change the model's own weights"
         )
     if not modules:
-        raise ValueError(f"path: {file} has no LoRA weights for the transformer")
+        raise ValueError(
+            f"path: {file} has no LoRA weights for the transformer in a layout diffusers' {pipeline_class} "
+            f"loader reads (keys such as {next(iter(state), 'none')!r})"
+        )
     refused = pipeline_families()[pipeline_class].lora_refuse(sorted(modules))
     if refused:
         raise ValueError(f"path: {file}: {refused}")

@@ -234,6 +234,19 @@ def test_a_peft_file_without_the_transformer_prefix_is_the_transformers(engine, 
     assert psnr(ours, image(engine)) < 30  # the adapter visibly changes the picture
 
 
+def test_a_layout_the_pipelines_loader_does_not_convert_is_refused_as_such(files):
+    """A kohya file for a pipeline class whose diffusers loader reads no kohya (SD3): its keys come back
+    unconverted; the refusal says that no LoRA weights are in a layout that loader reads, naming a key (it
+    said the file held transformer tensors that are no LoRA weights, naming lora_down weights)."""
+    from ditserve.replica.lora.loader import read_lora_file
+
+    pattern = (
+        r"^path: .* has no LoRA weights for the transformer in a layout diffusers' StableDiffusion3Pipeline"
+    )
+    with pytest.raises(ValueError, match=pattern + r" loader reads \(keys such as 'lora_unet_"):
+        read_lora_file(files["a_kohya"], "StableDiffusion3Pipeline")
+
+
 def test_mixed_batch_gives_each_request_its_own_image(engine, files):
     engine.load_lora("a", str(files["a_kohya"]))
     engine.load_lora("b", str(files["b"]))
