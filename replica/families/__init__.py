@@ -152,6 +152,9 @@ class Family:
     video_chunks: Callable[[Folder, int], int] = lambda folder, num_frames: 1
     # applies a request's step cache (``cache``); refused with a 400 naming ``cache`` otherwise
     step_cache: bool = True
+    # applies per-request adapters; False: loading one is refused naming ``path`` (as for a pipeline class
+    # without a LoRA loader in diffusers), never loaded for requests that would all be refused
+    lora: bool = True
     # diffusers' ``lora_state_dict`` of this pipeline class returns network alphas
     lora_alphas: bool = False
     # An adapter's transformer modules (names) the family cannot apply per request (a message), or None.

@@ -145,11 +145,14 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
 
     file, _ = _safetensors_file(path)
     loader = getattr(diffusers, pipeline_class)
+    family = pipeline_families()[pipeline_class]
     if not hasattr(loader, "lora_state_dict"):
         raise ValueError(
             f"path: diffusers has no LoRA loader for {pipeline_class}; this model takes no adapters"
         )
-    alphas_returned = pipeline_families()[pipeline_class].lora_alphas
+    if not family.lora:
+        raise ValueError(f"path: {pipeline_class} models take no adapters here (per-request LoRA)")
+    alphas_returned = family.lora_alphas
     kwargs = {"return_lora_metadata": True}
     if alphas_returned:
         kwargs["return_alphas"] = True
@@ -236,7 +239,7 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
             f"path: {file} has no LoRA weights for the transformer in a layout diffusers' {pipeline_class} "
             f"loader reads (keys such as {next(iter(state), 'none')!r})"
         )
-    refused = pipeline_families()[pipeline_class].lora_refuse(sorted(modules))
+    refused = family.lora_refuse(sorted(modules))
     if refused:
         raise ValueError(f"path: {file}: {refused}")
     return LoRAFile(modules=modules, rank=max(m.a.shape[0] for m in modules.values()), ignored=ignored)
