@@ -11,7 +11,7 @@ from typing import Any
 
 from ray.serve import Application
 
-from ditserve.replica.engine import validate_layout
+from ditserve.replica.engine import default_cache, validate_layout
 from ditserve.replica.models.registry import resolve_model
 from ditserve.replica.worker import refuse_missing_components
 
@@ -126,6 +126,7 @@ def build_app_with_engine(args: dict[str, Any], engine_cls: type | None) -> Appl
     config = app_args.engine_config()  # auto values resolved, final values validated
     spec = resolve_model(config.model)
     validate_layout(config, spec)  # the layout against the model's heads
+    default_cache(config, spec)  # --cache-policy against the model's family
     if engine_cls is None:  # a folder saved without a component its pipeline needs: said before any start
         refuse_missing_components(spec)
     strategy, error = cluster_fit(app_args, _alive_nodes())

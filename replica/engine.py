@@ -53,13 +53,21 @@ def validate_layout(config: EngineConfig, spec: ModelSpec) -> int:
 
 
 def default_cache(config: EngineConfig, spec: ModelSpec) -> CacheSettings | None:
-    """The step cache of requests that ask for none: ``--cache-policy`` (recommended: the model's)."""
-    if config.cache_policy == "recommended":
-        return spec.recommended_cache
+    """The step cache of requests that ask for none: ``--cache-policy`` (recommended: the model's). A cache
+    the model's family does not take is refused here, naming where it came from (every request that gave
+    none would be refused naming ``cache``)."""
     if config.cache_policy == "none":
         return None
-    extra = {"threshold": config.cache_threshold, "interval": config.cache_interval}
-    return CacheSettings(policy=config.cache_policy, **{k: v for k, v in extra.items() if v is not None})
+    if config.cache_policy == "recommended":
+        cache, source = spec.recommended_cache, f'--model {spec.name}: ditserve.json\'s "cache"'
+    else:
+        extra = {"threshold": config.cache_threshold, "interval": config.cache_interval}
+        given = {k: v for k, v in extra.items() if v is not None}
+        cache = CacheSettings(policy=config.cache_policy, **given)
+        source = f"--cache-policy {config.cache_policy}"
+    if cache is not None and cache.enabled and not spec.family_spec.step_cache:
+        raise ValueError(f"{source}: {spec.name} does not take a step cache; use --cache-policy none")
+    return cache
 
 
 @dataclass(frozen=True)

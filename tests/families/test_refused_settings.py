@@ -1,13 +1,17 @@
 """Settings a model would not apply are refused where they are given, naming the field, instead of being
-dropped or failing the job later: a step cache for AnyFlow-FAR (its chunk loop has no cache hooks) and
-``guidance_scale_2`` for a one-transformer model (only Wan 2.2 A14B's second expert takes it).
+dropped or failing the job later: a step cache for AnyFlow-FAR (its chunk loop has no cache hooks; as a
+request's field, or as the server's default before it starts) and ``guidance_scale_2`` for a
+one-transformer model (only Wan 2.2 A14B's second expert takes it).
 (``true_cfg_scale`` for a model guided by ``guidance_scale``: ``test_sd3.py``'s served client.)"""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from subprocess import PIPE
 
 import httpx
 import pytest
@@ -17,6 +21,7 @@ from tests.families.harness import (
     served,
     single_thread,  # noqa: F401 (a fixture, used by pytestmark)
 )
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -49,3 +54,25 @@ def test_generate_refuses_a_second_scale_for_one_transformer(tmp_path):
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode != 0 and not (tmp_path / "v.mp4").exists()
     assert "--guidance-scale-2: " in done.stderr and "two-expert" in done.stderr, done.stderr
+
+
+def test_a_default_step_cache_the_model_does_not_take_is_refused_before_starting(tmp_path):
+    """--cache-policy on AnyFlow-FAR: serve and generate refuse it naming the flag. serve started, and every
+    video job failed with 'cache: step caching ... is not supported', though no request gave a cache."""
+    folder = anyflow.build_folder(tmp_path / "anyflow")
+    exe = str(Path(sys.executable).with_name("ditserve"))
+    serve = [exe, "serve", "--model", str(folder), "--cache-policy", "fbcache", "--port", str(free_port())]
+    serve += ["--grpc-port", "0"]
+    proc = subprocess.Popen(serve, stdout=PIPE, stderr=PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # it started serving: stop it and its Ray cluster
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "Started a local Ray" not in out + err
+    assert "--cache-policy fbcache: " in err and "does not take a step cache" in err, err
+    cmd = [exe, "generate", "a kite", "--model", str(folder), "--cache-policy", "taylorseer"]
+    cmd += ["--width", "64", "--height", "64", "--num-frames", "4", "--num-inference-steps", "1"]
+    done = subprocess.run([*cmd, "-o", str(tmp_path / "v.mp4")], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and not (tmp_path / "v.mp4").exists()
+    assert "--cache-policy taylorseer: " in done.stderr, done.stderr
