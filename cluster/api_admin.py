@@ -79,10 +79,9 @@ async def _converge(fe: Any, desired: dict[str, Any]) -> JSONResponse:
 PUBLIC_REPLICA_FIELDS = ("replica_id", "health", "layout", "device", "control_version")
 
 
-@router.get("/v1/replicas")
-async def replicas(request: Request, fe: Any = Depends(frontend)) -> JSONResponse:
-    """Each running replica: id, health, layout, control-state version; with the admin key (or when none is
-    configured) also its node, GPUs, ranks, applied control state (weights and adapter paths) and stats."""
+async def replica_list(fe: Any, request: Any) -> dict[str, Any]:
+    """The body of GET /v1/replicas (and gRPC's ListReplicas): the replicas, each with what ``request`` may
+    see of it."""
     try:
         described = await fe.engine.broadcast("describe").results_async(timeout_s=30, return_exceptions=True)
     except Exception:
@@ -91,15 +90,20 @@ async def replicas(request: Request, fe: Any = Depends(frontend)) -> JSONRespons
     if not fe.is_admin(request):
         data = [{k: d[k] for k in PUBLIC_REPLICA_FIELDS if k in d} for d in data]
     desired = await fe.state_actor().get.remote()
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": data,
-            "expected": fe.args.dp_size,
-            "desired_version": desired["version"],
-        },
-        headers={REPLICA_HEADER: ",".join(d["replica_id"] for d in data)},
-    )
+    return {
+        "object": "list",
+        "data": data,
+        "expected": fe.args.dp_size,
+        "desired_version": desired["version"],
+    }
+
+
+@router.get("/v1/replicas")
+async def replicas(request: Request, fe: Any = Depends(frontend)) -> JSONResponse:
+    """Each running replica: id, health, layout, control-state version; with the admin key (or when none is
+    configured) also its node, GPUs, ranks, applied control state (weights and adapter paths) and stats."""
+    listed = await replica_list(fe, request)
+    return JSONResponse(listed, headers={REPLICA_HEADER: ",".join(d["replica_id"] for d in listed["data"])})
 
 
 @router.post("/v1/admin/weights", dependencies=ADMIN)

@@ -463,6 +463,31 @@ class GrpcMethods:
         )
 
     @unary
+    async def ListReplicas(self, request, grpc_context=None):
+        from google.protobuf.struct_pb2 import Struct
+
+        from .api_admin import PUBLIC_REPLICA_FIELDS, replica_list
+
+        listed = await replica_list(self, _Metadata(grpc_context))
+        replicas = []
+        for entry in listed["data"]:
+            details = Struct()
+            details.update({k: v for k, v in entry.items() if k not in PUBLIC_REPLICA_FIELDS})
+            replicas.append(
+                pb.Replica(
+                    replica_id=entry["replica_id"],
+                    health=str(entry.get("health", "")),
+                    device=str(entry.get("device", "")),
+                    control_version=int(entry.get("control_version", 0)),
+                    layout={k: int(v) for k, v in (entry.get("layout") or {}).items()},
+                    details=details,
+                )
+            )
+        return pb.ListReplicasResponse(
+            data=replicas, expected=int(listed["expected"]), desired_version=int(listed["desired_version"])
+        )
+
+    @unary
     async def Health(self, request, grpc_context=None):
         return pb.HealthReply(**await self.health())
 

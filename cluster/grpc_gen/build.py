@@ -23,13 +23,16 @@ OUTPUTS = ("ditserve_pb2.py", "ditserve_pb2.pyi", "ditserve_pb2_grpc.py")
 
 def generate() -> dict[str, str]:
     """Run protoc (grpcio-tools) into a temporary folder; returns {file name: text}."""
+    import grpc_tools
     from grpc_tools import protoc
 
+    well_known = Path(grpc_tools.__file__).parent / "_proto"  # google/protobuf/*.proto (Struct)
     with tempfile.TemporaryDirectory() as out:
         code = protoc.main(
             [
                 "grpc_tools.protoc",
                 f"-I{PROTO_ROOT}",
+                f"-I{well_known}",
                 f"--python_out={out}",
                 f"--pyi_out={out}",
                 f"--grpc_python_out={out}",

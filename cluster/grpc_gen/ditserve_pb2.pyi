@@ -1,3 +1,4 @@
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -347,6 +348,39 @@ class ListModelsResponse(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: _containers.RepeatedCompositeFieldContainer[ModelCard]
     def __init__(self, data: _Optional[_Iterable[_Union[ModelCard, _Mapping]]] = ...) -> None: ...
+
+class Replica(_message.Message):
+    __slots__ = ("replica_id", "health", "device", "control_version", "layout", "details")
+    class LayoutEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    health: str
+    device: str
+    control_version: int
+    layout: _containers.ScalarMap[str, int]
+    details: _struct_pb2.Struct
+    def __init__(self, replica_id: _Optional[str] = ..., health: _Optional[str] = ..., device: _Optional[str] = ..., control_version: _Optional[int] = ..., layout: _Optional[_Mapping[str, int]] = ..., details: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+
+class ListReplicasResponse(_message.Message):
+    __slots__ = ("data", "expected", "desired_version")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    data: _containers.RepeatedCompositeFieldContainer[Replica]
+    expected: int
+    desired_version: int
+    def __init__(self, data: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., expected: _Optional[int] = ..., desired_version: _Optional[int] = ...) -> None: ...
 
 class HealthReply(_message.Message):
     __slots__ = ("status",)

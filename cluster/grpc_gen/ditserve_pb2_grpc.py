@@ -104,6 +104,11 @@ class DitServeStub:
                 request_serializer=ditserve_dot_v1_dot_ditserve__pb2.Empty.SerializeToString,
                 response_deserializer=ditserve_dot_v1_dot_ditserve__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.ListReplicas = channel.unary_unary(
+                '/ditserve.v1.DitServe/ListReplicas',
+                request_serializer=ditserve_dot_v1_dot_ditserve__pb2.Empty.SerializeToString,
+                response_deserializer=ditserve_dot_v1_dot_ditserve__pb2.ListReplicasResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/ditserve.v1.DitServe/Health',
                 request_serializer=ditserve_dot_v1_dot_ditserve__pb2.Empty.SerializeToString,
@@ -241,6 +246,13 @@ class DitServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListReplicas(self, request, context):
+        """GET /v1/replicas: every running replica (no key needed; the admin key shows more of each).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """GET /health: status "ok" while the service takes work; UNAVAILABLE once Shutdown has shut it down.
         """
@@ -365,6 +377,11 @@ def add_DitServeServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=ditserve_dot_v1_dot_ditserve__pb2.Empty.FromString,
                     response_serializer=ditserve_dot_v1_dot_ditserve__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'ListReplicas': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListReplicas,
+                    request_deserializer=ditserve_dot_v1_dot_ditserve__pb2.Empty.FromString,
+                    response_serializer=ditserve_dot_v1_dot_ditserve__pb2.ListReplicasResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -785,6 +802,33 @@ class DitServe:
             '/ditserve.v1.DitServe/ListModels',
             ditserve_dot_v1_dot_ditserve__pb2.Empty.SerializeToString,
             ditserve_dot_v1_dot_ditserve__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListReplicas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ditserve.v1.DitServe/ListReplicas',
+            ditserve_dot_v1_dot_ditserve__pb2.Empty.SerializeToString,
+            ditserve_dot_v1_dot_ditserve__pb2.ListReplicasResponse.FromString,
             options,
             channel_credentials,
             insecure,

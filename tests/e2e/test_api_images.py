@@ -14,6 +14,7 @@ import httpx
 import msgpack
 import pytest
 import websockets
+from google.protobuf.json_format import MessageToDict
 from openai import OpenAI
 
 from ditserve.cluster.grpc_gen import ditserve_pb2 as pb
@@ -240,6 +241,29 @@ def test_grpc_stream_previews_as_http_sends_partial_images(stub):
             request()
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert info.value.details().startswith(f"{param}: "), info.value.details()
+
+
+def test_grpc_lists_replicas_as_http_does(server, stub):
+    """ListReplicas answers what GET /v1/replicas answers: without the key the public fields only, with it
+    the rest of each entry (node, ranks, applied state, stats) in details."""
+    for headers, metadata in (({}, []), (ADMIN, list(ADMIN.items()))):
+        http = httpx.get(f"{server.base_url}/v1/replicas", headers=headers, timeout=60).json()
+        listed = stub.ListReplicas(pb.Empty(), metadata=metadata, timeout=60)
+        assert (listed.expected, listed.desired_version) == (http["expected"], http["desired_version"])
+        assert len(listed.data) == len(http["data"]) == 1
+        got, want = listed.data[0], http["data"][0]
+        assert (got.replica_id, got.health, got.device) == (
+            want["replica_id"],
+            want["health"],
+            want["device"],
+        )
+        assert (got.control_version, dict(got.layout)) == (want["control_version"], want["layout"])
+        details = MessageToDict(got.details)
+        assert set(details) == set(want) - {"replica_id", "health", "device", "control_version", "layout"}
+        if headers:
+            assert details["ranks"] == want["ranks"] and details["stats"].keys() == want["stats"].keys()
+        else:
+            assert not details
 
 
 def test_grpc_step_cache_and_usage(stub):
