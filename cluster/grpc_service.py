@@ -92,10 +92,25 @@ def _typed(exc: Exception) -> ServeError:
     return InternalError(f"internal error ({type(exc).__name__}); see the server log")
 
 
+# The HTTP routes a message tells the client to call instead, as the RPCs a gRPC client calls.
+_RPC_OF_ROUTE = (
+    ("POST /v1/admin/memory/resume", "ResumeMemory"),
+    ("POST /v1/images/edits", "EditImage"),
+    ("/v1/images/generations", "Generate"),
+    ("POST /v1/videos", "CreateVideo"),
+)
+
+
+def _in_rpc_terms(message: str) -> str:
+    for route, rpc in _RPC_OF_ROUTE:
+        message = message.replace(route, rpc)
+    return message
+
+
 def _fail(context: Any, exc: Exception) -> None:
     err = _typed(exc)
     context.set_code(grpc_code(err))
-    context.set_details(err.message)
+    context.set_details(_in_rpc_terms(err.message))
 
 
 def unary(fn):

@@ -309,7 +309,9 @@ def test_grpc_admin_with_key(stub):
     assert released.replicas and released.missing == 0
     with pytest.raises(grpc.RpcError) as info:
         stub.Generate(pb.GenerateRequest(prompt="a fox", size="64x64", num_inference_steps=1))
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "resume" in info.value.details()
+    # the fix in gRPC's terms (HTTP's message names POST /v1/admin/memory/resume)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+    assert info.value.details().endswith("memory is released; ResumeMemory first"), info.value.details()
     stub.ResumeMemory(pb.Empty(), metadata=meta)
     grpc_valid(stub)
 

@@ -144,6 +144,11 @@ def test_grpc_video_job(server):
     with Client(f"127.0.0.1:{server.grpc_port}") as c, pytest.raises(grpc.RpcError) as info:
         c.create_video("waves")
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # An image call on a video model names the RPC to use (HTTP's message names POST /v1/videos).
+    with Client(f"127.0.0.1:{server.grpc_port}", api_key=KEY) as c, pytest.raises(grpc.RpcError) as info:
+        c.generate("waves")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == "model 'demo-wan' makes videos; use CreateVideo"
 
 
 def test_grpc_client_takes_videos_above_grpc_default_message_limit():
