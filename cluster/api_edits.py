@@ -174,14 +174,16 @@ def validate_edit(data: dict[str, Any]) -> ImageEditRequest:
 
 
 def encode_output(png: bytes, output_format: str, compression: int | None) -> bytes:
-    """The engine's PNG in the asked ``output_format`` (jpeg / webp at quality ``compression``, default 100)."""
+    """The engine's PNG in the asked ``output_format`` (jpeg / webp at quality ``compression``, default 100).
+    A JPEG of quality 90 or more keeps full-resolution colour (4:4:4): Pillow's default 4:2:0 halves the
+    chroma, which on a detailed picture costs more than the quality asked for (24 dB against 50 dB at 100)."""
     if output_format == "png":
         return png
+    quality = 100 if compression is None else compression
+    extra = {"subsampling": 0} if output_format == "jpeg" and quality >= 90 else {}
     buf = io.BytesIO()
     with Image.open(io.BytesIO(png)) as image:
-        image.convert("RGB").save(
-            buf, format=output_format.upper(), quality=100 if compression is None else compression
-        )
+        image.convert("RGB").save(buf, format=output_format.upper(), quality=quality, **extra)
     return buf.getvalue()
 
 

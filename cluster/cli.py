@@ -35,7 +35,7 @@ def _add_generate(sub) -> None:
         "-o",
         "--output",
         default="out.png",
-        help="Output file: .png (image) or .mp4 (video; without --model, the default video model "
+        help="Output file: .png, .jpg or .webp (image) or .mp4 (video; without --model, the default video model "
         "demo-scenes-video).",
     )
     p.add_argument(
@@ -48,7 +48,11 @@ def _add_generate(sub) -> None:
     p.add_argument("--height", type=int, default=None, help="Height in pixels (default: as for --width).")
     p.add_argument("--num-inference-steps", type=int, default=20)
     p.add_argument(
-        "--guidance-scale", type=float, default=None, help="Distilled guidance (Flux) / CFG (Wan)."
+        "--guidance-scale",
+        type=float,
+        default=None,
+        help="The pipeline's guidance_scale: distilled guidance (FLUX.1, FLUX.2 dev), else CFG "
+        "(SD3, Z-Image, FLUX.2 Klein, Wan, HunyuanVideo 1.5); default: the pipeline's.",
     )
     p.add_argument(
         "--guidance-scale-2",
@@ -57,7 +61,10 @@ def _add_generate(sub) -> None:
         help="Wan 2.2 A14B: the low-noise expert's CFG (default: --guidance-scale).",
     )
     p.add_argument(
-        "--true-cfg-scale", type=float, default=None, help="Flux true CFG (with --negative-prompt)."
+        "--true-cfg-scale",
+        type=float,
+        default=None,
+        help="True CFG with --negative-prompt (FLUX.1, Qwen-Image).",
     )
     p.add_argument("--negative-prompt", default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -137,6 +144,10 @@ def _read_images(paths: list[str], engine) -> tuple[bytes, ...]:
     return tuple(images)
 
 
+# -o's suffix → the image format written (the API's output_format values)
+IMAGE_SUFFIXES = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
+
+
 def _output_paths(output: str, n: int, prompts: int = 1) -> list[Path]:
     """Files for ``n`` outputs of each of ``prompts`` prompts: OUT, OUT-<i>, OUT-<k> or OUT-<k>-<i>."""
     path = Path(output)
@@ -189,10 +200,10 @@ def run_generate(ns: argparse.Namespace) -> int:
         return _fail(str(exc))
     video = engine.spec.kind == "video"
     suffix = Path(ns.output).suffix.lower()
-    if suffix != (".mp4" if video else ".png"):
-        return _fail(
-            f"-o {ns.output}: {engine.spec.name} makes {'videos (.mp4)' if video else 'images (.png)'}"
-        )
+    image_format = IMAGE_SUFFIXES.get(suffix)
+    if (suffix != ".mp4") if video else (image_format is None):
+        kinds = "videos (.mp4)" if video else "images (.png, .jpg, .webp)"
+        return _fail(f"-o {ns.output}: {engine.spec.name} makes {kinds}")
     negative, true_cfg = engine.spec.guidance_defaults(ns.negative_prompt, ns.true_cfg_scale)
     from ditserve.replica.media import image_size
 
@@ -290,6 +301,10 @@ def run_generate(ns: argparse.Namespace) -> int:
     outputs = [(data, result) for result in results for data in result.outputs]
     for path, (data, result) in zip(_output_paths(ns.output, params.n, len(jobs)), outputs, strict=True):
         path.parent.mkdir(parents=True, exist_ok=True)
+        if not video and image_format != "png":
+            from .api_edits import encode_output
+
+            data = encode_output(data, image_format, None)  # quality 100, as the API's default
         path.write_bytes(data)
         print(f"wrote {path} ({result.width}x{result.height}, seed {result.seed})")
     return 0

@@ -46,7 +46,8 @@ class GenerationParams(BaseModel):
         ge=0,
         le=100,
         allow_inf_nan=False,
-        description="Distilled guidance (Flux) or CFG scale (Wan).",
+        description="The pipeline's guidance_scale: distilled guidance (FLUX.1, FLUX.2 dev), else the CFG scale "
+        "(SD3, Z-Image, FLUX.2 Klein, Wan, HunyuanVideo 1.5).",
     )
     guidance_scale_2: float | None = Field(
         default=None,
@@ -60,7 +61,7 @@ class GenerationParams(BaseModel):
         ge=0.0,
         le=100,
         allow_inf_nan=False,
-        description="Flux true CFG with a negative prompt when > 1.",
+        description="True CFG (FLUX.1, Qwen-Image) with a negative prompt when > 1.",
     )
     seed: int = Field(default_factory=lambda: secrets.randbits(31), ge=0, lt=2**63)
     n: int = Field(default=1, ge=1, description="Outputs per request.")

@@ -43,6 +43,15 @@ def test_image_png_with_requested_size_and_seed(tmp_path):
     other = tmp_path / "other.png"
     assert generate(*common, "--seed", "8", "-o", str(other)).returncode == 0
     assert not np.array_equal(first, np.array(Image.open(other)))
+    # -o's suffix picks the format, as the API's output_format: the same picture as a JPEG / WebP file
+    # (JPEG at the default quality 100 keeps full-resolution colour; WebP's lossy coding halves it)
+    seed_8 = psnr(np.array(Image.open(other).convert("RGB")), first[..., :3])
+    for name, fmt, floor in (("fox.jpg", "JPEG", 40), ("fox.webp", "WEBP", 20)):
+        done = generate(*common, "--seed", "7", "-o", str(tmp_path / name))
+        assert done.returncode == 0, done.stderr
+        with Image.open(tmp_path / name) as img:
+            assert img.format == fmt and img.size == (96, 64)
+            assert psnr(np.array(img.convert("RGB")), first[..., :3]) > max(floor, seed_8 + 5)
 
 
 def test_video_mp4_frames_and_size(tmp_path):
@@ -95,7 +104,8 @@ def test_several_prompts_one_batch_one_file_each(tmp_path):
         ),
         # 0 is a size, not "the default size" (it made a 64×64 image)
         (["--model", "demo-flux", "--width", "0"], "--width: Input should be greater than or equal to 16"),
-        (["--model", "demo-flux", "-o", "x.mp4"], "makes images"),
+        (["--model", "demo-flux", "-o", "x.mp4"], "makes images (.png, .jpg, .webp)"),
+        (["--model", "demo-flux", "-o", "x.gif"], "makes images (.png, .jpg, .webp)"),
         # without --image there is nothing to keep: it was dropped and a text-to-image made
         (["--model", "demo-flux", "--strength", "0.5"], "--strength: image-to-image needs the start image"),
         (["--model", "demo-wan", "--num-frames", "8", "-o", "x.mp4"], "--num-frames: must be 4·k + 1"),
