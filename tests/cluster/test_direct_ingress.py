@@ -164,12 +164,22 @@ def test_realtime_websocket_route_answers(server):
 
 
 def test_grpc_on_the_grpc_port(server):
+    """Unary and streamed calls, and an error's code and message, as through the proxy."""
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         stub = pb_grpc.DitServeStub(channel)
-        reply = stub.Generate(
-            pb.GenerateRequest(prompt="a red fox", size="64x64", num_inference_steps=2, seed=4)
-        )
+        request = pb.GenerateRequest(prompt="a red fox", size="64x64", num_inference_steps=2, seed=4)
+        reply = stub.Generate(request)
+        events = list(stub.GenerateStream(pb.GenerateRequest(preview=True, **_set(request))))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Generate(pb.GenerateRequest(prompt="a red fox", size="64x65"))
     assert png_pixels(reply.images[0]).shape == (64, 64, 3)
+    assert [e.WhichOneof("event") for e in events] == ["progress", "progress", "result"]
+    assert events[0].progress.preview[:4] == b"\x89PNG" and events[-1].result.images[0] == reply.images[0]
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("size: ")
+
+
+def _set(message) -> dict:
+    return {f.name: v for f, v in message.ListFields()}
 
 
 def test_request_on_a_dying_replica_gets_503_with_retry_after(server):
