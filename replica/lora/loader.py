@@ -8,9 +8,9 @@ rsLoRA) into B, so at run time a request's strength is the only scale left.
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,8 +129,14 @@ def _alpha_for(module: str, rank: int, alphas: dict, metadata: dict) -> float:
             return float(alphas[candidate])
     pattern = metadata.get("alpha_pattern") or {}
     for pat, value in pattern.items():
-        if module == pat or module.endswith("." + pat) or fnmatch.fnmatch(module, pat):
-            return float(value)
+        # PEFT's rule (get_pattern_key): the key is a regular expression matching the name's dotted suffix
+        try:
+            if re.match(rf"(.*\.)?({pat})$", module):
+                return float(value)
+        except re.error as exc:
+            raise ValueError(
+                f"path: the file's alpha_pattern key {pat!r} is not a regular expression: {exc}"
+            ) from None
     if metadata.get("lora_alpha") is not None:
         return float(metadata["lora_alpha"])
     return float(rank)  # diffusers' default: lora_alpha = r, scale 1

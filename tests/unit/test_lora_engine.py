@@ -179,6 +179,37 @@ def test_peft_metadata_rank_and_alpha_patterns(engine, files):
     assert psnr(ours, diffusers_image(path)) >= 40
 
 
+def test_alpha_pattern_keys_are_regular_expressions_as_in_peft(engine, files):
+    """PEFT matches an alpha_pattern key as a regular expression on a module name's dotted suffix (``^`` for
+    the whole name): a file saved from a config with such keys is scaled as diffusers scales it. The engine
+    matched them as plain suffixes or globs, so these fell back to lora_alpha."""
+    layers = {}
+    for module, (a, b) in weights(7).items():
+        layers[f"{module}.lora_A.weight"], layers[f"{module}.lora_B.weight"] = a, b
+    metadata = {
+        "r": RANK,
+        "lora_alpha": 1.0,
+        "alpha_pattern": {
+            r"transformer_blocks\.\d+\.ff\.net\.0\.proj": 16.0,
+            "^single_transformer_blocks.0.proj_out": 12.0,
+        },
+        "target_modules": [m for _, m, _, _ in TARGETS],
+    }
+    FluxPipeline.save_lora_weights(
+        str(files["root"]),
+        transformer_lora_layers=layers,
+        transformer_lora_adapter_metadata=metadata,
+        weight_name="regex.safetensors",
+    )
+    path = files["root"] / "regex.safetensors"
+    engine.load_lora("regex", str(path))
+    try:
+        ours = image(engine, LoRARef(name="regex"))
+    finally:
+        engine.unload_lora("regex")
+    assert psnr(ours, diffusers_image(path)) >= 40
+
+
 def test_rslora_metadata_scales_by_the_square_root_of_the_rank(engine, files):
     """A file saved from a LoraConfig with ``use_rslora`` (its metadata says so): PEFT scales each module by
     alpha / sqrt(rank), as diffusers' load_lora_weights does. The engine scaled by alpha / rank, drawing it at
