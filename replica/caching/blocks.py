@@ -7,8 +7,9 @@ kept residual to its first-block output. The model's own loop then calls the rem
 their inputs through for this forward. So the work saved in the blocks is the hits' share of rows.
 
 Under sequence parallelism a request's rows are split over the sp group: the two sums of its metric are
-all-reduced over that group before the comparison, so every rank decides the same (tensor-parallel ranks
-hold the same activations after each block's all-reduce and decide the same without a collective).
+all-reduced over that group before the comparison, so every rank decides the same; the sequence padding is
+left out of them, so that it decides as one rank does (tensor-parallel ranks hold the same activations
+after each block's all-reduce and decide the same without a collective).
 
 Per-row state of the forward outside the block inputs (the LoRA manager's adapter segments) follows the
 rows through ``relayout``: called with the computing rows before the remaining blocks, and with
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..parallel.hooks import ATTR as PARALLEL_ATTR
 from .state import RequestCache
 
 ATTR = "_ditserve_step_cache"
@@ -122,10 +124,11 @@ def apply_step_cache(
         inputs = dict(bound.arguments)
         head = _as_tuple(out)
         residual = head[hidden_index] - inputs[hidden_name]
+        measured = _without_padding(residual, getattr(model, PARALLEL_ATTR, None))
         # Per request: its partial sums over its rows on this rank, then one all-reduce for all requests.
         sums, offset = [], 0
         for cache, rows in plan.groups:
-            part = None if cache is None else cache.partial_sums(residual[offset : offset + rows])
+            part = None if cache is None else cache.partial_sums(measured[offset : offset + rows])
             sums.append(part)
             offset += rows
         present = [s for s in sums if s is not None]
@@ -180,7 +183,7 @@ def apply_step_cache(
                         else slice(offset, offset + rows)
                     )
                     cache.store(
-                        residual[offset : offset + rows].detach().clone(),
+                        measured[offset : offset + rows].detach().clone(),
                         tuple(
                             (c[sl] - f[sl]).detach().clone() for c, f in zip(current, first_out, strict=True)
                         ),
@@ -208,6 +211,20 @@ def apply_step_cache(
         block._compiled_call_impl = entry
     setattr(model, ATTR, handle)
     return handle
+
+
+def _without_padding(residual: torch.Tensor, parallel) -> torch.Tensor:
+    """The first block's residual without this rank's sequence padding, which the metric leaves out so that
+    every layout measures the one-rank tokens (padding is a suffix of the global sequence: the tail of the
+    last shards). Where the hidden stream is this rank's shard alone (its length is the layout's local
+    length); a stream that joins other tokens to it is measured whole."""
+    layout = None if parallel is None else parallel.state.layout
+    if layout is None or layout.num_padded == layout.num_tokens or residual.dim() < 2:
+        return residual
+    if residual.shape[1] != layout.num_local:
+        return residual
+    valid = max(0, min(layout.num_local, layout.num_tokens - layout.shard_index * layout.num_local))
+    return residual[:, :valid]
 
 
 def _take_rows(value, index: torch.Tensor, total: int):

@@ -63,6 +63,41 @@ def test_cached_batch_under_layout_matches_one_rank(reference, flags):
     assert usage == reference[1]
 
 
+# 80x48: 15 image tokens, padded to 16 under sp 2. On one rank the first step-to-step distance of this
+# request is 0.3750: thresholds on either side of it and of another distance (0.3273) give 0, 1, 2, 3 hits.
+PADDED = [
+    GenerationParams(
+        prompt="a red fox",
+        width=80,
+        height=48,
+        num_inference_steps=10,
+        seed=1,
+        cache=CacheSettings(policy="fbcache", threshold=threshold),
+    )
+    for threshold in (0.3265, 0.3280, 0.3740, 0.3760)
+]
+
+
+@pytest.fixture(scope="module")
+def padded_reference():
+    return run({}, PADDED)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{"ulysses_degree": 2}, {"ring_degree": 2}],
+    ids=lambda f: "-".join(f"{k.split('_')[0]}{v}" for k, v in f.items()),
+)
+def test_sequence_padding_is_not_measured(padded_reference, flags):
+    """A sequence padded to the sp degree decides as one rank does: the padding tokens' residual was part
+    of the metric, which moved it across the threshold (2 hits where one rank has 3)."""
+    images, usage = run(flags, PADDED)
+    assert [cached for _, cached in padded_reference[1]] == [0, 1, 2, 3]
+    assert usage == padded_reference[1]
+    for ours, ref in zip(images, padded_reference[0], strict=True):
+        assert psnr(ours, ref) >= 40
+
+
 def lora_batch_rank(rank: int, world_size: int, flags: dict, root: str, port: int):
     """One rank of a layout: the worker the engine runs there, driving the LoRA batch of the step-cache
     unit tests; its decisions, the rows its last block's adapted linear got, its images (rank 0)."""
