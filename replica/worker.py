@@ -140,10 +140,11 @@ def apply_speed_switches(
             raise ValueError(
                 f"--quantization fp8: {type(model).__name__} has no block linears FP8 GEMMs can take"
             )
-    if fused_epilogues and family == "flux":
-        from .models.flux_fused import fuse_flux_epilogues
+    if fused_epilogues:
+        from .models.flux_fused import fuse_flux_epilogues, fuse_gelu_epilogues
 
-        changed["fused_epilogues"] = fuse_flux_epilogues(model)
+        fuse = fuse_flux_epilogues if family == "flux" else fuse_gelu_epilogues
+        changed["fused_epilogues"] = fuse(model)
     return changed
 
 

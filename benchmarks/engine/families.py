@@ -5,8 +5,9 @@ device)`` and ``REAL_SETTINGS``), in one process and on the same weights, in thi
 
 1. **diffusers, compiled**: the family's own pipeline after regional compilation of its blocks (``compile_blocks``, as ``--compile`` does; the
    baseline of the run); step times from ``callback_on_step_end`` with a device sync;
-2. **ditserve bf16**: the family's runner on the same (compiled) transformer, as a one-GPU replica runs it with
-   ``--compile`` and its defaults (CUDA graphs where the family's inputs allow them);
+2. **ditserve bf16**: the family's runner on the same transformer, as a one-GPU replica runs it with
+   ``--compile`` and its defaults (``--fused-epilogues``: the tanh-GELU MLPs' GELU in the GEMM's epilogue;
+   CUDA graphs where the family's inputs allow them), compiled again;
 3. **ditserve FP8**: after ``--quantization fp8`` (row-wise FP8 GEMMs), compiled again.
 
 Per row: median step time over ``--steps`` denoising steps (after a warm-up call that compiles), the image
@@ -137,7 +138,50 @@ def transformers_of(pipe) -> list[torch.nn.Module]:
     ]
 
 
-def measure(name: str, steps: int, graphs: bool, size: str = "real", device: str = "cuda") -> list[dict]:
+def kernel_breakdown(name: str, run) -> None:
+    """GPU kernel time of ``run`` (a 2-step generation: encode, 2 steps, decode) by kind, printed: where the
+    step's time goes (GEMMs, attention, inductor's fused elementwise kernels, the rest)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        sync()
+    kinds: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = event.device_time_total
+        if us <= 0:
+            continue
+        low = event.key.lower()
+        if any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "matmul", "cublas")):
+            kind = "gemm"
+        elif any(k in low for k in ("fmha", "flash", "sdpa", "attention", "cudnn")):
+            kind = "attention"
+        elif low.startswith("triton") or "triton_" in low:
+            kind = "triton (inductor fused)"
+        elif "conv" in low:
+            kind = "conv (VAE)"
+        else:
+            kind = "other"
+        kinds[kind] = kinds.get(kind, 0.0) + us / 1e3
+    total = sum(kinds.values())
+    parts = ", ".join(
+        f"{k} {v:.1f} ms ({v / total:.1%})" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
+    )
+    print(f"{name}: kernel time of a 2-step generation {total:.1f} ms: {parts}", flush=True)
+    top = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]
+    for e in top:
+        print(f"  {e.device_time_total / 1e3:9.1f} ms  {e.count:5d}×  {e.key[:110]}", flush=True)
+
+
+def measure(
+    name: str,
+    steps: int,
+    graphs: bool,
+    size: str = "real",
+    device: str = "cuda",
+    cfg_batch: bool = False,
+    profile: bool = False,
+) -> list[dict]:
     """The three rows of one family (``size="tiny", device="cpu"``: a smoke run of this script, bf16 → fp32,
     no compile, no FP8)."""
     from ditserve.replica.worker import apply_speed_switches, compile_blocks
@@ -183,7 +227,24 @@ def measure(name: str, steps: int, graphs: bool, size: str = "real", device: str
             compile_blocks(m)
     ref = row("diffusers compiled (baseline)", lambda n: diffusers_run(pipe, settings, n))
     family, runner = make_runner(pipe, graphs and on_gpu, dev, dtype)
+    if on_gpu:  # the engine's defaults on one GPU: --fused-epilogues is on (auto), then --compile
+        torch._dynamo.reset()
+        for m in transformers_of(pipe):
+            changed = apply_speed_switches(
+                m, family=family.name, device=dev, dtype=dtype, fused_epilogues=True
+            )
+            print(f"{name}: --fused-epilogues changed {changed['fused_epilogues']} modules", flush=True)
+            compile_blocks(m)
+        runner.model_changed()
     row("ditserve bf16 --compile", lambda n: runner_run(runner, settings, n), ref)
+    if profile and on_gpu:
+        kernel_breakdown(name, lambda: runner_run(runner, settings, 2))
+    if cfg_batch and on_gpu and not runner.batch_cfg:
+        runner.batch_cfg = True  # the CFG branches as one forward of [uncond; cond] rows
+        row(
+            "ditserve bf16 --compile, CFG rows in one forward", lambda n: runner_run(runner, settings, n), ref
+        )
+        runner.batch_cfg = type(runner).batch_cfg
     if not on_gpu:
         return rows
     torch._dynamo.reset()
@@ -207,12 +268,18 @@ def main() -> None:
     parser.add_argument("--no-graphs", action="store_true", help="ditserve rows without CUDA graphs")
     parser.add_argument("--size", choices=["real", "tiny"], default="real")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument(
+        "--cfg-batch", action="store_true", help="an extra bf16 row: the CFG branches as one forward"
+    )
+    parser.add_argument("--profile", action="store_true", help="print the bf16 row's kernel time by kind")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows, failed = [], []
     for name in args.family:
         try:
-            rows += measure(name, args.steps, not args.no_graphs, args.size, args.device)
+            rows += measure(
+                name, args.steps, not args.no_graphs, args.size, args.device, args.cfg_batch, args.profile
+            )
         except Exception as exc:  # one family failing leaves the others' rows
             traceback.print_exc()
             failed.append(f"{name}: {type(exc).__name__}: {str(exc)[-300:]}")

@@ -1,4 +1,5 @@
-"""Fewer activation round trips through HBM in FLUX blocks (``--fused-epilogues``).
+"""Fewer activation round trips through HBM in FLUX blocks (``--fused-epilogues``); the GELU epilogue in
+every family's tanh-GELU MLPs (``fuse_gelu_epilogues``).
 
 A compiled FLUX step at 1024² spends ~17 ms of ~131 in elementwise kernels; two of them move the widest
 tensors of the model (tokens × 12288 MLP activations) and can go into the GEMMs around them:
@@ -136,6 +137,20 @@ def fuse_flux_epilogues(transformer: nn.Module) -> int:
             module.forward = types.MethodType(_gelu_forward, module)
             changed += 1
     return changed + fuse_flux_norms(transformer)
+
+
+def fuse_gelu_epilogues(transformer: nn.Module) -> int:
+    """The part of ``fuse_flux_epilogues`` that every family can take: each diffusers ``GELU`` projection
+    with the tanh approximation (``FeedForward(activation_fn="gelu-approximate")``: the MLPs of Wan, SD3,
+    Qwen-Image, HunyuanVideo 1.5) gets its GELU in the GEMM's epilogue. Returns how many modules changed."""
+    from diffusers.models.activations import GELU
+
+    changed = 0
+    for module in transformer.modules():
+        if type(module) is GELU and module.approximate == "tanh":
+            module.forward = types.MethodType(_gelu_forward, module)
+            changed += 1
+    return changed
 
 
 def fuse_flux_norms(transformer: nn.Module) -> int:

@@ -109,3 +109,40 @@ def test_engine_flag_patches_the_served_model_and_keeps_the_image(tmp_path):
     assert main([*args, "-o", str(tmp_path / "a.png")]) == 0
     assert main([*args, "--fused-epilogues", "-o", str(tmp_path / "b.png")]) == 0
     assert (tmp_path / "a.png").read_bytes() == (tmp_path / "b.png").read_bytes()
+
+
+def _tanh_gelus(model) -> list:
+    from diffusers.models.activations import GELU
+
+    return [m for m in model.modules() if type(m) is GELU and m.approximate == "tanh"]
+
+
+def test_engine_flag_puts_the_gelu_in_the_gemm_of_other_families():
+    """Families other than FLUX.1 (here Wan) get the one part that is not FLUX-specific: every tanh-GELU MLP
+    projection computes its GELU in the GEMM's epilogue; the served video is the stock one."""
+    from ditserve.replica.config import EngineConfig
+    from ditserve.replica.worker import RankWorker
+
+    fused = RankWorker(EngineConfig(model="demo-wan", fused_epilogues=True))
+    stock = RankWorker(EngineConfig(model="demo-wan", fused_epilogues=False))
+    gelus = _tanh_gelus(fused.pipe.transformer)
+    assert len(gelus) == len(fused.pipe.transformer.blocks) > 0
+    assert all("forward" in g.__dict__ for g in gelus)
+    assert not any("forward" in g.__dict__ for g in _tanh_gelus(stock.pipe.transformer))
+
+
+@pytest.mark.gpu
+def test_bf16_gpu_gelu_epilogue_matches_the_stock_mlp():
+    from diffusers.models.attention import FeedForward
+
+    from ditserve.replica.models.flux_fused import fuse_gelu_epilogues
+
+    torch.manual_seed(0)
+    ff = FeedForward(512, inner_dim=1536, activation_fn="gelu-approximate").to("cuda", torch.bfloat16)
+    x = torch.randn(2, 300, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = ff(x).float()
+        assert fuse_gelu_epilogues(ff) == 1
+        got = ff(x).float()
+    rel = (got - want).abs().max() / want.abs().max()
+    assert rel < 2e-2, rel
