@@ -110,7 +110,12 @@ def _in_rpc_terms(message: str) -> str:
 def _fail(context: Any, exc: Exception) -> None:
     err = _typed(exc)
     context.set_code(grpc_code(err))
-    context.set_details(_in_rpc_terms(err.message))
+    details = _in_rpc_terms(err.message)
+    if err.retry_after is not None:
+        # HTTP's Retry-After, in the message: Serve's gRPC proxy sends a failed call's code and details only
+        # (trailing metadata set here never reaches the client).
+        details += f" (retry after {max(1, int(err.retry_after))} s)"
+    context.set_details(details)
 
 
 def unary(fn):

@@ -392,7 +392,8 @@ def test_a_realtime_socket_that_opens_no_session_is_closed_when_idle(server):
     assert asyncio.run(closed({"type": "event", "kind": "heartbeat"})) == (1000, "session idle timeout")
 
 
-def test_session_admission_refuses_past_the_limit(server):
+def test_session_admission_refuses_past_the_limit(server, stub):
+    """HTTP: 429 with Retry-After; gRPC: RESOURCE_EXHAUSTED, the same message with the retry hint in it."""
     opened = []
     try:
         for _ in range(6):
@@ -402,6 +403,11 @@ def test_session_admission_refuses_past_the_limit(server):
             opened.append(r.json()["id"])
         assert r.status_code == 429 and "maximum" in r.json()["error"]["message"]
         assert r.headers["retry-after"]
+        with pytest.raises(grpc.RpcError) as info:
+            stub.OpenSession(pb.OpenSessionRequest(size="64x64"), timeout=60)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        hint = f" (retry after {r.headers['retry-after']} s)"
+        assert info.value.details() == r.json()["error"]["message"] + hint
     finally:
         for sid in opened:
             httpx.delete(f"{server.base_url}/v1/sessions/{sid}")
