@@ -86,8 +86,8 @@ DECODE_POLL_S = 0.005
 
 
 class AdapterDraining(ValueError):
-    """A load of a name whose adapter is still being unloaded (queued or running requests use it): the same
-    load succeeds once they are done."""
+    """A load of a name whose adapter is still being unloaded, or that would replace an adapter, while queued
+    or running requests use it: the same load succeeds once they are done."""
 
 
 class Engine:
@@ -356,6 +356,13 @@ class Engine:
         if name in self.draining:
             raise AdapterDraining(
                 f"name: adapter {name!r} is still being unloaded (requests use it); retry shortly"
+            )
+        users = sum(any(ref.name == name for ref in j.params.lora) for j in self._jobs())
+        if name in self.loras and users:
+            # Its slot would change under them between two steps: an image drawn partly with each adapter.
+            raise AdapterDraining(
+                f"name: adapter {name!r} is used by {users} queued or running request(s); replacing it now "
+                "would change their images part-way. Retry once they are done, or load it under another name"
             )
         resolved = str(check_allowed(Path(source), self.config.lora_roots))
         info = self.launcher.call("lora_load", name, resolved, float(scale))

@@ -7,7 +7,7 @@ from diffusers import FluxPipeline
 from safetensors.torch import load_file, save_file
 
 from ditserve.replica.config import EngineConfig
-from ditserve.replica.engine import Engine
+from ditserve.replica.engine import AdapterDraining, Engine
 from ditserve.replica.models.demo import ensure_demo_model
 from ditserve.replica.request import GenerationParams, LoRARef
 from tests.helpers import png_pixels, psnr
@@ -480,6 +480,25 @@ def test_unloading_an_adapter_in_use_lets_its_requests_finish(engine, files):
     assert "busy" not in {a["name"] for a in engine.lora_list()}
     engine.load_lora("busy", str(files["b"]))
     engine.unload_lora("busy")
+
+
+def test_replacing_an_adapter_in_use_is_refused_until_its_requests_are_done(engine, files):
+    """Loading a name again replaces its adapter between two steps; while queued or running requests use it,
+    that drew their images part with each file (14 dB from either here). The load is refused (409 at the
+    server: retry), the requests get the adapter they were accepted with, and the same load succeeds after."""
+    engine.load_lora("swap", str(files["a_kohya"]))
+    want = image(engine, LoRARef(name="swap"))
+    running = engine.submit(GenerationParams(**REQ, lora=(LoRARef(name="swap"),)))
+    with pytest.raises(
+        AdapterDraining, match=r"^name: adapter 'swap' is used by 1 queued or running request"
+    ):
+        engine.load_lora("swap", str(files["b"]))
+    assert np.array_equal(png_pixels(running.result(timeout=120).outputs[0]), want)
+    engine.load_lora("swap", str(files["b"]))  # nothing uses it now
+    try:
+        assert psnr(image(engine, LoRARef(name="swap")), want) < 30
+    finally:
+        engine.unload_lora("swap")
 
 
 def test_lora_inside_the_gemm_draws_what_the_unfused_path_draws(engine, files, monkeypatch):
