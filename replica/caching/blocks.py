@@ -7,9 +7,11 @@ kept residual to its first-block output. The model's own loop then calls the rem
 their inputs through for this forward. So the work saved in the blocks is the hits' share of rows.
 
 Under sequence parallelism a request's rows are split over the sp group: the two sums of its metric are
-all-reduced over that group before the comparison, so every rank decides the same; the sequence padding is
-left out of them, so that it decides as one rank does (tensor-parallel ranks hold the same activations
-after each block's all-reduce and decide the same without a collective).
+all-reduced over that group before the comparison, so every rank decides the same; each rank sums its
+shard without the sequence padding, and the tokens every rank holds alike (a joint stream's replicated
+text) count on one rank only, so that the reduced sums are one rank's and the request decides as one rank
+does (tensor-parallel ranks hold the same activations after each block's all-reduce and decide the same
+without a collective).
 
 Per-row state of the forward outside the block inputs (the LoRA manager's adapter segments) follows the
 rows through ``relayout``: called with the computing rows before the remaining blocks, and with
@@ -124,7 +126,7 @@ def apply_step_cache(
         inputs = dict(bound.arguments)
         head = _as_tuple(out)
         residual = head[hidden_index] - inputs[hidden_name]
-        measured = _without_padding(residual, getattr(model, PARALLEL_ATTR, None))
+        measured = _measured(residual, getattr(model, PARALLEL_ATTR, None))
         # Per request: its partial sums over its rows on this rank, then one all-reduce for all requests.
         sums, offset = [], 0
         for cache, rows in plan.groups:
@@ -213,18 +215,25 @@ def apply_step_cache(
     return handle
 
 
-def _without_padding(residual: torch.Tensor, parallel) -> torch.Tensor:
-    """The first block's residual without this rank's sequence padding, which the metric leaves out so that
-    every layout measures the one-rank tokens (padding is a suffix of the global sequence: the tail of the
-    last shards). Where the hidden stream is this rank's shard alone (its length is the layout's local
-    length); a stream that joins other tokens to it is measured whole."""
+def _measured(residual: torch.Tensor, parallel) -> torch.Tensor:
+    """This rank's part of the tokens the metric sums, so that its all-reduce over the sp group gives the
+    one-rank sums: the sequence shard without its padding (padding is a suffix of the global sequence: the
+    tail of the last shards), and the tokens every sp rank holds alike (the replicated text of a joint
+    stream: FLUX.2's single blocks hold the text then the shard, Z-Image's layers the shard then the
+    caption) on the first sp rank only."""
     layout = None if parallel is None else parallel.state.layout
-    if layout is None or layout.num_padded == layout.num_tokens or residual.dim() < 2:
+    if layout is None or layout.num_shards == 1 or residual.dim() < 2:
         return residual
-    if residual.shape[1] != layout.num_local:
-        return residual
-    valid = max(0, min(layout.num_local, layout.num_tokens - layout.shard_index * layout.num_local))
-    return residual[:, :valid]
+    length, local = residual.shape[1], layout.num_local
+    valid = max(0, min(local, layout.num_tokens - layout.shard_index * local))
+    if length == local:
+        return residual[:, :valid]
+    text = parallel.state.num_text
+    start = text if text and length == text + local else 0
+    shard = residual[:, start : start + valid]
+    if layout.shard_index != 0:
+        return shard
+    return torch.cat([residual[:, :start], shard, residual[:, start + local :]], dim=1)
 
 
 def _take_rows(value, index: torch.Tensor, total: int):

@@ -26,9 +26,11 @@ REQUESTS = [
 ]
 
 
-def run(flags: dict, requests: list[GenerationParams] = REQUESTS) -> tuple[list, list]:
+def run(
+    flags: dict, requests: list[GenerationParams] = REQUESTS, model: str = "demo-flux"
+) -> tuple[list, list]:
     """Each request's image and its usage (forwards, cached forwards)."""
-    engine = Engine(EngineConfig(model="demo-flux", parallel=ParallelFlags(**flags))).start()
+    engine = Engine(EngineConfig(model=model, parallel=ParallelFlags(**flags))).start()
     try:
         futures = [engine.submit(p) for p in requests]  # submitted together: they share steps
         results = [f.result(timeout=300) for f in futures]
@@ -95,6 +97,42 @@ def test_sequence_padding_is_not_measured(padded_reference, flags):
     assert [cached for _, cached in padded_reference[1]] == [0, 1, 2, 3]
     assert usage == padded_reference[1]
     for ours, ref in zip(images, padded_reference[0], strict=True):
+        assert psnr(ours, ref) >= 40
+
+
+# Joint streams whose replicated tokens every sp rank holds (FLUX.2's single blocks: the text, then the
+# shard; Z-Image's layers: the shard, then the caption), at 80x48 (no sequence padding on 2 ranks):
+# thresholds on either side of two of the request's one-rank distances, and the hits they give.
+JOINT = {
+    "flux2": ((0.5108, 0.5124, 0.7629, 0.7645), [0, 1, 4, 4]),
+    "zimage": ((0.5654, 0.5670, 0.5729, 0.5745), [0, 1, 1, 2]),
+}
+
+
+@pytest.mark.parametrize("family", JOINT)
+def test_replicated_tokens_are_measured_once(family, tmp_path):
+    """Under Ulysses a joint stream's text (or caption) is measured once over the sp group, as on one rank;
+    every rank summed it, so the metric counted it twice (FLUX.2: 1 hit where one rank has none)."""
+    from tests.families import flux2, zimage
+
+    folder = str({"flux2": flux2, "zimage": zimage}[family].build_folder(tmp_path / family))
+    thresholds, hits = JOINT[family]
+    requests = [
+        GenerationParams(
+            prompt="a red fox",
+            width=80,
+            height=48,
+            num_inference_steps=8,
+            seed=1,
+            cache=CacheSettings(policy="fbcache", threshold=threshold),
+        )
+        for threshold in thresholds
+    ]
+    one_images, one_usage = run({}, requests, folder)
+    assert [cached for _, cached in one_usage] == hits
+    images, usage = run({"ulysses_degree": 2}, requests, folder)
+    assert usage == one_usage
+    for ours, ref in zip(images, one_images, strict=True):
         assert psnr(ours, ref) >= 40
 
 
