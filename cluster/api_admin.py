@@ -46,7 +46,7 @@ class WeightsRequest(BaseModel):
 
 
 class LoRALoadRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = Field(min_length=1, max_length=128, description="Name requests use to pick the adapter.")
     path: str = Field(min_length=1, description="Adapter file or folder (under --lora-root).")
