@@ -97,6 +97,7 @@ _RPC_OF_ROUTE = (
     ("POST /v1/admin/memory/resume", "ResumeMemory"),
     ("POST /v1/images/edits", "EditImage"),
     ("/v1/images/generations", "Generate"),
+    ("POST /v1/videos/{id}/remix", "RemixVideo"),
     ("POST /v1/videos", "CreateVideo"),
 )
 
