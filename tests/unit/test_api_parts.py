@@ -16,7 +16,7 @@ from ditserve.cluster.client import sse_events
 from ditserve.cluster.errors import BadRequest
 from ditserve.cluster.grpc_gen import build
 from ditserve.cluster.grpc_gen import ditserve_pb2 as pb
-from ditserve.cluster.grpc_service import fields
+from ditserve.cluster.grpc_service import _in_rpc_terms, fields
 from ditserve.cluster.replica_streams import latent_preview
 from ditserve.cluster.schemas import ImageGenerationRequest
 
@@ -30,6 +30,18 @@ def test_proto_fields_validate_like_http():
     assert (body.seed, body.n, body.num_inference_steps) == (5, 2, 20)  # unset → the HTTP default
     with pytest.raises(ValueError, match="seed"):
         ImageGenerationRequest.model_validate(fields(pb.GenerateRequest(prompt="a fox", seed=-1)))
+
+
+def test_grpc_messages_name_the_rpc_where_http_names_a_route():
+    assert _in_rpc_terms("replica memory is released; POST /v1/admin/memory/resume first") == (
+        "replica memory is released; ResumeMemory first"
+    )
+    assert _in_rpc_terms("give 1 to 3 (POST /v1/images/edits, not /v1/images/generations)") == (
+        "give 1 to 3 (EditImage, not Generate)"
+    )
+    assert _in_rpc_terms("made with POST /v1/videos and remixed with POST /v1/videos/{id}/remix") == (
+        "made with CreateVideo and remixed with RemixVideo"
+    )
 
 
 def test_multipart_form_fields_as_openai_sends_them():
