@@ -173,8 +173,10 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
     else:
         state, metadata = out
         alphas = None
-    alphas = alphas or {}
     metadata = {k.removeprefix("transformer."): v for k, v in (metadata or {}).items()}
+    # Alpha tensors beside PEFT keys (kohya's convention: scale alpha / rank) that this class's loader leaves in
+    # the state dict (FLUX's returns them as network alphas): read as FLUX's loader reads them, never dropped
+    alphas = {k: v for k, v in state.items() if k.endswith(".alpha")} | (alphas or {})
     if not any(k.startswith(_COMPONENTS) for k in state) and any(".lora_A." in k for k in state):
         # A file saved from the transformer itself (peft's get_peft_model_state_dict, or PEFT's save_pretrained
         # with its base_model.model. prefix): module names without the pipeline's component prefix, which

@@ -278,6 +278,19 @@ def test_a_layout_the_pipelines_loader_does_not_convert_is_refused_as_such(files
         read_lora_file(files["a_kohya"], "StableDiffusion3Pipeline")
 
 
+@pytest.mark.parametrize("pipeline", ["StableDiffusion3Pipeline", "WanPipeline", "Flux2Pipeline"])
+def test_alpha_tensors_beside_peft_keys_scale_every_family_as_flux(files, pipeline):
+    """PEFT keys with kohya's per-module alpha tensors (the a_peft file): FLUX's loader returns the alphas and
+    each module draws at alpha / rank. The other classes' loaders leave them in the state dict, where they
+    were dropped: the adapter drew at scale 1 (here twice its strength). They scale every family alike."""
+    from ditserve.replica.lora.loader import read_lora_file
+
+    got = read_lora_file(files["a_peft"], pipeline)
+    for module, (a, b) in weights(1).items():
+        assert torch.equal(got.modules[module].a, a)
+        assert torch.allclose(got.modules[module].b, b * ALPHA / RANK)
+
+
 def test_mixed_batch_gives_each_request_its_own_image(engine, files):
     engine.load_lora("a", str(files["a_kohya"]))
     engine.load_lora("b", str(files["b"]))
