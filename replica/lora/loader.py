@@ -184,7 +184,9 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
         # diffusers' ``transformer.load_lora_adapter(file, prefix=None)`` reads it; the module names are
         # checked against the model when it loads.
         state = {"transformer." + k.removeprefix("base_model.model."): v for k, v in state.items()}
-    if any(marker in k for k in state for marker in DORA_MARKERS):
+    # A config with use_dora makes PEFT build DoRA layers (their magnitudes from the model's weights when the
+    # file has none): not the plain LoRA delta.
+    if metadata.get("use_dora") or any(marker in k for k in state for marker in DORA_MARKERS):
         raise ValueError(f"path: {file} is a DoRA adapter; DoRA is not supported (plain LoRA only)")
     modules: dict[str, LoRAModule] = {}
     ignored = 0

@@ -291,6 +291,30 @@ def test_alpha_tensors_beside_peft_keys_scale_every_family_as_flux(files, pipeli
         assert torch.allclose(got.modules[module].b, b * ALPHA / RANK)
 
 
+def test_a_file_saved_from_a_dora_config_is_refused_as_dora(files):
+    """A file whose metadata says use_dora but that holds no magnitude vectors: PEFT builds DoRA layers for it
+    (diffusers' load_lora_weights fails on it); the engine served it as a plain LoRA."""
+    from ditserve.replica.lora.loader import read_lora_file
+
+    layers = {}
+    for module, (a, b) in weights(1).items():
+        layers[f"{module}.lora_A.weight"], layers[f"{module}.lora_B.weight"] = a, b
+    metadata = {
+        "r": RANK,
+        "lora_alpha": 4.0,
+        "use_dora": True,
+        "target_modules": [m for _, m, _, _ in TARGETS],
+    }
+    FluxPipeline.save_lora_weights(
+        str(files["root"]),
+        transformer_lora_layers=layers,
+        transformer_lora_adapter_metadata=metadata,
+        weight_name="dora_config.safetensors",
+    )
+    with pytest.raises(ValueError, match=r"^path: .* is a DoRA adapter; DoRA is not supported"):
+        read_lora_file(files["root"] / "dora_config.safetensors", "FluxPipeline")
+
+
 def test_mixed_batch_gives_each_request_its_own_image(engine, files):
     engine.load_lora("a", str(files["a_kohya"]))
     engine.load_lora("b", str(files["b"]))
