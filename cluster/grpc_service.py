@@ -273,10 +273,37 @@ def _validate(model: type[BaseModel], data: dict[str, Any]) -> Any:
     return model.model_validate(data)
 
 
+def _unknown_field(message: Any, path: str = "") -> str | None:
+    """Where ``message`` (or a message in it) holds a field its type does not have, e.g. ``lora.0: field 7``;
+    None when it holds none."""
+    from google.protobuf.unknown_fields import UnknownFieldSet
+
+    unknown = UnknownFieldSet(message)
+    if len(unknown):
+        return f"{path}field {unknown[0].field_number}"
+    for field, value in message.ListFields():
+        if field.message_type is None or field.message_type.GetOptions().map_entry:
+            continue
+        for index, item in enumerate(value) if field.is_repeated else [(None, value)]:
+            where = f"{path}{field.name}{'' if index is None else f'.{index}'}: "
+            found = _unknown_field(item, where)
+            if found is not None:
+                return found
+    return None
+
+
 class GrpcMethods:
     """The RPCs of ``ditserve.v1.DitServe``, mixed into the Frontend ingress (``self`` is the Frontend)."""
 
     def check_message_size(self, request: Any) -> None:
+        """The message's size, and that it holds no field this server's proto lacks: a client built from
+        another ditserve.proto would see such a setting ignored, where HTTP refuses a field it lacks."""
+        unknown = _unknown_field(request)
+        if unknown is not None:
+            raise BadRequest(
+                f"{unknown} of {request.DESCRIPTOR.full_name} is not in this server's ditserve.proto; "
+                "it is refused rather than ignored (leave it out, or use a server that has it)"
+            )
         size, limit = request.ByteSize(), self.args.max_body_bytes
         if isinstance(request, pb.EditImageRequest):  # image files on top, as POST /v1/images/edits
             from .api_edits import upload_allowance

@@ -583,6 +583,24 @@ def test_http_bad_input(server, case):
     http_valid(server)
 
 
+def _varint(value: int) -> bytes:
+    """Protobuf's base-128 varint."""
+    out = b""
+    while value > 0x7F:
+        out, value = out + bytes([value & 0x7F | 0x80]), value >> 7
+    return out + bytes([value])
+
+
+def _varint_field(number: int, value: int = 1) -> bytes:
+    """Field ``number`` of wire type 0 (varint), as a client whose proto has such a field sends it."""
+    return _varint(number << 3) + _varint(value)
+
+
+def _nested(number: int, payload: bytes) -> bytes:
+    """Field ``number`` of wire type 2: a nested message."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
 def _raw_call(server, method: str, payload: bytes):
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         call = channel.unary_unary(f"/ditserve.v1.DitServe/{method}")
@@ -609,6 +627,9 @@ GRPC_CASES = {
     "admin with a wrong key": (lambda st, s: st.LoadLoRA(pb.LoadLoRARequest(name="a", path="/x"), metadata=WRONG), grpc.StatusCode.UNAUTHENTICATED, "API key"),
     "admin unknown adapter": (lambda st, s: st.UnloadLoRA(pb.UnloadLoRARequest(name="nope"), metadata=ADMIN.items()), grpc.StatusCode.NOT_FOUND, "nope"),
     "malformed protobuf": (lambda st, s: _raw_call(s, "Generate", b"\xff\xff\xff\xff"), grpc.StatusCode.UNKNOWN, "GenerateRequest"),
+    # a field this server's proto lacks (a client built from another version) is refused, not ignored
+    "unknown field": (lambda st, s: _raw_call(s, "Generate", R(prompt="a fox").SerializeToString() + _varint_field(99)), grpc.StatusCode.INVALID_ARGUMENT, "field 99 of ditserve.v1.GenerateRequest"),
+    "unknown field in an adapter": (lambda st, s: _raw_call(s, "Generate", R(prompt="a fox").SerializeToString() + _nested(10, pb.LoRARef(name="x").SerializeToString() + _varint_field(7))), grpc.StatusCode.INVALID_ARGUMENT, "lora.0: field 7"),
 }  # fmt: skip
 
 
