@@ -41,9 +41,13 @@ def parse_lora_spec(spec: str, flag: str = "--lora") -> tuple[str, str, float]:
     head, colon, tail = rest.rpartition(":")
     if colon and head:
         try:
-            return name, head, float(tail)
+            scale = float(tail)
         except ValueError:
-            pass  # a ':' inside the path, no scale
+            return name, rest, 1.0  # a ':' inside the path, no scale
+        # the API's bounds (POST /v1/loras scale): a NaN default drew every request that gives none black
+        if not -10.0 <= scale <= 10.0:
+            raise ValueError(f"{flag} {spec!r}: SCALE {tail} must be a finite number from -10 to 10")
+        return name, head, scale
     return name, rest, 1.0
 
 

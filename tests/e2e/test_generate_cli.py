@@ -117,6 +117,8 @@ def test_several_prompts_one_batch_one_file_each(tmp_path):
         (["--model", "demo-flux", "--ulysses-degree", "16"], "--ulysses-degree"),
         (["--model", "demo-flux", "--n", "9"], "--n: 9 is above the maximum"),
         (["--model", "demo-flux", "--lora", "style=missing.safetensors"], "--lora style: "),
+        # a NaN default scale drew every request without its own scale black (serve's --lora-path)
+        (["--model", "demo-flux", "--lora", "style=a.safetensors:nan"], "SCALE nan must be a finite number"),
         (["--model", "demo-flux", "--dp-size", "2"], "unrecognized arguments: --dp-size"),  # one replica
     ],
 )
