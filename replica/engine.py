@@ -258,8 +258,11 @@ class Engine:
         if not self.running:
             raise RuntimeError("engine is not running")
         self.check(params)
-        if params.cache is None and self.default_cache is not None:
-            params = params.model_copy(update={"cache": self.default_cache})
+        if params.cache is None:
+            if self.default_cache is not None:
+                params = params.model_copy(update={"cache": self.default_cache})
+        elif (cache := params.cache.with_defaults(self.default_cache)) is not params.cache:
+            params = params.model_copy(update={"cache": cache})
         bucket = (params.height, params.width, params.num_frames if self.spec.kind == "video" else 1)
         if params.images and self.spec.edits:
             # References of other sizes may give other sequence lengths: rows of one forward share one.

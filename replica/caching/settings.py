@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..jsonfields import json_int
 
@@ -66,6 +66,34 @@ class CacheSettings(BaseModel):
         default=None,
         description="taylorseer: Taylor order of the forecast (default 1).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _policy_of_the_settings(cls, data):
+        """Settings without a policy name it: ``{"threshold": 0.3}`` is fbcache's (it meant no cache), and
+        settings of both policies without one are refused, naming ``policy``."""
+        if isinstance(data, dict) and data.get("policy") is None:
+            policies = sorted({POLICY_OF[k] for k, v in data.items() if k in POLICY_OF and v is not None})
+            if len(policies) > 1:
+                raise ValueError(
+                    "policy: give the policy; the settings given belong to both fbcache (threshold) and "
+                    "taylorseer (interval, warmup, order)"
+                )
+            if policies:
+                data = {**data, "policy": policies[0]}
+        return data
+
+    def with_defaults(self, default: CacheSettings | None) -> CacheSettings | None:
+        """This request's cache against the server's (``--cache-policy`` and its settings, or the model's
+        recommended one): ``{}`` (nothing given) is the server's; settings left out of the server's policy are
+        the server's (``{"policy": "fbcache"}`` on ``--cache-threshold 0.2`` is 0.2), else the defaults."""
+        if not self.model_fields_set:
+            return default
+        if default is None or default.policy != self.policy:
+            return self
+        fill = {k: getattr(default, k) for k in POLICY_OF if getattr(self, k) is None}
+        fill = {k: v for k, v in fill.items() if v is not None}
+        return self.model_copy(update=fill) if fill else self
 
     def value(self, name: str):
         """A setting, or its default when the request left it out."""

@@ -414,3 +414,46 @@ def test_a_weights_update_keeps_caching_on_the_new_transformer():
     assert usage_after == usage_before
     assert tail_after == tail_before  # the new transformer's remaining blocks ran only on computed steps
     assert psnr(after, before) >= 40  # the same weights folder: the same image
+
+
+def test_settings_without_a_policy_name_it_and_both_policies_are_refused():
+    assert CacheSettings.model_validate({"threshold": 0.3}).policy == "fbcache"
+    assert CacheSettings.model_validate({"interval": 2, "order": 2}).policy == "taylorseer"
+    with pytest.raises(ValidationError, match="policy: give the policy"):
+        CacheSettings.model_validate({"threshold": 0.3, "interval": 2})
+
+
+def test_a_requests_cache_takes_what_it_leaves_out_from_the_servers():
+    """``--cache-policy fbcache --cache-threshold 10`` (every step after the first reuses the cache): a
+    request's ``{"policy": "fbcache"}`` and ``{}`` cache as the server's default does; its own threshold wins;
+    on a server without a default, ``{"threshold": 10}`` is fbcache (it meant no cache at all)."""
+    from ditserve.replica.config import EngineConfig
+    from ditserve.replica.engine import Engine
+
+    def cached(engine, cache: dict | None) -> tuple[str, int]:
+        p = GenerationParams(
+            prompt="a red fox",
+            height=64,
+            width=64,
+            num_inference_steps=4,
+            seed=1,
+            cache=None if cache is None else CacheSettings.model_validate(cache),
+        )
+        usage = engine.generate(p, timeout=120).usage
+        return usage["cache_policy"], usage["cached_forwards"]
+
+    engine = Engine(EngineConfig(model="demo-flux", cache_policy="fbcache", cache_threshold=10.0)).start()
+    try:
+        assert cached(engine, None) == ("fbcache", 3)
+        assert cached(engine, {"policy": "fbcache"}) == ("fbcache", 3)
+        assert cached(engine, {}) == ("fbcache", 3)
+        assert cached(engine, {"policy": "fbcache", "threshold": 0}) == ("fbcache", 0)
+        assert cached(engine, {"policy": "none"}) == ("none", 0)
+    finally:
+        engine.shutdown()
+    engine = Engine(EngineConfig(model="demo-flux", cache_policy="none")).start()
+    try:
+        assert cached(engine, {"threshold": 10}) == ("fbcache", 3)
+        assert cached(engine, {}) == ("none", 0)
+    finally:
+        engine.shutdown()
