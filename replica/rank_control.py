@@ -50,6 +50,8 @@ class ServingRankWorker(RankWorker):
             raise ValueError(f"path: {path} has a different transformer config than the served model")
         model = model.to(self.device).eval()
         self.prepare_transformer(model)  # sharded, quantized, fused and compiled like the current one
+        if hasattr(current, "lora_row_copies"):  # what the runner declared of the model for the adapters
+            model.lora_row_copies = current.lora_row_copies
         self._staged = (tag, model)
         return {"rank": self.rank, "tag": tag}
 

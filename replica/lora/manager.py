@@ -92,6 +92,9 @@ class LoRALayer:
         self.bias = torch.zeros(m.max_loras, self.out_features, device=weight.device, dtype=torch.float32)
         self.has_bias = [False] * m.max_loras
         self.used: set[int] = set()  # slots with weights here: layers no active adapter targets are skipped
+        # the input's rows are the batch's rows this many times over, one copy after another (a model that
+        # runs its timestep embedding on [t; 0], say): the layout's rows repeated as often
+        self.copies = manager.row_copies.get(name, 1)
         # in a group of linears on one input (LoRAManager.groups): the group's A, of which a is a slice
         self.a_group: torch.Tensor | None = None
         if self.mode == "row":
@@ -123,7 +126,7 @@ class LoRALayer:
         """The linear plus the batch's LoRA deltas: inside the GEMM where possible, else added after it.
 
         Never traced: the batch layout is per-step Python state, and the kernels are opaque anyway."""
-        batch = self.manager.batch
+        batch = self._layout()
         if batch is None or not (batch.slots & self.used):
             return self._base_forward(x)
         self.manager.note_input(self, x)
@@ -199,9 +202,14 @@ class LoRALayer:
             self.bias[slot] = bias
             self.has_bias[slot] = True
 
+    def _layout(self) -> BatchLayout | None:
+        """The batch layout of this linear's input rows."""
+        batch = self.manager.batch
+        return batch if batch is None or self.copies == 1 else batch.repeated(self.copies)
+
     @torch.compiler.disable
     def _add_delta(self, x: torch.Tensor, y: torch.Tensor, first_position: int = 0) -> torch.Tensor:
-        batch = self.manager.batch
+        batch = self._layout()
         if batch is None or not (batch.slots & self.used):
             return y
         y2 = y.reshape(-1, self.out_features)
@@ -259,6 +267,13 @@ class BatchLayout:
                     picked.append((b - a, adapters))
         return BatchLayout(picked, self.slot_ranks, self.device)
 
+    def repeated(self, copies: int) -> BatchLayout:
+        """The layout of ``copies`` copies of these rows, one after another (kept with this layout)."""
+        key = ("repeated", copies)
+        if key not in self._cache:
+            self._cache[key] = BatchLayout(self.groups * copies, self.slot_ranks, self.device)
+        return self._cache[key]
+
     def meta(self, position: int, tokens_per_row: int):
         key = (position, tokens_per_row)
         if key not in self._cache:
@@ -293,6 +308,8 @@ class LoRAManager:
     ):
         self.transformer = transformer
         self.fused = fused
+        # linears whose input rows are the batch's rows k times over (name → k), as the model declares them
+        self.row_copies: dict[str, int] = dict(getattr(transformer, "lora_row_copies", {}))
         self.pipeline_class = pipeline_class
         self.max_loras = max_loras
         self.max_rank = max_rank

@@ -106,6 +106,17 @@ class QwenImageRunner(PipelineRunner):
             # Per-token modulation (reference tokens at t = 0) doubles the timestep rows inside the model:
             # the step cache's row bookkeeping does not follow it, so those requests run uncached.
             self.cache_blocks = ()
+            # Adapters do follow it: the timestep embedding and every block's image modulation run on the
+            # batch's rows twice over, [rows at t; the same rows at 0].
+            transformer = pipe.transformer
+            doubled = [
+                "time_text_embed.timestep_embedder.linear_1",
+                "time_text_embed.timestep_embedder.linear_2",
+            ]
+            doubled += [
+                f"transformer_blocks.{i}.img_mod.1" for i in range(len(transformer.transformer_blocks))
+            ]
+            transformer.lora_row_copies = dict.fromkeys(doubled, 2)
 
     def text_token_limit(self) -> int:
         return min(self.max_sequence_length, 1024)  # QwenImagePipeline refuses more

@@ -297,6 +297,32 @@ def test_lora_per_request_equals_load_lora_weights(t2i_folder, t2i_expected, lor
     assert psnr(without, t2i_expected[1]) >= 40  # the same batch, no adapter
 
 
+def test_zero_cond_t_adapters_on_the_modulation_stay_with_their_request(
+    plus_folder, plus_pipe, plus_expected, tmp_path
+):
+    """Qwen-Image-Edit-2511's transformer (zero_cond_t) runs its timestep embedding and every block's image
+    modulation on [the batch's rows at t; the same rows at t = 0]. An adapter there reached the wrong rows of a
+    mixed batch: the request without it, batched beside one with it, drew 30 dB from diffusers' image."""
+    from tests.families.lora import save_random_lora
+
+    targets = [
+        "timestep_embedder.linear_1",
+        "timestep_embedder.linear_2",
+        "img_mod.1",
+        "img_mlp.net.2",
+        "to_q",
+    ]
+    file = save_random_lora(QwenImageEditPlusPipeline, plus_pipe.transformer, targets, tmp_path)
+    styled = PLUS.model_copy(update={"lora": (LoRARef(name="style"),), "seed": 6})
+    ours = engine_images(plus_folder, {}, [styled, PLUS], {"style": file})
+    pipe = load(QwenImageEditPlusPipeline, plus_folder)
+    pipe.load_lora_weights(str(file))
+    want = diffusers_image(pipe, styled)
+    assert psnr(want, diffusers_image(plus_pipe, styled)) < 35  # the adapter changes the image
+    assert psnr(ours[0], want) >= 40
+    assert psnr(ours[1], plus_expected) >= 40
+
+
 def test_one_rank_image_to_image_equals_img2img_pipeline(t2i_pipe, t2i_expected, one_rank):
     want = img2img_image(QwenImageImg2ImgPipeline, t2i_pipe, I2I, max_sequence_length=MAX_LEN)
     assert one_rank[2].shape == want.shape == (64, 96, 3)
