@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from pydantic.fields import FieldInfo
 
 from ditserve.replica.config import AUTO, AUTO_FIELDS, EngineConfig, Limits, ParallelFlags, resolve_auto
@@ -128,6 +128,17 @@ class AppArgs(EngineArgs):
         description="Most chunks of one realtime video session (an init without max_chunks runs until then, "
         "then closes 1000); bounds the session's K/V cache.",
     )
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> AppArgs:
+        # Serve's HTTP proxy binds --host, its gRPC proxy every interface: on one port both bind, and the
+        # more specific address takes the connections (gRPC clients then reach the HTTP server).
+        if self.grpc_port and self.grpc_port == self.port:
+            raise ValueError(
+                f"--port {self.port} and --grpc-port {self.grpc_port} are the same port; HTTP and gRPC need "
+                "one each: choose another --grpc-port (0 turns gRPC off)"
+            )
+        return self
 
 
 # -- argparse from the pydantic fields ------------------------------------------------------------------
