@@ -42,7 +42,12 @@ GRPC_SERVICER_FUNCTIONS: list[str] = [
 # AppArgs fields that are process- or Serve-level, not builder arguments (or secrets: never in a manifest).
 NOT_BUILDER_ARGS = ("host", "port", "grpc_port", "address", "api_key")
 # Ports the head pod already uses (GCS, dashboard, client, metrics): Serve's proxy is never moved onto one.
-HEAD_PORTS = (6379, 8265, 10001, METRICS_PORT)
+HEAD_PORTS = {
+    6379: "Ray's GCS",
+    8265: "the Ray dashboard",
+    10001: "the Ray client server",
+    METRICS_PORT: "metrics",
+}
 
 
 def _kind_heads() -> dict[str, int]:
@@ -324,8 +329,19 @@ def _worker_group(p: Plan) -> dict[str, Any]:
     return group
 
 
+def check_head_ports(app: AppArgs) -> None:
+    """The API's ports are taken on the head pod, beside Ray's own there: ValueError naming the flag."""
+    for flag, port in (("--port", app.port), ("--grpc-port", app.grpc_port)):
+        if port in HEAD_PORTS:
+            raise ValueError(
+                f"{flag} {port} is taken on the head pod by {HEAD_PORTS[port]}; choose another {flag} (the "
+                f"head pod uses {', '.join(map(str, HEAD_PORTS))})"
+            )
+
+
 def rayservice(p: Plan) -> dict[str, Any]:
     """The RayService manifest (ray.io/v1)."""
+    check_head_ports(p.app)
     d = p.deploy
     head_ports = [
         {"name": "gcs-server", "containerPort": 6379},

@@ -55,6 +55,12 @@ def check_rayservice(text: str) -> dict:
     assert doc["apiVersion"] == "ray.io/v1" and doc["kind"] == "RayService"
     name = doc["metadata"]["name"]
     assert DNS_1035.match(name) and len(name) <= 47, name
+    cluster = doc["spec"]["rayClusterConfig"]
+    for pod in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        for container in pod["template"]["spec"]["containers"]:  # one listener per port and name
+            for key in ("containerPort", "name"):
+                values = [port[key] for port in container["ports"]]
+                assert len(values) == len(set(values)), (container["name"], values)
     return check_serve_config(doc["spec"]["serveConfigV2"])
 
 
@@ -163,7 +169,7 @@ FLUX = ["--model", "/models/FLUX.1-dev", "--model-kind", "flux"]
                 "--namespace",
                 "ml",
                 "--port",
-                "8080",
+                "8100",
             ],
             0,
             1,
@@ -218,6 +224,26 @@ def test_direct_ingress_sets_serves_variables_on_every_pod_and_moves_the_proxy()
     plain = yaml.safe_load(render(["kuberay", *FLUX]))["spec"]["rayClusterConfig"]
     env = plain["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
     assert not [e for e in env if e["name"].startswith("RAY_SERVE_")]
+
+
+@pytest.mark.parametrize(
+    "flags, taken_by",
+    [
+        (["--port", "8265"], "the Ray dashboard"),
+        (["--port", "8080"], "metrics"),
+        (["--grpc-port", "6379"], "Ray's GCS"),
+        (["--grpc-port", "10001", "--direct-ingress"], "the Ray client server"),
+    ],
+)
+def test_api_ports_on_the_head_pods_own_ports_are_refused(flags, taken_by, capsys):
+    """The proxy (or the direct-ingress Frontend) listens on the head pod, which also runs Ray's GCS,
+    dashboard, client server and metrics export: such a manifest listed one containerPort twice and the
+    proxy could not bind."""
+    assert main(["deploy", "kuberay", *FLUX, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ditserve: error: {flags[0]} {flags[1]} is taken on the head pod by {taken_by}")
+    # The serve config runs on clusters with their own head ports: written as asked.
+    assert main(["deploy", "serve-config", *FLUX, *flags]) == 0
 
 
 def test_serve_config_args_are_the_cli_flags():
