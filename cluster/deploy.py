@@ -225,16 +225,19 @@ def _json_default(value: Any) -> Any:
 def proxy_ports(app: AppArgs) -> tuple[int, int]:
     """(HTTP, gRPC) ports of Serve's proxy on the head node. With --direct-ingress the Frontend replica
     listens on --port / --grpc-port there itself, and the proxy Serve still starts moves to the next ports
-    above them that no head process uses."""
+    above them that no head process uses (below them for the top ports)."""
     if not app.direct_ingress:
         return app.port, app.grpc_port
     taken = {*HEAD_PORTS, app.port, app.grpc_port}
-    free = (port for port in range(app.port + 1, 65536) if port not in taken)
-    http = next(free)
-    if not app.grpc_port:
-        return http, 0
-    taken.add(http)
-    return http, next(port for port in range(app.grpc_port + 1, 65536) if port not in taken)
+
+    def spare(above: int) -> int:
+        order = [*range(above + 1, 65536), *range(above - 1, 1023, -1)]
+        port = next(port for port in order if port not in taken)
+        taken.add(port)
+        return port
+
+    http = spare(app.port)
+    return http, (spare(app.grpc_port) if app.grpc_port else 0)
 
 
 def serve_config(p: Plan) -> dict[str, Any]:

@@ -246,6 +246,16 @@ def test_api_ports_on_the_head_pods_own_ports_are_refused(flags, taken_by, capsy
     assert main(["deploy", "serve-config", *FLUX, *flags]) == 0
 
 
+@pytest.mark.parametrize("command", ["kuberay", "serve-config"])
+def test_direct_ingress_on_the_top_ports_moves_the_proxy_below_them(command, capsys):
+    """No port above 65535: the proxy takes the next free one below (it was a StopIteration traceback)."""
+    flags = ["--direct-ingress", "--port", "65535", "--grpc-port", "65534"]
+    assert main(["deploy", command, *FLUX, *flags]) == 0
+    text = capsys.readouterr().out
+    config = check_rayservice(text) if command == "kuberay" else check_serve_config(text)
+    assert (config["http_options"]["port"], config["grpc_options"]["port"]) == (65533, 65532)
+
+
 def test_serve_config_args_are_the_cli_flags():
     config = yaml.safe_load(
         render(["serve-config", "--model", "demo-flux", "--max-n", "2", "--max-queue", "64"])
