@@ -3,7 +3,10 @@ uploaded images."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import io
+import platform
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -82,6 +85,34 @@ def encode_png(pixels: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+# x264.h: the CPU flag of its AVX-512 code (x86).
+X264_CPU_AVX512 = 1 << 16
+
+
+@functools.cache
+def _x264_without_avx512() -> dict[str, str]:
+    """Encoder options that keep x264 off its AVX-512 code. There its macroblock-tree rate control (on in
+    every preset) reads memory it never wrote, so the quantisers, and so the bytes and the decoded frames,
+    depended on what earlier work left on the heap: one request encoded twice in a replica gave two videos
+    (decoded 36-52 dB apart). ``asm=`` takes x264's own CPU detection less that flag (naming flags instead
+    would hand x264 ones the CPU may lack); its AVX2 code gives the bytes an AVX2 machine gives. Where the
+    x264 PyAV loaded is not found on an x86 machine, mbtree is turned off instead (the bytes then depend on
+    the frames alone too, at a higher bitrate)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return {}
+    import av  # noqa: F401  (loads libavcodec and the libx264 it links)
+
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next(line.split()[-1] for line in maps if "/libx264" in line)
+        detect = ctypes.CDLL(path).x264_cpu_detect
+    except (OSError, StopIteration, AttributeError):
+        return {"x264-params": "mbtree=0"}
+    detect.restype = ctypes.c_uint32
+    cpu = detect()
+    return {"x264-params": f"asm={cpu & ~X264_CPU_AVX512}"} if cpu & X264_CPU_AVX512 else {}
+
+
 def encode_mp4(frames: np.ndarray, fps: int = 16) -> bytes:
     """uint8 [F, H, W, 3] → MP4 bytes (H.264, yuv420p: what common players open)."""
     import av
@@ -93,7 +124,7 @@ def encode_mp4(frames: np.ndarray, fps: int = 16) -> bytes:
         # yuv420p needs even sides; pad by repeating the last row/column when a side is odd.
         stream.width, stream.height = width + width % 2, height + height % 2
         stream.pix_fmt = "yuv420p"
-        stream.options = {"crf": "18", "preset": "veryfast"}
+        stream.options = {"crf": "18", "preset": "veryfast", **_x264_without_avx512()}
         for frame in frames:
             if width % 2 or height % 2:
                 frame = np.pad(frame, ((0, height % 2), (0, width % 2), (0, 0)), mode="edge")
