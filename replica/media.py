@@ -94,7 +94,7 @@ def _x264_without_avx512() -> dict[str, str]:
     """Encoder options that keep x264 off its AVX-512 code. There its macroblock-tree rate control (on in
     every preset) reads memory it never wrote, so the quantisers, and so the bytes and the decoded frames,
     depended on what earlier work left on the heap: one request encoded twice in a replica gave two videos
-    (decoded 36-52 dB apart). ``asm=`` takes x264's own CPU detection less that flag (naming flags instead
+    (decoded 36-58 dB apart). ``asm=`` takes x264's own CPU detection less that flag (naming flags instead
     would hand x264 ones the CPU may lack); its AVX2 code gives the bytes an AVX2 machine gives. Where the
     x264 PyAV loaded is not found on an x86 machine, mbtree is turned off instead (the bytes then depend on
     the frames alone too, at a higher bitrate)."""
