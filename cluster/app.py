@@ -58,7 +58,7 @@ def cluster_fit(args: AppArgs, nodes: list[dict[str, float]] | None) -> tuple[st
     return ("STRICT_PACK" if fits_node else "PACK"), None
 
 
-def _alive_nodes() -> list[dict[str, float]] | None:
+def alive_nodes() -> list[dict[str, float]] | None:
     import ray
 
     if not ray.is_initialized():
@@ -129,9 +129,10 @@ def build_app_with_engine(args: dict[str, Any], engine_cls: type | None) -> Appl
     default_cache(config, spec)  # --cache-policy against the model's family
     if engine_cls is None:  # a folder saved without a component its pipeline needs: said before any start
         refuse_missing_components(spec)
-    strategy, error = cluster_fit(app_args, _alive_nodes())
-    if error is not None:
-        raise ValueError(error)
+    # Only the strategy: Serve builds as soon as it is asked to (KubeRay: once the head pod is ready, before
+    # the GPU workers have joined; an autoscaler adds nodes later), and a build that fails is not retried
+    # once nodes join, so too few nodes now is no error here (`ditserve serve` checks that on its own).
+    strategy, _ = cluster_fit(app_args, alive_nodes())
     plain = app_args.model_dump(mode="json")
     # One id per build: Serve builds on a first deploy and on a redeploy of changed arguments, and restarts
     # replicas with the arguments bound here, so the desired control state is scoped to this deploy.

@@ -393,7 +393,7 @@ def run_serve(ns: argparse.Namespace) -> int:
             ns.lora_path = _absolute_lora_paths(ns.lora_path, getattr(ns, "lora_root", None))
         args = AppArgs(**model_kwargs(ns, AppArgs))
         _check_lora_paths(args.lora_path, args.lora_root, args.max_lora_rank)
-        from .app import APP_NAME, build_app
+        from .app import APP_NAME, alive_nodes, build_app, cluster_fit
 
         if args.direct_ingress and not args.address:
             os.environ.update(direct_ingress_env(args.port, args.grpc_port))  # what build_app checks
@@ -420,7 +420,11 @@ def run_serve(ns: argparse.Namespace) -> int:
     # No --address: always a fresh local cluster, never one that happens to run on this machine already.
     ray.init(address=args.address or "local", include_dashboard=False, log_to_driver=False)
     try:
-        # Now that the cluster is known: placement strategy, and a clear error when it is too small.
+        # Now that the cluster is known: placement strategy, and a clear error when it is too small (the
+        # builder itself leaves that to Serve, which waits for nodes to join).
+        _, too_small = cluster_fit(args, alive_nodes())
+        if too_small is not None:
+            raise ValueError(too_small)
         app = build_app(args.model_dump(mode="json"))
     except ValueError as exc:
         ray.shutdown()

@@ -76,6 +76,19 @@ def test_more_cpus_than_the_cluster_has_fails_at_start(ray_cluster):
     assert "need 8 CPU" in done.stderr and "has 3" in done.stderr, done.stderr
 
 
+def test_a_serve_config_builds_on_a_cluster_whose_nodes_have_not_joined_yet(ray_cluster):
+    """serve run / serve deploy / KubeRay call the builder in the cluster as soon as they are asked (KubeRay:
+    once the head pod is ready, before its worker pods join). A builder that refused a cluster too small
+    *now* failed the deploy for good (DEPLOY_FAILED; it is not built again when the workers join); Serve
+    waits for the nodes instead. `ditserve serve` still refuses at once (the test above)."""
+    from ray.serve import Application
+
+    from ditserve.cluster.app import build_app
+
+    app = build_app({"model": "demo-flux", "dp_size": 8, "replica_num_cpus": 1})  # 8 CPUs; the cluster has 3
+    assert isinstance(app, Application)
+
+
 @pytest.fixture(scope="class")
 def weights_dir(tmp_path_factory):
     """A second checkpoint of demo-flux: the same transformer with perturbed weights."""
