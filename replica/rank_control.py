@@ -24,6 +24,22 @@ def _public(config: Any) -> dict[str, Any]:
     return {k: v for k, v in dict(config).items() if not k.startswith("_")}
 
 
+def _check_loaded(model: torch.nn.Module, path: str) -> None:
+    """A tensor the folder's files lack is left on the meta device by ``from_pretrained``: name it (moving
+    the model failed with "Cannot copy out of meta tensor")."""
+    missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ValueError(f"path: {path} lacks the transformer's tensor {missing[0]}{more}")
+
+
+def _check_finite(model: torch.nn.Module, path: str) -> None:
+    """NaN or infinite weights draw black (or noise) for every request: refused like a LoRA file with them."""
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"path: {path} holds NaN or infinite weights ({name})")
+
+
 class ServingRankWorker(RankWorker):
     """A :class:`RankWorker` with the control commands a served replica needs."""
 
@@ -48,7 +64,9 @@ class ServingRankWorker(RankWorker):
         model = cls.from_pretrained(folder, dtype=self.config.torch_dtype)
         if _public(model.config) != _public(current.config):
             raise ValueError(f"path: {path} has a different transformer config than the served model")
+        _check_loaded(model, path)
         model = model.to(self.device).eval()
+        _check_finite(model, path)  # on the device: one pass over the weights where they will be used
         self.prepare_transformer(model)  # sharded, quantized, fused and compiled like the current one
         if hasattr(current, "lora_row_copies"):  # what the runner declared of the model for the adapters
             model.lora_row_copies = current.lora_row_copies

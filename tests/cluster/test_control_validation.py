@@ -9,6 +9,7 @@ CPU, real Ray, ``ditserve serve --dp-size 2 --lora-root ROOT``, one server for t
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,10 +18,11 @@ import grpc
 import httpx
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from ditserve.cluster.grpc_gen import ditserve_pb2 as pb
 from ditserve.cluster.grpc_gen import ditserve_pb2_grpc as pb_grpc
+from ditserve.replica.models.demo import ensure_demo_model
 from tests.helpers import ServeProcess
 
 KEY = "control-key"
@@ -47,6 +49,19 @@ def root(tmp_path_factory):
     no_model = root / "no-model"
     no_model.mkdir()
     (no_model / "readme.txt").write_text("no model here")
+    # The served transformer's folder with one tensor NaN, and with one tensor left out.
+    served = ensure_demo_model("demo-flux") / "transformer"
+    for name, change in (("nan-weights", "nan"), ("lacking-weights", "drop")):
+        shutil.copytree(served, root / name)
+        for file in (root / name).glob("*.safetensors"):
+            tensors = load_file(file)
+            if change == "nan":
+                tensors["norm_out.linear.weight"] = torch.full_like(
+                    tensors["norm_out.linear.weight"], torch.nan
+                )
+            else:
+                del tensors["norm_out.linear.weight"]
+            save_file(tensors, str(file))
     return root
 
 
@@ -122,6 +137,35 @@ def test_bad_control_requests_are_refused_and_change_nothing(server, root):
         assert loras(url) == before, case
     assert len(both_serve(url)) == 2
     assert all(r["control_state"]["weights"]["version"] == 0 for r in replicas(url))
+
+
+def test_weights_with_nan_or_a_tensor_left_out_are_refused_naming_it_over_http_and_grpc(server, root):
+    """NaN weights were committed (every image black afterwards); a folder lacking a tensor was refused with
+    torch's 'Cannot copy out of meta tensor'. Both now answer 400 / INVALID_ARGUMENT naming path and the
+    tensor, and the served weights stay."""
+    url = server.base_url
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+    grpc.channel_ready_future(channel).result(timeout=30)
+    stub = pb_grpc.DitServeStub(channel)
+    cases = {
+        "nan-weights": "holds NaN or infinite weights (norm_out.linear.weight)",
+        "lacking-weights": "lacks the transformer's tensor norm_out.linear.weight",
+    }
+    for folder, words in cases.items():
+        path = str(root / folder)
+        r = httpx.post(f"{url}/v1/admin/weights", json={"path": path}, headers=ADMIN, timeout=120)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "path" and f"{path} {words}" in error["message"], error
+        with pytest.raises(grpc.RpcError) as info:
+            stub.UpdateWeights(
+                pb.UpdateWeightsRequest(path=path), metadata=[("authorization", f"Bearer {KEY}")], timeout=120
+            )
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert f"{path} {words}" in info.value.details()
+    channel.close()
+    assert all(r["control_state"]["weights"]["version"] == 0 for r in replicas(url))
+    assert len(both_serve(url)) == 2
 
 
 def test_without_the_key_every_admin_route_answers_401_whatever_the_body(server):
