@@ -388,6 +388,16 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
                     self._stage_weights(weights["path"], weights["tag"])
                 self.engine.call_ranks("commit_weights", weights["tag"])
                 applied["weights"] = copy.deepcopy(weights)
+                # A request part-way through its steps would finish on the new weights: an image drawn
+                # partly with each. It ends with a retryable 503 instead; queued ones run on the new ones.
+                self.engine.abort_running(
+                    ReplicaUnavailable(
+                        f"the served weights were replaced (POST /v1/admin/weights, {weights['path']}) "
+                        "while this request was running; retry it",
+                        retry_after=1,
+                        replica=self.replica_id,
+                    )
+                )
             except RankDied:
                 raise  # a lost rank is the replica's failure, not the item's
             except Exception as exc:  # keep serving the current weights

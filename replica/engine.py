@@ -149,6 +149,16 @@ class Engine:
         for job in pending:
             self._fail_futures(job, exc)
 
+    def abort_running(self, exc: BaseException) -> int:
+        """Fail the requests whose denoising has begun with ``exc`` and free their rank state; queued ones
+        stay (loop thread). Returns how many were failed."""
+        with self.scheduler.cond:
+            running = [j for js in self.scheduler.running.values() for j in js]
+        for job in running:
+            self._fail(job, exc)
+            self._drop_quietly(job)
+        return len(running)
+
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

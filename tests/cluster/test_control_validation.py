@@ -8,6 +8,7 @@ CPU, real Ray, ``ditserve serve --dp-size 2 --lora-root ROOT``, one server for t
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -165,6 +166,47 @@ def test_weights_with_nan_or_a_tensor_left_out_are_refused_naming_it_over_http_a
         assert f"{path} {words}" in info.value.details()
     channel.close()
     assert all(r["control_state"]["weights"]["version"] == 0 for r in replicas(url))
+    assert len(both_serve(url)) == 2
+
+
+def test_a_request_running_during_a_weights_update_ends_503_and_the_next_is_served(server):
+    """A request part-way through its steps when new weights are committed is not finished on a mix of both
+    (it was: an image drawn with each, like neither's): it ends with a retryable 503 naming the update, over
+    HTTP (an SSE error event) and gRPC (UNAVAILABLE); the next request is served."""
+    url = server.base_url
+    served = str(ensure_demo_model("demo-flux"))
+    long = {"prompt": "a red fox", "size": "512x512", "num_inference_steps": 100, "seed": 1}
+
+    def update() -> None:
+        r = httpx.post(f"{url}/v1/admin/weights", json={"path": served}, headers=ADMIN, timeout=300)
+        assert r.status_code == 200, r.text
+
+    events, data = [], None
+    with httpx.stream(
+        "POST", f"{url}/v1/images/generations", json={**long, "stream": True}, timeout=300
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("event:"):
+                events.append(line.removeprefix("event:").strip())
+                if events == ["image_generation.progress"]:
+                    update()  # after its first step
+            elif line.startswith("data:") and events[-1:] == ["error"] and data is None:
+                data = line.removeprefix("data:").strip()
+        assert events[-1] == "error" and "image_generation.completed" not in events, events
+    error = json.loads(data)["error"]
+    assert error["type"] == "service_unavailable_error", error
+    assert f"the served weights were replaced (POST /v1/admin/weights, {served})" in error["message"]
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+    stub = pb_grpc.DitServeStub(channel)
+    stream = stub.GenerateStream(pb.GenerateRequest(**long), timeout=300)
+    assert next(stream).WhichOneof("event") == "progress"
+    update()
+    with pytest.raises(grpc.RpcError) as info:
+        list(stream)
+    channel.close()
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+    assert f"the served weights were replaced (POST /v1/admin/weights, {served})" in info.value.details()
     assert len(both_serve(url)) == 2
 
 
