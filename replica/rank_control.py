@@ -12,6 +12,7 @@ reference, which cannot fail.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,36 +51,50 @@ class ServingRankWorker(RankWorker):
 
     # -- weights ------------------------------------------------------------------------------------------
     def stage_weights(self, path: str, tag: str) -> dict[str, Any]:
-        """Load ``path``'s transformer, prepare it like the current one, keep it aside under ``tag``."""
+        """Load ``path``'s transformer (both experts of a two-expert model), prepare it like the current one,
+        keep it aside under ``tag``."""
+        experts = [n for n in ("transformer", "transformer_2") if getattr(self.pipe, n, None) is not None]
+        if len(experts) == 1:
+            folders = {"transformer": transformer_folder(path)}
+        else:  # Wan 2.2 A14B: the pipeline folder, both experts (a transformer folder alone names neither)
+            folders = {n: Path(path) / n for n in experts}
+            lacking = [n for n, f in folders.items() if not (f / "config.json").is_file()]
+            if lacking:
+                raise ValueError(
+                    f"path: {path} lacks {', '.join(f'{n}/' for n in lacking)}: the served model has two "
+                    "experts; give a pipeline folder holding both, transformer/ and transformer_2/"
+                )
+        staged = {name: self._load_transformer(path, str(folder), name) for name, folder in folders.items()}
+        self._staged = (tag, staged)
+        return {"rank": self.rank, "tag": tag}
+
+    def _load_transformer(self, path: str, folder: str, name: str) -> torch.nn.Module:
         import diffusers
 
-        if getattr(self.pipe, "transformer_2", None) is not None:
-            raise ValueError(
-                f"path: {path}: updating the weights of a two-expert model (transformer_2) is not supported; "
-                "restart the replica on the new folder"
-            )
-        folder = transformer_folder(path)
-        current = self.pipe.transformer
+        current = getattr(self.pipe, name)
         cls = getattr(diffusers, type(current).__name__)
         model = cls.from_pretrained(folder, dtype=self.config.torch_dtype)
+        shown = path if name == "transformer" else f"{path} ({name})"
         if _public(model.config) != _public(current.config):
-            raise ValueError(f"path: {path} has a different transformer config than the served model")
-        _check_loaded(model, path)
+            raise ValueError(f"path: {shown} has a different transformer config than the served model")
+        _check_loaded(model, shown)
         model = model.to(self.device).eval()
-        _check_finite(model, path)  # on the device: one pass over the weights where they will be used
+        _check_finite(model, shown)  # on the device: one pass over the weights where they will be used
         self.prepare_transformer(model)  # sharded, quantized, fused and compiled like the current one
         if hasattr(current, "lora_row_copies"):  # what the runner declared of the model for the adapters
             model.lora_row_copies = current.lora_row_copies
-        self._staged = (tag, model)
-        return {"rank": self.rank, "tag": tag}
+        return model
 
     def commit_weights(self, tag: str) -> None:
         assert self._staged is not None and self._staged[0] == tag, (self._staged, tag)
-        self.pipe.transformer = self._staged[1]
+        staged = self._staged[1]
+        for name, model in staged.items():
+            setattr(self.pipe, name, model)
         self._staged = None
         self.reattach_lora()
         if self.released:  # committed while released: the new weights live on the host too
-            self.pipe.transformer.to("cpu")
+            for model in staged.values():
+                model.to("cpu")
 
     def discard_weights(self) -> None:
         self._staged = None

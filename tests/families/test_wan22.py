@@ -2,6 +2,8 @@
 own CFG scale) and TI2V-5B's per-token timesteps give diffusers' own pipelines' videos, alone and in one
 batch whose requests sit on different experts; the sharded layouts give the single-rank videos."""
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -326,3 +328,47 @@ def test_ti2v_ulysses2_matches_one_rank(tmp_path):
 
     for got, want in zip(run({"ulysses_degree": 2}), run({}), strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+# -- weights update ------------------------------------------------------------------------------------------
+def test_a14b_weights_update_loads_both_experts_and_gives_the_pipelines_video(a14b_folder, tmp_path):
+    """A weights update of a two-expert model was refused outright; it now reads both experts from the
+    pipeline folder (a folder with one of them is refused naming the other), and the next video is
+    WanPipeline's on the new folder, high-noise steps and low-noise steps alike."""
+    from diffusers import WanPipeline
+    from safetensors.torch import load_file, save_file
+
+    from ditserve.replica.rank_control import ServingRankWorker
+
+    new = tmp_path / "new"
+    shutil.copytree(a14b_folder, new)
+    generator = torch.Generator().manual_seed(0)
+    for expert in ("transformer", "transformer_2"):
+        for file in (new / expert).glob("*.safetensors"):
+            tensors = load_file(file)
+            save_file(
+                {k: v + 0.2 * torch.randn(v.shape, generator=generator) for k, v in tensors.items()}, file
+            )
+    worker = ServingRankWorker(EngineConfig(model=str(a14b_folder), max_sequence_length=TEXT_LENGTH))
+    with pytest.raises(ValueError, match=r"^path: .*/new/transformer lacks transformer/, transformer_2/"):
+        worker.stage_weights(str(new / "transformer"), "v1")
+    one_expert = tmp_path / "one-expert"
+    shutil.copytree(new, one_expert, ignore=shutil.ignore_patterns("transformer_2"))
+    with pytest.raises(
+        ValueError, match=r"^path: .*/one-expert lacks transformer_2/: the served model has two"
+    ):
+        worker.stage_weights(str(one_expert), "v1")
+    worker.stage_weights(str(new), "v2")
+    worker.commit_weights("v2")
+    p = A14B[0]  # two steps: the first on transformer, the second on transformer_2
+    worker.add("r", p)
+    while not worker.states["r"].done:
+        worker.step(["r"])
+    got = worker.finish("r")["pixels"][0]
+    pipe = WanPipeline.from_pretrained(str(new))
+    pipe.set_progress_bar_config(disable=True)
+    want, _ = diffusers_video(pipe, p)
+    assert got.shape == want.shape
+    assert psnr(got, want) >= 40
+    old, _ = diffusers_video(WanPipeline.from_pretrained(str(a14b_folder)), p)
+    assert psnr(got, old) < 30  # the new weights draw another video
