@@ -467,6 +467,9 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
         except Exception as exc:
             self._discard_weights()
             message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            message = message.removeprefix("ValueError: ")
+            if message.startswith(f"path: {path}"):  # the ranks' own words on the folder (NaN weights, say)
+                raise ValueError(message) from exc
             raise ValueError(f"path: could not load weights from {path}: {message}") from exc
         self._staged_tag = tag
         return {"staged": tag}

@@ -158,6 +158,7 @@ def test_weights_with_nan_or_a_tensor_left_out_are_refused_naming_it_over_http_a
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == "path" and f"{path} {words}" in error["message"], error
+        assert error["message"].count(path) == 1, error  # not "could not load weights from PATH: path: PATH"
         with pytest.raises(grpc.RpcError) as info:
             stub.UpdateWeights(
                 pb.UpdateWeightsRequest(path=path), metadata=[("authorization", f"Bearer {KEY}")], timeout=120
