@@ -330,6 +330,23 @@ def port_in_use(host: str, port: int) -> str | None:
     return None
 
 
+def host_unusable(host: str) -> str | None:
+    """Why this machine cannot listen on ``host`` at all (a name that does not resolve, an address that is
+    not this machine's), or None. Serve's proxy fails on it after Ray has started, with a traceback."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family) as s:
+            s.bind((host, 0))
+    except socket.gaierror as exc:
+        return f"the name does not resolve: {exc.strerror}"
+    except OSError as exc:
+        if exc.errno == errno.EADDRNOTAVAIL:
+            return "not an address of this machine"
+        if exc.errno == errno.EAFNOSUPPORT:
+            return exc.strerror or str(exc)
+    return None
+
+
 def _drop_reconnect_notice(record: logging.LogRecord) -> bool:
     return "will not be applied" not in record.getMessage()
 
@@ -403,6 +420,12 @@ def run_serve(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc))
 
+    # The proxies of a fresh local cluster listen on --host here (a joined cluster's head may be elsewhere).
+    if not args.address and (why := host_unusable(args.host)) is not None:
+        return _fail(
+            f"--host {args.host}: cannot listen there ({why}); use an address of this machine, e.g. "
+            "127.0.0.1 or 0.0.0.0"
+        )
     # A fresh local cluster starts its own proxies here; one joined with --address may already run them.
     # With --direct-ingress the Frontend binds --port/--grpc-port, on a joined cluster too.
     ports = [] if args.address and not args.direct_ingress else [("--port", args.host, args.port)]

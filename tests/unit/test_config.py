@@ -152,3 +152,14 @@ def test_http_and_grpc_on_one_port_are_refused_naming_both_flags(argv, capsys):
     err = capsys.readouterr().err
     assert err.startswith("ditserve: error: --port ") and "--grpc-port" in err and "the same port" in err
     assert AppArgs(port=9000, grpc_port=0).port == 9000  # gRPC off: the port is HTTP's alone
+
+
+@pytest.mark.parametrize(
+    "host, why",
+    [("nosuchhost.invalid", "the name does not resolve"), ("203.0.113.7", "not an address of this machine")],
+)
+def test_cli_serve_refuses_a_host_it_cannot_listen_on_naming_the_flag(host, why, capsys):
+    """Serve's proxy failed on such a --host after Ray had started, with a RuntimeError traceback."""
+    assert main(["serve", "--model", "demo-flux", "--host", host]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ditserve: error: --host {host}: cannot listen there ({why}")
