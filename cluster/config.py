@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from ditserve.replica.config import AUTO, AUTO_FIELDS, EngineConfig, Limits, ParallelFlags, resolve_auto
@@ -128,6 +128,17 @@ class AppArgs(EngineArgs):
         description="Most chunks of one realtime video session (an init without max_chunks runs until then, "
         "then closes 1000); bounds the session's K/V cache.",
     )
+
+    @field_validator("api_key")
+    @classmethod
+    def _non_empty_key(cls, key: str | None) -> str | None:
+        # An empty key is no key the clients could send ("Bearer " is all a request would need to match):
+        # `--api-key "$KEY"` with KEY unset is a mistake, not a wish for an open admin API.
+        if key is not None and not key.strip():
+            raise ValueError(
+                "is empty; pass a key, or leave --api-key out (and DITSERVE_API_KEY unset) to serve without one"
+            )
+        return key
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> AppArgs:

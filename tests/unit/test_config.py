@@ -163,3 +163,16 @@ def test_cli_serve_refuses_a_host_it_cannot_listen_on_naming_the_flag(host, why,
     assert main(["serve", "--model", "demo-flux", "--host", host]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"ditserve: error: --host {host}: cannot listen there ({why}")
+
+
+def test_an_empty_api_key_is_refused(capsys):
+    """`--api-key "$KEY"` with KEY unset: the admin API was guarded by the key '', which a request matched
+    with the header 'Authorization: Bearer '. An empty DITSERVE_API_KEY stays no key, as documented."""
+    with socket.socket() as taken:  # were the key let through, serve would stop at the taken port, not start
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert main(["serve", "--model", "demo-flux", "--api-key", "", "--port", port]) == 2
+    assert capsys.readouterr().err.startswith("ditserve: error: --api-key: is empty; pass a key")
+    with pytest.raises(ValidationError, match="api_key"):
+        AppArgs(api_key=" ")
