@@ -123,6 +123,11 @@ def build_app(args: dict[str, Any]) -> Application:
 def build_app_with_engine(args: dict[str, Any], engine_cls: type | None) -> Application:
     """``build_app`` with another engine class (benchmarks of the serving path use a trivial one)."""
     app_args = AppArgs(**args)
+    if app_args.api_key_for_generation and app_args.api_key is None:
+        raise ValueError(
+            "--api-key-for-generation: no key is set (--api-key, or DITSERVE_API_KEY where the app is built), "
+            "so generation would be open to everyone; set one"
+        )
     config = app_args.engine_config()  # auto values resolved, final values validated
     spec = resolve_model(config.model)
     validate_layout(config, spec)  # the layout against the model's heads

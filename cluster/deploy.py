@@ -107,7 +107,8 @@ class DeployArgs(BaseModel):
     )
     api_key_secret: str = Field(
         default="ditserve-api-key",
-        description="Secret whose key 'api-key' becomes DITSERVE_API_KEY (optional: absent → no admin key).",
+        description="Secret whose key 'api-key' becomes DITSERVE_API_KEY (optional: absent → no admin key; "
+        "required with --api-key-for-generation).",
     )
 
     @field_validator("name")
@@ -266,7 +267,13 @@ def _container(p: Plan, name: str, resources: dict[str, Any], ports: list[dict[s
         {
             "name": "DITSERVE_API_KEY",
             "valueFrom": {
-                "secretKeyRef": {"name": p.deploy.api_key_secret, "key": "api-key", "optional": True}
+                # Required when generation needs the key too: without it the pods do not start (the
+                # builder would refuse the app), and `kubectl describe pod` names the Secret.
+                "secretKeyRef": {
+                    "name": p.deploy.api_key_secret,
+                    "key": "api-key",
+                    "optional": not p.app.api_key_for_generation,
+                }
             },
         }
     ]

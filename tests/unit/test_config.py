@@ -177,3 +177,21 @@ def test_an_empty_api_key_is_refused(capsys):
     assert capsys.readouterr().err.startswith("ditserve: error: --api-key: is empty; pass a key")
     with pytest.raises(ValidationError, match="api_key"):
         AppArgs(api_key=" ")
+
+
+def test_api_key_for_generation_without_a_key_is_refused(monkeypatch, capsys):
+    """It was silently ignored: with no key, generation (and the admin API) answered everyone."""
+    monkeypatch.delenv("DITSERVE_API_KEY", raising=False)
+    with socket.socket() as taken:  # were the flag let through, serve would stop at the taken port, not start
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert main(["serve", "--model", "demo-flux", "--api-key-for-generation", "--port", port]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "ditserve: error: --api-key-for-generation: no key is set (--api-key, or DITSERVE_API_KEY"
+    )
+    monkeypatch.setenv("DITSERVE_API_KEY", "k")
+    from ditserve.cluster.app import build_app
+
+    build_app({"model": "demo-flux", "api_key_for_generation": True})  # the key from the environment

@@ -256,6 +256,20 @@ def test_direct_ingress_on_the_top_ports_moves_the_proxy_below_them(command, cap
     assert (config["http_options"]["port"], config["grpc_options"]["port"]) == (65533, 65532)
 
 
+@pytest.mark.parametrize("flags, optional", [([], True), (["--api-key-for-generation"], False)])
+def test_the_api_key_secret_is_required_when_generation_needs_the_key(flags, optional):
+    doc = yaml.safe_load(render(["kuberay", *FLUX, *flags]))
+    cluster = doc["spec"]["rayClusterConfig"]
+    for pod in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        (container,) = pod["template"]["spec"]["containers"]
+        (key,) = [e for e in container["env"] if e["name"] == "DITSERVE_API_KEY"]
+        assert key["valueFrom"]["secretKeyRef"] == {
+            "name": "ditserve-api-key",
+            "key": "api-key",
+            "optional": optional,
+        }
+
+
 def test_serve_config_args_are_the_cli_flags():
     config = yaml.safe_load(
         render(["serve-config", "--model", "demo-flux", "--max-n", "2", "--max-queue", "64"])
