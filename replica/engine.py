@@ -151,9 +151,10 @@ class Engine:
 
     def abort_running(self, exc: BaseException) -> int:
         """Fail the requests whose denoising has begun with ``exc`` and free their rank state; queued ones
-        stay (loop thread). Returns how many were failed."""
+        and realtime chunks stay (a session's stream goes on: it holds state drawn by earlier chunks anyway;
+        failing its chunk would end it). Loop thread. Returns how many were failed."""
         with self.scheduler.cond:
-            running = [j for js in self.scheduler.running.values() for j in js]
+            running = [j for js in self.scheduler.running.values() for j in js if j.chunk is None]
         for job in running:
             self._fail(job, exc)
             self._drop_quietly(job)

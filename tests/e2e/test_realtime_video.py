@@ -43,6 +43,7 @@ def server(tmp_path_factory):
         "--max-width", "256", "--max-height", "256", "--max-image-pixels", str(128 * 128),
         timeout_s=300,
     )  # fmt: skip
+    proc.folder = folder
     yield proc
     proc.stop()
 
@@ -325,6 +326,27 @@ def test_releasing_memory_ends_running_sessions_and_frees_their_slots(server):
     assert {each.chunk()["replica"] for each in both} == {r["replica_id"] for r in replicas(server)}
     for each in both:
         each.close()
+
+
+def test_a_weights_update_leaves_a_running_session_streaming(server):
+    """A weights update while a session's chunk is being denoised does not end the session (the chunk is not
+    failed as a one-shot request is: that answered session_gone); the chunks go on, the next ones from the
+    new weights, and the slot is free once it closes."""
+    wait_for(lambda: [r["health"] for r in replicas(server)] == ["ok", "ok"], 150, "both replicas serving")
+    folder = str(server.folder)
+    client = Client(server)
+    # 20 steps a chunk: the next chunk is still being denoised when the update comes
+    client.send({**HOLD, "prompt": "a lighthouse", "max_chunks": 4, "num_inference_steps": 20})
+    assert client.chunk() is not None
+    updated = httpx.post(
+        f"{server.base_url}/v1/admin/weights", json={"path": folder}, headers=ADMIN, timeout=300
+    )
+    assert updated.status_code == 200, updated.text
+    rest = []
+    while (chunk := client.chunk()) is not None:
+        rest.append(chunk["index"])
+    assert rest == [1, 2, 3] and client.close_code == 1000, (rest, client.close_code, client.close_reason)
+    wait_for(lambda: [r["realtime_sessions"] for r in replicas(server)] == [0, 0], 60, "slots free")
 
 
 def test_killing_the_owner_replica_ends_the_session_with_session_gone(server):
