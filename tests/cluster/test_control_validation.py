@@ -173,7 +173,7 @@ def test_weights_with_nan_or_a_tensor_left_out_are_refused_naming_it_over_http_a
 def test_a_request_running_during_a_weights_update_ends_503_and_the_next_is_served(server):
     """A request part-way through its steps when new weights are committed is not finished on a mix of both
     (it was: an image drawn with each, like neither's): it ends with a retryable 503 naming the update, over
-    HTTP (an SSE error event) and gRPC (UNAVAILABLE); the next request is served."""
+    HTTP (an SSE error event) and gRPC (UNAVAILABLE, naming the RPC); the next request is served."""
     url = server.base_url
     served = str(ensure_demo_model("demo-flux"))
     long = {"prompt": "a red fox", "size": "512x512", "num_inference_steps": 100, "seed": 1}
@@ -207,7 +207,7 @@ def test_a_request_running_during_a_weights_update_ends_503_and_the_next_is_serv
         list(stream)
     channel.close()
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
-    assert f"the served weights were replaced (POST /v1/admin/weights, {served})" in info.value.details()
+    assert f"the served weights were replaced (UpdateWeights, {served})" in info.value.details()
     assert len(both_serve(url)) == 2
 
 
