@@ -347,6 +347,21 @@ def host_unusable(host: str) -> str | None:
     return None
 
 
+def gcs_unreachable(address: str) -> str | None:
+    """Why ``--address HOST:PORT`` cannot be reached now (refused, no such host, no answer in 5 s), or None;
+    Ray itself retries for a minute or more before it says so. Other forms (auto, ray://) are left to Ray."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or "://" in address:
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except socket.gaierror as exc:
+        return f"the name does not resolve: {exc.strerror}"
+    except OSError as exc:
+        return exc.strerror or str(exc) or type(exc).__name__
+    return None
+
+
 def _drop_reconnect_notice(record: logging.LogRecord) -> bool:
     return "will not be applied" not in record.getMessage()
 
@@ -420,6 +435,11 @@ def run_serve(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc))
 
+    if args.address and (why := gcs_unreachable(args.address)) is not None:
+        return _fail(
+            f"--address {args.address}: no Ray cluster answers there ({why}); give its head's GCS "
+            "address (HOST:6379, as `ray start --head` prints it)"
+        )
     # The proxies of a fresh local cluster listen on --host here (a joined cluster's head may be elsewhere).
     if not args.address and (why := host_unusable(args.host)) is not None:
         return _fail(

@@ -198,3 +198,13 @@ def test_api_key_for_generation_without_a_key_is_refused(monkeypatch, capsys):
     from ditserve.cluster.app import build_app
 
     build_app({"model": "demo-flux", "api_key_for_generation": True})  # the key from the environment
+
+
+def test_cli_serve_refuses_an_address_where_no_cluster_answers(capsys):
+    """Ray retried such an --address for a minute or more before failing with its own traceback."""
+    with socket.socket() as closed:  # a port of this machine that nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+    assert main(["serve", "--model", "demo-flux", "--address", address]) == 2
+    err = capsys.readouterr().err
+    assert f"ditserve: error: --address {address}: no Ray cluster answers there (" in err
