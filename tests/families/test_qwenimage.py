@@ -323,6 +323,35 @@ def test_zero_cond_t_adapters_on_the_modulation_stay_with_their_request(
     assert psnr(ours[1], plus_expected) >= 40
 
 
+def test_zero_cond_t_adapters_stay_with_their_request_after_a_weights_update(
+    plus_folder, plus_pipe, plus_expected, tmp_path
+):
+    """A weights update brings a new transformer object: the rows its timestep embedding and image
+    modulation run twice over are declared on it as on the one it replaces, so an adapter loaded before the
+    update still reaches its own request's rows of a mixed batch (and the update keeps the adapter)."""
+    from ditserve.replica.rank_control import ServingRankWorker
+    from tests.families.lora import save_random_lora
+
+    targets = ["timestep_embedder.linear_1", "img_mod.1", "to_q"]
+    file = save_random_lora(QwenImageEditPlusPipeline, plus_pipe.transformer, targets, tmp_path)
+    styled = PLUS.model_copy(update={"lora": (LoRARef(name="style"),), "seed": 6})
+    worker = ServingRankWorker(EngineConfig(model=str(plus_folder)))
+    worker.lora_load("style", str(file), 1.0)
+    old = worker.pipe.transformer
+    worker.stage_weights(str(plus_folder), "v2")
+    worker.commit_weights("v2")
+    assert worker.pipe.transformer is not old
+    for name, params in (("styled", styled), ("plain", PLUS)):
+        worker.add(name, params)
+    while not worker.states["plain"].done:
+        worker.step(["styled", "plain"])  # one batch: the adapter's rows beside rows without it
+    ours = [worker.finish(name)["pixels"][0] for name in ("styled", "plain")]
+    pipe = load(QwenImageEditPlusPipeline, plus_folder)
+    pipe.load_lora_weights(str(file))
+    assert psnr(ours[0], diffusers_image(pipe, styled)) >= 40
+    assert psnr(ours[1], plus_expected) >= 40
+
+
 def test_one_rank_image_to_image_equals_img2img_pipeline(t2i_pipe, t2i_expected, one_rank):
     want = img2img_image(QwenImageImg2ImgPipeline, t2i_pipe, I2I, max_sequence_length=MAX_LEN)
     assert one_rank[2].shape == want.shape == (64, 96, 3)
