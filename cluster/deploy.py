@@ -32,7 +32,6 @@ from .usage import validation_message as _validation_message
 IMPORT_PATH = "ditserve.cluster.app:build_app"
 RAY_VERSION = "2.60.0"
 HTTP_PORT = 8000
-GRPC_PORT = 9000
 METRICS_PORT = 8080
 MODELS_MOUNT = "/models"
 # The gRPC servicers Serve's gRPC proxy registers (the API of cluster/grpc_service.py).
@@ -358,7 +357,7 @@ def rayservice(p: Plan) -> dict[str, Any]:
         {"name": "dashboard", "containerPort": 8265},
         {"name": "client", "containerPort": 10001},
         {"name": "serve", "containerPort": p.app.port},
-        {"name": "grpc", "containerPort": p.app.grpc_port or GRPC_PORT},
+        *([{"name": "grpc", "containerPort": p.app.grpc_port}] if p.app.grpc_port else []),  # 0: gRPC off
         {"name": "metrics", "containerPort": METRICS_PORT},
     ]
     head_resources = {"cpu": str(d.head_cpus), "memory": f"{d.head_memory_gib}Gi"}

@@ -270,6 +270,21 @@ def test_the_api_key_secret_is_required_when_generation_needs_the_key(flags, opt
         }
 
 
+def test_grpc_off_lists_no_grpc_port_on_the_head():
+    """--grpc-port 0 turns gRPC off; the head still listed a 'grpc' port 9000, twice 9000 with --port 9000."""
+    text = render(["kuberay", *FLUX, "--grpc-port", "0", "--port", "9000"])
+    config = check_rayservice(text)
+    head = yaml.safe_load(text)["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    assert {p["name"]: p["containerPort"] for p in head["containers"][0]["ports"]} == {
+        "gcs-server": 6379,
+        "dashboard": 8265,
+        "client": 10001,
+        "serve": 9000,
+        "metrics": 8080,
+    }
+    assert config["grpc_options"]["port"] == 0
+
+
 def test_serve_config_args_are_the_cli_flags():
     config = yaml.safe_load(
         render(["serve-config", "--model", "demo-flux", "--max-n", "2", "--max-queue", "64"])
