@@ -65,6 +65,7 @@ def _known_folders() -> list[tuple[re.Pattern, str, int]]:
 
 ModelKind = Literal[("auto", *sorted(families()))]  # type: ignore[valid-type]
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+DNS_1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 MAX_NAME = 47  # KubeRay appends suffixes (-raycluster-xxxxx-head-svc) to the RayService name
 
 
@@ -121,6 +122,28 @@ class DeployArgs(BaseModel):
             raise ValueError(
                 f"{name!r} is not a DNS-1035 label: lower-case letters, digits and '-', starting with a "
                 "letter and ending with a letter or digit"
+            )
+        return name
+
+    @field_validator("namespace")
+    @classmethod
+    def _check_namespace(cls, namespace: str | None) -> str | None:
+        if namespace is not None and (len(namespace) > 63 or not DNS_1123_LABEL.match(namespace)):
+            raise ValueError(
+                f"{namespace!r} is not a namespace name (DNS-1123 label): at most 63 lower-case letters, "
+                "digits and '-', starting and ending with a letter or digit"
+            )
+        return namespace
+
+    @field_validator("models_pvc", "api_key_secret")
+    @classmethod
+    def _check_object_name(cls, name: str | None) -> str | None:
+        # The names of the claim and the Secret the pods refer to; the API server refuses the pods otherwise.
+        parts = (name or "").split(".")
+        if name is not None and (len(name) > 253 or not all(DNS_1123_LABEL.match(part) for part in parts)):
+            raise ValueError(
+                f"{name!r} is not a Kubernetes object name (DNS-1123 subdomain): lower-case letters, digits, "
+                "'-' and '.', starting and ending with a letter or digit"
             )
         return name
 

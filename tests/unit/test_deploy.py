@@ -313,6 +313,19 @@ def test_serve_config_args_are_the_cli_flags():
         (["--model", "demo-flux", "--name", "Flux_1"], "DNS-1035"),
         (["--model", "demo-flux", "--port", "0"], "--port"),
         (["--model", "demo-flux", "--max-lora-rank", "0"], "--max-lora-rank"),
+        # names the API server refuses (the namespace) or refuses in the pods KubeRay makes (claim, Secret)
+        (
+            ["--model", "demo-flux", "--namespace", "ML_Team"],
+            "--namespace: 'ML_Team' is not a namespace name",
+        ),
+        (
+            ["--model", "demo-flux", "--models-pvc", "My Models"],
+            "--models-pvc: 'My Models' is not a Kubernetes",
+        ),
+        (
+            ["--model", "demo-flux", "--api-key-secret", "Key_1"],
+            "--api-key-secret: 'Key_1' is not a Kubernetes",
+        ),
     ],
 )
 def test_bad_flags_fail_with_a_clear_error_and_no_manifest(argv, message, capsys, tmp_path):
