@@ -90,7 +90,8 @@ class DeployArgs(BaseModel):
     model_kind: ModelKind = Field(
         default="auto",
         description="Model family when --model is a folder that exists only in the image (auto: embedded "
-        "names and folders on this machine are read; other paths by their name, FLUX.1-* or Wan2.1-*).",
+        "names and folders on this machine are read; other paths by their name, as the families' public "
+        "checkpoints are called: FLUX.1-dev, Qwen-Image, Wan2.2-TI2V-5B, ...).",
     )
     num_attention_heads: int | None = Field(
         default=None, ge=1, description="Heads of the model for layout checks (default: by --model-kind)."
@@ -517,9 +518,11 @@ Print a KubeRay RayService manifest or a Serve config from the flags of `ditserv
 
 --model is read where the application runs. An embedded model or a folder on this machine is read here
 too; any other path is taken as a folder inside the image (or on --models-pvc, mounted at /models) and
-is not needed here: its family comes from --model-kind, else from its name (FLUX.1-*, Wan2.1-*), and the
-layout is checked against that family's attention heads. When neither tells, the manifest is written
-anyway and the heads are checked on the cluster at start (a note on stderr says so).
+is not needed here: its family comes from --model-kind, else from its name as each family's public
+checkpoints are called (FLUX.1-dev, FLUX.2-klein-4B, Qwen-Image, stable-diffusion-3.5-large, Z-Image-Turbo,
+Wan2.2-TI2V-5B-Diffusers, HunyuanVideo-1.5-..., ...), and the layout is checked against that family's
+attention heads. When neither tells, the manifest is written anyway and the heads are checked on the
+cluster at start (a note on stderr says so).
 
 Auto values (--device, --dtype, --cuda-graphs, --fused-epilogues) are resolved for GPU pods unless
 --device cpu, and the resolved configuration is validated as `ditserve serve` would on those pods.

@@ -443,3 +443,11 @@ def test_serve_config_says_how_to_run_it():
     text = render(["serve-config", "--model", "demo-flux", "--device", "cpu"])
     assert "# Run: serve run --address local FILE" in text.splitlines()[2]
     assert "serve run --address local" not in render(["kuberay", "--model", "demo-flux", "--device", "cpu"])
+
+
+def test_the_operations_guide_names_every_model_kind():
+    """It said `--model-kind flux|wan` while the flag took every family."""
+    from ditserve.replica.families import families
+
+    text = (ROOT / "docs" / "operations.md").read_text()
+    assert all(f"`{kind}`" in text for kind in families()), sorted(families())
