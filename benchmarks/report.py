@@ -121,3 +121,17 @@ def read_results(folder: str | Path, theme: str) -> Any:
     if not paths:
         raise FileNotFoundError(f"no {theme}_*.json in {folder}")
     return json.loads(paths[-1].read_text())["results"]
+
+
+def kernel_kind(name: str) -> str:
+    """A GPU kernel's kind, by its name (torch.profiler's key): "gemm" (cuBLAS / CUTLASS / nvjet), "attention"
+    (cuDNN / flash / memory-efficient SDPA), "triton fused" (inductor's elementwise and reduction kernels), or
+    "other" (copies, memsets, eager elementwise, VAE convolutions)."""
+    low = name.lower()
+    if any(k in low for k in ("gemm", "sm90", "cutlass", "nvjet", "matmul", "xmma")):
+        return "gemm"
+    if any(k in low for k in ("attention", "fmha", "flash", "cudnn", "sdpa")):
+        return "attention"
+    if "triton" in low:
+        return "triton fused"
+    return "other"

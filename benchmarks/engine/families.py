@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
-from report import write_results  # noqa: E402
+from report import kernel_kind, write_results  # noqa: E402
 
 PROMPT = "a red fox in the snow, photograph"
 SEED = 0
@@ -151,17 +151,7 @@ def kernel_breakdown(name: str, run) -> None:
         us = event.device_time_total
         if us <= 0:
             continue
-        low = event.key.lower()
-        if any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "matmul", "cublas")):
-            kind = "gemm"
-        elif any(k in low for k in ("fmha", "flash", "sdpa", "attention", "cudnn")):
-            kind = "attention"
-        elif low.startswith("triton") or "triton_" in low:
-            kind = "triton (inductor fused)"
-        elif "conv" in low:
-            kind = "conv (VAE)"
-        else:
-            kind = "other"
+        kind = kernel_kind(event.key)
         kinds[kind] = kinds.get(kind, 0.0) + us / 1e3
     total = sum(kinds.values())
     parts = ", ".join(

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the report helper
 from engine_vs_diffusers import build_pipe, flux_configs  # noqa: E402
-from report import write_results  # noqa: E402
+from report import kernel_kind, write_results  # noqa: E402
 
 
 def inputs(transformer, size: int, device, dtype, text_len: int) -> dict:
@@ -85,15 +85,7 @@ def breakdown(fn, device, top: int = 18) -> list[str]:
         if t <= 0 or ev.key.startswith(("ProfilerStep", "aten::")):
             continue
         name = ev.key
-        low = name.lower()
-        if "gemm" in low or "sm90" in low or "cutlass" in low or "nvjet" in low or "matmul" in low:
-            cat = "gemm"
-        elif "attention" in low or "fmha" in low or "flash" in low or "cudnn" in low:
-            cat = "attention"
-        elif "triton" in low:
-            cat = "triton fused"
-        else:
-            cat = "other"
+        cat = kernel_kind(name)
         cats[cat] = cats.get(cat, 0) + t / 2e3
         rows.append((t / 2e3, ev.count // 2, cat, name[:110]))
     rows.sort(reverse=True)
