@@ -197,10 +197,26 @@ def _num_heads(app: AppArgs, deploy: DeployArgs) -> tuple[int | None, str | None
     )
 
 
+def _check_lora_paths(app: AppArgs) -> None:
+    """A relative ``--lora-path`` file without ``--lora-root`` has no meaning on the cluster (``ditserve
+    serve`` makes it absolute from the working directory; the replicas' working directory is Ray's)."""
+    from ditserve.replica.lora.loader import parse_lora_spec
+
+    for spec in app.lora_path:
+        name, path, _ = parse_lora_spec(spec, flag="--lora-path")
+        if not app.lora_root and not Path(path).is_absolute():
+            raise ValueError(
+                f"--lora-path {name}={path}: a relative path is read on the cluster, where no working "
+                "directory of yours applies; give the path inside the pods (/models/...), or --lora-root DIR "
+                "to read it under DIR"
+            )
+
+
 def plan(app_kwargs: dict[str, Any], deploy_kwargs: dict[str, Any]) -> Plan:
     """Validate both flag sets and derive the layout; raises ValidationError / ValueError naming the flag."""
     app = AppArgs(**app_kwargs)
     deploy = DeployArgs(**deploy_kwargs)
+    _check_lora_paths(app)
     # The pods have GPUs unless --device cpu: auto values resolve for them, not for this machine.
     config = app.engine_config(device="cuda")
     heads, note = _num_heads(app, deploy)

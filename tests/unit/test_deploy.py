@@ -313,6 +313,10 @@ def test_serve_config_args_are_the_cli_flags():
         (["--model", "demo-flux", "--name", "Flux_1"], "DNS-1035"),
         (["--model", "demo-flux", "--port", "0"], "--port"),
         (["--model", "demo-flux", "--max-lora-rank", "0"], "--max-lora-rank"),
+        (
+            ["--model", "demo-flux", "--lora-path", "s=loras/s.safetensors"],
+            "--lora-path s=loras/s.safetensors: a",
+        ),
         # names the API server refuses (the namespace) or refuses in the pods KubeRay makes (claim, Secret)
         (
             ["--model", "demo-flux", "--namespace", "ML_Team"],
@@ -451,3 +455,9 @@ def test_the_operations_guide_names_every_model_kind():
 
     text = (ROOT / "docs" / "operations.md").read_text()
     assert all(f"`{kind}`" in text for kind in families()), sorted(families())
+
+
+def test_a_relative_lora_path_is_read_under_lora_root():
+    argv = ["serve-config", *FLUX, "--lora-root", "/models/loras", "--lora-path", "s=s.safetensors:0.5"]
+    args = check_serve_config(render(argv))["applications"][0]["args"]
+    assert (args["lora_root"], args["lora_path"]) == (["/models/loras"], ["s=s.safetensors:0.5"])
