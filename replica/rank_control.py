@@ -12,6 +12,7 @@ reference, which cannot fail.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,12 @@ from .worker import RankWorker
 
 def _public(config: Any) -> dict[str, Any]:
     return {k: v for k, v in dict(config).items() if not k.startswith("_")}
+
+
+# diffusers' refusal of a checkpoint tensor whose shape is not the model's
+_SHAPE_MISMATCH = re.compile(
+    r"because (\S+) expected shape torch\.Size\(\[([^\]]*)\]\), but got torch\.Size\(\[([^\]]*)\]\)"
+)
 
 
 def _check_loaded(model: torch.nn.Module, path: str) -> None:
@@ -73,8 +80,17 @@ class ServingRankWorker(RankWorker):
 
         current = getattr(self.pipe, name)
         cls = getattr(diffusers, type(current).__name__)
-        model = cls.from_pretrained(folder, dtype=self.config.torch_dtype)
         shown = path if name == "transformer" else f"{path} ({name})"
+        try:
+            model = cls.from_pretrained(folder, dtype=self.config.torch_dtype)
+        except ValueError as exc:  # diffusers' words advise from_pretrained arguments no user can pass here
+            shapes = _SHAPE_MISMATCH.search(str(exc))
+            if shapes is None:
+                raise
+            tensor, want, got = shapes.groups()
+            raise ValueError(
+                f"path: {shown} holds {tensor} of shape [{got}]; the served model's is [{want}]"
+            ) from None
         if _public(model.config) != _public(current.config):
             raise ValueError(f"path: {shown} has a different transformer config than the served model")
         _check_loaded(model, shown)

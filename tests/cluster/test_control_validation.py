@@ -50,9 +50,9 @@ def root(tmp_path_factory):
     no_model = root / "no-model"
     no_model.mkdir()
     (no_model / "readme.txt").write_text("no model here")
-    # The served transformer's folder with one tensor NaN, and with one tensor left out.
+    # The served transformer's folder with one tensor NaN, left out, or of another shape.
     served = ensure_demo_model("demo-flux") / "transformer"
-    for name, change in (("nan-weights", "nan"), ("lacking-weights", "drop")):
+    for name, change in (("nan-weights", "nan"), ("lacking-weights", "drop"), ("shape-weights", "shape")):
         shutil.copytree(served, root / name)
         for file in (root / name).glob("*.safetensors"):
             tensors = load_file(file)
@@ -60,6 +60,8 @@ def root(tmp_path_factory):
                 tensors["norm_out.linear.weight"] = torch.full_like(
                     tensors["norm_out.linear.weight"], torch.nan
                 )
+            elif change == "shape":
+                tensors["norm_out.linear.weight"] = torch.zeros(257, 129)
             else:
                 del tensors["norm_out.linear.weight"]
             save_file(tensors, str(file))
@@ -140,10 +142,10 @@ def test_bad_control_requests_are_refused_and_change_nothing(server, root):
     assert all(r["control_state"]["weights"]["version"] == 0 for r in replicas(url))
 
 
-def test_weights_with_nan_or_a_tensor_left_out_are_refused_naming_it_over_http_and_grpc(server, root):
+def test_weights_with_nan_a_tensor_left_out_or_of_another_shape_are_refused_naming_it(server, root):
     """NaN weights were committed (every image black afterwards); a folder lacking a tensor was refused with
-    torch's 'Cannot copy out of meta tensor'. Both now answer 400 / INVALID_ARGUMENT naming path and the
-    tensor, and the served weights stay."""
+    torch's 'Cannot copy out of meta tensor'. These and a tensor of another shape answer 400 (HTTP) and
+    INVALID_ARGUMENT (gRPC) naming path and the tensor, and the served weights stay."""
     url = server.base_url
     channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
     grpc.channel_ready_future(channel).result(timeout=30)
@@ -151,6 +153,8 @@ def test_weights_with_nan_or_a_tensor_left_out_are_refused_naming_it_over_http_a
     cases = {
         "nan-weights": "holds NaN or infinite weights (norm_out.linear.weight)",
         "lacking-weights": "lacks the transformer's tensor norm_out.linear.weight",
+        # diffusers' own words advised from_pretrained arguments no client can pass
+        "shape-weights": "holds norm_out.linear.weight of shape [257, 129]; the served model's is [256, 128]",
     }
     for folder, words in cases.items():
         path = str(root / folder)
