@@ -53,7 +53,7 @@ class ServingRankWorker(RankWorker):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self._staged: tuple[str, torch.nn.Module] | None = None
+        self._staged: tuple[str, dict[str, torch.nn.Module]] | None = None  # tag, transformer(s) by name
         self.released = False
 
     # -- weights ------------------------------------------------------------------------------------------
