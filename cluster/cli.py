@@ -587,10 +587,20 @@ COMMANDS = {
 }
 
 
+def _not_the_torchvision_fallback(record: logging.LogRecord) -> bool:
+    """transformers says, once per process, that an image processor "requires torchvision (not installed)"
+    and falls back to its PIL one: diffusers imports those classes with every pipeline, and the PIL processors
+    are the ones ditserve runs (see README), so the line is noise before every command's own output."""
+    return "requires torchvision (not installed)" not in record.getMessage()
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.WARNING)
+    fallback = logging.getLogger("transformers.utils.import_utils")
+    if _not_the_torchvision_fallback not in fallback.filters:
+        fallback.addFilter(_not_the_torchvision_fallback)
     return COMMANDS[ns.command](ns)
 
 
