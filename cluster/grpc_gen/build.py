@@ -11,6 +11,7 @@ messages' module name (used by pickle) to the real one.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -19,6 +20,8 @@ HERE = Path(__file__).resolve().parent
 PROTO_ROOT = HERE.parent.parent / "proto"
 PROTO = "ditserve/v1/ditserve.proto"
 OUTPUTS = ("ditserve_pb2.py", "ditserve_pb2.pyi", "ditserve_pb2_grpc.py")
+# pyproject.toml's grpcio>= (the stubs call nothing newer)
+GRPCIO_FLOOR = "1.66.0"
 
 
 def generate() -> dict[str, str]:
@@ -47,6 +50,14 @@ def generate() -> dict[str, str]:
     )
     # Message classes record their module for pickling (Serve pickles requests to the replica).
     texts["ditserve_pb2.py"] = texts["ditserve_pb2.py"].replace("'ditserve.v1.ditserve_pb2'", "__name__")
+    # The service stubs refuse a grpcio older than the grpcio-tools that wrote them; they hold the floor of
+    # pyproject.toml instead, so the committed stubs (and --check) do not change with the tools' patch release.
+    texts["ditserve_pb2_grpc.py"] = re.sub(
+        r"^GRPC_GENERATED_VERSION = '[^']*'$",
+        f"GRPC_GENERATED_VERSION = '{GRPCIO_FLOOR}'",
+        texts["ditserve_pb2_grpc.py"],
+        flags=re.M,
+    )
     return texts
 
 

@@ -5,7 +5,7 @@ import warnings
 
 from . import ditserve_pb2 as ditserve_dot_v1_dot_ditserve__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.66.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
