@@ -124,14 +124,20 @@ def read_results(folder: str | Path, theme: str) -> Any:
 
 
 def kernel_kind(name: str) -> str:
-    """A GPU kernel's kind, by its name (torch.profiler's key): "gemm" (cuBLAS / CUTLASS / nvjet), "attention"
-    (cuDNN / flash / memory-efficient SDPA), "triton fused" (inductor's elementwise and reduction kernels), or
-    "other" (copies, memsets, eager elementwise, VAE convolutions)."""
+    """A GPU kernel's kind, by its name (torch.profiler's key): "attention" (cuDNN / flash / memory-efficient
+    SDPA), "conv" (cuDNN convolutions: the VAE), "gemm" (cuBLAS / CUTLASS / nvjet), "triton fused"
+    (inductor's elementwise and reduction kernels), "copy" (copies, casts and memsets) or "other" (eager
+    elementwise). Attention and convolution names also carry GEMM words (``sm90``, ``wgmma``,
+    ``implicit_gemm``), so they are matched first."""
     low = name.lower()
+    if any(k in low for k in ("attention", "fmha", "flash", "sdpa")):
+        return "attention"
+    if any(k in low for k in ("fprop", "dgrad", "conv", "nchwtonhwc", "nhwctonchw")):
+        return "conv"
     if any(k in low for k in ("gemm", "sm90", "cutlass", "nvjet", "matmul", "xmma")):
         return "gemm"
-    if any(k in low for k in ("attention", "fmha", "flash", "cudnn", "sdpa")):
-        return "attention"
     if "triton" in low:
         return "triton fused"
+    if any(k in low for k in ("copy", "memcpy", "memset", "fill")):
+        return "copy"
     return "other"

@@ -138,29 +138,47 @@ def transformers_of(pipe) -> list[torch.nn.Module]:
     ]
 
 
-def kernel_breakdown(name: str, run) -> None:
-    """GPU kernel time of ``run`` (a 2-step generation: encode, 2 steps, decode) by kind, printed: where the
-    step's time goes (GEMMs, attention, inductor's fused elementwise kernels, the rest)."""
+def kernel_times(run) -> dict[str, tuple[float, int]]:
+    """{kernel name: (GPU ms, calls)} of ``run()``."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         sync()
-    kinds: dict[str, float] = {}
-    for event in prof.key_averages():
-        us = event.device_time_total
-        if us <= 0:
-            continue
-        kind = kernel_kind(event.key)
-        kinds[kind] = kinds.get(kind, 0.0) + us / 1e3
-    total = sum(kinds.values())
-    parts = ", ".join(
-        f"{k} {v:.1f} ms ({v / total:.1%})" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
-    )
-    print(f"{name}: kernel time of a 2-step generation {total:.1f} ms: {parts}", flush=True)
-    top = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]
-    for e in top:
-        print(f"  {e.device_time_total / 1e3:9.1f} ms  {e.count:5d}×  {e.key[:110]}", flush=True)
+    return {
+        e.key: (e.device_time_total / 1e3, e.count) for e in prof.key_averages() if e.device_time_total > 0
+    }
+
+
+def step_kernels(run) -> dict[str, tuple[float, int]]:
+    """The GPU kernels of one denoising step of ``run(steps)``: a 3-step generation's kernel times less a
+    2-step one's, per kernel name, so encode and decode (alike in both) drop out."""
+    three, two = kernel_times(lambda: run(3)), kernel_times(lambda: run(2))
+    out = {}
+    for key, (ms, calls) in three.items():
+        ms2, calls2 = two.get(key, (0.0, 0))
+        if calls > calls2:
+            out[key] = (ms - ms2, calls - calls2)
+    return out
+
+
+def kernel_breakdown(name: str, runs: dict[str, object]) -> None:
+    """Print one denoising step's GPU kernel time by kind (attention, GEMM, inductor's fused kernels,
+    copies, ...) for each labelled ``run(steps)``, the baseline first, and each one's largest kernels: where
+    a step's time goes, and how much of it is in kernels that every row shares (cuBLAS GEMMs, cuDNN
+    attention)."""
+    for label, run in runs.items():
+        kernels = step_kernels(run)
+        kinds: dict[str, float] = {}
+        for key, (ms, _) in kernels.items():
+            kinds[kernel_kind(key)] = kinds.get(kernel_kind(key), 0.0) + ms
+        total = sum(kinds.values())
+        parts = ", ".join(
+            f"{k} {v:.1f} ms ({v / total:.1%})" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
+        )
+        print(f"{name} / {label}: kernel time of one step {total:.1f} ms: {parts}", flush=True)
+        for key, (ms, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:16]:
+            print(f"  {ms:9.2f} ms  {calls:5d}×  {kernel_kind(key):12s} {key[:100]}", flush=True)
 
 
 def measure(
@@ -216,6 +234,8 @@ def measure(
         for m in transformers_of(pipe):
             compile_blocks(m)
     ref = row("diffusers compiled (baseline)", lambda n: diffusers_run(pipe, settings, n))
+    if profile and on_gpu:
+        kernel_breakdown(name, {"diffusers compiled": lambda n: diffusers_run(pipe, settings, n)})
     family, runner = make_runner(pipe, graphs and on_gpu, dev, dtype)
     if on_gpu:  # the engine's defaults on one GPU: --fused-epilogues is on (auto), then --compile
         torch._dynamo.reset()
@@ -228,7 +248,7 @@ def measure(
         runner.model_changed()
     row("ditserve bf16 --compile", lambda n: runner_run(runner, settings, n), ref)
     if profile and on_gpu:
-        kernel_breakdown(name, lambda: runner_run(runner, settings, 2))
+        kernel_breakdown(name, {"ditserve bf16": lambda n: runner_run(runner, settings, n)})
     if cfg_batch and on_gpu and not runner.batch_cfg:
         runner.batch_cfg = True  # the CFG branches as one forward of [uncond; cond] rows
         row(
@@ -261,7 +281,9 @@ def main() -> None:
     parser.add_argument(
         "--cfg-batch", action="store_true", help="an extra bf16 row: the CFG branches as one forward"
     )
-    parser.add_argument("--profile", action="store_true", help="print the bf16 row's kernel time by kind")
+    parser.add_argument(
+        "--profile", action="store_true", help="print one step's kernel time by kind, baseline and bf16 row"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows, failed = [], []

@@ -167,9 +167,17 @@ def build_pipeline(size: Literal["tiny", "real"], dtype: torch.dtype, device: st
         return build_tiny("a14b").to(device=device, dtype=dtype)
     device = torch.device(device)
     tokenizer = build_t5_tokenizer(model_max_length=512)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(
+        dtype
+    )  # made in ``dtype``: an fp32 expert (57 GB) beside the other does not fit an H100
+    try:
+        with device:
+            torch.manual_seed(0)
+            experts = [WanTransformer3DModel(**A14B_TRANSFORMER).to(dtype).eval() for _ in range(2)]
+    finally:
+        torch.set_default_dtype(previous)
     with device:
-        torch.manual_seed(0)
-        experts = [WanTransformer3DModel(**A14B_TRANSFORMER).to(dtype).eval() for _ in range(2)]
         text_encoder = tiny_text_encoder(tokenizer, d_model=A14B_TRANSFORMER["text_dim"]).to(dtype)
         vae = AutoencoderKLWan().eval()  # Wan 2.1 VAE (A14B uses it) in fp32, as the model cards load it
     return WanPipeline(
