@@ -43,9 +43,16 @@ def _check_loaded(model: torch.nn.Module, path: str) -> None:
 
 def _check_finite(model: torch.nn.Module, path: str) -> None:
     """NaN or infinite weights draw black (or noise) for every request: refused like a LoRA file with them."""
+    names, finite = [], []
     for name, tensor in model.state_dict().items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise ValueError(f"path: {path} holds NaN or infinite weights ({name})")
+        if tensor.is_floating_point():
+            names.append(name)
+            finite.append(torch.isfinite(tensor).all())  # stays on the device: one sync for the whole model
+    if not finite:
+        return
+    bad = torch.stack(finite).logical_not().nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"path: {path} holds NaN or infinite weights ({names[bad[0]]})")
 
 
 class ServingRankWorker(RankWorker):
