@@ -67,22 +67,20 @@ class Client:
         return list(self._call("Generate", _image_request(prompt, fields)).images)
 
     def generate_stream(self, prompt: str, **fields: Any) -> Iterator[tuple[int, int, bytes | None]]:
-        """(step, total, None) per denoising step, then (total, total, first PNG)."""
-        total = 0
-        for event in self._call("GenerateStream", _image_request(prompt, fields)):
-            if event.HasField("progress"):
-                total = event.progress.total
-                yield event.progress.step, total, None
-            else:
-                yield total, total, event.result.images[0]
+        """(step, total, preview) per denoising step, then (total, total, first PNG). ``preview`` is None unless
+        asked (``preview=True``, or ``partial_images=N`` for the last N steps): a low-res PNG of the latents."""
+        yield from _image_events(self._call("GenerateStream", _image_request(prompt, fields)))
+
+    def edit_image_stream(
+        self, images: list[bytes], prompt: str, **fields: Any
+    ) -> Iterator[tuple[int, int, bytes | None]]:
+        """``edit_image`` as ``generate_stream`` gives its steps (``partial_images=N`` for previews)."""
+        yield from _image_events(self._call("EditImageStream", _edit_request(images, prompt, fields)))
 
     def edit_image(self, images: list[bytes], prompt: str, **fields: Any) -> list[bytes]:
         """Images (encoded bytes) from one or more input images (PNG / JPEG / WebP bytes; several for
         multi-reference models); ``fields`` are EditImageRequest's (mask, size, n, strength, seed, lora...)."""
-        loras = fields.pop("lora", [])
-        refs = [pb.LoRARef(**(r if isinstance(r, dict) else {"name": r})) for r in loras]
-        request = pb.EditImageRequest(image=list(images), prompt=prompt, lora=refs, **fields)
-        return list(self._call("EditImage", request).images)
+        return list(self._call("EditImage", _edit_request(images, prompt, fields)).images)
 
     # -- videos ------------------------------------------------------------------------------------------
     def create_video(self, prompt: str, **fields: Any) -> pb.VideoJob:
@@ -141,11 +139,59 @@ class Client:
     def list_models(self) -> pb.ListModelsResponse:
         return self._call("ListModels", pb.Empty())
 
+    def list_replicas(self) -> pb.ListReplicasResponse:
+        """Every engine replica with its health, device and layout (``details`` too with the admin key)."""
+        return self._call("ListReplicas", pb.Empty())
+
+    def health(self) -> str:
+        """ "ok" when every replica the deployment asks for serves; otherwise grpc.RpcError UNAVAILABLE."""
+        return self._call("Health", pb.Empty()).status
+
+    # -- control operations (the admin key) ---------------------------------------------------------------
+    def load_lora(self, name: str, path: str, scale: float | None = None) -> pb.AdminReply:
+        """Load (or replace) adapter ``name`` from ``path`` on every replica."""
+        fields = {} if scale is None else {"scale": scale}
+        return self._call("LoadLoRA", pb.LoadLoRARequest(name=name, path=path, **fields))
+
+    def unload_lora(self, name: str) -> pb.AdminReply:
+        return self._call("UnloadLoRA", pb.UnloadLoRARequest(name=name))
+
+    def update_weights(self, path: str) -> pb.AdminReply:
+        """Replace the served transformer weights on every replica with ``path``'s."""
+        return self._call("UpdateWeights", pb.UpdateWeightsRequest(path=path))
+
+    def release_memory(self) -> pb.AdminReply:
+        return self._call("ReleaseMemory", pb.Empty())
+
+    def resume_memory(self) -> pb.AdminReply:
+        return self._call("ResumeMemory", pb.Empty())
+
+    def shutdown(self) -> pb.AdminReply:
+        """Stop serving: the deployment is deleted once the reply is sent."""
+        return self._call("Shutdown", pb.Empty())
+
+
+def _lora_refs(fields: dict[str, Any]) -> list[pb.LoRARef]:
+    """``lora=["name", {"name": ..., "scale": ...}]`` as the messages' LoRARef list."""
+    return [pb.LoRARef(**(r if isinstance(r, dict) else {"name": r})) for r in fields.pop("lora", [])]
+
 
 def _image_request(prompt: str, fields: dict[str, Any]) -> pb.GenerateRequest:
-    loras = fields.pop("lora", [])
-    refs = [pb.LoRARef(**(r if isinstance(r, dict) else {"name": r})) for r in loras]
-    return pb.GenerateRequest(prompt=prompt, lora=refs, **fields)
+    return pb.GenerateRequest(prompt=prompt, lora=_lora_refs(fields), **fields)
+
+
+def _edit_request(images: list[bytes], prompt: str, fields: dict[str, Any]) -> pb.EditImageRequest:
+    return pb.EditImageRequest(image=list(images), prompt=prompt, lora=_lora_refs(fields), **fields)
+
+
+def _image_events(events: Iterator[pb.GenerateEvent]) -> Iterator[tuple[int, int, bytes | None]]:
+    total = 0
+    for event in events:
+        if event.HasField("progress"):
+            total = event.progress.total
+            yield event.progress.step, total, event.progress.preview or None
+        else:
+            yield total, total, event.result.images[0]
 
 
 def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -423,6 +423,38 @@ def test_python_client_generate_returns_one_png_per_image(server):
     assert all(png_pixels(png).shape == (64, 64, 3) for png in pngs)
 
 
+def test_python_client_streams_previews_and_reaches_the_replica_and_admin_calls(server):
+    """The package client's streams give the previews asked for, and its replica, health and control calls
+    reach the server: with the key they run, without it the server's own refusal comes back."""
+    from ditserve.cluster.client import Client
+
+    fields = dict(size="64x64", num_inference_steps=4, seed=3)
+    with Client(f"127.0.0.1:{server.grpc_port}") as c:
+        events = list(c.generate_stream("a red fox", partial_images=2, **fields))
+        assert [e[:2] for e in events] == [(1, 4), (2, 4), (3, 4), (4, 4), (4, 4)]
+        assert [e[2] is not None for e in events[:4]] == [
+            False,
+            True,
+            True,
+            False,
+        ]  # the last 2 steps but one
+        assert png_pixels(events[-1][2]).shape == (64, 64, 3)
+        edits = list(c.edit_image_stream([events[-1][2]], "a blue fox", strength=0.5, **fields))
+        assert png_pixels(edits[-1][2]).shape == (64, 64, 3) and all(e[2] is None for e in edits[:-1])
+        assert c.health() == "ok"
+        replicas = c.list_replicas()
+        assert replicas.expected == 1 and [r.health for r in replicas.data] == ["ok"]
+        with pytest.raises(grpc.RpcError) as info:
+            c.update_weights("/nowhere")
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with Client(f"127.0.0.1:{server.grpc_port}", api_key=KEY) as c:
+        with pytest.raises(grpc.RpcError) as info:
+            c.load_lora("style", "/no/such/adapter.safetensors")
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "path" in info.value.details()
+        assert c.release_memory().replicas and c.resume_memory().replicas
+        assert len(c.generate("a red fox", **fields)) == 1
+
+
 def test_session_ids_the_server_does_not_hold_answer_4xx_naming_session_id(server):
     """A closed session (used or closed again), a token its replica never gave, an id of a replica that is
     not serving and an id that is no session id: each a 4xx whose param is ``session_id``."""
