@@ -17,6 +17,9 @@ from pathlib import Path
 import torch
 
 DORA_MARKERS = ("lora_magnitude_vector", "dora_scale")
+# LyCORIS adapters other than LoRA (LoKr: Kronecker factors, which diffusers reads for FLUX.2 and Z-Image;
+# LoHa: Hadamard products): their deltas are no low-rank A/B pairs that the segmented kernels apply.
+LYCORIS_MARKERS = {"LoKr": (".lokr_w1", ".lokr_w2"), "LoHa": (".hada_w1", ".hada_w2")}
 
 
 @dataclass
@@ -94,6 +97,13 @@ def _safetensors_file(path: Path) -> tuple[Path, dict]:
         raise ValueError(f"path: {path} is not a safetensors file")
     if any(marker in k for k in keys for marker in DORA_MARKERS):
         raise ValueError(f"path: {path} is a DoRA adapter; DoRA is not supported (plain LoRA only)")
+    for kind, markers in LYCORIS_MARKERS.items():
+        found = next((k for k in keys if any(m in k for m in markers)), None)
+        if found is not None:
+            raise ValueError(
+                f"path: {path} is a LyCORIS {kind} adapter ({found}); {kind} is not supported, only LoRA "
+                "(lora_A / lora_B or lora_down / lora_up pairs)"
+            )
     return path, keys
 
 

@@ -1,5 +1,7 @@
 """Multi-LoRA in the engine: the image diffusers gives for the same file, mixed batches, clear refusals."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -689,3 +691,39 @@ def test_a_relative_adapter_path_is_read_under_the_root_never_the_working_direct
         message = str(refused.value)
         assert message.startswith("path: ") and expected in message, message
         assert str(Path.cwd()) not in message, message
+
+
+@pytest.mark.parametrize("kind", ["lokr", "loha"])
+def test_a_lycoris_lokr_or_loha_file_is_refused_as_such(files, kind):
+    """ai-toolkit's LoKr files (Kronecker factors, keys ``diffusion_model.<module>.lokr_w1``), which diffusers'
+    Z-Image and FLUX.2 loaders read, and LyCORIS LoHa files: no low-rank pairs a request's adapter applies. The
+    frontend's check and the replicas' read refuse them naming the format (they said the file held no
+    lora_A / lora_down and was no adapter at all)."""
+    from diffusers import ZImagePipeline
+
+    from ditserve.replica.lora.loader import inspect_adapter, read_lora_file
+
+    module = "diffusion_model.layers.0.attention.to_q"
+    if kind == "lokr":
+        tensors = {f"{module}.lokr_w1": torch.randn(4, 4), f"{module}.lokr_w2": torch.randn(8, 8)}
+        # diffusers takes it as a LoKr adapter for the transformer
+        assert all(".lokr_w" in k for k in ZImagePipeline.lora_state_dict(str(_save(files, kind, tensors))))
+    else:  # LyCORIS' kohya-style names
+        module = "lora_unet_layers_0_attention_to_q"
+        shapes = {"hada_w1_a": (32, 4), "hada_w1_b": (4, 32), "hada_w2_a": (32, 4), "hada_w2_b": (4, 32)}
+        tensors = {f"{module}.{name}": torch.randn(*shape) for name, shape in shapes.items()}
+    path = _save(files, kind, tensors | {f"{module}.alpha": torch.tensor(4.0)})
+    label = {"lokr": "LoKr", "loha": "LoHa"}[kind]
+    pattern = (
+        rf"^path: .*{kind}.safetensors is a LyCORIS {label} adapter \(.*\.(lokr|hada)_w.*\); {label} is not"
+    )
+    with pytest.raises(ValueError, match=pattern):
+        inspect_adapter(str(path), (), 64)
+    with pytest.raises(ValueError, match=pattern):
+        read_lora_file(path, "ZImagePipeline")
+
+
+def _save(files, name: str, tensors: dict) -> Path:
+    path = files["root"] / f"{name}.safetensors"
+    save_file(tensors, str(path))
+    return path
