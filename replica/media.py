@@ -113,9 +113,17 @@ def _x264_without_avx512() -> dict[str, str]:
     return {"x264-params": f"asm={cpu & ~X264_CPU_AVX512}"} if cpu & X264_CPU_AVX512 else {}
 
 
+# H.264's code for BT.709 (its matrix, primaries and transfer alike; libavutil's AVCOL_*_BT709)
+BT709 = 1
+
+
 def encode_mp4(frames: np.ndarray, fps: int = 16) -> bytes:
-    """uint8 [F, H, W, 3] → MP4 bytes (H.264, yuv420p: what common players open)."""
+    """uint8 [F, H, W, 3] → MP4 bytes (H.264, yuv420p: what common players open). The RGB (sRGB, whose
+    primaries are BT.709's) becomes limited-range YUV by the BT.709 matrix, and the stream says so: an
+    untagged stream leaves the matrix to the player, and browsers read BT.709 where FFmpeg's default had
+    written BT.601 (saturated colours off by up to 39 levels of 255)."""
     import av
+    from av.video.reformatter import ColorRange, Colorspace
 
     num_frames, height, width, _ = frames.shape
     buf = io.BytesIO()
@@ -125,12 +133,17 @@ def encode_mp4(frames: np.ndarray, fps: int = 16) -> bytes:
         stream.width, stream.height = width + width % 2, height + height % 2
         stream.pix_fmt = "yuv420p"
         stream.options = {"crf": "18", "preset": "veryfast", **_x264_without_avx512()}
+        tags = stream.codec_context  # written into the stream's VUI
+        tags.colorspace = tags.color_primaries = tags.color_trc = BT709
+        tags.color_range = ColorRange.MPEG
         for frame in frames:
             if width % 2 or height % 2:
                 frame = np.pad(frame, ((0, height % 2), (0, width % 2), (0, 0)), mode="edge")
-            for packet in stream.encode(
-                av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
-            ):
+            rgb = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
+            yuv = rgb.reformat(
+                format="yuv420p", dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG
+            )
+            for packet in stream.encode(yuv):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
@@ -138,7 +151,7 @@ def encode_mp4(frames: np.ndarray, fps: int = 16) -> bytes:
 
 
 def decode_mp4(data: bytes) -> np.ndarray:
-    """MP4 bytes → uint8 [F, H, W, 3] (used by tests and clients)."""
+    """MP4 bytes → uint8 [F, H, W, 3] (used by tests and clients), by the matrix the stream names."""
     import av
 
     with av.open(io.BytesIO(data)) as container:

@@ -70,7 +70,9 @@ def test_openai_client_video_job(client):
     assert all(0 <= p <= 100 for _, p in seen)
     data = client.videos.download_content(job.id).read()
     with av.open(io.BytesIO(data)) as container:
-        assert container.streams.video[0].codec_context.name == "h264"
+        stream = container.streams.video[0]
+        assert stream.codec_context.name == "h264" and stream.average_rate == 8
+        assert stream.codec_context.colorspace == 1  # BT.709, said in the stream (browsers read it so)
     frames = decode_mp4(data)
     assert frames.shape == (5, 64, 64, 3) and frames.std() > 0
     deleted = client.videos.delete(job.id)

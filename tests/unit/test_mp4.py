@@ -63,3 +63,58 @@ def test_the_same_frames_encode_to_the_same_bytes_whatever_the_heap_held():
             assert got == want, f"clip {i} ({CLIPS[i].shape}): other bytes after a heap left with {byte:#x}"
     for data, frames in zip(encoded[0x55], CLIPS, strict=True):
         assert decode_mp4(data).shape == frames.shape
+
+
+# Kr, Kb of the YUV matrices H.264 names by number (ITU-T H.273 MatrixCoefficients): BT.709, BT.601.
+MATRICES = {1: (0.2126, 0.0722), 5: (0.299, 0.114), 6: (0.299, 0.114)}
+
+
+def test_a_player_reading_the_streams_colour_tags_shows_the_frames_colours():
+    """Saturated blocks, encoded: the stream names its matrix and range, and the YUV planes read by them (as a
+    browser reads them) give the colours back. The stream named none, and a browser read FFmpeg's BT.601 YUV
+    as BT.709: red, green, blue and their mixes were off by up to 39 levels of 255."""
+    import io
+
+    import av
+
+    colours = [
+        [255, 0, 0],
+        [0, 255, 0],
+        [0, 0, 255],
+        [255, 255, 0],
+        [0, 255, 255],
+        [255, 0, 255],
+        [255] * 3,
+        [20] * 3,
+    ]
+    block = 32
+    picture = np.repeat(np.repeat(np.array(colours, np.uint8).reshape(2, 4, 3), block, 0), block, 1)
+    data = encode_mp4(np.stack([picture] * 3), fps=8)
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0].codec_context
+        assert stream.colorspace in MATRICES, f"matrix {stream.colorspace} (2: unspecified)"
+        assert int(stream.color_range) == 1  # limited ("tv") range, what H.264 players expect
+        frame = next(container.decode(video=0))
+        planes = frame.to_ndarray()  # yuv420p: Y rows, then U and V at half size
+    height, width = picture.shape[:2]
+    y = planes[:height].astype(float)
+    u, v = (
+        planes[height + i * height // 4 : height + (i + 1) * height // 4]
+        .reshape(height // 2, width // 2)
+        .repeat(2, 0)
+        .repeat(2, 1)
+        .astype(float)
+        for i in range(2)
+    )
+    kr, kb = MATRICES[stream.colorspace]
+    luma, pb, pr = (y - 16) / 219, (u - 128) / 224, (v - 128) / 224
+    red, blue = luma + 2 * (1 - kr) * pr, luma + 2 * (1 - kb) * pb
+    green = (luma - kr * red - kb * blue) / (1 - kr - kb)
+    shown = (np.stack([red, green, blue], -1) * 255).clip(0, 255)
+    inner = np.zeros((height, width), bool)  # each block less its edges (chroma is shared across them)
+    for row in range(2):
+        for col in range(4):
+            inner[row * block + 6 : (row + 1) * block - 6, col * block + 6 : (col + 1) * block - 6] = True
+    assert np.abs(shown - picture)[inner].max() <= 4
+    # PyAV reads the tags too: what the server decodes (thumbnails, spritesheets) has the same colours
+    assert np.abs(decode_mp4(data)[0].astype(int) - picture)[inner].max() <= 4
