@@ -93,7 +93,7 @@ def load_pipeline(
     absent = {name: None for name in spec.family_spec.optional_components if not spec.folder.has(name)}
     given = {**skipped, **absent, **components}
     refuse_missing_components(spec, given)
-    pipe = cls.from_pretrained(spec.path, dtype=dtype, **given)
+    pipe = cls.from_pretrained(spec.path, dtype=dtype, variant=spec.variant, **given)
     pipe.set_progress_bar_config(disable=True)
     if encoders and encoder_group is not None:
         from .parallel.encoder_tp import apply_encoder_tp

@@ -15,6 +15,14 @@ from typing import Literal
 from ..caching.settings import CacheSettings
 from ..families import Family, Folder, fit_size, get_family, pipeline_families
 from .demo import DEMO_BUILDERS, ensure_demo_model
+from .local_folder import (
+    SINGLE_FILE_SUFFIXES,
+    cache_repo_id,
+    check_components,
+    hub_snapshot,
+    looks_like_repo_id,
+    single_file_hint,
+)
 
 
 def supported_pipelines() -> dict[str, tuple[str, Literal["image", "video"]]]:
@@ -63,6 +71,9 @@ class ModelSpec:
     family: str
     kind: Literal["image", "video"]
     pipeline_class: str
+    # The weights variant the folder was saved in (``save_pretrained(variant="fp16")``: ``*.fp16.safetensors``),
+    # passed to ``from_pretrained``; None: plain weights
+    variant: str | None = None
 
     @property
     def family_spec(self) -> Family:
@@ -213,12 +224,18 @@ def resolve_model(model: str) -> ModelSpec:
         path, name = ensure_demo_model(model), model
     else:
         path = Path(model).expanduser()
-        name = path.name
-        if not path.exists():
+        # A Hub snapshot folder is named by its commit: users know it, and ask for it, by its repo id.
+        name = cache_repo_id(path) or path.name
+        if not path.exists() and looks_like_repo_id(model):
+            path, name = hub_snapshot(model), model  # as diffusers' from_pretrained("org/name") offline
+        elif not path.exists():
             raise ValueError(
                 f"--model {model!r}: no such folder, and not an embedded model; expected a local diffusers "
-                f"folder (with model_index.json) or one of {embedded_model_names()}"
+                f"folder (with model_index.json), a Hugging Face repo id in the local cache, or one of "
+                f"{embedded_model_names()}"
             )
+        if path.is_file() and path.suffix.lower() in SINGLE_FILE_SUFFIXES:
+            raise ValueError(single_file_hint(model, path))
         if not (path / "model_index.json").is_file():
             found = sorted(p.name for p in path.iterdir())[:10] if path.is_dir() else "a file"
             raise ValueError(
@@ -238,7 +255,10 @@ def resolve_model(model: str) -> ModelSpec:
     refused = family.refuse(Folder(path, index))
     if refused:
         raise ValueError(f"--model {model!r}: {refused}")
-    return ModelSpec(name=name, path=path, family=family.name, kind=family.kind(cls), pipeline_class=cls)
+    variant = check_components(model, path, index)
+    return ModelSpec(
+        name=name, path=path, family=family.name, kind=family.kind(cls), pipeline_class=cls, variant=variant
+    )
 
 
 def transformer_folder(path: str) -> str:

@@ -1,17 +1,23 @@
-"""A folder of a supported pipeline class that holds a variant the family does not run (here: Wan folders
-whose two experts are half there) is refused with a message naming what was found, before anything starts
-(not served wrong)."""
+"""Model folders as users have them on disk. A folder of a supported pipeline class that holds a variant the
+family does not run (here: Wan folders whose two experts are half there), or that lacks a component its
+model_index.json lists, is refused with a message naming what was found, before anything starts (not served
+wrong, nor a traceback from deep inside diffusers). Folders saved with ``variant="fp16"`` and sharded
+weights load, also from the Hugging Face cache by repo id."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from ditserve.replica.models.registry import resolve_model
+from tests.helpers import png_pixels
 
 
 @pytest.fixture
@@ -54,3 +60,139 @@ def test_wan22_variants_are_refused(wan_folder, changes, needle):
     cmd = [sys.executable, "-m", "ditserve.cluster.cli", "generate", "a fox", "--model", str(wan_folder)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and needle in done.stderr and "--model" in done.stderr, done.stderr
+
+
+# ---- folders as diffusers users have them ----------------------------------------------------------------
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hub_cache_entry(src: Path, hub_cache: Path, repo_id: str) -> Path:
+    """``src`` laid out as the Hugging Face cache holds a download: files stored once by hash in ``blobs/``,
+    ``snapshots/<commit>/`` of relative symlinks to them, ``refs/main`` naming the commit."""
+    entry = hub_cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = entry / "snapshots" / COMMIT
+    for file in sorted(src.rglob("*")):
+        if file.is_file():
+            data = file.read_bytes()
+            blob = entry / "blobs" / hashlib.sha256(data).hexdigest()
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            blob.write_bytes(data)
+            link = snapshot / file.relative_to(src)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(os.path.relpath(blob, link.parent))
+    (entry / "refs").mkdir(parents=True)
+    (entry / "refs" / "main").write_text(COMMIT)
+    return snapshot
+
+
+@pytest.fixture(scope="module")
+def flux_fp16_folder(tmp_path_factory):
+    """demo-flux saved as ``save_pretrained(variant="fp16", max_shard_size=...)`` writes a big model:
+    ``diffusion_pytorch_model.fp16-00001-of-000NN.safetensors`` beside an index, no plain weights."""
+    import torch
+    from diffusers import FluxPipeline
+
+    folder = tmp_path_factory.mktemp("variants") / "flux-fp16"
+    pipe = FluxPipeline.from_pretrained(resolve_model("demo-flux").path, dtype=torch.float32)
+    pipe.save_pretrained(folder, variant="fp16", max_shard_size="200KB")
+    assert (folder / "transformer" / "diffusion_pytorch_model.safetensors.index.fp16.json").is_file()
+    assert not list(folder.glob("*/diffusion_pytorch_model.safetensors"))
+    return folder
+
+
+def _image(model: str) -> object:
+    from ditserve.replica.config import EngineConfig
+    from ditserve.replica.engine import Engine
+    from ditserve.replica.request import GenerationParams
+
+    engine = Engine(EngineConfig(model=model)).start()
+    try:
+        params = GenerationParams(prompt="a red fox", width=64, height=64, num_inference_steps=2, seed=3)
+        return png_pixels(engine.submit(params).result(timeout=300).outputs[0])
+    finally:
+        engine.shutdown()
+
+
+def test_fp16_variant_sharded_folder_loads_by_repo_id_from_the_hub_cache(
+    flux_fp16_folder, tmp_path, monkeypatch
+):
+    """diffusers' from_pretrained loads such a folder only when told ``variant="fp16"`` (without it: "no file
+    named diffusion_pytorch_model.bin", the traceback users saw); ditserve finds the variant in the file names.
+    ``--model org/name`` reads the Hub cache as diffusers does offline, and the model is named by its repo id
+    (not by the snapshot's commit) when its snapshot folder is given."""
+    from huggingface_hub import constants
+
+    snapshot = hub_cache_entry(flux_fp16_folder, tmp_path / "hub", "tiny-org/tiny-flux")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # rank processes read it when they start
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    spec = resolve_model("tiny-org/tiny-flux")
+    assert (spec.name, spec.path, spec.variant) == ("tiny-org/tiny-flux", snapshot, "fp16")
+    assert resolve_model(str(snapshot)).name == "tiny-org/tiny-flux"
+    assert resolve_model(str(flux_fp16_folder)).variant == "fp16"
+    assert (_image("tiny-org/tiny-flux") == _image("demo-flux")).all()  # the same weights, renamed
+
+
+def test_a_repo_id_not_in_the_cache_is_refused_saying_where_it_looked(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    with pytest.raises(
+        ValueError, match=r"'tiny-org/absent': .*not in the Hugging Face cache \(.*empty-hub\)"
+    ):
+        resolve_model("tiny-org/absent")
+
+
+def test_a_single_file_checkpoint_is_refused_saying_how_to_convert_it(flux_fp16_folder):
+    file = next((flux_fp16_folder / "transformer").glob("*.safetensors"))
+    with pytest.raises(ValueError, match="is a single-file checkpoint; .*from_single_file"):
+        resolve_model(str(file))
+
+
+@pytest.fixture
+def flux_folder(tmp_path):
+    folder = tmp_path / "flux"
+    shutil.copytree(resolve_model("demo-flux").path, folder)
+    return folder
+
+
+def _remove_vae(folder: Path) -> str:
+    shutil.rmtree(folder / "vae")
+    return "lacks vae/ (AutoencoderKL), which its model_index.json lists"
+
+
+def _remove_encoders(folder: Path) -> str:
+    shutil.rmtree(folder / "text_encoder")
+    shutil.rmtree(folder / "tokenizer_2")
+    return "lacks text_encoder/ (CLIPTextModel), tokenizer_2/ (T5Tokenizer), which"
+
+
+def _remove_weights(folder: Path) -> str:
+    (folder / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
+    return "transformer/ holds no weights"
+
+
+def _remove_config(folder: Path) -> str:
+    (folder / "text_encoder_2" / "config.json").unlink()
+    return "text_encoder_2/ has no config.json"
+
+
+def _two_variants(folder: Path) -> str:
+    weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
+    shutil.copy(weights, weights.with_suffix(".bf16.safetensors"))
+    weights.rename(weights.with_suffix(".fp16.safetensors"))
+    return "holds only variant weights (vae/: ['bf16', 'fp16'])"
+
+
+@pytest.mark.parametrize(
+    "damage", [_remove_vae, _remove_encoders, _remove_weights, _remove_config, _two_variants]
+)
+def test_a_folder_lacking_what_its_index_lists_is_refused_naming_it_and_the_path(flux_folder, damage):
+    needle = damage(flux_folder)
+    with pytest.raises(ValueError, match="--model") as caught:
+        resolve_model(str(flux_folder))
+    assert needle in str(caught.value) and str(flux_folder) in str(caught.value)
+    if damage is not _remove_vae:
+        return  # the CLI path is the same for every refusal: shown once
+    cmd = [sys.executable, "-m", "ditserve.cluster.cli", "generate", "a fox", "--model", str(flux_folder)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and needle in done.stderr and "Traceback" not in done.stderr, done.stderr
