@@ -113,6 +113,9 @@ _COMPONENTS = ("transformer.", "transformer_2.", "text_encoder")
 # The tensors of a converted file that an adapter applies (or reads its scale from).
 _LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_B.bias", ".alpha")
 
+# kohya's (sd-scripts') prefixes of text-encoder LoRA weights
+_KOHYA_TEXT_ENCODER = re.compile(r"(lora_te\d*)_")
+
 # Down-projection keys of the layouts diffusers converts: PEFT/diffusers, kohya, XLabs.
 _DOWN_MARKERS = (".lora_A.", ".lora_down.", ".down.")
 
@@ -163,7 +166,7 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
 
     from ..families import pipeline_families
 
-    file, _ = _safetensors_file(path)
+    file, header = _safetensors_file(path)
     loader = getattr(diffusers, pipeline_class)
     family = pipeline_families()[pipeline_class]
     if not hasattr(loader, "lora_state_dict"):
@@ -247,6 +250,14 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
         if not all(t.isfinite().all() for t in (module.a, module.b, module.bias) if t is not None):
             raise ValueError(f"path: {file}: {name} holds NaN or infinite weights (or an infinite alpha)")
         modules[name] = module
+    if not encoders:
+        # kohya's text-encoder weights (lora_te_*, lora_te1_* ...) in a file for a class whose converter has no
+        # text encoder to map them to: Qwen-Image's and Z-Image's make transformer module names of them (that
+        # load_lora_weights then skips), others drop them; either way the file's author trained the text
+        # encoder with the transformer, and serving the transformer's half would draw another image.
+        encoders = {
+            f"the text encoder ({m.group(1)}_*)" for k in header if (m := _KOHYA_TEXT_ENCODER.match(k))
+        }
     if encoders:
         raise ValueError(
             f"path: {file} holds LoRA weights for {', '.join(sorted(encoders))}; adapters apply to the "

@@ -727,3 +727,35 @@ def _save(files, name: str, tensors: dict) -> Path:
     path = files["root"] / f"{name}.safetensors"
     save_file(tensors, str(path))
     return path
+
+
+@pytest.mark.parametrize(
+    "pipeline, module",
+    [("QwenImagePipeline", "transformer_blocks_0_attn_to_q"), ("ZImagePipeline", "layers_0_attention_to_q")],
+)
+def test_kohya_text_encoder_weights_are_refused_where_diffusers_has_no_text_encoder_for_them(
+    files, pipeline, module
+):
+    """An sd-scripts file trained with the text encoder (``lora_te1_*`` beside ``lora_unet_*``) for a class
+    whose converter maps no text encoder: diffusers makes transformer module names of the text encoder's
+    keys (that load_lora_weights skips), so its image lacks them. The file is refused naming the text
+    encoder's weights (it read them as transformer modules, refused as modules the model does not have)."""
+    import diffusers
+
+    from ditserve.replica.lora.loader import read_lora_file
+
+    te = "lora_te1_text_model_encoder_layers_0_self_attn_q_proj"
+    tensors = {}
+    for key, i, o in ((f"lora_unet_{module}", 32, 32), (te, 16, 16)):
+        tensors |= {
+            f"{key}.lora_down.weight": torch.randn(RANK, i),
+            f"{key}.lora_up.weight": torch.randn(o, RANK),
+        }
+        tensors[f"{key}.alpha"] = torch.tensor(ALPHA)
+    path = _save(files, f"te_{pipeline}", tensors)
+    converted = getattr(diffusers, pipeline).lora_state_dict(str(path))
+    assert len(converted) == 4 and all(k.startswith("transformer.") for k in converted)
+    with pytest.raises(
+        ValueError, match=r"^path: .* holds LoRA weights for the text encoder \(lora_te1_\*\); "
+    ):
+        read_lora_file(path, pipeline)
