@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .models.local_folder import model_variant
 from .models.registry import transformer_folder
 from .worker import RankWorker
 
@@ -89,7 +90,9 @@ class ServingRankWorker(RankWorker):
         cls = getattr(diffusers, type(current).__name__)
         shown = path if name == "transformer" else f"{path} ({name})"
         try:
-            model = cls.from_pretrained(folder, dtype=self.config.torch_dtype)
+            model = cls.from_pretrained(
+                folder, dtype=self.config.torch_dtype, variant=model_variant(Path(folder))
+            )
         except ValueError as exc:  # diffusers' words advise from_pretrained arguments no user can pass here
             shapes = _SHAPE_MISMATCH.search(str(exc))
             if shapes is None:

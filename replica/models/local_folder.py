@@ -88,6 +88,13 @@ def _variants(folder: Path) -> set[str | None]:
     return found
 
 
+def model_variant(folder: Path) -> str | None:
+    """The weights variant to load one model folder with (a weights update's transformer): None where it
+    holds plain weights, else the variant its files name (the first by name where there are several)."""
+    found = _variants(folder) if folder.is_dir() else set()
+    return None if None in found or not found else sorted(found)[0]
+
+
 def check_components(model: str, path: Path, index: Mapping[str, Any]) -> str | None:
     """Refuse (ValueError naming the path and what is missing) a folder whose ``model_index.json`` lists a
     component that is not on disk: no folder, a model's folder without ``config.json`` or without weights.

@@ -196,3 +196,19 @@ def test_a_folder_lacking_what_its_index_lists_is_refused_naming_it_and_the_path
     cmd = [sys.executable, "-m", "ditserve.cluster.cli", "generate", "a fox", "--model", str(flux_folder)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and needle in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_weights_update_takes_a_folder_saved_with_a_variant(flux_fp16_folder):
+    """POST /v1/admin/weights with such a folder was refused: "could not load weights from PATH: Error no file
+    named diffusion_pytorch_model.bin found in directory PATH/transformer"."""
+    import torch
+
+    from ditserve.replica.config import EngineConfig
+    from ditserve.replica.rank_control import ServingRankWorker
+
+    worker = ServingRankWorker(EngineConfig(model="demo-flux"))
+    before = worker.pipe.transformer.state_dict()
+    assert worker.stage_weights(str(flux_fp16_folder), "fp16") == {"rank": 0, "tag": "fp16"}
+    worker.commit_weights("fp16")
+    after = worker.pipe.transformer.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
