@@ -508,10 +508,33 @@ def video_variant(mp4: bytes, variant: str) -> bytes:
     return mp4
 
 
+BYTE_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+
+
+def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """The bytes [start, end) one ``Range: bytes=...`` header asks of ``size`` bytes (``a-b``, ``a-``, or the
+    last ``-n``); None for no header, several ranges or one past the end: those get the whole asset (RFC
+    9110 lets a server ignore Range)."""
+    match = BYTE_RANGE.fullmatch((header or "").strip())
+    if match is None or match.groups() == ("", ""):
+        return None
+    first, last = match.groups()
+    if not first:  # a suffix: the last n bytes
+        start, end = max(0, size - int(last)), size
+    else:
+        start, end = int(first), size if not last else min(size, int(last) + 1)
+    return (start, end) if start < end else None
+
+
 @router.get(
     "/{video_id}/content",
     response_class=Response,
-    responses={200: {"content": {media: {} for media in MEDIA_TYPES.values()}}},
+    responses={
+        200: {"content": {media: {} for media in MEDIA_TYPES.values()}},
+        206: {
+            "description": "The bytes a Range header asked for (players seek, and Safari plays, this way)."
+        },
+    },
 )
 async def video_content(
     video_id: str,
@@ -532,7 +555,13 @@ async def video_content(
         if variant == "video"
         else await asyncio.to_thread(video_variant, answer["mp4"], variant)
     )
-    return Response(data, media_type=MEDIA_TYPES[variant], headers={REPLICA_HEADER: answer["replica"]})
+    headers = {REPLICA_HEADER: answer["replica"], "accept-ranges": "bytes"}
+    asked = byte_range(request.headers.get("range"), len(data))
+    if asked is None:
+        return Response(data, media_type=MEDIA_TYPES[variant], headers=headers)
+    start, end = asked
+    headers["content-range"] = f"bytes {start}-{end - 1}/{len(data)}"
+    return Response(data[start:end], status_code=206, media_type=MEDIA_TYPES[variant], headers=headers)
 
 
 class VideoRemixRequest(BaseModel):

@@ -194,7 +194,18 @@ def test_list_pages_variants_and_remix(server, client):
     assert [v.id for v in listed] == ours[::-1]
     assert all(v.status == "completed" and v.size == "64x48" and v.model == "demo-wan" for v in listed)
 
-    frames = decode_mp4(client.videos.download_content(first.id).read())
+    mp4 = client.videos.download_content(first.id)
+    assert mp4.response.headers["accept-ranges"] == "bytes"
+    frames = decode_mp4(mp4.read())
+    # byte ranges, as players ask to seek (and Safari before it plays a video at all)
+    url, size = f"{server.base_url}/v1/videos/{first.id}/content", len(mp4.read())
+    for asked, (start, end) in (("0-1", (0, 2)), ("100-", (100, size)), ("-50", (size - 50, size))):
+        r = httpx.get(url, headers={**AUTH, "range": f"bytes={asked}"})
+        assert r.status_code == 206 and r.content == mp4.read()[start:end], (asked, r.status_code)
+        assert r.headers["content-range"] == f"bytes {start}-{end - 1}/{size}"
+        assert r.headers["content-type"] == "video/mp4"
+    r = httpx.get(url, headers={**AUTH, "range": "bytes=0-1,5-9"})  # several ranges: the whole video
+    assert r.status_code == 200 and r.content == mp4.read()
     thumb = client.videos.download_content(first.id, variant="thumbnail")
     assert thumb.response.headers["content-type"] == "image/webp"
     image = Image.open(io.BytesIO(thumb.read()))
