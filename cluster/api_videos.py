@@ -143,7 +143,8 @@ class VideoCreateRequest(BaseModel):
 def _data_url(value: str) -> bytes:
     """``data:<type>;base64,<data>`` → the bytes (the server fetches nothing, so other URLs are refused)."""
     head, sep, data = value.partition(",")
-    if not value.startswith("data:") or not sep or not head.endswith(";base64"):
+    head = head.strip().lower()  # a URL's scheme and a data URL's ";base64" are case-insensitive
+    if not head.startswith("data:") or not sep or not head.endswith(";base64"):
         raise BadRequest(
             "input_reference: give an image file, or a base64 data URL (data:image/png;base64,...); "
             "the server fetches no URLs",
@@ -164,9 +165,11 @@ def reference_bytes(body: VideoCreateRequest, upload: bytes | None) -> bytes | N
         return upload
     if isinstance(given, ImageReference):
         if given.file_id is not None or given.image_url is None:
+            given_id = (
+                "file_id is not supported (no files API)" if given.file_id is not None else "no image_url"
+            )
             raise BadRequest(
-                "input_reference: file_id is not supported (no files API); give image_url as a data URL",
-                param="input_reference",
+                f"input_reference: {given_id}; give image_url as a data URL", param="input_reference"
             )
         given = given.image_url
     return None if given is None else _data_url(given)

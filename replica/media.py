@@ -44,6 +44,8 @@ def check_image(data: bytes, field: str, *, max_bytes: int, max_pixels: int) -> 
     """An uploaded image's upright (width, height) once it is known to decode; ``ValueError`` naming ``field``
     otherwise (too many bytes, too many pixels, not a PNG / JPEG / WebP, truncated or corrupt). The pixel
     count is read from the header before anything is decoded."""
+    if not data:
+        raise ValueError(f"{field}: the file is empty (0 bytes); send a PNG, JPEG or WebP image")
     if len(data) > max_bytes:
         raise ValueError(f"{field}: {len(data)} bytes is above the maximum {max_bytes} (max_image_bytes)")
     unreadable = f"{field}: not a readable PNG, JPEG or WebP image"

@@ -97,8 +97,10 @@ def test_data_urls_and_grpc_bytes(server, client):
         server, client, {"prompt": "a square", "size": "64x64", "input_reference": {"image_url": url}}
     )
     assert_h264(client.videos.download_content(job).read(), (5, 64, 64, 3))
-    # JSON: the data URL as a string
+    # JSON: the data URL as a string; a URL's scheme and ";base64" are case-insensitive (it was a 400)
     _json_job_completes(server, client, {"prompt": "a square", "size": "64x48", "input_reference": url})
+    shouted = "DATA:image/png;BASE64," + url.partition(",")[2]
+    _json_job_completes(server, client, {"prompt": "a square", "size": "64x48", "input_reference": shouted})
     # a first frame near --max-image-bytes: its data URL is a third larger, and still taken, wrapped in lines
     # of 76 characters as MIME base64 is (Python's base64.encodebytes)
     noise = Image.frombytes("RGB", (120, 120), os.urandom(120 * 120 * 3))
@@ -116,22 +118,26 @@ def test_data_urls_and_grpc_bytes(server, client):
         assert "input_reference" in err.value.details()
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        "not-an-image",
-        "too-large",
-        "http-url",
-        "bad-base64",
-        "file-id",
-        "a-number",
-    ],
-)
+BAD_REFERENCES = {  # case: what the message says
+    "not-an-image": "not a readable PNG, JPEG or WebP image",
+    "empty-file": "the file is empty",
+    "too-large": "above the maximum",
+    "http-url": "the server fetches no URLs",
+    "bad-base64": "not valid base64",
+    "file-id": "file_id is not supported",
+    "empty-object": "no image_url",
+    "a-number": "input_reference",
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REFERENCES))
 def test_bad_references_are_400_naming_input_reference(server, case):
     data = {"prompt": "a fox", "size": "64x48", **FIELDS}
     files = None
     if case == "not-an-image":
         files = {"input_reference": ("x.png", b"GIF89a not really", "image/png")}
+    elif case == "empty-file":
+        files = {"input_reference": ("x.png", b"", "image/png")}
     elif case == "too-large":
         files = {"input_reference": ("big.png", reference_png() + os.urandom(MAX_IMAGE_BYTES), "image/png")}
     elif case == "http-url":
@@ -140,6 +146,8 @@ def test_bad_references_are_400_naming_input_reference(server, case):
         data["input_reference"] = "data:image/png;base64,@@@"
     elif case == "file-id":
         data["input_reference"] = {"file_id": "file-123"}
+    elif case == "empty-object":
+        data["input_reference"] = {}
     else:  # neither member of the union (a data URL or a reference object): the field, not "input_reference.str"
         data["input_reference"] = 5
     if files is None:
@@ -149,3 +157,4 @@ def test_bad_references_are_400_naming_input_reference(server, case):
         r = httpx.post(f"{server.base_url}/v1/videos", data=form, files=files, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "input_reference", r.text
+    assert BAD_REFERENCES[case] in r.json()["error"]["message"], r.text
