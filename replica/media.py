@@ -6,7 +6,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import io
+import os
 import platform
+import tempfile
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -123,33 +125,37 @@ def encode_mp4(frames: np.ndarray, fps: int = 16) -> bytes:
     """uint8 [F, H, W, 3] → MP4 bytes (H.264, yuv420p: what common players open). The RGB (sRGB, whose
     primaries are BT.709's) becomes limited-range YUV by the BT.709 matrix, and the stream says so: an
     untagged stream leaves the matrix to the player, and browsers read BT.709 where FFmpeg's default had
-    written BT.601 (saturated colours off by up to 39 levels of 255)."""
+    written BT.601 (saturated colours off by up to 39 levels of 255). The index (``moov``) comes before the
+    frames (FFmpeg's faststart), so a player starts while the rest downloads; the muxer moves it by reading
+    the written file back, hence a file rather than memory."""
     import av
     from av.video.reformatter import ColorRange, Colorspace
 
     num_frames, height, width, _ = frames.shape
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        # yuv420p needs even sides; pad by repeating the last row/column when a side is odd.
-        stream.width, stream.height = width + width % 2, height + height % 2
-        stream.pix_fmt = "yuv420p"
-        stream.options = {"crf": "18", "preset": "veryfast", **_x264_without_avx512()}
-        tags = stream.codec_context  # written into the stream's VUI
-        tags.colorspace = tags.color_primaries = tags.color_trc = BT709
-        tags.color_range = ColorRange.MPEG
-        for frame in frames:
-            if width % 2 or height % 2:
-                frame = np.pad(frame, ((0, height % 2), (0, width % 2), (0, 0)), mode="edge")
-            rgb = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
-            yuv = rgb.reformat(
-                format="yuv420p", dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG
-            )
-            for packet in stream.encode(yuv):
+    with tempfile.TemporaryDirectory(prefix="ditserve-mp4-") as folder:
+        path = os.path.join(folder, "video.mp4")
+        with av.open(path, mode="w", format="mp4", options={"movflags": "+faststart"}) as container:
+            stream = container.add_stream("libx264", rate=fps)
+            # yuv420p needs even sides; pad by repeating the last row/column when a side is odd.
+            stream.width, stream.height = width + width % 2, height + height % 2
+            stream.pix_fmt = "yuv420p"
+            stream.options = {"crf": "18", "preset": "veryfast", **_x264_without_avx512()}
+            tags = stream.codec_context  # written into the stream's VUI
+            tags.colorspace = tags.color_primaries = tags.color_trc = BT709
+            tags.color_range = ColorRange.MPEG
+            for frame in frames:
+                if width % 2 or height % 2:
+                    frame = np.pad(frame, ((0, height % 2), (0, width % 2), (0, 0)), mode="edge")
+                rgb = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
+                yuv = rgb.reformat(
+                    format="yuv420p", dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG
+                )
+                for packet in stream.encode(yuv):
+                    container.mux(packet)
+            for packet in stream.encode():
                 container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()
+        with open(path, "rb") as file:
+            return file.read()
 
 
 def decode_mp4(data: bytes) -> np.ndarray:

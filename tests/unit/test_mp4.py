@@ -118,3 +118,25 @@ def test_a_player_reading_the_streams_colour_tags_shows_the_frames_colours():
     assert np.abs(shown - picture)[inner].max() <= 4
     # PyAV reads the tags too: what the server decodes (thumbnails, spritesheets) has the same colours
     assert np.abs(decode_mp4(data)[0].astype(int) - picture)[inner].max() <= 4
+
+
+def top_level_boxes(data: bytes) -> list[str]:
+    """The MP4's top-level box types in file order (ISO BMFF: a 32-bit size, then 4 letters)."""
+    boxes, offset = [], 0
+    while offset + 8 <= len(data):
+        size = int.from_bytes(data[offset : offset + 4], "big")
+        boxes.append(data[offset + 4 : offset + 8].decode("latin-1"))
+        if size == 1:  # a 64-bit size follows the type
+            size = int.from_bytes(data[offset + 8 : offset + 16], "big")
+        assert size >= 8, boxes
+        offset += size
+    assert offset == len(data), boxes
+    return boxes
+
+
+def test_the_index_comes_before_the_frames():
+    """A player streaming the MP4 needs its index (moov) before the frames (mdat) to start; it came last,
+    so playback waited for the whole file (or a second request for its end)."""
+    boxes = top_level_boxes(encode_mp4(CLIPS[0], fps=8))
+    assert "moov" in boxes and "mdat" in boxes
+    assert boxes.index("moov") < boxes.index("mdat"), boxes
