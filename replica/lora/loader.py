@@ -182,8 +182,14 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
     try:
         out = loader.lora_state_dict(str(file), **kwargs)
     except Exception as exc:  # diffusers raises many types for unknown layouts
+        detail = str(exc)
+        if not detail:  # a bare assert of a converter (FLUX's kohya one checks FLUX.1-dev's widths): where
+            tb = exc.__traceback__
+            while tb.tb_next is not None:
+                tb = tb.tb_next
+            detail = f"{type(exc).__name__} in diffusers' {tb.tb_frame.f_code.co_name}"
         raise ValueError(
-            f"path: {file} is not a LoRA layout diffusers can read for {pipeline_class}: {exc}"
+            f"path: {file} is not a LoRA layout diffusers can read for {pipeline_class}: {detail}"
         ) from exc
     if alphas_returned:
         state, alphas, metadata = out
@@ -270,9 +276,11 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
             "per request and cannot change the model's own weights"
         )
     if not modules:
+        # named from the file itself where the converter kept nothing of it
+        example = next(iter(state), None) or next((k for k in header if k != "__metadata__"), "none")
         raise ValueError(
             f"path: {file} has no LoRA weights for the transformer in a layout diffusers' {pipeline_class} "
-            f"loader reads (keys such as {next(iter(state), 'none')!r})"
+            f"loader reads (keys such as {example!r})"
         )
     refused = family.lora_refuse(sorted(modules))
     if refused:

@@ -759,3 +759,26 @@ def test_kohya_text_encoder_weights_are_refused_where_diffusers_has_no_text_enco
         ValueError, match=r"^path: .* holds LoRA weights for the text encoder \(lora_te1_\*\); "
     ):
         read_lora_file(path, pipeline)
+
+
+def test_refusals_of_layouts_diffusers_cannot_convert_name_what_failed(files):
+    """A kohya FLUX file whose single blocks' linear1 does not have FLUX.1-dev's widths fails a bare assert
+    in diffusers' converter, and a FLUX.2 file in BFL names with lora_down / lora_up (ComfyUI's) goes to diffusers' kohya
+    converter, which keeps none of it: the refusals said 'for FluxPipeline: ' with nothing after, and
+    'keys such as 'none''; they name the failed check and a key of the file."""
+    from ditserve.replica.lora.loader import read_lora_file
+
+    # demo-flux's linear1: q, k, v and the MLP's input, 3 × 128 + 512 rows (FLUX.1-dev: 3 × 3072 + 12288)
+    linear1 = "lora_unet_single_blocks_0_linear1"
+    kohya = {
+        f"{linear1}.lora_down.weight": torch.randn(RANK, 128),
+        f"{linear1}.lora_up.weight": torch.randn(896, RANK),
+    }
+    with pytest.raises(ValueError, match=r"for FluxPipeline: AssertionError in diffusers' _convert_\w+$"):
+        read_lora_file(_save(files, "kohya_linear1", kohya), "FluxPipeline")
+    key = "diffusion_model.double_blocks.0.img_attn.proj"
+    comfy = {f"{key}.lora_down.weight": torch.randn(RANK, 64), f"{key}.lora_up.weight": torch.randn(64, RANK)}
+    with pytest.raises(
+        ValueError, match=rf"Flux2KleinPipeline loader reads \(keys such as '{key}.lora_\w+.weight'\)$"
+    ):
+        read_lora_file(_save(files, "flux2_comfy", comfy), "Flux2KleinPipeline")
