@@ -26,6 +26,11 @@ def _guider_config(folder: Folder) -> dict:
 
 def _refuse(folder: Folder) -> str | None:
     guider = _guider_config(folder)
+    # diffusers loads the class model_index.json names and runs its arithmetic (zero-init steps, projections)
+    entry = folder.index.get("guider")
+    kind = entry[1] if isinstance(entry, list) and len(entry) == 2 else guider.get("_class_name")
+    if kind not in (None, "ClassifierFreeGuidance"):
+        return f"the guider is {kind}; only plain classifier-free guidance (ClassifierFreeGuidance) is served"
     for key, default in _GUIDER_DEFAULTS.items():
         if key in guider and guider[key] != default:
             return (

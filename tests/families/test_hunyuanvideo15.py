@@ -300,18 +300,25 @@ def mp4_rate(data: bytes) -> float:
 
 
 def test_refuses_what_it_would_serve_wrong(t2v_folder, tmp_path):
-    """Guider knobs the engine's CFG step does not apply, and MeanFlow transformers, are refused by name."""
+    """Guider knobs the engine's CFG step does not apply, a guider of another kind (diffusers loads the class
+    the folder names, e.g. ClassifierFreeZeroStarGuidance, and runs its arithmetic), and MeanFlow
+    transformers, are refused by name."""
     import json
     import shutil
 
     from ditserve.replica.models.registry import resolve_model
 
-    for file, change, message in [
-        ("guider/guider_config.json", {"guidance_rescale": 0.7}, "guidance_rescale=0.7"),
-        ("transformer/config.json", {"use_meanflow": True}, "MeanFlow"),
-    ]:
-        folder = tmp_path / file.split("/")[0]
-        (folder / file).parent.mkdir(parents=True)
+    zero_star = {"guider": ["diffusers", "ClassifierFreeZeroStarGuidance"]}
+    for i, (file, change, message) in enumerate(
+        [
+            ("guider/guider_config.json", {"guidance_rescale": 0.7}, "guidance_rescale=0.7"),
+            ("model_index.json", zero_star, "the guider is ClassifierFreeZeroStarGuidance"),
+            ("transformer/config.json", {"use_meanflow": True}, "MeanFlow"),
+        ]
+    ):
+        folder = tmp_path / str(i)
+        shutil.copytree(t2v_folder / "guider", folder / "guider")
+        (folder / file).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(t2v_folder / "model_index.json", folder)
         config = json.loads((t2v_folder / file).read_text())
         (folder / file).write_text(json.dumps({**config, **change}))
