@@ -82,6 +82,17 @@ def _edit_size(fe: Any, size: str | None, sizes: list[tuple[int, int]]) -> tuple
     return width, height
 
 
+def _check_mask_shape(mask: tuple[int, int], image: tuple[int, int]) -> None:
+    """A mask is stretched over the image as diffusers' inpaint pipelines stretch it; one of another shape
+    (beyond a pixel's rounding) would repaint other places than it shows, so it is refused."""
+    (mw, mh), (iw, ih) = mask, image
+    if abs(mw * ih - mh * iw) > max(iw, ih, mw, mh):
+        raise BadRequest(
+            f"mask: {mw}x{mh} is not the shape of the image ({iw}x{ih}); send a mask of the image's size",
+            param="mask",
+        )
+
+
 def edit_params(
     fe: Any, body: ImageEditRequest, images: list[bytes], mask: bytes | None
 ) -> tuple[GenerationParams, int, int]:
@@ -110,14 +121,17 @@ def edit_params(
         except ValueError as exc:
             raise BadRequest(str(exc), param="image") from None
     if mask is not None:
-        if not fe.spec.family_spec.inpainting:  # said before the mask is read: it is not used
+        if not fe.spec.family_spec.inpainting or fe.spec.edits:  # said before the mask is read: not used
             raise BadRequest(
                 f"mask: {fe.model_name} does not inpaint; send the image without a mask", param="mask"
             )
         try:
-            check_image(mask, "mask", max_bytes=limits.max_image_bytes, max_pixels=limits.max_image_pixels)
+            mask_size = check_image(
+                mask, "mask", max_bytes=limits.max_image_bytes, max_pixels=limits.max_image_pixels
+            )
         except ValueError as exc:
             raise BadRequest(str(exc), param="mask") from None
+        _check_mask_shape(mask_size, sizes[0])
     if body.strength is not None and fe.spec.edits:
         raise BadRequest(
             f"strength: {fe.model_name} takes the images as references and does not noise them; leave it out",
@@ -223,7 +237,10 @@ def _form_schema() -> dict[str, Any]:
             "items": _binary("A reference image."),
             "description": "Several images.",
         },
-        "mask": _binary("Inpainting mask (models that inpaint only)."),
+        "mask": _binary(
+            "Inpainting mask of the image's shape (image-to-image models that inpaint): its transparent "
+            "pixels are repainted, or without transparency its white ones."
+        ),
         **schema["properties"],
     }
     return schema

@@ -233,7 +233,7 @@ class Engine:
         family = spec.family_spec
         if spec.kind != "image":
             return
-        if params.mask is not None and not family.inpainting:
+        if params.mask is not None and (not family.inpainting or spec.edits):
             raise ValueError(f"mask: {spec.name} does not inpaint; send the image without a mask")
         if not params.images:
             if params.mask is not None:

@@ -122,7 +122,8 @@ class Family:
     edit_size: Callable[[Folder, list[tuple[int, int]]], tuple[int, int]] | None = None
     # image-to-image from ``init_latents`` + ``strength`` (sessions, /v1/images/edits on non-edit families)
     img2img: bool = False
-    # takes an inpainting ``mask`` with its image (POST /v1/images/edits ``mask``); refused otherwise
+    # takes an inpainting ``mask`` with its image-to-image start image (POST /v1/images/edits ``mask``);
+    # refused otherwise, and by the family's edit pipelines
     inpainting: bool = False
     # (width, height) of a request that names no size: the pipeline's own default (its __call__'s)
     default_size: Callable[[Folder], tuple[int, int]] = lambda folder: (1024, 1024)

@@ -342,5 +342,9 @@ class PipelineRunner(ABC):
             offset += s.rows
             t = s.timesteps[s.step_index]
             s.latents = s.scheduler.step(pred, t, s.latents, return_dict=False)[0]
+            if "inpaint" in s.extra:  # outside its mask, the start image back (img2img imports this module)
+                from .img2img import keep_unmasked
+
+                keep_unmasked(s)
             s.step_index += 1
             count_forwards(s, needs_uncond)

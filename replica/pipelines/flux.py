@@ -1,5 +1,6 @@
 """FLUX.1: text-to-image with packed 2×2 latents, distilled guidance and optional true CFG; image-to-image
-from ``params.images[0]`` (as ``FluxImg2ImgPipeline``); and FLUX.1 Kontext folders (``FluxKontextPipeline``),
+from ``params.images[0]`` (as ``FluxImg2ImgPipeline``), inpainting with ``params.mask`` (as
+``FluxInpaintPipeline``); and FLUX.1 Kontext folders (``FluxKontextPipeline``),
 whose reference image's latent tokens follow the generated ones in the sequence, with their own ids."""
 
 from __future__ import annotations
@@ -11,7 +12,15 @@ from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RES
 
 from ..request import GenerationParams
 from .base import PipelineRunner, RequestState, open_image, request_scheduler
-from .img2img import encode_start, noised_start, request_generator, scaled_vae_latents, start_pixels
+from .img2img import (
+    encode_start,
+    inpainting,
+    latent_mask,
+    noised_start,
+    request_generator,
+    scaled_vae_latents,
+    start_pixels,
+)
 from .schedule import flow_sigmas, image_seq_shift
 from .vae import decode_images, unscale_latents
 
@@ -62,7 +71,16 @@ class FluxRunner(PipelineRunner):
             _, channels, height, width = latents.shape
             return pipe._pack_latents(latents, 1, channels, height, width)
 
-        return encode_start(params, packed)
+        out = encode_start(params, packed)
+        if params.mask is not None:
+            _, tokens, channels = out["init_latents"].shape
+            lat_h, lat_w = (
+                2 * (params.height // (pipe.vae_scale_factor * 2)),
+                2 * (params.width // (pipe.vae_scale_factor * 2)),
+            )
+            mask = latent_mask(params, lat_h, lat_w).repeat(1, channels // 4, 1, 1)
+            out["mask"] = pipe._pack_latents(mask, 1, channels // 4, lat_h, lat_w)
+        return out
 
     def _encode_reference(self, image) -> dict:
         """Kontext's reference as ``FluxKontextPipeline`` prepares it: resized to the preferred Kontext
@@ -121,6 +139,7 @@ class FluxRunner(PipelineRunner):
         mu = image_seq_shift(scheduler, latents.shape[1])
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
         # img2img (FluxImg2ImgPipeline): the start latents noised to strength's first timestep.
+        inpaint = inpainting(params, encoded, latents)  # FluxInpaintPipeline: the masked start's blend
         latents, start = noised_start(scheduler, timesteps, latents, params, encoded)
         # Rows of one forward share the sequence: Kontext requests batch only with the same reference length.
         num_reference = 0 if reference is None else reference["latents"].shape[1]
@@ -136,7 +155,7 @@ class FluxRunner(PipelineRunner):
             cfg_scale=params.true_cfg_scale,
             bucket=bucket,
             step_index=start,
-            extra={"shared": {"txt_ids": text_ids, "img_ids": image_ids}},
+            extra={"shared": {"txt_ids": text_ids, "img_ids": image_ids}, **inpaint},
         )
 
     def model_forward(self, latents, timesteps, inputs, shared):

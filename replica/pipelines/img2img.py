@@ -10,17 +10,27 @@
    start latents are noised to the first remaining timestep (``scheduler.scale_noise``).
 
 A realtime session's previous latents (``params.init_latents``) take the start image's place in step 3.
+
+Inpainting (``params.mask``, as ``FluxInpaintPipeline`` / ``StableDiffusion3InpaintPipeline`` do it with a
+transformer of the plain latent channels): the mask at the requested size, binarised, at the latents' size
+(``latent_mask``); after every scheduler step the latents outside the mask are put back to the start
+latents noised to the next timestep with the request's noise, the clean start latents after the last
+(``keep_unmasked``).
+
 Each family keeps its own parts: its VAE's normalisation, its latent layout (packed 2×2 or not), its
 noise preparation; this module holds what they share.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
+from PIL import Image, ImageOps
 
 from ..request import GenerationParams
 from .base import open_image
@@ -32,6 +42,29 @@ def start_pixels(pipe, params: GenerationParams) -> torch.Tensor:
     image = open_image(params.images[0])
     pixels = pipe.image_processor.preprocess(image, height=params.height, width=params.width)
     return pixels.to(torch.float32)
+
+
+def mask_picture(data: bytes) -> Image.Image:
+    """An uploaded mask as greyscale, 255 where the image is repainted. A mask with transparency is read as
+    OpenAI's (its fully transparent pixels are repainted); one without (or fully opaque) as diffusers' (white
+    repaints, black keeps)."""
+    from ditserve.replica.media import to_rgb
+
+    image = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
+        alpha = image.convert("RGBA").getchannel("A")
+        if alpha.getextrema()[0] < 255:
+            return alpha.point(lambda a: 255 if a == 0 else 0)
+    return to_rgb(image).convert("L")
+
+
+def latent_mask(params: GenerationParams, latent_height: int, latent_width: int) -> torch.Tensor:
+    """``params.mask`` as the inpaint pipelines make it: resized to the requested size, binarised at 0.5,
+    then (nearest) to the latents' height and width; (1, 1, latent_height, latent_width) in {0, 1}, fp32."""
+    assert params.mask is not None
+    processor = VaeImageProcessor(do_normalize=False, do_binarize=True, do_convert_grayscale=True)
+    mask = processor.preprocess(mask_picture(params.mask), height=params.height, width=params.width)
+    return torch.nn.functional.interpolate(mask.to(torch.float32), size=(latent_height, latent_width))
 
 
 def scaled_vae_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -79,6 +112,36 @@ def first_step(steps: int, strength: float, order: int = 1) -> int:
     ``1 - strength`` of the schedule skipped), keeping at least one step where diffusers would run none."""
     start = int(max(steps - min(steps * strength, steps), 0))
     return min(start, steps - 1) * order
+
+
+def inpainting(params: GenerationParams, encoded: dict[str, Any], noise: torch.Tensor) -> dict[str, Any]:
+    """A masked request's part of its state's ``extra`` (``{}`` otherwise): the start latents (one per
+    output), the noise they are noised with, and ``encoded["mask"]`` (the family's latent layout, 1 where
+    the model paints), all in ``noise``'s layout, device and dtype. Call with the noise before
+    ``noised_start``."""
+    mask = encoded.get("mask")
+    if mask is None:
+        return {}
+    init = encoded["init_latents"].to(noise.device, noise.dtype)
+    n = noise.shape[0]
+    init = init.repeat(n // init.shape[0], *([1] * (init.dim() - 1)))
+    mask = mask.to(noise.device, noise.dtype)
+    return {"inpaint": {"init": init, "noise": noise, "mask": mask}}
+
+
+def keep_unmasked(state: Any) -> None:
+    """After a scheduler step of a masked request (``state.step_index`` the step just taken): the latents
+    outside the mask become the start latents noised to the next timestep (the clean ones after the last),
+    as the inpaint pipelines blend them."""
+    known = state.extra.get("inpaint")
+    if known is None:
+        return
+    init = known["init"]
+    i = state.step_index
+    if i < len(state.timesteps) - 1:
+        # after its step, the scheduler's step index is the next timestep's: scale_noise reads its sigma
+        init = state.scheduler.scale_noise(init, state.timesteps[i + 1 : i + 2], known["noise"])
+    state.latents = (1 - known["mask"]) * init + known["mask"] * state.latents
 
 
 def noised_start(

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from diffusers import FluxImg2ImgPipeline, FluxKontextPipeline
+from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline, FluxKontextPipeline
 from openai import BadRequestError, OpenAI
 from PIL import Image, ImageDraw
 
@@ -104,6 +104,62 @@ def test_openai_edit_is_diffusers_img2img(server):
     for i, ref in enumerate(to_uint8(reference)):
         assert ours[i].shape == ref.shape == (64, 64, 3)
         assert psnr(ours[i], ref) >= 40, f"image {i}"
+
+
+def test_openai_mask_inpaints_as_diffusers(server, stub):
+    """A mask with the image-to-image start image inpaints as FluxInpaintPipeline: OpenAI's mask (the
+    transparent pixels are repainted) and diffusers' (white repaints) of half the image's size give the
+    same image; a mask of another shape, or on a model that takes references, is a 400 naming mask."""
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    start = scene((64, 48))
+    openai_mask = Image.new("RGBA", (64, 48), (0, 0, 0, 255))
+    ImageDraw.Draw(openai_mask).rectangle((0, 0, 31, 47), fill=(0, 0, 0, 0))  # repaint the left half
+    white = Image.new("L", (64, 48), 0)
+    ImageDraw.Draw(white).rectangle((0, 0, 31, 47), fill=255)
+    settings = {"seed": 7, "num_inference_steps": 4, "strength": 0.8}
+    asked = {"image": ("scene.png", png(start), "image/png"), "prompt": "a red square on a green background"}
+    results = [
+        client.images.edit(**asked, mask=("mask.png", png(mask), "image/png"), n=2, extra_body=settings)
+        for mask in (openai_mask, white.resize((32, 24)))
+    ]
+    assert results[0].size == "64x48"
+    ours = [[png_pixels(base64.b64decode(d.b64_json)) for d in r.data] for r in results]
+
+    spec = resolve_model("demo-scenes")
+    pipe = FluxInpaintPipeline.from_pretrained(spec.path, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    reference = pipe(
+        image=start,
+        mask_image=white,
+        prompt=asked["prompt"],
+        height=48,
+        width=64,
+        num_images_per_prompt=2,
+        generator=torch.Generator("cpu").manual_seed(settings["seed"]),
+        num_inference_steps=settings["num_inference_steps"],
+        strength=settings["strength"],
+        max_sequence_length=min(512, pipe.tokenizer_2.model_max_length),
+        output_type="np",
+        negative_prompt="",  # demo-scenes' recommended sampling, the server's default for it
+        true_cfg_scale=3.0,
+    ).images
+    for i, ref in enumerate(to_uint8(reference)):
+        for mask, images in zip(("openai", "diffusers"), ours, strict=True):
+            assert psnr(images[i], ref) >= 40, (mask, i)
+    unmasked = client.images.edit(**asked, extra_body=settings)  # image-to-image: the right half redrawn too
+    assert psnr(png_pixels(base64.b64decode(unmasked.data[0].b64_json)), ours[0][0]) < 30
+    grpc_reply = stub.EditImage(
+        pb.EditImageRequest(image=[png(start)], mask=png(openai_mask), prompt=asked["prompt"], **settings),
+        timeout=120,
+    )
+    assert psnr(png_pixels(grpc_reply.images[0]), ours[0][0]) >= 40
+    with pytest.raises(BadRequestError) as info:
+        client.images.edit(
+            **asked, mask=("m.png", png(white.resize((48, 48))), "image/png"), extra_body=settings
+        )
+    assert info.value.body["param"] == "mask" and "48x48 is not the shape of the image (64x48)" in str(
+        info.value.body["message"]
+    )
 
 
 def test_openai_edit_output_formats(server):
@@ -278,7 +334,13 @@ HTTP_CASES = [
     ("too many pixels", {"image": ("a.png", HUGE, "image/png")}, {}, "image"),
     ("no image", {}, {}, "image"),
     ("two images", [("image[]", ("a.png", SOURCE)), ("image[]", ("b.png", SOURCE))], {}, "image"),
-    ("a mask", {"image": ("a.png", SOURCE), "mask": ("m.png", SOURCE)}, {}, "mask"),
+    (
+        "a mask of another shape",
+        {"image": ("a.png", SOURCE), "mask": ("m.png", png(scene((64, 32))))},
+        {},
+        "mask",
+    ),
+    ("a mask not an image", {"image": ("a.png", SOURCE), "mask": ("m.png", b"GIF89a")}, {}, "mask"),
     ("size", {"image": ("a.png", SOURCE)}, {"size": "65x64"}, "size"),
     ("unknown field", {"image": ("a.png", SOURCE)}, {"colour": "red"}, "colour"),
     ("strength", {"image": ("a.png", SOURCE)}, {"strength": "1.5"}, "strength"),
@@ -369,7 +431,7 @@ def test_grpc_edit_and_its_bad_uploads(server, stub):
         (dict(image=[HUGE]), "image"),
         (dict(image=[]), "image"),
         (dict(image=[SOURCE, SOURCE]), "image"),
-        (dict(image=[SOURCE], mask=SOURCE), "mask"),
+        (dict(image=[SOURCE], mask=png(scene((64, 32)))), "mask"),
         (dict(image=[SOURCE], size="64x65"), "size"),
     ]
     for fields, param in cases:
@@ -437,6 +499,14 @@ def test_kontext_refuses_a_reference_under_its_multiple(kontext_one_rank):
     tiny = KONTEXT.model_copy(update={"images": (png(scene((8, 8))),)})
     with pytest.raises(ValueError, match=r"^image: the reference is 8x8; .* at least 16 pixels a side"):
         runner.add("tiny", tiny)
+
+
+def test_kontext_takes_no_mask(kontext_folder):
+    """FLUX.1 inpaints from a FluxPipeline folder's start image; a Kontext folder's image is a reference,
+    so its mask is refused naming mask."""
+    masked = KONTEXT.model_copy(update={"mask": KONTEXT.images[0]})
+    with pytest.raises(ValueError, match=r"^mask: .* does not inpaint"):
+        Engine(EngineConfig(model=str(kontext_folder))).check(masked)
 
 
 def test_kontext_engine_ulysses2_is_one_rank(kontext_folder, kontext_one_rank):
