@@ -359,8 +359,12 @@ class LoRAManager:
     def load_weights(self, name: str, lora: LoRAFile, scale: float = 1.0, source: str = "") -> dict[str, Any]:
         """Put already-read adapter weights into a slot (all checks first: all layers or none)."""
         if lora.rank > self.max_rank:
+            # named by module: a rank the file's pairs do not show, e.g. diffusers' reading of a full weight
+            # delta (Wan's head.head.diff) as a pair whose rank is the layer's output width
+            above = [m for m, w in lora.modules.items() if w.a.shape[0] > self.max_rank]
             raise ValueError(
-                f"path: adapter {name!r} has rank {lora.rank}, above --max-lora-rank {self.max_rank}"
+                f"path: adapter {name!r} has rank {lora.rank} (at {', '.join(above[:3])}), above "
+                f"--max-lora-rank {self.max_rank}"
             )
         replacing = name in self.slots
         if not replacing and len(self.slots) >= self.max_loras:

@@ -6,7 +6,7 @@ adapter and for none of the others."""
 import pytest
 import torch
 from diffusers import WanPipeline, WanTransformer3DModel
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from ditserve.replica.lora.manager import LoRAManager
 from ditserve.replica.models.demo import ensure_demo_model
@@ -131,3 +131,33 @@ def test_graph_key_waits_for_the_groups_and_follows_the_layout(tmp_path, inputs)
     manager.load("style", str(write_musubi(tmp_path / "style.safetensors", weights(1))))
     manager.set_batch(layout)
     assert manager.graph_key() is None  # slots changed: one forward without a graph first
+
+
+def test_a_full_weight_delta_of_the_head_applies_as_diffusers_reads_it(tmp_path, inputs):
+    """lightx2v's distilled Wan LoRAs carry the head's full weight delta (``head.head.diff``, with its bias
+    ``diff_b``) beside their pairs; diffusers reads it as a pair on proj_out whose rank is the head's output
+    width (64 on demo-wan). It draws as diffusers draws it, and under a smaller --max-lora-rank the refusal
+    names the layer (it gave a rank of 64 for a file of rank-4 pairs, naming nothing)."""
+    path = ensure_demo_model("demo-wan")
+    g = torch.Generator().manual_seed(5)
+    head = {
+        "diffusion_model.head.head.diff": torch.randn(64, DIM, generator=g) * 0.05,
+        "diffusion_model.head.head.diff_b": torch.randn(64, generator=g) * 0.05,
+    }
+    file = write_original(tmp_path / "lightx2v.safetensors", weights(1))
+    save_file(dict(load_file(str(file))) | head, str(file))
+
+    pipe = WanPipeline.from_pretrained(path, dtype=torch.float32)
+    base = forward(pipe.transformer, inputs)
+    pipe.load_lora_weights(str(file))
+    want = forward(pipe.transformer, inputs)
+
+    transformer = WanTransformer3DModel.from_pretrained(path / "transformer", torch_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"has rank 64 \(at proj_out\), above --max-lora-rank 8$"):
+        LoRAManager(transformer, "WanPipeline", max_loras=2, max_rank=8).load("style", str(file))
+    manager = LoRAManager(transformer, "WanPipeline", max_loras=2, max_rank=64)
+    assert manager.load("style", str(file))["modules"] == len(LINEARS) + 1
+    manager.set_batch([(1, (LoRARef(name="style"),)), (1, ())])
+    got = forward(transformer, inputs)
+    torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1], base[1], atol=1e-5, rtol=1e-5)
