@@ -64,6 +64,17 @@ def cache_repo_id(path: Path) -> str | None:
     return None
 
 
+def cache_entry_snapshot(path: Path) -> Path:
+    """The snapshot ``refs/main`` names of a Hugging Face cache entry (``.../hub/models--org--name``, given
+    where its snapshot folder was meant); any other path as it is."""
+    ref = path / "refs" / "main"
+    if path.is_dir() and _CACHE_ENTRY.match(path.resolve().name) and ref.is_file():
+        snapshot = path / "snapshots" / ref.read_text().strip()
+        if snapshot.is_dir():
+            return snapshot
+    return path
+
+
 def single_file_hint(model: str, path: Path) -> str:
     """The refusal of a single-file checkpoint given as ``--model``."""
     return (

@@ -17,6 +17,7 @@ from ..families import Family, Folder, fit_size, get_family, pipeline_families
 from .demo import DEMO_BUILDERS, ensure_demo_model
 from .local_folder import (
     SINGLE_FILE_SUFFIXES,
+    cache_entry_snapshot,
     cache_repo_id,
     check_components,
     hub_snapshot,
@@ -224,8 +225,6 @@ def resolve_model(model: str) -> ModelSpec:
         path, name = ensure_demo_model(model), model
     else:
         path = Path(model).expanduser()
-        # A Hub snapshot folder is named by its commit: users know it, and ask for it, by its repo id.
-        name = cache_repo_id(path) or path.name
         if not path.exists() and looks_like_repo_id(model):
             path, name = hub_snapshot(model), model  # as diffusers' from_pretrained("org/name") offline
         elif not path.exists():
@@ -234,9 +233,19 @@ def resolve_model(model: str) -> ModelSpec:
                 f"folder (with model_index.json), a Hugging Face repo id in the local cache, or one of "
                 f"{embedded_model_names()}"
             )
+        else:
+            path = cache_entry_snapshot(path)  # a Hub cache entry (models--org--name): its current snapshot
+            # A Hub snapshot folder is named by its commit: users know it, and ask for it, by its repo id
+            # (and ``.`` by the folder's own name).
+            name = cache_repo_id(path) or path.resolve().name
         if path.is_file() and path.suffix.lower() in SINGLE_FILE_SUFFIXES:
             raise ValueError(single_file_hint(model, path))
         if not (path / "model_index.json").is_file():
+            if path.is_dir() and (path.resolve().parent / "model_index.json").is_file():
+                raise ValueError(
+                    f"--model {model!r} is the {path.resolve().name}/ component of a pipeline folder; give the "
+                    f"pipeline folder, {path.resolve().parent}"
+                )
             found = sorted(p.name for p in path.iterdir())[:10] if path.is_dir() else "a file"
             raise ValueError(
                 f"--model {model!r}: found {found} but no model_index.json; expected a diffusers-format "

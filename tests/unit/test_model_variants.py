@@ -128,6 +128,10 @@ def test_fp16_variant_sharded_folder_loads_by_repo_id_from_the_hub_cache(
     spec = resolve_model("tiny-org/tiny-flux")
     assert (spec.name, spec.path, spec.variant) == ("tiny-org/tiny-flux", snapshot, "fp16")
     assert resolve_model(str(snapshot)).name == "tiny-org/tiny-flux"
+    entry = resolve_model(
+        str(tmp_path / "hub" / "models--tiny-org--tiny-flux")
+    )  # the entry, not its snapshot
+    assert (entry.name, entry.path) == ("tiny-org/tiny-flux", snapshot)
     assert resolve_model(str(flux_fp16_folder)).variant == "fp16"
     assert (_image("tiny-org/tiny-flux") == _image("demo-flux")).all()  # the same weights, renamed
 
@@ -146,6 +150,19 @@ def test_a_single_file_checkpoint_is_refused_saying_how_to_convert_it(flux_fp16_
     file = next((flux_fp16_folder / "transformer").glob("*.safetensors"))
     with pytest.raises(ValueError, match="is a single-file checkpoint; .*from_single_file"):
         resolve_model(str(file))
+
+
+def test_a_component_folder_is_refused_naming_its_pipeline_folder(flux_fp16_folder):
+    with pytest.raises(
+        ValueError,
+        match=f"is the vae/ component of a pipeline folder; give the pipeline folder, {flux_fp16_folder}$",
+    ):
+        resolve_model(str(flux_fp16_folder / "vae"))
+
+
+def test_the_current_folder_is_named_by_its_own_name(flux_fp16_folder, monkeypatch):
+    monkeypatch.chdir(flux_fp16_folder)
+    assert resolve_model(".").name == flux_fp16_folder.name  # was "": /v1/models listed a model without an id
 
 
 @pytest.fixture
