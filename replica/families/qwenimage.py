@@ -53,6 +53,7 @@ FAMILY = Family(
     default_true_cfg=4.0,  # the pipelines' default true_cfg_scale
     edit_pipelines=frozenset({"QwenImageEditPipeline", "QwenImageEditPlusPipeline"}),
     img2img=True,  # QwenImagePipeline folders; the edit folders take their images as references
+    inpainting=True,  # QwenImagePipeline folders, as QwenImageInpaintPipeline
     max_references=MAX_PLUS_REFERENCES,
     pipeline_references={"QwenImageEditPipeline": 1},
     references_required=frozenset({"QwenImageEditPipeline", "QwenImageEditPlusPipeline"}),

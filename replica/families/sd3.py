@@ -30,6 +30,7 @@ FAMILY = Family(
     plan="parallel.sd3:SD3_PLAN",
     guidance="cfg",
     img2img=True,
+    inpainting=True,  # with image-to-image's start image, as the family's inpaint pipeline
     # without T5 the pipeline conditions on zeros in its place (a common low-memory setup)
     optional_components=frozenset({"text_encoder_3", "tokenizer_3"}),
     refuse=_refuse,

@@ -51,6 +51,7 @@ FAMILY = Family(
     plan="parallel.zimage:ZIMAGE_PLAN",
     guidance="cfg",
     img2img=True,
+    inpainting=True,  # with image-to-image's start image, as the family's inpaint pipeline
     size_multiple=lambda folder: vae_spatial_factor(folder) * 2,  # 2×2 patches of the 8× VAE's latents
     heads=lambda config: int(config["n_heads"]),
     refuse=_refuse,

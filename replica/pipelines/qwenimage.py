@@ -28,7 +28,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_img2img import retrieve_la
 from ..media import to_rgb
 from ..request import GenerationParams
 from .base import PipelineRunner, RequestState, request_scheduler, to_uint8
-from .img2img import encode_start, noised_start, request_generator, start_pixels
+from .img2img import encode_start, inpainting, latent_mask, noised_start, request_generator, start_pixels
 from .schedule import flow_sigmas, image_seq_shift
 from .vae import channel_normalization
 
@@ -209,6 +209,11 @@ class QwenImageRunner(PipelineRunner):
             out["uncond"] = {"encoder_hidden_states": neg, "mask": neg_mask}
         if params.images and not self.edit:  # image-to-image, sampled with the request's generator
             out |= encode_start(params, lambda generator: self._start_latents(params, generator))
+            if params.mask is not None:  # QwenImageInpaintPipeline's mask, at the latents' size, packed
+                channels = pipe.transformer.config.in_channels // 4
+                lat_h, lat_w = 2 * (params.height // factor), 2 * (params.width // factor)
+                mask = latent_mask(params, lat_h, lat_w).repeat(1, channels, 1, 1)
+                out["mask"] = pipe._pack_latents(mask, 1, channels, lat_h, lat_w)
         return out
 
     # -- request state ----------------------------------------------------------------------------------
@@ -247,6 +252,7 @@ class QwenImageRunner(PipelineRunner):
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=flow_sigmas(steps), mu=mu)
         # Image-to-image (QwenImageImg2ImgPipeline): the start latents noised to strength's timestep (the
         # noise is elementwise, so packed latents give the pipeline's packed result).
+        inpaint = inpainting(params, encoded, latents)
         latents, start = noised_start(scheduler, timesteps, latents, params, encoded)
         return RequestState(
             req_id=req_id,
@@ -259,7 +265,7 @@ class QwenImageRunner(PipelineRunner):
             cfg_scale=params.true_cfg_scale,
             bucket=("qwenimage", params.height, params.width, 1),
             step_index=start,
-            extra={"shared": {"img_shapes": img_shapes}, "group": tuple(img_shapes)},
+            extra={"shared": {"img_shapes": img_shapes}, "group": tuple(img_shapes), **inpaint},
         )
 
     # -- steps ------------------------------------------------------------------------------------------

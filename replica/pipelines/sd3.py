@@ -11,7 +11,15 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import r
 
 from ..request import GenerationParams
 from .base import PipelineRunner, RequestState, request_scheduler
-from .img2img import encode_start, noised_start, request_generator, scaled_vae_latents, start_pixels
+from .img2img import (
+    encode_start,
+    inpainting,
+    latent_mask,
+    noised_start,
+    request_generator,
+    scaled_vae_latents,
+    start_pixels,
+)
 from .schedule import image_seq_shift
 from .vae import decode_images, unscale_latents
 
@@ -62,6 +70,9 @@ class SD3Runner(PipelineRunner):
             out |= encode_start(
                 params, lambda g: scaled_vae_latents(vae, start_pixels(self.pipe, params), g).to(self.dtype)
             )
+            if params.mask is not None:  # StableDiffusion3InpaintPipeline's mask, at the latents' size
+                factor = self.pipe.vae_scale_factor
+                out["mask"] = latent_mask(params, params.height // factor, params.width // factor)
         return out
 
     def _check_size(self, params: GenerationParams) -> None:
@@ -99,6 +110,7 @@ class SD3Runner(PipelineRunner):
             kwargs["mu"] = image_seq_shift(scheduler, seq_len, max_shift=1.16)
         timesteps, _ = retrieve_timesteps(scheduler, params.num_inference_steps, self.device, **kwargs)
         # Image-to-image (StableDiffusion3Img2ImgPipeline): the start latents noised to strength's timestep.
+        inpaint = inpainting(params, encoded, latents)
         latents, start = noised_start(scheduler, timesteps, latents, params, encoded)
         return RequestState(
             req_id=req_id,
@@ -111,7 +123,7 @@ class SD3Runner(PipelineRunner):
             cfg_scale=self._guidance(params),
             bucket=("sd3", params.height, params.width, 1),
             step_index=start,
-            extra={"shared": {}},
+            extra={"shared": {}, **inpaint},
         )
 
     def timestep_rows(self, state: RequestState) -> torch.Tensor:

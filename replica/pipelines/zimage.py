@@ -19,6 +19,8 @@ from ..request import GenerationParams
 from .base import PipelineRunner, RequestState, request_scheduler
 from .img2img import (
     encode_start,
+    inpainting,
+    latent_mask,
     noised_start,
     request_generator,
     scaled_vae_latents,
@@ -80,6 +82,9 @@ class ZImageRunner(PipelineRunner):
             out |= encode_start(
                 params, lambda g: scaled_vae_latents(vae, start_pixels(self.pipe, params), g).to(self.dtype)
             )
+            if params.mask is not None:  # ZImageInpaintPipeline's mask, at the latents' size
+                factor = self.pipe.vae_scale_factor * 2
+                out["mask"] = latent_mask(params, 2 * (params.height // factor), 2 * (params.width // factor))
         return out
 
     @torch.no_grad()
@@ -104,6 +109,7 @@ class ZImageRunner(PipelineRunner):
             scheduler, params.num_inference_steps, self.device, sigmas=sigmas, mu=mu
         )
         # Image-to-image: the start latents noised to strength's timestep; the pipelines step in fp32.
+        inpaint = inpainting(params, encoded, latents)
         latents, start = noised_start(scheduler, timesteps, latents, params, encoded)
         latents = latents.float()
         uncond = encoded.get("uncond")
@@ -122,7 +128,7 @@ class ZImageRunner(PipelineRunner):
             cfg_scale=self._guidance(params),
             bucket=("zimage", params.height, params.width, 1),
             step_index=start,
-            extra={"shared": {}, "guided_steps": guided_steps},
+            extra={"shared": {}, "guided_steps": guided_steps, **inpaint},
         )
 
     def concat_inputs(self, inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

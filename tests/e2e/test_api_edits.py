@@ -162,6 +162,86 @@ def test_openai_mask_inpaints_as_diffusers(server, stub):
     )
 
 
+def _sd3_16_channels():
+    """The tiny SD3 pipeline with SD3's 16 latent channels (StableDiffusion3InpaintPipeline takes no other)."""
+    from tests.families import sd3
+
+    tiny = sd3.TINY_TRANSFORMER
+    sd3.TINY_TRANSFORMER = {**tiny, "in_channels": 16, "out_channels": 16}
+    try:
+        return sd3.build_pipeline()
+    finally:
+        sd3.TINY_TRANSFORMER = tiny
+
+
+def _zimage():
+    from tests.families import zimage
+
+    return zimage.build_pipeline()
+
+
+def _qwenimage():
+    from tests.families import qwenimage
+
+    return qwenimage.build_pipeline()
+
+
+@pytest.mark.parametrize(
+    "family, build, runner_path, inpaint_class, settings",
+    [
+        ("sd3", _sd3_16_channels, "sd3:SD3Runner", "StableDiffusion3InpaintPipeline", {"max_sequence_length": 16}),
+        ("zimage", _zimage, "zimage:ZImageRunner", "ZImageInpaintPipeline", {"max_sequence_length": 64}),
+        (
+            "qwenimage", _qwenimage, "qwenimage:QwenImageRunner", "QwenImageInpaintPipeline",
+            {"max_sequence_length": 512, "negative_prompt": "blurry", "true_cfg_scale": 3.0},
+        ),
+    ],
+)  # fmt: skip
+def test_inpainting_families_are_their_inpaint_pipelines(family, build, runner_path, inpaint_class, settings):
+    """SD3, Z-Image and Qwen-Image inpaint a masked start image as their diffusers inpaint pipelines (the
+    denoised latents; SD3's pipeline decodes without the VAE's shift_factor, which its others add), two
+    outputs of one request; without the mask it is image-to-image, another image."""
+    import importlib
+
+    import diffusers
+
+    pipe = build()
+    module, name = runner_path.split(":")
+    runner_class = getattr(importlib.import_module(f"ditserve.replica.pipelines.{module}"), name)
+    length = settings["max_sequence_length"]
+    runner = runner_class(pipe, device=torch.device("cpu"), dtype=torch.float32, max_sequence_length=length)
+    start = scene((64, 32))  # a multiple of every family's size multiple
+    mask = Image.new("L", (64, 32), 0)
+    ImageDraw.Draw(mask).rectangle((0, 0, 31, 31), fill=255)
+    sampling = {k: v for k, v in settings.items() if k != "max_sequence_length"}
+    params = GenerationParams(
+        prompt="a red square", width=64, height=32, num_inference_steps=4, seed=7, strength=0.8, n=2,
+        images=(png(start),), mask=png(mask), **sampling,
+    )  # fmt: skip
+
+    def run(p: GenerationParams) -> np.ndarray:
+        state = runner.add("a", p)
+        while not state.done:
+            runner.step([state])
+        return runner.decode(state)
+
+    ours = run(params)
+    inpaint = getattr(diffusers, inpaint_class)(**pipe.components)
+    inpaint.set_progress_bar_config(disable=True)
+    latents = inpaint(
+        image=start, mask_image=mask, prompt=params.prompt, height=32, width=64, strength=0.8,
+        num_inference_steps=4, num_images_per_prompt=2, generator=torch.Generator("cpu").manual_seed(7),
+        output_type="latent", **settings,
+    ).images  # fmt: skip
+    state = runner.add("b", params.model_copy(update={"mask": None}))
+    state.latents = latents.to(state.latents.dtype)  # the pipeline's last latents, decoded as ours are
+    reference = runner.decode(state)
+    for i in range(2):
+        assert ours[i].shape == reference[i].shape == (32, 64, 3)
+        assert psnr(ours[i], reference[i]) >= 40, (family, i)
+    assert psnr(run(params.model_copy(update={"mask": None}))[0], ours[0]) < 35
+
+
 def test_openai_edit_output_formats(server):
     """jpeg and webp as asked (the PNG's pixels, lossy), OpenAI's harmless fields accepted."""
     client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
