@@ -175,6 +175,12 @@ def reference_bytes(body: VideoCreateRequest, upload: bytes | None) -> bytes | N
     return None if given is None else _data_url(given)
 
 
+# The longest side of a first frame over its shortest. Wan 2.1 I2V's CLIP processor scales the shortest side
+# to 224 keeping the aspect before it crops: a 1x4000 PNG of a few hundred bytes took 10 s and 2.4 GB there,
+# and longer ones, within max_image_pixels, took more memory than the replica had.
+MAX_FIRST_FRAME_ASPECT = 8
+
+
 def reference_allowance(fe: Any) -> int:
     """Bytes a video request may carry beyond ``max_body_bytes``: the first frame, where the model takes one,
     at its size as a JSON data URL (base64: 4 bytes for every 3, and a line break, up to 2 bytes, every 76
@@ -224,7 +230,7 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
                 param="input_reference",
             )
         try:
-            check_image(
+            width, height = check_image(
                 reference,
                 "input_reference",
                 max_bytes=limits.max_image_bytes,
@@ -232,6 +238,12 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
             )
         except ValueError as exc:
             raise BadRequest(str(exc), param="input_reference") from None
+        if max(width, height) > MAX_FIRST_FRAME_ASPECT * min(width, height):
+            raise BadRequest(
+                f"input_reference: {width}x{height} is longer than {MAX_FIRST_FRAME_ASPECT}:1, the most a first "
+                "frame may be; crop it nearer the video's shape",
+                param="input_reference",
+            )
         kwargs["images"] = (reference,)  # resized to width x height by the model's own video processor
     elif first_frame == "required":
         raise BadRequest(

@@ -122,6 +122,8 @@ BAD_REFERENCES = {  # case: what the message says
     "not-an-image": "not a readable PNG, JPEG or WebP image",
     "empty-file": "the file is empty",
     "too-large": "above the maximum",
+    # Wan 2.1 I2V's CLIP processor scales the shortest side up keeping the aspect: out of memory, in time
+    "one-pixel-tall": "longer than 8:1",
     "http-url": "the server fetches no URLs",
     "bad-base64": "not valid base64",
     "file-id": "file_id is not supported",
@@ -136,6 +138,8 @@ def test_bad_references_are_400_naming_input_reference(server, case):
     files = None
     if case == "not-an-image":
         files = {"input_reference": ("x.png", b"GIF89a not really", "image/png")}
+    elif case == "one-pixel-tall":
+        files = {"input_reference": ("strip.png", reference_png(2000, 1), "image/png")}
     elif case == "empty-file":
         files = {"input_reference": ("x.png", b"", "image/png")}
     elif case == "too-large":
