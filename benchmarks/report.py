@@ -128,8 +128,11 @@ def kernel_kind(name: str) -> str:
     SDPA), "conv" (cuDNN convolutions: the VAE), "gemm" (cuBLAS / CUTLASS / nvjet), "triton fused"
     (inductor's elementwise and reduction kernels), "copy" (copies, casts and memsets) or "other" (eager
     elementwise). Attention and convolution names also carry GEMM words (``sm90``, ``wgmma``,
-    ``implicit_gemm``), so they are matched first."""
+    ``implicit_gemm``), so they are matched first, after inductor's (``triton_*``, named after what they fuse,
+    e.g. ``triton_poi_fused__scaled_dot_product_cudnn_attention_permute``: a layout copy before SDPA)."""
     low = name.lower()
+    if low.startswith("triton"):  # inductor names its kernels after the ops fused in them, SDPA's too
+        return "triton fused"
     if any(k in low for k in ("attention", "fmha", "flash", "sdpa")):
         return "attention"
     if any(k in low for k in ("fprop", "dgrad", "conv", "nchwtonhwc", "nhwctonchw")):

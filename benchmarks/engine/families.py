@@ -162,11 +162,12 @@ def step_kernels(run) -> dict[str, tuple[float, int]]:
     return out
 
 
-def kernel_breakdown(name: str, runs: dict[str, object]) -> None:
+def kernel_breakdown(name: str, runs: dict[str, object]) -> list[dict]:
     """Print one denoising step's GPU kernel time by kind (attention, GEMM, inductor's fused kernels,
     copies, ...) for each labelled ``run(steps)``, the baseline first, and each one's largest kernels: where
     a step's time goes, and how much of it is in kernels that every row shares (cuBLAS GEMMs, cuDNN
-    attention)."""
+    attention). Returns one record per run for the results file."""
+    records = []
     for label, run in runs.items():
         kernels = step_kernels(run)
         kinds: dict[str, float] = {}
@@ -177,8 +178,19 @@ def kernel_breakdown(name: str, runs: dict[str, object]) -> None:
             f"{k} {v:.1f} ms ({v / total:.1%})" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
         )
         print(f"{name} / {label}: kernel time of one step {total:.1f} ms: {parts}", flush=True)
-        for key, (ms, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:16]:
+        top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:16]
+        for key, (ms, calls) in top:
             print(f"  {ms:9.2f} ms  {calls:5d}×  {kernel_kind(key):12s} {key[:100]}", flush=True)
+        records.append(
+            {
+                "family": name,
+                "config": label,
+                "step_kernel_ms": total,
+                "by_kind_ms": kinds,
+                "top": [{"kernel": k, "ms": ms, "calls": c} for k, (ms, c) in top],
+            }
+        )
+    return records
 
 
 def measure(
@@ -188,10 +200,12 @@ def measure(
     size: str = "real",
     device: str = "cuda",
     cfg_batch: bool = False,
-    profile: bool = False,
+    profiles: list[dict] | None = None,
 ) -> list[dict]:
     """The three rows of one family (``size="tiny", device="cpu"``: a smoke run of this script, bf16 → fp32,
-    no compile, no FP8)."""
+    no compile, no FP8). With ``profiles`` (a list, on a GPU), one step's kernel time of the baseline and the
+    bf16 row is appended to it."""
+    profile = profiles is not None
     from ditserve.replica.worker import apply_speed_switches, compile_blocks
 
     module = importlib.import_module(f"tests.families.{name}")
@@ -235,7 +249,7 @@ def measure(
             compile_blocks(m)
     ref = row("diffusers compiled (baseline)", lambda n: diffusers_run(pipe, settings, n))
     if profile and on_gpu:
-        kernel_breakdown(name, {"diffusers compiled": lambda n: diffusers_run(pipe, settings, n)})
+        profiles += kernel_breakdown(name, {"diffusers compiled": lambda n: diffusers_run(pipe, settings, n)})
     family, runner = make_runner(pipe, graphs and on_gpu, dev, dtype)
     if on_gpu:  # the engine's defaults on one GPU: --fused-epilogues is on (auto), then --compile
         torch._dynamo.reset()
@@ -248,7 +262,7 @@ def measure(
         runner.model_changed()
     row("ditserve bf16 --compile", lambda n: runner_run(runner, settings, n), ref)
     if profile and on_gpu:
-        kernel_breakdown(name, {"ditserve bf16": lambda n: runner_run(runner, settings, n)})
+        profiles += kernel_breakdown(name, {"ditserve bf16": lambda n: runner_run(runner, settings, n)})
     if cfg_batch and on_gpu and not runner.batch_cfg:
         runner.batch_cfg = True  # the CFG branches as one forward of [uncond; cond] rows
         row(
@@ -286,11 +300,17 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    rows, failed = [], []
+    rows, failed, profiles = [], [], []
     for name in args.family:
         try:
             rows += measure(
-                name, args.steps, not args.no_graphs, args.size, args.device, args.cfg_batch, args.profile
+                name,
+                args.steps,
+                not args.no_graphs,
+                args.size,
+                args.device,
+                args.cfg_batch,
+                profiles if args.profile else None,
             )
         except Exception as exc:  # one family failing leaves the others' rows
             traceback.print_exc()
@@ -299,11 +319,32 @@ def main() -> None:
             torch.cuda.empty_cache()
         write_results(
             "families",
-            table(rows, failed),
-            {"rows": rows, "failed": failed},
+            table(rows, failed) + profile_table(profiles),
+            {"rows": rows, "failed": failed, "step_kernels": profiles},
             out=args.out,
             baseline="compiled diffusers pipeline, same weights, same run",
         )
+
+
+def profile_table(profiles: list[dict]) -> str:
+    """One denoising step's GPU kernel time by kind (``--profile``), and the share of the baseline's step that
+    its cuBLAS GEMMs and cuDNN attention take: the same kernels run in every row, so no row goes below it
+    without other kernels for those."""
+    if not profiles:
+        return ""
+    kinds = ["gemm", "attention", "triton fused", "copy", "other", "conv"]
+    lines = [
+        "",
+        "",
+        "One step's GPU kernels (`--profile`: a 3-step generation's kernel times less a 2-step one's), ms:",
+        "",
+        "| family | config | total | " + " | ".join(kinds) + " |",
+        "|---|---|---|" + "---|" * len(kinds),
+    ]
+    for p in profiles:
+        cells = " | ".join(f"{p['by_kind_ms'].get(k, 0.0):.1f}" for k in kinds)
+        lines.append(f"| {p['family']} | {p['config']} | {p['step_kernel_ms']:.1f} | {cells} |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict], failed: list[str]) -> str:

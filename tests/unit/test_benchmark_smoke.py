@@ -142,3 +142,23 @@ def test_kernel_benchmark_leaves_out_a_variant_that_cannot_run():
     assert failed == ["nb4: fail (RuntimeError: out of resource: shared memory, Required: 237592)"]
     with pytest.raises(RuntimeError):
         bench.working({"cuBLAS": too_big, "e1": lambda: None})
+
+
+@pytest.mark.parametrize(
+    ("kernel", "kind"),
+    [
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1", "attention"),
+        ("triton_poi_fused__scaled_dot_product_cudnn_attention__to_copy_cat_permute_view_5", "triton fused"),
+        ("sm90_xmma_fprop_implicit_gemm_f32f32_tf32f32_f32_nhwckrsc_nhwc_tilesize256x32x32", "conv"),
+        ("nvjet_sm90_tst_192x208_64x4_2x1_v_bz_coopB_gelubias_TNT", "gemm"),
+        ("Memcpy DtoH (Device -> Pageable)", "copy"),
+    ],
+)
+def test_profile_kinds_of_the_kernels_an_h100_step_runs(kernel, kind):
+    """``--profile`` splits a step into GEMMs and attention that every row shares and the rest: cuDNN's flash
+    kernel and the VAE's convolutions carry GEMM words in their names, and inductor names a kernel after the
+    SDPA it prepares; each is counted as what it is (names as torch.profiler gave them on an H100)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from report import kernel_kind
+
+    assert kernel_kind(kernel) == kind
