@@ -75,6 +75,8 @@ class ModelSpec:
     # The weights variant the folder was saved in (``save_pretrained(variant="fp16")``: ``*.fp16.safetensors``),
     # passed to ``from_pretrained``; None: plain weights
     variant: str | None = None
+    # An embedded demo model (trained and tested at 64×64), not a user's folder whatever its name
+    embedded: bool = False
 
     @property
     def family_spec(self) -> Family:
@@ -160,7 +162,7 @@ class ModelSpec:
     def default_size(self) -> tuple[int, int]:
         """(width, height) of a request that names none: 64×64 for the embedded demo models (trained and
         tested there), else the family pipeline's own default (1024² for the image families, 832×480 for Wan)."""
-        if self.name.startswith("demo-"):
+        if self.embedded:
             return 64, 64
         return self.family_spec.default_size(self.folder)
 
@@ -168,7 +170,7 @@ class ModelSpec:
         """(width, height) of a request that names none: where the family's pipeline sizes image-to-video by
         the first frame ((width, height) given), that; else ``default_size``."""
         rule = self.family_spec.first_frame_size
-        if first_frame is not None and rule is not None and not self.name.startswith("demo-"):
+        if first_frame is not None and rule is not None and not self.embedded:
             return rule(self.folder, first_frame)
         return self.default_size
 
@@ -266,7 +268,13 @@ def resolve_model(model: str) -> ModelSpec:
         raise ValueError(f"--model {model!r}: {refused}")
     variant = check_components(model, path, index)
     return ModelSpec(
-        name=name, path=path, family=family.name, kind=family.kind(cls), pipeline_class=cls, variant=variant
+        name=name,
+        path=path,
+        family=family.name,
+        kind=family.kind(cls),
+        pipeline_class=cls,
+        variant=variant,
+        embedded=model in embedded or model in DEMO_BUILDERS,
     )
 
 

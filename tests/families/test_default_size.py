@@ -55,6 +55,18 @@ def test_default_size_is_the_pipelines(folders, family):
     assert spec.default_size == _pipeline_default(folders[family], spec.kind == "video")
 
 
+def test_a_folder_named_like_a_demo_model_gets_its_pipelines_default(folders, tmp_path):
+    """The embedded demo models draw 64×64 by default; a user's folder whose name starts with "demo-" got that
+    too (its name was the test), not its pipeline's default."""
+    import shutil
+
+    folder = shutil.copytree(folders["sd3"], tmp_path / "demo-sd3-finetune")
+    assert (
+        resolve_model(str(folder)).default_size == resolve_model(str(folders["sd3"])).default_size != (64, 64)
+    )
+    assert resolve_model("demo-flux").default_size == (64, 64)
+
+
 def test_fit_size_keeps_the_aspect_within_the_limits():
     assert fit_size((832, 480), 2048, 2048, 16) == (832, 480)  # fits: unchanged
     assert fit_size((832, 480), 416, 2048, 16) == (416, 240)
