@@ -37,7 +37,12 @@ import torch.nn.functional as F
 from .demo import _tiny_clip, _tiny_t5
 from .scenes import IMAGE_SIZE, Scene, all_scenes, draw_batch, held_out_scenes, train_scenes
 from .scorer import classify_shape, score_scene
-from .tokenizers import build_clip_tokenizer, build_t5_tokenizer
+from .tokenizers import (
+    build_clip_tokenizer,
+    build_t5_tokenizer,
+    name_tokenizers_generic,
+    with_caption_normalizer,
+)
 
 T5_MAX_LENGTH = 32
 # T5 lengths trained on: 32 (the tokenizer's model_max_length, the one to sample with) and 512 (FluxPipeline's
@@ -87,8 +92,9 @@ def build_scenes_pipeline_untrained(seed: int = 0):
         scaling_factor=1.0,  # measured after VAE training
         shift_factor=0.0,
     )
-    tokenizer = build_clip_tokenizer()
-    tokenizer_2 = build_t5_tokenizer(model_max_length=T5_MAX_LENGTH)
+    # Prompts are read in the captions' wording (case, punctuation, "an", direction phrasings): tokenizers.py.
+    tokenizer = with_caption_normalizer(build_clip_tokenizer())
+    tokenizer_2 = with_caption_normalizer(build_t5_tokenizer(model_max_length=T5_MAX_LENGTH))
     # Dynamic shifting anchored at 64×64 (16 packed tokens): mu = base_shift there, as at Flux's 256.
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=1.0,
@@ -626,6 +632,7 @@ def run(args: argparse.Namespace) -> Path:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     pipe.to(torch.float16).save_pretrained(out)
+    name_tokenizers_generic(out)
     if args.init_from and (Path(args.init_from) / "ditserve.json").is_file():
         # The serving settings shipped beside the weights (sampling, step cache) carry over.
         (out / "ditserve.json").write_text((Path(args.init_from) / "ditserve.json").read_text())

@@ -69,7 +69,7 @@ from .scenes import (
     train_moving_scenes,
 )
 from .scorer import clip_shape, score_clip
-from .tokenizers import build_t5_tokenizer
+from .tokenizers import build_t5_tokenizer, name_tokenizers_generic, with_caption_normalizer
 from .train_demo import (
     _cosine_lr,
     _earlier_run,
@@ -171,7 +171,8 @@ def build_video_pipeline_untrained(
         scale_factor_spatial=8,
     )
     make_framewise(vae)
-    tokenizer = build_t5_tokenizer(model_max_length=T5_MAX_LENGTH)
+    # Prompts are read in the captions' wording (case, punctuation, "an", direction phrasings): tokenizers.py.
+    tokenizer = with_caption_normalizer(build_t5_tokenizer(model_max_length=T5_MAX_LENGTH))
     pipe = WanPipeline(
         tokenizer=tokenizer,
         text_encoder=_tiny_t5(tokenizer, "UMT5EncoderModel"),
@@ -1135,6 +1136,7 @@ def run(args: argparse.Namespace) -> Path:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     pipe.to(torch.float16).save_pretrained(out)
+    name_tokenizers_generic(out)
     log(f"saved {out} ({sum(f.stat().st_size for f in out.rglob('*') if f.is_file()) / 1e6:.1f} MB)")
 
     results: dict[str, dict] = {}

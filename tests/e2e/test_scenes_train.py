@@ -35,6 +35,12 @@ def test_train_smoke_writes_loadable_pipeline(tmp_path) -> None:
 
     pipe = FluxPipeline.from_pretrained(out, dtype=torch.float32)
     assert pipe.transformer.config.guidance_embeds is False
+    # Both tokenizers read a prompt as the captions are written (case, punctuation, "an"), also in diffusers.
+    index = json.loads((out / "model_index.json").read_text())
+    assert index["tokenizer"] == index["tokenizer_2"] == ["transformers", "PreTrainedTokenizerFast"]
+    for tokenizer in (pipe.tokenizer, pipe.tokenizer_2):
+        caption = tokenizer("a orange circle on a blue background").input_ids
+        assert tokenizer("An Orange Circle on a Blue Background.").input_ids == caption
     image = pipe(
         prompt="a red circle on a blue background",
         negative_prompt="",

@@ -176,4 +176,12 @@ def test_init_from_continues_a_saved_model_keeping_its_vae_and_shape(tmp_path) -
     assert any(not torch.equal(before[k], after[k]) for k in before)  # it trained
     card = (out / "README.md").read_text()
     assert "continued from an earlier run of this command" in card and "`the earlier run`" in card
+    # The tokenizer reads a prompt as the captions are written, also in diffusers' WanPipeline.
+    from diffusers import WanPipeline
+
+    index = json.loads((out / "model_index.json").read_text())
+    assert index["tokenizer"] == ["transformers", "PreTrainedTokenizerFast"]
+    tokenizer = WanPipeline.from_pretrained(out, dtype=torch.float32).tokenizer
+    caption = tokenizer("a red circle moving left on a blue background").input_ids
+    assert tokenizer("A Red Circle moving to the left on a Blue background.").input_ids == caption
     assert "--init-from" in card and "--travel 0.95 1.0" in card

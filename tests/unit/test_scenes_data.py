@@ -22,11 +22,13 @@ from ditserve.replica.models.scenes import (
     held_out_scenes,
     parse_caption,
     parse_moving_caption,
+    scenes_model_path,
+    scenes_video_model_path,
     train_moving_scenes,
     train_scenes,
 )
 from ditserve.replica.models.scorer import score_clip
-from ditserve.replica.models.tokenizers import DEMO_WORDS
+from ditserve.replica.models.tokenizers import DEMO_WORDS, build_clip_tokenizer, build_t5_tokenizer
 
 
 def test_caption_set_and_split() -> None:
@@ -131,3 +133,54 @@ def test_travel_sets_how_far_the_shape_crosses() -> None:
     for bad in ((0.0, 1.0), (0.9, 0.8), (0.5, 1.5)):
         with pytest.raises(ValueError, match="travel"):
             draw_clip(MovingScene("square", "orange", "gray", "left"), rng, 5, travel=bad)
+
+
+# How users write the captions, and the caption each one must read as.
+USER_PHRASINGS = {
+    "A Red Circle On A Blue Background.": "a red circle on a blue background",
+    "  a  red circle on a blue background ": "a red circle on a blue background",
+    "An orange square on a grey background!": "a orange square on a gray background",
+    "a red circle on blue background": "a red circle on a blue background",
+    "a red circle against the blue background": "a red circle on a blue background",
+    "a red circle on a blue": "a red circle on a blue background",
+    "A RED CIRCLE MOVING LEFT ON A BLUE BACKGROUND": "a red circle moving left on a blue background",
+    "a red circle moving to the left on a blue background": "a red circle moving left on a blue background",
+    "a red circle moving leftwards on a blue background": "a red circle moving left on a blue background",
+    "a red circle going right on a blue background": "a red circle moving right on a blue background",
+    "a red circle moves from left to right on a blue background": "a red circle moving right on a blue background",
+    "a red circle heading upward on a blue background": "a red circle moving up on a blue background",
+    "a red circle drifting towards the bottom on a blue background": "a red circle moving down on a blue background",
+}
+
+
+def _shipped_tokenizers():
+    """The shipped scene models' tokenizers, loaded as diffusers loads them (the class model_index.json names)."""
+    import json
+
+    import transformers
+
+    for folder in (scenes_model_path(), scenes_video_model_path()):
+        index = json.loads((folder / "model_index.json").read_text())
+        for name in ("tokenizer", "tokenizer_2"):
+            if name in index:
+                yield (
+                    f"{folder.name}/{name}",
+                    getattr(transformers, index[name][1]).from_pretrained(folder / name),
+                )
+
+
+def test_shipped_tokenizers_read_user_phrasings_as_the_caption() -> None:
+    for where, tokenizer in _shipped_tokenizers():
+        for prompt, caption in USER_PHRASINGS.items():
+            assert tokenizer(prompt).input_ids == tokenizer(caption).input_ids, (where, prompt)
+        # Words outside the captions still tokenize, and stay apart from the caption words.
+        assert tokenizer("a red fox").input_ids != tokenizer("a red circle").input_ids
+
+
+def test_shipped_tokenizers_give_the_trained_ids_for_every_caption() -> None:
+    """The captions as trained on tokenize as the plain demo tokenizers tokenize them (no caption changes)."""
+    clip, t5 = build_clip_tokenizer(), build_t5_tokenizer()
+    captions = [s.caption for s in all_scenes()] + [s.caption for s in all_moving_scenes()]
+    for where, tokenizer in _shipped_tokenizers():
+        plain = clip if where == "demo_scenes/tokenizer" else t5
+        assert tokenizer(captions).input_ids == plain(captions).input_ids, where
