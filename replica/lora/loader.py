@@ -113,8 +113,8 @@ _COMPONENTS = ("transformer.", "transformer_2.", "text_encoder")
 # The tensors of a converted file that an adapter applies (or reads its scale from).
 _LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_B.bias", ".alpha")
 
-# kohya's (sd-scripts') prefixes of text-encoder LoRA weights
-_KOHYA_TEXT_ENCODER = re.compile(r"(lora_te\d*)_")
+# Text-encoder LoRA weights as kohya (sd-scripts) and ComfyUI save them: lora_te1_*, text_encoders.t5xxl.*
+_RAW_TEXT_ENCODER = re.compile(r"(lora_te\d*)_|(text_encoders\.\w+)\.")
 
 # Down-projection keys of the layouts diffusers converts: PEFT/diffusers, kohya, XLabs.
 _DOWN_MARKERS = (".lora_A.", ".lora_down.", ".down.")
@@ -257,13 +257,21 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
             raise ValueError(f"path: {file}: {name} holds NaN or infinite weights (or an infinite alpha)")
         modules[name] = module
     if not encoders:
-        # kohya's text-encoder weights (lora_te_*, lora_te1_* ...) in a file for a class whose converter has no
-        # text encoder to map them to: Qwen-Image's and Z-Image's make transformer module names of them (that
-        # load_lora_weights then skips), others drop them; either way the file's author trained the text
-        # encoder with the transformer, and serving the transformer's half would draw another image.
-        encoders = {
-            f"the text encoder ({m.group(1)}_*)" for k in header if (m := _KOHYA_TEXT_ENCODER.match(k))
-        }
+        # Text-encoder weights that diffusers' converter of this class maps to no text encoder: Qwen-Image's
+        # and Z-Image's make transformer module names of kohya's (which load_lora_weights then skips), FLUX's
+        # drops ComfyUI's T5 weights. The file's author trained the text encoder with the transformer, and
+        # serving the transformer's half would draw another image. All-zero ones (some trainers save them
+        # untrained) change nothing.
+        raw = {k: m.group(1) or m.group(2) for k in header if (m := _RAW_TEXT_ENCODER.match(k))}
+        if raw:
+            from safetensors import safe_open
+
+            with safe_open(str(file), "pt") as f:
+                encoders = {
+                    f"the text encoder ({prefix}{'_' if prefix.startswith('lora_te') else '.'}*)"
+                    for k, prefix in raw.items()
+                    if not k.endswith(".alpha") and f.get_tensor(k).any()
+                }
     if encoders:
         raise ValueError(
             f"path: {file} holds LoRA weights for {', '.join(sorted(encoders))}; adapters apply to the "

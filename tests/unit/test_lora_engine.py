@@ -782,3 +782,41 @@ def test_refusals_of_layouts_diffusers_cannot_convert_name_what_failed(files):
         ValueError, match=rf"Flux2KleinPipeline loader reads \(keys such as '{key}.lora_\w+.weight'\)$"
     ):
         read_lora_file(_save(files, "flux2_comfy", comfy), "Flux2KleinPipeline")
+
+
+def test_comfyui_t5_weights_are_refused_unless_all_zero(files):
+    """ComfyUI's FLUX files (``diffusion_model.<BFL name>`` pairs) may carry T5 weights
+    (``text_encoders.t5xxl.transformer.*``); diffusers' converter drops them, so neither the text encoder nor
+    the transformer gets them, and the adapter loaded without a word. They are refused as text-encoder
+    weights like kohya's ``lora_te1_*``; all-zero ones (saved untrained) change nothing and load."""
+    from diffusers import FluxPipeline
+
+    from ditserve.replica.lora.loader import read_lora_file
+
+    bfl = [
+        "double_blocks.0.img_attn.proj",
+        "double_blocks.0.img_mlp.0",
+        "single_blocks.0.linear2",
+    ]  # TARGETS'
+    names = {kohya: f"diffusion_model.{name}" for (kohya, *_), name in zip(TARGETS, bfl, strict=True)}
+    comfy = {}
+    for key, value in load_file(str(files["a_kohya"])).items():
+        name, suffix = key.split(".", 1)
+        comfy[f"{names[name]}.{suffix}"] = value
+    t5 = "text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q"
+    for fill in (0.0, 1.0):
+        tensors = comfy | {f"{t5}.lora_down.weight": torch.full((RANK, 32), fill)}
+        path = _save(
+            files, f"comfy_t5_{fill}", tensors | {f"{t5}.lora_up.weight": torch.full((32, RANK), fill)}
+        )
+        assert not any("t5" in k or "text" in k for k in FluxPipeline.lora_state_dict(str(path)))
+        if fill:
+            with pytest.raises(
+                ValueError, match=r"holds LoRA weights for the text encoder \(text_encoders.t5xxl.\*\)"
+            ):
+                read_lora_file(path, "FluxPipeline")
+        else:
+            got = read_lora_file(path, "FluxPipeline").modules
+            want = read_lora_file(files["a_kohya"], "FluxPipeline").modules
+            assert got.keys() == want.keys() == {m for _, m, _, _ in TARGETS}
+            assert all(torch.equal(got[m].b @ got[m].a, want[m].b @ want[m].a) for m in got)
