@@ -1,11 +1,11 @@
 """--encoder-placement: with ``first`` only the replica's first rank loads the text encoders and sends each
 request's embeddings; the others never hold them, and the images are those of ``all`` (every rank
-encoding for itself)."""
+encoding for itself) and of one rank."""
 
 from ditserve.replica.config import EngineConfig, ParallelFlags
 from ditserve.replica.engine import Engine
 from ditserve.replica.request import GenerationParams
-from tests.helpers import png_pixels
+from tests.helpers import png_pixels, psnr
 
 REQUEST = GenerationParams(
     prompt="a red fox",
@@ -18,9 +18,9 @@ REQUEST = GenerationParams(
 )
 
 
-def run(placement: str):
+def run(placement: str, ulysses_degree: int = 2):
     config = EngineConfig(
-        model="demo-flux", encoder_placement=placement, parallel=ParallelFlags(ulysses_degree=2)
+        model="demo-flux", encoder_placement=placement, parallel=ParallelFlags(ulysses_degree=ulysses_degree)
     )
     engine = Engine(config).start()
     try:
@@ -39,3 +39,5 @@ def test_first_rank_holds_the_only_encoders_and_images_match():
     assert all(m["encoder_bytes"] == first[0]["encoder_bytes"] for m in every)
     assert first[1]["transformer_bytes"] == first[0]["transformer_bytes"] > 0
     assert (image_first == image_every).all()
+    _, image_one = run("first", ulysses_degree=1)
+    assert psnr(image_first, image_one) >= 40
