@@ -162,6 +162,43 @@ def test_openai_mask_inpaints_as_diffusers(server, stub):
     )
 
 
+def test_mask_files_read_as_one_mask():
+    """One mask in the files a user may send: OpenAI's (transparent = repaint) as RGBA, LA, a palette with a
+    transparent entry or a lossless WebP; diffusers' (white = repaint) as 8- or 16-bit greyscale, a JPEG
+    (also one stored turned a quarter with its EXIF orientation), a fully opaque RGBA, or at half size."""
+    from ditserve.replica.pipelines.img2img import latent_mask
+
+    openai_mask = Image.new("RGBA", (64, 48), (255, 255, 255, 255))
+    ImageDraw.Draw(openai_mask).rectangle((0, 0, 31, 47), fill=(0, 0, 0, 0))
+    white = Image.new("L", (64, 48), 0)
+    ImageDraw.Draw(white).rectangle((0, 0, 31, 47), fill=255)
+
+    def encoded(image: Image.Image, fmt: str = "PNG", **kw) -> bytes:
+        buf = io.BytesIO()
+        image.save(buf, format=fmt, **kw)
+        return buf.getvalue()
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored 48x64, shown 64x48
+    files = {
+        "rgba": encoded(openai_mask),
+        "la": encoded(openai_mask.convert("LA")),
+        "palette": encoded(openai_mask.quantize()),
+        "webp": encoded(openai_mask, "WEBP", lossless=True),
+        "grey": encoded(white),
+        "grey 16-bit": encoded(Image.fromarray(np.asarray(white).astype(np.uint16) * 257)),
+        "jpeg": encoded(white, "JPEG"),
+        "jpeg turned": encoded(white.transpose(Image.Transpose.ROTATE_90), "JPEG", exif=exif.tobytes()),
+        "opaque rgba": encoded(white.convert("RGBA")),
+        "half size": encoded(white.resize((32, 24))),
+    }
+    want = torch.zeros(1, 1, 6, 8)
+    want[..., :4] = 1  # the left half repainted
+    for name, data in files.items():
+        params = GenerationParams(prompt="a", width=64, height=48, images=(SOURCE,), mask=data)
+        assert torch.equal(latent_mask(params, 6, 8), want), name
+
+
 def _sd3_16_channels():
     """The tiny SD3 pipeline with SD3's 16 latent channels (StableDiffusion3InpaintPipeline takes no other)."""
     from tests.families import sd3
