@@ -31,6 +31,18 @@ Guidance = Literal["distilled", "true_cfg", "cfg", "none"]
 FirstFrame = Literal["none", "optional", "required"]
 
 
+def read_json(file: Path) -> dict[str, Any]:
+    """A model folder's JSON file (``model_index.json``, a component's ``config.json``); ValueError naming the
+    file where it is not a JSON object (a truncated copy, a Git LFS pointer)."""
+    try:
+        value = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file} is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{file} is not valid JSON (a {type(value).__name__}, not an object)")
+    return value
+
+
 @dataclass(frozen=True)
 class Folder:
     """What a family's rules may read of a model folder: its ``model_index.json`` and component configs."""
@@ -44,7 +56,7 @@ class Folder:
         """``component/config.json`` (empty where there is none); shared: read it, do not change it."""
         if component not in self._configs:
             file = self.path / component / "config.json"
-            self._configs[component] = json.loads(file.read_text()) if file.is_file() else {}
+            self._configs[component] = read_json(file) if file.is_file() else {}
         return self._configs[component]
 
     def has(self, component: str) -> bool:

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..families import read_json
+
 # diffusers' and transformers' weight file names: plain, a variant (``model.fp16.safetensors``), sharded
 # (``model-00001-of-00002.safetensors``, ``model.fp16-00001-of-00002.safetensors``) and shard indexes
 # (``model.safetensors.index.json``, ``model.safetensors.index.fp16.json``).
@@ -129,6 +131,11 @@ def check_components(model: str, path: Path, index: Mapping[str, Any]) -> str | 
             continue
         if not (path / name / "config.json").is_file():
             problems.append(f"{name}/ has no config.json")
+            continue
+        try:
+            read_json(path / name / "config.json")
+        except ValueError as exc:
+            problems.append(str(exc).replace(f"{path}/", "", 1))
             continue
         variants[name] = _variants(path / name)
         if not variants[name]:

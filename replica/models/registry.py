@@ -6,14 +6,13 @@ in diffusers format whose ``model_index.json`` names a pipeline family we serve.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
 from ..caching.settings import CacheSettings
-from ..families import Family, Folder, fit_size, get_family, pipeline_families
+from ..families import Family, Folder, fit_size, get_family, pipeline_families, read_json
 from .demo import DEMO_BUILDERS, ensure_demo_model
 from .local_folder import (
     SINGLE_FILE_SUFFIXES,
@@ -86,10 +85,10 @@ class ModelSpec:
     @cached_property
     def folder(self) -> Folder:
         # Read once per spec (the engine checks every request against these; the folder does not change).
-        return Folder(self.path, json.loads((self.path / "model_index.json").read_text()))
+        return Folder(self.path, read_json(self.path / "model_index.json"))
 
     def transformer_config(self) -> dict:
-        return json.loads((self.path / "transformer" / "config.json").read_text())
+        return dict(self.folder.config("transformer"))
 
     @property
     def num_attention_heads(self) -> int:
@@ -121,7 +120,7 @@ class ModelSpec:
     def recommendations(self) -> dict:
         """The folder's ``ditserve.json`` (read once: requests consult it on the serving event loop)."""
         extra = self.path / "ditserve.json"
-        return json.loads(extra.read_text()) if extra.is_file() else {}
+        return read_json(extra) if extra.is_file() else {}
 
     @property
     def sampling(self) -> dict:
@@ -253,7 +252,10 @@ def resolve_model(model: str) -> ModelSpec:
                 f"--model {model!r}: found {found} but no model_index.json; expected a diffusers-format "
                 f"pipeline folder (one of {sorted(supported_pipelines())}, as written by save_pretrained)"
             )
-    index = json.loads((path / "model_index.json").read_text())
+    try:
+        index = read_json(path / "model_index.json")
+    except ValueError as exc:
+        raise ValueError(f"--model {model!r}: {exc}") from None
     cls = index.get("_class_name", "<missing _class_name>")
     supported = pipeline_families()
     if cls not in supported:

@@ -193,6 +193,16 @@ def _remove_config(folder: Path) -> str:
     return "text_encoder_2/ has no config.json"
 
 
+def _truncated_index(folder: Path) -> str:
+    (folder / "model_index.json").write_text('{"_class_name": "FluxPipeline",')
+    return f"{folder}/model_index.json is not valid JSON (Expecting"
+
+
+def _truncated_config(folder: Path) -> str:
+    (folder / "transformer" / "config.json").write_text("version https://git-lfs.github.com/spec/v1\n")
+    return "transformer/config.json is not valid JSON"  # a Git LFS pointer where the file should be
+
+
 def _two_variants(folder: Path) -> str:
     weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
     shutil.copy(weights, weights.with_suffix(".bf16.safetensors"))
@@ -201,7 +211,16 @@ def _two_variants(folder: Path) -> str:
 
 
 @pytest.mark.parametrize(
-    "damage", [_remove_vae, _remove_encoders, _remove_weights, _remove_config, _two_variants]
+    "damage",
+    [
+        _remove_vae,
+        _remove_encoders,
+        _remove_weights,
+        _remove_config,
+        _truncated_index,
+        _truncated_config,
+        _two_variants,
+    ],
 )
 def test_a_folder_lacking_what_its_index_lists_is_refused_naming_it_and_the_path(flux_folder, damage):
     needle = damage(flux_folder)
