@@ -32,6 +32,8 @@ _MODEL_CLASS = re.compile(r"(Model|ModelWithProjection|For[A-Z]\w*)$|^Autoencode
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _CACHE_ENTRY = re.compile(r"^models--(?P<org>[^/]+?)--(?P<name>[^/]+)$")
 
+_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin", ".gguf", ".sft")
 
 
@@ -101,6 +103,18 @@ def _variants(folder: Path) -> set[str | None]:
     return found
 
 
+def _lfs_pointers(folder: Path) -> list[str]:
+    """Weight files of ``folder`` that are Git LFS pointers (a clone made without git-lfs): small text files
+    in place of the tensors."""
+    pointers = []
+    for file in sorted(folder.iterdir()):
+        if _WEIGHTS.match(file.name) and file.stat().st_size < 1024:
+            with open(file, "rb") as handle:
+                if handle.read(len(_LFS_POINTER)) == _LFS_POINTER:
+                    pointers.append(file.name)
+    return pointers
+
+
 def model_variant(folder: Path) -> str | None:
     """The weights variant to load one model folder with (a weights update's transformer): None where it
     holds plain weights, else the variant its files name (the first by name where there are several)."""
@@ -125,7 +139,8 @@ def check_components(model: str, path: Path, index: Mapping[str, Any]) -> str | 
             "the whole pipeline folder (every component save_pretrained wrote)"
         )
     variants: dict[str, set[str | None]] = {}
-    problems = []
+    problems: list[str] = []
+    pointers: list[str] = []
     for name, entry in listed.items():
         if not _is_model(path / name, entry[1]):
             continue
@@ -140,8 +155,14 @@ def check_components(model: str, path: Path, index: Mapping[str, Any]) -> str | 
         variants[name] = _variants(path / name)
         if not variants[name]:
             problems.append(f"{name}/ holds no weights (*.safetensors or *.bin)")
+        pointers += [f"{name}/{file}" for file in _lfs_pointers(path / name)]
     if problems:
         raise ValueError(f"--model {model!r}: in {path}, {'; '.join(problems)}")
+    if pointers:
+        raise ValueError(
+            f"--model {model!r}: in {path}, {', '.join(pointers)} are Git LFS pointers, not weights (the folder "
+            "was cloned without git-lfs): run `git lfs pull` in it, or download it with `hf download`"
+        )
     lacking = {name: found for name, found in variants.items() if None not in found}
     if not lacking:
         return None

@@ -203,6 +203,12 @@ def _truncated_config(folder: Path) -> str:
     return "transformer/config.json is not valid JSON"  # a Git LFS pointer where the file should be
 
 
+def _lfs_pointer(folder: Path) -> str:
+    pointer = "version https://git-lfs.github.com/spec/v1\noid sha256:{}\nsize 20971520\n".format("0" * 64)
+    (folder / "vae" / "diffusion_pytorch_model.safetensors").write_text(pointer)
+    return "vae/diffusion_pytorch_model.safetensors are Git LFS pointers, not weights"
+
+
 def _two_variants(folder: Path) -> str:
     weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
     shutil.copy(weights, weights.with_suffix(".bf16.safetensors"))
@@ -219,6 +225,7 @@ def _two_variants(folder: Path) -> str:
         _remove_config,
         _truncated_index,
         _truncated_config,
+        _lfs_pointer,
         _two_variants,
     ],
 )
