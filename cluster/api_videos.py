@@ -551,6 +551,7 @@ def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
         },
     },
 )
+@router.head("/{video_id}/content", include_in_schema=False)  # the headers alone (size, type, ranges)
 async def video_content(
     video_id: str,
     request: Request,

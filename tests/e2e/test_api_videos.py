@@ -206,6 +206,9 @@ def test_list_pages_variants_and_remix(server, client):
         assert r.headers["content-type"] == "video/mp4"
     r = httpx.get(url, headers={**AUTH, "range": "bytes=0-1,5-9"})  # several ranges: the whole video
     assert r.status_code == 200 and r.content == mp4.read()
+    r = httpx.head(url, headers=AUTH)  # what a player or downloader asks first: the size and type (was 405)
+    assert r.status_code == 200 and not r.content and int(r.headers["content-length"]) == size
+    assert r.headers["content-type"] == "video/mp4" and r.headers["accept-ranges"] == "bytes"
     thumb = client.videos.download_content(first.id, variant="thumbnail")
     assert thumb.response.headers["content-type"] == "image/webp"
     image = Image.open(io.BytesIO(thumb.read()))
