@@ -82,15 +82,14 @@ def _edit_size(fe: Any, size: str | None, sizes: list[tuple[int, int]]) -> tuple
     return width, height
 
 
-def _check_mask_shape(mask: tuple[int, int], image: tuple[int, int]) -> None:
-    """A mask is stretched over the image as diffusers' inpaint pipelines stretch it; one of another shape
-    (beyond a pixel's rounding) would repaint other places than it shows, so it is refused."""
+def mask_shape_refusal(mask: tuple[int, int], image: tuple[int, int]) -> str | None:
+    """Why a mask of upright (width, height) ``mask`` does not fit the image, or None. A mask is stretched
+    over the image as diffusers' inpaint pipelines stretch it; one of another shape (beyond a pixel's
+    rounding) would repaint other places than it shows."""
     (mw, mh), (iw, ih) = mask, image
     if abs(mw * ih - mh * iw) > max(iw, ih, mw, mh):
-        raise BadRequest(
-            f"mask: {mw}x{mh} is not the shape of the image ({iw}x{ih}); send a mask of the image's size",
-            param="mask",
-        )
+        return f"{mw}x{mh} is not the shape of the image ({iw}x{ih}); send a mask of the image's size"
+    return None
 
 
 def edit_params(
@@ -131,7 +130,8 @@ def edit_params(
             )
         except ValueError as exc:
             raise BadRequest(str(exc), param="mask") from None
-        _check_mask_shape(mask_size, sizes[0])
+        if (refused := mask_shape_refusal(mask_size, sizes[0])) is not None:
+            raise BadRequest(f"mask: {refused}", param="mask")
     if body.strength is not None and fe.spec.edits:
         raise BadRequest(
             f"strength: {fe.model_name} takes the images as references and does not noise them; leave it out",

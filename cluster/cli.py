@@ -88,6 +88,12 @@ def _add_generate(sub) -> None:
     p.add_argument(
         "--strength", type=float, default=None, help="Image-to-image: 1 = from noise, small = keep (0.6)."
     )
+    p.add_argument(
+        "--mask",
+        default=None,
+        help="Inpainting mask for the --image start image, of its shape: transparent pixels are repainted "
+        "(or, without transparency, white ones).",
+    )
     add_model_arguments(p, EngineArgs, skip=("dp_size",))  # one engine in this process: no replicas
 
 
@@ -111,6 +117,7 @@ FIELD_FLAGS = {
     "image": "--image",
     "images": "--image",
     "lora": "--lora",
+    "mask": "--mask",
 }
 
 
@@ -125,8 +132,8 @@ def _as_flags(message: str) -> str:
     return f"{flag}: {rest}" if flag else message
 
 
-def _read_images(paths: list[str], engine) -> tuple[bytes, ...]:
-    """--image files, each checked as the API checks uploads (ValueError naming --image)."""
+def _read_images(paths: list[str], engine, flag: str = "--image") -> tuple[bytes, ...]:
+    """--image (or --mask) files, each checked as the API checks uploads (ValueError naming the flag)."""
     from ditserve.replica.media import check_image
 
     images = []
@@ -135,11 +142,11 @@ def _read_images(paths: list[str], engine) -> tuple[bytes, ...]:
         try:
             data = Path(path).expanduser().read_bytes()
         except OSError as exc:
-            raise ValueError(f"--image {path}: {exc.strerror or exc}") from None
+            raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
         try:
             check_image(data, "image", max_bytes=limits.max_image_bytes, max_pixels=limits.max_image_pixels)
         except ValueError as exc:
-            raise ValueError(f"--image {path}: {str(exc).removeprefix('image: ')}") from None
+            raise ValueError(f"{flag} {path}: {str(exc).removeprefix('image: ')}") from None
         images.append(data)
     return tuple(images)
 
@@ -209,8 +216,16 @@ def run_generate(ns: argparse.Namespace) -> int:
 
     try:
         images = _read_images(ns.image, engine)
+        mask = None if ns.mask is None else _read_images([ns.mask], engine, "--mask")[0]
     except ValueError as exc:
         return _fail(str(exc))
+    if mask is not None and not images:
+        return _fail("--mask: inpainting needs the start image it masks (--image FILE)")
+    if mask is not None:
+        from .api_edits import mask_shape_refusal
+
+        if (refused := mask_shape_refusal(image_size(mask), image_size(images[0]))) is not None:
+            return _fail(f"--mask {ns.mask}: {refused}")
     # the model's own default size (the pipeline's; by the first frame where it sizes image-to-video so),
     # scaled down to --max-width/--max-height
     limits = config.limits
@@ -253,6 +268,7 @@ def run_generate(ns: argparse.Namespace) -> int:
             n=ns.n,
             fps=engine.spec.fps if ns.fps is None else ns.fps,
             images=images,
+            mask=mask,
             **extra,
         )
         jobs = [params.model_copy(update={"prompt": p, "seed": ns.seed + k}) for k, p in enumerate(ns.prompt)]

@@ -25,6 +25,7 @@ from ditserve.replica.models.registry import resolve_model
 from ditserve.replica.pipelines.base import to_uint8
 from ditserve.replica.pipelines.flux import FluxRunner
 from ditserve.replica.request import GenerationParams
+from tests.e2e.test_generate_cli import generate
 from tests.families.flux_kontext import build_folder
 from tests.helpers import ServeProcess, png_pixels, psnr
 
@@ -106,10 +107,11 @@ def test_openai_edit_is_diffusers_img2img(server):
         assert psnr(ours[i], ref) >= 40, f"image {i}"
 
 
-def test_openai_mask_inpaints_as_diffusers(server, stub):
+def test_openai_mask_inpaints_as_diffusers(server, stub, tmp_path):
     """A mask with the image-to-image start image inpaints as FluxInpaintPipeline: OpenAI's mask (the
     transparent pixels are repainted) and diffusers' (white repaints) of half the image's size give the
-    same image; a mask of another shape, or on a model that takes references, is a 400 naming mask."""
+    same image, as gRPC's EditImage and ``ditserve generate --mask`` do; a mask of another shape is a 400
+    naming mask (generate: an error naming --mask)."""
     client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     start = scene((64, 48))
     openai_mask = Image.new("RGBA", (64, 48), (0, 0, 0, 255))
@@ -153,6 +155,20 @@ def test_openai_mask_inpaints_as_diffusers(server, stub):
         timeout=120,
     )
     assert psnr(png_pixels(grpc_reply.images[0]), ours[0][0]) >= 40
+    files = {"start.png": png(start), "mask.png": png(openai_mask), "square.png": png(white.resize((48, 48)))}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    flags = ["--model", "demo-scenes", "--image", str(tmp_path / "start.png"), "--seed", "7"]
+    flags += ["--num-inference-steps", "4", "--strength", "0.8", "--cache-policy", "none"]
+    done = generate(
+        asked["prompt"], *flags, "--mask", str(tmp_path / "mask.png"), "-o", str(tmp_path / "o.png")
+    )
+    assert done.returncode == 0, done.stderr
+    assert psnr(png_pixels((tmp_path / "o.png").read_bytes()), ours[0][0]) >= 40
+    done = generate(
+        asked["prompt"], *flags, "--mask", str(tmp_path / "square.png"), "-o", str(tmp_path / "x.png")
+    )
+    assert done.returncode != 0 and "--mask" in done.stderr and "48x48 is not the shape" in done.stderr
     with pytest.raises(BadRequestError) as info:
         client.images.edit(
             **asked, mask=("m.png", png(white.resize((48, 48))), "image/png"), extra_body=settings
