@@ -62,7 +62,7 @@ class ZImageRunner(PipelineRunner):
     def _captions(self, embeds: list[torch.Tensor], n: int) -> dict[str, torch.Tensor]:
         (caption,) = embeds  # one prompt: (its own length, features)
         rows = caption.to(self.dtype).unsqueeze(0).expand(n, -1, -1).contiguous()
-        return {"cap_feats": rows, "cap_len": torch.full((n,), caption.shape[0], device=rows.device)}
+        return {"cap_feats": rows}  # each request's captions at their own length: concat_inputs reads it
 
     @torch.no_grad()
     def encode(self, params: GenerationParams) -> dict:
@@ -132,10 +132,12 @@ class ZImageRunner(PipelineRunner):
         )
 
     def concat_inputs(self, inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        # Captions of different lengths, padded to the longest (each row's own length travels beside it).
+        # Captions of different lengths, padded to the longest; each row's own length travels beside it as
+        # host ints (read from the shapes: a length on the device would make every forward wait for the GPU).
         longest = max(x["cap_feats"].shape[1] for x in inputs)
         feats = [F.pad(x["cap_feats"], (0, 0, 0, longest - x["cap_feats"].shape[1])) for x in inputs]
-        return {"cap_feats": torch.cat(feats), "cap_len": torch.cat([x["cap_len"] for x in inputs])}
+        lengths = tuple(x["cap_feats"].shape[1] for x in inputs for _ in range(x["cap_feats"].shape[0]))
+        return {"cap_feats": torch.cat(feats), "cap_len": lengths}
 
     def needs_uncond(self, state: RequestState) -> bool:
         return state.uncond is not None and state.extra["guided_steps"][state.step_index]
@@ -155,7 +157,7 @@ class ZImageRunner(PipelineRunner):
 
     def model_forward(self, latents, timesteps, inputs, shared):
         images = list(latents.to(self.dtype).unsqueeze(2).unbind(0))  # (C, 1, H, W) per row
-        lengths = inputs["cap_len"].tolist()
+        lengths = inputs["cap_len"]
         captions = [feats[:length] for feats, length in zip(inputs["cap_feats"], lengths, strict=True)]
         out = self.pipe.transformer(images, (1000 - timesteps) / 1000, captions, return_dict=False)[0]
         # The pipeline steps with the negated fp32 prediction (negation commutes with its CFG arithmetic).
