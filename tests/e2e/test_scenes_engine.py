@@ -107,3 +107,41 @@ def test_readme_prompt_through_generate(tmp_path):
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     image = Image.open(out)
     assert (*score_scene(image), classify_shape(image)) == ("purple", "yellow", "triangle")
+
+
+def phrase(caption: str, k: int) -> str:
+    """The caption as users type it, in one of several ways."""
+    ways = (
+        lambda c: c[0].upper() + c[1:] + ".",  # a sentence
+        lambda c: c.replace(" a o", " an o").title(),
+        lambda c: c.upper(),
+        lambda c: "  " + c.replace(" background", "") + "  ",  # no "background"
+        lambda c: c.replace(" on a ", " against the ").replace("gray", "grey") + "!",
+    )
+    return ways[k % len(ways)](caption)
+
+
+def test_user_phrasings_through_generate(tmp_path):
+    """Prompts typed as users type them (capitals, a full stop, "an orange", "grey", no "background") are drawn
+    as the captions are: 8 held-out prompts in one `generate` batch, at most one wrong."""
+    scenes = held_out_scenes()[:8]
+    prompts = [phrase(s.caption, k) for k, s in enumerate(scenes)]
+    out = tmp_path / "out.png"
+    cmd = [
+        sys.executable,
+        "-m",
+        "ditserve.cluster.cli",
+        "generate",
+        *prompts,
+        "--seed",
+        str(SEED),
+        "-o",
+        str(out),
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    wrong = []
+    for k, s in enumerate(scenes):
+        image = Image.open(tmp_path / f"out-{k}.png")
+        if (got := (*score_scene(image), classify_shape(image))) != (s.background, s.colour, s.shape):
+            wrong.append((prompts[k], got))
+    assert len(wrong) <= 1, wrong
