@@ -234,11 +234,15 @@ def run_generate(ns: argparse.Namespace) -> int:
     width = size[0] if ns.width is None else ns.width
     height = size[1] if ns.height is None else ns.height
     if images and not video and ns.width is None and ns.height is None:  # the first image's size, as the API
+        from ditserve.replica.families import fit_size
+
         multiple = engine.spec.size_multiple
         first = image_size(images[0])
         rule = engine.spec.family_spec.edit_size if engine.spec.edits else None
         if rule is not None:  # the edit pipeline's own choice (Qwen-Image-Edit: the references' ~1024²)
             first = rule(engine.spec.folder, [image_size(data) for data in images])
+        # scaled down to --max-width/--max-height as the API scales it (it asked for the image's own size)
+        first = fit_size(first, limits.max_width, limits.max_height, multiple)
         width, height = (
             max(multiple, first[0] // multiple * multiple),
             max(multiple, first[1] // multiple * multiple),

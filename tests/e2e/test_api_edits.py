@@ -421,6 +421,26 @@ def test_openai_client_mappings_in_extra_body(server):
     assert info.value.body["param"] == "size" and "(512x16)" in info.value.body["message"]
 
 
+def test_an_image_larger_than_the_maximum_is_scaled_down_alike(server, tmp_path):
+    """Without a size, an image above the maximum width is edited at its aspect scaled down to fit, by the
+    server and by ``ditserve generate`` with the same limits (generate refused it: '512x384 is above the
+    maximum 128x128', the size it had not asked for)."""
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    large = png(scene((256, 192)))
+    steps = {"seed": 1, "num_inference_steps": 1}
+    served = client.images.edit(
+        image=("large.png", large, "image/png"), prompt="a red circle", extra_body=steps
+    )
+    assert served.size == "128x96"
+    (tmp_path / "large.png").write_bytes(large)
+    done = generate(
+        "a red circle", "--model", "demo-scenes", "--image", str(tmp_path / "large.png"), "--seed", "1",
+        "--num-inference-steps", "1", "--max-width", "128", "--max-height", "128", "-o", str(tmp_path / "o.png"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert png_pixels((tmp_path / "o.png").read_bytes()).shape == (96, 128, 3)
+
+
 def test_openai_client_streams_an_edit(server):
     """stream=True on an edit: image_edit.progress per step, partial_images previews (b64_json), then
     image_edit.completed with the image the same edit answers unstreamed; a stream is png only."""
