@@ -106,8 +106,11 @@ class EngineConfig(BaseModel):
     )
     parallel: ParallelFlags = Field(default_factory=ParallelFlags, description="Per-replica layout.")
     limits: Limits = Field(default_factory=Limits, description="Request limits.")
-    max_sequence_length: int = Field(
-        default=512, ge=1, description="Text tokens per prompt (capped by the tokenizer's own maximum)."
+    max_sequence_length: int | None = Field(
+        default=None,
+        ge=1,
+        description="Text tokens per prompt (default 512, capped by the pipeline's and tokenizer's own "
+        "maximum; HunyuanVideo 1.5 encodes its pipeline's fixed length and refuses it).",
     )
     max_batch_size: int = Field(default=8, ge=1, description="Most requests in one running batch.")
     max_queue: int = Field(default=64, ge=1, description="Most queued requests per replica before 429.")

@@ -44,6 +44,11 @@ def validate_layout(config: EngineConfig, spec: ModelSpec) -> int:
                 f"{', '.join(refused)}: {spec.name} shards over {allowed} only; set the others to 1 "
                 "(and scale with --dp-size)"
             )
+    if config.max_sequence_length is not None and not spec.family_spec.text_length:
+        raise ValueError(
+            f"--max-sequence-length {config.max_sequence_length}: {spec.name} encodes prompts at its "
+            "pipeline's fixed length, which it does not take; leave the flag out"
+        )
     if config.encoder_tp_size > 1:  # heads, KV heads and MLP features of each encoder divide the degree
         from .parallel.encoder_tp import check_encoder_tp, encoder_components
 

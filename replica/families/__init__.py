@@ -163,6 +163,9 @@ class Family:
     refuse_size: Callable[[Folder, int, int, int | None], str | None] = lambda folder, w, h, chunks: None
     # The chunks a whole video of ``num_frames`` frames is generated in (chunk-autoregressive families).
     video_chunks: Callable[[Folder, int], int] = lambda folder, num_frames: 1
+    # takes --max-sequence-length (its pipeline's ``max_sequence_length``); False: the pipeline encodes a fixed
+    # length, and the flag is refused at start rather than ignored
+    text_length: bool = True
     # applies a request's step cache (``cache``); refused with a 400 naming ``cache`` otherwise
     step_cache: bool = True
     # applies per-request adapters; False: loading one is refused naming ``path`` (as for a pipeline class

@@ -75,6 +75,7 @@ FAMILY = Family(
     first_frame=lambda folder: "required" if folder.index.get("_class_name") == _I2V else "none",
     fps=lambda folder: 24,
     refuse=_refuse,
+    text_length=False,  # HunyuanVideo15Pipeline pads every prompt to its tokenizer_max_length (1000)
     checkpoints=((r"(?<![a-z])hunyuan-?video-?1\.5", 16),),
     typical_heads=16,
 )

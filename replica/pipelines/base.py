@@ -118,14 +118,16 @@ class PipelineRunner(ABC):
         *,
         device: torch.device,
         dtype: torch.dtype,
-        max_sequence_length: int,
+        max_sequence_length: int | None,
         mesh=None,
         cuda_graphs: bool = False,
     ):
         self.pipe = pipe
         self.device = device
         self.dtype = dtype
-        self.max_sequence_length = max_sequence_length
+        # --max-sequence-length (None: not given, 512); a family whose pipeline encodes a fixed length
+        # (Family.text_length False) is never given one
+        self.max_sequence_length = 512 if max_sequence_length is None else max_sequence_length
         self.mesh = mesh
         # --cuda-graphs: forwards replay a captured graph per input signature (and adapter layout).
         self.graphs = None

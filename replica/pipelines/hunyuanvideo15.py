@@ -114,6 +114,10 @@ class HunyuanVideo15Runner(PipelineRunner):
         # graphs the padding is dropped and only valid context attends (below), which reads lengths too.
         self.graphs = None
 
+    def text_token_limit(self) -> int:
+        """The pipeline's own prompt length (it takes no max_sequence_length; usage counts up to it)."""
+        return int(self.pipe.tokenizer_max_length)
+
     @property
     def image_to_video(self) -> bool:
         return type(self.pipe).__name__ == I2V_PIPELINE

@@ -76,3 +76,18 @@ def test_a_default_step_cache_the_model_does_not_take_is_refused_before_starting
     done = subprocess.run([*cmd, "-o", str(tmp_path / "v.mp4")], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and not (tmp_path / "v.mp4").exists()
     assert "--cache-policy taylorseer: " in done.stderr, done.stderr
+
+
+def test_max_sequence_length_on_a_model_with_a_fixed_prompt_length_is_refused(tmp_path):
+    """HunyuanVideo 1.5's pipeline pads every prompt to its own 1000 tokens and takes no max_sequence_length:
+    ``--max-sequence-length 64`` gave the same video as without it, without a word. Now generate refuses it
+    naming the flag, before writing anything."""
+    from tests.families import hunyuanvideo15
+
+    folder = hunyuanvideo15.build_folder(tmp_path / "hv15")
+    exe = str(Path(sys.executable).with_name("ditserve"))
+    cmd = [exe, "generate", "a kite", "--model", str(folder), "--max-sequence-length", "64"]
+    cmd += ["--width", "32", "--height", "32", "--num-frames", "5", "--num-inference-steps", "1"]
+    done = subprocess.run([*cmd, "-o", str(tmp_path / "v.mp4")], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and not (tmp_path / "v.mp4").exists()
+    assert "--max-sequence-length 64: " in done.stderr and "leave the flag out" in done.stderr, done.stderr
