@@ -1,7 +1,8 @@
 """The shipped demo-scenes-video model films what held-out prompts ask for (background colour, shape colour,
 direction of motion), through `ditserve generate` with its defaults (64×64, 9 frames, 20 steps) and through
-`ditserve serve --ulysses-degree 2` with the openai client's videos API; CPU, fp32. Both ask what the model card
-promises: at least 14 of the first 16 held-out prompts right on all three."""
+`ditserve serve --ulysses-degree 2` with the openai client's videos API (the prompts typed as users type them);
+CPU, fp32. Both ask what the model card promises: at least 14 of the first 16 held-out prompts right on all
+three."""
 
 from __future__ import annotations
 
@@ -29,6 +30,19 @@ SEED = 1000  # prompt k gets seed SEED + k (`generate` counts up per prompt; the
 
 def expected(scene) -> tuple[str, str, str]:
     return scene.background, scene.colour, scene.direction
+
+
+def phrase(caption: str, k: int) -> str:
+    """The caption as users type it, in one of several ways (the model reads each as the caption)."""
+    words = {"left": "to the left", "right": "rightwards", "up": "upward", "down": "towards the bottom"}
+    ways = (
+        lambda c: c[0].upper() + c[1:] + ".",
+        lambda c: c.title(),
+        lambda c: c.upper(),
+        lambda c: " ".join(words.get(w, w) for w in c.split()).replace("moving", "going"),
+        lambda c: c.replace(" a o", " an o").replace(" on a ", " on ") + "!",
+    )
+    return ways[k % len(ways)](caption)
 
 
 def test_shipped_folder_is_a_small_fp16_wan_pipeline() -> None:
@@ -79,7 +93,7 @@ def test_served_with_ulysses_2_films_the_prompts(server) -> None:
     scenes = held_out_moving_scenes()[:16]
     jobs = [
         client.videos.create(
-            prompt=scene.caption,
+            prompt=phrase(scene.caption, k),  # as users type it: capitals, "to the left", "going", ...,
             model=MODEL,
             size="64x64",
             extra_body={"num_frames": FRAMES, "num_inference_steps": STEPS, "seed": SEED + k},
