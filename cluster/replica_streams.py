@@ -36,11 +36,27 @@ from .errors import (
     InternalError,
     NotFound,
     QueueFull,
+    ReplicaUnavailable,
     ServeError,
     engine_error,
+    typed_cause,
 )
 
 logger = logging.getLogger("ditserve")
+
+
+def job_failure(exc: BaseException) -> str:
+    """A failed video job's ``error.message``: the typed error's own words (bad input found while running, a
+    replica that lost a rank, released its memory or took new weights: those end with what to do), else an
+    internal error, logged here, whose text stays in the server log as for every other route."""
+    typed = typed_cause(exc) or engine_error(exc)
+    if isinstance(typed, ReplicaUnavailable) or isinstance(exc, RankDied):
+        message = typed.message if typed is not None else str(exc)
+        return message if "retry" in message else f"{message}; create the video again"
+    if typed is not None:
+        return typed.message
+    logger.error("video job failed", exc_info=exc)
+    return f"internal error ({type(exc).__name__}); see the server log"
 
 
 def latent_preview(latents: np.ndarray, width: int, height: int) -> bytes:
@@ -285,7 +301,7 @@ class ReplicaStreams:
                 return
             exc = future.exception()
             if exc is not None:
-                job.status, job.error = "failed", {"code": "generation_failed", "message": str(exc)}
+                job.status, job.error = "failed", {"code": "generation_failed", "message": job_failure(exc)}
                 return
             result = future.result()
             job.mp4, job.usage = result.outputs[0], result.usage or None

@@ -140,3 +140,26 @@ def test_http_answer_headers():
             "code": 400,
         }
     }
+
+
+def test_a_failed_video_job_says_what_happened_and_keeps_internal_errors_in_the_log(caplog):
+    """``error.message`` of a failed video job: a retryable end (memory released, a rank lost) says to create
+    the video again; bad input found while running keeps its words; any other failure is an internal error
+    whose text (paths, a traceback's words) goes to the server log, as on every other route, not to the user."""
+    from ditserve.cluster.errors import ReplicaUnavailable
+    from ditserve.cluster.replica_streams import job_failure
+    from ditserve.replica.launcher import RankDied
+
+    released = ReplicaUnavailable("replica memory was released")
+    assert job_failure(released) == "replica memory was released; create the video again"
+    swapped = ReplicaUnavailable(
+        "the served weights were replaced (...) while this request was running; retry it"
+    )
+    assert job_failure(swapped) == swapped.message
+    died = RankDied("rank 1: process exited (code -9) during step")
+    assert job_failure(died) == "rank 1: process exited (code -9) during step; create the video again"
+    assert job_failure(ValueError("input_reference: too long")) == "input_reference: too long"
+    with caplog.at_level("ERROR", logger="ditserve"):
+        message = job_failure(RuntimeError("/srv/models/private/vae: CUDA error"))
+    assert message == "internal error (RuntimeError); see the server log"
+    assert "/srv/models/private/vae" in caplog.text
