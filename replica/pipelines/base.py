@@ -57,6 +57,21 @@ class RequestState:
         return self.latents.shape[0]
 
 
+def keep_unmasked(state: RequestState) -> None:
+    """After a scheduler step of a masked request (``state.step_index`` the step just taken): the latents
+    outside the mask become the start latents noised to the next timestep (the clean ones after the last),
+    as the inpaint pipelines blend them."""
+    known = state.extra.get("inpaint")
+    if known is None:
+        return
+    init = known["init"]
+    i = state.step_index
+    if i < len(state.timesteps) - 1:
+        # after its step, the scheduler's step index is the next timestep's: scale_noise reads its sigma
+        init = state.scheduler.scale_noise(init, state.timesteps[i + 1 : i + 2], known["noise"])
+    state.latents = (1 - known["mask"]) * init + known["mask"] * state.latents
+
+
 def count_forwards(state: RequestState, guided: bool) -> None:
     """One step's transformer forwards of a request (one per CFG branch that ran: ``guided``, the uncond
     branch's too), for its ``usage``."""
@@ -344,9 +359,7 @@ class PipelineRunner(ABC):
             offset += s.rows
             t = s.timesteps[s.step_index]
             s.latents = s.scheduler.step(pred, t, s.latents, return_dict=False)[0]
-            if "inpaint" in s.extra:  # outside its mask, the start image back (img2img imports this module)
-                from .img2img import keep_unmasked
-
+            if "inpaint" in s.extra:  # outside its mask, the start image back
                 keep_unmasked(s)
             s.step_index += 1
             count_forwards(s, needs_uncond)

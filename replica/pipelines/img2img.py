@@ -15,7 +15,7 @@ Inpainting (``params.mask``, as ``FluxInpaintPipeline`` / ``StableDiffusion3Inpa
 transformer of the plain latent channels): the mask at the requested size, binarised, at the latents' size
 (``latent_mask``); after every scheduler step the latents outside the mask are put back to the start
 latents noised to the next timestep with the request's noise, the clean start latents after the last
-(``keep_unmasked``).
+(``keep_unmasked``, in ``base``: the step loop calls it, and this module imports ``base``).
 
 Each family keeps its own parts: its VAE's normalisation, its latent layout (packed 2×2 or not), its
 noise preparation; this module holds what they share.
@@ -127,21 +127,6 @@ def inpainting(params: GenerationParams, encoded: dict[str, Any], noise: torch.T
     init = init.repeat(n // init.shape[0], *([1] * (init.dim() - 1)))
     mask = mask.to(noise.device, noise.dtype)
     return {"inpaint": {"init": init, "noise": noise, "mask": mask}}
-
-
-def keep_unmasked(state: Any) -> None:
-    """After a scheduler step of a masked request (``state.step_index`` the step just taken): the latents
-    outside the mask become the start latents noised to the next timestep (the clean ones after the last),
-    as the inpaint pipelines blend them."""
-    known = state.extra.get("inpaint")
-    if known is None:
-        return
-    init = known["init"]
-    i = state.step_index
-    if i < len(state.timesteps) - 1:
-        # after its step, the scheduler's step index is the next timestep's: scale_noise reads its sigma
-        init = state.scheduler.scale_noise(init, state.timesteps[i + 1 : i + 2], known["noise"])
-    state.latents = (1 - known["mask"]) * init + known["mask"] * state.latents
 
 
 def noised_start(
