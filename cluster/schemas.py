@@ -36,6 +36,11 @@ Prompt = Annotated[str, StringConstraints(min_length=1), AfterValidator(_non_bla
 SIZE_RE = re.compile(r"^(\d{1,9})x(\d{1,9})$")  # a side past 9 digits is no size at all
 
 
+# The ``quality`` values of OpenAI's image routes (its Python client's ImageGenerateParams, which has all of
+# ImageEditParams'): accepted and ignored.
+OpenAIQuality = Literal["low", "medium", "high", "xhigh", "max", "auto", "standard", "hd"]
+
+
 class ErrorDetail(BaseModel):
     message: str = Field(description="What is wrong, naming the field or flag and the fix.")
     type: str = Field(description="Kind of error, e.g. invalid_request_error, authentication_error.")
@@ -112,13 +117,14 @@ class ImageGenerationRequest(BaseModel):
         description="With stream: how many image_generation.partial_image events (the last steps' previews, "
         "as with preview); 0: none. Without stream it is ignored.",
     )
-    # Accepted for OpenAI compatibility, ignored: the images are opaque, one quality.
+    # Accepted for OpenAI compatibility, ignored: the images are opaque, one quality. Values are OpenAI's:
+    # one it does not take is refused (400 naming the field), as OpenAI refuses it.
     user: str | None = None
     safety_identifier: str | None = None
-    quality: str | None = None
-    complexity: str | None = None
-    moderation: str | None = None
-    style: str | None = None
+    quality: OpenAIQuality | None = None
+    complexity: Literal["low", "medium", "high"] | None = None
+    moderation: Literal["low", "auto"] | None = None
+    style: Literal["vivid", "natural"] | None = None
     background: Literal["auto", "opaque"] | None = None
 
     cache: CacheSettings | None = Field(
@@ -287,11 +293,11 @@ class ImageEditRequest(BaseModel):
     output_compression: int | None = Field(
         default=None, ge=0, le=100, description="jpeg / webp quality, 0-100 (default 100); png ignores it."
     )
-    # OpenAI's fields, accepted and ignored: the images are opaque, one quality.
+    # OpenAI's fields, accepted and ignored: the images are opaque, one quality (OpenAI's values only).
     user: str | None = None
     safety_identifier: str | None = None
-    quality: str | None = None
-    complexity: str | None = None
+    quality: OpenAIQuality | None = None
+    complexity: Literal["low", "medium", "high"] | None = None
     input_fidelity: Literal["high", "low"] | None = None
     background: Literal["auto", "opaque"] | None = None
     # OpenAI's streaming fields

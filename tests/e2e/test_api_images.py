@@ -577,6 +577,9 @@ HTTP_CASES = {
     "adapter list item scale": (lambda s: _post(s, GEN, {"prompt": "a fox", "lora": [{"name": "style", "scale": "big"}]}), 400, "lora.0.scale: Input should be a valid number"),
     "cache threshold NaN": (lambda s: _post(s, GEN, content=b'{"prompt": "a fox", "cache": {"policy": "fbcache", "threshold": NaN}}', headers=JSON), 400, "finite number"),
     "unknown field": (lambda s: _post(s, GEN, {"prompt": "a fox", "colour": "red"}), 400, "colour"),
+    "quality not OpenAI's": (lambda s: _post(s, GEN, {"prompt": "a fox", "quality": "ultra"}), 400, "quality: "),
+    "style not OpenAI's": (lambda s: _post(s, GEN, {"prompt": "a fox", "style": "baroque"}), 400, "style: "),
+    "edit quality not OpenAI's": (lambda s: httpx.post(f"{s.base_url}/v1/images/edits", data={"prompt": "a fox", "quality": "ultra"}, files={"image": ("a.png", _png(), "image/png")}, timeout=60), 400, "quality: "),
     "unknown model": (lambda s: _post(s, GEN, {"prompt": "a fox", "model": "dall-e-3"}), 400, "model"),
     "unknown adapter": (lambda s: _post(s, GEN, {"prompt": "a fox", "size": "64x64", "num_inference_steps": 1, "lora": {"name": "nope"}}), 400, "lora"),
     "unknown adapter, streamed": (lambda s: _post(s, GEN, {"prompt": "a fox", "size": "64x64", "stream": True, "lora": {"name": "nope"}}), 400, "lora"),
@@ -598,6 +601,16 @@ HTTP_CASES = {
     "admin unknown memory action": (lambda s: _post(s, "/v1/admin/memory/nap", {}, headers=ADMIN), 404, "nap"),
     "unknown route": (lambda s: httpx.get(f"{s.base_url}/v1/nothing"), 404, "Not Found"),
 }  # fmt: skip
+
+
+def _png() -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def _replica(server) -> str:
