@@ -553,7 +553,12 @@ def run_serve(ns: argparse.Namespace) -> int:
 
 # -- train-demo -----------------------------------------------------------------------------------------
 def _add_train_demo(sub) -> None:
-    p = sub.add_parser("train-demo", help="Train the demo-scenes model (minutes on one GPU).")
+    p = sub.add_parser(
+        "train-demo",
+        help="Train the demo-scenes model (minutes on one GPU).",
+        description="Train demo-scenes (a tiny FLUX.1) on synthetic scenes and write a diffusers folder with its "
+        "model card; `ditserve generate --model OUT` serves it. Seeded by --seed.",
+    )
     try:
         from ditserve.replica.models.train_demo import add_arguments
     except ImportError:
@@ -570,7 +575,10 @@ def run_train_demo(ns: argparse.Namespace) -> int:
 
 def _add_train_demo_video(sub) -> None:
     p = sub.add_parser(
-        "train-demo-video", help="Train the demo-scenes-video model (a tiny Wan; minutes on one GPU)."
+        "train-demo-video",
+        help="Train the demo-scenes-video model (a tiny Wan; minutes on one GPU).",
+        description="Train demo-scenes-video (a tiny Wan) on synthetic moving scenes and write a diffusers folder "
+        "with its model card; `ditserve generate --model OUT -o clip.mp4` serves it. Seeded by --seed.",
     )
     try:
         from ditserve.replica.models.train_demo_video import add_arguments
