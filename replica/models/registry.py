@@ -160,9 +160,13 @@ class ModelSpec:
     @cached_property
     def default_size(self) -> tuple[int, int]:
         """(width, height) of a request that names none: 64×64 for the embedded demo models (trained and
-        tested there), else the family pipeline's own default (1024² for the image families, 832×480 for Wan)."""
+        tested there), the folder's ``ditserve.json`` "sampling" "width" and "height" where it gives both (what
+        ``ditserve train-demo`` / ``train-demo-video`` write), else the family pipeline's own default (1024² for
+        the image families, 832×480 for Wan)."""
         if self.embedded:
             return 64, 64
+        if "width" in self.sampling and "height" in self.sampling:
+            return int(self.sampling["width"]), int(self.sampling["height"])
         return self.family_spec.default_size(self.folder)
 
     def request_size(self, first_frame: tuple[int, int] | None = None) -> tuple[int, int]:

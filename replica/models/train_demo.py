@@ -570,8 +570,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--vae-steps 0 its VAE and latent statistics are kept)",
     )
     parser.add_argument("--vae-time-budget-s", type=float, default=0, help="the same for the VAE's steps")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default=default_device)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default=default_device,
+        help=f"default: {default_device} on this machine",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds the data, the initial weights and training (default 0)"
+    )
     parser.add_argument(
         "--eval-scenes", type=int, default=len(held_out_scenes()), help="held-out prompts scored (0: none)"
     )
@@ -633,9 +640,16 @@ def run(args: argparse.Namespace) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     pipe.to(torch.float16).save_pretrained(out)
     name_tokenizers_generic(out)
+    # The serving settings ditserve reads beside the weights: the sampling the model card measures (64×64, the
+    # size trained on, which a folder's requests get without a size) and, on --init-from, the step cache.
+    # (ditserve chooses the T5 length itself: max_sequence_length is the pipeline's, not a serving setting.)
+    sampling = {k: v for k, v in SAMPLING.items() if k != "max_sequence_length"}
+    sampling |= {"width": IMAGE_SIZE, "height": IMAGE_SIZE}
+    recommended = {"sampling": sampling}
     if args.init_from and (Path(args.init_from) / "ditserve.json").is_file():
-        # The serving settings shipped beside the weights (sampling, step cache) carry over.
-        (out / "ditserve.json").write_text((Path(args.init_from) / "ditserve.json").read_text())
+        earlier = json.loads((Path(args.init_from) / "ditserve.json").read_text())
+        recommended = {**earlier, "sampling": {**sampling, **earlier.get("sampling", {})}}
+    (out / "ditserve.json").write_text(json.dumps(recommended, indent=2) + "\n")
     log(f"saved {out} ({sum(f.stat().st_size for f in out.rglob('*') if f.is_file()) / 1e6:.1f} MB)")
 
     results: dict[str, dict] = {}

@@ -1032,8 +1032,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="train the transformer through torch.compile (faster steps on a GPU; eager if it fails)",
     )
-    parser.add_argument("--device", choices=("cuda", "cpu"), default=default_device)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default=default_device,
+        help=f"default: {default_device} on this machine",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds the data, the initial weights and training (default 0)"
+    )
     parser.add_argument(
         "--eval-scenes",
         type=int,
@@ -1137,6 +1144,9 @@ def run(args: argparse.Namespace) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     pipe.to(torch.float16).save_pretrained(out)
     name_tokenizers_generic(out)
+    # ditserve reads the size trained on beside the weights: a request without one gets 64×64, not Wan's 832×480.
+    size = {"width": IMAGE_SIZE, "height": IMAGE_SIZE}
+    (out / "ditserve.json").write_text(json.dumps({"sampling": size}, indent=2) + "\n")
     log(f"saved {out} ({sum(f.stat().st_size for f in out.rglob('*') if f.is_file()) / 1e6:.1f} MB)")
 
     results: dict[str, dict] = {}

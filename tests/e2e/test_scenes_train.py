@@ -35,6 +35,12 @@ def test_train_smoke_writes_loadable_pipeline(tmp_path) -> None:
 
     pipe = FluxPipeline.from_pretrained(out, dtype=torch.float32)
     assert pipe.transformer.config.guidance_embeds is False
+    # Served from its folder, a request without a size gets the size trained on (not FLUX's 1024²), with the
+    # model card's CFG.
+    from ditserve.replica.models.registry import resolve_model
+
+    spec = resolve_model(str(out))
+    assert spec.default_size == (64, 64) and spec.guidance_defaults(None, None) == ("", 3.0)
     # Both tokenizers read a prompt as the captions are written (case, punctuation, "an"), also in diffusers.
     index = json.loads((out / "model_index.json").read_text())
     assert index["tokenizer"] == index["tokenizer_2"] == ["transformers", "PreTrainedTokenizerFast"]

@@ -176,6 +176,10 @@ def test_init_from_continues_a_saved_model_keeping_its_vae_and_shape(tmp_path) -
     assert any(not torch.equal(before[k], after[k]) for k in before)  # it trained
     card = (out / "README.md").read_text()
     assert "continued from an earlier run of this command" in card and "`the earlier run`" in card
+    # Served from its folder, a request without a size gets the size trained on, not Wan's 832×480.
+    from ditserve.replica.models.registry import resolve_model
+
+    assert resolve_model(str(out)).default_size == (64, 64)
     # The tokenizer reads a prompt as the captions are written, also in diffusers' WanPipeline.
     from diffusers import WanPipeline
 
