@@ -547,7 +547,8 @@ def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
     responses={
         200: {"content": {media: {} for media in MEDIA_TYPES.values()}},
         206: {
-            "description": "The bytes a Range header asked for (players seek, and Safari plays, this way)."
+            "description": "The bytes a Range header asked for (players seek, and Safari plays, this way).",
+            "content": {media: {} for media in MEDIA_TYPES.values()},
         },
     },
 )

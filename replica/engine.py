@@ -104,7 +104,8 @@ class Engine:
 
     def __init__(self, config: EngineConfig, launcher: RankLauncher | None = None):
         self.config = config
-        self.spec = resolve_model(config.model)
+        # a launcher that brings its pipeline in memory (InProcessLauncher(pipe)) needs no weights on disk
+        self.spec = resolve_model(config.model, files=getattr(launcher, "pipe", None) is None)
         self.world_size = validate_layout(config, self.spec)
         self.default_cache = default_cache(config, self.spec)
         self.launcher = launcher or default_launcher(self.world_size)

@@ -270,7 +270,7 @@ class RankWorker:
     ):
         self.config = config
         self.rank = rank
-        self.spec = resolve_model(config.model)
+        self.spec = resolve_model(config.model, files=pipe is None)
         if config.device == "cuda":
             index = device_index if device_index is not None else rank % max(torch.cuda.device_count(), 1)
             self.device = torch.device("cuda", index)

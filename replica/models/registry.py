@@ -218,10 +218,12 @@ class ModelSpec:
         return self.family_spec.frame_multiple(self.folder) if self.kind == "video" else 1
 
 
-def resolve_model(model: str) -> ModelSpec:
+def resolve_model(model: str, files: bool = True) -> ModelSpec:
     """Map ``--model`` (an embedded name or a local diffusers folder) to a :class:`ModelSpec`.
 
-    Raises ``ValueError`` saying what was found and what is expected.
+    Raises ``ValueError`` saying what was found and what is expected. ``files=False``: the caller brings the
+    pipeline in memory (an in-process engine on a built pipeline, the benchmarks), so the folder holds the
+    configs only and its components' files are not checked.
     """
     embedded = _embedded_paths()
     if model in embedded:
@@ -272,7 +274,7 @@ def resolve_model(model: str) -> ModelSpec:
     refused = family.refuse(Folder(path, index))
     if refused:
         raise ValueError(f"--model {model!r}: {refused}")
-    variant = check_components(model, path, index)
+    variant = check_components(model, path, index) if files else None
     return ModelSpec(
         name=name,
         path=path,
