@@ -359,7 +359,6 @@ class PipelineRunner(ABC):
             offset += s.rows
             t = s.timesteps[s.step_index]
             s.latents = s.scheduler.step(pred, t, s.latents, return_dict=False)[0]
-            if "inpaint" in s.extra:  # outside its mask, the start image back
-                keep_unmasked(s)
+            keep_unmasked(s)  # a masked request: outside its mask, the start image back
             s.step_index += 1
             count_forwards(s, needs_uncond)
