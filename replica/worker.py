@@ -129,7 +129,7 @@ def apply_speed_switches(
     """``--quantization fp8`` and ``--fused-epilogues`` on a loaded (and sharded) transformer, before it is
     compiled (the compiled blocks trace what this leaves). The benchmarks call it too, so that they time
     what the engine runs. Returns how many modules each switch changed; applying it again is harmless."""
-    changed = {"fp8_linears": 0, "fused_epilogues": 0}
+    changed = {"fp8_linears": 0, "fused_epilogues": 0, "fused_attention": 0}
     if quantization == "fp8":
         from .models.fp8 import Float8Linear, check_fp8_device, quantize_fp8
 
@@ -142,9 +142,11 @@ def apply_speed_switches(
             )
     if fused_epilogues:
         from .models.flux_fused import fuse_flux_epilogues, fuse_gelu_epilogues
+        from .models.fused_attention import fuse_attention_prologues
 
         fuse = fuse_flux_epilogues if family == "flux" else fuse_gelu_epilogues
         changed["fused_epilogues"] = fuse(model)
+        changed["fused_attention"] = fuse_attention_prologues(model)
     return changed
 
 
@@ -493,6 +495,7 @@ class RankWorker:
             max_loras=config.max_loras,
             max_rank=config.max_lora_rank,
             fused=config.fused_lora,
+            transformer_2=getattr(self.pipe, "transformer_2", None),  # Wan 2.2 A14B's second expert
         )
 
     def reattach_lora(self) -> None:
@@ -501,11 +504,13 @@ class RankWorker:
         self.runner.model_changed()
         self.lora = self._build_lora()
         for name, info in previous.info.items():
-            self.lora.load(name, info["path"], info["scale"])
+            self.lora.load(name, info["path"], info["scale"], info.get("target"))
 
-    def lora_load(self, name: str, path: str, scale: float = 1.0) -> dict[str, Any]:
+    def lora_load(
+        self, name: str, path: str, scale: float = 1.0, target: str | None = None
+    ) -> dict[str, Any]:
         self.runner.model_changed()
-        return self.lora.load(name, path, scale)
+        return self.lora.load(name, path, scale, target)
 
     def lora_unload(self, name: str) -> None:
         self.runner.model_changed()

@@ -31,12 +31,18 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 
 from .hooks import ForwardState
 from .mesh import ParallelMesh
 from .plan import ParallelPlan, feed_forward_tp, joint_attention_tp, parallelize
-from .processor import ParallelAttnProcessor, image_qkv, joint_out, text_image_attention, text_qkv
+from .processor import (
+    ParallelAttnProcessor,
+    image_qkv,
+    joint_out,
+    rotate_complex,
+    text_image_attention,
+    text_qkv,
+)
 from .sequence import shard_sequence
 from .sp_attention import sequence_parallel_attention
 
@@ -76,10 +82,10 @@ class QwenImageParallelAttnProcessor(ParallelAttnProcessor):
         if image_rotary_emb is not None:
             img_freqs, txt_freqs = image_rotary_emb
             img_freqs = self._local_freqs(img_freqs)
-            q = apply_rotary_emb_qwen(q, img_freqs, use_real=False)
-            k = apply_rotary_emb_qwen(k, img_freqs, use_real=False)
-            tq = apply_rotary_emb_qwen(tq, txt_freqs, use_real=False)
-            tk = apply_rotary_emb_qwen(tk, txt_freqs, use_real=False)
+            q = rotate_complex(q, img_freqs)
+            k = rotate_complex(k, img_freqs)
+            tq = rotate_complex(tq, txt_freqs)
+            tk = rotate_complex(tk, txt_freqs)
 
         layout = self.state.require_layout()
         if encoder_hidden_states_mask is None:

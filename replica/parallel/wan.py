@@ -21,9 +21,12 @@ import math
 import torch
 import torch.nn as nn
 
+from ditserve.kernels.qk_norm_rope.op import qk_norm_rope
+from ditserve.kernels.qk_norm_rope.reference import rotate_pairs
+
 from .mesh import ParallelMesh
 from .plan import ParallelPlan, feed_forward_tp, parallelize
-from .processor import ParallelAttnProcessor, local_attention
+from .processor import ParallelAttnProcessor, local_attention, plain_rms_norms
 from .sp_attention import sequence_parallel_attention
 from .tp import ColumnParallelLinear, ShardedRMSNorm, sharded_rms_norm_many
 
@@ -38,13 +41,6 @@ WAN_TP_PLAN: dict[str, str] = {
 
 # Wan's I2V processor treats everything before the last 512 context tokens as image context.
 _WAN_TEXT_CONTEXT = 512
-
-
-def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on interleaved (even, odd) channel pairs; cos/sin are (1, S, 1, D) with repeated pairs."""
-    even, odd = x.unflatten(-1, (-1, 2)).unbind(-1)
-    c, s = cos[..., 0::2], sin[..., 1::2]
-    return torch.stack([even * c - odd * s, even * s + odd * c], dim=-1).flatten(-2).type_as(x)
 
 
 class WanParallelAttnProcessor(ParallelAttnProcessor):
@@ -77,12 +73,18 @@ class WanParallelAttnProcessor(ParallelAttnProcessor):
         head_dim = attn.inner_dim // attn.heads
         context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
 
-        q, k = self._norm_pair(attn.norm_q, attn.norm_k, attn.to_q(hidden_states), attn.to_k(context))
-        v = attn.to_v(context)
-        q, k, v = (t.unflatten(2, (-1, head_dim)) for t in (q, k, v))
-        if rotary_emb is not None:
-            q = _rotate_pairs(q, *rotary_emb)
-            k = _rotate_pairs(k, *rotary_emb)
+        if rotary_emb is not None and encoder_hidden_states is None and plain_rms_norms(attn):
+            # one kernel pass for each of q and k (kernels/qk_norm_rope; the same arithmetic off CUDA)
+            q = qk_norm_rope(attn.to_q(hidden_states), attn.norm_q, *rotary_emb)
+            k = qk_norm_rope(attn.to_k(hidden_states), attn.norm_k, *rotary_emb)
+            v = attn.to_v(hidden_states).unflatten(2, (-1, head_dim))
+        else:
+            q, k = self._norm_pair(attn.norm_q, attn.norm_k, attn.to_q(hidden_states), attn.to_k(context))
+            v = attn.to_v(context)
+            q, k, v = (t.unflatten(2, (-1, head_dim)) for t in (q, k, v))
+            if rotary_emb is not None:
+                q = rotate_pairs(q, *rotary_emb)
+                k = rotate_pairs(k, *rotary_emb)
 
         if encoder_hidden_states is None:  # self-attention over the sharded video sequence
             out, _ = sequence_parallel_attention(q, k, v, mesh=self.mesh, layout=self.state.require_layout())

@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from .hooks import ForwardState
 from .mesh import ParallelMesh
 from .plan import ParallelPlan, parallelize
-from .processor import ParallelAttnProcessor, image_qkv, rows_by_length
+from .processor import ParallelAttnProcessor, image_qkv, rotate_complex, rows_by_length
 from .sequence import gather_sequence, shard_sequence
 from .sp_attention import sequence_parallel_attention
 
@@ -40,12 +40,6 @@ ZIMAGE_TP_PLAN: dict[str, str] = {
     "*.feed_forward.w[13]": "column",
     "*.feed_forward.w2": "row",
 }
-
-
-def _rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotary positions as complex products: x (B, S, H, D) as D/2 pairs, freqs (B, S, D/2) complex."""
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * freqs.unsqueeze(2)).flatten(3).type_as(x)
 
 
 class ZImageParallelAttnProcessor(ParallelAttnProcessor):
@@ -65,7 +59,7 @@ class ZImageParallelAttnProcessor(ParallelAttnProcessor):
         num_image = self.state.extra["num_image"]  # the global image tokens (the model's own padding incl.)
 
         if stage == "context":  # the caption alone, replicated: local attention with the model's key mask
-            q, k = _rotate(q, freqs_cis), _rotate(k, freqs_cis)
+            q, k = rotate_complex(q, freqs_cis), rotate_complex(k, freqs_cis)
             mask = None if attention_mask is None else attention_mask[:, None, None, :]
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask
@@ -75,13 +69,13 @@ class ZImageParallelAttnProcessor(ParallelAttnProcessor):
             if attention_mask is not None:
                 raise NotImplementedError("rows of different image sizes are never batched together")
             freqs = shard_sequence(freqs_cis, layout, dim=1)
-            q, k = _rotate(q, freqs), _rotate(k, freqs)
+            q, k = rotate_complex(q, freqs), rotate_complex(k, freqs)
             out, _ = sequence_parallel_attention(q, k, v, mesh=self.mesh, layout=layout)
         else:  # [local image; caption]
             freqs = torch.cat(
                 [shard_sequence(freqs_cis[:, :num_image], layout, dim=1), freqs_cis[:, num_image:]], 1
             )
-            q, k = _rotate(q, freqs), _rotate(k, freqs)
+            q, k = rotate_complex(q, freqs), rotate_complex(k, freqs)
             out = self._joint(q, k, v, layout.num_local, attention_mask, num_image)
         out = out.flatten(2).to(q.dtype)
         out = attn.to_out[0](out)
