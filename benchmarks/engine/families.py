@@ -257,7 +257,10 @@ def measure(
             changed = apply_speed_switches(
                 m, family=family.name, device=dev, dtype=dtype, fused_epilogues=True
             )
-            print(f"{name}: --fused-epilogues changed {changed['fused_epilogues']} modules", flush=True)
+            print(
+                f"{name}: --fused-epilogues changed {changed['fused_epilogues']} MLPs and {changed['fused_attention']} attention processors",
+                flush=True,
+            )
             compile_blocks(m)
         runner.model_changed()
     row("ditserve bf16 --compile", lambda n: runner_run(runner, settings, n), ref)
