@@ -4,11 +4,12 @@ what ``--fused-epilogues`` runs), against the HBM floor.
 
     python benchmarks/kernels/qk_norm_rope.py --out DIR [--rounds 7] [--gap-s 0.25]
 
-x [1, tokens, 5120] bf16 (Wan 14B: 40 heads × 128), a weight [5120], tables [1, tokens, 1, 128] fp32;
+Wan: x [1, tokens, 5120] bf16 (Wan 14B: 40 heads × 128), a weight [5120], tables [1, tokens, 1, 128] fp32;
 tokens 14040 (832×480, 33 frames) and 18900 (1280×720, 81 frames, one of 4 sequence shards). Timed in
 interleaved rounds (lora_kernels.interleaved: CUDA-graph replays, L2 emptied before each call); ratios to the
 first row. The floor: x read once and y written once at the copy bandwidth measured in the same run. Every
-row is checked against the fp32 reference first.
+row is checked against the fp32 reference first. Qwen-Image: q [1, 4096, 24, 128] with diffusers' per-head
+RMSNorm and its complex rotary table.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lora_kernels as lk  # noqa: E402
 
 from ditserve.kernels._bench import copy_bandwidth  # noqa: E402
-from ditserve.kernels.qk_norm_rope.op import launch_qk_norm_rope  # noqa: E402
-from ditserve.kernels.qk_norm_rope.reference import qk_norm_rope_ref  # noqa: E402
+from ditserve.kernels.qk_norm_rope.op import head_qk_norm_rope, launch_qk_norm_rope  # noqa: E402
+from ditserve.kernels.qk_norm_rope.reference import qk_norm_rope_ref, rotate_complex  # noqa: E402
 
 HEADS, HEAD_DIM = 40, 128
 HIDDEN = HEADS * HEAD_DIM
@@ -81,6 +82,54 @@ def run_shape(name: str, tokens: int, args, bw: float, lines: list[str]) -> dict
     return dict(shape=name, tokens=tokens, res=res, errors=errors, floor_ms=floor_ms)
 
 
+QWEN_HEADS = 24
+QWEN_SHAPES = {"Qwen-Image 1024², image stream": 4096}
+
+
+def run_per_head(name: str, tokens: int, args, bw: float, lines: list[str]) -> dict:
+    """Qwen-Image's q: diffusers' per-head RMSNorm and complex rotary compiled, the same with the rotary in
+    real arithmetic compiled (rotate_complex), and the kernel."""
+    from diffusers.models.normalization import RMSNorm
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = (torch.randn(1, tokens, QWEN_HEADS, HEAD_DIM, device="cuda", generator=g) * 3).bfloat16()
+    norm = RMSNorm(HEAD_DIM, eps=EPS).cuda().bfloat16()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    angles = torch.rand(tokens, HEAD_DIM // 2, device="cuda", generator=g) * 6.3
+    freqs = torch.polar(torch.ones_like(angles), angles)
+
+    def complex_rotary(x):
+        q = torch.view_as_complex(norm(x).float().unflatten(-1, (-1, 2)))
+        return torch.view_as_real(q * freqs.unsqueeze(1)).flatten(3).type_as(x)
+
+    diff = torch.compile(complex_rotary)
+    real = torch.compile(lambda x: rotate_complex(norm(x), freqs))
+    fns = {
+        "diffusers' ops (complex), torch.compile": lambda: diff(x),
+        "real-arithmetic rotary, torch.compile": lambda: real(x),
+        "qk_norm_rope kernel": lambda: head_qk_norm_rope(x, norm, freqs),
+    }
+    with torch.no_grad():
+        want = complex_rotary(x.float()).float()  # fp32 throughout: no roundings
+        errors = {k: (fn().float() - want).abs().max().item() for k, fn in fns.items()}
+        res = lk.interleaved(fns, args.rounds, args.gap_s)
+    floor_ms = 2 * x.numel() * x.element_size() / bw * 1e3
+    lines += [
+        "",
+        f"### q [1, {tokens}, {QWEN_HEADS}, {HEAD_DIM}] ({name}); floor {floor_ms * 1e3:.1f} µs",
+        "",
+        "| row | µs (median) | vs first row | % of floor | max abs error vs fp32 |",
+        "|---|---|---|---|---|",
+    ]
+    for k, (ms, ratio) in res.items():
+        lines.append(
+            f"| {k} | {ms * 1e3:.1f} | {ratio:.3f}× | {100 * floor_ms / ms:.0f}% | {errors[k]:.3g} |"
+        )
+    print("\n".join(lines[-len(res) - 4 :]), flush=True)
+    return dict(shape=name, tokens=tokens, res=res, errors=errors, floor_ms=floor_ms)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results)")
@@ -97,6 +146,7 @@ def main() -> None:
     print("\n".join(head), flush=True)
     lines = list(head)
     records = [run_shape(name, t, args, bw, lines) for name, t in SHAPES.items()]
+    records += [run_per_head(name, t, args, bw, lines) for name, t in QWEN_SHAPES.items()]
     lk.save(args.out, lines, "qk_norm_rope", dict(head=head, records=records))
 
 

@@ -1,5 +1,5 @@
-"""The one-pass RMSNorm + rotary kernel (see __init__.py). One program per token row; the row's hidden
-(heads · head_dim) is one tile of PAIRS (a power of two ≥ hidden / 2) channel pairs, masked past the end."""
+"""The one-pass RMSNorm + rotary kernel (see __init__.py). One program per token row; the row is one tile
+of [HEADS_PAD, HEAD_DIM] (HEADS_PAD a power of two ≥ heads), masked past the last head."""
 
 import triton
 import triton.language as tl
@@ -7,33 +7,46 @@ import triton.language as tl
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    x_ptr,  # [num_tokens, hidden], contiguous
-    w_ptr,  # [hidden]
-    cos_ptr,  # [tokens_per_row, head_dim] fp32: pair i of a head turns by cos[s, 2i] ...
-    sin_ptr,  # [tokens_per_row, head_dim] fp32: ... and sin[s, 2i + 1] (Wan's tables repeat each pair)
-    y_ptr,  # [num_tokens, hidden], x's dtype
-    hidden,
+    x_ptr,  # [num_tokens, heads · HEAD_DIM], contiguous
+    w_ptr,  # [heads · HEAD_DIM] (PER_HEAD=False) or [HEAD_DIM] (PER_HEAD=True)
+    cos_ptr,  # [table_rows, tokens_per_row, HEAD_DIM] fp32: pair i of a head turns by cos[.., 2i] ...
+    sin_ptr,  # ... and sin[.., 2i + 1] (Wan's two tables; a complex table's real view is both)
+    y_ptr,  # [num_tokens, heads · HEAD_DIM], x's dtype
+    heads,
     tokens_per_row,  # rows of x per batch element: the table's rows
+    table_batch_stride,  # 0: one table for the whole batch
     eps,
-    HALF_HEAD: tl.constexpr,  # head_dim / 2: pairs per head
-    PAIRS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    PER_HEAD: tl.constexpr,  # normalise each head (else the whole row)
+    ROUND_BEFORE_WEIGHT: tl.constexpr,  # diffusers' RMSNorm: x · rstd rounded to x's dtype, then · w
 ):
     row = tl.program_id(0).to(tl.int64)
+    batch = row // tokens_per_row
     pos = row % tokens_per_row
-    offs = tl.arange(0, 2 * PAIRS)
-    mask = offs < hidden
+    hidden = heads * HEAD_DIM
+    h = tl.arange(0, HEADS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    offs = h[:, None] * HEAD_DIM + d[None, :]
+    mask = (h < heads)[:, None] & (d < HEAD_DIM)[None, :]
     x = tl.load(x_ptr + row * hidden + offs, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
-    # RMSNorm's output is rounded to x's dtype before the rotation, as the unfused modules do
-    y = (x * rstd * w).to(y_ptr.dtype.element_ty).to(tl.float32)
-    even, odd = tl.split(tl.reshape(y, (PAIRS, 2)))
+    if PER_HEAD:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+        w = tl.load(w_ptr + d).to(tl.float32)[None, :]
+    else:
+        rstd = tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / hidden + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = x * rstd
+    if ROUND_BEFORE_WEIGHT:
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+    # the norm's output is rounded to x's dtype before the rotation, as the unfused modules do
+    y = (y * w).to(y_ptr.dtype.element_ty).to(tl.float32)
+    even, odd = tl.split(tl.reshape(y, (HEADS_PAD, HEAD_DIM // 2, 2)))
 
-    pair = tl.arange(0, PAIRS)
-    in_head = 2 * (pair % HALF_HEAD)
-    pair_mask = pair < hidden // 2
-    c = tl.load(cos_ptr + pos * (2 * HALF_HEAD) + in_head, mask=pair_mask, other=0.0)
-    s = tl.load(sin_ptr + pos * (2 * HALF_HEAD) + in_head + 1, mask=pair_mask, other=0.0)
-    out = tl.reshape(tl.join(even * c - odd * s, even * s + odd * c), (2 * PAIRS,))
+    pair = 2 * tl.arange(0, HEAD_DIM // 2)
+    table = batch * table_batch_stride + pos * HEAD_DIM
+    c = tl.load(cos_ptr + table + pair)[None, :]
+    s = tl.load(sin_ptr + table + pair + 1)[None, :]
+    out = tl.reshape(tl.join(even * c - odd * s, even * s + odd * c), (HEADS_PAD, HEAD_DIM))
     tl.store(y_ptr + row * hidden + offs, out.to(y_ptr.dtype.element_ty), mask=mask)

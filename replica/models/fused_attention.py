@@ -5,9 +5,9 @@ plan's). Three of them prepare q and k in a way that torch.compile cannot fuse w
 
 - **Qwen-Image and Z-Image** turn q and k by complex products (``torch.view_as_complex``). Inductor does
   not generate code for complex tensors: the norm's output is written in fp32, multiplied by an eager
-  complex kernel, and read back for the cast, about 10 ms of a 265 ms Qwen-Image step on an H100.
-  `QwenImageFusedAttnProcessor` and `ZImageFusedAttnProcessor` write the same product in real arithmetic
-  (`rotate_complex`), which inductor fuses with the per-head RMSNorm and the cast into one kernel.
+  complex kernel, and read back for the cast, about 15 ms of a 274 ms Qwen-Image step on an H100.
+  `QwenImageFusedAttnProcessor` and `ZImageFusedAttnProcessor` run each per-head RMSNorm and its rotary
+  as one pass of ``kernels.qk_norm_rope`` (the complex table read as its (real, imaginary) pairs).
 - **Wan** normalises q and k over all heads and then turns (even, odd) channel pairs, written by diffusers
   as strided stores into an empty tensor; inductor's fused kernel reads each row's pairs back with gathered
   loads and runs at about a third of the bandwidth. `WanFusedAttnProcessor` calls ``kernels.qk_norm_rope``
@@ -28,9 +28,9 @@ from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStream
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
 
-from ditserve.kernels.qk_norm_rope.op import qk_norm_rope
+from ditserve.kernels.qk_norm_rope.op import head_qk_norm_rope, qk_norm_rope
 
-from ..parallel.processor import image_qkv, joint_out, plain_rms_norms, rotate_complex, text_qkv
+from ..parallel.processor import joint_out, plain_rms_norms
 
 
 class WanFusedAttnProcessor(WanAttnProcessor):
@@ -90,11 +90,18 @@ class QwenImageFusedAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
                 attention_mask,
                 image_rotary_emb,
             )
-        q, k, v = image_qkv(attn, hidden_states)
-        tq, tk, tv = text_qkv(attn, encoder_hidden_states)
         img_freqs, txt_freqs = image_rotary_emb
-        q, k = rotate_complex(q, img_freqs), rotate_complex(k, img_freqs)
-        tq, tk = rotate_complex(tq, txt_freqs), rotate_complex(tk, txt_freqs)
+        head_dim = attn.inner_dim // attn.heads
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.unflatten(-1, (-1, head_dim))
+
+        q = head_qk_norm_rope(heads(attn.to_q(hidden_states)), attn.norm_q, img_freqs)
+        k = head_qk_norm_rope(heads(attn.to_k(hidden_states)), attn.norm_k, img_freqs)
+        v = heads(attn.to_v(hidden_states))
+        tq = head_qk_norm_rope(heads(attn.add_q_proj(encoder_hidden_states)), attn.norm_added_q, txt_freqs)
+        tk = head_qk_norm_rope(heads(attn.add_k_proj(encoder_hidden_states)), attn.norm_added_k, txt_freqs)
+        tv = heads(attn.add_v_proj(encoder_hidden_states))
         mask = None
         if encoder_hidden_states_mask is not None:  # the text's mask, every image token attended
             image = encoder_hidden_states_mask.new_ones(q.shape[:2], dtype=torch.bool)
@@ -127,8 +134,13 @@ class ZImageFusedAttnProcessor(ZSingleStreamAttnProcessor):
     ) -> torch.Tensor:
         if freqs_cis is None:
             return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, freqs_cis)
-        q, k, v = image_qkv(attn, hidden_states)
-        q, k = rotate_complex(q, freqs_cis), rotate_complex(k, freqs_cis)
+        q = head_qk_norm_rope(
+            attn.to_q(hidden_states).unflatten(-1, (attn.heads, -1)), attn.norm_q, freqs_cis
+        )
+        k = head_qk_norm_rope(
+            attn.to_k(hidden_states).unflatten(-1, (attn.heads, -1)), attn.norm_k, freqs_cis
+        )
+        v = attn.to_v(hidden_states).unflatten(-1, (attn.heads, -1))
         if attention_mask is not None and attention_mask.ndim == 2:
             attention_mask = attention_mask[:, None, None, :]
         out = dispatch_attention_fn(

@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 from diffusers.models.embeddings import apply_rotary_emb
 
+from ditserve.kernels.qk_norm_rope.reference import rotate_complex  # noqa: F401  (the families' processors')
+
 from .attention import attention
 from .hooks import ForwardState
 from .mesh import ParallelMesh
@@ -72,17 +74,6 @@ def plain_rms_norms(attn: nn.Module) -> bool:
     """q and k normalised by ``torch.nn.RMSNorm``s with weights (Wan's, over the whole hidden): what
     ``kernels.qk_norm_rope`` fuses with the rotary embedding. Not TP's ShardedRMSNorm."""
     return all(type(norm) is nn.RMSNorm and norm.weight is not None for norm in (attn.norm_q, attn.norm_k))
-
-
-def rotate_complex(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotary positions given as a complex table (Qwen-Image's and Z-Image's ``freqs_cis``): x (B, S, H, D) as
-    D/2 (real, imaginary) channel pairs, freqs (..., S, D/2) complex, broadcast over the heads. The product is
-    written out in real arithmetic, the complex product's own formula in fp32, so that torch.compile fuses it
-    with q/k's norm and cast: inductor runs complex tensors as separate eager kernels with fp32 round trips."""
-    table = torch.view_as_real(freqs).unsqueeze(-3)  # (..., S, 1, D/2, 2)
-    cos, sin = table[..., 0], table[..., 1]
-    real, imag = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    return torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1).flatten(-2).type_as(x)
 
 
 def text_image_attention(

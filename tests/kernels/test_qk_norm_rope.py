@@ -11,7 +11,7 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ditserve.kernels.qk_norm_rope.op import launch_qk_norm_rope, qk_norm_rope
+from ditserve.kernels.qk_norm_rope.op import head_qk_norm_rope, launch_qk_norm_rope, qk_norm_rope
 from ditserve.kernels.qk_norm_rope.reference import qk_norm_rope_ref
 from ditserve.replica.models.fused_attention import fuse_attention_prologues
 
@@ -26,25 +26,31 @@ def wan_tables(tokens: int, head_dim: int, seed: int = 1) -> tuple[torch.Tensor,
     return cos[None, :, None], sin[None, :, None]
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     st.integers(1, 2),
     st.integers(1, 9),
     st.sampled_from([(1, 8), (3, 8), (4, 16), (5, 16), (2, 4)]),
     st.sampled_from([torch.float32, torch.float16]),
     st.sampled_from([1e-6, 1e-5]),
+    st.sampled_from(["wan", "per head", "per head, per batch row table"]),
 )
-def test_kernel_matches_reference(batch, tokens, heads_dim, dtype, eps):
-    """Every batch row turned by its token's angles (the tables shared by the batch), hiddens that are not
-    a power of two (a masked tile), rows far from unit scale."""
+def test_kernel_matches_reference(batch, tokens, heads_dim, dtype, eps, kind):
+    """Every batch row turned by its token's angles (one table for the batch, or one per row), the norm over
+    the row or over each head, hiddens that are not a power of two (masked heads), rows far from unit
+    scale."""
     heads, head_dim = heads_dim
     g = torch.Generator().manual_seed(batch * 31 + tokens)
     x = (torch.randn(batch, tokens, heads * head_dim, generator=g) * 7).to(dtype)
-    weight = (torch.rand(heads * head_dim, generator=g) + 0.5).to(dtype)
-    cos, sin = wan_tables(tokens, head_dim)
-    tables = [t.reshape(tokens, head_dim).contiguous() for t in (cos, sin)]
-    got = launch_qk_norm_rope(x, weight, eps, *tables).unflatten(-1, (heads, head_dim))
-    torch.testing.assert_close(got, qk_norm_rope_ref(x, weight, eps, *tables), **TOL[dtype])
+    per_head = kind != "wan"
+    weight = (torch.rand(head_dim if per_head else heads * head_dim, generator=g) + 0.5).to(dtype)
+    rows = batch if kind.endswith("table") else 1
+    cos, sin = (t.reshape(1, tokens, head_dim).repeat(rows, 1, 1) for t in wan_tables(tokens, head_dim))
+    if kind.endswith("table"):
+        cos, sin = cos * torch.linspace(0.5, 1, rows)[:, None, None], sin.flip(0)
+    args = (x, weight, eps, cos, sin, per_head, per_head)
+    got = launch_qk_norm_rope(*args).unflatten(-1, (heads, head_dim))
+    torch.testing.assert_close(got, qk_norm_rope_ref(*args), **TOL[dtype])
 
 
 def test_equals_diffusers_wan_norm_and_rotary():
@@ -65,6 +71,30 @@ def test_equals_diffusers_wan_norm_and_rotary():
         want[..., 1::2] = x1 * s + x2 * c
         got = qk_norm_rope(x, norm, cos, sin)
     torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("table_rows", [0, 1, 2])
+def test_equals_diffusers_per_head_norm_and_complex_rotary(dtype, table_rows):
+    """What diffusers' Qwen-Image / Z-Image processors compute for q: the per-head ``RMSNorm`` (its
+    roundings in half precision included), then the complex product with ``freqs_cis`` ([tokens, D/2], or
+    [rows, tokens, D/2])."""
+    from diffusers.models.normalization import RMSNorm
+
+    torch.manual_seed(0)
+    heads, head_dim, tokens = 3, 8, 10
+    norm = RMSNorm(head_dim, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = (torch.randn(2, tokens, heads, head_dim) * 3).to(dtype)
+    shape = (tokens, head_dim // 2) if table_rows == 0 else (table_rows, tokens, head_dim // 2)
+    freqs = torch.polar(torch.ones(shape), torch.rand(shape) * 6.3)
+    with torch.no_grad():
+        q = norm(x)
+        f = freqs.unsqueeze(-2)  # over the heads
+        want = torch.view_as_real(torch.view_as_complex(q.float().unflatten(-1, (-1, 2))) * f)
+        got = head_qk_norm_rope(x, norm, freqs)
+    torch.testing.assert_close(got, want.flatten(-2).to(dtype), **TOL[dtype])
 
 
 def _psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -121,7 +151,7 @@ def test_real_rotary_processors_draw_what_diffusers_draws(family):
 
 def test_compiled_zimage_attention_has_no_complex_kernels():
     """The reason for the swap: compiled, diffusers' complex rotary leaves eager complex kernels in the
-    graph's code; the swapped processor's rotary is fused into inductor's own kernels."""
+    graph's code; the swapped processor's norm and rotary are one kernel (here, the interpreter's)."""
     from torch._inductor.utils import run_and_get_code
 
     from tests.families.zimage import build_pipeline
@@ -134,7 +164,8 @@ def test_compiled_zimage_attention_has_no_complex_kernels():
     def code_of() -> str:
         torch._dynamo.reset()
         fn = torch.compile(lambda h, f: attn(h, freqs_cis=f))
-        _, code = run_and_get_code(fn, x, freqs)
+        with torch.no_grad():
+            _, code = run_and_get_code(fn, x, freqs)
         return "\n".join(code)
 
     assert "aten.view_as_complex" in code_of()  # q and k, out of inductor's kernels
