@@ -59,16 +59,14 @@ def upload_allowance(fe: Any) -> int:
     return files * fe.args.max_image_bytes
 
 
-def _edit_size(fe: Any, size: str | None, sizes: list[tuple[int, int]]) -> tuple[int, int]:
-    """The requested size, or (absent / "auto") the edit pipeline's own choice from the references
-    (``Family.edit_size``) or else the first image's, scaled down to the server's maximum and rounded down
-    to the model's size multiple."""
+def _edit_size(fe: Any, size: str | None, sizes: list[tuple[int, int]], masked: bool) -> tuple[int, int]:
+    """The requested size, or (absent / "auto") the edit or inpaint pipeline's own choice from the images
+    (``ModelSpec.edit_request_size``), scaled down to the server's maximum and rounded down to the model's
+    size multiple."""
     limits, multiple = fe.args, fe.spec.size_multiple
     if size not in (None, "", "auto"):
         return check_size(size, limits.max_width, limits.max_height, multiple)
-    rule = fe.spec.family_spec.edit_size if fe.spec.edits else None
-    first = rule(fe.spec.folder, list(sizes)) if rule is not None else sizes[0]
-    width, height = first
+    width, height = fe.spec.edit_request_size(list(sizes), masked)
     scale = min(1.0, limits.max_width / width, limits.max_height / height)
     width, height = int(width * scale) // multiple * multiple, int(height * scale) // multiple * multiple
     least = max(multiple, MIN_SIDE)
@@ -120,10 +118,8 @@ def edit_params(
         except ValueError as exc:
             raise BadRequest(str(exc), param="image") from None
     if mask is not None:
-        if not fe.spec.family_spec.inpainting or fe.spec.edits:  # said before the mask is read: not used
-            raise BadRequest(
-                f"mask: {fe.model_name} does not inpaint; send the image without a mask", param="mask"
-            )
+        if not fe.spec.inpaints:  # said before the mask is read: it is not used
+            raise BadRequest(f"mask: {fe.spec.mask_refusal()}", param="mask")
         try:
             mask_size = check_image(
                 mask, "mask", max_bytes=limits.max_image_bytes, max_pixels=limits.max_image_pixels
@@ -132,12 +128,14 @@ def edit_params(
             raise BadRequest(str(exc), param="mask") from None
         if (refused := mask_shape_refusal(mask_size, sizes[0])) is not None:
             raise BadRequest(f"mask: {refused}", param="mask")
-    if body.strength is not None and fe.spec.edits:
+    if body.strength is not None and fe.spec.edits and mask is None:
+        inpaints = " (with a mask it inpaints, and takes strength)" if fe.spec.inpaints else ""
         raise BadRequest(
-            f"strength: {fe.model_name} takes the images as references and does not noise them; leave it out",
+            f"strength: {fe.model_name} takes the images as references and does not noise them{inpaints}; "
+            "leave it out",
             param="strength",
         )
-    width, height = _edit_size(fe, body.size, sizes)
+    width, height = _edit_size(fe, body.size, sizes, mask is not None)
     return body.to_params(width, height, fe.spec, tuple(images), mask), width, height
 
 
@@ -238,8 +236,8 @@ def _form_schema() -> dict[str, Any]:
             "description": "Several images.",
         },
         "mask": _binary(
-            "Inpainting mask of the image's shape (image-to-image models that inpaint): its transparent "
-            "pixels are repainted, or without transparency its white ones."
+            "Inpainting mask of the image's shape (image-to-image models that inpaint; FLUX.1 Kontext and "
+            "Qwen-Image-Edit): its transparent pixels are repainted, or without transparency its white ones."
         ),
         **schema["properties"],
     }

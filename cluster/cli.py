@@ -238,9 +238,8 @@ def run_generate(ns: argparse.Namespace) -> int:
 
         multiple = engine.spec.size_multiple
         first = image_size(images[0])
-        rule = engine.spec.family_spec.edit_size if engine.spec.edits else None
-        if rule is not None:  # the edit pipeline's own choice (Qwen-Image-Edit: the references' ~1024²)
-            first = rule(engine.spec.folder, [image_size(data) for data in images])
+        # the edit or inpaint pipeline's own choice (Qwen-Image-Edit: the references' ~1024²)
+        first = engine.spec.edit_request_size([image_size(data) for data in images], mask is not None)
         # scaled down to --max-width/--max-height as the API scales it (it asked for the image's own size)
         first = fit_size(first, limits.max_width, limits.max_height, multiple)
         width, height = (
@@ -254,9 +253,16 @@ def run_generate(ns: argparse.Namespace) -> int:
         )
     if ns.strength is not None and not images:  # it would be dropped: no start image to keep
         return _fail("--strength: image-to-image needs the start image (--image FILE)")
+    if ns.strength is not None and engine.spec.edits and mask is None:  # it would be dropped: references
+        return _fail(
+            f"--strength: {engine.spec.name} takes --image as a reference and does not noise it"
+            + (" (with --mask it inpaints, and takes --strength)" if engine.spec.inpaints else "")
+        )
     extra = {} if ns.strength is None else {"strength": ns.strength}
     if images and not video and not engine.spec.edits and ns.strength is None:
         extra["strength"] = 0.6  # FluxImg2ImgPipeline's default
+    if mask is not None and engine.spec.edits and engine.spec.inpaints and ns.strength is None:
+        extra["strength"] = engine.spec.masked_edit_strength()  # the edit family's inpaint pipeline's
     try:
         params = GenerationParams(
             prompt=ns.prompt[0],

@@ -239,8 +239,8 @@ class Engine:
         family = spec.family_spec
         if spec.kind != "image":
             return
-        if params.mask is not None and (not family.inpainting or spec.edits):
-            raise ValueError(f"mask: {spec.name} does not inpaint; send the image without a mask")
+        if params.mask is not None and not spec.inpaints:
+            raise ValueError(f"mask: {spec.mask_refusal()}")
         if not params.images:
             if params.mask is not None:
                 raise ValueError("image: a mask needs the image it masks")

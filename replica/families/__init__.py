@@ -135,8 +135,15 @@ class Family:
     # image-to-image from ``init_latents`` + ``strength`` (sessions, /v1/images/edits on non-edit families)
     img2img: bool = False
     # takes an inpainting ``mask`` with its image-to-image start image (POST /v1/images/edits ``mask``);
-    # refused otherwise, and by the family's edit pipelines
+    # refused otherwise, and by the family's edit pipelines other than ``inpainting_edits``
     inpainting: bool = False
+    # Edit pipelines that also take a ``mask``, as diffusers' inpaint pipeline for them (FluxKontextPipeline:
+    # FluxKontextInpaintPipeline): the one image is both the start image noised to ``strength`` and the
+    # reference. Class name → that inpaint pipeline's default strength.
+    inpainting_edits: Mapping[str, float] = field(default_factory=dict)
+    # The output (width, height) of such a masked edit that names no size, from its image's (width, height),
+    # where the inpaint pipeline sizes it otherwise than ``edit_size``; None: as any edit of the family.
+    inpainting_edit_size: Callable[[Folder, tuple[int, int]], tuple[int, int]] | None = None
     # (width, height) of a request that names no size: the pipeline's own default (its __call__'s)
     default_size: Callable[[Folder], tuple[int, int]] = lambda folder: (1024, 1024)
     # Video families whose pipeline sizes an image-to-video request by its first frame: (width, height) from

@@ -2,9 +2,23 @@
 latents, distilled guidance, optional true CFG with a negative prompt; image-to-image from an uploaded image
 (``FluxImg2ImgPipeline``'s arithmetic), inpainting with a mask (``FluxInpaintPipeline``'s). FLUX.1 Kontext
 (``FluxKontextPipeline``) is the same transformer with one reference image's latent tokens after the
-generated ones (POST /v1/images/edits)."""
+generated ones (POST /v1/images/edits); with a mask, that image is also the start image
+(``FluxKontextInpaintPipeline``'s)."""
 
-from . import Family, vae_spatial_factor
+from . import Family, Folder, vae_spatial_factor
+
+
+def kontext_inpaint_size(folder: Folder, image: tuple[int, int]) -> tuple[int, int]:
+    """The output (width, height) of a masked Kontext edit that names no size: the preferred Kontext
+    resolution nearest the image's aspect (its sides first floored to the size multiple), floored to the
+    multiple, as ``FluxKontextInpaintPipeline`` sizes it."""
+    from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+
+    multiple = vae_spatial_factor(folder) * 2
+    width, height = (max(multiple, side // multiple * multiple) for side in image)
+    _, width, height = min((abs(width / height - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
+    return width // multiple * multiple, height // multiple * multiple
+
 
 FAMILY = Family(
     name="flux",
@@ -15,7 +29,9 @@ FAMILY = Family(
     edit_pipelines=frozenset({"FluxKontextPipeline"}),
     max_references=1,
     img2img=True,
-    inpainting=True,  # FluxPipeline folders (image-to-image); Kontext folders take no mask
+    inpainting=True,  # FluxPipeline folders (image-to-image, FluxInpaintPipeline)
+    inpainting_edits={"FluxKontextPipeline": 1.0},  # FluxKontextInpaintPipeline and its default strength
+    inpainting_edit_size=kontext_inpaint_size,
     size_multiple=lambda folder: vae_spatial_factor(folder) * 2,  # latents packed in 2×2 patches
     lora_alphas=True,
     checkpoints=((r"(?<![a-z])flux\.?1(?![0-9])", 24),),

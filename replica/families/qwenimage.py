@@ -4,7 +4,7 @@
 uploaded image on a text-to-image folder (``QwenImageImg2ImgPipeline``'s arithmetic). Qwen-Image-Edit
 (``QwenImageEditPipeline``, one reference) and Qwen-Image-Edit-2509/2511 (``QwenImageEditPlusPipeline``,
 several) append the references' latent tokens after the generated ones and show the references to the VL
-encoder."""
+encoder; Qwen-Image-Edit with a mask inpaints its image as ``QwenImageEditInpaintPipeline``."""
 
 from __future__ import annotations
 
@@ -54,6 +54,9 @@ FAMILY = Family(
     edit_pipelines=frozenset({"QwenImageEditPipeline", "QwenImageEditPlusPipeline"}),
     img2img=True,  # QwenImagePipeline folders; the edit folders take their images as references
     inpainting=True,  # QwenImagePipeline folders, as QwenImageInpaintPipeline
+    # QwenImageEditInpaintPipeline (its default strength); it sizes its output as the edit pipelines do.
+    # diffusers has no inpaint pipeline for Edit Plus (2509/2511): a mask there is refused.
+    inpainting_edits={"QwenImageEditPipeline": 0.6},
     max_references=MAX_PLUS_REFERENCES,
     pipeline_references={"QwenImageEditPipeline": 1},
     references_required=frozenset({"QwenImageEditPipeline", "QwenImageEditPlusPipeline"}),

@@ -106,6 +106,37 @@ class ModelSpec:
         return self.pipeline_class in self.family_spec.edit_pipelines
 
     @property
+    def inpaints(self) -> bool:
+        """Whether the model takes an inpainting mask with its image: image-to-image families that inpaint,
+        and the edit pipelines diffusers has an inpaint pipeline for (FLUX.1 Kontext, Qwen-Image-Edit)."""
+        family = self.family_spec
+        return self.pipeline_class in family.inpainting_edits if self.edits else family.inpainting
+
+    def edit_request_size(self, sizes: list[tuple[int, int]], masked: bool) -> tuple[int, int]:
+        """(width, height) of an edit or image-to-image request that names no size, from its images' (before
+        the server's limits): the inpaint pipeline's own rule for a masked edit, the edit pipeline's
+        (``Family.edit_size``), else the first image's size."""
+        family = self.family_spec
+        if self.edits and masked and family.inpainting_edit_size is not None:
+            return family.inpainting_edit_size(self.folder, sizes[0])
+        if self.edits and family.edit_size is not None:
+            return family.edit_size(self.folder, list(sizes))
+        return sizes[0]
+
+    def mask_refusal(self) -> str:
+        """Why the model takes no mask (said after ``mask: ``)."""
+        if self.edits:
+            return (
+                f"{self.name} ({self.pipeline_class}) takes its images as references and does not inpaint "
+                "(diffusers has no inpaint pipeline for it); send the image without a mask"
+            )
+        return f"{self.name} does not inpaint; send the image without a mask"
+
+    def masked_edit_strength(self) -> float:
+        """The default ``strength`` of a masked edit: the pipeline's inpaint pipeline's."""
+        return self.family_spec.inpainting_edits[self.pipeline_class]
+
+    @property
     def needs_references(self) -> bool:
         """Whether every request must bring a reference image (Qwen-Image-Edit: no image from text alone)."""
         return self.pipeline_class in self.family_spec.references_required

@@ -1,7 +1,8 @@
 """FLUX.1: text-to-image with packed 2×2 latents, distilled guidance and optional true CFG; image-to-image
 from ``params.images[0]`` (as ``FluxImg2ImgPipeline``), inpainting with ``params.mask`` (as
 ``FluxInpaintPipeline``); and FLUX.1 Kontext folders (``FluxKontextPipeline``),
-whose reference image's latent tokens follow the generated ones in the sequence, with their own ids."""
+whose reference image's latent tokens follow the generated ones in the sequence, with their own ids; with a
+mask, the reference is also the start image (``FluxKontextInpaintPipeline``)."""
 
 from __future__ import annotations
 
@@ -55,11 +56,23 @@ class FluxRunner(PipelineRunner):
             neg_embeds, neg_pooled, _ = self._encode(params.negative_prompt, params.n)
             out["uncond"] = {"encoder_hidden_states": neg_embeds, "pooled_projections": neg_pooled}
         if params.images:
-            if self.kontext:
+            if self.kontext and params.mask is not None:
+                out |= self._encode_masked_reference(params)
+            elif self.kontext:
                 out["reference"] = self._encode_reference(open_image(params.images[0]))
             else:
                 out |= self._encode_init_image(params)
         return out
+
+    def _packed_mask(self, params: GenerationParams, channels: int) -> torch.Tensor:
+        """``params.mask`` at the latents' size, one copy per latent channel, packed as the latents."""
+        pipe = self.pipe
+        lat_h, lat_w = (
+            2 * (params.height // (pipe.vae_scale_factor * 2)),
+            2 * (params.width // (pipe.vae_scale_factor * 2)),
+        )
+        mask = latent_mask(params, lat_h, lat_w).repeat(1, channels, 1, 1)
+        return pipe._pack_latents(mask, 1, channels, lat_h, lat_w)
 
     def _encode_init_image(self, params: GenerationParams) -> dict:
         """Image-to-image as ``FluxImg2ImgPipeline``: the image at the requested size, VAE-encoded with a
@@ -73,14 +86,24 @@ class FluxRunner(PipelineRunner):
 
         out = encode_start(params, packed)
         if params.mask is not None:
-            _, tokens, channels = out["init_latents"].shape
-            lat_h, lat_w = (
-                2 * (params.height // (pipe.vae_scale_factor * 2)),
-                2 * (params.width // (pipe.vae_scale_factor * 2)),
-            )
-            mask = latent_mask(params, lat_h, lat_w).repeat(1, channels // 4, 1, 1)
-            out["mask"] = pipe._pack_latents(mask, 1, channels // 4, lat_h, lat_w)
+            out["mask"] = self._packed_mask(params, out["init_latents"].shape[2] // 4)
         return out
+
+    def _encode_masked_reference(self, params: GenerationParams) -> dict:
+        """A Kontext edit with a mask, as ``FluxKontextInpaintPipeline``: the image at the output size,
+        VAE-encoded (the mode, so the noise's generator is untouched), packed, is both the reference (its
+        tokens after the generated ones, ids with first coordinate 1) and the start latents the mask keeps."""
+        pipe = self.pipe
+        latents = scaled_vae_latents(pipe.vae, start_pixels(pipe, params), None).to(self.dtype)
+        _, channels, lat_h, lat_w = latents.shape
+        packed = pipe._pack_latents(latents, 1, channels, lat_h, lat_w)
+        ids = pipe._prepare_latent_image_ids(1, lat_h // 2, lat_w // 2, self.device, self.dtype)
+        ids[..., 0] = 1
+        return {
+            "reference": {"latents": packed, "ids": ids},
+            "init_latents": packed,
+            "mask": self._packed_mask(params, channels),
+        }
 
     def _encode_reference(self, image) -> dict:
         """Kontext's reference as ``FluxKontextPipeline`` prepares it: resized to the preferred Kontext

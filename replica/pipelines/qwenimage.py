@@ -1,6 +1,8 @@
 """Qwen-Image: text-to-image (QwenImagePipeline), image-to-image from one start image and ``strength`` on
-the same folder (QwenImageImg2ImgPipeline's arithmetic), and editing with one (QwenImageEditPipeline) or
-several (QwenImageEditPlusPipeline) reference images.
+the same folder (QwenImageImg2ImgPipeline's arithmetic), inpainting with a mask (QwenImageInpaintPipeline's),
+and editing with one (QwenImageEditPipeline) or several (QwenImageEditPlusPipeline) reference images; an edit
+with a mask inpaints its image as QwenImageEditInpaintPipeline (the image's VAE sample is both the reference
+and the start latents the mask keeps).
 
 The arithmetic follows diffusers' pipelines: Qwen2.5-VL prompt embeddings with their padding mask, packed
 2×2 latents, FlowMatchEuler with the dynamic shift, true CFG with the pipelines' norm rescaling
@@ -183,7 +185,17 @@ class QwenImageRunner(PipelineRunner):
         images = self._references(params)
         vl_image, refs, shapes = None, [], []
         factor = pipe.vae_scale_factor * 2
-        if images and not self.plus:
+        start: dict = {}  # image-to-image's or a masked edit's start latents (and the generator after them)
+        if images and params.mask is not None and not self.plus:
+            # QwenImageEditInpaintPipeline: the image at the output size (its ~1024² when none is asked) for
+            # the VL encoder, and its VAE sample from the request's generator both the reference and the
+            # start latents the mask keeps (the noise is drawn after it from the same generator).
+            w, h = params.width, params.height
+            vl_image = pipe.image_processor.resize(images[0], h, w)
+            start = encode_start(params, lambda generator: self._start_latents(params, generator))
+            refs.append(start["init_latents"])
+            shapes.append((1, h // factor, w // factor))
+        elif images and not self.plus:
             # QwenImageEditPipeline: the reference at about 1024² for both the VL encoder and the VAE.
             w, h = area_size(REFERENCE_AREA, *images[0].size)
             vl_image = pipe.image_processor.resize(images[0], h, w)
@@ -208,12 +220,13 @@ class QwenImageRunner(PipelineRunner):
             neg, neg_mask = self._prompt(params.negative_prompt, n, vl_image)
             out["uncond"] = {"encoder_hidden_states": neg, "mask": neg_mask}
         if params.images and not self.edit:  # image-to-image, sampled with the request's generator
-            out |= encode_start(params, lambda generator: self._start_latents(params, generator))
-            if params.mask is not None:  # QwenImageInpaintPipeline's mask, at the latents' size, packed
-                channels = pipe.transformer.config.in_channels // 4
-                lat_h, lat_w = 2 * (params.height // factor), 2 * (params.width // factor)
-                mask = latent_mask(params, lat_h, lat_w).repeat(1, channels, 1, 1)
-                out["mask"] = pipe._pack_latents(mask, 1, channels, lat_h, lat_w)
+            start = encode_start(params, lambda generator: self._start_latents(params, generator))
+        out |= start
+        if start and params.mask is not None:  # the inpaint pipelines' mask, at the latents' size, packed
+            channels = pipe.transformer.config.in_channels // 4
+            lat_h, lat_w = 2 * (params.height // factor), 2 * (params.width // factor)
+            mask = latent_mask(params, lat_h, lat_w).repeat(1, channels, 1, 1)
+            out["mask"] = pipe._pack_latents(mask, 1, channels, lat_h, lat_w)
         return out
 
     # -- request state ----------------------------------------------------------------------------------

@@ -654,14 +654,6 @@ def test_kontext_refuses_a_reference_under_its_multiple(kontext_one_rank):
         runner.add("tiny", tiny)
 
 
-def test_kontext_takes_no_mask(kontext_folder):
-    """FLUX.1 inpaints from a FluxPipeline folder's start image; a Kontext folder's image is a reference,
-    so its mask is refused naming mask."""
-    masked = KONTEXT.model_copy(update={"mask": KONTEXT.images[0]})
-    with pytest.raises(ValueError, match=r"^mask: .* does not inpaint"):
-        Engine(EngineConfig(model=str(kontext_folder))).check(masked)
-
-
 def test_kontext_engine_ulysses2_is_one_rank(kontext_folder, kontext_one_rank):
     """Reference tokens sharded with the generated ones over two ranks (gloo), the output gathered; batched
     with a request of the same reference (their rows share the forward)."""

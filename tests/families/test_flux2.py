@@ -225,6 +225,12 @@ def test_serve_and_openai_client(dev_folder, dev_expected):
             response_format="b64_json",
             extra_body={"num_inference_steps": 3, "seed": 4, "guidance_scale": 2.5},
         )
+        # diffusers has no inpaint pipeline for FLUX.2: a mask is refused naming it, not ignored.
+        with pytest.raises(BadRequestError) as info:
+            client.images.edit(
+                image=("ref.png", REF, "image/png"), mask=("mask.png", REF, "image/png"), prompt=EDIT.prompt
+            )
+        assert info.value.body["param"] == "mask" and "does not inpaint" in info.value.body["message"]
         # The tiny VAE's size multiple is 8: 8 pixels a side is a multiple, still under every model's 16.
         buf = io.BytesIO()
         Image.new("RGB", (8, 8)).save(buf, format="PNG")
