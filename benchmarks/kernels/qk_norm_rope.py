@@ -55,7 +55,7 @@ def run_shape(name: str, tokens: int, args, bw: float, lines: list[str]) -> dict
     angles = torch.rand(tokens, HEAD_DIM // 2, device="cuda", generator=g) * 6.3
     cos = angles.cos().repeat_interleave(2, -1)[None, :, None]
     sin = angles.sin().repeat_interleave(2, -1)[None, :, None]
-    flat = [t.reshape(tokens, HEAD_DIM).contiguous() for t in (cos, sin)]
+    flat = [t.reshape(1, tokens, HEAD_DIM).contiguous() for t in (cos, sin)]
     diff = torch.compile(diffusers_style, fullgraph=True)
     ref = torch.compile(lambda x: qk_norm_rope_ref(x, weight, EPS, *flat), fullgraph=True)
     fns = {
