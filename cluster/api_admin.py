@@ -11,7 +11,7 @@ not answer (``missing``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ditserve.replica.lora.loader import inspect_adapter
 from ditserve.replica.models.registry import transformer_folder
 
+from .control_state import lora_spec
 from .engine_deployment import new_tag
 from .errors import BadRequest, NotFound, ReplicaUnavailable, param_of
 from .http_base import REPLICA_HEADER, frontend, registered_frontend
@@ -51,6 +52,12 @@ class LoRALoadRequest(BaseModel):
     name: str = Field(min_length=1, max_length=128, description="Name requests use to pick the adapter.")
     path: str = Field(min_length=1, description="Adapter file or folder (under --lora-root).")
     scale: float = Field(strict=True, default=1.0, ge=-10.0, le=10.0, description="Default strength.")
+    target: Literal["transformer", "transformer_2"] | None = Field(
+        default=None,
+        description="The expert the file loads into (Wan 2.2 A14B: transformer_2 is the low-noise expert, as "
+        "diffusers' load_into_transformer_2=True); left out, a file's transformer. weights go to the first "
+        "expert and its transformer_2. weights to the second. Refused on models without a second expert.",
+    )
 
 
 def _respond(report: dict[str, Any], **extra: Any) -> JSONResponse:
@@ -178,9 +185,8 @@ async def load_lora(body: LoRALoadRequest, request: Request, fe: Any = Depends(f
     except OSError as exc:
         raise _unreadable(body.path, exc) from None
     await _check_not_shut_down(fe, "lora_load")
-    prepared = await fe.broadcast(
-        {"op": "lora_load", "name": body.name, "source": source, "scale": body.scale}
-    )
+    spec = lora_spec(source, body.scale, body.target)
+    prepared = await fe.broadcast({"op": "lora_load", "name": body.name, **spec})
     if not prepared["ok"]:
         if any(a["ok"] for a in prepared["replicas"]):  # undo where it was applied: back to the desired state
             previous = (await fe.state_actor().get.remote())["loras"].get(body.name)
@@ -189,7 +195,7 @@ async def load_lora(body: LoRALoadRequest, request: Request, fe: Any = Depends(f
             else:  # it replaced an adapter of the same name: put that one back
                 await fe.broadcast({"op": "lora_load", "name": body.name, **previous})
         fe.raise_broadcast_error(prepared)
-    desired = await fe.state_actor().set_lora.remote(body.name, source, body.scale)
+    desired = await fe.state_actor().set_lora.remote(body.name, source, body.scale, body.target)
     return await _converge(fe, desired)
 
 
@@ -197,7 +203,10 @@ async def load_lora(body: LoRALoadRequest, request: Request, fe: Any = Depends(f
 async def list_loras(request: Request, fe: Any = Depends(frontend)):
     fe.check_auth(request, admin=True)
     desired = await fe.state_actor().get.remote()
-    data = [{"name": n, "path": s["source"], "scale": s["scale"]} for n, s in desired["loras"].items()]
+    data = [
+        {"name": n, "path": s["source"], "scale": s["scale"], "target": s.get("target")}
+        for n, s in desired["loras"].items()
+    ]
     return {"object": "list", "data": data, "version": desired["version"]}
 
 

@@ -77,7 +77,13 @@ def _add_generate(sub) -> None:
         help="Video frame rate (default: the model's, 16 for Wan 2.1 / 2.2 A14B, 24 for Wan 2.2 TI2V-5B and "
         "HunyuanVideo 1.5).",
     )
-    p.add_argument("--lora", action="append", default=[], help="Adapter NAME=PATH[:SCALE] (repeatable).")
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        help="Adapter NAME[@TARGET]=PATH[:SCALE] (repeatable); @transformer_2 loads the file into Wan 2.2 A14B's "
+        "second (low-noise) expert, as diffusers' load_into_transformer_2=True.",
+    )
     p.add_argument(
         "--image",
         action="append",
@@ -289,24 +295,26 @@ def run_generate(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(_as_flags(str(exc)))
     try:
-        adapters = [parse_lora_spec(spec) for spec in ns.lora]
+        adapters = [parse_lora_spec(spec, with_target=True) for spec in ns.lora]
     except ValueError as exc:
         return _fail(str(exc))
     # A path typed here is relative to where it is typed (with --lora-root: to the roots, as served).
     roots = engine.config.lora_roots
-    adapters = [(n, path if roots else str(Path(path).expanduser().absolute()), s) for n, path, s in adapters]
+    adapters = [
+        (n, path if roots else str(Path(path).expanduser().absolute()), s, t) for n, path, s, t in adapters
+    ]
     try:
         engine.start()
     except ValueError as exc:  # what the ranks found loading the folder
         return _fail(str(exc))
     try:
-        for name, path, _ in adapters:
+        for name, path, _, target in adapters:
             try:
-                engine.load_lora(name, path)
-            except ValueError as exc:  # the loader names the API's field, path
+                engine.load_lora(name, path, target=target)
+            except ValueError as exc:  # the loader names the API's field, path (or target)
                 raise ValueError(f"--lora {name}: {str(exc).removeprefix('path: ')}") from None
         if adapters:
-            refs = tuple(LoRARef(name=name, scale=scale) for name, _, scale in adapters)
+            refs = tuple(LoRARef(name=name, scale=scale) for name, _, scale, _ in adapters)
             jobs = [job.model_copy(update={"lora": refs}) for job in jobs]
         steps = [0] * len(jobs)
         with tqdm(total=params.num_inference_steps * len(jobs), desc="denoising", unit="step") as bar:
@@ -418,16 +426,16 @@ def _serve_http_address(host: str, port: int) -> tuple[str, int]:
 
 
 def _absolute_lora_paths(specs: list[str] | None, roots: list[str] | None) -> list[str] | None:
-    """``--lora-path NAME=PATH[:SCALE]`` typed at the prompt: a relative PATH is the user's, from the
+    """``--lora-path NAME[@TARGET]=PATH[:SCALE]`` typed at the prompt: a relative PATH is the user's, from the
     working directory (replicas on other hosts never see it); with --lora-root it is read under the roots."""
     if not specs or roots:
         return specs
-    from ditserve.replica.lora.loader import parse_lora_spec
+    from ditserve.replica.lora.loader import format_lora_spec, parse_lora_spec
 
     out = []
     for spec in specs:
-        name, path, scale = parse_lora_spec(spec, flag="--lora-path")
-        out.append(f"{name}={Path(path).expanduser().absolute()}:{scale}")
+        name, path, scale, target = parse_lora_spec(spec, flag="--lora-path", with_target=True)
+        out.append(format_lora_spec(name, str(Path(path).expanduser().absolute()), scale, target))
     return out
 
 

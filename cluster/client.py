@@ -148,9 +148,12 @@ class Client:
         return self._call("Health", pb.Empty()).status
 
     # -- control operations (the admin key) ---------------------------------------------------------------
-    def load_lora(self, name: str, path: str, scale: float | None = None) -> pb.AdminReply:
-        """Load (or replace) adapter ``name`` from ``path`` on every replica."""
-        fields = {} if scale is None else {"scale": scale}
+    def load_lora(
+        self, name: str, path: str, scale: float | None = None, target: str | None = None
+    ) -> pb.AdminReply:
+        """Load (or replace) adapter ``name`` from ``path`` on every replica; ``target``: the expert the file
+        loads into (``transformer_2``: Wan 2.2 A14B's low-noise expert)."""
+        fields = {k: v for k, v in (("scale", scale), ("target", target)) if v is not None}
         return self._call("LoadLoRA", pb.LoadLoRARequest(name=name, path=path, **fields))
 
     def unload_lora(self, name: str) -> pb.AdminReply:

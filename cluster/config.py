@@ -105,7 +105,8 @@ class AppArgs(EngineArgs):
     )
     lora_path: tuple[str, ...] = Field(
         default=(),
-        description="Adapter to load at start, NAME=PATH[:SCALE] (scale default 1.0; repeat the flag for more).",
+        description="Adapter to load at start, NAME=PATH[:SCALE] (scale default 1.0; repeat the flag for more); "
+        "NAME@transformer_2=PATH[:SCALE] loads the file into Wan 2.2 A14B's second (low-noise) expert.",
     )
     session_max_lifetime_s: float = Field(
         default=3600.0, gt=0, description="A realtime session (and its WebSocket) is closed after this long."

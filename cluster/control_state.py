@@ -73,8 +73,8 @@ class ControlState:
         self.state["shutdown"] = True
         return self._bump()
 
-    def set_lora(self, name: str, source: str, scale: float) -> dict[str, Any]:
-        self.state["loras"][name] = {"source": source, "scale": scale}
+    def set_lora(self, name: str, source: str, scale: float, target: str | None = None) -> dict[str, Any]:
+        self.state["loras"][name] = lora_spec(source, scale, target)
         return self._bump()
 
     def remove_lora(self, name: str) -> dict[str, Any]:
@@ -82,12 +82,18 @@ class ControlState:
         return self._bump()
 
 
+def lora_spec(source: str, scale: float, target: str | None = None) -> dict[str, Any]:
+    """An adapter of the state: its file, default scale and, where given, the expert it loads into
+    (``transformer_2``: Wan 2.2 A14B's second expert)."""
+    return {"source": source, "scale": scale} | ({"target": target} if target else {})
+
+
 def parse_lora_paths(items: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """``NAME=PATH[:SCALE]`` flags → the state's ``loras`` mapping."""
+    """``NAME[@TARGET]=PATH[:SCALE]`` flags → the state's ``loras`` mapping."""
     loras = {}
     for item in items:
-        name, path, scale = parse_lora_spec(item, flag="lora_path:")
-        loras[name] = {"source": path, "scale": scale}
+        name, path, scale, target = parse_lora_spec(item, flag="lora_path:", with_target=True)
+        loras[name] = lora_spec(path, scale, target)
     return loras
 
 

@@ -29,7 +29,7 @@ from ditserve.replica.launcher import RankDied, RankError
 from ditserve.replica.request import GenerationParams
 
 from .config import APP_NAME, AppArgs
-from .control_state import get_or_create_state_actor, initial_state, parse_lora_paths
+from .control_state import get_or_create_state_actor, initial_state, lora_spec, parse_lora_paths
 from .errors import (
     BadRequest,
     Contended,
@@ -103,7 +103,7 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
         except Exception:  # constructed outside Serve (tools)
             self.replica_id, self.app_name = "local", APP_NAME
         self.launcher = build_launcher(self.config, self.args.replica_num_cpus)
-        self.engine = engine_cls(self.config, launcher=self.launcher).start()
+        self.engine = engine_cls(self.config, launcher=self.launcher)
         self.node = node_info()
         self.sessions: dict[str, Session] = {}
         self.shut_down = False
@@ -117,10 +117,14 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
         )
         desired = ray.get(self.state_actor.get.remote())
         if desired.get("shutdown"):
-            self._shut_down()  # the app was shut down before this replica started: stay so
-        elif desired["version"] > self.applied["version"]:
-            self.engine.run_control(lambda: self._apply(desired)).result()
-            self._check_start_adapters(desired)
+            # The app was shut down before this replica started (Serve replaced one): stay so, without
+            # starting the ranks and loading the model, which would hold the devices only to be stopped.
+            self._shut_down()
+        else:
+            self.engine.start()
+            if desired["version"] > self.applied["version"]:
+                self.engine.run_control(lambda: self._apply(desired)).result()
+                self._check_start_adapters(desired)
         self.metrics = ReplicaMetrics(self.replica_id, self.engine.spec.name, self.args.max_loras)
         getattr(self.engine, "step_listeners", []).append(self.metrics.observe_step)
         self.metrics.start(self.engine, self)
@@ -343,7 +347,9 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
         if kind == "discard_weights":
             return await self._on_loop(self._discard_weights)
         if kind == "lora_load":  # prepare phase of a LoRA load: load it here now, record it after
-            return await self._on_loop(lambda: self._lora_load(op["name"], op["source"], op["scale"]))
+            return await self._on_loop(
+                lambda: self._lora_load(op["name"], op["source"], op["scale"], op.get("target"))
+            )
         if kind == "lora_unload":
             return await self._on_loop(lambda: self._lora_unload(op["name"]))
         if kind == "lora_list":
@@ -408,7 +414,7 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
         for name, spec in desired["loras"].items():
             if applied["loras"].get(name) != spec:
                 try:
-                    self._lora_load(name, spec["source"], spec["scale"])
+                    self._lora_load(name, spec["source"], spec["scale"], spec.get("target"))
                 except RankDied:
                     raise
                 except Exception as exc:  # e.g. the file is gone from a shared volume: serve the rest
@@ -486,9 +492,9 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
             raise NotImplementedError(f"LoRA adapters are not available in this build (Engine.{method})")
         return fn
 
-    def _lora_load(self, name: str, source: str, scale: float) -> Any:
-        result = self._lora_engine("lora_load")(name, source, scale)
-        self.applied["loras"][name] = {"source": source, "scale": scale}
+    def _lora_load(self, name: str, source: str, scale: float, target: str | None = None) -> Any:
+        result = self._lora_engine("lora_load")(name, source, scale, target)
+        self.applied["loras"][name] = lora_spec(source, scale, target)
         return result
 
     def _lora_unload(self, name: str) -> Any:

@@ -554,7 +554,10 @@ class GrpcMethods:
 
         data = await list_loras(_Metadata(grpc_context), self)
         return pb.ListLoRAsResponse(
-            data=[pb.LoRAInfo(name=d["name"], path=d["path"], scale=d["scale"]) for d in data["data"]],
+            data=[
+                pb.LoRAInfo(name=d["name"], path=d["path"], scale=d["scale"], target=d["target"])
+                for d in data["data"]
+            ],
             version=int(data["version"]),
         )
 

@@ -367,8 +367,11 @@ class Engine:
     # -- adapters ------------------------------------------------------------------------------------------
     # lora_load / lora_unload / lora_list run in the loop thread (inside ``run_control``, between steps);
     # load_lora / unload_lora are the thread-safe wrappers for callers outside it (CLI, tests).
-    def lora_load(self, name: str, source: str, scale: float = 1.0) -> dict[str, Any]:
-        """Load (or replace) adapter ``name`` from a local safetensors file on every rank."""
+    def lora_load(
+        self, name: str, source: str, scale: float = 1.0, target: str | None = None
+    ) -> dict[str, Any]:
+        """Load (or replace) adapter ``name`` from a local safetensors file on every rank; ``target``: the
+        expert it loads into (Wan 2.2 A14B's ``transformer_2``; None: each expert's weights into that one)."""
         from .lora.loader import check_allowed
 
         if not name or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
@@ -385,7 +388,7 @@ class Engine:
                 "would change their images part-way. Retry once they are done, or load it under another name"
             )
         resolved = str(check_allowed(Path(source), self.config.lora_roots))
-        info = self.launcher.call("lora_load", name, resolved, float(scale))
+        info = self.launcher.call("lora_load", name, resolved, float(scale), target)
         self.loras[name] = info
         return info
 
@@ -408,8 +411,10 @@ class Engine:
     def lora_list(self) -> list[dict[str, Any]]:
         return [dict(info) for info in self.loras.values()]
 
-    def load_lora(self, name: str, source: str, scale: float = 1.0) -> dict[str, Any]:
-        return self.run_control(lambda: self.lora_load(name, source, scale)).result()
+    def load_lora(
+        self, name: str, source: str, scale: float = 1.0, target: str | None = None
+    ) -> dict[str, Any]:
+        return self.run_control(lambda: self.lora_load(name, source, scale, target)).result()
 
     def unload_lora(self, name: str) -> None:
         self.run_control(lambda: self.lora_unload(name)).result()

@@ -389,14 +389,16 @@ class HealthReply(_message.Message):
     def __init__(self, status: _Optional[str] = ...) -> None: ...
 
 class LoadLoRARequest(_message.Message):
-    __slots__ = ("name", "path", "scale")
+    __slots__ = ("name", "path", "scale", "target")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     scale: float
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
+    target: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., scale: _Optional[float] = ..., target: _Optional[str] = ...) -> None: ...
 
 class UnloadLoRARequest(_message.Message):
     __slots__ = ("name",)
@@ -411,14 +413,16 @@ class UpdateWeightsRequest(_message.Message):
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
 class LoRAInfo(_message.Message):
-    __slots__ = ("name", "path", "scale")
+    __slots__ = ("name", "path", "scale", "target")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     scale: float
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
+    target: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., scale: _Optional[float] = ..., target: _Optional[str] = ...) -> None: ...
 
 class ListLoRAsResponse(_message.Message):
     __slots__ = ("data", "version")

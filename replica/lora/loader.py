@@ -29,29 +29,62 @@ class LoRAModule:
     bias: torch.Tensor | None  # [out_features] (lora_B bias), alpha/rank folded in
 
 
+# The experts an adapter can apply to (Wan 2.2 A14B: ``transformer`` runs the high-noise steps,
+# ``transformer_2`` the low-noise ones), named as diffusers names the pipeline's components.
+TARGETS = ("transformer", "transformer_2")
+# LoRAFile.modules' prefix of the second expert's modules (the first expert's have none)
+SECOND = "transformer_2."
+
+
 @dataclass
 class LoRAFile:
-    modules: dict[str, LoRAModule]  # transformer module name → weights
+    # transformer module name → weights; the second expert's (Wan 2.2 A14B) as ``transformer_2.<module>``
+    modules: dict[str, LoRAModule]
     rank: int
     ignored: int  # tensors for components other than the transformer and text encoders (not applied)
 
+    @property
+    def experts(self) -> set[str]:
+        """The experts the adapter has weights for (``transformer`` / ``transformer_2``)."""
+        return {"transformer_2" if m.startswith(SECOND) else "transformer" for m in self.modules}
 
-def parse_lora_spec(spec: str, flag: str = "--lora") -> tuple[str, str, float]:
-    """``NAME=PATH[:SCALE]`` (the CLI's adapter syntax) → (name, path, scale)."""
+
+def parse_lora_spec(spec: str, flag: str = "--lora", with_target: bool = False):
+    """``NAME[@TARGET]=PATH[:SCALE]`` (the CLI's adapter syntax) → (name, path, scale), with ``with_target``
+    (name, path, scale, target): TARGET is the expert the file loads into (``transformer_2``: Wan 2.2 A14B's
+    low-noise expert, as diffusers' ``load_lora_weights(..., load_into_transformer_2=True)``), None without."""
     name, sep, rest = spec.partition("=")
     if not sep or not name or not rest:
-        raise ValueError(f"{flag} {spec!r}: expected NAME=PATH[:SCALE]")
+        raise ValueError(f"{flag} {spec!r}: expected NAME[@TARGET]=PATH[:SCALE]")
+    name, at, target = name.partition("@")
+    if at and target not in TARGETS:
+        raise ValueError(
+            f"{flag} {spec!r}: TARGET {target!r} must be one of {', '.join(TARGETS)} (the expert the file loads "
+            "into; transformer_2: Wan 2.2 A14B's low-noise expert)"
+        )
+    if not name:
+        raise ValueError(f"{flag} {spec!r}: expected NAME[@TARGET]=PATH[:SCALE]")
+    parsed = _path_and_scale(spec, flag, rest)
+    return (name, *parsed, target or None) if with_target else (name, *parsed)
+
+
+def format_lora_spec(name: str, path: str, scale: float, target: str | None = None) -> str:
+    """The ``NAME[@TARGET]=PATH:SCALE`` text that ``parse_lora_spec`` reads back."""
+    return f"{name}{'@' + target if target else ''}={path}:{scale}"
+
+
+def _path_and_scale(spec: str, flag: str, rest: str) -> tuple[str, float]:
     head, colon, tail = rest.rpartition(":")
     if colon and head:
         try:
             scale = float(tail)
         except ValueError:
-            return name, rest, 1.0  # a ':' inside the path, no scale
+            return rest, 1.0  # a ':' inside the path, no scale
         # the API's bounds (POST /v1/loras scale): a NaN default drew every request that gives none black
         if not -10.0 <= scale <= 10.0:
             raise ValueError(f"{flag} {spec!r}: SCALE {tail} must be a finite number from -10 to 10")
-        return name, head, scale
-    return name, rest, 1.0
+        return head, scale
+    return rest, 1.0
 
 
 def check_allowed(path: Path, roots: tuple[str, ...]) -> Path:
@@ -139,8 +172,18 @@ def inspect_adapter(path: str, roots: tuple[str, ...], max_rank: int) -> Path:
     return file
 
 
-def _alpha_for(module: str, rank: int, alphas: dict, metadata: dict) -> float:
-    key = f"transformer.{module}.alpha"
+def _retarget(key: str, target: str) -> str:
+    """A state-dict key of either expert as the ``target`` expert's."""
+    for component in ("transformer_2.", "transformer."):
+        if key.startswith(component):
+            return f"{target}.{key.removeprefix(component)}"
+    return key
+
+
+def _alpha_for(
+    module: str, rank: int, alphas: dict, metadata: dict, component: str = "transformer."
+) -> float:
+    key = f"{component}{module}.alpha"
     for candidate in (key, f"{module}.alpha"):
         if candidate in alphas:
             return float(alphas[candidate])
@@ -159,9 +202,14 @@ def _alpha_for(module: str, rank: int, alphas: dict, metadata: dict) -> float:
     return float(rank)  # diffusers' default: lora_alpha = r, scale 1
 
 
-def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
+def read_lora_file(path: Path, pipeline_class: str, target: str | None = None) -> LoRAFile:
     """Load and normalise one adapter for a served pipeline class, in any layout diffusers' own
-    ``lora_state_dict`` of that class reads (diffusers/PEFT, kohya and the other converted formats)."""
+    ``lora_state_dict`` of that class reads (diffusers/PEFT, kohya and the other converted formats).
+
+    Two experts (Wan 2.2 A14B): without ``target`` the file's ``transformer.`` weights are the first
+    expert's and its ``transformer_2.`` ones the second's (a file holding both loads into both); with
+    ``target`` the file holds one expert's weights, under either prefix, and they load into that expert
+    (``transformer_2``: as diffusers' ``load_lora_weights(..., load_into_transformer_2=True)``)."""
     import diffusers
 
     from ..families import pipeline_families
@@ -196,7 +244,18 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
     else:
         state, metadata = out
         alphas = None
-    metadata = {k.removeprefix("transformer."): v for k, v in (metadata or {}).items()}
+    # PEFT's config per expert (``transformer.r``, ``transformer_2.lora_alpha``; keys of neither prefix are
+    # both's); an expert the config does not name reads the other's (one config for a file of either prefix)
+    raw = metadata or {}
+    shared = {k: v for k, v in raw.items() if not k.startswith(("transformer.", "transformer_2."))}
+    own = {
+        c: {k.removeprefix(c): v for k, v in raw.items() if k.startswith(c)}
+        for c in ("transformer.", "transformer_2.")
+    }
+    configs = {
+        "transformer.": shared | (own["transformer."] or own["transformer_2."]),
+        "transformer_2.": shared | (own["transformer_2."] or own["transformer."]),
+    }
     # Alpha tensors beside PEFT keys (kohya's convention: scale alpha / rank) that this class's loader leaves in
     # the state dict (FLUX's returns them as network alphas): read as FLUX's loader reads them, never dropped
     alphas = {k: v for k, v in state.items() if k.endswith(".alpha")} | (alphas or {})
@@ -209,8 +268,27 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
         state = {"transformer." + k.removeprefix("base_model.model."): v for k, v in state.items()}
     # A config with use_dora makes PEFT build DoRA layers (their magnitudes from the model's weights when the
     # file has none): not the plain LoRA delta.
-    if metadata.get("use_dora") or any(marker in k for k in state for marker in DORA_MARKERS):
+    if any(c.get("use_dora") for c in configs.values()) or any(
+        marker in k for k in state for marker in DORA_MARKERS
+    ):
         raise ValueError(f"path: {file} is a DoRA adapter; DoRA is not supported (plain LoRA only)")
+    if target is not None:
+        if target not in TARGETS:
+            raise ValueError(f"target: {target!r} must be one of {', '.join(TARGETS)}")
+        held = {
+            c
+            for c in ("transformer_2.", "transformer.")
+            for k in state
+            if k.startswith(c) and ".lora_A." in k
+        }
+        if len(held) == 2:
+            raise ValueError(
+                f"target: {file} holds adapters for both experts (transformer. and transformer_2. keys); load "
+                "it without target, and each expert's weights go to that expert"
+            )
+        # the file's weights, whichever prefix they carry, are the target expert's
+        state = {_retarget(k, target): v for k, v in state.items()}
+        alphas = {_retarget(k, target): v for k, v in alphas.items()}
     modules: dict[str, LoRAModule] = {}
     ignored = 0
     encoders: set[str] = set()
@@ -221,23 +299,17 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
             # the transformer only, so serving the file would silently give another image.
             encoders.add(key.split(".")[0])
             continue
-        if key.startswith("transformer.") and not key.endswith(_LORA_SUFFIXES):
+        component = next((c for c in ("transformer.", "transformer_2.") if key.startswith(c)), None)
+        if component is not None and not key.endswith(_LORA_SUFFIXES):
             # e.g. the norm scales of a FLUX Control LoRA, which load_lora_weights writes into the model
-            full.append(key.removeprefix("transformer."))
+            full.append(key.removeprefix(component))
             continue
         if ".lora_A." not in key:
             continue
-        if key.startswith("transformer_2."):
-            # Wan 2.2's second expert: adapters apply to the first expert only (diffusers' default,
-            # load_into_transformer_2=False); a file for the second one would be silently half-applied.
-            raise ValueError(
-                f"path: {file} holds adapters for the second expert (transformer_2); adapters apply to the "
-                "first expert only"
-            )
-        if not key.startswith("transformer."):
+        if component is None:
             ignored += 1
             continue
-        name = key.removeprefix("transformer.").split(".lora_A.")[0]
+        name = key.removeprefix(component).split(".lora_A.")[0]
         b = state.get(key.replace(".lora_A.", ".lora_B."))
         if b is None:
             raise ValueError(f"path: {file}: {name} has lora_A but no lora_B")
@@ -245,17 +317,18 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
         if rank == 0:
             raise ValueError(f"path: {file}: {name} has rank 0 (an empty lora_A)")
         # PEFT's scaling: alpha / rank, or alpha / sqrt(rank) for a file saved from a config with use_rslora
-        scale = _alpha_for(name, rank, alphas, metadata) / (
-            math.sqrt(rank) if metadata.get("use_rslora") else rank
+        config = configs[component]
+        scale = _alpha_for(name, rank, alphas, config, component) / (
+            math.sqrt(rank) if config.get("use_rslora") else rank
         )
-        bias = state.get(f"transformer.{name}.lora_B.bias")
+        bias = state.get(f"{component}{name}.lora_B.bias")
         module = LoRAModule(
             a=a.float(), b=b.float() * scale, bias=None if bias is None else bias.float() * scale
         )
         # A NaN or infinite weight makes every image drawn with the adapter NaN (served as black).
         if not all(t.isfinite().all() for t in (module.a, module.b, module.bias) if t is not None):
             raise ValueError(f"path: {file}: {name} holds NaN or infinite weights (or an infinite alpha)")
-        modules[name] = module
+        modules[name if component == "transformer." else SECOND + name] = module
     if not encoders:
         # Text-encoder weights that diffusers' converter of this class maps to no text encoder: Qwen-Image's
         # and Z-Image's make transformer module names of kohya's (which load_lora_weights then skips), FLUX's
@@ -290,7 +363,7 @@ def read_lora_file(path: Path, pipeline_class: str) -> LoRAFile:
             f"path: {file} has no LoRA weights for the transformer in a layout diffusers' {pipeline_class} "
             f"loader reads (keys such as {example!r})"
         )
-    refused = family.lora_refuse(sorted(modules))
+    refused = family.lora_refuse(sorted({m.removeprefix(SECOND) for m in modules}))
     if refused:
         raise ValueError(f"path: {file}: {refused}")
     return LoRAFile(modules=modules, rank=max(m.a.shape[0] for m in modules.values()), ignored=ignored)

@@ -31,6 +31,11 @@ run on the other requests' rows only; for those blocks the layout is narrowed to
 adapters and scales), then the forward's full layout comes back. A narrowed forward is still one forward:
 it neither counts towards the settling that ``graph_key`` waits for (its later blocks saw only some
 adapters, so groups of the others may still be unlearned) nor changes any key.
+
+Two experts (Wan 2.2 A14B): the second expert's linears are layers too, named ``transformer_2.<module>``;
+an adapter's slot is the same in both, holding each expert's own weights (or none). A forward runs one
+expert, so a request's adapter applies to whichever expert runs its step, and an adapter with weights for
+one expert only leaves the other's steps as they are.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from ditserve.kernels._dispatch import use_triton
 from ditserve.kernels.lora import LoRABatchMeta, apply_lora, lora_expand, lora_linear, lora_shrink
 from ditserve.kernels.lora_linear.op import lora_linear_op
 
-from .loader import LoRAFile, LoRAModule
+from .loader import SECOND, LoRAFile, LoRAModule
 
 
 def _take(t: torch.Tensor, ranges, dim: int) -> torch.Tensor:
@@ -305,11 +310,16 @@ class LoRAManager:
         max_loras: int,
         max_rank: int,
         fused: bool = True,
+        transformer_2: nn.Module | None = None,
     ):
         self.transformer = transformer
+        self.transformer_2 = transformer_2  # Wan 2.2 A14B's second (low-noise) expert
         self.fused = fused
         # linears whose input rows are the batch's rows k times over (name → k), as the model declares them
         self.row_copies: dict[str, int] = dict(getattr(transformer, "lora_row_copies", {}))
+        if transformer_2 is not None:
+            copies = getattr(transformer_2, "lora_row_copies", {})
+            self.row_copies |= {SECOND + name: k for name, k in copies.items()}
         self.pipeline_class = pipeline_class
         self.max_loras = max_loras
         self.max_rank = max_rank
@@ -335,9 +345,15 @@ class LoRAManager:
         self._full: tuple[BatchLayout | None, bool] | None = None
         self._narrowed = False
 
+    def _submodule(self, name: str) -> nn.Module:
+        """A module of the first expert (``name``) or the second (``transformer_2.<module>``)."""
+        if name.startswith(SECOND) and self.transformer_2 is not None:
+            return self.transformer_2.get_submodule(name.removeprefix(SECOND))
+        return self.transformer.get_submodule(name)
+
     def _layer(self, name: str) -> LoRALayer:
         if name not in self.layers:
-            module = self.transformer.get_submodule(name)
+            module = self._submodule(name)
             if not _is_linear(module):
                 raise ValueError(f"path: {name} is not a linear layer of the model")
             self.layers[name] = LoRALayer(name, module, self)
@@ -348,16 +364,28 @@ class LoRAManager:
         load-time scale, as diffusers' ``set_adapters`` weights do), else the scale the adapter was loaded with."""
         return float(ref.scale) if ref.scale is not None else self.info[ref.name]["scale"]
 
-    def load(self, name: str, path: str, scale: float = 1.0) -> dict[str, Any]:
-        """Load ``path`` into a slot as ``name``; ``scale`` is the strength of requests that give none."""
+    def load(self, name: str, path: str, scale: float = 1.0, target: str | None = None) -> dict[str, Any]:
+        """Load ``path`` into a slot as ``name``; ``scale`` is the strength of requests that give none;
+        ``target`` the expert the file loads into (None: each expert's weights into that expert)."""
         from .loader import read_lora_file
 
-        return self.load_weights(
-            name, read_lora_file(Path(path), self.pipeline_class), scale, source=str(path)
-        )
+        if target == "transformer_2" and self.transformer_2 is None:
+            raise ValueError(
+                f"target: transformer_2 names a second expert, which this {self.pipeline_class} model does not "
+                "have (Wan 2.2 A14B has one); leave target out"
+            )
+        lora = read_lora_file(Path(path), self.pipeline_class, target)
+        return self.load_weights(name, lora, scale, source=str(path), target=target)
 
-    def load_weights(self, name: str, lora: LoRAFile, scale: float = 1.0, source: str = "") -> dict[str, Any]:
+    def load_weights(
+        self, name: str, lora: LoRAFile, scale: float = 1.0, source: str = "", target: str | None = None
+    ) -> dict[str, Any]:
         """Put already-read adapter weights into a slot (all checks first: all layers or none)."""
+        if "transformer_2" in lora.experts and self.transformer_2 is None:
+            raise ValueError(
+                f"path: adapter {name!r} holds weights for a second expert (transformer_2. keys), which this "
+                f"{self.pipeline_class} model does not have (Wan 2.2 A14B has one)"
+            )
         if lora.rank > self.max_rank:
             # named by module: a rank the file's pairs do not show, e.g. diffusers' reading of a full weight
             # delta (Wan's head.head.diff) as a pair whose rank is the layer's output width
@@ -374,7 +402,7 @@ class LoRAManager:
         missing = [m for m in lora.modules if not self._has_module(m)]
         if missing:
             raise ValueError(f"path: adapter {name!r} targets modules the model does not have: {missing[:5]}")
-        not_linear = [m for m in lora.modules if not _is_linear(self.transformer.get_submodule(m))]
+        not_linear = [m for m in lora.modules if not _is_linear(self._submodule(m))]
         if not_linear:  # a convolution (a patch embedding), a norm: the slots and kernels are for linears
             raise ValueError(
                 f"path: adapter {name!r} targets layers that are not linear: {not_linear[:5]}; adapters apply "
@@ -399,12 +427,13 @@ class LoRAManager:
             "scale": float(scale),
             "rank": lora.rank,
             "modules": len(lora.modules),
+            "target": target,
         }
         return self.info[name]
 
     def _has_module(self, name: str) -> bool:
         try:
-            self.transformer.get_submodule(name)
+            self._submodule(name)
             return True
         except AttributeError:
             return False

@@ -368,6 +368,7 @@ class TestShardedReplicas:
             fresh = [r for r in now if r["replica_id"] not in {x["replica_id"] for x in listed}]
         assert fresh, now
         assert fresh[0]["health"] == "shutdown" and fresh[0]["control_state"]["shutdown"] is True
+        assert fresh[0]["ranks"] == []  # it started no ranks: the model is not loaded only to be stopped
         for seed in range(4):  # round-robin reaches the replacement too
             r = generate(base, seed=seed)
             assert r.status_code == 503 and "shut down" in r.json()["error"]["message"], r.text

@@ -1,7 +1,7 @@
 """Settings a model would not apply are refused where they are given, naming the field, instead of being
 dropped or failing the job later: a step cache for AnyFlow-FAR (its chunk loop has no cache hooks; as a
-request's field, or as the server's default before it starts) and ``guidance_scale_2`` for a
-one-transformer model (only Wan 2.2 A14B's second expert takes it).
+request's field, or as the server's default before it starts) and ``guidance_scale_2`` or an adapter's
+``target`` for a one-transformer model (only Wan 2.2 A14B has a second expert).
 (``true_cfg_scale`` for a model guided by ``guidance_scale``: ``test_sd3.py``'s served client.)"""
 
 from __future__ import annotations
@@ -13,9 +13,13 @@ import sys
 from pathlib import Path
 from subprocess import PIPE
 
+import grpc
 import httpx
 import pytest
+import torch
+from safetensors.torch import save_file
 
+from ditserve.cluster.client import Client
 from tests.families import anyflow, wan22
 from tests.families.harness import (
     served,
@@ -41,6 +45,17 @@ def test_videos_api_refuses_what_the_model_would_not_apply(tmp_path):
             assert r.status_code == 400, (param, r.text)
             error = r.json()["error"]
             assert error["param"] == param and error["message"].startswith(param), error
+        # an adapter for the second expert (POST /v1/loras, gRPC LoadLoRA's target)
+        lora = tmp_path / "style.safetensors"
+        save_file({f"transformer.proj_out.lora_{x}.weight": torch.zeros(4, 4) for x in "AB"}, lora)
+        body_lora = {"name": "style", "path": str(lora), "target": "transformer_2"}
+        r = httpx.post(f"{server.base_url}/v1/loras", json=body_lora, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "target", r.text
+        assert "does not have (Wan 2.2 A14B has one)" in r.json()["error"]["message"], r.text
+        with Client(f"127.0.0.1:{server.grpc_port}") as client, pytest.raises(grpc.RpcError) as err:
+            client.load_lora("style", str(lora), target="transformer_2")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert "target: transformer_2 names a second expert" in err.value.details(), err.value.details()
         # a cache that is off is no setting at all; the server keeps serving
         r = httpx.post(f"{server.base_url}/v1/videos", json=body | {"cache": {"policy": "none"}}, timeout=60)
         assert r.status_code == 200, r.text
@@ -54,6 +69,13 @@ def test_generate_refuses_a_second_scale_for_one_transformer(tmp_path):
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode != 0 and not (tmp_path / "v.mp4").exists()
     assert "--guidance-scale-2: " in done.stderr and "two-expert" in done.stderr, done.stderr
+    # an adapter for the second expert (--lora NAME@transformer_2=PATH)
+    lora = tmp_path / "style.safetensors"
+    save_file({f"transformer.proj_out.lora_{x}.weight": torch.zeros(4, 4) for x in "AB"}, lora)
+    done = subprocess.run([*cmd, "--lora", f"style@transformer_2={lora}", "-o", str(tmp_path / "v.mp4")],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 2 and not (tmp_path / "v.mp4").exists()
+    assert "--lora style: target: transformer_2 names a second expert" in done.stderr, done.stderr
 
 
 def test_a_default_step_cache_the_model_does_not_take_is_refused_before_starting(tmp_path):

@@ -1,9 +1,16 @@
 """Wan 2.2 through the engine's step loop: A14B's two experts (switching at boundary_ratio, each with its
 own CFG scale) and TI2V-5B's per-token timesteps give diffusers' own pipelines' videos, alone and in one
-batch whose requests sit on different experts; the sharded layouts give the single-rank videos."""
+batch whose requests sit on different experts; the sharded layouts give the single-rank videos; LoRA
+adapters load into either expert (a Wan 2.2 LoRA pair, or one file with both experts' weights) and give
+diffusers' ``load_lora_weights(..., load_into_transformer_2=True)`` videos, per request in one batch."""
 
+import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -14,7 +21,9 @@ from ditserve.replica.engine import Engine
 from ditserve.replica.models.registry import resolve_model
 from ditserve.replica.pipelines.base import to_uint8
 from ditserve.replica.pipelines.wan import WanRunner
-from ditserve.replica.request import GenerationParams
+from ditserve.replica.request import GenerationParams, LoRARef
+from tests.families.harness import openai_client, served
+from tests.families.lora import save_random_lora
 from tests.families.wan22 import TEXT_LENGTH, build_folder, build_tiny
 from tests.helpers import psnr
 
@@ -221,24 +230,6 @@ def test_inconsistent_two_expert_folders_are_refused(tmp_path):
         resolve_model(str(broken))
 
 
-def test_adapter_for_the_second_expert_is_refused(tmp_path):
-    from safetensors.torch import save_file
-
-    from ditserve.replica.lora.loader import read_lora_file
-
-    # LoRA applies to the first expert (diffusers' default, load_into_transformer_2=False); a file that
-    # also holds transformer_2 weights is refused rather than half-applied.
-    a, b = torch.randn(4, 64), torch.randn(64, 4)
-    state = {
-        f"{m}.blocks.0.attn1.to_q.lora_{x}.weight": w.clone()
-        for m in ("transformer", "transformer_2")
-        for x, w in zip("AB", (a, b), strict=True)
-    }
-    save_file(state, tmp_path / "both.safetensors")
-    with pytest.raises(ValueError, match="second expert"):
-        read_lora_file(tmp_path / "both.safetensors", "WanPipeline")
-
-
 # -- the engine: sharded layouts against one rank, two experts, a batch on both ----------------------------
 @pytest.fixture(scope="module")
 def a14b_folder(tmp_path_factory):
@@ -372,3 +363,179 @@ def test_a14b_weights_update_loads_both_experts_and_gives_the_pipelines_video(a1
     assert psnr(got, want) >= 40
     old, _ = diffusers_video(WanPipeline.from_pretrained(str(a14b_folder)), p)
     assert psnr(got, old) < 30  # the new weights draw another video
+
+
+# -- LoRA adapters on either expert ---------------------------------------------------------------------------
+LORA_TARGETS = ["to_q", "to_v", "ffn.net.2"]
+FPS = 16
+
+
+@pytest.fixture(scope="module")
+def expert_loras(a14b_folder, tmp_path_factory) -> dict[str, Path]:
+    """A Wan 2.2 A14B LoRA pair as they are published: a high-noise and a low-noise file, each saved from its
+    expert with the pipeline's own save_lora_weights (``transformer.`` keys both); and "both", one file with
+    the high-noise weights under ``transformer.`` and the low-noise ones under ``transformer_2.``."""
+    from diffusers import WanPipeline
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("wan22-loras")
+    pipe = WanPipeline.from_pretrained(str(a14b_folder))
+    files = {
+        "high": save_random_lora(WanPipeline, pipe.transformer, LORA_TARGETS, root / "high", seed=21),
+        "low": save_random_lora(WanPipeline, pipe.transformer_2, LORA_TARGETS, root / "low", seed=22),
+    }
+    tensors, config = {}, {}
+    for expert, name in (("transformer", "high"), ("transformer_2", "low")):
+        with safe_open(str(files[name]), "pt") as f:
+            tensors |= {expert + k.removeprefix("transformer"): f.get_tensor(k) for k in f.keys()}
+            saved = json.loads(f.metadata()["lora_adapter_metadata"])
+            config |= {expert + k.removeprefix("transformer"): v for k, v in saved.items()}
+    files["both"] = root / "both.safetensors"
+    save_file(tensors, files["both"], metadata={"format": "pt", "lora_adapter_metadata": json.dumps(config)})
+    return files
+
+
+@pytest.fixture(scope="module")
+def lora_reference(a14b_folder, expert_loras) -> dict:
+    """diffusers' (frames, latents): "low", A14B[0] with the low-noise file loaded by
+    ``load_lora_weights(..., load_into_transformer_2=True)``; "both", A14B[1] with the high-noise file in the
+    first expert as well. A14B[0] runs one step per expert, A14B[1] two."""
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(str(a14b_folder))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(expert_loras["low"]), adapter_name="low", load_into_transformer_2=True)
+    low = diffusers_video(pipe, A14B[0])
+    pipe.load_lora_weights(str(expert_loras["high"]), adapter_name="high")
+    return {"low": low, "both": diffusers_video(pipe, A14B[1])}
+
+
+def as_mp4(frames: np.ndarray) -> np.ndarray:
+    """``frames`` as they come back from the MP4 the server writes for them (H.264 is lossy)."""
+    from ditserve.replica.media import decode_mp4, encode_mp4
+
+    return decode_mp4(encode_mp4(frames, fps=FPS))
+
+
+def test_a14b_adapters_load_into_either_expert_and_batch_per_request(
+    a14b, a14b_folder, expert_loras, lora_reference
+):
+    """The low-noise file loaded into transformer_2 and the two-expert file give diffusers' videos, alone and
+    in one batch (each request its own adapter, on whichever expert runs its step); a two-expert file given
+    one target is refused naming target, and so is a file whose keys do not fit the expert."""
+    _, _, plain = a14b
+    engine = Engine(EngineConfig(model=str(a14b_folder), max_sequence_length=TEXT_LENGTH)).start()
+
+    def run(*requests: tuple[GenerationParams, str]) -> list[np.ndarray]:
+        futures = [
+            engine.submit(p.model_copy(update={"return_latents": True, "lora": (LoRARef(name=name),)}))
+            for p, name in requests
+        ]
+        return [f.result(timeout=300).latents for f in futures]
+
+    try:
+        low = engine.load_lora("low", str(expert_loras["low"]), target="transformer_2")
+        both = engine.load_lora("both", str(expert_loras["both"]))
+        assert low["target"] == "transformer_2" and both["modules"] == 2 * low["modules"]
+        with pytest.raises(ValueError, match=r"^target: .*both.safetensors holds adapters for both experts"):
+            engine.load_lora("one", str(expert_loras["both"]), target="transformer_2")
+        alone = [run((A14B[0], "low"))[0], run((A14B[1], "both"))[0]]
+        for got, name, (_, without) in zip(alone, ("low", "both"), plain, strict=True):
+            np.testing.assert_allclose(got, lora_reference[name][1].numpy(), atol=1e-4)
+            assert not np.allclose(got, without.numpy(), atol=1e-2)  # the adapter changed the video
+        steps = engine.steps_run
+        batched = run((A14B[0], "low"), (A14B[1], "both"))
+        assert engine.steps_run - steps < 2 + 4  # they shared forwards
+        for got, want in zip(batched, alone, strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-5)
+    finally:
+        engine.shutdown()
+
+
+def test_generate_loads_a_lora_pair_into_the_two_experts(
+    a14b, a14b_folder, expert_loras, lora_reference, tmp_path
+):
+    """``ditserve generate --lora high=FILE --lora low@transformer_2=FILE``: the pair as diffusers loads it."""
+    p = A14B[1]
+    out = tmp_path / "fox.mp4"
+    cmd = [str(Path(sys.executable).with_name("ditserve")), "generate", p.prompt, "--model", str(a14b_folder)]
+    cmd += [
+        "--width",
+        "64",
+        "--height",
+        "48",
+        "--num-frames",
+        "5",
+        "--num-inference-steps",
+        "4",
+        "--fps",
+        "16",
+    ]
+    cmd += ["--guidance-scale", "3", "--seed", "12", "-o", str(out)]
+    cmd += ["--lora", f"high={expert_loras['high']}", "--lora", f"low@transformer_2={expert_loras['low']}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    from ditserve.replica.media import decode_mp4
+
+    got = decode_mp4(out.read_bytes())
+    assert psnr(got, as_mp4(lora_reference["both"][0])) >= 40
+    assert psnr(got, as_mp4(a14b[2][1][0])) < 35  # the video without adapters is another one
+    bad = subprocess.run(
+        [*cmd, "--lora", f"x@transformer_3={expert_loras['low']}"], capture_output=True, text=True
+    )
+    assert (
+        bad.returncode == 2
+        and "TARGET 'transformer_3' must be one of transformer, transformer_2" in bad.stderr
+    )
+
+
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+def test_serve_loads_adapters_into_either_expert(a14b, a14b_folder, expert_loras, lora_reference):
+    """``serve --lora-path low@transformer_2=FILE``, the two-expert file by POST /v1/loras, a target by gRPC's
+    LoadLoRA: the videos API gives diffusers' videos, two requests with different adapters at once."""
+    import grpc
+
+    from ditserve.cluster.client import Client
+    from ditserve.replica.media import decode_mp4
+
+    limits = ["--max-frames", "9", "--max-width", "64", "--max-height", "64"]
+    with served(
+        "--model", str(a14b_folder), "--lora-path", f"low@transformer_2={expert_loras['low']}", *limits
+    ) as server:
+        url = f"{server.base_url}/v1/loras"
+        r = httpx.post(url, json={"name": "both", "path": str(expert_loras["both"])}, timeout=120)
+        assert r.status_code == 200, r.text
+        r = httpx.post(
+            url, json={"name": "x", "path": str(expert_loras["both"]), "target": "transformer_2"}, timeout=120
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "target", r.text
+        assert "holds adapters for both experts" in r.json()["error"]["message"]
+        with Client(f"127.0.0.1:{server.grpc_port}") as client:
+            client.load_lora("low2", str(expert_loras["low"]), target="transformer_2")
+            with pytest.raises(grpc.RpcError) as err:
+                client.load_lora("bad", str(expert_loras["low"]), target="transformer_3")
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "target" in err.value.details()
+            listed = {a.name: a.target if a.HasField("target") else None for a in client.list_loras().data}
+        assert listed == {"low": "transformer_2", "both": None, "low2": "transformer_2"}
+        assert httpx.get(url, timeout=60).json()["data"][0]["target"] == "transformer_2"
+        videos = openai_client(server).videos
+        jobs = {}
+        for name, p in (("low", A14B[0]), ("both", A14B[1])):  # together: one batch, an adapter each
+            fields = {
+                "num_frames": 5,
+                "num_inference_steps": p.num_inference_steps,
+                "seed": p.seed,
+                "fps": FPS,
+            }
+            fields |= {"guidance_scale": p.guidance_scale, "guidance_scale_2": p.guidance_scale_2}
+            # the client sends a multipart form: the adapters as JSON text
+            fields |= {"negative_prompt": p.negative_prompt, "lora": json.dumps([{"name": name}])}
+            fields = {k: v for k, v in fields.items() if v is not None}
+            jobs[name] = videos.create(prompt=p.prompt, size="64x48", extra_body=fields)
+        for (name, job), (plain, _) in zip(jobs.items(), a14b[2], strict=True):
+            job = videos.poll(job.id, poll_interval_ms=200)
+            assert job.status == "completed", job
+            got = decode_mp4(videos.download_content(job.id).read())
+            assert psnr(got, as_mp4(lora_reference[name][0])) >= 40, name
+            assert psnr(got, as_mp4(plain)) < 35, name  # the video without adapters is another one
