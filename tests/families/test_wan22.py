@@ -411,6 +411,34 @@ def lora_reference(a14b_folder, expert_loras) -> dict:
     return {"low": low, "both": diffusers_video(pipe, A14B[1])}
 
 
+def test_a_file_of_the_second_expert_goes_there_and_one_transformer_refuses_it(expert_loras, tmp_path):
+    """A file with transformer_2. keys only loads into the second expert without a target; a model with one
+    transformer (TI2V-5B) refuses it naming path, and a target of transformer_2 naming target."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ditserve.replica.lora.manager import LoRAManager
+    from tests.families.wan22 import tiny_transformer
+
+    with safe_open(str(expert_loras["both"]), "pt") as f:
+        second = {k: f.get_tensor(k) for k in f.keys() if k.startswith("transformer_2.")}
+    save_file(second, tmp_path / "second.safetensors")
+    experts = LoRAManager(
+        tiny_transformer(1), "WanPipeline", max_loras=2, max_rank=8, transformer_2=tiny_transformer(2)
+    )
+    info = experts.load("low", str(tmp_path / "second.safetensors"))
+    assert info["target"] is None and all(name.startswith("transformer_2.") for name in experts.layers)
+    assert len(experts.layers) == info["modules"] == 2 * 5  # per block: to_q, to_v of 2 attentions, ffn.net.2
+    one = LoRAManager(tiny_transformer(1), "WanPipeline", max_loras=2, max_rank=8)
+    with pytest.raises(ValueError, match=r"^path: adapter 'low' holds weights for a second expert"):
+        one.load("low", str(tmp_path / "second.safetensors"))
+    with pytest.raises(
+        ValueError, match=r"^target: transformer_2 names a second expert, which this WanPipeline"
+    ):
+        one.load("low", str(expert_loras["low"]), target="transformer_2")
+    assert not one.layers  # nothing was loaded
+
+
 def as_mp4(frames: np.ndarray) -> np.ndarray:
     """``frames`` as they come back from the MP4 the server writes for them (H.264 is lossy)."""
     from ditserve.replica.media import decode_mp4, encode_mp4
