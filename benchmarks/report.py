@@ -126,7 +126,7 @@ def read_results(folder: str | Path, theme: str) -> Any:
 def kernel_kind(name: str) -> str:
     """A GPU kernel's kind, by its name (torch.profiler's key): "attention" (cuDNN / flash / memory-efficient
     SDPA), "conv" (cuDNN convolutions: the VAE), "gemm" (cuBLAS / CUTLASS / nvjet), "triton fused"
-    (inductor's elementwise and reduction kernels), "copy" (copies, casts and memsets) or "other" (eager
+    (inductor's elementwise and reduction kernels, and ours: ``_<op>_kernel``), "copy" (copies, casts and memsets) or "other" (eager
     elementwise). Attention and convolution names also carry GEMM words (``sm90``, ``wgmma``,
     ``implicit_gemm``), so they are matched first, after inductor's (``triton_*``, named after what they fuse,
     e.g. ``triton_poi_fused__scaled_dot_product_cudnn_attention_permute``: a layout copy before SDPA)."""
@@ -139,7 +139,7 @@ def kernel_kind(name: str) -> str:
         return "conv"
     if any(k in low for k in ("gemm", "sm90", "cutlass", "nvjet", "matmul", "xmma")):
         return "gemm"
-    if "triton" in low:
+    if "triton" in low or (low.startswith("_") and low.endswith("_kernel")):  # ours: kernels/*/kernel.py
         return "triton fused"
     if any(k in low for k in ("copy", "memcpy", "memset", "fill")):
         return "copy"

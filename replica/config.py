@@ -121,8 +121,9 @@ class EngineConfig(BaseModel):
         "capability 8.9+, bfloat16; images change a little).",
     )
     fused_epilogues: bool = Field(
-        description="FLUX: tanh GELU in the MLP up-projection's GEMM (cuBLASLt epilogue) and the single blocks' "
-        "proj_out without the concat (auto: on with --device cuda).",
+        description="tanh GELU in the MLP up-projection's GEMM (cuBLASLt epilogue); FLUX: the single blocks' "
+        "proj_out without the concat; Wan, Qwen-Image, Z-Image on one GPU: q/k norm and rotary in one Triton "
+        "pass (auto: on with --device cuda).",
     )
     cuda_graphs: bool = Field(
         description="Replay each transformer forward as a CUDA graph, one per input shape and adapter layout "
