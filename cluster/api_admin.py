@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ditserve.replica.lora.loader import inspect_adapter
+from ditserve.replica.lora.loader import inspect_adapter, second_expert_refusal
 from ditserve.replica.models.registry import transformer_folder
 
 from .control_state import lora_spec
@@ -178,6 +178,8 @@ async def load_lora(body: LoRALoadRequest, request: Request, fe: Any = Depends(f
     if not body.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise BadRequest(f"name: {body.name!r} must be letters, digits, '-', '_' or '.'", param="name")
     _check_path(body.path)
+    if body.target == "transformer_2" and not fe.spec.two_experts:
+        raise BadRequest(second_expert_refusal(fe.spec.name), param="target")
     try:  # what can be checked without the model, before any replica is asked
         source = str(inspect_adapter(body.path, fe.args.lora_root, fe.args.max_lora_rank))
     except ValueError as exc:

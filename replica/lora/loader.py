@@ -68,6 +68,14 @@ def parse_lora_spec(spec: str, flag: str = "--lora", with_target: bool = False):
     return (name, *parsed, target or None) if with_target else (name, *parsed)
 
 
+def second_expert_refusal(model: str) -> str:
+    """The refusal of ``target: transformer_2`` on a model with one transformer."""
+    return (
+        f"target: transformer_2 names a second expert, which this {model} model does not have (Wan 2.2 A14B "
+        "has one); leave target out"
+    )
+
+
 def format_lora_spec(name: str, path: str, scale: float, target: str | None = None) -> str:
     """The ``NAME[@TARGET]=PATH:SCALE`` text that ``parse_lora_spec`` reads back."""
     return f"{name}{'@' + target if target else ''}={path}:{scale}"

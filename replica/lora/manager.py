@@ -53,7 +53,7 @@ from ditserve.kernels._dispatch import use_triton
 from ditserve.kernels.lora import LoRABatchMeta, apply_lora, lora_expand, lora_linear, lora_shrink
 from ditserve.kernels.lora_linear.op import lora_linear_op
 
-from .loader import SECOND, LoRAFile, LoRAModule
+from .loader import SECOND, LoRAFile, LoRAModule, second_expert_refusal
 
 
 def _take(t: torch.Tensor, ranges, dim: int) -> torch.Tensor:
@@ -370,10 +370,7 @@ class LoRAManager:
         from .loader import read_lora_file
 
         if target == "transformer_2" and self.transformer_2 is None:
-            raise ValueError(
-                f"target: transformer_2 names a second expert, which this {self.pipeline_class} model does not "
-                "have (Wan 2.2 A14B has one); leave target out"
-            )
+            raise ValueError(second_expert_refusal(self.pipeline_class))
         lora = read_lora_file(Path(path), self.pipeline_class, target)
         return self.load_weights(name, lora, scale, source=str(path), target=target)
 
