@@ -284,6 +284,8 @@ class Engine:
         if params.images and self.spec.edits:
             # References of other sizes may give other sequence lengths: rows of one forward share one.
             bucket += tuple(image_size(data) for data in params.images)
+            # A masked edit's image is its reference at the output size, not at the pipeline's own size.
+            bucket += (params.mask is not None,)
         job = Job(
             req_id=uuid.uuid4().hex, params=params, bucket=bucket, on_progress=on_progress, on_start=on_start
         )

@@ -28,14 +28,17 @@ from ditserve.replica.config import EngineConfig
 from ditserve.replica.engine import Engine
 from ditserve.replica.models.registry import resolve_model
 from ditserve.replica.pipelines.base import to_uint8
+from ditserve.replica.pipelines.flux import FluxRunner
 from ditserve.replica.pipelines.qwenimage import QwenImageRunner
 from ditserve.replica.request import GenerationParams
 from tests.families import flux_kontext, qwenimage
 from tests.families.harness import (
     b64_pixels,
     cli_generate,
+    engine_images,
     load_pipeline,
     openai_client,
+    run_runner,
     served,
     single_thread,  # noqa: F401 (a fixture, used by pytestmark)
 )
@@ -149,6 +152,33 @@ def test_kontext_mask_inpaints_as_flux_kontext_inpaint_pipeline(kontext_folder, 
     )
     with served("--model", str(kontext_folder)) as server:
         check_served(server, kontext_folder, image, openai_mask, expected, {}, tmp_path)
+
+
+def test_masked_and_unmasked_kontext_edits_of_one_image_share_the_engine(kontext_folder):
+    """A masked edit's reference is its image at the output size, an unmasked one's the image at a Kontext
+    resolution: requests of the same image, with and without a mask, sent together, each get their own
+    image (ulysses 2: the reference tokens sharded with the generated ones), as one rank draws each alone.
+    They were put in one batch, whose step failed (rows of two sequence lengths)."""
+    image = png(scene(64, 48))
+    masked = GenerationParams(
+        prompt=PROMPT, width=64, height=48, num_inference_steps=2, seed=7, strength=0.8, images=(image,),
+        mask=png(masks(64, 48)[0]),
+    )  # fmt: skip
+    requests = [
+        masked,
+        masked.model_copy(update={"mask": None, "seed": 8}),
+        masked.model_copy(update={"seed": 9}),
+    ]
+    runner = FluxRunner(
+        load_pipeline(FluxKontextPipeline, kontext_folder),
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        max_sequence_length=512,
+    )
+    alone = [run_runner(runner, [p])[0] for p in requests]
+    together = engine_images(kontext_folder, {"ulysses_degree": 2}, requests)
+    for i, (got, want) in enumerate(zip(together, alone, strict=True)):
+        assert psnr(got, want) >= 40, i
 
 
 # -- Qwen-Image-Edit ------------------------------------------------------------------------------------
