@@ -298,6 +298,11 @@ def run_generate(ns: argparse.Namespace) -> int:
         adapters = [parse_lora_spec(spec, with_target=True) for spec in ns.lora]
     except ValueError as exc:
         return _fail(str(exc))
+    from ditserve.replica.lora.loader import second_expert_refusal
+
+    for name, _, _, target in adapters:  # before the model loads
+        if target == "transformer_2" and not engine.spec.two_experts:
+            return _fail(f"--lora {name}: {second_expert_refusal(engine.spec.name)}")
     # A path typed here is relative to where it is typed (with --lora-root: to the roots, as served).
     roots = engine.config.lora_roots
     adapters = [
