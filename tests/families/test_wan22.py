@@ -322,10 +322,13 @@ def test_ti2v_ulysses2_matches_one_rank(tmp_path):
 
 
 # -- weights update ------------------------------------------------------------------------------------------
-def test_a14b_weights_update_loads_both_experts_and_gives_the_pipelines_video(a14b_folder, tmp_path):
+def test_a14b_weights_update_loads_both_experts_and_gives_the_pipelines_video(
+    a14b_folder, expert_loras, tmp_path
+):
     """A weights update of a two-expert model was refused outright; it now reads both experts from the
     pipeline folder (a folder with one of them is refused naming the other), and the next video is
-    WanPipeline's on the new folder, high-noise steps and low-noise steps alike."""
+    WanPipeline's on the new folder, high-noise steps and low-noise steps alike. An adapter loaded into the
+    second expert before the update stays there, on the new weights."""
     from diffusers import WanPipeline
     from safetensors.torch import load_file, save_file
 
@@ -349,6 +352,7 @@ def test_a14b_weights_update_loads_both_experts_and_gives_the_pipelines_video(a1
         ValueError, match=r"^path: .*/one-expert lacks transformer_2/: the served model has two"
     ):
         worker.stage_weights(str(one_expert), "v1")
+    worker.lora_load("low", str(expert_loras["low"]), 1.0, "transformer_2")
     worker.stage_weights(str(new), "v2")
     worker.commit_weights("v2")
     p = A14B[0]  # two steps: the first on transformer, the second on transformer_2
@@ -363,6 +367,12 @@ def test_a14b_weights_update_loads_both_experts_and_gives_the_pipelines_video(a1
     assert psnr(got, want) >= 40
     old, _ = diffusers_video(WanPipeline.from_pretrained(str(a14b_folder)), p)
     assert psnr(got, old) < 30  # the new weights draw another video
+    worker.add("low", p.model_copy(update={"lora": (LoRARef(name="low"),)}))
+    while not worker.states["low"].done:
+        worker.step(["low"])
+    got = worker.finish("low")["pixels"][0]
+    pipe.load_lora_weights(str(expert_loras["low"]), adapter_name="low", load_into_transformer_2=True)
+    assert psnr(got, diffusers_video(pipe, p)[0]) >= 40
 
 
 # -- LoRA adapters on either expert ---------------------------------------------------------------------------
