@@ -41,6 +41,7 @@ from .tokenizers import (
     build_clip_tokenizer,
     build_t5_tokenizer,
     name_tokenizers_generic,
+    prompts_card_section,
     with_caption_normalizer,
 )
 
@@ -92,7 +93,7 @@ def build_scenes_pipeline_untrained(seed: int = 0):
         scaling_factor=1.0,  # measured after VAE training
         shift_factor=0.0,
     )
-    # Prompts are read in the captions' wording (case, punctuation, "an", direction phrasings): tokenizers.py.
+    # Prompts are rewritten into the caption they name (any order, other words dropped): tokenizers.py.
     tokenizer = with_caption_normalizer(build_clip_tokenizer())
     tokenizer_2 = with_caption_normalizer(build_t5_tokenizer(model_max_length=T5_MAX_LENGTH))
     # Dynamic shifting anchored at 64×64 (16 packed tokens): mu = base_shift there, as at Flux's 256.
@@ -482,6 +483,7 @@ Weights are stored in fp16; load in fp32: `FluxPipeline.from_pretrained(path, to
 `negative_prompt=""`, `max_sequence_length={SAMPLING["max_sequence_length"]}` (FluxPipeline's default 512 was
 trained too). No guidance embedding (`guidance_embeds=False`), so `guidance_scale` is ignored.
 
+{prompts_card_section()}
 ## Training
 - command: `{command}`
 - machine: {machine}; diffusers {diffusers.__version__}

@@ -69,7 +69,12 @@ from .scenes import (
     train_moving_scenes,
 )
 from .scorer import clip_shape, score_clip
-from .tokenizers import build_t5_tokenizer, name_tokenizers_generic, with_caption_normalizer
+from .tokenizers import (
+    build_t5_tokenizer,
+    name_tokenizers_generic,
+    prompts_card_section,
+    with_caption_normalizer,
+)
 from .train_demo import (
     _cosine_lr,
     _earlier_run,
@@ -171,8 +176,8 @@ def build_video_pipeline_untrained(
         scale_factor_spatial=8,
     )
     make_framewise(vae)
-    # Prompts are read in the captions' wording (case, punctuation, "an", direction phrasings): tokenizers.py.
-    tokenizer = with_caption_normalizer(build_t5_tokenizer(model_max_length=T5_MAX_LENGTH))
+    # Prompts are rewritten into the caption they name (any order, other words dropped): tokenizers.py.
+    tokenizer = with_caption_normalizer(build_t5_tokenizer(model_max_length=T5_MAX_LENGTH), moving=True)
     pipe = WanPipeline(
         tokenizer=tokenizer,
         text_encoder=_tiny_t5(tokenizer, "UMT5EncoderModel"),
@@ -900,6 +905,7 @@ what it is asked. Weights are stored in fp16; load in fp32:
 (ditserve's default for Wan) with the negative prompt "", `max_sequence_length={SAMPLING["max_sequence_length"]}`
 (what ditserve uses; WanPipeline's default 512 was trained on {args.long_text_fraction:.0%} of steps).
 
+{prompts_card_section(moving=True)}
 ## Training
 - command: `{command}`
 - machine: {machine}; diffusers {diffusers.__version__}

@@ -401,10 +401,11 @@ def test_openai_client_mappings_in_extra_body(server):
         **asked, extra_body={**steps, "cache": {"policy": "fbcache", "threshold": 0.1}}
     )
     assert cached.usage.cache_policy == "fbcache"
-    # the prompt's three demo tokens; the input image is not counted as tokens, nothing is generated as tokens
+    # the prompt's demo tokens as demo-scenes reads it ("a red circle on a black background": 7); the input
+    # image is not counted as tokens, nothing is generated as tokens
     usage = cached.usage
-    assert (usage.input_tokens_details.text_tokens, usage.input_tokens_details.image_tokens) == (3, 0)
-    assert (usage.input_tokens, usage.output_tokens, usage.total_tokens) == (3, 0, 3)
+    assert (usage.input_tokens_details.text_tokens, usage.input_tokens_details.image_tokens) == (7, 0)
+    assert (usage.input_tokens, usage.output_tokens, usage.total_tokens) == (7, 0, 7)
     with pytest.raises(BadRequestError) as info:
         client.images.edit(**asked, extra_body={**steps, "lora": {"name": "style", "scale": 0.5}})
     assert info.value.body["param"] == "lora" and "'style' is not loaded" in info.value.body["message"]

@@ -8,6 +8,7 @@ import json
 import torch
 
 from ditserve.replica.models import train_demo
+from ditserve.replica.models.scenes import scenes_model_path
 
 
 def test_add_arguments_defaults() -> None:
@@ -47,6 +48,11 @@ def test_train_smoke_writes_loadable_pipeline(tmp_path) -> None:
     for tokenizer in (pipe.tokenizer, pipe.tokenizer_2):
         caption = tokenizer("a orange circle on a blue background").input_ids
         assert tokenizer("An Orange Circle on a Blue Background.").input_ids == caption
+        assert tokenizer("on a blue background, a small orange circle, 4k").input_ids == caption
+    # ... as the shipped demo-scenes reads it: a retrained folder ships the same normalizer.
+    for name in ("tokenizer", "tokenizer_2"):
+        shipped = json.loads((scenes_model_path() / name / "tokenizer.json").read_text())["normalizer"]
+        assert json.loads((out / name / "tokenizer.json").read_text())["normalizer"] == shipped, name
     image = pipe(
         prompt="a red circle on a blue background",
         negative_prompt="",

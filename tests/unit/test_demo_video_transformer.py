@@ -188,4 +188,12 @@ def test_init_from_continues_a_saved_model_keeping_its_vae_and_shape(tmp_path) -
     tokenizer = WanPipeline.from_pretrained(out, dtype=torch.float32).tokenizer
     caption = tokenizer("a red circle moving left on a blue background").input_ids
     assert tokenizer("A Red Circle moving to the left on a Blue background.").input_ids == caption
+    assert tokenizer("on a blue background, a small red circle moving left, 4k").input_ids == caption
+    # ... as the shipped demo-scenes-video reads it: a retrained folder ships the same normalizer.
+    from ditserve.replica.models.scenes import scenes_video_model_path
+
+    shipped = json.loads((scenes_video_model_path() / "tokenizer" / "tokenizer.json").read_text())[
+        "normalizer"
+    ]
+    assert json.loads((out / "tokenizer" / "tokenizer.json").read_text())["normalizer"] == shipped
     assert "--init-from" in card and "--travel 0.95 1.0" in card

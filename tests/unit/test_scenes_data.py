@@ -173,14 +173,64 @@ def test_shipped_tokenizers_read_user_phrasings_as_the_caption() -> None:
     for where, tokenizer in _shipped_tokenizers():
         for prompt, caption in USER_PHRASINGS.items():
             assert tokenizer(prompt).input_ids == tokenizer(caption).input_ids, (where, prompt)
-        # Words outside the captions still tokenize, and stay apart from the caption words.
-        assert tokenizer("a red fox").input_ids != tokenizer("a red circle").input_ids
+        # A prompt that names nothing of a scene reads as the empty prompt (the unconditional scene).
+        assert tokenizer("a magenta star").input_ids == tokenizer("").input_ids, where
 
 
 def test_shipped_tokenizers_give_the_trained_ids_for_every_caption() -> None:
-    """The captions as trained on tokenize as the plain demo tokenizers tokenize them (no caption changes)."""
+    """Each model's captions as trained on (and the empty prompt of its caption dropout) tokenize as the plain
+    demo tokenizers tokenize them (no caption changes)."""
     clip, t5 = build_clip_tokenizer(), build_t5_tokenizer()
-    captions = [s.caption for s in all_scenes()] + [s.caption for s in all_moving_scenes()]
     for where, tokenizer in _shipped_tokenizers():
+        scenes = all_moving_scenes() if where.startswith("demo_scenes_video/") else all_scenes()
+        captions = [s.caption for s in scenes] + [""]
         plain = clip if where == "demo_scenes/tokenizer" else t5
         assert tokenizer(captions).input_ids == plain(captions).input_ids, where
+
+
+# Prompts with other words, in another order, or naming part of a scene, and the caption each model reads.
+SCENE_READINGS = {
+    "demo_scenes": {
+        "a red circle on a blue background, high quality, 4k": "a red circle on a blue background",
+        "Cinematic shot of a small red circle on a blue background, high quality, 4k": "a red circle on a blue background",
+        "on a blue background, a red circle": "a red circle on a blue background",
+        "Blue background with a red circle in the middle": "a red circle on a blue background",
+        "a red circle moving left on a blue background": "a red circle on a blue background",
+        "two red dots against a blue backdrop": "a red circle on a blue background",
+        "a red circle, background of blue": "a red circle on a blue background",
+        "a red circle, blue": "a red circle on a blue background",
+        "a red and blue circle": "a blue circle on a red background",
+        "a red circle on a blue background on a green background": "a red circle on a blue background",
+        "a red circle on a red background": "a red circle on a black background",
+        "a red circle": "a red circle on a black background",
+        "a black triangle": "a black triangle on a white background",
+        "a square on a white background": "a black square on a white background",
+        "a red fox": "a red circle on a black background",
+        "a magenta star": "",
+        "moving left": "",
+        "": "",
+    },
+    "demo_scenes_video": {
+        "a red circle moving left on a blue background, high quality, 4k": "a red circle moving left on a blue background",
+        "Cinematic shot of a small red circle, high quality, 4k, moving left on a blue background": "a red circle moving left on a blue background",
+        "on a blue background, a red circle moving left": "a red circle moving left on a blue background",
+        "a red circle on a blue background moving left": "a red circle moving left on a blue background",
+        "moving left: a red circle on a blue background": "a red circle moving left on a blue background",
+        "close-up of a red circle sliding left on a blue background": "a red circle moving left on a blue background",
+        "a red circle at the top left, going right, on blue": "a red circle moving right on a blue background",
+        "a red square falling on a blue background": "a red square moving down on a blue background",
+        "a red circle on a blue background": "a red circle moving right on a blue background",
+        "a triangle moving up": "a white triangle moving up on a black background",
+        "a magenta star": "",
+        "": "",
+    },
+}
+
+
+def test_shipped_tokenizers_read_the_scene_a_prompt_names() -> None:
+    """Extra words, another word order, a scene named in part: each model reads the caption of the scene named
+    (what is missing filled in; nothing named: the empty prompt), with the caption's ids."""
+    for where, tokenizer in _shipped_tokenizers():
+        for prompt, caption in SCENE_READINGS[where.split("/")[0]].items():
+            assert tokenizer.backend_tokenizer.normalizer.normalize_str(prompt) == caption, (where, prompt)
+            assert tokenizer(prompt).input_ids == tokenizer(caption).input_ids, (where, prompt)
