@@ -28,9 +28,9 @@ from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStream
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
 
-from ditserve.kernels.qk_norm_rope.op import head_qk_norm_rope, qk_norm_rope
+from ditserve.kernels.qk_norm_rope.op import qk_norm_rope
 
-from ..parallel.processor import joint_out, plain_rms_norms
+from ..parallel.processor import image_qkv, joint_out, plain_rms_norms, text_qkv
 
 
 class WanFusedAttnProcessor(WanAttnProcessor):
@@ -91,17 +91,8 @@ class QwenImageFusedAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
                 image_rotary_emb,
             )
         img_freqs, txt_freqs = image_rotary_emb
-        head_dim = attn.inner_dim // attn.heads
-
-        def heads(x: torch.Tensor) -> torch.Tensor:
-            return x.unflatten(-1, (-1, head_dim))
-
-        q = head_qk_norm_rope(heads(attn.to_q(hidden_states)), attn.norm_q, img_freqs)
-        k = head_qk_norm_rope(heads(attn.to_k(hidden_states)), attn.norm_k, img_freqs)
-        v = heads(attn.to_v(hidden_states))
-        tq = head_qk_norm_rope(heads(attn.add_q_proj(encoder_hidden_states)), attn.norm_added_q, txt_freqs)
-        tk = head_qk_norm_rope(heads(attn.add_k_proj(encoder_hidden_states)), attn.norm_added_k, txt_freqs)
-        tv = heads(attn.add_v_proj(encoder_hidden_states))
+        q, k, v = image_qkv(attn, hidden_states, img_freqs)
+        tq, tk, tv = text_qkv(attn, encoder_hidden_states, txt_freqs)
         mask = None
         if encoder_hidden_states_mask is not None:  # the text's mask, every image token attended
             image = encoder_hidden_states_mask.new_ones(q.shape[:2], dtype=torch.bool)
@@ -134,13 +125,7 @@ class ZImageFusedAttnProcessor(ZSingleStreamAttnProcessor):
     ) -> torch.Tensor:
         if freqs_cis is None:
             return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, freqs_cis)
-        q = head_qk_norm_rope(
-            attn.to_q(hidden_states).unflatten(-1, (attn.heads, -1)), attn.norm_q, freqs_cis
-        )
-        k = head_qk_norm_rope(
-            attn.to_k(hidden_states).unflatten(-1, (attn.heads, -1)), attn.norm_k, freqs_cis
-        )
-        v = attn.to_v(hidden_states).unflatten(-1, (attn.heads, -1))
+        q, k, v = image_qkv(attn, hidden_states, freqs_cis)
         if attention_mask is not None and attention_mask.ndim == 2:
             attention_mask = attention_mask[:, None, None, :]
         out = dispatch_attention_fn(

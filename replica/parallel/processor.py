@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from diffusers.models.embeddings import apply_rotary_emb
 
-from ditserve.kernels.qk_norm_rope.reference import rotate_complex  # noqa: F401  (the families' processors')
+from ditserve.kernels.qk_norm_rope.op import head_qk_norm_rope
 
 from .attention import attention
 from .hooks import ForwardState
@@ -41,20 +41,30 @@ def _norm(module: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
     return x if module is None else module(x)
 
 
-def image_qkv(attn: nn.Module, hidden_states: torch.Tensor) -> QKV:
+def image_qkv(attn: nn.Module, hidden_states: torch.Tensor, freqs: torch.Tensor | None = None) -> QKV:
     """The image stream's q, k, v: ``to_q/k/v`` split into heads, q and k through the module's per-head
-    ``norm_q`` / ``norm_k`` where it has them."""
+    ``norm_q`` / ``norm_k`` where it has them; with a complex rotary table ``freqs`` (Qwen-Image's, Z-Image's)
+    q and k are also turned, each norm and rotation one kernel pass where it runs (``kernels.qk_norm_rope``)."""
     head_dim = attn.inner_dim // attn.heads
-    q = _norm(attn.norm_q, _heads(attn.to_q(hidden_states), head_dim))
-    k = _norm(attn.norm_k, _heads(attn.to_k(hidden_states), head_dim))
+    q, k = _heads(attn.to_q(hidden_states), head_dim), _heads(attn.to_k(hidden_states), head_dim)
+    if freqs is None:
+        q, k = _norm(attn.norm_q, q), _norm(attn.norm_k, k)
+    else:
+        q, k = head_qk_norm_rope(q, attn.norm_q, freqs), head_qk_norm_rope(k, attn.norm_k, freqs)
     return q, k, _heads(attn.to_v(hidden_states), head_dim)
 
 
-def text_qkv(attn: nn.Module, encoder_hidden_states: torch.Tensor) -> QKV:
-    """The text stream's q, k, v of a dual-stream block: ``add_q/k/v_proj`` and ``norm_added_q/k``."""
+def text_qkv(attn: nn.Module, encoder_hidden_states: torch.Tensor, freqs: torch.Tensor | None = None) -> QKV:
+    """The text stream's q, k, v of a dual-stream block: ``add_q/k/v_proj`` and ``norm_added_q/k`` (and the
+    rotary table ``freqs`` as in `image_qkv`)."""
     head_dim = attn.inner_dim // attn.heads
-    q = _norm(attn.norm_added_q, _heads(attn.add_q_proj(encoder_hidden_states), head_dim))
-    k = _norm(attn.norm_added_k, _heads(attn.add_k_proj(encoder_hidden_states), head_dim))
+    q = _heads(attn.add_q_proj(encoder_hidden_states), head_dim)
+    k = _heads(attn.add_k_proj(encoder_hidden_states), head_dim)
+    if freqs is None:
+        q, k = _norm(attn.norm_added_q, q), _norm(attn.norm_added_k, k)
+    else:
+        q = head_qk_norm_rope(q, attn.norm_added_q, freqs)
+        k = head_qk_norm_rope(k, attn.norm_added_k, freqs)
     return q, k, _heads(attn.add_v_proj(encoder_hidden_states), head_dim)
 
 

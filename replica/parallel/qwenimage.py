@@ -39,7 +39,6 @@ from .processor import (
     ParallelAttnProcessor,
     image_qkv,
     joint_out,
-    rotate_complex,
     text_image_attention,
     text_qkv,
 )
@@ -77,15 +76,12 @@ class QwenImageParallelAttnProcessor(ParallelAttnProcessor):
             raise NotImplementedError(
                 "QwenImageParallelAttnProcessor needs the text stream and no attention_mask"
             )
-        q, k, v = image_qkv(attn, hidden_states)
-        tq, tk, tv = text_qkv(attn, encoder_hidden_states)
+        img_freqs = txt_freqs = None
         if image_rotary_emb is not None:
             img_freqs, txt_freqs = image_rotary_emb
             img_freqs = self._local_freqs(img_freqs)
-            q = rotate_complex(q, img_freqs)
-            k = rotate_complex(k, img_freqs)
-            tq = rotate_complex(tq, txt_freqs)
-            tk = rotate_complex(tk, txt_freqs)
+        q, k, v = image_qkv(attn, hidden_states, img_freqs)
+        tq, tk, tv = text_qkv(attn, encoder_hidden_states, txt_freqs)
 
         layout = self.state.require_layout()
         if encoder_hidden_states_mask is None:

@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from .hooks import ForwardState
 from .mesh import ParallelMesh
 from .plan import ParallelPlan, parallelize
-from .processor import ParallelAttnProcessor, image_qkv, rotate_complex, rows_by_length
+from .processor import ParallelAttnProcessor, image_qkv, rows_by_length
 from .sequence import gather_sequence, shard_sequence
 from .sp_attention import sequence_parallel_attention
 
@@ -54,28 +54,28 @@ class ZImageParallelAttnProcessor(ParallelAttnProcessor):
         freqs_cis: torch.Tensor | None = None,
     ) -> torch.Tensor:
         stage = self.state.extra["stage"][id(attn)]
-        q, k, v = image_qkv(attn, hidden_states)
         layout = self.state.require_layout()
         num_image = self.state.extra["num_image"]  # the global image tokens (the model's own padding incl.)
+        freqs = freqs_cis
+        if freqs is not None and stage == "noise":  # the image alone, sharded
+            freqs = shard_sequence(freqs_cis, layout, dim=1)
+        elif freqs is not None and stage == "main":  # [local image; caption]
+            freqs = torch.cat(
+                [shard_sequence(freqs_cis[:, :num_image], layout, dim=1), freqs_cis[:, num_image:]], 1
+            )
+        q, k, v = image_qkv(attn, hidden_states, freqs)
 
         if stage == "context":  # the caption alone, replicated: local attention with the model's key mask
-            q, k = rotate_complex(q, freqs_cis), rotate_complex(k, freqs_cis)
             mask = None if attention_mask is None else attention_mask[:, None, None, :]
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask
             )
             out = out.transpose(1, 2)
-        elif stage == "noise":  # the image alone, sharded
+        elif stage == "noise":
             if attention_mask is not None:
                 raise NotImplementedError("rows of different image sizes are never batched together")
-            freqs = shard_sequence(freqs_cis, layout, dim=1)
-            q, k = rotate_complex(q, freqs), rotate_complex(k, freqs)
             out, _ = sequence_parallel_attention(q, k, v, mesh=self.mesh, layout=layout)
-        else:  # [local image; caption]
-            freqs = torch.cat(
-                [shard_sequence(freqs_cis[:, :num_image], layout, dim=1), freqs_cis[:, num_image:]], 1
-            )
-            q, k = rotate_complex(q, freqs), rotate_complex(k, freqs)
+        else:
             out = self._joint(q, k, v, layout.num_local, attention_mask, num_image)
         out = out.flatten(2).to(q.dtype)
         out = attn.to_out[0](out)
