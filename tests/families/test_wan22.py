@@ -577,3 +577,26 @@ def test_serve_loads_adapters_into_either_expert(a14b, a14b_folder, expert_loras
             got = decode_mp4(videos.download_content(job.id).read())
             assert psnr(got, as_mp4(lora_reference[name][0])) >= 40, name
             assert psnr(got, as_mp4(plain)) < 35, name  # the video without adapters is another one
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [{"tp_size": 2}, {"ulysses_degree": 2}], ids=["tp2", "ulysses2"])
+def test_a14b_adapters_on_both_experts_under_layouts_match_one_rank(a14b_folder, expert_loras, flags):
+    """The two-expert file under tensor parallelism (each rank its shard of both experts' adapters) and
+    Ulysses gives the one-rank latents."""
+
+    def run(layout: dict) -> list[np.ndarray]:
+        config = EngineConfig(
+            model=str(a14b_folder), parallel=ParallelFlags(**layout), max_sequence_length=TEXT_LENGTH
+        )
+        engine = Engine(config).start()
+        try:
+            engine.load_lora("both", str(expert_loras["both"]))
+            update = {"return_latents": True, "lora": (LoRARef(name="both"),)}
+            futures = [engine.submit(p.model_copy(update=update)) for p in A14B]
+            return [f.result(timeout=300).latents for f in futures]
+        finally:
+            engine.shutdown()
+
+    for got, want in zip(run(flags), run({}), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4)
