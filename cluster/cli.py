@@ -405,6 +405,27 @@ def _drop_reconnect_notice(record: logging.LogRecord) -> bool:
     return "will not be applied" not in record.getMessage()
 
 
+def _deploy(app, app_name: str, stop: threading.Event) -> str | None:
+    """Deploy ``app`` and return once it serves (None), at Ctrl-C (None, ``stop`` set), or at the first
+    replica that refused to start with a ValueError (its message): such a refusal (an adapter file of
+    --lora-path the model cannot load) is the same on every try, and Serve tries each replica 3 times, a
+    model load each, before it gives up. RuntimeError when the deploy failed otherwise (as ``serve.run``)."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    serve._run(app, name=app_name, route_prefix="/", _blocking=False)  # serve.run, without its wait
+    while not stop.is_set():
+        status = serve.status().applications.get(app_name)
+        if status is not None and status.status == ApplicationStatus.RUNNING:
+            return None
+        if (reason := _replica_error(app_name)) is not None:
+            return reason
+        if status is not None and status.status == ApplicationStatus.DEPLOY_FAILED:
+            raise RuntimeError(f"Deploying application {app_name} failed: {status.message}")
+        stop.wait(0.5)
+    return None
+
+
 def _replica_error(app_name: str) -> str | None:
     """The ``ValueError`` a replica of ``app_name`` failed to start with (a model folder it cannot load), from
     Serve's deployment status; None when it failed otherwise."""
@@ -514,6 +535,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    deployed = False
     try:
         from ray.serve.config import gRPCOptions
 
@@ -533,14 +555,18 @@ def run_serve(ns: argparse.Namespace) -> int:
         serve_logger = logging.getLogger("ray.serve")
         serve_logger.addFilter(_drop_reconnect_notice)
         try:
-            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+            failed = _deploy(app, APP_NAME, stop)
         except RuntimeError:
-            reason = _replica_error(APP_NAME)
-            if reason is None:
+            failed = _replica_error(APP_NAME)
+            if failed is None:
                 raise
-            return _fail(reason)
         finally:
             serve_logger.removeFilter(_drop_reconnect_notice)
+        if failed is not None:
+            return _fail(failed)
+        if stop.is_set():  # Ctrl-C while the replicas were starting: shut down (below), as when serving
+            return 0
+        deployed = True
         host, port = (
             (args.host, args.port) if args.direct_ingress else _serve_http_address(args.host, args.port)
         )
@@ -562,7 +588,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         try:
             if args.address:  # a shared cluster: remove our application only, never the others'
                 serve.delete(APP_NAME)
-            else:
+            elif deployed:  # else ray.shutdown below stops our local cluster, replicas still starting too
                 serve.shutdown()
             delete_state_actors(APP_NAME)
         finally:
