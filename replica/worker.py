@@ -141,12 +141,13 @@ def apply_speed_switches(
                 f"--quantization fp8: {type(model).__name__} has no block linears FP8 GEMMs can take"
             )
     if fused_epilogues:
+        from .families import get_family
         from .models.flux_fused import fuse_flux_epilogues, fuse_gelu_epilogues
-        from .models.fused_attention import fuse_attention_prologues
+        from .parallel.plan import fuse_one_rank_processors
 
         fuse = fuse_flux_epilogues if family == "flux" else fuse_gelu_epilogues
         changed["fused_epilogues"] = fuse(model)
-        changed["fused_attention"] = fuse_attention_prologues(model)
+        changed["fused_attention"] = fuse_one_rank_processors(model, get_family(family).load("plan"))
     return changed
 
 

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
 from .hooks import ForwardState
 from .mesh import ParallelMesh
@@ -149,6 +151,51 @@ def _qwen_on_forward(model: nn.Module, bound: dict[str, Any], state: ForwardStat
         ]
 
 
+class QwenImageFusedAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
+    """One rank, ``--fused-epilogues``: diffusers' Qwen-Image joint [text; image] processor with each q/k
+    per-head norm and rotary as one pass of ``kernels.qk_norm_rope``. Compiled, diffusers' complex rotary
+    products run as eager complex kernels with fp32 round trips (inductor generates no complex code)."""
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_hidden_states_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if encoder_hidden_states is None or attention_mask is not None or image_rotary_emb is None:
+            return super().__call__(
+                attn,
+                hidden_states,
+                encoder_hidden_states,
+                encoder_hidden_states_mask,
+                attention_mask,
+                image_rotary_emb,
+            )
+        img_freqs, txt_freqs = image_rotary_emb
+        q, k, v = image_qkv(attn, hidden_states, img_freqs)
+        tq, tk, tv = text_qkv(attn, encoder_hidden_states, txt_freqs)
+        mask = None
+        if encoder_hidden_states_mask is not None:  # the text's mask, every image token attended
+            image = encoder_hidden_states_mask.new_ones(q.shape[:2], dtype=torch.bool)
+            mask = torch.cat([encoder_hidden_states_mask, image], dim=1)[:, None, None, :]
+        out = dispatch_attention_fn(
+            torch.cat([tq, q], dim=1),
+            torch.cat([tk, k], dim=1),
+            torch.cat([tv, v], dim=1),
+            attn_mask=mask,
+            dropout_p=0.0,
+            is_causal=False,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        out = out.flatten(2, 3).to(q.dtype)
+        num_text = tq.shape[1]
+        return joint_out(attn, out[:, num_text:], out[:, :num_text])
+
+
 QWENIMAGE_PLAN = ParallelPlan(
     family="qwenimage",
     tp=QWENIMAGE_TP_PLAN,
@@ -159,6 +206,7 @@ QWENIMAGE_PLAN = ParallelPlan(
     split_inputs={"hidden_states": 1},
     gather={"proj_out": 1},
     on_forward=_qwen_on_forward,
+    one_rank_processor=QwenImageFusedAttnProcessor,
 )
 
 

@@ -20,6 +20,8 @@ import math
 
 import torch
 import torch.nn as nn
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from ditserve.kernels.qk_norm_rope.op import qk_norm_rope
 from ditserve.kernels.qk_norm_rope.reference import rotate_pairs
@@ -122,6 +124,44 @@ def _wan_tokens(model: nn.Module, bound: dict) -> int:
     return math.prod(n // p for n, p in zip((frames, height, width), patch, strict=True))
 
 
+class WanFusedAttnProcessor(WanAttnProcessor):
+    """One rank, ``--fused-epilogues``: diffusers' Wan processor with self-attention's q/k RMSNorm and rotary
+    as one pass of ``kernels.qk_norm_rope`` each. Compiled, diffusers' strided-store rotary after the norm runs
+    as an inductor kernel that reads each pair back with gathered loads, at about a third of the bytes' time."""
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        if (
+            encoder_hidden_states is not None
+            or rotary_emb is None
+            or attn.fused_projections
+            or attn.add_k_proj is not None
+            or not plain_rms_norms(attn)
+        ):
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        q = qk_norm_rope(attn.to_q(hidden_states), attn.norm_q, *rotary_emb)
+        k = qk_norm_rope(attn.to_k(hidden_states), attn.norm_k, *rotary_emb)
+        v = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
+        out = dispatch_attention_fn(
+            q,
+            k,
+            v,
+            attn_mask=attention_mask,
+            dropout_p=0.0,
+            is_causal=False,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        out = out.flatten(2, 3).type_as(q)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
 WAN_PLAN = ParallelPlan(
     family="wan",
     tp=WAN_TP_PLAN,
@@ -134,6 +174,7 @@ WAN_PLAN = ParallelPlan(
     split_outputs={"rope": 1},  # built for the full sequence
     split_block_inputs={"blocks.0": 1},  # the sequence first exists after the patch embedding
     gather={"proj_out": 1},
+    one_rank_processor=WanFusedAttnProcessor,
 )
 
 

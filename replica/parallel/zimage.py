@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
 from torch.utils.hooks import RemovableHandle
 
 from .hooks import ForwardState
@@ -146,6 +148,37 @@ def _gather_image(model: nn.Module, mesh: ParallelMesh, state: ForwardState) -> 
     return [layer.register_forward_hook(gather) for layer in model.all_final_layer.values()]
 
 
+class ZImageFusedAttnProcessor(ZSingleStreamAttnProcessor):
+    """One rank, ``--fused-epilogues``: diffusers' Z-Image processor with each q/k per-head norm and rotary
+    as one pass of ``kernels.qk_norm_rope`` (diffusers' complex products run as eager kernels compiled)."""
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        freqs_cis: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if freqs_cis is None:
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, freqs_cis)
+        q, k, v = image_qkv(attn, hidden_states, freqs_cis)
+        if attention_mask is not None and attention_mask.ndim == 2:
+            attention_mask = attention_mask[:, None, None, :]
+        out = dispatch_attention_fn(
+            q,
+            k,
+            v,
+            attn_mask=attention_mask,
+            dropout_p=0.0,
+            is_causal=False,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        out = attn.to_out[0](out.flatten(2, 3).to(q.dtype))
+        return attn.to_out[1](out) if len(attn.to_out) > 1 else out
+
+
 ZIMAGE_PLAN = ParallelPlan(
     family="zimage",
     tp=ZIMAGE_TP_PLAN,
@@ -157,6 +190,7 @@ ZIMAGE_PLAN = ParallelPlan(
     extra_hooks=_gather_image,
     on_forward=_zimage_on_forward,
     heads=lambda model: int(model.config.n_heads),
+    one_rank_processor=ZImageFusedAttnProcessor,
 )
 
 

@@ -1,6 +1,6 @@
 """q/k preparation in fewer passes (``--fused-epilogues`` on one rank): Wan's RMSNorm + rotary kernel
 (kernels/qk_norm_rope) against its reference, and the swapped attention processors of Wan, Qwen-Image and
-Z-Image (replica/models/fused_attention.py) against diffusers' own pipelines."""
+Z-Image (their plans' one_rank_processor, swapped in by --fused-epilogues) against diffusers' own pipelines."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from ditserve.kernels.qk_norm_rope.op import head_qk_norm_rope, launch_qk_norm_rope, qk_norm_rope
 from ditserve.kernels.qk_norm_rope.reference import qk_norm_rope_ref
-from ditserve.replica.models.fused_attention import fuse_attention_prologues
+from ditserve.replica.parallel.plan import fuse_one_rank_processors
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
@@ -100,6 +100,15 @@ def test_equals_diffusers_per_head_norm_and_complex_rotary(dtype, table_rows):
 def _psnr(a: np.ndarray, b: np.ndarray) -> float:
     mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
     return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
+
+
+def fuse_attention_prologues(transformer) -> int:
+    """What apply_speed_switches does with --fused-epilogues, for the family's plan."""
+    from ditserve.replica.families import get_family
+
+    names = {"WanTransformer3DModel": "wan", "QwenImageTransformer2DModel": "qwenimage"}
+    plan = get_family(names.get(type(transformer).__name__, "zimage")).load("plan")
+    return fuse_one_rank_processors(transformer, plan)
 
 
 def _swapped_equals_diffusers(pipe, transformers, expected_swaps: int, **call) -> None:
