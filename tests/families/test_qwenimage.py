@@ -23,6 +23,8 @@ from PIL import Image
 
 from ditserve.replica.config import EngineConfig
 from ditserve.replica.engine import Engine
+from ditserve.replica.models.registry import resolve_model
+from ditserve.replica.pipelines.base import to_uint8
 from ditserve.replica.pipelines.qwenimage import QwenImageRunner
 from ditserve.replica.request import GenerationParams, LoRARef
 from tests.families.harness import (
@@ -30,12 +32,14 @@ from tests.families.harness import (
     b64_pixels,
     cli_generate,
     engine_images,
+    generate_args,
     img2img_image,
     layout_id,
     load_pipeline,
     openai_client,
     picture,
     run_runner,
+    sampling_body,
     served,
     single_thread,  # noqa: F401 (a fixture, used by pytestmark)
 )
@@ -231,8 +235,51 @@ def test_edit_ulysses_equals_one_rank(request, which):
     assert psnr(got, want) >= 40
 
 
-def test_serve_and_openai_client(t2i_folder, t2i_expected):
+# Image-to-image without a size: QwenImageImg2ImgPipeline draws its default (128 latents × the VAE's factor:
+# 2048² with the tiny 16× VAE, 1024² with Qwen-Image's 8×), the start image resized to it; 1 step of 2.
+UNSIZED = I2I.model_copy(update={"num_inference_steps": 2, "seed": 8})
+
+
+@pytest.fixture(scope="module")
+def unsized_expected(t2i_pipe):
+    i2i = QwenImageImg2ImgPipeline.from_pipe(t2i_pipe)
+    i2i.set_progress_bar_config(disable=True)
+    p = UNSIZED
+    out = i2i(
+        prompt=p.prompt,
+        negative_prompt=p.negative_prompt,
+        true_cfg_scale=p.true_cfg_scale,
+        image=Image.open(io.BytesIO(p.images[0])).convert("RGB"),
+        strength=p.strength,
+        num_inference_steps=p.num_inference_steps,
+        generator=torch.Generator("cpu").manual_seed(p.seed),
+        max_sequence_length=MAX_LEN,
+        output_type="np",
+    )
+    return to_uint8(out.images)[0]
+
+
+def test_generate_cli_image_to_image_without_a_size_equals_pipeline(t2i_folder, unsized_expected, tmp_path):
+    """``ditserve generate --image`` without --width/--height: the img2img pipeline's default size (it drew at
+    the image's 96x64)."""
+    side = resolve_model(str(t2i_folder)).default_size[0]
+    assert unsized_expected.shape == (side, side, 3) and side != 96
+    start = tmp_path / "start.png"
+    start.write_bytes(UNSIZED.images[0])
+    args = [*generate_args(UNSIZED)[4:], "--image", str(start)]
+    assert "--width" not in args and "--height" not in args
+    out = cli_generate(UNSIZED.prompt, t2i_folder, tmp_path / "out.png", *args)
+    assert psnr(out, unsized_expected) >= 40
+
+
+def test_serve_and_openai_client(t2i_folder, t2i_expected, unsized_expected):
     with served("--model", str(t2i_folder)) as server:
+        unsized = openai_client(server).images.edit(
+            model=t2i_folder.name,
+            image=("start.png", UNSIZED.images[0], "image/png"),
+            prompt=UNSIZED.prompt,
+            extra_body=sampling_body(UNSIZED),
+        )
         result = openai_client(server).images.generate(
             model=t2i_folder.name,
             prompt=CFG.prompt,
@@ -248,6 +295,10 @@ def test_serve_and_openai_client(t2i_folder, t2i_expected):
     got = b64_pixels(result)
     assert got.shape == (64, 96, 3)
     assert psnr(got, t2i_expected[0]) >= 40
+    # image-to-image without a size: the img2img pipeline's default size, not the image's 96x64
+    side = unsized_expected.shape[0]
+    assert unsized.size == f"{side}x{side}"
+    assert psnr(b64_pixels(unsized), unsized_expected) >= 40
 
 
 LORA_TARGETS = [
@@ -305,12 +356,14 @@ def test_zero_cond_t_adapters_on_the_modulation_stay_with_their_request(
     mixed batch: the request without it, batched beside one with it, drew 30 dB from diffusers' image."""
     from tests.families.lora import save_random_lora
 
+    # block 0's linears only: the rows are laid out alike in every block, and each adapted linear is a
+    # Triton interpreter launch per forward on CPU
     targets = [
         "timestep_embedder.linear_1",
         "timestep_embedder.linear_2",
-        "img_mod.1",
-        "img_mlp.net.2",
-        "to_q",
+        "transformer_blocks.0.img_mod.1",
+        "transformer_blocks.0.img_mlp.net.2",
+        "transformer_blocks.0.attn.to_q",
     ]
     file = save_random_lora(QwenImageEditPlusPipeline, plus_pipe.transformer, targets, tmp_path)
     styled = PLUS.model_copy(update={"lora": (LoRARef(name="style"),), "seed": 6})
@@ -332,7 +385,11 @@ def test_zero_cond_t_adapters_stay_with_their_request_after_a_weights_update(
     from ditserve.replica.rank_control import ServingRankWorker
     from tests.families.lora import save_random_lora
 
-    targets = ["timestep_embedder.linear_1", "img_mod.1", "to_q"]
+    targets = [
+        "timestep_embedder.linear_1",
+        "transformer_blocks.0.img_mod.1",
+        "transformer_blocks.0.attn.to_q",
+    ]
     file = save_random_lora(QwenImageEditPlusPipeline, plus_pipe.transformer, targets, tmp_path)
     styled = PLUS.model_copy(update={"lora": (LoRARef(name="style"),), "seed": 6})
     worker = ServingRankWorker(EngineConfig(model=str(plus_folder)))
