@@ -129,11 +129,18 @@ class Family:
     # others also draw from the prompt alone (FLUX.1 Kontext, FLUX.2)
     references_required: frozenset[str] = frozenset()
     # The output (width, height) of an edit request that names no size, from its references' (width,
-    # height) in order, where the edit pipeline has its own rule (Qwen-Image-Edit: the last reference's
-    # aspect at about 1024² pixels); None: the first reference's size.
+    # height) in order: what the edit pipeline draws without height and width (Qwen-Image-Edit: the last
+    # reference's aspect at about 1024² pixels; FLUX.2: the first reference's size, at most 1024² pixels;
+    # FLUX.1 Kontext: 1024² whatever the reference); None: ``default_size``.
     edit_size: Callable[[Folder, list[tuple[int, int]]], tuple[int, int]] | None = None
     # image-to-image from ``init_latents`` + ``strength`` (sessions, /v1/images/edits on non-edit families)
     img2img: bool = False
+    # The output (width, height) of an image-to-image or inpaint request that names no size, from its start
+    # image's (width, height), where the family's img2img / inpaint pipelines size it by the image (Z-Image:
+    # its own size); None: ``default_size``, the size FluxImg2ImgPipeline, QwenImageImg2ImgPipeline and
+    # StableDiffusion3Img2ImgPipeline (and their inpaint pipelines) draw without height and width, the image
+    # resized to it.
+    img2img_size: Callable[[Folder, tuple[int, int]], tuple[int, int]] | None = None
     # takes an inpainting ``mask`` with its image-to-image start image (POST /v1/images/edits ``mask``);
     # refused otherwise, and by the family's edit pipelines other than ``inpainting_edits``
     inpainting: bool = False

@@ -20,6 +20,16 @@ def kontext_inpaint_size(folder: Folder, image: tuple[int, int]) -> tuple[int, i
     return width // multiple * multiple, height // multiple * multiple
 
 
+def kontext_edit_size(folder: Folder, references: list[tuple[int, int]]) -> tuple[int, int]:
+    """The output (width, height) of a Kontext edit that names no size: ``FluxKontextPipeline`` draws its
+    default square brought to its ``max_area`` of 1024² pixels (1024×1024, floored to the size multiple)
+    whatever the reference's size; the reference itself goes in at the preferred Kontext resolution of its
+    aspect."""
+    multiple = vae_spatial_factor(folder) * 2
+    side = 1024 // multiple * multiple
+    return side, side
+
+
 FAMILY = Family(
     name="flux",
     pipelines={"FluxPipeline": "image", "FluxKontextPipeline": "image"},
@@ -31,8 +41,14 @@ FAMILY = Family(
     img2img=True,
     inpainting=True,  # FluxPipeline folders (image-to-image, FluxInpaintPipeline)
     inpainting_edits={"FluxKontextPipeline": 1.0},  # FluxKontextInpaintPipeline and its default strength
+    # without a size: Kontext edits 1024² (kontext_edit_size), masked ones the preferred resolution of the
+    # image's aspect; FluxPipeline folders' image-to-image and inpainting the default 1024² (FluxImg2Img-
+    # and FluxInpaintPipeline's default_sample_size × the VAE's factor), the start image resized to it
+    edit_size=kontext_edit_size,
     inpainting_edit_size=kontext_inpaint_size,
     size_multiple=lambda folder: vae_spatial_factor(folder) * 2,  # latents packed in 2×2 patches
+    # the pipelines' default_sample_size (128 latents) × the VAE's factor: 1024²
+    default_size=lambda folder: (128 * vae_spatial_factor(folder),) * 2,
     lora_alphas=True,
     checkpoints=((r"(?<![a-z])flux\.?1(?![0-9])", 24),),
     typical_heads=24,

@@ -3,6 +3,7 @@ encoder, true classifier-free guidance against the empty prompt (no user negativ
 folder is step-distilled, and the same reference-image editing as FLUX.2 dev."""
 
 from . import Family, vae_spatial_factor
+from .flux2 import reference_size
 
 FAMILY = Family(
     name="flux2_klein",
@@ -13,6 +14,9 @@ FAMILY = Family(
     negative_prompt=False,
     edit_pipelines=frozenset({"Flux2KleinPipeline"}),
     max_references=10,
+    edit_size=reference_size,  # as Flux2Pipeline: the first reference's size, at most 1024² pixels
+    # the pipeline's default_sample_size (128 latents) × the VAE's factor: 1024²
+    default_size=lambda folder: (128 * vae_spatial_factor(folder),) * 2,
     size_multiple=lambda folder: vae_spatial_factor(folder) * 2,
     checkpoints=((r"(?<![a-z])flux\.?2.*klein.*9b", 32), (r"(?<![a-z])flux\.?2.*klein", 24)),
     typical_heads=24,

@@ -65,4 +65,7 @@ FAMILY = Family(
     checkpoints=((r"(?<![a-z])qwen-?image", 24),),
     typical_heads=24,
     edit_size=lambda folder, sizes: edit_size(folder, sizes[-1]),  # Edit: one reference; Plus: the last
+    # the pipelines' default_sample_size (128 latents) × the VAE's factor: 1024² (also the size
+    # QwenImageImg2ImgPipeline / QwenImageInpaintPipeline draw an image-to-image request without a size at)
+    default_size=lambda folder: (128 * vae_spatial_factor(folder),) * 2,
 )

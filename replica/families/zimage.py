@@ -52,6 +52,9 @@ FAMILY = Family(
     guidance="cfg",
     img2img=True,
     inpainting=True,  # with image-to-image's start image, as the family's inpaint pipeline
+    # without a size, ZImageImg2ImgPipeline and ZImageInpaintPipeline draw at the start image's own size
+    # (floored to the size multiple)
+    img2img_size=lambda folder, image: image,
     size_multiple=lambda folder: vae_spatial_factor(folder) * 2,  # 2×2 patches of the 8× VAE's latents
     heads=lambda config: int(config["n_heads"]),
     refuse=_refuse,

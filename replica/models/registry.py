@@ -114,14 +114,21 @@ class ModelSpec:
 
     def edit_request_size(self, sizes: list[tuple[int, int]], masked: bool) -> tuple[int, int]:
         """(width, height) of an edit or image-to-image request that names no size, from its images' (before
-        the server's limits): the inpaint pipeline's own rule for a masked edit, the edit pipeline's
-        (``Family.edit_size``), else the first image's size."""
+        the server's limits): what the family's pipeline draws without height and width — the inpaint
+        pipeline's rule for a masked edit (``Family.inpainting_edit_size``), the edit pipeline's
+        (``Family.edit_size``), the img2img / inpaint pipelines' (``Family.img2img_size``), else
+        ``default_size``. The embedded demo models edit at the first image's size."""
         family = self.family_spec
-        if self.edits and masked and family.inpainting_edit_size is not None:
-            return family.inpainting_edit_size(self.folder, sizes[0])
-        if self.edits and family.edit_size is not None:
-            return family.edit_size(self.folder, list(sizes))
-        return sizes[0]
+        if self.embedded:
+            return sizes[0]
+        if self.edits:
+            if masked and family.inpainting_edit_size is not None:
+                return family.inpainting_edit_size(self.folder, sizes[0])
+            rule = family.edit_size
+            return self.default_size if rule is None else rule(self.folder, list(sizes))
+        if family.img2img_size is not None:
+            return family.img2img_size(self.folder, sizes[0])
+        return self.default_size
 
     def mask_refusal(self) -> str:
         """Why the model takes no mask (said after ``mask: ``)."""

@@ -11,11 +11,14 @@ import base64
 import io
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from diffusers import (
+    FluxImg2ImgPipeline,
     FluxKontextInpaintPipeline,
     FluxKontextPipeline,
+    FluxPipeline,
     QwenImageEditInpaintPipeline,
     QwenImageEditPipeline,
 )
@@ -130,7 +133,13 @@ def kontext_folder(tmp_path_factory):
     return flux_kontext.build_folder(tmp_path_factory.mktemp("models") / "flux-kontext-tiny")
 
 
-def test_kontext_mask_inpaints_as_flux_kontext_inpaint_pipeline(kontext_folder, tmp_path):
+@pytest.fixture(scope="module")
+def kontext_server(kontext_folder):
+    with served("--model", str(kontext_folder)) as server:
+        yield server
+
+
+def test_kontext_mask_inpaints_as_flux_kontext_inpaint_pipeline(kontext_folder, kontext_server, tmp_path):
     """FluxKontextInpaintPipeline at its default strength (1.0) on an image of the output size, which it
     then keeps as is (``_auto_resize=False``; by default it resizes to a Kontext resolution of ~1024²)."""
     image = scene(64, 48)
@@ -150,8 +159,62 @@ def test_kontext_mask_inpaints_as_flux_kontext_inpaint_pipeline(kontext_folder, 
             _auto_resize=False,
         ).images
     )
-    with served("--model", str(kontext_folder)) as server:
-        check_served(server, kontext_folder, image, openai_mask, expected, {}, tmp_path)
+    check_served(kontext_server, kontext_folder, image, openai_mask, expected, {}, tmp_path)
+
+
+def without_size(pipe_cls, folder, image: Image.Image, steps: int = 1, **settings) -> np.ndarray:
+    """diffusers' ``pipe_cls`` on ``folder`` called with ``image`` and no height or width (seed 7)."""
+    pipe = load_pipeline(pipe_cls, folder)
+    out = pipe(
+        image=image,
+        prompt=PROMPT,
+        num_inference_steps=steps,
+        generator=torch.Generator("cpu").manual_seed(7),
+        max_sequence_length=min(512, pipe.tokenizer_2.model_max_length),
+        output_type="np",
+        **settings,
+    )
+    return to_uint8(out.images)[0]
+
+
+def test_kontext_edit_without_a_size_draws_as_flux_kontext_pipeline(kontext_folder, kontext_server, tmp_path):
+    """An edit that names no size gets what FluxKontextPipeline draws without height and width: 1024×1024
+    (its default square at its max_area) whatever the reference's size, the reference going in at the Kontext
+    resolution of its aspect; by the openai client and ``ditserve generate --image``. Both drew at the
+    uploaded image's size (80x48)."""
+    image = scene(80, 48)
+    expected = without_size(FluxKontextPipeline, kontext_folder, image)
+    assert expected.shape == (1024, 1024, 3)
+    client = openai_client(kontext_server)
+    edited = client.images.edit(
+        model=kontext_folder.name,
+        image=("wide.png", png(image), "image/png"),
+        prompt=PROMPT,
+        extra_body={"seed": 7, "num_inference_steps": 1},
+    )
+    assert edited.size == "1024x1024"
+    assert psnr(b64_pixels(edited), expected) >= 40
+    (tmp_path / "wide.png").write_bytes(png(image))
+    flags = ["--image", str(tmp_path / "wide.png"), "--seed", "7", "--num-inference-steps", "1"]
+    assert psnr(cli_generate(PROMPT, kontext_folder, tmp_path / "out.png", *flags), expected) >= 40
+
+
+def test_flux_image_to_image_without_a_size_draws_as_flux_img2img_pipeline(kontext_folder, tmp_path):
+    """FLUX.1 (a FluxPipeline folder) image-to-image without a size draws what FluxImg2ImgPipeline draws
+    without height and width: its default 1024×1024, the start image resized to it (``ditserve generate
+    --image`` at the pipeline's default strength 0.6; the server sizes it alike, ``edit_request_size``). It
+    drew at the image's size (80x48)."""
+    folder = tmp_path / "flux-tiny"
+    FluxPipeline(**load_pipeline(FluxKontextPipeline, kontext_folder).components).save_pretrained(folder)
+    image = scene(80, 48)
+    # guidance as FluxPipeline's (3.5; FluxImg2ImgPipeline's own default is 7.0)
+    expected = without_size(FluxImg2ImgPipeline, folder, image, steps=2, guidance_scale=3.5)
+    assert expected.shape == (1024, 1024, 3)
+    assert resolve_model(str(folder)).edit_request_size([(80, 48)], masked=False) == (1024, 1024)
+    (tmp_path / "wide.png").write_bytes(png(image))
+    flags = ["--image", str(tmp_path / "wide.png"), "--seed", "7", "--num-inference-steps", "2"]
+    flags += ["--guidance-scale", "3.5"]
+    assert psnr(cli_generate(PROMPT, folder, tmp_path / "out.png", *flags), expected) >= 40
 
 
 def test_masked_and_unmasked_kontext_edits_of_one_image_share_the_engine(kontext_folder):

@@ -18,6 +18,7 @@ from openai import BadRequestError
 from PIL import Image
 
 from ditserve.replica.caching.settings import CacheSettings
+from ditserve.replica.models.registry import resolve_model
 from ditserve.replica.pipelines.flux2 import Flux2KleinRunner, Flux2Runner, TextProcessor
 from ditserve.replica.request import GenerationParams, LoRARef
 from tests.families.flux2 import MAX_TEXT_TOKENS, as_pixtral_folder, build_folder
@@ -157,6 +158,22 @@ def test_pixtral_processor_folder_loads_without_torchvision(dev_folder, dev_expe
         assert isinstance(engine.launcher.worker.pipe.tokenizer, TextProcessor)
         image = images(engine, [TEXT], timeout=120)[0]
     assert psnr(image, dev_expected[0]) >= 40
+
+
+def test_an_edit_without_a_size_takes_the_first_reference_at_most_1024_squared(dev_folder, klein_folder):
+    """Flux2Pipeline and Flux2KleinPipeline, called without height and width, draw at the first reference's
+    size as they take it: brought down to 1024² pixels by their image processor where it has more, floored
+    to the size multiple. A 2048x1024 reference was drawn at 2048x1024 (then 1448x724 by diffusers)."""
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+    for folder in (dev_folder, klein_folder):
+        spec = resolve_model(str(folder))
+        multiple = spec.size_multiple
+        for first, second in (((2048, 1024), (64, 64)), ((1100, 1000), (2048, 2048)), ((80, 48), (4096, 16))):
+            taken = Flux2ImageProcessor._resize_if_exceeds_area(Image.new("RGB", first), 1024 * 1024).size
+            want = tuple(side // multiple * multiple for side in taken)
+            assert spec.edit_request_size([first, second], masked=False) == want, (folder.name, first)
+    assert spec.edit_request_size([(2048, 1024)], masked=False) == (1448 // multiple * multiple, 720)
 
 
 @pytest.mark.slow  # serve's images.edit sends this reference (default); --image: test_qwenimage.py
