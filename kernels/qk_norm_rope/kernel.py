@@ -7,11 +7,12 @@ import triton.language as tl
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    x_ptr,  # [num_tokens, heads · HEAD_DIM], contiguous
+    x_ptr,  # [num_tokens, heads · HEAD_DIM], rows stride_x apart (a slice of a wider projection's output)
     w_ptr,  # [heads · HEAD_DIM] (PER_HEAD=False) or [HEAD_DIM] (PER_HEAD=True)
     cos_ptr,  # [table_rows, tokens_per_row, HEAD_DIM] fp32: pair i of a head turns by cos[.., 2i] ...
     sin_ptr,  # ... and sin[.., 2i + 1] (Wan's two tables; a complex table's real view is both)
-    y_ptr,  # [num_tokens, heads · HEAD_DIM], x's dtype
+    y_ptr,  # [num_tokens, heads · HEAD_DIM], x's dtype, contiguous
+    stride_x,
     heads,
     tokens_per_row,  # rows of x per batch element: the table's rows
     table_batch_stride,  # 0: one table for the whole batch
@@ -29,7 +30,7 @@ def _qk_norm_rope_kernel(
     d = tl.arange(0, HEAD_DIM)
     offs = h[:, None] * HEAD_DIM + d[None, :]
     mask = (h < heads)[:, None] & (d < HEAD_DIM)[None, :]
-    x = tl.load(x_ptr + row * hidden + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
 
     if PER_HEAD:
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 
 from ditserve.kernels._dispatch import next_pow2, use_triton
@@ -26,19 +27,27 @@ def launch_qk_norm_rope(
 
     batch, tokens, hidden = x.shape
     head_dim = cos.shape[-1]
-    x, weight, cos, sin = (t.contiguous() for t in (x, weight, cos, sin))
+    # rows one stride apart (a slice of a fused projection's output) are read in place, else copied
+    try:
+        rows = x.view(batch * tokens, hidden)
+    except RuntimeError:
+        rows = x.reshape(batch * tokens, hidden)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    weight, cos, sin = (t.contiguous() for t in (weight, cos, sin))
     assert head_dim == next_pow2(head_dim) and head_dim >= 2, f"head_dim {head_dim}: a power of two"
     assert hidden % head_dim == 0, (hidden, head_dim)
     assert weight.shape == ((head_dim,) if per_head else (hidden,)), (weight.shape, hidden, head_dim)
     assert cos.shape == sin.shape and cos.shape[1:] == (tokens, head_dim), (cos.shape, sin.shape, tokens)
     assert cos.shape[0] in (1, batch) and cos.dtype == sin.dtype == torch.float32, (cos.shape, cos.dtype)
-    y = torch.empty_like(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous
     if x.numel() == 0:
         return y
     heads = hidden // head_dim
     heads_pad = next_pow2(heads)
     _qk_norm_rope_kernel[(batch * tokens,)](
-        x, weight, cos, sin, y, heads, tokens, 0 if cos.shape[0] == 1 else tokens * head_dim, eps,
+        rows, weight, cos, sin, y, rows.stride(0) if rows.shape[0] > 1 else hidden, heads, tokens,
+        0 if cos.shape[0] == 1 else tokens * head_dim, eps,
         HEAD_DIM=head_dim, HEADS_PAD=heads_pad, PER_HEAD=per_head, ROUND_BEFORE_WEIGHT=round_before_weight,
         num_warps=max(1, min(16, heads_pad * head_dim // 512)),
     )  # fmt: skip
@@ -64,7 +73,7 @@ def qk_norm_rope_op(
 
 @qk_norm_rope_op.register_fake
 def _(x, weight, eps, cos, sin, per_head, round_before_weight):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 def _kernel_runs(x: torch.Tensor, norm: nn.Module, head_dim: int) -> bool:
@@ -86,8 +95,30 @@ def qk_norm_rope(x: torch.Tensor, norm: nn.Module, cos: torch.Tensor, sin: torch
     if type(norm) is not nn.RMSNorm or not _kernel_runs(x, norm, head_dim):
         return rotate_pairs(norm(x).unflatten(-1, (-1, head_dim)), cos, sin)
     eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
-    tables = [t.reshape(t.shape[0], -1, head_dim).float() for t in (cos, sin)]
+    tables = [t.reshape(-1, x.shape[1], head_dim).float() for t in (cos, sin)]
     out = qk_norm_rope_op(x, norm.weight, eps, *tables, False, False)
+    return out.unflatten(-1, (-1, head_dim))
+
+
+def heads_qk_norm_rope(
+    x: torch.Tensor, norm: nn.Module, rotary_emb: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """FLUX.2: diffusers' ``apply_rotary_emb(norm(x), rotary_emb, sequence_dim=1)`` for x [batch, tokens,
+    heads, head_dim] (rows may be a slice of a wider projection's output), ``norm`` a ``torch.nn.RMSNorm``
+    per head and real tables cos/sin [tokens, head_dim] (each pair's value repeated): [batch, tokens, heads,
+    head_dim] in x's dtype."""
+    cos, sin = rotary_emb
+    head_dim = x.shape[-1]
+    if (
+        type(norm) is not nn.RMSNorm
+        or tuple(norm.normalized_shape) != (head_dim,)
+        or not _kernel_runs(x, norm, head_dim)
+        or cos.shape[-1] != head_dim
+    ):
+        return apply_rotary_emb(norm(x), rotary_emb, sequence_dim=1)
+    eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
+    tables = [t.reshape(-1, x.shape[1], head_dim).float() for t in (cos, sin)]
+    out = qk_norm_rope_op(x.flatten(-2), norm.weight, eps, *tables, True, False)
     return out.unflatten(-1, (-1, head_dim))
 
 

@@ -21,6 +21,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor, Flux2ParallelSelfAttnProcessor
+
+from ditserve.kernels.qk_norm_rope.op import heads_qk_norm_rope
 
 from .flux import FluxParallelAttnProcessor
 from .hooks import ForwardState
@@ -101,6 +105,97 @@ def _flux2_on_forward(model: nn.Module, bound: dict[str, Any], state: ForwardSta
     state.num_text = bound["encoder_hidden_states"].shape[1]
 
 
+class Flux2FusedAttnProcessor(Flux2AttnProcessor):
+    """One rank, ``--fused-epilogues``: diffusers' FLUX.2 double-stream processor with each stream's q/k
+    per-head RMSNorm and rotary as one pass of ``kernels.qk_norm_rope`` (the text stream by the table's
+    first rows, the image stream by the rest), instead of the norms, the concatenation and a rotary pass
+    that inductor runs with gathered loads."""
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
+        if (
+            image_rotary_emb is None
+            or getattr(attn, "fused_projections", False)
+            or (encoder_hidden_states is None) != (attn.added_kv_proj_dim is None)
+        ):
+            return super().__call__(
+                attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
+            )
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.unflatten(-1, (-1, attn.head_dim))
+
+        cos, sin = image_rotary_emb
+        num_text = 0 if encoder_hidden_states is None else encoder_hidden_states.shape[1]
+        text_rope, image_rope = (cos[:num_text], sin[:num_text]), (cos[num_text:], sin[num_text:])
+        q = heads_qk_norm_rope(heads(attn.to_q(hidden_states)), attn.norm_q, image_rope)
+        k = heads_qk_norm_rope(heads(attn.to_k(hidden_states)), attn.norm_k, image_rope)
+        v = heads(attn.to_v(hidden_states))
+        if num_text:
+            tq = heads_qk_norm_rope(
+                heads(attn.add_q_proj(encoder_hidden_states)), attn.norm_added_q, text_rope
+            )
+            tk = heads_qk_norm_rope(
+                heads(attn.add_k_proj(encoder_hidden_states)), attn.norm_added_k, text_rope
+            )
+            tv = heads(attn.add_v_proj(encoder_hidden_states))
+            q, k, v = torch.cat([tq, q], dim=1), torch.cat([tk, k], dim=1), torch.cat([tv, v], dim=1)
+        out = dispatch_attention_fn(
+            q,
+            k,
+            v,
+            attn_mask=attention_mask,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        out = out.flatten(2, 3).to(q.dtype)
+        if encoder_hidden_states is not None:
+            text, out = out.split_with_sizes([num_text, out.shape[1] - num_text], dim=1)
+            text = attn.to_add_out(text)
+        out = attn.to_out[1](attn.to_out[0](out))
+        return (out, text) if encoder_hidden_states is not None else out
+
+
+class Flux2FusedParallelSelfAttnProcessor(Flux2ParallelSelfAttnProcessor):
+    """One rank, ``--fused-epilogues``: diffusers' FLUX.2 single-stream processor with q/k's per-head RMSNorm
+    and rotary as one pass of ``kernels.qk_norm_rope`` each, read in place from the fused input projection's
+    output."""
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        if image_rotary_emb is None:
+            return super().__call__(attn, hidden_states, attention_mask, image_rotary_emb)
+        hidden_states = attn.to_qkv_mlp_proj(hidden_states)
+        qkv_dim = 3 * attn.inner_dim
+        mlp_dim = attn.mlp_hidden_dim * attn.mlp_mult_factor
+        local_qkv = hidden_states.shape[-1] * qkv_dim // (qkv_dim + mlp_dim)
+        qkv, mlp = torch.split(hidden_states, [local_qkv, hidden_states.shape[-1] - local_qkv], dim=-1)
+        q, k, v = (x.unflatten(-1, (-1, attn.head_dim)) for x in qkv.chunk(3, dim=-1))
+        q = heads_qk_norm_rope(q, attn.norm_q, image_rotary_emb)
+        k = heads_qk_norm_rope(k, attn.norm_k, image_rotary_emb)
+        out = dispatch_attention_fn(
+            q,
+            k,
+            v,
+            attn_mask=attention_mask,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        out = out.flatten(2, 3).to(q.dtype)
+        return attn.to_out(torch.cat([out, attn.mlp_act_fn(mlp)], dim=-1))
+
+
 FLUX2_PLAN = ParallelPlan(
     family="flux2",
     tp=_flux2_tp_plan,
@@ -111,6 +206,7 @@ FLUX2_PLAN = ParallelPlan(
     split_inputs={"hidden_states": 1, "img_ids": 0},
     gather={"proj_out": 1},
     on_forward=_flux2_on_forward,
+    one_rank_processors=(Flux2FusedAttnProcessor, Flux2FusedParallelSelfAttnProcessor),
 )
 
 

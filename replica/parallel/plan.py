@@ -57,10 +57,10 @@ class ParallelPlan:
     # Hooks a family registers itself after the generic ones, for what the fields above cannot say (e.g.
     # Z-Image gathers only the image part of a final layer whose output also holds the caption tokens).
     extra_hooks: Callable[[nn.Module, ParallelMesh, ForwardState], list[RemovableHandle]] | None = None
-    # One rank (no plan applied) with --fused-epilogues: a subclass of diffusers' attention processor that
-    # computes the same arithmetic in fewer passes over memory (e.g. q/k norm and rotary in one kernel);
-    # `fuse_one_rank_processors` swaps it in for processors of exactly its base class.
-    one_rank_processor: type | None = None
+    # One rank (no plan applied) with --fused-epilogues: subclasses of diffusers' attention processors that
+    # compute the same arithmetic in fewer passes over memory (e.g. q/k norm and rotary in one kernel);
+    # `fuse_one_rank_processors` swaps each in for processors of exactly its base class.
+    one_rank_processors: tuple[type, ...] = ()
 
     def tp_map(self, model: nn.Module) -> Mapping[str, Any]:
         return self.tp(model) if callable(self.tp) else self.tp
@@ -165,19 +165,17 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, mesh: ParallelMesh) -> 
 
 
 def fuse_one_rank_processors(model: nn.Module, plan: ParallelPlan) -> int:
-    """``--fused-epilogues`` on one rank: every attention processor of exactly the base class of the plan's
-    ``one_rank_processor`` becomes one (keeping its attention backend); returns how many were swapped, 0
-    when the family declares none. Processors of other classes (a sharded plan's, a user's) stay."""
-    ours = plan.one_rank_processor
-    if ours is None:
-        return 0
-    stock = ours.__mro__[1]
+    """``--fused-epilogues`` on one rank: every attention processor of exactly the base class of one of the
+    plan's ``one_rank_processors`` becomes that one (keeping its attention backend); returns how many were
+    swapped, 0 when the family declares none. Processors of other classes (a sharded plan's, a user's) stay."""
+    ours = {cls.__mro__[1]: cls for cls in plan.one_rank_processors}
     swapped = 0
     for module in model.modules():
         processor = getattr(module, "processor", None)
-        if type(processor) is not stock or not hasattr(module, "set_processor"):
+        cls = ours.get(type(processor))
+        if cls is None or not hasattr(module, "set_processor"):
             continue
-        new = ours()
+        new = cls()
         new._attention_backend = getattr(processor, "_attention_backend", None)
         new._parallel_config = getattr(processor, "_parallel_config", None)
         module.set_processor(new)

@@ -206,7 +206,7 @@ QWENIMAGE_PLAN = ParallelPlan(
     split_inputs={"hidden_states": 1},
     gather={"proj_out": 1},
     on_forward=_qwen_on_forward,
-    one_rank_processor=QwenImageFusedAttnProcessor,
+    one_rank_processors=(QwenImageFusedAttnProcessor,),
 )
 
 

@@ -174,7 +174,7 @@ WAN_PLAN = ParallelPlan(
     split_outputs={"rope": 1},  # built for the full sequence
     split_block_inputs={"blocks.0": 1},  # the sequence first exists after the patch embedding
     gather={"proj_out": 1},
-    one_rank_processor=WanFusedAttnProcessor,
+    one_rank_processors=(WanFusedAttnProcessor,),
 )
 
 

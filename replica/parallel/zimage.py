@@ -190,7 +190,7 @@ ZIMAGE_PLAN = ParallelPlan(
     extra_hooks=_gather_image,
     on_forward=_zimage_on_forward,
     heads=lambda model: int(model.config.n_heads),
-    one_rank_processor=ZImageFusedAttnProcessor,
+    one_rank_processors=(ZImageFusedAttnProcessor,),
 )
 
 

@@ -51,6 +51,11 @@ def test_kernel_matches_reference(batch, tokens, heads_dim, dtype, eps, kind):
     args = (x, weight, eps, cos, sin, per_head, per_head)
     got = launch_qk_norm_rope(*args).unflatten(-1, (heads, head_dim))
     torch.testing.assert_close(got, qk_norm_rope_ref(*args), **TOL[dtype])
+    # rows read in place from a wider tensor (FLUX.2's fused projection output: q, k, v, then the MLP's)
+    wide = torch.cat([torch.randn(batch, tokens, 5, generator=g).to(dtype), x, x], dim=-1)[
+        ..., 5 : 5 + x.shape[-1]
+    ]
+    torch.testing.assert_close(launch_qk_norm_rope(wide, *args[1:]), got.flatten(-2), atol=0, rtol=0)
 
 
 def test_equals_diffusers_wan_norm_and_rotary():
@@ -106,7 +111,11 @@ def fuse_attention_prologues(transformer) -> int:
     """What apply_speed_switches does with --fused-epilogues, for the family's plan."""
     from ditserve.replica.families import get_family
 
-    names = {"WanTransformer3DModel": "wan", "QwenImageTransformer2DModel": "qwenimage"}
+    names = {
+        "WanTransformer3DModel": "wan",
+        "QwenImageTransformer2DModel": "qwenimage",
+        "Flux2Transformer2DModel": "flux2",
+    }
     plan = get_family(names.get(type(transformer).__name__, "zimage")).load("plan")
     return fuse_one_rank_processors(transformer, plan)
 
@@ -135,6 +144,19 @@ def test_wan22_swapped_processors_draw_what_diffusers_draws():
     attns = sum(2 * len(t.blocks) for t in experts)
     _swapped_equals_diffusers(
         pipe, experts, attns, prompt="a fox", num_frames=5, height=32, width=32, num_inference_steps=3
+    )
+
+
+def test_flux2_swapped_processors_draw_what_diffusers_draws():
+    """FLUX.2's double-stream and single-stream processors (q/k read in place from the fused projection),
+    through the Triton kernel (the interpreter here): the same image as diffusers' own processors."""
+    from tests.families.flux2 import build_pipeline
+
+    pipe = build_pipeline()
+    t = pipe.transformer
+    expected = len(t.transformer_blocks) + len(t.single_transformer_blocks)
+    _swapped_equals_diffusers(
+        pipe, [t], expected, prompt="a red fox", height=64, width=64, num_inference_steps=2
     )
 
 
