@@ -8,6 +8,7 @@ image (in that batch, through ``ditserve generate --image`` and the openai clien
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +16,10 @@ import openai
 import pytest
 import torch
 from diffusers import StableDiffusion3Img2ImgPipeline, StableDiffusion3Pipeline
+from PIL import Image
 
 from ditserve.replica.caching.settings import CacheSettings
+from ditserve.replica.models.registry import resolve_model
 from ditserve.replica.pipelines.base import to_uint8
 from ditserve.replica.pipelines.sd3 import SD3Runner
 from ditserve.replica.request import GenerationParams, LoRARef
@@ -204,7 +207,41 @@ def edit(client, model: str, p: GenerationParams):
     )
 
 
-def test_serve_openai_client(folder, reference, img2img_reference):
+@pytest.fixture(scope="module")
+def unsized_reference(pipe) -> np.ndarray:
+    """StableDiffusion3Img2ImgPipeline called without height and width on FOX_I2I's 80x48 start image: its
+    default size (the transformer's sample_size × the VAE's 8), the image resized to it."""
+    i2i = StableDiffusion3Img2ImgPipeline.from_pipe(pipe)
+    i2i.set_progress_bar_config(disable=True)
+    p = FOX_I2I
+    out = i2i(
+        prompt=p.prompt,
+        negative_prompt=p.negative_prompt,
+        guidance_scale=p.guidance_scale,
+        image=Image.open(io.BytesIO(START)).convert("RGB"),
+        strength=p.strength,
+        num_inference_steps=p.num_inference_steps,
+        generator=torch.Generator("cpu").manual_seed(p.seed),
+        max_sequence_length=MAX_LEN,
+        output_type="np",
+    )
+    return to_uint8(out.images)[0]
+
+
+def test_cli_generate_image_to_image_without_a_size_equals_diffusers(folder, unsized_reference, tmp_path):
+    """``ditserve generate --image`` without --width/--height draws the img2img pipeline's default size (it
+    drew at the image's 80x48)."""
+    side = resolve_model(str(folder)).default_size[0]
+    assert unsized_reference.shape == (side, side, 3) and side != 80
+    start = tmp_path / "start.png"
+    start.write_bytes(START)
+    args = [*generate_args(FOX_I2I)[4:], "--image", str(start), "--max-sequence-length", str(MAX_LEN)]
+    assert "--width" not in args and "--height" not in args
+    out = cli_generate(FOX_I2I.prompt, folder, tmp_path / "fox.png", *args)
+    assert psnr(out, unsized_reference) >= 40
+
+
+def test_serve_openai_client(folder, reference, img2img_reference, unsized_reference):
     """images.generate gives the pipeline's image; images.edit (SD3 is no edit model: image-to-image) gives
     the img2img pipeline's, after a strength outside (0, 1] was a 400 naming it. SD3 guides with
     guidance_scale: a true_cfg_scale (accepted and dropped once, the image made as if it were not there) is a
@@ -228,6 +265,12 @@ def test_serve_openai_client(folder, reference, img2img_reference):
                 edit(client, folder.name, FOX_I2I.model_copy(update={"strength": strength}))
             refused.append(error.value)
         edited = edit(client, folder.name, FOX_I2I)
+        unsized = client.images.edit(
+            model=folder.name,
+            image=("start.png", START, "image/png"),
+            prompt=FOX_I2I.prompt,
+            extra_body=sampling_body(FOX_I2I),
+        )
     assert (true_cfg.value.status_code, true_cfg.value.param) == (400, "true_cfg_scale")
     message = true_cfg.value.body["message"]
     assert message.startswith("true_cfg_scale: ") and "guidance_scale" in message, message
@@ -235,6 +278,10 @@ def test_serve_openai_client(folder, reference, img2img_reference):
     assert [(e.status_code, e.param) for e in refused] == [(400, "strength")] * 2
     assert all(e.body["message"].startswith("strength: ") for e in refused), [e.body for e in refused]
     assert psnr(b64_pixels(edited), img2img_reference) >= 40
+    # without a size: the img2img pipeline's default size, not the image's 80x48
+    side = unsized_reference.shape[0]
+    assert unsized.size == f"{side}x{side}"
+    assert psnr(b64_pixels(unsized), unsized_reference) >= 40
 
 
 def test_step_cache_skips_blocks_of_its_request_only(pipe, reference):
