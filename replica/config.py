@@ -122,8 +122,8 @@ class EngineConfig(BaseModel):
     )
     fused_epilogues: bool = Field(
         description="tanh GELU in the MLP up-projection's GEMM (cuBLASLt epilogue); FLUX: the single blocks' "
-        "proj_out without the concat; Wan, Qwen-Image, Z-Image on one GPU: q/k norm and rotary in one Triton "
-        "pass (auto: on with --device cuda).",
+        "proj_out without the concat; FLUX.2, Wan, Qwen-Image, Z-Image on one GPU: q/k norm and rotary in "
+        "one Triton pass (auto: on with --device cuda).",
     )
     cuda_graphs: bool = Field(
         description="Replay each transformer forward as a CUDA graph, one per input shape and adapter layout "
