@@ -28,6 +28,8 @@ from .vae import decode_images, unscale_latents
 
 class FluxRunner(PipelineRunner):
     default_guidance = 3.5
+    # FluxImg2ImgPipeline's and FluxInpaintPipeline's default guidance_scale (FluxPipeline's and Kontext's: 3.5)
+    img2img_guidance = 7.0
     cache_blocks = ("transformer_blocks", "single_transformer_blocks")
     cache_outputs = ("encoder_hidden_states", "hidden_states")
     prompt_tokenizer = "tokenizer_2"  # T5's sequence; CLIP gives only the pooled vector
@@ -133,7 +135,8 @@ class FluxRunner(PipelineRunner):
         pipe, n = self.pipe, params.n
         text_ids = encoded["text_ids"]
         cond, uncond = dict(encoded["cond"]), encoded.get("uncond")
-        guidance_value = params.guidance_scale if params.guidance_scale is not None else self.default_guidance
+        default = self.img2img_guidance if params.images and not self.kontext else self.default_guidance
+        guidance_value = params.guidance_scale if params.guidance_scale is not None else default
         if pipe.transformer.config.guidance_embeds:
             guidance = torch.full((n,), guidance_value, device=self.device, dtype=torch.float32)
             cond["guidance"] = guidance

@@ -202,18 +202,16 @@ def test_kontext_edit_without_a_size_draws_as_flux_kontext_pipeline(kontext_fold
 def test_flux_image_to_image_without_a_size_draws_as_flux_img2img_pipeline(kontext_folder, tmp_path):
     """FLUX.1 (a FluxPipeline folder) image-to-image without a size draws what FluxImg2ImgPipeline draws
     without height and width: its default 1024×1024, the start image resized to it (``ditserve generate
-    --image`` at the pipeline's default strength 0.6; the server sizes it alike, ``edit_request_size``). It
-    drew at the image's size (80x48)."""
+    --image`` at the pipeline's default strength 0.6 and guidance 7.0; the server sizes it alike,
+    ``edit_request_size``). It drew at the image's size (80x48), and at FluxPipeline's guidance 3.5."""
     folder = tmp_path / "flux-tiny"
     FluxPipeline(**load_pipeline(FluxKontextPipeline, kontext_folder).components).save_pretrained(folder)
     image = scene(80, 48)
-    # guidance as FluxPipeline's (3.5; FluxImg2ImgPipeline's own default is 7.0)
-    expected = without_size(FluxImg2ImgPipeline, folder, image, steps=2, guidance_scale=3.5)
+    expected = without_size(FluxImg2ImgPipeline, folder, image, steps=2)
     assert expected.shape == (1024, 1024, 3)
     assert resolve_model(str(folder)).edit_request_size([(80, 48)], masked=False) == (1024, 1024)
     (tmp_path / "wide.png").write_bytes(png(image))
     flags = ["--image", str(tmp_path / "wide.png"), "--seed", "7", "--num-inference-steps", "2"]
-    flags += ["--guidance-scale", "3.5"]
     assert psnr(cli_generate(PROMPT, folder, tmp_path / "out.png", *flags), expected) >= 40
 
 
