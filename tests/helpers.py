@@ -46,6 +46,17 @@ def free_port() -> int:
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def user_env() -> dict[str, str]:
+    """The environment for a ``ditserve`` command a test runs as a user would: this process's, without the
+    Triton interpreter the test process turns on for its own kernel tests (tests/conftest.py). A CPU user's
+    ``serve`` / ``generate`` run the LoRA path's torch implementation; interpreted, each adapted linear took
+    about ten times as long (a 64x64 demo-flux step with an adapter: 4.6 s against 0.4 s). The kernels are
+    checked against that implementation in this process (tests/kernels, tests/unit)."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
 class ServeProcess:
     """``ditserve serve`` in a subprocess on free ports; ``stop()`` sends Ctrl-C (SIGINT).
 
@@ -73,7 +84,12 @@ class ServeProcess:
         cmd += ["--grpc-port", str(self.grpc_port), *args]
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO_ROOT
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=REPO_ROOT,
+            env=user_env(),
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -10,12 +10,12 @@ import torch
 from PIL import Image
 
 from ditserve.replica.media import decode_mp4
-from tests.helpers import free_port, psnr
+from tests.helpers import free_port, psnr, user_env
 
 
 def generate(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "ditserve.cluster.cli", "generate", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=user_env())
 
 
 def test_image_png_with_requested_size_and_seed(tmp_path):

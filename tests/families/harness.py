@@ -23,7 +23,7 @@ from ditserve.replica.engine import Engine
 from ditserve.replica.media import decode_mp4
 from ditserve.replica.pipelines.base import to_uint8
 from ditserve.replica.request import GenerationParams, GenerationResult
-from tests.helpers import ServeProcess, png_pixels
+from tests.helpers import ServeProcess, png_pixels, user_env
 
 # Every parallel axis in two 4-rank engines (the default run); each axis alone is redundant with them (slow).
 LAYOUTS = [
@@ -203,7 +203,9 @@ def generate_args(p: GenerationParams) -> list[str]:
 def cli_generate(prompt: str, folder: Path, out: Path, *args: str, timeout: float = 300) -> np.ndarray:
     """``ditserve generate PROMPT --model FOLDER ARGS -o OUT``; the written image's pixels."""
     cmd = [str(Path(sys.executable).with_name("ditserve")), "generate", prompt, "--model", str(folder)]
-    done = subprocess.run([*cmd, *args, "-o", str(out)], capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        [*cmd, *args, "-o", str(out)], capture_output=True, text=True, timeout=timeout, env=user_env()
+    )
     assert done.returncode == 0, done.stderr
     return png_pixels(out.read_bytes())
 
