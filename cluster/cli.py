@@ -89,7 +89,8 @@ def _add_generate(sub) -> None:
         action="append",
         default=[],
         help="Input image file (PNG/JPEG/WebP; repeatable): an edit model's reference, else image-to-image "
-        "from it (size: the image's unless --width/--height).",
+        "from it (size: what the model's diffusers pipeline draws from it without height and width, unless "
+        "--width/--height).",
     )
     p.add_argument(
         "--strength", type=float, default=None, help="Image-to-image: 1 = from noise, small = keep (0.6)."
@@ -239,14 +240,13 @@ def run_generate(ns: argparse.Namespace) -> int:
     size = engine.spec.fitted_size(limits.max_width, limits.max_height, first_frame)
     width = size[0] if ns.width is None else ns.width
     height = size[1] if ns.height is None else ns.height
-    if images and not video and ns.width is None and ns.height is None:  # the first image's size, as the API
+    if images and not video and ns.width is None and ns.height is None:  # from the images, as the API
         from ditserve.replica.families import fit_size
 
         multiple = engine.spec.size_multiple
-        first = image_size(images[0])
-        # the edit or inpaint pipeline's own choice (Qwen-Image-Edit: the references' ~1024²)
+        # the edit, img2img or inpaint pipeline's own choice from the images (ModelSpec.edit_request_size)
         first = engine.spec.edit_request_size([image_size(data) for data in images], mask is not None)
-        # scaled down to --max-width/--max-height as the API scales it (it asked for the image's own size)
+        # scaled down to --max-width/--max-height as the API scales it
         first = fit_size(first, limits.max_width, limits.max_height, multiple)
         width, height = (
             max(multiple, first[0] // multiple * multiple),

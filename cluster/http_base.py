@@ -361,7 +361,7 @@ def _apply_limits(
             image["n"]["maximum"] = args.max_n
             image["response_format"]["enum"] = ["b64_json"]
     edit = components.get("ImageEditRequest", {}).get("properties", {})
-    if edit:  # "auto": the first image's size
+    if edit:  # "auto": the model's size from the images (ModelSpec.edit_request_size)
         edit["size"]["anyOf"][0]["pattern"] = edit["size"]["anyOf"][0]["pattern"].replace(")?$", "|auto)?$")
     video = components.get("VideoCreateRequest", {}).get("properties", {})
     if video and "num_frames" in video:

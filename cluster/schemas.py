@@ -263,8 +263,10 @@ class ImageEditRequest(BaseModel):
     n: int = Field(default=1, ge=1, description="Number of images.")
     size: str | None = Field(
         default=None,
-        description="WIDTHxHEIGHT, multiples of the model's size multiple; 'auto' or absent: the first image's "
-        "size (rounded down to the multiple, scaled down to the server's maximum).",
+        description="WIDTHxHEIGHT, multiples of the model's size multiple; 'auto' or absent: what the model's "
+        "diffusers edit / img2img / inpaint pipeline draws without height and width (e.g. FLUX.1 Kontext 1024x1024, "
+        "FLUX.2 the first image's size up to 1024² pixels, image-to-image the pipeline's default size), rounded "
+        "down to the multiple, scaled down to the server's maximum.",
     )
     response_format: Literal["b64_json", "url"] = Field(
         default="b64_json", description="Only b64_json is served."
