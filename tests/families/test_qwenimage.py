@@ -259,6 +259,7 @@ def unsized_expected(t2i_pipe):
     return to_uint8(out.images)[0]
 
 
+@pytest.mark.slow  # the CLI's size rule is the server's (edit_request_size, served below); FLUX.1's CLI: test_edit_inpaint
 def test_generate_cli_image_to_image_without_a_size_equals_pipeline(t2i_folder, unsized_expected, tmp_path):
     """``ditserve generate --image`` without --width/--height: the img2img pipeline's default size (it drew at
     the image's 96x64)."""

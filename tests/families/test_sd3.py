@@ -228,6 +228,7 @@ def unsized_reference(pipe) -> np.ndarray:
     return to_uint8(out.images)[0]
 
 
+@pytest.mark.slow  # the CLI's size rule is the server's (edit_request_size, served below); FLUX.1's CLI: test_edit_inpaint
 def test_cli_generate_image_to_image_without_a_size_equals_diffusers(folder, unsized_reference, tmp_path):
     """``ditserve generate --image`` without --width/--height draws the img2img pipeline's default size (it
     drew at the image's 80x48)."""
