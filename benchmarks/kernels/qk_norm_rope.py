@@ -48,6 +48,27 @@ def diffusers_style(x, weight, cos, sin):
     return out.type_as(q)
 
 
+def record(
+    title: str, name: str, tokens: int, x, res: dict, errors: dict, bw: float, lines: list[str]
+) -> dict:
+    """One shape's table (appended to ``lines`` and printed) and its record; the floor: x read once and the
+    output written once at the copy bandwidth ``bw``."""
+    floor_ms = 2 * x.numel() * x.element_size() / bw * 1e3
+    lines += [
+        "",
+        f"### {title}; floor {floor_ms * 1e3:.1f} µs",
+        "",
+        "| row | µs (median) | vs first row | % of floor | max abs error vs fp32 |",
+        "|---|---|---|---|---|",
+    ]
+    for k, (ms, ratio) in res.items():
+        lines.append(
+            f"| {k} | {ms * 1e3:.1f} | {ratio:.3f}× | {100 * floor_ms / ms:.0f}% | {errors[k]:.3g} |"
+        )
+    print("\n".join(lines[-len(res) - 4 :]), flush=True)
+    return dict(shape=name, tokens=tokens, res=res, errors=errors, floor_ms=floor_ms)
+
+
 def run_shape(name: str, tokens: int, args, bw: float, lines: list[str]) -> dict:
     g = torch.Generator(device="cuda").manual_seed(1)
     x = (torch.randn(1, tokens, HIDDEN, device="cuda", generator=g) * 3).bfloat16()
@@ -66,20 +87,7 @@ def run_shape(name: str, tokens: int, args, bw: float, lines: list[str]) -> dict
     want = qk_norm_rope_ref(x.float(), weight.float(), EPS, *flat).flatten(-2)
     errors = {k: (fn().reshape(want.shape).float() - want).abs().max().item() for k, fn in fns.items()}
     res = lk.interleaved(fns, args.rounds, args.gap_s)
-    floor_ms = 2 * x.numel() * x.element_size() / bw * 1e3
-    lines += [
-        "",
-        f"### x [1, {tokens}, {HIDDEN}] ({name}); floor {floor_ms * 1e3:.1f} µs",
-        "",
-        "| row | µs (median) | vs first row | % of floor | max abs error vs fp32 |",
-        "|---|---|---|---|---|",
-    ]
-    for k, (ms, ratio) in res.items():
-        lines.append(
-            f"| {k} | {ms * 1e3:.1f} | {ratio:.3f}× | {100 * floor_ms / ms:.0f}% | {errors[k]:.3g} |"
-        )
-    print("\n".join(lines[-len(res) - 4 :]), flush=True)
-    return dict(shape=name, tokens=tokens, res=res, errors=errors, floor_ms=floor_ms)
+    return record(f"x [1, {tokens}, {HIDDEN}] ({name})", name, tokens, x, res, errors, bw, lines)
 
 
 QWEN_HEADS = 24
@@ -114,20 +122,8 @@ def run_per_head(name: str, tokens: int, args, bw: float, lines: list[str]) -> d
         want = complex_rotary(x.float()).float()  # fp32 throughout: no roundings
         errors = {k: (fn().float() - want).abs().max().item() for k, fn in fns.items()}
         res = lk.interleaved(fns, args.rounds, args.gap_s)
-    floor_ms = 2 * x.numel() * x.element_size() / bw * 1e3
-    lines += [
-        "",
-        f"### q [1, {tokens}, {QWEN_HEADS}, {HEAD_DIM}] ({name}); floor {floor_ms * 1e3:.1f} µs",
-        "",
-        "| row | µs (median) | vs first row | % of floor | max abs error vs fp32 |",
-        "|---|---|---|---|---|",
-    ]
-    for k, (ms, ratio) in res.items():
-        lines.append(
-            f"| {k} | {ms * 1e3:.1f} | {ratio:.3f}× | {100 * floor_ms / ms:.0f}% | {errors[k]:.3g} |"
-        )
-    print("\n".join(lines[-len(res) - 4 :]), flush=True)
-    return dict(shape=name, tokens=tokens, res=res, errors=errors, floor_ms=floor_ms)
+    title = f"q [1, {tokens}, {QWEN_HEADS}, {HEAD_DIM}] ({name})"
+    return record(title, name, tokens, x, res, errors, bw, lines)
 
 
 def main() -> None:

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor, Flux2ParallelSelfAttnProcessor
 
 from ditserve.kernels.qk_norm_rope.op import heads_qk_norm_rope
@@ -30,7 +29,7 @@ from .flux import FluxParallelAttnProcessor
 from .hooks import ForwardState
 from .mesh import ParallelMesh
 from .plan import ParallelPlan, joint_attention_tp, parallelize
-from .processor import ParallelAttnProcessor, rotate_qk, split_text, text_image_attention
+from .processor import ParallelAttnProcessor, rotate_qk, split_text, stock_attention, text_image_attention
 
 FLUX2_TP_PLAN: dict[str, Any] = {
     **joint_attention_tp("transformer_blocks.*.attn"),
@@ -146,15 +145,7 @@ class Flux2FusedAttnProcessor(Flux2AttnProcessor):
             )
             tv = heads(attn.add_v_proj(encoder_hidden_states))
             q, k, v = torch.cat([tq, q], dim=1), torch.cat([tk, k], dim=1), torch.cat([tv, v], dim=1)
-        out = dispatch_attention_fn(
-            q,
-            k,
-            v,
-            attn_mask=attention_mask,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
-        out = out.flatten(2, 3).to(q.dtype)
+        out = stock_attention(self, q, k, v, attention_mask)
         if encoder_hidden_states is not None:
             text, out = out.split_with_sizes([num_text, out.shape[1] - num_text], dim=1)
             text = attn.to_add_out(text)
@@ -184,15 +175,7 @@ class Flux2FusedParallelSelfAttnProcessor(Flux2ParallelSelfAttnProcessor):
         q, k, v = (x.unflatten(-1, (-1, attn.head_dim)) for x in qkv.chunk(3, dim=-1))
         q = heads_qk_norm_rope(q, attn.norm_q, image_rotary_emb)
         k = heads_qk_norm_rope(k, attn.norm_k, image_rotary_emb)
-        out = dispatch_attention_fn(
-            q,
-            k,
-            v,
-            attn_mask=attention_mask,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
-        out = out.flatten(2, 3).to(q.dtype)
+        out = stock_attention(self, q, k, v, attention_mask)
         return attn.to_out(torch.cat([out, attn.mlp_act_fn(mlp)], dim=-1))
 
 

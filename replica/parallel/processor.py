@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
 
 from ditserve.kernels.qk_norm_rope.op import head_qk_norm_rope
@@ -114,6 +115,22 @@ def joint_out(attn: nn.Module, img: torch.Tensor, text: torch.Tensor) -> tuple[t
     else:
         img, text = out(img), add_out(text)
     return (attn.to_out[1](img) if len(attn.to_out) > 1 else img), text
+
+
+def stock_attention(
+    processor: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(B, S, H, D) attention as a diffusers processor runs it (its attention backend and parallel config):
+    (B, S, H·D) in q's dtype. For the families' one-rank processors, subclasses of diffusers' own."""
+    out = dispatch_attention_fn(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        backend=processor._attention_backend,
+        parallel_config=processor._parallel_config,
+    )
+    return out.flatten(2, 3).to(q.dtype)
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
 from .hooks import ForwardState
@@ -41,6 +40,7 @@ from .processor import (
     ParallelAttnProcessor,
     image_qkv,
     joint_out,
+    stock_attention,
     text_image_attention,
     text_qkv,
 )
@@ -181,17 +181,8 @@ class QwenImageFusedAttnProcessor(QwenDoubleStreamAttnProcessor2_0):
         if encoder_hidden_states_mask is not None:  # the text's mask, every image token attended
             image = encoder_hidden_states_mask.new_ones(q.shape[:2], dtype=torch.bool)
             mask = torch.cat([encoder_hidden_states_mask, image], dim=1)[:, None, None, :]
-        out = dispatch_attention_fn(
-            torch.cat([tq, q], dim=1),
-            torch.cat([tk, k], dim=1),
-            torch.cat([tv, v], dim=1),
-            attn_mask=mask,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
-        out = out.flatten(2, 3).to(q.dtype)
+        joint = (torch.cat([tq, q], dim=1), torch.cat([tk, k], dim=1), torch.cat([tv, v], dim=1))
+        out = stock_attention(self, *joint, mask)
         num_text = tq.shape[1]
         return joint_out(attn, out[:, num_text:], out[:, :num_text])
 

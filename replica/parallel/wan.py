@@ -20,7 +20,6 @@ import math
 
 import torch
 import torch.nn as nn
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from ditserve.kernels.qk_norm_rope.op import qk_norm_rope
@@ -28,7 +27,7 @@ from ditserve.kernels.qk_norm_rope.reference import rotate_pairs
 
 from .mesh import ParallelMesh
 from .plan import ParallelPlan, feed_forward_tp, parallelize
-from .processor import ParallelAttnProcessor, local_attention, plain_rms_norms
+from .processor import ParallelAttnProcessor, local_attention, plain_rms_norms, stock_attention
 from .sp_attention import sequence_parallel_attention
 from .tp import ColumnParallelLinear, ShardedRMSNorm, sharded_rms_norm_many
 
@@ -148,17 +147,7 @@ class WanFusedAttnProcessor(WanAttnProcessor):
         q = qk_norm_rope(attn.to_q(hidden_states), attn.norm_q, *rotary_emb)
         k = qk_norm_rope(attn.to_k(hidden_states), attn.norm_k, *rotary_emb)
         v = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
-        out = dispatch_attention_fn(
-            q,
-            k,
-            v,
-            attn_mask=attention_mask,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
-        out = out.flatten(2, 3).type_as(q)
+        out = stock_attention(self, q, k, v, attention_mask)
         return attn.to_out[1](attn.to_out[0](out))
 
 

@@ -23,14 +23,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
 from torch.utils.hooks import RemovableHandle
 
 from .hooks import ForwardState
 from .mesh import ParallelMesh
 from .plan import ParallelPlan, parallelize
-from .processor import ParallelAttnProcessor, image_qkv, rows_by_length
+from .processor import ParallelAttnProcessor, image_qkv, rows_by_length, stock_attention
 from .sequence import gather_sequence, shard_sequence
 from .sp_attention import sequence_parallel_attention
 
@@ -165,17 +164,7 @@ class ZImageFusedAttnProcessor(ZSingleStreamAttnProcessor):
         q, k, v = image_qkv(attn, hidden_states, freqs_cis)
         if attention_mask is not None and attention_mask.ndim == 2:
             attention_mask = attention_mask[:, None, None, :]
-        out = dispatch_attention_fn(
-            q,
-            k,
-            v,
-            attn_mask=attention_mask,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
-        out = attn.to_out[0](out.flatten(2, 3).to(q.dtype))
+        out = attn.to_out[0](stock_attention(self, q, k, v, attention_mask))
         return attn.to_out[1](out) if len(attn.to_out) > 1 else out
 
 
