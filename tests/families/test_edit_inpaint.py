@@ -133,15 +133,10 @@ def kontext_folder(tmp_path_factory):
     return flux_kontext.build_folder(tmp_path_factory.mktemp("models") / "flux-kontext-tiny")
 
 
-@pytest.fixture(scope="module")
-def kontext_server(kontext_folder):
-    with served("--model", str(kontext_folder)) as server:
-        yield server
-
-
-def test_kontext_mask_inpaints_as_flux_kontext_inpaint_pipeline(kontext_folder, kontext_server, tmp_path):
+def test_kontext_mask_inpaints_as_flux_kontext_inpaint_pipeline(kontext_folder, tmp_path):
     """FluxKontextInpaintPipeline at its default strength (1.0) on an image of the output size, which it
-    then keeps as is (``_auto_resize=False``; by default it resizes to a Kontext resolution of ~1024²)."""
+    then keeps as is (``_auto_resize=False``; by default it resizes to a Kontext resolution of ~1024²).
+    The same server's edit without a size: ``check_unsized_kontext_edit``."""
     image = scene(64, 48)
     openai_mask, white = masks(64, 48)
     pipe = FluxKontextInpaintPipeline(**load_pipeline(FluxKontextPipeline, kontext_folder).components)
@@ -159,7 +154,9 @@ def test_kontext_mask_inpaints_as_flux_kontext_inpaint_pipeline(kontext_folder, 
             _auto_resize=False,
         ).images
     )
-    check_served(kontext_server, kontext_folder, image, openai_mask, expected, {}, tmp_path)
+    with served("--model", str(kontext_folder)) as server:
+        check_served(server, kontext_folder, image, openai_mask, expected, {}, tmp_path)
+        check_unsized_kontext_edit(server, kontext_folder, tmp_path)
 
 
 def without_size(pipe_cls, folder, image: Image.Image, steps: int = 1, **settings) -> np.ndarray:
@@ -177,7 +174,7 @@ def without_size(pipe_cls, folder, image: Image.Image, steps: int = 1, **setting
     return to_uint8(out.images)[0]
 
 
-def test_kontext_edit_without_a_size_draws_as_flux_kontext_pipeline(kontext_folder, kontext_server, tmp_path):
+def check_unsized_kontext_edit(server, kontext_folder, tmp_path) -> None:
     """An edit that names no size gets what FluxKontextPipeline draws without height and width: 1024×1024
     (its default square at its max_area) whatever the reference's size, the reference going in at the Kontext
     resolution of its aspect; by the openai client and ``ditserve generate --image``. Both drew at the
@@ -185,7 +182,7 @@ def test_kontext_edit_without_a_size_draws_as_flux_kontext_pipeline(kontext_fold
     image = scene(80, 48)
     expected = without_size(FluxKontextPipeline, kontext_folder, image)
     assert expected.shape == (1024, 1024, 3)
-    client = openai_client(kontext_server)
+    client = openai_client(server)
     edited = client.images.edit(
         model=kontext_folder.name,
         image=("wide.png", png(image), "image/png"),
@@ -196,7 +193,7 @@ def test_kontext_edit_without_a_size_draws_as_flux_kontext_pipeline(kontext_fold
     assert psnr(b64_pixels(edited), expected) >= 40
     (tmp_path / "wide.png").write_bytes(png(image))
     flags = ["--image", str(tmp_path / "wide.png"), "--seed", "7", "--num-inference-steps", "1"]
-    assert psnr(cli_generate(PROMPT, kontext_folder, tmp_path / "out.png", *flags), expected) >= 40
+    assert psnr(cli_generate(PROMPT, kontext_folder, tmp_path / "unsized.png", *flags), expected) >= 40
 
 
 def test_flux_image_to_image_without_a_size_draws_as_flux_img2img_pipeline(kontext_folder, tmp_path):
