@@ -30,6 +30,7 @@ from tests.families.harness import (
     layout_id,
     load_pipeline,
     openai_client,
+    picture,
     run_runner,
     running_engine,
     served,
@@ -174,6 +175,40 @@ def test_an_edit_without_a_size_takes_the_first_reference_at_most_1024_squared(d
             want = tuple(side // multiple * multiple for side in taken)
             assert spec.edit_request_size([first, second], masked=False) == want, (folder.name, first)
     assert spec.edit_request_size([(2048, 1024)], masked=False) == (1448 // multiple * multiple, 720)
+
+
+@pytest.mark.slow  # ~1M-pixel images (minutes on CPU); the size rule against diffusers' in the default run above
+def test_an_edit_of_a_reference_above_1024_squared_without_a_size_equals_flux2_pipeline(
+    dev_pipe, dev_folder, tmp_path
+):
+    """A 1100x1000 reference, no size: the openai client's edit and ``ditserve generate --image`` draw
+    Flux2Pipeline's image called without height and width (1072x976: the reference brought down to 1024²
+    pixels, floored to the multiple). They drew 1100x1000 (1096x1000 on the multiple)."""
+    big = picture(1100, 1000, 0)
+    out = dev_pipe(
+        prompt=EDIT.prompt,
+        image=[Image.open(io.BytesIO(big))],
+        num_inference_steps=1,
+        generator=torch.Generator("cpu").manual_seed(4),
+        max_sequence_length=MAX_TEXT_TOKENS,
+        output_type="np",
+    )
+    expected = (out.images[0] * 255).round().clip(0, 255).astype(np.uint8)
+    assert expected.shape == (976, 1072, 3)
+    with served("--model", str(dev_folder)) as server:
+        edited = openai_client(server, timeout=600).images.edit(
+            model=dev_folder.name,
+            image=("big.png", big, "image/png"),
+            prompt=EDIT.prompt,
+            extra_body={"num_inference_steps": 1, "seed": 4},
+        )
+    assert edited.size == "1072x976"
+    assert psnr(b64_pixels(edited), expected) >= 40
+    (tmp_path / "big.png").write_bytes(big)
+    flags = ["--image", str(tmp_path / "big.png"), "--seed", "4", "--num-inference-steps", "1"]
+    assert (
+        psnr(cli_generate(EDIT.prompt, dev_folder, tmp_path / "out.png", *flags, timeout=600), expected) >= 40
+    )
 
 
 @pytest.mark.slow  # serve's images.edit sends this reference (default); --image: test_qwenimage.py
