@@ -76,10 +76,16 @@ def _(x, weight, eps, cos, sin, per_head, round_before_weight):
     return x.new_empty(x.shape)
 
 
+# The entry points below run the kernel on CUDA tensors. Under Triton's CPU interpreter they run it only where
+# this is set (the kernel's own tests): the interpreter runs one program per token row, and a model's CPU run
+# would spend minutes in it for what the torch path computes alike.
+interpret_on_cpu = False
+
+
 def _kernel_runs(x: torch.Tensor, norm: nn.Module, head_dim: int) -> bool:
     weight = getattr(norm, "weight", None)
     return (
-        use_triton(x)
+        (x.is_cuda or (interpret_on_cpu and use_triton(x)))
         and head_dim >= 2
         and head_dim == next_pow2(head_dim)
         and weight is not None

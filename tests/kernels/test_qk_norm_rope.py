@@ -15,6 +15,17 @@ from ditserve.kernels.qk_norm_rope.op import head_qk_norm_rope, launch_qk_norm_r
 from ditserve.kernels.qk_norm_rope.reference import qk_norm_rope_ref
 from ditserve.replica.parallel.plan import fuse_one_rank_processors
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernel_through_the_interpreter():
+    """The entry points run the kernel here too (off CUDA they run it only when asked)."""
+    import ditserve.kernels.qk_norm_rope.op as op
+
+    op.interpret_on_cpu = True
+    yield
+    op.interpret_on_cpu = False
+
+
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
 
