@@ -251,7 +251,9 @@ def test_loading_a_name_whose_adapter_still_drains_is_409_and_changes_nothing(se
         return httpx.post(f"{url}/v1/loras", json=body, headers=ADMIN, timeout=120)
 
     assert load().status_code == 200
-    body = {"prompt": "a red fox", "size": "128x128", "num_inference_steps": 20, "lora": {"name": "busy"}}
+    # long enough (seconds each on the torch path) that the requests still run while the unload and the load
+    # below are answered
+    body = {"prompt": "a red fox", "size": "256x256", "num_inference_steps": 100, "lora": {"name": "busy"}}
     channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
     grpc.channel_ready_future(channel).result(timeout=30)
     stub = pb_grpc.DitServeStub(channel)
