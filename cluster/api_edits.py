@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from PIL import Image
 from pydantic import ValidationError
 
+from ditserve.replica.families import fit_size
 from ditserve.replica.media import check_image
 from ditserve.replica.request import GenerationParams
 
@@ -66,9 +67,10 @@ def _edit_size(fe: Any, size: str | None, sizes: list[tuple[int, int]], masked: 
     limits, multiple = fe.args, fe.spec.size_multiple
     if size not in (None, "", "auto"):
         return check_size(size, limits.max_width, limits.max_height, multiple)
-    width, height = fe.spec.edit_request_size(list(sizes), masked)
-    scale = min(1.0, limits.max_width / width, limits.max_height / height)
-    width, height = int(width * scale) // multiple * multiple, int(height * scale) // multiple * multiple
+    width, height = fit_size(
+        fe.spec.edit_request_size(list(sizes), masked), limits.max_width, limits.max_height, 1
+    )
+    width, height = width // multiple * multiple, height // multiple * multiple
     least = max(multiple, MIN_SIDE)
     if min(width, height) < least:  # the image's own sides, not the pipeline's choice from them
         shown = ", ".join(f"{w}x{h}" for w, h in sizes)

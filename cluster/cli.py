@@ -247,11 +247,15 @@ def run_generate(ns: argparse.Namespace) -> int:
         # the edit, img2img or inpaint pipeline's own choice from the images (ModelSpec.edit_request_size)
         first = engine.spec.edit_request_size([image_size(data) for data in images], mask is not None)
         # scaled down to --max-width/--max-height as the API scales it
-        first = fit_size(first, limits.max_width, limits.max_height, multiple)
-        width, height = (
-            max(multiple, first[0] // multiple * multiple),
-            max(multiple, first[1] // multiple * multiple),
-        )
+        first = fit_size(first, limits.max_width, limits.max_height, 1)
+        width, height = first[0] // multiple * multiple, first[1] // multiple * multiple
+        least = max(multiple, GenerationParams.model_fields["width"].metadata[0].ge)  # as the API's MIN_SIDE
+        if min(width, height) < least:  # the image's own sides, not the pipeline's choice from them
+            shown = ", ".join(f"{w}x{h}" for w, h in (image_size(data) for data in images))
+            return _fail(
+                f"--image: the image ({shown}) fitted within {limits.max_width}x{limits.max_height} is under "
+                f"{least} pixels on a side; give --width and --height"
+            )
     if ns.strength is not None and video:  # it would be dropped: a video's --image is its first frame, kept
         return _fail(
             f"--strength: {engine.spec.name} makes videos; strength is image-to-image's (an image-to-video "

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import io
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -36,7 +39,7 @@ from tests.families.harness import (
     served,
     single_thread,  # noqa: F401 (a fixture, used by pytestmark)
 )
-from tests.helpers import psnr
+from tests.helpers import psnr, user_env
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -286,9 +289,14 @@ def test_serve_and_openai_client(dev_folder, dev_expected):
         # The tiny VAE's size multiple is 8: 8 pixels a side is a multiple, still under every model's 16.
         buf = io.BytesIO()
         Image.new("RGB", (8, 8)).save(buf, format="PNG")
+        # A 2-pixel-wide reference without a size: its width floors to 0 on the multiple (a 500 before:
+        # the frontend divided by it), refused naming size as the 8x8 one.
+        thin = io.BytesIO()
+        Image.new("RGB", (2, 400)).save(thin, format="PNG")
         for call in (
             lambda: client.images.generate(prompt="a", size="8x8"),
             lambda: client.images.edit(image=("tiny.png", buf.getvalue(), "image/png"), prompt="a"),
+            lambda: client.images.edit(image=("thin.png", thin.getvalue(), "image/png"), prompt="a"),
         ):
             with pytest.raises(BadRequestError) as info:
                 call()
@@ -302,6 +310,19 @@ def test_serve_and_openai_client(dev_folder, dev_expected):
     assert got.shape == (64, 64, 3)
     assert psnr(got, dev_expected[0]) >= 40
     assert psnr(b64_pixels(edited), dev_expected[1]) >= 40
+
+
+def test_generate_cli_refuses_a_reference_too_thin_for_a_size(dev_folder, tmp_path):
+    """``ditserve generate --image`` without a size, a 2x400 reference: FLUX.2's size from it floors the width
+    to 0 on the multiple; refused naming --image and the way out (it ended in a ZeroDivisionError)."""
+    thin = tmp_path / "thin.png"
+    Image.new("RGB", (2, 400)).save(thin)
+    cmd = [str(Path(sys.executable).with_name("ditserve")), "generate", "a", "--model", str(dev_folder)]
+    cmd += ["--image", str(thin), "-o", str(tmp_path / "out.png")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=user_env())
+    assert done.returncode == 2, done.stderr
+    assert "--image: the image (2x400)" in done.stderr and "give --width and --height" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 LORA_TARGETS = [
