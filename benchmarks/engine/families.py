@@ -10,7 +10,10 @@ device)`` and ``REAL_SETTINGS``), in one process and on the same weights, in thi
    CUDA graphs where the family's inputs allow them), compiled again;
 3. **ditserve FP8**: after ``--quantization fp8`` (row-wise FP8 GEMMs), compiled again.
 
-Per row: median step time over ``--steps`` denoising steps (after a warm-up call that compiles), the image
+Per row: median step time over ``--steps`` denoising steps (after a warm-up call that compiles, then
+``--heat`` seconds of the row's own generations: an H100 that has idled through a compile runs its GEMMs ~5 %
+faster in its first seconds than once warm, so without it the first row timed, the baseline, reads faster
+than the same kernels in later rows; heated, every row is timed warm, as a serving GPU runs), the image
 time extrapolated to the settings' usual step count (steps × step time + the measured encode/decode), peak
 memory, and PSNR of the output against diffusers' (``--steps`` steps, same seed).
 
@@ -201,6 +204,8 @@ def measure(
     device: str = "cuda",
     cfg_batch: bool = False,
     profiles: list[dict] | None = None,
+    heat: float = 0.0,
+    fp8: bool = True,
 ) -> list[dict]:
     """The three rows of one family (``size="tiny", device="cpu"``: a smoke run of this script, bf16 → fp32,
     no compile, no FP8). With ``profiles`` (a list, on a GPU), one step's kernel time of the baseline and the
@@ -224,6 +229,9 @@ def measure(
 
     def row(label: str, run, ref=None) -> np.ndarray:
         run(2)  # warm-up: compiles, captures
+        until = time.perf_counter() + heat
+        while time.perf_counter() < until:  # the GPU to its warm clocks, as for every row
+            run(steps)
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
         out, step_s, total = run(steps)
@@ -272,7 +280,7 @@ def measure(
             "ditserve bf16 --compile, CFG rows in one forward", lambda n: runner_run(runner, settings, n), ref
         )
         runner.batch_cfg = type(runner).batch_cfg
-    if not on_gpu:
+    if not on_gpu or not fp8:
         return rows
     torch._dynamo.reset()
     for m in transformers_of(pipe):
@@ -301,6 +309,13 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="print one step's kernel time by kind, baseline and bf16 row"
     )
+    parser.add_argument(
+        "--heat",
+        type=float,
+        default=30.0,
+        help="seconds of each row's own generations before it is timed (0: none, as before Dec 2026)",
+    )
+    parser.add_argument("--no-fp8", action="store_true", help="leave out the FP8 row")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows, failed, profiles = [], [], []
@@ -314,6 +329,8 @@ def main() -> None:
                 args.device,
                 args.cfg_batch,
                 profiles if args.profile else None,
+                args.heat if args.device == "cuda" else 0.0,
+                not args.no_fp8,
             )
         except Exception as exc:  # one family failing leaves the others' rows
             traceback.print_exc()

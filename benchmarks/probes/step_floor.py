@@ -1,0 +1,282 @@
+"""How far the kernels every row shares (cuBLAS GEMMs, cuDNN attention) are from the GPU's limits on the FLUX.2
+and Wan 2.2 shapes, and whether a Triton flash-attention forward (TMA loads, optionally warp-specialised) beats
+cuDNN's there:
+
+    python benchmarks/probes/step_floor.py [--only gemm,attention,drift]
+
+- gemm: each block GEMM of FLUX.2 dev at 1024² and Wan 2.2 A14B at 832×480×33 (bf16, as F.linear runs it),
+  TFLOP/s, and the same with PyTorch's TunableOp picking among cuBLAS/cuBLASLt algorithms;
+- attention: SDPA's cuDNN and flash backends and the Triton kernel below on the self-attention shapes, TFLOP/s
+  (4·B·H·L²·D per call), with the Triton kernel's best config and its largest difference from cuDNN's output;
+- libs: each GEMM (with the model's bias where it has one) under cuBLAS and cuBLASLt
+  (``torch.backends.cuda.preferred_blas_library``) and TunableOp, timed in alternation, and TunableOp's picks;
+- drift: one GEMM run back to back for ~20 s, its rate in the first and the last seconds (does the GPU slow as
+  it warms, so that a row timed later reads slower?).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# (name, tokens, in, out): the linears a step runs per block, at batch 1
+GEMMS = [
+    ("flux2 single qkv+mlp", 4608, 6144, 6144 * 3 + 18432 * 2),
+    ("flux2 single out", 4608, 6144 + 18432, 6144),
+    ("flux2 double qkv (img)", 4096, 6144, 6144 * 3),
+    ("flux2 double ff in (img)", 4096, 6144, 18432 * 2),
+    ("flux2 double ff out (img)", 4096, 18432, 6144),
+    ("wan qkv/out/q2/o2", 14040, 5120, 5120),
+    ("wan ffn in", 14040, 5120, 13824),
+    ("wan ffn out", 14040, 13824, 5120),
+]
+# (name, batch, heads, tokens, head_dim)
+ATTENTION = [
+    ("flux2 1024²", 1, 48, 4608, 128),
+    ("wan 2.2 A14B 832x480x33", 1, 40, 14040, 128),
+]
+
+
+def timed(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+@triton.jit
+def _flash_fwd(
+    desc_q,
+    desc_k,
+    desc_v,
+    desc_o,
+    tokens,
+    heads,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WS: tl.constexpr,
+):
+    """One program: BLOCK_M query rows of one (batch, head), over all keys, online softmax in base 2. q, k, v,
+    o are [batch, tokens, heads·head_dim] descriptors with [1, rows, head_dim] boxes: rows past ``tokens`` load
+    as zeros and are not stored, and the last key tile masks its missing keys."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads
+    col = (bh % heads) * HEAD_DIM
+    m0 = pid_m * BLOCK_M
+    q = desc_q.load([b, m0, col]).reshape(BLOCK_M, HEAD_DIM)
+    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    full = (tokens // BLOCK_N) * BLOCK_N
+    for n in tl.range(0, full, BLOCK_N, warp_specialize=WS):
+        k = desc_k.load([b, n, col]).reshape(BLOCK_N, HEAD_DIM)
+        s = tl.dot(q, k.T)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = desc_v.load([b, n, col]).reshape(BLOCK_N, HEAD_DIM)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    if full < tokens:
+        k = desc_k.load([b, full, col]).reshape(BLOCK_N, HEAD_DIM)
+        s = tl.dot(q, k.T) * qk_scale
+        s = tl.where((full + tl.arange(0, BLOCK_N))[None, :] < tokens, s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = desc_v.load([b, full, col]).reshape(BLOCK_N, HEAD_DIM)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    out = acc / l_i[:, None]
+    desc_o.store([b, m0, col], out.to(desc_o.dtype).reshape(1, BLOCK_M, HEAD_DIM))
+
+
+def triton_attention(q, k, v, cfg: dict) -> torch.Tensor:
+    """q, k, v [batch, tokens, heads, head_dim] (the last two contiguous) → out of the same shape."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    b, n, h, d = q.shape
+    out = torch.empty_like(q)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+
+    def desc(t, rows):
+        return TensorDescriptor(t, [b, n, h * d], [t.stride(0), t.stride(1), 1], [1, rows, d])
+
+    grid = (triton.cdiv(n, bm), b * h)
+    _flash_fwd[grid](
+        desc(q, bm),
+        desc(k, bn),
+        desc(v, bn),
+        desc(out, bm),
+        n,
+        h,
+        (1.0 / math.sqrt(d)) * 1.4426950408889634,
+        HEAD_DIM=d,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        WS=cfg["WS"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+CONFIGS = [
+    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, WS=ws)
+    for ws in (False, True)
+    for bm in (128,)
+    for bn in (64, 128)
+    for w in (4, 8)
+    for s in (2, 3, 4)
+    if not (bn == 128 and s == 4)
+]
+
+
+def gemms() -> None:
+    print("## GEMMs (bf16, F.linear, batch 1)", flush=True)
+    rows = []
+    for name, m, k, n in GEMMS:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        ms = timed(lambda x=x, w=w: F.linear(x, w))
+        rows.append((name, m, k, n, ms))
+        print(f"{name:28s} {m}x{k}x{n}: {ms:.3f} ms, {2 * m * k * n / ms / 1e9:.0f} TF/s", flush=True)
+    try:
+        import torch.cuda.tunable as tunable
+
+        tunable.enable(True)
+        tunable.tuning_enable(True)
+        tunable.set_max_tuning_duration(200)
+        tunable.set_max_tuning_iterations(100)
+        for name, m, k, n in GEMMS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+            F.linear(x, w)  # tunes
+            ms = timed(lambda x=x, w=w: F.linear(x, w))
+            print(f"tunableop {name:28s}: {ms:.3f} ms, {2 * m * k * n / ms / 1e9:.0f} TF/s", flush=True)
+        tunable.enable(False)
+    except Exception as error:  # noqa: BLE001 (a probe: say what failed and go on)
+        print(f"tunableop failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
+
+
+def attention() -> None:
+    print("## attention (bf16, [B, L, H, D] as diffusers' processors hand it over)", flush=True)
+    for name, b, h, n, d in ATTENTION:
+        q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        flops = 4 * b * h * n * n * d
+        ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        ref = ref.transpose(1, 2)
+        for label, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+
+            def call(backend=backend, q=q, k=k, v=v):
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(
+                        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+                    )
+
+            ms = timed(call)
+            print(f"{name} {label}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TF/s", flush=True)
+        best = None
+        for cfg in CONFIGS:
+            try:
+                out = triton_attention(q, k, v, cfg)
+                err = (out.float() - ref.float()).abs().max().item()
+                ms = timed(lambda cfg=cfg, q=q, k=k, v=v: triton_attention(q, k, v, cfg), repeats=10)
+            except Exception as error:  # noqa: BLE001
+                print(f"  triton {cfg}: failed {type(error).__name__}: {str(error)[:160]}", flush=True)
+                continue
+            print(
+                f"  triton {cfg}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TF/s, max |diff| {err:.4f}", flush=True
+            )
+            if best is None or ms < best[0]:
+                best = (ms, cfg)
+        if best:
+            print(
+                f"{name} triton best: {best[0]:.3f} ms, {flops / best[0] / 1e9:.0f} TF/s {best[1]}",
+                flush=True,
+            )
+
+
+def libs(rounds: int = 3) -> None:
+    print("## GEMM libraries, alternated (ms per call)", flush=True)
+    import torch.cuda.tunable as tunable
+
+    cases = []
+    for name, m, k, n in GEMMS:
+        bias = name.startswith("wan")  # Wan's linears carry a bias, FLUX.2's do not
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+        cases.append((name, m, k, n, x, w, b))
+    times = {}
+    for _ in range(rounds):
+        for lib in ("cublas", "cublaslt", "tunable"):
+            tunable.enable(lib == "tunable")
+            tunable.tuning_enable(lib == "tunable")
+            torch.backends.cuda.preferred_blas_library("cublaslt" if lib == "cublaslt" else "cublas")
+            for name, _m, _k, _n, x, w, b in cases:
+                ms = timed(lambda x=x, w=w, b=b: F.linear(x, w, b))
+                times.setdefault((name, lib), []).append(ms)
+    tunable.enable(False)
+    torch.backends.cuda.preferred_blas_library("default")
+    for name, m, k, n, *_ in cases:
+        cells = []
+        for lib in ("cublas", "cublaslt", "tunable"):
+            ms = sorted(times[(name, lib)])[rounds // 2]
+            cells.append(f"{lib} {ms:.3f} ({2 * m * k * n / ms / 1e9:.0f} TF/s)")
+        print(f"{name:28s} " + "; ".join(cells), flush=True)
+    for line in tunable.get_results():
+        print("  tunable pick:", line, flush=True)
+
+
+def drift(seconds: float = 20.0) -> None:
+    print("## drift: flux2 single qkv+mlp GEMM back to back", flush=True)
+    name, m, k, n = GEMMS[0]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    start = time.perf_counter()
+    marks = []
+    while time.perf_counter() - start < seconds:
+        ms = timed(lambda: F.linear(x, w), repeats=50)
+        marks.append((time.perf_counter() - start, 2 * m * k * n / ms / 1e9))
+    for t, tf in marks[:3] + marks[-3:]:
+        print(f"  t={t:5.1f} s: {tf:.0f} TF/s", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="gemm,attention,drift")
+    only = ap.parse_args().only.split(",")
+    print(torch.__version__, triton.__version__, torch.cuda.get_device_name(), flush=True)
+    if "attention" in only:
+        attention()
+    if "libs" in only:
+        libs()
+    if "drift" in only:
+        drift()
+    if "gemm" in only:
+        gemms()
+
+
+if __name__ == "__main__":
+    main()
