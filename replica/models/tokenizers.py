@@ -9,9 +9,12 @@ weights like any other tokenizer.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from tokenizers import Regex, normalizers
-from transformers import CLIPTokenizer, PreTrainedTokenizerFast, T5TokenizerFast
+
+if TYPE_CHECKING:
+    from transformers import CLIPTokenizer, PreTrainedTokenizerFast, T5TokenizerFast
 
 # Words that get a single token each (shapes, colours and scene words of the demo data); anything else
 # falls back to characters, so unknown prompts still tokenize.
@@ -63,6 +66,8 @@ def _bpe_merges(words: list[str]) -> list[tuple[str, str]]:
 
 def build_clip_tokenizer(model_max_length: int = 77) -> CLIPTokenizer:
     """A CLIP tokenizer: byte-level alphabet + BPE merges that make every demo word one token."""
+    from transformers import CLIPTokenizer  # here: the CLI and the API front end import this module too
+
     vocab: dict[str, int] = {}
 
     def add(token: str) -> None:
@@ -82,6 +87,8 @@ def build_clip_tokenizer(model_max_length: int = 77) -> CLIPTokenizer:
 
 def build_t5_tokenizer(model_max_length: int = 512) -> T5TokenizerFast:
     """A T5 (unigram) tokenizer: special tokens, whole demo words, then single characters as fallback."""
+    from transformers import T5TokenizerFast
+
     pieces: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
     seen = {p for p, _ in pieces}
     for word in DEMO_WORDS:
@@ -334,6 +341,8 @@ def with_caption_normalizer(tokenizer, moving: bool = False) -> PreTrainedTokeni
     their normalizer on load and would drop this one, while the generic class loads ``tokenizer.json`` as it
     is, so diffusers' own pipelines read a prompt as ditserve does.
     """
+    from transformers import PreTrainedTokenizerFast
+
     backend = tokenizer.backend_tokenizer
     backend.normalizer = caption_normalizer(moving)
     special = {
