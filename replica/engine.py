@@ -198,6 +198,12 @@ class Engine:
             raise ValueError(
                 f"num_inference_steps: {params.num_inference_steps} is above the maximum {limits.max_steps}"
             )
+        if params.num_inference_steps < spec.min_steps:
+            raise ValueError(
+                f"num_inference_steps: {spec.name} needs at least {spec.min_steps} steps (its scheduler "
+                f"stretches the schedule to shift_terminal; {params.num_inference_steps} step draws NaN, a black "
+                "image, in diffusers' pipeline too)"
+            )
         names = [ref.name for ref in params.lora]
         twice = sorted({name for name in names if names.count(name) > 1})
         if twice:

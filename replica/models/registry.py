@@ -90,6 +90,15 @@ class ModelSpec:
     def transformer_config(self) -> dict:
         return dict(self.folder.config("transformer"))
 
+    @cached_property
+    def min_steps(self) -> int:
+        """The fewest denoising steps the folder's scheduler draws with: 2 where it stretches its schedule to
+        a terminal sigma (``shift_terminal``, as Qwen-Image's): one step stretches by 0 / 0, and diffusers' own
+        pipeline draws NaN latents (a black image); else 1."""
+        file = self.path / "scheduler" / "scheduler_config.json"
+        config = read_json(file) if file.is_file() else {}
+        return 2 if config.get("shift_terminal") else 1
+
     @property
     def num_attention_heads(self) -> int:
         return self.family_spec.heads(self.transformer_config())

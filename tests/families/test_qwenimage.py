@@ -19,6 +19,7 @@ from diffusers import (
     QwenImageImg2ImgPipeline,
     QwenImagePipeline,
 )
+from openai import BadRequestError
 from PIL import Image
 
 from ditserve.replica.config import EngineConfig
@@ -281,6 +282,14 @@ def test_serve_and_openai_client(t2i_folder, t2i_expected, unsized_expected):
             prompt=UNSIZED.prompt,
             extra_body=sampling_body(UNSIZED),
         )
+        # One step: the scheduler's shift_terminal stretch divides 0 by 0, and the image was all black (NaN
+        # latents; diffusers' pipeline draws the same). Refused naming the field; the server serves on.
+        with pytest.raises(BadRequestError) as info:
+            openai_client(server).images.generate(
+                prompt=CFG.prompt, size="32x32", extra_body={"num_inference_steps": 1, "seed": 3}
+            )
+        assert info.value.body["param"] == "num_inference_steps"
+        assert "at least 2 steps" in info.value.body["message"]
         result = openai_client(server).images.generate(
             model=t2i_folder.name,
             prompt=CFG.prompt,
