@@ -69,7 +69,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--negative-prompt", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n", type=int, default=1, help="Number of outputs (files get a suffix).")
-    p.add_argument("--num-frames", type=int, default=9, help="Video frames (video models).")
+    p.add_argument("--num-frames", type=int, default=None, help="Video frames (video models; default 9).")
     p.add_argument(
         "--fps",
         type=int,
@@ -218,6 +218,10 @@ def run_generate(ns: argparse.Namespace) -> int:
     if (suffix != ".mp4") if video else (image_format is None):
         kinds = "videos (.mp4)" if video else "images (.png, .jpg, .webp)"
         return _fail(f"-o {ns.output}: {engine.spec.name} makes {kinds}")
+    if not video:  # a video's settings would be dropped: the image made as without them
+        for flag, value in (("--num-frames", ns.num_frames), ("--fps", ns.fps)):
+            if value is not None:
+                return _fail(f"{flag}: {engine.spec.name} makes images; {flag} is a video model's")
     negative, true_cfg = engine.spec.guidance_defaults(ns.negative_prompt, ns.true_cfg_scale)
     from ditserve.replica.media import image_size
 
@@ -279,7 +283,7 @@ def run_generate(ns: argparse.Namespace) -> int:
             negative_prompt=negative,
             width=width,
             height=height,
-            num_frames=ns.num_frames if video else 1,
+            num_frames=(9 if ns.num_frames is None else ns.num_frames) if video else 1,
             num_inference_steps=ns.num_inference_steps,
             guidance_scale=ns.guidance_scale,
             guidance_scale_2=ns.guidance_scale_2,

@@ -234,6 +234,11 @@ class Engine:
                 )
             if len(params.images) > 1:
                 raise ValueError(f"input_reference: one first frame, got {len(params.images)} images")
+            if params.mask is not None:
+                raise ValueError(
+                    f"mask: {spec.name} makes videos; a mask is image inpainting's (the first frame is kept "
+                    "whole), send the video request without it"
+                )
         if self.spec.kind == "video" and params.num_frames > limits.max_frames:
             raise ValueError(f"num_frames: {params.num_frames} is above the maximum {limits.max_frames}")
 

@@ -108,6 +108,9 @@ def test_several_prompts_one_batch_one_file_each(tmp_path):
         (["--model", "demo-flux", "-o", "x.gif"], "makes images (.png, .jpg, .webp)"),
         # without --image there is nothing to keep: it was dropped and a text-to-image made
         (["--model", "demo-flux", "--strength", "0.5"], "--strength: image-to-image needs the start image"),
+        # a video's settings on an image model: dropped, the image made as without them
+        (["--model", "demo-flux", "--num-frames", "5"], "--num-frames: demo-flux makes images"),
+        (["--model", "demo-flux", "--fps", "8"], "--fps: demo-flux makes images"),
         (["--model", "demo-wan", "--num-frames", "8", "-o", "x.mp4"], "--num-frames: must be 4·k + 1"),
         # the API's guidance bounds, 0..100 and finite (a NaN, infinite or negative scale made a video)
         (
@@ -128,9 +131,9 @@ def test_bad_arguments_exit_non_zero_with_a_message(tmp_path, args, message):
     assert message in done.stderr
 
 
-def test_strength_on_an_image_to_video_model_is_refused(tmp_path):
-    """--strength is image-to-image's: an image-to-video model starts from its --image as the first frame,
-    and the strength was dropped (the video made as without it)."""
+def test_strength_or_a_mask_on_an_image_to_video_model_is_refused(tmp_path):
+    """--strength and --mask are image-to-image's: an image-to-video model starts from its --image as the first
+    frame, and the strength or mask was dropped (the video made as without it)."""
     from tests.families.wan_i2v import build_folder, reference_png
 
     folder = build_folder(tmp_path / "wan-i2v-tiny")
@@ -142,6 +145,13 @@ def test_strength_on_an_image_to_video_model_is_refused(tmp_path):
         "--num-frames", "5", "--num-inference-steps", "1", "--width", "32", "--height", "32", "-o", str(out),
     )  # fmt: skip
     assert done.returncode == 2 and "--strength: wan-i2v-tiny makes videos" in done.stderr, done.stderr
+    assert not out.exists()
+    # a mask likewise: dropped, the video made from the whole first frame
+    done = generate(
+        "a fox", "--model", str(folder), "--image", str(first), "--mask", str(first),
+        "--num-frames", "5", "--num-inference-steps", "1", "--width", "32", "--height", "32", "-o", str(out),
+    )  # fmt: skip
+    assert done.returncode == 2 and "--mask: wan-i2v-tiny makes videos" in done.stderr, done.stderr
     assert not out.exists()
 
 
