@@ -2,14 +2,20 @@
 and Wan 2.2 shapes, and whether a Triton flash-attention forward (TMA loads, optionally warp-specialised) beats
 cuDNN's there:
 
-    python benchmarks/probes/step_floor.py [--only gemm,attention,drift]
+    python benchmarks/probes/step_floor.py [--only gemm,attention,cross,libs,layouts,power,drift]
 
 - gemm: each block GEMM of FLUX.2 dev at 1024² and Wan 2.2 A14B at 832×480×33 (bf16, as F.linear runs it),
-  TFLOP/s, and the same with PyTorch's TunableOp picking among cuBLAS/cuBLASLt algorithms;
+  TFLOP/s, and the same with PyTorch's TunableOp on (on CUDA builds its only solution is "Default", cuBLAS's
+  own choice: any difference is the GPU's state, not another algorithm);
 - attention: SDPA's cuDNN and flash backends and the Triton kernel below on the self-attention shapes, TFLOP/s
   (4·B·H·L²·D per call), with the Triton kernel's best config and its largest difference from cuDNN's output;
+  cross: the same for Wan's cross-attention (14040 video tokens onto 512 text tokens);
 - libs: each GEMM (with the model's bias where it has one) under cuBLAS and cuBLASLt
   (``torch.backends.cuda.preferred_blas_library``) and TunableOp, timed in alternation, and TunableOp's picks;
+- layouts: cuDNN attention with q, k, v as the processors hand them over ([B, L, H, D] transposed) against
+  contiguous [B, H, L, D] tensors (and each mix), the output's layout as cuDNN writes it;
+- power: the same GEMM for ~15 s with ``nvidia-smi`` sampling power draw, the power limit, SM clock and the
+  active clock-event reasons once a second (0x4: the software power cap);
 - drift: one GEMM run back to back for ~20 s, its rate in the first and the last seconds (does the GPU slow as
   it warms, so that a row timed later reads slower?).
 """
@@ -37,11 +43,12 @@ GEMMS = [
     ("wan ffn in", 14040, 5120, 13824),
     ("wan ffn out", 14040, 13824, 5120),
 ]
-# (name, batch, heads, tokens, head_dim)
+# (name, batch, heads, tokens, head_dim[, key tokens])
 ATTENTION = [
     ("flux2 1024²", 1, 48, 4608, 128),
     ("wan 2.2 A14B 832x480x33", 1, 40, 14040, 128),
 ]
+CROSS = [("wan 2.2 A14B cross-attention (512 text tokens)", 1, 40, 14040, 128, 512)]
 
 
 def timed(fn, repeats: int = 20) -> float:
@@ -68,6 +75,7 @@ def _flash_fwd(
     desc_o,
     tokens,
     heads,
+    kv_tokens,
     qk_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -86,7 +94,7 @@ def _flash_fwd(
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    full = (tokens // BLOCK_N) * BLOCK_N
+    full = (kv_tokens // BLOCK_N) * BLOCK_N
     for n in tl.range(0, full, BLOCK_N, warp_specialize=WS):
         k = desc_k.load([b, n, col]).reshape(BLOCK_N, HEAD_DIM)
         s = tl.dot(q, k.T)
@@ -97,10 +105,10 @@ def _flash_fwd(
         v = desc_v.load([b, n, col]).reshape(BLOCK_N, HEAD_DIM)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
-    if full < tokens:
+    if full < kv_tokens:
         k = desc_k.load([b, full, col]).reshape(BLOCK_N, HEAD_DIM)
         s = tl.dot(q, k.T) * qk_scale
-        s = tl.where((full + tl.arange(0, BLOCK_N))[None, :] < tokens, s, -float("inf"))
+        s = tl.where((full + tl.arange(0, BLOCK_N))[None, :] < kv_tokens, s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
@@ -120,7 +128,7 @@ def triton_attention(q, k, v, cfg: dict) -> torch.Tensor:
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
 
     def desc(t, rows):
-        return TensorDescriptor(t, [b, n, h * d], [t.stride(0), t.stride(1), 1], [1, rows, d])
+        return TensorDescriptor(t, [b, t.shape[1], h * d], [t.stride(0), t.stride(1), 1], [1, rows, d])
 
     grid = (triton.cdiv(n, bm), b * h)
     _flash_fwd[grid](
@@ -130,6 +138,7 @@ def triton_attention(q, k, v, cfg: dict) -> torch.Tensor:
         desc(out, bm),
         n,
         h,
+        k.shape[1],
         (1.0 / math.sqrt(d)) * 1.4426950408889634,
         HEAD_DIM=d,
         BLOCK_M=bm,
@@ -144,11 +153,11 @@ def triton_attention(q, k, v, cfg: dict) -> torch.Tensor:
 CONFIGS = [
     dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, WS=ws)
     for ws in (False, True)
-    for bm in (128,)
+    for bm in (64, 128)
     for bn in (64, 128)
     for w in (4, 8)
     for s in (2, 3, 4)
-    if not (bn == 128 and s == 4)
+    if not (bn == 128 and s == 4) and not (bm == 64 and w == 8)
 ]
 
 
@@ -179,14 +188,20 @@ def gemms() -> None:
         print(f"tunableop failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
 
 
-def attention() -> None:
+def attention(shapes=ATTENTION) -> None:
     print("## attention (bf16, [B, L, H, D] as diffusers' processors hand it over)", flush=True)
-    for name, b, h, n, d in ATTENTION:
-        q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        flops = 4 * b * h * n * n * d
+    for name, b, h, n, d, *kv in shapes:
+        nk = kv[0] if kv else n
+        q = torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, nk, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        flops = 4 * b * h * n * nk * d
         ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         ref = ref.transpose(1, 2)
-        for label, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        for label, backend in (
+            ("cudnn", SDPBackend.CUDNN_ATTENTION),
+            ("flash", SDPBackend.FLASH_ATTENTION),
+            ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+        ):
 
             def call(backend=backend, q=q, k=k, v=v):
                 with sdpa_kernel([backend]):
@@ -249,6 +264,50 @@ def libs(rounds: int = 3) -> None:
         print("  tunable pick:", line, flush=True)
 
 
+def layouts() -> None:
+    print("## cuDNN attention by input layout", flush=True)
+    for name, b, h, n, d in ATTENTION:
+        flops = 4 * b * h * n * n * d
+        bshd = [
+            torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)
+        ]
+        bhsd = [t.contiguous() for t in bshd]
+        cases = {
+            "q,k,v [B,L,H,D]ᵀ": bshd,
+            "q,k,v [B,H,L,D]": bhsd,
+            "q,k [B,H,L,D], v [B,L,H,D]ᵀ": [bhsd[0], bhsd[1], bshd[2]],
+        }
+        for label, (q, k, v) in cases.items():
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                out = F.scaled_dot_product_attention(q, k, v)
+                ms = timed(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v))
+            print(
+                f"{name} {label}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TF/s, out strides {out.stride()}",
+                flush=True,
+            )
+
+
+def power(seconds: float = 15.0) -> None:
+    import subprocess
+
+    print("## power: flux2 single qkv+mlp GEMM back to back, nvidia-smi once a second", flush=True)
+    query = "power.draw,power.limit,clocks.sm,clocks.max.sm,temperature.gpu,clocks_throttle_reasons.active"
+    smi = subprocess.Popen(
+        ["nvidia-smi", f"--query-gpu={query}", "--format=csv", "-lms", "1000"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    name, m, k, n = GEMMS[0]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        ms = timed(lambda: F.linear(x, w), repeats=20)
+    print(f"  last: {2 * m * k * n / ms / 1e9:.0f} TF/s", flush=True)
+    smi.terminate()
+    print(smi.communicate()[0], flush=True)
+
+
 def drift(seconds: float = 20.0) -> None:
     print("## drift: flux2 single qkv+mlp GEMM back to back", flush=True)
     name, m, k, n = GEMMS[0]
@@ -270,8 +329,14 @@ def main() -> None:
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name(), flush=True)
     if "attention" in only:
         attention()
+    if "cross" in only:
+        attention(CROSS)
+    if "layouts" in only:
+        layouts()
     if "libs" in only:
         libs()
+    if "power" in only:
+        power()
     if "drift" in only:
         drift()
     if "gemm" in only:
