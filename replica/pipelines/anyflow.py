@@ -24,7 +24,6 @@ the cache forward before chunk k runs with chunk k's prompt.
 from __future__ import annotations
 
 import functools
-import io
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +33,7 @@ import torch
 from ..families.anyflow import chunk_partition
 from ..parallel.anyflow import FarCall, FarCausalAttnProcessor, FarLayerCache, FarRope
 from ..request import GenerationParams
-from .base import PipelineRunner, RequestState, request_scheduler
+from .base import PipelineRunner, RequestState, open_image, request_scheduler
 
 
 def session_partition(frames_per_chunk: int, num_chunks: int, temporal: int) -> list[int]:
@@ -187,9 +186,8 @@ class AnyFlowRunner(PipelineRunner):
 
     def _first_frame(self, params: GenerationParams) -> torch.Tensor:
         """The first frame's latents (rows, 1, C, h, w), as the pipeline's ``video=`` path encodes them."""
-        from PIL import Image
-
-        image = Image.open(io.BytesIO(params.images[0])).convert("RGB")
+        # upright and 8-bit, as diffusers' load_image gives it (an EXIF-turned phone photo, a 16-bit PNG)
+        image = open_image(params.images[0])
         latents = self.pipe.encode_video([image], height=params.height, width=params.width)
         return latents.to(self.dtype).repeat(params.n, 1, 1, 1, 1)
 

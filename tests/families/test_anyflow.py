@@ -320,6 +320,34 @@ def test_first_frame_session_equals_the_pipeline_image_to_video(engine, pipe):
     assert got.shape == want.shape and psnr(got, want) >= 40, psnr(got, want)
 
 
+def test_a_turned_or_16_bit_first_frame_is_drawn_as_its_upright_8_bit_twin(engine):
+    """A first frame is read as diffusers' ``load_image`` gives it: a PNG stored turned with an EXIF
+    orientation (as phones save photos) draws what the upright picture draws, a 16-bit greyscale PNG what its
+    8-bit twin draws. The first was drawn turned a quarter, the second clipped nearly white (the ingress
+    checks the shown size; the runner read the stored pixels)."""
+    pixels = (np.random.default_rng(4).random((64, 64, 3)) * 255).astype(np.uint8)
+    levels = np.linspace(0, 65535, 64 * 64).reshape(64, 64).astype(np.uint16)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # shown turned a quarter clockwise from how it is stored
+    pictures = [
+        (Image.fromarray(pixels), {}),
+        (Image.fromarray(pixels).transpose(Image.Transpose.ROTATE_90), {"exif": exif}),
+        (Image.fromarray(levels), {}),
+        (Image.fromarray((levels / 257).round().astype(np.uint8)), {}),
+    ]
+    files = []
+    for picture, kwargs in pictures:
+        buffer = io.BytesIO()
+        picture.save(buffer, format="PNG", **kwargs)
+        files.append(buffer.getvalue())
+    upright, turned, deep, shallow = (
+        np.concatenate(session(engine, f"r1.t{i}", [SETTINGS["prompt"]], max_chunks=1, images=(f,)))
+        for i, f in enumerate(files)
+    )
+    np.testing.assert_array_equal(turned, upright)
+    np.testing.assert_array_equal(deep, shallow)
+
+
 def worker_session(worker, sid: str, chunks: int) -> list[np.ndarray]:
     """A session's chunks driven on one rank worker directly (as the engine's loop does)."""
     out = []
