@@ -59,16 +59,11 @@ def job_failure(exc: BaseException) -> str:
     return f"internal error ({type(exc).__name__}); see the server log"
 
 
-def latent_preview(latents: np.ndarray, width: int, height: int) -> bytes:
-    """A cheap preview of packed Flux latents [n, seq, C·4]: unpack the 2×2 patches of the first item and
-    show three latent channels, min-max scaled (1/8 of the image size; no VAE decode)."""
-    x = np.asarray(latents[0] if latents.ndim == 3 else latents, dtype=np.float32)
-    h, w = height // 16, width // 16
-    if x.ndim == 2 and h * w == x.shape[0] and x.shape[1] % 4 == 0:
-        c = x.shape[1] // 4
-        grid = x.reshape(h, w, c, 2, 2).transpose(0, 3, 1, 4, 2).reshape(2 * h, 2 * w, c)
-    else:  # unknown layout: a grey strip per token keeps the event shape
-        grid = x.reshape(x.shape[0], -1)[:, :1].reshape(1, -1, 1)
+def latent_preview(grid: np.ndarray) -> bytes:
+    """A cheap preview of latents on their grid, (height, width, channels) as the family unpacks them
+    (``Worker.preview``): three latent channels, min-max scaled, one pixel per latent (1/8 of the image size
+    with an 8x VAE; no VAE decode)."""
+    grid = np.asarray(grid, dtype=np.float32)
     rgb = grid[..., :3] if grid.shape[-1] >= 3 else np.repeat(grid[..., :1], 3, axis=-1)
     lo, hi = float(rgb.min()), float(rgb.max())
     pixels = ((rgb - lo) / (hi - lo + 1e-6) * 255).astype(np.uint8)
@@ -154,8 +149,8 @@ class ReplicaStreams:
             if not preview or done >= total:
                 post({"type": "progress", "step": done, "total": total})
 
-        def on_preview(done: int, total: int, latents: Any) -> None:
-            png = latent_preview(latents, params.width, params.height) if latents is not None else b""
+        def on_preview(done: int, total: int, grid: Any) -> None:
+            png = latent_preview(grid) if grid is not None else b""
             post({"type": "progress", "step": done, "total": total, "preview": png})
 
         try:

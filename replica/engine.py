@@ -280,7 +280,8 @@ class Engine:
         """Queue a request; the future resolves to a :class:`GenerationResult`. Cancel it to free the slot.
 
         ``on_progress(done, total)`` runs in the loop thread after every step; ``on_preview(done, total,
-        latents)`` too, before the last step, with the current latents (a served rank's ``latents``);
+        grid)`` too, before the last step, with the current latents as a (height, width, channels) grid (a
+        served rank's ``preview``);
         ``on_start()`` once, when the loop takes the request from the queue (its prompt and images are encoded
         after it, then its first step runs)."""
         if not self.running:
@@ -306,7 +307,7 @@ class Engine:
                 if on_progress is not None:
                     on_progress(done, total)
                 if done < total:  # between steps: the ranks are idle, reading latents is safe
-                    on_preview(done, total, self.launcher.call("latents", job.req_id))
+                    on_preview(done, total, self.launcher.call("preview", job.req_id))
 
             job.on_progress = progress_and_preview
         self.scheduler.submit(job)

@@ -483,6 +483,14 @@ class RankWorker:
             return None
         return self.states[req_id].latents.detach().float().cpu().numpy()
 
+    def preview(self, req_id: str) -> np.ndarray | None:
+        """The request's first output's current latents as a (height, width, channels) grid on the latent
+        grid (its family unpacks them), float32 on host: a progress preview's picture; rank 0 only."""
+        if self.rank != 0:
+            return None
+        grid = self.runner.preview_latents(self.states[req_id])
+        return grid.detach().float().permute(1, 2, 0).cpu().numpy()
+
     def drop(self, req_id: str) -> None:
         self.states.pop(req_id, None)
 

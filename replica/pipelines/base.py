@@ -261,6 +261,13 @@ class PipelineRunner(ABC):
     def decode(self, state: RequestState) -> np.ndarray:
         """uint8 images [n, H, W, 3] or videos [n, F, H, W, 3]."""
 
+    def preview_latents(self, state: RequestState) -> torch.Tensor:
+        """The first output's current latents on the latent grid, (channels, height, width): what a progress
+        preview shows. Default: latents kept as [n, C, h, w] (SD3, Z-Image), or a video's [n, C, frames, h,
+        w] (its first frame); a family that packs its latents unpacks them."""
+        x = state.latents[0]
+        return x[:, 0] if x.dim() == 4 else x
+
     def needs_uncond(self, state: RequestState) -> bool:
         """Whether the request's uncond branch runs at this step (a family may switch guidance off for
         some steps, e.g. Z-Image's CFG truncation)."""

@@ -205,3 +205,7 @@ class FluxRunner(PipelineRunner):
         pipe, p = self.pipe, state.params
         latents = pipe._unpack_latents(state.latents, p.height, p.width, pipe.vae_scale_factor)
         return decode_images(pipe, unscale_latents(pipe.vae, latents))
+
+    def preview_latents(self, state: RequestState) -> torch.Tensor:
+        pipe, p = self.pipe, state.params
+        return pipe._unpack_latents(state.latents[:1], p.height, p.width, pipe.vae_scale_factor)[0]

@@ -258,6 +258,11 @@ class Flux2Runner(PipelineRunner):
         )
         return decode_images(pipe, pipe._unpatchify_latents(latents * std + mean))
 
+    def preview_latents(self, state: RequestState) -> torch.Tensor:
+        pipe = self.pipe
+        latents = pipe._unpack_latents_with_ids(state.latents[:1], state.extra["latent_ids"][:1])
+        return pipe._unpatchify_latents(latents)[0]
+
 
 class Flux2KleinRunner(Flux2Runner):
     """``Flux2KleinPipeline``: true CFG against the empty prompt (no user negative prompt)."""

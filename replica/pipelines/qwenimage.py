@@ -334,6 +334,10 @@ class QwenImageRunner(PipelineRunner):
         )[0]
         return out[:, : latents.shape[1]]
 
+    def preview_latents(self, state: RequestState) -> torch.Tensor:
+        pipe, p = self.pipe, state.params
+        return pipe._unpack_latents(state.latents[:1], p.height, p.width, pipe.vae_scale_factor)[0, :, 0]
+
     @torch.no_grad()
     def decode(self, state: RequestState) -> np.ndarray:
         pipe, p = self.pipe, state.params

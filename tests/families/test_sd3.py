@@ -8,6 +8,7 @@ image (in that batch, through ``ditserve generate --image`` and the openai clien
 
 from __future__ import annotations
 
+import base64
 import io
 from pathlib import Path
 
@@ -40,7 +41,7 @@ from tests.families.harness import (
 )
 from tests.families.lora import save_random_lora
 from tests.families.sd3 import LARGE_TRANSFORMER, build_folder, build_pipeline
-from tests.helpers import psnr
+from tests.helpers import png_pixels, psnr
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -260,6 +261,18 @@ def test_serve_openai_client(folder, reference, img2img_reference, unsized_refer
             size=f"{FOX.width}x{FOX.height}",
             extra_body=sampling_body(FOX),
         )
+        # Streamed with previews: each partial image shows the latents on their grid (1/8 of the size); SD3's
+        # latents are [n, C, h, w], and the previews were 1 pixel high strips (read as packed FLUX latents).
+        events = list(
+            client.images.generate(
+                model=folder.name,
+                prompt=FOX.prompt,
+                size=f"{FOX.width}x{FOX.height}",
+                stream=True,
+                partial_images=2,
+                extra_body=sampling_body(FOX),
+            )
+        )
         refused = []
         for strength in (0.0, 1.5):
             with pytest.raises(openai.BadRequestError) as error:
@@ -276,6 +289,11 @@ def test_serve_openai_client(folder, reference, img2img_reference, unsized_refer
     message = true_cfg.value.body["message"]
     assert message.startswith("true_cfg_scale: ") and "guidance_scale" in message, message
     assert psnr(b64_pixels(result), reference[0]) >= 40
+    partial = [png_pixels(base64.b64decode(e.b64_json)) for e in events if e.type.endswith("partial_image")]
+    assert [p.shape for p in partial] == [(FOX.height // 8, FOX.width // 8, 3)] * 2
+    assert all(p.std() > 0 for p in partial)  # the latents' picture, not one grey level
+    assert events[-1].type.endswith("completed")
+    assert psnr(png_pixels(base64.b64decode(events[-1].b64_json)), reference[0]) >= 40
     assert [(e.status_code, e.param) for e in refused] == [(400, "strength")] * 2
     assert all(e.body["message"].startswith("strength: ") for e in refused), [e.body for e in refused]
     assert psnr(b64_pixels(edited), img2img_reference) >= 40

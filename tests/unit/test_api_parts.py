@@ -62,12 +62,12 @@ def test_sse_events_stop_at_done():
     assert list(sse_events(iter(lines))) == [("a", {"x": 1}), ("message", {"y": 2})]
 
 
-def test_latent_preview_unpacks_flux_patches():
-    latents = np.random.default_rng(0).standard_normal((1, 16, 64)).astype(np.float32)  # 64×64 image
-    image = np.array(Image.open(io.BytesIO(latent_preview(latents, 64, 64))))
-    assert image.shape == (8, 8, 3) and image.min() == 0 and image.max() >= 254
-    odd = latent_preview(np.zeros((1, 7, 5), np.float32), 64, 64)  # unknown layout still gives a PNG
-    assert odd[:4] == b"\x89PNG"
+def test_latent_preview_is_a_pixel_per_latent():
+    grid = np.random.default_rng(0).standard_normal((8, 12, 16)).astype(np.float32)  # (h, w, channels)
+    image = np.array(Image.open(io.BytesIO(latent_preview(grid))))
+    assert image.shape == (8, 12, 3) and image.min() == 0 and image.max() >= 254
+    one = np.array(Image.open(io.BytesIO(latent_preview(grid[..., :1]))))  # one channel: grey
+    assert one.shape == (8, 12, 3) and (one[..., 0] == one[..., 2]).all()
 
 
 class PromptBody(BaseModel):
