@@ -10,12 +10,17 @@ device)`` and ``REAL_SETTINGS``), in one process and on the same weights, in thi
    CUDA graphs where the family's inputs allow them), compiled again;
 3. **ditserve FP8**: after ``--quantization fp8`` (row-wise FP8 GEMMs), compiled again.
 
-Per row: median step time over ``--steps`` denoising steps (after a warm-up call that compiles, then
+Per row: median step time over ``--steps`` denoising steps, each timed between device syncs (after a warm-up
+call that compiles, then
 ``--heat`` seconds of the row's own generations: an H100 that has idled through a compile runs its GEMMs ~5 %
 faster in its first seconds than once warm, so without it the first row timed, the baseline, reads faster
 than the same kernels in later rows; heated, every row is timed warm, as a serving GPU runs), the image
 time extrapolated to the settings' usual step count (steps × step time + the measured encode/decode), peak
-memory, and PSNR of the output against diffusers' (``--steps`` steps, same seed).
+memory, and PSNR of the output against diffusers' (``--steps`` steps, same seed). Also per row: the step time
+without per-step syncs, from whole generations, (T(steps) - T(2)) / (steps - 2), as both run when nobody
+waits on each step (diffusers' loop and the engine's queue no step on the host): a sync at each step adds
+each row's own host work before its first kernel, which the engine's step (inputs into a CUDA graph's
+buffers) has more of than a compiled pipeline's loop; without it that work overlaps the step before.
 
     python benchmarks/engine/families.py --family flux2 --family qwenimage --steps 4
 """
@@ -117,6 +122,35 @@ def runner_run(runner, settings: dict, steps: int) -> tuple[np.ndarray, list[flo
     out = runner.decode(state)
     sync()
     return np.asarray(out)[0], times[1:], time.perf_counter() - start
+
+
+def runner_total(runner, settings: dict, steps: int) -> float:
+    """Seconds of a whole ``steps``-step generation (encode, steps, decode) with no sync between steps, as
+    the engine runs them: a step's host work overlaps the GPU work queued before it."""
+    from ditserve.replica.request import GenerationParams
+
+    fields = set(GenerationParams.model_fields)
+    kwargs = {k: v for k, v in settings.items() if k in fields} | {"num_inference_steps": steps}
+    kwargs.setdefault("prompt", PROMPT)
+    params = GenerationParams(seed=SEED, **kwargs)
+    sync()
+    start = time.perf_counter()
+    state = runner.add("bench", params)
+    while not state.done:
+        runner.step([state])
+    runner.decode(state)
+    sync()
+    return time.perf_counter() - start
+
+
+def unsynced_step(total, steps: int, rounds: int = 3) -> float:
+    """Seconds per step from whole generations without per-step syncs: (T(steps) - T(2)) / (steps - 2), the
+    median of ``rounds`` alternated pairs (encode and decode, alike in both, drop out)."""
+    longs, shorts = [], []
+    for _ in range(rounds):
+        longs.append(total(steps))
+        shorts.append(total(2))
+    return (statistics.median(longs) - statistics.median(shorts)) / (steps - 2)
 
 
 def make_runner(pipe, cuda_graphs: bool, device: torch.device, dtype: torch.dtype):
@@ -227,22 +261,24 @@ def measure(
     params_b = sum(p.numel() for m in transformers_of(pipe) for p in m.parameters()) / 1e9
     rows = []
 
-    def row(label: str, run, ref=None) -> np.ndarray:
+    def row(label: str, run, ref=None, total=None) -> np.ndarray:
         run(2)  # warm-up: compiles, captures
         until = time.perf_counter() + heat
         while time.perf_counter() < until:  # the GPU to its warm clocks, as for every row
             run(steps)
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
-        out, step_s, total = run(steps)
+        out, step_s, whole = run(steps)
         step = statistics.median(step_s)
-        overhead = max(total - step * steps, 0.0)
+        overhead = max(whole - step * steps, 0.0)
+        free = unsynced_step(total, steps) if total is not None and steps > 2 else float("nan")
         rows.append(
             {
                 "family": name,
                 "config": label,
                 "transformer_params_b": round(params_b, 2),
                 "step_ms": step * 1e3,
+                "step_unsynced_ms": free * 1e3,
                 "image_s": overhead + step * usual,
                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else float("nan"),
                 "psnr_vs_diffusers": None if ref is None else psnr(out, ref),
@@ -255,7 +291,11 @@ def measure(
     if on_gpu:
         for m in transformers_of(pipe):
             compile_blocks(m)
-    ref = row("diffusers compiled (baseline)", lambda n: diffusers_run(pipe, settings, n))
+    ref = row(
+        "diffusers compiled (baseline)",
+        lambda n: diffusers_run(pipe, settings, n),
+        total=lambda n: diffusers_call(pipe, settings, n)[1],
+    )
     if profile and on_gpu:
         profiles += kernel_breakdown(name, {"diffusers compiled": lambda n: diffusers_run(pipe, settings, n)})
     family, runner = make_runner(pipe, graphs and on_gpu, dev, dtype)
@@ -271,7 +311,12 @@ def measure(
             )
             compile_blocks(m)
         runner.model_changed()
-    row("ditserve bf16 --compile", lambda n: runner_run(runner, settings, n), ref)
+    row(
+        "ditserve bf16 --compile",
+        lambda n: runner_run(runner, settings, n),
+        ref,
+        total=lambda n: runner_total(runner, settings, n),
+    )
     if profile and on_gpu:
         profiles += kernel_breakdown(name, {"ditserve bf16": lambda n: runner_run(runner, settings, n)})
     if cfg_batch and on_gpu and not runner.batch_cfg:
@@ -289,7 +334,12 @@ def measure(
         )
         compile_blocks(m)
     runner.model_changed()
-    row("ditserve fp8 --compile", lambda n: runner_run(runner, settings, n), ref)
+    row(
+        "ditserve fp8 --compile",
+        lambda n: runner_run(runner, settings, n),
+        ref,
+        total=lambda n: runner_total(runner, settings, n),
+    )
     torch._dynamo.reset()
     return rows
 
@@ -369,18 +419,22 @@ def profile_table(profiles: list[dict]) -> str:
 
 def table(rows: list[dict], failed: list[str]) -> str:
     lines = [
-        "| family | config | params (B) | step (ms) | image (s, usual steps) | peak (GiB) | PSNR vs diffusers | × baseline |",
-        "|---|---|---|---|---|---|---|---|",
+        "| family | config | params (B) | step (ms) | image (s, usual steps) | peak (GiB) | PSNR vs diffusers | × baseline "
+        "| step, no per-step sync (ms) | × baseline, no per-step sync |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    base = {}
+    base, base_free = {}, {}
     for r in rows:
+        free = r.get("step_unsynced_ms", float("nan"))
         if r["psnr_vs_diffusers"] is None:
-            base[r["family"]] = r["step_ms"]
+            base[r["family"]], base_free[r["family"]] = r["step_ms"], free
         ratio = r["step_ms"] / base[r["family"]] if r["family"] in base else float("nan")
+        ratio_free = free / base_free[r["family"]] if r["family"] in base_free else float("nan")
         p = r["psnr_vs_diffusers"]
         lines.append(
             f"| {r['family']} | {r['config']} | {r['transformer_params_b']} | {r['step_ms']:.1f} | {r['image_s']:.1f} "
-            f"({r['usual_steps']}) | {r['peak_gib']:.1f} | {'—' if p is None else f'{p:.1f}'} | {ratio:.3f} |"
+            f"({r['usual_steps']}) | {r['peak_gib']:.1f} | {'—' if p is None else f'{p:.1f}'} | {ratio:.3f} "
+            f"| {free:.1f} | {ratio_free:.3f} |"
         )
     if failed:
         lines += ["", "Not measured:", *[f"- {f}" for f in failed]]
