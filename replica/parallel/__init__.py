@@ -9,13 +9,36 @@ Typical use on every rank of a replica, after `torch.distributed.init_process_gr
     preds = cfg_all_gather(pred, mesh)                 # (cfg_size, ...) branch i from cfg rank i
 """
 
+import importlib
+from typing import TYPE_CHECKING
+
 from .attention import BACKENDS, AttentionBackend, attention, merge_partial, select_backend
 from .cfg import cfg_all_gather
 from .dims import ParallelDims
-from .flux import FluxParallelAttnProcessor, parallelize_flux
 from .mesh import ParallelMesh, build_mesh
 from .tp import ColumnParallelLinear, RowParallelLinear, ShardedRMSNorm
-from .wan import WanParallelAttnProcessor, parallelize_wan
+
+if TYPE_CHECKING:
+    from .flux import FluxParallelAttnProcessor, parallelize_flux
+    from .wan import WanParallelAttnProcessor, parallelize_wan
+
+# The model wrappers load diffusers' models: imported on first use (PEP 562), so that config readers, which
+# import `.dims` (the `serve` CLI checks a layout), do not spend seconds of CPU on them.
+_MODEL_WRAPPERS = {
+    "FluxParallelAttnProcessor": "flux",
+    "parallelize_flux": "flux",
+    "WanParallelAttnProcessor": "wan",
+    "parallelize_wan": "wan",
+}
+
+
+def __getattr__(name: str):
+    if name not in _MODEL_WRAPPERS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_MODEL_WRAPPERS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BACKENDS",
