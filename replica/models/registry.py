@@ -188,10 +188,14 @@ class ModelSpec:
     def guidance_defaults(
         self, negative_prompt: str | None, true_cfg_scale: float | None
     ) -> tuple[str | None, float]:
-        """Fill what the user left out: the model's recommended negative prompt and true-CFG scale."""
+        """Fill what the user left out, each on its own: the model's recommended negative prompt (unless the
+        request turns true CFG off, true_cfg_scale <= 1) and true-CFG scale. A request that raises the scale
+        without a negative prompt guides against the recommended one: true CFG needs a negative prompt, and
+        such a request was drawn without guidance at all."""
         sampling = self.sampling
-        if negative_prompt is None and true_cfg_scale is None:
+        if negative_prompt is None and (true_cfg_scale is None or true_cfg_scale > 1):
             negative_prompt = sampling.get("negative_prompt")
+        if true_cfg_scale is None:
             true_cfg_scale = sampling.get("true_cfg_scale")
         if true_cfg_scale is None:
             family = self.family_spec

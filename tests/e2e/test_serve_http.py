@@ -164,6 +164,28 @@ def test_served_images_draw_the_held_out_prompts(client):
     assert len(wrong) <= 1, wrong
 
 
+def test_a_true_cfg_scale_alone_guides_against_the_recommended_negative_prompt(client):
+    """demo-scenes recommends true CFG 3 against the empty negative prompt. A request raising the scale and
+    giving no negative prompt guides at its scale against that one (two forwards a step, the image of
+    negative_prompt "" at that scale); it was drawn without guidance, as true_cfg_scale 1 draws."""
+    steps = 3
+
+    def generate(**extra):
+        result = client.images.generate(
+            model="demo-scenes",
+            prompt="a red circle on a blue background",
+            size="64x64",
+            extra_body={"seed": 2, "num_inference_steps": steps, "cache": {"policy": "none"}, **extra},
+        )
+        return png_pixels(base64.b64decode(result.data[0].b64_json)), result.usage.transformer_forwards
+
+    alone, alone_forwards = generate(true_cfg_scale=5.0)
+    given, given_forwards = generate(true_cfg_scale=5.0, negative_prompt="")
+    off, off_forwards = generate(true_cfg_scale=1.0)
+    assert (alone_forwards, given_forwards, off_forwards) == (2 * steps, 2 * steps, steps)
+    assert np.array_equal(alone, given) and not np.array_equal(alone, off)
+
+
 def test_shutdown_turns_health_and_generation_to_503(server):
     """Last in this module: it shuts the module's server down for good, here through gRPC's Shutdown (POST
     /v1/admin/shutdown is the README's last block, run by tests/e2e/test_docs.py); gRPC's Health answers as
