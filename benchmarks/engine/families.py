@@ -102,13 +102,18 @@ def diffusers_run(pipe, settings: dict, steps: int) -> tuple[np.ndarray, list[fl
     return out, [(total - short) / (steps - 2)], total
 
 
-def runner_run(runner, settings: dict, steps: int) -> tuple[np.ndarray, list[float], float]:
+def runner_params(settings: dict, steps: int):
+    """The engine's request for ``settings`` at ``steps`` steps (the settings it does not take left out)."""
     from ditserve.replica.request import GenerationParams
 
     fields = set(GenerationParams.model_fields)
     kwargs = {k: v for k, v in settings.items() if k in fields} | {"num_inference_steps": steps}
     kwargs.setdefault("prompt", PROMPT)
-    params = GenerationParams(seed=SEED, **kwargs)
+    return GenerationParams(seed=SEED, **kwargs)
+
+
+def runner_run(runner, settings: dict, steps: int) -> tuple[np.ndarray, list[float], float]:
+    params = runner_params(settings, steps)
     sync()
     start = time.perf_counter()
     state = runner.add("bench", params)
@@ -127,12 +132,7 @@ def runner_run(runner, settings: dict, steps: int) -> tuple[np.ndarray, list[flo
 def runner_total(runner, settings: dict, steps: int) -> float:
     """Seconds of a whole ``steps``-step generation (encode, steps, decode) with no sync between steps, as
     the engine runs them: a step's host work overlaps the GPU work queued before it."""
-    from ditserve.replica.request import GenerationParams
-
-    fields = set(GenerationParams.model_fields)
-    kwargs = {k: v for k, v in settings.items() if k in fields} | {"num_inference_steps": steps}
-    kwargs.setdefault("prompt", PROMPT)
-    params = GenerationParams(seed=SEED, **kwargs)
+    params = runner_params(settings, steps)
     sync()
     start = time.perf_counter()
     state = runner.add("bench", params)

@@ -24,13 +24,18 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sdpa_backends import timed  # noqa: E402 (CUDA-event median of repeated calls)
 
 # (name, tokens, in, out): the linears a step runs per block, at batch 1
 GEMMS = [
@@ -49,22 +54,6 @@ ATTENTION = [
     ("wan 2.2 A14B 832x480x33", 1, 40, 14040, 128),
 ]
 CROSS = [("wan 2.2 A14B cross-attention (512 text tokens)", 1, 40, 14040, 128, 512)]
-
-
-def timed(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 @triton.jit

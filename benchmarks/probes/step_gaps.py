@@ -31,9 +31,8 @@ def main() -> None:
     ap.add_argument("--size", choices=["real", "tiny"], default="real", help="tiny: a CPU smoke run")
     args = ap.parse_args()
 
-    from families import PROMPT, SEED, make_runner, transformers_of
+    from families import make_runner, runner_params, transformers_of
 
-    from ditserve.replica.request import GenerationParams
     from ditserve.replica.worker import apply_speed_switches, compile_blocks
 
     module = importlib.import_module(f"tests.families.{args.family}")
@@ -52,12 +51,8 @@ def main() -> None:
         runner.model_changed()
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
 
-    fields = set(GenerationParams.model_fields)
-    kwargs = {k: v for k, v in settings.items() if k in fields} | {"num_inference_steps": args.steps + 4}
-    kwargs.setdefault("prompt", PROMPT)
-
     def new_state(tag: str):
-        return runner.add(tag, GenerationParams(seed=SEED, **kwargs))
+        return runner.add(tag, runner_params(settings, args.steps + 4))
 
     warm = new_state("warm")
     while not warm.done:  # compiles and captures
