@@ -90,9 +90,8 @@ def fit_size(size: tuple[int, int], max_width: int, max_height: int, multiple: i
     """``size`` (width, height), scaled down keeping its aspect to fit within the limits where it does not,
     each side rounded down to ``multiple`` (at least one multiple)."""
     width, height = size
-    if (
-        min(width, height) < 1
-    ):  # a side a family's rule floored to nothing (a 2-pixel-wide reference): refused later
+    # a side a family's rule floored to nothing (a 2-pixel-wide reference): its caller refuses it
+    if min(width, height) < 1:
         return width, height
     scale = min(1.0, max_width / width, max_height / height)
     if scale == 1.0:
