@@ -38,3 +38,39 @@ def _environment_per_file():
     for key, value in saved.items():
         if key != "PYTEST_CURRENT_TEST" and os.environ.get(key) != value:
             os.environ[key] = value
+
+
+# -- the order files are handed to the xdist workers ------------------------------------------------------
+# `--dist loadfile` gives each worker one file at a time, and the next one as soon as its current file has 2
+# tests or fewer left to run. By default (`--loadscope-reorder`) xdist hands out the files with the most
+# tests first, so the files of one or two tests came last, and most of those start a `ditserve serve` or a
+# Ray cluster of their own (a minute or more each): fetched two at a time at the end, one worker still ran
+# two of them while the other had nothing left. Here the files that start servers or clusters go first, then
+# the family and multi-rank engine files, then the rest (most tests first, as xdist orders them): the run
+# ends on short files.
+_STARTS = ("ServeProcess(", "served(", "Cluster(")  # a server or a Ray cluster of the file's own
+
+
+def _file_rank(path, tests: int) -> tuple:
+    """Sort key of a test file, heaviest first (see above)."""
+    try:
+        starts = sum(path.read_text().count(s) for s in _STARTS)
+    except OSError:
+        starts = 0
+    group = 0 if starts else 1 if path.parent.name in ("families", "distributed") else 2
+    return (group, -starts, -tests)
+
+
+def pytest_configure(config):
+    if getattr(config.option, "dist", "no") == "loadfile":
+        config.option.loadscopereorder = False  # keep the order of pytest_collection_modifyitems
+
+
+def pytest_collection_modifyitems(config, items):
+    if getattr(config.option, "dist", "no") != "loadfile":
+        return
+    tests: dict = {}
+    for item in items:
+        tests[item.path] = tests.get(item.path, 0) + 1
+    rank = {path: _file_rank(path, n) for path, n in tests.items()}
+    items.sort(key=lambda item: rank[item.path])  # stable: each file's tests keep their order
