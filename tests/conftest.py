@@ -46,8 +46,8 @@ def _environment_per_file():
 # tests first, so the files of one or two tests came last, and most of those start a `ditserve serve` or a
 # Ray cluster of their own (a minute or more each): fetched two at a time at the end, one worker still ran
 # two of them while the other had nothing left. Here the files that start servers or clusters go first, then
-# the family and multi-rank engine files, then the rest (most tests first, as xdist orders them): the run
-# ends on short files.
+# the family, multi-rank engine and other end-to-end files (CLI runs, training), then the rest (most tests
+# first, as xdist orders them): the run ends on short files.
 _STARTS = ("ServeProcess(", "served(", "Cluster(")  # a server or a Ray cluster of the file's own
 
 
@@ -57,7 +57,7 @@ def _file_rank(path, tests: int) -> tuple:
         starts = sum(path.read_text().count(s) for s in _STARTS)
     except OSError:
         starts = 0
-    group = 0 if starts else 1 if path.parent.name in ("families", "distributed") else 2
+    group = 0 if starts else 1 if path.parent.name in ("families", "distributed", "e2e") else 2
     return (group, -starts, -tests)
 
 
