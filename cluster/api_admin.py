@@ -21,7 +21,6 @@ from ditserve.replica.lora.loader import inspect_adapter, second_expert_refusal
 from ditserve.replica.models.registry import transformer_folder
 
 from .control_state import lora_spec
-from .engine_deployment import new_tag
 from .errors import BadRequest, NotFound, ReplicaUnavailable, param_of
 from .http_base import REPLICA_HEADER, frontend, registered_frontend
 
@@ -125,6 +124,9 @@ async def update_weights(body: WeightsRequest, request: Request, fe: Any = Depen
     except OSError as exc:  # a name longer than the file system takes, a folder it may not read
         raise _unreadable(body.path, exc) from None
     await _check_not_shut_down(fe, "weights")
+    # here: that module loads the engine, which the front end runs without
+    from .engine_deployment import new_tag
+
     tag = new_tag()
     staged = await fe.broadcast({"op": "stage_weights", "path": body.path, "tag": tag})
     if not staged["ok"]:

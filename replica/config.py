@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 if TYPE_CHECKING:
+    import torch
+
     from .parallel.dims import ParallelDims
 
 # Fields whose input may be "auto" (or left out): resolved from the device and the layout before the
@@ -18,6 +19,8 @@ AUTO_FIELDS = ("device", "dtype", "fused_epilogues", "cuda_graphs")
 
 def host_device() -> Literal["cpu", "cuda"]:
     """What ``device: auto`` means on this machine."""
+    import torch  # here: the API front end reads this module and needs no torch
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -220,6 +223,8 @@ class EngineConfig(BaseModel):
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         return getattr(torch, self.dtype)
 
 

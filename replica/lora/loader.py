@@ -13,8 +13,10 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the API front end reads this module and needs no torch
+    import torch
 
 DORA_MARKERS = ("lora_magnitude_vector", "dora_scale")
 # LyCORIS adapters other than LoRA (LoKr: Kronecker factors, which diffusers reads for FLUX.2 and Z-Image;

@@ -14,8 +14,6 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from .tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
 DEMO_SEED = 0
@@ -66,6 +64,7 @@ def _tiny_t5(tokenizer, cls_name: str = "T5EncoderModel"):
 
 def build_demo_flux():
     """A FluxPipeline: 1 double + 1 single block, 8 heads × 16, 4-channel 8× VAE, tiny CLIP and T5."""
+    import torch  # here: the API front end reads the registry, which imports this module, and needs no torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     torch.manual_seed(DEMO_SEED)
@@ -114,6 +113,7 @@ def build_demo_wan():
     """A WanPipeline with random weights (its videos are noise): 2 blocks, 8 heads × 12, tiny Wan VAE
     (4× temporal, 8× spatial), tiny UMT5. It exercises the Wan code paths (parity tests, layouts); the video
     model that films what it is asked is the trained ``demo-scenes-video`` (``train_demo_video.py``)."""
+    import torch
     from diffusers import (
         AutoencoderKLWan,
         FlowMatchEulerDiscreteScheduler,
