@@ -273,10 +273,12 @@ def run_generate(ns: argparse.Namespace) -> int:
             + (" (with --mask it inpaints, and takes --strength)" if engine.spec.inpaints else "")
         )
     extra = {} if ns.strength is None else {"strength": ns.strength}
-    if images and not video and not engine.spec.edits and ns.strength is None:
-        extra["strength"] = 0.6  # FluxImg2ImgPipeline's default
-    if mask is not None and engine.spec.edits and engine.spec.inpaints and ns.strength is None:
-        extra["strength"] = engine.spec.masked_edit_strength()  # the edit family's inpaint pipeline's
+    takes_strength = not engine.spec.edits or (mask is not None and engine.spec.inpaints)
+    if images and not video and ns.strength is None and takes_strength:
+        from .schemas import DEFAULT_STRENGTH
+
+        # the img2img pipelines' default, or the (edit) family's inpaint pipeline's with a mask
+        extra["strength"] = engine.spec.default_strength(mask is not None, DEFAULT_STRENGTH)
     try:
         params = GenerationParams(
             prompt=ns.prompt[0],

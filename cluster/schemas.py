@@ -281,7 +281,8 @@ class ImageEditRequest(BaseModel):
         gt=0,
         le=1,
         description=f"Image-to-image (models without reference images): how much of the noise schedule runs, "
-        f"1 = from noise, small = keep the image (default {DEFAULT_STRENGTH}). Edit models refuse it, except "
+        f"1 = from noise, small = keep the image (default {DEFAULT_STRENGTH}; inpainting: the inpaint pipeline's, "
+        "Z-Image 1.0). Edit models refuse it, except "
         "with a mask where they inpaint (default: their inpaint pipeline's, FLUX.1 Kontext 1.0, Qwen-Image-Edit "
         "0.6).",
     )
@@ -326,10 +327,9 @@ class ImageEditRequest(BaseModel):
         kwargs: dict[str, Any] = {}
         if self.seed is not None:
             kwargs["seed"] = self.seed
-        if not spec.edits:
-            kwargs["strength"] = self.strength if self.strength is not None else DEFAULT_STRENGTH
-        elif mask is not None:  # an edit model that inpaints: its inpaint pipeline's default
-            kwargs["strength"] = self.strength if self.strength is not None else spec.masked_edit_strength()
+        if not spec.edits or mask is not None:  # image-to-image, or inpainting: its pipeline's default
+            default = spec.default_strength(mask is not None, DEFAULT_STRENGTH)
+            kwargs["strength"] = self.strength if self.strength is not None else default
         negative, true_cfg = spec.guidance_defaults(self.negative_prompt, self.true_cfg_scale)
         return GenerationParams(
             prompt=self.prompt,

@@ -147,6 +147,10 @@ class Family:
     # takes an inpainting ``mask`` with its image-to-image start image (POST /v1/images/edits ``mask``);
     # refused otherwise, and by the family's edit pipelines other than ``inpainting_edits``
     inpainting: bool = False
+    # The strength of such an inpaint request that gives none: the family's inpaint pipeline's default
+    # (FluxInpaintPipeline, StableDiffusion3InpaintPipeline, QwenImageInpaintPipeline: 0.6, as image-to-image;
+    # ZImageInpaintPipeline: 1.0)
+    inpainting_strength: float = 0.6
     # Edit pipelines that also take a ``mask``, as diffusers' inpaint pipeline for them (FluxKontextPipeline:
     # FluxKontextInpaintPipeline): the one image is both the start image noised to ``strength`` and the
     # reference. Class name → that inpaint pipeline's default strength.

@@ -52,6 +52,7 @@ FAMILY = Family(
     guidance="cfg",
     img2img=True,
     inpainting=True,  # with image-to-image's start image, as the family's inpaint pipeline
+    inpainting_strength=1.0,  # ZImageInpaintPipeline's default (its img2img pipeline's is 0.6)
     # without a size, ZImageImg2ImgPipeline and ZImageInpaintPipeline draw at the start image's own size
     # (floored to the size multiple)
     img2img_size=lambda folder, image: image,

@@ -148,6 +148,14 @@ class ModelSpec:
             )
         return f"{self.name} does not inpaint; send the image without a mask"
 
+    def default_strength(self, masked: bool, img2img: float) -> float:
+        """The ``strength`` of an image-to-image or inpaint request that gives none: ``img2img`` (the img2img
+        pipelines' default), the family's inpaint pipeline's with a mask, an edit model's inpaint pipeline's
+        for a masked edit."""
+        if self.edits:
+            return self.masked_edit_strength()
+        return self.family_spec.inpainting_strength if masked else img2img
+
     def masked_edit_strength(self) -> float:
         """The default ``strength`` of a masked edit: the pipeline's inpaint pipeline's."""
         return self.family_spec.inpainting_edits[self.pipeline_class]

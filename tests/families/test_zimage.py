@@ -7,6 +7,7 @@ batch, is unchanged; an uploaded image with ``strength`` in that batch gives ZIm
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 from pathlib import Path
@@ -14,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from diffusers import ZImageImg2ImgPipeline, ZImagePipeline
+from diffusers import ZImageImg2ImgPipeline, ZImageInpaintPipeline, ZImagePipeline
+from PIL import Image
 
 from ditserve.replica.caching.settings import CacheSettings
 from ditserve.replica.models.registry import resolve_model
@@ -191,15 +193,46 @@ def test_layouts_equal_one_rank(folder, lora_file, one_rank, flags):
         assert psnr(ours, ref) >= 40
 
 
-def test_serve_openai_client(folder, reference):
+def test_serve_openai_client(folder, pipe, reference):
+    """images.generate gives ZImagePipeline's image; an inpaint edit that gives no strength gives
+    ZImageInpaintPipeline's called without one (its default strength is 1.0; it drew at image-to-image's
+    0.6, another image)."""
+    start = FOX_I2I.images[0]
+    mask = np.zeros((48, 80), np.uint8)
+    mask[8:40, 16:64] = 255  # white: repainted
+    buffer = io.BytesIO()
+    Image.fromarray(mask).save(buffer, format="PNG")
+    settings = {"seed": 6, "num_inference_steps": 3, "guidance_scale": 4.0}
     with served("--model", str(folder), "--max-sequence-length", str(MAX_LEN)) as server:
-        result = openai_client(server).images.generate(
+        client = openai_client(server)
+        result = client.images.generate(
             model=folder.name,
             prompt=FOX.prompt,
             size=f"{FOX.width}x{FOX.height}",
             extra_body=sampling_body(FOX),
         )
+        inpainted = client.images.edit(
+            model=folder.name,
+            image=("start.png", start, "image/png"),
+            mask=("mask.png", buffer.getvalue(), "image/png"),
+            prompt="a red fox",
+            extra_body=settings,
+        )
     assert psnr(b64_pixels(result), reference[0]) >= 40
+    inpaint = ZImageInpaintPipeline.from_pipe(pipe)
+    inpaint.set_progress_bar_config(disable=True)
+    out = inpaint(
+        prompt="a red fox",
+        image=Image.open(io.BytesIO(start)).convert("RGB"),
+        mask_image=Image.fromarray(mask),
+        num_inference_steps=3,
+        guidance_scale=4.0,
+        generator=torch.Generator("cpu").manual_seed(6),
+        max_sequence_length=MAX_LEN,
+        output_type="np",
+    )
+    assert inpainted.size == "80x48"
+    assert psnr(b64_pixels(inpainted), to_uint8(out.images)[0]) >= 40
 
 
 def test_a_size_past_the_rotary_table_is_refused_and_its_batch_served(folder, reference):
