@@ -231,7 +231,7 @@ MIN_SIDE = next(m.ge for m in GenerationParams.model_fields["width"].metadata if
 
 def check_size(size: str, max_width: int, max_height: int, multiple: int = 16) -> tuple[int, int]:
     width, height = parse_size(size)
-    if width % multiple or height % multiple or width == 0 or height == 0:
+    if width % multiple or height % multiple:  # a side of 0 is a multiple, refused below as under MIN_SIDE
         raise BadRequest(
             f"size: {size} must have a width and height that are multiples of {multiple}", param="size"
         )

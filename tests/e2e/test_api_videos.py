@@ -342,6 +342,13 @@ BAD = {
         "guidance_scale: Input should be a finite",
     ),
     "size above max": ({"prompt": "a", "size": "128x128"}, AUTH, 400, "size"),
+    # 0 is a multiple of every size multiple: the side is too small, not a wrong multiple
+    "size of zero": (
+        {"prompt": "a", "size": "0x64"},
+        AUTH,
+        400,
+        "size: 0x64 is below the minimum of 16 pixels",
+    ),
     "unknown model": ({"prompt": "a", "model": "sora-2"}, AUTH, 400, "model"),
     "missing prompt": ({"seconds": 1}, AUTH, 400, "prompt"),
     "negative prompt too long": (
