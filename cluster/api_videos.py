@@ -38,6 +38,7 @@ from .http_base import (
     REPLICA_HEADER,
     base64_bytes,
     check_size,
+    form_hint,
     form_list,
     frontend,
     list_in_form,
@@ -319,7 +320,9 @@ async def _read_create(request: Request) -> tuple[VideoCreateRequest, bytes | No
             try:
                 data = json.loads(raw)
             except ValueError:
-                raise BadRequest("request body is not valid JSON") from None
+                raise BadRequest(
+                    "request body is not valid JSON" + form_hint(request, multipart=True)
+                ) from None
             if not isinstance(data, dict):
                 raise BadRequest("request body must be a JSON object")
         return VideoCreateRequest.model_validate(data), upload

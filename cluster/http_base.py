@@ -56,6 +56,16 @@ HTTP_ERRORS: dict[type[ServeError], tuple[int, str]] = {
 }
 
 
+def form_hint(request: Request, multipart: bool = False) -> str:
+    """What to send instead, for a body that is not JSON and came as a URL-encoded form (``curl -d
+    'prompt=...'``, curl's default): its key=value pairs are not read."""
+    sent = request.headers.get(SENT_TYPE.decode()) or request.headers.get("content-type", "")
+    if "x-www-form-urlencoded" not in sent.lower():
+        return ""
+    also = " or a multipart/form-data form" if multipart else ""
+    return f": send a JSON object{also}; URL-encoded form fields (key=value&...) are not read"
+
+
 def _http_error(exc: ServeError) -> tuple[int, str]:
     # By the class hierarchy: an error re-raised by Ray may be a subclass that is also a RayTaskError.
     return next(HTTP_ERRORS[cls] for cls in type(exc).__mro__ if cls in HTTP_ERRORS)
@@ -133,7 +143,7 @@ def build_fastapi() -> FastAPI:
         first = first_error(errors) if errors else {"loc": (), "msg": "invalid request"}
         param = error_param(first.get("loc", ()))
         if first.get("type") == "json_invalid":
-            message, param = "request body is not valid JSON", None
+            message, param = "request body is not valid JSON" + form_hint(request), None
         elif first.get("type") == "missing" and param is None:
             message = "request body is missing: send a JSON object"
         elif param is None and first.get("type") in ("model_attributes_type", "dict_type"):
@@ -200,6 +210,10 @@ def _takes_as_is(content_type: bytes) -> bool:
     return media == b"application/json" or media.endswith(b"+json") or media == b"multipart/form-data"
 
 
+# The content type a client sent, where JSONBodyMiddleware replaced it (for the error of a body that is no JSON).
+SENT_TYPE = b"x-ditserve-sent-content-type"
+
+
 class JSONBodyMiddleware:
     """ASGI middleware: a request body sent without a JSON content type is read as JSON.
 
@@ -215,8 +229,9 @@ class JSONBodyMiddleware:
             headers = list(scope.get("headers") or [])
             content_type = next((v for k, v in headers if k == b"content-type"), b"")
             if not _takes_as_is(content_type):
-                headers = [(k, v) for k, v in headers if k != b"content-type"]
-                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+                headers = [(k, v) for k, v in headers if k not in (b"content-type", SENT_TYPE)]
+                sent = [(SENT_TYPE, content_type)] if content_type else []
+                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json"), *sent]}
         return await self.app(scope, receive, send)
 
 

@@ -343,6 +343,12 @@ BAD = {
     ),
     "size above max": ({"prompt": "a", "size": "128x128"}, AUTH, 400, "size"),
     # 0 is a multiple of every size multiple: the side is too small, not a wrong multiple
+    "form-encoded body": (
+        "prompt=a+red+circle&num_frames=5",
+        AUTH,
+        400,
+        "not valid JSON: send a JSON object or a multipart/form-data form",
+    ),
     "size of zero": (
         {"prompt": "a", "size": "0x64"},
         AUTH,
@@ -367,6 +373,9 @@ def test_video_bad_input(server, case):
     if body is None:  # multipart with a file: not supported, said so
         files = {"input_reference": ("ref.png", b"\x89PNG", "image/png")}
         r = httpx.post(f"{server.base_url}/v1/videos", data={"prompt": "a"}, files=files, headers=headers)
+    elif isinstance(body, str):  # as curl -d sends it
+        form = headers | {"content-type": "application/x-www-form-urlencoded"}
+        r = httpx.post(f"{server.base_url}/v1/videos", content=body, headers=form)
     else:
         r = httpx.post(f"{server.base_url}/v1/videos", json=body, headers=headers)
     assert r.status_code == status, r.text

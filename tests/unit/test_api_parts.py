@@ -113,7 +113,12 @@ def test_multipart_stays_multipart_and_bad_bodies_say_what_is_wrong():
     }
     form = {"content-type": "application/x-www-form-urlencoded"}
     cases = [
-        (b"prompt=a+fox", form, "request body is not valid JSON"),
+        (
+            b"prompt=a+fox",
+            form,
+            "request body is not valid JSON: send a JSON object; URL-encoded form fields",
+        ),
+        (b"prompt: a fox", {"content-type": "text/plain"}, "request body is not valid JSON"),
         (b"[1, 2]", form, "request body must be a JSON object"),
         (b"--b--\r\n", {"content-type": multipart}, "request body must be a JSON object"),
         (b"", form, "request body is missing"),
