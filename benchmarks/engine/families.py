@@ -10,17 +10,18 @@ device)`` and ``REAL_SETTINGS``), in one process and on the same weights, in thi
    CUDA graphs where the family's inputs allow them), compiled again;
 3. **ditserve FP8**: after ``--quantization fp8`` (row-wise FP8 GEMMs), compiled again.
 
-Per row: median step time over ``--steps`` denoising steps, each timed between device syncs (after a warm-up
-call that compiles, then
-``--heat`` seconds of the row's own generations: an H100 that has idled through a compile runs its GEMMs ~5 %
-faster in its first seconds than once warm, so without it the first row timed, the baseline, reads faster
-than the same kernels in later rows; heated, every row is timed warm, as a serving GPU runs), the image
-time extrapolated to the settings' usual step count (steps × step time + the measured encode/decode), peak
-memory, and PSNR of the output against diffusers' (``--steps`` steps, same seed). Also per row: the step time
-without per-step syncs, from whole generations, (T(steps) - T(2)) / (steps - 2), as both run when nobody
-waits on each step (diffusers' loop and the engine's queue no step on the host): a sync at each step adds
-each row's own host work before its first kernel, which the engine's step (inputs into a CUDA graph's
-buffers) has more of than a compiled pipeline's loop; without it that work overlaps the step before.
+Per row:
+- the median step time over ``--steps`` denoising steps, each timed between device syncs. Before it, a warm-up
+  call compiles, then the row runs its own generations for ``--heat`` seconds. An H100 that has idled through
+  a compile runs its GEMMs ~5 % faster in its first seconds than once at its power cap, so without heating
+  the first row timed (the baseline) reads faster than the same kernels in later rows; heated, every row is
+  timed warm, as a serving GPU runs;
+- the step time without per-step syncs, (T(steps) - T(2)) / (steps - 2) from whole generations, as both run
+  when nothing waits on each step (diffusers' loop, the engine's queue). A sync at each step adds each row's
+  own host work before its first kernel, which the engine's step (inputs copied into a CUDA graph's buffers)
+  has more of than a compiled pipeline's loop; without the sync that work overlaps the step before;
+- the image time extrapolated to the settings' usual step count (steps × step time + the measured
+  encode/decode), peak memory, and PSNR of the output against diffusers' (``--steps`` steps, same seed).
 
     python benchmarks/engine/families.py --family flux2 --family qwenimage --steps 4
 """
