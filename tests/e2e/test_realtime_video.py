@@ -456,11 +456,16 @@ class SGLangStyleClient:
 def test_an_sglang_client_with_nil_defaults_raw_frames_and_a_sticky_event_id(server):
     """The init an SGLang client builds (unset options as nil, SGLang-only fields such as ``seconds``), a
     prompt event after chunk 0: only the message types it knows, raw frames it can decode from the header
-    alone, SGLang's header and stats fields, and the event's id on every chunk made with its prompt."""
+    alone, SGLang's header and stats fields, and the event's id on every chunk made with its prompt.
+
+    Output is paced at 4 fps: the server denoises one chunk ahead of the one it sends, so chunk 3 is queued
+    only once chunk 1 has gone out, a quarter of a second after chunk 0 (whose one frame plays first). The
+    event, sent when chunk 0 arrives, is in by then and reaches chunk 2 or 3 however fast the tiny model
+    denoises; unpaced, all four chunks could be queued before it arrives."""
     init = {
-        **INIT, "max_chunks": 4, "fps": None, "seed": None, "guidance_scale": None, "negative_prompt": None,
+        **INIT, "max_chunks": 4, "fps": 4, "seed": None, "guidance_scale": None, "negative_prompt": None,
         "realtime_output_format": None, "output_compression": None, "first_frame": None, "seconds": 4,
-        "realtime_output_pacing": False, "trace_id": "trace-7",
+        "realtime_output_pacing": True, "trace_id": "trace-7",
     }  # fmt: skip
     client = SGLangStyleClient(server)
     run = client.run(
