@@ -136,8 +136,28 @@ def _safetensors_file(path: Path) -> tuple[Path, dict]:
         keys = json.loads(header)
     except (ValueError, UnicodeDecodeError):
         keys = None
+    if keys is None and header.startswith(b"{") and len(header) < size:
+        raise ValueError(
+            f"path: {path} is truncated: it ends inside its safetensors header (a download cut short?); fetch "
+            "the file again"
+        )
     if not isinstance(keys, dict) or not any(isinstance(v, dict) and "shape" in v for v in keys.values()):
         raise ValueError(f"path: {path} is not a safetensors file")
+    # A download cut short keeps its header: the tensors it lists end past the end of the file.
+    ends = [
+        v["data_offsets"][1]
+        for v in keys.values()
+        if isinstance(v, dict)
+        and isinstance(v.get("data_offsets"), list)
+        and len(v["data_offsets"]) == 2
+        and isinstance(v["data_offsets"][1], int)
+    ]
+    held = path.stat().st_size - 8 - size
+    if ends and max(ends) > held:
+        raise ValueError(
+            f"path: {path} is truncated: its header lists {max(ends)} bytes of tensors, the file holds {held} "
+            "(a download cut short?); fetch the file again"
+        )
     if any(marker in k for k in keys for marker in DORA_MARKERS):
         raise ValueError(f"path: {path} is a DoRA adapter; DoRA is not supported (plain LoRA only)")
     for kind, markers in LYCORIS_MARKERS.items():

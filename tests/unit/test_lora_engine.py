@@ -408,6 +408,15 @@ def test_refusals_name_the_problem_and_leave_others_working(engine, files):
     (root / "junk.safetensors").write_bytes(b"this is not a tensor file at all")
     with pytest.raises(ValueError, match="not a safetensors file"):
         engine.load_lora("junk", str(root / "junk.safetensors"))
+    # a download cut short (inside the tensors, or inside the header) was refused as a layout diffusers cannot
+    # read, or as no safetensors file: the user looked for a wrong format instead of fetching it again
+    whole = files["b"].read_bytes()
+    for cut in (len(whole) // 2, 40):
+        (root / "cut.safetensors").write_bytes(whole[:cut])
+        with pytest.raises(
+            ValueError, match=r"^path: .*cut\.safetensors is truncated: .*fetch the file again"
+        ):
+            engine.load_lora("cut", str(root / "cut.safetensors"))
     bad = {m: (torch.zeros(RANK, 7), torch.zeros(o, RANK)) for _, m, _, o in TARGETS}
     with pytest.raises(ValueError, match="do not match the model"):
         engine.load_lora("bad", str(write_peft(root / "bad.safetensors", bad)))
