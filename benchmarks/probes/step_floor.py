@@ -2,14 +2,15 @@
 and Wan 2.2 shapes, and whether a Triton flash-attention forward (TMA loads, optionally warp-specialised) beats
 cuDNN's there:
 
-    python benchmarks/probes/step_floor.py [--only gemm,attention,cross,libs,layouts,power,drift]
+    python benchmarks/probes/step_floor.py [--only gemm,attention,cross,sd3,libs,layouts,power,drift]
 
 - gemm: each block GEMM of FLUX.2 dev at 1024² and Wan 2.2 A14B at 832×480×33 (bf16, as F.linear runs it),
   TFLOP/s, and the same with PyTorch's TunableOp on (on CUDA builds its only solution is "Default", cuBLAS's
   own choice: any difference is the GPU's state, not another algorithm);
 - attention: SDPA's cuDNN and flash backends and the Triton kernel below on the self-attention shapes, TFLOP/s
   (4·B·H·L²·D per call), with the Triton kernel's best config and its largest difference from cuDNN's output;
-  cross: the same for Wan's cross-attention (14040 video tokens onto 512 text tokens);
+  cross: the same for Wan's cross-attention (14040 video tokens onto 512 text tokens); sd3: SD3.5's joint
+  attention (head_dim 64, 4429 tokens, cfg batch 2);
 - libs: each GEMM (with the model's bias where it has one) under cuBLAS and cuBLASLt
   (``torch.backends.cuda.preferred_blas_library``) and TunableOp, timed in alternation, and TunableOp's picks;
 - layouts: cuDNN attention with q, k, v as the processors hand them over ([B, L, H, D] transposed) against
@@ -23,6 +24,7 @@ cuDNN's there:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -36,6 +38,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sdpa_backends import timed  # noqa: E402 (CUDA-event median of repeated calls)
+
+from ditserve.kernels.joint_attention.op import launch_joint_attention  # noqa: E402
 
 # (name, tokens, in, out): the linears a step runs per block, at batch 1
 GEMMS = [
@@ -54,6 +58,13 @@ ATTENTION = [
     ("wan 2.2 A14B 832x480x33", 1, 40, 14040, 128),
 ]
 CROSS = [("wan 2.2 A14B cross-attention (512 text tokens)", 1, 40, 14040, 128, 512)]
+# SD3.5's joint attention at 1024²: 4096 image + 333 text tokens (77 CLIP + 256 T5), head_dim 64; a guided
+# request's two CFG branches as one batch of 2
+SD3 = [
+    ("sd3.5 large joint, cfg batch 2", 2, 38, 4429, 64),
+    ("sd3.5 large joint, batch 1", 1, 38, 4429, 64),
+    ("sd3.5 medium joint, cfg batch 2", 2, 24, 4429, 64),
+]
 
 
 @triton.jit
@@ -108,6 +119,72 @@ def _flash_fwd(
     desc_o.store([b, m0, col], out.to(desc_o.dtype).reshape(1, BLOCK_M, HEAD_DIM))
 
 
+def joint(shapes) -> dict[str, dict]:
+    """SD3's joint attention as a step runs it: from the projections' outputs (the image and text streams'
+    fused q|k|v rows, q and k normalised) to the inputs of the two output projections. diffusers: cat, SDPA
+    (cuDNN), transpose back, split (copied as the output projection's contiguous input); ditserve's
+    ``kernels.joint_attention``, each config of a sweep: one kernel reading both streams in place and writing
+    each stream's output."""
+    print("## joint attention, projections' outputs → out-projection inputs (bf16)", flush=True)
+    tuned: dict[str, dict] = {}
+    for name, b, h, n, d in shapes:
+        best = _joint_case(name, b, h, n, d)
+        if best is not None and str(d) not in tuned:  # the first (largest) shape of each head_dim
+            bm, bn, w, st = best
+            tuned[str(d)] = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+    return tuned
+
+
+def _joint_case(name: str, b: int, h: int, n: int, d: int) -> tuple | None:
+    nt = 333
+    ni = n - nt
+    hd = h * d
+    flops = 4 * b * h * n * n * d
+    img_qkv = torch.randn(b, ni, 3 * hd, device="cuda", dtype=torch.bfloat16)
+    txt_qkv = torch.randn(b, nt, 3 * hd, device="cuda", dtype=torch.bfloat16)
+    img = img_qkv.split(hd, -1)
+    txt = txt_qkv.split(hd, -1)
+
+    def stock():
+        q, k, v = (
+            torch.cat([a, t], 1).unflatten(-1, (h, d)).transpose(1, 2) for a, t in zip(img, txt, strict=True)
+        )
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            o = F.scaled_dot_product_attention(q, k, v)
+        o = o.transpose(1, 2).flatten(2)
+        return o[:, :ni].contiguous(), o[:, ni:].contiguous()
+
+    ref_i, ref_t = stock()
+    qc, kc, vc = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        ms = timed(lambda: F.scaled_dot_product_attention(qc, kc, vc))
+    print(f"{name} cudnn alone ([B, H, L, D] inputs): {ms:.3f} ms ({flops / ms / 1e9:.0f} TF/s)", flush=True)
+    ms = timed(stock)
+    print(f"{name} cat + cudnn + split: {ms:.3f} ms ({flops / ms / 1e9:.0f} TF/s of attention)", flush=True)
+    best = None
+    for bm in (64, 128):
+        for bn in (64, 128):
+            for w in (4, 8):
+                for st in (2, 3, 4):
+                    cfg = (bm, bn, w, st)  # BLOCK_M, BLOCK_N, num_warps, num_stages
+                    try:
+                        oi, ot = launch_joint_attention(img, txt, d, cfg)
+                        err = max((oi.float() - ref_i.float()).abs().max().item(),
+                                  (ot.float() - ref_t.float()).abs().max().item())  # fmt: skip
+                        ms = timed(lambda cfg=cfg: launch_joint_attention(img, txt, d, cfg), repeats=10)
+                    except Exception as error:  # noqa: BLE001
+                        print(f"  joint {cfg}: failed {type(error).__name__}: {str(error)[:120]}", flush=True)
+                        continue
+                    print(f"  joint {cfg}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TF/s), max |diff| {err:.4f}",
+                          flush=True)  # fmt: skip
+                    if best is None or ms < best[0]:
+                        best = (ms, cfg)
+    if best:
+        print(f"{name} joint triton best: {best[0]:.3f} ms ({flops / best[0] / 1e9:.0f} TF/s) {best[1]}",
+              flush=True)  # fmt: skip
+    return best[1] if best else None
+
+
 def triton_attention(q, k, v, cfg: dict) -> torch.Tensor:
     """q, k, v [batch, tokens, heads, head_dim] (the last two contiguous) → out of the same shape."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -147,6 +224,11 @@ CONFIGS = [
     for w in (4, 8)
     for s in (2, 3, 4)
     if not (bn == 128 and s == 4) and not (bm == 64 and w == 8)
+] + [
+    dict(BLOCK_M=256, BLOCK_N=bn, num_warps=w, num_stages=s, WS=False)
+    for bn in (64, 128)
+    for w in (8, 16)
+    for s in (2, 3)
 ]
 
 
@@ -314,12 +396,27 @@ def drift(seconds: float = 20.0) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="gemm,attention,drift")
-    only = ap.parse_args().only.split(",")
+    ap.add_argument(
+        "--tuned",
+        help="with sd3: write the joint attention kernel's fastest tile per head_dim to this JSON file "
+        "(kernels/joint_attention/tuned_<gpu>.json)",
+    )
+    args = ap.parse_args()
+    only = args.only.split(",")
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name(), flush=True)
     if "attention" in only:
         attention()
     if "cross" in only:
         attention(CROSS)
+    if "sd3" in only:
+        tuned = joint(SD3)
+        if args.tuned and tuned:
+            about = (
+                f"Joint attention tiles per head_dim, the fastest of a sweep at SD3.5's shapes on one "
+                f"{torch.cuda.get_device_name()} (python benchmarks/probes/step_floor.py --only sd3 --tuned)."
+            )
+            Path(args.tuned).write_text(json.dumps({"_about": about, "configs": tuned}, indent=1) + "\n")
+            print(f"wrote {args.tuned}: {tuned}", flush=True)
     if "layouts" in only:
         layouts()
     if "libs" in only:

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from diffusers.models.attention_processor import JointAttnProcessor2_0
+
+from ditserve.kernels.joint_attention.op import joint_attention
 
 from .hooks import ForwardState
 from .mesh import ParallelMesh
@@ -62,6 +65,35 @@ class SD3ParallelAttnProcessor(ParallelAttnProcessor):
         return joint_out(attn, img, text_out)
 
 
+class SD3FusedAttnProcessor(JointAttnProcessor2_0):
+    """One rank, ``--fused-epilogues``: diffusers' SD3 joint processor with the attention of [image; text]
+    done by ``kernels.joint_attention``, which reads each stream's q, k, v where the projections (and the
+    q/k norms) left them and writes each stream's output where its output projection reads it: no
+    concatenation of q, k and v, no transpose back and no copy of either half of the output. The image-only
+    ``attn2`` (SD3.5 medium) and a call with a mask run diffusers' path."""
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *args,
+        **kwargs,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if encoder_hidden_states is None or attention_mask is not None or args or kwargs:
+            return super().__call__(
+                attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs
+            )
+        head_dim = attn.inner_dim // attn.heads
+        image = tuple(t.flatten(2) for t in image_qkv(attn, hidden_states))
+        text = tuple(t.flatten(2) for t in text_qkv(attn, encoder_hidden_states))
+        img, text_out = joint_attention(image, text, head_dim)  # type: ignore[arg-type]
+        if attn.context_pre_only:  # the last block: diffusers hands the text half back unprojected
+            return attn.to_out[1](attn.to_out[0](img)), text_out
+        return joint_out(attn, img, text_out)
+
+
 def _sd3_tokens(model: nn.Module, bound: dict) -> int:
     height, width = bound["hidden_states"].shape[-2:]
     patch = model.config.patch_size
@@ -83,6 +115,7 @@ SD3_PLAN = ParallelPlan(
     split_outputs={"pos_embed": 1},  # patch embedding + positions for the full image, then split
     gather={"proj_out": 1},
     on_forward=_sd3_on_forward,
+    one_rank_processors=(SD3FusedAttnProcessor,),
 )
 
 
