@@ -397,6 +397,12 @@ class LoRAManager:
                 f"lora: all {self.max_loras} adapter slots are in use ({sorted(self.slots)}); unload one first"
             )
         missing = [m for m in lora.modules if not self._has_module(m)]
+        if missing and len(missing) == len(lora.modules):
+            # e.g. a Wan or Qwen-Image file given to a FLUX model: nothing of it names a layer here
+            raise ValueError(
+                f"path: adapter {name!r} names none of this {self.pipeline_class} model's layers (it targets "
+                f"{missing[:3]}{', ...' if len(missing) > 3 else ''}); is it a file for another model?"
+            )
         if missing:
             raise ValueError(f"path: adapter {name!r} targets modules the model does not have: {missing[:5]}")
         not_linear = [m for m in lora.modules if not _is_linear(self._submodule(m))]

@@ -417,6 +417,16 @@ def test_refusals_name_the_problem_and_leave_others_working(engine, files):
             ValueError, match=r"^path: .*cut\.safetensors is truncated: .*fetch the file again"
         ):
             engine.load_lora("cut", str(root / "cut.safetensors"))
+    # a Wan file (its original layout) on this FLUX model: said to be for another model, not only which
+    # modules are missing
+    wan = root / "wan.safetensors"
+    save_file(
+        {f"diffusion_model.blocks.0.self_attn.q.lora_{x}.weight": torch.zeros(4, 4) for x in "AB"}, str(wan)
+    )
+    with pytest.raises(
+        ValueError, match=r"^path: .* names none of this FluxPipeline model's layers .*another model"
+    ):
+        engine.load_lora("wan", str(wan))
     bad = {m: (torch.zeros(RANK, 7), torch.zeros(o, RANK)) for _, m, _, o in TARGETS}
     with pytest.raises(ValueError, match="do not match the model"):
         engine.load_lora("bad", str(write_peft(root / "bad.safetensors", bad)))
