@@ -35,15 +35,6 @@ def _refuse_size(folder: Folder, width: int, height: int, chunks: int | None) ->
     return None
 
 
-def _lora_refuse(modules: list[str]) -> str | None:
-    # The caption embedder runs on every row's caption concatenated, rows of different lengths: per-request
-    # adapter segments (equal tokens per row) cannot describe it.
-    caption = [m for m in modules if m.startswith("cap_embedder.")]
-    if caption:
-        return f"adapters on the caption embedder ({caption}) are not supported; the blocks' linears are"
-    return None
-
-
 FAMILY = Family(
     name="zimage",
     pipelines={"ZImagePipeline": "image"},
@@ -60,7 +51,6 @@ FAMILY = Family(
     heads=lambda config: int(config["n_heads"]),
     refuse=_refuse,
     refuse_size=_refuse_size,
-    lora_refuse=_lora_refuse,
     checkpoints=((r"(?<![a-z])z-?image", 30),),
     typical_heads=30,
 )

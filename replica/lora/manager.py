@@ -142,7 +142,7 @@ class LoRALayer:
             and x.numel() > 0
         ):
             x2 = x.reshape(-1, self.in_features)
-            meta, segments = batch.meta(0, x2.shape[0] // batch.total_rows)
+            meta, segments = batch.meta(0, self._row_tokens(batch, x2.shape[0]))
             if meta is not None and not any(self.has_bias[slot] for _, _, slot, _ in segments):
                 # every request's first adapter inside the GEMM; further ones (a style and a character on
                 # one request) as in-place expands after it
@@ -207,6 +207,20 @@ class LoRALayer:
             self.bias[slot] = bias
             self.has_bias[slot] = True
 
+    def _row_tokens(self, batch: BatchLayout, tokens: int) -> int | tuple[int, ...]:
+        """The tokens of each row of this call's input: one count for all (``tokens`` over the rows), or each
+        row's own where the model gives them (``lora_row_tokens`` on the linear, set for the call: rows of
+        different lengths one after another, e.g. Z-Image's caption embedder on every row's caption)."""
+        counts = getattr(self.module, "lora_row_tokens", None)
+        if counts is None:
+            return tokens // batch.total_rows
+        if len(counts) != batch.total_rows or sum(counts) != tokens:
+            raise RuntimeError(
+                f"{self.name}: lora_row_tokens {tuple(counts)} do not describe an input of {tokens} tokens in "
+                f"{batch.total_rows} rows"
+            )
+        return tuple(counts)
+
     def _layout(self) -> BatchLayout | None:
         """The batch layout of this linear's input rows."""
         batch = self.manager.batch
@@ -219,7 +233,7 @@ class LoRALayer:
             return y
         y2 = y.reshape(-1, self.out_features)
         x2 = x.reshape(-1, self.in_features)
-        tokens_per_row = x2.shape[0] // batch.total_rows
+        tokens_per_row = self._row_tokens(batch, x2.shape[0])
         for position in range(first_position, len(batch.positions)):
             meta, segments = batch.meta(position, tokens_per_row)
             if meta is None:
@@ -279,13 +293,19 @@ class BatchLayout:
             self._cache[key] = BatchLayout(self.groups * copies, self.slot_ranks, self.device)
         return self._cache[key]
 
-    def meta(self, position: int, tokens_per_row: int):
+    def meta(self, position: int, tokens_per_row: int | tuple[int, ...]):
+        """The segments of adapter ``position`` of every request: ``tokens_per_row`` tokens in each row, or
+        per row (a tuple, one count per row in order)."""
         key = (position, tokens_per_row)
         if key not in self._cache:
-            requests, scales, segments, start = [], [], [], 0
+            requests, scales, segments, start, row = [], [], [], 0, 0
             for rows, adapters in self.groups:
                 slot, scale = adapters[position] if position < len(adapters) else (-1, 0.0)
-                length = rows * tokens_per_row
+                if isinstance(tokens_per_row, tuple):
+                    length = sum(tokens_per_row[row : row + rows])
+                else:
+                    length = rows * tokens_per_row
+                row += rows
                 requests.append((length, slot))
                 scales.append(scale)
                 if slot >= 0:

@@ -159,6 +159,11 @@ class ZImageRunner(PipelineRunner):
         images = list(latents.to(self.dtype).unsqueeze(2).unbind(0))  # (C, 1, H, W) per row
         lengths = inputs["cap_len"]
         captions = [feats[:length] for feats, length in zip(inputs["cap_feats"], lengths, strict=True)]
+        # The caption embedder runs on every row's caption, each padded to SEQ_MULTI_OF, one after another:
+        # its per-request adapters need each row's count (the LoRA layer reads it for this call)
+        self.pipe.transformer.cap_embedder[-1].lora_row_tokens = tuple(
+            n + (-n) % SEQ_MULTI_OF for n in lengths
+        )
         out = self.pipe.transformer(images, (1000 - timesteps) / 1000, captions, return_dict=False)[0]
         # The pipeline steps with the negated fp32 prediction (negation commutes with its CFG arithmetic).
         return -torch.stack([o.float() for o in out]).squeeze(2)
