@@ -231,6 +231,23 @@ def kernel_breakdown(name: str, runs: dict[str, object]) -> list[dict]:
     return records
 
 
+def unfuse_attention(model: torch.nn.Module) -> int:
+    """Undo ``--fused-epilogues``' processor swap: each of the family plan's one-rank processors becomes the
+    diffusers processor it subclasses again; returns how many."""
+    swapped = 0
+    for module in model.modules():
+        processor = getattr(module, "processor", None)
+        base = type(processor).__mro__[1] if processor is not None else None
+        if processor is None or not type(processor).__module__.startswith("ditserve."):
+            continue
+        stock = base()
+        stock._attention_backend = getattr(processor, "_attention_backend", None)
+        stock._parallel_config = getattr(processor, "_parallel_config", None)
+        module.set_processor(stock)
+        swapped += 1
+    return swapped
+
+
 def measure(
     name: str,
     steps: int,
@@ -241,6 +258,7 @@ def measure(
     profiles: list[dict] | None = None,
     heat: float = 0.0,
     fp8: bool = True,
+    stock_attention: bool = False,
 ) -> list[dict]:
     """The three rows of one family (``size="tiny", device="cpu"``: a smoke run of this script, bf16 → fp32,
     no compile, no FP8). With ``profiles`` (a list, on a GPU), one step's kernel time of the baseline and the
@@ -320,6 +338,21 @@ def measure(
     )
     if profile and on_gpu:
         profiles += kernel_breakdown(name, {"ditserve bf16": lambda n: runner_run(runner, settings, n)})
+    if stock_attention and on_gpu:  # the same engine with diffusers' attention processors back
+        torch._dynamo.reset()
+        swapped = sum(unfuse_attention(m) for m in transformers_of(pipe))
+        for m in transformers_of(pipe):
+            compile_blocks(m)
+        runner.model_changed()
+        row(
+            f"ditserve bf16 --compile, diffusers' attention processors ({swapped} put back)",
+            lambda n: runner_run(runner, settings, n),
+            ref,
+            total=lambda n: runner_total(runner, settings, n),
+        )
+        torch._dynamo.reset()
+        for m in transformers_of(pipe):
+            apply_speed_switches(m, family=family.name, device=dev, dtype=dtype, fused_epilogues=True)
     if cfg_batch and on_gpu and not runner.batch_cfg:
         runner.batch_cfg = True  # the CFG branches as one forward of [uncond; cond] rows
         row(
@@ -367,6 +400,12 @@ def main() -> None:
         help="seconds of each row's own generations before it is timed (0: none, as before Dec 2026)",
     )
     parser.add_argument("--no-fp8", action="store_true", help="leave out the FP8 row")
+    parser.add_argument(
+        "--stock-attention",
+        action="store_true",
+        help="an extra bf16 row: the engine with diffusers' own attention processors (the one-rank fused "
+        "processors of --fused-epilogues put back), for the processors' share of the step",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows, failed, profiles = [], [], []
@@ -382,6 +421,7 @@ def main() -> None:
                 profiles if args.profile else None,
                 args.heat if args.device == "cuda" else 0.0,
                 not args.no_fp8,
+                args.stock_attention,
             )
         except Exception as exc:  # one family failing leaves the others' rows
             traceback.print_exc()
