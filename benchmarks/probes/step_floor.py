@@ -62,7 +62,6 @@ CROSS = [("wan 2.2 A14B cross-attention (512 text tokens)", 1, 40, 14040, 128, 5
 # request's two CFG branches as one batch of 2
 SD3 = [
     ("sd3.5 large joint, cfg batch 2", 2, 38, 4429, 64),
-    ("sd3.5 large joint, batch 1", 1, 38, 4429, 64),
     ("sd3.5 medium joint, cfg batch 2", 2, 24, 4429, 64),
 ]
 
