@@ -296,6 +296,15 @@ def read_lora_file(path: Path, pipeline_class: str, target: str | None = None) -
         # diffusers' ``transformer.load_lora_adapter(file, prefix=None)`` reads it; the module names are
         # checked against the model when it loads.
         state = {"transformer." + k.removeprefix("base_model.model."): v for k, v in state.items()}
+    # Qwen-Image's and Z-Image's converters (run for any file with alpha tensors) put their transformer. before
+    # keys that have it already: PEFT keys with alphas came out as transformer.transformer.<module> (the alphas
+    # folded in), which names no module. Read as the transformer's, as for every other family.
+    state = {
+        "transformer." + k.removeprefix("transformer.transformer.")
+        if k.startswith("transformer.transformer.")
+        else k: v
+        for k, v in state.items()
+    }
     # A config with use_dora makes PEFT build DoRA layers (their magnitudes from the model's weights when the
     # file has none): not the plain LoRA delta.
     if any(c.get("use_dora") for c in configs.values()) or any(
