@@ -421,7 +421,8 @@ class LoRAManager:
             # e.g. a Wan or Qwen-Image file given to a FLUX model: nothing of it names a layer here
             raise ValueError(
                 f"path: adapter {name!r} names none of this {self.pipeline_class} model's layers (it targets "
-                f"{missing[:3]}{', ...' if len(missing) > 3 else ''}); is it a file for another model?"
+                f"{missing[:3]}{', ...' if len(missing) > 3 else ''}): a file for another model, or in a layout "
+                "diffusers' loader of this model does not convert?"
             )
         if missing:
             raise ValueError(f"path: adapter {name!r} targets modules the model does not have: {missing[:5]}")
