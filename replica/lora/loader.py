@@ -8,9 +8,11 @@ rsLoRA) into B, so at run time a request's strength is the only scale left.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -183,6 +185,47 @@ _RAW_TEXT_ENCODER = re.compile(r"(lora_te\d*)_|(text_encoders\.\w+)\.")
 _DOWN_MARKERS = (".lora_A.", ".lora_down.", ".down.")
 
 
+# Text-encoder LoRA keys in every layout: kohya's lora_te1_*, diffusers' text_encoder(_2).*, ComfyUI's
+# text_encoders.t5xxl.*
+_TEXT_ENCODER_KEY = re.compile(r"lora_te\d*_|text_encoders?(_\d+)?\.")
+# The down / up factor names of those layouts (lora_A / lora_B, lora_down / lora_up, diffusers' old .down / .up)
+_FACTOR = re.compile(r"lora_[AB]\.|lora_down\.|lora_up\.|\.down\.|\.up\.")
+
+
+def _untrained_text_encoder_keys(file: Path, header: dict) -> list[str]:
+    """The file's text-encoder keys when every text-encoder module among them adds nothing (a factor all
+    zero: LoRA starts with lora_B / lora_up at zero, and some trainers save the text encoder's part
+    untrained); [] when the file has none, or when any of them would change the text encoder."""
+    keys = [k for k in header if k != "__metadata__" and _TEXT_ENCODER_KEY.match(k)]
+    factors: dict[str, list[str]] = {}
+    for key in keys:
+        if _FACTOR.search(key):
+            factors.setdefault(_FACTOR.sub("|", key, count=1), []).append(key)
+    if not factors:
+        return []
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        if any(all(f.get_tensor(k).any() for k in group) for group in factors.values()):
+            return []
+    return keys
+
+
+@contextlib.contextmanager
+def _without_keys(file: Path, drop: set[str]):
+    """A copy of the safetensors ``file`` without the tensors ``drop`` (its metadata kept), for the call."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(file), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k not in drop}
+        metadata = f.metadata()
+    with tempfile.TemporaryDirectory(prefix="ditserve-lora-") as folder:
+        reduced = Path(folder) / file.name
+        save_file(tensors, str(reduced), metadata=metadata)
+        yield reduced
+
+
 def inspect_adapter(path: str, roots: tuple[str, ...], max_rank: int) -> Path:
     """What can be checked of an adapter file without the model (the frontend does this before a load
     enters the desired state): where it may come from, that it is a safetensors file, its rank. Returns
@@ -257,8 +300,14 @@ def read_lora_file(path: Path, pipeline_class: str, target: str | None = None) -
     kwargs = {"return_lora_metadata": True}
     if alphas_returned:
         kwargs["return_alphas"] = True
+    untrained = set(_untrained_text_encoder_keys(file, header))
     try:
-        out = loader.lora_state_dict(str(file), **kwargs)
+        if untrained:
+            # read without them: what diffusers draws is the same (it adds their zero deltas to the encoder)
+            with _without_keys(file, untrained) as reduced:
+                out = loader.lora_state_dict(str(reduced), **kwargs)
+        else:
+            out = loader.lora_state_dict(str(file), **kwargs)
     except Exception as exc:  # diffusers raises many types for unknown layouts
         detail = str(exc)
         if not detail:  # a bare assert of a converter (FLUX's kohya one checks FLUX.1-dev's widths): where
@@ -372,9 +421,13 @@ def read_lora_file(path: Path, pipeline_class: str, target: str | None = None) -
         # Text-encoder weights that diffusers' converter of this class maps to no text encoder: Qwen-Image's
         # and Z-Image's make transformer module names of kohya's (which load_lora_weights then skips), FLUX's
         # drops ComfyUI's T5 weights. The file's author trained the text encoder with the transformer, and
-        # serving the transformer's half would draw another image. All-zero ones (some trainers save them
-        # untrained) change nothing.
-        raw = {k: m.group(1) or m.group(2) for k in header if (m := _RAW_TEXT_ENCODER.match(k))}
+        # serving the transformer's half would draw another image. All-zero ones change nothing (untrained
+        # ones, whose every module has a zero factor, were left out of the file read above).
+        raw = {
+            k: m.group(1) or m.group(2)
+            for k in header
+            if k not in untrained and (m := _RAW_TEXT_ENCODER.match(k))
+        }
         if raw:
             from safetensors import safe_open
 

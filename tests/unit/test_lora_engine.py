@@ -486,6 +486,25 @@ def test_a_kohya_file_with_text_encoder_weights_is_refused_naming_them(engine, f
         engine.load_lora("te", str(path))
     assert "te" not in [a["name"] for a in engine.lora_list()]
     assert image(engine).shape == (64, 64, 3)  # still serving
+    # saved untrained (lora_up / lora_B zero, as LoRA starts; the down factor random): the text encoder's part
+    # adds nothing, and it was refused all the same. kohya's layout draws the transformer's adapter alone
+    # (diffusers' load_lora_weights fails on FLUX kohya text-encoder keys: compared without them); diffusers'
+    # own layout as its load_lora_weights draws it, the zero deltas on CLIP included
+    down = torch.randn(RANK, 32, generator=torch.Generator().manual_seed(0))
+    kohya = files["root"] / "untrained_te_kohya.safetensors"
+    tensors |= {f"{te}.lora_down.weight": down, f"{te}.lora_up.weight": torch.zeros(32, RANK)}
+    save_file(tensors | {f"{te}.alpha": torch.tensor(ALPHA)}, str(kohya))
+    clip = "text_encoder.text_model.encoder.layers.0.self_attn.q_proj"
+    peft = files["root"] / "untrained_te_peft.safetensors"
+    save_file(
+        load_file(str(files["a_peft"]))
+        | {f"{clip}.lora_A.weight": down, f"{clip}.lora_B.weight": torch.zeros(32, RANK)},
+        str(peft),
+    )
+    for name, path, want in (("k", kohya, files["a_kohya"]), ("p", peft, peft)):
+        engine.load_lora(name, str(path))
+        assert psnr(image(engine, LoRARef(name=name)), diffusers_image(want)) >= 40
+        engine.unload_lora(name)
 
 
 def test_a_file_with_norm_weights_is_refused_naming_them(engine, files):
