@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 from openai import OpenAI
@@ -58,18 +59,13 @@ def test_shipped_folder_is_a_small_fp16_wan_pipeline() -> None:
     assert spec.num_attention_heads == TRANSFORMER_CONFIG["num_attention_heads"]
 
 
-def test_generate_films_the_held_out_prompts(tmp_path) -> None:
+def test_generate_films_the_held_out_prompts(generated) -> None:
     scenes = held_out_moving_scenes()[:16]
-    out = tmp_path / "clip.mp4"
-    cmd = [sys.executable, "-m", "ditserve.cluster.cli", "generate", *(s.caption for s in scenes)]
-    cmd += ["--seed", str(SEED), "-o", str(out)]  # model (for an .mp4), frames, steps, size: the defaults
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
     wrong = []
     for k, scene in enumerate(scenes):
-        frames = decode_mp4((tmp_path / f"clip-{k}.mp4").read_bytes())
+        frames = generated.clips[k]
         assert frames.shape == (FRAMES, 64, 64, 3)
-        assert f"clip-{k}.mp4 (64x64, seed {SEED + k})" in done.stdout
+        assert f"clip-{k}.mp4 (64x64, seed {SEED + k})" in generated.stdout
         if score_clip(frames) != expected(scene):
             wrong.append((scene.caption, score_clip(frames)))
     assert len(wrong) <= ALLOWED_WRONG, (
@@ -89,27 +85,33 @@ REPHRASINGS = (
 )
 
 
-def test_generate_films_prompts_with_other_words_and_order(tmp_path) -> None:
+def rephrased() -> list[str]:
+    return [REPHRASINGS[k % len(REPHRASINGS)](s) for k, s in enumerate(held_out_moving_scenes()[:8])]
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory) -> SimpleNamespace:
+    """One `ditserve generate` run (a process's imports and model load are most of its time) with its
+    defaults: the first 16 held-out captions (seeds SEED + k), then 8 of those scenes asked in other words
+    and order (seeds SEED + 16 + k); each clip's frames and what the command printed."""
+    out = tmp_path_factory.mktemp("generate") / "clip.mp4"
+    prompts = [s.caption for s in held_out_moving_scenes()[:16]] + rephrased()
+    cmd = [sys.executable, "-m", "ditserve.cluster.cli", "generate", *prompts]
+    cmd += ["--seed", str(SEED), "-o", str(out)]  # model (for an .mp4), frames, steps, size: the defaults
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    clips = [decode_mp4((out.parent / f"clip-{k}.mp4").read_bytes()) for k in range(len(prompts))]
+    return SimpleNamespace(clips=clips, stdout=done.stdout)
+
+
+def test_generate_films_prompts_with_other_words_and_order(generated) -> None:
     """`ditserve generate` films the scene a prompt names whatever other words it holds and in whatever order:
     8 held-out scenes so asked, at most one wrong (before the tokenizer read them so, 1 to 3 of 12 held-out
     prompts with other words around the caption were filmed right)."""
-    scenes = held_out_moving_scenes()[:8]
-    prompts = [REPHRASINGS[k % len(REPHRASINGS)](s) for k, s in enumerate(scenes)]
-    out = tmp_path / "clip.mp4"
-    cmd = [
-        sys.executable,
-        "-m",
-        "ditserve.cluster.cli",
-        "generate",
-        *prompts,
-        "--seed",
-        str(SEED),
-        "-o",
-        str(out),
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = [score_clip(decode_mp4((tmp_path / f"clip-{k}.mp4").read_bytes())) for k in range(len(scenes))]
+    scenes, prompts = held_out_moving_scenes()[:8], rephrased()
+    for k in range(len(scenes)):
+        assert f"clip-{16 + k}.mp4 (64x64, seed {SEED + 16 + k})" in generated.stdout
+    got = [score_clip(frames) for frames in generated.clips[16:]]
     wrong = [(p, g) for p, s, g in zip(prompts, scenes, got, strict=True) if g != expected(s)]
     assert len(wrong) <= 1, f"{len(wrong)} of 8 wrong (background, shape colour, direction): {wrong}"
 
