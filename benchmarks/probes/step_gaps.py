@@ -67,13 +67,14 @@ def main() -> None:
         runner.step([state])
         sync()
         walls.append(time.perf_counter() - t0)
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         sync()
         t0 = time.perf_counter()
-        runner.step([state])
-        sync()
+        with record_function("ditserve_step"):
+            runner.step([state])
+            sync()
         wall = time.perf_counter() - t0
     if args.trace:
         prof.export_chrome_trace(args.trace)
@@ -96,6 +97,26 @@ def main() -> None:
         f"({len(kernels)} kernels)",
         flush=True,
     )
+    # The lead-in: from the step's call to its first kernel, what the host does while the GPU has nothing
+    # (the step's own host work, after a per-step sync; overlapped with the previous step's kernels without).
+    marker = next((e for e in cpu if e[2] == "ditserve_step"), None)
+    if marker is not None and kernels:
+        lead_end = kernels[0][0]
+        lead = (lead_end - marker[0]) / 1e3
+        tail = (marker[1] - kernels[-1][1]) / 1e3
+        print(
+            f"lead-in (step call to first kernel): {lead:.2f} ms; last kernel to the step's return: {tail:.2f} ms"
+        )
+        inside = sorted(
+            (
+                (min(e, lead_end) - st, name)
+                for st, e, name in cpu
+                if marker[0] <= st < lead_end and name != "ditserve_step"
+            ),
+            reverse=True,
+        )
+        for dur, name in inside[: args.gaps]:
+            print(f"  lead-in CPU {dur / 1e3:7.3f} ms {name[:90]}", flush=True)
     gaps = []
     end_so_far = kernels[0][1] if kernels else 0
     for i in range(1, len(kernels)):
