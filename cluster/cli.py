@@ -607,13 +607,15 @@ def run_serve(ns: argparse.Namespace) -> int:
 
 
 # -- train-demo -----------------------------------------------------------------------------------------
-def _add_train_demo(sub) -> None:
+def _add_train_demo(sub, options: bool = True) -> None:
     p = sub.add_parser(
         "train-demo",
         help="Train the demo-scenes model (minutes on one GPU).",
         description="Train demo-scenes (a tiny FLUX.1) on synthetic scenes and write a diffusers folder with its "
         "model card; `ditserve generate --model OUT` serves it. Seeded by --seed.",
     )
+    if not options:
+        return
     try:
         from ditserve.replica.models.train_demo import add_arguments
     except ImportError:
@@ -628,13 +630,15 @@ def run_train_demo(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _add_train_demo_video(sub) -> None:
+def _add_train_demo_video(sub, options: bool = True) -> None:
     p = sub.add_parser(
         "train-demo-video",
         help="Train the demo-scenes-video model (a tiny Wan; minutes on one GPU).",
         description="Train demo-scenes-video (a tiny Wan) on synthetic moving scenes and write a diffusers folder "
         "with its model card; `ditserve generate --model OUT -o clip.mp4` serves it. Seeded by --seed.",
     )
+    if not options:
+        return
     try:
         from ditserve.replica.models.train_demo_video import add_arguments
     except ImportError:
@@ -649,14 +653,17 @@ def run_train_demo_video(ns: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole CLI; with ``argv``, the train-demo commands' options (whose module imports torch, ~1 s) only
+    where argv names one of them: every other command starts without that import."""
     parser = argparse.ArgumentParser(prog="ditserve", description="Serve diffusion transformers on Ray.")
     parser.add_argument("-v", "--verbose", action="store_true", help="Debug logging.")
     sub = parser.add_subparsers(dest="command", required=True)
+    named = None if argv is None else next((a for a in argv if not a.startswith("-")), None)
     _add_generate(sub)
     _add_serve(sub)
-    _add_train_demo(sub)
-    _add_train_demo_video(sub)
+    _add_train_demo(sub, options=argv is None or named == "train-demo")
+    _add_train_demo_video(sub, options=argv is None or named == "train-demo-video")
     _add_deploy(sub)
     return parser
 
@@ -679,7 +686,8 @@ def _not_the_torchvision_fallback(record: logging.LogRecord) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    ns = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    ns = build_parser(argv).parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.WARNING)
     fallback = logging.getLogger("transformers.utils.import_utils")
     if _not_the_torchvision_fallback not in fallback.filters:

@@ -3,6 +3,8 @@
 import argparse
 import json
 import socket
+import subprocess
+import sys
 
 import pytest
 from pydantic import ValidationError
@@ -208,3 +210,16 @@ def test_cli_serve_refuses_an_address_where_no_cluster_answers(capsys):
     assert main(["serve", "--model", "demo-flux", "--address", address]) == 2
     err = capsys.readouterr().err
     assert f"ditserve: error: --address {address}: no Ray cluster answers there (" in err
+
+
+def test_the_cli_parses_serve_without_importing_torch():
+    """Only the train-demo commands' options need torch (their module imports it): ``ditserve serve``'s
+    front end and every refused flag answer without that second's import; train-demo still has its options."""
+    code = (
+        "import sys; from ditserve.cluster.cli import build_parser; "
+        "ns = build_parser(['serve', '--dp-size', '2']).parse_args(['serve', '--dp-size', '2']); "
+        "assert ns.dp_size == 2 and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    train = build_parser(["-v", "train-demo", "--out", "x"]).parse_args(["-v", "train-demo", "--out", "x"])
+    assert train.command == "train-demo" and train.steps > 0
