@@ -128,3 +128,22 @@ def test_sd3_swapped_processors_draw_what_diffusers_draws():
         op.launch_joint_attention = launch
     assert len(calls) == 2 * len(t.transformer_blocks)  # each block's joint attn, 2 steps (CFG one batch)
     assert _psnr(got, want) >= 60, _psnr(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "batch, heads, head_dim, n_img, n_txt, fused",
+    [(2, 4, 64, 1000, 77, True), (1, 3, 64, 130, 333, False), (2, 2, 128, 300, 20, True)],
+)
+def test_on_the_gpu_the_kernel_equals_fp32_attention(batch, heads, head_dim, n_img, n_txt, fused, dtype):
+    """The compiled kernel (TMA descriptors, the tuned tile) in bf16 / fp16 against fp32 attention over the
+    concatenation of the same rounded inputs."""
+    img = tuple(t.cuda() for t in _streams(batch, n_img, heads, head_dim, dtype, fused, 0))
+    txt = tuple(t.cuda() for t in _streams(batch, n_txt, heads, head_dim, dtype, fused, 1))
+    assert kernel_runs((*img, *txt), head_dim)
+    got = joint_attention(img, txt, head_dim)
+    want = joint_attention_ref(tuple(t.float() for t in img), tuple(t.float() for t in txt), head_dim)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == dtype and g.is_contiguous()
+        torch.testing.assert_close(g.float(), w, atol=2e-2, rtol=2e-2)
