@@ -11,9 +11,9 @@ import torch
 
 from ditserve.kernels._configs import tables
 from ditserve.kernels._dispatch import next_pow2, use_triton
-from ditserve.kernels.joint_attention.reference import joint_attention_ref
+from ditserve.kernels.joint_attention.reference import QNorm, joint_attention_ref
 
-Config = tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, num_warps, num_stages
+Config = tuple[int, ...]  # BLOCK_M, BLOCK_N, num_warps, num_stages[, warp-specialised loop (0 / 1)]
 # A GPU or head_dim without a row of its own: the H100's fastest at head_dim 64 (0.910 ms for SD3.5 large's
 # joint attention with CFG rows, against 0.955 ms for cuDNN's SDPA alone and 1.298 ms for diffusers' cat +
 # SDPA + split; benchmarks/results/families_h100_80gb_hbm3_202612_0394064.md's run).
@@ -30,7 +30,7 @@ def tuned_config(device: torch.device, head_dim: int) -> Config:
     row = table.get("configs", {}).get(str(head_dim))
     if row is None:
         return DEFAULT
-    return row["BLOCK_M"], row["BLOCK_N"], row["num_warps"], row["num_stages"]
+    return row["BLOCK_M"], row["BLOCK_N"], row["num_warps"], row["num_stages"], int(row.get("WS", 0))
 
 
 # Off CUDA the entry point runs the kernel under Triton's interpreter only where this is set (the kernel's own
@@ -72,6 +72,7 @@ def launch_joint_attention(
     txt: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     head_dim: int,
     config: Config | None = None,
+    q_norms: tuple[QNorm, QNorm] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -80,7 +81,7 @@ def launch_joint_attention(
     batch, n_img, hidden = img[0].shape
     n_txt = txt[0].shape[1]
     heads = hidden // head_dim
-    block_m, block_n, warps, stages = config or tuned_config(img[0].device, head_dim)
+    block_m, block_n, warps, stages, *ws = config or tuned_config(img[0].device, head_dim)
     o_img = img[0].new_empty(batch, n_img, hidden)
     o_txt = txt[0].new_empty(batch, n_txt, hidden)
     if o_img.numel() + o_txt.numel() == 0:
@@ -93,11 +94,16 @@ def launch_joint_attention(
         q, k, v = qkv
         return desc(q, block_m), desc(k, block_n), desc(v, block_n), desc(out, block_m)
 
+    if q_norms is None:  # unused pointers: the outputs (never read)
+        (w_img, eps_img), (w_txt, eps_txt) = (o_img, 0.0), (o_txt, 0.0)
+    else:
+        (w_img, eps_img), (w_txt, eps_txt) = ((w.contiguous(), float(e)) for w, e in q_norms)
     grid = (math.ceil(n_img / block_m) + math.ceil(n_txt / block_m), batch * heads)
     _joint_attention_kernel[grid](
         *stream(img, o_img), *stream(txt, o_txt), n_img, n_txt, heads,
-        head_dim**-0.5 * 1.4426950408889634,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+        head_dim**-0.5 * 1.4426950408889634, w_img, w_txt, eps_img, eps_txt,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NORM_Q=q_norms is not None,
+        WS=bool(ws and ws[0]), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return o_img, o_txt
 
@@ -111,16 +117,21 @@ def joint_attention_op(
     k_txt: torch.Tensor,
     v_txt: torch.Tensor,
     head_dim: int,
+    wq_img: torch.Tensor | None = None,
+    wq_txt: torch.Tensor | None = None,
+    eps_img: float = 0.0,
+    eps_txt: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     img, txt = (q_img, k_img, v_img), (q_txt, k_txt, v_txt)
+    q_norms = None if wq_img is None or wq_txt is None else ((wq_img, eps_img), (wq_txt, eps_txt))
     if kernel_runs((*img, *txt), head_dim):
-        return launch_joint_attention(img, txt, head_dim)
-    o_img, o_txt = joint_attention_ref(img, txt, head_dim)
+        return launch_joint_attention(img, txt, head_dim, q_norms=q_norms)
+    o_img, o_txt = joint_attention_ref(img, txt, head_dim, q_norms)
     return o_img.contiguous(), o_txt.contiguous()
 
 
 @joint_attention_op.register_fake
-def _(q_img, k_img, v_img, q_txt, k_txt, v_txt, head_dim):
+def _(q_img, k_img, v_img, q_txt, k_txt, v_txt, head_dim, wq_img=None, wq_txt=None, eps_img=0.0, eps_txt=0.0):
     return q_img.new_empty(q_img.shape), q_txt.new_empty(q_txt.shape)
 
 
@@ -128,11 +139,19 @@ def joint_attention(
     img: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     txt: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     head_dim: int,
+    q_norms: tuple[QNorm, QNorm] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax([q_img; q_txt] · [k_img; k_txt]ᵀ / √head_dim) · [v_img; v_txt], split back into the two
     streams: img, txt are (q, k, v), each [batch, tokens, heads · head_dim] → (image out, text out),
-    contiguous. The kernel on CUDA (or under the interpreter), else diffusers' cat + SDPA."""
+    contiguous. ``q_norms``: each stream's per-head q RMSNorm (weight [head_dim] in q's dtype, eps), applied
+    to the queries as they load. The kernel on CUDA (or under the interpreter), else diffusers' arithmetic."""
     tensors = (*img, *txt)
-    if not kernel_runs(tensors, head_dim):
-        return joint_attention_ref(img, txt, head_dim)
-    return joint_attention_op(*tensors, head_dim)
+    weights = () if q_norms is None else (q_norms[0][0], q_norms[1][0])
+    if not kernel_runs(tensors, head_dim) or any(
+        w.shape != (head_dim,) or w.dtype != img[0].dtype or w.device != img[0].device for w in weights
+    ):
+        return joint_attention_ref(img, txt, head_dim, q_norms)
+    if q_norms is None:
+        return joint_attention_op(*tensors, head_dim)
+    (w_img, eps_img), (w_txt, eps_txt) = q_norms
+    return joint_attention_op(*tensors, head_dim, w_img, w_txt, float(eps_img), float(eps_txt))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from diffusers.models.attention_processor import JointAttnProcessor2_0
+from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 
 from ditserve.kernels.joint_attention.op import joint_attention
 
@@ -65,10 +66,34 @@ class SD3ParallelAttnProcessor(ParallelAttnProcessor):
         return joint_out(attn, img, text_out)
 
 
+def _plain_q_norms(attn: nn.Module, head_dim: int):
+    """Both streams' q norms as (weight, eps) where each is diffusers' ``RMSNorm(head_dim)`` with a weight and
+    no bias (SD3.5's ``qk_norm="rms_norm"``): what the joint kernel applies on load; else None."""
+    norms = (attn.norm_q, attn.norm_added_q)
+    if not all(
+        type(n) is DiffusersRMSNorm and n.weight is not None and getattr(n, "bias", None) is None
+        and tuple(n.weight.shape) == (head_dim,)
+        for n in norms
+    ):  # fmt: skip
+        return None
+    return tuple((n.weight, float(n.eps)) for n in norms)
+
+
+def _kv(attn: nn.Module, x: torch.Tensor, text: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One stream's k (through its norm) and v, [batch, tokens, heads, head_dim]."""
+    head_dim = attn.inner_dim // attn.heads
+    to_k, to_v, norm = (
+        (attn.add_k_proj, attn.add_v_proj, attn.norm_added_k) if text else (attn.to_k, attn.to_v, attn.norm_k)
+    )
+    k = to_k(x).unflatten(-1, (-1, head_dim))
+    return (k if norm is None else norm(k)), to_v(x).unflatten(-1, (-1, head_dim))
+
+
 class SD3FusedAttnProcessor(JointAttnProcessor2_0):
     """One rank, ``--fused-epilogues``: diffusers' SD3 joint processor with the attention of [image; text]
     done by ``kernels.joint_attention``, which reads each stream's q, k, v where the projections (and the
-    q/k norms) left them and writes each stream's output where its output projection reads it: no
+    k norms) left them, normalises the queries as it loads them (SD3.5's per-head RMSNorms; other norms run
+    before it) and writes each stream's output where its output projection reads it: no
     concatenation of q, k and v, no transpose back and no copy of either half of the output. The image-only
     ``attn2`` (SD3.5 medium) and a call with a mask run diffusers' path."""
 
@@ -86,9 +111,17 @@ class SD3FusedAttnProcessor(JointAttnProcessor2_0):
                 attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs
             )
         head_dim = attn.inner_dim // attn.heads
-        image = tuple(t.flatten(2) for t in image_qkv(attn, hidden_states))
-        text = tuple(t.flatten(2) for t in text_qkv(attn, encoder_hidden_states))
-        img, text_out = joint_attention(image, text, head_dim)  # type: ignore[arg-type]
+        q_norms = _plain_q_norms(attn, head_dim)
+        if q_norms is None:
+            image = tuple(t.flatten(2) for t in image_qkv(attn, hidden_states))
+            text = tuple(t.flatten(2) for t in text_qkv(attn, encoder_hidden_states))
+        else:  # q raw: the kernel normalises each query tile as it loads it
+            image = (attn.to_q(hidden_states), *(t.flatten(2) for t in _kv(attn, hidden_states, False)))
+            text = (
+                attn.add_q_proj(encoder_hidden_states),
+                *(t.flatten(2) for t in _kv(attn, encoder_hidden_states, True)),
+            )
+        img, text_out = joint_attention(image, text, head_dim, q_norms)  # type: ignore[arg-type]
         if attn.context_pre_only:  # the last block: diffusers hands the text half back unprojected
             return attn.to_out[1](attn.to_out[0](img)), text_out
         return joint_out(attn, img, text_out)

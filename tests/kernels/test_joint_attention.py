@@ -47,17 +47,30 @@ def _streams(batch, tokens, heads, head_dim, dtype, fused, seed):
     n_txt=st.integers(1, 80),
     dtype=st.sampled_from([torch.float32, torch.float16]),
     fused=st.booleans(),
+    q_norm=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_joint_attention_equals_concatenated_sdpa(batch, heads, head_dim, n_img, n_txt, dtype, fused, seed):
+def test_joint_attention_equals_concatenated_sdpa(
+    batch, heads, head_dim, n_img, n_txt, dtype, fused, q_norm, seed
+):
     """Any split of tokens between the streams (tiles straddling a stream's end, streams shorter than a
-    tile), strided rows: both outputs equal SDPA over the concatenation, split back."""
+    tile), strided rows, with or without each stream's q RMSNorm on load: both outputs equal SDPA over the
+    concatenation (of the normalised queries), split back."""
     img = _streams(batch, n_img, heads, head_dim, dtype, fused, seed)
     txt = _streams(batch, n_txt, heads, head_dim, dtype, fused, seed + 1)
     assert kernel_runs((*img, *txt), head_dim)
-    got_img, got_txt = joint_attention(img, txt, head_dim)
+    g = torch.Generator().manual_seed(seed + 2)
+    norms = (
+        tuple((torch.rand(head_dim, generator=g).add(0.5).to(dtype), eps) for eps in (1e-6, 1e-5))
+        if q_norm
+        else None
+    )
+    got_img, got_txt = joint_attention(img, txt, head_dim, norms)
     want_img, want_txt = joint_attention_ref(
-        tuple(t.float() for t in img), tuple(t.float() for t in txt), head_dim
+        tuple(t.float() for t in img),
+        tuple(t.float() for t in txt),
+        head_dim,
+        None if norms is None else tuple((w.float(), eps) for w, eps in norms),
     )
     assert got_img.is_contiguous() and got_txt.is_contiguous()
     torch.testing.assert_close(got_img.float(), want_img, **TOL[dtype])
