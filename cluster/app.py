@@ -132,7 +132,10 @@ def build_app_with_engine(args: dict[str, Any], engine_cls: type | None) -> Appl
     spec = resolve_model(config.model)
     validate_layout(config, spec)  # the layout against the model's heads
     default_cache(config, spec)  # --cache-policy against the model's family
-    if engine_cls is None:  # a folder saved without a component its pipeline needs: said before any start
+    # A folder saved without a component its pipeline needs: said before any start. The check imports
+    # diffusers (about 3 s of a CPU-demo `serve` start); the embedded models are built here with every
+    # component (tests/unit/test_registry.py), and each replica checks again before it loads.
+    if engine_cls is None and not spec.embedded:
         refuse_missing_components(spec)
     # Only the strategy: Serve builds as soon as it is asked to (KubeRay: once the head pod is ready, before
     # the GPU workers have joined; an autoscaler adds nodes later), and a build that fails is not retried

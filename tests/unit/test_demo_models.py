@@ -58,3 +58,12 @@ def test_an_empty_ditserve_home_means_the_default_cache(monkeypatch, tmp_path):
     assert ditserve_home() == Path(tmp_path) / ".cache" / "ditserve"
     monkeypatch.setenv("DITSERVE_HOME", str(tmp_path / "home"))
     assert ditserve_home() == tmp_path / "home"
+
+
+def test_every_embedded_model_has_the_components_its_pipeline_needs():
+    # `ditserve serve` skips this check (and its diffusers import) for embedded models before Ray starts.
+    from ditserve.replica.models.registry import embedded_model_names
+    from ditserve.replica.worker import refuse_missing_components
+
+    for name in embedded_model_names():
+        refuse_missing_components(resolve_model(name))
