@@ -13,7 +13,6 @@ from ray.serve import Application
 
 from ditserve.replica.engine import default_cache, validate_layout
 from ditserve.replica.models.registry import resolve_model
-from ditserve.replica.worker import refuse_missing_components
 
 from .config import APP_NAME as APP_NAME  # the CLI, tests and benchmarks import it from here
 from .config import SHUTDOWN_WAIT_LOOP_S, AppArgs
@@ -136,6 +135,8 @@ def build_app_with_engine(args: dict[str, Any], engine_cls: type | None) -> Appl
     # diffusers (about 3 s of a CPU-demo `serve` start); the embedded models are built here with every
     # component (tests/unit/test_registry.py), and each replica checks again before it loads.
     if engine_cls is None and not spec.embedded:
+        from ditserve.replica.worker import refuse_missing_components  # imports torch
+
         refuse_missing_components(spec)
     # Only the strategy: Serve builds as soon as it is asked to (KubeRay: once the head pod is ready, before
     # the GPU workers have joined; an autoscaler adds nodes later), and a build that fails is not retried

@@ -10,21 +10,30 @@ Typical use on every rank of a replica, after `torch.distributed.init_process_gr
 """
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING
 
-from .attention import BACKENDS, AttentionBackend, attention, merge_partial, select_backend
-from .cfg import cfg_all_gather
 from .dims import ParallelDims
-from .mesh import ParallelMesh, build_mesh
-from .tp import ColumnParallelLinear, RowParallelLinear, ShardedRMSNorm
 
 if TYPE_CHECKING:
+    from .attention import BACKENDS, AttentionBackend, attention, merge_partial, select_backend
+    from .cfg import cfg_all_gather
     from .flux import FluxParallelAttnProcessor, parallelize_flux
+    from .mesh import ParallelMesh, build_mesh
+    from .tp import ColumnParallelLinear, RowParallelLinear, ShardedRMSNorm
     from .wan import WanParallelAttnProcessor, parallelize_wan
 
-# The model wrappers load diffusers' models: imported on first use (PEP 562), so that config readers, which
-# import `.dims` (the `serve` CLI checks a layout), do not spend seconds of CPU on them.
-_MODEL_WRAPPERS = {
+# Imported on first use (PEP 562): config readers import `.dims` (the `serve` CLI checks a layout before Ray
+# starts) and need neither torch (1.5-2 s of CPU) nor diffusers' models (the model wrappers, seconds more).
+_LAZY = {
+    **dict.fromkeys(
+        ("BACKENDS", "AttentionBackend", "attention", "merge_partial", "select_backend"), "attention"
+    ),
+    "cfg_all_gather": "cfg",
+    "ParallelMesh": "mesh",
+    "build_mesh": "mesh",
+    **dict.fromkeys(("ColumnParallelLinear", "RowParallelLinear", "ShardedRMSNorm"), "tp"),
     "FluxParallelAttnProcessor": "flux",
     "parallelize_flux": "flux",
     "WanParallelAttnProcessor": "wan",
@@ -33,11 +42,23 @@ _MODEL_WRAPPERS = {
 
 
 def __getattr__(name: str):
-    if name not in _MODEL_WRAPPERS:
+    if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_MODEL_WRAPPERS[name]}", __name__), name)
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     globals()[name] = value
     return value
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value) -> None:
+        # Importing the submodule `.attention` binds it here under its own name: the package's `attention`
+        # stays the function, as it was when the package imported it at once.
+        if name in _LAZY and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [

@@ -227,10 +227,23 @@ def test_the_cli_parses_serve_without_importing_torch():
 
 def test_serve_validates_an_embedded_model_without_importing_diffusers():
     """``ditserve serve`` builds the app before Ray starts; for the embedded models that needs no diffusers or
-    transformers (their import was about 3 s of every CPU-demo start); the replicas import them."""
+    transformers (their import was about 3 s of every CPU-demo start), and with a CPU build of torch no torch
+    either (device auto, the layout's checks: 1.5-2 s); the replicas import them."""
     code = (
         "import sys; from ditserve.cluster.app import build_app; "
-        "build_app({'model': 'demo-scenes', 'device': 'cpu'}); "
-        "assert not {'diffusers', 'transformers'} & set(sys.modules), 'imported diffusers or transformers'"
+        "from ditserve.replica.config import torch_has_gpu_backend; "
+        "build_app({'model': 'demo-scenes'}); "
+        "assert not {'diffusers', 'transformers'} & set(sys.modules), 'imported diffusers or transformers'; "
+        "assert 'torch' not in sys.modules or torch_has_gpu_backend(), 'imported torch'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_device_auto_without_importing_torch_never_misses_a_gpu():
+    """host_device answers cpu without importing torch only for a build with no GPU backend."""
+    import torch
+
+    from ditserve.replica.config import host_device, torch_has_gpu_backend
+
+    assert torch_has_gpu_backend() or not torch.cuda.is_available()
+    assert host_device() == ("cuda" if torch.cuda.is_available() else "cpu")
