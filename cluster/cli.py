@@ -415,6 +415,10 @@ def _drop_reconnect_notice(record: logging.LogRecord) -> bool:
     return "will not be applied" not in record.getMessage()
 
 
+# Seconds between two reads of the deploy's status (Serve tells no event); one read costs the controller ~20 ms.
+DEPLOY_POLL_S = 0.2
+
+
 def _deploy(app, app_name: str, stop: threading.Event) -> str | None:
     """Deploy ``app`` and return once it serves (None), at Ctrl-C (None, ``stop`` set), or at the first
     replica that refused to start with a ValueError (its message): such a refusal (an adapter file of
@@ -428,20 +432,22 @@ def _deploy(app, app_name: str, stop: threading.Event) -> str | None:
         status = serve.status().applications.get(app_name)
         if status is not None and status.status == ApplicationStatus.RUNNING:
             return None
-        if (reason := _replica_error(app_name)) is not None:
+        if (reason := _replica_error(app_name, status)) is not None:
             return reason
         if status is not None and status.status == ApplicationStatus.DEPLOY_FAILED:
             raise RuntimeError(f"Deploying application {app_name} failed: {status.message}")
-        stop.wait(0.5)
+        stop.wait(DEPLOY_POLL_S)
     return None
 
 
-def _replica_error(app_name: str) -> str | None:
+def _replica_error(app_name: str, app=None) -> str | None:
     """The ``ValueError`` a replica of ``app_name`` failed to start with (a model folder it cannot load), from
-    Serve's deployment status; None when it failed otherwise."""
+    Serve's deployment status (``app``: that application's, when already read); None when it failed
+    otherwise."""
     from ray import serve
 
-    app = serve.status().applications.get(app_name)
+    if app is None:
+        app = serve.status().applications.get(app_name)
     for deployment in app.deployments.values() if app else ():
         found = [line for line in deployment.message.splitlines() if line.startswith("ValueError: ")]
         if found:
