@@ -231,23 +231,6 @@ def kernel_breakdown(name: str, runs: dict[str, object]) -> list[dict]:
     return records
 
 
-def unfuse_attention(model: torch.nn.Module) -> int:
-    """Undo ``--fused-epilogues``' processor swap: each of the family plan's one-rank processors becomes the
-    diffusers processor it subclasses again; returns how many."""
-    swapped = 0
-    for module in model.modules():
-        processor = getattr(module, "processor", None)
-        base = type(processor).__mro__[1] if processor is not None else None
-        if processor is None or not type(processor).__module__.startswith("ditserve."):
-            continue
-        stock = base()
-        stock._attention_backend = getattr(processor, "_attention_backend", None)
-        stock._parallel_config = getattr(processor, "_parallel_config", None)
-        module.set_processor(stock)
-        swapped += 1
-    return swapped
-
-
 def measure(
     name: str,
     steps: int,
@@ -340,7 +323,10 @@ def measure(
         profiles += kernel_breakdown(name, {"ditserve bf16": lambda n: runner_run(runner, settings, n)})
     if stock_attention and on_gpu:  # the same engine with diffusers' attention processors back
         torch._dynamo.reset()
-        swapped = sum(unfuse_attention(m) for m in transformers_of(pipe))
+        from ditserve.replica.parallel.plan import unfuse_one_rank_processors
+
+        plan = family.load("plan")
+        swapped = sum(unfuse_one_rank_processors(m, plan) for m in transformers_of(pipe))
         for m in transformers_of(pipe):
             compile_blocks(m)
         runner.model_changed()

@@ -39,6 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sdpa_backends import timed  # noqa: E402 (CUDA-event median of repeated calls)
 
+from ditserve.kernels.joint_attention.kernel import _attend  # noqa: E402
 from ditserve.kernels.joint_attention.op import launch_joint_attention  # noqa: E402
 from ditserve.kernels.joint_attention.reference import joint_attention_ref, rms_norm_heads  # noqa: E402
 
@@ -94,27 +95,10 @@ def _flash_fwd(
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    full = (kv_tokens // BLOCK_N) * BLOCK_N
-    for n in tl.range(0, full, BLOCK_N, warp_specialize=WS):
-        k = desc_k.load([b, n, col]).reshape(BLOCK_N, HEAD_DIM)
-        s = tl.dot(q, k.T)
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = desc_v.load([b, n, col]).reshape(BLOCK_N, HEAD_DIM)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
-    if full < kv_tokens:
-        k = desc_k.load([b, full, col]).reshape(BLOCK_N, HEAD_DIM)
-        s = tl.dot(q, k.T) * qk_scale
-        s = tl.where((full + tl.arange(0, BLOCK_N))[None, :] < kv_tokens, s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = desc_v.load([b, full, col]).reshape(BLOCK_N, HEAD_DIM)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    # the key loop of ditserve's joint attention kernel, over one source
+    acc, m_i, l_i = _attend(
+        q, acc, m_i, l_i, desc_k, desc_v, b, col, kv_tokens, qk_scale, BLOCK_N, HEAD_DIM, WS
+    )
     out = acc / l_i[:, None]
     desc_o.store([b, m0, col], out.to(desc_o.dtype).reshape(1, BLOCK_M, HEAD_DIM))
 

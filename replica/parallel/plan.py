@@ -168,11 +168,22 @@ def fuse_one_rank_processors(model: nn.Module, plan: ParallelPlan) -> int:
     """``--fused-epilogues`` on one rank: every attention processor of exactly the base class of one of the
     plan's ``one_rank_processors`` becomes that one (keeping its attention backend); returns how many were
     swapped, 0 when the family declares none. Processors of other classes (a sharded plan's, a user's) stay."""
-    ours = {cls.__mro__[1]: cls for cls in plan.one_rank_processors}
+    return _swap_processors(model, {cls.__mro__[1]: cls for cls in plan.one_rank_processors})
+
+
+def unfuse_one_rank_processors(model: nn.Module, plan: ParallelPlan) -> int:
+    """The reverse of `fuse_one_rank_processors`: each of the plan's one-rank processors becomes the diffusers
+    processor it subclasses again (the benchmarks' rows with diffusers' processors); returns how many."""
+    return _swap_processors(model, {cls: cls.__mro__[1] for cls in plan.one_rank_processors})
+
+
+def _swap_processors(model: nn.Module, swaps: dict[type, type]) -> int:
+    """Every attention processor of exactly a key class of ``swaps`` becomes a new one of its value class,
+    keeping the old one's attention backend and parallel config; returns how many were swapped."""
     swapped = 0
     for module in model.modules():
         processor = getattr(module, "processor", None)
-        cls = ours.get(type(processor))
+        cls = swaps.get(type(processor))
         if cls is None or not hasattr(module, "set_processor"):
             continue
         new = cls()

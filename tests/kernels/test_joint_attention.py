@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from ditserve.kernels.joint_attention.op import joint_attention, kernel_runs
 from ditserve.kernels.joint_attention.reference import joint_attention_ref
-from ditserve.replica.parallel.plan import fuse_one_rank_processors
+from ditserve.replica.parallel.plan import fuse_one_rank_processors, unfuse_one_rank_processors
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -141,6 +141,9 @@ def test_sd3_swapped_processors_draw_what_diffusers_draws():
         op.launch_joint_attention = launch
     assert len(calls) == 2 * len(t.transformer_blocks)  # each block's joint attn, 2 steps (CFG one batch)
     assert _psnr(got, want) >= 60, _psnr(got, want)
+    # the benchmarks' rows with diffusers' processors put them back, each of them
+    assert unfuse_one_rank_processors(t, plan) == len(joint)
+    assert [type(m.processor) for m in joint] == [JointAttnProcessor2_0] * len(joint)
 
 
 @pytest.mark.gpu
