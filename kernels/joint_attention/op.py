@@ -124,10 +124,15 @@ def joint_attention_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     img, txt = (q_img, k_img, v_img), (q_txt, k_txt, v_txt)
     q_norms = None if wq_img is None or wq_txt is None else ((wq_img, eps_img), (wq_txt, eps_txt))
-    if kernel_runs((*img, *txt), head_dim):
+    weights_fit = q_norms is None or all(
+        w.shape == (head_dim,) and w.dtype == q_img.dtype and w.device == q_img.device for w, _ in q_norms
+    )
+    if weights_fit and kernel_runs((*img, *txt), head_dim):
         return launch_joint_attention(img, txt, head_dim, q_norms=q_norms)
     o_img, o_txt = joint_attention_ref(img, txt, head_dim, q_norms)
-    return o_img.contiguous(), o_txt.contiguous()
+    return o_img.clone(memory_format=torch.contiguous_format), o_txt.clone(
+        memory_format=torch.contiguous_format
+    )
 
 
 @joint_attention_op.register_fake
@@ -143,15 +148,14 @@ def joint_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax([q_img; q_txt] · [k_img; k_txt]ᵀ / √head_dim) · [v_img; v_txt], split back into the two
     streams: img, txt are (q, k, v), each [batch, tokens, heads · head_dim] → (image out, text out),
-    contiguous. ``q_norms``: each stream's per-head q RMSNorm (weight [head_dim] in q's dtype, eps), applied
-    to the queries as they load. The kernel on CUDA (or under the interpreter), else diffusers' arithmetic."""
-    tensors = (*img, *txt)
-    weights = () if q_norms is None else (q_norms[0][0], q_norms[1][0])
-    if not kernel_runs(tensors, head_dim) or any(
-        w.shape != (head_dim,) or w.dtype != img[0].dtype or w.device != img[0].device for w in weights
-    ):
+    contiguous. ``q_norms``: each stream's per-head q RMSNorm (weight [head_dim], eps), applied to the queries
+    as they load. On CUDA (or under the interpreter) one custom op, opaque to torch.compile, which runs the
+    kernel where `kernel_runs` (strides and alignment are read there, on real tensors) and diffusers'
+    arithmetic otherwise; elsewhere diffusers' arithmetic."""
+    x = img[0]
+    if not (x.is_cuda or (interpret_on_cpu and use_triton(x))):
         return joint_attention_ref(img, txt, head_dim, q_norms)
     if q_norms is None:
-        return joint_attention_op(*tensors, head_dim)
+        return joint_attention_op(*img, *txt, head_dim)
     (w_img, eps_img), (w_txt, eps_txt) = q_norms
-    return joint_attention_op(*tensors, head_dim, w_img, w_txt, float(eps_img), float(eps_txt))
+    return joint_attention_op(*img, *txt, head_dim, w_img, w_txt, float(eps_img), float(eps_txt))

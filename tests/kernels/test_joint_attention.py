@@ -163,3 +163,26 @@ def test_on_the_gpu_the_kernel_equals_fp32_attention(batch, heads, head_dim, n_i
     for g, w in zip(got, want, strict=True):
         assert g.dtype == dtype and g.is_contiguous()
         torch.testing.assert_close(g.float(), w, atol=2e-2, rtol=2e-2)
+
+
+def test_compiled_callers_trace_it_whole():
+    """Under torch.compile the kernel is one opaque op: its stride and alignment checks read real tensors
+    inside it, so a compiled block around it needs no graph break (fullgraph) and still runs the kernel."""
+    import ditserve.kernels.joint_attention.op as op
+
+    img = _streams(1, 20, 2, 16, torch.float32, True, 0)
+    txt = _streams(1, 7, 2, 16, torch.float32, False, 1)
+    norms = ((torch.rand(16) + 0.5, 1e-6), (torch.rand(16) + 0.5, 1e-5))
+    calls = []
+    launch = op.launch_joint_attention
+    op.launch_joint_attention = lambda *a, **k: calls.append(1) or launch(*a, **k)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(lambda i, t: joint_attention(i, t, 16, norms), fullgraph=True)
+        got = compiled(img, txt)
+    finally:
+        op.launch_joint_attention = launch
+        torch._dynamo.reset()
+    assert calls == [1]
+    for g, w in zip(got, joint_attention_ref(img, txt, 16, norms), strict=True):
+        torch.testing.assert_close(g, w, **TOL[torch.float32])
