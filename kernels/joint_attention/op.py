@@ -52,7 +52,7 @@ def _tma_rows(t: torch.Tensor) -> bool:
 
 def kernel_runs(tensors: tuple[torch.Tensor, ...], head_dim: int) -> bool:
     """Whether `launch_joint_attention` takes these: bf16/fp16 (fp32 under the interpreter), a power-of-two
-    head_dim of 16-256, rows TMA can address, the same batch and hidden everywhere."""
+    head_dim of 16-256, rows TMA can address, the same batch and hidden everywhere, tokens in both streams."""
     x = tensors[0]
     dtypes = (torch.bfloat16, torch.float16) if x.is_cuda else (torch.float32, torch.float16)
     return (
@@ -61,7 +61,7 @@ def kernel_runs(tensors: tuple[torch.Tensor, ...], head_dim: int) -> bool:
         and 16 <= head_dim <= 256
         and head_dim == next_pow2(head_dim)
         and all(t.dim() == 3 and t.dtype == x.dtype and t.device == x.device for t in tensors)
-        and all(t.shape[0] == x.shape[0] and t.shape[2] == x.shape[2] for t in tensors)
+        and all(t.shape[0] == x.shape[0] and t.shape[2] == x.shape[2] and t.shape[1] > 0 for t in tensors)
         and x.shape[2] % head_dim == 0
         and all(_tma_rows(t) for t in tensors)
     )

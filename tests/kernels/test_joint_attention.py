@@ -93,6 +93,12 @@ def test_what_the_kernel_cannot_take_runs_diffusers_arithmetic():
     assert not kernel_runs((*odd, *txt16), 16)
     for a, b in zip(joint_attention(odd, txt16, 16), joint_attention_ref(odd, txt16, 16), strict=True):
         torch.testing.assert_close(a, b)
+    empty = _streams(1, 0, 2, 16, torch.float32, False, 3)  # a stream without tokens
+    img16 = _streams(1, 9, 2, 16, torch.float32, False, 4)
+    assert not kernel_runs((*img16, *empty), 16)
+    got_img, got_txt = joint_attention(img16, empty, 16)
+    torch.testing.assert_close(got_img, joint_attention_ref(img16, empty, 16)[0])
+    assert got_txt.shape == (1, 0, 32)
 
 
 def _psnr(a: np.ndarray, b: np.ndarray) -> float:
