@@ -42,27 +42,35 @@ def _norm(module: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
     return x if module is None else module(x)
 
 
-def image_qkv(attn: nn.Module, hidden_states: torch.Tensor, freqs: torch.Tensor | None = None) -> QKV:
+def image_qkv(
+    attn: nn.Module, hidden_states: torch.Tensor, freqs: torch.Tensor | None = None, norm_q: bool = True
+) -> QKV:
     """The image stream's q, k, v: ``to_q/k/v`` split into heads, q and k through the module's per-head
     ``norm_q`` / ``norm_k`` where it has them; with a complex rotary table ``freqs`` (Qwen-Image's, Z-Image's)
-    q and k are also turned, each norm and rotation one kernel pass where it runs (``kernels.qk_norm_rope``)."""
+    q and k are also turned, each norm and rotation one kernel pass where it runs (``kernels.qk_norm_rope``).
+    ``norm_q=False`` (no ``freqs``): q as projected, for an attention kernel that normalises it on load."""
     head_dim = attn.inner_dim // attn.heads
     q, k = _heads(attn.to_q(hidden_states), head_dim), _heads(attn.to_k(hidden_states), head_dim)
     if freqs is None:
-        q, k = _norm(attn.norm_q, q), _norm(attn.norm_k, k)
+        q, k = (_norm(attn.norm_q, q) if norm_q else q), _norm(attn.norm_k, k)
     else:
         q, k = head_qk_norm_rope(q, attn.norm_q, freqs), head_qk_norm_rope(k, attn.norm_k, freqs)
     return q, k, _heads(attn.to_v(hidden_states), head_dim)
 
 
-def text_qkv(attn: nn.Module, encoder_hidden_states: torch.Tensor, freqs: torch.Tensor | None = None) -> QKV:
-    """The text stream's q, k, v of a dual-stream block: ``add_q/k/v_proj`` and ``norm_added_q/k`` (and the
-    rotary table ``freqs`` as in `image_qkv`)."""
+def text_qkv(
+    attn: nn.Module,
+    encoder_hidden_states: torch.Tensor,
+    freqs: torch.Tensor | None = None,
+    norm_q: bool = True,
+) -> QKV:
+    """The text stream's q, k, v of a dual-stream block: ``add_q/k/v_proj`` and ``norm_added_q/k`` (the rotary
+    table ``freqs`` and ``norm_q`` as in `image_qkv`)."""
     head_dim = attn.inner_dim // attn.heads
     q = _heads(attn.add_q_proj(encoder_hidden_states), head_dim)
     k = _heads(attn.add_k_proj(encoder_hidden_states), head_dim)
     if freqs is None:
-        q, k = _norm(attn.norm_added_q, q), _norm(attn.norm_added_k, k)
+        q, k = (_norm(attn.norm_added_q, q) if norm_q else q), _norm(attn.norm_added_k, k)
     else:
         q = head_qk_norm_rope(q, attn.norm_added_q, freqs)
         k = head_qk_norm_rope(k, attn.norm_added_k, freqs)

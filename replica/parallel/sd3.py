@@ -79,16 +79,6 @@ def _plain_q_norms(attn: nn.Module, head_dim: int):
     return tuple((n.weight, float(n.eps)) for n in norms)
 
 
-def _kv(attn: nn.Module, x: torch.Tensor, text: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One stream's k (through its norm) and v, [batch, tokens, heads, head_dim]."""
-    head_dim = attn.inner_dim // attn.heads
-    to_k, to_v, norm = (
-        (attn.add_k_proj, attn.add_v_proj, attn.norm_added_k) if text else (attn.to_k, attn.to_v, attn.norm_k)
-    )
-    k = to_k(x).unflatten(-1, (-1, head_dim))
-    return (k if norm is None else norm(k)), to_v(x).unflatten(-1, (-1, head_dim))
-
-
 class SD3FusedAttnProcessor(JointAttnProcessor2_0):
     """One rank, ``--fused-epilogues``: diffusers' SD3 joint processor with the attention of [image; text]
     done by ``kernels.joint_attention``, which reads each stream's q, k, v where the projections (and the
@@ -111,16 +101,10 @@ class SD3FusedAttnProcessor(JointAttnProcessor2_0):
                 attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs
             )
         head_dim = attn.inner_dim // attn.heads
-        q_norms = _plain_q_norms(attn, head_dim)
-        if q_norms is None:
-            image = tuple(t.flatten(2) for t in image_qkv(attn, hidden_states))
-            text = tuple(t.flatten(2) for t in text_qkv(attn, encoder_hidden_states))
-        else:  # q raw: the kernel normalises each query tile as it loads it
-            image = (attn.to_q(hidden_states), *(t.flatten(2) for t in _kv(attn, hidden_states, False)))
-            text = (
-                attn.add_q_proj(encoder_hidden_states),
-                *(t.flatten(2) for t in _kv(attn, encoder_hidden_states, True)),
-            )
+        q_norms = _plain_q_norms(attn, head_dim)  # the kernel normalises q as it loads it
+        raw = q_norms is not None
+        image = tuple(t.flatten(2) for t in image_qkv(attn, hidden_states, norm_q=not raw))
+        text = tuple(t.flatten(2) for t in text_qkv(attn, encoder_hidden_states, norm_q=not raw))
         img, text_out = joint_attention(image, text, head_dim, q_norms)  # type: ignore[arg-type]
         if attn.context_pre_only:  # the last block: diffusers hands the text half back unprojected
             return attn.to_out[1](attn.to_out[0](img)), text_out
