@@ -39,6 +39,11 @@ class SessionGenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     prompt: Prompt = Field(description="What to draw (this step).")
+    negative_prompt: str | None = Field(
+        default=None,
+        description="What not to draw (as on /v1/images/generations: true CFG with FLUX.1 and Qwen-Image, "
+        "the uncond branch of guidance_scale with SD3 and Z-Image; absent: the model's recommended one).",
+    )
     strength: float = Field(
         strict=True,
         default=0.6,
@@ -49,7 +54,16 @@ class SessionGenerateRequest(BaseModel):
     num_inference_steps: JsonInt = Field(
         strict=True, default=4, ge=1, description="Steps of a full (strength 1) schedule."
     )
-    guidance_scale: float | None = Field(strict=True, default=None, ge=0, le=100)
+    guidance_scale: float | None = Field(
+        strict=True, default=None, ge=0, le=100, description="Guidance (model default)."
+    )
+    true_cfg_scale: float | None = Field(
+        strict=True,
+        default=None,
+        ge=0,
+        le=100,
+        description="True-CFG scale (FLUX.1, Qwen-Image; the others refuse it above 1).",
+    )
     seed: json_int(ge=0, lt=2**63) | None = Field(default=None)
     cache: CacheSettings | None = Field(
         default=None, description="Step cache of this step (as on /v1/images/generations)."
@@ -131,25 +145,7 @@ async def session_generate(
     session_id: str, body: SessionGenerateRequest, request: Request, fe: Any = Depends(frontend)
 ):
     fe.check_auth(request, admin=False)
-    if "num_inference_steps" not in body.model_fields_set:  # the default shrinks to what the server allows
-        body = body.model_copy(
-            update={"num_inference_steps": min(body.num_inference_steps, fe.args.max_steps)}
-        )
-    if body.num_inference_steps > fe.args.max_steps:
-        raise BadRequest(
-            f"num_inference_steps: {body.num_inference_steps} is above the maximum {fe.args.max_steps}",
-            param="num_inference_steps",
-        )
-    if len(body.prompt) > fe.args.max_prompt_chars:
-        raise BadRequest(f"prompt: longer than {fe.args.max_prompt_chars} characters", param="prompt")
-    kwargs: dict[str, Any] = {} if body.seed is None else {"seed": body.seed}
-    params = GenerationParams(
-        prompt=body.prompt,
-        num_inference_steps=body.num_inference_steps,
-        guidance_scale=body.guidance_scale,
-        cache=body.cache,
-        **kwargs,
-    )
+    params = step_params(fe, body)
     call = _pinned(fe, session_id).session_generate.remote(session_id, params, body.strength)
     answer = await fe.call_engine(call)
     result = answer["result"]
@@ -163,6 +159,26 @@ async def session_generate(
             "usage": usage_of(result),
         },
         headers={REPLICA_HEADER: answer["replica"]},
+    )
+
+
+def step_params(fe: Any, step: SessionGenerateRequest) -> GenerationParams:
+    """A session step's engine parameters, as the HTTP route, the WebSocket and gRPC take it: the limits
+    and guidance defaults of /v1/images/generations (prompt and negative prompt length, steps capped by
+    ``--max-steps`` when left out, the model's recommended negative prompt and true-CFG scale), so a step
+    draws what an image request with the same settings draws. The replica adds size, start latents and
+    strength."""
+    step = fe.check_prompt_and_steps(step)
+    negative, true_cfg = fe.spec.guidance_defaults(step.negative_prompt, step.true_cfg_scale)
+    kwargs: dict[str, Any] = {} if step.seed is None else {"seed": step.seed}
+    return GenerationParams(
+        prompt=step.prompt,
+        negative_prompt=negative,
+        num_inference_steps=step.num_inference_steps,
+        guidance_scale=step.guidance_scale,
+        true_cfg_scale=true_cfg,
+        cache=step.cache,
+        **kwargs,
     )
 
 

@@ -16,9 +16,10 @@ SSE events (``text/event-stream``), then ``data: [DONE]``::
 
 Edits send the same events named ``image_edit.*`` (OpenAI's), previews by ``partial_images`` only.
 
-WebSocket protocol. The client sends JSON steps (in text or binary frames) ``{"prompt", "strength"?,
-"num_inference_steps"?, "guidance_scale"?, "seed"?, "preview"?}``; the server answers ``{"type": "progress", "step", "total",
-"preview_b64"?}`` per denoising step (``preview``: a 1/8-size picture of the latents), then ``{"type":
+WebSocket protocol. The client sends JSON steps (in text or binary frames) ``{"prompt", "negative_prompt"?,
+"strength"?, "num_inference_steps"?, "guidance_scale"?, "true_cfg_scale"?, "seed"?, "cache"?, "preview"?}``
+(the fields of ``POST /v1/sessions/{id}/generate``, and ``preview``); the server answers ``{"type":
+"progress", "step", "total", "preview_b64"?}`` per denoising step (``preview``: a 1/8-size picture of the latents), then ``{"type":
 "image", "step", "b64_json", "seed"}``. A step sent while one runs supersedes it: the running one is
 cancelled (``{"type": "superseded"}``) and the newest runs; steps queued behind it are answered
 ``superseded`` too. A bad step answers ``{"type": "error"}`` and the socket stays open. Each step gets
@@ -49,7 +50,7 @@ from ditserve.replica.media import image_size
 from ditserve.replica.request import GenerationParams
 
 from .api_edits import EDITS_PATH, upload_allowance
-from .api_sessions import SessionGenerateRequest
+from .api_sessions import SessionGenerateRequest, step_params
 from .api_videos import VIDEOS_PATH, reference_allowance
 from .errors import (
     BadRequest,
@@ -254,30 +255,6 @@ class StreamStep(SessionGenerateRequest):
     """One message of the session WebSocket: a session step plus whether to send previews."""
 
     preview: bool = Field(default=False, description="Send a low-res latent preview with every step.")
-
-
-def step_params(fe: Any, step: SessionGenerateRequest) -> GenerationParams:
-    """Limits shared by the session routes (HTTP, WebSocket, gRPC) → engine parameters. A step that leaves
-    the steps out gets the default capped by ``--max-steps``."""
-    if "num_inference_steps" not in step.model_fields_set:
-        step = step.model_copy(
-            update={"num_inference_steps": min(step.num_inference_steps, fe.args.max_steps)}
-        )
-    if step.num_inference_steps > fe.args.max_steps:
-        raise BadRequest(
-            f"num_inference_steps: {step.num_inference_steps} is above the maximum {fe.args.max_steps}",
-            param="num_inference_steps",
-        )
-    if len(step.prompt) > fe.args.max_prompt_chars:
-        raise BadRequest(f"prompt: longer than {fe.args.max_prompt_chars} characters", param="prompt")
-    kwargs: dict[str, Any] = {} if step.seed is None else {"seed": step.seed}
-    return GenerationParams(
-        prompt=step.prompt,
-        num_inference_steps=step.num_inference_steps,
-        guidance_scale=step.guidance_scale,
-        cache=step.cache,
-        **kwargs,
-    )
 
 
 def _validation_error(exc: ValidationError) -> BadRequest:

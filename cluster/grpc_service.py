@@ -480,8 +480,8 @@ class GrpcMethods:
 
     @streaming
     async def SessionGenerateStream(self, request, grpc_context=None):
-        from .api_sessions import _pinned
-        from .api_stream import StreamStep, engine_events, step_params
+        from .api_sessions import _pinned, step_params
+        from .api_stream import StreamStep, engine_events
 
         self.check_auth(_Metadata(grpc_context), admin=False)
         data = fields(request)

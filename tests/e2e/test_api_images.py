@@ -330,6 +330,86 @@ def test_grpc_session_stream(stub):
         assert stub.CloseSession(pb.SessionRef(id=session.id)).closed
 
 
+# A step with a negative prompt under true CFG (demo-flux is a FLUX.1: the uncond branch runs).
+GUIDED = {
+    "prompt": "a red fox",
+    "negative_prompt": "blurry",
+    "true_cfg_scale": 3.0,
+    "seed": 5,
+    "num_inference_steps": 3,
+}
+
+
+async def _ws_guided_step(server, session_id: str) -> list[dict]:
+    """A refused guidance field, then the guided step, over one socket: the answers (error, image)."""
+    async with websockets.connect(f"ws://127.0.0.1:{server.port}/v1/sessions/{session_id}/stream") as ws:
+        answers = []
+        for message in ({**GUIDED, "true_cfg_scale": "3"}, GUIDED):
+            await ws.send(json.dumps(message))
+            while (answer := json.loads(await ws.recv()))["type"] == "progress":
+                pass
+            answers.append(answer)
+        return answers
+
+
+def test_session_steps_take_the_guidance_fields_of_image_generations(server, stub):
+    """negative_prompt and true_cfg_scale on POST /v1/sessions/{id}/generate, the WebSocket and gRPC (the
+    package client) mean what they mean on /v1/images/generations: a first step draws the same image as
+    the image request with the same seed and settings. A refused value is a 400 / INVALID_ARGUMENT naming
+    the field, and the session goes on (its next step is step 2, guided: two forwards per step)."""
+    image = _post(server, GEN, {**GUIDED, "size": "64x64"}).json()
+    expected = png_pixels(base64.b64decode(image["data"][0]["b64_json"]))
+    unguided = _post(
+        server, GEN, {"prompt": "a red fox", "seed": 5, "num_inference_steps": 3, "size": "64x64"}
+    )
+    assert (png_pixels(base64.b64decode(unguided.json()["data"][0]["b64_json"])) != expected).any()
+    sessions = [
+        httpx.post(f"{server.base_url}/v1/sessions", json={"size": "64x64"}).json()["id"] for _ in range(3)
+    ]
+    try:
+        sid = sessions[0]
+        first = _post(server, f"/v1/sessions/{sid}/generate", GUIDED)
+        assert first.status_code == 200, first.text
+        assert (png_pixels(base64.b64decode(first.json()["data"][0]["b64_json"])) == expected).all()
+        assert first.json()["usage"] == image["usage"]  # the negative prompt's tokens, 2 forwards a step
+        for bad, param in (
+            ({"true_cfg_scale": 101}, "true_cfg_scale"),
+            ({"true_cfg_scale": -1}, "true_cfg_scale"),
+            ({"negative_prompt": 5}, "negative_prompt"),
+            ({"negative_prompt": "a" * 501}, "negative_prompt"),  # --max-prompt-chars, as for the prompt
+        ):
+            r = _post(server, f"/v1/sessions/{sid}/generate", {**GUIDED, **bad})
+            assert r.status_code == 400, (bad, r.text)
+            error = r.json()["error"]
+            assert error["param"] == param and error["message"].startswith(f"{param}: "), (bad, error)
+        with pytest.raises(grpc.RpcError) as info:
+            list(
+                stub.SessionGenerateStream(
+                    pb.SessionGenerateRequest(session_id=sid, prompt="a", true_cfg_scale=101)
+                )
+            )
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("true_cfg_scale: ")
+        second = _post(server, f"/v1/sessions/{sid}/generate", {**GUIDED, "strength": 1.0})
+        assert second.status_code == 200, second.text
+        assert second.json()["step"] == 2 and second.json()["usage"]["transformer_forwards"] == 6
+
+        from ditserve.cluster.client import Client
+
+        with Client(f"127.0.0.1:{server.grpc_port}") as c:
+            events = list(c.session_step(sessions[1], **GUIDED))
+        assert (png_pixels(events[-1].result.images[0]) == expected).all()
+        assert events[-1].result.usage.transformer_forwards == 6
+
+        refused, drawn = asyncio.run(_ws_guided_step(server, sessions[2]))
+        assert refused["type"] == "error" and refused["error"]["param"] == "true_cfg_scale", refused
+        assert drawn["type"] == "image" and drawn["step"] == 1, drawn
+        assert (png_pixels(base64.b64decode(drawn["b64_json"])) == expected).all()
+    finally:
+        for sid in sessions:
+            httpx.delete(f"{server.base_url}/v1/sessions/{sid}")
+
+
 async def _ws_steps(server, session_id: str) -> list[dict]:
     url = f"ws://127.0.0.1:{server.port}/v1/sessions/{session_id}/stream"
     seen = []
