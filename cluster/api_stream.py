@@ -254,7 +254,10 @@ async def image_events(
 class StreamStep(SessionGenerateRequest):
     """One message of the session WebSocket: a session step plus whether to send previews."""
 
-    preview: bool = Field(default=False, description="Send a low-res latent preview with every step.")
+    # Strict, as on /v1/images/generations: "preview": "yes" or 1 is refused naming the field.
+    preview: bool = Field(
+        default=False, strict=True, description="Send a low-res latent preview with every step."
+    )
 
 
 def _validation_error(exc: ValidationError) -> BadRequest:

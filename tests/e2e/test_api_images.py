@@ -857,6 +857,7 @@ async def _bad_step(server, session_id: str) -> list[dict]:
             "not json",
             b"\x00 a binary frame",  # answered as text is: an error, and the socket reads on
             json.dumps({"prompt": "a fox", "strength": 3}),
+            json.dumps({"prompt": "a fox", "preview": "yes"}),  # a boolean, as on /v1/images/generations
             json.dumps({"prompt": "a fox", "num_inference_steps": 1}).encode(),  # JSON in a binary frame
         ):
             await ws.send(message)
@@ -876,7 +877,8 @@ def test_websocket_bad_input(server):
     assert "not valid JSON" in answers[0]["error"]["message"]
     assert "not valid JSON" in answers[1]["error"]["message"]
     assert answers[2]["error"]["param"] == "strength"
-    assert answers[3]["type"] == "image"
+    assert answers[3]["error"]["param"] == "preview", answers[3]
+    assert answers[4]["type"] == "image"
     code, reason = asyncio.run(_unknown_session(server, f"{_replica(server)}.0000"))
     assert code == 4404 and "does not exist" in reason
     httpx.delete(f"{server.base_url}/v1/sessions/{sid}")
