@@ -347,6 +347,26 @@ def test_openai_generate_output_formats(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
 
 
+def test_a_session_step_draws_with_the_models_recommended_guidance(server):
+    """demo-scenes recommends true CFG 3.0 against the negative prompt "" (its ditserve.json): a session's
+    first step draws what images.generate draws with the same seed and steps, both guided (two forwards a
+    step). Sessions ignored the recommendation and drew another, unguided image."""
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    settings = {"seed": 3, "num_inference_steps": 3}
+    image = client.images.generate(prompt="a red circle", size="64x64", extra_body=settings)
+    sid = httpx.post(f"{server.base_url}/v1/sessions", json={"size": "64x64"}, timeout=60).json()["id"]
+    try:
+        url = f"{server.base_url}/v1/sessions/{sid}/generate"
+        step = httpx.post(url, json={"prompt": "a red circle", **settings}, timeout=120)
+    finally:
+        httpx.delete(f"{server.base_url}/v1/sessions/{sid}", timeout=60)
+    assert step.status_code == 200, step.text
+    assert image.usage.transformer_forwards == 6
+    assert step.json()["usage"]["transformer_forwards"] == 6
+    expected = png_pixels(base64.b64decode(image.data[0].b64_json))
+    assert (png_pixels(base64.b64decode(step.json()["data"][0]["b64_json"])) == expected).all()
+
+
 def test_uploads_are_read_as_shown(server):
     """A JPEG whose EXIF turns it a quarter is edited upright (its shown size, not its stored one); a 16-bit
     greyscale PNG is the same picture as its 8-bit twin (not clipped to white)."""
