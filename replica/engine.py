@@ -30,7 +30,14 @@ logger = logging.getLogger(__name__)
 
 def validate_layout(config: EngineConfig, spec: ModelSpec) -> int:
     """Check the parallel layout against the model before any process starts; returns the world size."""
-    world_size = config.parallel.dims(num_heads=spec.num_attention_heads).world_size
+    dims = config.parallel.dims(num_heads=spec.num_attention_heads)
+    world_size = dims.world_size
+    if dims.cfg > 1 and (one := spec.family_spec.single_branch(spec.folder)) is not None:
+        raise ValueError(
+            f"--cfg-parallel-size {dims.cfg}: {spec.name} runs one branch a step ({one}), so a second cfg "
+            "rank would only repeat the first's work; give the GPUs to --tp-size, --ulysses-degree or "
+            "--ring-degree (or --dp-size)"
+        )
     # A family may shard over only some axes (its plan declares which; e.g. AnyFlow-FAR: Ulysses).
     axes = spec.family_spec.extra.get("parallel_axes")
     if axes is not None:

@@ -120,6 +120,10 @@ class Family:
     # branch only with a negative prompt and true_cfg_scale > 1), "cfg" (a second branch when
     # guidance_scale > 1), "none". CFG parallelism (--cfg 2) needs a second branch.
     guidance: Guidance = "cfg"
+    # Why this folder never runs a second (uncond) branch, or None. CFG parallelism would only repeat cfg rank
+    # 0's work on rank 1, so --cfg-parallel-size 2 is refused naming the flag (FLUX.2 dev's distilled guidance;
+    # a step-distilled FLUX.2 Klein).
+    single_branch: Callable[[Folder], str | None] = lambda folder: None
     # true_cfg_scale when the user gives a negative prompt but no scale ("true_cfg" families)
     default_true_cfg: float = 4.0
     negative_prompt: bool = True

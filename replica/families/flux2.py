@@ -28,6 +28,7 @@ FAMILY = Family(
     runner="pipelines.flux2:Flux2Runner",
     plan="parallel.flux2:FLUX2_PLAN",
     guidance="distilled",
+    single_branch=lambda folder: "its guidance is distilled, an embedding",
     negative_prompt=False,
     edit_pipelines=frozenset({"Flux2Pipeline"}),
     # diffusers takes any number; BFL documents up to 10 references for FLUX.2 dev (each adds its tokens

@@ -11,6 +11,12 @@ FAMILY = Family(
     runner="pipelines.flux2:Flux2KleinRunner",
     plan="parallel.flux2:FLUX2_PLAN",
     guidance="cfg",
+    # Flux2KleinPipeline skips guidance for a step-distilled folder whatever guidance_scale says
+    single_branch=lambda folder: (
+        "its folder is step-distilled: model_index.json's is_distilled"
+        if folder.index.get("is_distilled")
+        else None
+    ),
     negative_prompt=False,
     edit_pipelines=frozenset({"Flux2KleinPipeline"}),
     max_references=10,

@@ -7,6 +7,7 @@ gives, beside the same request without it in one batch."""
 from __future__ import annotations
 
 import io
+import json
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,8 @@ from openai import BadRequestError
 from PIL import Image
 
 from ditserve.replica.caching.settings import CacheSettings
+from ditserve.replica.config import EngineConfig, ParallelFlags
+from ditserve.replica.engine import validate_layout
 from ditserve.replica.models.registry import resolve_model
 from ditserve.replica.pipelines.flux2 import Flux2KleinRunner, Flux2Runner, TextProcessor
 from ditserve.replica.request import GenerationParams, LoRARef
@@ -259,6 +262,26 @@ def test_klein_cfg_parallel_equals_pipeline(klein_folder, klein_expected):
     got = engine_images(klein_folder, {"cfg_parallel_size": 2}, [TEXT, EDIT])
     for image, want in zip(got, klein_expected, strict=True):
         assert psnr(image, want) >= 40
+
+
+def test_cfg_parallel_is_refused_where_one_branch_runs(dev_folder, klein_folder, tmp_path):
+    """FLUX.2 dev (distilled guidance) and a step-distilled Klein folder run one branch a step:
+    --cfg-parallel-size 2 was taken and its second rank repeated the first's forwards (half the GPUs busy for
+    nothing). Now refused before anything starts, naming the flag and where the GPUs can go; Klein with its
+    own CFG keeps it."""
+    distilled = Path(shutil.copytree(klein_folder, tmp_path / "klein-distilled"))
+    index = json.loads((distilled / "model_index.json").read_text())
+    (distilled / "model_index.json").write_text(json.dumps(index | {"is_distilled": True}))
+    for folder, why in ((dev_folder, "guidance is distilled"), (distilled, "step-distilled")):
+        config = EngineConfig(model=str(folder), device="cpu", parallel=ParallelFlags(cfg_parallel_size=2))
+        with pytest.raises(ValueError, match=f"^--cfg-parallel-size 2: .*one branch a step.*{why}") as err:
+            validate_layout(config, resolve_model(str(folder)))
+        assert "--tp-size" in str(err.value)
+    config = EngineConfig(model=str(klein_folder), device="cpu", parallel=ParallelFlags(cfg_parallel_size=2))
+    assert validate_layout(config, resolve_model(str(klein_folder))) == 2
+    flags = {"tp_size": 2, "ulysses_degree": 2}
+    config = EngineConfig(model=str(dev_folder), device="cpu", parallel=ParallelFlags(**flags))
+    assert validate_layout(config, resolve_model(str(dev_folder))) == 4
 
 
 def test_serve_and_openai_client(dev_folder, dev_expected):
