@@ -8,8 +8,10 @@ client; a PEFT LoRA per request gives what diffusers' ``load_lora_weights`` give
 
 from __future__ import annotations
 
+import base64
 import io
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -45,7 +47,7 @@ from tests.families.harness import (
     single_thread,  # noqa: F401 (a fixture, used by pytestmark)
 )
 from tests.families.qwenimage import build_folder
-from tests.helpers import psnr
+from tests.helpers import png_pixels, psnr
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -302,7 +304,13 @@ def test_serve_and_openai_client(t2i_folder, t2i_expected, unsized_expected):
                 "true_cfg_scale": 3.0,
             },
         )
+        # A session's first step with the same guidance fields draws the same image.
+        sid = httpx.post(f"{server.base_url}/v1/sessions", json={"size": "96x64"}, timeout=60).json()["id"]
+        step = {"prompt": CFG.prompt, **sampling_body(CFG)}
+        session_step = httpx.post(f"{server.base_url}/v1/sessions/{sid}/generate", json=step, timeout=120)
     got = b64_pixels(result)
+    assert session_step.status_code == 200, session_step.text
+    assert (png_pixels(base64.b64decode(session_step.json()["data"][0]["b64_json"])) == got).all()
     assert got.shape == (64, 96, 3)
     assert psnr(got, t2i_expected[0]) >= 40
     # image-to-image without a size: the img2img pipeline's default size, not the image's 96x64

@@ -12,6 +12,7 @@ import base64
 import io
 from pathlib import Path
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -279,6 +280,14 @@ def test_serve_openai_client(folder, reference, img2img_reference, unsized_refer
                 edit(client, folder.name, FOX_I2I.model_copy(update={"strength": strength}))
             refused.append(error.value)
         edited = edit(client, folder.name, FOX_I2I)
+        # A session step takes the same guidance fields: true_cfg_scale refused naming it, the session
+        # usable after it, its first step the pipeline's image (negative prompt under guidance_scale).
+        size = {"size": f"{FOX.width}x{FOX.height}"}
+        sid = httpx.post(f"{server.base_url}/v1/sessions", json=size, timeout=60).json()["id"]
+        step = {"prompt": FOX.prompt, **sampling_body(FOX)}
+        url = f"{server.base_url}/v1/sessions/{sid}/generate"
+        session_true_cfg = httpx.post(url, json=step | {"true_cfg_scale": 4.0}, timeout=120)
+        session_step = httpx.post(url, json=step, timeout=120)
         unsized = client.images.edit(
             model=folder.name,
             image=("start.png", START, "image/png"),
@@ -297,6 +306,10 @@ def test_serve_openai_client(folder, reference, img2img_reference, unsized_refer
     assert [(e.status_code, e.param) for e in refused] == [(400, "strength")] * 2
     assert all(e.body["message"].startswith("strength: ") for e in refused), [e.body for e in refused]
     assert psnr(b64_pixels(edited), img2img_reference) >= 40
+    assert session_true_cfg.status_code == 400, session_true_cfg.text
+    assert session_true_cfg.json()["error"]["message"] == message
+    assert session_step.status_code == 200 and session_step.json()["step"] == 1, session_step.text
+    assert psnr(png_pixels(base64.b64decode(session_step.json()["data"][0]["b64_json"])), reference[0]) >= 40
     # without a size: the img2img pipeline's default size, not the image's 80x48
     side = unsized_reference.shape[0]
     assert unsized.size == f"{side}x{side}"
