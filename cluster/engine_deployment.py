@@ -300,6 +300,8 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
         if session is None:
             return self._session_missing(session_id)
         async with session.lock:  # steps of one session run in order, each from the previous latents
+            if self.sessions.get(session_id) is not session:  # closed while this step waited for the last
+                return self._session_missing(session_id)
             session.last_used = time.monotonic()
             update = {"width": session.width, "height": session.height, "return_latents": True, "n": 1}
             if session.latents is not None:

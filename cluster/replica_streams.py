@@ -127,7 +127,7 @@ class VideoJob:
 
 class ReplicaStreams:
     """Mixin of ``EngineReplica``: uses its ``engine``, ``args``, ``replica_id``, ``sessions``, ``launcher`` and
-    ``_unavailable``/``_expire_sessions``/``_rank_failed``."""
+    ``_unavailable``/``_expire_sessions``/``_session_missing``/``_rank_failed``."""
 
     # -- streamed generation -----------------------------------------------------------------------------
     async def generate_stream(
@@ -200,9 +200,12 @@ class ReplicaStreams:
         self._expire_sessions()
         session = self.sessions.get(session_id)
         if session is None:
-            yield self._no_session(session_id)
+            yield self._session_missing(session_id)
             return
         async with session.lock:
+            if self.sessions.get(session_id) is not session:  # closed while this step waited for the last
+                yield self._session_missing(session_id)
+                return
             session.last_used = time.monotonic()
             update = {"width": session.width, "height": session.height, "return_latents": True, "n": 1}
             if session.latents is not None:
@@ -216,19 +219,12 @@ class ReplicaStreams:
                 session.last_used = time.monotonic()
                 yield event
 
-    def _no_session(self, session_id: str) -> NotFound:
-        return NotFound(
-            f"session {session_id!r} does not exist (closed or expired)",
-            param="session_id",
-            replica=self.replica_id,
-        )
-
     async def session_touch(self, session_id: str) -> dict[str, Any] | ServeError:
         """Does the session exist here, and how old is it (a WebSocket's lifetime deadline)."""
         self._expire_sessions()
         session = self.sessions.get(session_id)
         if session is None:
-            return self._no_session(session_id)
+            return self._session_missing(session_id)
         session.last_used = time.monotonic()
         return {"replica": self.replica_id, "age_s": time.monotonic() - session.created}
 

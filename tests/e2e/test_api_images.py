@@ -554,6 +554,37 @@ def test_session_ids_the_server_does_not_hold_answer_4xx_naming_session_id(serve
         assert error["param"] == "session_id" and error["message"].startswith("session"), (case, error)
 
 
+async def _close_with_a_step_waiting(server, session_id: str) -> tuple[httpx.Response, httpx.Response, dict]:
+    """Step A over the WebSocket; once it runs, step B over HTTP (it waits for A: a session's steps run in
+    order); at A's 10th of 20 steps the session is closed. The close, B's answer, A's last message."""
+    url = f"{server.base_url}/v1/sessions/{session_id}"
+    async with websockets.connect(f"ws://127.0.0.1:{server.port}/v1/sessions/{session_id}/stream") as ws:
+        async with httpx.AsyncClient(timeout=120) as http:
+            await ws.send(json.dumps({"prompt": "a red fox", "num_inference_steps": 20}))
+            assert json.loads(await ws.recv())["type"] == "progress"
+            waiting = asyncio.create_task(http.post(f"{url}/generate", json={"prompt": "a blue fox"}))
+            while (message := json.loads(await ws.recv()))["type"] == "progress" and message["step"] < 10:
+                pass
+            closed = await http.delete(url)
+            while message["type"] == "progress":
+                message = json.loads(await ws.recv())
+            return closed, await waiting, message
+
+
+def test_a_step_waiting_for_the_last_is_refused_once_the_session_is_closed(server):
+    """DELETE answered "deleted" while a step queued behind the running one went on to run from the closed
+    session's latents and answered an image (step 2 of a session that no longer existed). It is now a 404
+    naming session_id; the running step finishes."""
+    sid = httpx.post(f"{server.base_url}/v1/sessions", json={"size": "64x64"}).json()["id"]
+    closed, waited, running = asyncio.run(_close_with_a_step_waiting(server, sid))
+    assert closed.status_code == 200 and closed.json()["deleted"], closed.text
+    assert waited.status_code == 404, waited.text[:300]
+    assert waited.json()["error"]["param"] == "session_id"
+    assert running["type"] == "image" and running["step"] == 1, running
+    assert _post(server, f"/v1/sessions/{sid}/generate", {"prompt": "a fox"}).status_code == 404
+    http_valid(server)
+
+
 @pytest.mark.parametrize("content", [None, b"{}"])
 def test_session_opens_without_a_body(server, content):
     headers = {} if content is None else {"content-type": "application/json"}
