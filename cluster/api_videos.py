@@ -274,6 +274,18 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
     )
 
 
+def _binary(part: Any, data: bytes) -> bool:
+    """A form part that carries a file without naming one (curl's ``-F 'input_reference=<first.png'``, a
+    part typed ``image/png``): a declared type other than text, or bytes that are not UTF-8 text."""
+    if part.get_content_maintype() != "text":
+        return True
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
 def _form_fields(content_type: str, raw: bytes) -> tuple[dict[str, Any], bytes | None]:
     """multipart/form-data → ({name: value}, the input_reference file) with the standard library's MIME
     parser (binary parts come back byte for byte); a text ``input_reference`` is a data URL."""
@@ -290,7 +302,7 @@ def _form_fields(content_type: str, raw: bytes) -> tuple[dict[str, Any], bytes |
         data = part.get_payload(decode=True) or b""
         if name == "input_reference" and part.get_filename() == "" and not data:
             continue  # an HTML form's file input left empty (filename "", no bytes): no file given
-        if name == "input_reference" and part.get_filename() is not None:
+        if name == "input_reference" and (part.get_filename() is not None or _binary(part, data)):
             if upload is not None:
                 raise BadRequest("input_reference: one first frame per video", param="input_reference")
             upload = data

@@ -21,7 +21,7 @@ from PIL import Image
 from ditserve.cluster.client import Client
 from ditserve.replica.media import decode_mp4
 from tests.families.wan_i2v import build_folder, reference_png
-from tests.helpers import ServeProcess
+from tests.helpers import ServeProcess, psnr
 
 MAX_IMAGE_BYTES = 50_000
 MAX_BODY_BYTES = 4096  # the fields; a first frame up to MAX_IMAGE_BYTES comes on top
@@ -72,7 +72,20 @@ def test_openai_client_with_input_reference_file(client):
     assert job.status in ("queued", "in_progress") and job.size == "64x48"
     done = wait(client, job.id)
     assert done.status == "completed", done
-    assert_h264(client.videos.download_content(job.id).read(), (5, 48, 64, 3))
+    mp4 = client.videos.download_content(job.id).read()
+    assert_h264(mp4, (5, 48, 64, 3))
+    # the image as a form part without a file name (curl -F 'input_reference=<first.png'): the same video
+    # (it was refused as "not UTF-8 text")
+    form = {"model": "wan-i2v-tiny", "prompt": "the red square drifts right", "size": "64x48", **FIELDS}
+    r = httpx.post(
+        f"{client.base_url}videos",
+        data={k: str(v) for k, v in form.items()},
+        files={"input_reference": (None, reference_png())},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    assert wait(client, r.json()["id"]).status == "completed"
+    assert psnr(decode_mp4(client.videos.download_content(r.json()["id"]).read()), decode_mp4(mp4)) >= 40
 
 
 def test_openai_client_without_input_reference_is_refused(client):
