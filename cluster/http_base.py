@@ -357,6 +357,9 @@ def _apply_limits(
         props = components.get(name, {}).get("properties", {})
         if "prompt" in props:
             props["prompt"] = {**prompt, "description": props["prompt"].get("description", "")}
+        if "negative_prompt" in props:  # --max-prompt-chars bounds it too (a longer one is a 400)
+            negative = {"type": "string", "maxLength": args.max_prompt_chars}
+            props["negative_prompt"] = _nullable(negative, props["negative_prompt"].get("description"))
         if "num_inference_steps" in props:
             props["num_inference_steps"]["maximum"] = args.max_steps
             props["num_inference_steps"]["default"] = min(

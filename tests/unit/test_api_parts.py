@@ -184,6 +184,9 @@ def test_openapi_carries_the_servers_limits():
             assert bool(pattern.match(size)) == taken, size
     session = schema["components"]["schemas"]["SessionGenerateRequest"]["properties"]
     assert session["num_inference_steps"]["maximum"] == 3
+    # --max-prompt-chars bounds the negative prompt too, on every route that takes one
+    for body in (props, session):
+        assert body["negative_prompt"]["anyOf"][0] == {"type": "string", "maxLength": 50}
 
 
 def test_method_not_allowed_names_every_allowed_method():
