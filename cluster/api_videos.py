@@ -92,7 +92,9 @@ class VideoCreateRequest(BaseModel):
         le=600,
         description="Duration (default 1, capped by max_frames); frames = seconds·fps, rounded to what the model takes.",
     )
-    num_frames: int | None = Field(default=None, ge=1, description="Frames (overrides seconds).")
+    num_frames: int | None = Field(
+        default=None, ge=1, description="Frames (instead of seconds; given both, they must agree)."
+    )
     fps: int | None = Field(
         default=None,
         ge=1,
@@ -206,14 +208,21 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
     multiple = fe.spec.frame_multiple
     fps = fe.spec.fps if body.fps is None else body.fps
     frames = body.num_frames
+    wanted = round((body.seconds if body.seconds is not None else 1.0) * fps)
+    timed = multiple * max(1, round((wanted - 1) / multiple)) + 1  # the frames the duration asks
     if frames is None:
-        wanted = round((body.seconds if body.seconds is not None else 1.0) * fps)
-        frames = multiple * max(1, round((wanted - 1) / multiple)) + 1
+        frames = timed
         if body.seconds is None:  # the default (1 s) shrinks to what the server allows
             frames = min(frames, multiple * ((limits.max_frames - 1) // multiple) + 1)
     elif (frames - 1) % multiple:
         raise BadRequest(
             f"num_frames: must be {multiple}·k + 1 for {fe.model_name}, got {frames}", param="num_frames"
+        )
+    elif body.seconds is not None and frames != timed:  # one of them would be served wrong
+        raise BadRequest(
+            f"seconds: {body.seconds:g} s at {fps} fps is {timed} frames, but num_frames is {frames} "
+            f"({frames / fps:g} s); give seconds or num_frames, not both",
+            param="seconds",
         )
     if frames > limits.max_frames:
         param = "num_frames" if body.num_frames is not None else "seconds"

@@ -89,6 +89,9 @@ def test_seconds_become_frames_and_json_works(server):
     )
     assert r.status_code == 200, r.text
     assert r.json()["num_frames"] == 5 and r.headers["x-ditserve-replica"] in r.json()["id"]
+    both = {"prompt": "a fox", "seconds": 0.5, "num_frames": 5, "fps": 8, "num_inference_steps": 1}
+    r = httpx.post(f"{server.base_url}/v1/videos", json=both, headers=AUTH)  # the same duration twice
+    assert r.status_code == 200 and r.json()["num_frames"] == 5, r.text
     # a form whose media type is written in capitals (media types are case-insensitive)
     form = {"prompt": (None, "a fox"), "num_frames": (None, "5"), "num_inference_steps": (None, "1")}
     request = httpx.Request("POST", f"{server.base_url}/v1/videos", files=form, headers=AUTH)
@@ -335,6 +338,12 @@ BAD = {
     "seconds true": ({"prompt": "a", "seconds": True}, AUTH, 400, "seconds: a number, not true"),
     "frames true": ({"prompt": "a", "num_frames": True}, AUTH, 400, "num_frames: a number, not true"),
     "seconds NaN": ({"prompt": "a", "seconds": "nan"}, AUTH, 400, "seconds: Input should be a finite number"),
+    "seconds and frames disagree": (
+        {"prompt": "a", "seconds": "4", "num_frames": 5},
+        AUTH,
+        400,
+        "seconds: 4 s at 16 fps is 65 frames, but num_frames is 5",
+    ),
     "guidance NaN": (
         {"prompt": "a", "guidance_scale": "NaN"},
         AUTH,
