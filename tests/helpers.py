@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import io
 import os
+import queue
 import random
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -82,26 +84,55 @@ class ServeProcess:
         self.log_path = Path(os.environ["DITSERVE_HOME"]) / f"serve-{self.port}.log"
         cmd = [str(Path(sys.executable).with_name("ditserve")), "serve", "--port", str(self.port)]
         cmd += ["--grpc-port", str(self.grpc_port), *args]
-        self.log = open(self.log_path, "w")
+        self.log = open(self.log_path, "wb")
+        # The server's output comes through a pipe: a thread copies each line to the log file as it arrives
+        # and tells the moment the "serving" line does (the log file was read every 0.5 s before).
         self.proc = subprocess.Popen(
             cmd,
-            stdout=self.log,
+            stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             cwd=REPO_ROOT,
             env=user_env(),
         )
+        self._serving: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._copier = threading.Thread(target=self._copy_output, name=f"serve-{self.port}-log", daemon=True)
+        self._copier.start()
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                port = self._serving.get(timeout=min(left, 1.0))
+            except queue.Empty:  # nothing said for a second: a process that left its output open may be gone
+                if self.proc.poll() is None:
+                    continue
+                port = None
+            if port is None:  # the output ended, or the process is gone, before it served
+                self.proc.wait()
+                self._copier.join(5)
                 self.log.close()
                 raise RuntimeError(f"ditserve serve exited early:\n{self.output()}")
-            if match := re.search(r"ditserve: serving .+? at http://[^\s:]+:(\d+)/v1", self.output()):
-                self.port = int(match.group(1))  # with --address: the port Serve already listens on
-                return
-            time.sleep(0.5)
+            self.port = port  # with --address: the port Serve already listens on
+            return
         self.stop()
         raise TimeoutError(f"ditserve serve did not start in {timeout_s}s:\n{self.output()}")
+
+    def _copy_output(self) -> None:
+        """The server's output, line by line, into the log file (until ``stop`` closes it; what comes after is
+        read and dropped); the port of the "serving" line, then None at the end of the output, into
+        ``self._serving``."""
+        serving = re.compile(rb"ditserve: serving .+? at http://[^\s:]+:(\d+)/v1")
+        told = False
+        for line in iter(self.proc.stdout.readline, b""):
+            try:
+                self.log.write(line)
+                self.log.flush()
+            except ValueError:  # closed by stop()
+                pass
+            if not told and (match := serving.search(line)):
+                self._serving.put(int(match.group(1)))
+                told = True
+        self.proc.stdout.close()
+        self._serving.put(None)
 
     @property
     def base_url(self) -> str:
@@ -118,5 +149,6 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        self._copier.join(5)  # the rest of its output (a process it left behind may still hold the pipe)
         self.log.close()
         return self.proc.returncode
