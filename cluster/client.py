@@ -130,6 +130,11 @@ class Client:
         request = pb.SessionGenerateRequest(session_id=session_id, prompt=prompt, **fields)
         yield from self._call("SessionGenerateStream", request)
 
+    def session_generate(self, session_id: str, prompt: str, **fields: Any) -> pb.GenerateResponse:
+        """One session step, its result only (the images, seed and ``session_step``)."""
+        request = pb.SessionGenerateRequest(session_id=session_id, prompt=prompt, **fields)
+        return self._call("SessionGenerate", request)
+
     def close_session(self, session_id: str) -> None:
         self._call("CloseSession", pb.SessionRef(id=session_id))
 

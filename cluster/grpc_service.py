@@ -200,9 +200,14 @@ def _admin_reply(data: dict[str, Any]) -> pb.AdminReply:
 
 
 def _result_message(
-    result: Any, replica: str, images: list[bytes] | None = None, output_format: str = "png"
+    result: Any,
+    replica: str,
+    images: list[bytes] | None = None,
+    output_format: str = "png",
+    session_step: int = 0,
 ) -> pb.GenerateResponse:
     return pb.GenerateResponse(
+        session_step=session_step,
         created=int(time.time()),
         images=list(result.outputs) if images is None else images,
         seed=result.seed,
@@ -496,6 +501,23 @@ class GrpcMethods:
             yield _event_message(event)
 
     @unary
+    async def SessionGenerate(self, request, grpc_context=None):
+        from .api_sessions import SessionGenerateRequest, _pinned, step_params
+
+        self.check_auth(_Metadata(grpc_context), admin=False)
+        data = fields(request)
+        session_id = data.pop("session_id", "")
+        if not session_id:
+            raise BadRequest("session_id: the session id is required", param="session_id")
+        if data.pop("preview", False):  # as HTTP's POST .../generate, which takes no preview
+            raise BadRequest("preview: previews come with SessionGenerateStream", param="preview")
+        step = _validate(SessionGenerateRequest, data)
+        params = step_params(self, step)
+        call = _pinned(self, session_id).session_generate.remote(session_id, params, step.strength)
+        answer = await self.call_engine(call)
+        return _result_message(answer["result"], answer["replica"], session_step=answer["step"])
+
+    @unary
     async def CloseSession(self, request, grpc_context=None):
         from .api_sessions import close_session
 
@@ -602,4 +624,6 @@ def _event_message(event: dict[str, Any]) -> pb.GenerateEvent:
         return pb.GenerateEvent(
             progress=pb.Progress(step=event["step"], total=event["total"], preview=event.get("preview", b""))
         )
-    return pb.GenerateEvent(result=_result_message(event["result"], event["replica"]))
+    return pb.GenerateEvent(
+        result=_result_message(event["result"], event["replica"], session_step=event.get("step", 0))
+    )

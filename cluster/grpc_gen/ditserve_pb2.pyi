@@ -132,7 +132,7 @@ class EditImageRequest(_message.Message):
     def __init__(self, image: _Optional[_Iterable[bytes]] = ..., mask: _Optional[bytes] = ..., prompt: _Optional[str] = ..., model: _Optional[str] = ..., n: _Optional[int] = ..., size: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., strength: _Optional[float] = ..., lora: _Optional[_Iterable[_Union[LoRARef, _Mapping]]] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ..., output_format: _Optional[str] = ..., output_compression: _Optional[int] = ..., partial_images: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("created", "images", "seed", "size", "replica", "usage", "output_format")
+    __slots__ = ("created", "images", "seed", "size", "replica", "usage", "output_format", "session_step")
     CREATED_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class GenerateResponse(_message.Message):
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_STEP_FIELD_NUMBER: _ClassVar[int]
     created: int
     images: _containers.RepeatedScalarFieldContainer[bytes]
     seed: int
@@ -147,7 +148,8 @@ class GenerateResponse(_message.Message):
     replica: str
     usage: Usage
     output_format: str
-    def __init__(self, created: _Optional[int] = ..., images: _Optional[_Iterable[bytes]] = ..., seed: _Optional[int] = ..., size: _Optional[str] = ..., replica: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., output_format: _Optional[str] = ...) -> None: ...
+    session_step: int
+    def __init__(self, created: _Optional[int] = ..., images: _Optional[_Iterable[bytes]] = ..., seed: _Optional[int] = ..., size: _Optional[str] = ..., replica: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., output_format: _Optional[str] = ..., session_step: _Optional[int] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("step", "total", "preview")

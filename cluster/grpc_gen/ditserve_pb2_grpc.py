@@ -94,6 +94,11 @@ class DitServeStub:
                 request_serializer=ditserve_dot_v1_dot_ditserve__pb2.SessionGenerateRequest.SerializeToString,
                 response_deserializer=ditserve_dot_v1_dot_ditserve__pb2.GenerateEvent.FromString,
                 _registered_method=True)
+        self.SessionGenerate = channel.unary_unary(
+                '/ditserve.v1.DitServe/SessionGenerate',
+                request_serializer=ditserve_dot_v1_dot_ditserve__pb2.SessionGenerateRequest.SerializeToString,
+                response_deserializer=ditserve_dot_v1_dot_ditserve__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/ditserve.v1.DitServe/CloseSession',
                 request_serializer=ditserve_dot_v1_dot_ditserve__pb2.SessionRef.SerializeToString,
@@ -234,6 +239,13 @@ class DitServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SessionGenerate(self, request, context):
+        """One session step, its result only (POST /v1/sessions/{id}/generate); preview is refused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -367,6 +379,11 @@ def add_DitServeServicer_to_server(servicer, server):
                     servicer.SessionGenerateStream,
                     request_deserializer=ditserve_dot_v1_dot_ditserve__pb2.SessionGenerateRequest.FromString,
                     response_serializer=ditserve_dot_v1_dot_ditserve__pb2.GenerateEvent.SerializeToString,
+            ),
+            'SessionGenerate': grpc.unary_unary_rpc_method_handler(
+                    servicer.SessionGenerate,
+                    request_deserializer=ditserve_dot_v1_dot_ditserve__pb2.SessionGenerateRequest.FromString,
+                    response_serializer=ditserve_dot_v1_dot_ditserve__pb2.GenerateResponse.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -748,6 +765,33 @@ class DitServe:
             '/ditserve.v1.DitServe/SessionGenerateStream',
             ditserve_dot_v1_dot_ditserve__pb2.SessionGenerateRequest.SerializeToString,
             ditserve_dot_v1_dot_ditserve__pb2.GenerateEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SessionGenerate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ditserve.v1.DitServe/SessionGenerate',
+            ditserve_dot_v1_dot_ditserve__pb2.SessionGenerateRequest.SerializeToString,
+            ditserve_dot_v1_dot_ditserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

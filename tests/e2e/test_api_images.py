@@ -316,18 +316,35 @@ def test_grpc_admin_with_key(stub):
     grpc_valid(stub)
 
 
-def test_grpc_session_stream(stub):
+def test_grpc_session_stream(server, stub):
+    """Session steps over gRPC: streamed with previews, or one call for the result only (SessionGenerate, as
+    HTTP's POST .../generate: preview refused naming it); each result says its step in the session."""
+    from ditserve.cluster.client import Client
+
     session = stub.OpenSession(pb.OpenSessionRequest(size="64x64"))
     try:
-        for _ in range(2):
+        for step in (1, 2):
             request = pb.SessionGenerateRequest(
                 session_id=session.id, prompt="a red fox", num_inference_steps=2, preview=True
             )
             events = list(stub.SessionGenerateStream(request))
             assert events[0].progress.preview[:4] == b"\x89PNG"
             assert png_pixels(events[-1].result.images[0]).shape == (64, 64, 3)
+            assert events[-1].result.session_step == step
+        with Client(f"127.0.0.1:{server.grpc_port}") as c:
+            with pytest.raises(grpc.RpcError) as info:
+                c.session_generate(session.id, "a blue fox", preview=True)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details().startswith("preview: ")
+            result = c.session_generate(session.id, "a blue fox", num_inference_steps=2, seed=4)
+        assert result.session_step == 3 and result.seed == 4 and result.size == "64x64"
+        assert png_pixels(result.images[0]).shape == (64, 64, 3) and result.usage.transformer_forwards > 0
     finally:
         assert stub.CloseSession(pb.SessionRef(id=session.id)).closed
+    with pytest.raises(grpc.RpcError) as info:  # closed: NOT_FOUND naming the session, as HTTP's 404
+        stub.SessionGenerate(pb.SessionGenerateRequest(session_id=session.id, prompt="a fox"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert info.value.details().startswith("session_id: session ")
 
 
 # A step with a negative prompt under true CFG (demo-flux is a FLUX.1: the uncond branch runs).
