@@ -227,7 +227,7 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
     if frames > limits.max_frames:
         param = "num_frames" if body.num_frames is not None else "seconds"
         raise BadRequest(f"{param}: {frames} frames is above the maximum {limits.max_frames}", param=param)
-    refused = fe.spec.refusal(body.cache, body.guidance_scale_2)
+    refused = fe.spec.refusal(body.cache, body.guidance_scale_2, guidance_scale=body.guidance_scale)
     if refused is not None:
         raise BadRequest(refused[1], param=refused[0])
     kwargs: dict[str, Any] = {} if body.seed is None else {"seed": body.seed}

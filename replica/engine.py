@@ -223,7 +223,9 @@ class Engine:
                 raise ValueError(f"lora: adapter {ref.name!r} is not loaded; loaded: {loaded}")
         if params.n > limits.max_n:
             raise ValueError(f"n: {params.n} is above the maximum {limits.max_n}")
-        refused = spec.refusal(params.cache, params.guidance_scale_2, params.true_cfg_scale)
+        refused = spec.refusal(
+            params.cache, params.guidance_scale_2, params.true_cfg_scale, params.guidance_scale
+        )
         if refused is not None:
             raise ValueError(refused[1])
         self.check_images(params)

@@ -248,7 +248,11 @@ class ModelSpec:
         return self.folder.has("transformer_2")
 
     def refusal(
-        self, cache: CacheSettings | None, guidance_scale_2: float | None, true_cfg_scale: float | None = None
+        self,
+        cache: CacheSettings | None,
+        guidance_scale_2: float | None,
+        true_cfg_scale: float | None = None,
+        guidance_scale: float | None = None,
     ) -> tuple[str, str] | None:
         """(field, message) for request settings this model would not apply, else None."""
         if cache is not None and cache.enabled and not self.family_spec.step_cache:
@@ -257,6 +261,13 @@ class ModelSpec:
             return "guidance_scale_2", (
                 f"guidance_scale_2: {self.name} has one transformer; only two-expert models (Wan 2.2 A14B) take "
                 "the second expert's scale"
+            )
+        if guidance_scale_2 not in (None, 1) and guidance_scale is not None and guidance_scale <= 1:
+            # WanPipeline runs the unconditional branch for both experts only when guidance_scale > 1
+            return "guidance_scale_2", (
+                f"guidance_scale_2: {guidance_scale_2:g} would do nothing with guidance_scale {guidance_scale:g}: "
+                "classifier-free guidance runs (for either expert) only when guidance_scale is above 1; raise "
+                "guidance_scale or leave guidance_scale_2 out"
             )
         if true_cfg_scale is not None and true_cfg_scale > 1 and self.family_spec.guidance != "true_cfg":
             return "true_cfg_scale", (

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import openai
 import pytest
 import torch
 from diffusers import WanImageToVideoPipeline
@@ -244,6 +245,11 @@ def engine_latents(folder, flags: dict) -> list[np.ndarray]:
         if not flags:  # a text-to-video model takes no first frame
             with pytest.raises(ValueError, match="^input_reference: .* text-to-video"):
                 engine.submit(A14B[0].model_copy(update={"images": (b"png",)}))
+            # WanPipeline runs no CFG at guidance_scale 1: the second expert's scale would be dropped
+            with pytest.raises(
+                ValueError, match="^guidance_scale_2: 3 would do nothing with guidance_scale 1"
+            ):
+                engine.submit(A14B[0].model_copy(update={"guidance_scale": 1.0, "guidance_scale_2": 3.0}))
         futures = [engine.submit(p.model_copy(update={"return_latents": True})) for p in A14B]
         return [f.result(timeout=300).latents for f in futures]
     finally:
@@ -558,6 +564,9 @@ def test_serve_loads_adapters_into_either_expert(a14b, a14b_folder, expert_loras
         assert listed == {"low": "transformer_2", "both": None, "low2": "transformer_2"}
         assert httpx.get(url, timeout=60).json()["data"][0]["target"] == "transformer_2"
         videos = openai_client(server).videos
+        with pytest.raises(openai.BadRequestError) as err:  # without CFG, guidance_scale_2 would do nothing
+            videos.create(prompt="a", size="64x48", extra_body={"guidance_scale": 1, "guidance_scale_2": 3})
+        assert err.value.body["param"] == "guidance_scale_2", err.value.body
         jobs = {}
         for name, p in (("low", A14B[0]), ("both", A14B[1])):  # together: one batch, an adapter each
             fields = {
