@@ -217,6 +217,8 @@ class Engine:
             raise ValueError(
                 f"lora: adapter(s) {twice} given more than once; give each adapter once, with the scale wanted"
             )
+        if params.lora and not spec.takes_adapters:
+            raise ValueError(f"lora: {spec.name} ({spec.pipeline_class}) takes no adapters; leave lora out")
         for ref in params.lora:
             if ref.name not in self.loras or ref.name in self.draining:
                 loaded = sorted(set(self.loras) - self.draining)

@@ -243,6 +243,15 @@ class ModelSpec:
         return fit_size(self.request_size(first_frame), max_width, max_height, self.size_multiple)
 
     @cached_property
+    def takes_adapters(self) -> bool:
+        """Whether per-request adapters can load here: diffusers has a LoRA loader for the pipeline class and
+        the family applies them (HunyuanVideo 1.5 and AnyFlow-FAR do not)."""
+        import diffusers
+
+        loader = getattr(diffusers, self.pipeline_class, None)
+        return self.family_spec.lora and hasattr(loader, "lora_state_dict")
+
+    @cached_property
     def two_experts(self) -> bool:
         """A two-expert model (Wan 2.2 A14B: ``transformer_2``), the only kind that takes ``guidance_scale_2``."""
         return self.folder.has("transformer_2")
