@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ditserve.replica.caching import CacheSettings
 from ditserve.replica.jsonfields import JsonInt, json_int
-from ditserve.replica.request import GenerationParams
+from ditserve.replica.request import GenerationParams, LoRARef
 
 from .errors import BadRequest, NotFound, QueueFull
 from .http_base import REPLICA_HEADER, check_size, frontend, requested_size
@@ -65,6 +65,10 @@ class SessionGenerateRequest(BaseModel):
         description="True-CFG scale (FLUX.1, Qwen-Image; the others refuse it above 1).",
     )
     seed: json_int(ge=0, lt=2**63) | None = Field(default=None)
+    lora: LoRARef | list[LoRARef] | None = Field(
+        default=None,
+        description="Adapter(s) for this step, each {name, scale}, as on /v1/images/generations.",
+    )
     cache: CacheSettings | None = Field(
         default=None, description="Step cache of this step (as on /v1/images/generations)."
     )
@@ -166,11 +170,13 @@ def step_params(fe: Any, step: SessionGenerateRequest) -> GenerationParams:
     """A session step's engine parameters, as the HTTP route, the WebSocket and gRPC take it: the limits
     and guidance defaults of /v1/images/generations (prompt and negative prompt length, steps capped by
     ``--max-steps`` when left out, the model's recommended negative prompt and true-CFG scale), so a step
-    draws what an image request with the same settings draws. The replica adds size, start latents and
-    strength."""
+    draws what an image request with the same settings draws (adapters too). The replica adds size, start
+    latents and strength."""
     step = fe.check_prompt_and_steps(step)
     negative, true_cfg = fe.spec.guidance_defaults(step.negative_prompt, step.true_cfg_scale)
     kwargs: dict[str, Any] = {} if step.seed is None else {"seed": step.seed}
+    if step.lora is not None:
+        kwargs["lora"] = tuple(step.lora if isinstance(step.lora, list) else [step.lora])
     return GenerationParams(
         prompt=step.prompt,
         negative_prompt=negative,

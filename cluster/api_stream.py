@@ -17,9 +17,9 @@ SSE events (``text/event-stream``), then ``data: [DONE]``::
 Edits send the same events named ``image_edit.*`` (OpenAI's), previews by ``partial_images`` only.
 
 WebSocket protocol. The client sends JSON steps (in text or binary frames) ``{"prompt", "negative_prompt"?,
-"strength"?, "num_inference_steps"?, "guidance_scale"?, "true_cfg_scale"?, "seed"?, "cache"?, "preview"?}``
-(the fields of ``POST /v1/sessions/{id}/generate``, and ``preview``); the server answers ``{"type":
-"progress", "step", "total", "preview_b64"?}`` per denoising step (``preview``: a 1/8-size picture of the latents), then ``{"type":
+"strength"?, "num_inference_steps"?, "guidance_scale"?, "true_cfg_scale"?, "seed"?, "lora"?, "cache"?,
+"preview"?}`` (the fields of ``POST /v1/sessions/{id}/generate``, and ``preview``); the server answers
+``{"type": "progress", "step", "total", "preview_b64"?}`` per denoising step (``preview``: a 1/8-size picture of the latents), then ``{"type":
 "image", "step", "b64_json", "seed"}``. A step sent while one runs supersedes it: the running one is
 cancelled (``{"type": "superseded"}``) and the newest runs; steps queued behind it are answered
 ``superseded`` too. A bad step answers ``{"type": "error"}`` and the socket stays open. Each step gets

@@ -316,7 +316,7 @@ class SessionRef(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class SessionGenerateRequest(_message.Message):
-    __slots__ = ("session_id", "prompt", "strength", "num_inference_steps", "guidance_scale", "seed", "preview", "cache", "negative_prompt", "true_cfg_scale")
+    __slots__ = ("session_id", "prompt", "strength", "num_inference_steps", "guidance_scale", "seed", "preview", "cache", "negative_prompt", "true_cfg_scale", "lora")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     STRENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -327,6 +327,7 @@ class SessionGenerateRequest(_message.Message):
     CACHE_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     TRUE_CFG_SCALE_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt: str
     strength: float
@@ -337,7 +338,8 @@ class SessionGenerateRequest(_message.Message):
     cache: StepCache
     negative_prompt: str
     true_cfg_scale: float
-    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., strength: _Optional[float] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., preview: _Optional[bool] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ..., negative_prompt: _Optional[str] = ..., true_cfg_scale: _Optional[float] = ...) -> None: ...
+    lora: _containers.RepeatedCompositeFieldContainer[LoRARef]
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., strength: _Optional[float] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., preview: _Optional[bool] = ..., cache: _Optional[_Union[StepCache, _Mapping]] = ..., negative_prompt: _Optional[str] = ..., true_cfg_scale: _Optional[float] = ..., lora: _Optional[_Iterable[_Union[LoRARef, _Mapping]]] = ...) -> None: ...
 
 class ModelCard(_message.Message):
     __slots__ = ("id", "kind", "created")

@@ -427,6 +427,42 @@ def test_session_steps_take_the_guidance_fields_of_image_generations(server, stu
             httpx.delete(f"{server.base_url}/v1/sessions/{sid}")
 
 
+def test_session_steps_take_adapters_as_image_generations_does(server, tmp_path):
+    """A loaded adapter on a session step (``lora``, as on /v1/images/generations; sessions refused the
+    field): the first step is the image request's image with the adapter, an unloaded name is a 400 naming
+    lora and the session goes on, and gRPC's step takes it as GenerateRequest does."""
+    from ditserve.cluster.client import Client
+    from tests.unit.test_lora_engine import weights, write_kohya
+
+    path = write_kohya(tmp_path / "style.safetensors", weights(1))
+    loaded = _post(server, "/v1/loras", {"name": "session-style", "path": str(path)}, headers=ADMIN)
+    assert loaded.status_code == 200, loaded.text
+    sid = httpx.post(f"{server.base_url}/v1/sessions", json={"size": "64x64"}).json()["id"]
+    try:
+        step = {"prompt": "a red fox", "seed": 6, "num_inference_steps": 2}
+        styled = {**step, "lora": {"name": "session-style", "scale": 0.8}}
+        image = png_pixels(
+            base64.b64decode(_post(server, GEN, {**styled, "size": "64x64"}).json()["data"][0]["b64_json"])
+        )
+        plain = png_pixels(
+            base64.b64decode(_post(server, GEN, {**step, "size": "64x64"}).json()["data"][0]["b64_json"])
+        )
+        assert (image != plain).any()
+        unknown = _post(server, f"/v1/sessions/{sid}/generate", {**step, "lora": {"name": "nope"}})
+        assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "lora", unknown.text
+        first = _post(server, f"/v1/sessions/{sid}/generate", styled)
+        assert first.status_code == 200 and first.json()["step"] == 1, first.text[:300]
+        assert (png_pixels(base64.b64decode(first.json()["data"][0]["b64_json"])) == image).all()
+        with Client(f"127.0.0.1:{server.grpc_port}") as c:
+            adapter = [pb.LoRARef(name="session-style", scale=0.8)]
+            assert (
+                c.session_generate(sid, "a blue fox", num_inference_steps=2, lora=adapter).session_step == 2
+            )
+    finally:
+        httpx.delete(f"{server.base_url}/v1/sessions/{sid}")
+        httpx.delete(f"{server.base_url}/v1/loras/session-style", headers=ADMIN, timeout=60)
+
+
 async def _ws_steps(server, session_id: str) -> list[dict]:
     url = f"ws://127.0.0.1:{server.port}/v1/sessions/{session_id}/stream"
     seen = []
