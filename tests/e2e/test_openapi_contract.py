@@ -52,6 +52,11 @@ checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "404",
 # lora names adapters loaded at run time (GET /v1/loras); a generated name is not loaded (400 naming lora).
 include-name = "POST /v1/images/generations"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "404", "409", "429", "5xx"]
+
+[[operations]]
+# The same for a session step's lora.
+include-name = "POST /v1/sessions/{session_id}/generate"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "404", "409", "410", "429", "5xx"]
 """
 
 
