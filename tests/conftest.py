@@ -74,3 +74,32 @@ def pytest_collection_modifyitems(config, items):
         tests[item.path] = tests.get(item.path, 0) + 1
     rank = {path: _file_rank(path, n) for path, n in tests.items()}
     items.sort(key=lambda item: rank[item.path])  # stable: each file's tests keep their order
+
+
+# -- where the time went ----------------------------------------------------------------------------------
+# At the end of a run, the test files that took longest (setup, call and teardown of their tests, module
+# fixtures such as servers and clusters included) and each xdist worker's busy time: with `--dist loadfile` a
+# file runs whole on one worker, so these are what balancing the workers (or splitting a file) works from.
+_FILE_SECONDS: dict[str, float] = {}
+_WORKER_SECONDS: dict[str, float] = {}
+_SLOWEST_FILES = 15
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+    node = getattr(report, "node", None)  # xdist (in the controller): the worker that ran it
+    worker = getattr(getattr(node, "gateway", None), "id", None)
+    if worker is not None:
+        _WORKER_SECONDS[worker] = _WORKER_SECONDS.get(worker, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if len(_FILE_SECONDS) < 2:
+        return
+    terminalreporter.section(f"slowest {_SLOWEST_FILES} test files")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])[:_SLOWEST_FILES]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {path}")
+    if _WORKER_SECONDS:
+        busy = ", ".join(f"{w} {s:.0f}s" for w, s in sorted(_WORKER_SECONDS.items()))
+        terminalreporter.write_line(f"busy time per worker: {busy}")
