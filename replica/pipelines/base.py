@@ -94,6 +94,19 @@ def request_scheduler(pipe):
     return type(pipe.scheduler).from_config(pipe.scheduler.config)
 
 
+def true_cfg_branch(params: GenerationParams) -> bool:
+    """Whether a true-CFG pipeline (FluxPipeline, QwenImagePipeline) runs its negative branch: a scale above 1
+    with a negative prompt. A scale above 1 without one is refused naming the field: diffusers' pipelines
+    then draw unguided (with a warning), which would drop the guidance the request asked for."""
+    if params.true_cfg_scale > 1 and params.negative_prompt is None:
+        raise ValueError(
+            f"true_cfg_scale: {params.true_cfg_scale:g} guides against a negative prompt, and the request gives "
+            'none (nor does the model recommend one); give negative_prompt (" " for a blank one), or leave '
+            "true_cfg_scale out"
+        )
+    return params.true_cfg_scale > 1
+
+
 def open_image(data: bytes):
     """An uploaded image (PNG / JPEG / WebP bytes, checked at the ingress) as diffusers' ``load_image`` gives
     it: EXIF orientation applied, RGB (``media.to_rgb``)."""

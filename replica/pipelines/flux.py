@@ -12,7 +12,7 @@ from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
 from ..request import GenerationParams
-from .base import PipelineRunner, RequestState, open_image, request_scheduler
+from .base import PipelineRunner, RequestState, open_image, request_scheduler, true_cfg_branch
 from .img2img import (
     encode_start,
     inpainting,
@@ -54,7 +54,7 @@ class FluxRunner(PipelineRunner):
     def encode(self, params: GenerationParams) -> dict:
         embeds, pooled, text_ids = self._encode(params.prompt, params.n)
         out = {"cond": {"encoder_hidden_states": embeds, "pooled_projections": pooled}, "text_ids": text_ids}
-        if params.true_cfg_scale > 1 and params.negative_prompt is not None:
+        if true_cfg_branch(params):
             neg_embeds, neg_pooled, _ = self._encode(params.negative_prompt, params.n)
             out["uncond"] = {"encoder_hidden_states": neg_embeds, "pooled_projections": neg_pooled}
         if params.images:

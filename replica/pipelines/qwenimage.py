@@ -29,7 +29,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_img2img import retrieve_la
 
 from ..media import to_rgb
 from ..request import GenerationParams
-from .base import PipelineRunner, RequestState, request_scheduler, to_uint8
+from .base import PipelineRunner, RequestState, request_scheduler, to_uint8, true_cfg_branch
 from .img2img import encode_start, inpainting, latent_mask, noised_start, request_generator, start_pixels
 from .schedule import flow_sigmas, image_seq_shift
 from .vae import channel_normalization
@@ -216,7 +216,7 @@ class QwenImageRunner(PipelineRunner):
         out: dict = {"cond": {"encoder_hidden_states": embeds, "mask": mask}, "ref_shapes": shapes}
         if refs:
             out["image_latents"] = torch.cat(refs, dim=1)
-        if params.true_cfg_scale > 1 and params.negative_prompt is not None:
+        if true_cfg_branch(params):
             neg, neg_mask = self._prompt(params.negative_prompt, n, vl_image)
             out["uncond"] = {"encoder_hidden_states": neg, "mask": neg_mask}
         if params.images and not self.edit:  # image-to-image, sampled with the request's generator

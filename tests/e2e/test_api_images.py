@@ -736,6 +736,7 @@ HTTP_CASES = {
     "seed negative": (lambda s: _post(s, GEN, {"prompt": "a fox", "seed": -5}), 400, "seed"),
     "guidance NaN": (lambda s: _post(s, GEN, content=b'{"prompt": "a fox", "guidance_scale": NaN}', headers=JSON), 400, "guidance_scale: Input should be a finite number"),
     "true CFG infinite": (lambda s: _post(s, GEN, content=b'{"prompt": "a fox", "true_cfg_scale": Infinity}', headers=JSON), 400, "true_cfg_scale: Input should be a finite number"),
+    "true CFG without a negative prompt": (lambda s: _post(s, GEN, {"prompt": "a fox", "size": "64x64", "num_inference_steps": 1, "true_cfg_scale": 3.0}), 400, "true_cfg_scale"),
     "adapter scale NaN": (lambda s: _post(s, GEN, content=b'{"prompt": "a fox", "lora": {"name": "style", "scale": NaN}}', headers=JSON), 400, "finite number"),
     "adapter scale not a number": (lambda s: _post(s, GEN, {"prompt": "a fox", "lora": {"name": "style", "scale": "big"}}), 400, "lora.scale: Input should be a valid number"),
     "adapter list item scale": (lambda s: _post(s, GEN, {"prompt": "a fox", "lora": [{"name": "style", "scale": "big"}]}), 400, "lora.0.scale: Input should be a valid number"),

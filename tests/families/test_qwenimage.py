@@ -150,6 +150,9 @@ def test_one_rank_batch_equals_qwenimage_pipeline(t2i_pipe, t2i_expected):
     assert psnr(ours[0], ours[1]) < 30
     with pytest.raises(ValueError, match="^image: image-to-image starts from one image, got 2"):
         runner.encode(PLAIN.model_copy(update={"images": (REF, REF)}))
+    # true CFG without a negative prompt: diffusers draws unguided (a warning); refused naming the field
+    with pytest.raises(ValueError, match="^true_cfg_scale: 3 guides against a negative prompt"):
+        runner.encode(CFG.model_copy(update={"negative_prompt": None}))
 
 
 @pytest.fixture(scope="module")
