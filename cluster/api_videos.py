@@ -225,8 +225,16 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
             param="seconds",
         )
     if frames > limits.max_frames:
-        param = "num_frames" if body.num_frames is not None else "seconds"
-        raise BadRequest(f"{param}: {frames} frames is above the maximum {limits.max_frames}", param=param)
+        most = multiple * ((limits.max_frames - 1) // multiple) + 1  # the longest video this model makes here
+        if body.num_frames is not None:
+            raise BadRequest(
+                f"num_frames: {frames} frames is above the maximum {limits.max_frames}", param="num_frames"
+            )
+        raise BadRequest(  # OpenAI's clients know durations alone: say which one fits
+            f"seconds: {body.seconds:g} s at {fps} fps is {frames} frames, above the maximum "
+            f"{limits.max_frames}; ask at most {most / fps:g} s (or a lower fps)",
+            param="seconds",
+        )
     refused = fe.spec.refusal(body.cache, body.guidance_scale_2, guidance_scale=body.guidance_scale)
     if refused is not None:
         raise BadRequest(refused[1], param=refused[0])

@@ -333,7 +333,12 @@ BAD = {
     "no key": ({"prompt": "a"}, {}, 401, "API key"),
     "frames not 4k+1": ({"prompt": "a", "num_frames": 6}, AUTH, 400, "num_frames"),
     "frames above max": ({"prompt": "a", "num_frames": 13}, AUTH, 400, "num_frames"),
-    "seconds above max": ({"prompt": "a", "seconds": 30}, AUTH, 400, "seconds"),
+    "seconds above max": (
+        {"prompt": "a", "seconds": "4"},  # as OpenAI's clients send it
+        AUTH,
+        400,
+        "seconds: 4 s at 16 fps is 65 frames, above the maximum 9; ask at most 0.5625 s (or a lower fps)",
+    ),
     "seconds not a number": ({"prompt": "a", "seconds": "long"}, AUTH, 400, "seconds"),
     "seconds true": ({"prompt": "a", "seconds": True}, AUTH, 400, "seconds: a number, not true"),
     "frames true": ({"prompt": "a", "num_frames": True}, AUTH, 400, "num_frames: a number, not true"),
