@@ -592,8 +592,13 @@ def run_serve(ns: argparse.Namespace) -> int:
                 f"--host/--port {args.host}:{args.port} do not apply",
                 flush=True,
             )
+        # the id requests name (`model`, GET /v1/models): a folder's name, not the path given to --model
+        from ditserve.replica.models.registry import resolve_model
+
+        served = resolve_model(args.model).name
+        shown = served if served == args.model else f"{served} ({args.model})"
         print(
-            f"ditserve: serving {args.model} at http://{host}:{port}/v1"
+            f"ditserve: serving {shown} at http://{host}:{port}/v1"
             + (f", gRPC {args.host}:{args.grpc_port}" if args.grpc_port else "")
             + " (Ctrl-C stops)",
             flush=True,

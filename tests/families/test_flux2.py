@@ -286,7 +286,10 @@ def test_cfg_parallel_is_refused_where_one_branch_runs(dev_folder, klein_folder,
 
 def test_serve_and_openai_client(dev_folder, dev_expected):
     with served("--model", str(dev_folder)) as server:
+        # the start line names the id requests give as model (it printed the folder's path alone)
+        assert f"ditserve: serving {dev_folder.name} ({dev_folder}) at http" in server.output()
         client = openai_client(server)
+        assert [m.id for m in client.models.list()] == [dev_folder.name]
         result = client.images.generate(
             model=dev_folder.name,
             prompt=TEXT.prompt,
