@@ -20,6 +20,7 @@ FAMILY = Family(
     negative_prompt=False,
     edit_pipelines=frozenset({"Flux2KleinPipeline"}),
     max_references=10,
+    unserved_inpaint_pipeline="Flux2KleinInpaintPipeline",
     edit_size=reference_size,  # as Flux2Pipeline: the first reference's size, at most 1024² pixels
     # the pipeline's default_sample_size (128 latents) × the VAE's factor: 1024²
     default_size=lambda folder: (128 * vae_spatial_factor(folder),) * 2,

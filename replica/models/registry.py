@@ -142,9 +142,15 @@ class ModelSpec:
     def mask_refusal(self) -> str:
         """Why the model takes no mask (said after ``mask: ``)."""
         if self.edits:
+            unserved = self.family_spec.unserved_inpaint_pipeline
+            why = (
+                f"diffusers' {unserved} is not served here"
+                if unserved
+                else "diffusers has no inpaint pipeline for it"
+            )
             return (
                 f"{self.name} ({self.pipeline_class}) takes its images as references and does not inpaint "
-                "(diffusers has no inpaint pipeline for it); send the image without a mask"
+                f"({why}); send the image without a mask"
             )
         return f"{self.name} does not inpaint; send the image without a mask"
 

@@ -264,6 +264,14 @@ def test_klein_cfg_parallel_equals_pipeline(klein_folder, klein_expected):
         assert psnr(image, want) >= 40
 
 
+def test_a_mask_is_refused_naming_why(dev_folder, klein_folder):
+    """FLUX.2 dev has no inpaint pipeline in diffusers; Klein has one (Flux2KleinInpaintPipeline) that is not
+    served here: the refusal said 'diffusers has no inpaint pipeline' for both."""
+    assert "(diffusers has no inpaint pipeline for it)" in resolve_model(str(dev_folder)).mask_refusal()
+    refusal = resolve_model(str(klein_folder)).mask_refusal()
+    assert "does not inpaint (diffusers' Flux2KleinInpaintPipeline is not served here)" in refusal, refusal
+
+
 def test_cfg_parallel_is_refused_where_one_branch_runs(dev_folder, klein_folder, tmp_path):
     """FLUX.2 dev (distilled guidance) and a step-distilled Klein folder run one branch a step:
     --cfg-parallel-size 2 was taken and its second rank repeated the first's forwards (half the GPUs busy for
