@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from ray.serve.exceptions import DeploymentUnavailableError
 
 from ditserve.replica.caching import CacheSettings
-from ditserve.replica.media import check_image, image_size
+from ditserve.replica.media import check_image, first_frame_refusal, image_size
 from ditserve.replica.models.registry import video_model_hint
 from ditserve.replica.request import GenerationParams, LoRARef
 
@@ -178,12 +178,6 @@ def reference_bytes(body: VideoCreateRequest, upload: bytes | None) -> bytes | N
     return None if given is None else _data_url(given)
 
 
-# The longest side of a first frame over its shortest. Wan 2.1 I2V's CLIP processor scales the shortest side
-# to 224 keeping the aspect before it crops: a 1x4000 PNG of a few hundred bytes took 10 s and 2.4 GB there,
-# and longer ones, within max_image_pixels, took more memory than the replica had.
-MAX_FIRST_FRAME_ASPECT = 8
-
-
 def reference_allowance(fe: Any) -> int:
     """Bytes a video request may carry beyond ``max_body_bytes``: the first frame, where the model takes one,
     at its size as a JSON data URL (base64: 4 bytes for every 3, and a line break, up to 2 bytes, every 76
@@ -256,12 +250,8 @@ def video_params(fe: Any, body: VideoCreateRequest, upload: bytes | None = None)
             )
         except ValueError as exc:
             raise BadRequest(str(exc), param="input_reference") from None
-        if max(width, height) > MAX_FIRST_FRAME_ASPECT * min(width, height):
-            raise BadRequest(
-                f"input_reference: {width}x{height} is longer than {MAX_FIRST_FRAME_ASPECT}:1, the most a first "
-                "frame may be; crop it nearer the video's shape",
-                param="input_reference",
-            )
+        if (refused := first_frame_refusal(width, height)) is not None:
+            raise BadRequest(refused, param="input_reference")
         kwargs["images"] = (reference,)  # resized to width x height by the model's own video processor
     elif first_frame == "required":
         raise BadRequest(

@@ -20,7 +20,7 @@ from typing import Any
 from .caching.settings import CacheSettings
 from .config import EngineConfig
 from .launcher import RankLauncher, default_launcher
-from .media import encode_mp4, encode_png, image_size
+from .media import encode_mp4, encode_png, first_frame_refusal, image_size
 from .models.registry import ModelSpec, resolve_model
 from .request import GenerationParams, GenerationResult
 from .scheduler import Job, StepScheduler
@@ -245,6 +245,8 @@ class Engine:
                 )
             if len(params.images) > 1:
                 raise ValueError(f"input_reference: one first frame, got {len(params.images)} images")
+            if params.images and (refused := first_frame_refusal(*image_size(params.images[0]))) is not None:
+                raise ValueError(refused)  # ditserve generate's --image and gRPC as POST /v1/videos
             if params.mask is not None:
                 raise ValueError(
                     f"mask: {spec.name} makes videos; a mask is image inpainting's (the first frame is kept "

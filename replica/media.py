@@ -76,6 +76,22 @@ def check_image(data: bytes, field: str, *, max_bytes: int, max_pixels: int) -> 
             raise ValueError(f"{unreadable} ({type(exc).__name__})") from None
 
 
+# The longest side of a video's first frame over its shortest. Wan 2.1 I2V's CLIP processor scales the
+# shortest side to 224 keeping the aspect before it crops: a 1x4000 PNG of a few hundred bytes took 10 s and
+# 2.4 GB there, and longer ones, within max_image_pixels, took more memory than the replica had.
+MAX_FIRST_FRAME_ASPECT = 8
+
+
+def first_frame_refusal(width: int, height: int) -> str | None:
+    """Why a first frame of ``width`` x ``height`` is not taken (a message naming input_reference), or None."""
+    if max(width, height) > MAX_FIRST_FRAME_ASPECT * min(width, height):
+        return (
+            f"input_reference: {width}x{height} is longer than {MAX_FIRST_FRAME_ASPECT}:1, the most a first "
+            "frame may be; crop it nearer the video's shape"
+        )
+    return None
+
+
 def image_size(data: bytes) -> tuple[int, int]:
     """(width, height) from an image's header (an upload already checked), its EXIF orientation applied."""
     with Image.open(io.BytesIO(data)) as image:

@@ -104,6 +104,9 @@ def engine_latents(folder, flags: dict) -> np.ndarray:
     try:
         with pytest.raises(ValueError, match="^input_reference: .* image-to-video model"):
             engine.submit(PARAMS.model_copy(update={"images": ()}))
+        # as POST /v1/videos refuses it (ditserve generate --image took it: CLIP upscales its short side)
+        with pytest.raises(ValueError, match="^input_reference: 600x1 is longer than 8:1"):
+            engine.submit(PARAMS.model_copy(update={"images": (reference_png(600, 1),)}))
         return engine.generate(PARAMS.model_copy(update={"return_latents": True}), timeout=300).latents
     finally:
         engine.shutdown()
