@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import email.errors
 import email.parser
 import email.policy
 import io
@@ -144,12 +145,18 @@ def edit_params(
 def _read_form(content_type: str, raw: bytes) -> tuple[dict[str, str], list[bytes], bytes | None]:
     """multipart/form-data → (text fields, image files in order, mask), with the standard library's MIME
     parser (binary parts come back byte for byte)."""
-    if not content_type.startswith("multipart/form-data"):
+    if not content_type.lower().startswith("multipart/form-data"):  # media types ignore case (RFC 9110)
         raise BadRequest("request body must be multipart/form-data (image files and text fields)")
     head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode()
     message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + raw)
     if not message.is_multipart():
         raise BadRequest("request body is not valid multipart/form-data")
+    if any(isinstance(d, email.errors.CloseBoundaryNotFoundDefect) for d in message.defects):
+        # the parser keeps what it read: a body cut off in the prompt would draw a shorter prompt
+        raise BadRequest(
+            "request body is not complete multipart/form-data: its closing boundary is missing (the upload "
+            "was cut off); send it again"
+        )
     fields: dict[str, str] = {}
     images: list[bytes] = []
     mask: bytes | None = None

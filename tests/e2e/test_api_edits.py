@@ -577,6 +577,28 @@ def test_empty_file_inputs_of_an_html_form_are_no_files(server):
     assert named.status_code == 400 and named.json()["error"]["param"] == "mask", named.text
 
 
+def test_a_body_cut_off_before_its_closing_boundary_is_refused(server):
+    """A multipart body whose end is missing (an upload cut off inside the prompt) was read as far as it went:
+    the edit drew "a red" for "a red circle on a blue background". It is a 400 now, and the server keeps
+    serving; the media type is read in any case, as HTTP's media types are."""
+    request = httpx.Request(
+        "POST",
+        f"{server.base_url}/v1/images/edits",
+        files=[("image", ("scene.png", SOURCE, "image/png")), ("num_inference_steps", (None, b"1"))]
+        + [("prompt", (None, b"a red circle on a blue background"))],
+    )
+    body, content_type = request.read(), request.headers["content-type"]
+    url = f"{server.base_url}/v1/images/edits"
+    cut = httpx.post(
+        url, content=body[: body.index(b" circle")], headers={"content-type": content_type}, timeout=120
+    )
+    assert cut.status_code == 400, cut.text
+    assert "closing boundary is missing" in cut.json()["error"]["message"], cut.text
+    upper = content_type.replace("multipart/form-data", "Multipart/Form-Data")
+    whole = httpx.post(url, content=body, headers={"content-type": upper}, timeout=120)
+    assert whole.status_code == 200, whole.text
+
+
 def _fields(message) -> dict:
     return {f.name: v for f, v in message.ListFields()}
 
