@@ -10,6 +10,13 @@ def _refuse(folder: Folder) -> str | None:
     refused = refuse_experts(folder)
     if refused:
         return refused
+    if folder.config("transformer").get("pos_embed_seq_len"):
+        # its image tokens come in first + last frame pairs: one first frame fails the forward (a reshape)
+        return (
+            "a first-last-frame folder (Wan 2.1 FLF2V: the transformer's pos_embed_seq_len pairs the two "
+            "frames' image tokens) is not supported: a request gives the first frame only. Supported: Wan 2.1 "
+            "I2V and Wan 2.2 I2V A14B folders."
+        )
     if folder.config("transformer").get("image_dim") is not None and not folder.has("image_encoder"):
         return (
             "the transformer takes CLIP image tokens (image_dim) but the folder has no image_encoder; "

@@ -117,3 +117,20 @@ def test_ulysses2_matches_one_rank(folder):
     two = engine_latents(folder, {"ulysses_degree": 2})
     assert one.shape == (1, 16, 2, 6, 8)
     np.testing.assert_allclose(two, one, atol=1e-4)
+
+
+def test_a_first_last_frame_folder_is_refused(folder, tmp_path):
+    """Wan 2.1 FLF2V (WanImageToVideoPipeline with the transformer's pos_embed_seq_len) pairs a first and a
+    last frame's image tokens: given one frame its forward failed (a reshape), so every request did; the
+    folder is refused by name when it is resolved."""
+    import json
+    import shutil
+
+    from ditserve.replica.models.registry import resolve_model
+
+    flf2v = tmp_path / "flf2v"
+    shutil.copytree(folder, flf2v)
+    config = json.loads((flf2v / "transformer" / "config.json").read_text())
+    (flf2v / "transformer" / "config.json").write_text(json.dumps({**config, "pos_embed_seq_len": 2 * 17}))
+    with pytest.raises(ValueError, match="first-last-frame folder .* is not supported"):
+        resolve_model(str(flf2v))
