@@ -169,6 +169,10 @@ class ParallelDims(BaseModel):
             raise  # a value no layout can have (0, cfg 3, sp with explicit degrees): the message says it
         except ValueError as exc:
             message = _message(exc)
+            if sp_degree is not None and sp_degree > 1 and (ulysses, ring, kv_gather) == (1, 1, 1):
+                # the message names the degree --sp-degree became, a flag the user did not type
+                runs_as = "--kv-gather-degree 2" if sp_degree == 2 else f"--ulysses-degree {sp_degree}"
+                message = f"--sp-degree {sp_degree} runs as {runs_as}: {message}"
             legal = suggest_layouts(
                 **flags, num_heads=num_heads, attention_supports_lse=attention_supports_lse
             )

@@ -139,6 +139,14 @@ def test_from_flags_sp_degree_alone(sp_degree: int, expected: tuple[int, int, in
     assert (dims.ulysses, dims.ring, dims.kv_gather) == expected
 
 
+def test_from_flags_sp_degree_refusal_names_sp_degree() -> None:
+    """--sp-degree alone becomes another degree; a refusal names the flag typed, not only that degree."""
+    with pytest.raises(ValueError, match=r"^--sp-degree 3 runs as --ulysses-degree 3: 8 heads"):
+        ParallelDims.from_flags(sp_degree=3, num_heads=8)
+    with pytest.raises(ValueError, match=r"^--sp-degree 2 runs as --kv-gather-degree 2: --num-gpus 4"):
+        ParallelDims.from_flags(sp_degree=2, num_gpus=4)
+
+
 def test_from_flags_sp_degree_conflicts_with_explicit_degrees() -> None:
     with pytest.raises(ValueError, match=r"--sp-degree 4 cannot be combined with --ulysses-degree"):
         ParallelDims.from_flags(sp_degree=4, ring=2)
