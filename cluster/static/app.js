@@ -81,6 +81,14 @@ async function busy(form, work) {
   }
 }
 
+// The adapters ticked on the Images tab, as a request's "lora" list (the Sessions tab uses them too).
+function chosenLoras() {
+  return $$("#gen-loras input[type=checkbox]:checked").map((c) => ({
+    name: c.dataset.name,
+    scale: Number(byId(`lora-scale-${c.dataset.name}`).value),
+  }));
+}
+
 function numberField(form, name, body) {
   const v = form.elements[name].value.trim();
   if (v !== "") body[name] = Number(v);
@@ -241,10 +249,7 @@ $("#gen-form").addEventListener("submit", (e) => {
     numberField(form, "num_inference_steps", body);
     numberField(form, "guidance_scale", body);
     numberField(form, "seed", body);
-    const chosen = $$("#gen-loras input[type=checkbox]:checked").map((c) => ({
-      name: c.dataset.name,
-      scale: Number(byId(`lora-scale-${c.dataset.name}`).value),
-    }));
+    const chosen = chosenLoras();
     if (chosen.length) body.lora = chosen;
     const cache = cacheSetting(form);
     if (cache) body.cache = cache;
@@ -412,8 +417,13 @@ $("#session-form").addEventListener("submit", (e) => {
       byId("session-id").textContent = session.id;
     }
     const body = { prompt: form.elements.prompt.value };
+    textField(form, "negative_prompt", body);
     numberField(form, "strength", body);
     numberField(form, "num_inference_steps", body);
+    numberField(form, "guidance_scale", body);
+    numberField(form, "seed", body);
+    const chosen = chosenLoras();
+    if (chosen.length) body.lora = chosen;
     let answer;
     try {
       answer = await (await api("POST", `/v1/sessions/${encodeURIComponent(session.id)}/generate`, body)).json();

@@ -161,9 +161,16 @@ def test_bad_size_shows_the_apis_message_next_to_the_size_field(browser, server,
 
 
 def test_session_refines_the_image_step_by_step(browser, server, shots):
+    """Each step sends the form's fields: the first step, with a negative prompt and a seed, is the image
+    POST /v1/images/generations draws with the same ones; the next refines it."""
+    import httpx
+
     browser.get(server.base_url + "/")
     hook(browser, "tab-sessions").click()
     fill(hook(browser, "session-size"), "64x64")
+    fill(hook(browser, "session-negative-prompt"), "a green background")
+    fill(hook(browser, "session-steps"), "4")
+    fill(hook(browser, "session-seed"), "5")
     pictures = []
     for step, prompt in enumerate(
         ["a red circle on a blue background", "a red square on a blue background"], 1
@@ -176,6 +183,16 @@ def test_session_refines_the_image_step_by_step(browser, server, shots):
     assert hook(browser, "session-id").text and all(p.startswith("data:image/png") for p in pictures)
     assert pictures[0] != pictures[1]
     assert not browser.find_elements(By.CSS_SELECTOR, '[data-testid="error"]')
+
+    def request(negative_prompt: str):
+        fields = {"prompt": "a red circle on a blue background", "negative_prompt": negative_prompt}
+        fields |= {"size": "64x64", "num_inference_steps": 4, "seed": 5}
+        answer = httpx.post(server.base_url + "/v1/images/generations", json=fields, timeout=120)
+        assert answer.status_code == 200, answer.text
+        return png_of("data:image/png;base64," + answer.json()["data"][0]["b64_json"]).tobytes()
+
+    assert png_of(pictures[0]).tobytes() == request("a green background")
+    assert png_of(pictures[0]).tobytes() != request("a yellow background")  # the negative prompt counts
 
 
 def test_lora_loaded_in_the_cluster_tab_appears_in_the_generate_form(browser, server, shots):
