@@ -51,6 +51,10 @@ def validate_layout(config: EngineConfig, spec: ModelSpec) -> int:
                 f"{', '.join(refused)}: {spec.name} shards over {allowed} only; set the others to 1 "
                 "(and scale with --dp-size)"
             )
+    if dims.tp > 1:  # every feature dim the plan cuts (imports torch and diffusers: only for a TP layout)
+        from .parallel.tp import check_tp_size
+
+        check_tp_size(spec.folder, spec.family_spec, dims.tp, spec.num_attention_heads)
     if config.max_sequence_length is not None and not spec.family_spec.text_length:
         raise ValueError(
             f"--max-sequence-length {config.max_sequence_length}: {spec.name} encodes prompts at its "

@@ -199,3 +199,50 @@ def apply_tp_plan(model: nn.Module, plan: TPPlan, *, group: dist.ProcessGroup) -
                 replaced.append(name)
                 break
     return replaced
+
+
+def sharded_blocks(model: nn.Module, plan: TPPlan) -> dict[str, list[int]]:
+    """What `apply_tp_plan` would cut, without cutting: each matched linear's name → the sizes of the packed
+    blocks of its sharded dim (out features for column, in features for row). Works on a meta-device model."""
+    cut: dict[str, list[int]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        for pattern, spec in plan.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                mode, blocks = (spec, None) if isinstance(spec, str) else spec
+                full = module.out_features if mode == "column" else module.in_features
+                cut[name] = list(blocks) if blocks else [full]
+                break
+    return cut
+
+
+def check_tp_size(folder, family, tp: int, num_heads: int) -> None:
+    """Refuse, before anything loads, a --tp-size that divides the attention heads but not every feature
+    dim the family's plan cuts (e.g. Z-Image's 10240 SwiGLU features at --tp-size 3, Wan 2.1 1.3B's 8960 at
+    --tp-size 3): the ranks would fail while sharding the loaded weights. The transformer is built from its
+    config on the meta device (no memory, no weights). ``folder``: a families.Folder; ``family``: a Family."""
+    import diffusers
+
+    if tp <= 1:
+        return
+    plan = family.load("plan")
+    for component in ("transformer", "transformer_2"):
+        config = folder.config(component)
+        if "_class_name" not in config or not hasattr(diffusers, config["_class_name"]):
+            continue
+        with torch.device("meta"):
+            model = getattr(diffusers, config["_class_name"]).from_config(dict(config))
+        cut = sharded_blocks(model, plan.tp_map(model))
+        bad = next(((n, b) for n, blocks in cut.items() for b in blocks if b % tp), None)
+        if bad is None:
+            continue
+        sizes = {b for blocks in cut.values() for b in blocks}
+        legal = [d for d in range(1, num_heads + 1) if num_heads % d == 0 and all(s % d == 0 for s in sizes)]
+        name, block = bad
+        raise ValueError(
+            f"--tp-size {tp} divides the model's {num_heads} attention heads but not the {block} features "
+            f"of its {component}'s {name}, which tensor parallelism splits; choose a --tp-size that divides "
+            f"both ({', '.join(map(str, legal))}), or give the rest of the degree to --ulysses-degree / "
+            "--ring-degree."
+        )

@@ -113,3 +113,23 @@ def test_max_sequence_length_on_a_model_with_a_fixed_prompt_length_is_refused(tm
     done = subprocess.run([*cmd, "-o", str(tmp_path / "v.mp4")], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and not (tmp_path / "v.mp4").exists()
     assert "--max-sequence-length 64: " in done.stderr and "leave the flag out" in done.stderr, done.stderr
+
+
+def test_a_tp_size_that_divides_the_heads_but_not_the_mlp_is_refused_before_loading(tmp_path):
+    """Z-Image's SwiGLU has int(dim / 3 * 8) features (10240 for Z-Image-Turbo's 30 heads, 170 for the tiny
+    folder's 8): --tp-size 4 passed the heads check, every rank loaded the weights and died sharding them, a
+    traceback per rank. Now generate refuses it naming --tp-size, the module and the sizes that fit."""
+    from tests.families import zimage
+
+    folder = zimage.build_folder(tmp_path / "zimage")
+    exe = str(Path(sys.executable).with_name("ditserve"))
+    cmd = [exe, "generate", "a kite", "--model", str(folder), "--tp-size", "4", "-o", str(tmp_path / "i.png")]
+    done = subprocess.run(
+        [*cmd, "--width", "32", "--height", "32"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2 and not (tmp_path / "i.png").exists()
+    assert "--tp-size 4 divides the model's 8 attention heads but not the 170 features" in done.stderr, (
+        done.stderr
+    )
+    assert "feed_forward.w1" in done.stderr and "divides both (1, 2)" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
