@@ -51,15 +51,24 @@ def _environment_per_file():
 # the family, multi-rank engine and other end-to-end files (CLI runs, training) and the other files known to
 # take long, then the rest (most tests first, as xdist orders them): the run ends on short files.
 _STARTS = re.compile(r"\b(?:ServeProcess|served|Cluster)\(")  # a server or a Ray cluster of the file's own
-# Files of few tests that start no server yet take long (seconds alone, -n 0, on the shared 2-core box;
-# the run's "slowest test files" summary below tells the current figures): ranked by their test count
-# they came among the last files handed out, and the run ended with one worker on one of them while the
-# other had nothing left.
+# Files that start no server yet take long, handed out with the family and engine files: ranked by their test
+# count among the unit and kernel files, some came among the last files handed out (test_step_cache,
+# test_demo_video_transformer, test_imports: 3 to 12 tests), and the run could end with one worker on one
+# of them while the other had nothing left. Seconds: each file alone (-n 0) on the shared 2-core box; the
+# run's "slowest test files" summary below tells the current figures. The unit and kernel files left after
+# them take 20 s or less each.
 _LONG = {
-    "tests/unit/test_demo_video_transformer.py",  # 105 s
-    "tests/unit/test_batching.py",  # 28 s; 57 s beside another worker
-    "tests/unit/test_imports.py",  # 44 s
-    "tests/unit/test_demo_video_vae.py",  # 26 s
+    "tests/unit/test_lora_engine.py": 145,  # 296 s on a busier box
+    "tests/kernels/test_lora_gemm.py": 169,
+    "tests/unit/test_step_cache.py": 124,
+    "tests/unit/test_demo_video_transformer.py": 105,
+    "tests/kernels/test_qk_norm_rope.py": 102,
+    "tests/kernels/test_lora_kernels.py": 97,
+    "tests/kernels/test_lora_linear.py": 89,
+    "tests/unit/test_benchmark_smoke.py": 58,
+    "tests/unit/test_imports.py": 44,
+    "tests/unit/test_batching.py": 28,  # 57 s beside another worker
+    "tests/unit/test_demo_video_vae.py": 26,
 }
 _ROOT = Path(__file__).resolve().parents[1]
 
