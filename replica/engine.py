@@ -43,13 +43,18 @@ def validate_layout(config: EngineConfig, spec: ModelSpec) -> int:
     if axes is not None:
         dims = config.parallel.dims(num_heads=spec.num_attention_heads)
         flags = {"cfg": "--cfg-parallel-size", "tp": "--tp-size", "ulysses": "--ulysses-degree"}
-        flags |= {"ring": "--ring-degree", "kv_gather": "--kv-gather-degree (or --sp-degree 2)"}
+        flags |= {"ring": "--ring-degree", "kv_gather": "--kv-gather-degree"}
         refused = [f"{flags[a]} {getattr(dims, a)}" for a in flags if a not in axes and getattr(dims, a) > 1]
+        # --sp-degree (given alone) became one of the degrees: name the flag typed
+        sp = config.parallel.sp_degree if (config.parallel.sp_degree or 1) > 1 else None
+        refused = [
+            f"--sp-degree {sp} (runs as {r})" if sp and r.endswith(f"degree {sp}") else r for r in refused
+        ]
         if refused:
             allowed = ", ".join(flags[a] for a in axes) or "none"
             raise ValueError(
                 f"{', '.join(refused)}: {spec.name} shards over {allowed} only; set the others to 1 "
-                "(and scale with --dp-size)"
+                f"(and scale with --dp-size){f' and pass {allowed} explicitly' if sp else ''}"
             )
     if dims.tp > 1:  # every feature dim the plan cuts (imports torch and diffusers: only for a TP layout)
         from .parallel.tp import check_tp_size

@@ -172,7 +172,8 @@ def test_layouts_other_than_ulysses_and_ring_are_refused_naming_the_flags(folder
     for flags, named in (
         ({"tp_size": 2}, "--tp-size 2"),
         ({"cfg_parallel_size": 2}, "--cfg-parallel-size 2"),
-        ({"sp_degree": 2}, "--kv-gather-degree"),
+        # --sp-degree 2 picks K/V-gather: named as typed ('--kv-gather-degree (or --sp-degree 2) 2' was)
+        ({"sp_degree": 2}, r"--sp-degree 2 \(runs as --kv-gather-degree 2\)"),
     ):
         config = EngineConfig(
             model=str(folder), device="cpu", dtype="float32", parallel=ParallelFlags(**flags)
