@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import email.errors
-import email.parser
-import email.policy
 import io
 import time
 from typing import Any
@@ -43,6 +40,7 @@ from .http_base import (
     form_list,
     frontend,
     list_in_form,
+    multipart_message,
     nest_form_fields,
 )
 from .schemas import ImageData, ImageEditRequest, ImagesResponse, usage_of
@@ -147,16 +145,7 @@ def _read_form(content_type: str, raw: bytes) -> tuple[dict[str, str], list[byte
     parser (binary parts come back byte for byte)."""
     if not content_type.lower().startswith("multipart/form-data"):  # media types ignore case (RFC 9110)
         raise BadRequest("request body must be multipart/form-data (image files and text fields)")
-    head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode()
-    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + raw)
-    if not message.is_multipart():
-        raise BadRequest("request body is not valid multipart/form-data")
-    if any(isinstance(d, email.errors.CloseBoundaryNotFoundDefect) for d in message.defects):
-        # the parser keeps what it read: a body cut off in the prompt would draw a shorter prompt
-        raise BadRequest(
-            "request body is not complete multipart/form-data: its closing boundary is missing (the upload "
-            "was cut off); send it again"
-        )
+    message = multipart_message(content_type, raw)
     fields: dict[str, str] = {}
     images: list[bytes] = []
     mask: bytes | None = None
@@ -185,6 +174,14 @@ def _read_form(content_type: str, raw: bytes) -> tuple[dict[str, str], list[byte
             except UnicodeDecodeError:
                 raise BadRequest(f"{name}: not UTF-8 text", param=name) from None
     return fields, images, mask
+
+
+def _parsed_edit(fe: Any, content_type: str, raw: bytes) -> tuple[GenerationParams, ImageEditRequest]:
+    fields, images, mask = _read_form(content_type, raw)
+    # lora[name], cache[policy]: a mapping OpenAI's client sent from extra_body, folded as videos fold it
+    body = validate_edit(nest_form_fields(fields))
+    params, _, _ = edit_params(fe, body, images, mask)
+    return params, body
 
 
 def validate_edit(data: dict[str, Any]) -> ImageEditRequest:
@@ -264,10 +261,10 @@ async def images_edits(request: Request, fe: Any = Depends(frontend)) -> Respons
     """Edit (reference images) or image-to-image, by the served model's family. With ``stream: true``:
     server-sent ``image_edit.*`` events (api_stream), ``partial_images`` of them previews."""
     fe.check_auth(request, admin=False)
-    fields, images, mask = _read_form(request.headers.get("content-type", ""), await request.body())
-    # lora[name], cache[policy]: a mapping OpenAI's client sent from extra_body, folded as videos fold it
-    body = validate_edit(nest_form_fields(fields))
-    params, _, _ = edit_params(fe, body, images, mask)
+    content_type, raw = request.headers.get("content-type", ""), await request.body()
+    # Parsing the form and checking its images is CPU work in proportion to the upload: off the event loop
+    # that serves every other request.
+    params, body = await asyncio.to_thread(_parsed_edit, fe, content_type, raw)
     if body.stream:
         if body.output_format != "png":
             raise BadRequest("output_format: streamed images are png; leave it out", param="output_format")

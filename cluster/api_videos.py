@@ -13,8 +13,6 @@ routed like a session id, so any frontend, including a restarted one, reaches it
 from __future__ import annotations
 
 import asyncio
-import email.parser
-import email.policy
 import io
 import json
 import re
@@ -42,6 +40,7 @@ from .http_base import (
     form_list,
     frontend,
     list_in_form,
+    multipart_message,
     nest_form_fields,
     requested_size,
 )
@@ -296,10 +295,7 @@ def _binary(part: Any, data: bytes) -> bool:
 def _form_fields(content_type: str, raw: bytes) -> tuple[dict[str, Any], bytes | None]:
     """multipart/form-data → ({name: value}, the input_reference file) with the standard library's MIME
     parser (binary parts come back byte for byte); a text ``input_reference`` is a data URL."""
-    head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode()
-    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + raw)
-    if not message.is_multipart():
-        raise BadRequest("request body is not valid multipart/form-data")
+    message = multipart_message(content_type, raw)
     fields: dict[str, Any] = {}
     upload = None
     for part in message.iter_parts():
@@ -334,7 +330,8 @@ async def _read_create(request: Request) -> tuple[VideoCreateRequest, bytes | No
     upload = None
     try:
         if content_type.lower().startswith("multipart/form-data"):  # media types are case-insensitive
-            data, upload = _form_fields(content_type, raw)
+            # CPU work in proportion to the upload: off the event loop that serves every other request
+            data, upload = await asyncio.to_thread(_form_fields, content_type, raw)
         else:
             try:
                 data = json.loads(raw)
@@ -416,7 +413,7 @@ async def call_job(fe: Any, video_id: str, call) -> dict[str, Any]:
 async def create_video(request: Request, fe: Any = Depends(frontend)):
     fe.check_auth(request, admin=False)
     body, upload = await _read_create(request)
-    params = video_params(fe, body, upload)
+    params = await asyncio.to_thread(video_params, fe, body, upload)  # decodes the reference: off the loop
     answer = await fe.call_engine(fe.engine.create_video.remote(params, fe.model_name, body.prompt))
     return JSONResponse(answer["video"], headers={REPLICA_HEADER: answer["replica"]})
 

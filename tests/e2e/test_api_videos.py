@@ -99,6 +99,16 @@ def test_seconds_become_frames_and_json_works(server):
     r = httpx.post(request.url, content=request.read(), headers={**AUTH, "content-type": content_type})
     assert r.status_code == 200, r.text
     assert r.json()["num_frames"] == 5
+    # the same form cut off inside the prompt: the parser kept what it had read ("a f"), a 200 for another
+    # prompt; now a 400 that says the upload was cut off
+    long = {**form, "prompt": (None, "a fox in the snow")}
+    request = httpx.Request("POST", f"{server.base_url}/v1/videos", files=long, headers=AUTH)
+    body = request.read()
+    cut = body[: body.index(b" in the snow")]
+    r = httpx.post(
+        request.url, content=cut, headers={**AUTH, "content-type": request.headers["content-type"]}
+    )
+    assert r.status_code == 400 and "closing boundary is missing" in r.json()["error"]["message"], r.text
 
 
 def test_form_with_its_file_input_left_empty(server):
