@@ -66,9 +66,9 @@ class ParallelFlags(BaseModel):
         description="Sequence-parallel degree when no other sp flag is given: 2 → K/V-gather 2, larger → Ulysses.",
     )
 
-    def dims(self, num_heads: int | None = None) -> ParallelDims:
+    def dims(self, num_heads: int | None = None, tp_features: dict[str, int] | None = None) -> ParallelDims:
         """The validated per-replica :class:`ParallelDims` (raises ValueError naming the flags); with
-        ``num_heads`` checked against the model too, so suggested layouts fit it."""
+        ``num_heads`` (and the feature dims TP cuts) checked against the model too, so suggested layouts fit it."""
         # Imported here: the parallel package loads diffusers' models, which config readers do not need.
         from .parallel.dims import ParallelDims
 
@@ -82,6 +82,7 @@ class ParallelFlags(BaseModel):
             kv_gather=self.kv_gather_degree,
             sp_degree=self.sp_degree,
             num_heads=num_heads,
+            tp_features=tp_features,
         )
 
     @property

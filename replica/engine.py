@@ -30,7 +30,16 @@ logger = logging.getLogger(__name__)
 
 def validate_layout(config: EngineConfig, spec: ModelSpec) -> int:
     """Check the parallel layout against the model before any process starts; returns the world size."""
-    dims = config.parallel.dims(num_heads=spec.num_attention_heads)
+    try:
+        dims = config.parallel.dims(num_heads=spec.num_attention_heads)
+        tp = dims.tp > 1
+    except ValueError:  # its suggestions may hold TP sizes: check them against the features too
+        tp = True
+    if tp:  # the feature dims the family's TP plan cuts (imports torch and diffusers: only here)
+        from .parallel.tp import tp_features
+
+        features = tp_features(spec.folder, spec.family_spec)
+        dims = config.parallel.dims(num_heads=spec.num_attention_heads, tp_features=features)
     world_size = dims.world_size
     if dims.cfg > 1 and (one := spec.family_spec.single_branch(spec.folder)) is not None:
         raise ValueError(
@@ -56,10 +65,6 @@ def validate_layout(config: EngineConfig, spec: ModelSpec) -> int:
                 f"{', '.join(refused)}: {spec.name} shards over {allowed} only; set the others to 1 "
                 f"(and scale with --dp-size){f' and pass {allowed} explicitly' if sp else ''}"
             )
-    if dims.tp > 1:  # every feature dim the plan cuts (imports torch and diffusers: only for a TP layout)
-        from .parallel.tp import check_tp_size
-
-        check_tp_size(spec.folder, spec.family_spec, dims.tp, spec.num_attention_heads)
     if config.max_sequence_length is not None and not spec.family_spec.text_length:
         raise ValueError(
             f"--max-sequence-length {config.max_sequence_length}: {spec.name} encodes prompts at its "

@@ -9,6 +9,7 @@ person who reads it typed those flags.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -105,18 +106,39 @@ class ParallelDims(BaseModel):
         return sorted(full.permute(*outer, *inner).reshape(-1, size).tolist())
 
     # ---- model-dependent rules ----------------------------------------------------------------------
-    def validate(self, *, num_heads: int, attention_supports_lse: bool = True) -> None:
+    def validate(
+        self,
+        *,
+        num_heads: int,
+        attention_supports_lse: bool = True,
+        tp_features: Mapping[str, int] | None = None,
+    ) -> None:
         """Check the layout against a model and an attention backend; raise `ValueError` if it cannot run.
 
-        Why each rule: TP gives each rank `heads / tp` whole heads; Ulysses then gives each of its ranks
-        whole heads of those; the ring merges partial softmaxes, which needs each block's log-sum-exp.
+        Why each rule: TP gives each rank `heads / tp` whole heads, and an even share of every feature dim
+        its plan cuts (``tp_features``: a module → its features, e.g. an MLP's 10240 hidden features);
+        Ulysses then gives each of its ranks whole heads of those; the ring merges partial softmaxes, which
+        needs each block's log-sum-exp.
         """
+        features = dict(tp_features or {})
+        fits = [d for d in _divisors(num_heads) if all(f % d == 0 for f in features.values())]
         if num_heads % self.tp != 0:
-            ok = ", ".join(str(d) for d in _divisors(num_heads) if d * self.cfg <= 64)
+            ok = ", ".join(str(d) for d in fits if d * self.cfg <= 64)
+            also = (
+                " and the features tensor parallelism splits" if len(fits) < len(_divisors(num_heads)) else ""
+            )
             raise ValueError(
                 f"--tp-size {self.tp} does not divide the model's {num_heads} attention heads; "
-                f"choose a --tp-size that divides {num_heads} ({ok})."
+                f"choose a --tp-size that divides {num_heads}{also} ({ok})."
             )
+        for module, size in features.items():
+            if size % self.tp:
+                raise ValueError(
+                    f"--tp-size {self.tp} divides the model's {num_heads} attention heads but not the {size} "
+                    f"features of {module}, which tensor parallelism splits; choose a --tp-size that divides "
+                    f"both ({', '.join(map(str, fits))}), or give the rest of the degree to --ulysses-degree "
+                    "/ --ring-degree."
+                )
         heads_per_tp = num_heads // self.tp
         if heads_per_tp % self.ulysses != 0:
             ok = ", ".join(str(d) for d in _divisors(heads_per_tp))
@@ -149,6 +171,7 @@ class ParallelDims(BaseModel):
         sp_degree: int | None = None,
         num_heads: int | None = None,
         attention_supports_lse: bool = True,
+        tp_features: Mapping[str, int] | None = None,
     ) -> ParallelDims:
         """Build the per-replica layout from serving flags (SGLang Diffusion semantics).
 
@@ -164,7 +187,12 @@ class ParallelDims(BaseModel):
         flags = dict(num_gpus=num_gpus, dp_size=dp_size, cfg=cfg, tp=tp, ulysses=ulysses, ring=ring)
         flags.update(kv_gather=kv_gather, sp_degree=sp_degree)
         try:
-            return _build(**flags, num_heads=num_heads, attention_supports_lse=attention_supports_lse)
+            return _build(
+                **flags,
+                num_heads=num_heads,
+                attention_supports_lse=attention_supports_lse,
+                tp_features=tp_features,
+            )
         except _FlagError:
             raise  # a value no layout can have (0, cfg 3, sp with explicit degrees): the message says it
         except ValueError as exc:
@@ -174,7 +202,10 @@ class ParallelDims(BaseModel):
                 runs_as = "--kv-gather-degree 2" if sp_degree == 2 else f"--ulysses-degree {sp_degree}"
                 message = f"--sp-degree {sp_degree} runs as {runs_as}: {message}"
             legal = suggest_layouts(
-                **flags, num_heads=num_heads, attention_supports_lse=attention_supports_lse
+                **flags,
+                num_heads=num_heads,
+                attention_supports_lse=attention_supports_lse,
+                tp_features=tp_features,
             )
             if legal:
                 message += " Legal layouts: " + " or ".join(f"`{format_flags(f)}`" for f in legal) + "."
@@ -203,6 +234,7 @@ def _build(
     sp_degree: int | None,
     num_heads: int | None,
     attention_supports_lse: bool,
+    tp_features: Mapping[str, int] | None = None,
 ) -> ParallelDims:
     """`ParallelDims.from_flags` without suggestions (they are checked with this)."""
     for name, value in (
@@ -237,7 +269,9 @@ def _build(
     dims = ParallelDims(cfg=cfg, tp=tp, ulysses=ulysses, ring=ring, kv_gather=kv_gather)
     # The model's rules first: a count fixed around degrees the model cannot run would only move the error.
     if num_heads is not None:
-        dims.validate(num_heads=num_heads, attention_supports_lse=attention_supports_lse)
+        dims.validate(
+            num_heads=num_heads, attention_supports_lse=attention_supports_lse, tp_features=tp_features
+        )
     if num_gpus is not None:
         if num_gpus % dp_size != 0:
             raise ValueError(
@@ -287,6 +321,7 @@ def suggest_layouts(
     sp_degree: int | None = None,
     num_heads: int | None = None,
     attention_supports_lse: bool = True,
+    tp_features: Mapping[str, int] | None = None,
     limit: int = 3,
 ) -> list[dict[str, int]]:
     """Up to `limit` whole layouts (flag name → value, see `format_flags`) that pass every rule checked
@@ -322,7 +357,7 @@ def suggest_layouts(
                     layout[slot] = s
                     try:
                         _build(**layout, sp_degree=None, num_heads=num_heads,
-                               attention_supports_lse=attention_supports_lse)  # fmt: skip
+                               attention_supports_lse=attention_supports_lse, tp_features=tp_features)  # fmt: skip
                     except ValueError:
                         continue
                     changed = [k for k in wanted if layout[k] != wanted[k]]

@@ -217,32 +217,23 @@ def sharded_blocks(model: nn.Module, plan: TPPlan) -> dict[str, list[int]]:
     return cut
 
 
-def check_tp_size(folder, family, tp: int, num_heads: int) -> None:
-    """Refuse, before anything loads, a --tp-size that divides the attention heads but not every feature
-    dim the family's plan cuts (e.g. Z-Image's 10240 SwiGLU features at --tp-size 3, Wan 2.1 1.3B's 8960 at
-    --tp-size 3): the ranks would fail while sharding the loaded weights. The transformer is built from its
-    config on the meta device (no memory, no weights). ``folder``: a families.Folder; ``family``: a Family."""
+def tp_features(folder, family) -> dict[str, int]:
+    """Each feature size the family's TP plan cuts in the folder's transformer(s), with the first module of
+    that size (``"the transformer's layers.0.feed_forward.w1" → 10240``): what --tp-size must divide beside the
+    heads, checked before anything loads (Z-Image's SwiGLU at --tp-size 3 passed the heads check and failed in
+    every rank while sharding the loaded weights). The transformer is built from its config on the meta
+    device (no memory, no weights). ``folder``: a families.Folder; ``family``: a Family."""
     import diffusers
 
-    if tp <= 1:
-        return
     plan = family.load("plan")
+    sizes: dict[int, str] = {}
     for component in ("transformer", "transformer_2"):
         config = folder.config(component)
-        if "_class_name" not in config or not hasattr(diffusers, config["_class_name"]):
+        if not hasattr(diffusers, config.get("_class_name", "")):
             continue
         with torch.device("meta"):
             model = getattr(diffusers, config["_class_name"]).from_config(dict(config))
-        cut = sharded_blocks(model, plan.tp_map(model))
-        bad = next(((n, b) for n, blocks in cut.items() for b in blocks if b % tp), None)
-        if bad is None:
-            continue
-        sizes = {b for blocks in cut.values() for b in blocks}
-        legal = [d for d in range(1, num_heads + 1) if num_heads % d == 0 and all(s % d == 0 for s in sizes)]
-        name, block = bad
-        raise ValueError(
-            f"--tp-size {tp} divides the model's {num_heads} attention heads but not the {block} features "
-            f"of its {component}'s {name}, which tensor parallelism splits; choose a --tp-size that divides "
-            f"both ({', '.join(map(str, legal))}), or give the rest of the degree to --ulysses-degree / "
-            "--ring-degree."
-        )
+        for name, blocks in sharded_blocks(model, plan.tp_map(model)).items():
+            for block in blocks:
+                sizes.setdefault(block, f"its {component}'s {name}")
+    return {module: size for size, module in sizes.items()}

@@ -131,5 +131,9 @@ def test_a_tp_size_that_divides_the_heads_but_not_the_mlp_is_refused_before_load
     assert "--tp-size 4 divides the model's 8 attention heads but not the 170 features" in done.stderr, (
         done.stderr
     )
-    assert "feed_forward.w1" in done.stderr and "divides both (1, 2)" in done.stderr, done.stderr
+    assert "noise_refiner.0.feed_forward.w1" in done.stderr and "divides both (1, 2)" in done.stderr, (
+        done.stderr
+    )
+    # a suggestion taken as written runs (tp 2 with the rest of the ranks to the sequence)
+    assert "Legal layouts: `--num-gpus 4 --tp-size 2 --ulysses-degree 2`" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr, done.stderr

@@ -116,17 +116,21 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("num_heads", [None, 8, 24])
-def test_every_suggestion_fed_back_validates(num_heads: int | None) -> None:
+# Z-Image-Turbo: 30 heads, a 10240-feature SwiGLU that --tp-size 3 and 6 cannot split
+@pytest.mark.parametrize(
+    ("num_heads", "features"), [(None, None), (8, None), (24, None), (30, {"its transformer's w1": 10240})]
+)
+def test_every_suggestion_fed_back_validates(num_heads: int | None, features: dict | None) -> None:
     refused = offered = 0
     for flags in LAYOUTS:
         try:
-            ParallelDims.from_flags(**flags, num_heads=num_heads)
+            ParallelDims.from_flags(**flags, num_heads=num_heads, tp_features=features)
         except ValueError as exc:
             refused += 1
             for layout in suggestions(str(exc)):
                 offered += 1
-                ParallelDims.from_flags(**layout, num_heads=num_heads)  # raises if a suggestion is wrong
+                # raises if a suggestion is wrong
+                ParallelDims.from_flags(**layout, num_heads=num_heads, tp_features=features)
     assert refused > 100 and offered > refused  # the sweep did hit illegal layouts, each with suggestions
 
 
@@ -137,6 +141,21 @@ def test_every_suggestion_fed_back_validates(num_heads: int | None) -> None:
 def test_from_flags_sp_degree_alone(sp_degree: int, expected: tuple[int, int, int]) -> None:
     dims = ParallelDims.from_flags(sp_degree=sp_degree)
     assert (dims.ulysses, dims.ring, dims.kv_gather) == expected
+
+
+def test_tp_size_must_split_the_features_too() -> None:
+    """--tp-size 3 divides Z-Image-Turbo's 30 heads but not its 10240 MLP features: refused naming the module,
+    with the sizes that fit both, and no TP size in the suggestions that would fail in turn."""
+    features = {"its transformer's layers.0.feed_forward.w1": 10240}
+    with pytest.raises(ValueError, match=r"^--tp-size 3 divides the model's 30 attention heads but not the 10240 "
+                       r"features of its transformer's layers.0.feed_forward.w1.*divides both \(1, 2, 5, 10\)"):  # fmt: skip
+        ParallelDims.from_flags(tp=3, num_heads=30, tp_features=features)
+    with pytest.raises(
+        ValueError, match=r"divides 30 and the features tensor parallelism splits \(1, 2, 5, 10"
+    ) as info:
+        ParallelDims.from_flags(num_gpus=6, tp=4, num_heads=30, tp_features=features)
+    assert all(layout.get("tp", 1) in (1, 2, 5, 10) for layout in suggestions(str(info.value)))
+    assert ParallelDims.from_flags(tp=5, num_heads=30, tp_features=features).tp == 5
 
 
 def test_from_flags_sp_degree_refusal_names_sp_degree() -> None:
