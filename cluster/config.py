@@ -181,7 +181,8 @@ def add_model_arguments(
             kwargs["action"] = "append"
         elif members[0] in (int, float, str):
             kwargs["type"] = members[0]
-        parser.add_argument(flag, **kwargs)
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        parser.add_argument(flag, *extra.get("flag_aliases", ()), **kwargs)  # type: ignore[arg-type]
 
 
 def model_kwargs(ns: argparse.Namespace, model: type[BaseModel]) -> dict:

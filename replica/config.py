@@ -57,9 +57,25 @@ class ParallelFlags(BaseModel):
         default=1, ge=1, le=2, description="CFG branches on separate ranks (1 or 2)."
     )
     tp_size: int = Field(default=1, ge=1, description="Tensor-parallel degree.")
-    ulysses_degree: int = Field(default=1, ge=1, description="Ulysses (all-to-all) sequence-parallel degree.")
-    ring_degree: int = Field(default=1, ge=1, description="Ring-attention sequence-parallel degree.")
-    kv_gather_degree: int = Field(default=1, ge=1, description="K/V all-gather sequence-parallel degree.")
+    # flag_aliases: the spellings of other serving stacks (--ulysses-size), one flag with ours
+    ulysses_degree: int = Field(
+        default=1,
+        ge=1,
+        description="Ulysses (all-to-all) sequence-parallel degree.",
+        json_schema_extra={"flag_aliases": ["--ulysses-size"]},
+    )
+    ring_degree: int = Field(
+        default=1,
+        ge=1,
+        description="Ring-attention sequence-parallel degree.",
+        json_schema_extra={"flag_aliases": ["--ring-size"]},
+    )
+    kv_gather_degree: int = Field(
+        default=1,
+        ge=1,
+        description="K/V all-gather sequence-parallel degree.",
+        json_schema_extra={"flag_aliases": ["--kv-gather-size"]},
+    )
     sp_degree: int | None = Field(
         default=None,
         ge=1,

@@ -64,6 +64,9 @@ def test_cli_parser_has_layout_flags_on_both_commands():
     for command in (["generate", "p"], ["serve"]):
         ns = parser.parse_args([*command, "--tp-size", "2", "--sp-degree", "2", "--cfg-parallel-size", "2"])
         assert (ns.tp_size, ns.sp_degree, ns.cfg_parallel_size) == (2, 2, 2)
+        # other stacks' spellings of the sequence degrees are the same flags
+        ns = parser.parse_args([*command, "--ulysses-size", "2", "--ring-size", "4", "--kv-gather-size", "1"])
+        assert (ns.ulysses_degree, ns.ring_degree, ns.kv_gather_degree) == (2, 4, 1)
 
 
 def test_resolve_model_errors_say_what_was_found(tmp_path):
