@@ -73,8 +73,14 @@ def validate_layout(config: EngineConfig, spec: ModelSpec) -> int:
     if config.encoder_tp_size > 1:  # heads, KV heads and MLP features of each encoder divide the degree
         from .parallel.encoder_tp import check_encoder_tp, encoder_components
 
-        for name in encoder_components(spec.folder.index):
-            check_encoder_tp(spec.folder.config(name), config.encoder_tp_size, name)
+        names = encoder_components(spec.folder.index)
+        kinds = [check_encoder_tp(spec.folder.config(name), config.encoder_tp_size, name) for name in names]
+        if not any(kinds):  # CLIP / vision encoders only: the flag would only load whole copies on more ranks
+            raise ValueError(
+                f"--encoder-tp-size {config.encoder_tp_size}: none of {spec.name}'s encoders "
+                f"({', '.join(names) or 'none'}) is one it shards (T5, Mistral3, Qwen2.5-VL, Qwen3 text "
+                "models; CLIP stays whole); leave --encoder-tp-size at 1"
+            )
     return world_size
 
 

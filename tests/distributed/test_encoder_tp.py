@@ -313,7 +313,9 @@ def test_images_match_one_rank_and_each_rank_holds_half_the_encoder(family, requ
     assert 0 < memory[0]["encoder_bytes"] < (0.62 if family == "flux2" else 0.76) * whole["encoder_bytes"]
 
 
-def test_degrees_the_encoder_cannot_take_are_refused_naming_the_flag(flux2_folder, qwenimage_folder):
+def test_degrees_the_encoder_cannot_take_are_refused_naming_the_flag(
+    flux2_folder, qwenimage_folder, tmp_path
+):
     # 4 does not divide the Mistral's 2 KV heads (its 4 query heads it does), nor Qwen's 2 heads
     with pytest.raises(ValueError, match=r"--encoder-tp-size 4 does not divide the 2 key/value heads"):
         Engine(
@@ -325,6 +327,14 @@ def test_degrees_the_encoder_cannot_take_are_refused_naming_the_flag(flux2_folde
                 model=str(qwenimage_folder), encoder_tp_size=4, parallel=ParallelFlags(ulysses_degree=4)
             )
         )
+    # SD3 saved without T5: CLIPs only, which stay whole (the flag only loaded a whole copy on more ranks)
+    from tests.families import sd3
+
+    no_t5 = sd3.build_folder(tmp_path / "sd3", t5=False)
+    with pytest.raises(
+        ValueError, match=r"^--encoder-tp-size 2: none of sd3's encoders \(text_encoder, text_enc"
+    ):
+        Engine(EngineConfig(model=str(no_t5), encoder_tp_size=2, parallel=ParallelFlags(tp_size=2)))
     with pytest.raises(ValidationError, match=r"--encoder-tp-size 4 is larger than the replica's 2 rank"):
         EngineConfig(model=str(flux2_folder), encoder_tp_size=4, parallel=ParallelFlags(tp_size=2))
     with pytest.raises(ValidationError, match=r"--encoder-placement all"):
