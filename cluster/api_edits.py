@@ -242,8 +242,8 @@ def _form_schema() -> dict[str, Any]:
             "description": "Several images.",
         },
         "mask": _binary(
-            "Inpainting mask of the image's shape (image-to-image models that inpaint; FLUX.1 Kontext and "
-            "Qwen-Image-Edit): its transparent pixels are repainted, or without transparency its white ones."
+            "Inpainting mask of the image's shape (image-to-image models that inpaint; FLUX.1 Kontext, "
+            "Qwen-Image-Edit and FLUX.2 Klein): its transparent pixels are repainted, or without transparency its white ones."
         ),
         **schema["properties"],
     }

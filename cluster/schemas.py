@@ -284,7 +284,7 @@ class ImageEditRequest(BaseModel):
         f"1 = from noise, small = keep the image (default {DEFAULT_STRENGTH}; inpainting: the inpaint pipeline's, "
         "Z-Image 1.0). Edit models refuse it, except "
         "with a mask where they inpaint (default: their inpaint pipeline's, FLUX.1 Kontext 1.0, Qwen-Image-Edit "
-        "0.6).",
+        "0.6, FLUX.2 Klein 0.8).",
     )
     lora: LoRARef | list[LoRARef] | None = Field(
         default=None, description='Adapter(s) as JSON text, e.g. {"name": "style", "scale": 0.8} or a list.'

@@ -159,9 +159,6 @@ class Family:
     # FluxKontextInpaintPipeline): the one image is both the start image noised to ``strength`` and the
     # reference. Class name → that inpaint pipeline's default strength.
     inpainting_edits: Mapping[str, float] = field(default_factory=dict)
-    # diffusers' inpaint pipeline for this family's edit pipelines where ditserve does not run it (a mask is
-    # refused naming it); None: diffusers has none
-    unserved_inpaint_pipeline: str | None = None
     # The output (width, height) of such a masked edit that names no size, from its image's (width, height),
     # where the inpaint pipeline sizes it otherwise than ``edit_size``; None: as any edit of the family.
     inpainting_edit_size: Callable[[Folder, tuple[int, int]], tuple[int, int]] | None = None

@@ -117,7 +117,7 @@ class ModelSpec:
     @property
     def inpaints(self) -> bool:
         """Whether the model takes an inpainting mask with its image: image-to-image families that inpaint,
-        and the edit pipelines diffusers has an inpaint pipeline for (FLUX.1 Kontext, Qwen-Image-Edit)."""
+        and the edit pipelines diffusers has an inpaint pipeline for (FLUX.1 Kontext, Qwen-Image-Edit, FLUX.2 Klein)."""
         family = self.family_spec
         return self.pipeline_class in family.inpainting_edits if self.edits else family.inpainting
 
@@ -142,15 +142,9 @@ class ModelSpec:
     def mask_refusal(self) -> str:
         """Why the model takes no mask (said after ``mask: ``)."""
         if self.edits:
-            unserved = self.family_spec.unserved_inpaint_pipeline
-            why = (
-                f"diffusers' {unserved} is not served here"
-                if unserved
-                else "diffusers has no inpaint pipeline for it"
-            )
             return (
                 f"{self.name} ({self.pipeline_class}) takes its images as references and does not inpaint "
-                f"({why}); send the image without a mask"
+                "(diffusers has no inpaint pipeline for it); send the image without a mask"
             )
         return f"{self.name} does not inpaint; send the image without a mask"
 

@@ -6,7 +6,9 @@ Two pipelines, one step loop:
 - ``Flux2Pipeline`` (FLUX.2 dev): Mistral3 text encoder, distilled guidance as an embedding (one branch).
 - ``Flux2KleinPipeline``: Qwen3 text encoder, no guidance embedding; true classifier-free guidance with
   the empty prompt as negative when ``guidance_scale > 1`` and the folder is not step-distilled
-  (``is_distilled``), no user negative prompt.
+  (``is_distilled``), no user negative prompt. With a ``mask`` it draws what ``Flux2KleinInpaintPipeline``
+  draws: the first image is both the start image (noised to ``strength``, the unmasked latents put back
+  after every step) and the first reference, a second image is its ``image_reference``.
 
 Reference images (``GenerationParams.images``) are encoded by the VAE in ``encode`` (on the encoder rank)
 and their packed tokens are appended after the image tokens every step, with their own ids (time
@@ -16,16 +18,19 @@ coordinate 10, 20, …), as the diffusers pipelines do; the prediction keeps the
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import PIL.Image
 import torch
+from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu, retrieve_timesteps
 
 from ..request import GenerationParams
 from .base import PipelineRunner, RequestState, open_image, request_scheduler
+from .img2img import inpainting, mask_picture, noised_start
 from .schedule import flow_sigmas
 from .vae import decode_images
 
@@ -135,37 +140,44 @@ class Flux2Runner(PipelineRunner):
                 "(FLUX.2 dev's guidance is distilled: set guidance_scale)"
             )
 
+    def _reference_pixels(self, data: bytes, i: int) -> torch.Tensor:
+        """Reference ``i`` (0-based) as the pipelines preprocess it: at most 1024² pixels, its sides floored
+        to the size multiple, center-cropped to them; in [-1, 1], (1, 3, height, width)."""
+        pipe = self.pipe
+        multiple = pipe.vae_scale_factor * 2
+        try:
+            img = open_image(data)  # as diffusers' load_image gives it: upright, RGB
+        except (OSError, ValueError, PIL.Image.DecompressionBombError) as exc:
+            raise ValueError(f"image: reference {i + 1} is not a readable image ({exc})") from None
+        try:
+            pipe.image_processor.check_image_input(img)  # at least 64 px a side, aspect up to 8:1
+        except ValueError as exc:
+            raise ValueError(f"image: reference {i + 1}: {exc}") from None
+        width, height = img.size
+        if width * height > MAX_REFERENCE_AREA:
+            img = pipe.image_processor._resize_to_target_area(img, MAX_REFERENCE_AREA)
+            width, height = img.size
+        width, height = width // multiple * multiple, height // multiple * multiple
+        return pipe.image_processor.preprocess(img, height=height, width=width, resize_mode="crop")
+
     def _references(self, params: GenerationParams) -> dict[str, torch.Tensor] | None:
         """The reference images' packed VAE latents [n, R, C], their ids [R, 4] (as the pipeline makes them)
         and their token grids [(h, w), ...]."""
         if not params.images:
             return None
         pipe = self.pipe
-        images, sizes = [], []
         multiple = pipe.vae_scale_factor * 2
-        for i, data in enumerate(params.images):
-            try:
-                img = open_image(data)  # as diffusers' load_image gives it: upright, RGB
-            except (OSError, ValueError, PIL.Image.DecompressionBombError) as exc:
-                raise ValueError(f"image: reference {i + 1} is not a readable image ({exc})") from None
-            try:
-                pipe.image_processor.check_image_input(img)  # at least 64 px a side, aspect up to 8:1
-            except ValueError as exc:
-                raise ValueError(f"image: reference {i + 1}: {exc}") from None
-            width, height = img.size
-            if width * height > MAX_REFERENCE_AREA:
-                img = pipe.image_processor._resize_to_target_area(img, MAX_REFERENCE_AREA)
-                width, height = img.size
-            width, height = width // multiple * multiple, height // multiple * multiple
-            images.append(
-                pipe.image_processor.preprocess(img, height=height, width=width, resize_mode="crop")
-            )
-            sizes.append((height // multiple, width // multiple))  # packed tokens per side
+        images = [self._reference_pixels(data, i) for i, data in enumerate(params.images)]
+        sizes = [(image.shape[2] // multiple, image.shape[3] // multiple) for image in images]
         # VAE modes (no sampling): the generator is not drawn from.
         latents, ids = pipe.prepare_image_latents(
             images=images, batch_size=params.n, generator=None, device=self.device, dtype=pipe.vae.dtype
         )
         return {"latents": latents, "ids": ids[0], "sizes": sizes}
+
+    def _image_inputs(self, params: GenerationParams) -> dict:
+        """``encode``'s part from the uploaded images: the references."""
+        return {"references": self._references(params)}
 
     def _guidance(self, params: GenerationParams) -> float:
         return params.guidance_scale if params.guidance_scale is not None else self.default_guidance
@@ -177,7 +189,7 @@ class Flux2Runner(PipelineRunner):
         return {
             "cond": {"encoder_hidden_states": embeds},
             "text_ids": text_ids[0],
-            "references": self._references(params),
+            **self._image_inputs(params),
         }
 
     def _branches(self, params: GenerationParams, encoded: dict) -> tuple[dict, dict | None, float]:
@@ -214,7 +226,14 @@ class Flux2Runner(PipelineRunner):
         sigmas = None if getattr(scheduler.config, "use_flow_sigmas", False) else flow_sigmas(steps)
         mu = compute_empirical_mu(image_seq_len=latents.shape[1], num_steps=steps)
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
-        scheduler.set_begin_index(0)
+        # A masked Klein edit (Flux2KleinInpaintPipeline): its start image noised to strength's first
+        # timestep, the unmasked latents put back after every step; text and references begin at step 0.
+        inpaint = inpainting(params, encoded, latents)
+        if inpaint:
+            latents, start = noised_start(scheduler, timesteps, latents, params, encoded)
+        else:
+            scheduler.set_begin_index(0)
+            start = 0
         return RequestState(
             req_id=req_id,
             params=params,
@@ -226,9 +245,11 @@ class Flux2Runner(PipelineRunner):
             cfg_scale=cfg_scale,
             # rows share the ids: requests batch only with the same reference sizes (the ids follow from them)
             bucket=("flux2", params.height, params.width, tuple(references["sizes"]) if references else ()),
+            step_index=start,
             extra={
                 "shared": {"txt_ids": encoded["text_ids"], "img_ids": image_ids},
                 "latent_ids": latent_ids,
+                **inpaint,
             },
         )
 
@@ -265,7 +286,72 @@ class Flux2Runner(PipelineRunner):
 
 
 class Flux2KleinRunner(Flux2Runner):
-    """``Flux2KleinPipeline``: true CFG against the empty prompt (no user negative prompt)."""
+    """``Flux2KleinPipeline``: true CFG against the empty prompt (no user negative prompt); with a mask,
+    ``Flux2KleinInpaintPipeline``."""
+
+    # Flux2KleinInpaintPipeline's default guidance_scale (Flux2KleinPipeline's: 4.0)
+    inpaint_guidance = 8.0
+
+    def _guidance(self, params: GenerationParams) -> float:
+        if params.guidance_scale is not None:
+            return params.guidance_scale
+        return self.inpaint_guidance if params.mask is not None else self.default_guidance
+
+    def _image_inputs(self, params: GenerationParams) -> dict:
+        if params.mask is None:
+            return super()._image_inputs(params)
+        return self._masked_inputs(params)
+
+    def _masked_inputs(self, params: GenerationParams) -> dict:
+        """A masked edit as ``Flux2KleinInpaintPipeline`` prepares it: the first image (brought down to 1024²
+        pixels where it has more) at the output size, VAE-encoded (the mode: the noise's generator is
+        untouched), batch-norm normalised and packed, is the start latents the mask keeps and the first
+        reference (ids at time 10); a second image is the pipeline's ``image_reference`` (time 20), taken
+        as any reference. The mask: binarised at the output size, then bilinear to the packed token grid
+        (soft at its edges, as the pipeline leaves it), one value per token."""
+        pipe = self.pipe
+        if len(params.images) > 2:
+            raise ValueError(
+                f"image: a masked FLUX.2 Klein edit takes the image it inpaints and at most one reference "
+                f"image (Flux2KleinInpaintPipeline's image_reference), not {len(params.images)} images"
+            )
+        try:
+            image = open_image(params.images[0])
+        except (OSError, ValueError, PIL.Image.DecompressionBombError) as exc:
+            raise ValueError(f"image: the image is not a readable image ({exc})") from None
+        width, height = image.size
+        if width * height > MAX_REFERENCE_AREA:
+            scale = math.sqrt(MAX_REFERENCE_AREA / (width * height))
+            image = pipe.image_processor.resize(image, int(height * scale), int(width * scale))
+        pixels = pipe.image_processor.preprocess(image, params.height, params.width)
+        vae = pipe.vae
+        start = pipe._encode_vae_image(pixels.to(vae.device, vae.dtype), generator=None)
+        grids = [start]
+        if len(params.images) == 2:
+            reference = self._reference_pixels(params.images[1], 1)
+            grids.append(pipe._encode_vae_image(reference.to(vae.device, vae.dtype), generator=None))
+        packed = [pipe._pack_latents(grid) for grid in grids]
+        ids = pipe._prepare_image_ids(grids)[0].to(self.device)
+        references = torch.cat(packed, dim=1).to(self.device).repeat(params.n, 1, 1)
+        processor = Flux2ImageProcessor(
+            vae_scale_factor=pipe.vae_scale_factor * 2,
+            vae_latent_channels=vae.config.latent_channels,
+            do_normalize=False,
+            do_binarize=True,
+            do_convert_rgb=False,
+            do_convert_grayscale=True,
+        )
+        mask = processor.preprocess(mask_picture(params.mask), height=params.height, width=params.width)
+        mask = torch.nn.functional.interpolate(mask.float(), size=tuple(start.shape[2:]), mode="bilinear")
+        return {
+            "references": {
+                "latents": references,
+                "ids": ids,
+                "sizes": [(grid.shape[2], grid.shape[3]) for grid in grids],
+            },
+            "init_latents": packed[0].to(self.dtype),
+            "mask": pipe._pack_latents(mask),
+        }
 
     def _check(self, params: GenerationParams) -> None:
         if params.negative_prompt is not None or params.true_cfg_scale > 1:

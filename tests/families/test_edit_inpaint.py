@@ -2,8 +2,9 @@
 image on POST /v1/images/edits (the official openai client), gRPC's EditImageStream and ``ditserve generate
 --image --mask``, and draw what diffusers' FluxKontextInpaintPipeline and QwenImageEditInpaintPipeline draw
 at the same seed, steps and (their default) strength, through the engine's own step loop; a mask of another
-shape is a 400 naming mask. The edit models diffusers has no inpaint pipeline for (Qwen-Image-Edit Plus;
-FLUX.2, in test_flux2) refuse a mask naming it."""
+shape is a 400 naming mask (FLUX.2 Klein's, as Flux2KleinInpaintPipeline: test_flux2). The edit models
+diffusers has no inpaint pipeline for (Qwen-Image-Edit Plus; FLUX.2 dev, in test_flux2) refuse a mask
+naming it."""
 
 from __future__ import annotations
 

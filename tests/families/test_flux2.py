@@ -2,10 +2,13 @@
 only and with a reference image); tp 2 × ulysses 2 (with a LoRA) gives the one-rank images (ulysses 2,
 ring 2, tp 2 alone, Klein's cfg 2 and ``ditserve generate --image`` with -m slow); ``ditserve serve`` answers
 the openai client's generate and edit; a PEFT LoRA per request gives what diffusers' ``load_lora_weights``
-gives, beside the same request without it in one batch."""
+gives, beside the same request without it in one batch. A masked Klein edit (one rank, ulysses 2,
+``ditserve generate --mask``; the openai client with -m slow) gives Flux2KleinInpaintPipeline's image, beside
+an unmasked edit in one batch."""
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import shutil
@@ -42,7 +45,7 @@ from tests.families.harness import (
     served,
     single_thread,  # noqa: F401 (a fixture, used by pytestmark)
 )
-from tests.helpers import psnr, user_env
+from tests.helpers import png_pixels, psnr, user_env
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -264,12 +267,162 @@ def test_klein_cfg_parallel_equals_pipeline(klein_folder, klein_expected):
         assert psnr(image, want) >= 40
 
 
-def test_a_mask_is_refused_naming_why(dev_folder, klein_folder):
-    """FLUX.2 dev has no inpaint pipeline in diffusers; Klein has one (Flux2KleinInpaintPipeline) that is not
-    served here: the refusal said 'diffusers has no inpaint pipeline' for both."""
+def mask_png(width: int, height: int, left: int, alpha: bool = False) -> bytes:
+    """The ``left`` columns repainted: white on black (diffusers' mask), or transparent in an opaque image
+    (OpenAI's). ``left`` off the 8-pixel token grid makes the pipeline's bilinear token mask soft there."""
+    if alpha:
+        image = Image.new("RGBA", (width, height), (0, 0, 0, 255))
+        image.paste((0, 0, 0, 0), (0, 0, left, height))
+    else:
+        image = Image.new("L", (width, height), 0)
+        image.paste(255, (0, 0, left, height))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+SECOND_REF = picture(96, 64, 1)  # a masked edit's image_reference: 12×8 more tokens
+# REF (72×72) inpainted on its 29 left columns; guidance left to the inpaint pipeline's default (8: CFG).
+MASKED = GenerationParams(
+    prompt="a blue cat",
+    width=72,
+    height=72,
+    num_inference_steps=4,
+    strength=0.7,
+    seed=5,
+    images=(REF,),
+    mask=mask_png(72, 72, 29, alpha=True),
+)
+# Unmasked, of the masked edit's size and reference grid: one bucket, one forward a step with it.
+EDIT72 = EDIT.model_copy(update={"width": 72, "height": 72})
+
+
+def inpaint_image(pipe, p: GenerationParams) -> np.ndarray:
+    """Flux2KleinInpaintPipeline (on ``pipe``'s components) for ``p``: its image and the diffusers mask of
+    the same pixels (white repaints), a second image as ``image_reference``, no size (the pipeline takes the
+    image's); the first of ``p.n`` images ([n, h, w, 3] with ``p.n`` > 1)."""
+    from diffusers import Flux2KleinInpaintPipeline
+
+    inpaint = Flux2KleinInpaintPipeline.from_pipe(pipe)
+    inpaint.set_progress_bar_config(disable=True)
+    kwargs = {} if p.guidance_scale is None else {"guidance_scale": p.guidance_scale}
+    if len(p.images) > 1:
+        kwargs["image_reference"] = Image.open(io.BytesIO(p.images[1]))
+    out = inpaint(
+        prompt=p.prompt,
+        image=Image.open(io.BytesIO(p.images[0])),
+        mask_image=Image.open(io.BytesIO(mask_png(p.width, p.height, 29))),
+        strength=p.strength,
+        num_inference_steps=p.num_inference_steps,
+        generator=torch.Generator("cpu").manual_seed(p.seed),
+        num_images_per_prompt=p.n,
+        max_sequence_length=MAX_TEXT_TOKENS,
+        output_type="np",
+        **kwargs,
+    )
+    images = (out.images * 255).round().clip(0, 255).astype(np.uint8)
+    return images if p.n > 1 else images[0]
+
+
+@pytest.fixture(scope="module")
+def inpaint_expected(klein_pipe):
+    """The inpaint pipeline's images for MASKED (one reference; two; n=2 at guidance 1) and the Klein
+    pipeline's for EDIT72."""
+    with_ref = MASKED.model_copy(update={"images": (REF, SECOND_REF), "strength": 0.5})
+    return {
+        "masked": inpaint_image(klein_pipe, MASKED),
+        "with_ref": inpaint_image(klein_pipe, with_ref),
+        "edit72": diffusers_image(klein_pipe, EDIT72),
+    }
+
+
+def test_klein_masked_edit_equals_klein_inpaint_pipeline_beside_an_unmasked_edit(
+    klein_pipe, inpaint_expected
+):
+    """A mask on FLUX.2 Klein draws Flux2KleinInpaintPipeline's image (the image noised to strength, kept
+    outside the soft-edged mask, and the first reference; a second image as its image_reference; its default
+    guidance 8), batched in one forward with an unmasked edit of the same size that draws
+    Flux2KleinPipeline's. The mask was refused ('Flux2KleinInpaintPipeline is not served here')."""
+    runner = runner_for(Flux2KleinRunner, klein_pipe)
+    with_ref = MASKED.model_copy(update={"images": (REF, SECOND_REF), "strength": 0.5})
+    states = [runner.add("m", MASKED), runner.add("e", EDIT72)]
+    assert states[0].bucket == states[1].bucket and states[0].cfg_scale == 8.0
+    masked, edit, two = run_runner(runner, [MASKED, EDIT72, with_ref])
+    assert masked.shape == (72, 72, 3)
+    assert psnr(masked, inpaint_expected["masked"]) >= 40
+    assert psnr(edit, inpaint_expected["edit72"]) >= 40
+    assert psnr(two, inpaint_expected["with_ref"]) >= 40
+    # The mask keeps the image on the right (little changed) and repaints the left.
+    source = np.asarray(Image.open(io.BytesIO(REF)).convert("RGB")).astype(float)
+    kept, painted = (np.abs(masked.astype(float) - source)[:, a:b].mean() for a, b in ((40, 72), (0, 24)))
+    assert kept * 2 < painted, (kept, painted)
+    with pytest.raises(ValueError, match="^image: a masked FLUX.2 Klein edit takes .* not 3 images"):
+        runner.encode(with_ref.model_copy(update={"images": (REF, REF, REF)}))
+
+
+def test_klein_masked_edit_under_ulysses_2_equals_klein_inpaint_pipeline(klein_folder, inpaint_expected):
+    """Ulysses 2 (the packed tokens and the mask's start latents split over two ranks' sequence, CFG on):
+    the masked edit beside the unmasked one of its bucket gives the pipelines' images."""
+    got = engine_images(klein_folder, {"ulysses_degree": 2}, [MASKED, EDIT72])
+    assert psnr(got[0], inpaint_expected["masked"]) >= 40
+    assert psnr(got[1], inpaint_expected["edit72"]) >= 40
+
+
+# What the server and CLI send: no size, strength or guidance (the inpaint pipeline's 0.8 and 8), 2 steps.
+SERVED_MASKED = MASKED.model_copy(update={"num_inference_steps": 2, "strength": 0.8, "seed": 7, "n": 2})
+
+
+@pytest.fixture(scope="module")
+def served_inpaint_expected(klein_pipe):
+    return inpaint_image(klein_pipe, SERVED_MASKED)
+
+
+@pytest.mark.slow  # a server start (~30 s); the CLI below sends the same request by default
+def test_klein_serve_inpaints_with_a_mask_as_klein_inpaint_pipeline(klein_folder, served_inpaint_expected):
+    """POST /v1/images/edits with a mask on a Klein folder (the openai client; OpenAI's transparent mask, n=2,
+    no size, strength or guidance): Flux2KleinInpaintPipeline's two images at its defaults. It was a 400
+    ('Flux2KleinInpaintPipeline is not served here')."""
+    with served("--model", str(klein_folder)) as server:
+        client = openai_client(server)
+        edited = client.images.edit(
+            model=klein_folder.name,
+            image=("ref.png", REF, "image/png"),
+            mask=("mask.png", SERVED_MASKED.mask, "image/png"),
+            prompt=SERVED_MASKED.prompt,
+            n=2,
+            extra_body={"num_inference_steps": 2, "seed": 7},
+        )
+        # a mask of another shape is still a 400 naming mask
+        with pytest.raises(BadRequestError) as info:
+            client.images.edit(
+                image=("ref.png", REF, "image/png"),
+                mask=("mask.png", mask_png(64, 72, 29), "image/png"),
+                prompt=SERVED_MASKED.prompt,
+            )
+        assert info.value.body["param"] == "mask" and "not the shape" in info.value.body["message"]
+    assert edited.size == "72x72"
+    for i, want in enumerate(served_inpaint_expected):
+        got = png_pixels(base64.b64decode(edited.data[i].b64_json))
+        assert psnr(got, want) >= 40, i
+
+
+def test_klein_generate_cli_with_mask(klein_folder, served_inpaint_expected, tmp_path):
+    (tmp_path / "ref.png").write_bytes(REF)
+    (tmp_path / "mask.png").write_bytes(SERVED_MASKED.mask)
+    flags = ["--image", str(tmp_path / "ref.png"), "--mask", str(tmp_path / "mask.png")]
+    flags += ["--seed", "7", "--num-inference-steps", "2"]
+    got = cli_generate(SERVED_MASKED.prompt, klein_folder, tmp_path / "out.png", *flags)
+    assert psnr(got, served_inpaint_expected[0]) >= 40
+
+
+def test_a_mask_is_refused_where_diffusers_has_no_inpaint_pipeline(dev_folder, klein_folder):
+    """FLUX.2 dev has no inpaint pipeline in diffusers: a mask is refused saying so. Klein takes one
+    (Flux2KleinInpaintPipeline's default strength 0.8); its size without one is the image's."""
     assert "(diffusers has no inpaint pipeline for it)" in resolve_model(str(dev_folder)).mask_refusal()
-    refusal = resolve_model(str(klein_folder)).mask_refusal()
-    assert "does not inpaint (diffusers' Flux2KleinInpaintPipeline is not served here)" in refusal, refusal
+    assert not resolve_model(str(dev_folder)).inpaints
+    klein = resolve_model(str(klein_folder))
+    assert klein.inpaints and klein.default_strength(True, 0.6) == 0.8
+    assert klein.edit_request_size([(72, 72), (96, 64)], masked=True) == (72, 72)
 
 
 def test_cfg_parallel_is_refused_where_one_branch_runs(dev_folder, klein_folder, tmp_path):
