@@ -400,6 +400,14 @@ def test_klein_serve_inpaints_with_a_mask_as_klein_inpaint_pipeline(klein_folder
                 prompt=SERVED_MASKED.prompt,
             )
         assert info.value.body["param"] == "mask" and "not the shape" in info.value.body["message"]
+        # the inpaint pipeline takes one image_reference beside its image: a third image is a 400 naming image
+        with pytest.raises(BadRequestError) as info:
+            client.images.edit(
+                image=[("a.png", REF, "image/png")] * 3,
+                mask=("mask.png", SERVED_MASKED.mask, "image/png"),
+                prompt=SERVED_MASKED.prompt,
+            )
+        assert info.value.body["param"] == "image" and "not 3 images" in info.value.body["message"]
     assert edited.size == "72x72"
     for i, want in enumerate(served_inpaint_expected):
         got = png_pixels(base64.b64decode(edited.data[i].b64_json))
