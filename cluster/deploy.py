@@ -173,19 +173,24 @@ def folder_kind(model: str) -> tuple[str, int] | None:
     return None
 
 
-def _num_heads(app: AppArgs, deploy: DeployArgs) -> tuple[int | None, str | None]:
-    """(heads of the model or None, a note for the operator). Embedded models and folders on this machine
-    are read; any other path is a folder inside the image: its family comes from --model-kind, else from
-    its name; when neither tells, the heads are checked on the cluster at start."""
+def _local_model(app: AppArgs, deploy: DeployArgs):
+    """The model's ModelSpec when it is on this machine (an embedded model or a folder here), else None."""
     from ditserve.replica.models.registry import embedded_model_names, resolve_model
 
+    if app.model not in embedded_model_names() and not Path(app.model).expanduser().exists():
+        return None
+    spec = resolve_model(app.model)
+    if deploy.model_kind not in ("auto", spec.family):
+        raise ValueError(f"--model-kind {deploy.model_kind}: {app.model!r} is a {spec.family} model")
+    return spec
+
+
+def _num_heads(app: AppArgs, deploy: DeployArgs) -> tuple[int | None, str | None]:
+    """(heads of the model or None, a note for the operator), for a model not on this machine: a folder
+    inside the image, whose family comes from --model-kind, else from its name; when neither tells, the heads
+    are checked on the cluster at start."""
     if deploy.num_attention_heads is not None:
         return deploy.num_attention_heads, None
-    if app.model in embedded_model_names() or Path(app.model).expanduser().exists():
-        spec = resolve_model(app.model)
-        if deploy.model_kind not in ("auto", spec.family):
-            raise ValueError(f"--model-kind {deploy.model_kind}: {app.model!r} is a {spec.family} model")
-        return spec.num_attention_heads, None
     if deploy.model_kind != "auto":
         return _kind_heads()[deploy.model_kind], None
     if (known := folder_kind(app.model)) is not None:
@@ -219,8 +224,14 @@ def plan(app_kwargs: dict[str, Any], deploy_kwargs: dict[str, Any]) -> Plan:
     _check_lora_paths(app)
     # The pods have GPUs unless --device cpu: auto values resolve for them, not for this machine.
     config = app.engine_config(device="cuda")
-    heads, note = _num_heads(app, deploy)
-    world = config.parallel.dims(num_heads=heads).world_size
+    spec = _local_model(app, deploy) if deploy.num_attention_heads is None else None
+    if spec is not None:  # on this machine: the whole layout check serve runs (heads, TP's feature dims, ...)
+        from ditserve.replica.engine import validate_layout
+
+        world, note = validate_layout(config, spec), None
+    else:
+        heads, note = _num_heads(app, deploy)
+        world = config.parallel.dims(num_heads=heads).world_size
     device = config.device
     if device == "cuda" and world > deploy.gpus_per_node:
         if world % deploy.gpus_per_node:

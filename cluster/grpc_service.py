@@ -279,6 +279,14 @@ def _validate(model: type[BaseModel], data: dict[str, Any]) -> Any:
     return model.model_validate(data)
 
 
+def _session_id(data: dict[str, Any]) -> str:
+    """A session step's session_id, taken out of its fields (the rest are the step's)."""
+    session_id = data.pop("session_id", "")
+    if not session_id:
+        raise BadRequest("session_id: the session id is required", param="session_id")
+    return session_id
+
+
 def _unknown_field(message: Any, path: str = "") -> str | None:
     """Where ``message`` (or a message in it) holds a field its type does not have, e.g. ``lora.0: field 7``;
     None when it holds none."""
@@ -490,9 +498,7 @@ class GrpcMethods:
 
         self.check_auth(_Metadata(grpc_context), admin=False)
         data = fields(request)
-        session_id = data.pop("session_id", "")
-        if not session_id:
-            raise BadRequest("session_id: the session id is required", param="session_id")
+        session_id = _session_id(data)
         step = _validate(StreamStep, data)
         params = step_params(self, step)
         handle = _pinned(self, session_id).options(stream=True)
@@ -506,9 +512,7 @@ class GrpcMethods:
 
         self.check_auth(_Metadata(grpc_context), admin=False)
         data = fields(request)
-        session_id = data.pop("session_id", "")
-        if not session_id:
-            raise BadRequest("session_id: the session id is required", param="session_id")
+        session_id = _session_id(data)
         if data.pop("preview", False):  # as HTTP's POST .../generate, which takes no preview
             raise BadRequest("preview: previews come with SessionGenerateStream", param="preview")
         step = _validate(SessionGenerateRequest, data)

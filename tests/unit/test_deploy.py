@@ -343,6 +343,22 @@ def test_bad_flags_fail_with_a_clear_error_and_no_manifest(argv, message, capsys
     assert captured.out == "" and not out.exists()
 
 
+def test_a_local_folder_gets_the_whole_layout_check(tmp_path, capsys):
+    """A folder on this machine is checked as serve checks it, beyond its heads: --tp-size 4 divides the tiny
+    Z-Image's 8 heads but not its 170 MLP features, a manifest whose replicas would each fail at start."""
+    from tests.families import zimage
+
+    folder = str(zimage.build_folder(tmp_path / "zimage"))
+    out = tmp_path / "out.yaml"
+    argv = ["deploy", "kuberay", "--model", folder, "--num-gpus", "4", "--tp-size", "4", "-o", str(out)]
+    assert main(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--tp-size 4 divides the model's 8 attention heads but not the 170 features" in last, last
+    assert not out.exists()
+    argv[argv.index("--tp-size") + 1] = argv[argv.index("--num-gpus") + 1] = "2"  # divides both: written
+    assert main(argv) == 0 and out.exists()
+
+
 def test_unknown_model_kind_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["deploy", "kuberay", "--model", "x", "--model-kind", "nosuchfamily"])
