@@ -88,6 +88,15 @@ def _pinned_handle(engine: Any, session_id: str) -> Any:
     return engine.options(session_id=session_id)
 
 
+def _no_session_id() -> NotFound:
+    return NotFound(
+        "session_id: the session id is empty; use the id POST /v1/sessions answered", param="session_id"
+    )
+
+
+# "/v1/sessions/" opens a session as "/v1/sessions" does, instead of a redirect (DELETE there would
+# otherwise be redirected to "/v1/sessions", which answers 405).
+@router.post("/", include_in_schema=False)
 @router.post("", name="open_session")
 async def open_session_route(
     request: Request,
@@ -186,6 +195,15 @@ def step_params(fe: Any, step: SessionGenerateRequest) -> GenerationParams:
         cache=step.cache,
         **kwargs,
     )
+
+
+# An empty session id (".../sessions/" or ".../sessions//generate") names no session: a 404 naming
+# session_id, as an unknown one, rather than a redirect or a bare 404.
+@router.delete("/", include_in_schema=False)
+@router.post("//generate", include_in_schema=False)
+async def empty_session_id(request: Request, fe: Any = Depends(frontend)):
+    fe.check_auth(request, admin=False)
+    raise _no_session_id()
 
 
 @router.delete("/{session_id}")

@@ -391,3 +391,14 @@ def _ws_event(event: dict[str, Any]) -> dict[str, Any]:
         "replica": event["replica"],
         "usage": usage_of(result),
     }
+
+
+@router.websocket("/v1/sessions//stream")
+async def empty_session_socket(websocket: WebSocket, fe: Any = Depends(frontend)):
+    """An empty session id names no session: closed 4404 naming session_id, as an unknown one."""
+    await websocket.accept()
+    try:
+        fe.check_auth(websocket, admin=False)
+    except ServeError as exc:
+        return await websocket.close(code=_close_code(exc), reason=exc.message[:120])
+    await websocket.close(code=4404, reason="session_id: the session id is empty")

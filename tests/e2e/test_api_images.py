@@ -600,6 +600,9 @@ def test_session_ids_the_server_does_not_hold_answer_4xx_naming_session_id(serve
         "unknown token": (_post(server, f"/v1/sessions/{owner}.feed/generate", {"prompt": "a fox"}), 404),
         "unknown replica": (_post(server, "/v1/sessions/nosuchreplica.feed/generate", {"prompt": "a fox"}), 410),
         "not a session id": (httpx.delete(f"{server.base_url}/v1/sessions/no-dot"), 404),
+        # an empty id was a 307 to /v1/sessions (then a 405), or a 404 naming nothing
+        "empty id, deleted": (httpx.delete(f"{server.base_url}/v1/sessions/"), 404),
+        "empty id, stepped": (_post(server, "/v1/sessions//generate", {"prompt": "a fox"}), 404),
     }  # fmt: skip
     for case, (r, status) in calls.items():
         assert r.status_code == status, (case, r.text)
@@ -966,6 +969,8 @@ def test_websocket_bad_input(server):
     assert answers[4]["type"] == "image"
     code, reason = asyncio.run(_unknown_session(server, f"{_replica(server)}.0000"))
     assert code == 4404 and "does not exist" in reason
+    code, reason = asyncio.run(_unknown_session(server, ""))
+    assert code == 4404 and reason.startswith("session_id"), reason
     httpx.delete(f"{server.base_url}/v1/sessions/{sid}")
     http_valid(server)
 
