@@ -168,6 +168,7 @@ async def session_generate(
             "created": int(time.time()),
             "step": answer["step"],
             "seed": result.seed,
+            "size": f"{result.width}x{result.height}",
             "data": [{"b64_json": base64.b64encode(png).decode()} for png in result.outputs],
             "usage": usage_of(result),
         },

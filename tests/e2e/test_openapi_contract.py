@@ -78,12 +78,13 @@ def test_session_steps_default_to_what_the_server_allows(server):
     session = httpx.post(f"{server.base_url}/v1/sessions", json={"size": "64x64"}).json()["id"]
     r = httpx.post(f"{server.base_url}/v1/sessions/{session}/generate", json={"prompt": "a fox"})
     assert r.status_code == 200 and r.json()["usage"]["transformer_forwards"] <= 2, r.text
+    assert r.json()["size"] == "64x64", r.text  # as the WebSocket's image and gRPC's result say
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         request = pb.SessionGenerateRequest(session_id=session, prompt="a fox", strength=1.0)
         stub = pb_grpc.DitServeStub(channel)
         events = list(stub.SessionGenerateStream(request, timeout=120))
     assert [(e.progress.step, e.progress.total) for e in events[:-1]] == [(1, 2), (2, 2)]
-    assert events[-1].HasField("result")
+    assert events[-1].HasField("result") and events[-1].result.size == "64x64"
 
     async def socket_step() -> list[dict]:
         url = f"ws://127.0.0.1:{server.port}/v1/sessions/{session}/stream"
@@ -100,6 +101,7 @@ def test_session_steps_default_to_what_the_server_allows(server):
         ("progress", 2),
         ("image", None),
     ]
+    assert messages[-1]["size"] == r.json()["size"] == "64x64"
 
 
 def test_schemathesis_finds_no_contract_failure(server, tmp_path: Path):
