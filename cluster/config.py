@@ -98,7 +98,10 @@ class AppArgs(EngineArgs):
     max_body_bytes: int = Field(default=1 << 20, ge=1024, description="Largest request body in bytes.")
     replica_num_cpus: float = Field(default=0.1, gt=0, description="CPUs reserved per rank bundle on CPU.")
     max_sessions_per_replica: int = Field(
-        default=16, ge=1, description="Open realtime sessions per replica before 429."
+        default=16,
+        ge=1,
+        description="Open sessions (POST /v1/sessions) per replica before 429; realtime video sessions have "
+        "--max-realtime-sessions.",
     )
     session_idle_timeout_s: float = Field(
         default=300.0, gt=0, description="A session unused this long is closed and its state freed."
@@ -109,7 +112,9 @@ class AppArgs(EngineArgs):
         "NAME@transformer_2=PATH[:SCALE] loads the file into Wan 2.2 A14B's second (low-noise) expert.",
     )
     session_max_lifetime_s: float = Field(
-        default=3600.0, gt=0, description="A realtime session (and its WebSocket) is closed after this long."
+        default=3600.0,
+        gt=0,
+        description="A session (/v1/sessions, or a realtime video session) and its WebSocket are closed after this long.",
     )
     video_ttl_s: float = Field(
         default=3600.0, gt=0, description="A finished video job and its MP4 are kept this long, then expire."
@@ -120,7 +125,8 @@ class AppArgs(EngineArgs):
     max_realtime_sessions: int = Field(
         default=4,
         ge=1,
-        description="Realtime video sessions per replica (ws /v1/realtime_video/generate) before 429; each "
+        description="Realtime video sessions per replica (ws /v1/realtime_video/generate); an init past them waits up to "
+        "5 s for a free slot, then gets an error and close code 1008. Each "
         "holds its K/V cache on the ranks (its size is logged and answered at open).",
     )
     realtime_max_chunks: int = Field(

@@ -84,7 +84,7 @@ class ReplicaMetrics:
 
         self.queue_depth = gauge("queue_depth", "Requests waiting for a slot in the running batch.")
         self.running = gauge("running_batch_size", "Requests in the running batch (denoised together).")
-        self.sessions = gauge("active_sessions", "Open realtime sessions held by this replica.")
+        self.sessions = gauge("active_sessions", "Open sessions (POST /v1/sessions) held by this replica.")
         self.lora_in_use = gauge("lora_slots_in_use", "LoRA adapter slots holding an adapter.")
         self.lora_slots = gauge("lora_slots", "LoRA adapter slots of this replica (--max-loras).")
         self.control_version = gauge("control_state_version", "Version of the control state applied here.")
