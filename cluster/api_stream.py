@@ -25,7 +25,8 @@ cancelled (``{"type": "superseded"}``) and the newest runs; steps queued behind 
 ``superseded`` too. A bad step answers ``{"type": "error"}`` and the socket stays open. Each step gets
 exactly one of ``image``, ``superseded`` or ``error``, in the order sent; ``image`` means the session holds
 that step's latents (a running step that finished before its cancel reached the replica answers ``image``). The server closes with a reason: 4401 bad API key, 4404 unknown or expired
-session, 4410 its replica is gone, 4408 idle longer than ``session_idle_timeout_s``, 4409 session older
+session (a socket waiting for its client's next step is closed as soon as its session is deleted or
+expires: the replica answers a ``session_ended`` call then), 4410 its replica is gone, 4408 idle longer than ``session_idle_timeout_s``, 4409 session older
 than ``session_max_lifetime_s``. Admission control is at ``POST /v1/sessions`` (429 past
 ``max_sessions_per_replica``).
 """
@@ -306,20 +307,35 @@ async def session_socket(websocket: WebSocket, session_id: str, fe: Any = Depend
             pass
         await inbox.put(None)
 
+    lifetime_over = f"session lifetime over (session_max_lifetime_s={fe.args.session_max_lifetime_s:g})"
+    idle = fe.args.session_idle_timeout_s
+    idle_over = f"idle for {idle:g}s (session_idle_timeout_s)"
     reader = asyncio.create_task(read())
+    # The replica answers this call once the session is gone (a DELETE, expiry): the socket is closed then,
+    # not at the client's next step.
+    watch = pinned.session_ended.remote(session_id)
+    ended = asyncio.ensure_future(fe.call_engine(watch))
     try:
         while True:
             left = expires - time.monotonic()
-            idle = fe.args.session_idle_timeout_s
-            try:
-                text = await asyncio.wait_for(inbox.get(), timeout=max(0.0, min(idle, left)))
-            except asyncio.TimeoutError:
+            get = asyncio.ensure_future(inbox.get())
+            done, _ = await asyncio.wait(
+                {get, ended}, timeout=max(0.0, min(idle, left)), return_when=asyncio.FIRST_COMPLETED
+            )
+            if ended in done:
+                get.cancel()
+                gone = _session_end(ended, session_id, idle_over, lifetime_over)
+                if gone is not None:
+                    return await close(*gone)
+                ended = asyncio.get_running_loop().create_future()  # could not tell: the next step will
+                if get not in done:
+                    continue
+            if get not in done:
+                get.cancel()
                 if left <= idle:
-                    return await close(
-                        4409,
-                        f"session lifetime over (session_max_lifetime_s={fe.args.session_max_lifetime_s:g})",
-                    )
-                return await close(4408, f"idle for {idle:g}s (session_idle_timeout_s)")
+                    return await close(4409, lifetime_over)
+                return await close(4408, idle_over)
+            text = get.result()
             if text is None:
                 return  # the client closed
             while not inbox.empty():  # only the newest prompt runs; the ones it skips are answered
@@ -373,6 +389,30 @@ async def session_socket(websocket: WebSocket, session_id: str, fe: Any = Depend
         return  # the client went away mid-send
     finally:
         reader.cancel()
+        ended.cancel()
+        watch.cancel()  # the replica stops waiting for this session's end
+
+
+def _session_end(
+    ended: asyncio.Future, session_id: str, idle_over: str, lifetime_over: str
+) -> tuple[int, str] | None:
+    """The close (code, reason) of a session the replica says is gone, as a step on it would be closed:
+    4404 closed (or unknown), 4410 its replica is gone, 4408/4409 expired idle/old. None: not known."""
+    try:
+        answer = ended.result()
+    except (NotFound, SessionGone) as exc:
+        return _close_code(exc), exc.message
+    except ReplicaUnavailable:
+        return 4410, SessionGone.lost(session_id).message
+    except Exception:  # the watch itself failed: the session may live on
+        logger.exception("watching session %s failed", session_id)
+        return None
+    why = answer.get("ended")
+    if why == "idle":
+        return 4408, idle_over
+    if why == "lifetime":
+        return 4409, lifetime_over
+    return 4404, f"session_id: session {session_id!r} does not exist (closed or expired)"
 
 
 def _ws_event(event: dict[str, Any]) -> dict[str, Any]:

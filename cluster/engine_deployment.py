@@ -85,6 +85,9 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     created: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Set once the session is dropped (closed, expired, its replica shut down); ``ended`` says why.
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: str = ""
 
 
 class EngineReplica(ReplicaStreams, ReplicaRealtime):
@@ -263,9 +266,18 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
         for sid in [
             s.session_id for s in self.sessions.values() if s.last_used < deadline or s.created < born
         ]:
-            if not self.sessions[sid].lock.locked():
-                del self.sessions[sid]
+            session = self.sessions[sid]
+            if not session.lock.locked():
+                self._drop_session(sid, "lifetime" if session.created < born else "idle")
         self._expire_realtime()
+
+    def _drop_session(self, session_id: str, why: str) -> Session | None:
+        """Remove a session and wake whoever waits for its end (``session_ended``: a WebSocket)."""
+        session = self.sessions.pop(session_id, None)
+        if session is not None:
+            session.ended = why
+            session.gone.set()
+        return session
 
     def _session_missing(self, session_id: str) -> NotFound:
         return NotFound(
@@ -316,7 +328,7 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
             return answer | {"step": session.steps, "session_id": session_id}
 
     async def close_session(self, session_id: str) -> dict[str, Any] | ServeError:
-        if self.sessions.pop(session_id, None) is None:
+        if self._drop_session(session_id, "closed") is None:
             return self._session_missing(session_id)
         return {"replica": self.replica_id, "session_id": session_id, "closed": True}
 
@@ -338,6 +350,8 @@ class EngineReplica(ReplicaStreams, ReplicaRealtime):
     async def _dispatch(self, op: dict[str, Any]) -> Any:
         kind = op["op"]
         if kind == "shutdown":
+            for session_id in list(self.sessions):  # on this loop: their waiters hear of it
+                self._drop_session(session_id, "closed")
             await asyncio.to_thread(self._shut_down)
             return "shut down"
         if self.shut_down:  # its engine loop is gone: an op waiting for it would never be answered

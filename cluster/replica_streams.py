@@ -219,6 +219,29 @@ class ReplicaStreams:
                 session.last_used = time.monotonic()
                 yield event
 
+    async def session_ended(self, session_id: str) -> dict[str, Any] | ServeError:
+        """Answers once the session is gone: ``{"ended": "closed" | "idle" | "lifetime"}`` (closed, or expired
+        for being idle or old), the NotFound of a session that is not here. A WebSocket waiting for its
+        client's next step holds this call, so it hears of a DELETE at once. Expiry happens at the session's
+        deadline, which each step moves on: the wait ends there to check it."""
+        while True:
+            self._expire_sessions()
+            session = self.sessions.get(session_id)
+            if session is None:
+                return self._session_missing(session_id)
+            deadline = min(
+                session.last_used + self.args.session_idle_timeout_s,
+                session.created + self.args.session_max_lifetime_s,
+            )
+            left = deadline - time.monotonic()
+            # a step running past the deadline keeps its session: check again an idle timeout later
+            wait = left if left > 0 else self.args.session_idle_timeout_s
+            try:
+                await asyncio.wait_for(session.gone.wait(), timeout=wait)
+            except asyncio.TimeoutError:
+                continue
+            return {"replica": self.replica_id, "session_id": session_id, "ended": session.ended}
+
     async def session_touch(self, session_id: str) -> dict[str, Any] | ServeError:
         """Does the session exist here, and how old is it (a WebSocket's lifetime deadline)."""
         self._expire_sessions()

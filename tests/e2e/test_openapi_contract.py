@@ -104,6 +104,36 @@ def test_session_steps_default_to_what_the_server_allows(server):
     assert messages[-1]["size"] == r.json()["size"] == "64x64"
 
 
+async def _socket_of_a_deleted_session(server, session: str) -> tuple[dict, int, str]:
+    """A step over the WebSocket, then, while the socket waits for the next, DELETE of its session: the
+    step's image and the socket's close (code, reason)."""
+    async with websockets.connect(f"ws://127.0.0.1:{server.port}/v1/sessions/{session}/stream") as ws:
+        await ws.send(json.dumps({"prompt": "a fox", "num_inference_steps": 1}))
+        while (image := json.loads(await ws.recv()))["type"] == "progress":
+            pass
+        async with httpx.AsyncClient(timeout=60) as http:
+            deleted = await http.delete(f"{server.base_url}/v1/sessions/{session}")
+        assert deleted.status_code == 200, deleted.text
+        with pytest.raises(websockets.ConnectionClosed) as info:
+            # a guard only: without the close the socket would wait out the idle timeout (300 s here)
+            await asyncio.wait_for(ws.recv(), timeout=120)
+    return image, info.value.rcvd.code, info.value.rcvd.reason
+
+
+def test_a_session_socket_is_closed_when_its_session_is_deleted(server):
+    """A WebSocket waiting for its client's next step heard nothing of a DELETE of its session: it learnt
+    of it at its next step (4404), or was closed as idle minutes later. It is closed at once now, 4404
+    naming session_id, as that next step would be."""
+    session = httpx.post(f"{server.base_url}/v1/sessions", json={"size": "64x64"}).json()["id"]
+    image, code, reason = asyncio.run(_socket_of_a_deleted_session(server, session))
+    assert image["type"] == "image", image
+    assert code == 4404 and reason.startswith("session_id") and "does not exist" in reason, (code, reason)
+    again = httpx.post(f"{server.base_url}/v1/sessions", json={"size": "64x64"}).json()["id"]
+    r = httpx.post(f"{server.base_url}/v1/sessions/{again}/generate", json={"prompt": "a fox"})
+    assert r.status_code == 200, r.text
+    httpx.delete(f"{server.base_url}/v1/sessions/{again}")
+
+
 def test_schemathesis_finds_no_contract_failure(server, tmp_path: Path):
     (tmp_path / "schemathesis.toml").write_text(CONFIG)
     st = shutil.which("st", path=str(Path(sys.executable).parent)) or "st"
