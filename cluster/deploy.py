@@ -564,7 +564,13 @@ def _add_generators(sub) -> None:
         "serve-config": "Print a Serve config YAML (serve run / serve deploy).",
     }
     for name, text in helps.items():
-        p = sub.add_parser(name, help=text, description=text)
+        # The flags are serve's, but --model and the auto values mean what DEPLOY_HELP says: a deploy runs elsewhere.
+        p = sub.add_parser(
+            name,
+            help=text,
+            description=f"{text}\n\n{DEPLOY_HELP.split(chr(10), 2)[2]}",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         add_model_arguments(p, AppArgs, skip=("host", "address", "api_key"))
         add_model_arguments(p, DeployArgs)
         p.add_argument("-o", "--output", default=None, help="Write to this file instead of stdout.")

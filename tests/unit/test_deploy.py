@@ -480,3 +480,15 @@ def test_a_relative_lora_path_is_read_under_lora_root():
     argv = ["serve-config", *FLUX, "--lora-root", "/models/loras", "--lora-path", "s=s.safetensors:0.5"]
     args = check_serve_config(render(argv))["applications"][0]["args"]
     assert (args["lora_root"], args["lora_path"]) == (["/models/loras"], ["s=s.safetensors:0.5"])
+
+
+@pytest.mark.parametrize("command", ["kuberay", "serve-config"])
+def test_generator_help_says_where_model_is_read_and_how_auto_resolves(command, capsys):
+    # The flags are serve's (--device auto: "cuda when a GPU is visible"); a generator's own --help must say
+    # that --model is a path where the application runs and that auto values resolve for GPU pods.
+    with pytest.raises(SystemExit) as exit_:
+        main(["deploy", command, "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--model is read where the application runs" in text
+    assert "resolved for GPU pods unless --device cpu" in text
