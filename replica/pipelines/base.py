@@ -156,6 +156,7 @@ class PipelineRunner(ABC):
         # --max-sequence-length (None: not given, 512); a family whose pipeline encodes a fixed length
         # (Family.text_length False) is never given one
         self.max_sequence_length = 512 if max_sequence_length is None else max_sequence_length
+        self.max_sequence_length_given = max_sequence_length  # None: the flag was left out
         self.mesh = mesh
         # --cuda-graphs: forwards replay a captured graph per input signature (and adapter layout).
         self.graphs = None

@@ -26,8 +26,10 @@ from .vae import decode_images, unscale_latents
 
 class SD3Runner(PipelineRunner):
     default_guidance = 7.0  # StableDiffusion3Pipeline's default guidance_scale
-    # T5 tokens per prompt: the pipeline's default (SD3 was trained with 256; the pipeline allows 512).
+    # T5 tokens per prompt: the pipeline's default (SD3 was trained with 256) unless --max-sequence-length
+    # says otherwise, up to the pipeline's limit, 512.
     text_length = 256
+    most_text_length = 512
     cache_blocks = ("transformer_blocks",)
     cache_outputs = ("encoder_hidden_states", "hidden_states")
     # StableDiffusion3Pipeline runs the uncond and cond rows as one batch: so do we (one launch of each
@@ -36,7 +38,8 @@ class SD3Runner(PipelineRunner):
     prompt_tokenizer = "tokenizer_3"  # T5's (CLIP's when the folder has no T5)
 
     def text_token_limit(self) -> int:
-        return min(self.max_sequence_length, self.text_length)
+        given = self.max_sequence_length_given
+        return self.text_length if given is None else min(given, self.most_text_length)
 
     def _guidance(self, params: GenerationParams) -> float:
         return params.guidance_scale if params.guidance_scale is not None else self.default_guidance
@@ -51,7 +54,7 @@ class SD3Runner(PipelineRunner):
             negative_prompt=params.negative_prompt,
             do_classifier_free_guidance=do_cfg,
             num_images_per_prompt=params.n,
-            max_sequence_length=min(self.max_sequence_length, self.text_length),
+            max_sequence_length=self.text_token_limit(),
             device=self.device,
         )
         out = {

@@ -169,6 +169,26 @@ def test_one_rank_bf16_steps_to_diffusers_latents_bit_for_bit(folder):
     assert torch.equal(state.latents, want)
 
 
+def test_prompt_length_is_the_pipelines_default_or_the_flags_up_to_512(folder):
+    """T5 encodes 256 tokens, StableDiffusion3Pipeline's default, when --max-sequence-length is left out, and
+    the flag's length when given, up to the pipeline's 512 (a flag of 300 gave 256 without a word)."""
+    pipe = load_pipeline(StableDiffusion3Pipeline, folder)
+
+    def encoded(flag, expected_t5):
+        runner = SD3Runner(pipe, device=torch.device("cpu"), dtype=torch.float32, max_sequence_length=flag)
+        ours = runner.encode(FOX)["cond"]["encoder_hidden_states"]
+        want, *_ = pipe.encode_prompt(
+            prompt=FOX.prompt, prompt_2=None, prompt_3=None, max_sequence_length=expected_t5,
+            do_classifier_free_guidance=False, device=torch.device("cpu"),
+        )  # fmt: skip
+        assert ours.shape == want.shape and torch.allclose(ours, want, atol=1e-4), (ours.shape, want.shape)
+        return ours.shape[1]
+
+    clip = encoded(None, 256) - 256  # CLIP's tokens come first
+    assert encoded(300, 300) == clip + 300
+    assert encoded(1000, 512) == clip + 512
+
+
 def test_one_rank_image_to_image_equals_diffusers_img2img(one_rank_all, img2img_reference, reference):
     ours = one_rank_all[-1]
     assert ours.shape == img2img_reference.shape == (48, 80, 3)
