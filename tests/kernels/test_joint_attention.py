@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ditserve.kernels.joint_attention.op import joint_attention, kernel_runs
-from ditserve.kernels.joint_attention.reference import joint_attention_ref
+from ditserve.kernels.joint_attention.reference import joint_attention_ref, rms_norm_heads
 from ditserve.replica.parallel.plan import fuse_one_rank_processors, unfuse_one_rank_processors
 
 
@@ -50,6 +50,11 @@ def _streams(batch, tokens, heads, head_dim, dtype, fused, seed):
     q_norm=st.booleans(),
     seed=st.integers(0, 2**16),
 )
+# fp16 with the q norms: against fp32 queries (not rounded as the kernel and diffusers round them) one element
+# was off by 3.8e-3
+@example(
+    batch=1, heads=3, head_dim=16, n_img=9, n_txt=53, dtype=torch.float16, fused=True, q_norm=True, seed=65536
+)
 def test_joint_attention_equals_concatenated_sdpa(
     batch, heads, head_dim, n_img, n_txt, dtype, fused, q_norm, seed
 ):
@@ -66,11 +71,13 @@ def test_joint_attention_equals_concatenated_sdpa(
         else None
     )
     got_img, got_txt = joint_attention(img, txt, head_dim, norms)
+    if (
+        norms is not None
+    ):  # the queries normalised in their dtype, as diffusers' norms (and the kernel) round them
+        img = (rms_norm_heads(img[0], norms[0], head_dim), *img[1:])
+        txt = (rms_norm_heads(txt[0], norms[1], head_dim), *txt[1:])
     want_img, want_txt = joint_attention_ref(
-        tuple(t.float() for t in img),
-        tuple(t.float() for t in txt),
-        head_dim,
-        None if norms is None else tuple((w.float(), eps) for w, eps in norms),
+        tuple(t.float() for t in img), tuple(t.float() for t in txt), head_dim
     )
     assert got_img.is_contiguous() and got_txt.is_contiguous()
     torch.testing.assert_close(got_img.float(), want_img, **TOL[dtype])
