@@ -224,11 +224,13 @@ class ReplicaStreams:
         for being idle or old), the NotFound of a session that is not here. A WebSocket waiting for its
         client's next step holds this call, so it hears of a DELETE at once. Expiry happens at the session's
         deadline, which each step moves on: the wait ends there to check it."""
-        while True:
-            self._expire_sessions()
-            session = self.sessions.get(session_id)
-            if session is None:
-                return self._session_missing(session_id)
+        self._expire_sessions()
+        session = self.sessions.get(session_id)
+        if session is None:
+            return self._session_missing(session_id)
+        # Held by reference: when the wait below expires the session itself, ``ended`` says so ("idle"),
+        # where looking the id up again would find nothing and answer as for a session never opened.
+        while not session.gone.is_set():
             deadline = min(
                 session.last_used + self.args.session_idle_timeout_s,
                 session.created + self.args.session_max_lifetime_s,
@@ -239,8 +241,8 @@ class ReplicaStreams:
             try:
                 await asyncio.wait_for(session.gone.wait(), timeout=wait)
             except asyncio.TimeoutError:
-                continue
-            return {"replica": self.replica_id, "session_id": session_id, "ended": session.ended}
+                self._expire_sessions()
+        return {"replica": self.replica_id, "session_id": session_id, "ended": session.ended}
 
     async def session_touch(self, session_id: str) -> dict[str, Any] | ServeError:
         """Does the session exist here, and how old is it (a WebSocket's lifetime deadline)."""
