@@ -11,6 +11,7 @@ import base64
 import concurrent.futures as cf
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -100,23 +101,33 @@ def test_killed_rank_fails_its_replica_fast_and_the_replacement_serves_with_the_
     rank1 = next(r for r in victim["ranks"] if r["rank"] == 1)
     survivor = before[1]["replica_id"]
 
-    def timed(seed: int) -> tuple[httpx.Response, float]:
-        response = generate(url, seed=seed, steps=40)
-        return response, time.monotonic()
+    # Load lasts until the kill: each worker sends 40-step requests one after another, so the victim is
+    # running a batch whenever it is looked at, however fast the requests end on this machine.
+    stop = threading.Event()
+
+    def load(worker: int) -> list[tuple[httpx.Response, float]]:
+        answers = []
+        while not stop.is_set():
+            response = generate(url, seed=worker, steps=40)
+            answers.append((response, time.monotonic()))
+        return answers
 
     with cf.ThreadPoolExecutor(max_workers=6) as pool:
-        futures = [pool.submit(timed, seed) for seed in range(6)]
+        futures = [pool.submit(load, worker) for worker in range(6)]
         # Kill once the victim is running a batch, so the failure lands inside a step.
-        wait_for(
-            lambda: next(r for r in replicas(url) if r["replica_id"] == victim["replica_id"])["stats"][
-                "running"
-            ],
-            60,
-            "the victim replica running requests",
-        )
+        try:
+            wait_for(
+                lambda: next(r for r in replicas(url) if r["replica_id"] == victim["replica_id"])["stats"][
+                    "running"
+                ],
+                60,
+                "the victim replica running requests",
+            )
+        finally:
+            stop.set()  # no request starts after the kill: those running then are the ones it fails
         os.kill(rank1["pid"], signal.SIGKILL)
         killed_at = time.monotonic()
-        answers = [f.result() for f in futures]
+        answers = [answer for f in futures for answer in f.result()]
 
     by_replica: dict[str, list[tuple[httpx.Response, float]]] = {}
     for response, done_at in answers:
