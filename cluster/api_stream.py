@@ -27,7 +27,8 @@ exactly one of ``image``, ``superseded`` or ``error``, in the order sent; ``imag
 that step's latents (a running step that finished before its cancel reached the replica answers ``image``). The server closes with a reason: 4401 bad API key, 4404 unknown or expired
 session (a socket waiting for its client's next step is closed as soon as its session is deleted or
 expires: the replica answers a ``session_ended`` call then), 4410 its replica is gone, 4408 idle longer than ``session_idle_timeout_s``, 4409 session older
-than ``session_max_lifetime_s``. Admission control is at ``POST /v1/sessions`` (429 past
+than ``session_max_lifetime_s``, 4429 another socket opened on the same session (one streams a session at a
+time: the newer takes it over, so a client reconnecting gets its session back at once). Admission control is at ``POST /v1/sessions`` (429 past
 ``max_sessions_per_replica``).
 """
 
@@ -397,7 +398,8 @@ def _session_end(
     ended: asyncio.Future, session_id: str, idle_over: str, lifetime_over: str
 ) -> tuple[int, str] | None:
     """The close (code, reason) of a session the replica says is gone, as a step on it would be closed:
-    4404 closed (or unknown), 4410 its replica is gone, 4408/4409 expired idle/old. None: not known."""
+    4404 closed (or unknown), 4410 its replica is gone, 4408/4409 expired idle/old, 4429 taken over by a newer
+    socket. None: not known."""
     try:
         answer = ended.result()
     except (NotFound, SessionGone) as exc:
@@ -412,6 +414,8 @@ def _session_end(
         return 4408, idle_over
     if why == "lifetime":
         return 4409, lifetime_over
+    if why == "replaced":
+        return 4429, "replaced: another WebSocket opened on this session (one streams it at a time)"
     return 4404, f"session_id: session {session_id!r} does not exist (closed or expired)"
 
 

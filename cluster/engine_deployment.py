@@ -88,6 +88,9 @@ class Session:
     # Set once the session is dropped (closed, expired, its replica shut down); ``ended`` says why.
     gone: asyncio.Event = field(default_factory=asyncio.Event)
     ended: str = ""
+    # The watch (``session_ended``) of the WebSocket streaming this session, set when a newer socket takes
+    # the session over: one socket per session, so open sockets hold at most one call per session here.
+    watch: asyncio.Event | None = None
 
 
 class EngineReplica(ReplicaStreams, ReplicaRealtime):

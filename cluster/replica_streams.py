@@ -223,26 +223,42 @@ class ReplicaStreams:
         """Answers once the session is gone: ``{"ended": "closed" | "idle" | "lifetime"}`` (closed, or expired
         for being idle or old), the NotFound of a session that is not here. A WebSocket waiting for its
         client's next step holds this call, so it hears of a DELETE at once. Expiry happens at the session's
-        deadline, which each step moves on: the wait ends there to check it."""
+        deadline, which each step moves on: the wait ends there to check it.
+
+        One WebSocket streams a session at a time: a newer socket's call ends the older one's with
+        ``{"ended": "replaced"}`` (a client reconnecting takes its session over from a socket the network
+        left half-open), so sockets opened on one session cannot pile up calls on this replica."""
         self._expire_sessions()
         session = self.sessions.get(session_id)
         if session is None:
             return self._session_missing(session_id)
-        # Held by reference: when the wait below expires the session itself, ``ended`` says so ("idle"),
-        # where looking the id up again would find nothing and answer as for a session never opened.
-        while not session.gone.is_set():
-            deadline = min(
-                session.last_used + self.args.session_idle_timeout_s,
-                session.created + self.args.session_max_lifetime_s,
-            )
-            left = deadline - time.monotonic()
-            # a step running past the deadline keeps its session: check again an idle timeout later
-            wait = left if left > 0 else self.args.session_idle_timeout_s
-            try:
-                await asyncio.wait_for(session.gone.wait(), timeout=wait)
-            except asyncio.TimeoutError:
-                self._expire_sessions()
-        return {"replica": self.replica_id, "session_id": session_id, "ended": session.ended}
+        if session.watch is not None:
+            session.watch.set()
+        mine = session.watch = asyncio.Event()
+        try:
+            # Held by reference: when the wait below expires the session itself, ``ended`` says so ("idle"),
+            # where looking the id up again would find nothing and answer as for a session never opened.
+            while not session.gone.is_set() and not mine.is_set():
+                deadline = min(
+                    session.last_used + self.args.session_idle_timeout_s,
+                    session.created + self.args.session_max_lifetime_s,
+                )
+                left = deadline - time.monotonic()
+                # a step running past the deadline keeps its session: check again an idle timeout later
+                wait = left if left > 0 else self.args.session_idle_timeout_s
+                waits = [asyncio.ensure_future(session.gone.wait()), asyncio.ensure_future(mine.wait())]
+                try:
+                    done, _ = await asyncio.wait(waits, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits:
+                        w.cancel()
+                if not done:
+                    self._expire_sessions()
+        finally:
+            if session.watch is mine:
+                session.watch = None
+        ended = session.ended if session.gone.is_set() else "replaced"
+        return {"replica": self.replica_id, "session_id": session_id, "ended": ended}
 
     async def session_touch(self, session_id: str) -> dict[str, Any] | ServeError:
         """Does the session exist here, and how old is it (a WebSocket's lifetime deadline)."""

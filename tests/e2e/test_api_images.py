@@ -507,6 +507,42 @@ def test_websocket_session_previews_steps_and_idle_close(server):
     assert seen[-1]["code"] == 4408 and "idle" in seen[-1]["reason"]
 
 
+def test_a_newer_websocket_on_a_session_takes_it_over(server):
+    """One socket streams a session at a time: each newer socket closes the older one 4429 (so sockets
+    opened on one session cannot pile up on its replica) and carries on from the session's state."""
+    sid = httpx.post(f"{server.base_url}/v1/sessions", json={"size": "64x64"}).json()["id"]
+    url = f"ws://127.0.0.1:{server.port}/v1/sessions/{sid}/stream"
+    step = {"prompt": "a red fox", "num_inference_steps": 1, "seed": 3}
+
+    async def image_step(ws) -> int:
+        await ws.send(json.dumps(step))
+        while (message := json.loads(await asyncio.wait_for(ws.recv(), timeout=60)))["type"] != "image":
+            assert message["type"] == "progress", message
+        return message["step"]
+
+    async def run() -> tuple[int, list[tuple[int, str]], int]:
+        older = await websockets.connect(url)
+        first = await image_step(older)
+        closes = []
+        for _ in range(12):
+            newer = await websockets.connect(url)
+            with pytest.raises(websockets.ConnectionClosed) as info:
+                await asyncio.wait_for(older.recv(), timeout=30)
+            closes.append((info.value.rcvd.code, info.value.rcvd.reason))
+            older = newer
+        last = await image_step(older)
+        await older.close()
+        return first, closes, last
+
+    try:
+        first, closes, last = asyncio.run(run())
+    finally:
+        httpx.delete(f"{server.base_url}/v1/sessions/{sid}")
+    assert first == 1 and last == 2  # the last socket refined the latents the first one made
+    assert all(code == 4429 and "another WebSocket" in reason for code, reason in closes), closes
+    http_valid(server)
+
+
 def test_a_realtime_socket_that_opens_no_session_is_closed_when_idle(server):
     """The realtime video route's idle limit holds before any init too: a socket that sends nothing, or only
     messages that open no session, is closed 1000 "session idle timeout" after --session-idle-timeout-s

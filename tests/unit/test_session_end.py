@@ -72,3 +72,21 @@ def test_a_step_running_past_the_deadline_keeps_the_session_until_it_is_idle_aga
 
     running, answer = asyncio.run(run())
     assert running and answer["ended"] == "idle"
+
+
+def test_a_newer_watch_takes_the_session_over_and_the_older_one_ends_replaced():
+    async def run():
+        replica = _replica(session_idle_timeout_s=30)
+        session = _open(replica, "s")
+        older = asyncio.ensure_future(replica.session_ended("s"))
+        await asyncio.sleep(0)
+        newer = asyncio.ensure_future(replica.session_ended("s"))
+        replaced = await asyncio.wait_for(older, 5)
+        # the session lives on, watched by the newer call alone, which hears of its end
+        alive = "s" in replica.sessions and not newer.done() and session.watch is not None
+        replica._drop_session("s", "closed")
+        closed = await asyncio.wait_for(newer, 5)
+        return replaced, alive, closed, session.watch
+
+    replaced, alive, closed, watch = asyncio.run(run())
+    assert replaced["ended"] == "replaced" and alive and closed["ended"] == "closed" and watch is None
