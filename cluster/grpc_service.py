@@ -11,7 +11,8 @@ protocols with the same engine handle, limits and checks: requests are turned in
 models, so a bad field fails with the same message (INVALID_ARGUMENT naming it). Server reflection is on
 (Serve's proxy enables it for the registered services), so ``grpcurl`` needs no ``-proto``.
 
-Status codes: each typed error (``errors.py``) has one (``GRPC_CODES``); the details are its message. The API key
+Status codes: each typed error (``errors.py``) has one (``GRPC_CODES``); the details are its message, led by
+the field it is about (HTTP's ``param``) where the message does not start with it. The API key
 travels as metadata ``authorization: Bearer <key>``. Messages larger than ``max_body_bytes`` are refused
 (RESOURCE_EXHAUSTED). A message that is not valid protobuf is refused by Serve's proxy before it
 reaches this code (UNKNOWN, "Error parsing message with type 'ditserve.v1.…': Wire format was corrupt").
@@ -23,6 +24,7 @@ import asyncio
 import functools
 import json
 import logging
+import re
 import time
 from typing import Any
 
@@ -109,10 +111,20 @@ def _in_rpc_terms(message: str) -> str:
     return message
 
 
+def _details(err: ServeError) -> str:
+    """The error's message in RPC terms, naming its field: an HTTP answer carries the field beside the message
+    (``param``), a gRPC status its details alone, so a message that does not start with the field ("video
+    'x' does not exist", param video_id) gets it in front, as the messages that name it do."""
+    message = _in_rpc_terms(err.message)
+    if err.param and not re.match(rf"{re.escape(err.param)}\b", message):
+        message = f"{err.param}: {message}"
+    return message
+
+
 def _fail(context: Any, exc: Exception) -> None:
     err = _typed(exc)
     context.set_code(grpc_code(err))
-    details = _in_rpc_terms(err.message)
+    details = _details(err)
     if err.retry_after is not None:
         # HTTP's Retry-After, in the message: Serve's gRPC proxy sends a failed call's code and details only
         # (trailing metadata set here never reaches the client).
@@ -174,16 +186,32 @@ def _numbers(descriptor: Any, data: dict[str, Any]) -> None:
         data[field.name] = converted if field.is_repeated else converted[0]
 
 
+# Plain strings whose "" the proto documents as not given: a StepCache without a policy is the server's
+# default ({}), or the policy its settings name ({"threshold": 0.3} is fbcache), as HTTP's cache object.
+_EMPTY_IS_UNSET = frozenset({"ditserve.v1.StepCache.policy"})
+
+
+def _plain_strings(descriptor: Any, data: dict[str, Any]) -> None:
+    """A string without ``optional`` has no presence: "" is what the client sent (the JSON mapping leaves it
+    out), so an empty prompt, or an adapter's empty name, is refused as HTTP refuses {"prompt": ""} or
+    {"lora": [{"name": ""}]}, not as a missing field. In ``data`` and its nested messages."""
+    for field in descriptor.fields:
+        if field.message_type is not None:
+            values = data.get(field.name, [])
+            for value in values if field.is_repeated else [values]:
+                if isinstance(value, dict) and not field.message_type.GetOptions().map_entry:
+                    _plain_strings(field.message_type, value)
+            continue
+        plain = field.type == FieldDescriptor.TYPE_STRING and not field.has_presence and not field.is_repeated
+        if plain and field.name not in data and field.full_name not in _EMPTY_IS_UNSET:
+            data[field.name] = ""
+
+
 def fields(message: Any, **rename: str) -> dict[str, Any]:
     """The fields a client set (proto3 ``optional`` presence) and its plain strings, named as in the HTTP API."""
     data = MessageToDict(message, preserving_proto_field_name=True)
     _numbers(message.DESCRIPTOR, data)
-    for field in message.DESCRIPTOR.fields:
-        # A string without ``optional`` has no presence: "" is what the client sent (the JSON mapping leaves
-        # it out), so an empty prompt is refused as HTTP refuses {"prompt": ""}, not as a missing field.
-        plain = field.type == FieldDescriptor.TYPE_STRING and not field.has_presence and not field.is_repeated
-        if plain and field.name not in data:
-            data[field.name] = ""
+    _plain_strings(message.DESCRIPTOR, data)
     return {rename.get(k, k): v for k, v in data.items()}
 
 

@@ -869,12 +869,16 @@ GRPC_CASES = {
     "unknown adapter": (lambda st, s: st.Generate(R(prompt="a fox", size="64x64", lora=[pb.LoRARef(name="nope")])), grpc.StatusCode.INVALID_ARGUMENT, "lora"),
     "oversize message": (lambda st, s: st.Generate(R(prompt="a" * (LIMIT + 10))), grpc.StatusCode.RESOURCE_EXHAUSTED, "--max-body-bytes"),
     "video on an image model": (lambda st, s: st.CreateVideo(pb.CreateVideoRequest(prompt="a fox")), grpc.StatusCode.INVALID_ARGUMENT, "model"),
-    "unknown video": (lambda st, s: st.GetVideo(pb.VideoRef(id="nope")), grpc.StatusCode.NOT_FOUND, "nope"),
+    # a message that does not start with its field gets it in front (HTTP's param), as the others name it
+    "unknown video": (lambda st, s: st.GetVideo(pb.VideoRef(id="nope")), grpc.StatusCode.NOT_FOUND, "video_id: video 'nope' does not exist"),
     "unknown session": (lambda st, s: list(st.SessionGenerateStream(pb.SessionGenerateRequest(session_id="x.y", prompt="a"))), grpc.StatusCode.NOT_FOUND, "session"),
+    "malformed session id": (lambda st, s: st.SessionGenerate(pb.SessionGenerateRequest(session_id="nope", prompt="a")), grpc.StatusCode.NOT_FOUND, "session_id: session id 'nope' is not"),
+    # proto3 sends an adapter's empty name as no name: refused as HTTP refuses {"name": ""}, not as missing
+    "adapter with an empty name": (lambda st, s: st.Generate(R(prompt="a fox", lora=[pb.LoRARef(name="")])), grpc.StatusCode.INVALID_ARGUMENT, "lora.0.name: String should have at least 1 character"),
     "close unknown session": (lambda st, s: st.CloseSession(pb.SessionRef(id=f"{_replica(s)}.00")), grpc.StatusCode.NOT_FOUND, "does not exist"),
     "admin without key": (lambda st, s: st.ListLoRAs(pb.Empty()), grpc.StatusCode.UNAUTHENTICATED, "API key"),
     "admin with a wrong key": (lambda st, s: st.LoadLoRA(pb.LoadLoRARequest(name="a", path="/x"), metadata=WRONG), grpc.StatusCode.UNAUTHENTICATED, "API key"),
-    "admin unknown adapter": (lambda st, s: st.UnloadLoRA(pb.UnloadLoRARequest(name="nope"), metadata=ADMIN.items()), grpc.StatusCode.NOT_FOUND, "nope"),
+    "admin unknown adapter": (lambda st, s: st.UnloadLoRA(pb.UnloadLoRARequest(name="nope"), metadata=ADMIN.items()), grpc.StatusCode.NOT_FOUND, "name: no LoRA adapter named 'nope'"),
     "malformed protobuf": (lambda st, s: _raw_call(s, "Generate", b"\xff\xff\xff\xff"), grpc.StatusCode.UNKNOWN, "GenerateRequest"),
     # a field this server's proto lacks (a client built from another version) is refused, not ignored
     "unknown field": (lambda st, s: _raw_call(s, "Generate", R(prompt="a fox").SerializeToString() + _varint_field(99)), grpc.StatusCode.INVALID_ARGUMENT, "field 99 of ditserve.v1.GenerateRequest"),

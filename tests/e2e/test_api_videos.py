@@ -333,7 +333,8 @@ def test_grpc_list_variants_and_remix(server):
         with pytest.raises(grpc.RpcError) as info:
             call("GetVideoContent", pb.VideoRef(id=gone))
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert info.value.details().startswith(f"video {gone!r} failed") and "replica" in info.value.details()
+        assert info.value.details().startswith(f"video_id: video {gone!r} failed"), info.value.details()
+        assert "replica" in info.value.details()
         assert call("DeleteVideo", pb.VideoRef(id=gone)).deleted
         for video_id in (job.id, remix.id):
             c.delete_video(video_id)
