@@ -84,7 +84,8 @@ class Client:
 
     # -- videos ------------------------------------------------------------------------------------------
     def create_video(self, prompt: str, **fields: Any) -> pb.VideoJob:
-        return self._call("CreateVideo", pb.CreateVideoRequest(prompt=prompt, **fields))
+        """A video job; ``fields`` are CreateVideoRequest's (size, num_frames, seed, lora...)."""
+        return self._call("CreateVideo", pb.CreateVideoRequest(prompt=prompt, **_with_loras(fields)))
 
     def get_video(self, video_id: str) -> pb.VideoJob:
         return self._call("GetVideo", pb.VideoRef(id=video_id))
@@ -123,16 +124,17 @@ class Client:
         raise TimeoutError(f"video {video_id} did not complete in {timeout_s}s")
 
     # -- sessions and admin -------------------------------------------------------------------------------
-    def open_session(self, size: str | None = None) -> str:
-        return self._call("OpenSession", pb.OpenSessionRequest(**({"size": size} if size else {}))).id
+    def open_session(self, size: str | None = None, model: str | None = None) -> str:
+        fields = {k: v for k, v in (("size", size), ("model", model)) if v}
+        return self._call("OpenSession", pb.OpenSessionRequest(**fields)).id
 
     def session_step(self, session_id: str, prompt: str, **fields: Any) -> Iterator[pb.GenerateEvent]:
-        request = pb.SessionGenerateRequest(session_id=session_id, prompt=prompt, **fields)
+        request = pb.SessionGenerateRequest(session_id=session_id, prompt=prompt, **_with_loras(fields))
         yield from self._call("SessionGenerateStream", request)
 
     def session_generate(self, session_id: str, prompt: str, **fields: Any) -> pb.GenerateResponse:
         """One session step, its result only (the images, seed and ``session_step``)."""
-        request = pb.SessionGenerateRequest(session_id=session_id, prompt=prompt, **fields)
+        request = pb.SessionGenerateRequest(session_id=session_id, prompt=prompt, **_with_loras(fields))
         return self._call("SessionGenerate", request)
 
     def close_session(self, session_id: str) -> None:
@@ -179,17 +181,28 @@ class Client:
         return self._call("Shutdown", pb.Empty())
 
 
-def _lora_refs(fields: dict[str, Any]) -> list[pb.LoRARef]:
-    """``lora=["name", {"name": ..., "scale": ...}]`` as the messages' LoRARef list."""
-    return [pb.LoRARef(**(r if isinstance(r, dict) else {"name": r})) for r in fields.pop("lora", [])]
+def _lora_ref(ref: Any) -> pb.LoRARef:
+    if isinstance(ref, pb.LoRARef):
+        return ref
+    return pb.LoRARef(**(ref if isinstance(ref, dict) else {"name": ref}))
+
+
+def _with_loras(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` with ``lora`` as HTTP's field takes it (one adapter or a list of them; each a name, a
+    ``{"name": ..., "scale": ...}`` mapping or a LoRARef) made the messages' LoRARef list."""
+    if fields.get("lora") is None:
+        return {k: v for k, v in fields.items() if k != "lora"}
+    lora = fields["lora"]
+    refs = [lora] if isinstance(lora, (str, dict, pb.LoRARef)) else list(lora)
+    return {**fields, "lora": [_lora_ref(r) for r in refs]}
 
 
 def _image_request(prompt: str, fields: dict[str, Any]) -> pb.GenerateRequest:
-    return pb.GenerateRequest(prompt=prompt, lora=_lora_refs(fields), **fields)
+    return pb.GenerateRequest(prompt=prompt, **_with_loras(fields))
 
 
 def _edit_request(images: list[bytes], prompt: str, fields: dict[str, Any]) -> pb.EditImageRequest:
-    return pb.EditImageRequest(image=list(images), prompt=prompt, lora=_lora_refs(fields), **fields)
+    return pb.EditImageRequest(image=list(images), prompt=prompt, **_with_loras(fields))
 
 
 def _image_events(events: Iterator[pb.GenerateEvent]) -> Iterator[tuple[int, int, bytes | None]]:

@@ -337,6 +337,7 @@ def test_grpc_session_stream(server, stub):
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert info.value.details().startswith("preview: ")
             result = c.session_generate(session.id, "a blue fox", num_inference_steps=2, seed=4)
+            c.close_session(c.open_session("64x64", model="demo-flux"))  # the model, as HTTP's open takes it
         assert result.session_step == 3 and result.seed == 4 and result.size == "64x64"
         assert png_pixels(result.images[0]).shape == (64, 64, 3) and result.usage.transformer_forwards > 0
     finally:
@@ -458,6 +459,19 @@ def test_session_steps_take_adapters_as_image_generations_does(server, tmp_path)
             assert (
                 c.session_generate(sid, "a blue fox", num_inference_steps=2, lora=adapter).session_step == 2
             )
+            # The client takes lora as HTTP's field does: one adapter (a mapping or a name) or a list. A mapping
+            # was read as its keys (adapter 'name' not loaded), a name as its letters, and the session calls
+            # took LoRARef messages only.
+            mapping = {"name": "session-style", "scale": 0.8}
+            assert (
+                c.session_generate(sid, "a blue fox", num_inference_steps=2, lora=mapping).session_step == 3
+            )
+            drawn = c.generate("a red fox", size="64x64", seed=6, num_inference_steps=2, lora=mapping)
+            assert (png_pixels(drawn[0]) == image).all()
+            by_name = c.generate(
+                "a red fox", size="64x64", seed=6, num_inference_steps=2, lora="session-style"
+            )
+            assert (png_pixels(by_name[0]) != plain).any()
     finally:
         httpx.delete(f"{server.base_url}/v1/sessions/{sid}")
         httpx.delete(f"{server.base_url}/v1/loras/session-style", headers=ADMIN, timeout=60)
