@@ -97,6 +97,7 @@ def _typed(exc: Exception) -> ServeError:
 # The HTTP routes a message tells the client to call instead, as the RPCs a gRPC client calls.
 _RPC_OF_ROUTE = (
     ("POST /v1/admin/memory/resume", "ResumeMemory"),
+    ("POST /v1/admin/shutdown", "Shutdown"),
     ("POST /v1/admin/weights", "UpdateWeights"),
     ("POST /v1/images/edits", "EditImage"),
     ("/v1/images/generations", "Generate"),

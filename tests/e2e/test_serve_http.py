@@ -217,6 +217,11 @@ def test_shutdown_turns_health_and_generation_to_503(server):
         with pytest.raises(grpc.RpcError) as info:
             call()
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "shut down" in info.value.details()
+        assert "/v1/" not in info.value.details(), info.value.details()  # the RPC, not HTTP's route
+    with pytest.raises(grpc.RpcError) as info:  # a control op after it: refused, naming the RPC as well
+        stub.ReleaseMemory(pb.Empty(), timeout=60)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "shut down by Shutdown" in info.value.details(), info.value.details()
     channel.close()
     generated = httpx.post(
         f"{server.base_url}/v1/images/generations",

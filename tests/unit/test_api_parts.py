@@ -42,6 +42,9 @@ def test_grpc_messages_name_the_rpc_where_http_names_a_route():
     assert _in_rpc_terms("made with POST /v1/videos and remixed with POST /v1/videos/{id}/remix") == (
         "made with CreateVideo and remixed with RemixVideo"
     )
+    assert _in_rpc_terms("shut down by POST /v1/admin/shutdown; restart the service") == (
+        "shut down by Shutdown; restart the service"
+    )
 
 
 def test_multipart_form_fields_as_openai_sends_them():
