@@ -369,16 +369,36 @@ def test_lora_per_request_equals_load_lora_weights(t2i_folder, t2i_expected, lor
     assert psnr(without, t2i_expected[1]) >= 40  # the same batch, no adapter
 
 
+# Qwen-Image-Edit-2511's adapters on the modulation: one reference (an edit of two is checked above; the rows
+# the modulation doubles are laid out alike with one, at half the reference tokens of the per-token targets,
+# each adapted linear a Triton interpreter launch per forward on CPU).
+PLUS_ONE = PLUS.model_copy(update={"images": (REF,)})
+STYLED = PLUS_ONE.model_copy(update={"lora": (LoRARef(name="style"),), "seed": 6})
+
+
+@pytest.fixture(scope="module")
+def plus_one_expected(plus_pipe):
+    return diffusers_image(plus_pipe, PLUS_ONE)
+
+
+def styled_lora(plus_folder, plus_pipe, targets: list[str], folder) -> tuple:
+    """A random adapter on ``targets`` (block 0's linears only: the rows are laid out alike in every block, and
+    each adapted linear is a Triton interpreter launch per forward on CPU), and diffusers' image of STYLED with
+    it (through ``load_lora_weights``)."""
+    from tests.families.lora import save_random_lora
+
+    file = save_random_lora(QwenImageEditPlusPipeline, plus_pipe.transformer, targets, folder)
+    pipe = load(QwenImageEditPlusPipeline, plus_folder)
+    pipe.load_lora_weights(str(file))
+    return file, diffusers_image(pipe, STYLED)
+
+
 def test_zero_cond_t_adapters_on_the_modulation_stay_with_their_request(
-    plus_folder, plus_pipe, plus_expected, tmp_path
+    plus_folder, plus_pipe, plus_one_expected, tmp_path
 ):
     """Qwen-Image-Edit-2511's transformer (zero_cond_t) runs its timestep embedding and every block's image
     modulation on [the batch's rows at t; the same rows at t = 0]. An adapter there reached the wrong rows of a
     mixed batch: the request without it, batched beside one with it, drew 30 dB from diffusers' image."""
-    from tests.families.lora import save_random_lora
-
-    # block 0's linears only: the rows are laid out alike in every block, and each adapted linear is a
-    # Triton interpreter launch per forward on CPU
     targets = [
         "timestep_embedder.linear_1",
         "timestep_embedder.linear_2",
@@ -386,48 +406,40 @@ def test_zero_cond_t_adapters_on_the_modulation_stay_with_their_request(
         "transformer_blocks.0.img_mlp.net.2",
         "transformer_blocks.0.attn.to_q",
     ]
-    file = save_random_lora(QwenImageEditPlusPipeline, plus_pipe.transformer, targets, tmp_path)
-    styled = PLUS.model_copy(update={"lora": (LoRARef(name="style"),), "seed": 6})
-    ours = engine_images(plus_folder, {}, [styled, PLUS], {"style": file})
-    pipe = load(QwenImageEditPlusPipeline, plus_folder)
-    pipe.load_lora_weights(str(file))
-    want = diffusers_image(pipe, styled)
-    assert psnr(want, diffusers_image(plus_pipe, styled)) < 35  # the adapter changes the image
+    file, want = styled_lora(plus_folder, plus_pipe, targets, tmp_path)
+    ours = engine_images(plus_folder, {}, [STYLED, PLUS_ONE], {"style": file})
+    assert psnr(want, diffusers_image(plus_pipe, STYLED)) < 35  # the adapter changes the image
     assert psnr(ours[0], want) >= 40
-    assert psnr(ours[1], plus_expected) >= 40
+    assert psnr(ours[1], plus_one_expected) >= 40
 
 
 def test_zero_cond_t_adapters_stay_with_their_request_after_a_weights_update(
-    plus_folder, plus_pipe, plus_expected, tmp_path
+    plus_folder, plus_pipe, plus_one_expected, tmp_path
 ):
     """A weights update brings a new transformer object: the rows its timestep embedding and image
     modulation run twice over are declared on it as on the one it replaces, so an adapter loaded before the
     update still reaches its own request's rows of a mixed batch (and the update keeps the adapter)."""
     from ditserve.replica.rank_control import ServingRankWorker
-    from tests.families.lora import save_random_lora
 
     targets = [
         "timestep_embedder.linear_1",
         "transformer_blocks.0.img_mod.1",
         "transformer_blocks.0.attn.to_q",
     ]
-    file = save_random_lora(QwenImageEditPlusPipeline, plus_pipe.transformer, targets, tmp_path)
-    styled = PLUS.model_copy(update={"lora": (LoRARef(name="style"),), "seed": 6})
+    file, want = styled_lora(plus_folder, plus_pipe, targets, tmp_path)
     worker = ServingRankWorker(EngineConfig(model=str(plus_folder)))
     worker.lora_load("style", str(file), 1.0)
     old = worker.pipe.transformer
     worker.stage_weights(str(plus_folder), "v2")
     worker.commit_weights("v2")
     assert worker.pipe.transformer is not old
-    for name, params in (("styled", styled), ("plain", PLUS)):
+    for name, params in (("styled", STYLED), ("plain", PLUS_ONE)):
         worker.add(name, params)
     while not worker.states["plain"].done:
         worker.step(["styled", "plain"])  # one batch: the adapter's rows beside rows without it
     ours = [worker.finish(name)["pixels"][0] for name in ("styled", "plain")]
-    pipe = load(QwenImageEditPlusPipeline, plus_folder)
-    pipe.load_lora_weights(str(file))
-    assert psnr(ours[0], diffusers_image(pipe, styled)) >= 40
-    assert psnr(ours[1], plus_expected) >= 40
+    assert psnr(ours[0], want) >= 40
+    assert psnr(ours[1], plus_one_expected) >= 40
 
 
 def test_one_rank_image_to_image_equals_img2img_pipeline(t2i_pipe, t2i_expected, one_rank):
