@@ -554,6 +554,7 @@ class GrpcMethods:
     async def CloseSession(self, request, grpc_context=None):
         from .api_sessions import close_session
 
+        self.check_auth(_Metadata(grpc_context), admin=False)  # before the id is looked at, as every RPC
         if not request.id:
             raise BadRequest("id: the session id is required", param="id")
         await close_session(request.id, _Metadata(grpc_context), self)
