@@ -97,7 +97,8 @@ class Client:
         """The MP4; ``variant="thumbnail"`` (WebP) or ``"spritesheet"`` (JPEG) gives that image instead."""
         if variant is None:
             return self._call("GetVideoContent", pb.VideoRef(id=video_id)).mp4
-        return self._call("GetVideoContent", pb.VideoRef(id=video_id, variant=variant)).image
+        content = self._call("GetVideoContent", pb.VideoRef(id=video_id, variant=variant))
+        return content.mp4 if variant == "video" else content.image
 
     def list_videos(
         self, after: str | None = None, limit: int | None = None, order: str | None = None

@@ -299,7 +299,9 @@ def test_list_content_and_remix_bad_input(server, client):
 def test_grpc_list_variants_and_remix(server):
     with Client(f"127.0.0.1:{server.grpc_port}", api_key=KEY) as c:
         job = c.create_video("waves", num_frames=5, num_inference_steps=2, size="64x48", seed=1)
-        frames = decode_mp4(c.wait_video(job.id, poll_s=0.1))
+        mp4 = c.wait_video(job.id, poll_s=0.1)
+        frames = decode_mp4(mp4)
+        assert c.video_content(job.id, variant="video") == mp4  # the default variant named (it gave b"")
 
         def call(method: str, request):
             return getattr(c.stub, method)(request, metadata=c.metadata, timeout=120)
