@@ -208,8 +208,15 @@ def _plain_strings(descriptor: Any, data: dict[str, Any]) -> None:
             data[field.name] = ""
 
 
-def fields(message: Any, **rename: str) -> dict[str, Any]:
-    """The fields a client set (proto3 ``optional`` presence) and its plain strings, named as in the HTTP API."""
+def fields(message: Any, files: tuple[str, ...] = (), **rename: str) -> dict[str, Any]:
+    """The fields a client set (proto3 ``optional`` presence) and its plain strings, named as in the HTTP API;
+    ``files``: bytes fields left out (uploads are read as bytes, not as the JSON mapping's base64 of them)."""
+    if files:
+        rest = type(message)()
+        rest.CopyFrom(message)
+        for name in files:
+            rest.ClearField(name)
+        message = rest
     data = MessageToDict(message, preserving_proto_field_name=True)
     _numbers(message.DESCRIPTOR, data)
     _plain_strings(message.DESCRIPTOR, data)
@@ -397,28 +404,31 @@ class GrpcMethods:
         async for message in self._image_events(params, body.preview, body.partial_images):
             yield message
 
-    def _edit(self, request, grpc_context) -> tuple[Any, Any]:
-        """EditImage's request as POST /v1/images/edits checks it → (the validated fields, engine params)."""
+    async def _edit(self, request, grpc_context) -> tuple[Any, Any]:
+        """EditImage's request as POST /v1/images/edits checks it → (the validated fields, engine params).
+        Decoding the images to check them is CPU work in proportion to the upload: in a worker thread, as
+        HTTP's, not on the event loop that serves every other request of this frontend."""
         from .api_edits import edit_params, validate_edit
 
         self.check_auth(_Metadata(grpc_context), admin=False)
-        data = fields(request)
-        data.pop("image", None)  # the files as bytes, not as the JSON mapping's base64
-        data.pop("mask", None)
-        mask = request.mask if request.HasField("mask") else None
-        body = validate_edit(data)
-        params, _, _ = edit_params(self, body, list(request.image), mask)
-        return body, params
+
+        def checked() -> tuple[Any, Any]:
+            body = validate_edit(fields(request, files=("image", "mask")))
+            mask = request.mask if request.HasField("mask") else None
+            params, _, _ = edit_params(self, body, list(request.image), mask)
+            return body, params
+
+        return await asyncio.to_thread(checked)
 
     @unary
     async def EditImage(self, request, grpc_context=None):
-        body, params = self._edit(request, grpc_context)
+        body, params = await self._edit(request, grpc_context)
         answer = await self.call_engine(self.generate.remote(params))
         return await _encoded_result(answer["result"], answer["replica"], body)
 
     @streaming
     async def EditImageStream(self, request, grpc_context=None):
-        body, params = self._edit(request, grpc_context)
+        body, params = await self._edit(request, grpc_context)
         if body.output_format != "png":
             raise BadRequest("output_format: streamed images are png; leave it out", param="output_format")
         async for message in self._image_events(params, False, body.partial_images):
@@ -430,11 +440,11 @@ class GrpcMethods:
         from .api_videos import VideoCreateRequest, video_params
 
         self.check_auth(_Metadata(grpc_context), admin=False)
-        data = fields(request)
-        data.pop("input_reference", None)  # the file as bytes, not as the JSON mapping's base64
+        body = _validate(VideoCreateRequest, fields(request, files=("input_reference",)))
         upload = request.input_reference if request.HasField("input_reference") else None
-        body = _validate(VideoCreateRequest, data)
-        params = video_params(self, body, upload)
+        params = await asyncio.to_thread(
+            video_params, self, body, upload
+        )  # decodes the reference: off the loop
         answer = await self.call_engine(self.engine.create_video.remote(params, self.model_name, body.prompt))
         return _video_job(answer["video"])
 
