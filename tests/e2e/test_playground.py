@@ -152,7 +152,7 @@ def test_bad_size_shows_the_apis_message_next_to_the_size_field(browser, server,
     fill(hook(browser, "prompt"), "a red circle on blue")
     fill(hook(browser, "size"), "100x100")
     hook(browser, "generate").click()
-    error = wait(browser, lambda: hook(browser, "error"), timeout=30)
+    error = wait(browser, lambda: hook(browser, "error"))
     shots(browser, "generate-bad-size")
     assert "multiples of 16" in error.text
     assert error.get_attribute("data-param") == "size"
@@ -362,7 +362,7 @@ def test_realtime_tab_shows_the_servers_refusal_of_an_image_model(browser, serve
     fill(hook(browser, "rt-prompt"), "a red fox running")
     fill(hook(browser, "rt-size"), "64x64")
     hook(browser, "rt-start").click()
-    error = wait(browser, lambda: hook(browser, "error"), timeout=30)
+    error = wait(browser, lambda: hook(browser, "error"))
     shots(browser, "realtime-refused")
     assert "realtime" in error.text and "demo-scenes" in error.text
     hook(browser, "rt-stop").click()

@@ -80,7 +80,7 @@ def test_cancel_frees_the_slot_at_the_next_step(engine):
     future = engine.submit(params, on_progress=lambda done, total: started.set())
     assert started.wait(60)
     assert future.cancel()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # polled: a step of a loaded machine can take seconds
     while engine.scheduler.num_running and time.monotonic() < deadline:
         time.sleep(0.05)
     assert engine.scheduler.num_running == 0
