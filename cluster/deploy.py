@@ -34,9 +34,11 @@ RAY_VERSION = "2.60.0"
 HTTP_PORT = 8000
 METRICS_PORT = 8080
 MODELS_MOUNT = "/models"
-# The gRPC servicers Serve's gRPC proxy registers (the API of cluster/grpc_service.py).
+# The gRPC servicers Serve's gRPC proxy registers (the API of cluster/grpc_service.py, and the standard
+# grpc.health.v1 health service it answers too).
 GRPC_SERVICER_FUNCTIONS: list[str] = [
-    "ditserve.cluster.grpc_gen.ditserve_pb2_grpc.add_DitServeServicer_to_server"
+    "ditserve.cluster.grpc_gen.ditserve_pb2_grpc.add_DitServeServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 ]
 # AppArgs fields that are process- or Serve-level, not builder arguments (or secrets: never in a manifest).
 NOT_BUILDER_ARGS = ("host", "port", "grpc_port", "address", "api_key")

@@ -9,7 +9,9 @@ replica looks the name up with ``getattr`` on the ingress object, so a FastAPI i
 methods next to its routes: ``Frontend`` mixes in :class:`GrpcMethods`. One deployment serves both
 protocols with the same engine handle, limits and checks: requests are turned into the HTTP API's pydantic
 models, so a bad field fails with the same message (INVALID_ARGUMENT naming it). Server reflection is on
-(Serve's proxy enables it for the registered services), so ``grpcurl`` needs no ``-proto``.
+(Serve's proxy enables it for the registered services), so ``grpcurl`` needs no ``-proto``. The standard
+``grpc.health.v1.Health`` service is registered as well (``deploy.GRPC_SERVICER_FUNCTIONS``) and answered
+here the same way (``Check``, ``List``, ``Watch``), as ``Health`` answers.
 
 Status codes: each typed error (``errors.py``) has one (``GRPC_CODES``); the details are its message, led by
 the field it is about (HTTP's ``param``) where the message does not start with it. The API key
@@ -342,6 +344,11 @@ def _unknown_field(message: Any, path: str = "") -> str | None:
     return None
 
 
+# The services grpc.health.v1's Check answers for: the server as a whole ("") and the API.
+HEALTH_SERVICES = ("", "ditserve.v1.DitServe")
+HEALTH_WATCH_S = 5.0
+
+
 class GrpcMethods:
     """The RPCs of ``ditserve.v1.DitServe``, mixed into the Frontend ingress (``self`` is the Frontend)."""
 
@@ -605,6 +612,53 @@ class GrpcMethods:
     @unary
     async def Health(self, request, grpc_context=None):
         return pb.HealthReply(**await self.health())
+
+    # -- grpc.health.v1.Health (grpc_health_probe, Kubernetes' gRPC probes, load balancers) ---------------
+    async def _serving(self) -> int:
+        """SERVING while Health answers "ok", NOT_SERVING while it answers UNAVAILABLE (shut down, or the
+        control state does not answer)."""
+        from grpc_health.v1 import health_pb2
+
+        try:
+            await self.health()
+        except ReplicaUnavailable:
+            return health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse.SERVING
+
+    @unary
+    async def Check(self, request, grpc_context=None):
+        from grpc_health.v1 import health_pb2
+
+        if request.service not in HEALTH_SERVICES:
+            raise NotFound(
+                f"service: {request.service!r} is not served here; ask for {' or '.join(map(repr, HEALTH_SERVICES))}",
+                param="service",
+            )
+        return health_pb2.HealthCheckResponse(status=await self._serving())
+
+    @unary
+    async def List(self, request, grpc_context=None):
+        from grpc_health.v1 import health_pb2
+
+        status = health_pb2.HealthCheckResponse(status=await self._serving())
+        return health_pb2.HealthListResponse(statuses={name: status for name in HEALTH_SERVICES})
+
+    @streaming
+    async def Watch(self, request, grpc_context=None):
+        """The status now, then each change (looked at every ``HEALTH_WATCH_S``), until the client leaves; a
+        service not served here is SERVICE_UNKNOWN, as the health protocol answers it."""
+        from grpc_health.v1 import health_pb2
+
+        if request.service not in HEALTH_SERVICES:
+            yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            return
+        sent = None
+        while True:
+            status = await self._serving()
+            if status != sent:
+                yield health_pb2.HealthCheckResponse(status=status)
+                sent = status
+            await asyncio.sleep(HEALTH_WATCH_S)
 
     @unary
     async def LoadLoRA(self, request, grpc_context=None):

@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import psutil
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openai import BadRequestError, OpenAI
 
 from ditserve.cluster.grpc_gen import ditserve_pb2 as pb
@@ -189,11 +190,21 @@ def test_a_true_cfg_scale_alone_guides_against_the_recommended_negative_prompt(c
 def test_shutdown_turns_health_and_generation_to_503(server):
     """Last in this module: it shuts the module's server down for good, here through gRPC's Shutdown (POST
     /v1/admin/shutdown is the README's last block, run by tests/e2e/test_docs.py); gRPC's Health answers as
-    GET /health does."""
+    GET /health does, and so does the standard grpc.health.v1 service (SERVING, then NOT_SERVING; it was
+    UNIMPLEMENTED, so grpc_health_probe and Kubernetes' gRPC probes could not ask)."""
     channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
     stub = pb_grpc.DitServeStub(channel)
     assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
     assert stub.Health(pb.Empty(), timeout=60).status == "ok"
+    standard = health_pb2_grpc.HealthStub(channel)
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    for service in ("", "ditserve.v1.DitServe"):
+        assert standard.Check(health_pb2.HealthCheckRequest(service=service), timeout=60).status == serving
+    with pytest.raises(grpc.RpcError) as info:
+        standard.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=60)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and info.value.details().startswith("service: ")
+    watch = standard.Watch(health_pb2.HealthCheckRequest(service="ditserve.v1.DitServe"), timeout=120)
+    assert next(watch).status == serving
     long = {"prompt": "a fox", "size": "256x256", "num_inference_steps": 100}
     with ThreadPoolExecutor(1) as pool:  # a request running when the shutdown comes
         running = pool.submit(httpx.post, f"{server.base_url}/v1/images/generations", json=long, timeout=120)
@@ -218,6 +229,9 @@ def test_shutdown_turns_health_and_generation_to_503(server):
             call()
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "shut down" in info.value.details()
         assert "/v1/" not in info.value.details(), info.value.details()  # the RPC, not HTTP's route
+    assert next(watch).status == not_serving  # the watch tells the change
+    watch.cancel()
+    assert standard.Check(health_pb2.HealthCheckRequest(), timeout=60).status == not_serving
     with pytest.raises(grpc.RpcError) as info:  # a control op after it: refused, naming the RPC as well
         stub.ReleaseMemory(pb.Empty(), timeout=60)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
