@@ -164,9 +164,13 @@ def test_realtime_websocket_route_answers(server):
 
 
 def test_grpc_on_the_grpc_port(server):
-    """Unary and streamed calls, and an error's code and message, as through the proxy."""
+    """Unary and streamed calls, an error's code and message, and the standard health service, as through
+    the proxy."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         stub = pb_grpc.DitServeStub(channel)
+        checked = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=60)
         request = pb.GenerateRequest(prompt="a red fox", size="64x64", num_inference_steps=2, seed=4)
         reply = stub.Generate(request)
         events = list(stub.GenerateStream(pb.GenerateRequest(preview=True, **_set(request))))
@@ -176,6 +180,7 @@ def test_grpc_on_the_grpc_port(server):
     assert [e.WhichOneof("event") for e in events] == ["progress", "progress", "result"]
     assert events[0].progress.preview[:4] == b"\x89PNG" and events[-1].result.images[0] == reply.images[0]
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("size: ")
+    assert checked.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def _set(message) -> dict:
