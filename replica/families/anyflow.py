@@ -64,7 +64,6 @@ FAMILY = Family(
     name="anyflow",
     default_size=lambda folder: (832, 480),  # the pipeline's 480p default
     step_cache=False,  # its flow-map chunk loop has no cache hooks yet
-    lora=False,  # nor per-request adapters
     pipelines={"AnyFlowFARPipeline": "video"},
     runner="pipelines.anyflow:AnyFlowRunner",
     plan="parallel.anyflow:ANYFLOW_PLAN",

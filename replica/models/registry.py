@@ -245,7 +245,7 @@ class ModelSpec:
     @cached_property
     def takes_adapters(self) -> bool:
         """Whether per-request adapters can load here: diffusers has a LoRA loader for the pipeline class and
-        the family applies them (HunyuanVideo 1.5 and AnyFlow-FAR do not)."""
+        the family applies them."""
         import diffusers
 
         loader = getattr(diffusers, self.pipeline_class, None)

@@ -243,10 +243,12 @@ class AnyFlowRunner(PipelineRunner):
         return state
 
     @staticmethod
-    def _refuse(params: GenerationParams) -> None:
-        """What this runner's own chunk loop does not apply: refused rather than silently dropped."""
-        if params.lora:
-            raise ValueError("lora: AnyFlow-FAR does not take adapters yet")
+    def _refuse(params: GenerationParams, chunk: bool = False) -> None:
+        """What this runner's own chunk loop does not apply: refused rather than silently dropped. A whole
+        video applies its adapters (every forward of its own, the K/V cache encodings too); a realtime
+        session's chunks take none."""
+        if chunk and params.lora:
+            raise ValueError("lora: realtime sessions of AnyFlow-FAR take no adapters")
         if params.cache is not None and params.cache.enabled:
             raise ValueError(f"cache: step caching ({params.cache.policy}) is not supported for AnyFlow-FAR")
 
@@ -277,7 +279,7 @@ class AnyFlowRunner(PipelineRunner):
     ) -> RequestState:
         """Chunk ``chunk_index`` of realtime session ``session_id`` (``params.num_frames``: frames per chunk;
         ``max_chunks``: the session's length when known, so its noise is the pipeline's draw)."""
-        self._refuse(params)
+        self._refuse(params, chunk=True)
         temporal = self.pipe.vae_scale_factor_temporal
         rollout = self.sessions.get(session_id)
         if rollout is None:
@@ -427,6 +429,7 @@ class AnyFlowRunner(PipelineRunner):
             ends.append(end)
         base = ends[kept - 1] if kept else 0
         self._rope_shift = (sum(partition[:kept]), base) if kept else None
+        self._adapters(state, inputs.shape[0])
         try:
             transformer(
                 hidden_states=inputs,
@@ -444,6 +447,12 @@ class AnyFlowRunner(PipelineRunner):
         flag["num_cached_chunks"] += 1
         flag["is_cache_step"] = False
         rollout.cache_prompt = self._prompt_key(state)
+
+    def _adapters(self, state: RequestState, rows: int) -> None:
+        """The next transformer call's rows are ``state``'s alone (each forward runs one request): its
+        adapters, or none, for the LoRA layers (as the shared step loop's forwards declare theirs)."""
+        if self.before_forward is not None:
+            self.before_forward([(state, rows)])
 
     def _begin_chunk(self, state: RequestState) -> None:
         rollout: FarRollout = state.extra["rollout"]
@@ -496,6 +505,7 @@ class AnyFlowRunner(PipelineRunner):
         timestep = t.expand(inputs.shape[0]).unsqueeze(-1).repeat((1, frames))
         r_timestep = r.expand(inputs.shape[0]).unsqueeze(-1).repeat((1, frames))
         partition = rollout.partition[: rollout.next_chunk + 1]
+        self._adapters(state, inputs.shape[0])
         pred, _ = self._transformer()(
             hidden_states=inputs,
             timestep=timestep,

@@ -155,18 +155,6 @@ def test_a_video_too_small_for_its_compressed_chunks_is_refused_naming_size(engi
     assert decode_mp4(video).shape == (21, 16, 16, 3)
 
 
-def test_an_adapter_load_is_refused_naming_path(engine, pipe, tmp_path):
-    """AnyFlow-FAR applies no adapters: loading one is refused naming path, as on HunyuanVideo 1.5. A file that
-    fits the transformer loaded (POST /v1/loras answered 200 and recorded it), and every request naming it
-    was then refused."""
-    from tests.families.lora import save_random_lora
-
-    file = save_random_lora(AnyFlowFARPipeline, pipe.transformer, ["to_q"], tmp_path)
-    with pytest.raises(ValueError, match="^path: AnyFlowFARPipeline models take no adapters"):
-        engine.load_lora("style", str(file))
-    assert engine.lora_list() == []
-
-
 def test_layouts_other_than_ulysses_and_ring_are_refused_naming_the_flags(folder):
     spec = resolve_model(str(folder))
     for flags, named in (
