@@ -14,7 +14,8 @@ from ..request import GenerationParams
 from .wan import WanRunner, first_frame_image, image_condition
 
 # WanAttnProcessor takes everything before the last 512 context tokens as image tokens ("512 is the
-# context length of the text encoder, hardcoded"): with image tokens the text is always 512 long.
+# context length of the text encoder, hardcoded") where attn2 projects them apart (added_kv_proj_dim): then
+# the text is always 512 long.
 IMAGE_TEXT_LENGTH = 512
 
 
@@ -27,8 +28,15 @@ class WanI2VRunner(WanRunner):
     def num_latent_channels(self) -> int:
         return self.pipe.vae.config.z_dim  # the transformer's input adds the condition channels
 
+    @property
+    def image_text_split(self) -> bool:
+        """attn2 projects the image tokens apart (``added_kv_proj_dim``), splitting them off by the text's
+        hard-coded 512 tokens. Without it (diffusers' test config) they share attn2's projections with the
+        text, whose length is the pipeline's max_sequence_length as anywhere."""
+        return self.image_tokens and self.pipe.transformer.config.added_kv_proj_dim is not None
+
     def text_length(self) -> int:
-        return IMAGE_TEXT_LENGTH if self.image_tokens else super().text_length()
+        return IMAGE_TEXT_LENGTH if self.image_text_split else super().text_length()
 
     @torch.no_grad()
     def encode(self, params: GenerationParams) -> dict:
