@@ -30,6 +30,15 @@ def kontext_edit_size(folder: Folder, references: list[tuple[int, int]]) -> tupl
     return side, side
 
 
+def default_size(folder: Folder) -> tuple[int, int]:
+    """Without a size: FluxPipeline's default_sample_size (128 latents) × the VAE's factor (1024² for FLUX.1's
+    8×); FluxKontextPipeline brings that square to its max_area of 1024² pixels whatever the VAE, as an edit
+    without a size."""
+    if folder.index.get("_class_name") == "FluxKontextPipeline":
+        return kontext_edit_size(folder, [])
+    return (128 * vae_spatial_factor(folder),) * 2
+
+
 FAMILY = Family(
     name="flux",
     pipelines={"FluxPipeline": "image", "FluxKontextPipeline": "image"},
@@ -47,8 +56,7 @@ FAMILY = Family(
     edit_size=kontext_edit_size,
     inpainting_edit_size=kontext_inpaint_size,
     size_multiple=lambda folder: vae_spatial_factor(folder) * 2,  # latents packed in 2×2 patches
-    # the pipelines' default_sample_size (128 latents) × the VAE's factor: 1024²
-    default_size=lambda folder: (128 * vae_spatial_factor(folder),) * 2,
+    default_size=default_size,
     lora_alphas=True,
     checkpoints=((r"(?<![a-z])flux\.?1(?![0-9])", 24),),
     typical_heads=24,

@@ -181,7 +181,8 @@ def _zimage(path: Path) -> Path:
     return path
 
 
-def _kontext(path: Path) -> Path:
+def _kontext(path: Path, vae_blocks: int = 1) -> Path:
+    """diffusers' Kontext test folder; ``vae_blocks``: its VAE's blocks (1: no downsampling, as there)."""
     from diffusers import (
         AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
@@ -199,9 +200,10 @@ def _kontext(path: Path) -> Path:
         num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
     )  # fmt: skip
     vae = AutoencoderKL(
-        sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1,
-        latent_channels=1, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
-        shift_factor=0.0609, scaling_factor=1.5035,
+        sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,) * vae_blocks,
+        down_block_types=("DownEncoderBlock2D",) * vae_blocks, up_block_types=("UpDecoderBlock2D",) * vae_blocks,
+        layers_per_block=1, latent_channels=1, norm_num_groups=1, use_quant_conv=False,
+        use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035,
     )  # fmt: skip
     tokenizer, tokenizer_2 = build_clip_tokenizer(), build_t5_tokenizer(model_max_length=48)
     FluxKontextPipeline(
@@ -589,3 +591,18 @@ def test_layout_the_config_does_not_admit_is_refused_naming_the_flag(
     with pytest.raises(ValueError, match=flag):
         with running_engine(folder, flags, **CASES[name].engine):
             pass
+
+
+def test_kontext_without_a_size_draws_the_pipelines_default(tmp_path):
+    """FluxKontextPipeline called without a size brings its default square to max_area (1024² pixels)
+    whatever the VAE's factor; a Kontext folder whose VAE is not FLUX's 8× (16× here: 5 blocks) was given
+    128 latents × the factor (2048², a 400 under smaller limits) by ``ditserve generate`` and the API."""
+    from diffusers import FluxKontextPipeline
+
+    from ditserve.replica.models.registry import resolve_model
+
+    folder = _kontext(tmp_path / "kontext-16x", vae_blocks=5)
+    pipe = load_pipeline(FluxKontextPipeline, folder)
+    out = pipe(prompt="a fox", num_inference_steps=1, max_sequence_length=48, output_type="np")
+    height, width = out.images[0].shape[:2]
+    assert resolve_model(str(folder)).default_size == (width, height)
