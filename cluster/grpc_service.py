@@ -96,8 +96,10 @@ def _typed(exc: Exception) -> ServeError:
     return InternalError(f"internal error ({type(exc).__name__}); see the server log")
 
 
-# The HTTP routes a message tells the client to call instead, as the RPCs a gRPC client calls.
+# The HTTP routes a message tells the client to call instead, as the RPCs a gRPC client calls (and the
+# form's file fields, as EditImageRequest's repeated image).
 _RPC_OF_ROUTE = (
+    ("(image, or image[] for several)", "(the image field, once per file)"),
     ("POST /v1/admin/memory/resume", "ResumeMemory"),
     ("POST /v1/admin/shutdown", "Shutdown"),
     ("POST /v1/admin/weights", "UpdateWeights"),

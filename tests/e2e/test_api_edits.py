@@ -636,6 +636,7 @@ def test_grpc_edit_and_its_bad_uploads(server, stub):
             stub.EditImage(request, timeout=120)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (param, info.value.details())
         assert info.value.details().startswith(param), (param, info.value.details())
+        assert "image[]" not in info.value.details()  # HTTP's form field; gRPC's image field repeats
         assert png_pixels(stub.EditImage(good, timeout=120).images[0]).shape == (64, 64, 3)
 
 

@@ -45,6 +45,9 @@ def test_grpc_messages_name_the_rpc_where_http_names_a_route():
     assert _in_rpc_terms("shut down by POST /v1/admin/shutdown; restart the service") == (
         "shut down by Shutdown; restart the service"
     )
+    assert _in_rpc_terms("image: at least one image file is required (image, or image[] for several)") == (
+        "image: at least one image file is required (the image field, once per file)"
+    )
 
 
 def test_multipart_form_fields_as_openai_sends_them():
