@@ -178,7 +178,8 @@ class Client:
         return self._call("ResumeMemory", pb.Empty())
 
     def shutdown(self) -> pb.AdminReply:
-        """Stop serving: the deployment is deleted once the reply is sent."""
+        """Stop serving for good: every replica frees its engine and takes no more work (Health then answers
+        UNAVAILABLE); restart the service to serve again."""
         return self._call("Shutdown", pb.Empty())
 
 
