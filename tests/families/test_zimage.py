@@ -55,7 +55,7 @@ FOX = GenerationParams(
     guidance_scale=4.0,
     width=80,
     height=48,
-    num_inference_steps=3,
+    num_inference_steps=2,  # the layouts' adapted linears are Triton interpreter launches per forward on CPU
     seed=3,
 )
 CAT = GenerationParams(
@@ -279,16 +279,17 @@ def test_omni_folder_is_refused(folder, tmp_path):
         resolve_model(str(omni))
 
 
-def test_step_cache_skips_blocks_of_its_request_only(pipe, reference):
+def test_step_cache_skips_blocks_of_its_request_only(pipe):
     """fbcache over the transformer's blocks: the cached request reuses its kept residual at every step after
     the first (both CFG branches); the uncached request beside it still gives diffusers' image."""
     runner = ZImageRunner(pipe, device=torch.device("cpu"), dtype=torch.float32, max_sequence_length=MAX_LEN)
-    cached = FOX.model_copy(update={"cache": CacheSettings(policy="fbcache", threshold=10.0)})
-    states = [runner.add("plain", FOX), runner.add("cached", cached)]
+    fox = FOX.model_copy(update={"num_inference_steps": 3})
+    cached = fox.model_copy(update={"cache": CacheSettings(policy="fbcache", threshold=10.0)})
+    states = [runner.add("plain", fox), runner.add("cached", cached)]
     while not all(s.done for s in states):
         runner.step(states)
     plain, ours = (runner.decode(s)[0] for s in states)
-    assert psnr(plain, reference[0]) >= 40
+    assert psnr(plain, diffusers_image(pipe, fox)) >= 40
     assert {branch: (c.forwards, c.cached) for branch, c in states[1].extra["cache"].items()} == {
         "cond": (3, 2),
         "uncond": (3, 2),
