@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -196,19 +197,37 @@ def test_request_on_a_dying_replica_gets_503_with_retry_after(server):
     named = ray.util.list_named_actors(all_namespaces=True)
     actor = next(a for a in named if a["name"].endswith(f"#{victim}"))
     victim_actor = ray.get_actor(actor["name"], namespace=actor["namespace"])
-    pool = cf.ThreadPoolExecutor(4)
-    # Long enough (a second or more each) that the kill lands inside one even when polling is slow.
+    # Long requests (a second or more each), and the load lasts until the kill: four workers send them back to
+    # back, so the victim is running one whenever it is looked at (four requests sent once could all end
+    # between two looks on a slow machine, and the kill then found the victim idle: no 503).
     body = {**SMALL, "size": "128x128", "num_inference_steps": 100}
-    inflight = [pool.submit(httpx.post, f"{base}/v1/images/generations", json={**body, "seed": i}, timeout=120)
-                for i in range(4)]  # fmt: skip
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # kill while the victim runs a request
-        now = httpx.get(f"{base}/v1/replicas", timeout=60).json()["data"]
-        if next(r["stats"]["running"] for r in now if r["replica_id"] == victim):
-            break
-        time.sleep(0.2)
+    stop = threading.Event()
+
+    def load(worker: int) -> list[httpx.Response]:
+        answers = []
+        while not stop.is_set():
+            url = f"{base}/v1/images/generations"
+            answers.append(httpx.post(url, json={**body, "seed": worker}, timeout=120))
+        return answers
+
+    pool = cf.ThreadPoolExecutor(4)
+    inflight = [pool.submit(load, i) for i in range(4)]
+    try:
+        deadline, running = time.monotonic() + 120, False
+        while not running and time.monotonic() < deadline:  # kill while the victim runs a request
+            time.sleep(0.2)
+            now = httpx.get(f"{base}/v1/replicas", timeout=60).json()["data"]
+            running = next(r["stats"]["running"] for r in now if r["replica_id"] == victim)
+        assert running, "the victim replica was never seen running a request"
+    finally:
+        stop.set()  # no request starts after the kill: the ones in flight then are those it may fail
     ray.kill(victim_actor, no_restart=True)
-    results = [f.result(timeout=120) for f in inflight]
+    per_worker = [f.result(timeout=180) for f in inflight]
+    pool.shutdown()
+    # a failure is only ever a worker's request in flight at the kill
+    for answers in per_worker:
+        assert all(r.status_code == 200 for r in answers[:-1]), [r.status_code for r in answers]
+    results = [r for answers in per_worker for r in answers]
     statuses = Counter(r.status_code for r in results)
     assert set(statuses) <= {200, 503} and statuses[503] >= 1, statuses
     for r in results:
