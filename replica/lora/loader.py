@@ -185,6 +185,10 @@ _RAW_TEXT_ENCODER = re.compile(r"(lora_te\d*)_|(text_encoders\.\w+)\.")
 _DOWN_MARKERS = (".lora_A.", ".lora_down.", ".down.")
 
 
+# LoRA factors under a name the loader did not convert: a PEFT adapter's own name inside the key
+# (``<module>.lora_A.default.weight``), or a dotted ``lora.down`` / ``lora.up``
+_UNCONVERTED_FACTOR = re.compile(r"\.lora_(?:A|B|down|up)\.\w+\.weight$|\.lora\.(?:down|up)\.")
+
 # Text-encoder LoRA keys in every layout: kohya's lora_te1_*, diffusers' text_encoder(_2).*, ComfyUI's
 # text_encoders.t5xxl.*
 _TEXT_ENCODER_KEY = re.compile(r"lora_te\d*_|text_encoders?(_\d+)?\.")
@@ -441,6 +445,14 @@ def read_lora_file(path: Path, pipeline_class: str, target: str | None = None) -
         raise ValueError(
             f"path: {file} holds LoRA weights for {', '.join(sorted(encoders))}; adapters apply to the "
             "transformer only (per request), so save the file without the text encoder's weights"
+        )
+    unconverted = [k for k in full if _UNCONVERTED_FACTOR.search(k)]
+    if unconverted:
+        # LoRA factors under names the class's loader keeps as they are (DiffSynth's PEFT adapter-named
+        # lora_A.default.weight for Wan, FLUX or SD3): load_lora_weights loads nothing of them
+        raise ValueError(
+            f"path: {file} holds LoRA weights in a layout diffusers' {pipeline_class} loader does not convert "
+            f"(keys such as {unconverted[0]!r}); save them as <module>.lora_A.weight / <module>.lora_B.weight"
         )
     if full:
         raise ValueError(

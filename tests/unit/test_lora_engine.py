@@ -281,6 +281,33 @@ def test_a_layout_the_pipelines_loader_does_not_convert_is_refused_as_such(files
 
 
 @pytest.mark.parametrize(
+    "pipeline", ["StableDiffusion3Pipeline", "WanPipeline", "Flux2Pipeline", "FluxPipeline"]
+)
+def test_peft_adapter_named_keys_the_loader_keeps_are_refused_as_an_unconverted_layout(files, pipeline):
+    """DiffSynth-style keys (``<module>.lora_A.default.weight``), which the Qwen-Image and Z-Image loaders
+    convert and these classes' loaders keep as they are (load_lora_weights loads nothing of them): refused
+    naming the layout and a key; the refusal said the file held transformer tensors that are no LoRA
+    weights."""
+    from ditserve.replica.lora.loader import read_lora_file
+
+    path = files["root"] / "default_named.safetensors"
+    save_file(
+        {
+            f"{m}.lora_{x}.default.weight": t
+            for m, (a, b) in weights(1).items()
+            for x, t in (("A", a), ("B", b))
+        },
+        str(path),
+    )
+    pattern = (
+        rf"^path: .* holds LoRA weights in a layout diffusers' {pipeline} loader does not convert \(keys such as "
+        r"'[\w.]+\.lora_A\.default\.weight'\)"
+    )
+    with pytest.raises(ValueError, match=pattern):
+        read_lora_file(path, pipeline)
+
+
+@pytest.mark.parametrize(
     "pipeline",
     ["StableDiffusion3Pipeline", "WanPipeline", "Flux2Pipeline", "QwenImagePipeline", "ZImagePipeline"],
 )
