@@ -181,14 +181,10 @@ def _zimage(path: Path) -> Path:
     return path
 
 
-def _kontext(path: Path, vae_blocks: int = 1) -> Path:
-    """diffusers' Kontext test folder; ``vae_blocks``: its VAE's blocks (1: no downsampling, as there)."""
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        FluxKontextPipeline,
-        FluxTransformer2DModel,
-    )
+def _flux(path: Path, vae_blocks: int = 1, kontext: bool = False) -> Path:
+    """diffusers' FLUX.1 (or Kontext) test folder; ``vae_blocks``: its VAE's blocks (1: no downsampling)."""
+    import diffusers
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
     from ditserve.replica.models.demo import _tiny_clip, _tiny_t5
     from ditserve.replica.models.tokenizers import build_clip_tokenizer, build_t5_tokenizer
@@ -206,7 +202,8 @@ def _kontext(path: Path, vae_blocks: int = 1) -> Path:
         use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035,
     )  # fmt: skip
     tokenizer, tokenizer_2 = build_clip_tokenizer(), build_t5_tokenizer(model_max_length=48)
-    FluxKontextPipeline(
+    pipeline = diffusers.FluxKontextPipeline if kontext else diffusers.FluxPipeline
+    pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=vae,
         text_encoder=_tiny_clip(tokenizer),
@@ -216,6 +213,10 @@ def _kontext(path: Path, vae_blocks: int = 1) -> Path:
         transformer=transformer,
     ).save_pretrained(path)
     return path
+
+
+def _kontext(path: Path, vae_blocks: int = 1) -> Path:
+    return _flux(path, vae_blocks, kontext=True)
 
 
 def _wan_transformer(in_channels: int = 16, out_channels: int = 16, **extra):
@@ -414,6 +415,15 @@ CASES: dict[str, Case] = {
         layouts=({"ulysses_degree": 2, "cfg_parallel_size": 2}, {"ring_degree": 2}),
         # 85 MLP features (dim 32 × 8/3) do not split over 2 ranks
         refused=(({"tp_size": 2}, "--tp-size"),),
+    ),
+    "flux": Case(
+        _flux,
+        "FluxPipeline",
+        _params(32, 32, prompt=SQUIRREL, guidance_scale=5.0),
+        _params(40, 24, prompt=SQUIRREL, negative_prompt="bad quality", true_cfg_scale=2.0),
+        call={"max_sequence_length": 48},
+        engine={"max_sequence_length": 48},
+        layouts=({"ring_degree": 2, "cfg_parallel_size": 2}, {"ulysses_degree": 2}, {"tp_size": 2}),
     ),
     "kontext": Case(
         _kontext,
