@@ -8,6 +8,9 @@ answer 501.
 The job lives on the replica that runs it (``replica_streams``); its id ``<replica_id>.<random>`` is
 routed like a session id, so any frontend, including a restarted one, reaches it. ``POST`` takes JSON or
 ``multipart/form-data`` (what OpenAI's client sends); form values are validated by the same model.
+
+An empty id (``DELETE /v1/videos/``, ``/v1/videos//content``, ``/v1/videos//remix``) is a 404 naming
+``video_id``, as an unknown one; ``GET`` and ``POST`` on ``/v1/videos/`` are the list and the create.
 """
 
 from __future__ import annotations
@@ -368,6 +371,10 @@ def pinned(fe: Any, video_id: str):
     )
 
 
+def no_video_id() -> NotFound:
+    return NotFound("video_id: the video id is empty; use the id POST /v1/videos answered", param="video_id")
+
+
 class VideoLost(Exception):
     """The replica that ran a video job is gone, and the job with it."""
 
@@ -398,6 +405,8 @@ async def call_job(fe: Any, video_id: str, call) -> dict[str, Any]:
         raise VideoLost(video_id) from None
 
 
+# "/v1/videos/" creates as "/v1/videos" does, instead of a 307 redirect.
+@router.post("/", include_in_schema=False)
 @router.post(
     "",
     openapi_extra={
@@ -465,6 +474,9 @@ async def list_page(fe: Any, after: str | None, limit: int, order: str) -> dict[
     }
 
 
+# "/v1/videos/" lists as "/v1/videos" does: a 307 redirect was answered there for every method, and a DELETE
+# followed it to the list, which has no DELETE.
+@router.get("/", include_in_schema=False)
 @router.get("", responses=_documented(404))
 async def list_videos(
     request: Request,
@@ -633,10 +645,22 @@ async def remix_video(video_id: str, body: VideoRemixRequest, request: Request, 
     return JSONResponse(answer["video"], headers={REPLICA_HEADER: answer["replica"]})
 
 
+# An empty id (".../videos/", ".../videos//content", ".../videos//remix") names no video: a 404 naming
+# video_id, as an unknown one, rather than a redirect or a bare 404.
+@router.delete("/", include_in_schema=False)
+@router.get("//content", include_in_schema=False)
+@router.head("//content", include_in_schema=False)
+@router.post("//remix", include_in_schema=False)
+async def empty_video_id(request: Request, fe: Any = Depends(frontend)):
+    fe.check_auth(request, admin=False)
+    raise no_video_id()
+
+
 @router.post("/edits", include_in_schema=False)
 @router.post("/extensions", include_in_schema=False)
 @router.post("/characters", include_in_schema=False)
 @router.get("/characters/{character_id}", include_in_schema=False)
+@router.get("/characters/", include_in_schema=False)
 async def not_served(request: Request):
     """OpenAI's video edits, extensions and characters: said plainly, not a 404 or 405 of a path."""
     raise Unsupported(

@@ -289,6 +289,32 @@ def test_list_content_and_remix_bad_input(server, client):
             with pytest.raises(openai.NotFoundError) as info:
                 call(video_id)
             assert info.value.body["param"] == "video_id", (video_id, call)
+    # An empty id names no video: a 404 naming video_id on every method and sub-route, after the key is
+    # checked. DELETE /v1/videos/ was a 307 to the list (a client following it got a 405), the sub-routes a
+    # bare 404 naming nothing.
+    for method, path in (
+        ("DELETE", "/v1/videos/"),
+        ("GET", "/v1/videos//content"),
+        ("HEAD", "/v1/videos//content"),
+        ("POST", "/v1/videos//remix"),
+    ):
+        body = {"prompt": "a"} if method == "POST" else None
+        url = f"{server.base_url}{path}"
+        assert httpx.request(method, url, json=body).status_code == 401, (method, path)
+        r = httpx.request(method, url, json=body, headers=AUTH)
+        assert r.status_code == 404, (method, path, r.status_code, r.headers)
+        if method != "HEAD":
+            error = r.json()["error"]
+            assert error["param"] == "video_id" and "empty" in error["message"], (method, path, error)
+    # "/v1/videos/" lists and creates as "/v1/videos" does (they were 307 redirects)
+    r = httpx.get(f"{server.base_url}/v1/videos/", params={"limit": 1, "order": "desc"}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["object"] == "list" and len(r.json()["data"]) == 1, r.text
+    one = {"prompt": "a", "num_frames": 1, "num_inference_steps": 1}
+    r = httpx.post(f"{server.base_url}/v1/videos/", json=one, headers=AUTH)
+    assert r.status_code == 200 and r.json()["object"] == "video", r.text
+    after = httpx.get(f"{server.base_url}/v1/videos", params={"after": r.json()["id"]}, headers=AUTH)
+    assert after.status_code == 200 and r.json()["id"] not in [v["id"] for v in after.json()["data"]]
+    wait(client, r.json()["id"])
     for path in ("/v1/videos/edits", "/v1/videos/extensions", "/v1/videos/characters"):
         r = httpx.post(f"{server.base_url}{path}", data={"prompt": "a"}, headers=AUTH)
         assert r.status_code == 501 and "POST /v1/videos" in r.json()["error"]["message"], (path, r.text)
