@@ -18,7 +18,10 @@ from ditserve.replica.rank_control import ServingRankWorker
 from ditserve.replica.request import GenerationParams, LoRARef
 from tests.families.anyflow import build_folder
 from tests.families.harness import (
+    frames,
+    layout_id,
     load_pipeline,
+    running_engine,
     single_thread,  # noqa: F401 (a fixture, used by pytestmark)
 )
 from tests.families.lora import save_random_lora
@@ -136,3 +139,18 @@ def test_adapters_per_request_equal_load_lora_weights(folder, files, expected, m
     # a realtime session's chunks take none (POST /v1/realtime, /v1/sessions): refused naming lora
     with pytest.raises(ValueError, match="^lora: realtime sessions of AnyFlow-FAR take no adapters"):
         worker.add_chunk("c", "s", 0, INK.model_copy(update={"num_frames": 8}), 2)
+
+
+@pytest.mark.slow  # three engines (~1 min); the adapters' one-rank videos are checked against diffusers above
+@pytest.mark.parametrize("flags", [{"ulysses_degree": 2}, {"ring_degree": 2}], ids=layout_id)
+def test_sequence_parallel_adapters_equal_one_rank(folder, files, flags, monkeypatch):
+    """Under Ulysses and ring each rank's LoRA layers see its share of a request's tokens (and of its K/V
+    cache encodings): the served videos are the one-rank engine's."""
+    monkeypatch.setattr(dispatch, "_INTERPRET_AT_IMPORT", False)
+    with running_engine(folder, {}, files, max_sequence_length=MAX_LEN) as engine:
+        want = frames(engine, [PLAIN, STYLE, INK])
+    with running_engine(folder, flags, files, max_sequence_length=MAX_LEN) as engine:
+        got = frames(engine, [PLAIN, STYLE, INK])
+    for g, w in zip(got, want, strict=True):
+        assert np.array_equal(g, w)
+    assert psnr(got[2], got[0]) < 30
