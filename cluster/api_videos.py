@@ -9,6 +9,10 @@ The job lives on the replica that runs it (``replica_streams``); its id ``<repli
 routed like a session id, so any frontend, including a restarted one, reaches it. ``POST`` takes JSON or
 ``multipart/form-data`` (what OpenAI's client sends); form values are validated by the same model.
 
+A job's ``usage`` (once completed) is in the shape of image responses' and gRPC's ``VideoJob.usage``:
+OpenAI's token fields (``input_tokens``, ``input_tokens_details`` {``text_tokens``, ``image_tokens``},
+``output_tokens``, ``total_tokens``) and ``transformer_forwards``, ``cached_forwards``, ``cache_policy``.
+
 An empty id (``DELETE /v1/videos/``, ``/v1/videos//content``, ``/v1/videos//remix``) is a 404 naming
 ``video_id``, as an unknown one; ``GET`` and ``POST`` on ``/v1/videos/`` are the list and the create.
 """
@@ -49,7 +53,7 @@ from .http_base import (
 )
 from .replica_streams import token_ms
 from .router import session_owner
-from .schemas import ErrorResponse, Prompt, json_field
+from .schemas import ErrorResponse, Prompt, api_usage, json_field
 
 router = APIRouter(prefix="/v1/videos", tags=["videos"])
 VIDEOS_PATH = "/v1/videos"
@@ -375,6 +379,13 @@ def no_video_id() -> NotFound:
     return NotFound("video_id: the video id is empty; use the id POST /v1/videos answered", param="video_id")
 
 
+def http_video(video: dict[str, Any]) -> dict[str, Any]:
+    """A job as HTTP answers it: its usage (the engine's forwards and text tokens) in the API's shape, OpenAI's
+    token fields as image responses carry them, as gRPC's ``VideoJob.usage`` does."""
+    usage = video.get("usage")
+    return {**video, "usage": api_usage(usage)} if usage else video
+
+
 class VideoLost(Exception):
     """The replica that ran a video job is gone, and the job with it."""
 
@@ -424,7 +435,7 @@ async def create_video(request: Request, fe: Any = Depends(frontend)):
     body, upload = await _read_create(request)
     params = await asyncio.to_thread(video_params, fe, body, upload)  # decodes the reference: off the loop
     answer = await fe.call_engine(fe.engine.create_video.remote(params, fe.model_name, body.prompt))
-    return JSONResponse(answer["video"], headers={REPLICA_HEADER: answer["replica"]})
+    return JSONResponse(http_video(answer["video"]), headers={REPLICA_HEADER: answer["replica"]})
 
 
 def _documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -488,7 +499,8 @@ async def list_videos(
     fe: Any = Depends(frontend),
 ):
     fe.check_auth(request, admin=False)
-    return JSONResponse(await list_page(fe, after, limit, order))
+    page = await list_page(fe, after, limit, order)
+    return JSONResponse({**page, "data": [http_video(video) for video in page["data"]]})
 
 
 @router.get("/{video_id}")
@@ -498,7 +510,7 @@ async def get_video(video_id: str, request: Request, fe: Any = Depends(frontend)
         answer = await call_job(fe, video_id, pinned(fe, video_id).get_video.remote(video_id))
     except VideoLost:
         return JSONResponse(lost_video(video_id, fe.model_name))
-    return JSONResponse(answer["video"], headers={REPLICA_HEADER: answer["replica"]})
+    return JSONResponse(http_video(answer["video"]), headers={REPLICA_HEADER: answer["replica"]})
 
 
 MEDIA_TYPES = {"video": "video/mp4", "thumbnail": "image/webp", "spritesheet": "image/jpeg"}
@@ -642,7 +654,7 @@ async def remix_video(video_id: str, body: VideoRemixRequest, request: Request, 
     fe.check_auth(request, admin=False)
     await fe.check_body_size(request)
     answer = await remix(fe, video_id, body.prompt)
-    return JSONResponse(answer["video"], headers={REPLICA_HEADER: answer["replica"]})
+    return JSONResponse(http_video(answer["video"]), headers={REPLICA_HEADER: answer["replica"]})
 
 
 # An empty id (".../videos/", ".../videos//content", ".../videos//remix") names no video: a 404 naming
@@ -676,4 +688,4 @@ async def delete_video(video_id: str, request: Request, fe: Any = Depends(fronte
         answer = await call_job(fe, video_id, pinned(fe, video_id).delete_video.remote(video_id))
     except VideoLost:  # nothing is left of it anywhere: deleted
         return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
-    return JSONResponse(answer["video"], headers={REPLICA_HEADER: answer["replica"]})
+    return JSONResponse(http_video(answer["video"]), headers={REPLICA_HEADER: answer["replica"]})

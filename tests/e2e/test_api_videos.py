@@ -152,6 +152,27 @@ def test_grpc_video_job(server):
         assert job.status in ("queued", "in_progress") and job.num_frames == 5
         frames = decode_mp4(c.wait_video(job.id, poll_s=0.1))
         assert frames.shape == (5, 64, 64, 3)
+        # HTTP reports the job's usage as gRPC does, in image responses' shape (OpenAI's token fields); it
+        # was the engine's own ({"text_tokens": ..., "transformer_forwards": ...}, no input_tokens)
+        usage = c.get_video(job.id).usage
+        details = usage.input_tokens_details
+        assert usage.input_tokens == details.text_tokens > 0 and usage.transformer_forwards > 0
+        expected = {
+            "input_tokens": usage.input_tokens,
+            "input_tokens_details": {
+                "text_tokens": details.text_tokens,
+                "image_tokens": details.image_tokens,
+            },
+            "output_tokens": usage.output_tokens,
+            "total_tokens": usage.total_tokens,
+            "transformer_forwards": usage.transformer_forwards,
+            "cached_forwards": usage.cached_forwards,
+            "cache_policy": usage.cache_policy,
+        }
+        retrieved = httpx.get(f"{server.base_url}/v1/videos/{job.id}", headers=AUTH).json()
+        listed = httpx.get(f"{server.base_url}/v1/videos", params={"limit": 100}, headers=AUTH).json()
+        assert retrieved["usage"] == expected, retrieved
+        assert [v["usage"] for v in listed["data"] if v["id"] == job.id] == [expected], listed
         assert c.delete_video(job.id).deleted
         with pytest.raises(grpc.RpcError) as info:
             c.get_video(job.id)
