@@ -7,6 +7,9 @@ fails; (2) the desired state in the state actor is updated (new version); (3) a 
 moves every running replica to it. Replicas that were not running at the time converge from the state
 actor before they take traffic. Responses list each replica's answer and how many expected replicas did
 not answer (``missing``).
+
+An empty name in a path (``DELETE /v1/loras/``, ``POST /v1/admin/memory/``) is a 404 naming the field
+(``name``, ``action``), as an unknown one; ``GET`` and ``POST`` on ``/v1/loras/`` are the list and the load.
 """
 
 from __future__ import annotations
@@ -136,12 +139,19 @@ async def update_weights(body: WeightsRequest, request: Request, fe: Any = Depen
     return await _converge(fe, desired)
 
 
+# An empty action (".../memory/") was a bare 404 naming no field.
+@router.post("/v1/admin/memory/", dependencies=ADMIN, include_in_schema=False)
+async def empty_memory_action(request: Request, fe: Any = Depends(frontend)):
+    fe.check_auth(request, admin=True)
+    raise NotFound("action: the memory action is empty; use release or resume", param="action")
+
+
 @router.post("/v1/admin/memory/{action}", dependencies=ADMIN)
 async def memory(action: str, request: Request, fe: Any = Depends(frontend)):
     """``release``: weights to host memory, generation answers 503; ``resume``: back to serving."""
     fe.check_auth(request, admin=True)
     if action not in ("release", "resume"):
-        raise NotFound(f"unknown memory action {action!r}; use release or resume")
+        raise NotFound(f"action: unknown memory action {action!r}; use release or resume", param="action")
     await _check_not_shut_down(fe, f"memory {action}")
     desired = await fe.state_actor().set_memory.remote("released" if action == "release" else "resident")
     return await _converge(fe, desired)
@@ -172,6 +182,9 @@ def _check_path(path: str) -> None:
         raise BadRequest("path: contains a NUL character", param="path")
 
 
+# "/v1/loras/" loads and lists as "/v1/loras" does, instead of a 307 redirect (which a DELETE followed to
+# the list).
+@router.post("/v1/loras/", dependencies=ADMIN, include_in_schema=False)
 @router.post("/v1/loras", dependencies=ADMIN)
 async def load_lora(body: LoRALoadRequest, request: Request, fe: Any = Depends(frontend)):
     """Load an adapter on every replica; it enters the desired state only when every replica that answered
@@ -203,6 +216,7 @@ async def load_lora(body: LoRALoadRequest, request: Request, fe: Any = Depends(f
     return await _converge(fe, desired)
 
 
+@router.get("/v1/loras/", dependencies=ADMIN, include_in_schema=False)
 @router.get("/v1/loras", dependencies=ADMIN)
 async def list_loras(request: Request, fe: Any = Depends(frontend)):
     fe.check_auth(request, admin=True)
@@ -212,6 +226,13 @@ async def list_loras(request: Request, fe: Any = Depends(frontend)):
         for n, s in desired["loras"].items()
     ]
     return {"object": "list", "data": data, "version": desired["version"]}
+
+
+# An empty name names no adapter: a 404 naming name, as an unknown one, rather than a redirect.
+@router.delete("/v1/loras/", dependencies=ADMIN, include_in_schema=False)
+async def empty_lora_name(request: Request, fe: Any = Depends(frontend)):
+    fe.check_auth(request, admin=True)
+    raise NotFound("name: the adapter name is empty; GET /v1/loras lists the loaded ones", param="name")
 
 
 @router.delete("/v1/loras/{name}", dependencies=ADMIN)

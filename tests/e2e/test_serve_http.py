@@ -147,6 +147,27 @@ def test_openai_client_raises_bad_request_with_message(client):
         client.images.generate(model="demo-scenes", prompt="a fox", size="100x100")
 
 
+def test_empty_names_in_admin_paths_answer_404_naming_the_field(server):
+    """DELETE /v1/loras/ was FastAPI's 307 redirect to /v1/loras (a client following it got a 405), and POST
+    /v1/admin/memory/ a bare 404 naming nothing: an empty name is a 404 naming name / action, as an unknown
+    one is. /v1/loras/ lists and loads as /v1/loras does (they were 307s too)."""
+    base = server.base_url
+    for method, path, param in (
+        ("DELETE", "/v1/loras/", "name"),
+        ("DELETE", "/v1/loras/nope", "name"),
+        ("POST", "/v1/admin/memory/", "action"),
+        ("POST", "/v1/admin/memory/nap", "action"),
+    ):
+        r = httpx.request(method, f"{base}{path}", timeout=60)
+        assert r.status_code == 404, (method, path, r.status_code, r.headers)
+        error = r.json()["error"]
+        assert error["param"] == param and ("empty" in error["message"]) == path.endswith("/"), (path, error)
+    listed = httpx.get(f"{base}/v1/loras/", timeout=60)
+    assert listed.status_code == 200 and listed.json() == httpx.get(f"{base}/v1/loras", timeout=60).json()
+    loaded = httpx.post(f"{base}/v1/loras/", json={"name": "a", "path": "/no/such.safetensors"}, timeout=60)
+    assert loaded.status_code == 400 and loaded.json()["error"]["param"] == "path", loaded.text
+
+
 def test_served_images_draw_the_held_out_prompts(client):
     from PIL import Image
 
