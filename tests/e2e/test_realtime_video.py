@@ -31,8 +31,12 @@ INIT = {
     "num_inference_steps": 2, "realtime_output_format": "raw",
 }  # fmt: skip
 # A session that outlasts what the tests do meanwhile (without max_chunks a session runs to the server's
-# chunk limit, which the tiny model's 64x64 chunks reach within seconds).
-HOLD = {**INIT, "size": "256x256", "num_frames": 16}
+# chunk limit, which the tiny model's 64x64 chunks reach within seconds unpaced): paced at 1 fps, it sends a
+# chunk of 8 frames every 8 s and its replica denoises one chunk ahead, then idles (unpaced, the replicas
+# holding slots denoised all along, taking the 2-core machine from the rest of the test).
+HOLD = {**INIT, "fps": 1, "realtime_output_pacing": True}
+# A session whose chunks take long to denoise (unpaced).
+SLOW = {**INIT, "size": "256x256", "num_frames": 16}
 
 
 @pytest.fixture(scope="module")
@@ -336,7 +340,7 @@ def test_a_weights_update_leaves_a_running_session_streaming(server):
     folder = str(server.folder)
     client = Client(server)
     # 20 steps a chunk: the next chunk is still being denoised when the update comes
-    client.send({**HOLD, "prompt": "a lighthouse", "max_chunks": 4, "num_inference_steps": 20})
+    client.send({**SLOW, "prompt": "a lighthouse", "max_chunks": 4, "num_inference_steps": 20})
     assert client.chunk() is not None
     updated = httpx.post(
         f"{server.base_url}/v1/admin/weights", json={"path": folder}, headers=ADMIN, timeout=300
