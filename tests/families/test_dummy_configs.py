@@ -1,10 +1,12 @@
 """Folders built the way diffusers' own pipeline tests build theirs (``get_dummy_components``): their
 transformer and VAE configs, which differ from ours (patch size 1, one block, 2 or 3 heads, tiny joint
-dims, VAEs of one or two blocks, Kontext without a guidance embedding), with tiny text encoders made
-offline in place of the hf-internal-testing downloads (widths matching the transformer). On each folder one
-rank gives the family's diffusers pipeline image at the size diffusers' tests use and at a non-square one,
-and the layouts the config admits give the one-rank image (one per family by default, the rest -m slow);
-the layouts it does not admit (3 heads over ulysses 2) are refused naming the flag."""
+dims, VAEs of one or two blocks, FLUX.1 and Kontext without a guidance embedding, Wan I2V's image_dim
+without added_kv_proj_dim), with tiny text encoders made offline in place of the hf-internal-testing
+downloads (widths matching the transformer). On each folder (SD3, FLUX.1, Kontext, FLUX.2, Klein,
+Qwen-Image, Z-Image, Wan 2.1, Wan 2.2 A14B and TI2V-5B, Wan I2V, HunyuanVideo 1.5) one rank gives the
+family's diffusers pipeline image or video at the size diffusers' tests use and at a non-square one; the
+layouts the config admits give the one-rank output (one per family by default, the rest -m slow); the
+layouts it does not admit (3 heads over ulysses 2, 85 MLP features over tp 2) are refused naming the flag."""
 
 from __future__ import annotations
 
