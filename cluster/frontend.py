@@ -46,6 +46,7 @@ from .control_state import (
 from .errors import (
     BadRequest,
     InternalError,
+    NotFound,
     PayloadTooLarge,
     ReplicaUnavailable,
     ServeError,
@@ -80,9 +81,23 @@ async def images_generations(
     return await fe.images_generations(body, request)
 
 
+@fastapi_app.get("/v1/models/", include_in_schema=False)  # as /v1/models, not a redirect
 @fastapi_app.get("/v1/models")
 async def models(fe: Any = Depends(frontend)) -> dict[str, Any]:
     return Response(fe.models_body, media_type="application/json")
+
+
+# A path: a Hub model's name is org/name (OpenAI's client sends org%2Fname, which arrives decoded).
+@fastapi_app.get("/v1/models/{model:path}", response_model=ModelCard)
+async def model_card(model: str, fe: Any = Depends(frontend)) -> dict[str, Any]:
+    """The served model's card (OpenAI's ``models.retrieve``); another name is a 404 naming model (it was a
+    bare 404 of an unknown path)."""
+    card = json.loads(fe.models_body)["data"][0]
+    if model != card["id"]:
+        raise NotFound(
+            f"model: {model!r} is not served here; this server serves {card['id']!r}", param="model"
+        )
+    return card
 
 
 @fastapi_app.get("/health")

@@ -294,6 +294,8 @@ def error_statuses(method: str, path: str, operation: dict[str, Any], args: Any 
     """The error statuses one operation can answer with, on a server started with ``args``."""
     if path == "/v1/models":
         return []
+    if path == "/v1/models/{model}":  # anyone may ask; a name not served is a 404
+        return [404]
     if path == "/health":
         return [503]
     statuses = {503}

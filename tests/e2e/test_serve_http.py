@@ -13,7 +13,7 @@ import numpy as np
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from openai import BadRequestError, OpenAI
+from openai import BadRequestError, NotFoundError, OpenAI
 
 from ditserve.cluster.grpc_gen import ditserve_pb2 as pb
 from ditserve.cluster.grpc_gen import ditserve_pb2_grpc as pb_grpc
@@ -89,9 +89,18 @@ def test_same_seed_same_image_through_serve_and_generate(client, tmp_path):
     assert np.array_equal(served, png_pixels(out.read_bytes()))
 
 
-def test_models_health_and_replica_header(server):
+def test_models_health_and_replica_header(server, client):
     models = httpx.get(f"{server.base_url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["demo-scenes"]
+    assert httpx.get(f"{server.base_url}/v1/models/").json() == models  # was a 307 redirect
+    # OpenAI's models.retrieve (GET /v1/models/{model}) was a bare 404 of an unknown path
+    card = client.models.retrieve("demo-scenes")
+    assert card.id == "demo-scenes" and card.object == "model"
+    assert httpx.get(f"{server.base_url}/v1/models/demo-scenes").json() == models["data"][0]
+    for name in ("dall-e-3", "org/name"):  # the client sends org%2Fname
+        with pytest.raises(NotFoundError) as info:
+            client.models.retrieve(name)
+        assert info.value.body["param"] == "model" and repr(name) in info.value.message, info.value.body
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     r = httpx.post(
         f"{server.base_url}/v1/images/generations",
