@@ -359,6 +359,7 @@ def _apply_limits(
         "SessionGenerateRequest",
         "SessionOpenRequest",
         "VideoCreateRequest",
+        "VideoRemixRequest",
     ):
         props = components.get(name, {}).get("properties", {})
         if "prompt" in props:

@@ -302,6 +302,12 @@ def test_list_content_and_remix_bad_input(server, client):
     with pytest.raises(openai.BadRequestError) as info:
         client.videos.remix(job.id, prompt=" ")
     assert info.value.body["param"] == "prompt"
+    # and the served schema says so, as for a new video (it took any string: schemathesis sent "\t", a 400)
+    schemas = httpx.get(f"{server.base_url}/openapi.json").json()["components"]["schemas"]
+    remix_prompt = schemas["VideoRemixRequest"]["properties"]["prompt"]
+    create_prompt = schemas["VideoCreateRequest"]["properties"]["prompt"]
+    assert remix_prompt["pattern"] == create_prompt["pattern"] and remix_prompt["pattern"]
+    assert remix_prompt["maxLength"] == create_prompt["maxLength"] > 0
     with pytest.raises(openai.NotFoundError):
         client.videos.remix(job.id.split(".")[0] + ".nosuch", prompt="a")
     # ids this server never issued, of no replica: not found, never a failed job or a deletion
