@@ -107,6 +107,7 @@ async def replica_list(fe: Any, request: Any) -> dict[str, Any]:
     }
 
 
+@router.get("/v1/replicas/", include_in_schema=False)  # as /v1/replicas, not a 307 redirect
 @router.get("/v1/replicas")
 async def replicas(request: Request, fe: Any = Depends(frontend)) -> JSONResponse:
     """Each running replica: id, health, layout, control-state version; with the admin key (or when none is

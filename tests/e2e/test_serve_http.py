@@ -159,7 +159,7 @@ def test_openai_client_raises_bad_request_with_message(client):
 def test_empty_names_in_admin_paths_answer_404_naming_the_field(server):
     """DELETE /v1/loras/ was FastAPI's 307 redirect to /v1/loras (a client following it got a 405), and POST
     /v1/admin/memory/ a bare 404 naming nothing: an empty name is a 404 naming name / action, as an unknown
-    one is. /v1/loras/ lists and loads as /v1/loras does (they were 307s too)."""
+    one is. /v1/loras/ lists and loads as /v1/loras does, /v1/replicas/ lists (they were 307s too)."""
     base = server.base_url
     for method, path, param in (
         ("DELETE", "/v1/loras/", "name"),
@@ -171,8 +171,11 @@ def test_empty_names_in_admin_paths_answer_404_naming_the_field(server):
         assert r.status_code == 404, (method, path, r.status_code, r.headers)
         error = r.json()["error"]
         assert error["param"] == param and ("empty" in error["message"]) == path.endswith("/"), (path, error)
-    listed = httpx.get(f"{base}/v1/loras/", timeout=60)
-    assert listed.status_code == 200 and listed.json() == httpx.get(f"{base}/v1/loras", timeout=60).json()
+    for path, key in (("/v1/loras", "name"), ("/v1/replicas", "replica_id")):
+        listed = httpx.get(f"{base}{path}/", timeout=60)
+        plain = httpx.get(f"{base}{path}", timeout=60).json()
+        assert listed.status_code == 200 and listed.json()["object"] == "list", (path, listed.text)
+        assert [d[key] for d in listed.json()["data"]] == [d[key] for d in plain["data"]], path
     loaded = httpx.post(f"{base}/v1/loras/", json={"name": "a", "path": "/no/such.safetensors"}, timeout=60)
     assert loaded.status_code == 400 and loaded.json()["error"]["param"] == "path", loaded.text
 
