@@ -244,6 +244,16 @@ def run_generate(ns: argparse.Namespace) -> int:
     size = engine.spec.fitted_size(limits.max_width, limits.max_height, first_frame)
     width = size[0] if ns.width is None else ns.width
     height = size[1] if ns.height is None else ns.height
+    # a side the user did not give is the pipeline's default, under the bound with a small target size or VAE
+    # (sized from the images below where both are left out of an image edit)
+    defaulted = [side for side, given in zip(size, (ns.width, ns.height), strict=True) if given is None]
+    from_images = images and not video and len(defaulted) == 2
+    least = GenerationParams.model_fields["width"].metadata[0].ge
+    if defaulted and not from_images and min(defaulted) < least:
+        return _fail(
+            f"{engine.spec.name}'s own default size {size[0]}x{size[1]} (its pipeline's) is under {least} "
+            "pixels on a side; give --width and --height"
+        )
     if images and not video and ns.width is None and ns.height is None:  # from the images, as the API
         from ditserve.replica.families import fit_size
 

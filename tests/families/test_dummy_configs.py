@@ -25,6 +25,7 @@ from ditserve.replica.pipelines.base import to_uint8
 from ditserve.replica.request import GenerationParams
 from ditserve.replica.worker import RankWorker
 from tests.families.harness import (
+    cli_generate,
     layout_id,
     load_pipeline,
     results,
@@ -618,3 +619,12 @@ def test_kontext_without_a_size_draws_the_pipelines_default(tmp_path):
     out = pipe(prompt="a fox", num_inference_steps=1, max_sequence_length=48, output_type="np")
     height, width = out.images[0].shape[:2]
     assert resolve_model(str(folder)).default_size == (width, height)
+
+
+def test_generate_without_a_size_under_the_least_side_says_so(built, tmp_path_factory, tmp_path):
+    """HunyuanVideo15Pipeline's default on diffusers' test transformer (target_size 16) is 20x12, under the
+    16 pixels a side a request may ask: ``ditserve generate`` without a size said '--height: Input should be
+    greater than or equal to 16', a flag the user never gave. Now it names the default and asks for a size."""
+    folder, _ = folder_and_one_rank(built, tmp_path_factory, "hunyuan")
+    with pytest.raises(AssertionError, match=r"default size 20x12 \(its pipeline's\) is under 16 pixels"):
+        cli_generate("dance monkey", folder, tmp_path / "out.mp4", "--num-inference-steps", "1")
