@@ -673,8 +673,10 @@ async def empty_video_id(request: Request, fe: Any = Depends(frontend)):
 @router.post("/characters", include_in_schema=False)
 @router.get("/characters/{character_id}", include_in_schema=False)
 @router.get("/characters/", include_in_schema=False)
-async def not_served(request: Request):
-    """OpenAI's video edits, extensions and characters: said plainly, not a 404 or 405 of a path."""
+async def not_served(request: Request, fe: Any = Depends(frontend)):
+    """OpenAI's video edits, extensions and characters: said plainly, not a 404 or 405 of a path (after the
+    key, as every videos route: a caller without it learns nothing of the server)."""
+    fe.check_auth(request, admin=False)
     raise Unsupported(
         f"{request.method} {request.url.path} is not served by ditserve; videos are made with POST /v1/videos "
         "and remixed with POST /v1/videos/{id}/remix"

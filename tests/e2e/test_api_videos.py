@@ -343,6 +343,7 @@ def test_list_content_and_remix_bad_input(server, client):
     assert after.status_code == 200 and r.json()["id"] not in [v["id"] for v in after.json()["data"]]
     wait(client, r.json()["id"])
     for path in ("/v1/videos/edits", "/v1/videos/extensions", "/v1/videos/characters"):
+        assert httpx.post(f"{server.base_url}{path}", data={"prompt": "a"}).status_code == 401, path
         r = httpx.post(f"{server.base_url}{path}", data={"prompt": "a"}, headers=AUTH)
         assert r.status_code == 501 and "POST /v1/videos" in r.json()["error"]["message"], (path, r.text)
     done, _ = wait(client, job.id)  # the server kept serving
