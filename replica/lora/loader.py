@@ -258,7 +258,12 @@ def _retarget(key: str, target: str) -> str:
 
 
 def _alpha_for(
-    module: str, rank: int, alphas: dict, metadata: dict, component: str = "transformer."
+    module: str,
+    rank: int,
+    alphas: dict,
+    metadata: dict,
+    component: str = "transformer.",
+    fallback: float | None = None,
 ) -> float:
     key = f"{component}{module}.alpha"
     for candidate in (key, f"{module}.alpha"):
@@ -276,6 +281,10 @@ def _alpha_for(
             ) from None
     if metadata.get("lora_alpha") is not None:
         return float(metadata["lora_alpha"])
+    if fallback is not None:
+        # a file with alphas for some modules: diffusers' get_peft_kwargs makes the first one the config's
+        # lora_alpha (Counter.most_common of the alpha tensors, each its own), which the others take
+        return fallback
     return float(rank)  # diffusers' default: lora_alpha = r, scale 1
 
 
@@ -381,6 +390,11 @@ def read_lora_file(path: Path, pipeline_class: str, target: str | None = None) -
         # the file's weights, whichever prefix they carry, are the target expert's
         state = {_retarget(k, target): v for k, v in state.items()}
         alphas = {_retarget(k, target): v for k, v in alphas.items()}
+    # each expert's first alpha tensor: the alpha of its modules that have none beside alphas for others
+    first_alpha: dict[str, float] = {}
+    for key, value in alphas.items():
+        component = "transformer_2." if key.startswith("transformer_2.") else "transformer."
+        first_alpha.setdefault(component, float(value))
     modules: dict[str, LoRAModule] = {}
     ignored = 0
     encoders: set[str] = set()
@@ -410,7 +424,7 @@ def read_lora_file(path: Path, pipeline_class: str, target: str | None = None) -
             raise ValueError(f"path: {file}: {name} has rank 0 (an empty lora_A)")
         # PEFT's scaling: alpha / rank, or alpha / sqrt(rank) for a file saved from a config with use_rslora
         config = configs[component]
-        scale = _alpha_for(name, rank, alphas, config, component) / (
+        scale = _alpha_for(name, rank, alphas, config, component, first_alpha.get(component)) / (
             math.sqrt(rank) if config.get("use_rslora") else rank
         )
         bias = state.get(f"{component}{name}.lora_B.bias")

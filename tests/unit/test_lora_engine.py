@@ -147,6 +147,30 @@ def test_xlabs_file_matches_diffusers(files):
     assert psnr(ours, diffusers_image(files["xlabs"])) >= 40
 
 
+def test_alphas_for_some_modules_scale_the_others_as_diffusers_does(engine, files):
+    """A FLUX PEFT file with alpha tensors beside some of its pairs only: diffusers' load_lora_weights gives
+    the others the config's lora_alpha, the first alpha in the file (here 3 on a rank-4 pair: scale 3/4); the
+    engine drew them at scale 1 (alpha = rank) and the image differed from diffusers'."""
+    w = weights(1)
+    path = files["root"] / "some_alphas.safetensors"
+    tensors = {}
+    for module, (a, b) in w.items():
+        tensors[f"transformer.{module}.lora_A.weight"], tensors[f"transformer.{module}.lora_B.weight"] = (
+            a,
+            b * 2,
+        )
+    first, second, _ = sorted(w)  # the file's order
+    tensors[f"transformer.{first}.alpha"] = torch.tensor(3.0)
+    tensors[f"transformer.{second}.alpha"] = torch.tensor(8.0)
+    save_file(tensors, str(path))
+    engine.load_lora("some_alphas", str(path))
+    try:
+        ours = image(engine, LoRARef(name="some_alphas"))
+    finally:
+        engine.unload_lora("some_alphas")
+    assert psnr(ours, diffusers_image(path)) >= 40
+
+
 def test_peft_metadata_rank_and_alpha_patterns(engine, files):
     """A file saved the way diffusers saves one (``save_lora_weights`` with the adapter's LoraConfig in the
     safetensors metadata): a default lora_alpha, one module at another rank (rank_pattern) and one at another
