@@ -189,6 +189,26 @@ def img2img_image(pipe_cls, pipe, p: GenerationParams, **kwargs) -> np.ndarray:
     return to_uint8(out.images)[0]
 
 
+def pipeline_output(pipe, p: GenerationParams, **kwargs) -> np.ndarray:
+    """diffusers' ``pipe`` for ``p`` (prompt, size, steps, a CPU generator seeded ``p.seed``; its first start
+    image as ``image``, and ``kwargs``): the uint8 image (H, W, 3) or frames (F, H, W, 3)."""
+    from PIL import Image
+
+    if p.images:
+        kwargs.setdefault("image", Image.open(io.BytesIO(p.images[0])).convert("RGB"))
+    out = pipe(
+        prompt=p.prompt,
+        width=p.width,
+        height=p.height,
+        num_inference_steps=p.num_inference_steps,
+        generator=torch.Generator("cpu").manual_seed(p.seed),
+        output_type="np",
+        **kwargs,
+    )
+    frames = getattr(out, "frames", None)
+    return to_uint8(np.asarray(frames if frames is not None else out.images))[0]
+
+
 def sampling_body(p: GenerationParams) -> dict:
     """``p``'s sampling fields that are set, as the openai client's ``extra_body``."""
     return {k: getattr(p, k) for k in SAMPLING if k in p.model_fields_set}

@@ -21,13 +21,13 @@ import torch
 
 from ditserve.replica.config import EngineConfig
 from ditserve.replica.media import decode_mp4, encode_mp4
-from ditserve.replica.pipelines.base import to_uint8
 from ditserve.replica.request import GenerationParams
 from ditserve.replica.worker import RankWorker
 from tests.families.harness import (
     cli_generate,
     layout_id,
     load_pipeline,
+    pipeline_output,
     results,
     running_engine,
     single_thread,  # noqa: F401 (a fixture, used by pytestmark)
@@ -488,8 +488,6 @@ CASES.update(
 
 def diffusers_output(pipe, p: GenerationParams, call: dict[str, Any]) -> np.ndarray:
     """The pipeline's uint8 image (H, W, 3) or frames (F, H, W, 3) for ``p``."""
-    from PIL import Image
-
     fields = ("negative_prompt", "guidance_scale", "true_cfg_scale")
     kwargs = {k: getattr(p, k) for k in fields if k in p.model_fields_set} | call
     if type(pipe).__name__ == "FluxKontextPipeline":
@@ -498,18 +496,7 @@ def diffusers_output(pipe, p: GenerationParams, call: dict[str, Any]) -> np.ndar
         pipe.guider.guidance_scale = kwargs.pop("guidance_scale")  # its scale is its guider's
     if p.num_frames > 1:
         kwargs["num_frames"] = p.num_frames
-    if p.images:
-        kwargs["image"] = Image.open(io.BytesIO(p.images[0])).convert("RGB")
-    out = pipe(
-        prompt=p.prompt,
-        width=p.width,
-        height=p.height,
-        num_inference_steps=p.num_inference_steps,
-        generator=torch.Generator("cpu").manual_seed(p.seed),
-        output_type="np",
-        **kwargs,
-    )
-    return to_uint8(np.asarray(out.frames if p.num_frames > 1 else out.images))[0]
+    return pipeline_output(pipe, p, **kwargs)
 
 
 def one_rank(folder: Path, requests: list[GenerationParams], **engine) -> list[np.ndarray]:

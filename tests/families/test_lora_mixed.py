@@ -5,19 +5,14 @@ request the image or video its diffusers pipeline draws after ``load_lora_weight
 
 from __future__ import annotations
 
-import io
-
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from ditserve.kernels import _dispatch as dispatch
 from ditserve.replica.config import EngineConfig
-from ditserve.replica.pipelines.base import to_uint8
 from ditserve.replica.rank_control import ServingRankWorker
 from ditserve.replica.request import GenerationParams, LoRARef
-from tests.families.harness import load_pipeline, picture, single_thread  # noqa: F401 (single_thread: a fixture)
+from tests.families.harness import load_pipeline, picture, pipeline_output, single_thread  # noqa: F401 (single_thread: a fixture)
 from tests.families.lora import save_random_lora
 from tests.helpers import psnr
 
@@ -120,18 +115,6 @@ def test_two_adapters_on_every_linear_per_request_in_one_batch(family, tmp_path,
         else:
             pipe.disable_lora()
         kwargs = {k: getattr(p, k) for k in ("guidance_scale", "true_cfg_scale", "negative_prompt") if k in p.model_fields_set}  # fmt: skip
-        if p.images:
-            kwargs["image"] = Image.open(io.BytesIO(p.images[0])).convert("RGB")
-        out = pipe(
-            prompt=p.prompt,
-            width=p.width,
-            height=p.height,
-            num_inference_steps=p.num_inference_steps,
-            generator=torch.Generator("cpu").manual_seed(p.seed),
-            output_type="np",
-            **call,
-            **kwargs,
-        )
-        want = to_uint8(np.asarray(out.frames))[0] if video else to_uint8(out.images)[0]
+        want = pipeline_output(pipe, p, **call, **kwargs)
         assert got[req_id].shape == want.shape, req_id
         assert psnr(got[req_id], want) >= 40, (req_id, psnr(got[req_id], want))
