@@ -169,24 +169,11 @@ def picture(width: int, height: int, seed: int) -> bytes:
 def img2img_image(pipe_cls, pipe, p: GenerationParams, **kwargs) -> np.ndarray:
     """diffusers' image-to-image pipeline ``pipe_cls`` (on ``pipe``'s components) for ``p``: its start image
     ``p.images[0]``, strength, size, steps, seed and the guidance fields it sets."""
-    from PIL import Image
-
     i2i = pipe_cls.from_pipe(pipe)
     i2i.set_progress_bar_config(disable=True)
     guidance = {k: getattr(p, k) for k in ("negative_prompt", "guidance_scale", "true_cfg_scale")}
-    out = i2i(
-        prompt=p.prompt,
-        image=Image.open(io.BytesIO(p.images[0])).convert("RGB"),
-        strength=p.strength,
-        width=p.width,
-        height=p.height,
-        num_inference_steps=p.num_inference_steps,
-        generator=torch.Generator("cpu").manual_seed(p.seed),
-        output_type="np",
-        **{k: v for k, v in guidance.items() if k in p.model_fields_set},
-        **kwargs,
-    )
-    return to_uint8(out.images)[0]
+    guidance = {k: v for k, v in guidance.items() if k in p.model_fields_set}
+    return pipeline_output(i2i, p, strength=p.strength, **guidance, **kwargs)
 
 
 def pipeline_output(pipe, p: GenerationParams, **kwargs) -> np.ndarray:
